@@ -1,0 +1,1 @@
+"""models: the Transformer zoo written in namedmesh (issue 6)."""

@@ -1,0 +1,107 @@
+"""namedmesh: named-axis tensors, one einsum for every contraction, and a tracer whose
+graphs the `lowering` package turns into SPMD programs on a device mesh."""
+
+# isort: off
+from namedmesh.tensor import Tensor  # first: the op modules it loads import it back
+
+# isort: on
+from namedmesh import random
+from namedmesh.conv import conv, pool
+from namedmesh.creation import (
+    arange,
+    full,
+    full_like,
+    ones,
+    ones_like,
+    tensor,
+    zeros,
+    zeros_like,
+)
+from namedmesh.einsum import dot, einsum
+from namedmesh.elementwise import (
+    abs,
+    add,
+    arctan2,
+    astype,
+    ceil,
+    clip,
+    cos,
+    divide,
+    equal,
+    erf,
+    exp,
+    expm1,
+    floor,
+    floor_divide,
+    gelu,
+    greater,
+    greater_equal,
+    isfinite,
+    isnan,
+    less,
+    less_equal,
+    log,
+    log1p,
+    logical_and,
+    logical_not,
+    logical_or,
+    logical_xor,
+    maximum,
+    minimum,
+    mod,
+    multiply,
+    negative,
+    not_equal,
+    power,
+    reciprocal,
+    relu,
+    round,
+    rsqrt,
+    sigmoid,
+    sign,
+    silu,
+    sin,
+    sqrt,
+    square,
+    subtract,
+    tan,
+    tanh,
+    where,
+)
+from namedmesh.errors import LayoutError, MeshError, NamedMeshError, ShapeError
+from namedmesh.interop import from_xarray, to_xarray
+from namedmesh.primitive import REGISTRY, Aval, Cost, Primitive, bind
+from namedmesh.random import dropout
+from namedmesh.reductions import (
+    all,
+    any,
+    argmax,
+    argmin,
+    cumsum,
+    log_softmax,
+    logsumexp,
+    max,
+    mean,
+    min,
+    prod,
+    softmax,
+    sum,
+    top_k,
+)
+from namedmesh.structural import (
+    concat,
+    gather,
+    one_hot,
+    pad,
+    rename,
+    reshape,
+    shift,
+    split,
+    stack,
+    stop_gradient,
+    transpose,
+)
+from namedmesh.structural import slice_ as slice
+from namedmesh.trace import Eqn, Graph, evaluate, interpret, reference, trace
+
+__version__ = "0.1.0"

@@ -1,0 +1,91 @@
+"""Constructors: `tensor`, `zeros`, `ones`, `full`, `arange`, and their `_like` forms."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from namedmesh.errors import ShapeError
+from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.tensor import DimsLike, Tensor, parse_dims
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+def tensor(data, dims: DimsLike) -> Tensor:
+    """A Tensor of `data` (array-like) with axes named `dims` (tuple or "a b c")."""
+    return Tensor(data, dims)
+
+
+def _check_sizes(sizes: Mapping[str, int], op: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    if isinstance(sizes, Tensor):
+        sizes = sizes.sizes
+    if not isinstance(sizes, Mapping):
+        raise ShapeError(f"{op}: sizes must be a mapping dim -> size, got {sizes!r}")
+    dims = parse_dims(tuple(sizes), op)
+    for d, s in sizes.items():
+        if not isinstance(s, int | np.integer) or s < 0:
+            raise ShapeError(f"{op}: size of dim {d!r} must be a non-negative int, got {s!r}")
+    return dims, tuple(int(s) for s in sizes.values())
+
+
+_full = primitive(
+    "full",
+    lambda dims, shape, value, dtype: Aval(dims, shape, dtype),
+    lambda dims, shape, value, dtype: np.full(shape, value, dtype),
+    lambda dims, shape, value, dtype: jnp.full(shape, value, dtype),
+    cost_rule=lambda i, o, p: Cost(0, o[0].nbytes),
+)
+
+
+def full(sizes: Mapping[str, int], value, dtype=None) -> Tensor:
+    """A tensor of `sizes` (dim -> size, in order) filled with `value`."""
+    dims, shape = _check_sizes(sizes, "full")
+    if dtype is None:
+        dtype = {bool: bool, int: np.int32, float: np.float32}.get(
+            type(value), np.result_type(value)
+        )
+    return bind(_full, dims=dims, shape=shape, value=value, dtype=np.dtype(dtype))
+
+
+def zeros(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
+    """A tensor of zeros (float32 unless `dtype` says otherwise)."""
+    return full(sizes, 0, dtype)
+
+
+def ones(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
+    """A tensor of ones (float32 unless `dtype` says otherwise)."""
+    return full(sizes, 1, dtype)
+
+
+def zeros_like(x: Tensor, dtype=None) -> Tensor:
+    return full(x.sizes, 0, x.dtype if dtype is None else dtype)
+
+
+def ones_like(x: Tensor, dtype=None) -> Tensor:
+    return full(x.sizes, 1, x.dtype if dtype is None else dtype)
+
+
+def full_like(x: Tensor, value, dtype=None) -> Tensor:
+    return full(x.sizes, value, x.dtype if dtype is None else dtype)
+
+
+_iota = primitive(
+    "iota",
+    lambda dim, start, step, n, dtype: Aval((dim,), (n,), dtype),
+    lambda dim, start, step, n, dtype: (start + step * np.arange(n)).astype(dtype),
+    lambda dim, start, step, n, dtype: (start + step * jnp.arange(n)).astype(dtype),
+    cost_rule=lambda i, o, p: Cost(o[0].shape[0], o[0].nbytes),
+)
+
+
+def arange(dim: str, n: int, start=0, step=1, dtype=None) -> Tensor:
+    """A 1-d tensor along `dim` of size `n`: start, start + step, ... (int32 unless floats)."""
+    (dim,) = parse_dims((dim,), "arange")
+    if not isinstance(n, int | np.integer) or n < 0:
+        raise ShapeError(f"arange: size of dim {dim!r} must be a non-negative int, got {n!r}")
+    if dtype is None:
+        dtype = np.float32 if isinstance(start, float) or isinstance(step, float) else np.int32
+    return bind(_iota, dim=dim, start=start, step=step, n=int(n), dtype=np.dtype(dtype))

@@ -1,0 +1,162 @@
+"""`einsum`: every contraction, by dim name.
+
+Dims shared by operands and absent from `out` are summed. `out` fixes the result's
+dims and their order; when it is None the result keeps the dims that occur in
+exactly one operand, in order of first occurrence. Three or more operands are
+contracted pairwise in the order opt_einsum finds, each pair one `einsum`
+equation, so the lowering only ever sees one- and two-operand einsums.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import opt_einsum
+
+from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.tensor import DimsLike, Tensor, parse_dims
+
+
+def _sizes(operands) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    where: dict[str, int] = {}
+    for i, x in enumerate(operands):
+        for d, s in zip(x.dims, x.shape, strict=True):
+            if sizes.setdefault(d, s) != s:
+                j = where[d]
+                raise ShapeError(
+                    f"einsum: dim {d!r} has size {sizes[d]} in operand {j} "
+                    f"{fmt_dims(operands[j].dims, operands[j].shape)} but {s} in operand {i} "
+                    f"{fmt_dims(x.dims, x.shape)}"
+                )
+            where.setdefault(d, i)
+    return sizes
+
+
+def output_dims(in_dims: tuple[tuple[str, ...], ...], out: DimsLike | None) -> tuple[str, ...]:
+    """The result dims of an einsum of operands with `in_dims`."""
+    if out is not None:
+        out = parse_dims(out, "einsum out")
+        known = {d for dims in in_dims for d in dims}
+        missing = [d for d in out if d not in known]
+        if missing:
+            raise ShapeError(
+                f"einsum: out dim(s) {missing} are in no operand; operands have "
+                + ", ".join(fmt_dims(d) for d in in_dims)
+            )
+        return out
+    counts: dict[str, int] = {}
+    for dims in in_dims:
+        for d in dims:
+            counts[d] = counts.get(d, 0) + 1
+    return tuple(d for d, c in counts.items() if c == 1)
+
+
+def _einsum_rule(*xs, out, in_dims):
+    sizes = _sizes(xs)
+    return Aval(out, tuple(sizes[d] for d in out), np.result_type(*(x.dtype for x in xs)))
+
+
+@functools.lru_cache(maxsize=4096)
+def spec(in_dims: tuple[tuple[str, ...], ...], out: tuple[str, ...]) -> str:
+    """The positional einsum string, `"ab,bc->ac"`, for named dims."""
+    letters: dict[str, str] = {}
+    for dims in (*in_dims, out):
+        for d in dims:
+            letters.setdefault(d, opt_einsum.get_symbol(len(letters)))
+    sub = lambda dims: "".join(letters[d] for d in dims)
+    return ",".join(sub(d) for d in in_dims) + "->" + sub(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _matmul_plan(a_dims, b_dims, out):
+    """Transposes and reshapes that turn a two-operand einsum into one batched matmul."""
+    batch = tuple(d for d in a_dims if d in b_dims and d in out)
+    contract = tuple(d for d in a_dims if d in b_dims and d not in out)
+    a_free = tuple(d for d in a_dims if d not in b_dims and d in out)
+    b_free = tuple(d for d in b_dims if d not in a_dims and d in out)
+    a_sum = tuple(i for i, d in enumerate(a_dims) if d not in b_dims and d not in out)
+    b_sum = tuple(i for i, d in enumerate(b_dims) if d not in a_dims and d not in out)
+    a_left = tuple(d for i, d in enumerate(a_dims) if i not in a_sum)
+    b_left = tuple(d for i, d in enumerate(b_dims) if i not in b_sum)
+    a_perm = tuple(a_left.index(d) for d in batch + a_free + contract)
+    b_perm = tuple(b_left.index(d) for d in batch + contract + b_free)
+    mm_dims = batch + a_free + b_free
+    out_perm = tuple(mm_dims.index(d) for d in out)
+    return a_sum, b_sum, a_perm, b_perm, len(batch), len(a_free), len(b_free), out_perm
+
+
+def _einsum_np(*xs, out, in_dims):
+    if len(xs) == 1:
+        return np.einsum(spec(in_dims, out), xs[0])
+    a, b = xs
+    a_sum, b_sum, a_perm, b_perm, nb, na, nf, out_perm = _matmul_plan(*in_dims, out)
+    if a_sum:
+        a = a.sum(axis=a_sum)
+    if b_sum:
+        b = b.sum(axis=b_sum)
+    a, b = a.transpose(a_perm), b.transpose(b_perm)
+    bs, fa, fb = a.shape[:nb], a.shape[nb : nb + na], b.shape[b.ndim - nf :]
+    k = math.prod(a.shape[nb + na :])
+    r = np.matmul(a.reshape(*bs, math.prod(fa), k), b.reshape(*bs, k, math.prod(fb)))
+    return r.reshape(*bs, *fa, *fb).transpose(out_perm)
+
+
+def _einsum_jax(*xs, out, in_dims):
+    return jnp.einsum(spec(in_dims, out), *xs)
+
+
+def _einsum_cost(in_avals, out_avals, params) -> Cost:
+    sizes = {d: s for a in in_avals for d, s in zip(a.dims, a.shape, strict=True)}
+    summed = any(d not in params["out"] for d in sizes)
+    flops = math.prod(sizes.values()) * (2 if summed and len(in_avals) == 2 else 1)
+    return Cost(flops, sum(a.nbytes for a in in_avals) + out_avals[0].nbytes)
+
+
+_einsum = primitive("einsum", _einsum_rule, _einsum_np, _einsum_jax, cost_rule=_einsum_cost)
+
+
+@functools.lru_cache(maxsize=1024)
+def _path(in_dims, out, shapes):
+    _, info = opt_einsum.contract_path(spec(in_dims, out), *shapes, shapes=True, optimize="auto")
+    return info.contraction_list
+
+
+def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
+    """Contract tensors by dim name; see the module docstring for the rules."""
+    if not operands:
+        raise ShapeError("einsum: needs at least one operand")
+    for i, x in enumerate(operands):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"einsum: operand {i} is a {type(x).__name__}, not a Tensor")
+    in_dims = tuple(x.dims for x in operands)
+    out = output_dims(in_dims, out)
+    _sizes(operands)
+    if len(operands) <= 2:
+        return bind(_einsum, *operands, out=out, in_dims=in_dims)
+    ops = list(operands)
+    shapes = tuple(x.shape for x in operands)
+    for pair, *_ in _path(in_dims, out, shapes):
+        taken = [ops.pop(i) for i in sorted(pair, reverse=True)][::-1]
+        if not ops:
+            step_out = out
+        else:
+            needed = set(out).union(*(x.dims for x in ops))
+            seen = dict.fromkeys(d for x in taken for d in x.dims)
+            step_out = tuple(d for d in seen if d in needed)
+        ops.append(bind(_einsum, *taken, out=step_out, in_dims=tuple(x.dims for x in taken)))
+    return ops[0]
+
+
+def dot(*operands: Tensor, over: DimsLike) -> Tensor:
+    """Contract `over` the named dims; every other dim is kept (a shared one as a batch dim)."""
+    over = parse_dims(over, "dot over")
+    seen = dict.fromkeys(d for x in operands for d in x.dims)
+    missing = [d for d in over if d not in seen]
+    if missing:
+        raise ShapeError(f"dot: dim(s) {missing} are in no operand")
+    return einsum(*operands, out=tuple(d for d in seen if d not in over))

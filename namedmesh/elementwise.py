@@ -1,0 +1,308 @@
+"""Elementwise ops, broadcasting by name as xarray does.
+
+The result has the union of the operands' dims, the first operand's order first,
+then each later operand's new dims in its own order. A dim shared by two operands
+must have one size. Python scalars broadcast and take the tensor's dtype when they
+fit it (a float scalar with an integer tensor gives float32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.special
+
+from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive
+from namedmesh.tensor import Tensor
+
+_FLOAT32 = np.dtype(np.float32)
+_BOOL = np.dtype(bool)
+
+
+def _scalar_dtype(s, dt: np.dtype) -> np.dtype:
+    if isinstance(s, bool):
+        return dt
+    if isinstance(s, int):
+        return dt if dt.kind in "iufc" else np.dtype(np.int32)
+    if isinstance(s, float):
+        return dt if dt.kind in "fc" else _FLOAT32
+    if isinstance(s, complex):
+        return dt if dt.kind == "c" else np.dtype(np.complex64)
+    raise TypeError(f"cannot combine a {type(s).__name__} with a Tensor")
+
+
+def _default_dtype(s) -> np.dtype:
+    return {bool: _BOOL, int: np.dtype(np.int32), float: _FLOAT32}.get(type(s), np.dtype(complex))
+
+
+def operands(*xs, op: str, like_from: int = 0) -> list[Tensor]:
+    """Tensors as they are; Python and 0-d NumPy scalars as 0-d tensors of a fitting dtype."""
+    like = next((x.dtype for x in xs[like_from:] if isinstance(x, Tensor)), None)
+    if like is None:
+        like = next((x.dtype for x in xs if isinstance(x, Tensor)), None)
+    out = []
+    for x in xs:
+        if isinstance(x, Tensor):
+            out.append(x)
+            continue
+        if isinstance(x, np.ndarray | np.generic) and np.ndim(x) == 0:
+            x = x.item()
+        if not isinstance(x, bool | int | float | complex):
+            raise TypeError(
+                f"{op}: operands must be Tensors or scalars, got {type(x).__name__}"
+                + (
+                    f" of shape {x.shape}; give it dims with nm.tensor(data, dims)"
+                    if hasattr(x, "shape")
+                    else ""
+                )
+            )
+        dt = _default_dtype(x) if like is None else _scalar_dtype(x, like)
+        out.append(Tensor._make(np.asarray(x, dtype=dt), ()))
+    return out
+
+
+def broadcast_dims(xs, op: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Union of dims in order of first appearance; ShapeError on a size disagreement."""
+    sizes: dict[str, int] = {}
+    where: dict[str, int] = {}
+    for i, x in enumerate(xs):
+        for d, s in zip(x.dims, x.shape, strict=True):
+            if d not in sizes:
+                sizes[d], where[d] = s, i
+            elif sizes[d] != s:
+                j = where[d]
+                raise ShapeError(
+                    f"{op}: dim {d!r} has size {sizes[d]} in operand {j} "
+                    f"{fmt_dims(xs[j].dims, xs[j].shape)} but {s} in operand {i} "
+                    f"{fmt_dims(x.dims, x.shape)}"
+                )
+    return tuple(sizes), tuple(sizes.values())
+
+
+@functools.lru_cache(maxsize=4096)
+def _alignment(dims: tuple[str, ...], out_dims: tuple[str, ...]):
+    """Permutation and new axes that put an array with `dims` in `out_dims` broadcast order."""
+    present = [d for d in out_dims if d in dims]
+    perm = tuple(dims.index(d) for d in present)
+    missing = tuple(i for i, d in enumerate(out_dims) if d not in dims)
+    return (None if perm == tuple(range(len(dims))) else perm), missing
+
+
+def align(x, dims: tuple[str, ...], out_dims: tuple[str, ...], xp=np):
+    """`x` (with `dims`) transposed and expanded so it broadcasts against `out_dims`."""
+    if dims == out_dims:
+        return x
+    perm, missing = _alignment(dims, out_dims)
+    if perm is not None:
+        x = xp.transpose(x, perm)
+    return xp.expand_dims(x, missing) if missing and len(dims) else x
+
+
+def _nary(xp_fn, xp):
+    def impl(*arrays, in_dims, out_dims, **_):
+        return xp_fn(*(align(a, d, out_dims, xp) for a, d in zip(arrays, in_dims, strict=True)))
+
+    return impl
+
+
+def _cost(flops_per_element: int):
+    def cost(in_avals, out_avals, params) -> Cost:
+        c = default_cost(in_avals, out_avals, params)
+        return c._replace(flops=flops_per_element * c.flops)
+
+    return cost
+
+
+def _make_nary(name: str, np_fn, jnp_fn, dtype_rule, flops: int = 1, like_from: int = 0):
+    """One elementwise primitive and its public op. Scalars take the dtype of the first
+    Tensor among the operands from position `like_from` on."""
+
+    def shape_rule(*xs, in_dims, out_dims):
+        dims, shape = broadcast_dims(xs, name)
+        return Aval(dims, shape, dtype_rule(*(x.dtype for x in xs)))
+
+    prim = primitive(name, shape_rule, _nary(np_fn, np), _nary(jnp_fn, jnp), cost_rule=_cost(flops))
+
+    def op(*xs) -> Tensor:
+        ts = operands(*xs, op=name, like_from=like_from)
+        out_dims, _ = broadcast_dims(ts, name)
+        return bind(prim, *ts, in_dims=tuple(t.dims for t in ts), out_dims=out_dims)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"Elementwise `{name}`, broadcasting by name."
+    op.primitive = prim
+    return op
+
+
+def _same(*dts):
+    return np.result_type(*dts)
+
+
+def _boolean(*dts):
+    return _BOOL
+
+
+def _floating(*dts):
+    dt = np.result_type(*dts)
+    return dt if dt.kind in "fc" else _FLOAT32
+
+
+def _gelu_np(x):
+    c = np.sqrt(2 / np.pi).astype(x.dtype)
+    return 0.5 * x * (1 + np.tanh(c * (x + np.asarray(0.044715, x.dtype) * x**3)))
+
+
+def _reciprocal_np(x):
+    return np.true_divide(1, x)
+
+
+def _reciprocal_jax(x):
+    return jnp.true_divide(1, x)
+
+
+def _relu_np(x):
+    return np.maximum(x, np.zeros((), x.dtype))
+
+
+def _rsqrt_np(x):
+    return 1 / np.sqrt(x)
+
+
+def _silu_np(x):
+    return x * scipy.special.expit(x)
+
+
+def _gelu_jax(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+# Unary: name, NumPy, jax.numpy, dtype rule, flops per element.
+negative = _make_nary("negative", np.negative, jnp.negative, _same)
+abs = _make_nary("abs", np.abs, jnp.abs, _same)
+sign = _make_nary("sign", np.sign, jnp.sign, _same)
+square = _make_nary("square", np.square, jnp.square, _same)
+reciprocal = _make_nary("reciprocal", _reciprocal_np, _reciprocal_jax, _floating)
+exp = _make_nary("exp", np.exp, jnp.exp, _floating)
+log = _make_nary("log", np.log, jnp.log, _floating)
+log1p = _make_nary("log1p", np.log1p, jnp.log1p, _floating)
+expm1 = _make_nary("expm1", np.expm1, jnp.expm1, _floating)
+sqrt = _make_nary("sqrt", np.sqrt, jnp.sqrt, _floating)
+rsqrt = _make_nary("rsqrt", _rsqrt_np, jax.lax.rsqrt, _floating, 2)
+sin = _make_nary("sin", np.sin, jnp.sin, _floating)
+cos = _make_nary("cos", np.cos, jnp.cos, _floating)
+tan = _make_nary("tan", np.tan, jnp.tan, _floating)
+tanh = _make_nary("tanh", np.tanh, jnp.tanh, _floating)
+erf = _make_nary("erf", scipy.special.erf, jax.scipy.special.erf, _floating)
+sigmoid = _make_nary("sigmoid", scipy.special.expit, jax.nn.sigmoid, _floating, 4)
+relu = _make_nary("relu", _relu_np, jax.nn.relu, _same)
+gelu = _make_nary("gelu", _gelu_np, _gelu_jax, _floating, 8)
+silu = _make_nary("silu", _silu_np, jax.nn.silu, _floating, 5)
+floor = _make_nary("floor", np.floor, jnp.floor, _same)
+ceil = _make_nary("ceil", np.ceil, jnp.ceil, _same)
+round = _make_nary("round", np.round, jnp.round, _same)
+logical_not = _make_nary("logical_not", np.logical_not, jnp.logical_not, _boolean)
+isnan = _make_nary("isnan", np.isnan, jnp.isnan, _boolean)
+isfinite = _make_nary("isfinite", np.isfinite, jnp.isfinite, _boolean)
+
+# Binary: name, NumPy, jax.numpy, dtype rule.
+add = _make_nary("add", np.add, jnp.add, _same)
+subtract = _make_nary("subtract", np.subtract, jnp.subtract, _same)
+multiply = _make_nary("multiply", np.multiply, jnp.multiply, _same)
+divide = _make_nary("divide", np.true_divide, jnp.true_divide, _floating)
+floor_divide = _make_nary("floor_divide", np.floor_divide, jnp.floor_divide, _same)
+mod = _make_nary("mod", np.mod, jnp.mod, _same)
+power = _make_nary("power", np.power, jnp.power, _same)
+maximum = _make_nary("maximum", np.maximum, jnp.maximum, _same)
+minimum = _make_nary("minimum", np.minimum, jnp.minimum, _same)
+arctan2 = _make_nary("arctan2", np.arctan2, jnp.arctan2, _floating)
+equal = _make_nary("equal", np.equal, jnp.equal, _boolean)
+not_equal = _make_nary("not_equal", np.not_equal, jnp.not_equal, _boolean)
+less = _make_nary("less", np.less, jnp.less, _boolean)
+less_equal = _make_nary("less_equal", np.less_equal, jnp.less_equal, _boolean)
+greater = _make_nary("greater", np.greater, jnp.greater, _boolean)
+greater_equal = _make_nary("greater_equal", np.greater_equal, jnp.greater_equal, _boolean)
+logical_and = _make_nary("logical_and", np.logical_and, jnp.logical_and, _boolean)
+logical_or = _make_nary("logical_or", np.logical_or, jnp.logical_or, _boolean)
+logical_xor = _make_nary("logical_xor", np.logical_xor, jnp.logical_xor, _boolean)
+where = _make_nary("where", np.where, jnp.where, lambda c, x, y: np.result_type(x, y), like_from=1)
+where.__doc__ = "`where(cond, x, y)`: x where cond else y, broadcast by name (cond's dims first)."
+
+UNARY_OPS = (
+    "negative",
+    "abs",
+    "sign",
+    "square",
+    "reciprocal",
+    "exp",
+    "log",
+    "log1p",
+    "expm1",
+    "sqrt",
+    "rsqrt",
+    "sin",
+    "cos",
+    "tan",
+    "tanh",
+    "erf",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "silu",
+    "floor",
+    "ceil",
+    "round",
+    "logical_not",
+    "isnan",
+    "isfinite",
+)
+BINARY_OPS = (
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "floor_divide",
+    "mod",
+    "power",
+    "maximum",
+    "minimum",
+    "arctan2",
+    "equal",
+    "not_equal",
+    "less",
+    "less_equal",
+    "greater",
+    "greater_equal",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+)
+
+
+def _convert_rule(x, dtype):
+    return Aval(x.dims, x.shape, dtype)
+
+
+_convert = primitive(
+    "convert",
+    _convert_rule,
+    lambda x, dtype: x.astype(dtype),
+    lambda x, dtype: x.astype(dtype),
+)
+
+
+def astype(x: Tensor, dtype) -> Tensor:
+    """`x` converted to `dtype`."""
+    return bind(_convert, x, dtype=np.dtype(dtype))
+
+
+def clip(x: Tensor, lo=None, hi=None) -> Tensor:
+    """`x` limited to [lo, hi]; either bound may be None or a Tensor."""
+    if lo is not None:
+        x = maximum(x, lo)
+    if hi is not None:
+        x = minimum(x, hi)
+    return x

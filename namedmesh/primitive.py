@@ -1,0 +1,164 @@
+"""Primitives, their registry, and `bind`: the one place where an op meets its data.
+
+A primitive declares, once: its shape rule (input avals -> output avals, raising
+`ShapeError`), its NumPy implementation (the reference), its jax.numpy
+implementation, its cost rule, and a slot for the SPMD lowering rule that
+`lowering` fills. `bind` runs the shape rule, then either records an equation
+(under `nm.trace`) or runs NumPy (all inputs NumPy) or jax (any input a jax array).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from namedmesh.errors import NamedMeshError
+
+
+class Aval(NamedTuple):
+    """Abstract value: dims, positional shape and dtype, no data."""
+
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self.dims, self.shape, strict=True))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class Cost(NamedTuple):
+    """Per-call cost on one device: floating-point operations and bytes read + written."""
+
+    flops: float
+    bytes: float
+
+
+def default_cost(in_avals, out_avals, params) -> Cost:
+    """One flop per output element; every input and output byte touched once."""
+    flops = sum(math.prod(a.shape) for a in out_avals)
+    return Cost(flops, sum(a.nbytes for a in in_avals) + sum(a.nbytes for a in out_avals))
+
+
+def zero_flops_cost(in_avals, out_avals, params) -> Cost:
+    """Data movement only (transposes, slices, concatenation)."""
+    return Cost(0, sum(a.nbytes for a in in_avals) + sum(a.nbytes for a in out_avals))
+
+
+@dataclass(eq=False)
+class Primitive:
+    """One op. `shape_rule(*inputs, **params)` sees objects with .dims/.shape/.dtype."""
+
+    name: str
+    shape_rule: Callable[..., Aval | tuple[Aval, ...]]
+    numpy_impl: Callable[..., Any]
+    jax_impl: Callable[..., Any]
+    cost_rule: Callable[..., Cost] = default_cost
+    multiple_results: bool = False
+    spmd_rule: Callable[..., Any] | None = field(default=None)  # filled by `lowering`
+
+    def __repr__(self) -> str:
+        return f"Primitive({self.name})"
+
+
+REGISTRY: dict[str, Primitive] = {}
+
+
+def primitive(name: str, shape_rule, numpy_impl, jax_impl, **kw) -> Primitive:
+    """Create and register a primitive; names are unique."""
+    if name in REGISTRY:
+        raise ValueError(f"primitive {name!r} is already registered")
+    p = Primitive(name, shape_rule, numpy_impl, jax_impl, **kw)
+    REGISTRY[name] = p
+    return p
+
+
+class Var:
+    """The data of a Tensor under `nm.trace`: an abstract value with an identity."""
+
+    __slots__ = ("dims", "shape", "dtype", "count", "const")
+    _counter = 0
+
+    def __init__(self, aval: Aval, const=None):
+        self.dims, self.shape, self.dtype = aval
+        self.const = const
+        Var._counter += 1
+        self.count = Var._counter
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def aval(self) -> Aval:
+        return Aval(self.dims, self.shape, self.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        raise NamedMeshError(
+            f"cannot read the values of a traced tensor {_fmt_aval(self.aval)} inside "
+            "nm.trace: the function must not convert its inputs to NumPy"
+        )
+
+    def __repr__(self) -> str:
+        return f"Var({_fmt_aval(self.aval)})"
+
+
+def _fmt_aval(a: Aval) -> str:
+    dt = np.dtype(a.dtype)
+    short = {"f": "f", "i": "i", "u": "u", "b": "bool", "c": "c"}.get(dt.kind, dt.kind)
+    name = short if dt.kind == "b" else f"{short}{dt.itemsize * 8}"
+    return name + "[" + ", ".join(f"{d}={s}" for d, s in zip(a.dims, a.shape, strict=True)) + "]"
+
+
+# The trace frames of `nm.trace`, innermost last. A frame has `record(prim, args, params, avals)`.
+TRACE_STACK: list[Any] = []
+
+
+def _is_jax(x) -> bool:
+    return not isinstance(x, np.ndarray) and isinstance(x, jax.Array)
+
+
+def bind(prim: Primitive, *args, **params):
+    """Apply `prim` to Tensors `args`: record under a trace, else run NumPy or jax."""
+    from namedmesh.tensor import Tensor
+
+    out = prim.shape_rule(*args, **params)
+    avals = out if prim.multiple_results else (out,)
+    if TRACE_STACK:
+        outs = TRACE_STACK[-1].record(prim, args, params, avals)
+    else:
+        datas = [a.data for a in args]
+        for d in datas:
+            if isinstance(d, Var):
+                raise NamedMeshError(
+                    f"{prim.name}: a tensor {d!r} from a finished nm.trace was used outside it"
+                )
+        if any(_is_jax(d) for d in datas):
+            res = prim.jax_impl(*datas, **params)
+            outs = res if prim.multiple_results else (res,)
+        else:
+            res = prim.numpy_impl(*datas, **params)
+            outs = _coerce_numpy(res if prim.multiple_results else (res,), avals)
+    tensors = tuple(Tensor._make(o, a.dims) for o, a in zip(outs, avals, strict=True))
+    return tensors if prim.multiple_results else tensors[0]
+
+
+def _coerce_numpy(outs, avals):
+    """NumPy widens some dtypes (int32 sums become int64); hold it to the shape rule's dtype."""
+    fixed = []
+    for o, a in zip(outs, avals, strict=True):
+        if type(o) is not np.ndarray:
+            o = np.asarray(o)
+        if o.dtype != a.dtype:
+            o = o.astype(a.dtype)
+        fixed.append(o)
+    return fixed

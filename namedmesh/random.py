@@ -1,0 +1,197 @@
+"""Random numbers whose values depend on the key and the global sizes only.
+
+Every element is a function of (key, its global position): a Threefry-2x32 counter
+hash of the element's flat index in the tensor's dims order. A shard of a tensor can
+therefore be generated alone (`random_values(..., offsets=...)`) and equals the same
+slice of the whole, so values do not depend on how a layout later splits them.
+A key is a Tensor of two uint32 words along the dim "key": `nm.random.key(seed)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from namedmesh import elementwise as ew
+from namedmesh.creation import _check_sizes
+from namedmesh.errors import ShapeError
+from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.tensor import Tensor
+
+KEY_DIM = "key"
+_U32 = np.dtype(np.uint32)
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32(k0, k1, x0, x1, xp=np):
+    """Threefry-2x32 with 20 rounds (Salmon et al. 2011), on uint32 arrays of `xp`."""
+    u32 = lambda v: xp.asarray(v, dtype=xp.uint32)
+    k0, k1, x0, x1 = u32(k0), u32(k1), u32(x0), u32(x1)
+    ks = (k0, k1, k0 ^ k1 ^ u32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = (x1 << u32(r)) | (x1 >> u32(32 - r))
+            x1 = x1 ^ x0
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + u32(i + 1)
+    return x0, x1
+
+
+def _counters(shape, offsets, global_shape, xp):
+    """Flat global index (uint32) of each element of a block at `offsets` of `global_shape`."""
+    idx = xp.zeros(shape, dtype=xp.uint32)
+    stride = 1
+    for ax in reversed(range(len(shape))):
+        pos = xp.arange(shape[ax], dtype=xp.uint32) + xp.asarray(offsets[ax], dtype=xp.uint32)
+        bshape = [1] * len(shape)
+        bshape[ax] = shape[ax]
+        idx = idx + pos.reshape(bshape) * xp.asarray(stride % 2**32, dtype=xp.uint32)
+        stride *= global_shape[ax]
+    return idx
+
+
+def random_values(key, global_shape, dist, dtype, args, xp=np, offsets=None, shape=None):
+    """Values of `dist` for the block of `global_shape` at `offsets` with local `shape`.
+
+    With the defaults the block is the whole tensor. `args` are the distribution's
+    parameters: (minval, maxval) for uniform, (p,) for bernoulli, (low, high) for integers.
+    """
+    shape = tuple(global_shape) if shape is None else tuple(shape)
+    offsets = (0,) * len(shape) if offsets is None else offsets
+    with np.errstate(over="ignore"):
+        w0, w1 = threefry2x32(key[0], key[1], _counters(shape, offsets, global_shape, xp), 0, xp)
+    f32 = xp.float32
+    unit = lambda w: (w >> xp.asarray(8, dtype=xp.uint32)).astype(f32) * f32(2.0**-24)
+    if dist == "uniform":
+        lo, hi = args
+        return (f32(lo) + unit(w0) * f32(hi - lo)).astype(dtype)
+    if dist == "normal":
+        r = xp.sqrt(f32(-2.0) * xp.log(f32(1.0) - unit(w0)))
+        return (r * xp.cos(f32(2 * np.pi) * unit(w1))).astype(dtype)
+    if dist == "bernoulli":
+        return unit(w0) < f32(args[0])
+    if dist == "integers":
+        lo, hi = args
+        return xp.asarray(lo, dtype=dtype) + (w0 % xp.asarray(hi - lo, dtype=xp.uint32)).astype(
+            dtype
+        )
+    raise ValueError(f"unknown distribution {dist!r}")
+
+
+def _check_key(key, op):
+    if key.dims != (KEY_DIM,) or key.shape != (2,) or key.dtype != _U32:
+        raise ShapeError(
+            f"{op}: a key is a uint32 Tensor with dims ({KEY_DIM!r},) of size 2 made by "
+            f"nm.random.key(seed), got {key.dtype} {key.dims} of shape {key.shape}"
+        )
+
+
+def _random_rule(key, dims, shape, dist, dtype, args):
+    _check_key(key, dist)
+    return Aval(dims, shape, dtype)
+
+
+def _random_cost(in_avals, out_avals, params) -> Cost:
+    n = math.prod(out_avals[0].shape)
+    return Cost(60 * n, out_avals[0].nbytes)  # 20 rounds of 3 uint32 ops per element
+
+
+_random = primitive(
+    "random",
+    _random_rule,
+    lambda key, dims, shape, dist, dtype, args: random_values(key, shape, dist, dtype, args),
+    lambda key, dims, shape, dist, dtype, args: random_values(key, shape, dist, dtype, args, jnp),
+    cost_rule=_random_cost,
+)
+
+
+def _fold_in(key, data, stream, xp):
+    with np.errstate(over="ignore"):
+        w0, w1 = threefry2x32(key[0], key[1], data % 2**32, stream, xp)
+    return xp.stack([w0, w1])
+
+
+_fold_in_prim = primitive(
+    "random_fold_in",
+    lambda key, data, stream: (_check_key(key, "fold_in"), Aval(key.dims, key.shape, _U32))[1],
+    lambda key, data, stream: _fold_in(key, data, stream, np),
+    lambda key, data, stream: _fold_in(key, data, stream, jnp),
+    cost_rule=lambda i, o, p: Cost(60, 16),
+)
+
+
+def key(seed: int) -> Tensor:
+    """A key from an integer seed."""
+    seed = int(seed)
+    words = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=_U32)
+    return Tensor._make(words, (KEY_DIM,))
+
+
+def _as_key(k) -> Tensor:
+    return key(k) if isinstance(k, int | np.integer) else k
+
+
+def fold_in(k: Tensor | int, data: int) -> Tensor:
+    """A new key from `k` and an integer (a step number, a layer index)."""
+    return bind(_fold_in_prim, _as_key(k), data=int(data), stream=0)
+
+
+def split(k: Tensor | int, n: int = 2) -> tuple[Tensor, ...]:
+    """`n` independent keys from `k`."""
+    k = _as_key(k)
+    return tuple(bind(_fold_in_prim, k, data=i, stream=1) for i in range(n))
+
+
+def _draw(k, sizes, dist, dtype, args):
+    dims, shape = _check_sizes(sizes, dist)
+    return bind(
+        _random,
+        _as_key(k),
+        dims=dims,
+        shape=shape,
+        dist=dist,
+        dtype=np.dtype(dtype),
+        args=tuple(args),
+    )
+
+
+def uniform(k, sizes: Mapping[str, int], minval=0.0, maxval=1.0, dtype=np.float32) -> Tensor:
+    """Uniform values in [minval, maxval)."""
+    return _draw(k, sizes, "uniform", dtype, (float(minval), float(maxval)))
+
+
+def normal(k, sizes: Mapping[str, int], dtype=np.float32) -> Tensor:
+    """Standard normal values (Box-Muller on two words of the hash)."""
+    return _draw(k, sizes, "normal", dtype, ())
+
+
+def bernoulli(k, sizes: Mapping[str, int], p=0.5) -> Tensor:
+    """Booleans, True with probability `p`."""
+    if not 0.0 <= float(p) <= 1.0:
+        raise ShapeError(f"bernoulli: p={p!r} must be in [0, 1]")
+    return _draw(k, sizes, "bernoulli", bool, (float(p),))
+
+
+def integers(k, sizes: Mapping[str, int], low: int, high: int, dtype=np.int32) -> Tensor:
+    """Integers in [low, high)."""
+    if not int(high) > int(low):
+        raise ShapeError(f"integers: high={high!r} must exceed low={low!r}")
+    return _draw(k, sizes, "integers", dtype, (int(low), int(high)))
+
+
+def dropout(x: Tensor, rate: float, k) -> Tensor:
+    """Zero each element with probability `rate` and scale the rest by 1 / (1 - rate).
+
+    The mask is `bernoulli(k, x.sizes, 1 - rate)`: the same under every layout.
+    """
+    if not 0.0 <= float(rate) < 1.0:
+        raise ShapeError(f"dropout: rate={rate!r} must be in [0, 1)")
+    if rate == 0:
+        return x
+    keep = 1.0 - float(rate)
+    return ew.where(bernoulli(k, x.sizes, keep), x / keep, 0)

@@ -1,0 +1,208 @@
+"""Reductions, normalizations and scans over named dims.
+
+`dims=None` means every dim; a string may name several dims separated by spaces.
+Reduced dims leave the result; softmax, log_softmax and cumsum keep them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.special
+
+from namedmesh.errors import ShapeError
+from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive
+from namedmesh.tensor import DimsLike, Tensor, parse_dims
+
+_INT32 = np.dtype(np.int32)
+
+
+def axes_of(x, dims: DimsLike | None, op: str) -> tuple[int, ...]:
+    """Positions of `dims` in `x`, with a ShapeError naming any dim `x` lacks."""
+    if dims is None:
+        return tuple(range(len(x.dims)))
+    names = parse_dims(dims, op)
+    missing = [d for d in names if d not in x.dims]
+    if missing:
+        raise ShapeError(f"{op}: dim(s) {missing} not in the tensor's dims {x.dims}")
+    return tuple(x.dims.index(d) for d in names)
+
+
+def _kept(x, axes):
+    keep = [i for i in range(len(x.dims)) if i not in axes]
+    return tuple(x.dims[i] for i in keep), tuple(x.shape[i] for i in keep)
+
+
+def _float(dt: np.dtype) -> np.dtype:
+    return dt if dt.kind in "fc" else np.dtype(np.float32)
+
+
+def _reduction_cost(in_avals, out_avals, params) -> Cost:
+    return default_cost(in_avals, out_avals, params)._replace(flops=math.prod(in_avals[0].shape))
+
+
+def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt):
+    def shape_rule(x, axes):
+        dims, shape = _kept(x, axes)
+        return Aval(dims, shape, dtype_rule(x.dtype))
+
+    prim = primitive(
+        name,
+        shape_rule,
+        lambda x, axes: np_fn(x, axis=axes),
+        lambda x, axes: jnp_fn(x, axis=axes),
+        cost_rule=_reduction_cost,
+    )
+
+    def op(x: Tensor, dims: DimsLike | None = None) -> Tensor:
+        return bind(prim, x, axes=axes_of(x, dims, name))
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"`{name}` over `dims` (all dims when None); the reduced dims leave the result."
+    op.primitive = prim
+    return op
+
+
+def _sum_dtype(dt):
+    return np.dtype(np.int32) if dt.kind == "b" else dt
+
+
+sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype)
+prod = _make_reduction("prod", np.prod, jnp.prod, _sum_dtype)
+max = _make_reduction("max", np.max, jnp.max)
+min = _make_reduction("min", np.min, jnp.min)
+mean = _make_reduction("mean", np.mean, jnp.mean, _float)
+any = _make_reduction("any", np.any, jnp.any, lambda dt: np.dtype(bool))
+all = _make_reduction("all", np.all, jnp.all, lambda dt: np.dtype(bool))
+logsumexp = _make_reduction("logsumexp", scipy.special.logsumexp, jax.nn.logsumexp, _float)
+logsumexp.__doc__ = "log(sum(exp(x))) over `dims`, computed stably (max subtracted first)."
+
+
+def _same_rule(x, axes, **_):
+    return Aval(x.dims, x.shape, _float(x.dtype))
+
+
+def _normalization_cost(in_avals, out_avals, params) -> Cost:
+    return default_cost(in_avals, out_avals, params)._replace(
+        flops=4 * math.prod(in_avals[0].shape)
+    )
+
+
+_softmax = primitive(
+    "softmax",
+    _same_rule,
+    lambda x, axes: scipy.special.softmax(x, axis=axes),
+    lambda x, axes: jax.nn.softmax(x, axis=axes),
+    cost_rule=_normalization_cost,
+)
+_log_softmax = primitive(
+    "log_softmax",
+    _same_rule,
+    lambda x, axes: scipy.special.log_softmax(x, axis=axes),
+    lambda x, axes: jax.nn.log_softmax(x, axis=axes),
+    cost_rule=_normalization_cost,
+)
+
+
+def softmax(x: Tensor, dims: DimsLike) -> Tensor:
+    """exp(x) / sum(exp(x)) over `dims`; the result keeps x's dims."""
+    return bind(_softmax, x, axes=axes_of(x, dims, "softmax"))
+
+
+def log_softmax(x: Tensor, dims: DimsLike) -> Tensor:
+    """x - logsumexp(x, dims); the result keeps x's dims."""
+    return bind(_log_softmax, x, axes=axes_of(x, dims, "log_softmax"))
+
+
+def _arg_rule(x, axis):
+    dims, shape = _kept(x, (axis,))
+    return Aval(dims, shape, _INT32)
+
+
+_argmax = primitive(
+    "argmax",
+    _arg_rule,
+    lambda x, axis: np.argmax(x, axis=axis),
+    lambda x, axis: jnp.argmax(x, axis=axis),
+    cost_rule=_reduction_cost,
+)
+_argmin = primitive(
+    "argmin",
+    _arg_rule,
+    lambda x, axis: np.argmin(x, axis=axis),
+    lambda x, axis: jnp.argmin(x, axis=axis),
+    cost_rule=_reduction_cost,
+)
+
+
+def _one_axis(x, dim: str, op: str) -> int:
+    if not isinstance(dim, str) or " " in dim:
+        raise ShapeError(f"{op}: takes one dim name, got {dim!r}")
+    return axes_of(x, dim, op)[0]
+
+
+def argmax(x: Tensor, dim: str) -> Tensor:
+    """Index (int32) of the largest value along `dim`, first one on ties."""
+    return bind(_argmax, x, axis=_one_axis(x, dim, "argmax"))
+
+
+def argmin(x: Tensor, dim: str) -> Tensor:
+    """Index (int32) of the smallest value along `dim`, first one on ties."""
+    return bind(_argmin, x, axis=_one_axis(x, dim, "argmin"))
+
+
+def _top_k_rule(x, axis, k, new_dim):
+    dims = x.dims[:axis] + (new_dim,) + x.dims[axis + 1 :]
+    shape = x.shape[:axis] + (k,) + x.shape[axis + 1 :]
+    return Aval(dims, shape, x.dtype), Aval(dims, shape, _INT32)
+
+
+def _top_k_np(x, axis, k, new_dim):
+    idx = np.take(np.argsort(-x, axis=axis, kind="stable"), np.arange(k), axis=axis)
+    return np.take_along_axis(x, idx, axis=axis), idx
+
+
+def _top_k_jax(x, axis, k, new_dim):
+    vals, idx = jax.lax.top_k(jnp.moveaxis(x, axis, -1), k)
+    return jnp.moveaxis(vals, -1, axis), jnp.moveaxis(idx, -1, axis).astype(jnp.int32)
+
+
+_top_k = primitive(
+    "top_k", _top_k_rule, _top_k_np, _top_k_jax, cost_rule=_reduction_cost, multiple_results=True
+)
+
+
+def top_k(x: Tensor, dim: str, k: int, new_dim: str | None = None) -> tuple[Tensor, Tensor]:
+    """The `k` largest values along `dim`, in descending order, and their int32 indices.
+
+    Both results have `dim` replaced, in place, by `new_dim` (default: `dim` itself) of size k.
+    """
+    axis = _one_axis(x, dim, "top_k")
+    new_dim = dim if new_dim is None else new_dim
+    if new_dim != dim and new_dim in x.dims:
+        raise ShapeError(f"top_k: new_dim {new_dim!r} is already a dim of the tensor {x.dims}")
+    if not isinstance(k, int) or not 1 <= k <= x.shape[axis]:
+        raise ShapeError(f"top_k: k={k!r} must be in [1, {x.shape[axis]}], the size of {dim!r}")
+    return bind(_top_k, x, axis=axis, k=k, new_dim=new_dim)
+
+
+def _cumsum_np(x, axis, reverse):
+    if reverse:
+        return np.flip(np.cumsum(np.flip(x, axis), axis), axis)
+    return np.cumsum(x, axis)
+
+
+_cumsum = primitive(
+    "cumsum",
+    lambda x, axis, reverse: Aval(x.dims, x.shape, _sum_dtype(x.dtype)),
+    _cumsum_np,
+    lambda x, axis, reverse: jax.lax.cumsum(x, axis, reverse=reverse),
+)
+
+
+def cumsum(x: Tensor, dim: str, reverse: bool = False) -> Tensor:
+    """Running sum along `dim` (from the end when `reverse`); keeps x's dims."""
+    return bind(_cumsum, x, axis=_one_axis(x, dim, "cumsum"), reverse=bool(reverse))

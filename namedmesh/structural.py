@@ -1,0 +1,408 @@
+"""Structural ops by name: rename, transpose, reshape, concat, split, slice, pad, shift,
+stack, one_hot, gather, stop_gradient."""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from namedmesh.elementwise import align
+from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.primitive import Aval, bind, primitive, zero_flops_cost
+from namedmesh.reductions import _one_axis
+from namedmesh.tensor import DimsLike, Tensor, parse_dims
+
+
+def _identity(x, **_):
+    return x
+
+
+# --- rename / transpose ---------------------------------------------------------------
+_rename = primitive(
+    "rename",
+    lambda x, dims: Aval(dims, x.shape, x.dtype),
+    _identity,
+    _identity,
+    cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
+)
+
+
+def rename(x: Tensor, mapping: Mapping[str, str] | None = None, **names: str) -> Tensor:
+    """`x` with dims renamed, `rename(x, {"a": "b"})` or `rename(x, a="b")`; data untouched."""
+    mapping = {**(mapping or {}), **names}
+    unknown = [d for d in mapping if d not in x.dims]
+    if unknown:
+        raise ShapeError(f"rename: dim(s) {unknown} not in the tensor's dims {x.dims}")
+    dims = parse_dims(tuple(mapping.get(d, d) for d in x.dims), f"rename {mapping}")
+    return bind(_rename, x, dims=dims)
+
+
+_transpose = primitive(
+    "transpose",
+    lambda x, perm: Aval(tuple(x.dims[i] for i in perm), tuple(x.shape[i] for i in perm), x.dtype),
+    lambda x, perm: np.transpose(x, perm),
+    lambda x, perm: jnp.transpose(x, perm),
+    cost_rule=zero_flops_cost,
+)
+
+
+def transpose(x: Tensor, *dims: str | Sequence[str]) -> Tensor:
+    """`x` with its axes in the order `dims`; `...` stands for the other dims in their order."""
+    if len(dims) == 1 and not isinstance(dims[0], str) or len(dims) == 1 and " " in dims[0]:
+        dims = tuple(dims[0].split()) if isinstance(dims[0], str) else tuple(dims[0])
+    named = [d for d in dims if d != "..."]
+    unknown = [d for d in named if d not in x.dims]
+    if unknown or len(set(named)) != len(named) or dims.count("...") > 1:
+        raise ShapeError(f"transpose: {dims} is not an ordering of the dims {x.dims}")
+    if "..." in dims:
+        rest = [d for d in x.dims if d not in named]
+        i = dims.index("...")
+        named = named[:i] + rest + named[i:]
+    elif len(named) != len(x.dims):
+        raise ShapeError(f"transpose: {dims} is not an ordering of the dims {x.dims}")
+    perm = tuple(x.dims.index(d) for d in named)
+    return x if perm == tuple(range(x.ndim)) else bind(_transpose, x, perm=perm)
+
+
+def _aligned_to(x: Tensor, dims: tuple[str, ...], op: str) -> Tensor:
+    if set(x.dims) != set(dims):
+        raise ShapeError(f"{op}: operands have different dims: {dims} and {x.dims}")
+    return transpose(x, *dims)
+
+
+# --- reshape ----------------------------------------------------------------------------
+_reshape = primitive(
+    "reshape",
+    lambda x, shape, dims: Aval(dims, shape, x.dtype),
+    lambda x, shape, dims: np.reshape(x, shape),
+    lambda x, shape, dims: jnp.reshape(x, shape),
+    cost_rule=zero_flops_cost,
+)
+
+
+def reshape(x: Tensor, new: Mapping[str, int], from_: DimsLike) -> Tensor:
+    """Merge or split dims: the dims `from_` become the dims `new` (name -> size, in order),
+    placed where the first of `from_` was. One size may be -1 (inferred).
+
+    `reshape(x, {"heads": 8, "d_head": 64}, from_="d_model")` splits;
+    `reshape(x, {"d_model": 512}, from_="heads d_head")` merges.
+    """
+    src = parse_dims(from_, "reshape from_")
+    missing = [d for d in src if d not in x.dims]
+    if missing or not src:
+        raise ShapeError(
+            f"reshape: from_ dim(s) {missing or src} not in the tensor's dims {x.dims}"
+        )
+    names = parse_dims(tuple(new), "reshape new dims")
+    clash = [d for d in names if d in x.dims and d not in src]
+    if clash:
+        raise ShapeError(f"reshape: new dim(s) {clash} already name other dims of {x.dims}")
+    total = math.prod(x.size_of(d) for d in src)
+    sizes = [int(s) for s in new.values()]
+    if sizes.count(-1) == 1:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = total // known if known and total % known == 0 else -2
+    if any(s < 0 for s in sizes) or math.prod(sizes) != total:
+        raise ShapeError(
+            f"reshape: new dims {dict(zip(names, new.values(), strict=True))} do not hold the "
+            f"{total} elements of {fmt_dims(src, [x.size_of(d) for d in src])}"
+        )
+    first = builtins.min(x.dims.index(d) for d in src)
+    rest = [d for d in x.dims if d not in src]
+    order = rest[:first] + list(src) + rest[first:]
+    x = transpose(x, *order)
+    dims = tuple(rest[:first]) + names + tuple(rest[first:])
+    shape = tuple(x.sizes[d] for d in rest[:first]) + tuple(sizes)
+    shape += tuple(x.sizes[d] for d in rest[first:])
+    return bind(_reshape, x, shape=shape, dims=dims)
+
+
+# --- concat / split / stack -----------------------------------------------------------
+def _concat_rule(*xs, axis):
+    first = xs[0]
+    for x in xs[1:]:
+        for i, (d, s) in enumerate(zip(x.dims, x.shape, strict=True)):
+            if i != axis and s != first.shape[i]:
+                raise ShapeError(
+                    f"concat: dim {d!r} has size {first.shape[i]} in operand 0 but {s} in another "
+                    f"operand {fmt_dims(x.dims, x.shape)}"
+                )
+    n = builtins.sum(x.shape[axis] for x in xs)
+    shape = first.shape[:axis] + (n,) + first.shape[axis + 1 :]
+    return Aval(first.dims, shape, np.result_type(*(x.dtype for x in xs)))
+
+
+_concat = primitive(
+    "concat",
+    _concat_rule,
+    lambda *xs, axis: np.concatenate(xs, axis=axis),
+    lambda *xs, axis: jnp.concatenate(xs, axis=axis),
+    cost_rule=zero_flops_cost,
+)
+
+
+def concat(tensors: Sequence[Tensor], dim: str) -> Tensor:
+    """Join tensors along their existing dim `dim`; the other dims must agree by name."""
+    if not tensors:
+        raise ShapeError("concat: needs at least one tensor")
+    first = tensors[0]
+    axis = _one_axis(first, dim, "concat")
+    ts = [first] + [_aligned_to(t, first.dims, "concat") for t in tensors[1:]]
+    return bind(_concat, *ts, axis=axis)
+
+
+def _stack_rule(*xs, dim):
+    for x in xs[1:]:
+        if x.shape != xs[0].shape:
+            raise ShapeError(
+                f"stack: operands have different sizes: {fmt_dims(xs[0].dims, xs[0].shape)} and "
+                f"{fmt_dims(x.dims, x.shape)}"
+            )
+    return Aval(
+        (dim,) + xs[0].dims, (len(xs),) + xs[0].shape, np.result_type(*(x.dtype for x in xs))
+    )
+
+
+_stack = primitive(
+    "stack",
+    _stack_rule,
+    lambda *xs, dim: np.stack(xs),
+    lambda *xs, dim: jnp.stack(xs),
+    cost_rule=zero_flops_cost,
+)
+
+
+def stack(tensors: Sequence[Tensor], dim: str) -> Tensor:
+    """Stack tensors with the same dims along a new first dim `dim`."""
+    if not tensors:
+        raise ShapeError("stack: needs at least one tensor")
+    first = tensors[0]
+    if dim in first.dims:
+        raise ShapeError(f"stack: new dim {dim!r} is already a dim of {first.dims}")
+    ts = [first] + [_aligned_to(t, first.dims, "stack") for t in tensors[1:]]
+    return bind(_stack, *ts, dim=dim)
+
+
+def _split_rule(x, axis, sizes):
+    return tuple(Aval(x.dims, x.shape[:axis] + (s,) + x.shape[axis + 1 :], x.dtype) for s in sizes)
+
+
+def _split_np(x, axis, sizes, xp=np):
+    return tuple(xp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=axis))
+
+
+_split = primitive(
+    "split",
+    _split_rule,
+    _split_np,
+    lambda x, axis, sizes: _split_np(x, axis, sizes, jnp),
+    cost_rule=zero_flops_cost,
+    multiple_results=True,
+)
+
+
+def split(x: Tensor, dim: str, sizes: int | Sequence[int]) -> tuple[Tensor, ...]:
+    """Cut `x` along `dim` into `sizes` equal parts (an int) or parts of the given sizes."""
+    axis = _one_axis(x, dim, "split")
+    n = x.shape[axis]
+    if isinstance(sizes, int):
+        if sizes < 1 or n % sizes:
+            raise ShapeError(f"split: {sizes} equal parts do not divide dim {dim!r} of size {n}")
+        sizes = (n // sizes,) * sizes
+    sizes = tuple(int(s) for s in sizes)
+    if builtins.sum(sizes) != n or builtins.min(sizes) < 0:
+        raise ShapeError(f"split: sizes {sizes} do not add up to the size {n} of dim {dim!r}")
+    return bind(_split, x, axis=axis, sizes=sizes)
+
+
+# --- slice / pad / shift --------------------------------------------------------------
+def _slice_rule(x, axis, start, stop, step):
+    n = len(range(start, stop, step))
+    return Aval(x.dims, x.shape[:axis] + (n,) + x.shape[axis + 1 :], x.dtype)
+
+
+def _slicer(axis, start, stop, step):
+    return (builtins.slice(None),) * axis + (builtins.slice(start, stop, step),)
+
+
+_slice = primitive(
+    "slice",
+    _slice_rule,
+    lambda x, axis, start, stop, step: x[_slicer(axis, start, stop, step)],
+    lambda x, axis, start, stop, step: x[_slicer(axis, start, stop, step)],
+    cost_rule=zero_flops_cost,
+)
+
+
+def slice_(
+    x: Tensor, dim: str, start: int | None = None, stop: int | None = None, step: int = 1
+) -> Tensor:
+    """Elements `start:stop:step` along `dim` (Python slice rules, positive step)."""
+    axis = _one_axis(x, dim, "slice")
+    if not isinstance(step, int) or step < 1:
+        raise ShapeError(f"slice: step must be a positive int, got {step!r} for dim {dim!r}")
+    start, stop, step = builtins.slice(start, stop, step).indices(x.shape[axis])
+    stop = builtins.max(stop, start)
+    return bind(_slice, x, axis=axis, start=start, stop=stop, step=step)
+
+
+def _pad_rule(x, widths, value):
+    shape = tuple(s + lo + hi for s, (lo, hi) in zip(x.shape, widths, strict=True))
+    return Aval(x.dims, shape, x.dtype)
+
+
+_pad = primitive(
+    "pad",
+    _pad_rule,
+    lambda x, widths, value: np.pad(x, widths, constant_values=np.asarray(value, x.dtype)),
+    lambda x, widths, value: jnp.pad(x, widths, constant_values=value),
+    cost_rule=zero_flops_cost,
+)
+
+
+def pad(x: Tensor, widths: Mapping[str, int | tuple[int, int]], value=0) -> Tensor:
+    """Pad dims with `value`: `widths` maps a dim to (before, after) or to one int for both."""
+    unknown = [d for d in widths if d not in x.dims]
+    if unknown:
+        raise ShapeError(f"pad: dim(s) {unknown} not in the tensor's dims {x.dims}")
+    pairs = []
+    for d in x.dims:
+        w = widths.get(d, (0, 0))
+        lo, hi = (w, w) if isinstance(w, int) else tuple(w)
+        if lo < 0 or hi < 0:
+            raise ShapeError(f"pad: negative width {w!r} for dim {d!r}")
+        pairs.append((int(lo), int(hi)))
+    return bind(_pad, x, widths=tuple(pairs), value=value)
+
+
+def _shift_impl(xp):
+    def impl(x, axis, offset, wrap, fill):
+        if wrap:
+            return xp.roll(x, offset, axis=axis)
+        n = x.shape[axis]
+        k = builtins.min(builtins.abs(offset), n)
+        fill_shape = x.shape[:axis] + (k,) + x.shape[axis + 1 :]
+        filler = xp.full(fill_shape, fill, dtype=x.dtype)
+        if offset >= 0:
+            kept = x[_slicer(axis, 0, n - k, 1)]
+            return xp.concatenate([filler, kept], axis=axis)
+        kept = x[_slicer(axis, k, n, 1)]
+        return xp.concatenate([kept, filler], axis=axis)
+
+    return impl
+
+
+_shift = primitive(
+    "shift",
+    lambda x, axis, offset, wrap, fill: Aval(x.dims, x.shape, x.dtype),
+    _shift_impl(np),
+    _shift_impl(jnp),
+    cost_rule=zero_flops_cost,
+)
+
+
+def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tensor:
+    """Move values `offset` places along `dim` (out[i] = x[i - offset]).
+
+    Positions left empty get `fill`; with `wrap=True` values leaving one end enter the other.
+    """
+    axis = _one_axis(x, dim, "shift")
+    return bind(_shift, x, axis=axis, offset=int(offset), wrap=bool(wrap), fill=fill)
+
+
+# --- one_hot / gather / stop_gradient ------------------------------------------------
+def _one_hot_rule(idx, dim, n, dtype):
+    if idx.dtype.kind not in "iu":
+        raise ShapeError(f"one_hot: indices must be integers, got {idx.dtype} {idx.dims}")
+    return Aval(idx.dims + (dim,), idx.shape + (n,), dtype)
+
+
+_one_hot = primitive(
+    "one_hot",
+    _one_hot_rule,
+    lambda i, dim, n, dtype: (i[..., None] == np.arange(n)).astype(dtype),
+    lambda i, dim, n, dtype: jax.nn.one_hot(i, n, dtype=dtype),
+)
+
+
+def one_hot(indices: Tensor, dim: str, n: int, dtype=np.float32) -> Tensor:
+    """A new last dim `dim` of size `n`: 1 where its index equals `indices`, else 0 (also
+    for out-of-range indices)."""
+    if dim in indices.dims:
+        raise ShapeError(f"one_hot: new dim {dim!r} is already a dim of {indices.dims}")
+    return bind(_one_hot, indices, dim=dim, n=int(n), dtype=np.dtype(dtype))
+
+
+def _gather_dims(x, idx, axis):
+    new = tuple(d for d in idx.dims if d not in x.dims)
+    return x.dims[:axis] + new + x.dims[axis + 1 :]
+
+
+def _gather_rule(x, idx, axis, dims):
+    if idx.dtype.kind not in "iu":
+        raise ShapeError(f"gather: indices must be integers, got {idx.dtype} {idx.dims}")
+    dim = x.dims[axis]
+    if dim in idx.dims:
+        raise ShapeError(f"gather: indices {idx.dims} must not have the gathered dim {dim!r}")
+    sizes = dict(zip(x.dims, x.shape, strict=True))
+    for d, s in zip(idx.dims, idx.shape, strict=True):
+        if sizes.setdefault(d, s) != s:
+            raise ShapeError(
+                f"gather: dim {d!r} has size {sizes[d]} in the tensor {fmt_dims(x.dims, x.shape)} "
+                f"but {s} in the indices {fmt_dims(idx.dims, idx.shape)}"
+            )
+    out = _gather_dims(x, idx, axis)
+    return Aval(out, tuple(sizes[d] for d in out), x.dtype)
+
+
+def _gather_impl(xp):
+    def impl(x, idx, axis, dims):
+        x_dims, idx_dims, out_dims = dims
+        n = x.shape[axis]
+        idx = xp.clip(xp.where(idx < 0, idx + n, idx), 0, n - 1)
+        index = []
+        for a, d in enumerate(x_dims):
+            if a == axis:
+                index.append(align(idx, idx_dims, out_dims, xp))
+            else:
+                shape = [1] * len(out_dims)
+                shape[out_dims.index(d)] = x.shape[a]
+                index.append(xp.arange(x.shape[a]).reshape(shape))
+        return x[tuple(index)]
+
+    return impl
+
+
+_gather = primitive(
+    "gather", _gather_rule, _gather_impl(np), _gather_impl(jnp), cost_rule=zero_flops_cost
+)
+
+
+def gather(x: Tensor, dim: str, indices: Tensor) -> Tensor:
+    """Pick elements of `x` along `dim` at integer `indices` (xarray's vectorized `isel`).
+
+    Dims of `indices` that `x` also has are matched pointwise; its other dims replace `dim`,
+    in place. Negative indices count from the end; out-of-range ones are clamped.
+    """
+    axis = _one_axis(x, dim, "gather")
+    out = _gather_dims(x, indices, axis)
+    return bind(_gather, x, indices, axis=axis, dims=(x.dims, indices.dims, out))
+
+
+_stop_gradient = primitive(
+    "stop_gradient",
+    lambda x: Aval(x.dims, x.shape, x.dtype),
+    _identity,
+    jax.lax.stop_gradient,
+    cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
+)
+
+
+def stop_gradient(x: Tensor) -> Tensor:
+    """`x`, through which no gradient flows."""
+    return bind(_stop_gradient, x)

@@ -1,0 +1,265 @@
+"""`Tensor`: an N-d array whose axes have unique names."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import jax
+import numpy as np
+
+from namedmesh.errors import ShapeError
+from namedmesh.primitive import TRACE_STACK, Aval, Var, _fmt_aval, _is_jax
+
+DimsLike = str | Iterable[str]
+
+
+def parse_dims(dims: DimsLike, what: str = "dims") -> tuple[str, ...]:
+    """`"batch d"` or `("batch", "d")` -> `("batch", "d")`; names must be unique strings."""
+    out = tuple(dims.split()) if isinstance(dims, str) else tuple(dims)
+    for d in out:
+        if not isinstance(d, str) or not d:
+            raise ShapeError(f"{what}: dim names must be non-empty strings, got {d!r} in {out}")
+    if len(set(out)) != len(out):
+        dup = sorted({d for d in out if out.count(d) > 1})
+        raise ShapeError(f"{what}: repeated dim name(s) {dup} in {out}")
+    return out
+
+
+class Tensor:
+    """An array plus `.dims`, a tuple of unique names, one per axis.
+
+    `.data` is a NumPy array when eager, a jax.Array under jit/grad or after lowering,
+    and an abstract `Var` inside `nm.trace`. Tensor is a JAX pytree: data is the leaf,
+    dims are static.
+    """
+
+    __slots__ = ("data", "dims")
+    __array_priority__ = 100  # numpy scalars on the left defer to Tensor's operators
+
+    def __init__(self, data, dims: DimsLike):
+        dims = parse_dims(dims)
+        if not isinstance(data, (np.ndarray, Var)) and not _is_jax(data):
+            data = np.asarray(data)
+        if data.ndim != len(dims):
+            raise ShapeError(
+                f"data of shape {tuple(data.shape)} has {data.ndim} axes but {len(dims)} "
+                f"dims were named: {dims}"
+            )
+        if isinstance(data, Var) and data.dims != dims:
+            if TRACE_STACK:  # re-wrapping a traced value under new names is a rename
+                from namedmesh.structural import rename
+
+                data = rename(
+                    Tensor._make(data, data.dims), dict(zip(data.dims, dims, strict=True))
+                ).data
+        self.data = data
+        self.dims = dims
+
+    @classmethod
+    def _make(cls, data, dims: tuple[str, ...]) -> Tensor:
+        """Unchecked constructor for internal use and pytree unflattening."""
+        t = object.__new__(cls)
+        t.data = data
+        t.dims = dims
+        return t
+
+    # --- shape --------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self.dims, self.data.shape, strict=True))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.data.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def aval(self) -> Aval:
+        return Aval(self.dims, self.shape, self.dtype)
+
+    def size_of(self, dim: str) -> int:
+        """The size of `dim`, or a ShapeError naming the dims this tensor has."""
+        try:
+            return self.data.shape[self.dims.index(dim)]
+        except ValueError:
+            raise ShapeError(f"dim {dim!r} is not among the dims {self.dims}") from None
+
+    def __array__(self, dtype=None, copy=None):
+        arr = np.asarray(self.data)
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __len__(self) -> int:
+        if not self.dims:
+            raise TypeError("len() of a 0-d Tensor")
+        return self.shape[0]
+
+    def __bool__(self) -> bool:
+        return bool(np.asarray(self.data))
+
+    def __float__(self) -> float:
+        return float(np.asarray(self.data))
+
+    def __int__(self) -> int:
+        return int(np.asarray(self.data))
+
+    def item(self):
+        return np.asarray(self.data).item()
+
+    def __repr__(self) -> str:
+        head = f"<namedmesh.Tensor {_fmt_aval(self.aval)}>"
+        if isinstance(self.data, Var):
+            return head + " (traced)"
+        if _is_jax(self.data) and isinstance(self.data, jax.core.Tracer):
+            return head + f" ({type(self.data).__name__})"
+        return head + "\n" + np.array2string(np.asarray(self.data), threshold=50, edgeitems=2)
+
+    __hash__ = None  # == is elementwise
+
+    # --- methods that forward to ops ------------------------------------------------
+    def __add__(self, o):
+        return _ew.add(self, o)
+
+    def __radd__(self, o):
+        return _ew.add(o, self)
+
+    def __sub__(self, o):
+        return _ew.subtract(self, o)
+
+    def __rsub__(self, o):
+        return _ew.subtract(o, self)
+
+    def __mul__(self, o):
+        return _ew.multiply(self, o)
+
+    def __rmul__(self, o):
+        return _ew.multiply(o, self)
+
+    def __truediv__(self, o):
+        return _ew.divide(self, o)
+
+    def __rtruediv__(self, o):
+        return _ew.divide(o, self)
+
+    def __floordiv__(self, o):
+        return _ew.floor_divide(self, o)
+
+    def __rfloordiv__(self, o):
+        return _ew.floor_divide(o, self)
+
+    def __mod__(self, o):
+        return _ew.mod(self, o)
+
+    def __rmod__(self, o):
+        return _ew.mod(o, self)
+
+    def __pow__(self, o):
+        return _ew.power(self, o)
+
+    def __rpow__(self, o):
+        return _ew.power(o, self)
+
+    def __neg__(self):
+        return _ew.negative(self)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return _ew.abs(self)
+
+    def __invert__(self):
+        return _ew.logical_not(self)
+
+    def __and__(self, o):
+        return _ew.logical_and(self, o)
+
+    def __rand__(self, o):
+        return _ew.logical_and(o, self)
+
+    def __or__(self, o):
+        return _ew.logical_or(self, o)
+
+    def __ror__(self, o):
+        return _ew.logical_or(o, self)
+
+    def __xor__(self, o):
+        return _ew.logical_xor(self, o)
+
+    def __rxor__(self, o):
+        return _ew.logical_xor(o, self)
+
+    def __eq__(self, o):  # type: ignore[override]
+        return _ew.equal(self, o)
+
+    def __ne__(self, o):  # type: ignore[override]
+        return _ew.not_equal(self, o)
+
+    def __lt__(self, o):
+        return _ew.less(self, o)
+
+    def __le__(self, o):
+        return _ew.less_equal(self, o)
+
+    def __gt__(self, o):
+        return _ew.greater(self, o)
+
+    def __ge__(self, o):
+        return _ew.greater_equal(self, o)
+
+    def astype(self, dtype) -> Tensor:
+        return _ew.astype(self, dtype)
+
+    def sum(self, dims: DimsLike | None = None) -> Tensor:
+        return _red.sum(self, dims)
+
+    def mean(self, dims: DimsLike | None = None) -> Tensor:
+        return _red.mean(self, dims)
+
+    def max(self, dims: DimsLike | None = None) -> Tensor:
+        return _red.max(self, dims)
+
+    def min(self, dims: DimsLike | None = None) -> Tensor:
+        return _red.min(self, dims)
+
+    def prod(self, dims: DimsLike | None = None) -> Tensor:
+        return _red.prod(self, dims)
+
+    def argmax(self, dim: str) -> Tensor:
+        return _red.argmax(self, dim)
+
+    def argmin(self, dim: str) -> Tensor:
+        return _red.argmin(self, dim)
+
+    def rename(self, mapping: Mapping[str, str] | None = None, **names: str) -> Tensor:
+        return _st.rename(self, mapping, **names)
+
+    def transpose(self, *dims: str) -> Tensor:
+        return _st.transpose(self, *dims)
+
+    def to_xarray(self, coords=None, name=None):
+        from namedmesh.interop import to_xarray
+
+        return to_xarray(self, coords=coords, name=name)
+
+
+jax.tree_util.register_pytree_node(
+    Tensor,
+    lambda t: ((t.data,), t.dims),
+    lambda dims, children: Tensor._make(children[0], dims),
+)
+
+from namedmesh import elementwise as _ew  # noqa: E402  (ops import Tensor)
+from namedmesh import reductions as _red  # noqa: E402
+from namedmesh import structural as _st  # noqa: E402
