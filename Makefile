@@ -22,4 +22,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
-	$(VENV)/bin/python -m benchmarks.eager
+	$(VENV)/bin/python -m benchmarks.eager --out docs/benchmarks.md

@@ -17,7 +17,7 @@ import numpy as np
 import opt_einsum
 
 from namedmesh.errors import ShapeError, fmt_dims
-from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
 
@@ -58,7 +58,7 @@ def output_dims(in_dims: tuple[tuple[str, ...], ...], out: DimsLike | None) -> t
 
 def _einsum_rule(*xs, out, in_dims):
     sizes = _sizes(xs)
-    return Aval(out, tuple(sizes[d] for d in out), np.result_type(*(x.dtype for x in xs)))
+    return Aval(out, tuple(sizes[d] for d in out), result_dtype(*(x.dtype for x in xs)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -102,8 +102,8 @@ def _einsum_np(*xs, out, in_dims):
     a, b = a.transpose(a_perm), b.transpose(b_perm)
     bs, fa, fb = a.shape[:nb], a.shape[nb : nb + na], b.shape[b.ndim - nf :]
     k = math.prod(a.shape[nb + na :])
-    r = np.matmul(a.reshape(*bs, math.prod(fa), k), b.reshape(*bs, k, math.prod(fb)))
-    return r.reshape(*bs, *fa, *fb).transpose(out_perm)
+    r = np.matmul(a.reshape(bs + (math.prod(fa), k)), b.reshape(bs + (k, math.prod(fb))))
+    return r.reshape(bs + fa + fb).transpose(out_perm)
 
 
 def _einsum_jax(*xs, out, in_dims):
@@ -135,9 +135,9 @@ def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
             raise TypeError(f"einsum: operand {i} is a {type(x).__name__}, not a Tensor")
     in_dims = tuple(x.dims for x in operands)
     out = output_dims(in_dims, out)
-    _sizes(operands)
     if len(operands) <= 2:
         return bind(_einsum, *operands, out=out, in_dims=in_dims)
+    _sizes(operands)  # one error naming the operands, before the pairwise steps
     ops = list(operands)
     shapes = tuple(x.shape for x in operands)
     for pair, *_ in _path(in_dims, out, shapes):

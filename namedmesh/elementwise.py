@@ -16,7 +16,7 @@ import numpy as np
 import scipy.special
 
 from namedmesh.errors import ShapeError, fmt_dims
-from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive
+from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
 _FLOAT32 = np.dtype(np.float32)
@@ -139,7 +139,7 @@ def _make_nary(name: str, np_fn, jnp_fn, dtype_rule, flops: int = 1, like_from: 
 
 
 def _same(*dts):
-    return np.result_type(*dts)
+    return result_dtype(*dts)
 
 
 def _boolean(*dts):
@@ -147,7 +147,7 @@ def _boolean(*dts):
 
 
 def _floating(*dts):
-    dt = np.result_type(*dts)
+    dt = result_dtype(*dts)
     return dt if dt.kind in "fc" else _FLOAT32
 
 
@@ -228,7 +228,7 @@ greater_equal = _make_nary("greater_equal", np.greater_equal, jnp.greater_equal,
 logical_and = _make_nary("logical_and", np.logical_and, jnp.logical_and, _boolean)
 logical_or = _make_nary("logical_or", np.logical_or, jnp.logical_or, _boolean)
 logical_xor = _make_nary("logical_xor", np.logical_xor, jnp.logical_xor, _boolean)
-where = _make_nary("where", np.where, jnp.where, lambda c, x, y: np.result_type(x, y), like_from=1)
+where = _make_nary("where", np.where, jnp.where, lambda c, x, y: result_dtype(x, y), like_from=1)
 where.__doc__ = "`where(cond, x, y)`: x where cond else y, broadcast by name (cond's dims first)."
 
 UNARY_OPS = (

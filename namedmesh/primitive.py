@@ -36,6 +36,14 @@ class Aval(NamedTuple):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def result_dtype(*dtypes) -> np.dtype:
+    """NumPy promotion, except that integers never widen a float (int32 * float32 is
+    float32, as in JAX), so eager NumPy and jax agree."""
+    dts = [np.dtype(d) for d in dtypes]
+    floats = [d for d in dts if d.kind in "fc"]
+    return np.result_type(*(floats or dts))
+
+
 class Cost(NamedTuple):
     """Per-call cost on one device: floating-point operations and bytes read + written."""
 

@@ -199,7 +199,7 @@ _cumsum = primitive(
     "cumsum",
     lambda x, axis, reverse: Aval(x.dims, x.shape, _sum_dtype(x.dtype)),
     _cumsum_np,
-    lambda x, axis, reverse: jax.lax.cumsum(x, axis, reverse=reverse),
+    lambda x, axis, reverse: jax.lax.cumsum(x.astype(_sum_dtype(x.dtype)), axis, reverse=reverse),
 )
 
 

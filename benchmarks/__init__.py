@@ -1,0 +1,1 @@
+"""Benchmarks for namedmesh; each module runs as `python -m benchmarks.<name>`."""

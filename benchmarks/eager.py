@@ -1,0 +1,565 @@
+"""Eager `nm.einsum` against `np.einsum(spec, *arrays, optimize=True)` on the same operands.
+
+Run it as
+
+    .venv/bin/python -m benchmarks.eager [--quick] [--out docs/benchmarks.md]
+
+Cases (float32, standard-normal data):
+
+- small: a 32x32 @ 32x32 matmul, where per-call overhead is most of the cost;
+- large: a 1024x1024 @ 1024x1024 matmul, where BLAS is nearly all of it;
+- chain: four operands `[i=1024,j=64] [j=64,k=1024] [k=1024,l=64] [l=64,m=1024] -> (i, m)`.
+  Summed naively this is ~1.8e13 flops, left to right ~4e8, and the best order
+  (`(jk)(kl)` first) ~1.5e8, so it measures whether both libraries pick a good path.
+
+Method: both implementations run in one process, interleaved (A, B, A, B, ...), after a
+warm-up (which also fills namedmesh's plan caches, as in any steady-state loop). Each
+repeat times one batch of calls with `time.perf_counter` and divides by the batch size
+(1000 calls per batch in the small case, 1 otherwise); the garbage collector is off while
+timing, as in `timeit`. The table reports the median over repeats for each
+implementation, the ratio of medians nm/np, and nm median - np median in microseconds per
+call. BLAS threading is left as it is; the machine, `os.cpu_count()` and library versions
+are recorded with the results.
+
+For the small case the run also times the layers that `nm.einsum` stacks on top of
+`np.matmul` (the primitive's NumPy implementation, `bind`, the public wrapper) and the
+pieces `bind` runs, so a reader can see where the added time goes.
+
+With `--out PATH` the results replace the section headed `## Eager einsum vs np.einsum`
+in PATH (other sections are kept); PATH is created when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import importlib
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+import opt_einsum
+
+import namedmesh as nm
+
+SECTION = "## Eager einsum vs np.einsum"
+PAGE_HEAD = "# Benchmarks\n\nEvery figure on this page is made by the command shown with it.\n\n"
+LARGE_RATIO_GOAL = 1.05  # nm/np median ratio on large operands, at most
+SMALL_ADDED_GOAL_US = 15.0  # microseconds added per call on small operands, under
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    what: str
+    spec: str  # positional einsum string; each letter is also the dim name
+    sizes: dict[str, int]
+    nm_out: str | None  # `out=` passed to nm.einsum (None: its default)
+    batch: int  # calls per timed batch
+    repeats: int
+    quick_repeats: int
+    goal: str  # "small" (added µs/call) or "large" (ratio)
+
+    @property
+    def inputs(self) -> list[str]:
+        return self.spec.split("->")[0].split(",")
+
+    @property
+    def output(self) -> str:
+        return self.spec.split("->")[1]
+
+
+CASES = [
+    Case("small", "32x32 @ 32x32 matmul", "ij,jk->ik", dict(i=32, j=32, k=32), None,
+         batch=1000, repeats=60, quick_repeats=10, goal="small"),
+    Case("large", "1024x1024 @ 1024x1024 matmul", "ij,jk->ik",
+         dict(i=1024, j=1024, k=1024), None, batch=1, repeats=100, quick_repeats=15,
+         goal="large"),
+    Case("chain", "4-operand chain [i=1024,j=64] [j,k=1024] [k,l=64] [l,m=1024] -> (i, m)",
+         "ij,jk,kl,lm->im", dict(i=1024, j=64, k=1024, l=64, m=1024), "i m",
+         batch=1, repeats=200, quick_repeats=20, goal="large"),
+]  # fmt: skip
+
+WARMUP = 3  # untimed interleaved batches before each measurement
+
+
+# --- timing -------------------------------------------------------------------------------
+
+
+def _time_batch(f: Callable[[], object], batch: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        f()
+    return (time.perf_counter() - t0) / batch
+
+
+def interleaved(fns: list[Callable[[], object]], batch: int, repeats: int) -> list[list[float]]:
+    """Seconds per call of each of `fns`, one entry per repeat, the fns run round-robin."""
+    for _ in range(WARMUP):
+        for f in fns:
+            _time_batch(f, batch)
+    times: list[list[float]] = [[] for _ in fns]
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for f, ts in zip(fns, times, strict=True):
+                ts.append(_time_batch(f, batch))
+    finally:
+        if was_enabled:
+            gc.enable()
+    return times
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.2f} µs"
+
+
+# --- the cases ----------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    case: Case
+    np_times: list[float]
+    nm_times: list[float]
+    np_path: str
+    nm_path: str
+
+    @property
+    def np_median(self) -> float:
+        return statistics.median(self.np_times)
+
+    @property
+    def nm_median(self) -> float:
+        return statistics.median(self.nm_times)
+
+    @property
+    def ratio(self) -> float:
+        return self.nm_median / self.np_median
+
+    @property
+    def added_us(self) -> float:
+        return (self.nm_median - self.np_median) * 1e6
+
+    @property
+    def paired_ratio(self) -> tuple[float, float, float]:
+        """Quartiles of the per-repeat ratios nm_i/np_i (adjacent runs, so drift cancels)."""
+        return _quartiles([b / a for a, b in zip(self.np_times, self.nm_times, strict=True)])
+
+    @property
+    def goal_met(self) -> bool:
+        if self.case.goal == "small":
+            return self.added_us < SMALL_ADDED_GOAL_US
+        return self.ratio <= LARGE_RATIO_GOAL
+
+
+def _operands(case: Case, rng: np.random.Generator):
+    arrays = [
+        rng.standard_normal(tuple(case.sizes[d] for d in sub), dtype=np.float32)
+        for sub in case.inputs
+    ]
+    tensors = [nm.tensor(a, tuple(sub)) for a, sub in zip(arrays, case.inputs, strict=True)]
+    return arrays, tensors
+
+
+def _einsum_module():
+    # `namedmesh.einsum` the attribute is the function; the module lives in sys.modules.
+    return importlib.import_module("namedmesh.einsum")
+
+
+def _nm_path(case: Case, tensors) -> str:
+    if len(tensors) <= 2:
+        return "one pairwise einsum"
+    path_fn = getattr(_einsum_module(), "_path", None)
+    if path_fn is None:
+        return "n/a (namedmesh.einsum._path not found)"
+    try:
+        in_dims = tuple(t.dims for t in tensors)
+        steps = path_fn(in_dims, tuple(case.output), tuple(t.shape for t in tensors))
+        return str([tuple(sorted(step[0])) for step in steps])
+    except Exception as e:  # the library is under active development; report, don't die
+        return f"n/a ({type(e).__name__}: {e})"
+
+
+def run_case(case: Case, quick: bool, rng: np.random.Generator) -> Result:
+    arrays, tensors = _operands(case, rng)
+    np_call = functools.partial(np.einsum, case.spec, *arrays, optimize=True)
+    if case.nm_out is None:
+        nm_call = functools.partial(nm.einsum, *tensors)
+    else:
+        nm_call = functools.partial(nm.einsum, *tensors, out=case.nm_out)
+
+    ref, got = np_call(), nm_call()
+    if got.dims != tuple(case.output) or got.data.dtype != ref.dtype:
+        raise AssertionError(
+            f"{case.name}: nm.einsum gave dims {got.dims} dtype {got.data.dtype}, expected "
+            f"{tuple(case.output)} {ref.dtype}"
+        )
+    scale = float(np.max(np.abs(ref)))
+    np.testing.assert_allclose(np.asarray(got.data), ref, rtol=1e-3, atol=1e-4 * scale)
+
+    repeats = case.quick_repeats if quick else case.repeats
+    np_times, nm_times = interleaved([np_call, nm_call], case.batch, repeats)
+    np_path = (
+        str(np.einsum_path(case.spec, *arrays, optimize="greedy")[0][1:])
+        if len(arrays) > 2
+        else "one pairwise einsum"
+    )
+    return Result(case, np_times, nm_times, np_path, _nm_path(case, tensors))
+
+
+# --- small-case overhead breakdown ----------------------------------------------------------
+
+
+@dataclass
+class Row:
+    label: str
+    note: str
+    median: float | None  # seconds per call; None when the row could not run
+    error: str = ""
+
+
+def breakdown(quick: bool, rng: np.random.Generator) -> tuple[list[Row], list[Row]]:
+    """Layers from np.matmul up to nm.einsum, and the pieces bind runs, on the small case."""
+    case = CASES[0]
+    (a, b), (x, w) = _operands(case, rng)
+    spec = case.spec
+    out = tuple(case.output)
+    in_dims = (x.dims, w.dims)
+    mod = _einsum_module()
+    prim_mod = importlib.import_module("namedmesh.primitive")
+    tensor_cls = nm.Tensor
+
+    def private(m, name):
+        f = getattr(m, name, None)
+        if f is None:
+            raise LookupError(f"{m.__name__}.{name} not found")
+        return f
+
+    def layer_rows():
+        yield "np.matmul(a, b)", "the BLAS call itself", lambda: functools.partial(np.matmul, a, b)
+        yield (
+            "_einsum_np(a, b, out=, in_dims=)",
+            "the primitive's NumPy implementation (cached plan, transposes, matmul)",
+            lambda: functools.partial(private(mod, "_einsum_np"), a, b, out=out, in_dims=in_dims),
+        )
+        yield (
+            "bind(_einsum, x, w, out=, in_dims=)",
+            "primitive dispatch: shape rule, impl, dtype check, Tensor wrap",
+            lambda: functools.partial(
+                private(prim_mod, "bind"), private(mod, "_einsum"), x, w, out=out, in_dims=in_dims
+            ),
+        )
+        yield (
+            "nm.einsum(x, w)",
+            "the public call: operand checks, output_dims, _sizes, bind",
+            lambda: functools.partial(nm.einsum, x, w),
+        )
+        yield (
+            f"np.einsum('{spec}', a, b)",
+            "NumPy einsum, default optimize=False",
+            lambda: functools.partial(np.einsum, spec, a, b),
+        )
+        yield (
+            f"np.einsum('{spec}', a, b, optimize=True)",
+            "the baseline; plans its path on every call",
+            lambda: functools.partial(np.einsum, spec, a, b, optimize=True),
+        )
+
+    def piece_rows():
+        r = a @ b
+
+        def coerce():
+            aval = private(mod, "_einsum_rule")(x, w, out=out, in_dims=in_dims)
+            return functools.partial(private(prim_mod, "_coerce_numpy"), (r,), (aval,))
+
+        yield (
+            "output_dims(in_dims, None)",
+            "result dims from the operand dims (einsum)",
+            lambda: functools.partial(private(mod, "output_dims"), in_dims, None),
+        )
+        yield (
+            "_sizes((x, w))",
+            "size-consistency check (einsum; the shape rule runs it again)",
+            lambda: functools.partial(private(mod, "_sizes"), (x, w)),
+        )
+        yield (
+            "_einsum_rule(x, w, out=, in_dims=)",
+            "the shape rule bind runs",
+            lambda: functools.partial(private(mod, "_einsum_rule"), x, w, out=out, in_dims=in_dims),
+        )
+        yield "_coerce_numpy((r,), (aval,))", "dtype check on the NumPy result (bind)", coerce
+        yield (
+            "Tensor._make(r, dims)",
+            "wrapping the result (bind)",
+            lambda: functools.partial(private(tensor_cls, "_make"), r, out),
+        )
+        yield "x.shape", "Tensor.shape property (used by _sizes)", lambda: lambda: x.shape
+        yield "x.dtype", "Tensor.dtype property (used by the shape rule)", lambda: lambda: x.dtype
+
+    def measure(rows) -> list[Row]:
+        runnable, results = [], []
+        for label, note, make in rows:
+            try:
+                f = make()
+                f()
+            except Exception as e:  # a renamed private; report it and carry on
+                results.append(Row(label, note, None, f"{type(e).__name__}: {e}"))
+                continue
+            runnable.append(f)
+            results.append(Row(label, note, 0.0))
+        times = iter(interleaved(runnable, case.batch, 10 if quick else 40))
+        for row in results:
+            if row.median is not None:
+                row.median = statistics.median(next(times))
+        return results
+
+    return measure(layer_rows()), measure(piece_rows())
+
+
+# --- reporting ----------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
+            )
+    except OSError:
+        model = ""
+    u = platform.uname()
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:
+        blas = "unknown"
+    threads = {
+        k: v
+        for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+        if (v := os.environ.get(k)) is not None
+    }
+    try:
+        affinity = str(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        affinity = "n/a"
+    return {
+        "cpu": model or cpu or u.machine,
+        "platform.processor()": repr(cpu),
+        "uname": f"{u.system} {u.release} {u.machine} ({u.node})",
+        "os.cpu_count()": str(os.cpu_count()),
+        "usable CPUs": affinity,
+        "Python": platform.python_version(),
+        "NumPy": f"{np.__version__} (BLAS: {blas})",
+        "jax": jax.__version__,
+        "opt_einsum": opt_einsum.__version__,
+        "BLAS threads": ", ".join(f"{k}={v}" for k, v in threads.items())
+        or "library default (no *_NUM_THREADS set)",
+    }  # fmt: skip
+
+
+def command(argv: list[str]) -> str:
+    exe = Path(sys.executable)
+    try:
+        exe_s = str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        exe_s = str(exe)
+    return shlex.join([exe_s, "-m", "benchmarks.eager", *argv])
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
+    header = ["case", "np.einsum median", "nm.einsum median", "ratio nm/np",
+              "added µs/call", "paired ratio p25–p75", "repeats × batch"]  # fmt: skip
+    rows = []
+    for r in results:
+        q1, _, q3 = r.paired_ratio
+        rows.append([
+            f"{r.case.name}: {r.case.what}",
+            fmt_time(r.np_median),
+            fmt_time(r.nm_median),
+            f"{r.ratio:.3f}",
+            f"{r.added_us:+.2f}",
+            f"{q1:.3f}–{q3:.3f}",
+            f"{len(r.np_times)} × {r.case.batch}",
+        ])  # fmt: skip
+    return header, rows
+
+
+def goal_lines(results: list[Result]) -> list[str]:
+    lines = []
+    for r in results:
+        status = "**met**" if r.goal_met else "**not met**"
+        if r.case.goal == "small":
+            lines.append(
+                f"- {r.case.name} ({r.case.what}): under {SMALL_ADDED_GOAL_US:g} µs added "
+                f"per call — {status} ({r.added_us:+.2f} µs)"
+            )
+        else:
+            lines.append(
+                f"- {r.case.name} ({r.case.what}): ratio ≤ {LARGE_RATIO_GOAL:g} — {status} "
+                f"({r.ratio:.3f})"
+            )
+    return lines
+
+
+def breakdown_table(rows: list[Row], stepwise: bool) -> str:
+    """Rows as markdown; with `stepwise`, each nm layer's cost over the layer below it,
+    and each np.einsum reference's cost over np.matmul (the first row)."""
+    header = ["call", "µs/call", "added by this layer", "what it is"]
+    if not stepwise:
+        header = ["call", "µs/call", "what it is"]
+    out, base, prev = [], None, None
+    for row in rows:
+        t = "n/a" if row.median is None else f"{row.median * 1e6:.2f}"
+        note = row.note if not row.error else f"{row.note} — not run: {row.error}"
+        if not stepwise:
+            out.append([f"`{row.label}`", t, note])
+            continue
+        step = ""
+        if row.median is not None:
+            if base is None:
+                base = prev = row.median
+            elif row.label.startswith("np.einsum"):
+                step = f"{(row.median - base) * 1e6:+.2f} over np.matmul"
+            else:
+                step = f"{(row.median - prev) * 1e6:+.2f}"
+                prev = row.median
+        out.append([f"`{row.label}`", t, step, note])
+    return _md_table(header, out)
+
+
+def section(results, layers, pieces, argv, when, info) -> str:
+    header, rows = main_rows(results)
+    chain = next((r for r in results if r.case.name == "chain"), None)
+    parts = [
+        SECTION,
+        "",
+        f"Made by `{command(argv)}` on {when}.",
+        "",
+        "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()) + ".",
+        "",
+        "Method: `nm.einsum` and `np.einsum(spec, *arrays, optimize=True)` on the same float32 "
+        "operands, run interleaved in one process after a warm-up; each repeat times a batch of "
+        "calls with `time.perf_counter` (GC off) and divides by the batch size. Medians over "
+        "repeats; ratio = nm median / np median; added = nm median − np median. The paired "
+        "ratio column is the spread of per-repeat nm/np ratios of adjacent runs.",
+        "",
+        _md_table(header, rows),
+        "",
+    ]
+    if chain is not None:
+        parts += [
+            f"Chain contraction order (operand index pairs): np.einsum `{chain.np_path}`, "
+            f"nm.einsum `{chain.nm_path}`.",
+            "",
+        ]
+    parts += ["Goals:", "", *goal_lines(results), ""]
+    parts += [
+        "### Where the small-case time goes",
+        "",
+        "The layers `nm.einsum` stacks on `np.matmul`, 32x32 @ 32x32 float32, timed "
+        "interleaved like the table above (batches of 1000 calls, median of repeats); "
+        '"added by this layer" is a row minus the nm layer below it.',
+        "",
+        breakdown_table(layers, stepwise=True),
+        "",
+        "Pieces of those layers, each called on its own:",
+        "",
+        breakdown_table(pieces, stepwise=False),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def replace_section(text: str, new: str) -> str:
+    """`text` with the `SECTION` section replaced by `new` (appended when absent)."""
+    lines = text.splitlines(keepends=True)
+
+    def headings():
+        fence = False
+        for i, ln in enumerate(lines):
+            if ln.lstrip().startswith(("```", "~~~")):
+                fence = not fence
+            elif not fence and ln.startswith("#"):
+                yield i, ln.rstrip()
+
+    start = next((i for i, h in headings() if h == SECTION), None)
+    if start is None:
+        return text.rstrip("\n") + "\n\n" + new if text.strip() else PAGE_HEAD + new
+    end = next(
+        (i for i, h in headings() if i > start and (h.startswith("## ") or h.startswith("# "))),
+        len(lines),
+    )
+    rest = "".join(lines[end:])
+    return "".join(lines[:start]) + new + ("\n" + rest if rest else "")
+
+
+def write_doc(path: Path, new: str) -> None:
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(replace_section(text, new), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.eager", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    p.add_argument("--out", type=Path, help="markdown file whose einsum section to replace")
+    args = p.parse_args(argv)
+
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    info = machine()
+    print(f"{command(argv)}  ({when})")
+    for k, v in info.items():
+        print(f"  {k}: {v}")
+    print()
+
+    rng = np.random.default_rng(0)
+    results = []
+    for case in CASES:
+        print(f"running {case.name}: {case.what} ...", flush=True)
+        results.append(run_case(case, args.quick, rng))
+    print("running the small-case breakdown ...", flush=True)
+    layers, pieces = breakdown(args.quick, rng)
+
+    text = section(results, layers, pieces, argv, when, info)
+    print()
+    print(text)
+    if args.out is not None:
+        write_doc(args.out, text)
+        print(f"wrote section {SECTION!r} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
