@@ -1,0 +1,102 @@
+"""Moving a local shard between value layouts inside shard_map, with the least traffic.
+
+Per mesh axis: dim i split -> dim j split is one all_to_all; split -> replicated an
+all_gather; replicated -> split a local slice by axis_index (free). Every collective
+issued is reported to `log(kind, axes, nbytes)` so plans and reports can show it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+
+from lowering.layout import ValueLayout
+
+Log = Callable[[str, tuple[str, ...], int], None]
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * x.dtype.itemsize
+
+
+def axis_index(axes: tuple[str, ...], sizes: dict[str, int]):
+    """This device's position along the mesh axes `axes`, major to minor."""
+    idx = 0
+    for a in axes:
+        idx = idx * sizes[a] + jax.lax.axis_index(a)
+    return idx
+
+
+def slice_to(x, dim: int, axes: tuple[str, ...], sizes: dict[str, int]):
+    """This device's block of dim `dim` when `axes` split it further (no communication)."""
+    if not axes:
+        return x
+    n = x.shape[dim] // math.prod(sizes[a] for a in axes)
+    return jax.lax.dynamic_slice_in_dim(x, axis_index(axes, sizes) * n, n, axis=dim)
+
+
+def gather(x, dim: int, axes: tuple[str, ...], log: Log):
+    """Undo the split of dim `dim` by `axes` (the minor-most axes of its split)."""
+    if not axes:
+        return x
+    name = axes[0] if len(axes) == 1 else axes
+    log("all_gather", axes, _nbytes(x))
+    return jax.lax.all_gather(x, name, axis=dim, tiled=True, to="invarying")
+
+
+def relayout(x, src: ValueLayout, dst: ValueLayout, sizes: dict[str, int], log: Log):
+    """The local shard of layout `dst` from the local shard `x` of layout `src`."""
+    cur = [tuple(a) for a in src]
+    if cur == list(dst):
+        return x
+    # 1. An axis that is the minor split of dim i and the next split of dim j: all_to_all.
+    for i in range(len(cur)):
+        while cur[i] and cur[i] != dst[i][: len(cur[i])]:
+            a = cur[i][-1]
+            j = next((j for j, d in enumerate(dst) if a in d), None)
+            if j is None or j == i or dst[j][: len(cur[j]) + 1] != cur[j] + (a,):
+                break
+            log("all_to_all", (a,), _nbytes(x))
+            x = jax.lax.all_to_all(x, a, split_axis=j, concat_axis=i, tiled=True)
+            cur[i], cur[j] = cur[i][:-1], cur[j] + (a,)
+    # 2. Splits that `dst` does not keep: all_gather the axes past the common prefix.
+    for i, (c, d) in enumerate(zip(cur, dst, strict=True)):
+        keep = 0
+        while keep < min(len(c), len(d)) and c[keep] == d[keep]:
+            keep += 1
+        if keep < len(c):
+            x = gather(x, i, c[keep:], log)
+            cur[i] = c[:keep]
+    # 3. Splits that `dst` adds: slice locally.
+    for i, (c, d) in enumerate(zip(cur, dst, strict=True)):
+        x = slice_to(x, i, d[len(c) :], sizes)
+    return x
+
+
+def psum(x, axes: tuple[str, ...], log: Log):
+    if not axes:
+        return x
+    log("psum", axes, _nbytes(x))
+    return jax.lax.psum(x, axes)
+
+
+def psum_scatter(x, axes: tuple[str, ...], dim: int, log: Log):
+    log("psum_scatter", axes, _nbytes(x))
+    name = axes[0] if len(axes) == 1 else axes
+    return jax.lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
+
+
+def pmax(x, axes, log: Log):
+    if not axes:
+        return x
+    log("pmax", axes, _nbytes(x))
+    return jax.lax.pmax(x, axes)
+
+
+def pmin(x, axes, log: Log):
+    if not axes:
+        return x
+    log("pmin", axes, _nbytes(x))
+    return jax.lax.pmin(x, axes)

@@ -1,0 +1,139 @@
+"""Layout rules: which mesh axes split which tensor dims.
+
+Rules are ordered pairs dim -> mesh axes, written `"batch:rows;d_ff:cols"`
+(Mesh-TensorFlow's syntax) or `"batch:rows,cols"` for a dim over two axes, or
+given as a dict or a list of pairs. For one tensor, dims take their axes in rule
+order and an axis already taken by an earlier dim of that tensor is skipped;
+with `strict=True` such a conflict is an error instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from jax.sharding import PartitionSpec
+
+from namedmesh.errors import LayoutError, fmt_dims
+
+# A value's layout: for each of its dims, the mesh axes splitting it (empty: replicated).
+ValueLayout = tuple[tuple[str, ...], ...]
+
+
+def _parse(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    if isinstance(rules, str):
+        pairs = []
+        for part in filter(None, (p.strip() for p in rules.split(";"))):
+            dim, sep, axes = part.partition(":")
+            if not sep or not dim.strip() or not axes.strip():
+                raise LayoutError(
+                    f"malformed rule {part!r} in {rules!r}: expected 'dim:axis[,axis]'"
+                )
+            pairs.append((dim.strip(), tuple(a.strip() for a in axes.split(","))))
+    elif isinstance(rules, Mapping):
+        pairs = list(rules.items())
+    elif isinstance(rules, Sequence):
+        pairs = list(rules)
+    else:
+        raise LayoutError(f"layout rules must be a string, dict or list of pairs, got {rules!r}")
+    out = []
+    for pair in pairs:
+        if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise LayoutError(f"malformed rule {pair!r}: expected (dim, mesh axes)")
+        dim, axes = pair
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        if (
+            not axes
+            or not all(isinstance(a, str) and a for a in axes)
+            or len(set(axes)) != len(axes)
+        ):
+            raise LayoutError(f"malformed rule for dim {dim!r}: mesh axes {axes!r}")
+        out.append((dim, axes))
+    dims = [d for d, _ in out]
+    dup = sorted({d for d in dims if dims.count(d) > 1})
+    if dup:
+        raise LayoutError(f"dim(s) {dup} are mapped by more than one rule in {rules!r}")
+    return tuple(out)
+
+
+class Layout:
+    """Ordered rules dim -> mesh axes; see the module docstring."""
+
+    def __init__(self, rules=(), strict: bool = False):
+        self.rules = _parse(rules)
+        self.strict = bool(strict)
+
+    def __repr__(self) -> str:
+        text = ";".join(f"{d}:{','.join(a)}" for d, a in self.rules)
+        return f"Layout({text!r}{', strict=True' if self.strict else ''})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Layout) and (self.rules, self.strict) == (
+            other.rules,
+            other.strict,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.rules, self.strict))
+
+    def check(self, mesh) -> None:
+        """LayoutError for a rule naming a mesh axis the mesh lacks."""
+        for dim, axes in self.rules:
+            unknown = [a for a in axes if a not in mesh.sizes]
+            if unknown:
+                raise LayoutError(
+                    f"rule {dim}:{','.join(axes)} names mesh axis {unknown} not in {mesh}"
+                )
+
+    def of(
+        self, dims: Sequence[str], shape: Sequence[int], mesh, what: str = "tensor"
+    ) -> ValueLayout:
+        """The layout of a value with `dims` and `shape` under these rules on `mesh`;
+        LayoutError when a dim's size is not divisible by its mesh axes."""
+        self.check(mesh)
+        layout = self.assign(dims, shape, what)
+        check_divisible(layout, dims, shape, mesh, what, self)
+        return layout
+
+    def assign(self, dims: Sequence[str], shape=None, what: str = "tensor") -> ValueLayout:
+        """The mesh axes each of `dims` takes, in rule order; sizes not checked."""
+        taken: dict[str, str] = {}
+        split = {d: () for d in dims}
+        for dim, axes in self.rules:
+            if dim not in split:
+                continue
+            free = tuple(a for a in axes if a not in taken)
+            if len(free) < len(axes) and self.strict:
+                a = next(a for a in axes if a in taken)
+                shown = fmt_dims(dims, shape) if shape is not None else fmt_dims(dims)
+                raise LayoutError(
+                    f"{what} {shown}: mesh axis {a!r} would split both {taken[a]!r} and "
+                    f"{dim!r} (strict layout {self})"
+                )
+            taken.update((a, dim) for a in free)
+            split[dim] = free
+        return tuple(split[d] for d in dims)
+
+
+def check_divisible(layout: ValueLayout, dims, shape, mesh, what: str, rules=None) -> None:
+    """LayoutError for a dim whose size its mesh axes' product does not divide."""
+    for d, n, axes in zip(dims, shape, layout, strict=True):
+        k = math.prod(mesh.sizes[a] for a in axes)
+        if n % k:
+            by = f" (rule {d}:{','.join(axes)} of {rules})" if rules is not None else ""
+            raise LayoutError(
+                f"{what} {fmt_dims(dims, shape)}: dim {d!r} of size {n} is not divisible by "
+                f"mesh axes {axes} of total size {k}{by}"
+            )
+
+
+def partition_spec(layout: ValueLayout) -> PartitionSpec:
+    """The jax PartitionSpec of a value layout."""
+    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in layout))
+
+
+def local_shape(layout: ValueLayout, shape: Sequence[int], mesh) -> tuple[int, ...]:
+    """The per-device shard shape of a value of global `shape` with `layout`."""
+    return tuple(
+        n // math.prod(mesh.sizes[a] for a in axes) for n, axes in zip(shape, layout, strict=True)
+    )

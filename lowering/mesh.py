@@ -1,0 +1,49 @@
+"""`Mesh`: named mesh axes over devices."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from namedmesh.errors import MeshError
+
+
+class Mesh:
+    """Named mesh axes, `Mesh({"rows": 2, "cols": 4})`, over the first prod(sizes) of
+    `jax.devices()` or over the given devices, in row-major order."""
+
+    def __init__(self, sizes: Mapping[str, int], devices: Sequence | None = None):
+        if not isinstance(sizes, Mapping) or not sizes:
+            raise MeshError(f"a mesh needs a mapping axis -> size, got {sizes!r}")
+        for name, n in sizes.items():
+            if not isinstance(name, str) or not name:
+                raise MeshError(f"mesh axis names must be non-empty strings, got {name!r}")
+            if not isinstance(n, int | np.integer) or n < 1:
+                raise MeshError(f"mesh axis {name!r} must have a positive int size, got {n!r}")
+        self.sizes: dict[str, int] = {k: int(v) for k, v in sizes.items()}
+        self.size = math.prod(self.sizes.values())
+        devices = list(jax.devices() if devices is None else devices)
+        if len(devices) < self.size:
+            raise MeshError(
+                f"mesh {self} needs {self.size} devices but only {len(devices)} are available"
+                " (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before"
+                " importing jax)"
+            )
+        grid = np.array(devices[: self.size], dtype=object).reshape(tuple(self.sizes.values()))
+        self.jax_mesh = jax.sharding.Mesh(grid, tuple(self.sizes))
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.sizes)
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{k}={v}" for k, v in self.sizes.items()) + ")"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mesh) and other.sizes == self.sizes
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.sizes.items()))

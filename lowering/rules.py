@@ -1,0 +1,169 @@
+"""SPMD rules: how each primitive runs on local shards, and which collectives it needs.
+
+A rule takes (ctx, eqn, [(local array, layout), ...]) and returns the outputs as
+[(local array, layout), ...]. Primitives without a rule of their own use
+`replicated_rule`: gather every input, run the op whole, leave the result
+replicated (correct for every primitive, and the baseline the others improve on).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lowering import collectives as col
+
+RULES: dict = {}
+
+
+def rule(*names):
+    def register(fn):
+        for n in names:
+            RULES[n] = fn
+        return fn
+
+    return register
+
+
+def rule_for(prim):
+    return RULES.get(prim.name, replicated_rule)
+
+
+def replicated_rule(ctx, eqn, args):
+    xs = [ctx.relayout(x, lay, ((),) * len(lay)) for x, lay in args]
+    outs = eqn.primitive.jax_impl(*xs, **eqn.params)
+    outs = outs if eqn.primitive.multiple_results else (outs,)
+    return [(o, ((),) * len(v.dims)) for o, v in zip(outs, eqn.outputs, strict=True)]
+
+
+def _layout_in(dims, layout_of):
+    return tuple(layout_of.get(d, ()) for d in dims)
+
+
+ELEMENTWISE = (
+    "negative abs sign square reciprocal exp log log1p expm1 sqrt rsqrt sin cos tan tanh erf "
+    "sigmoid relu gelu silu floor ceil round logical_not isnan isfinite add subtract multiply "
+    "divide floor_divide mod power maximum minimum arctan2 equal not_equal less less_equal "
+    "greater greater_equal logical_and logical_or logical_xor where"
+).split()
+
+
+@rule(*ELEMENTWISE)
+def elementwise_rule(ctx, eqn, args):
+    """Inputs relaid to the output's layout; the op runs on matching shards."""
+    (out,) = eqn.outputs
+    want = ctx.wanted[out]
+    by_dim = dict(zip(out.dims, want, strict=True))
+    xs = [
+        ctx.relayout(x, lay, _layout_in(v.dims, by_dim))
+        for (x, lay), v in zip(args, eqn.inputs, strict=True)
+    ]
+    return [(eqn.primitive.jax_impl(*xs, **eqn.params), want)]
+
+
+@rule("convert", "stop_gradient", "rename")
+def same_layout_rule(ctx, eqn, args):
+    """Ops that act on each element alone and keep the dims' order: any layout will do."""
+    ((x, lay),) = args
+    return [(eqn.primitive.jax_impl(x, **eqn.params), lay)]
+
+
+@rule("einsum")
+def einsum_rule(ctx, eqn, args):
+    """Compute layout from the rules over all the einsum's dims (so each mesh axis splits at
+    most one of them); a summed dim split on an axis leaves partial sums, combined by
+    psum_scatter into an output dim the output wants split on that axis, else by psum."""
+    (out,) = eqn.outputs
+    sizes = {d: n for v in eqn.inputs for d, n in zip(v.dims, v.shape, strict=True)}
+    all_dims = tuple(dict.fromkeys(d for v in eqn.inputs for d in v.dims))
+    comp = dict(zip(all_dims, ctx.soft_layout(all_dims, [sizes[d] for d in all_dims]), strict=True))
+    xs = [
+        ctx.relayout(x, lay, _layout_in(v.dims, comp))
+        for (x, lay), v in zip(args, eqn.inputs, strict=True)
+    ]
+    y = eqn.primitive.jax_impl(*xs, **eqn.params)
+    cur = list(_layout_in(out.dims, comp))
+    want = ctx.wanted[out]
+    summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
+    reduce = []
+    for a in summed:
+        j = next((j for j, w in enumerate(want) if a in w), None)
+        if j is not None and tuple(want[j][: len(cur[j]) + 1]) == tuple(cur[j]) + (a,):
+            y = col.psum_scatter(y, (a,), j, ctx.log)
+            cur[j] = tuple(cur[j]) + (a,)
+        else:
+            reduce.append(a)
+    y = col.psum(y, tuple(reduce), ctx.log)
+    return [(ctx.relayout(y, tuple(cur), want), want)]
+
+
+def _reduced(eqn, lay):
+    axes = eqn.params["axes"]
+    split = tuple(a for i in axes for a in lay[i])
+    kept = tuple(lay[i] for i in range(len(lay)) if i not in axes)
+    return split, kept
+
+
+@rule("sum", "max", "min", "any", "all", "mean", "logsumexp")
+def reduction_rule(ctx, eqn, args):
+    """A local reduction, then psum / pmax / pmin over the axes that split reduced dims."""
+    ((x, lay),) = args
+    split, kept = _reduced(eqn, lay)
+    name, axes = eqn.primitive.name, eqn.params["axes"]
+    if name == "sum":
+        y = col.psum(jnp.sum(x, axis=axes, dtype=eqn.outputs[0].dtype), split, ctx.log)
+    elif name == "mean":
+        n = 1
+        for i in axes:
+            n *= eqn.inputs[0].shape[i]
+        y = col.psum(jnp.sum(x, axis=axes, dtype=eqn.outputs[0].dtype), split, ctx.log) / n
+    elif name in ("max", "any"):
+        y = col.pmax(jnp.max(x, axis=axes), split, ctx.log)
+    elif name in ("min", "all"):
+        y = col.pmin(jnp.min(x, axis=axes), split, ctx.log)
+    else:  # logsumexp, stable across shards: global max first
+        m = jax.lax.stop_gradient(col.pmax(jnp.max(x, axis=axes, keepdims=True), split, ctx.log))
+        m = jnp.where(jnp.isfinite(m), m, 0)
+        s = col.psum(jnp.sum(jnp.exp(x - m), axis=axes), split, ctx.log)
+        y = jnp.log(s) + jnp.squeeze(m, axes)
+    want = ctx.wanted[eqn.outputs[0]]
+    return [(ctx.relayout(y.astype(eqn.outputs[0].dtype), kept, want), want)]
+
+
+@rule(
+    "softmax",
+    "log_softmax",
+    "cumsum",
+    "argmax",
+    "argmin",
+    "top_k",
+    "slice",
+    "pad",
+    "shift",
+    "split",
+    "concat",
+)
+def along_dims_rule(ctx, eqn, args):
+    """Ops that act along some dims and are independent across the others: the acted-on
+    dims are gathered, every other dim keeps its split, and outputs keep the inputs' dims
+    in place (a reduced dim leaves)."""
+    p = eqn.params
+    acted = set(p["axes"]) if "axes" in p else {p["axis"]}
+    xs, kept = [], None
+    for x, lay in args:
+        lay2 = tuple(() if i in acted else a for i, a in enumerate(lay))
+        if kept is None:
+            kept = lay2
+        xs.append(ctx.relayout(x, lay, kept))
+    outs = eqn.primitive.jax_impl(*xs, **p)
+    outs = outs if eqn.primitive.multiple_results else (outs,)
+    result = []
+    for o, v in zip(outs, eqn.outputs, strict=True):
+        lay = (
+            kept
+            if len(v.dims) == len(kept)
+            else tuple(a for i, a in enumerate(kept) if i not in acted)
+        )
+        want = ctx.wanted[v]
+        result.append((ctx.relayout(o, lay, want), want))
+    return result
