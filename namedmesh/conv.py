@@ -17,8 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.errors import ShapeError, fmt_dims
-from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import Tensor
+
+
+def _positive(values, dims, what) -> tuple[int, ...]:
+    for d, v in zip(dims, values, strict=True):
+        if v < 1:
+            raise ShapeError(f"{what} for dim {d!r} must be >= 1, got {v}")
+    return tuple(values)
 
 
 def _per_dim(value, dims, what) -> tuple[int, ...]:
@@ -26,8 +33,17 @@ def _per_dim(value, dims, what) -> tuple[int, ...]:
         unknown = [d for d in value if d not in dims]
         if unknown:
             raise ShapeError(f"{what}: dim(s) {unknown} are not spatial dims {dims}")
-        return tuple(int(value.get(d, 1)) for d in dims)
-    return (int(value),) * len(dims)
+        return _positive(tuple(int(value.get(d, 1)) for d in dims), dims, what)
+    return _positive((int(value),) * len(dims), dims, what)
+
+
+def _explicit_pad(p, dim) -> tuple[int, int]:
+    if isinstance(p, int | str) or len(p) != 2:
+        raise ShapeError(f"padding for dim {dim!r} must be a pair (lo, hi), got {p!r}")
+    lo, hi = int(p[0]), int(p[1])
+    if lo < 0 or hi < 0:
+        raise ShapeError(f"padding: negative width {p!r} for dim {dim!r}")
+    return lo, hi
 
 
 def _padding(padding, dims, sizes, windows, strides, dilations):
@@ -36,7 +52,7 @@ def _padding(padding, dims, sizes, windows, strides, dilations):
         unknown = [d for d in padding if d not in dims]
         if unknown:
             raise ShapeError(f"padding: dim(s) {unknown} are not spatial dims {dims}")
-        return tuple(tuple(int(v) for v in padding.get(d, (0, 0))) for d in dims)
+        return tuple(_explicit_pad(padding.get(d, (0, 0)), d) for d in dims)
     if padding == "VALID":
         return ((0, 0),) * len(dims)
     if padding == "SAME":
@@ -94,7 +110,7 @@ def _conv_rule(x, k, spatial, strides, dilations, pads, dims):
     sizes = {**x_sizes, **k_sizes}
     for (d, w), s, dl, p in zip(spatial, strides, dilations, pads, strict=True):
         sizes[d] = _out_size(x_sizes[d], k_sizes[w], s, dl, p, d)
-    return Aval(out, tuple(sizes[d] for d in out), np.result_type(x.dtype, k.dtype))
+    return Aval(out, tuple(sizes[d] for d in out), result_dtype(x.dtype, k.dtype))
 
 
 def _conv_np(x, k, spatial, strides, dilations, pads, dims):
@@ -167,7 +183,9 @@ def conv(
     dims = tuple(sp)
     strides = _per_dim(stride, dims, "stride")
     dilations = _per_dim(dilation, dims, "dilation")
-    windows = tuple(kernel.size_of(w) for w in sp.values())
+    windows = _positive(
+        tuple(kernel.size_of(w) for w in sp.values()), tuple(sp.values()), "conv: window size"
+    )
     pads = _padding(padding, dims, [x.size_of(d) for d in dims], windows, strides, dilations)
     out = _conv_layout(x.dims, kernel.dims, sp)[2]
     return bind(
@@ -233,7 +251,7 @@ def pool(
     axes = tuple(x.dims.index(d) if d in x.dims else -1 for d in dims)
     if not dims or -1 in axes:
         raise ShapeError(f"pool: window dims {dims} must be dims of x {x.dims}")
-    windows = tuple(int(window[d]) for d in dims)
+    windows = _positive(tuple(int(window[d]) for d in dims), dims, "pool: window size")
     strides = windows if stride is None else _per_dim(stride, dims, "stride")
     pads = _padding(padding, dims, [x.size_of(d) for d in dims], windows, strides, (1,) * len(dims))
     return bind(_pool, x, axes=axes, windows=windows, strides=strides, pads=pads, kind=kind)

@@ -13,7 +13,7 @@ import numpy as np
 
 from namedmesh.elementwise import align
 from namedmesh.errors import ShapeError, fmt_dims
-from namedmesh.primitive import Aval, bind, primitive, zero_flops_cost
+from namedmesh.primitive import Aval, bind, primitive, result_dtype, zero_flops_cost
 from namedmesh.reductions import _one_axis
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
@@ -134,7 +134,7 @@ def _concat_rule(*xs, axis):
                 )
     n = builtins.sum(x.shape[axis] for x in xs)
     shape = first.shape[:axis] + (n,) + first.shape[axis + 1 :]
-    return Aval(first.dims, shape, np.result_type(*(x.dtype for x in xs)))
+    return Aval(first.dims, shape, result_dtype(*(x.dtype for x in xs)))
 
 
 _concat = primitive(
@@ -163,9 +163,7 @@ def _stack_rule(*xs, dim):
                 f"stack: operands have different sizes: {fmt_dims(xs[0].dims, xs[0].shape)} and "
                 f"{fmt_dims(x.dims, x.shape)}"
             )
-    return Aval(
-        (dim,) + xs[0].dims, (len(xs),) + xs[0].shape, np.result_type(*(x.dtype for x in xs))
-    )
+    return Aval((dim,) + xs[0].dims, (len(xs),) + xs[0].shape, result_dtype(*(x.dtype for x in xs)))
 
 
 _stack = primitive(
@@ -273,7 +271,10 @@ def pad(x: Tensor, widths: Mapping[str, int | tuple[int, int]], value=0) -> Tens
     pairs = []
     for d in x.dims:
         w = widths.get(d, (0, 0))
-        lo, hi = (w, w) if isinstance(w, int) else tuple(w)
+        pair = (w, w) if isinstance(w, int) else tuple(w)
+        if len(pair) != 2:
+            raise ShapeError(f"pad: width for dim {d!r} must be an int or (lo, hi), got {w!r}")
+        lo, hi = pair
         if lo < 0 or hi < 0:
             raise ShapeError(f"pad: negative width {w!r} for dim {d!r}")
         pairs.append((int(lo), int(hi)))
@@ -316,6 +317,11 @@ def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tenso
 
 
 # --- one_hot / gather / stop_gradient ------------------------------------------------
+def _wide(idx):
+    """Integer indices of at least 32 bits, so sizes and `idx + n` fit their dtype."""
+    return idx.astype(np.int32) if idx.dtype.itemsize < 4 else idx
+
+
 def _one_hot_rule(idx, dim, n, dtype):
     if idx.dtype.kind not in "iu":
         raise ShapeError(f"one_hot: indices must be integers, got {idx.dtype} {idx.dims}")
@@ -326,7 +332,7 @@ _one_hot = primitive(
     "one_hot",
     _one_hot_rule,
     lambda i, dim, n, dtype: (i[..., None] == np.arange(n)).astype(dtype),
-    lambda i, dim, n, dtype: jax.nn.one_hot(i, n, dtype=dtype),
+    lambda i, dim, n, dtype: jax.nn.one_hot(_wide(i), n, dtype=dtype),
 )
 
 
@@ -335,6 +341,8 @@ def one_hot(indices: Tensor, dim: str, n: int, dtype=np.float32) -> Tensor:
     for out-of-range indices)."""
     if dim in indices.dims:
         raise ShapeError(f"one_hot: new dim {dim!r} is already a dim of {indices.dims}")
+    if int(n) < 0:
+        raise ShapeError(f"one_hot: size of the new dim {dim!r} must be >= 0, got {n}")
     return bind(_one_hot, indices, dim=dim, n=int(n), dtype=np.dtype(dtype))
 
 
@@ -364,6 +372,7 @@ def _gather_impl(xp):
     def impl(x, idx, axis, dims):
         x_dims, idx_dims, out_dims = dims
         n = x.shape[axis]
+        idx = _wide(idx)
         idx = xp.clip(xp.where(idx < 0, idx + n, idx), 0, n - 1)
         index = []
         for a, d in enumerate(x_dims):

@@ -18,13 +18,36 @@ def programs(draw):
     """A list of steps; each step reads tensors from the pool by index and appends one."""
     sizes = {d: draw(st.integers(1, 4)) for d in DIMS}
     n_inputs = draw(st.integers(1, 3))
-    inputs = [tuple(draw(st.permutations(DIMS))[: draw(st.integers(0, 3))])
-              for _ in range(n_inputs)]
-    steps = [draw(st.tuples(st.sampled_from(
-        ["unary", "binary", "einsum", "reduce", "softmax", "transpose", "concat", "slice",
-         "pad", "shift", "cumsum", "top_k", "where"]),
-        st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6)))
-        for _ in range(draw(st.integers(1, 6)))]
+    inputs = [
+        tuple(draw(st.permutations(DIMS))[: draw(st.integers(0, 3))]) for _ in range(n_inputs)
+    ]
+    steps = [
+        draw(
+            st.tuples(
+                st.sampled_from(
+                    [
+                        "unary",
+                        "binary",
+                        "einsum",
+                        "reduce",
+                        "softmax",
+                        "transpose",
+                        "concat",
+                        "slice",
+                        "pad",
+                        "shift",
+                        "cumsum",
+                        "top_k",
+                        "where",
+                    ]
+                ),
+                st.integers(0, 10**6),
+                st.integers(0, 10**6),
+                st.integers(0, 10**6),
+            )
+        )
+        for _ in range(draw(st.integers(1, 6)))
+    ]
     return sizes, inputs, steps, draw(st.integers(0, 2**31 - 1))
 
 
@@ -43,8 +66,9 @@ def run_program(steps, *xs):
         elif kind == "einsum":
             union = list(dict.fromkeys(a.dims + b.dims))
             keep = [u for n, u in enumerate(union) if (k >> n) & 1]
-            out = nm.einsum(a, b, out=keep) if set(a.dims) != set(b.dims) or keep else \
-                nm.einsum(a, b)
+            out = (
+                nm.einsum(a, b, out=keep) if set(a.dims) != set(b.dims) or keep else nm.einsum(a, b)
+            )
         elif kind == "reduce" and dims:
             red = [x for n, x in enumerate(dims) if (k >> n) & 1] or [d]
             out = getattr(nm, ("sum", "mean", "max", "min", "logsumexp")[i % 5])(a, red)
@@ -76,8 +100,10 @@ def run_program(steps, *xs):
 def test_traced_reference_equals_eager_and_jax(case):
     sizes, inputs, steps, seed = case
     r = np.random.default_rng(seed)
-    xs = [nm.tensor(r.normal(size=[sizes[d] for d in dims]).astype(np.float32), dims)
-          for dims in inputs]
+    xs = [
+        nm.tensor(r.normal(size=[sizes[d] for d in dims]).astype(np.float32), dims)
+        for dims in inputs
+    ]
     fn = lambda *xs: run_program(steps, *xs)
     eager = fn(*xs)
     graph = nm.trace(fn, *xs)

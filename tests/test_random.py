@@ -46,8 +46,9 @@ def test_blocks_equal_slices_of_the_whole(draw):
     whole = random_values(key, (6, 10), draw, dtype, args)
     for xp in (np, jnp):
         for (r0, r1), (c0, c1) in [((0, 3), (0, 10)), ((3, 6), (5, 10)), ((2, 4), (4, 9))]:
-            block = random_values(key, (6, 10), draw, dtype, args, xp=xp,
-                                  offsets=(r0, c0), shape=(r1 - r0, c1 - c0))
+            block = random_values(
+                key, (6, 10), draw, dtype, args, xp=xp, offsets=(r0, c0), shape=(r1 - r0, c1 - c0)
+            )
             np.testing.assert_allclose(np.asarray(block), whole[r0:r1, c0:c1], rtol=1e-6)
 
 
@@ -78,7 +79,9 @@ def test_eager_numpy_equals_jit():
 
 def test_fold_in_and_split_give_distinct_keys():
     k = nm.random.key(0)
-    keys = [nm.random.fold_in(k, i).data for i in range(3)] + [s.data for s in nm.random.split(k, 3)]
+    keys = [nm.random.fold_in(k, i).data for i in range(3)] + [
+        s.data for s in nm.random.split(k, 3)
+    ]
     assert len({tuple(x) for x in keys}) == 6
     np.testing.assert_array_equal(nm.random.fold_in(k, 1).data, nm.random.fold_in(k, 1).data)
     jitted = jax.jit(lambda k: nm.random.fold_in(k, 1))(k)

@@ -25,8 +25,13 @@ def test_quickstart_commands_are_the_make_targets():
 
 
 def test_demo_script_runs_and_agrees_with_numpy():
-    out = subprocess.run([sys.executable, "-m", "namedmesh.demo"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "namedmesh.demo"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "traced graph" in out.stdout and "einsum(" in out.stdout
     err = float(re.search(r"= ([0-9.e+-]+)", out.stdout.splitlines()[-1]).group(1))
@@ -34,6 +39,7 @@ def test_demo_script_runs_and_agrees_with_numpy():
 
 
 def test_ruff_is_clean():
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr

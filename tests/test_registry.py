@@ -22,8 +22,7 @@ def test_cost_rules_return_costs_for_a_traced_program():
     x = nm.zeros({"a": 4, "b": 6})
     g = nm.trace(lambda x: nm.softmax(nm.einsum(x, x * 2, out="a"), "a").sum(), x)
     for e in g.eqns:
-        c = e.primitive.cost_rule([v.aval for v in e.inputs], [v.aval for v in e.outputs],
-                                  e.params)
+        c = e.primitive.cost_rule([v.aval for v in e.inputs], [v.aval for v in e.outputs], e.params)
         assert isinstance(c, Cost) and c.flops >= 0 and c.bytes > 0
 
 
@@ -35,9 +34,16 @@ def test_aval_sizes_and_bytes():
 def test_each_primitive_is_exercised_by_the_tests():
     """A primitive no test file names is an untested primitive."""
     text = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
-    text += "".join(p.read_text() for p in (Path(__file__).parent.parent / "property_tests")
-                    .glob("test_*.py"))
-    public = {"random": "random.normal", "random_fold_in": "fold_in", "full": "zeros",
-              "iota": "arange", "convert": "astype", "slice": "nm.slice"}
+    text += "".join(
+        p.read_text() for p in (Path(__file__).parent.parent / "property_tests").glob("test_*.py")
+    )
+    public = {
+        "random": "random.normal",
+        "random_fold_in": "fold_in",
+        "full": "zeros",
+        "iota": "arange",
+        "convert": "astype",
+        "slice": "nm.slice",
+    }
     missing = [n for n in nm.REGISTRY if not re.search(re.escape(public.get(n, n)), text)]
     assert not missing

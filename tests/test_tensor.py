@@ -109,9 +109,21 @@ def test_operators_match_numpy():
     b = np.random.default_rng(1).uniform(1, 2, size=(3,)).astype(np.float32)
     x, y = nm.tensor(a, "i"), nm.tensor(b, "i")
     for got, want in [
-        (x + y, a + b), (x - y, a - b), (x * y, a * b), (x / y, a / b), (x ** y, a**b),
-        (x // y, a // b), (x % y, a % b), (-x, -a), (abs(-x), a), (2 - x, 2 - a),
-        (2 / x, 2 / a), (x < y, a < b), (x >= y, a >= b), (x == x, a == a), (x != y, a != b),
+        (x + y, a + b),
+        (x - y, a - b),
+        (x * y, a * b),
+        (x / y, a / b),
+        (x**y, a**b),
+        (x // y, a // b),
+        (x % y, a % b),
+        (-x, -a),
+        (abs(-x), a),
+        (2 - x, 2 - a),
+        (2 / x, 2 / a),
+        (x < y, a < b),
+        (x >= y, a >= b),
+        (x == x, a == a),
+        (x != y, a != b),
     ]:
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
     m, n = x > 1.5, y > 1.5

@@ -28,8 +28,11 @@ def test_graph_records_equations_in_order():
     g = nm.trace(mlp, PARAMS, X)
     names = [e.primitive.name for e in g.eqns]
     assert names == ["einsum", "relu", "einsum", "multiply", "log_softmax"]
-    assert [v.dims for v in g.inputs] == [("d_model", "d_ff"), ("d_ff", "d_model"),
-                                          ("batch", "d_model")]
+    assert [v.dims for v in g.inputs] == [
+        ("d_model", "d_ff"),
+        ("d_ff", "d_model"),
+        ("batch", "d_model"),
+    ]
     assert g.outputs[0].dims == ("batch", "d_model") and g.outputs[0].shape == (4, 8)
     assert len(g.consts) == 1  # the scalar 0.5
 
@@ -53,8 +56,9 @@ def test_reference_equals_eager_and_numpy():
 def test_reference_takes_arrays_in_place_of_tensors():
     g = nm.trace(mlp, PARAMS, X)
     raw = {k: v.data for k, v in PARAMS.items()}
-    np.testing.assert_allclose(nm.reference(g)(raw, X.data).data, numpy_mlp(PARAMS, X.data), atol=1e-6,
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        nm.reference(g)(raw, X.data).data, numpy_mlp(PARAMS, X.data), atol=1e-6, rtol=1e-5
+    )
 
 
 def test_interpret_runs_jax_and_is_differentiable():
@@ -125,7 +129,6 @@ def test_non_tensor_inputs_and_results_are_refused():
 def test_cost_rules_give_flops_and_bytes():
     g = nm.trace(lambda x, w: nm.einsum(x, w), X, W)
     (e,) = g.eqns
-    cost = e.primitive.cost_rule([v.aval for v in e.inputs], [v.aval for v in e.outputs],
-                                 e.params)
+    cost = e.primitive.cost_rule([v.aval for v in e.inputs], [v.aval for v in e.outputs], e.params)
     assert cost.flops == 2 * 4 * 8 * 16
     assert cost.bytes == 4 * (4 * 8 + 8 * 16 + 4 * 16)
