@@ -1,1 +1,9 @@
-"""lowering: turns namedmesh programs into SPMD programs on a device mesh (issue 4)."""
+"""lowering: turns namedmesh programs into SPMD programs on a device mesh.
+
+`lower(fn, Mesh({"rows": 2, "cols": 4}), Layout("batch:rows;d_ff:cols"))` returns a
+callable running jit(shard_map(...)) over the mesh; see lowering/lower.py.
+"""
+
+from lowering.layout import Layout, partition_spec
+from lowering.lower import Lowered, Plan, lower
+from lowering.mesh import Mesh

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from lowering import collectives as col
+from lowering.layout import local_shape
 
 RULES: dict = {}
 
@@ -167,3 +168,53 @@ def along_dims_rule(ctx, eqn, args):
         want = ctx.wanted[v]
         result.append((ctx.relayout(o, lay, want), want))
     return result
+
+
+def _offsets(ctx, layout, local):
+    return [
+        col.axis_index(axes, ctx.sizes) * n if axes else 0
+        for axes, n in zip(layout, local, strict=True)
+    ]
+
+
+@rule("random")
+def random_rule(ctx, eqn, args):
+    """Each device draws only its own block, from the block's global offsets: the values
+    equal the single-device ones under every layout, and nothing moves."""
+    from namedmesh.random import random_values
+
+    ((key, lay),) = args
+    key = ctx.relayout(key, lay, ((),))
+    (out,) = eqn.outputs
+    want = ctx.wanted[out]
+    local = local_shape(want, out.shape, ctx.mesh)
+    p = eqn.params
+    y = random_values(
+        key,
+        p["shape"],
+        p["dist"],
+        p["dtype"],
+        p["args"],
+        xp=jnp,
+        offsets=_offsets(ctx, want, local),
+        shape=local,
+    )
+    return [(y, want)]
+
+
+@rule("full")
+def full_rule(ctx, eqn, args):
+    (out,) = eqn.outputs
+    want = ctx.wanted[out]
+    p = eqn.params
+    return [(jnp.full(local_shape(want, out.shape, ctx.mesh), p["value"], p["dtype"]), want)]
+
+
+@rule("iota")
+def iota_rule(ctx, eqn, args):
+    (out,) = eqn.outputs
+    want = ctx.wanted[out]
+    (n,) = local_shape(want, out.shape, ctx.mesh)
+    (off,) = _offsets(ctx, want, (n,))
+    p = eqn.params
+    return [((p["start"] + p["step"] * (jnp.arange(n) + off)).astype(p["dtype"]), want)]

@@ -28,12 +28,16 @@ def _positive(values, dims, what) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _per_dim(value, dims, what) -> tuple[int, ...]:
+def _per_dim(value, dims, what, default=None) -> tuple[int, ...]:
+    """An int or a dict by spatial dim, as one positive int per dim (missing dims take
+    `default`, one per dim, or 1)."""
     if isinstance(value, Mapping):
         unknown = [d for d in value if d not in dims]
         if unknown:
             raise ShapeError(f"{what}: dim(s) {unknown} are not spatial dims {dims}")
-        return _positive(tuple(int(value.get(d, 1)) for d in dims), dims, what)
+        default = default or (1,) * len(dims)
+        vals = tuple(int(value.get(d, k)) for d, k in zip(dims, default, strict=True))
+        return _positive(vals, dims, what)
     return _positive((int(value),) * len(dims), dims, what)
 
 
@@ -243,7 +247,8 @@ def pool(
 ) -> Tensor:
     """Max or mean ("mean") over windows of the spatial dims in `window` (dim -> size).
 
-    `stride` defaults to the window (non-overlapping). A mean counts padded zeros.
+    `stride` defaults to the window (non-overlapping), also for dims a stride dict omits.
+    A mean counts padded zeros.
     """
     if kind not in ("max", "mean"):
         raise ShapeError(f"pool: kind must be 'max' or 'mean', got {kind!r}")
@@ -252,6 +257,6 @@ def pool(
     if not dims or -1 in axes:
         raise ShapeError(f"pool: window dims {dims} must be dims of x {x.dims}")
     windows = _positive(tuple(int(window[d]) for d in dims), dims, "pool: window size")
-    strides = windows if stride is None else _per_dim(stride, dims, "stride")
+    strides = windows if stride is None else _per_dim(stride, dims, "stride", windows)
     pads = _padding(padding, dims, [x.size_of(d) for d in dims], windows, strides, (1,) * len(dims))
     return bind(_pool, x, axes=axes, windows=windows, strides=strides, pads=pads, kind=kind)

@@ -242,7 +242,7 @@ def slice_(
 ) -> Tensor:
     """Elements `start:stop:step` along `dim` (Python slice rules, positive step)."""
     axis = _one_axis(x, dim, "slice")
-    if not isinstance(step, int) or step < 1:
+    if not isinstance(step, int | np.integer) or step < 1:
         raise ShapeError(f"slice: step must be a positive int, got {step!r} for dim {dim!r}")
     start, stop, step = builtins.slice(start, stop, step).indices(x.shape[axis])
     stop = builtins.max(stop, start)
