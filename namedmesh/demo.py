@@ -24,9 +24,7 @@ def main() -> None:
     h = x.data @ w.data
     h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
     ref = (h - np.log(np.exp(h).sum(axis=1, keepdims=True))).mean(axis=0)
-    err = max(
-        np.abs(eager.data - ref).max(), np.abs(nm.reference(graph)(x, w).data - ref).max()
-    )
+    err = max(np.abs(eager.data - ref).max(), np.abs(nm.reference(graph)(x, w).data - ref).max())
     print(f"\nmax |namedmesh - positional NumPy| = {err:.2e}")
     if err > 1e-4:
         raise SystemExit("demo: namedmesh disagrees with NumPy")

@@ -49,6 +49,9 @@ def operands(*xs, op: str, like_from: int = 0) -> list[Tensor]:
         if isinstance(x, Tensor):
             out.append(x)
             continue
+        if isinstance(x, jax.Array) and x.ndim == 0:  # a jax scalar, traced under jit too
+            out.append(Tensor._make(x, ()))
+            continue
         if isinstance(x, np.ndarray | np.generic) and np.ndim(x) == 0:
             x = x.item()
         if not isinstance(x, bool | int | float | complex):

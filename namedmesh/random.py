@@ -181,6 +181,8 @@ def integers(k, sizes: Mapping[str, int], low: int, high: int, dtype=np.int32) -
     """Integers in [low, high)."""
     if not int(high) > int(low):
         raise ShapeError(f"integers: high={high!r} must exceed low={low!r}")
+    if int(high) - int(low) > 2**32:
+        raise ShapeError(f"integers: the range [{low}, {high}) is wider than 2**32")
     return _draw(k, sizes, "integers", dtype, (int(low), int(high)))
 
 

@@ -67,7 +67,10 @@ def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt):
 
 
 def _sum_dtype(dt):
-    return np.dtype(np.int32) if dt.kind == "b" else dt
+    """Sums of bools and of integers narrower than 32 bits accumulate in 32 bits, as in JAX."""
+    if dt.kind == "b" or (dt.kind == "i" and dt.itemsize < 4):
+        return np.dtype(np.int32)
+    return np.dtype(np.uint32) if dt.kind == "u" and dt.itemsize < 4 else dt
 
 
 sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype)
@@ -161,7 +164,11 @@ def _top_k_rule(x, axis, k, new_dim):
 
 
 def _top_k_np(x, axis, k, new_dim):
-    idx = np.take(np.argsort(-x, axis=axis, kind="stable"), np.arange(k), axis=axis)
+    # Descending and stable (the lower index first on ties), NaN largest, as jax.lax.top_k;
+    # sorting the reversed array ascending avoids negating unsigned or boolean values.
+    n = x.shape[axis]
+    order = np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+    idx = (n - 1 - np.take(order, np.arange(k), axis=axis)).astype(np.int32)
     return np.take_along_axis(x, idx, axis=axis), idx
 
 

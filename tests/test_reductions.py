@@ -106,3 +106,29 @@ def test_int_sum_keeps_int32():
 def test_reduction_errors_name_the_dims(call, match):
     with pytest.raises(ShapeError, match=match):
         call()
+
+
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.array([0, 5, 3, 5], np.uint8),
+        np.array([np.iinfo(np.int32).min, 1, 2, 1], np.int32),
+        np.array([True, False, True, False]),
+        np.array([1.0, np.nan, 3.0, 3.0]),
+    ],
+)
+def test_top_k_numpy_and_jax_agree_on_awkward_dtypes(arr):
+    """Descending, lower index first on ties, NaN largest: jax.lax.top_k's order."""
+    vals = arr.astype(np.float64)
+    nan_first = np.where(np.isnan(vals), np.inf, vals)
+    want = sorted(range(arr.size), key=lambda i: (-nan_first[i], i))[:3]
+    t = nm.tensor(arr, "a")
+    for vals, idx in (nm.top_k(t, "a", 3), jax.jit(lambda t: nm.top_k(t, "a", 3))(t)):
+        np.testing.assert_array_equal(np.asarray(idx.data), want)
+        np.testing.assert_array_equal(np.asarray(vals.data), arr[want])
+
+
+def test_narrow_int_sums_accumulate_in_int32():
+    i8 = nm.tensor(np.array([100, 100], np.int8), "a")
+    assert i8.sum().dtype == np.int32 and int(i8.sum()) == 200
+    assert jax.jit(lambda t: t.sum())(i8).dtype == np.int32

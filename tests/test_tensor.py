@@ -152,3 +152,9 @@ def test_astype():
     x = nm.tensor(np.array([1.7, -2.2]), "a")
     assert x.astype(np.int32).dtype == np.int32
     np.testing.assert_array_equal(x.astype(np.int32).data, [1, -2])
+
+
+def test_jax_scalars_broadcast_like_python_scalars():
+    x = nm.ones({"a": 2})
+    np.testing.assert_array_equal((x * jnp.float32(2)).data, [2, 2])
+    np.testing.assert_array_equal(jax.jit(lambda t, s: t * s)(x, 3.0).data, [3, 3])

@@ -1,0 +1,103 @@
+"""docs/language.md is a test: its python blocks run in order, and it names every public op."""
+
+import inspect
+import linecache
+import re
+import traceback
+from pathlib import Path
+
+import pytest
+
+import namedmesh as nm
+from namedmesh import random as nm_random
+from namedmesh.primitive import REGISTRY
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "language.md"
+
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
+
+# Public names of namedmesh that are plumbing rather than ops a user calls.
+NOT_CHECKED = {"REGISTRY", "Aval", "Cost", "Primitive", "bind", "Eqn", "__version__"}
+
+
+def _text() -> str:
+    return DOC.read_text(encoding="utf-8")
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """(line number, source) of each ```python block, in page order."""
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(2))
+        for m in FENCE.finditer(text)
+        if m.group(1) == "python"
+    ]
+
+
+def inline_code(text: str) -> list[str]:
+    """The `...` spans of the prose (fenced blocks removed)."""
+    prose = FENCE.sub("", text)
+    return re.findall(r"`([^`\n]+)`", prose)
+
+
+def test_page_has_python_blocks():
+    blocks = python_blocks(_text())
+    assert len(blocks) >= 10
+    first = blocks[0][1]
+    assert "import numpy as np" in first and "import namedmesh as nm" in first
+
+
+def test_python_blocks_run_in_order():
+    """Every ```python block, exec'd in page order in one fresh namespace."""
+    before = set(REGISTRY)
+    namespace: dict = {"__name__": "docs_language"}
+    try:
+        for number, (line, source) in enumerate(python_blocks(_text()), start=1):
+            filename = f"{DOC.name}:block{number}(line {line})"
+            # so that a traceback shows the failing line of the block
+            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+            code = compile(source, filename, "exec")
+            try:
+                exec(code, namespace)
+            except Exception as e:  # any failure, reported with its block
+                tb = "".join(traceback.format_exception(e, limit=-3))
+                pytest.fail(
+                    f"python block {number} (line {line} of {DOC.name}) raised "
+                    f"{type(e).__name__}: {e}\n{tb}",
+                    pytrace=False,
+                )
+    finally:
+        for name in set(REGISTRY) - before:  # primitives the page registers as examples
+            del REGISTRY[name]
+
+
+def _public_ops(module, exclude=()) -> list[str]:
+    names = []
+    for name, obj in vars(module).items():
+        if name.startswith("_") or name in exclude or inspect.ismodule(obj):
+            continue
+        if inspect.isclass(obj) or callable(obj):
+            names.append(name)
+    return sorted(names)
+
+
+def _mentioned(spans: list[str], qualified: str) -> bool:
+    pattern = re.compile(r"(?<![\w.])" + re.escape(qualified) + r"(?!\w)")
+    return any(pattern.search(s) for s in spans)
+
+
+def test_every_public_op_is_documented():
+    spans = inline_code(_text())
+    missing = [n for n in _public_ops(nm, NOT_CHECKED) if not _mentioned(spans, f"nm.{n}")]
+    assert not missing, f"not mentioned as `nm.<name>` in {DOC.name}: {missing}"
+
+
+def test_every_random_function_is_documented():
+    spans = inline_code(_text())
+    own = [
+        n
+        for n in _public_ops(nm_random)
+        if getattr(getattr(nm_random, n), "__module__", None) == nm_random.__name__
+    ]
+    assert "normal" in own and "key" in own
+    missing = [n for n in own if not _mentioned(spans, f"nm.random.{n}")]
+    assert not missing, f"not mentioned as `nm.random.<name>` in {DOC.name}: {missing}"
