@@ -1,7 +1,8 @@
 """SPMD rules: how each primitive runs on local shards, and which collectives it needs.
 
 A rule takes (ctx, eqn, [(local array, layout), ...]) and returns the outputs as
-[(local array, layout), ...]. Primitives without a rule of their own use
+[(local array, layout), ...]. `@rule(name, ...)` stores it in the primitive's
+`spmd_rule` slot (namedmesh.REGISTRY). Primitives without a rule of their own use
 `replicated_rule`: gather every input, run the op whole, leave the result
 replicated (correct for every primitive, and the baseline the others improve on).
 """
@@ -13,21 +14,22 @@ import jax.numpy as jnp
 
 from lowering import collectives as col
 from lowering.layout import local_shape
-
-RULES: dict = {}
+from namedmesh.primitive import REGISTRY
 
 
 def rule(*names):
+    """Fill the `spmd_rule` slot of the named primitives."""
+
     def register(fn):
         for n in names:
-            RULES[n] = fn
+            REGISTRY[n].spmd_rule = fn  # a KeyError here is a typo in a primitive name
         return fn
 
     return register
 
 
 def rule_for(prim):
-    return RULES.get(prim.name, replicated_rule)
+    return prim.spmd_rule or replicated_rule
 
 
 def replicated_rule(ctx, eqn, args):
