@@ -46,30 +46,42 @@ def gather(x, dim: int, axes: tuple[str, ...], log: Log):
     return jax.lax.all_gather(x, name, axis=dim, tiled=True, to="invarying")
 
 
+def gather_stacked(x, axes: tuple[str, ...], log: Log):
+    """Every device's `x` along the mesh axes `axes`, stacked on a new leading dim."""
+    log("all_gather", axes, _nbytes(x))
+    return jax.lax.all_gather(x, axes[0] if len(axes) == 1 else axes, axis=0, to="invarying")
+
+
 def relayout(x, src: ValueLayout, dst: ValueLayout, sizes: dict[str, int], log: Log):
-    """The local shard of layout `dst` from the local shard `x` of layout `src`."""
+    """The local shard of layout `dst` from the local shard `x` of layout `src`.
+
+    Repeatedly: move an axis that is the minor split of one dim and the next split
+    `dst` wants of another with all_to_all; else all_gather the minor split of a dim
+    whose splits are not a prefix of what `dst` wants. Then slice the splits `dst` adds.
+    """
     cur = [tuple(a) for a in src]
     if cur == list(dst):
         return x
-    # 1. An axis that is the minor split of dim i and the next split of dim j: all_to_all.
-    for i in range(len(cur)):
-        while cur[i] and cur[i] != dst[i][: len(cur[i])]:
-            a = cur[i][-1]
+    prefix = lambda i: cur[i] == dst[i][: len(cur[i])]
+    while not all(prefix(i) for i in range(len(cur))):
+        for i in range(len(cur)):
+            a = cur[i][-1] if cur[i] else None
             j = next((j for j, d in enumerate(dst) if a in d), None)
-            if j is None or j == i or dst[j][: len(cur[j]) + 1] != cur[j] + (a,):
+            if (
+                a is not None
+                and not prefix(i)
+                and j is not None
+                and j != i
+                and dst[j][: len(cur[j]) + 1] == cur[j] + (a,)
+            ):
+                log("all_to_all", (a,), _nbytes(x))
+                x = jax.lax.all_to_all(x, a, split_axis=j, concat_axis=i, tiled=True)
+                cur[i], cur[j] = cur[i][:-1], cur[j] + (a,)
                 break
-            log("all_to_all", (a,), _nbytes(x))
-            x = jax.lax.all_to_all(x, a, split_axis=j, concat_axis=i, tiled=True)
-            cur[i], cur[j] = cur[i][:-1], cur[j] + (a,)
-    # 2. Splits that `dst` does not keep: all_gather the axes past the common prefix.
-    for i, (c, d) in enumerate(zip(cur, dst, strict=True)):
-        keep = 0
-        while keep < min(len(c), len(d)) and c[keep] == d[keep]:
-            keep += 1
-        if keep < len(c):
-            x = gather(x, i, c[keep:], log)
-            cur[i] = c[:keep]
-    # 3. Splits that `dst` adds: slice locally.
+        else:
+            i = next(i for i in range(len(cur)) if not prefix(i))
+            x = gather(x, i, cur[i][-1:], log)
+            cur[i] = cur[i][:-1]
     for i, (c, d) in enumerate(zip(cur, dst, strict=True)):
         x = slice_to(x, i, d[len(c) :], sizes)
     return x

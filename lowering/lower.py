@@ -2,13 +2,15 @@
 
 The function is traced to a Graph; every value gets the layout the rules give it
 (inputs and outputs must divide exactly; an intermediate whose size an axis does
-not divide is left unsplit on that dim). Inside shard_map each equation runs by
-its primitive's SPMD rule (lowering/rules.py) on local shards, and the
-collectives the rules issue are logged per equation for `.plan()`.
+not divide is left unsplit on that dim; `nm.constrain` pins a value's layout).
+Inside shard_map each equation runs by its primitive's SPMD rule
+(lowering/rules.py) on local shards. The rules report the local ops they run and
+the collectives they issue, which `.plan()` and `.report()` show.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,30 +23,69 @@ from lowering.collectives import relayout
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh
 from namedmesh.errors import LayoutError, NamedMeshError
+from namedmesh.primitive import Aval
 from namedmesh.tensor import Tensor
 
 
 @dataclass
+class Step:
+    """One equation of the plan: layouts in and out, local ops run, collectives issued."""
+
+    name: str
+    inputs: list  # (dims, layout) per input
+    outputs: list  # (dims, layout) per output
+    local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
+    collectives: list = field(default_factory=list)  # (kind, axes, local input bytes)
+
+
+class Plan(list):
+    """The Steps of a lowered program, printable."""
+
+    def __str__(self) -> str:
+        def fmt(dims, lay):
+            parts = (d + (":" + ",".join(a) if a else "") for d, a in zip(dims, lay, strict=True))
+            return "[" + ", ".join(parts) + "]"
+
+        lines = []
+        for s in self:
+            ins = " ".join(fmt(*x) for x in s.inputs)
+            outs = " ".join(fmt(*x) for x in s.outputs)
+            lines.append(f"{s.name}: {ins} -> {outs}")
+            for kind, axes, nbytes in s.collectives:
+                lines.append(f"    {kind} over {','.join(axes)}: {nbytes} bytes in per device")
+        return "\n".join(lines)
+
+
+@dataclass
 class Context:
-    """What a rule sees: the mesh, the layouts the planner wants, and the collective log."""
+    """What a rule sees: the mesh, the rules, the layouts the planner wants, and the
+    current plan step, to which `log` and `local` report."""
 
     mesh: Mesh
     layout: Layout
     wanted: dict
-    entries: list = field(default_factory=list)
+    step: Step | None = None
 
     @property
     def sizes(self) -> dict[str, int]:
         return self.mesh.sizes
 
     def log(self, kind: str, axes: tuple[str, ...], nbytes: int) -> None:
-        self.entries.append((kind, tuple(axes), int(nbytes)))
+        self.step.collectives.append((kind, tuple(axes), int(nbytes)))
+
+    def local(self, prim, *arrays, **params):
+        """Run `prim`'s jax implementation on local shards, noting it for the cost report."""
+        out = prim.jax_impl(*arrays, **params)
+        outs = out if prim.multiple_results else (out,)
+        aval = lambda a: Aval((), tuple(a.shape), np.dtype(a.dtype))
+        self.step.local.append((prim, params, [aval(a) for a in arrays], [aval(o) for o in outs]))
+        return out
 
     def soft_layout(self, dims, shape) -> ValueLayout:
-        """The rules' layout of (dims, shape), leaving unsplit the dims an axis does not divide."""
+        """The rules' layout of (dims, shape), leaving unsplit a dim its axes do not divide."""
         layout = list(self.layout.assign(dims, shape, "value"))
         for i, n in enumerate(shape):
-            if n % int(np.prod([self.sizes[a] for a in layout[i]])):
+            if n % math.prod(self.sizes[a] for a in layout[i]):
                 layout[i] = ()
         return tuple(layout)
 
@@ -52,65 +93,58 @@ class Context:
         return relayout(x, src, dst, self.sizes, self.log)
 
 
-@dataclass
-class PlanStep:
-    eqn: object
-    layouts_in: list
-    layouts_out: list
-    collectives: list
-
-
-class Plan(list):
-    """Per equation: the layouts in and out and the collectives issued."""
-
-    def __str__(self) -> str:
-        fmt = lambda v, lay: (
-            "["
-            + ", ".join(
-                d + (":" + ",".join(a) if a else "") for d, a in zip(v.dims, lay, strict=True)
-            )
-            + "]"
+def constraint_layout(rules_, v, mesh) -> ValueLayout:
+    """The layout `nm.constrain` pins: its rules alone (other dims replicated), strictly."""
+    layout = Layout(rules_, strict=True)
+    unknown = [d for d, _ in layout.rules if d not in v.dims]
+    if unknown:
+        raise LayoutError(
+            f"constraint {layout} names dim(s) {unknown} that the value {v.dims} lacks"
         )
-        lines = []
-        for s in self:
-            ins = " ".join(fmt(v, lay) for v, lay in zip(s.eqn.inputs, s.layouts_in, strict=True))
-            outs = " ".join(
-                fmt(v, lay) for v, lay in zip(s.eqn.outputs, s.layouts_out, strict=True)
-            )
-            lines.append(f"{s.eqn.primitive.name}: {ins} -> {outs}")
-            for kind, axes, nbytes in s.collectives:
-                lines.append(f"    {kind} over {','.join(axes)}: {nbytes} bytes per device")
-        return "\n".join(lines)
+    return layout.of(v.dims, v.shape, mesh, "constrained value")
+
+
+@dataclass
+class _Built:
+    graph: object
+    out_layouts: list
+    jitted: Callable
+    plan: Plan
 
 
 class Lowered:
     """The callable `lower` returns; see the module docstring."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, layout: Layout):
+    def __init__(self, fn: Callable, mesh: Mesh, layout: Layout | str):
         self.fn, self.mesh = fn, mesh
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.layout.check(mesh)
         self._cache: dict = {}
 
-    def _key(self, args):
+    def _build(self, args):
         leaves, tree = jax.tree_util.tree_flatten(list(args), is_leaf=_is_tensor)
         for x in leaves:
             if not isinstance(x, Tensor):
                 raise NamedMeshError(f"lowered functions take Tensors, got a {type(x).__name__}")
-        return leaves, (tree, tuple((x.dims, x.shape, x.dtype) for x in leaves))
+        key = (tree, tuple((x.dims, x.shape, x.dtype) for x in leaves))
+        if key not in self._cache:
+            self._cache[key] = self._plan(args)
+        return [x.data for x in leaves], self._cache[key]
 
-    def _build(self, args):
-        leaves, key = self._key(args)
-        if key in self._cache:
-            return leaves, self._cache[key]
+    def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
-        wanted = {}
-        for i, v in enumerate(graph.inputs):
-            wanted[v] = self.layout.of(v.dims, v.shape, self.mesh, f"input {i}")
+        wanted = {
+            v: self.layout.of(v.dims, v.shape, self.mesh, f"input {i}")
+            for i, v in enumerate(graph.inputs)
+        }
         ctx = Context(self.mesh, self.layout, wanted)
         for e in graph.eqns:
             for v in e.outputs:
                 wanted[v] = ctx.soft_layout(v.dims, v.shape)
+            if e.primitive.name == "constrain":
+                wanted[e.outputs[0]] = constraint_layout(
+                    e.params["layout"], e.outputs[0], self.mesh
+                )
         out_layouts = [
             self.layout.of(v.dims, v.shape, self.mesh, f"output {i}")
             for i, v in enumerate(graph.outputs)
@@ -118,88 +152,68 @@ class Lowered:
         plan = Plan()
 
         def body(*local_inputs):
-            ctx.entries = []
+            plan.clear()
             env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, local_inputs, strict=True)}
             for v, c in graph.consts.items():
                 env[v] = (jax.numpy.asarray(c), ((),) * len(v.dims))
-            plan.clear()
             for e in graph.eqns:
-                ctx.entries = []
                 ins = [env[v] for v in e.inputs]
-                outs = rules.rule_for(e.primitive)(ctx, e, ins)
-                env.update(zip(e.outputs, outs, strict=True))
-                plan.append(
-                    PlanStep(e, [lay for _, lay in ins], [lay for _, lay in outs], ctx.entries)
+                ctx.step = Step(
+                    e.primitive.name,
+                    [(v.dims, lay) for v, (_, lay) in zip(e.inputs, ins, strict=True)],
+                    [],
                 )
-            ctx.entries = []
+                outs = rules.rule_for(e.primitive)(ctx, e, ins)
+                ctx.step.outputs = [
+                    (v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)
+                ]
+                plan.append(ctx.step)
+                env.update(zip(e.outputs, outs, strict=True))
+            ctx.step = Step(
+                "outputs",
+                [(v.dims, env[v][1]) for v in graph.outputs],
+                [(v.dims, lay) for v, lay in zip(graph.outputs, out_layouts, strict=True)],
+            )
             res = [
                 ctx.relayout(*env[v], lay)
                 for v, lay in zip(graph.outputs, out_layouts, strict=True)
             ]
-            if ctx.entries:
-                plan.append(
-                    PlanStep(_OutputEqn(graph.outputs), out_layouts, out_layouts, ctx.entries)
-                )
+            if ctx.step.collectives:
+                plan.append(ctx.step)
             return res
 
-        in_specs = tuple(partition_spec(wanted[v]) for v in graph.inputs)
-        out_specs = [partition_spec(lay) for lay in out_layouts]
         sharded = jax.shard_map(
-            body, mesh=self.mesh.jax_mesh, in_specs=in_specs, out_specs=out_specs
+            body,
+            mesh=self.mesh.jax_mesh,
+            in_specs=tuple(partition_spec(wanted[v]) for v in graph.inputs),
+            out_specs=[partition_spec(lay) for lay in out_layouts],
         )
-        built = _Built(graph, in_specs, out_layouts, jax.jit(sharded), plan)
-        self._cache[key] = built
-        return leaves, built
-
-    def _datas(self, leaves, built):
-        return [x.data for x in leaves]
+        return _Built(graph, out_layouts, jax.jit(sharded), plan)
 
     def __call__(self, *args):
-        leaves, built = self._build(args)
-        outs = built.jitted(*self._datas(leaves, built))
+        datas, built = self._build(args)
+        outs = built.jitted(*datas)
         tensors = [Tensor._make(o, v.dims) for o, v in zip(outs, built.graph.outputs, strict=True)]
         return jax.tree_util.tree_unflatten(built.graph.out_tree, tensors)
 
     def plan(self, *args) -> Plan:
         """Per equation: layouts in and out and the collectives chosen (printable)."""
-        leaves, built = self._build(args)
-        jax.eval_shape(built.jitted, *self._datas(leaves, built))
+        datas, built = self._build(args)
+        jax.eval_shape(built.jitted, *datas)
         return built.plan
 
     def compile(self, *args):
         """The jax Compiled object (`.as_text()` is the HLO, `.cost_analysis()` the flops)."""
-        leaves, built = self._build(args)
-        return built.jitted.lower(*self._datas(leaves, built)).compile()
+        datas, built = self._build(args)
+        return built.jitted.lower(*datas).compile()
 
     def local_shapes(self, *args) -> list[tuple[int, ...]]:
         """Per-device shard shapes of the inputs."""
-        leaves, built = self._build(args)
+        leaves = jax.tree_util.tree_leaves(list(args), is_leaf=_is_tensor)
         return [
             local_shape(self.layout.of(x.dims, x.shape, self.mesh), x.shape, self.mesh)
             for x in leaves
         ]
-
-
-@dataclass
-class _Built:
-    graph: object
-    in_specs: tuple
-    out_layouts: list
-    jitted: Callable
-    plan: Plan
-
-
-@dataclass
-class _OutputEqn:
-    """Stands in the plan for the relayout of results to their output layouts."""
-
-    inputs: tuple
-    outputs: tuple = ()
-    primitive: object = None
-
-    def __post_init__(self):
-        self.outputs = self.inputs
-        self.primitive = type("P", (), {"name": "outputs"})()
 
 
 def _is_tensor(x) -> bool:

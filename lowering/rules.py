@@ -9,6 +9,8 @@ replicated (correct for every primitive, and the baseline the others improve on)
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -34,7 +36,7 @@ def rule_for(prim):
 
 def replicated_rule(ctx, eqn, args):
     xs = [ctx.relayout(x, lay, ((),) * len(lay)) for x, lay in args]
-    outs = eqn.primitive.jax_impl(*xs, **eqn.params)
+    outs = ctx.local(eqn.primitive, *xs, **eqn.params)
     outs = outs if eqn.primitive.multiple_results else (outs,)
     return [(o, ((),) * len(v.dims)) for o, v in zip(outs, eqn.outputs, strict=True)]
 
@@ -61,14 +63,22 @@ def elementwise_rule(ctx, eqn, args):
         ctx.relayout(x, lay, _layout_in(v.dims, by_dim))
         for (x, lay), v in zip(args, eqn.inputs, strict=True)
     ]
-    return [(eqn.primitive.jax_impl(*xs, **eqn.params), want)]
+    return [(ctx.local(eqn.primitive, *xs, **eqn.params), want)]
 
 
 @rule("convert", "stop_gradient", "rename")
 def same_layout_rule(ctx, eqn, args):
     """Ops that act on each element alone and keep the dims' order: any layout will do."""
     ((x, lay),) = args
-    return [(eqn.primitive.jax_impl(x, **eqn.params), lay)]
+    return [(ctx.local(eqn.primitive, x, **eqn.params), lay)]
+
+
+@rule("constrain")
+def constrain_rule(ctx, eqn, args):
+    """The value moved to the layout the constraint pins."""
+    ((x, lay),) = args
+    want = ctx.wanted[eqn.outputs[0]]
+    return [(ctx.relayout(x, lay, want), want)]
 
 
 @rule("einsum")
@@ -84,7 +94,7 @@ def einsum_rule(ctx, eqn, args):
         ctx.relayout(x, lay, _layout_in(v.dims, comp))
         for (x, lay), v in zip(args, eqn.inputs, strict=True)
     ]
-    y = eqn.primitive.jax_impl(*xs, **eqn.params)
+    y = ctx.local(eqn.primitive, *xs, **eqn.params)
     cur = list(_layout_in(out.dims, comp))
     want = ctx.wanted[out]
     summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
@@ -109,33 +119,53 @@ def _reduced(eqn, lay):
 
 @rule("sum", "max", "min", "any", "all", "mean", "logsumexp")
 def reduction_rule(ctx, eqn, args):
-    """A local reduction, then psum / pmax / pmin over the axes that split reduced dims."""
+    """The reduction on each shard, then combined over the axes that split reduced dims:
+    psum for sum (mean divides by the shard count); max, min, any and all reduce the
+    gathered per-shard results (differentiable, unlike pmax); logsumexp is
+    m + log(psum(exp(lse - m))) with m the largest per-shard value."""
     ((x, lay),) = args
     split, kept = _reduced(eqn, lay)
-    name, axes = eqn.primitive.name, eqn.params["axes"]
-    if name == "sum":
-        y = col.psum(jnp.sum(x, axis=axes, dtype=eqn.outputs[0].dtype), split, ctx.log)
-    elif name == "mean":
-        n = 1
-        for i in axes:
-            n *= eqn.inputs[0].shape[i]
-        y = col.psum(jnp.sum(x, axis=axes, dtype=eqn.outputs[0].dtype), split, ctx.log) / n
-    elif name in ("max", "any"):
-        y = col.pmax(jnp.max(x, axis=axes), split, ctx.log)
-    elif name in ("min", "all"):
-        y = col.pmin(jnp.min(x, axis=axes), split, ctx.log)
-    else:  # logsumexp, stable across shards: global max first
-        m = jax.lax.stop_gradient(col.pmax(jnp.max(x, axis=axes, keepdims=True), split, ctx.log))
+    name, out = eqn.primitive.name, eqn.outputs[0]
+    y = ctx.local(eqn.primitive, x, **eqn.params)
+    if name in ("sum", "mean"):
+        y = col.psum(y, split, ctx.log)
+        if name == "mean" and split:
+            y = y / math.prod(ctx.sizes[a] for a in split)
+    elif name in ("max", "min", "any", "all") and split:
+        y = getattr(jnp, name)(col.gather_stacked(y, split, ctx.log), axis=0)
+    elif split:  # logsumexp
+        m = jnp.max(col.gather_stacked(jax.lax.stop_gradient(y), split, ctx.log), axis=0)
         m = jnp.where(jnp.isfinite(m), m, 0)
-        s = col.psum(jnp.sum(jnp.exp(x - m), axis=axes), split, ctx.log)
-        y = jnp.log(s) + jnp.squeeze(m, axes)
-    want = ctx.wanted[eqn.outputs[0]]
-    return [(ctx.relayout(y.astype(eqn.outputs[0].dtype), kept, want), want)]
+        y = m + jnp.log(col.psum(jnp.exp(y - m), split, ctx.log))
+    want = ctx.wanted[out]
+    return [(ctx.relayout(y.astype(out.dtype), kept, want), want)]
+
+
+@rule("softmax", "log_softmax")
+def softmax_rule(ctx, eqn, args):
+    """Along split dims: the global max (of the gathered per-shard maxes) is subtracted,
+    the shards' sums of exponentials are psum-ed; nothing else moves."""
+    ((x, lay),) = args
+    out = eqn.outputs[0]
+    want = ctx.wanted[out]
+    axes = eqn.params["axes"]
+    split = tuple(a for i in axes for a in lay[i])
+    if not split:
+        y = ctx.local(eqn.primitive, x, **eqn.params)
+        return [(ctx.relayout(y, lay, want), want)]
+    x = x.astype(out.dtype)
+    m = jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True))
+    m = jnp.max(col.gather_stacked(m, split, ctx.log), axis=0)
+    m = jnp.where(jnp.isfinite(m), m, 0)
+    total = col.psum(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True), split, ctx.log)
+    if eqn.primitive.name == "softmax":
+        y = jnp.exp(x - m) / total
+    else:
+        y = x - m - jnp.log(total)
+    return [(ctx.relayout(y, lay, want), want)]
 
 
 @rule(
-    "softmax",
-    "log_softmax",
     "cumsum",
     "argmax",
     "argmin",
@@ -158,7 +188,7 @@ def along_dims_rule(ctx, eqn, args):
         if kept is None:
             kept = lay2
         xs.append(ctx.relayout(x, lay, kept))
-    outs = eqn.primitive.jax_impl(*xs, **p)
+    outs = ctx.local(eqn.primitive, *xs, **p)
     outs = outs if eqn.primitive.multiple_results else (outs,)
     result = []
     for o, v in zip(outs, eqn.outputs, strict=True):

@@ -90,6 +90,7 @@ from namedmesh.reductions import (
 )
 from namedmesh.structural import (
     concat,
+    constrain,
     gather,
     one_hot,
     pad,

@@ -415,3 +415,30 @@ _stop_gradient = primitive(
 def stop_gradient(x: Tensor) -> Tensor:
     """`x`, through which no gradient flows."""
     return bind(_stop_gradient, x)
+
+
+def _layout_param(layout):
+    if isinstance(layout, str):
+        return layout
+    items = layout.items() if isinstance(layout, Mapping) else layout
+    return tuple((d, a if isinstance(a, str) else tuple(a)) for d, a in items)
+
+
+_constrain = primitive(
+    "constrain",
+    lambda x, layout: Aval(x.dims, x.shape, x.dtype),
+    _identity,
+    _identity,
+    cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
+)
+
+
+def constrain(x: Tensor, layout) -> Tensor:
+    """`x`, pinned by the lowering to `layout` at this point of the program.
+
+    `layout` is a rule string such as `"batch:rows;seq:cols"` (or a dict / list of pairs);
+    dims it does not name are replicated there. Eagerly, and on one device, the identity.
+    """
+    if not isinstance(layout, str | Mapping | Sequence):
+        raise ShapeError(f"constrain: layout must be a rule string, dict or list, got {layout!r}")
+    return bind(_constrain, x, layout=_layout_param(layout))
