@@ -18,8 +18,9 @@ import jax
 import numpy as np
 
 import namedmesh as nm
-from lowering import rules
+from lowering import cost, rules
 from lowering.collectives import relayout
+from lowering.cost import Report
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh
 from namedmesh.errors import LayoutError, NamedMeshError
@@ -32,6 +33,7 @@ class Step:
     """One equation of the plan: layouts in and out, local ops run, collectives issued."""
 
     name: str
+    eqn: object  # the graph equation (None for the final relayout of outputs)
     inputs: list  # (dims, layout) per input
     outputs: list  # (dims, layout) per output
     local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
@@ -74,11 +76,20 @@ class Context:
         self.step.collectives.append((kind, tuple(axes), int(nbytes)))
 
     def local(self, prim, *arrays, **params):
-        """Run `prim`'s jax implementation on local shards, noting it for the cost report."""
+        """Run `prim`'s jax implementation on local shards of the current equation's inputs,
+        noting the local avals for the cost report."""
         out = prim.jax_impl(*arrays, **params)
         outs = out if prim.multiple_results else (out,)
-        aval = lambda a: Aval((), tuple(a.shape), np.dtype(a.dtype))
-        self.step.local.append((prim, params, [aval(a) for a in arrays], [aval(o) for o in outs]))
+        e = self.step.eqn
+        aval = lambda v, a: Aval(v.dims, tuple(a.shape), np.dtype(a.dtype))
+        self.step.local.append(
+            (
+                prim,
+                params,
+                [aval(v, a) for v, a in zip(e.inputs, arrays, strict=True)],
+                [aval(v, o) for v, o in zip(e.outputs, outs, strict=True)],
+            )
+        )
         return out
 
     def soft_layout(self, dims, shape) -> ValueLayout:
@@ -107,6 +118,7 @@ def constraint_layout(rules_, v, mesh) -> ValueLayout:
 @dataclass
 class _Built:
     graph: object
+    wanted: dict
     out_layouts: list
     jitted: Callable
     plan: Plan
@@ -160,6 +172,7 @@ class Lowered:
                 ins = [env[v] for v in e.inputs]
                 ctx.step = Step(
                     e.primitive.name,
+                    e,
                     [(v.dims, lay) for v, (_, lay) in zip(e.inputs, ins, strict=True)],
                     [],
                 )
@@ -171,6 +184,7 @@ class Lowered:
                 env.update(zip(e.outputs, outs, strict=True))
             ctx.step = Step(
                 "outputs",
+                None,
                 [(v.dims, env[v][1]) for v in graph.outputs],
                 [(v.dims, lay) for v, lay in zip(graph.outputs, out_layouts, strict=True)],
             )
@@ -188,7 +202,7 @@ class Lowered:
             in_specs=tuple(partition_spec(wanted[v]) for v in graph.inputs),
             out_specs=[partition_spec(lay) for lay in out_layouts],
         )
-        return _Built(graph, out_layouts, jax.jit(sharded), plan)
+        return _Built(graph, wanted, out_layouts, jax.jit(sharded), plan)
 
     def __call__(self, *args):
         datas, built = self._build(args)
@@ -201,6 +215,21 @@ class Lowered:
         datas, built = self._build(args)
         jax.eval_shape(built.jitted, *datas)
         return built.plan
+
+    def report(self, *args, show: bool = True) -> Report:
+        """Per-device flops, collective bytes by kind and mesh axes, and estimated peak
+        memory, from the plan (before compiling); printed unless `show=False`."""
+        plan = self.plan(*args)
+        _, built = self._build(args)
+
+        def local_bytes(v):
+            layout = built.wanted.get(v, ((),) * len(v.dims))
+            return math.prod(local_shape(layout, v.shape, self.mesh)) * v.dtype.itemsize
+
+        rep = cost.report(plan, built.graph, local_bytes, self.mesh.sizes)
+        if show:
+            print(rep)
+        return rep
 
     def compile(self, *args):
         """The jax Compiled object (`.as_text()` is the HLO, `.cost_analysis()` the flops)."""

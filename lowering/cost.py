@@ -1,0 +1,86 @@
+"""The cost report of a plan: per-device flops, collective bytes and peak memory.
+
+Collective traffic per device follows ring algorithms over n devices, with S the
+bytes each device contributes: all-reduce (psum) 2(n-1)/n S, reduce-scatter
+(psum_scatter) (n-1)/n S, all-gather (n-1) S (= (n-1)/n of the gathered output),
+all-to-all (n-1)/n S.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_TRAFFIC = {
+    "psum": lambda n, s: 2 * (n - 1) / n * s,
+    "psum_scatter": lambda n, s: (n - 1) / n * s,
+    "all_gather": lambda n, s: (n - 1) * s,
+    "all_to_all": lambda n, s: (n - 1) / n * s,
+}
+# The HLO op each collective becomes.
+HLO_KIND = {
+    "psum": "all-reduce",
+    "psum_scatter": "reduce-scatter",
+    "all_gather": "all-gather",
+    "all_to_all": "all-to-all",
+}
+
+
+def traffic(kind: str, axes: tuple[str, ...], nbytes: int, sizes: dict[str, int]) -> float:
+    """Bytes one device sends for one collective (ring algorithms)."""
+    return _TRAFFIC[kind](math.prod(sizes[a] for a in axes), nbytes)
+
+
+@dataclass
+class Report:
+    """Per-device cost of one call of a lowered program."""
+
+    flops: float
+    collectives: dict = field(default_factory=dict)  # (kind, axes) -> (count, bytes sent)
+    peak_memory: int = 0  # bytes: inputs + the most live values at once, per device
+
+    @property
+    def bytes(self) -> float:
+        return sum(b for _, b in self.collectives.values())
+
+    def __str__(self) -> str:
+        lines = [
+            f"per-device flops: {self.flops:,.0f}",
+            f"per-device peak memory (estimate): {self.peak_memory:,} bytes",
+            f"per-device collective bytes sent: {self.bytes:,.0f}",
+        ]
+        for (kind, axes), (count, b) in sorted(self.collectives.items()):
+            lines.append(f"    {kind:<13} over {','.join(axes):<12} x{count}: {b:,.0f} bytes")
+        return "\n".join(lines)
+
+
+def report(plan, graph, local_bytes, sizes) -> Report:
+    """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value."""
+    flops = 0.0
+    coll: dict = {}
+    for step in plan:
+        for prim, params, ins, outs in step.local:
+            flops += prim.cost_rule(ins, outs, params).flops
+        for kind, axes, nbytes in step.collectives:
+            count, b = coll.get((kind, axes), (0, 0.0))
+            coll[(kind, axes)] = (count + 1, b + traffic(kind, axes, nbytes, sizes))
+    return Report(flops, coll, _peak_memory(graph, local_bytes))
+
+
+def _peak_memory(graph, local_bytes) -> int:
+    """Inputs and constants held throughout; each intermediate from its equation to its
+    last use (results to the end)."""
+    last = {v: len(graph.eqns) for v in graph.outputs}
+    for i, e in enumerate(graph.eqns):
+        for v in e.inputs:
+            last[v] = max(last.get(v, i), i)
+    base = sum(local_bytes(v) for v in graph.inputs) + sum(local_bytes(v) for v in graph.consts)
+    live, peak = 0, base
+    ends: dict[int, int] = {}
+    for i, e in enumerate(graph.eqns):
+        for v in e.outputs:
+            live += local_bytes(v)
+            ends[last.get(v, i)] = ends.get(last.get(v, i), 0) + local_bytes(v)
+        peak = max(peak, base + live)
+        live -= ends.pop(i, 0)
+    return int(peak)
