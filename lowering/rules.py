@@ -165,23 +165,16 @@ def softmax_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, want), want)]
 
 
-@rule(
-    "cumsum",
-    "argmax",
-    "argmin",
-    "top_k",
-    "slice",
-    "pad",
-    "shift",
-    "split",
-    "concat",
-)
+@rule("slice", "pad", "split", "concat")
 def along_dims_rule(ctx, eqn, args):
     """Ops that act along some dims and are independent across the others: the acted-on
     dims are gathered, every other dim keeps its split, and outputs keep the inputs' dims
     in place (a reduced dim leaves)."""
     p = eqn.params
-    acted = set(p["axes"]) if "axes" in p else {p["axis"]}
+    if "widths" in p:  # pad
+        acted = {i for i, w in enumerate(p["widths"]) if w != (0, 0)}
+    else:
+        acted = set(p["axes"]) if "axes" in p else {p["axis"]}
     xs, kept = [], None
     for x, lay in args:
         lay2 = tuple(() if i in acted else a for i, a in enumerate(lay))
@@ -250,3 +243,193 @@ def iota_rule(ctx, eqn, args):
     (off,) = _offsets(ctx, want, (n,))
     p = eqn.params
     return [((p["start"] + p["step"] * (jnp.arange(n) + off)).astype(p["dtype"]), want)]
+
+
+@rule("transpose")
+def transpose_rule(ctx, eqn, args):
+    """The shard transposed: each dim keeps its split."""
+    ((x, lay),) = args
+    perm = eqn.params["perm"]
+    y = ctx.local(eqn.primitive, x, **eqn.params)
+    out = eqn.outputs[0]
+    want = ctx.wanted[out]
+    return [(ctx.relayout(y, tuple(lay[i] for i in perm), want), want)]
+
+
+def _changed_run(v_in, out):
+    """(i0, i1, o1): the reshape turns input dims [i0, i1) into output dims [i0, o1);
+    the dims before and after the run are the same (name and size) on both sides."""
+    a = list(zip(v_in.dims, v_in.shape, strict=True))
+    b = list(zip(out.dims, out.shape, strict=True))
+    i0 = 0
+    while i0 < min(len(a), len(b)) and a[i0] == b[i0]:
+        i0 += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - i0 and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    return i0, len(a) - tail, len(b) - tail
+
+
+@rule("reshape")
+def reshape_rule(ctx, eqn, args):
+    """Dims outside the changed run keep their split. Inside it, a split of its first input
+    dim by axes of total size k passes to its first output dim when k divides that dim's
+    size: each shard is still one contiguous block. Other splits in the run are gathered."""
+    ((x, lay),) = args
+    (v_in,), (out,) = eqn.inputs, eqn.outputs
+    i0, i1, o1 = _changed_run(v_in, out)
+    first = lay[i0] if i0 < i1 else ()
+    k = math.prod(ctx.sizes[a] for a in first)
+    keep_first = bool(first) and i0 < o1 and out.shape[i0] % k == 0
+    src = tuple(
+        (first if keep_first and i == i0 else ()) if i0 <= i < i1 else a for i, a in enumerate(lay)
+    )
+    x = ctx.relayout(x, lay, src)
+    out_lay = src[:i0] + ((first,) if keep_first else ((),) * (o1 > i0))
+    out_lay += ((),) * (o1 - i0 - (o1 > i0)) + src[i1:]
+    shape = local_shape(out_lay, out.shape, ctx.mesh)
+    y = ctx.local(eqn.primitive, x, shape=shape, dims=eqn.params["dims"])
+    want = ctx.wanted[out]
+    return [(ctx.relayout(y, out_lay, want), want)]
+
+
+@rule("one_hot")
+def one_hot_rule(ctx, eqn, args):
+    """Each device builds only its block of the new dim: one_hot(index - offset, block)."""
+    ((idx, lay),) = args
+    out = eqn.outputs[0]
+    want = ctx.wanted[out]
+    idx = ctx.relayout(idx, lay, want[:-1])
+    (n,) = local_shape(want[-1:], out.shape[-1:], ctx.mesh)
+    if want[-1]:
+        idx = idx - col.axis_index(want[-1], ctx.sizes) * n
+    p = eqn.params
+    return [(ctx.local(eqn.primitive, idx, dim=p["dim"], n=n, dtype=p["dtype"]), want)]
+
+
+@rule("gather")
+def gather_rule(ctx, eqn, args):
+    """Other dims of the table and the indices' dims take the output's splits. A table
+    split along the gathered dim (vocab-parallel embeddings) stays split: each device
+    looks up the indices that fall in its block, zeros the rest, and a psum combines."""
+    (x, xl), (idx, il) = args
+    (vx, vi), (out,) = eqn.inputs, eqn.outputs
+    axis = eqn.params["axis"]
+    want = ctx.wanted[out]
+    by_dim = dict(zip(out.dims, want, strict=True))
+    split = tuple(a for a in xl[axis] if not any(a in w for w in want))
+    x_lay = tuple(split if i == axis else by_dim.get(d, ()) for i, d in enumerate(vx.dims))
+    if split != xl[axis] and xl[axis][: len(split)] != split:
+        split, x_lay = (), tuple(() if i == axis else a for i, a in enumerate(x_lay))
+    x = ctx.relayout(x, xl, x_lay)
+    idx = ctx.relayout(idx, il, _layout_in(vi.dims, by_dim))
+    if not split:
+        return [(ctx.local(eqn.primitive, x, idx, **eqn.params), want)]
+    n = x.shape[axis]
+    full = vx.shape[axis]
+    idx = jnp.where(idx < 0, idx + full, idx)
+    local = idx - col.axis_index(split, ctx.sizes) * n
+    inside = (local >= 0) & (local < n)
+    y = ctx.local(eqn.primitive, x, jnp.where(inside, local, 0), **eqn.params)
+    mask = jax.lax.broadcast_in_dim(
+        inside, y.shape, [out.dims.index(d) for d in vi.dims if d in out.dims]
+    )
+    y = col.psum(jnp.where(mask, y, jnp.zeros((), y.dtype)), split, ctx.log)
+    return [(y, want)]
+
+
+def _ring(axes, sizes, step: int, wrap: bool):
+    k = math.prod(sizes[a] for a in axes)
+    pairs = [(j, j + step) for j in range(k) if 0 <= j + step < k]
+    if wrap:
+        pairs += [(j, (j + step) % k) for j in range(k) if not 0 <= j + step < k]
+    return pairs
+
+
+@rule("shift")
+def shift_rule(ctx, eqn, args):
+    """Along a split dim, each device sends its edge (|offset| elements) to its neighbour
+    with ppermute and shifts locally; the first device (the last, for a negative offset)
+    fills, or with `wrap` receives from the other end. Offsets past one shard gather."""
+    ((x, lay),) = args
+    p = eqn.params
+    axis, off = p["axis"], p["offset"]
+    axes = lay[axis]
+    n = x.shape[axis]
+    if not axes or abs(off) > n or off == 0:
+        return along_dims_rule(ctx, eqn, args)
+    name = axes[0] if len(axes) == 1 else axes
+    k = abs(off)
+    edge = (
+        jax.lax.slice_in_dim(x, n - k, n, axis=axis)
+        if off > 0
+        else jax.lax.slice_in_dim(x, 0, k, axis=axis)
+    )
+    ctx.log("ppermute", axes, math.prod(edge.shape) * edge.dtype.itemsize)
+    halo = jax.lax.ppermute(edge, name, _ring(axes, ctx.sizes, 1 if off > 0 else -1, p["wrap"]))
+    if not p["wrap"]:
+        me = col.axis_index(axes, ctx.sizes)
+        end = 0 if off > 0 else math.prod(ctx.sizes[a] for a in axes) - 1
+        halo = jnp.where(me == end, jnp.full_like(halo, p["fill"]), halo)
+    body = (
+        jax.lax.slice_in_dim(x, 0, n - k, axis=axis)
+        if off > 0
+        else jax.lax.slice_in_dim(x, k, n, axis=axis)
+    )
+    y = jnp.concatenate([halo, body] if off > 0 else [body, halo], axis=axis)
+    want = ctx.wanted[eqn.outputs[0]]
+    return [(ctx.relayout(y, lay, want), want)]
+
+
+@rule("top_k", "argmax", "argmin")
+def top_k_rule(ctx, eqn, args):
+    """Along a split dim: the local top_k (argmax) with global indices, the candidates of
+    all shards gathered in shard order, and a final top_k (argmax) over them."""
+    ((x, lay),) = args
+    p = eqn.params
+    axis = p["axis"]
+    axes = lay[axis]
+    name = eqn.primitive.name
+    k = p.get("k", 1)
+    if not axes or x.shape[axis] < k:
+        return along_dims_rule(ctx, eqn, args)
+    xm = jnp.moveaxis(x, axis, -1)
+    if name == "argmin":
+        xm = -xm if xm.dtype.kind == "f" else ~xm
+    vals, idx = jax.lax.top_k(xm, k)
+    idx = idx + col.axis_index(axes, ctx.sizes) * x.shape[axis]
+    vals = col.gather_stacked(vals, axes, ctx.log)  # [shards, ..., k]
+    idx = col.gather_stacked(idx, axes, ctx.log)
+    vals, idx = (jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (-1,)) for a in (vals, idx))
+    best, pos = jax.lax.top_k(vals, k)
+    best_idx = jnp.take_along_axis(idx, pos, axis=-1).astype(jnp.int32)
+    kept = tuple(() if i == axis else a for i, a in enumerate(lay))
+    if name == "top_k":
+        outs = [jnp.moveaxis(best, -1, axis), jnp.moveaxis(best_idx, -1, axis)]
+        return [
+            (ctx.relayout(o, kept, ctx.wanted[v]), ctx.wanted[v])
+            for o, v in zip(outs, eqn.outputs, strict=True)
+        ]
+    lay_out = tuple(a for i, a in enumerate(lay) if i != axis)
+    want = ctx.wanted[eqn.outputs[0]]
+    return [(ctx.relayout(best_idx[..., 0], lay_out, want), want)]
+
+
+@rule("cumsum")
+def cumsum_rule(ctx, eqn, args):
+    """Along a split dim: the local running sum plus the totals of the shards before this
+    one (after it, for `reverse`), from the gathered per-shard totals."""
+    ((x, lay),) = args
+    p = eqn.params
+    axis, axes = p["axis"], lay[p["axis"]]
+    if not axes:
+        return along_dims_rule(ctx, eqn, args)
+    y = ctx.local(eqn.primitive, x, **p)
+    totals = jnp.sum(x.astype(y.dtype), axis=axis, keepdims=True)
+    totals = col.gather_stacked(totals, axes, ctx.log)
+    me = col.axis_index(axes, ctx.sizes)
+    shard = jnp.arange(totals.shape[0]).reshape((-1,) + (1,) * y.ndim)
+    before = (shard > me) if p["reverse"] else (shard < me)
+    y = y + jnp.sum(jnp.where(before, totals, 0), axis=0).astype(y.dtype)
+    want = ctx.wanted[eqn.outputs[0]]
+    return [(ctx.relayout(y, lay, want), want)]
