@@ -38,12 +38,43 @@ def slice_to(x, dim: int, axes: tuple[str, ...], sizes: dict[str, int]):
 
 
 def gather(x, dim: int, axes: tuple[str, ...], log: Log):
-    """Undo the split of dim `dim` by `axes` (the minor-most axes of its split)."""
+    """Undo the split of dim `dim` by `axes` (the minor-most axes of its split).
+
+    The result stays "varying" over `axes` so that its transpose is a reduce-scatter
+    (FSDP's gradient); `make_invarying` fixes up results that leave replicated."""
     if not axes:
         return x
     name = axes[0] if len(axes) == 1 else axes
     log("all_gather", axes, _nbytes(x))
-    return jax.lax.all_gather(x, name, axis=dim, tiled=True, to="invarying")
+    return jax.lax.all_gather(x, name, axis=dim, tiled=True)
+
+
+def varying_axes(x) -> set[str]:
+    """The mesh axes over which shard_map types `x` as varying (its `vma`)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:  # jax 0.10 keeps it in the aval's manual axis type
+        vma = aval.manual_axis_type.varying
+    return set(vma)
+
+
+def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
+    """`x`, equal on every device along `axes` but typed varying there, as a value that
+    shard_map may return replicated: sliced along a dim and gathered back (the gather
+    moves (n-1)/n of x), or for a value no dim of which divides, a psum of device 0's."""
+    axes = tuple(a for a in sizes if a in axes)
+    if not axes:
+        return x
+    n = math.prod(sizes[a] for a in axes)
+    name = axes[0] if len(axes) == 1 else axes
+    dim = next((i for i, s in enumerate(x.shape) if s % n == 0 and s), None)
+    if dim is None:
+        log("psum", axes, _nbytes(x))
+        first = axis_index(axes, sizes) == 0
+        return jax.lax.psum(jax.numpy.where(first, x, jax.numpy.zeros_like(x)), name)
+    part = slice_to(x, dim, axes, sizes)
+    log("all_gather", axes, _nbytes(part))
+    return jax.lax.all_gather(part, name, axis=dim, tiled=True, to="invarying")
 
 
 def gather_stacked(x, axes: tuple[str, ...], log: Log):

@@ -19,7 +19,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering import cost, rules
-from lowering.collectives import relayout
+from lowering.collectives import make_invarying, relayout, varying_axes
 from lowering.cost import Report
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh
@@ -188,10 +188,11 @@ class Lowered:
                 [(v.dims, env[v][1]) for v in graph.outputs],
                 [(v.dims, lay) for v, lay in zip(graph.outputs, out_layouts, strict=True)],
             )
-            res = [
-                ctx.relayout(*env[v], lay)
-                for v, lay in zip(graph.outputs, out_layouts, strict=True)
-            ]
+            res = []
+            for v, lay in zip(graph.outputs, out_layouts, strict=True):
+                y = ctx.relayout(*env[v], lay)
+                extra = varying_axes(y) - {a for axes in lay for a in axes}
+                res.append(make_invarying(y, tuple(extra), ctx.sizes, ctx.log))
             if ctx.step.collectives:
                 plan.append(ctx.step)
             return res
