@@ -7,3 +7,4 @@ callable running jit(shard_map(...)) over the mesh; see lowering/lower.py.
 from lowering.layout import Layout, partition_spec
 from lowering.lower import Lowered, Plan, lower
 from lowering.mesh import Mesh
+from lowering.search import auto_layout

@@ -63,9 +63,11 @@ class Layout:
         self.rules = _parse(rules)
         self.strict = bool(strict)
 
+    def __str__(self) -> str:
+        return ";".join(f"{d}:{','.join(a)}" for d, a in self.rules)
+
     def __repr__(self) -> str:
-        text = ";".join(f"{d}:{','.join(a)}" for d, a in self.rules)
-        return f"Layout({text!r}{', strict=True' if self.strict else ''})"
+        return f"Layout({str(self)!r}{', strict=True' if self.strict else ''})"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Layout) and (self.rules, self.strict) == (

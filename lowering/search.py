@@ -1,0 +1,106 @@
+"""`auto_layout`: the rule set with the least estimated step time that fits memory.
+
+Candidates give each mesh axis to one dim of the program (or to none); two axes on
+one dim make a multi-axis rule. Each candidate is planned (no compilation) and
+costed from its report: time = flops / flops_per_s + collective bytes / bytes_per_s,
+plus, for the inputs named in `grad_argnums`, the all-reduce of their gradients over
+the used mesh axes they are not split on (data-parallel gradient sync).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import jax
+
+import namedmesh as nm
+from lowering.cost import traffic
+from lowering.layout import Layout, local_shape
+from lowering.lower import lower
+from lowering.mesh import Mesh
+from namedmesh.errors import LayoutError
+from namedmesh.tensor import Tensor
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    flops: float = math.nan
+    bytes: float = math.nan
+    memory: int = 0
+    time: float = math.inf
+    note: str = ""
+
+
+class Search(list):
+    """The candidates weighed, best first; `str()` is a table."""
+
+    def __str__(self) -> str:
+        rows = [f"{'layout':<40} {'flops':>12} {'bytes':>12} {'memory':>10} {'time (s)':>10}  note"]
+        for c in self:
+            rows.append(
+                f"{str(c.layout.rules and repr(c.layout)[8:-2]) or '(replicated)':<40} "
+                f"{c.flops:>12.3g} {c.bytes:>12.3g} {c.memory:>10} {c.time:>10.3g}  "
+                f"{c.note}"
+            )
+        return "\n".join(rows)
+
+
+def _dims_of(graph) -> list[str]:
+    seen = dict.fromkeys(d for v in graph.inputs for d in v.dims)
+    for e in graph.eqns:
+        seen.update(dict.fromkeys(d for v in e.outputs for d in v.dims))
+    return list(seen)
+
+
+def auto_layout(
+    fn,
+    mesh: Mesh,
+    *inputs,
+    memory_limit: int | None = None,
+    grad_argnums: tuple[int, ...] = (),
+    flops_per_s: float = 1e14,
+    bytes_per_s: float = 1e11,
+) -> tuple[Layout, Search]:
+    """Search layouts for `fn(*inputs)` on `mesh`; returns the best Layout and the table."""
+    graph = nm.trace(fn, *inputs)
+    dims = _dims_of(graph)
+    axes = list(mesh.sizes)
+    leaves = [jax.tree_util.tree_leaves(x, is_leaf=lambda t: isinstance(t, Tensor)) for x in inputs]
+    grad_leaves = [t for i in grad_argnums for t in leaves[i]]
+    table = Search()
+    for choice in itertools.product([None, *dims], repeat=len(axes)):
+        rules: dict[str, tuple[str, ...]] = {}
+        for a, d in zip(axes, choice, strict=True):
+            if d is not None:
+                rules[d] = rules.get(d, ()) + (a,)
+        cand = Candidate(Layout(list(rules.items())))
+        table.append(cand)
+        try:
+            rep = lower(fn, mesh, cand.layout).report(*inputs, show=False)
+        except LayoutError as e:
+            cand.note = f"invalid: {str(e).split(':', 1)[-1].strip()[:60]}"
+            continue
+        used = {a for a, d in zip(axes, choice, strict=True) if d is not None}
+        sync = 0.0
+        for t in grad_leaves:
+            lay = cand.layout.of(t.dims, t.shape, mesh)
+            free = tuple(a for a in axes if a in used and not any(a in x for x in lay))
+            if free:
+                nbytes = math.prod(local_shape(lay, t.shape, mesh)) * t.dtype.itemsize
+                sync += traffic("psum", free, nbytes, mesh.sizes)
+        cand.flops, cand.bytes, cand.memory = rep.flops, rep.bytes + sync, rep.peak_memory
+        cand.time = cand.flops / flops_per_s + cand.bytes / bytes_per_s
+        if memory_limit is not None and cand.memory > memory_limit:
+            cand.note, cand.time = f"over memory limit {memory_limit}", math.inf
+    table.sort(key=lambda c: (c.time, c.bytes, len(c.layout.rules)))
+    best = table[0]
+    if not math.isfinite(best.time):
+        raise LayoutError(
+            f"auto_layout: no layout of {dims} on {mesh} is valid and fits "
+            f"memory_limit={memory_limit}"
+        )
+    best.note = (best.note + " chosen: least estimated time").strip()
+    return best.layout, table
