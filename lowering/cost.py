@@ -3,7 +3,7 @@
 Collective traffic per device follows ring algorithms over n devices, with S the
 bytes each device contributes: all-reduce (psum) 2(n-1)/n S, reduce-scatter
 (psum_scatter) (n-1)/n S, all-gather (n-1) S (= (n-1)/n of the gathered output),
-all-to-all (n-1)/n S.
+all-to-all (n-1)/n S, a ppermute S.
 """
 
 from __future__ import annotations
@@ -16,14 +16,29 @@ _TRAFFIC = {
     "psum_scatter": lambda n, s: (n - 1) / n * s,
     "all_gather": lambda n, s: (n - 1) * s,
     "all_to_all": lambda n, s: (n - 1) / n * s,
+    "ppermute": lambda n, s: s,
 }
-# The HLO op each collective becomes.
-HLO_KIND = {
-    "psum": "all-reduce",
-    "psum_scatter": "reduce-scatter",
-    "all_gather": "all-gather",
-    "all_to_all": "all-to-all",
+# The HLO op each collective becomes, and its result bytes from the bytes S put in by
+# each of n devices.
+_HLO = {
+    "psum": ("all-reduce", lambda n, s: s),
+    "psum_scatter": ("reduce-scatter", lambda n, s: s // n),
+    "all_gather": ("all-gather", lambda n, s: s * n),
+    "all_to_all": ("all-to-all", lambda n, s: s),
+    "ppermute": ("collective-permute", lambda n, s: s),
 }
+
+
+def expected_hlo(plan, sizes) -> list[tuple[str, int, int]]:
+    """(HLO kind, result bytes, group size) of every collective the plan issues, as
+    `lowering.hlo.collectives` reads them from compiled HLO (permutes have no groups)."""
+    out = []
+    for step in plan:
+        for kind, axes, nbytes in step.collectives:
+            n = math.prod(sizes[a] for a in axes)
+            hlo, result = _HLO[kind]
+            out.append((hlo, result(n, nbytes), 0 if kind == "ppermute" else n))
+    return out
 
 
 def traffic(kind: str, axes: tuple[str, ...], nbytes: int, sizes: dict[str, int]) -> float:

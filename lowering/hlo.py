@@ -1,0 +1,51 @@
+"""Reading collectives out of compiled HLO text, to hold the plan against what XLA runs."""
+
+from __future__ import annotations
+
+import math
+import re
+
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+_LINE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
+_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+
+
+_ITEMSIZE = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+
+
+def _bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(shape_text):
+        n = math.prod(int(d) for d in dims.split(",") if d)
+        total += n * _ITEMSIZE[dtype]
+    return total
+
+
+def collectives(hlo_text: str) -> list[tuple[str, int, int]]:
+    """(kind, result bytes, group size) for each collective op in `hlo_text`."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _LINE.search(line)
+        if not m or "-done" in line.split("=")[0]:
+            continue
+        g = _GROUPS.search(line)
+        size = len(g.group(1).split("},{")[0].strip("{}").split(",")) if g else 0
+        found.append((m.group(2), _bytes(m.group(1)), size))
+    return found

@@ -1,0 +1,78 @@
+"""The cost report against what XLA compiles: the same collectives (kind, bytes, group
+size) in the HLO, and flops within 10% of cost_analysis()."""
+
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from lowering import Mesh, lower
+from lowering.cost import expected_hlo, traffic
+from lowering.hlo import collectives
+
+R = np.random.default_rng(0)
+X = nm.tensor(R.normal(size=(64, 128)).astype(np.float32), "batch d_model")
+W1 = nm.tensor(R.normal(size=(128, 512)).astype(np.float32), "d_model d_ff")
+W2 = nm.tensor(R.normal(size=(512, 128)).astype(np.float32), "d_ff d_model")
+IDS = nm.tensor(R.integers(0, 512, size=(64, 8)).astype(np.int32), "batch seq")
+MESH = Mesh({"rows": 2, "cols": 4})
+
+
+def mlp(x, w1, w2):
+    return nm.einsum(nm.relu(nm.einsum(x, w1)), w2, out="batch d_model")
+
+
+def attention_like(x, w1, w2):
+    logits = nm.einsum(x, w1)
+    return nm.einsum(nm.softmax(logits, "d_ff"), w2, out="batch d_model")
+
+
+def embed(x, w1, w2):
+    return nm.gather(w2, "d_ff", IDS).sum("seq") + nm.shift(x, "batch", 1)
+
+
+CASES = [
+    (mlp, "batch:rows;d_ff:cols"),
+    (mlp, "batch:rows,cols"),
+    (mlp, "d_ff:cols;d_model:cols"),
+    (mlp, "batch:rows;d_model:rows"),
+    (mlp, "batch:rows;d_model:cols"),
+    (mlp, "d_ff:rows,cols"),
+    (attention_like, "batch:rows;d_ff:cols"),
+    (embed, "d_ff:cols;batch:rows"),
+]
+
+
+@pytest.mark.parametrize("fn, layout", CASES, ids=[f"{f.__name__}-{lay}" for f, lay in CASES])
+def test_report_matches_compiled_hlo(fn, layout):
+    lowered = lower(fn, MESH, layout)
+    compiled = lowered.compile(X, W1, W2)
+    plan = lowered.plan(X, W1, W2)
+    assert sorted(collectives(compiled.as_text())) == sorted(expected_hlo(plan, MESH.sizes))
+    if fn is not embed:  # data movement only: XLA counts its selects and compares as flops
+        report = lowered.report(X, W1, W2, show=False)
+        xla_flops = compiled.cost_analysis()["flops"]
+        assert abs(report.flops - xla_flops) <= 0.1 * xla_flops
+
+
+def test_megatron_mlp_has_one_all_reduce_of_the_output():
+    lowered = lower(mlp, MESH, "batch:rows;d_ff:cols")
+    found = collectives(lowered.compile(X, W1, W2).as_text())
+    assert found == [("all-reduce", 64 // 2 * 128 * 4, 4)]
+    report = lowered.report(X, W1, W2, show=False)
+    ((key, (count, sent)),) = report.collectives.items()
+    assert key == ("psum", ("cols",)) and count == 1
+    assert sent == 2 * 3 / 4 * (32 * 128 * 4)  # ring all-reduce: 2 (n-1)/n S
+
+
+def test_ring_traffic_formulas():
+    sizes = {"a": 4, "b": 2}
+    assert traffic("psum", ("a",), 1000, sizes) == 2 * 3 / 4 * 1000
+    assert traffic("psum_scatter", ("a", "b"), 800, sizes) == 7 / 8 * 800
+    assert traffic("all_gather", ("b",), 500, sizes) == 500
+    assert traffic("all_to_all", ("a",), 400, sizes) == 300
+
+
+def test_report_prints_flops_bytes_and_memory(capsys):
+    lower(mlp, MESH, "batch:rows;d_ff:cols").report(X, W1, W2)
+    out = capsys.readouterr().out
+    assert "per-device flops" in out and "psum" in out and "peak memory" in out
