@@ -76,3 +76,36 @@ def test_report_prints_flops_bytes_and_memory(capsys):
     lower(mlp, MESH, "batch:rows;d_ff:cols").report(X, W1, W2)
     out = capsys.readouterr().out
     assert "per-device flops" in out and "psum" in out and "peak memory" in out
+
+
+def _grad_collectives(layout):
+    import jax
+
+    lowered = lower(mlp, MESH, layout)
+    loss = lambda w1, w2: (lowered(X, w1, w2).data ** 2).sum()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(W1, W2).compile().as_text()
+    return collectives(text)
+
+
+def test_megatron_backward_adds_only_the_data_parallel_gradient_sync():
+    """psum transposes to a free broadcast: besides the forward all-reduce over cols,
+    the only collective is the all-reduce of the weight gradients over rows."""
+    found = _grad_collectives("batch:rows;d_ff:cols")
+    kinds = {k for k, _, _ in found}
+    assert kinds == {"all-reduce"}
+    over_cols = [b for k, b, n in found if n == 4]
+    over_rows = [b for k, b, n in found if n == 2]
+    assert over_cols == [32 * 128 * 4]
+    assert sum(over_rows) == 2 * (128 * 512 // 4) * 4  # w1 and w2 shards, once each
+
+
+def test_fsdp_backward_reduce_scatters_what_the_forward_gathered():
+    """all_gather transposes to psum_scatter: no all-reduce of full weight gradients."""
+    found = _grad_collectives("batch:rows;d_model:rows")
+    assert sorted(k for k, _, _ in found) == [
+        "all-gather",
+        "all-gather",
+        "reduce-scatter",
+        "reduce-scatter",
+    ]
+    assert all(n == 2 for _, _, n in found)
