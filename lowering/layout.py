@@ -25,7 +25,7 @@ def _parse(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
         pairs = []
         for part in filter(None, (p.strip() for p in rules.split(";"))):
             dim, sep, axes = part.partition(":")
-            if not sep or not dim.strip() or not axes.strip():
+            if not sep or not dim.strip() or not axes.strip() or ":" in axes:
                 raise LayoutError(
                     f"malformed rule {part!r} in {rules!r}: expected 'dim:axis[,axis]'"
                 )

@@ -19,8 +19,11 @@ class Mesh:
         if not isinstance(sizes, Mapping) or not sizes:
             raise MeshError(f"a mesh needs a mapping axis -> size, got {sizes!r}")
         for name, n in sizes.items():
-            if not isinstance(name, str) or not name:
-                raise MeshError(f"mesh axis names must be non-empty strings, got {name!r}")
+            if not isinstance(name, str) or not name or any(c in name for c in ":;, "):
+                raise MeshError(
+                    f"mesh axis names must be non-empty strings without ':', ';', ',' or "
+                    f"spaces (the layout syntax), got {name!r}"
+                )
             if not isinstance(n, int | np.integer) or n < 1:
                 raise MeshError(f"mesh axis {name!r} must have a positive int size, got {n!r}")
         self.sizes: dict[str, int] = {k: int(v) for k, v in sizes.items()}

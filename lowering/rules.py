@@ -131,8 +131,16 @@ def reduction_rule(ctx, eqn, args):
         y = col.psum(y, split, ctx.log)
         if name == "mean" and split:
             y = y / math.prod(ctx.sizes[a] for a in split)
-    elif name in ("max", "min", "any", "all") and split:
+    elif name in ("any", "all") and split:
         y = getattr(jnp, name)(col.gather_stacked(y, split, ctx.log), axis=0)
+    elif name in ("max", "min") and split:
+        # The global extreme, without gradient; then, as jnp.max does on one device, the
+        # gradient shared equally by every element equal to it, across all shards.
+        m = getattr(jnp, name)(col.gather_stacked(jax.lax.stop_gradient(y), split, ctx.log), axis=0)
+        axes = eqn.params["axes"]
+        hit = x == jnp.expand_dims(m, axes)
+        count = col.psum(jnp.sum(hit, axis=axes, dtype=x.dtype), split, ctx.log)
+        y = col.psum(jnp.sum(jnp.where(hit, x, 0), axis=axes), split, ctx.log) / count
     elif split:  # logsumexp
         m = jnp.max(col.gather_stacked(jax.lax.stop_gradient(y), split, ctx.log), axis=0)
         m = jnp.where(jnp.isfinite(m), m, 0)
@@ -327,7 +335,7 @@ def gather_rule(ctx, eqn, args):
         return [(ctx.local(eqn.primitive, x, idx, **eqn.params), want)]
     n = x.shape[axis]
     full = vx.shape[axis]
-    idx = jnp.where(idx < 0, idx + full, idx)
+    idx = jnp.clip(jnp.where(idx < 0, idx + full, idx), 0, full - 1)  # as nm.gather does
     local = idx - col.axis_index(split, ctx.sizes) * n
     inside = (local >= 0) & (local < n)
     y = ctx.local(eqn.primitive, x, jnp.where(inside, local, 0), **eqn.params)

@@ -12,7 +12,10 @@ import namedmesh as nm
 from namedmesh import random as nm_random
 from namedmesh.primitive import REGISTRY
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "language.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOC = DOCS / "language.md"
+# Pages whose python blocks run in order, each in a fresh namespace.
+RUNNABLE = ["language.md", "layouts.md", "lowering.md"]
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 
@@ -46,13 +49,17 @@ def test_page_has_python_blocks():
     assert "import numpy as np" in first and "import namedmesh as nm" in first
 
 
-def test_python_blocks_run_in_order():
+@pytest.mark.parametrize("page", RUNNABLE)
+def test_python_blocks_run_in_order(page):
     """Every ```python block, exec'd in page order in one fresh namespace."""
+    doc = DOCS / page
     before = set(REGISTRY)
-    namespace: dict = {"__name__": "docs_language"}
+    namespace: dict = {"__name__": "docs_" + doc.stem}
     try:
-        for number, (line, source) in enumerate(python_blocks(_text()), start=1):
-            filename = f"{DOC.name}:block{number}(line {line})"
+        blocks = python_blocks(doc.read_text(encoding="utf-8"))
+        assert blocks, f"{page} has no python blocks"
+        for number, (line, source) in enumerate(blocks, start=1):
+            filename = f"{doc.name}:block{number}(line {line})"
             # so that a traceback shows the failing line of the block
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
             code = compile(source, filename, "exec")
@@ -61,7 +68,7 @@ def test_python_blocks_run_in_order():
             except Exception as e:  # any failure, reported with its block
                 tb = "".join(traceback.format_exception(e, limit=-3))
                 pytest.fail(
-                    f"python block {number} (line {line} of {DOC.name}) raised "
+                    f"python block {number} (line {line} of {doc.name}) raised "
                     f"{type(e).__name__}: {e}\n{tb}",
                     pytrace=False,
                 )
