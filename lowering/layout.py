@@ -122,7 +122,7 @@ def check_divisible(layout: ValueLayout, dims, shape, mesh, what: str, rules=Non
     for d, n, axes in zip(dims, shape, layout, strict=True):
         k = math.prod(mesh.sizes[a] for a in axes)
         if n % k:
-            by = f" (rule {d}:{','.join(axes)} of {rules})" if rules is not None else ""
+            by = f" (rule {d}:{','.join(axes)} of {rules!r})" if rules is not None else ""
             raise LayoutError(
                 f"{what} {fmt_dims(dims, shape)}: dim {d!r} of size {n} is not divisible by "
                 f"mesh axes {axes} of total size {k}{by}"

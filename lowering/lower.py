@@ -18,12 +18,12 @@ import jax
 import numpy as np
 
 import namedmesh as nm
-from lowering import cost, rules
+from lowering import cost, distributed, rules
 from lowering.collectives import make_invarying, relayout, varying_axes
 from lowering.cost import Report
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh
-from namedmesh.errors import LayoutError, NamedMeshError
+from namedmesh.errors import LayoutError, MeshError, NamedMeshError
 from namedmesh.primitive import Aval
 from namedmesh.tensor import Tensor
 
@@ -205,8 +205,17 @@ class Lowered:
         )
         return _Built(graph, wanted, out_layouts, jax.jit(sharded), plan)
 
+    def _runnable(self, what: str) -> None:
+        if self.mesh.abstract:
+            raise MeshError(
+                f"{what}: {self.mesh} has no devices; it can be planned and "
+                "reported, not run or compiled"
+            )
+
     def __call__(self, *args):
+        self._runnable("calling a lowered function")
         datas, built = self._build(args)
+        datas = _global_inputs(datas, built, self.mesh)
         outs = built.jitted(*datas)
         tensors = [Tensor._make(o, v.dims) for o, v in zip(outs, built.graph.outputs, strict=True)]
         return jax.tree_util.tree_unflatten(built.graph.out_tree, tensors)
@@ -234,7 +243,9 @@ class Lowered:
 
     def compile(self, *args):
         """The jax Compiled object (`.as_text()` is the HLO, `.cost_analysis()` the flops)."""
+        self._runnable("compile")
         datas, built = self._build(args)
+        datas = _global_inputs(datas, built, self.mesh)
         return built.jitted.lower(*datas).compile()
 
     def local_shapes(self, *args) -> list[tuple[int, ...]]:
@@ -244,6 +255,16 @@ class Lowered:
             local_shape(self.layout.of(x.dims, x.shape, self.mesh), x.shape, self.mesh)
             for x in leaves
         ]
+
+
+def _global_inputs(datas, built, mesh) -> list:
+    """With several processes, NumPy inputs as global jax.Arrays in their input layouts."""
+    if jax.process_count() == 1:
+        return datas
+    return [
+        distributed.global_array(d, built.wanted[v], mesh) if isinstance(d, np.ndarray) else d
+        for d, v in zip(datas, built.graph.inputs, strict=True)
+    ]
 
 
 def _is_tensor(x) -> bool:

@@ -13,9 +13,13 @@ from namedmesh.errors import MeshError
 
 class Mesh:
     """Named mesh axes, `Mesh({"rows": 2, "cols": 4})`, over the first prod(sizes) of
-    `jax.devices()` or over the given devices, in row-major order."""
+    `jax.devices()` or over the given devices, in row-major order.
 
-    def __init__(self, sizes: Mapping[str, int], devices: Sequence | None = None):
+    `Mesh(sizes, devices="abstract")` needs no devices: programs on it can be planned
+    and reported (`.plan`, `.report`, `auto_layout`) but not run or compiled.
+    """
+
+    def __init__(self, sizes: Mapping[str, int], devices: Sequence | str | None = None):
         if not isinstance(sizes, Mapping) or not sizes:
             raise MeshError(f"a mesh needs a mapping axis -> size, got {sizes!r}")
         for name, n in sizes.items():
@@ -28,6 +32,13 @@ class Mesh:
                 raise MeshError(f"mesh axis {name!r} must have a positive int size, got {n!r}")
         self.sizes: dict[str, int] = {k: int(v) for k, v in sizes.items()}
         self.size = math.prod(self.sizes.values())
+        self.abstract = isinstance(devices, str)
+        if self.abstract:
+            if devices != "abstract":
+                raise MeshError(f"devices must be a sequence or 'abstract', got {devices!r}")
+            shape = tuple(self.sizes.values())
+            self.jax_mesh = jax.sharding.AbstractMesh(shape, tuple(self.sizes))
+            return
         devices = list(jax.devices() if devices is None else devices)
         if len(devices) < self.size:
             raise MeshError(
@@ -43,7 +54,8 @@ class Mesh:
         return tuple(self.sizes)
 
     def __repr__(self) -> str:
-        return "Mesh(" + ", ".join(f"{k}={v}" for k, v in self.sizes.items()) + ")"
+        axes = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
+        return f"Mesh({axes}{', abstract' if getattr(self, 'abstract', False) else ''})"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Mesh) and other.sizes == self.sizes

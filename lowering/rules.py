@@ -117,7 +117,7 @@ def _reduced(eqn, lay):
     return split, kept
 
 
-@rule("sum", "max", "min", "any", "all", "mean", "logsumexp")
+@rule("sum", "max", "min", "any", "all", "mean", "logsumexp", "prod")
 def reduction_rule(ctx, eqn, args):
     """The reduction on each shard, then combined over the axes that split reduced dims:
     psum for sum (mean divides by the shard count); max, min, any and all reduce the
@@ -131,7 +131,7 @@ def reduction_rule(ctx, eqn, args):
         y = col.psum(y, split, ctx.log)
         if name == "mean" and split:
             y = y / math.prod(ctx.sizes[a] for a in split)
-    elif name in ("any", "all") and split:
+    elif name in ("any", "all", "prod") and split:
         y = getattr(jnp, name)(col.gather_stacked(y, split, ctx.log), axis=0)
     elif name in ("max", "min") and split:
         # The global extreme, without gradient; then, as jnp.max does on one device, the
@@ -441,3 +441,115 @@ def cumsum_rule(ctx, eqn, args):
     y = y + jnp.sum(jnp.where(before, totals, 0), axis=0).astype(y.dtype)
     want = ctx.wanted[eqn.outputs[0]]
     return [(ctx.relayout(y, lay, want), want)]
+
+
+def _halo_extend(ctx, x, axis: int, axes, left: int, right: int, fill):
+    """x with `left` elements of the previous shard before it and `right` of the next after
+    it along `axis` (split by `axes`), by ppermute; the first and last shards get `fill`."""
+    name = axes[0] if len(axes) == 1 else axes
+    k = math.prod(ctx.sizes[a] for a in axes)
+    me = col.axis_index(axes, ctx.sizes)
+    n = x.shape[axis]
+    parts = []
+    if left:
+        edge = jax.lax.slice_in_dim(x, n - left, n, axis=axis)
+        ctx.log("ppermute", axes, math.prod(edge.shape) * edge.dtype.itemsize)
+        halo = jax.lax.ppermute(edge, name, [(j, j + 1) for j in range(k - 1)])
+        parts.append(jnp.where(me == 0, jnp.full_like(halo, fill), halo))
+    parts.append(x)
+    if right:
+        edge = jax.lax.slice_in_dim(x, 0, right, axis=axis)
+        ctx.log("ppermute", axes, math.prod(edge.shape) * edge.dtype.itemsize)
+        halo = jax.lax.ppermute(edge, name, [(j + 1, j) for j in range(k - 1)])
+        parts.append(jnp.where(me == k - 1, jnp.full_like(halo, fill), halo))
+    return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x
+
+
+def _halos(ctx, lay, shape, axes, spans, strides, pads):
+    """Per spatial axis split in `lay`: (left, right) halos when each shard's output block
+    needs only its neighbours' edges (out * stride == size, halos within one shard)."""
+    halos = {}
+    for a, span, s, (lo, hi) in zip(axes, spans, strides, pads, strict=True):
+        if not lay[a]:
+            continue
+        k = math.prod(ctx.sizes[m] for m in lay[a])
+        n_out = (shape[a] + lo + hi - span) // s + 1
+        n = shape[a] // k
+        right = span - s - lo
+        if n_out * s != shape[a] or n_out % k or not 0 <= lo <= n or not 0 <= right <= n:
+            return None
+        halos[a] = (lo, right)
+    return halos
+
+
+@rule("conv")
+def conv_rule(ctx, eqn, args):
+    """Along split spatial dims each device extends its block by its neighbours' edges
+    (ppermute) and convolves it without padding; batch dims keep their splits, channel and
+    window dims are gathered, the kernel's feature dims take the output's splits. Other
+    cases (strides that do not tile the shards) run replicated."""
+    (x, xl), (k, kl) = args
+    (vx, vk), (out,) = eqn.inputs, eqn.outputs
+    p = eqn.params
+    sp = dict(p["spatial"])
+    axes = [vx.dims.index(d) for d in sp]
+    spans = [
+        dl * (vk.shape[vk.dims.index(w)] - 1) + 1
+        for w, dl in zip(sp.values(), p["dilations"], strict=True)
+    ]
+    shared = set(vx.dims) & set(vk.dims)
+    x_lay = tuple(() if d in shared else a for d, a in zip(vx.dims, xl, strict=True))
+    halos = _halos(ctx, x_lay, vx.shape, axes, spans, p["strides"], p["pads"])
+    if halos is None:
+        return replicated_rule(ctx, eqn, args)
+    used = {m for a in x_lay for m in a}
+    want = dict(zip(out.dims, ctx.wanted[out], strict=True))
+    k_lay = tuple(
+        want.get(d, ())
+        if d not in shared and d not in sp.values() and not used & set(want.get(d, ()))
+        else ()
+        for d in vk.dims
+    )
+    x = ctx.relayout(x, xl, x_lay)
+    k = ctx.relayout(k, kl, k_lay)
+    pads = list(p["pads"])
+    for i, a in enumerate(axes):
+        if a in halos:
+            x = _halo_extend(ctx, x, a, x_lay[a], *halos[a], fill=0)
+            pads[i] = (0, 0)
+    y = ctx.local(eqn.primitive, x, k, **{**p, "pads": tuple(pads)})
+    by_dim = {**dict(zip(vx.dims, x_lay, strict=True)), **dict(zip(vk.dims, k_lay, strict=True))}
+    lay = tuple(by_dim.get(d, ()) for d in out.dims)
+    return [(ctx.relayout(y, lay, ctx.wanted[out]), ctx.wanted[out])]
+
+
+@rule("pool")
+def pool_rule(ctx, eqn, args):
+    """Pooling along split dims: halos from the neighbours as for conv, filled with the
+    identity of the reduction (-inf for max, 0 for mean) at the ends."""
+    ((x, lay),) = args
+    (v,), (out,) = eqn.inputs, eqn.outputs
+    p = eqn.params
+    halos = _halos(ctx, lay, v.shape, p["axes"], p["windows"], p["strides"], p["pads"])
+    if halos is None:
+        return replicated_rule(ctx, eqn, args)
+    fill = 0
+    if p["kind"] == "max":
+        fill = -jnp.inf if x.dtype.kind == "f" else jnp.iinfo(x.dtype).min
+    pads = list(p["pads"])
+    for i, a in enumerate(p["axes"]):
+        if a in halos:
+            x = _halo_extend(ctx, x, a, lay[a], *halos[a], fill=fill)
+            pads[i] = (0, 0)
+    y = ctx.local(eqn.primitive, x, **{**p, "pads": tuple(pads)})
+    return [(ctx.relayout(y, lay, ctx.wanted[out]), ctx.wanted[out])]
+
+
+@rule("stack")
+def stack_rule(ctx, eqn, args):
+    """Inputs take the output's splits of their dims; the new leading dim starts whole."""
+    out = eqn.outputs[0]
+    want = ctx.wanted[out]
+    xs = [ctx.relayout(x, lay, want[1:]) for x, lay in args]
+    y = ctx.local(eqn.primitive, *xs, **eqn.params)
+    return [(ctx.relayout(y, ((),) + want[1:], want), want)]

@@ -8,6 +8,7 @@ from namedmesh.tensor import Tensor  # first: the op modules it loads import it 
 from namedmesh import random
 from namedmesh.conv import conv, pool
 from namedmesh.creation import (
+    abstract,
     arange,
     full,
     full_like,

@@ -89,3 +89,13 @@ def arange(dim: str, n: int, start=0, step=1, dtype=None) -> Tensor:
     if dtype is None:
         dtype = np.float32 if isinstance(start, float) or isinstance(step, float) else np.int32
     return bind(_iota, dim=dim, start=start, step=step, n=int(n), dtype=np.dtype(dtype))
+
+
+def abstract(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
+    """A Tensor with dims, sizes and dtype but no values (its data is a
+    jax.ShapeDtypeStruct): enough to trace, plan and report a program, and to build
+    models of any size with `jax.eval_shape`, without allocating memory."""
+    import jax
+
+    dims, shape = _check_sizes(sizes, "abstract")
+    return Tensor._make(jax.ShapeDtypeStruct(shape, np.dtype(dtype)), dims)

@@ -39,7 +39,7 @@ class Tensor:
 
     def __init__(self, data, dims: DimsLike):
         dims = parse_dims(dims)
-        if not isinstance(data, (np.ndarray, Var)) and not _is_jax(data):
+        if not isinstance(data, np.ndarray | Var | jax.ShapeDtypeStruct) and not _is_jax(data):
             data = np.asarray(data)
         if data.ndim != len(dims):
             raise ShapeError(
@@ -121,6 +121,8 @@ class Tensor:
         head = f"<namedmesh.Tensor {_fmt_aval(self.aval)}>"
         if isinstance(self.data, Var):
             return head + " (traced)"
+        if isinstance(self.data, jax.ShapeDtypeStruct):
+            return head + " (abstract)"
         if _is_jax(self.data) and isinstance(self.data, jax.core.Tracer):
             return head + f" ({type(self.data).__name__})"
         return head + "\n" + np.array2string(np.asarray(self.data), threshold=50, edgeitems=2)

@@ -1,0 +1,109 @@
+"""Running lowered programs over several processes (hosts): `initialize`, `global_array`,
+`to_numpy`.
+
+Every process runs the same program. `initialize` connects the processes (it wraps
+`jax.distributed.initialize`, with gloo collectives between CPU processes); then
+`jax.devices()` lists the devices of all processes, a `Mesh` over them spans the
+processes, and a lowered function called with NumPy-backed Tensors (the same global value
+on every process) turns each input into a global jax.Array with `global_array`. Outputs are
+global jax.Arrays of which each process holds its own shards; `to_numpy` gathers the full
+value on every process. See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from lowering.layout import ValueLayout, check_divisible, partition_spec
+from lowering.mesh import Mesh
+from namedmesh.errors import LayoutError, MeshError
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise MeshError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def initialize(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    *,
+    timeout_s: int = 60,
+    heartbeat_timeout_s: int = 10,
+) -> None:
+    """Join this process to a group of `num_processes` processes, as `process_id`, with the
+    coordinator (run by process 0) at `coordinator` ("host:port"). Call it before any other
+    JAX call. `timeout_s` bounds the wait for all processes to connect (and, at exit, for
+    them to shut down); a process silent for `heartbeat_timeout_s` seconds is taken as dead
+    and the others are stopped with an error. All three of coordinator, num_processes and
+    process_id may be None where jax detects them (Cloud TPU, SLURM, Open MPI).
+    MeshError for bad arguments or when JAX was already initialized."""
+    if coordinator is not None:
+        host, sep, port = coordinator.rpartition(":") if isinstance(coordinator, str) else ("",) * 3
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise MeshError(f"coordinator must be 'host:port', got {coordinator!r}")
+    if num_processes is not None:
+        num_processes = _positive_int("num_processes", num_processes)
+    if process_id is not None:
+        if isinstance(process_id, bool) or not isinstance(process_id, int | np.integer):
+            raise MeshError(f"process_id must be an int, got {process_id!r}")
+        process_id = int(process_id)
+        if num_processes is not None and not 0 <= process_id < num_processes:
+            raise MeshError(
+                f"process_id {process_id} is not in range(num_processes={num_processes})"
+            )
+    timeout_s = _positive_int("timeout_s", timeout_s)
+    heartbeat_timeout_s = _positive_int("heartbeat_timeout_s", heartbeat_timeout_s)
+    if jax.distributed.is_initialized():
+        raise MeshError("lowering.distributed.initialize was already called in this process")
+    # Only affects the CPU backend: collectives between CPU devices of different processes.
+    previous = jax.config.jax_cpu_collectives_implementation
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+            shutdown_timeout_seconds=timeout_s,
+        )
+    except RuntimeError as e:
+        jax.config.update("jax_cpu_collectives_implementation", previous)
+        if "must be called before" in str(e) or "only be called once" in str(e):
+            raise MeshError(
+                "lowering.distributed.initialize must be called once, before any other JAX "
+                f"call (jax.devices(), a computation, building a Mesh): {e}"
+            ) from e
+        raise
+    except (ValueError, TypeError) as e:
+        jax.config.update("jax_cpu_collectives_implementation", previous)
+        raise MeshError(f"lowering.distributed.initialize: {e}") from e
+
+
+def global_array(data, layout: ValueLayout, mesh: Mesh) -> jax.Array:
+    """The global jax.Array of `data` (a host array holding the same global value on every
+    process), sharded over `mesh` by the value layout `layout` (per dim, its mesh axes);
+    each process fills only the shards of its own devices."""
+    data = np.asarray(data)
+    if len(layout) != data.ndim:
+        raise LayoutError(
+            f"layout {layout} has {len(layout)} entries for an array of shape {data.shape}"
+        )
+    check_divisible(layout, [f"axis{i}" for i in range(data.ndim)], data.shape, mesh, "array")
+    sharding = jax.sharding.NamedSharding(mesh.jax_mesh, partition_spec(layout))
+    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
+
+
+def to_numpy(array) -> np.ndarray:
+    """The full global value of `array` (a jax.Array, possibly spread over processes, or a
+    Tensor holding one) as a NumPy array, on every process. Where the array spans several
+    processes this is a collective: every process must call it."""
+    data = getattr(array, "data", array) if not isinstance(array, jax.Array) else array
+    if isinstance(data, jax.Array) and not data.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(data, tiled=True))
+    return np.asarray(data)
