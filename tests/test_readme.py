@@ -13,7 +13,9 @@ def test_readme_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "README has no python example"
     assert 15 <= len(blocks[0].strip().splitlines()) <= 30
-    exec(compile(blocks[0], "README.md", "exec"), {})
+    namespace: dict = {}
+    for block in blocks:  # in order, in one namespace: later blocks use earlier names
+        exec(compile(block, "README.md", "exec"), namespace)
 
 
 def test_quickstart_commands_are_the_make_targets():
