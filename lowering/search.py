@@ -1,7 +1,8 @@
 """`auto_layout`: the rule set with the least estimated step time that fits memory.
 
-Candidates give each mesh axis to one dim of the program (or to none); two axes on
-one dim make a multi-axis rule. Each candidate is planned (no compilation) and
+Candidates give each mesh axis to one dim of the program, to a pair of dims that no
+value has together (Megatron's `heads` and `d_ff` share the model axis), or to none;
+two axes on one dim make a multi-axis rule. Each candidate is planned (no compilation) and
 costed from its report: time = flops / flops_per_s + collective bytes / bytes_per_s,
 plus, for the inputs named in `grad_argnums`, the all-reduce of their gradients over
 the used mesh axes they are not split on (data-parallel gradient sync).
@@ -48,11 +49,13 @@ class Search(list):
         return "\n".join(rows)
 
 
-def _dims_of(graph) -> list[str]:
-    seen = dict.fromkeys(d for v in graph.inputs for d in v.dims)
-    for e in graph.eqns:
-        seen.update(dict.fromkeys(d for v in e.outputs for d in v.dims))
-    return list(seen)
+def _options(graph) -> list[tuple[str, ...]]:
+    """What one mesh axis may split: nothing, one dim, or two dims never in one value."""
+    values = [v.dims for v in graph.inputs] + [v.dims for e in graph.eqns for v in e.outputs]
+    dims = list(dict.fromkeys(d for v in values for d in v))
+    together = {frozenset(p) for v in values for p in itertools.combinations(v, 2)}
+    pairs = [p for p in itertools.combinations(dims, 2) if frozenset(p) not in together]
+    return [(), *((d,) for d in dims), *pairs]
 
 
 def auto_layout(
@@ -66,15 +69,15 @@ def auto_layout(
 ) -> tuple[Layout, Search]:
     """Search layouts for `fn(*inputs)` on `mesh`; returns the best Layout and the table."""
     graph = nm.trace(fn, *inputs)
-    dims = _dims_of(graph)
+    options = _options(graph)
     axes = list(mesh.sizes)
     leaves = [jax.tree_util.tree_leaves(x, is_leaf=lambda t: isinstance(t, Tensor)) for x in inputs]
     grad_leaves = [t for i in grad_argnums for t in leaves[i]]
     table = Search()
-    for choice in itertools.product([None, *dims], repeat=len(axes)):
+    for choice in itertools.product(options, repeat=len(axes)):
         rules: dict[str, tuple[str, ...]] = {}
-        for a, d in zip(axes, choice, strict=True):
-            if d is not None:
+        for a, ds in zip(axes, choice, strict=True):
+            for d in ds:
                 rules[d] = rules.get(d, ()) + (a,)
         cand = Candidate(Layout(list(rules.items())))
         table.append(cand)
@@ -83,7 +86,7 @@ def auto_layout(
         except LayoutError as e:
             cand.note = f"invalid: {str(e).split(':', 1)[-1].strip()[:60]}"
             continue
-        used = {a for a, d in zip(axes, choice, strict=True) if d is not None}
+        used = {a for a, ds in zip(axes, choice, strict=True) if ds}
         sync = 0.0
         for t in grad_leaves:
             lay = cand.layout.of(t.dims, t.shape, mesh)
@@ -99,7 +102,7 @@ def auto_layout(
     best = table[0]
     if not math.isfinite(best.time):
         raise LayoutError(
-            f"auto_layout: no layout of {dims} on {mesh} is valid and fits "
+            f"auto_layout: no layout on {mesh} is valid and fits "
             f"memory_limit={memory_limit}"
         )
     best.note = (best.note + " chosen: least estimated time").strip()
