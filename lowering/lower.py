@@ -38,6 +38,7 @@ class Step:
     outputs: list  # (dims, layout) per output
     local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
     collectives: list = field(default_factory=list)  # (kind, axes, local input bytes)
+    events: list = field(default_factory=list)  # local ops and collectives, in order, as text
 
 
 class Plan(list):
@@ -53,9 +54,12 @@ class Plan(list):
             ins = " ".join(fmt(*x) for x in s.inputs)
             outs = " ".join(fmt(*x) for x in s.outputs)
             lines.append(f"{s.name}: {ins} -> {outs}")
-            for kind, axes, nbytes in s.collectives:
-                lines.append(f"    {kind} over {','.join(axes)}: {nbytes} bytes in per device")
+            lines.extend("    " + e for e in s.events)
         return "\n".join(lines)
+
+
+def _fmt_local(a) -> str:
+    return f"{a.dtype.kind}{a.dtype.itemsize * 8}[{','.join(map(str, a.shape))}]"
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Context:
 
     def log(self, kind: str, axes: tuple[str, ...], nbytes: int) -> None:
         self.step.collectives.append((kind, tuple(axes), int(nbytes)))
+        self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device")
 
     def local(self, prim, *arrays, **params):
         """Run `prim`'s jax implementation on local shards of the current equation's inputs,
@@ -90,6 +95,9 @@ class Context:
                 [aval(v, o) for v, o in zip(e.outputs, outs, strict=True)],
             )
         )
+        shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
+        ins, outs_ = self.step.local[-1][2:]
+        self.step.events.append(f"local {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
         return out
 
     def soft_layout(self, dims, shape) -> ValueLayout:

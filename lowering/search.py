@@ -102,8 +102,7 @@ def auto_layout(
     best = table[0]
     if not math.isfinite(best.time):
         raise LayoutError(
-            f"auto_layout: no layout on {mesh} is valid and fits "
-            f"memory_limit={memory_limit}"
+            f"auto_layout: no layout on {mesh} is valid and fits memory_limit={memory_limit}"
         )
     best.note = (best.note + " chosen: least estimated time").strip()
     return best.layout, table

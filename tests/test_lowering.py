@@ -234,9 +234,11 @@ def test_local_shapes():
 
 
 def _eqn_lines(plan_text: str) -> list[tuple[str, list[str]]]:
-    """[(equation line, [its collective lines])] of a printed plan."""
+    """[(equation line, [its collective lines])] of a printed plan (local-op lines skipped)."""
     out: list[tuple[str, list[str]]] = []
     for line in plan_text.splitlines():
+        if line.startswith("    local "):
+            continue
         if line.startswith(" "):
             out[-1][1].append(line.strip())
         else:
@@ -257,6 +259,8 @@ def test_plan_of_megatron_shows_layouts_and_one_psum():
     assert c1 == [] and cr == []
     assert len(c2) == 1 and c2[0].startswith("psum over cols:")
     assert len(plan) == 3
+    # the local ops with their per-device shapes: batch 8/2, d_ff 32/4
+    assert "    local einsum(f32[4,16], f32[16,8]) -> f32[4,8]" in text.splitlines()
 
 
 def test_plan_of_data_parallel_has_no_collectives():
