@@ -1,4 +1,5 @@
-"""Shared set-up: 8 simulated CPU devices (before jax is imported) and hypothesis profiles."""
+"""Shared by tests/ and property_tests/: 8 simulated CPU devices (set before jax is imported)
+and the hypothesis profiles (dev by default, ci when CI=true, thorough on request)."""
 
 import os
 
