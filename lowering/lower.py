@@ -100,9 +100,12 @@ class Context:
         self.step.events.append(f"local {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
         return out
 
-    def soft_layout(self, dims, shape) -> ValueLayout:
-        """The rules' layout of (dims, shape), leaving unsplit a dim its axes do not divide."""
-        layout = list(self.layout.assign(dims, shape, "value"))
+    def soft_layout(self, dims, shape, is_value: bool = True) -> ValueLayout:
+        """The rules' layout of (dims, shape), leaving unsplit a dim its axes do not divide.
+        A strict layout's conflicts are errors only for values (`is_value`), not for the
+        dims of a whole einsum, which no single tensor holds."""
+        rules = self.layout if is_value else Layout(self.layout.rules)
+        layout = list(rules.assign(dims, shape, "value"))
         for i, n in enumerate(shape):
             if n % math.prod(self.sizes[a] for a in layout[i]):
                 layout[i] = ()

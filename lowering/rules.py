@@ -89,7 +89,13 @@ def einsum_rule(ctx, eqn, args):
     (out,) = eqn.outputs
     sizes = {d: n for v in eqn.inputs for d, n in zip(v.dims, v.shape, strict=True)}
     all_dims = tuple(dict.fromkeys(d for v in eqn.inputs for d in v.dims))
-    comp = dict(zip(all_dims, ctx.soft_layout(all_dims, [sizes[d] for d in all_dims]), strict=True))
+    comp = dict(
+        zip(
+            all_dims,
+            ctx.soft_layout(all_dims, [sizes[d] for d in all_dims], is_value=False),
+            strict=True,
+        )
+    )
     xs = [
         ctx.relayout(x, lay, _layout_in(v.dims, comp))
         for (x, lay), v in zip(args, eqn.inputs, strict=True)
