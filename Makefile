@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/python -m namedmesh.demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests property_tests
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest tests property_tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -12,7 +12,7 @@ settings.register_profile(
     "dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
-    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
     "thorough", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -20,3 +20,15 @@ settings.register_profile(
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") == "true" else "dev")
 )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Report how many (program, mesh, layout) cases the property suites lowered and ran."""
+    import sys
+
+    testing = sys.modules.get("namedmesh.testing")
+    if testing is not None:
+        profile = settings._current_profile
+        terminalreporter.write_line(
+            f"lowered cases run: {testing.CASES['lowered']} (hypothesis profile {profile!r})"
+        )

@@ -60,21 +60,16 @@ def varying_axes(x) -> set[str]:
 
 def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
     """`x`, equal on every device along `axes` but typed varying there, as a value that
-    shard_map may return replicated: sliced along a dim and gathered back (the gather
-    moves (n-1)/n of x), or for a value no dim of which divides, a psum of device 0's."""
+    shard_map may return replicated: a psum of device 0's copy. (A slice and gather back
+    would move half the bytes, but XLA folds it into the gather that made `x`, and the
+    plan would no longer be what runs.)"""
     axes = tuple(a for a in sizes if a in axes)
     if not axes:
         return x
-    n = math.prod(sizes[a] for a in axes)
+    log("psum", axes, _nbytes(x))
+    first = axis_index(axes, sizes) == 0
     name = axes[0] if len(axes) == 1 else axes
-    dim = next((i for i, s in enumerate(x.shape) if s % n == 0 and s), None)
-    if dim is None:
-        log("psum", axes, _nbytes(x))
-        first = axis_index(axes, sizes) == 0
-        return jax.lax.psum(jax.numpy.where(first, x, jax.numpy.zeros_like(x)), name)
-    part = slice_to(x, dim, axes, sizes)
-    log("all_gather", axes, _nbytes(part))
-    return jax.lax.all_gather(part, name, axis=dim, tiled=True, to="invarying")
+    return jax.lax.psum(jax.numpy.where(first, x, jax.numpy.zeros_like(x)), name)
 
 
 def gather_stacked(x, axes: tuple[str, ...], log: Log):

@@ -39,7 +39,8 @@ def _bytes(shape_text: str) -> int:
 
 
 def collectives(hlo_text: str) -> list[tuple[str, int, int]]:
-    """(kind, result bytes, group size) for each collective op in `hlo_text`."""
+    """(kind, result bytes, group size) for each collective in `hlo_text`; one that XLA
+    combined from several (a tuple result) counts as each of them."""
     found = []
     for line in hlo_text.splitlines():
         m = _LINE.search(line)
@@ -47,5 +48,7 @@ def collectives(hlo_text: str) -> list[tuple[str, int, int]]:
             continue
         g = _GROUPS.search(line)
         size = len(g.group(1).split("},{")[0].strip("{}").split(",")) if g else 0
-        found.append((m.group(2), _bytes(m.group(1)), size))
+        # a combined collective has a tuple result: one entry per operand
+        for shape in _SHAPE.finditer(m.group(1)):
+            found.append((m.group(2), _bytes(shape.group(0)), size))
     return found

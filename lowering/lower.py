@@ -71,6 +71,7 @@ class Context:
     layout: Layout
     wanted: dict
     step: Step | None = None
+    moved: dict = field(default_factory=dict)  # relayouts done in this trace of the body
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -109,10 +110,20 @@ class Context:
         for i, n in enumerate(shape):
             if n % math.prod(self.sizes[a] for a in layout[i]):
                 layout[i] = ()
-        return tuple(layout)
+        return nontrivial(tuple(layout), self.mesh)
 
     def relayout(self, x, src: ValueLayout, dst: ValueLayout):
-        return relayout(x, src, dst, self.sizes, self.log)
+        """`x` moved from layout `src` to `dst`, once per value and target: a second
+        request reuses the first result (XLA would merge the duplicate collectives)."""
+        key = (id(x), tuple(src), tuple(dst))
+        if key not in self.moved:
+            self.moved[key] = (x, relayout(x, src, dst, self.sizes, self.log))
+        return self.moved[key][1]
+
+
+def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
+    """`layout` without mesh axes of size 1, which split nothing and need no collectives."""
+    return tuple(tuple(a for a in axes if mesh.sizes[a] > 1) for axes in layout)
 
 
 def constraint_layout(rules_, v, mesh) -> ValueLayout:
@@ -123,7 +134,7 @@ def constraint_layout(rules_, v, mesh) -> ValueLayout:
         raise LayoutError(
             f"constraint {layout} names dim(s) {unknown} that the value {v.dims} lacks"
         )
-    return layout.of(v.dims, v.shape, mesh, "constrained value")
+    return nontrivial(layout.of(v.dims, v.shape, mesh, "constrained value"), mesh)
 
 
 @dataclass
@@ -156,10 +167,8 @@ class Lowered:
 
     def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
-        wanted = {
-            v: self.layout.of(v.dims, v.shape, self.mesh, f"input {i}")
-            for i, v in enumerate(graph.inputs)
-        }
+        of = lambda v, what: nontrivial(self.layout.of(v.dims, v.shape, self.mesh, what), self.mesh)
+        wanted = {v: of(v, f"input {i}") for i, v in enumerate(graph.inputs)}
         ctx = Context(self.mesh, self.layout, wanted)
         for e in graph.eqns:
             for v in e.outputs:
@@ -168,14 +177,12 @@ class Lowered:
                 wanted[e.outputs[0]] = constraint_layout(
                     e.params["layout"], e.outputs[0], self.mesh
                 )
-        out_layouts = [
-            self.layout.of(v.dims, v.shape, self.mesh, f"output {i}")
-            for i, v in enumerate(graph.outputs)
-        ]
+        out_layouts = [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
         plan = Plan()
 
         def body(*local_inputs):
             plan.clear()
+            ctx.moved = {}
             env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, local_inputs, strict=True)}
             for v, c in graph.consts.items():
                 env[v] = (jax.numpy.asarray(c), ((),) * len(v.dims))

@@ -370,6 +370,9 @@ def shift_rule(ctx, eqn, args):
     axis, off = p["axis"], p["offset"]
     axes = lay[axis]
     n = x.shape[axis]
+    want = ctx.wanted[eqn.outputs[0]]
+    if not p["wrap"] and abs(off) >= eqn.inputs[0].shape[axis]:  # nothing is left but fill
+        return [(ctx.relayout(jnp.full_like(x, p["fill"]), lay, want), want)]
     if not axes or abs(off) > n or off == 0:
         return along_dims_rule(ctx, eqn, args)
     name = axes[0] if len(axes) == 1 else axes
@@ -391,7 +394,6 @@ def shift_rule(ctx, eqn, args):
         else jax.lax.slice_in_dim(x, k, n, axis=axis)
     )
     y = jnp.concatenate([halo, body] if off > 0 else [body, halo], axis=axis)
-    want = ctx.wanted[eqn.outputs[0]]
     return [(ctx.relayout(y, lay, want), want)]
 
 

@@ -1,0 +1,297 @@
+"""Hypothesis strategies: named dims, meshes, layouts, constraints and random programs.
+
+`programs()` draws a `Program`: random input tensors over a few shared dims and a
+list of steps, each applying one kind of op (einsum chains, N-ary einsums,
+elementwise with broadcasting, reductions, softmax, top_k, reshape, concat, slice,
+pad, shift, one_hot, gather, random, dropout) to tensors made by earlier steps.
+A Program is data, so hypothesis shrinks it to a short one, and prints as code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import strategies as st
+
+import namedmesh as nm
+
+NAMES = ("p", "q", "r", "s")
+SIZES = (2, 4, 8, 1, 3, 6)  # mostly divisible; 3 and 6 are not, by most mesh axes
+KINDS = (
+    "unary",
+    "binary",
+    "einsum",
+    "einsum3",
+    "reduce",
+    "softmax",
+    "top_k",
+    "reshape",
+    "concat",
+    "slice",
+    "pad",
+    "shift",
+    "cumsum",
+    "one_hot",
+    "gather",
+    "random",
+    "dropout",
+    "where",
+)
+EINSUM_KINDS = ("einsum", "einsum3", "binary")  # einsum chains: where the collectives are
+UNARY = ("tanh", "sin", "abs", "negative", "sigmoid", "relu", "square", "exp")
+BINARY = ("add", "subtract", "multiply", "maximum", "minimum")
+REDUCE = ("sum", "mean", "max", "min", "logsumexp")
+MESH_AXES = ("m0", "m1", "m2")
+
+
+def dims(names=NAMES, sizes=SIZES) -> st.SearchStrategy[dict[str, int]]:
+    """Sizes by dim name; some sizes are not divisible by typical mesh axes."""
+    return st.fixed_dictionaries({n: st.sampled_from(sizes) for n in names})
+
+
+def meshes(max_devices: int | None = None, max_axes: int = 3):
+    """Meshes of 1 to `max_devices` devices (default: all) over 1 to `max_axes` axes of
+    sizes 1, 2, 4 or 8."""
+    import jax
+
+    from lowering import Mesh
+
+    limit = max_devices or len(jax.devices())
+
+    @st.composite
+    def draw(draw_):
+        n = draw_(st.integers(1, max_axes))
+        sizes = {}
+        for name in MESH_AXES[:n]:
+            room = limit // int(np.prod(list(sizes.values()) or [1]))
+            sizes[name] = draw_(st.sampled_from([s for s in (2, 4, 1, 8) if s <= room]))
+        return Mesh(sizes)
+
+    return draw()
+
+
+_mostly = st.integers(0, 3).map(bool)  # True 3 times in 4; shrinks to False
+
+
+def layouts(dim_names, mesh, allow_strict: bool = True, sizes=None):
+    """Ordered rules over `dim_names`: a dim over one or two axes, a rule reusing the
+    previous rule's axes (a conflict: the earlier dim of a tensor takes them), and
+    `strict` on or off. With `sizes` (dim -> size), axes that divide a dim's size are
+    preferred, so that fewer layouts are invalid for the inputs."""
+    from lowering import Layout
+
+    axes = list(mesh.sizes)
+
+    def fits(d, chosen):
+        n = 1
+        for a in chosen:
+            n *= mesh.sizes[a]
+        return sizes is None or sizes[d] % n == 0
+
+    @st.composite
+    def draw(draw_):
+        order = draw_(st.permutations(list(dim_names)))
+        rules = []
+        for d in order:
+            if not draw_(_mostly):  # shrinks to no rule for the dim
+                continue
+            if rules and not draw_(st.integers(0, 2).map(bool)):  # 1 in 3: reuse
+                chosen = rules[-1][1]
+            else:
+                options = st.lists(st.sampled_from(axes), min_size=1, max_size=2, unique=True)
+                chosen = tuple(draw_(options))
+                if not fits(d, chosen) and draw_(_mostly):
+                    chosen = tuple(a for a in chosen if fits(d, (a,)))[:1] or chosen
+            rules.append((d, tuple(chosen)))
+        return Layout(rules, strict=allow_strict and draw_(st.booleans()))
+
+    return draw()
+
+
+@dataclass(frozen=True)
+class Program:
+    """A random program: `program(*program.example_inputs())` runs it eagerly."""
+
+    sizes: tuple[tuple[str, int], ...]
+    inputs: tuple[tuple[str, ...], ...]
+    steps: tuple[tuple[str, int, int, int], ...]
+    seed: int
+    constraints: tuple[tuple[int, str], ...] = field(default=())
+
+    def example_inputs(self) -> list[nm.Tensor]:
+        r = np.random.default_rng(self.seed)
+        sizes = dict(self.sizes)
+        return [
+            nm.tensor(r.normal(size=[sizes[d] for d in dims]).astype(np.float32), dims)
+            for dims in self.inputs
+        ]
+
+    def __call__(self, *xs: nm.Tensor) -> nm.Tensor:
+        return self.values(*xs)[-1]
+
+    def values(self, *xs: nm.Tensor) -> list[nm.Tensor]:
+        """Every value the program makes, inputs first."""
+        pool = list(xs)
+        pinned = dict(self.constraints)
+        for n, step in enumerate(self.steps):
+            out = _apply(pool, *step)
+            if n in pinned:
+                out = nm.constrain(out, pinned[n])
+            pool.append(out)
+        return pool
+
+    def with_constraints(self, constraints) -> Program:
+        return Program(self.sizes, self.inputs, self.steps, self.seed, tuple(constraints))
+
+    def __repr__(self) -> str:
+        return (
+            f"Program(sizes={self.sizes!r}, inputs={self.inputs!r}, steps={self.steps!r}, "
+            f"seed={self.seed}, constraints={self.constraints!r})"
+        )
+
+
+def _compatible(a: nm.Tensor, b: nm.Tensor) -> bool:
+    return all(a.sizes[d] == b.sizes[d] for d in set(a.dims) & set(b.dims))
+
+
+def _apply(pool, kind, i, j, k):
+    """One step: an op of `kind` on pool[i], pool[j] (when sizes agree) with choices from k."""
+    a, b = pool[i % len(pool)], pool[j % len(pool)]
+    if not _compatible(a, b):
+        b = a
+    d = a.dims[k % len(a.dims)] if a.dims else None
+    if kind == "unary":
+        return getattr(nm, UNARY[k % len(UNARY)])(nm.tanh(a))
+    if kind == "binary":
+        return getattr(nm, BINARY[k % len(BINARY)])(a, b)
+    if kind == "einsum":
+        union = list(dict.fromkeys(a.dims + b.dims))
+        return nm.einsum(a, b, out=[u for n, u in enumerate(union) if (k >> n) & 1])
+    if kind == "einsum3":
+        c = pool[(i + j + 1) % len(pool)]
+        c = c if _compatible(c, a) and _compatible(c, b) else a
+        union = list(dict.fromkeys(a.dims + b.dims + c.dims))
+        return nm.einsum(a, b, c, out=[u for n, u in enumerate(union) if (k >> n) & 1])
+    if not d:
+        return -a
+    n = a.size_of(d)
+    if kind == "reduce":
+        red = [x for m, x in enumerate(a.dims) if (k >> m) & 1] or [d]
+        return getattr(nm, REDUCE[i % len(REDUCE)])(a, red)
+    if kind == "softmax":
+        return (nm.softmax if i % 2 else nm.log_softmax)(a, d)
+    if kind == "top_k":
+        vals, idx = nm.top_k(a, d, 1 + k % n)
+        return vals * 0.5 + nm.astype(idx, np.float32) if i % 2 else vals
+    if kind == "reshape" and n % 2 == 0 and n > 2:
+        split = nm.reshape(a, {d + "_hi": 2, d + "_lo": n // 2}, from_=d)
+        return nm.reshape(nm.tanh(split), {d: n}, from_=(d + "_hi", d + "_lo"))
+    if kind == "concat":
+        return nm.concat(
+            [a, b * 0.5] if b.dims and d in b.dims and set(b.dims) == set(a.dims) else [a, a * 0.5],
+            d,
+        )
+    if kind == "slice":
+        return nm.slice(a, d, k % n, None if i % 2 else max(k % n + 1, n - 1), 1 + j % 2)
+    if kind == "pad":
+        return nm.pad(a, {d: (k % 3, j % 2)}, value=0.25)
+    if kind == "shift":
+        return nm.shift(a, d, (k % (2 * n + 1)) - n, wrap=bool(i % 2), fill=0.5)
+    if kind == "cumsum":
+        return nm.cumsum(a, d, reverse=bool(i % 2))
+    if kind == "one_hot":
+        idx = nm.argmax(a, d)
+        return nm.einsum(nm.one_hot(idx, d, n), a, out=idx.dims + (d,))
+    if kind == "gather":
+        idx = nm.mod(nm.argmax(b, b.dims[k % len(b.dims)]), n) if b.dims else nm.argmax(a, d)
+        if d in idx.dims:  # indices may not have the gathered dim
+            idx = nm.mod(idx.sum(d), n)
+        return nm.gather(a, d, idx)
+    if kind == "random":
+        return a + nm.random.normal(nm.random.fold_in(7, k), a.sizes)
+    if kind == "dropout":
+        return nm.dropout(a, 0.5, nm.random.key(k))
+    if kind == "where":
+        return nm.where(a > 0, a, b)
+    return -a
+
+
+@st.composite
+def programs(
+    draw, names=NAMES, sizes=SIZES, max_inputs: int = 3, max_steps: int = 6, kinds=KINDS
+) -> Program:
+    """A random Program over the dims `names` (see the module docstring)."""
+    sz = draw(dims(names, sizes))
+    n_inputs = draw(st.integers(1, max_inputs))
+    inputs = tuple(
+        tuple(draw(st.permutations(list(names)))[: draw(st.integers(1, 3))])
+        for _ in range(n_inputs)
+    )
+    steps = tuple(
+        draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from(kinds),
+                    st.integers(0, 50),
+                    st.integers(0, 50),
+                    st.integers(0, 50),
+                ),
+                min_size=1,
+                max_size=max_steps,
+            )
+        )
+    )
+    return Program(tuple(sz.items()), inputs, steps, draw(st.integers(0, 2**31 - 1)))
+
+
+def constraints(program: Program, mesh):
+    """Constraints pinning a few of the program's values to strict-valid layouts."""
+
+    @st.composite
+    def draw(draw_):
+        values = program.values(*program.example_inputs())[len(program.inputs) :]
+        out = []
+        for n in sorted(draw_(st.sets(st.integers(0, len(values) - 1), max_size=2))):
+            v = values[n]
+            axes = draw_(st.permutations(list(mesh.sizes)))
+            pairs = [
+                (d, a)
+                for d, a in zip(v.dims, axes, strict=False)
+                if draw_(st.booleans()) and v.sizes[d] % mesh.sizes[a] == 0
+            ]
+            out.append((n, ";".join(f"{d}:{a}" for d, a in pairs)))
+        return tuple(out)
+
+    return draw()
+
+
+@st.composite
+def cases(draw, max_steps: int = 6, kinds=KINDS):
+    """(program, mesh, layout): a random program, sometimes with constraints on its
+    values, a mesh, and a layout over the program's dims."""
+    program = draw(programs(max_steps=max_steps, kinds=kinds))
+    mesh = draw(meshes())
+    if draw(st.booleans()):
+        program = program.with_constraints(draw(constraints(program, mesh)))
+    layout = draw(layouts([n for n, _ in program.sizes], mesh, sizes=dict(program.sizes)))
+    return program, mesh, layout
+
+
+def all_values(program: Program):
+    """The program returning every value it makes (so none of its work is dead code)."""
+    return lambda *xs: program.values(*xs)[len(program.inputs) :]
+
+
+__all__ = [
+    "NAMES",
+    "SIZES",
+    "KINDS",
+    "dims",
+    "meshes",
+    "layouts",
+    "constraints",
+    "programs",
+    "Program",
+    "all_values",
+]

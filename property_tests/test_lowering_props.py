@@ -1,0 +1,148 @@
+"""The lowering's properties, for random programs x meshes x layouts (hypothesis).
+
+1. The lowered result equals nm.reference, or planning raises the LayoutError the
+   layout deserves (by an independent statement of the rules below); never a wrong
+   answer, never an internal JAX error.
+2. Gradients of a scalar loss equal the single-device gradients.
+3. The plan's collectives are those in the compiled HLO (kind, bytes, group size).
+4. Random values and dropout masks do not depend on the layout.
+5. A layout never changes the result's dims or their order (checked within 1).
+"""
+
+import math
+
+import jax
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+import namedmesh as nm
+from lowering import Layout, lower
+from lowering.cost import expected_hlo
+from lowering.hlo import collectives
+from namedmesh.testing import CASES, compare
+from namedmesh.testing import strategies as S
+
+
+def _split(layout: Layout, dims):
+    """Each dim's mesh axes under ordered rules, and whether a strict layout conflicts:
+    rules in order; an axis an earlier dim of the same tensor took is skipped."""
+    taken, out, conflict = set(), {d: () for d in dims}, False
+    for d, axes in layout.rules:
+        if d in out:
+            free = tuple(a for a in axes if a not in taken)
+            conflict |= len(free) < len(axes)
+            taken |= set(free)
+            out[d] = free
+    return out, conflict
+
+
+def deserves_layout_error(graph, mesh, layout) -> bool:
+    """Inputs, outputs and constrained values must divide; strict layouts must not put one
+    axis on two dims of any value."""
+
+    def indivisible(v, split):
+        return any(
+            n % math.prod(mesh.sizes[a] for a in split[d])
+            for d, n in zip(v.dims, v.shape, strict=True)
+        )
+
+    for v in (*graph.inputs, *graph.outputs):
+        if indivisible(v, _split(layout, v.dims)[0]):
+            return True
+    if layout.strict:
+        values = [*graph.inputs, *(o for e in graph.eqns for o in e.outputs)]
+        if any(_split(layout, v.dims)[1] for v in values):
+            return True
+    for e in graph.eqns:
+        if e.primitive.name == "constrain":
+            (v,) = e.outputs
+            if indivisible(v, _split(Layout(e.params["layout"]), v.dims)[0]):
+                return True
+    return False
+
+
+def _lowered_or_error(fn, mesh, layout, xs):
+    """(lowered, outputs), or (None, the LayoutError)."""
+    try:
+        lowered = lower(fn, mesh, layout)
+        out = lowered(*xs)
+    except nm.LayoutError as e:
+        return None, e
+    CASES["lowered"] += 1
+    return lowered, out
+
+
+@given(S.cases())
+def test_lowered_equals_reference_or_deserved_layout_error(case):
+    check_case(case)
+
+
+@given(S.cases(max_steps=4, kinds=S.EINSUM_KINDS))
+def test_einsum_chains_equal_reference_or_deserved_layout_error(case):
+    check_case(case)
+
+
+def check_case(case):
+    program, mesh, layout = case
+    xs = program.example_inputs()
+    graph = nm.trace(program, *xs)
+    lowered, out = _lowered_or_error(program, mesh, layout, xs)
+    deserved = deserves_layout_error(graph, mesh, layout)
+    if lowered is None:
+        assert deserved, f"LayoutError that the layout does not deserve: {out}"
+        return
+    assert not deserved, "a layout that deserves a LayoutError was accepted"
+    want = nm.reference(graph)(*xs)
+    assert out.dims == want.dims  # property 5
+    compare(out, want)
+
+
+@given(S.cases(max_steps=4))
+def test_gradients_equal_single_device_gradients(case):
+    program, mesh, layout = case
+    xs = program.example_inputs()
+    loss = lambda *xs: (program(*xs).astype(np.float32) ** 2).mean()
+    argnums = tuple(range(len(xs)))
+    lowered, _ = _lowered_or_error(loss, mesh, layout, xs)
+    if lowered is None:
+        return
+    got = jax.grad(lambda *xs: lowered(*xs).data, argnums=argnums)(*xs)
+    want = jax.grad(lambda *xs: loss(*xs).data, argnums=argnums)(*xs)
+    for g, w in zip(got, want, strict=True):
+        compare(g, nm.tensor(np.asarray(w.data), w.dims), rtol=1e-3)
+
+
+@given(S.cases(max_steps=4))
+def test_plan_collectives_are_the_compiled_collectives(case):
+    program, mesh, layout = case
+    xs = program.example_inputs()
+    fn = S.all_values(program)  # every value is a result: no collective is dead code
+    lowered, _ = _lowered_or_error(fn, mesh, layout, xs)
+    if lowered is None:
+        return
+    found = sorted(collectives(lowered.compile(*xs).as_text()))
+    assert found == sorted(expected_hlo(lowered.plan(*xs), mesh.sizes))
+
+
+@given(S.dims(), S.meshes(), st.data())
+def test_random_values_and_dropout_masks_do_not_depend_on_the_layout(sizes, mesh, data):
+    names = list(sizes)[: data.draw(st.integers(1, 3))]
+    x = nm.ones({d: sizes[d] for d in names})
+
+    def draw(x):
+        key = nm.random.key(11)
+        return [
+            nm.random.normal(key, x.sizes),
+            nm.dropout(x, 0.5, nm.random.fold_in(key, 1)),
+            nm.random.uniform(nm.random.fold_in(key, 2), x.sizes),
+        ]
+
+    eager = draw(x)
+    for _ in range(2):
+        layout = data.draw(S.layouts(names, mesh, allow_strict=False))
+        lowered, out = _lowered_or_error(draw, mesh, layout, [x])
+        if lowered is None:
+            continue
+        for o, e in zip(out, eager, strict=True):
+            np.testing.assert_allclose(np.asarray(o.data), e.data, rtol=1e-6, atol=1e-6)
