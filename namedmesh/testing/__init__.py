@@ -31,7 +31,9 @@ def tolerance(dtype) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=256)
-def _lowered(fn, mesh, layout):
+def lowered(fn, mesh, layout):
+    """`lowering.lower(fn, mesh, layout)`, cached: a case hypothesis replays while it
+    shrinks (same fn, mesh and layout; Programs compare by value) is not compiled again."""
     from lowering import lower
 
     return lower(fn, mesh, layout)
@@ -70,7 +72,7 @@ def assert_same_as_reference(fn, mesh, layout, *inputs, rtol: float | None = Non
 
     layout = layout if isinstance(layout, Layout) else Layout(layout)
     want = nm.reference(nm.trace(fn, *inputs))(*inputs)
-    got = _lowered(fn, mesh, layout)(*inputs)
+    got = lowered(fn, mesh, layout)(*inputs)
     CASES["lowered"] += 1
     compare(got, want, rtol, f"on {mesh} under {layout!r}: result")
 
