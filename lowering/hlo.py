@@ -48,6 +48,9 @@ def collectives(hlo_text: str) -> list[tuple[str, int, int]]:
             continue
         g = _GROUPS.search(line)
         size = len(g.group(1).split("},{")[0].strip("{}").split(",")) if g else 0
+        if m.group(2) == "all-to-all":  # one piece per peer, in a tuple: one collective
+            found.append((m.group(2), _bytes(m.group(1)), size))
+            continue
         # a combined collective has a tuple result: one entry per operand
         for shape in _SHAPE.finditer(m.group(1)):
             found.append((m.group(2), _bytes(shape.group(0)), size))
