@@ -4,20 +4,22 @@
    layout deserves (by an independent statement of the rules below); never a wrong
    answer, never an internal JAX error.
 2. Gradients of a scalar loss equal the single-device gradients.
-3. The plan's collectives are those in the compiled HLO (kind, bytes, group size).
+3. The plan's collectives are those in the compiled HLO (kind, bytes, group size);
+   XLA may merge the collectives of a value the program computes twice.
 4. Random values and dropout masks do not depend on the layout.
 5. A layout never changes the result's dims or their order (checked within 1).
 """
 
 import math
+from collections import Counter
 
 import jax
 import numpy as np
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import namedmesh as nm
-from lowering import Layout
+from lowering import Layout, Mesh
 from lowering.cost import expected_hlo
 from lowering.hlo import collectives
 from namedmesh.testing import CASES, compare
@@ -115,6 +117,24 @@ def test_gradients_equal_single_device_gradients(case):
 
 
 @given(S.cases(max_steps=4))
+@example(  # tanh(x) twice: XLA gathers it once
+    (
+        S.Program(
+            (("p", 2), ("q", 2)), (("p", "q"),), (("unary", 0, 0, 0),) * 2, 0, ((0, ""), (1, ""))
+        ),
+        Mesh({"m0": 2}),
+        Layout("q:m0"),
+    )
+)
+@example(  # concat of x and a shift past the end (a constant): XLA gathers only x
+    (
+        S.Program(
+            (("p", 2), ("s", 2)), (("p", "s"),), (("shift", 0, 0, 0), ("concat", 0, 1, 1)), 0
+        ),
+        Mesh({"m0": 2}),
+        Layout("s:m0"),
+    )
+)
 def test_plan_collectives_are_the_compiled_collectives(case):
     program, mesh, layout = case
     xs = program.example_inputs()
@@ -122,8 +142,35 @@ def test_plan_collectives_are_the_compiled_collectives(case):
     lowered, _ = _lowered_or_error(fn, mesh, layout, xs)
     if lowered is None:
         return
-    found = sorted(collectives(lowered.compile(*xs).as_text()))
-    assert found == sorted(expected_hlo(lowered.plan(*xs), mesh.sizes))
+    found = Counter(collectives(lowered.compile(*xs).as_text()))
+    planned = Counter(expected_hlo(lowered.plan(*xs), mesh.sizes))
+    if xla_may_fold(nm.trace(fn, *xs)):
+        assert found <= planned
+    else:
+        assert found == planned
+
+
+def xla_may_fold(graph) -> bool:
+    """Whether XLA may drop some of the plan's collectives: those of a value computed
+    twice (CSE merges them) or of a constant (a shift past the end is all fill)."""
+    number = {v: n for n, v in enumerate(graph.inputs)}
+    seen = set()
+    for e in graph.eqns:
+        p = e.params
+        if e.primitive.name == "shift" and not p["wrap"]:
+            if abs(p["offset"]) >= e.inputs[0].aval.shape[p["axis"]]:
+                return True
+        key = (
+            e.primitive.name,
+            tuple(number.get(v, id(v)) for v in e.inputs),
+            repr(sorted(p.items())),
+        )
+        if key in seen:
+            return True
+        seen.add(key)
+        for i, v in enumerate(e.outputs):
+            number[v] = (key, i)
+    return False
 
 
 @given(S.dims(), S.meshes(), st.data())
