@@ -31,7 +31,8 @@ _HLO = {
 
 def expected_hlo(plan, sizes) -> list[tuple[str, int, int]]:
     """(HLO kind, result bytes, group size) of every collective the plan issues, as
-    `lowering.hlo.collectives` reads them from compiled HLO (permutes have no groups)."""
+    `lowering.hlo.collectives` reads them from compiled HLO (permutes have no groups).
+    A scan's body is counted once, as its loop holds it once."""
     out = []
     for step in plan:
         for kind, axes, nbytes in step.collectives:
@@ -75,10 +76,11 @@ def report(plan, graph, local_bytes, sizes) -> Report:
     coll: dict = {}
     for step in plan:
         for prim, params, ins, outs in step.local:
-            flops += prim.cost_rule(ins, outs, params).flops
+            flops += prim.cost_rule(ins, outs, params).flops * step.repeat
         for kind, axes, nbytes in step.collectives:
             count, b = coll.get((kind, axes), (0, 0.0))
-            coll[(kind, axes)] = (count + 1, b + traffic(kind, axes, nbytes, sizes))
+            sent = traffic(kind, axes, nbytes, sizes) * step.repeat
+            coll[(kind, axes)] = (count + step.repeat, b + sent)
     return Report(flops, coll, _peak_memory(graph, local_bytes))
 
 

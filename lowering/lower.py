@@ -39,6 +39,9 @@ class Step:
     local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
     collectives: list = field(default_factory=list)  # (kind, axes, local input bytes)
     events: list = field(default_factory=list)  # local ops and collectives, in order, as text
+    repeat: int = 1  # times it runs per call (inside a scan: the scan's length)
+    depth: int = 0  # how many scans it is inside
+    body: list = field(default_factory=list)  # a scan's Steps, once
 
 
 class Plan(list):
@@ -53,8 +56,10 @@ class Plan(list):
         for s in self:
             ins = " ".join(fmt(*x) for x in s.inputs)
             outs = " ".join(fmt(*x) for x in s.outputs)
-            lines.append(f"{s.name}: {ins} -> {outs}")
-            lines.extend("    " + e for e in s.events)
+            pad = "    " * s.depth
+            times = f"  (x{s.repeat})" if s.depth else ""
+            lines.append(f"{pad}{s.name}: {ins} -> {outs}{times}")
+            lines.extend(pad + "    " + e for e in s.events)
         return "\n".join(lines)
 
 
@@ -137,6 +142,39 @@ def constraint_layout(rules_, v, mesh) -> ValueLayout:
     return nontrivial(layout.of(v.dims, v.shape, mesh, "constrained value"), mesh)
 
 
+def plan_layouts(ctx: Context, graph) -> None:
+    """The layout each value made by `graph`'s equations should have, into `ctx.wanted`:
+    the rules' (soft) layout, or the one `nm.constrain` pins."""
+    for e in graph.eqns:
+        for v in e.outputs:
+            ctx.wanted[v] = ctx.soft_layout(v.dims, v.shape)
+        if e.primitive.name == "constrain":
+            ctx.wanted[e.outputs[0]] = constraint_layout(e.params["layout"], e.outputs[0], ctx.mesh)
+
+
+def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0):
+    """Run `graph`'s equations on local shards by their SPMD rules. `env` maps each input
+    Var to (local array, layout) and receives every value made; each equation's Step
+    (then the Steps of a scan's body) is appended to `plan`."""
+    for v, c in graph.consts.items():
+        env[v] = (jax.numpy.asarray(c), ((),) * len(v.dims))
+    for e in graph.eqns:
+        ins = [env[v] for v in e.inputs]
+        ctx.step = Step(
+            e.primitive.name,
+            e,
+            [(v.dims, lay) for v, (_, lay) in zip(e.inputs, ins, strict=True)],
+            [],
+            repeat=repeat,
+            depth=depth,
+        )
+        outs = rules.rule_for(e.primitive)(ctx, e, ins)
+        ctx.step.outputs = [(v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)]
+        plan.append(ctx.step)
+        plan.extend(ctx.step.body)
+        env.update(zip(e.outputs, outs, strict=True))
+
+
 @dataclass
 class _Built:
     graph: object
@@ -170,13 +208,7 @@ class Lowered:
         of = lambda v, what: nontrivial(self.layout.of(v.dims, v.shape, self.mesh, what), self.mesh)
         wanted = {v: of(v, f"input {i}") for i, v in enumerate(graph.inputs)}
         ctx = Context(self.mesh, self.layout, wanted)
-        for e in graph.eqns:
-            for v in e.outputs:
-                wanted[v] = ctx.soft_layout(v.dims, v.shape)
-            if e.primitive.name == "constrain":
-                wanted[e.outputs[0]] = constraint_layout(
-                    e.params["layout"], e.outputs[0], self.mesh
-                )
+        plan_layouts(ctx, graph)
         out_layouts = [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
         plan = Plan()
 
@@ -184,22 +216,7 @@ class Lowered:
             plan.clear()
             ctx.moved = {}
             env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, local_inputs, strict=True)}
-            for v, c in graph.consts.items():
-                env[v] = (jax.numpy.asarray(c), ((),) * len(v.dims))
-            for e in graph.eqns:
-                ins = [env[v] for v in e.inputs]
-                ctx.step = Step(
-                    e.primitive.name,
-                    e,
-                    [(v.dims, lay) for v, (_, lay) in zip(e.inputs, ins, strict=True)],
-                    [],
-                )
-                outs = rules.rule_for(e.primitive)(ctx, e, ins)
-                ctx.step.outputs = [
-                    (v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)
-                ]
-                plan.append(ctx.step)
-                env.update(zip(e.outputs, outs, strict=True))
+            run_graph(ctx, graph, env, plan)
             ctx.step = Step(
                 "outputs",
                 None,

@@ -6,6 +6,7 @@ from namedmesh.tensor import Tensor  # first: the op modules it loads import it 
 
 # isort: on
 from namedmesh import random
+from namedmesh.control import scan
 from namedmesh.conv import conv, pool
 from namedmesh.creation import (
     abstract,

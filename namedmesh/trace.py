@@ -60,8 +60,8 @@ class Graph:
     __repr__ = __str__
 
 
-# Params that restate the dims of an equation's inputs or outputs; not printed.
-_DERIVED_PARAMS = {"in_dims", "out_dims", "dims"}
+# Params that restate the dims of an equation's inputs or outputs, or its pytrees; not printed.
+_DERIVED_PARAMS = {"in_dims", "out_dims", "dims", "trees"}
 
 
 def _letters(i: int) -> str:
@@ -74,6 +74,8 @@ def _letters(i: int) -> str:
 
 
 def _short(p) -> str:
+    if isinstance(p, Graph):
+        return str(p).replace("\n", "\n    ")
     if isinstance(p, np.ndarray | jax.Array):
         return f"<{p.dtype}{list(p.shape)}>" if p.size > 4 else np.array2string(np.asarray(p))
     if isinstance(p, np.dtype):
@@ -88,18 +90,32 @@ def _is_tensor(x) -> bool:
 
 
 class _Frame:
-    def __init__(self, inputs: tuple[Var, ...]):
+    """One nm.trace in progress. A nested frame (the body of `nm.scan`) may use tensors
+    of the frames around it: each becomes an extra input of its graph (`captured`)."""
+
+    def __init__(self, inputs: tuple[Var, ...], parent: _Frame | None = None):
         self.eqns: list[Eqn] = []
         self.consts: dict[Var, Any] = {}
         self.const_ids: dict[int, Var] = {}
         self.known: set[Var] = set(inputs)
+        self.parent = parent
+        self.captured: dict[Var, Var] = {}  # the outer frame's var -> this frame's input
+
+    def knows(self, v: Var) -> bool:
+        return v in self.known or (self.parent is not None and self.parent.knows(v))
 
     def var_of(self, t: Tensor) -> Var:
         d = t.data
         if isinstance(d, Var):
-            if d not in self.known:
-                raise NamedMeshError(f"a tensor {d!r} from another nm.trace was used in this one")
-            return d
+            if d in self.known:
+                return d
+            if d not in self.captured:
+                if self.parent is None or not self.parent.knows(d):
+                    raise NamedMeshError(
+                        f"a tensor {d!r} from another nm.trace was used in this one"
+                    )
+                self.captured[d] = Var(d.aval)
+            return self.captured[d]
         v = self.const_ids.get(id(d))
         if v is None:
             v = Var(Aval(t.dims, tuple(d.shape), np.dtype(d.dtype)))
@@ -128,18 +144,28 @@ def _leaves(tree, what: str) -> tuple[list[Tensor], Any]:
 def trace(fn: Callable, *example_inputs) -> Graph:
     """Record `fn(*example_inputs)` as a Graph. Only the inputs' dims, sizes and dtypes
     matter; their values are not read. Inputs and result may be pytrees of Tensors."""
+    graph, _ = trace_nested(fn, *example_inputs, nested=False)
+    return graph
+
+
+def trace_nested(fn: Callable, *example_inputs, nested: bool = True) -> tuple[Graph, list[Var]]:
+    """`trace`, inside the trace in progress if any (`nested`): tensors of the outer
+    traces that `fn` uses become extra graph inputs, after the example inputs; returns
+    the graph and those outer tensors' Vars, in the same order."""
     leaves, in_tree = _leaves(list(example_inputs), "trace inputs")
     in_vars = tuple(Var(x.aval) for x in leaves)
-    frame = _Frame(in_vars)
+    frame = _Frame(in_vars, TRACE_STACK[-1] if nested and TRACE_STACK else None)
     TRACE_STACK.append(frame)
     try:
         args = jax.tree_util.tree_unflatten(in_tree, [Tensor._make(v, v.dims) for v in in_vars])
         result = fn(*args)
+        out_leaves, out_tree = _leaves(result, "the traced function's results")
+        outs = tuple(frame.var_of(t) for t in out_leaves)
     finally:
         TRACE_STACK.pop()
-    out_leaves, out_tree = _leaves(result, "the traced function's results")
-    outs = tuple(frame.var_of(t) for t in out_leaves)
-    return Graph(in_vars, outs, frame.eqns, in_tree, out_tree, frame.consts)
+    inputs = in_vars + tuple(frame.captured.values())
+    graph = Graph(inputs, outs, frame.eqns, in_tree, out_tree, frame.consts)
+    return graph, list(frame.captured)
 
 
 def evaluate(graph: Graph, inputs: list, impl: str = "numpy") -> list:

@@ -5,7 +5,7 @@
    answer, never an internal JAX error.
 2. Gradients of a scalar loss equal the single-device gradients.
 3. The plan's collectives are those in the compiled HLO (kind, bytes, group size);
-   XLA may merge the collectives of a value the program computes twice.
+   XLA may drop collectives of values that are dead, constant or computed twice.
 4. Random values and dropout masks do not depend on the layout.
 5. A layout never changes the result's dims or their order (checked within 1).
 """
@@ -135,6 +135,13 @@ def test_gradients_equal_single_device_gradients(case):
         Layout("s:m0"),
     )
 )
+@example(  # the indices of this top_k are dead: XLA drops their gather
+    (
+        S.Program((("p", 2), ("s", 4)), (("s",), ("p",)), (("top_k", 0, 0, 1),), 0),
+        Mesh({"m0": 2}),
+        Layout("s:m0"),
+    )
+)
 def test_plan_collectives_are_the_compiled_collectives(case):
     program, mesh, layout = case
     xs = program.example_inputs()
@@ -152,7 +159,11 @@ def test_plan_collectives_are_the_compiled_collectives(case):
 
 def xla_may_fold(graph) -> bool:
     """Whether XLA may drop some of the plan's collectives: those of a value computed
-    twice (CSE merges them) or of a constant (a shift past the end is all fill)."""
+    twice (CSE merges them), of a constant (a shift past the end is all fill) or of a
+    value nothing uses (the indices of a top_k whose values alone are used)."""
+    used = {v for e in graph.eqns for v in e.inputs} | set(graph.outputs)
+    if any(v not in used for e in graph.eqns for v in e.outputs):
+        return True
     number = {v: n for n, v in enumerate(graph.inputs)}
     seen = set()
     for e in graph.eqns:

@@ -3,7 +3,7 @@
 `programs()` draws a `Program`: random input tensors over a few shared dims and a
 list of steps, each applying one kind of op (einsum chains, N-ary einsums,
 elementwise with broadcasting, reductions, softmax, top_k, reshape, concat, slice,
-pad, shift, one_hot, gather, random, dropout) to tensors made by earlier steps.
+pad, shift, one_hot, gather, random, dropout, scan) to tensors made by earlier steps.
 A Program is data, so hypothesis shrinks it to a short one, and prints as code.
 """
 
@@ -37,6 +37,7 @@ KINDS = (
     "random",
     "dropout",
     "where",
+    "scan",
 )
 EINSUM_KINDS = ("einsum", "einsum3", "binary")  # einsum chains: where the collectives are
 UNARY = ("tanh", "sin", "abs", "negative", "sigmoid", "relu", "square", "exp")
@@ -214,6 +215,13 @@ def _apply(pool, kind, i, j, k):
         return nm.dropout(a, 0.5, nm.random.key(k))
     if kind == "where":
         return nm.where(a > 0, a, b)
+    if kind == "scan":  # a loop over d whose body contracts with b (used by every step)
+
+        def body(c, x):
+            c = nm.tanh(c + x + 0.1 * nm.einsum(x, b, out=x.dims))
+            return c, c * 0.5
+
+        return nm.scan(body, nm.sum(a, d) * 0.1, a, d)[1]
     return -a
 
 

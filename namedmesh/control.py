@@ -1,0 +1,129 @@
+"""`scan`: a loop over one dim whose body is traced once, so that a program's size (and
+its compile time) does not grow with the number of iterations, e.g. of layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from namedmesh.errors import ShapeError
+from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.tensor import Tensor
+from namedmesh.trace import _fmt_aval, _leaves, evaluate, trace_nested
+
+
+def _slices(xs, axes, i, take):
+    return [take(x, i, ax) for x, ax in zip(xs, axes, strict=True)]
+
+
+def _scan_rule(*args, body, n_carry, n_x, x_axes, dim, length, trees):
+    carry = [Aval(a.dims, tuple(a.shape), np.dtype(a.dtype)) for a in args[:n_carry]]
+    ys = [Aval((dim,) + v.dims, (length,) + v.shape, v.dtype) for v in body.outputs[n_carry:]]
+    return tuple(carry) + tuple(ys)
+
+
+def _scan_numpy(*arrays, body, n_carry, n_x, x_axes, dim, length, trees):
+    carry, xs = list(arrays[:n_carry]), arrays[n_carry : n_carry + n_x]
+    rest = list(arrays[n_carry + n_x :])
+    ys = []
+    for i in range(length):
+        x = _slices(xs, x_axes, i, lambda a, i, ax: np.take(a, i, axis=ax))
+        outs = evaluate(body, carry + x + rest, "numpy")
+        carry, y = list(outs[:n_carry]), outs[n_carry:]
+        ys.append(y)
+    y_avals = [v.aval for v in body.outputs[n_carry:]]
+    stacked = [
+        np.stack([y[k] for y in ys]) if ys else np.zeros((0,) + a.shape, a.dtype)
+        for k, a in enumerate(y_avals)
+    ]
+    return (*carry, *stacked)
+
+
+def _scan_jax(*arrays, body, n_carry, n_x, x_axes, dim, length, trees):
+    carry, xs = list(arrays[:n_carry]), arrays[n_carry : n_carry + n_x]
+    rest = list(arrays[n_carry + n_x :])
+    xs = [jnp.moveaxis(x, ax, 0) for x, ax in zip(xs, x_axes, strict=True)]
+
+    def step(c, x):
+        outs = evaluate(body, [*c, *x, *rest], "jax")
+        return list(outs[:n_carry]), list(outs[n_carry:])
+
+    carry, ys = jax.lax.scan(step, carry, xs, length=length)
+    return (*carry, *ys)
+
+
+def _scan_cost(in_avals, out_avals, params) -> Cost:
+    body, flops, nbytes = params["body"], 0.0, 0.0
+    for e in body.eqns:
+        c = e.primitive.cost_rule([v.aval for v in e.inputs], [v.aval for v in e.outputs], e.params)
+        flops, nbytes = flops + c.flops, nbytes + c.bytes
+    return Cost(flops * params["length"], nbytes * params["length"])
+
+
+_scan = primitive(
+    "scan", _scan_rule, _scan_numpy, _scan_jax, cost_rule=_scan_cost, multiple_results=True
+)
+
+
+def scan(f: Callable, init, xs, dim: str, length: int | None = None):
+    """`carry, y = f(carry, x)` for each index of `dim`, in order, where `x` is `xs`
+    (a pytree of Tensors that all have `dim`) at that index. Returns the last carry and
+    the `y`s stacked along a new first dim `dim`. `f` must return a carry with the
+    dims, sizes and dtypes of `init`; it may use other tensors too (weights shared by
+    all iterations). `length` is needed only when `xs` has no tensors."""
+    carry, carry_tree = _leaves(init, "scan's init")
+    x_leaves, x_tree = _leaves(xs, "scan's xs")
+    sizes = {x.size_of(dim) if dim in x.dims else None for x in x_leaves}
+    missing = [x.dims for x in x_leaves if dim not in x.dims]
+    if missing:
+        raise ShapeError(f"scan over {dim!r}: tensors of xs with dims {missing} lack it")
+    if length is not None:
+        sizes.add(int(length))
+    if len(sizes) != 1:
+        raise ShapeError(
+            f"scan over {dim!r}: sizes disagree or are unknown: xs have {sorted(sizes - {None})}"
+            + ("" if length is None else f", length={length}")
+            + ("" if x_leaves or length is not None else " (pass length= when xs is empty)")
+        )
+    (n,) = sizes
+    x_axes = tuple(x.dims.index(dim) for x in x_leaves)
+    slice_of = lambda x, ax: Tensor._make(
+        jax.ShapeDtypeStruct(x.shape[:ax] + x.shape[ax + 1 :], x.dtype),
+        x.dims[:ax] + x.dims[ax + 1 :],
+    )
+    example_carry = [Tensor._make(jax.ShapeDtypeStruct(c.shape, c.dtype), c.dims) for c in carry]
+    example_x = [slice_of(x, ax) for x, ax in zip(x_leaves, x_axes, strict=True)]
+    y_tree = []
+
+    def body(c, x):
+        new_carry, y = f(
+            jax.tree_util.tree_unflatten(carry_tree, c), jax.tree_util.tree_unflatten(x_tree, x)
+        )
+        new, tree = _leaves(new_carry, "the carry f returns")
+        if tree != carry_tree or [t.aval for t in new] != [t.aval for t in carry]:
+            got = ", ".join(_fmt_aval(t.aval) for t in new)
+            want = ", ".join(_fmt_aval(t.aval) for t in carry)
+            raise ShapeError(f"scan over {dim!r}: f returned the carry ({got}); init is ({want})")
+        ys, tree = _leaves(y, "the ys f returns")
+        y_tree.append(tree)
+        return new + ys
+
+    graph, captured = trace_nested(body, example_carry, example_x)
+    outs = bind(
+        _scan,
+        *carry,
+        *x_leaves,
+        *(Tensor._make(v, v.dims) for v in captured),
+        body=graph,
+        n_carry=len(carry),
+        n_x=len(x_leaves),
+        x_axes=x_axes,
+        dim=dim,
+        length=n,
+        trees=(carry_tree, y_tree[0]),
+    )
+    final = jax.tree_util.tree_unflatten(carry_tree, list(outs[: len(carry)]))
+    return final, jax.tree_util.tree_unflatten(y_tree[0], list(outs[len(carry) :]))
