@@ -1,5 +1,5 @@
 """Running lowered programs over several processes (hosts): `initialize`, `global_array`,
-`to_numpy`.
+`to_numpy`, `place`.
 
 Every process runs the same program. `initialize` connects the processes (it wraps
 `jax.distributed.initialize`, with gloo collectives between CPU processes); then
@@ -107,3 +107,26 @@ def to_numpy(array) -> np.ndarray:
     if isinstance(data, jax.Array) and not data.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(data, tiled=True))
     return np.asarray(data)
+
+
+def place(tree, mesh: Mesh, layout) -> object:
+    """`tree` with every Tensor's data a global jax.Array laid out on `mesh` as `layout`
+    (a Layout or its string) gives it: the layout a lowered function expects of its
+    inputs, so calling it moves nothing. A jax.Array is moved (`jax.device_put`); host
+    data becomes a global array (`global_array`), also across processes."""
+    from lowering.layout import Layout
+    from namedmesh.tensor import Tensor
+
+    layout = layout if isinstance(layout, Layout) else Layout(layout)
+
+    def put(t):
+        if not isinstance(t, Tensor):
+            return t
+        lay = layout.of(t.dims, t.shape, mesh, f"tensor {t.dims}")
+        lay = tuple(tuple(a for a in axes if mesh.sizes[a] > 1) for axes in lay)
+        if isinstance(t.data, jax.Array) and jax.process_count() == 1:
+            sharding = jax.sharding.NamedSharding(mesh.jax_mesh, partition_spec(lay))
+            return Tensor._make(jax.device_put(t.data, sharding), t.dims)
+        return Tensor._make(global_array(np.asarray(t.data), lay, mesh), t.dims)
+
+    return jax.tree_util.tree_map(put, tree, is_leaf=lambda x: isinstance(x, Tensor))

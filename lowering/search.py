@@ -51,7 +51,7 @@ class Search(list):
 
 def _options(graph) -> list[tuple[str, ...]]:
     """What one mesh axis may split: nothing, one dim, or two dims never in one value."""
-    values = [v.dims for v in graph.inputs] + [v.dims for e in graph.eqns for v in e.outputs]
+    values = [v.dims for v in graph.values()]
     dims = list(dict.fromkeys(d for v in values for d in v))
     together = {frozenset(p) for v in values for p in itertools.combinations(v, 2)}
     pairs = [p for p in itertools.combinations(dims, 2) if frozenset(p) not in together]

@@ -39,6 +39,17 @@ class Graph:
     out_tree: Any
     consts: dict[Var, Any] = field(default_factory=dict)
 
+    def values(self) -> list[Var]:
+        """Every value of the graph: inputs, constants, equation outputs, and those of
+        the graphs inside equations (a scan's body), in order."""
+        out = [*self.inputs, *self.consts]
+        for e in self.eqns:
+            for p in e.params.values():
+                if isinstance(p, Graph):
+                    out.extend(p.values())
+            out.extend(e.outputs)
+        return out
+
     def __str__(self) -> str:
         names = {v: f"c{i}" for i, v in enumerate(self.consts)}
         for v in (*self.inputs, *(o for e in self.eqns for o in e.outputs)):

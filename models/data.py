@@ -1,0 +1,158 @@
+"""Text, tokenizers and batches. The default corpus is the CPython documentation text
+that every Python ships (`pydoc_data.topics`, about 460 KB of English); `load_text`
+takes any text file or folder of text files instead. The last tenth of the text is
+the validation split. A training batch depends only on (seed, step), so a resumed
+run sees the same data in the same order."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+VALIDATION_FRACTION = 0.1
+
+
+class DataError(ValueError):
+    """Bad data path, empty corpus, or a corpus too short for the sequence length."""
+
+
+def load_text(path: str | None = None) -> str:
+    """The default corpus, or the text of a file, or of every file under a folder
+    (sorted by path, read as UTF-8 with undecodable bytes replaced)."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "".join(topics[k] for k in sorted(topics))
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"--data {path}: no such file or folder")
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    text = "".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    if not text:
+        raise DataError(f"--data {path}: no text found")
+    return text
+
+
+def split(text: str) -> tuple[str, str]:
+    """(train, validation): the validation split is the last tenth of the text."""
+    cut = int(len(text) * (1 - VALIDATION_FRACTION))
+    return text[:cut], text[cut:]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, one token per byte."""
+
+    kind = "byte"
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def save(self, directory: Path) -> None:
+        (Path(directory) / "tokenizer.json").write_text(json.dumps({"kind": "byte"}))
+
+
+class BPETokenizer:
+    """A byte-level BPE trained with the `tokenizers` package on the training split."""
+
+    kind = "bpe"
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int = 1024) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        chunks = [text[i : i + 4096] for i in range(0, len(text), 4096)]
+        tok.train_from_iterator(chunks, trainer=trainer)
+        return cls(tok)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text).ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def save(self, directory: Path) -> None:
+        self.tok.save(str(Path(directory) / "tokenizer.json"))
+
+
+def load_tokenizer(directory: str | Path):
+    """The tokenizer saved with a checkpoint (`save`)."""
+    path = Path(directory) / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    if spec.get("kind") == "byte":
+        return ByteTokenizer()
+    from tokenizers import Tokenizer
+
+    return BPETokenizer(Tokenizer.from_file(str(path)))
+
+
+def padded_vocab(n: int, multiple: int = 128) -> int:
+    """The model's vocabulary: the tokenizer's rounded up, so mesh axes divide it."""
+    return math.ceil(n / multiple) * multiple
+
+
+class Corpus:
+    """Token ids of the train and validation splits, and the batches cut from them."""
+
+    def __init__(self, text: str, tokenizer, length: int):
+        train, valid = split(text)
+        self.tokenizer = tokenizer
+        self.train = tokenizer.encode(train)
+        self.valid = tokenizer.encode(valid)
+        self.valid_bytes = len(valid.encode("utf-8"))
+        self.length = length
+        for name, ids in (("train", self.train), ("validation", self.valid)):
+            if len(ids) < length + 2:
+                raise DataError(
+                    f"the {name} split has {len(ids)} tokens, fewer than a sequence of "
+                    f"{length} + 1; use a longer text or a shorter --length"
+                )
+
+    def batch(self, step: int, batch: int, seed: int) -> dict[str, np.ndarray]:
+        """Training windows for `step`: random offsets drawn from (seed, step) alone."""
+        rng = np.random.default_rng([seed, step])
+        starts = rng.integers(0, len(self.train) - self.length - 1, size=batch)
+        return self._windows(self.train, starts)
+
+    def validation_batches(self, batch: int, max_batches: int | None = None):
+        """Consecutive windows covering the validation split (the last batch padded with
+        zero-weight rows)."""
+        starts = np.arange(0, len(self.valid) - self.length - 1, self.length)
+        if max_batches is not None:
+            starts = starts[: max_batches * batch]
+        for i in range(0, len(starts), batch):
+            chunk = starts[i : i + batch]
+            out = self._windows(self.valid, np.resize(chunk, batch))
+            out["weights"][len(chunk) :] = 0.0
+            yield out
+
+    def _windows(self, ids, starts) -> dict[str, np.ndarray]:
+        idx = starts[:, None] + np.arange(self.length + 1)[None, :]
+        w = ids[idx]
+        return {
+            "inputs": w[:, :-1].astype(np.int32),
+            "targets": w[:, 1:].astype(np.int32),
+            "weights": np.ones((len(starts), self.length), np.float32),
+        }
+
+    def bytes_per_token(self) -> float:
+        """Validation bytes per validation token (1 for the byte tokenizer)."""
+        return self.valid_bytes / max(len(self.valid), 1)

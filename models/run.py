@@ -1,0 +1,222 @@
+"""The training run behind `python -m models.train`: checks every flag against the
+model, the mesh and the data before compiling, then trains with a progress bar,
+metrics, checkpoints and a loss plot (see models/train.py for the flags)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import namedmesh as nm
+from lowering import Layout, Mesh, auto_layout
+from models import checkpoint, config, data, zoo
+from models.trainer import Trainer, bits_per_byte, optimizer
+from namedmesh.errors import NamedMeshError
+
+# Flags that define the training itself: a resumed run takes them from run.json.
+_RUN_FLAGS = (
+    "model",
+    "config",
+    "data",
+    "tokenizer",
+    "bpe_vocab",
+    "batch",
+    "length",
+    "optimizer",
+    "lr",
+    "warmup",
+    "clip",
+    "dropout",
+    "seed",
+)
+
+
+class UsageError(Exception):
+    """A flag that cannot work; reported in one line with exit status 2."""
+
+
+def model_dims(graph) -> set[str]:
+    return {d for v in graph.values() for d in v.dims}
+
+
+def setup(args):
+    """(run settings, model, cfg, tokenizer, corpus, mesh, layout, trainer), all checked."""
+    out = Path(args.out)
+    if args.resume:
+        if not (out / "run.json").exists() or checkpoint.latest_step(out) is None:
+            raise UsageError(f"--resume: no checkpoint in {out}/checkpoints to resume from")
+        stored = json.loads((out / "run.json").read_text())
+        for k in _RUN_FLAGS:
+            setattr(args, k, stored[k])
+    elif (out / "metrics.jsonl").exists():
+        raise UsageError(f"{out} holds a run already: pass --resume, or another --out")
+    try:
+        model = zoo.get(args.model)
+        cfg = config.get(args.config)
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    try:
+        text = data.load_text(args.data)
+        if args.resume:
+            tokenizer = data.load_tokenizer(out)
+        elif args.tokenizer == "bpe":
+            tokenizer = data.BPETokenizer.train(data.split(text)[0], args.bpe_vocab)
+        else:
+            tokenizer = data.ByteTokenizer()
+        changes = {"vocab": data.padded_vocab(tokenizer.vocab_size)}
+        for k in ("batch", "length", "dropout"):
+            if getattr(args, k) is not None:
+                changes[k] = getattr(args, k)
+        cfg = cfg.replace(**changes)
+        corpus = data.Corpus(text, tokenizer, cfg.length)
+    except data.DataError as e:
+        raise UsageError(str(e)) from None
+    try:
+        mesh = Mesh(args.mesh)
+        opt, schedule = optimizer(args.optimizer, args.lr, args.steps, args.warmup, args.clip)
+        layout = pick_layout(args.layout, model, cfg, mesh, opt, args.seed)
+        trainer = Trainer(model, cfg, mesh, layout, opt, args.seed)
+        report = trainer.report()  # plans every value: a layout that cannot work fails here
+    except (NamedMeshError, ValueError) as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
+
+
+def pick_layout(text: str, model, cfg, mesh, opt, seed) -> Layout:
+    probe = Trainer(model, cfg, mesh, Layout(), opt, seed)
+    params, batch = probe.abstract_inputs()
+    key = probe.key(1)
+    loss = lambda p, b, k: model.loss(p, b, cfg, k)
+    if text == "auto":
+        layout, table = auto_layout(loss, mesh, params, batch, key, grad_argnums=(0,))
+        print(table)
+        return layout
+    layout = Layout(text)
+    layout.check(mesh)
+    dims = model_dims(nm.trace(loss, params, batch, key))
+    unknown = [d for d, _ in layout.rules if d not in dims]
+    if unknown:
+        raise UsageError(
+            f"--layout names dim(s) {unknown} that the {cfg_name(cfg)} model lacks; "
+            f"its dims are {sorted(dims)}"
+        )
+    return layout
+
+
+def cfg_name(cfg) -> str:
+    return next((n for n, c in config.CONFIGS.items() if c.replace(vocab=cfg.vocab) == cfg), "")
+
+
+def train(args) -> None:
+    model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule = setup(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"model {args.model} ({args.config}): {_count(trainer):,} parameters")
+    print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}")
+    print("lowering report (forward pass, per step, per device):")
+    print("    " + str(report).replace("\n", "\n    "))
+    state = trainer.init_state()
+    metrics_path = out / "metrics.jsonl"
+    start = 0
+    if args.resume:
+        state, meta = checkpoint.restore(out, state)
+        start = meta["step"]
+        _truncate(metrics_path, start)
+        print(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
+    else:
+        run = {k: getattr(args, k) for k in _RUN_FLAGS}
+        (out / "run.json").write_text(json.dumps({**run, "vocab": cfg.vocab}, indent=1))
+        tokenizer.save(out)
+    ckpt = checkpoint.Checkpointer(out)
+    meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab}
+    history = _read(metrics_path)
+    bar = _progress(args, start)
+    with open(metrics_path, "a") as log:
+        last = time.perf_counter()
+        for step in range(start + 1, args.steps + 1):
+            state, loss = trainer.step(state, corpus.batch(step, cfg.batch, args.seed), step)
+            loss = float(loss)
+            now = time.perf_counter()
+            rec = {
+                "step": step,
+                "loss": loss,
+                "lr": float(schedule(step - 1)),
+                "tokens_per_s": cfg.batch * cfg.length / (now - last),
+            }
+            last = now
+            if step % args.eval_every == 0 or step == args.steps:
+                val, _ = trainer.evaluate(
+                    state, corpus.validation_batches(cfg.batch, args.eval_batches)
+                )
+                rec["val_loss"] = val
+                rec["val_bits_per_byte"] = bits_per_byte(val, corpus.bytes_per_token())
+                bar.write(
+                    f"step {step}: loss {loss:.3f}, validation {val:.3f} nats/token, "
+                    f"{rec['val_bits_per_byte']:.3f} bits/byte"
+                )
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            history.append(rec)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            bar.update(1)
+            if step % args.save_every == 0 or step == args.steps:
+                ckpt.save(step, state, meta)
+                plot(history, out / "loss.png")
+            last = time.perf_counter() if step % args.save_every == 0 else last
+    bar.close()
+    ckpt.close()
+    print(f"wrote {metrics_path}, {out / 'loss.png'} and checkpoints in {out / 'checkpoints'}")
+
+
+def _count(trainer) -> int:
+    return sum(
+        int(np.prod(t.shape))
+        for t in jax.tree_util.tree_leaves(
+            trainer.abstract_inputs()[0], is_leaf=lambda x: isinstance(x, nm.Tensor)
+        )
+    )
+
+
+def _progress(args, start):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=args.steps, initial=start, disable=args.quiet, unit="step", dynamic_ncols=True
+    )
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _truncate(path: Path, step: int) -> None:
+    """Keep the metrics of steps up to `step` (a killed run may have logged more)."""
+    kept = [r for r in _read(path) if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def plot(history: list[dict], path: Path) -> None:
+    """Train loss per step and validation loss where measured, in nats per token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], label="train", lw=1)
+    val = [r for r in history if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,118 @@
+"""Training on a mesh: the loss lowered under a layout, its gradient, an optax update.
+
+The model is one lowered program (jit(shard_map)) over the mesh; `jax.grad` of it is
+the distributed backward pass. The optimizer (elementwise over the parameter pytree)
+runs in the same jit on the parameters as they are laid out, so its state takes their
+layout too. Parameters and optimizer state are global values: a checkpoint restores
+them onto any mesh and layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import optax
+
+import namedmesh as nm
+from lowering import Layout, Mesh, lower
+from lowering.distributed import place
+from models import transformer
+from models.config import Config
+from models.zoo import Model
+
+
+def optimizer(name: str, lr: float, steps: int, warmup: int, clip: float):
+    """Adafactor (the paper's) or AdamW, with linear warmup then cosine decay to lr/10,
+    after clipping gradients to global norm `clip` (0: no clipping)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, max(warmup, 1), max(steps, warmup + 1), end_value=lr / 10
+    )
+    if name == "adafactor":
+        opt = optax.adafactor(learning_rate=schedule)
+    elif name == "adamw":
+        opt = optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.01)
+    else:
+        raise ValueError(f"unknown optimizer {name!r}: adafactor or adamw")
+    return (optax.chain(optax.clip_by_global_norm(clip), opt) if clip else opt), schedule
+
+
+def batch_tensors(batch: dict[str, np.ndarray]) -> dict[str, nm.Tensor]:
+    return {k: nm.tensor(v, ("batch", "length")) for k, v in batch.items()}
+
+
+class Trainer:
+    """`state = init_state(seed)`; `state, loss = step(state, batch, step_number)`."""
+
+    def __init__(
+        self, model: Model, cfg: Config, mesh: Mesh, layout: Layout | str, opt, seed: int = 0
+    ):
+        self.model, self.cfg, self.mesh, self.seed = model, cfg, mesh, seed
+        self.layout = layout if isinstance(layout, Layout) else Layout(layout)
+        self.shapes = model.shapes(cfg)
+        self.opt = opt
+        self.lowered = lower(lambda p, b, k: model.loss(p, b, cfg, k), mesh, self.layout)
+        self._step = None  # jitted at the first step, with the state's shardings pinned
+        self._eval = jax.jit(lambda p, b: self.lowered(p, b, None).data)
+
+    def init_state(self) -> dict:
+        params = place(transformer.init(self.shapes, self.seed), self.mesh, self.layout)
+        opt_state = jax.jit(self.opt.init)(params)
+        # leaves not made from a parameter (step counts) land on one device: replicate them
+        everywhere = jax.sharding.NamedSharding(self.mesh.jax_mesh, jax.sharding.PartitionSpec())
+        devices = set(self.mesh.jax_mesh.devices.flat)
+        opt_state = jax.tree_util.tree_map(
+            lambda x: x if x.sharding.device_set == devices else jax.device_put(x, everywhere),
+            opt_state,
+        )
+        return {"params": params, "opt": opt_state}
+
+    def abstract_inputs(self):
+        """Abstract params and batch: what `report` and `auto_layout` plan with."""
+        b = {"batch": self.cfg.batch, "length": self.cfg.length}
+        batch = {
+            "inputs": nm.abstract(b, np.int32),
+            "targets": nm.abstract(b, np.int32),
+            "weights": nm.abstract(b),
+        }
+        return transformer.abstract(self.shapes), batch
+
+    def report(self):
+        params, batch = self.abstract_inputs()
+        return self.lowered.report(params, batch, self.key(1), show=False)
+
+    def key(self, step: int):
+        if not self.cfg.dropout:
+            return None
+        return nm.random.fold_in(nm.random.key(self.seed), step)
+
+    def _update(self, state, batch, key):
+        loss, grads = jax.value_and_grad(lambda p: self.lowered(p, batch, key).data)(
+            state["params"]
+        )
+        updates, opt_state = self.opt.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, loss
+
+    def place_batch(self, batch: dict[str, np.ndarray]) -> dict:
+        return place(batch_tensors(batch), self.mesh, self.layout)
+
+    def step(self, state, batch: dict[str, np.ndarray], step: int):
+        """One update with the batch of step `step` (numbered from 1)."""
+        if self._step is None:  # a new state keeps the old one's layout: one compile
+            shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
+            self._step = jax.jit(self._update, donate_argnums=(0,), out_shardings=(shardings, None))
+        return self._step(state, self.place_batch(batch), self.key(step))
+
+    def evaluate(self, state, batches) -> tuple[float, int]:
+        """(mean loss in nats per token, tokens) over weighted positions of `batches`."""
+        total, tokens = 0.0, 0
+        for b in batches:
+            n = int(b["weights"].sum())
+            total += float(self._eval(state["params"], self.place_batch(b))) * n
+            tokens += n
+        return total / max(tokens, 1), tokens
+
+
+def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
+    return nats_per_token / math.log(2) / bytes_per_token
