@@ -68,7 +68,7 @@ def _paper_lm(k: int) -> Config:
         ffn="relu",
         shared_embedding=False,
         mesh=_PAPER_MESHES[k],
-        layout=_PAPER_LAYOUT,
+        layout=_PAPER_LAYOUT if k > 0 else "batch:batch",  # the smallest: data-parallel
     )
 
 
