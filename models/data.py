@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from models import objectives
+
 VALIDATION_FRACTION = 0.1
 
 
@@ -104,54 +106,52 @@ def load_tokenizer(directory: str | Path):
     return BPETokenizer(Tokenizer.from_file(str(path)))
 
 
-def padded_vocab(n: int, multiple: int = 128) -> int:
-    """The model's vocabulary: the tokenizer's rounded up, so mesh axes divide it."""
-    return math.ceil(n / multiple) * multiple
+def padded_vocab(n: int, objective: str = "lm", multiple: int = 128) -> int:
+    """The model's vocabulary: the tokenizer's and the objective's special tokens,
+    rounded up so that mesh axes divide it."""
+    return math.ceil((n + objectives.special_tokens(objective)) / multiple) * multiple
 
 
 class Corpus:
-    """Token ids of the train and validation splits, and the batches cut from them."""
+    """Token ids of the train and validation splits, and the batches of an objective
+    (models/objectives.py) cut from them."""
 
-    def __init__(self, text: str, tokenizer, length: int):
+    def __init__(self, text: str, tokenizer, length: int, objective: str = "lm"):
         train, valid = split(text)
         self.tokenizer = tokenizer
         self.train = tokenizer.encode(train)
         self.valid = tokenizer.encode(valid)
         self.valid_bytes = len(valid.encode("utf-8"))
-        self.length = length
+        self.length, self.objective = length, objective
+        self.window = objectives.window_length(objective, length)
         for name, ids in (("train", self.train), ("validation", self.valid)):
-            if len(ids) < length + 2:
+            if len(ids) < self.window + 1:
                 raise DataError(
                     f"the {name} split has {len(ids)} tokens, fewer than a sequence of "
-                    f"{length} + 1; use a longer text or a shorter --length"
+                    f"{self.window}; use a longer text or a shorter --length"
                 )
 
     def batch(self, step: int, batch: int, seed: int) -> dict[str, np.ndarray]:
-        """Training windows for `step`: random offsets drawn from (seed, step) alone."""
+        """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone."""
         rng = np.random.default_rng([seed, step])
-        starts = rng.integers(0, len(self.train) - self.length - 1, size=batch)
-        return self._windows(self.train, starts)
+        starts = rng.integers(0, len(self.train) - self.window, size=batch)
+        return self._examples(self.train, starts, rng)
 
     def validation_batches(self, batch: int, max_batches: int | None = None):
         """Consecutive windows covering the validation split (the last batch padded with
-        zero-weight rows)."""
-        starts = np.arange(0, len(self.valid) - self.length - 1, self.length)
+        zero-weight rows); the same every time."""
+        starts = np.arange(0, len(self.valid) - self.window, self.length)
         if max_batches is not None:
             starts = starts[: max_batches * batch]
         for i in range(0, len(starts), batch):
             chunk = starts[i : i + batch]
-            out = self._windows(self.valid, np.resize(chunk, batch))
+            out = self._examples(self.valid, np.resize(chunk, batch), np.random.default_rng(i))
             out["weights"][len(chunk) :] = 0.0
             yield out
 
-    def _windows(self, ids, starts) -> dict[str, np.ndarray]:
-        idx = starts[:, None] + np.arange(self.length + 1)[None, :]
-        w = ids[idx]
-        return {
-            "inputs": w[:, :-1].astype(np.int32),
-            "targets": w[:, 1:].astype(np.int32),
-            "weights": np.ones((len(starts), self.length), np.float32),
-        }
+    def _examples(self, ids, starts, rng) -> dict[str, np.ndarray]:
+        windows = ids[starts[:, None] + np.arange(self.window)[None, :]].astype(np.int32)
+        return objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
 
     def bytes_per_token(self) -> float:
         """Validation bytes per validation token (1 for the byte tokenizer)."""

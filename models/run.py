@@ -56,7 +56,7 @@ def setup(args):
         raise UsageError(f"{out} holds a run already: pass --resume, or another --out")
     try:
         model = zoo.get(args.model)
-        cfg = config.get(args.config)
+        cfg = model.configure(config.get(args.config))
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     try:
@@ -67,12 +67,12 @@ def setup(args):
             tokenizer = data.BPETokenizer.train(data.split(text)[0], args.bpe_vocab)
         else:
             tokenizer = data.ByteTokenizer()
-        changes = {"vocab": data.padded_vocab(tokenizer.vocab_size)}
+        changes = {"vocab": data.padded_vocab(tokenizer.vocab_size, model.objective)}
         for k in ("batch", "length", "dropout"):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
         cfg = cfg.replace(**changes)
-        corpus = data.Corpus(text, tokenizer, cfg.length)
+        corpus = data.Corpus(text, tokenizer, cfg.length, model.objective)
     except data.DataError as e:
         raise UsageError(str(e)) from None
     try:

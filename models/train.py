@@ -34,7 +34,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def arguments(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="lm", help="lm (default)")
+    p.add_argument("--model", default="lm", help="lm (default), moe, bert or encdec")
     p.add_argument("--config", default="tiny", help="tiny, small, base, lm1b_m1 ... lm1b_5")
     p.add_argument("--mesh", type=parse_mesh, default={"data": 1}, help="e.g. rows=2,cols=4")
     p.add_argument("--layout", default="", help='rules like "batch:rows;d_ff:cols", or auto')

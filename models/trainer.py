@@ -18,7 +18,7 @@ import optax
 import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.distributed import place
-from models import transformer
+from models import objectives, transformer
 from models.config import Config
 from models.zoo import Model
 
@@ -71,11 +71,8 @@ class Trainer:
     def abstract_inputs(self):
         """Abstract params and batch: what `report` and `auto_layout` plan with."""
         b = {"batch": self.cfg.batch, "length": self.cfg.length}
-        batch = {
-            "inputs": nm.abstract(b, np.int32),
-            "targets": nm.abstract(b, np.int32),
-            "weights": nm.abstract(b),
-        }
+        fields = objectives.FIELDS[self.model.objective]
+        batch = {k: nm.abstract(b, dtype) for k, dtype in fields.items()}
         return transformer.abstract(self.shapes), batch
 
     def report(self):

@@ -1,8 +1,10 @@
-"""The decoder-only Transformer language model: shapes, initial values, logits, loss.
+"""The Transformers: decoder-only LM, BERT-style encoder, encoder-decoder; their
+shapes, initial values, logits and losses.
 
 Layers are stacked along a `layers` dim and run with `nm.scan`, so the traced program
 (and the compile time) does not grow with depth. Pre-norm residual blocks:
-h += attention(norm(h)); h += ffn(norm(h)).
+h += attention(norm(h)); [h += cross_attention(norm(h), encoder)]; h += ffn(norm(h)),
+where the FFN is a top-2 mixture of experts when the config has experts.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from models.layers import (
     ffn_params,
     norm,
     norm_params,
+    padding_bias,
     relative_bias,
 )
+from models.moe import moe, moe_params
 
 
 def stacked(shapes, n: int):
@@ -35,13 +39,16 @@ def stacked(shapes, n: int):
     return {k: stacked(v, n) for k, v in shapes.items()}
 
 
-def decoder_layer_shapes(cfg: Config) -> dict:
-    return {
-        "attn_norm": norm_params(cfg),
-        "attn": attention_params(cfg),
-        "ffn_norm": norm_params(cfg),
-        "ffn": ffn_params(cfg),
-    }
+def layer_shapes(cfg: Config, cross: bool = False) -> dict:
+    """One block: self-attention, cross-attention over an encoder's output if `cross`,
+    and the FFN (a mixture of experts when cfg.experts > 0)."""
+    shapes = {"attn_norm": norm_params(cfg), "attn": attention_params(cfg)}
+    if cross:
+        shapes["cross_norm"] = norm_params(cfg)
+        shapes["cross"] = attention_params(cfg.replace(relative_bias=0))
+    shapes["ffn_norm"] = norm_params(cfg)
+    shapes["ffn"] = moe_params(cfg) if cfg.experts else ffn_params(cfg)
+    return shapes
 
 
 def embedding_shapes(cfg: Config) -> dict:
@@ -55,8 +62,19 @@ def embedding_shapes(cfg: Config) -> dict:
 
 
 def lm_shapes(cfg: Config) -> dict:
-    """The LM's parameters as a nested dict of Params."""
-    return {**embedding_shapes(cfg), "layers": stacked(decoder_layer_shapes(cfg), cfg.layers)}
+    """The decoder-only LM's (or BERT's) parameters as a nested dict of Params."""
+    return {**embedding_shapes(cfg), "layers": stacked(layer_shapes(cfg), cfg.layers)}
+
+
+def encdec_shapes(cfg: Config) -> dict:
+    """The encoder-decoder's parameters: embeddings shared by both stacks, the encoder's
+    layers and final norm, and decoder layers with cross-attention."""
+    return {
+        **embedding_shapes(cfg),
+        "encoder": stacked(layer_shapes(cfg), cfg.encoder_layers or cfg.layers),
+        "encoder_norm": norm_params(cfg),
+        "layers": stacked(layer_shapes(cfg, cross=True), cfg.layers),
+    }
 
 
 def _leaves(shapes, prefix=""):
@@ -122,14 +140,35 @@ def self_attention_bias(p: dict, cfg: Config, n: int, causal: bool, extra=None):
     return bias
 
 
-def decoder_layer(h, p, cfg: Config, key, causal: bool = True, extra_bias=None):
-    """One pre-norm block: self-attention then FFN, each added to the residual."""
-    k1, k2 = (None, None) if key is None else (nm.random.fold_in(key, 1), nm.random.fold_in(key, 2))
-    bias = self_attention_bias(p["attn"], cfg, h.size_of("length"), causal, extra_bias)
-    h = h + dropout(
-        attention(norm(h, p["attn_norm"], cfg.norm), p["attn"], cfg, bias=bias), cfg.dropout, k1
-    )
-    return h + dropout(ffn(norm(h, p["ffn_norm"], cfg.norm), p["ffn"], cfg), cfg.dropout, k2)
+def block(h, p, cfg: Config, key, causal: bool, bias=None, memory=None, memory_bias=None):
+    """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
+    (batch, memory, d_model) when given, then the FFN, each added to the residual; aux
+    is the MoE load-balancing loss (None without experts)."""
+    keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
+    bias = self_attention_bias(p["attn"], cfg, h.size_of("length"), causal, bias)
+    x = attention(norm(h, p["attn_norm"], cfg.norm), p["attn"], cfg, bias=bias)
+    h = h + dropout(x, cfg.dropout, keys[0])
+    if memory is not None:
+        x = norm(h, p["cross_norm"], cfg.norm)
+        x = attention(x, p["cross"], cfg, memory=memory, bias=memory_bias)
+        h = h + dropout(x, cfg.dropout, keys[1])
+    x = norm(h, p["ffn_norm"], cfg.norm)
+    x, aux = moe(x, p["ffn"], cfg) if cfg.experts else (ffn(x, p["ffn"], cfg), None)
+    return h + dropout(x, cfg.dropout, keys[2]), aux
+
+
+def run_stack(x, layers: dict, cfg: Config, key, **block_args):
+    """(x, aux): `block` for each index of the `layers` dim, in one nm.scan; aux is the
+    sum of the layers' load-balancing losses (None without experts)."""
+    is_tensor = lambda t: isinstance(t, nm.Tensor)
+    n = jax.tree_util.tree_leaves(layers, is_leaf=is_tensor)[0].size_of("layers")
+
+    def body(h, xs):
+        p, k = xs
+        return block(h, p, cfg, k, **block_args)
+
+    x, aux = nm.scan(body, x, (layers, layer_keys(key, n)), "layers")
+    return x, None if aux is None else aux.sum("layers")
 
 
 def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config) -> nm.Tensor:
@@ -148,20 +187,60 @@ def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
     return nm.einsum(x, params["embed"], out=x.dims[:-1] + ("vocab",)) * cfg.d_model**-0.5
 
 
+def _with_aux(loss: nm.Tensor, aux, cfg: Config) -> nm.Tensor:
+    return loss if aux is None else loss + aux * cfg.moe_loss
+
+
+def lm_forward(params: dict, tokens: nm.Tensor, cfg: Config, key=None, causal: bool = True):
+    """(logits, aux): logits (batch, length, vocab) for int tokens (batch, length) after
+    the stack of `params["layers"]`, causal (the LM) or bidirectional (BERT)."""
+    x = embed_inputs(params, tokens, cfg)
+    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal)
+    return output_logits(params, x, cfg), aux
+
+
 def lm_logits(params: dict, tokens: nm.Tensor, cfg: Config, key=None) -> nm.Tensor:
     """Next-token logits (batch, length, vocab) for int tokens (batch, length)."""
-    x = embed_inputs(params, tokens, cfg)
-
-    def body(h, xs):
-        p, k = xs
-        return decoder_layer(h, p, cfg, k), None
-
-    x, _ = nm.scan(body, x, (params["layers"], layer_keys(key, cfg.layers)), "layers")
-    return output_logits(params, x, cfg)
+    return lm_forward(params, tokens, cfg, key)[0]
 
 
 def lm_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
     """Mean next-token cross-entropy (nats) over the weighted positions of `batch`
-    ({"inputs", "targets", "weights"}: batch, length)."""
-    logits = lm_logits(params, batch["inputs"], cfg, key)
-    return cross_entropy(logits, batch["targets"], batch["weights"])
+    ({"inputs", "targets", "weights"}: batch, length), plus the MoE balancing loss."""
+    logits, aux = lm_forward(params, batch["inputs"], cfg, key)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)
+
+
+def mlm_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
+    """BERT's masked-LM loss: bidirectional attention over the (partly masked) inputs,
+    cross-entropy against the original tokens at the positions of weight 1."""
+    logits, aux = lm_forward(params, batch["inputs"], cfg, key, causal=False)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)
+
+
+def encode(params: dict, batch: dict, cfg: Config, key=None):
+    """(memory, memory_bias, aux): the encoder's output (batch, memory, d_model) over
+    batch["inputs"], and the padding bias that hides its padded positions."""
+    pad = padding_bias(batch["input_weights"].rename(length="memory"))
+    x = embed_inputs(params, batch["inputs"], cfg)
+    k = None if key is None else nm.random.fold_in(key, 7)
+    x, aux = run_stack(x, params["encoder"], cfg, k, causal=False, bias=pad)
+    memory = norm(x, params["encoder_norm"], cfg.norm).rename(length="memory")
+    return memory, pad, aux
+
+
+def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
+    """(logits, aux): the decoder's next-token logits over batch["decoder_inputs"],
+    attending to the encoding of batch["inputs"]."""
+    memory, pad, aux_enc = encode(params, batch, cfg, key)
+    x = embed_inputs(params, batch["decoder_inputs"], cfg)
+    x, aux = run_stack(x, params["layers"], cfg, key, causal=True, memory=memory, memory_bias=pad)
+    aux = aux_enc if aux is None else aux + aux_enc
+    return output_logits(params, x, cfg), aux
+
+
+def encdec_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
+    """Span corruption: cross-entropy of the decoder's targets (the dropped spans, each
+    after its sentinel) given the corrupted inputs."""
+    logits, aux = encdec_logits(params, batch, cfg, key)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)

@@ -6,19 +6,28 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from models import transformer
+from models.config import Config
 
 
 class Model(NamedTuple):
     """`shapes(cfg)`: nested dict of Params; `loss(params, batch, cfg, key)`: a 0-d
-    Tensor; `objective`: how batches are made from text ("lm")."""
+    Tensor; `objective`: how batches are made from text (models/objectives.py);
+    `defaults`: config fields this model sets where the config leaves them 0."""
 
     shapes: Callable
     loss: Callable
     objective: str
+    defaults: dict = {}
+
+    def configure(self, cfg: Config) -> Config:
+        return cfg.replace(**{k: v for k, v in self.defaults.items() if not getattr(cfg, k)})
 
 
 MODELS: dict[str, Model] = {
     "lm": Model(transformer.lm_shapes, transformer.lm_loss, "lm"),
+    "moe": Model(transformer.lm_shapes, transformer.lm_loss, "lm", {"experts": 4}),
+    "bert": Model(transformer.lm_shapes, transformer.mlm_loss, "mlm"),
+    "encdec": Model(transformer.encdec_shapes, transformer.encdec_loss, "span"),
 }
 
 
