@@ -15,10 +15,10 @@ import numpy as np
 import namedmesh as nm
 from models.config import Config
 from models.layers import (
+    NEG,
     Param,
     attention,
     attention_params,
-    causal_bias,
     cross_entropy,
     dropout,
     embed,
@@ -127,26 +127,48 @@ def layer_keys(key, n: int):
     return nm.stack([nm.random.fold_in(key, i) for i in range(n)], "layers")
 
 
-def self_attention_bias(p: dict, cfg: Config, n: int, causal: bool, extra=None):
-    """The additive attention bias of one layer: causal mask, relative positions, and
-    `extra` (a padding bias)."""
-    bias = causal_bias(n, n) if causal else None
+def self_attention_bias(p: dict, cfg: Config, queries, memory, causal: bool, extra=None):
+    """The additive self-attention bias of one layer for query and memory positions (int
+    Tensors over length and memory): causal mask, relative positions, and `extra` (a
+    padding bias)."""
+    bias = nm.where(memory <= queries, 0.0, NEG) if causal else None
     if cfg.relative_bias:
-        pos = nm.arange("length", n)
-        rel = relative_bias(p["rel"], pos, pos.rename(length="memory"), cfg.relative_bias)
+        rel = relative_bias(p["rel"], queries, memory, cfg.relative_bias)
         bias = rel if bias is None else bias + rel
     if extra is not None:
         bias = extra if bias is None else bias + extra
     return bias
 
 
-def block(h, p, cfg: Config, key, causal: bool, bias=None, memory=None, memory_bias=None):
+def block(
+    h,
+    p,
+    cfg: Config,
+    key,
+    causal: bool,
+    bias=None,
+    memory=None,
+    memory_bias=None,
+    cache=None,
+    position=None,
+):
     """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
     (batch, memory, d_model) when given, then the FFN, each added to the residual; aux
-    is the MoE load-balancing loss (None without experts)."""
+    is the MoE load-balancing loss (None without experts).
+
+    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the one new
+    position `position` (a 0-d int Tensor) and (h, aux, new_cache) is returned."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
-    bias = self_attention_bias(p["attn"], cfg, h.size_of("length"), causal, bias)
-    x = attention(norm(h, p["attn_norm"], cfg.norm), p["attn"], cfg, bias=bias)
+    x = norm(h, p["attn_norm"], cfg.norm)
+    if cache is None:
+        n = h.size_of("length")
+        queries, slots = nm.arange("length", n), nm.arange("memory", n)
+        bias = self_attention_bias(p["attn"], cfg, queries, slots, causal, bias)
+        x = attention(x, p["attn"], cfg, bias=bias)
+    else:
+        slots = nm.arange("memory", cache["k"].size_of("memory"))
+        bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias)
+        x, cache = attention(x, p["attn"], cfg, bias=bias, cache=cache, position=position)
     h = h + dropout(x, cfg.dropout, keys[0])
     if memory is not None:
         x = norm(h, p["cross_norm"], cfg.norm)
@@ -154,7 +176,8 @@ def block(h, p, cfg: Config, key, causal: bool, bias=None, memory=None, memory_b
         h = h + dropout(x, cfg.dropout, keys[1])
     x = norm(h, p["ffn_norm"], cfg.norm)
     x, aux = moe(x, p["ffn"], cfg) if cfg.experts else (ffn(x, p["ffn"], cfg), None)
-    return h + dropout(x, cfg.dropout, keys[2]), aux
+    h = h + dropout(x, cfg.dropout, keys[2])
+    return (h, aux) if cache is None else (h, aux, cache)
 
 
 def run_stack(x, layers: dict, cfg: Config, key, **block_args):

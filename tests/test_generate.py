@@ -1,0 +1,114 @@
+"""Decoding: the KV cache gives the logits of recomputing the whole prefix, beam search
+finds the best continuation where it can be checked exhaustively, and the
+`models.generate` command line decodes from a training run's checkpoint."""
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from models import config, transformer
+from models.generate import Decoder
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = config.Config(vocab=32, d_model=16, heads=4, d_kv=4, d_ff=32, layers=2, length=8, batch=2)
+
+
+def recompute_logp(params, cfg, rows):
+    """Log-probabilities of the next token after each row, from the full forward pass."""
+    logits = transformer.lm_logits(params, nm.tensor(np.asarray(rows), ("batch", "length")), cfg)
+    x = np.asarray(logits.transpose("batch", "length", "vocab").data)[:, -1]
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module", params=["absolute", "relative"])
+def model(request):
+    cfg = CFG if request.param == "absolute" else CFG.replace(relative_bias=4)
+    params = transformer.init(transformer.lm_shapes(cfg), 0)
+    params["embed"] = params["embed"] * 3.0  # peaked predictions: decoding paths differ
+    return params, cfg, Decoder(params, cfg)
+
+
+def test_cached_decoding_equals_recomputation_at_every_position(model):
+    params, cfg, dec = model
+    rows = np.random.default_rng(0).integers(0, cfg.vocab, size=(2, cfg.length))
+    logp, cache, _ = dec.prefill(rows[:, :1])
+    for i in range(1, cfg.length + 1):
+        np.testing.assert_allclose(logp, recompute_logp(params, cfg, rows[:, :i]), atol=1e-4)
+        if i < cfg.length:
+            logp, cache = dec.step(rows[:, i], i, cache)
+
+
+def test_greedy_past_the_cache_refills_it_with_the_last_half(model):
+    """The documented policy: a full cache is rebuilt from the last length/2 tokens."""
+    params, cfg, dec = model
+    prompt, n = [3, 1, 4], 14
+    got = dec.generate(prompt, n, "greedy")
+    toks, start = list(prompt), 0
+    for _ in range(n):
+        if len(toks) - start > cfg.length:  # the window the cache holds after a refill
+            start = len(toks) - cfg.length // 2
+        toks.append(int(recompute_logp(params, cfg, [toks[start:]])[0].argmax()))
+    assert got == toks[len(prompt) :]
+    assert len(set(got)) > 1
+
+
+def test_beam_of_one_is_greedy_and_scores_are_log_probabilities(model):
+    params, cfg, dec = model
+    prompt = [5, 6]
+    seq, score = dec.beam(prompt, 4, beams=1)
+    assert seq == dec.generate(prompt, 4, "greedy")
+    toks, want = list(prompt), 0.0
+    for t in seq:
+        want += recompute_logp(params, cfg, [toks])[0][t]
+        toks.append(t)
+    assert score == pytest.approx(want, abs=1e-4)
+
+
+def test_a_beam_as_wide_as_the_vocabulary_finds_the_best_two_tokens(model):
+    params, cfg, dec = model
+    prompt = [7, 2, 9]
+    seq, score = dec.beam(prompt, 2, beams=cfg.vocab)
+    first = recompute_logp(params, cfg, [prompt])[0]
+    pairs = list(itertools.product(range(cfg.vocab), repeat=2))
+    rows = [prompt + [a] for a in range(cfg.vocab)]
+    second = recompute_logp(params, cfg, rows)
+    scores = {(a, b): first[a] + second[a][b] for a, b in pairs}
+    best = max(scores, key=scores.get)
+    assert tuple(seq) == best
+    assert score == pytest.approx(scores[best], abs=1e-4)
+
+
+def test_sampling_is_seeded_and_cold_sampling_is_greedy(model):
+    _, _, dec = model
+    greedy = dec.generate([1, 2], 6, "greedy")
+    assert dec.generate([1, 2], 6, "sample", temperature=1e-3, seed=1) == greedy
+    a = dec.generate([1, 2], 6, "sample", temperature=2.0, seed=1)
+    assert a == dec.generate([1, 2], 6, "sample", temperature=2.0, seed=1)
+    draws = {tuple(dec.generate([1, 2], 6, "sample", temperature=2.0, seed=s)) for s in range(4)}
+    assert len(draws) > 1
+
+
+def test_generate_command_decodes_from_a_training_run(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    run = lambda *a: subprocess.run(
+        [sys.executable, *a], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    out = tmp_path / "run"
+    train = run("-m", "models.train", "--config", "tiny", "--mesh", "data=2", "--layout",
+                "batch:data", "--steps", "3", "--length", "16", "--batch", "4", "--out",
+                str(out), "--quiet", "--eval-batches", "1")  # fmt: skip
+    assert train.returncode == 0, train.stderr
+    gen = run("-m", "models.generate", "--checkpoint", str(out), "--prompt", "The assert",
+              "--mode", "beam", "--max-new", "20")  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("The assert") and len(gen.stdout.strip()) > len("The assert")
+    missing = run("-m", "models.generate", "--checkpoint", str(tmp_path / "nothing"))
+    assert missing.returncode == 2
+    assert "models.generate: error:" in missing.stderr and "nothing" in missing.stderr
