@@ -45,3 +45,19 @@ def test_ruff_is_clean():
         [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_make_demo_trains_on_a_2d_mesh_and_generates(tmp_path):
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^demo:.*\n\t.*-m models\.demo\b", makefile, flags=re.M)
+    out = subprocess.run(
+        [sys.executable, "-m", "models.demo", "--steps", "8", "--out", str(tmp_path / "demo")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Mesh(rows=2, cols=4)" in out.stdout and "per-device flops" in out.stdout
+    assert out.stdout.count("The assert statement") >= 2  # greedy and sampled samples
+    assert (tmp_path / "demo" / "loss.png").read_bytes()[:4] == b"\x89PNG"
