@@ -13,7 +13,6 @@ beam keeps the `--beams` likeliest continuations.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 import namedmesh as nm
 from models import checkpoint, config, data, transformer, zoo
 from models.config import Config
+from models.train import Parser
 from models.trainer import optimizer
 
 
@@ -161,9 +161,7 @@ def _state(shapes, opt):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m models.generate", description=__doc__.split("\n")[0]
-    )
+    p = Parser(prog="python -m models.generate", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="a training run's --out folder")
     p.add_argument("--prompt", default="The assert statement")
     p.add_argument("--mode", default="greedy", choices=["greedy", "sample", "beam"])

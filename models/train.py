@@ -32,8 +32,15 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage dump), still with exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog.split()[-1]}: error: {message} (see --help)\n")
+
+
 def arguments(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m models.train", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="lm", help="lm (default), moe, bert or encdec")
     p.add_argument("--config", default="tiny", help="tiny, small, base, lm1b_m1 ... lm1b_5")
     p.add_argument("--mesh", type=parse_mesh, default={"data": 1}, help="e.g. rows=2,cols=4")
