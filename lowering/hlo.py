@@ -9,6 +9,21 @@ KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective
 _LINE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
 _SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")  # [groups,size]<=[devices]
+# replica_groups=mesh['a'=8,'b'=1] {'a'}: groups over the named axes of a mesh
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _group_size(line: str) -> int:
+    """Devices per replica group of a collective's HLO line (0 when it names none)."""
+    if m := _GROUPS.search(line):
+        return len(m.group(1).split("},{")[0].strip("{}").split(","))
+    if m := _IOTA_GROUPS.search(line):
+        return int(m.group(1))
+    if m := _MESH_GROUPS.search(line):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+    return 0
 
 
 _ITEMSIZE = {
@@ -46,8 +61,7 @@ def collectives(hlo_text: str) -> list[tuple[str, int, int]]:
         m = _LINE.search(line)
         if not m or "-done" in line.split("=")[0]:
             continue
-        g = _GROUPS.search(line)
-        size = len(g.group(1).split("},{")[0].strip("{}").split(",")) if g else 0
+        size = _group_size(line)
         if m.group(2) == "all-to-all":  # one piece per peer, in a tuple: one collective
             found.append((m.group(2), _bytes(m.group(1)), size))
             continue
