@@ -14,7 +14,10 @@ def test_quick_run_writes_rows_at_the_minimum(tmp_path):
     (result,) = tmp_path.glob("*.json")
     data = json.loads(result.read_text())
     assert set(data) == {"machine", "rows"} and data["machine"]["cpus"] >= 1
-    rows = data["rows"]
+    rows = [r for r in data["rows"] if r["bench"] == "collective_bytes"]
+    timed = [r for r in data["rows"] if r["bench"] != "collective_bytes"]
+    assert {r["bench"] for r in timed} == {"compile_time", "planner_time"}
+    assert all(set(r) == set(run.FIELDS) and r["namedmesh"] > 0 for r in timed)
     layouts = {r["layout"].split(":")[0] for r in rows}
     assert layouts == {"data-parallel", "model-parallel", "2d", "fsdp"}
     for r in rows:

@@ -1,0 +1,66 @@
+"""How the cost of getting a program onto a mesh grows with depth: compile time of the
+LM's training step for 1 to 32 layers (flat, since the layers are one scan), and the
+planner's time (trace + plan + report, no compile) for a 24-layer model."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+import namedmesh as nm
+from lowering import Mesh, lower
+from models import config, objectives, transformer
+
+MESH, LAYOUT = {"rows": 2, "cols": 4}, "batch:rows;heads:cols;d_ff:cols;vocab:cols"
+
+
+def _abstract_inputs(cfg):
+    b = {"batch": cfg.batch, "length": cfg.length}
+    batch = {k: nm.abstract(b, dt) for k, dt in objectives.FIELDS["lm"].items()}
+    return transformer.abstract(transformer.lm_shapes(cfg)), batch
+
+
+def compile_seconds(layers: int, cfg_name: str = "tiny") -> float:
+    """Seconds to compile jax.grad of the lowered LM loss on the 2x4 mesh."""
+    cfg = config.get(cfg_name, layers=layers)
+    f = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh(MESH), LAYOUT)
+    params, batch = _abstract_inputs(cfg)
+    step = jax.jit(jax.grad(lambda p, b: f(p, b).data))
+    lowered = step.lower(params, batch)
+    start = time.perf_counter()
+    lowered.compile()
+    return time.perf_counter() - start
+
+
+def planner_seconds(layers: int = 24, cfg_name: str = "base", repeats: int = 3) -> float:
+    """Median seconds for trace + plan + report of the LM loss (no compile, no devices)."""
+    cfg = config.get(cfg_name, layers=layers)
+    params, batch = _abstract_inputs(cfg)
+    mesh = Mesh(MESH, devices="abstract")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        lower(lambda p, b: transformer.lm_loss(p, b, cfg), mesh, LAYOUT).report(
+            params, batch, show=False
+        )
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def rows(depths=(1, 2, 4, 8, 16, 32)) -> list[dict]:
+    mesh = "x".join(f"{a}={s}" for a, s in MESH.items())
+    base = {"layout": LAYOUT, "mesh": mesh, "minimum": None, "gspmd": None, "hand": None}
+    none = {"ratio_to_min": None, "ratio_to_gspmd": None, "ratio_to_hand": None}
+    out = [
+        {"bench": "compile_time", "case": f"tiny LM, {n} layers", **base,
+         "metric": "seconds to compile the training step", "namedmesh": compile_seconds(n),
+         **none}
+        for n in depths
+    ]  # fmt: skip
+    out.append(
+        {"bench": "planner_time", "case": "base LM, 24 layers", **base,
+         "metric": "seconds for trace + plan + report", "namedmesh": planner_seconds(), **none}
+    )  # fmt: skip
+    return out
