@@ -114,7 +114,8 @@ def write_scaling_docs(path: Path, rows: list[dict], command: str, plot: Path | 
     lines = [
         SCALING,
         "",
-        f"Made by `{command}` (same run and machine as above). Compile time is "
+        f"Made by `{command}` (the run and machine of the collective-bytes section). "
+        "Compile time is "
         "`jit(grad(lowered LM loss)).lower(...).compile()` of the tiny LM on the 2x4 mesh "
         "under `batch:rows;heads:cols;d_ff:cols;vocab:cols`; the planner time is trace + "
         "plan + report of the base LM (d_model 512) with 24 layers on an abstract 2x4 mesh, "

@@ -147,7 +147,6 @@ def train(args) -> None:
                 "lr": float(schedule(step - 1)),
                 "tokens_per_s": cfg.batch * cfg.length / (now - last),
             }
-            last = now
             if step % args.eval_every == 0 or step == args.steps:
                 val, _ = trainer.evaluate(
                     state, corpus.validation_batches(cfg.batch, args.eval_batches)
@@ -166,7 +165,7 @@ def train(args) -> None:
             if step % args.save_every == 0 or step == args.steps:
                 ckpt.save(step, state, meta)
                 plot(history, out / "loss.png")
-            last = time.perf_counter() if step % args.save_every == 0 else last
+            last = time.perf_counter()  # evaluations and saves are not step time
     bar.close()
     ckpt.close()
     print(f"wrote {metrics_path}, {out / 'loss.png'} and checkpoints in {out / 'checkpoints'}")
