@@ -37,8 +37,6 @@ import functools
 import gc
 import importlib
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -46,14 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
 import numpy as np
 import opt_einsum
 
 import namedmesh as nm
+from benchmarks import report
 
 SECTION = "## Eager einsum vs np.einsum"
-PAGE_HEAD = "# Benchmarks\n\nEvery figure on this page is made by the command shown with it.\n\n"
 LARGE_RATIO_GOAL = 1.05  # nm/np median ratio on large operands, at most
 SMALL_ADDED_GOAL_US = 15.0  # microseconds added per call on small operands, under
 
@@ -342,15 +339,8 @@ def breakdown(quick: bool, rng: np.random.Generator) -> tuple[list[Row], list[Ro
 
 
 def machine() -> dict[str, str]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
-            )
-    except OSError:
-        model = ""
-    u = platform.uname()
+    """The shared machine description, plus what einsum timings depend on: the BLAS
+    NumPy links and its thread settings, and opt_einsum's version."""
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         blas = f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
@@ -361,38 +351,16 @@ def machine() -> dict[str, str]:
         for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
         if (v := os.environ.get(k)) is not None
     }
-    try:
-        affinity = str(len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        affinity = "n/a"
-    return {
-        "cpu": model or cpu or u.machine,
-        "platform.processor()": repr(cpu),
-        "uname": f"{u.system} {u.release} {u.machine} ({u.node})",
-        "os.cpu_count()": str(os.cpu_count()),
-        "usable CPUs": affinity,
-        "Python": platform.python_version(),
-        "NumPy": f"{np.__version__} (BLAS: {blas})",
-        "jax": jax.__version__,
-        "opt_einsum": opt_einsum.__version__,
-        "BLAS threads": ", ".join(f"{k}={v}" for k, v in threads.items())
-        or "library default (no *_NUM_THREADS set)",
-    }  # fmt: skip
+    info = report.machine()
+    info["NumPy"] = f"{info['NumPy']} (BLAS: {blas})"
+    info["opt_einsum"] = opt_einsum.__version__
+    unset = "library default (no *_NUM_THREADS set)"
+    info["BLAS threads"] = ", ".join(f"{k}={v}" for k, v in threads.items()) or unset
+    return info
 
 
 def command(argv: list[str]) -> str:
-    exe = Path(sys.executable)
-    try:
-        exe_s = str(exe.relative_to(Path.cwd()))
-    except ValueError:
-        exe_s = str(exe)
-    return shlex.join([exe_s, "-m", "benchmarks.eager", *argv])
-
-
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+    return report.command("benchmarks.eager", argv)
 
 
 def main_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
@@ -453,7 +421,7 @@ def breakdown_table(rows: list[Row], stepwise: bool) -> str:
                 step = f"{(row.median - prev) * 1e6:+.2f}"
                 prev = row.median
         out.append([f"`{row.label}`", t, step, note])
-    return _md_table(header, out)
+    return report.md_table(header, out)
 
 
 def section(results, layers, pieces, argv, when, info) -> str:
@@ -472,7 +440,7 @@ def section(results, layers, pieces, argv, when, info) -> str:
         "repeats; ratio = nm median / np median; added = nm median − np median. The paired "
         "ratio column is the spread of per-repeat nm/np ratios of adjacent runs.",
         "",
-        _md_table(header, rows),
+        report.md_table(header, rows),
         "",
     ]
     if chain is not None:
@@ -499,33 +467,8 @@ def section(results, layers, pieces, argv, when, info) -> str:
     return "\n".join(parts)
 
 
-def replace_section(text: str, new: str) -> str:
-    """`text` with the `SECTION` section replaced by `new` (appended when absent)."""
-    lines = text.splitlines(keepends=True)
-
-    def headings():
-        fence = False
-        for i, ln in enumerate(lines):
-            if ln.lstrip().startswith(("```", "~~~")):
-                fence = not fence
-            elif not fence and ln.startswith("#"):
-                yield i, ln.rstrip()
-
-    start = next((i for i, h in headings() if h == SECTION), None)
-    if start is None:
-        return text.rstrip("\n") + "\n\n" + new if text.strip() else PAGE_HEAD + new
-    end = next(
-        (i for i, h in headings() if i > start and (h.startswith("## ") or h.startswith("# "))),
-        len(lines),
-    )
-    rest = "".join(lines[end:])
-    return "".join(lines[:start]) + new + ("\n" + rest if rest else "")
-
-
 def write_doc(path: Path, new: str) -> None:
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(replace_section(text, new), encoding="utf-8")
+    report.write_section(path, SECTION, new)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -46,8 +45,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import report
+
 SECTION = "## Quality: tiny LM on the default corpus"
-PAGE_HEAD = "# Benchmarks\n\nEvery figure on this page is made by the command shown with it.\n\n"
 GOAL_BPB = 2.5  # validation bits/byte, at most
 GOAL_SECONDS = 600.0  # within 10 minutes
 DEVICES = 8  # simulated CPU devices offered to every run
@@ -187,46 +187,8 @@ def run_layout(layout: Layout, steps: int, eval_every: int, tmp: Path, bar) -> R
 # --- reporting ----------------------------------------------------------------------------
 
 
-def machine() -> dict[str, str]:
-    import jax
-    import numpy as np
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
-            )
-    except OSError:
-        model = ""
-    try:
-        usable = str(len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        usable = "n/a"
-    return {
-        "cpu": model or "unknown",
-        "platform.processor()": repr(platform.processor()),
-        "platform.platform()": platform.platform(),
-        "os.cpu_count()": str(os.cpu_count()),
-        "usable CPUs": usable,
-        "Python": platform.python_version(),
-        "jax": jax.__version__,
-        "NumPy": np.__version__,
-    }
-
-
 def command(argv: list[str]) -> str:
-    exe = Path(sys.executable)
-    try:
-        exe_s = str(exe.relative_to(Path.cwd()))
-    except ValueError:
-        exe_s = str(exe)
-    return shlex.join([exe_s, "-m", "benchmarks.quality", *argv])
-
-
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+    return report.command("benchmarks.quality", argv)
 
 
 def _ok(run: Run) -> bool:
@@ -260,7 +222,7 @@ def table(runs: list[Run]) -> str:
             f"{r.final_bpb:.4f}",
             f"{r.final_val - base.final_val:+.2e}" if _ok(base) else "n/a",
         ])  # fmt: skip
-    return _md_table(header, rows)
+    return report.md_table(header, rows)
 
 
 def agreement(runs: list[Run]) -> tuple[float, float]:
@@ -323,7 +285,7 @@ def section(runs, argv, when, info, steps, eval_every, plot_link) -> str:
     final_d, curve_d = agreement(runs)
     base = runs[0]
     evals = sorted({s for r in runs for s, *_ in r.evals})
-    curves = _md_table(
+    curves = report.md_table(
         ["step", *[r.layout.name for r in runs]],
         [
             [str(s)] + [next((f"{b:.4f}" for t, _, b, _ in r.evals if t == s), "") for r in runs]
@@ -375,24 +337,6 @@ def section(runs, argv, when, info, steps, eval_every, plot_link) -> str:
     return "\n".join(parts)
 
 
-def replace_section(text: str, new: str) -> str:
-    """`text` with the `SECTION` section (its heading up to the next `## ` heading or the
-    end) replaced by `new`, or `new` appended when absent."""
-    lines = text.splitlines(keepends=True)
-    fence, heads = False, []
-    for i, ln in enumerate(lines):
-        if ln.lstrip().startswith(("```", "~~~")):
-            fence = not fence
-        elif not fence and ln.startswith("#"):
-            heads.append((i, ln.rstrip()))
-    start = next((i for i, h in heads if h == SECTION), None)
-    if start is None:
-        return text.rstrip("\n") + "\n\n" + new if text.strip() else PAGE_HEAD + new
-    end = next((i for i, h in heads if i > start and h.startswith(("## ", "# "))), len(lines))
-    rest = "".join(lines[end:])
-    return "".join(lines[:start]) + new + ("\n" + rest if rest else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(
@@ -412,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    info = machine()
+    info = report.machine()
     print(f"{command(argv)}  ({when})")
     for k, v in info.items():
         print(f"  {k}: {v}")
@@ -435,9 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     if args.out is not None:
-        old = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(replace_section(old, text), encoding="utf-8")
+        report.write_section(args.out, SECTION, text)
         print(f"wrote section {SECTION!r} to {args.out}")
     return 0 if all(_ok(r) for r in runs) else 1
 

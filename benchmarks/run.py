@@ -18,6 +18,8 @@ import platform
 import sys
 from pathlib import Path
 
+from benchmarks import report
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Collective bytes per training step"
 SCALING = "## Compile time vs depth, and planner time"
@@ -45,14 +47,14 @@ def table(rows: list[dict]) -> str:
     fmt = lambda v: "—" if v is None else f"{v:.2f}" if isinstance(v, float) and v < 100 else (
         f"{v:,.0f}" if isinstance(v, float) else str(v)
     )  # fmt: skip
-    head = "| case | layout | mesh | namedmesh | minimum | GSPMD | hand | /min | /GSPMD | /hand |"
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        cells = [r["case"], f"`{r['layout']}`", r["mesh"]]
-        cells += [fmt(r[k]) for k in ("namedmesh", "minimum", "gspmd", "hand")]
-        cells += [fmt(r[k]) for k in ("ratio_to_min", "ratio_to_gspmd", "ratio_to_hand")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    head = ["case", "layout", "mesh", "namedmesh", "minimum", "GSPMD", "hand"]
+    head += ["/min", "/GSPMD", "/hand"]
+    numbers = ("namedmesh", "minimum", "gspmd", "hand", "ratio_to_min", "ratio_to_gspmd")
+    cells = lambda r: (
+        [r["case"], f"`{r['layout']}`", r["mesh"]]
+        + [fmt(r[k]) for k in (*numbers, "ratio_to_hand")]
+    )
+    return report.md_table(head, [cells(r) for r in rows])
 
 
 def write_docs(path: Path, rows: list[dict], command: str, info: dict) -> None:
@@ -93,19 +95,7 @@ def write_docs(path: Path, rows: list[dict], command: str, info: dict) -> None:
             "",
         ]
     )
-    replace_section(path, SECTION, section)
-
-
-def replace_section(path: Path, heading: str, section: str) -> None:
-    """Put `section` (which starts with `heading`) in place of the old one, or at the end."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if heading in text:
-        start = text.index(heading)
-        end = text.find("\n## ", start + len(heading))
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    report.write_section(path, SECTION, section)
 
 
 def write_scaling_docs(path: Path, rows: list[dict], command: str, plot: Path | None) -> None:
@@ -145,7 +135,7 @@ def write_scaling_docs(path: Path, rows: list[dict], command: str, plot: Path | 
         lines.append(f"Planner: {sec:.2f} s — " + ("**met**." if sec < 1 else "**not met**."))
     if plot is not None:
         lines += ["", f"![compile time vs depth](img/{plot.name})"]
-    replace_section(path, SCALING, "\n".join(lines) + "\n")
+    report.write_section(path, SCALING, "\n".join(lines) + "\n")
 
 
 def plot_compile(rows: list[dict], path: Path) -> None:
