@@ -9,7 +9,6 @@ import time
 import jax
 import numpy as np
 
-import namedmesh as nm
 from lowering import Mesh, lower
 from models import config, objectives, transformer
 
@@ -17,8 +16,7 @@ MESH, LAYOUT = {"rows": 2, "cols": 4}, "batch:rows;heads:cols;d_ff:cols;vocab:co
 
 
 def _abstract_inputs(cfg):
-    b = {"batch": cfg.batch, "length": cfg.length}
-    batch = {k: nm.abstract(b, dt) for k, dt in objectives.FIELDS["lm"].items()}
+    batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
     return transformer.abstract(transformer.lm_shapes(cfg)), batch
 
 

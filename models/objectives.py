@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import namedmesh as nm
+
 MAX_SENTINELS = 64
 _I, _F = np.int32, np.float32
 FIELDS = {
@@ -28,6 +30,12 @@ FIELDS = {
         "weights": _F,
     },
 }
+
+
+def abstract_batch(objective: str, batch: int, length: int) -> dict:
+    """The objective's batch as abstract Tensors (shapes only): enough to plan with."""
+    sizes = {"batch": batch, "length": length}
+    return {k: nm.abstract(sizes, dtype) for k, dtype in FIELDS[objective].items()}
 
 
 def special_tokens(objective: str) -> int:

@@ -78,7 +78,8 @@ def setup(args):
     try:
         mesh = Mesh(args.mesh)
         opt, schedule = optimizer(args.optimizer, args.lr, args.steps, args.warmup, args.clip)
-        layout = pick_layout(args.layout, model, cfg, mesh, opt, args.seed)
+        name = f"{args.model} ({args.config})"
+        layout = pick_layout(args.layout, model, name, cfg, mesh, opt, args.seed)
         trainer = Trainer(model, cfg, mesh, layout, opt, args.seed)
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
@@ -86,7 +87,7 @@ def setup(args):
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
 
 
-def pick_layout(text: str, model, cfg, mesh, opt, seed) -> Layout:
+def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed) -> Layout:
     probe = Trainer(model, cfg, mesh, Layout(), opt, seed)
     params, batch = probe.abstract_inputs()
     key = probe.key(1)
@@ -101,14 +102,10 @@ def pick_layout(text: str, model, cfg, mesh, opt, seed) -> Layout:
     unknown = [d for d, _ in layout.rules if d not in dims]
     if unknown:
         raise UsageError(
-            f"--layout names dim(s) {unknown} that the {cfg_name(cfg)} model lacks; "
+            f"--layout names dim(s) {unknown} that the {name} model lacks; "
             f"its dims are {sorted(dims)}"
         )
     return layout
-
-
-def cfg_name(cfg) -> str:
-    return next((n for n, c in config.CONFIGS.items() if c.replace(vocab=cfg.vocab) == cfg), "")
 
 
 def train(args) -> None:

@@ -70,9 +70,7 @@ class Trainer:
 
     def abstract_inputs(self):
         """Abstract params and batch: what `report` and `auto_layout` plan with."""
-        b = {"batch": self.cfg.batch, "length": self.cfg.length}
-        fields = objectives.FIELDS[self.model.objective]
-        batch = {k: nm.abstract(b, dtype) for k, dtype in fields.items()}
+        batch = objectives.abstract_batch(self.model.objective, self.cfg.batch, self.cfg.length)
         return transformer.abstract(self.shapes), batch
 
     def report(self):
