@@ -77,14 +77,22 @@ class Decoder:
             logp, cache = self.step(rows[:, i], i, cache)
         return logp, cache, rows.shape[1]
 
-    def generate(self, prompt: list[int], max_new: int, mode: str = "greedy", **kw) -> list[int]:
+    def generate(
+        self,
+        prompt: list[int],
+        max_new: int,
+        mode: str = "greedy",
+        *,
+        beams: int = 4,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ) -> list[int]:
         """The prompt's continuation: `max_new` new tokens."""
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         if mode == "beam":
-            return self.beam(prompt, max_new, kw.get("beams", 4))[0]
-        rng = np.random.default_rng(kw.get("seed", 0))
-        temperature = kw.get("temperature", 1.0)
+            return self.beam(prompt, max_new, beams)[0]
+        rng = np.random.default_rng(seed)
         rows = np.asarray([prompt[-self.cfg.length :]])
         logp, cache, pos = self.prefill(rows)
         out = []

@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import numpy as np
-
 import namedmesh as nm
 from models.config import Config
 
@@ -56,14 +54,6 @@ def attention_params(cfg: Config) -> dict:
     if cfg.relative_bias:
         p["rel"] = Param({"heads": h, "distance": 2 * cfg.relative_bias + 1}, "zeros")
     return p
-
-
-def causal_bias(queries: int, memory: int, offset: int = 0) -> nm.Tensor:
-    """0 where query i (at position offset + i) may see memory position j <= it, else NEG."""
-    q = np.arange(queries)[:, None] + offset
-    return nm.tensor(
-        np.where(np.arange(memory)[None, :] <= q, 0.0, NEG).astype(np.float32), ("length", "memory")
-    )
 
 
 def padding_bias(memory_weights: nm.Tensor) -> nm.Tensor:

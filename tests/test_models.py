@@ -68,7 +68,9 @@ def np_attention(x, p, mask):
 def test_causal_attention_equals_numpy():
     x = t((2, 5, 16), ("batch", "length", "d_model"))
     p = attention_params()
-    got = layers.attention(x, p, CFG, bias=layers.causal_bias(5, 5))
+    pos = nm.arange("length", 5)
+    bias = transformer.self_attention_bias({}, CFG, pos, pos.rename(length="memory"), True)
+    got = layers.attention(x, p, CFG, bias=bias)
     causal = np.tril(np.ones((5, 5), bool))[None, None]
     np.testing.assert_allclose(got.data, np_attention(x.data, p, causal), rtol=1e-4, atol=1e-5)
     assert got.dims == ("batch", "length", "d_model")
