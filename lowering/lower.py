@@ -76,6 +76,7 @@ class Context:
     layout: Layout
     wanted: dict
     step: Step | None = None
+    combined: set = field(default_factory=set)  # axes the current step's inputs vary over
     moved: dict = field(default_factory=dict)  # relayouts done in this trace of the body
 
     @property
@@ -89,6 +90,9 @@ class Context:
     def local(self, prim, *arrays, **params):
         """Run `prim`'s jax implementation on local shards of the current equation's inputs,
         noting the local avals for the cost report."""
+        if len(arrays) > 1:
+            vma = set().union(*(varying_axes(a) for a in arrays))
+            arrays = [self.varying(a, vma) for a in arrays]
         out = prim.jax_impl(*arrays, **params)
         outs = out if prim.multiple_results else (out,)
         e = self.step.eqn
@@ -106,6 +110,18 @@ class Context:
         self.step.events.append(f"local {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
         return out
 
+    def varying(self, x, vma: set):
+        """`x` typed varying over the axes `vma` (a free cast), once per value: left to
+        jax, each use of an invariant value by a varying one is cast on its own, and
+        the backward pass then psums each use's cotangent instead of their sum."""
+        missing = tuple(a for a in self.sizes if a in vma - varying_axes(x))
+        if not missing:
+            return x
+        key = (id(x), "varying", missing)
+        if key not in self.moved:
+            self.moved[key] = (x, jax.lax.pcast(x, missing, to="varying"))
+        return self.moved[key][1]
+
     def soft_layout(self, dims, shape, is_value: bool = True) -> ValueLayout:
         """The rules' layout of (dims, shape), leaving unsplit a dim its axes do not divide.
         A strict layout's conflicts are errors only for values (`is_value`), not for the
@@ -120,6 +136,8 @@ class Context:
     def relayout(self, x, src: ValueLayout, dst: ValueLayout):
         """`x` moved from layout `src` to `dst`, once per value and target: a second
         request reuses the first result (XLA would merge the duplicate collectives)."""
+        if tuple(src) != tuple(dst):
+            x = self.varying(x, self.combined)
         key = (id(x), tuple(src), tuple(dst))
         if key not in self.moved:
             self.moved[key] = (x, relayout(x, src, dst, self.sizes, self.log))
@@ -168,6 +186,11 @@ def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth
             repeat=repeat,
             depth=depth,
         )
+        # An op that combines its inputs makes them all vary where any does. Cast before
+        # moving, so that the backward pass sums a gathered value's gradient over those
+        # axes after the reduce-scatter, on the smaller shard.
+        combines = e.primitive.name in rules.COMBINING
+        ctx.combined = set().union(*(varying_axes(x) for x, _ in ins)) if combines else set()
         outs = rules.rule_for(e.primitive)(ctx, e, ins)
         ctx.step.outputs = [(v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)]
         plan.append(ctx.step)

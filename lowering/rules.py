@@ -53,6 +53,9 @@ ELEMENTWISE = (
 ).split()
 
 
+COMBINING = {"einsum", *ELEMENTWISE}  # ops whose result mixes all inputs
+
+
 @rule(*ELEMENTWISE)
 def elementwise_rule(ctx, eqn, args):
     """Inputs relaid to the output's layout; the op runs on matching shards."""

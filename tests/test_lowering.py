@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import namedmesh as nm
+from lowering.hlo import collectives
 from lowering.layout import Layout, partition_spec
 from lowering.lower import lower
 from lowering.mesh import Mesh
@@ -757,3 +758,23 @@ def test_einsum_variants():
     for fn in cases:
         for rules in ["batch:rows;d:cols", "d:rows,cols;e:cols", "e:rows;batch:cols;d:rows"]:
             check(fn, mesh, rules, A, w, rtol=1e-5, atol=3e-5)
+
+
+def test_a_replicated_value_used_twice_by_split_weights_is_psummed_once_in_backward():
+    """x (replicated over model) meets two model-split weights: its gradient is the sum of
+    both uses' cotangents, all-reduced once (a cast per use would all-reduce each)."""
+    r = np.random.default_rng(0)
+    x = nm.tensor(r.normal(size=(4, 8)).astype(np.float32), "batch d_model")
+    wa, wb = (nm.tensor(r.normal(size=(8, 16)).astype(np.float32), "d_model d_ff") for _ in "ab")
+
+    def loss(x, wa, wb):
+        return (nm.relu(nm.einsum(x, wa)) * nm.einsum(x, wb)).sum()
+
+    f = lower(loss, Mesh({"model": 8}), "d_ff:model")
+    grad = jax.jit(jax.grad(lambda *a: f(*a).data, argnums=(0, 1, 2)))
+    text = grad.lower(x, wa, wb).compile().as_text()
+    reduces = [c for c in collectives(text) if c[0] == "all-reduce"]
+    assert reduces == [("all-reduce", 4 * 8 * 4, 8)]
+    ha, hb = np.maximum(x.data @ wa.data, 0), x.data @ wb.data
+    want = ((ha > 0) * hb) @ wa.data.T + ha @ wb.data.T
+    np.testing.assert_allclose(np.asarray(grad(x, wa, wb)[0].data), want, rtol=1e-4, atol=1e-4)
