@@ -9,6 +9,7 @@ implementation, its cost rule, and a slot for the SPMD lowering rule that
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +41,10 @@ def result_dtype(*dtypes) -> np.dtype:
     """NumPy promotion, except that integers never widen a float (int32 * float32 is
     float32, as in JAX), so eager NumPy and jax agree."""
     dts = [np.dtype(d) for d in dtypes]
-    floats = [d for d in dts if d.kind in "fc"]
-    return np.result_type(*(floats or dts))
+    floats = [d for d in dts if jax.numpy.issubdtype(d, jax.numpy.inexact)]  # bfloat16 too
+    if not floats:
+        return np.result_type(*dts)
+    return np.dtype(functools.reduce(jax.numpy.promote_types, floats))
 
 
 class Cost(NamedTuple):

@@ -166,3 +166,17 @@ def test_random_broadcasts_match_xarray(a, b, op):
         "maximum": lambda u, v: np.maximum(u, v),
     }[op]
     assert_same(getattr(nm, op)(ta, tb), xr_op(da, db))
+
+
+def test_bfloat16_promotes_like_jax():
+    """bfloat16 (NumPy kind 'V') is a float: ints never widen it, float32 wins over it."""
+    import jax.numpy as jnp
+
+    from namedmesh.primitive import result_dtype
+
+    bf16 = np.dtype(jnp.bfloat16)
+    assert result_dtype(bf16, np.int32) == bf16
+    assert result_dtype(bf16, np.float32) == np.float32
+    assert result_dtype(bf16, bf16) == bf16
+    x = nm.tensor(np.ones((2, 3), bf16), "a b")
+    assert (x * nm.tensor(np.arange(3, dtype=np.int32), "b")).dtype == bf16
