@@ -49,6 +49,35 @@ def _median_seconds(fns: dict, repeats: int) -> dict:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
+def peak_bytes(compiled) -> int:
+    """Per-device peak from XLA's memory analysis: arguments + outputs + temporaries,
+    less the outputs that reuse argument buffers."""
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)  # fmt: skip
+
+
+def _device0_bytes(tree) -> int:
+    """Bytes of the jax.Arrays in `tree` that the first device holds."""
+    first = jax.devices()[0]
+    arrays = [getattr(a, "data", a) for a in jax.tree_util.tree_leaves(tree)]
+    return sum(
+        s.data.nbytes
+        for a in arrays
+        if isinstance(a, jax.Array)
+        for s in a.addressable_shards
+        if s.device == first
+    )
+
+
+def ideal_bytes(f, params, x) -> int:
+    """What one device must hold for a step, divided as the layout divides it: its
+    parameters, their gradients, its input and the activations jax keeps for the
+    backward pass (the residuals of `jax.vjp` of the lowered loss)."""
+    _, vjp = jax.vjp(lambda p: f(p, x).data, params)
+    return 2 * _device0_bytes(params) + _device0_bytes(x) + _device0_bytes(vjp)
+
+
 def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
     """Bytes per device per step and median step seconds of each implementation, the
     minimum, and the cost model's forward bytes beside the forward HLO's; raises if the
@@ -61,8 +90,11 @@ def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
     if case.hand:
         made["hand"] = cases.hand_step(model, case, params, x)
     out = {"minimum": cases.minimum(model, case, params), "bytes": {}, "grads": {}}
+    out["memory"] = {}
     for name, (fn, args) in made.items():
-        out["bytes"][name] = hlo_traffic(fn.lower(*args).compile().as_text())
+        compiled = fn.lower(*args).compile()
+        out["bytes"][name] = hlo_traffic(compiled.as_text())
+        out["memory"][name] = peak_bytes(compiled)
         out["grads"][name] = steps.gradients(fn, args)  # also the warm-up call
     for name, g in out["grads"].items():
         for a, r in zip(g, out["grads"]["gspmd"], strict=True):
@@ -71,6 +103,7 @@ def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
     out["seconds"] = _median_seconds(made, repeats)
     f = lower(model.loss, Mesh(case.mesh), case.rules)
     placed = place((params, x), Mesh(case.mesh), Layout(case.rules))
+    out["ideal_memory"] = ideal_bytes(f, *placed)
     out["predicted"] = f.report(*placed, show=False).bytes
     out["forward_hlo"] = hlo_traffic(f.compile(*placed).as_text())
     return out
@@ -103,6 +136,15 @@ def rows(size: str = "full", repeats: int = 5, progress=None) -> list[dict]:
                         "gspmd": t["gspmd"], "hand": t.get("hand"), "ratio_to_min": None,
                         "ratio_to_gspmd": _ratio(t["namedmesh"], t["gspmd"]),
                         "ratio_to_hand": _ratio(t["namedmesh"], t.get("hand"))})  # fmt: skip
+            mem = m["memory"]
+            out.append({"bench": "peak_memory", **key,
+                        "metric": "peak bytes per device of the training step (XLA); minimum: "
+                                  "the ideal",
+                        "namedmesh": mem["namedmesh"], "minimum": m["ideal_memory"],
+                        "gspmd": mem["gspmd"], "hand": mem.get("hand"),
+                        "ratio_to_min": _ratio(mem["namedmesh"], m["ideal_memory"]),
+                        "ratio_to_gspmd": _ratio(mem["namedmesh"], mem["gspmd"]),
+                        "ratio_to_hand": _ratio(mem["namedmesh"], mem.get("hand"))})  # fmt: skip
             for metric, v in (("cost model", m["predicted"]), ("compiled HLO", m["forward_hlo"])):
                 out.append({"bench": "cost_model_bytes", **key,
                             "metric": f"forward bytes per device, {metric}", "namedmesh": v,

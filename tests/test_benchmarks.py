@@ -27,10 +27,10 @@ def test_rows_follow_the_schema(quick):
     assert all(set(r) == set(run.FIELDS) for r in data["rows"])
     benches = {r["bench"] for r in data["rows"]}
     assert benches == {
-        "collective_bytes", "step_time", "cost_model_bytes", "compile_time", "planner_time",
-        "paper_scale",
+        "collective_bytes", "step_time", "cost_model_bytes", "peak_memory", "compile_time",
+        "planner_time", "paper_scale",
     }  # fmt: skip
-    timed = [r for r in data["rows"] if r["bench"] in ("step_time", "compile_time")]
+    timed = [r for r in data["rows"] if r["bench"] in ("step_time", "compile_time", "peak_memory")]
     assert all(r["namedmesh"] > 0 for r in timed)
 
 
@@ -67,3 +67,4 @@ def test_docs_sections_are_replaced_not_repeated(quick):
     text = docs.read_text()
     assert text.count(run.SECTION) == 1 and "## Other\n\nkept" in text and "`again`" in text
     assert text.count(run.STEP_TIME) == 1 and text.count(run.COST) == 1
+    assert text.count(run.MEMORY) == 1
