@@ -133,18 +133,16 @@ def _grad_sync(params: dict, case: Case, local: frozenset = frozenset()) -> floa
 
 def minimum(model: Model, case: Case, params: dict) -> float:
     """The least bytes one device must send per training step (module docstring)."""
+    if model.kind == "moe":
+        return _moe_minimum(model, case, params)
     s, m = model.sizes, case.mesh
     n = lambda dim: math.prod(m[a] for a in _axes(case.rules, dim, m))
     split = {  # devices splitting each dim, as the rules give it to a lone dim
-        d: math.prod(m[a] for a in Layout(case.rules).assign((d,))[0])
-        for d in ("heads", "d_ff", "experts")
+        d: math.prod(m[a] for a in Layout(case.rules).assign((d,))[0]) for d in ("heads", "d_ff")
     }
     tokens = s["b"] // n("batch") * s.get("l", 1) // n("length")  # per device
     act = tokens * s["d"] * F32  # one (batch, length, d_model) shard
-    total = 0.0
-    if model.kind == "moe":
-        return _moe_minimum(model, case, params, split["experts"])
-    total += _grad_sync(params, case)
+    total = _grad_sync(params, case)
     blocks = {"mlp": [("d_ff", False)], "attention": [("heads", False)]}.get(
         model.kind, [("heads", True), ("d_ff", True)]
     )
@@ -156,7 +154,7 @@ def minimum(model: Model, case: Case, params: dict) -> float:
     return total
 
 
-def _moe_minimum(model: Model, case: Case, params: dict, n_experts: int) -> float:
+def _moe_minimum(model: Model, case: Case, params: dict) -> float:
     """The gate's gradient sync; the expert weights' gradients summed over the data axes
     that do not split them; and, with experts split, the cheaper way to bring tokens and
     experts together: over data axes, all-to-all the expert inputs and outputs (two each
@@ -168,6 +166,7 @@ def _moe_minimum(model: Model, case: Case, params: dict, n_experts: int) -> floa
     total = _grad_sync({"gate": params["gate"]}, case)
     cfg, s, m = model.cfg, model.sizes, case.mesh
     e_axes = set(Layout(case.rules).assign(("experts",))[0])
+    n_experts = math.prod(m[a] for a in e_axes)
     data = set(_axes(case.rules, "batch", m))
     total += _grad_sync(experts, case, local=frozenset(e_axes))
     if n_experts == 1:

@@ -17,9 +17,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import cases, steps
-from lowering import Layout, Mesh, lower
-from lowering.distributed import place
+from benchmarks import cases, report, steps
+from lowering import Mesh, lower
 from lowering.hlo import collectives
 
 
@@ -102,54 +101,35 @@ def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
                 raise AssertionError(f"{model.name} {case.name}: {name}'s gradients differ")
     out["seconds"] = _median_seconds(made, repeats)
     f = lower(model.loss, Mesh(case.mesh), case.rules)
-    placed = place((params, x), Mesh(case.mesh), Layout(case.rules))
+    placed = made["namedmesh"][1]  # (params, x) as the lowered loss takes them
     out["ideal_memory"] = ideal_bytes(f, *placed)
     out["predicted"] = f.report(*placed, show=False).bytes
     out["forward_hlo"] = hlo_traffic(f.compile(*placed).as_text())
     return out
 
 
-def _ratio(a, b):
-    return None if a is None or not b else round(a / b, 4)
-
-
 def rows(size: str = "full", repeats: int = 5, progress=None) -> list[dict]:
-    """Rows in the results schema of benchmarks/run.py: per case, collective bytes per
-    training step, step seconds, and the cost model's forward bytes."""
+    """Rows in the results schema (benchmarks/report.py): per case, collective bytes per
+    training step, step seconds, peak memory, and the cost model's forward bytes."""
     out = []
     for model in cases.models(size):
         for case in model.cases:
             m = measure(model, case, repeats)
-            key = {"case": model.name, "layout": f"{case.name}: {case.rules}",
-                   "mesh": "x".join(f"{a}={s}" for a, s in case.mesh.items())}  # fmt: skip
-            b, t = m["bytes"], m["seconds"]
-            out.append({"bench": "collective_bytes", **key,
-                        "metric": "bytes sent per device per training step",
-                        "namedmesh": b["namedmesh"], "minimum": m["minimum"],
-                        "gspmd": b["gspmd"], "hand": b.get("hand"),
-                        "ratio_to_min": _ratio(b["namedmesh"], m["minimum"]),
-                        "ratio_to_gspmd": _ratio(b["namedmesh"], b["gspmd"]),
-                        "ratio_to_hand": _ratio(b["namedmesh"], b.get("hand"))})  # fmt: skip
-            out.append({"bench": "step_time", **key,
-                        "metric": f"median seconds per training step ({repeats} interleaved)",
-                        "namedmesh": t["namedmesh"], "minimum": None,
-                        "gspmd": t["gspmd"], "hand": t.get("hand"), "ratio_to_min": None,
-                        "ratio_to_gspmd": _ratio(t["namedmesh"], t["gspmd"]),
-                        "ratio_to_hand": _ratio(t["namedmesh"], t.get("hand"))})  # fmt: skip
-            mem = m["memory"]
-            out.append({"bench": "peak_memory", **key,
-                        "metric": "peak bytes per device of the training step (XLA); minimum: "
-                                  "the ideal",
-                        "namedmesh": mem["namedmesh"], "minimum": m["ideal_memory"],
-                        "gspmd": mem["gspmd"], "hand": mem.get("hand"),
-                        "ratio_to_min": _ratio(mem["namedmesh"], m["ideal_memory"]),
-                        "ratio_to_gspmd": _ratio(mem["namedmesh"], mem["gspmd"]),
-                        "ratio_to_hand": _ratio(mem["namedmesh"], mem.get("hand"))})  # fmt: skip
+            mesh = "x".join(f"{a}={s}" for a, s in case.mesh.items())
+            key = (model.name, f"{case.name}: {case.rules}", mesh)
+            for bench, metric, figures, least in (
+                ("collective_bytes", "bytes sent per device per training step", m["bytes"],
+                 m["minimum"]),
+                ("step_time", f"median seconds per training step ({repeats} interleaved)",
+                 m["seconds"], None),
+                ("peak_memory", "peak bytes per device of the training step (XLA); minimum: "
+                 "the ideal", m["memory"], m["ideal_memory"]),
+            ):  # fmt: skip
+                others = {"minimum": least, "gspmd": figures["gspmd"], "hand": figures.get("hand")}
+                out.append(report.row(bench, *key, metric, figures["namedmesh"], **others))
             for metric, v in (("cost model", m["predicted"]), ("compiled HLO", m["forward_hlo"])):
-                out.append({"bench": "cost_model_bytes", **key,
-                            "metric": f"forward bytes per device, {metric}", "namedmesh": v,
-                            "minimum": None, "gspmd": None, "hand": None, "ratio_to_min": None,
-                            "ratio_to_gspmd": None, "ratio_to_hand": None})  # fmt: skip
+                metric = f"forward bytes per device, {metric}"
+                out.append(report.row("cost_model_bytes", *key, metric, v))
             if progress is not None:
                 progress()
     return out

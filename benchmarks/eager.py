@@ -428,12 +428,7 @@ def section(results, layers, pieces, argv, when, info) -> str:
     header, rows = main_rows(results)
     chain = next((r for r in results if r.case.name == "chain"), None)
     parts = [
-        SECTION,
-        "",
-        f"Made by `{command(argv)}` on {when}.",
-        "",
-        "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()) + ".",
-        "",
+        *report.heading(SECTION, f"Made by `{command(argv)}` on {when}.", info),
         "Method: `nm.einsum` and `np.einsum(spec, *arrays, optimize=True)` on the same float32 "
         "operands, run interleaved in one process after a warm-up; each repeat times a batch of "
         "calls with `time.perf_counter` (GC off) and divides by the batch size. Medians over "

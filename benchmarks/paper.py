@@ -144,7 +144,7 @@ def case(name: str) -> dict:
 
 
 def rows(names=CONFIGS) -> list[dict]:
-    """One row per (config, metric), with the keys of benchmarks.run.FIELDS; `minimum` is
+    """One row per (config, metric), with the keys of benchmarks.report.FIELDS; `minimum` is
     the hand analysis of the forward collective bytes (other metrics have none)."""
     out = []
     for name in names:
@@ -154,12 +154,9 @@ def rows(names=CONFIGS) -> list[dict]:
             minimum = (
                 figures["_minimum"] if metric == "forward collective bytes per device" else None
             )
-            ratio = value / minimum if minimum else None
             out.append(
-                {"bench": "paper_scale", "case": name, "layout": cfg.layout,
-                 "mesh": mesh_text(cfg), "metric": metric, "namedmesh": value,
-                 "minimum": minimum, "gspmd": None, "hand": None, "ratio_to_min": ratio,
-                 "ratio_to_gspmd": None, "ratio_to_hand": None}
+                report.row("paper_scale", name, cfg.layout, mesh_text(cfg), metric, value,
+                           minimum=minimum)
             )  # fmt: skip
     return out
 

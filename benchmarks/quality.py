@@ -294,12 +294,7 @@ def section(runs, argv, when, info, steps, eval_every, plot_link) -> str:
     )
     example = shlex.join(train_command(base.layout, steps, eval_every, Path("OUT"))[1:])
     parts = [
-        SECTION,
-        "",
-        f"Made by `{command(argv)}` on {when}.",
-        "",
-        "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()) + ".",
-        "",
+        *report.heading(SECTION, f"Made by `{command(argv)}` on {when}.", info),
         f"Method: one invocation trains the `tiny` LM (byte tokenizer, the default corpus: "
         f"CPython's documentation text) for {steps} steps under each layout, one after "
         f"another, each in its own `python -m models.train` subprocess "

@@ -12,6 +12,36 @@ from pathlib import Path
 PAGE_HEAD = "# Benchmarks\n\nEvery figure on this page is made by the command shown with it.\n\n"
 
 
+FIELDS = (
+    "bench",
+    "case",
+    "layout",
+    "mesh",
+    "metric",
+    "namedmesh",
+    "minimum",
+    "gspmd",
+    "hand",
+    "ratio_to_min",
+    "ratio_to_gspmd",
+    "ratio_to_hand",
+)  # fmt: skip  -- one results row (benchmarks/results/<date>.json)
+
+
+def row(bench, case, layout, mesh, metric, namedmesh, minimum=None, gspmd=None, hand=None):
+    """A results row; each ratio is namedmesh over the other figure (4 digits), None where
+    that figure is absent or zero."""
+    ratio = lambda other: None if not other else round(namedmesh / other, 4)
+    return dict(zip(FIELDS, (bench, case, layout, mesh, metric, namedmesh, minimum, gspmd, hand,
+                             ratio(minimum), ratio(gspmd), ratio(hand)), strict=True))  # fmt: skip
+
+
+def heading(section: str, made_by: str, info: dict) -> list[str]:
+    """A section's first lines: its heading, what made it, and the machine."""
+    machine_line = "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()) + "."
+    return [section, "", made_by, "", machine_line, ""]
+
+
 def machine() -> dict[str, str]:
     """The CPU, OS, core counts and the versions of Python, NumPy and jax."""
     import jax

@@ -31,10 +31,7 @@ SCALING = "## Compile time vs depth, and planner time"
 STEP_TIME = "## Step time: namedmesh vs the partitioner and hand-written"
 COST = "## The cost model's bytes vs the compiled HLO"
 MEMORY = "## Peak memory per device vs the ideal"
-FIELDS = (
-    "bench", "case", "layout", "mesh", "metric", "namedmesh", "minimum", "gspmd", "hand",
-    "ratio_to_min", "ratio_to_gspmd", "ratio_to_hand",
-)  # fmt: skip
+FIELDS = report.FIELDS
 
 
 def machine() -> dict:
@@ -50,6 +47,10 @@ def machine() -> dict:
     }
 
 
+def _key_cells(r: dict) -> list[str]:
+    return [r["case"], f"`{r['layout']}`", r["mesh"]]
+
+
 def table(rows: list[dict]) -> str:
     fmt = lambda v: "—" if v is None else f"{v:.2f}" if isinstance(v, float) and v < 100 else (
         f"{v:,.0f}" if isinstance(v, float) else str(v)
@@ -57,10 +58,7 @@ def table(rows: list[dict]) -> str:
     head = ["case", "layout", "mesh", "namedmesh", "minimum", "GSPMD", "hand"]
     head += ["/min", "/GSPMD", "/hand"]
     numbers = ("namedmesh", "minimum", "gspmd", "hand", "ratio_to_min", "ratio_to_gspmd")
-    cells = lambda r: (
-        [r["case"], f"`{r['layout']}`", r["mesh"]]
-        + [fmt(r[k]) for k in (*numbers, "ratio_to_hand")]
-    )
+    cells = lambda r: _key_cells(r) + [fmt(r[k]) for k in (*numbers, "ratio_to_hand")]
     rows = [r for r in rows if r["bench"] == "collective_bytes"]
     return report.md_table(head, [cells(r) for r in rows])
 
@@ -89,14 +87,12 @@ def write_docs(path: Path, rows: list[dict], command: str, info: dict) -> None:
     rows = [r for r in rows if r["bench"] == "collective_bytes"]
     off_min = [r for r in rows if r["ratio_to_min"] != 1.0]
     worse = [r for r in rows if r["ratio_to_gspmd"] is not None and r["ratio_to_gspmd"] > 1.0]
-    lines = [
-        SECTION,
-        "",
+    made_by = (
         f"Made by `{command}` on {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
-        "raw rows in `benchmarks/results/`.",
-        "",
-        "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()) + ".",
-        "",
+        "raw rows in `benchmarks/results/`."
+    )
+    lines = [
+        *report.heading(SECTION, made_by, info),
         "Bytes one device sends per training step (forward, backward, gradient sync), read "
         "from the compiled HLO of `jax.grad` of each implementation and costed as ring "
         "collectives (all-reduce 2(n-1)/n·S, reduce-scatter and all-gather (n-1)/n of the "
@@ -136,8 +132,8 @@ def write_step_docs(path: Path, rows: list[dict], command: str) -> None:
     rows = [r for r in rows if r["bench"] == "step_time"]
     fmt = lambda v: "—" if v is None else f"{v * 1e3:.2f}"
     cells = [
-        [r["case"], f"`{r['layout']}`", r["mesh"], fmt(r["namedmesh"]), fmt(r["gspmd"]),
-         fmt(r["hand"]), f"{r['ratio_to_gspmd']:.2f}",
+        _key_cells(r) + [fmt(r["namedmesh"]), fmt(r["gspmd"]), fmt(r["hand"]),
+         f"{r['ratio_to_gspmd']:.2f}",
          "—" if r["ratio_to_hand"] is None else f"{r['ratio_to_hand']:.2f}"]
         for r in rows
     ]  # fmt: skip
@@ -203,8 +199,8 @@ def write_memory_docs(path: Path, rows: list[dict], command: str) -> None:
     rows = [r for r in rows if r["bench"] == "peak_memory"]
     fmt = lambda v: "—" if v is None else f"{v:,.0f}"
     cells = [
-        [r["case"], f"`{r['layout']}`", r["mesh"], fmt(r["namedmesh"]), fmt(r["minimum"]),
-         fmt(r["gspmd"]), f"{r['ratio_to_min']:.2f}", f"{r['ratio_to_gspmd']:.2f}"]
+        _key_cells(r) + [fmt(r["namedmesh"]), fmt(r["minimum"]), fmt(r["gspmd"]),
+         f"{r['ratio_to_min']:.2f}", f"{r['ratio_to_gspmd']:.2f}"]
         for r in rows
     ]  # fmt: skip
     near = [r for r in rows if abs(r["ratio_to_min"] - 1) <= 0.10]

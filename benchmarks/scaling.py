@@ -9,6 +9,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks import report
 from lowering import Mesh, lower
 from models import config, objectives, transformer
 
@@ -49,16 +50,13 @@ def planner_seconds(layers: int = 24, cfg_name: str = "base", repeats: int = 3) 
 
 def rows(depths=(1, 2, 4, 8, 16, 32)) -> list[dict]:
     mesh = "x".join(f"{a}={s}" for a, s in MESH.items())
-    base = {"layout": LAYOUT, "mesh": mesh, "minimum": None, "gspmd": None, "hand": None}
-    none = {"ratio_to_min": None, "ratio_to_gspmd": None, "ratio_to_hand": None}
     out = [
-        {"bench": "compile_time", "case": f"tiny LM, {n} layers", **base,
-         "metric": "seconds to compile the training step", "namedmesh": compile_seconds(n),
-         **none}
+        report.row("compile_time", f"tiny LM, {n} layers", LAYOUT, mesh,
+                   "seconds to compile the training step", compile_seconds(n))
         for n in depths
     ]  # fmt: skip
     out.append(
-        {"bench": "planner_time", "case": "base LM, 24 layers", **base,
-         "metric": "seconds for trace + plan + report", "namedmesh": planner_seconds(), **none}
+        report.row("planner_time", "base LM, 24 layers", LAYOUT, mesh,
+                   "seconds for trace + plan + report", planner_seconds())
     )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ from lowering import Layout, Mesh, lower
 from lowering.distributed import place
 from lowering.layout import partition_spec
 from lowering.lower import Context, nontrivial, plan_layouts
+from namedmesh.trace import evaluate
 
 
 def namedmesh_step(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str):
@@ -40,14 +41,8 @@ def gspmd_step(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str):
     inputs = [nontrivial(layout.of(v.dims, v.shape, mesh_, "input"), mesh_) for v in graph.inputs]
 
     def flat_loss(*arrays):
-        env = dict(graph.consts)
-        env.update(zip(graph.inputs, arrays, strict=True))
-        for e in graph.eqns:
-            res = e.primitive.jax_impl(*(env[v] for v in e.inputs), **e.params)
-            res = res if e.primitive.multiple_results else (res,)
-            for v, r in zip(e.outputs, res, strict=True):
-                env[v] = jax.lax.with_sharding_constraint(r, sharding(ctx.wanted[v]))
-        return env[graph.outputs[0]]
+        constrain = lambda v, r: jax.lax.with_sharding_constraint(r, sharding(ctx.wanted[v]))
+        return evaluate(graph, list(arrays), "jax", each=constrain)[0]
 
     leaves = jax.tree_util.tree_leaves((params, x), is_leaf=_is_tensor)
     n_params = len(leaves) - 1  # x is the last leaf

@@ -179,9 +179,10 @@ def trace_nested(fn: Callable, *example_inputs, nested: bool = True) -> tuple[Gr
     return graph, list(frame.captured)
 
 
-def evaluate(graph: Graph, inputs: list, impl: str = "numpy") -> list:
+def evaluate(graph: Graph, inputs: list, impl: str = "numpy", each=None) -> list:
     """Run the graph's equations on flat input arrays with each primitive's `impl`
-    ("numpy" or "jax"); returns the flat output arrays."""
+    ("numpy" or "jax"); returns the flat output arrays. `each(var, array)`, if given,
+    replaces every value an equation makes (e.g. with a sharding constraint)."""
     env: dict[Var, Any] = dict(graph.consts)
     for v, x in zip(graph.inputs, inputs, strict=True):
         env[v] = x
@@ -191,6 +192,8 @@ def evaluate(graph: Graph, inputs: list, impl: str = "numpy") -> list:
         res = res if e.primitive.multiple_results else (res,)
         if impl == "numpy":
             res = _coerce_numpy(res, [v.aval for v in e.outputs])
+        if each is not None:
+            res = [each(v, r) for v, r in zip(e.outputs, res, strict=True)]
         env.update(zip(e.outputs, res, strict=True))
     return [env[v] for v in graph.outputs]
 
