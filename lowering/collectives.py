@@ -2,7 +2,8 @@
 
 Per mesh axis: dim i split -> dim j split is one all_to_all; split -> replicated an
 all_gather; replicated -> split a local slice by axis_index (free). Every collective
-issued is reported to `log(kind, axes, nbytes)` so plans and reports can show it.
+issued is reported to `log(kind, axes, nbytes)` so plans and reports can show it
+(with `transposes=False` when its transpose in the backward pass is local).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 
 from lowering.layout import ValueLayout
 
-Log = Callable[[str, tuple[str, ...], int], None]
+Log = Callable[..., None]  # log(kind, axes, nbytes, transposes=True)
 
 
 def _nbytes(x) -> int:
@@ -73,8 +74,9 @@ def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
 
 
 def gather_stacked(x, axes: tuple[str, ...], log: Log):
-    """Every device's `x` along the mesh axes `axes`, stacked on a new leading dim."""
-    log("all_gather", axes, _nbytes(x))
+    """Every device's `x` along the mesh axes `axes`, stacked on a new leading dim; its
+    result is invariant, so its transpose is a local slice."""
+    log("all_gather", axes, _nbytes(x), transposes=False)
     return jax.lax.all_gather(x, axes[0] if len(axes) == 1 else axes, axis=0, to="invarying")
 
 

@@ -1,9 +1,17 @@
 """The cost report of a plan: per-device flops, collective bytes and peak memory.
 
 Collective traffic per device follows ring algorithms over n devices, with S the
-bytes each device contributes: all-reduce (psum) 2(n-1)/n S, reduce-scatter
+bytes each device contributes: all-reduce (psum, pmax) 2(n-1)/n S, reduce-scatter
 (psum_scatter) (n-1)/n S, all-gather (n-1) S (= (n-1)/n of the gathered output),
 all-to-all (n-1)/n S, a ppermute S.
+
+With `wrt` (the inputs a gradient is taken of), the report adds the backward pass as
+jax's AD transposes the forward one under shard_map's varying types: for each
+collective that moves a value the gradient flows through, psum_scatter <-> all_gather,
+all_to_all and ppermute to themselves, a cast to varying (`pvary`, free forward) to a
+psum of the gradient (the data-parallel gradient sync); a psum, and a gather whose
+result is invariant, transpose to local work. Each einsum's backward costs its flops
+once per input the gradient flows to; every other op's, its forward flops.
 """
 
 from __future__ import annotations
@@ -11,8 +19,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import jax.numpy as jnp
+
 _TRAFFIC = {
     "psum": lambda n, s: 2 * (n - 1) / n * s,
+    "pmax": lambda n, s: 2 * (n - 1) / n * s,
+    "pmin": lambda n, s: 2 * (n - 1) / n * s,
     "psum_scatter": lambda n, s: (n - 1) / n * s,
     "all_gather": lambda n, s: (n - 1) * s,
     "all_to_all": lambda n, s: (n - 1) / n * s,
@@ -22,10 +34,20 @@ _TRAFFIC = {
 # each of n devices.
 _HLO = {
     "psum": ("all-reduce", lambda n, s: s),
+    "pmax": ("all-reduce", lambda n, s: s),
+    "pmin": ("all-reduce", lambda n, s: s),
     "psum_scatter": ("reduce-scatter", lambda n, s: s // n),
     "all_gather": ("all-gather", lambda n, s: s * n),
     "all_to_all": ("all-to-all", lambda n, s: s),
     "ppermute": ("collective-permute", lambda n, s: s),
+}
+# The collective each one's transpose issues, and the bytes each device puts in.
+_BACKWARD = {
+    "psum_scatter": ("all_gather", lambda n, s: s // n),
+    "all_gather": ("psum_scatter", lambda n, s: s * n),
+    "all_to_all": ("all_to_all", lambda n, s: s),
+    "ppermute": ("ppermute", lambda n, s: s),
+    "pvary": ("psum", lambda n, s: s),
 }
 
 
@@ -35,7 +57,7 @@ def expected_hlo(plan, sizes) -> list[tuple[str, int, int]]:
     A scan's body is counted once, as its loop holds it once."""
     out = []
     for step in plan:
-        for kind, axes, nbytes in step.collectives:
+        for kind, axes, nbytes, *_ in step.collectives:
             n = math.prod(sizes[a] for a in axes)
             hlo, result = _HLO[kind]
             out.append((hlo, result(n, nbytes), 0 if kind == "ppermute" else n))
@@ -49,15 +71,23 @@ def traffic(kind: str, axes: tuple[str, ...], nbytes: int, sizes: dict[str, int]
 
 @dataclass
 class Report:
-    """Per-device cost of one call of a lowered program."""
+    """Per-device cost of one call of a lowered program; `backward_*` are those of the
+    backward pass when the report was asked for gradients (`wrt`), else zero and empty."""
 
     flops: float
     collectives: dict = field(default_factory=dict)  # (kind, axes) -> (count, bytes sent)
     peak_memory: int = 0  # bytes: inputs + the most live values at once, per device
+    backward_flops: float = 0.0
+    backward: dict = field(default_factory=dict)  # as `collectives`, of the backward pass
 
     @property
     def bytes(self) -> float:
+        """Collective bytes sent per device by the forward pass."""
         return sum(b for _, b in self.collectives.values())
+
+    @property
+    def backward_bytes(self) -> float:
+        return sum(b for _, b in self.backward.values())
 
     def __str__(self) -> str:
         lines = [
@@ -65,23 +95,79 @@ class Report:
             f"per-device peak memory (estimate): {self.peak_memory:,} bytes",
             f"per-device collective bytes sent: {self.bytes:,.0f}",
         ]
-        for (kind, axes), (count, b) in sorted(self.collectives.items()):
-            lines.append(f"    {kind:<13} over {','.join(axes):<12} x{count}: {b:,.0f} bytes")
+        lines += _lines(self.collectives)
+        if self.backward_flops or self.backward:
+            lines.append(f"backward pass, per-device flops: {self.backward_flops:,.0f}")
+            lines.append(f"backward pass, per-device collective bytes sent: "
+                         f"{self.backward_bytes:,.0f}")  # fmt: skip
+            lines += _lines(self.backward)
         return "\n".join(lines)
 
 
-def report(plan, graph, local_bytes, sizes) -> Report:
-    """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value."""
-    flops = 0.0
-    coll: dict = {}
+def _lines(coll: dict) -> list[str]:
+    return [
+        f"    {kind:<13} over {','.join(axes):<12} x{count}: {b:,.0f} bytes"
+        for (kind, axes), (count, b) in sorted(coll.items())
+    ]
+
+
+def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, sizes) -> None:
+    count, b = coll.get((kind, axes), (0, 0.0))
+    coll[(kind, axes)] = (count + repeat, b + traffic(kind, axes, nbytes, sizes) * repeat)
+
+
+def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
+    """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value;
+    `wrt`, the graph inputs a gradient is taken of, adds the backward pass."""
+    active = set() if wrt is None else active_values(graph, set(wrt))
+    rep = Report(0.0, peak_memory=_peak_memory(graph, local_bytes))
     for step in plan:
-        for prim, params, ins, outs in step.local:
-            flops += prim.cost_rule(ins, outs, params).flops * step.repeat
-        for kind, axes, nbytes in step.collectives:
-            count, b = coll.get((kind, axes), (0, 0.0))
-            sent = traffic(kind, axes, nbytes, sizes) * step.repeat
-            coll[(kind, axes)] = (count + step.repeat, b + sent)
-    return Report(flops, coll, _peak_memory(graph, local_bytes))
+        ins = step.eqn.inputs if step.eqn is not None else ()
+        flowing = [v in active for v in ins]
+        for prim, params, in_avals, outs in step.local:
+            f = prim.cost_rule(in_avals, outs, params).flops * step.repeat
+            rep.flops += f
+            if any(flowing):
+                rep.backward_flops += f * (sum(flowing) if prim.name == "einsum" else 1)
+        result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
+        for c in [*step.collectives, *step.casts]:
+            if c.kind in _TRAFFIC:
+                _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, sizes)
+            through = c.source in active if c.source is not None else result_active
+            if wrt is not None and through and c.transposes and c.kind in _BACKWARD:
+                kind, nbytes = _BACKWARD[c.kind]
+                n = math.prod(sizes[a] for a in c.axes)
+                _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, sizes)
+    return rep
+
+
+def active_values(graph, active: set) -> set:
+    """The values of `graph` a gradient flows through from the `active` inputs: the
+    inexact values computed from them, except through stop_gradient. A scan's carries
+    are active once any iteration makes them so."""
+    active = set(active)
+    for e in graph.eqns:
+        flows = [v in active for v in e.inputs]
+        if e.primitive.name == "scan":
+            active |= _active_scan(e, flows)
+        elif any(flows) and e.primitive.name != "stop_gradient":
+            active |= {v for v in e.outputs if jnp.issubdtype(v.dtype, jnp.inexact)}
+    return active
+
+
+def _active_scan(e, flows: list) -> set:
+    body, nc = e.params["body"], e.params["n_carry"]
+    carry = flows[:nc]
+    while True:
+        inner = active_values(
+            body, {b for b, f in zip(body.inputs, carry + flows[nc:], strict=True) if f}
+        )
+        grown = [c or v in inner for c, v in zip(carry, body.outputs[:nc], strict=True)]
+        if grown == carry:
+            break
+        carry = grown
+    outs = carry + [v in inner for v in body.outputs[nc:]]
+    return inner | {v for v, f in zip(e.outputs, outs, strict=True) if f}
 
 
 def _peak_memory(graph, local_bytes) -> int:

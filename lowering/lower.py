@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -28,6 +29,18 @@ from namedmesh.primitive import Aval
 from namedmesh.tensor import Tensor
 
 
+class Collective(NamedTuple):
+    """One collective a rule issues. `source` is the graph value it moves (None: the
+    equation's result), which decides whether the backward pass transposes it;
+    `transposes` is False for one whose transpose is local (lowering/cost.py)."""
+
+    kind: str  # psum, psum_scatter, all_gather, all_to_all, ppermute, pmax, pmin; pvary
+    axes: tuple[str, ...]
+    nbytes: int  # local input bytes per device
+    source: object = None
+    transposes: bool = True
+
+
 @dataclass
 class Step:
     """One equation of the plan: layouts in and out, local ops run, collectives issued."""
@@ -37,7 +50,8 @@ class Step:
     inputs: list  # (dims, layout) per input
     outputs: list  # (dims, layout) per output
     local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
-    collectives: list = field(default_factory=list)  # (kind, axes, local input bytes)
+    collectives: list = field(default_factory=list)  # Collective, in order
+    casts: list = field(default_factory=list)  # Collective "pvary": typed varying, free
     events: list = field(default_factory=list)  # local ops and collectives, in order, as text
     repeat: int = 1  # times it runs per call (inside a scan: the scan's length)
     depth: int = 0  # how many scans it is inside
@@ -78,14 +92,27 @@ class Context:
     step: Step | None = None
     combined: set = field(default_factory=set)  # axes the current step's inputs vary over
     moved: dict = field(default_factory=dict)  # relayouts done in this trace of the body
+    sources: dict = field(default_factory=dict)  # id(local array) -> (array, graph value)
+
+    def source(self, x):
+        """The graph value whose local array `x` is (or a relayout of), if known."""
+        return self.sources.get(id(x), (None, None))[1]
+
+    def note_source(self, x, v) -> None:
+        if v is not None:
+            self.sources[id(x)] = (x, v)  # the array is kept so that its id stays unique
 
     @property
     def sizes(self) -> dict[str, int]:
         return self.mesh.sizes
 
-    def log(self, kind: str, axes: tuple[str, ...], nbytes: int) -> None:
-        self.step.collectives.append((kind, tuple(axes), int(nbytes)))
-        self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device")
+    def log(
+        self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
+    ) -> None:
+        c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
+        (self.step.casts if kind == "pvary" else self.step.collectives).append(c)
+        what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
+        self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device{what}")
 
     def local(self, prim, *arrays, **params):
         """Run `prim`'s jax implementation on local shards of the current equation's inputs,
@@ -119,7 +146,9 @@ class Context:
             return x
         key = (id(x), "varying", missing)
         if key not in self.moved:
+            self.log("pvary", missing, math.prod(x.shape) * x.dtype.itemsize, self.source(x))
             self.moved[key] = (x, jax.lax.pcast(x, missing, to="varying"))
+            self.note_source(self.moved[key][1], self.source(x))
         return self.moved[key][1]
 
     def soft_layout(self, dims, shape, is_value: bool = True) -> ValueLayout:
@@ -136,11 +165,14 @@ class Context:
     def relayout(self, x, src: ValueLayout, dst: ValueLayout):
         """`x` moved from layout `src` to `dst`, once per value and target: a second
         request reuses the first result (XLA would merge the duplicate collectives)."""
+        source = self.source(x)
         if tuple(src) != tuple(dst):
             x = self.varying(x, self.combined)
         key = (id(x), tuple(src), tuple(dst))
         if key not in self.moved:
-            self.moved[key] = (x, relayout(x, src, dst, self.sizes, self.log))
+            log = lambda kind, axes, nbytes, **kw: self.log(kind, axes, nbytes, source, **kw)
+            self.moved[key] = (x, relayout(x, src, dst, self.sizes, log))
+            self.note_source(self.moved[key][1], source)
         return self.moved[key][1]
 
 
@@ -176,6 +208,8 @@ def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth
     (then the Steps of a scan's body) is appended to `plan`."""
     for v, c in graph.consts.items():
         env[v] = (jax.numpy.asarray(c), ((),) * len(v.dims))
+    for v, (x, _) in env.items():
+        ctx.note_source(x, v)
     for e in graph.eqns:
         ins = [env[v] for v in e.inputs]
         ctx.step = Step(
@@ -196,6 +230,8 @@ def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth
         plan.append(ctx.step)
         plan.extend(ctx.step.body)
         env.update(zip(e.outputs, outs, strict=True))
+        for v, (x, _) in zip(e.outputs, outs, strict=True):
+            ctx.note_source(x, v)
 
 
 @dataclass
@@ -237,9 +273,10 @@ class Lowered:
 
         def body(*local_inputs):
             plan.clear()
-            ctx.moved = {}
+            ctx.moved, ctx.sources = {}, {}
             env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, local_inputs, strict=True)}
             run_graph(ctx, graph, env, plan)
+            ctx.combined = set()
             ctx.step = Step(
                 "outputs",
                 None,
@@ -251,7 +288,7 @@ class Lowered:
                 y = ctx.relayout(*env[v], lay)
                 extra = varying_axes(y) - {a for axes in lay for a in axes}
                 res.append(make_invarying(y, tuple(extra), ctx.sizes, ctx.log))
-            if ctx.step.collectives:
+            if ctx.step.collectives or ctx.step.casts:
                 plan.append(ctx.step)
             return res
 
@@ -284,9 +321,11 @@ class Lowered:
         jax.eval_shape(built.jitted, *datas)
         return built.plan
 
-    def report(self, *args, show: bool = True) -> Report:
+    def report(self, *args, wrt: int | tuple[int, ...] | None = None, show: bool = True) -> Report:
         """Per-device flops, collective bytes by kind and mesh axes, and estimated peak
-        memory, from the plan (before compiling); printed unless `show=False`."""
+        memory, from the plan (before compiling); printed unless `show=False`. `wrt`, the
+        positions of the arguments a gradient is taken of (as jax.grad's argnums), adds
+        the backward pass (lowering/cost.py)."""
         plan = self.plan(*args)
         _, built = self._build(args)
 
@@ -294,7 +333,17 @@ class Lowered:
             layout = built.wanted.get(v, ((),) * len(v.dims))
             return math.prod(local_shape(layout, v.shape, self.mesh)) * v.dtype.itemsize
 
-        rep = cost.report(plan, built.graph, local_bytes, self.mesh.sizes)
+        inputs = None
+        if wrt is not None:
+            wrt = (wrt,) if isinstance(wrt, int) else tuple(wrt)
+            bad = [i for i in wrt if not 0 <= i < len(args)]
+            if bad:
+                raise NamedMeshError(f"report(wrt={wrt}): no argument {bad} of {len(args)}")
+            counts = [len(jax.tree_util.tree_leaves(a, is_leaf=_is_tensor)) for a in args]
+            starts = np.cumsum([0, *counts])
+            graph_in = built.graph.inputs
+            inputs = [v for i in wrt for v in graph_in[starts[i] : starts[i + 1]]]
+        rep = cost.report(plan, built.graph, local_bytes, self.mesh.sizes, wrt=inputs)
         if show:
             print(rep)
         return rep

@@ -175,6 +175,7 @@ def softmax_rule(ctx, eqn, args):
     m = jnp.max(col.gather_stacked(m, split, ctx.log), axis=0)
     m = jnp.where(jnp.isfinite(m), m, 0)
     total = col.psum(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True), split, ctx.log)
+    total = ctx.varying(total, col.varying_axes(x))  # logged: the backward psums its gradient
     if eqn.primitive.name == "softmax":
         y = jnp.exp(x - m) / total
     else:

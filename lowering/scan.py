@@ -51,8 +51,8 @@ def scan_rule(ctx, eqn, args):
     steps, y_lays = [], []
 
     def step(c, x):
-        saved = ctx.moved
-        ctx.moved = {}  # relayouts of this trace's values must not leak out of the loop
+        saved = ctx.moved, ctx.sources
+        ctx.moved, ctx.sources = {}, {}  # this trace's values must not leak out of the loop
         steps.clear()
         env = dict(
             zip(
@@ -60,6 +60,7 @@ def scan_rule(ctx, eqn, args):
             )
         )
         run_graph(ctx, body, env, steps, outer.repeat * p["length"], outer.depth + 1)
+        ctx.combined = set()
         ctx.step = Step(
             "carry",
             None,
@@ -74,14 +75,16 @@ def scan_rule(ctx, eqn, args):
         ctx.step.outputs = [
             (v.dims, lay) for v, lay in zip(body.outputs[:nc], carry_lay, strict=True)
         ]
-        if ctx.step.collectives:
-            steps.append(ctx.step)
         wider = set().union(*map(varying_axes, new)) - vma
-        ctx.moved, ctx.step = saved, outer
         if wider:
+            (ctx.moved, ctx.sources), ctx.step = saved, outer
             raise _WiderCarry(wider)
+        new = [ctx.varying(y, vma) for y in new]  # logged: its transpose psums the carry
+        if ctx.step.collectives or ctx.step.casts:
+            steps.append(ctx.step)
+        (ctx.moved, ctx.sources), ctx.step = saved, outer
         y_lays[:] = [env[v][1] for v in body.outputs[nc:]]
-        return [_pcast(y, vma, ctx.sizes) for y in new], [env[v][0] for v in body.outputs[nc:]]
+        return new, [env[v][0] for v in body.outputs[nc:]]
 
     vma = set().union(*map(varying_axes, carry))
     while True:
@@ -91,6 +94,9 @@ def scan_rule(ctx, eqn, args):
             break
         except _WiderCarry as e:
             vma |= e.axes
+    for c in carry:  # logged once the carry's type is settled: its transpose psums
+        if missing := tuple(a for a in ctx.sizes if a in vma - varying_axes(c)):
+            ctx.log("pvary", missing, c.size * c.dtype.itemsize, ctx.source(c))
     ctx.step.body = list(steps)
     return [
         *zip(final, carry_lay, strict=True),

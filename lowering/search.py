@@ -4,8 +4,8 @@ Candidates give each mesh axis to one dim of the program, to a pair of dims that
 value has together (Megatron's `heads` and `d_ff` share the model axis), or to none;
 two axes on one dim make a multi-axis rule. Each candidate is planned (no compilation) and
 costed from its report: time = flops / flops_per_s + collective bytes / bytes_per_s,
-plus, for the inputs named in `grad_argnums`, the all-reduce of their gradients over
-the used mesh axes they are not split on (data-parallel gradient sync).
+of the forward pass, and with `grad_argnums` (the inputs trained) of the backward pass
+too, gradient syncs included (`Lowered.report(wrt=...)`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ import itertools
 import math
 from dataclasses import dataclass
 
-import jax
-
 import namedmesh as nm
-from lowering.cost import traffic
-from lowering.layout import Layout, local_shape
+from lowering.layout import Layout
 from lowering.lower import lower
 from lowering.mesh import Mesh
 from namedmesh.errors import LayoutError
-from namedmesh.tensor import Tensor
 
 
 @dataclass
@@ -71,8 +67,6 @@ def auto_layout(
     graph = nm.trace(fn, *inputs)
     options = _options(graph)
     axes = list(mesh.sizes)
-    leaves = [jax.tree_util.tree_leaves(x, is_leaf=lambda t: isinstance(t, Tensor)) for x in inputs]
-    grad_leaves = [t for i in grad_argnums for t in leaves[i]]
     table = Search()
     for choice in itertools.product(options, repeat=len(axes)):
         rules: dict[str, tuple[str, ...]] = {}
@@ -82,19 +76,13 @@ def auto_layout(
         cand = Candidate(Layout(list(rules.items())))
         table.append(cand)
         try:
-            rep = lower(fn, mesh, cand.layout).report(*inputs, show=False)
+            wrt = grad_argnums or None
+            rep = lower(fn, mesh, cand.layout).report(*inputs, wrt=wrt, show=False)
         except LayoutError as e:
             cand.note = f"invalid: {str(e).split(':', 1)[-1].strip()[:60]}"
             continue
-        used = {a for a, ds in zip(axes, choice, strict=True) if ds}
-        sync = 0.0
-        for t in grad_leaves:
-            lay = cand.layout.of(t.dims, t.shape, mesh)
-            free = tuple(a for a in axes if a in used and not any(a in x for x in lay))
-            if free:
-                nbytes = math.prod(local_shape(lay, t.shape, mesh)) * t.dtype.itemsize
-                sync += traffic("psum", free, nbytes, mesh.sizes)
-        cand.flops, cand.bytes, cand.memory = rep.flops, rep.bytes + sync, rep.peak_memory
+        cand.flops = rep.flops + rep.backward_flops
+        cand.bytes, cand.memory = rep.bytes + rep.backward_bytes, rep.peak_memory
         cand.time = cand.flops / flops_per_s + cand.bytes / bytes_per_s
         if memory_limit is not None and cand.memory > memory_limit:
             cand.note, cand.time = f"over memory limit {memory_limit}", math.inf

@@ -109,3 +109,40 @@ def test_fsdp_backward_reduce_scatters_what_the_forward_gathered():
         "reduce-scatter",
     ]
     assert all(n == 2 for _, _, n in found)
+
+
+def _training_hlo(lowered, argnums, *args):
+    """Collective bytes sent per device by value_and_grad of the lowered loss, read from
+    its compiled HLO (the loss is returned, so nothing of the forward is dead)."""
+    import jax
+
+    from benchmarks.collectives import hlo_traffic
+
+    step = jax.jit(jax.value_and_grad(lambda *a: lowered(*a).data, argnums=argnums))
+    return hlo_traffic(step.lower(*args).compile().as_text())
+
+
+@pytest.mark.parametrize("fn, layout", CASES, ids=[f"{f.__name__}-{lay}" for f, lay in CASES])
+@pytest.mark.parametrize("wrt", [(1, 2), (0, 1, 2)], ids=["weights", "all"])
+def test_training_report_equals_the_compiled_training_step(fn, layout, wrt):
+    """Forward plus jax's transposes, as the report predicts them, are what XLA runs:
+    gradient syncs from casts to varying, reduce-scatters from gathers, none for x
+    when it is not differentiated."""
+    lowered = lower(lambda *a: (fn(*a) ** 2).sum(), MESH, layout)  # a nonlinear loss
+    rep = lowered.report(X, W1, W2, wrt=wrt, show=False)
+    assert rep.bytes + rep.backward_bytes == pytest.approx(_training_hlo(lowered, wrt, X, W1, W2))
+
+
+def test_training_report_of_data_parallel_is_the_gradient_all_reduce():
+    rep = lower(mlp, MESH, "batch:rows,cols").report(X, W1, W2, wrt=(1, 2), show=False)
+    ((key, (count, sent)),) = rep.backward.items()
+    assert key == ("psum", ("rows", "cols")) and count == 2
+    assert sent == pytest.approx(2 * 7 / 8 * (W1.data.nbytes + W2.data.nbytes))
+    # per device (batch 64/8): w1's gradient; relu's; w2's and h's gradients
+    matmul = 2 * 8 * 128 * 512
+    assert rep.backward_flops == pytest.approx(matmul + 8 * 512 + 2 * matmul)
+
+
+def test_report_wrt_names_a_missing_argument():
+    with pytest.raises(nm.NamedMeshError, match="no argument"):
+        lower(mlp, MESH, "batch:rows").report(X, W1, W2, wrt=3, show=False)

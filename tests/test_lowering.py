@@ -235,10 +235,11 @@ def test_local_shapes():
 
 
 def _eqn_lines(plan_text: str) -> list[tuple[str, list[str]]]:
-    """[(equation line, [its collective lines])] of a printed plan (local-op lines skipped)."""
+    """[(equation line, [its collective lines])] of a printed plan (local-op lines and
+    free casts to varying skipped)."""
     out: list[tuple[str, list[str]]] = []
     for line in plan_text.splitlines():
-        if line.startswith("    local "):
+        if line.startswith(("    local ", "    pvary ")):
             continue
         if line.startswith(" "):
             out[-1][1].append(line.strip())
@@ -268,6 +269,9 @@ def test_plan_of_data_parallel_has_no_collectives():
     text = str(lower(mlp, mesh_of("2x4"), "batch:rows,cols").plan(PARAMS, X))
     eqns = _eqn_lines(text)
     assert len(eqns) == 3 and all(c == [] for _, c in eqns)
+    # only the free casts of the two weights, whose transposes sync their gradients
+    casts = [line.split(":")[0].strip() for line in text.splitlines() if "pvary" in line]
+    assert casts == ["pvary over rows,cols"] * 2
     assert "[batch:rows,cols, d_model]" in eqns[0][0]
 
 

@@ -161,11 +161,16 @@ def test_lowered_scan_equals_the_numpy_loop_and_its_gradients(layout):
 @pytest.mark.parametrize("layout", ["batch:rows;e:cols", "d:rows", "e:rows,cols"])
 def test_scan_report_equals_the_report_of_the_unrolled_loop(layout):
     """The plan holds the body once; the report counts it `length` times."""
-    a = lower(scanned, MESH, layout).report(*ARGS, show=False)
+    # x differentiated too: a scan transposes every iteration alike, so the first
+    # iteration's carry has a gradient as the unrolled first layer's h then has
+    a = lower(scanned, MESH, layout).report(*ARGS, wrt=(0, 1, 2), show=False)
     per_layer = (X, _layers(W1), _layers(W2), SCALE)
-    b = lower(unrolled_lists, MESH, layout).report(*per_layer, show=False)
+    b = lower(unrolled_lists, MESH, layout).report(*per_layer, wrt=(0, 1, 2), show=False)
     assert a.collectives == b.collectives
     assert a.flops == b.flops
+    # the backward pass too: the carry's casts and the body's transposes, length times
+    assert a.backward == b.backward
+    assert a.backward_flops == b.backward_flops
 
 
 @pytest.mark.parametrize("layout", ["batch:rows;e:cols", "e:rows,cols", "d:cols;e:rows"])
