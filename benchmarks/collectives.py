@@ -103,14 +103,21 @@ def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
     f = lower(model.loss, Mesh(case.mesh), case.rules)
     placed = made["namedmesh"][1]  # (params, x) as the lowered loss takes them
     out["ideal_memory"] = ideal_bytes(f, *placed)
-    out["predicted"] = f.report(*placed, show=False).bytes
+    out["report"] = rep = f.report(*placed, wrt=0, show=False)  # the parameters' gradients
+    out["predicted"] = rep.bytes
     out["forward_hlo"] = hlo_traffic(f.compile(*placed).as_text())
+    # value_and_grad, not grad: XLA drops the loss's own psum when the loss is unused
+    train = jax.jit(jax.value_and_grad(lambda p, x: f(p, x).data))
+    out["training_predicted"] = rep.bytes + rep.backward_bytes
+    out["training_hlo"] = hlo_traffic(train.lower(*placed).compile().as_text())
     return out
 
 
-def rows(size: str = "full", repeats: int = 5, progress=None) -> list[dict]:
+def rows(size: str = "full", repeats: int = 5, progress=None, machine=None) -> list[dict]:
     """Rows in the results schema (benchmarks/report.py): per case, collective bytes per
-    training step, step seconds, peak memory, and the cost model's forward bytes."""
+    training step, step seconds, peak memory, the cost model's forward and training-step
+    bytes beside the HLO's, and with a `roofline.Machine` its step time beside the
+    measured one."""
     out = []
     for model in cases.models(size):
         for case in model.cases:
@@ -127,9 +134,19 @@ def rows(size: str = "full", repeats: int = 5, progress=None) -> list[dict]:
             ):  # fmt: skip
                 others = {"minimum": least, "gspmd": figures["gspmd"], "hand": figures.get("hand")}
                 out.append(report.row(bench, *key, metric, figures["namedmesh"], **others))
-            for metric, v in (("cost model", m["predicted"]), ("compiled HLO", m["forward_hlo"])):
-                metric = f"forward bytes per device, {metric}"
+            for metric, v in (
+                ("forward bytes per device, cost model", m["predicted"]),
+                ("forward bytes per device, compiled HLO", m["forward_hlo"]),
+                ("training-step bytes per device, cost model", m["training_predicted"]),
+                ("training-step bytes per device, compiled HLO", m["training_hlo"]),
+            ):
                 out.append(report.row("cost_model_bytes", *key, metric, v))
+            if machine is not None:
+                for metric, v in (
+                    ("seconds per training step, cost model", machine.seconds(m["report"])),
+                    ("seconds per training step, measured", m["seconds"]["namedmesh"]),
+                ):
+                    out.append(report.row("cost_model_time", *key, metric, v))
             if progress is not None:
                 progress()
     return out

@@ -2,7 +2,7 @@
 part of the goals: namedmesh sends exactly the analytical minimum of collective bytes
 (a lower bound for the MoE rows, whose gaps docs/benchmarks.md names), never more
 than XLA's partitioner outside the rows with a named gap, and the cost model's forward
-bytes equal the compiled HLO's."""
+and training-step bytes equal the compiled HLO's."""
 
 import json
 
@@ -27,10 +27,11 @@ def test_rows_follow_the_schema(quick):
     assert all(set(r) == set(run.FIELDS) for r in data["rows"])
     benches = {r["bench"] for r in data["rows"]}
     assert benches == {
-        "collective_bytes", "step_time", "cost_model_bytes", "peak_memory", "compile_time",
-        "planner_time", "paper_scale",
+        "collective_bytes", "step_time", "cost_model_bytes", "cost_model_time", "peak_memory",
+        "compile_time", "planner_time", "paper_scale",
     }  # fmt: skip
-    timed = [r for r in data["rows"] if r["bench"] in ("step_time", "compile_time", "peak_memory")]
+    timed = [r for r in data["rows"] if r["bench"] in (
+        "step_time", "cost_model_time", "compile_time", "peak_memory")]  # fmt: skip
     assert all(r["namedmesh"] > 0 for r in timed)
 
 
@@ -54,11 +55,13 @@ def test_collective_bytes_are_at_the_minimum(quick):
 def test_cost_model_bytes_equal_the_hlo(quick):
     rows = [r for r in quick[0]["rows"] if r["bench"] == "cost_model_bytes"]
     pairs: dict = {}
-    for r in rows:
-        pairs.setdefault((r["case"], r["layout"], r["mesh"]), []).append(r["namedmesh"])
-    assert len(pairs) >= 20
-    for key, (predicted, compiled) in pairs.items():
-        assert predicted == pytest.approx(compiled, abs=0.5), key
+    for r in rows:  # "<pass> bytes per device, cost model" / "..., compiled HLO"
+        key = (r["case"], r["layout"], r["mesh"], r["metric"].split(",")[0])
+        pairs.setdefault(key, {})[r["metric"].split(", ")[1]] = r["namedmesh"]
+    assert len(pairs) >= 40 and {k[-1] for k in pairs} == {
+        "forward bytes per device", "training-step bytes per device"}  # fmt: skip
+    for key, v in pairs.items():
+        assert v["cost model"] == pytest.approx(v["compiled HLO"], abs=0.5), key
 
 
 def test_docs_sections_are_replaced_not_repeated(quick):
@@ -67,4 +70,5 @@ def test_docs_sections_are_replaced_not_repeated(quick):
     text = docs.read_text()
     assert text.count(run.SECTION) == 1 and "## Other\n\nkept" in text and "`again`" in text
     assert text.count(run.STEP_TIME) == 1 and text.count(run.COST) == 1
+    assert text.count(run.TIME_MODEL) == 1
     assert text.count(run.MEMORY) == 1
