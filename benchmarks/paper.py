@@ -1,12 +1,10 @@
 """`python -m benchmarks.paper [--docs PATH]`: the Mesh-TensorFlow paper's LM1B language
 models on the paper's mesh shapes (32 to 512 cores), planned without devices.
 
-For every `lm1b_*` config: the cost model's per-device forward flops, collective bytes
-and peak memory (`lower(...).report` on an abstract mesh), a training-step estimate
-(flops x3; the forward's model-axis collectives mirrored in the backward, plus the
-data-parallel gradient all-reduce of each device's parameter shards), and a step time
-predicted under stated TPU assumptions (`HARDWARE`). Only the forward pass is planned;
-every training-step figure is an estimate, and the rows say so in their metric names.
+For every `lm1b_*` config: the cost model's per-device flops, collective bytes and peak
+memory of the forward pass and of the training step (`lower(...).report(wrt=0)` on an
+abstract mesh: the backward pass as jax transposes the plan, gradient syncs included),
+and a step time predicted under stated TPU assumptions (`HARDWARE`), an estimate.
 """
 
 from __future__ import annotations
@@ -60,9 +58,9 @@ METRICS = (
     "parameters (billions)",
     "parameter bytes per device",
     "forward flops per device",
-    "training-step flops per device (estimate: 3x forward)",
+    "training-step flops per device (forward + backward)",
     "forward collective bytes per device",
-    "training-step collective bytes per device (estimate)",
+    "training-step collective bytes per device (forward + backward)",
     "forward peak memory per device (estimate)",
     *(f"predicted step seconds, {hw} (estimate)" for hw in HARDWARE),
 )
@@ -80,21 +78,13 @@ def _tensors(tree) -> list[nm.Tensor]:
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda t: isinstance(t, nm.Tensor))
 
 
-def param_bytes(cfg, mesh: Mesh) -> tuple[float, float]:
-    """(bytes of every device's parameter shards, bytes of the gradient all-reduce each
-    device sends): each parameter's gradient is summed over the mesh axes that split
-    `batch` and not the parameter, costed as a ring all-reduce 2(n-1)/n of its shard."""
+def param_bytes(cfg, mesh: Mesh) -> float:
+    """Bytes of one device's parameter shards."""
     layout = Layout(cfg.layout)
-    batch_axes = dict(layout.rules).get("batch", ())
-    local = sent = 0.0
-    for t in _tensors(transformer.abstract(transformer.lm_shapes(cfg))):
-        lay = layout.of(t.dims, t.shape, mesh, "parameter")
-        nbytes = math.prod(local_shape(lay, t.shape, mesh)) * BYTES
-        used = {a for axes in lay for a in axes}
-        n = math.prod(mesh.sizes[a] for a in batch_axes if a not in used)
-        local += nbytes
-        sent += 2 * (n - 1) / n * nbytes
-    return local, sent
+    return sum(
+        math.prod(local_shape(layout.of(t.dims, t.shape, mesh, "parameter"), t.shape, mesh)) * BYTES
+        for t in _tensors(transformer.abstract(transformer.lm_shapes(cfg)))
+    )
 
 
 def forward_minimum(cfg, mesh: Mesh) -> float:
@@ -119,21 +109,15 @@ def case(name: str) -> dict:
     params = transformer.abstract(transformer.lm_shapes(cfg))
     batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
     loss = lambda p, b: transformer.lm_loss(p, b, cfg)
-    r = lower(loss, mesh, cfg.layout).report(params, batch, show=False)
-    batch_axes = set(dict(Layout(cfg.layout).rules).get("batch", ()))
-    # The backward mirrors every collective over a non-batch axis (Megatron's activation
-    # all-reduces: psum's transpose is free, the replicated input's gradient is a psum);
-    # collectives over batch axes alone are the loss mean's scalars.
-    mirrored = sum(b for (_, axes), (_, b) in r.collectives.items() if set(axes) - batch_axes)
-    local, grad_sync = param_bytes(cfg, mesh)
-    train_flops, train_bytes = 3 * r.flops, r.bytes + mirrored + grad_sync
+    r = lower(loss, mesh, cfg.layout).report(params, batch, wrt=0, show=False)
+    train_flops, train_bytes = r.flops + r.backward_flops, r.bytes + r.backward_bytes
     out = {
         "parameters (billions)": sum(math.prod(t.shape) for t in _tensors(params)) / 1e9,
-        "parameter bytes per device": local,
+        "parameter bytes per device": param_bytes(cfg, mesh),
         "forward flops per device": r.flops,
-        "training-step flops per device (estimate: 3x forward)": train_flops,
+        "training-step flops per device (forward + backward)": train_flops,
         "forward collective bytes per device": r.bytes,
-        "training-step collective bytes per device (estimate)": train_bytes,
+        "training-step collective bytes per device (forward + backward)": train_bytes,
         "forward peak memory per device (estimate)": float(r.peak_memory),
         "_minimum": forward_minimum(cfg, mesh),
     }
@@ -173,8 +157,8 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         by.setdefault(r["case"], {"cfg": r})[r["metric"]] = r
     head = ["config", "mesh (cores)", "layout", "params (B) ours / t2t", "param bytes/dev",
-            "fwd flops/dev", "step flops/dev (est.)", "fwd coll. bytes/dev (/hand)",
-            "step coll. bytes/dev (est.)", "fwd peak mem/dev (est.)",
+            "fwd flops/dev", "step flops/dev", "fwd coll. bytes/dev (/hand)",
+            "step coll. bytes/dev", "fwd peak mem/dev (est.)",
             *(f"step s {hw} (est.)" for hw in HARDWARE), "t2t log-ppl/token"]  # fmt: skip
     body = []
     for name, m in by.items():
@@ -187,9 +171,9 @@ def _table(rows: list[dict]) -> str:
              f"`{m['cfg']['layout']}`",
              f"{v('parameters (billions)'):.3f} / {config.PAPER_PARAMS[_size(name)]:.2f}",
              _si(v("parameter bytes per device"), "B"), _si(v("forward flops per device")),
-             _si(v("training-step flops per device (estimate: 3x forward)")),
+             _si(v("training-step flops per device (forward + backward)")),
              _si(fwd["namedmesh"], "B") + ratio,
-             _si(v("training-step collective bytes per device (estimate)"), "B"),
+             _si(v("training-step collective bytes per device (forward + backward)"), "B"),
              _si(v("forward peak memory per device (estimate)"), "B"),
              *(f"{v(f'predicted step seconds, {hw} (estimate)'):.3f}" for hw in HARDWARE),
              f"{T2T_LOG_PPL[_size(name)]:.3f}"]
@@ -228,14 +212,13 @@ estimates. Method:
   The data-parallel models send only the loss mean's scalars in the forward pass.
   Peak memory is the forward pass's (inputs + the most live values at once); training
   also holds the activations kept for the backward, gradients and optimizer state.
-- **Training-step flops** = 3 × forward flops (the backward costs about 2× the forward);
-  optimizer flops are left out.
-- **Training-step collective bytes** = forward bytes + the forward's model-axis
-  collectives again (the backward mirrors Megatron's activation all-reduces: a psum's
-  transpose is free, the gradient of its replicated input is a psum) + the gradient
-  all-reduce over `batch` of each device's parameter shards, 2(n-1)/n × the "param
-  bytes/dev" column (float32 gradients). This is an estimate from the forward plan, not
-  a plan of the backward.
+- **Training-step flops and collective bytes** are planned too: `report(wrt=0)` adds
+  the backward pass as jax transposes the plan (each einsum's flops again for each
+  differentiated input; Megatron's activation all-reduces come back as the psums of
+  the replicated inputs' gradients; the data-parallel gradient all-reduce of every
+  device's parameter shards is the transpose of their casts to varying). On simulated
+  devices these equal the compiled `value_and_grad` in every benchmark row (the cost
+  model section); optimizer flops are left out.
 - **Predicted step seconds** = step flops / peak + step collective bytes / bandwidth:
   no overlap of compute and communication, compute at peak, no latency. It is a
   model, not a measurement; with bfloat16 activations, as the paper ran them, the
