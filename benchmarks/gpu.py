@@ -144,7 +144,7 @@ def summary(m: dict, dtype: str, peak_tflops: float | None) -> dict:
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step_s,
         "flops_per_token": per_token,
-        "cost_model_flops_per_token": 3 * m["report"].flops / tokens,
+        "cost_model_flops_per_token": (m["report"].flops + m["report"].backward_flops) / tokens,
         "achieved_tflops": achieved / 1e12,
         "peak_tflops": peak_tflops,
         "mfu": achieved / (peak_tflops * 1e12) if peak_tflops else None,
@@ -172,9 +172,8 @@ def text(s: dict, command: str) -> str:
         f"× d_kv {cfg.d_kv}, d_ff {cfg.d_ff}, vocab {cfg.vocab}"
     )
     step = f"{1e3 * s['step_s']:.2f} ms ({1e3 * lo:.2f}–{1e3 * hi:.2f}), {s['timed_steps']} steps"
-    per_token = (
-        f"{s['flops_per_token']:,.0f} (cost model ×3: {s['cost_model_flops_per_token']:,.0f})"
-    )
+    modelled = s["cost_model_flops_per_token"]
+    per_token = f"{s['flops_per_token']:,.0f} (cost model, forward + backward: {modelled:,.0f})"
     rows = [
         ["device", f"{s['device']} ({s['platform']}), jax {jax.__version__}"],
         ["model", model],

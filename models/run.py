@@ -114,7 +114,7 @@ def train(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model} ({args.config}): {_count(trainer):,} parameters")
     print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}")
-    print("lowering report (forward pass, per step, per device):")
+    print("lowering report (forward and backward pass, per step, per device):")
     print("    " + str(report).replace("\n", "\n    "))
     state = trainer.init_state()
     metrics_path = out / "metrics.jsonl"

@@ -74,8 +74,9 @@ class Trainer:
         return transformer.abstract(self.shapes), batch
 
     def report(self):
+        """The cost report of one training step: the loss and its parameters' gradients."""
         params, batch = self.abstract_inputs()
-        return self.lowered.report(params, batch, self.key(1), show=False)
+        return self.lowered.report(params, batch, self.key(1), wrt=0, show=False)
 
     def key(self, step: int):
         if not self.cfg.dropout:
