@@ -1,0 +1,90 @@
+"""Peak memory per device of a training step, the ideal it is held against, and why
+a row misses it.
+
+`peak_bytes` reads XLA's memory analysis of a compiled step. `ideal_bytes` derives
+what one device must hold from the model's traced graph and the layout, not from
+what jax or XLA happen to keep. `CAUSES` names, per (model kind, layout name), what
+the compiled step holds beyond the ideal, as found by compiling variants of the step
+(without the gradient sync, forward only) and reading XLA's buffer assignment.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import namedmesh as nm
+from lowering import Layout, Mesh
+from lowering.layout import local_shape
+from lowering.lower import Context, nontrivial, plan_layouts
+
+
+def peak_bytes(compiled) -> int:
+    """Per-device peak from XLA's memory analysis: arguments + outputs + temporaries,
+    less the outputs that reuse argument buffers."""
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)  # fmt: skip
+
+
+# What reverse-mode differentiation must keep of an equation through which a gradient
+# flows, by primitive: the others of a product's operands; the output or the input of
+# a nonlinear elementwise op (whichever its derivative is written in); a select's
+# condition; nothing for a linear op. Any other primitive keeps all its inputs.
+_KEEPS_OTHERS = {"einsum", "multiply", "conv"}
+_KEEPS_OUTPUT = {"relu", "softmax", "log_softmax", "exp", "expm1", "sqrt", "rsqrt",
+                 "tanh", "sigmoid", "reciprocal"}  # fmt: skip
+_KEEPS_INPUT = {"gelu", "silu", "erf", "log", "log1p", "sin", "cos", "tan", "abs",
+                "square", "logsumexp", "max", "min", "prod"}  # fmt: skip
+_LINEAR = {"add", "subtract", "negative", "sum", "mean", "rename", "reshape", "transpose",
+           "concat", "split", "stack", "slice", "pad", "shift", "cumsum", "convert",
+           "constrain", "gather", "one_hot"}  # fmt: skip
+_NO_GRADIENT = {"stop_gradient", "argmax", "argmin", "iota", "full", "random",
+                "random_fold_in", "floor", "ceil", "round", "sign", "equal", "not_equal",
+                "less", "less_equal", "greater", "greater_equal", "logical_and",
+                "logical_or", "logical_xor", "logical_not", "isfinite", "isnan", "all",
+                "any"}  # fmt: skip
+
+
+def _kept(e, needs_grad: set) -> set:
+    """The values the backward pass of equation `e` reads."""
+    name, ins = e.primitive.name, e.inputs
+    if name in _KEEPS_OTHERS:
+        return {v for i, u in enumerate(ins) if u in needs_grad for v in ins[:i] + ins[i + 1 :]}
+    if name in _KEEPS_OUTPUT:
+        return set(e.outputs)
+    if name in _KEEPS_INPUT:
+        return set(ins)
+    if name in _LINEAR:
+        return set()
+    if name == "where":
+        return {ins[0]}
+    return set(ins)
+
+
+def ideal_bytes(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str) -> int:
+    """Bytes one device must hold for a step that returns the gradients of `loss(params,
+    x)` (no optimizer state): its shards of the parameters, of their gradients (laid out
+    alike) and of x, plus its shards of the activations the backward pass reads (each
+    counted once, and not when it is a parameter or x), every value of the traced graph
+    divided as the layout's rules divide it. The activations kept follow textbook
+    reverse mode per primitive (`_kept`), with no recomputation: a lower bound on what
+    any autodiff keeps, not jax's choice of residuals."""
+    mesh_, layout = Mesh(mesh, devices="abstract"), Layout(rules)
+    graph = nm.trace(loss, params, x)
+    of = lambda v: nontrivial(layout.of(v.dims, v.shape, mesh_, "input"), mesh_)
+    ctx = Context(mesh_, layout, {v: of(v) for v in graph.inputs})
+    plan_layouts(ctx, graph)
+    replicated = lambda v: ((),) * len(v.dims)  # a constant
+    lay = lambda v: ctx.wanted.get(v) or replicated(v)
+    local = lambda v: math.prod(local_shape(lay(v), v.shape, mesh_)) * v.dtype.itemsize
+    *weights, data = graph.inputs  # x is the last input leaf
+    needs_grad, kept = set(weights), set()
+    for e in graph.eqns:
+        if e.primitive.name in _NO_GRADIENT or not needs_grad & set(e.inputs):
+            continue
+        kept |= _kept(e, needs_grad)
+        needs_grad |= {v for v in e.outputs if np.issubdtype(v.dtype, np.floating)}
+    kept -= set(graph.inputs)
+    return 2 * sum(map(local, weights)) + local(data) + sum(map(local, kept))
