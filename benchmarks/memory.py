@@ -11,6 +11,9 @@ the compiled step holds beyond the ideal, as found by compiling variants of the 
 from __future__ import annotations
 
 import math
+import re
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -88,3 +91,75 @@ def ideal_bytes(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str) -> int
         needs_grad |= {v for v in e.outputs if np.issubdtype(v.dtype, np.floating)}
     kept -= set(graph.inputs)
     return 2 * sum(map(local, weights)) + local(data) + sum(map(local, kept))
+
+
+def temporaries_at_peak(lowered) -> tuple[int, int, list[tuple[int, str, str]]]:
+    """Compile `lowered` (a jax Lowered) with XLA's dumps on and read the buffer
+    assignment and live ranges of its temporaries (the arena that memory_analysis's
+    temp_size counts; arguments and outputs have buffers of their own). Returns the
+    arena's bytes, the most bytes of temporaries live at one instruction (an op's
+    operands and result both count, as they do when it cannot run in place), and the
+    temporaries live then, largest first, as (bytes, shape, the jax op that made it).
+    Arena minus live is XLA's packing slack. A diagnostic for finding a gap's cause
+    (`python -m benchmarks.memory`); it parses XLA's debug text, so it may need updating
+    with XLA, and the benchmark does not run it."""
+    with tempfile.TemporaryDirectory() as d:
+        lowered.compile(compiler_options={"xla_dump_to": d})
+        ranges = sorted(Path(d).glob("*after_optimizations-live-range.txt"))[-1]
+        read = lambda suffix: Path(str(ranges).replace("-live-range", suffix)).read_text()
+        text, hlo, assignment = ranges.read_text(), read(""), read("-buffer-assignment")
+    arena, temps = 0, {}  # value name -> bytes, for the values in the temporaries' arena
+    for block in assignment.split("\nallocation ")[1:]:
+        if "preallocated-temp" in block.split("\n")[0]:
+            arena = int(re.match(r"\d+: size (\d+)", block).group(1))
+            for name, index, size in re.findall(
+                r"value: <\d+ (\S+?)(\{[^}]*\})? @\d+> \(size=(\d+)", block
+            ):
+                temps[name + (index or "{}")] = int(size)
+    live_range = {
+        n: (int(a), int(b))
+        for n, a, b in re.findall(r"^\s+(\S+\{[^}]*\}):(\d+)-(\d+)$", text, re.M)
+    }
+    at = lambda t: [
+        n for n in temps if n in live_range and live_range[n][0] <= t <= live_range[n][1]
+    ]
+    worst = max(range(max((b for _, b in live_range.values()), default=0) + 1),
+                key=lambda t: sum(temps[n] for n in at(t)))  # fmt: skip
+    made = {}  # instruction -> (shape, op_name)
+    for line in hlo.splitlines():
+        if m := re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) ", line):
+            op = re.search(r'op_name="([^"]*)"', line)
+            made[m.group(1)] = (m.group(2), op.group(1).replace("jit(<lambda>)/", "") if op else "")
+    live = sorted(
+        ((temps[n], *made.get(n.split("{")[0], ("?", ""))) for n in at(worst)), reverse=True
+    )
+    return arena, sum(b for b, *_ in live), live
+
+
+def _main(argv: list[str]) -> None:
+    """`python -m benchmarks.memory KIND LAYOUT [gspmd]`: for each size of model KIND
+    under the layout named LAYOUT, the peak, the ideal, and the temporaries live at
+    once at the worst instruction."""
+    from benchmarks import cases, steps
+
+    kind, name, impl = (*argv, "namedmesh")[:3]
+    for model in [m for m in cases.models("full") if m.kind == kind]:
+        for case in [c for c in model.cases if c.name == name]:
+            params, x = model.inputs()
+            fn, args = getattr(steps, f"{impl}_step")(model.loss, params, x, case.mesh, case.rules)
+            lowered = fn.lower(*args)
+            arena, total, live = temporaries_at_peak(lowered)
+            print(f"{model.name}, {case.name} on {case.mesh}, {impl}: peak "
+                  f"{peak_bytes(lowered.compile()):,}, ideal "
+                  f"{ideal_bytes(model.loss, params, x, case.mesh, case.rules):,}, temporaries "
+                  f"{arena:,}, of them live at once at most {total:,}:")  # fmt: skip
+            for b, shape, op in live:
+                print(f"  {b:>12,}  {shape:32s} {op}")
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    _main(sys.argv[1:])
