@@ -115,7 +115,7 @@ CAUSES = {
     ("layer", "2d"): ("replicated", "softmax"),
     ("layer", "fsdp"): ("FSDP", "softmax", "GELU"),
     ("layer", "sequence-parallel"): ("softmax", "GELU", "gathered x"),
-    ("layer", "3d"): ("replicated", "softmax", "gathered x"),
+    ("layer", "3d"): ("softmax", "GELU", "gathered x"),
     ("moe", "data-parallel"): ("gradient all-reduce",),
     ("moe", "expert-parallel"): ("gathered experts",),
     ("moe", "2d expert-parallel"): ("expert hidden", "gradient all-reduce"),
@@ -136,15 +136,14 @@ REASONS = {
     "is live three times in the backward pass where the ideal keeps it once: the "
     "probabilities, the un-normalised exponentials from which XLA recomputes them (fused) "
     "in the softmax's backward, and their cotangent. It is so on one device too",
-    "GELU": "in the FFN's backward pass XLA keeps GELU's tanh beside its input and output, "
-    "and two (batch, length, d_ff) cotangents are live with them: about three hidden "
-    "activations beyond the ideal",
+    "GELU": "in the FFN's backward pass XLA keeps GELU's tanh beside its input, and two "
+    "(batch, length, d_ff) cotangents are live with them, where the ideal keeps GELU's "
+    "input and output",
     "replicated": "Megatron splits heads and d_ff, not the (batch, length, d_model) values, "
-    "which are whole on every device of the model axis, and the backward pass holds "
-    "several at once beyond the ideal's: the output's cotangent and a transposed copy of "
-    "it for the output projection's gradient, the forward all-reduce's result beside its "
-    "partial sums, and in `layer` the three partial input gradients from q, k and v "
-    "before their sum",
+    "which are whole on every device of the model axis, and the backward pass holds more "
+    "of them at once than the ideal keeps: the output's cotangent and a transposed copy "
+    "of it for the output projection's gradient (attention); the residual stream beside "
+    "the LayerNorm's intermediates and the FFN all-reduce's result (layer)",
     "gathered x": "sequence parallelism gathers x over the length axis for the keys and "
     "values and keeps the gathered copy (every position) through the backward pass for "
     "their weight gradients; the ideal has x divided by length",

@@ -237,11 +237,11 @@ def write_memory_docs(path: Path, rows: list[dict], command: str) -> None:
         "beside its output); below 1, XLA has put activations in the gradients' output "
         "buffers before writing them. "
         f"Goal: within 10% of the ideal — met in {len(near)} of {len(rows)} rows. Every "
-        "other row names its causes, found by reading which temporaries are live at "
-        "XLA's worst instruction (`python -m benchmarks.memory KIND LAYOUT [gspmd]`) and "
-        "by compiling the step again without its batch-only mesh axes; most are XLA:CPU's "
-        "or the autodiff's and GSPMD shares them (its peak is beside). The same ideal "
-        "applies to GSPMD.",
+        "other row names its causes (per model and layout, found at the full run's sizes) "
+        "by reading which temporaries are live at XLA's worst instruction (`python -m "
+        "benchmarks.memory KIND LAYOUT [gspmd]`) and by compiling the step again without "
+        "its batch-only mesh axes; most are XLA:CPU's or the autodiff's, and GSPMD, whose "
+        "peak is beside under the same ideal, shares them.",
         "",
         report.md_table(
             ["case", "layout", "mesh", "namedmesh", "ideal", "GSPMD", "/ideal", "/GSPMD", "cause"],
