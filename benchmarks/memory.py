@@ -70,11 +70,13 @@ def _kept(e, needs_grad: set) -> set:
 def ideal_bytes(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str) -> int:
     """Bytes one device must hold for a step that returns the gradients of `loss(params,
     x)` (no optimizer state): its shards of the parameters, of their gradients (laid out
-    alike) and of x, plus its shards of the activations the backward pass reads (each
-    counted once, and not when it is a parameter or x), every value of the traced graph
-    divided as the layout's rules divide it. The activations kept follow textbook
-    reverse mode per primitive (`_kept`), with no recomputation: a lower bound on what
-    any autodiff keeps, not jax's choice of residuals."""
+    alike) and of x, plus its shards of the activations the backward pass reads, each
+    counted once and not when it is a parameter or x; every value of the traced graph
+    is divided as the layout's rules divide it (the layout namedmesh's planner wants
+    for it). The activations are those textbook reverse mode keeps per primitive
+    (`_kept`), not jax's choice of residuals; a step can hold less only by recomputing
+    or by putting activations in the gradients' buffers before writing them. Scan
+    bodies are not looked into (the benchmarked models have none)."""
     mesh_, layout = Mesh(mesh, devices="abstract"), Layout(rules)
     graph = nm.trace(loss, params, x)
     of = lambda v: nontrivial(layout.of(v.dims, v.shape, mesh_, "input"), mesh_)
@@ -177,7 +179,7 @@ def temporaries_at_peak(lowered) -> tuple[int, int, list[tuple[int, str, str]]]:
     arena's bytes, the most bytes of temporaries live at one instruction (an op's
     operands and result both count: an upper bound where XLA runs it in place), and the
     temporaries live then, largest first, as (bytes, shape, the jax op that made it).
-    Arena minus live is XLA's packing slack. A diagnostic for finding a gap's cause
+    Arena minus live, where positive, is XLA's packing slack. A diagnostic for finding a gap's cause
     (`python -m benchmarks.memory`); it parses XLA's debug text, so it may need updating
     with XLA, and the benchmark does not run it."""
     with tempfile.TemporaryDirectory() as d:
@@ -238,5 +240,6 @@ if __name__ == "__main__":
     import os
     import sys
 
+    # read when jax starts its backend, at the first device used, not at import
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     _main(sys.argv[1:])

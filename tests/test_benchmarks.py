@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import cases, memory, run
+from benchmarks import cases, memory, run, steps
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +94,16 @@ def test_ideal_memory_counts_the_layout_shards():
     assert ideal({"data": 8}, "batch:data") == (2 * 2 * d * h + (b * d + b * h + b * d) // 8) * f32
     # d_ff split: the weights and relu's output are divided, x and out are whole
     assert ideal({"model": 8}, "d_ff:model") == ((2 * 2 * d * h + b * h) // 8 + 2 * b * d) * f32
+
+
+def test_temporaries_at_peak_reads_the_gradient_all_reduce():
+    """The diagnostic parses XLA's dumps: on the data-parallel MLP the arena is
+    memory_analysis's temp and holds the two un-reduced weight gradients at once."""
+    model = cases.models("quick")[0]
+    params, x = model.inputs()
+    fn, args = steps.namedmesh_step(model.loss, params, x, {"data": 8}, "batch:data")
+    lowered = fn.lower(*args)
+    arena, live, buffers = memory.temporaries_at_peak(lowered)
+    assert arena == lowered.compile().memory_analysis().temp_size_in_bytes == live
+    assert [b for b, *_ in buffers] == [32 * 64 * 4] * 2
+    assert all("transpose" in op for *_, op in buffers)  # made by the backward pass
