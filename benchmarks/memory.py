@@ -135,9 +135,10 @@ REASONS = {
     "waits in a transposed copy); the forward pass holds one gathered weight at a time "
     "(GSPMD holds more in the MLP)",
     "softmax": "the attention matrix (batch, heads, length, length; the device's shard) "
-    "is live three times in the backward pass where the ideal keeps it once: the "
-    "probabilities, the un-normalised exponentials from which XLA recomputes them (fused) "
-    "in the softmax's backward, and their cotangent. It is so on one device too",
+    "is live several times in the backward pass where the ideal keeps it once: at the "
+    "full size, the probabilities, the un-normalised exponentials from which XLA "
+    "recomputes them (fused) in the softmax's backward, and their cotangent. XLA:CPU's "
+    "fusion choices, and so the count, change with the length; it is so on one device too",
     "GELU": "in the FFN's backward pass XLA keeps GELU's tanh beside its input, and two "
     "(batch, length, d_ff) cotangents are live with them, where the ideal keeps GELU's "
     "input and output",
