@@ -153,8 +153,9 @@ REASONS = {
     "gathered experts": "experts and batch share one axis and the planner all-gathers every "
     "expert's weights (the collective-bytes gap): both gathered weights are "
     "temporaries through the forward and backward passes, and the expert gradients are "
-    "full-size before their reduce-scatter. An all-to-all of the tokens would hold "
-    "neither",
+    "full-size before their reduce-scatter. With the rules ordered "
+    "`experts:data;batch:data`, which moves the tokens by all-to-all, neither is held and "
+    "the peak falls with the bytes sent",
     "expert hidden": "the experts' hidden layer (experts, capacity, d_ff; the device's "
     "shard) is live three times in the backward pass where the ideal keeps relu's output "
     "once: relu's input (XLA's derivative compares it with 0), a transposed copy of the "
