@@ -6,8 +6,8 @@ The models, layouts and minimum are in benchmarks/cases.py, the three ways of bu
 a step in benchmarks/steps.py. Bytes sent per device follow ring collectives over n
 devices with S the bytes each device holds: all-reduce 2(n-1)/n S, reduce-scatter and
 all-gather (n-1)/n of the larger side, all-to-all (n-1)/n S (lowering/cost.py). Each
-case also times the steps, interleaved, and holds the cost model's forward bytes
-against the forward pass's compiled HLO.
+case also times the steps, interleaved, reads their peak memory (benchmarks/memory.py)
+and holds the cost model's forward bytes against the forward pass's compiled HLO.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import cases, report, steps
+from benchmarks import cases, memory, report, steps
 from lowering import Mesh, lower
 from lowering.hlo import collectives
 
@@ -48,35 +48,6 @@ def _median_seconds(fns: dict, repeats: int) -> dict:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def peak_bytes(compiled) -> int:
-    """Per-device peak from XLA's memory analysis: arguments + outputs + temporaries,
-    less the outputs that reuse argument buffers."""
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)  # fmt: skip
-
-
-def _device0_bytes(tree) -> int:
-    """Bytes of the jax.Arrays in `tree` that the first device holds."""
-    first = jax.devices()[0]
-    arrays = [getattr(a, "data", a) for a in jax.tree_util.tree_leaves(tree)]
-    return sum(
-        s.data.nbytes
-        for a in arrays
-        if isinstance(a, jax.Array)
-        for s in a.addressable_shards
-        if s.device == first
-    )
-
-
-def ideal_bytes(f, params, x) -> int:
-    """What one device must hold for a step, divided as the layout divides it: its
-    parameters, their gradients, its input and the activations jax keeps for the
-    backward pass (the residuals of `jax.vjp` of the lowered loss)."""
-    _, vjp = jax.vjp(lambda p: f(p, x).data, params)
-    return 2 * _device0_bytes(params) + _device0_bytes(x) + _device0_bytes(vjp)
-
-
 def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
     """Bytes per device per step and median step seconds of each implementation, the
     minimum, and the cost model's forward bytes beside the forward HLO's; raises if the
@@ -93,7 +64,7 @@ def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
     for name, (fn, args) in made.items():
         compiled = fn.lower(*args).compile()
         out["bytes"][name] = hlo_traffic(compiled.as_text())
-        out["memory"][name] = peak_bytes(compiled)
+        out["memory"][name] = memory.peak_bytes(compiled)
         out["grads"][name] = steps.gradients(fn, args)  # also the warm-up call
     for name, g in out["grads"].items():
         for a, r in zip(g, out["grads"]["gspmd"], strict=True):
@@ -102,7 +73,7 @@ def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
     out["seconds"] = _median_seconds(made, repeats)
     f = lower(model.loss, Mesh(case.mesh), case.rules)
     placed = made["namedmesh"][1]  # (params, x) as the lowered loss takes them
-    out["ideal_memory"] = ideal_bytes(f, *placed)
+    out["ideal_memory"] = memory.ideal_bytes(model.loss, params, x, case.mesh, case.rules)
     out["report"] = rep = f.report(*placed, wrt=0, show=False)  # the parameters' gradients
     out["predicted"] = rep.bytes
     out["forward_hlo"] = hlo_traffic(f.compile(*placed).as_text())

@@ -239,34 +239,60 @@ def write_time_model_docs(path: Path, rows: list[dict], command: str, calibratio
     report.write_section(path, TIME_MODEL, "\n".join(lines))
 
 
+def _memory_causes(r: dict) -> tuple[str, ...]:
+    """The causes named for a peak-memory row (benchmarks/memory.py), for a row off the
+    ideal by more than 10%; () for the others."""
+    from benchmarks import memory  # imports jax: not before main() sets XLA_FLAGS
+
+    if abs(r["ratio_to_min"] - 1) <= 0.10:
+        return ()
+    return memory.causes(r["case"].split()[0], r["layout"].split(":")[0])
+
+
 def write_memory_docs(path: Path, rows: list[dict], command: str) -> None:
+    from benchmarks import memory
+
     rows = [r for r in rows if r["bench"] == "peak_memory"]
     fmt = lambda v: "—" if v is None else f"{v:,.0f}"
     cells = [
         _key_cells(r) + [fmt(r["namedmesh"]), fmt(r["minimum"]), fmt(r["gspmd"]),
-         f"{r['ratio_to_min']:.2f}", f"{r['ratio_to_gspmd']:.2f}"]
+         f"{r['ratio_to_min']:.2f}", f"{r['ratio_to_gspmd']:.2f}",
+         ", ".join(_memory_causes(r)) or ("—" if abs(r["ratio_to_min"] - 1) <= 0.10
+                                          else "**not yet known**")]
         for r in rows
     ]  # fmt: skip
     near = [r for r in rows if abs(r["ratio_to_min"] - 1) <= 0.10]
+    used = dict.fromkeys(c for r in rows for c in _memory_causes(r))
     lines = [
         MEMORY,
         "",
         f"Made by `{command}`. Peak is XLA's `memory_analysis()` of the compiled training "
-        "step on one device (arguments + outputs + temporaries − aliased outputs). The ideal "
-        "is what the step must hold, divided as the layout divides it: the device's "
-        "parameters, their gradients, its input, and the activations jax keeps for the "
-        "backward pass (the residuals of `jax.vjp` of the lowered loss, the device's "
-        "shards). Goal: within 10% of the ideal — "
-        f"met in {len(near)} of {len(rows)} rows. Below 1, XLA keeps less than jax's "
-        "residuals (it fuses or recomputes cheap elementwise values, and the ideal "
-        "counts a residual that aliases an input twice); above 1, XLA holds temporaries "
-        "beside them, most under FSDP, whose temporaries hold the gathered weights, which "
-        "jax's residuals do not count. The rows off by more than 10% are not analysed "
-        "further yet. The same ideal applies to GSPMD, whose peak is shown beside.",
+        "step on one device: arguments + outputs + temporaries − aliased outputs (each "
+        "has its own buffers, so this is what the step reserves). The ideal is what the "
+        "step must hold, from the model and the layout alone (`ideal_bytes` in "
+        "benchmarks/memory.py): the device's shards of the parameters, of their gradients "
+        "(laid out alike; the steps return gradients, so there is no optimizer state) and "
+        "of the input, plus its shards of the activations that textbook reverse mode reads "
+        "in the backward pass — the other operand of a product, the output or input of a "
+        "nonlinear op, nothing for a linear one — each counted once and not when it is a "
+        "parameter or the input, every value of the traced graph divided as the layout's "
+        "rules divide it. It is what a step must keep while its gradients' buffers are "
+        "held, not jax's choice of residuals (which counts x again and keeps relu's mask "
+        "beside its output); below 1, XLA has put activations in the gradients' output "
+        "buffers before writing them. "
+        f"Goal: within 10% of the ideal — met in {len(near)} of {len(rows)} rows. Every "
+        "other row names its causes (per model and layout, found at the full run's sizes) "
+        "by reading which temporaries are live at XLA's worst instruction (`python -m "
+        "benchmarks.memory KIND LAYOUT [gspmd]`) and by compiling the step again without "
+        "its batch-only mesh axes; most are XLA:CPU's or the autodiff's, and GSPMD, whose "
+        "peak is beside under the same ideal, shares them.",
         "",
         report.md_table(
-            ["case", "layout", "mesh", "namedmesh", "ideal", "GSPMD", "/ideal", "/GSPMD"], cells
-        ),
+            ["case", "layout", "mesh", "namedmesh", "ideal", "GSPMD", "/ideal", "/GSPMD", "cause"],
+            cells,
+        ),  # fmt: skip
+        "",
+        *(f"- **{c}**: {memory.REASONS[c]}." for c in used),
         "",
     ]
     report.write_section(path, MEMORY, "\n".join(lines))
