@@ -16,10 +16,9 @@ import re
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 import namedmesh as nm
 from lowering import Layout, Mesh
+from lowering.cost import active_values
 from lowering.layout import local_shape
 from lowering.lower import Context, nontrivial, plan_layouts
 
@@ -86,12 +85,10 @@ def ideal_bytes(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str) -> int
     lay = lambda v: ctx.wanted.get(v) or replicated(v)
     local = lambda v: math.prod(local_shape(lay(v), v.shape, mesh_)) * v.dtype.itemsize
     *weights, data = graph.inputs  # x is the last input leaf
-    needs_grad, kept = set(weights), set()
+    needs_grad, kept = active_values(graph, set(weights)), set()
     for e in graph.eqns:
-        if e.primitive.name in _NO_GRADIENT or not needs_grad & set(e.inputs):
-            continue
-        kept |= _kept(e, needs_grad)
-        needs_grad |= {v for v in e.outputs if np.issubdtype(v.dtype, np.floating)}
+        if e.primitive.name not in _NO_GRADIENT and needs_grad & set(e.inputs):
+            kept |= _kept(e, needs_grad)
     kept -= set(graph.inputs)
     return 2 * sum(map(local, weights)) + local(data) + sum(map(local, kept))
 
