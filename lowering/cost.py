@@ -1,7 +1,7 @@
 """The cost report of a plan: per-device flops, collective bytes and peak memory.
 
 Collective traffic per device follows ring algorithms over n devices, with S the
-bytes each device contributes: all-reduce (psum) 2(n-1)/n S, reduce-scatter
+bytes each device contributes: all-reduce (psum, pmax, pmin) 2(n-1)/n S, reduce-scatter
 (psum_scatter) (n-1)/n S, all-gather (n-1) S (= (n-1)/n of the gathered output),
 all-to-all (n-1)/n S, a ppermute S.
 """
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 _TRAFFIC = {
     "psum": lambda n, s: 2 * (n - 1) / n * s,
+    "pmax": lambda n, s: 2 * (n - 1) / n * s,
+    "pmin": lambda n, s: 2 * (n - 1) / n * s,
     "psum_scatter": lambda n, s: (n - 1) / n * s,
     "all_gather": lambda n, s: (n - 1) * s,
     "all_to_all": lambda n, s: (n - 1) / n * s,
@@ -22,6 +24,8 @@ _TRAFFIC = {
 # each of n devices.
 _HLO = {
     "psum": ("all-reduce", lambda n, s: s),
+    "pmax": ("all-reduce", lambda n, s: s),
+    "pmin": ("all-reduce", lambda n, s: s),
     "psum_scatter": ("reduce-scatter", lambda n, s: s // n),
     "all_gather": ("all-gather", lambda n, s: s * n),
     "all_to_all": ("all-to-all", lambda n, s: s),

@@ -188,6 +188,12 @@ def einsum_rule(ctx, eqn, args):
     return [(ctx.relayout(y, cur, want), want)]
 
 
+def _extreme(name: str, y, axes, log):
+    """The elementwise max (min) of `y` over the devices along `axes`: pmax (pmin), one
+    all-reduce of `y` where a gather would send (n-1) times its bytes."""
+    return (col.pmax if name == "max" else col.pmin)(y, axes, log)
+
+
 def _reduced(eqn, lay):
     axes = eqn.params["axes"]
     split = tuple(a for i in axes for a in lay[i])
@@ -198,9 +204,12 @@ def _reduced(eqn, lay):
 @rule("sum", "max", "min", "any", "all", "mean", "logsumexp", "prod")
 def reduction_rule(ctx, eqn, args):
     """The reduction on each shard, then combined over the axes that split reduced dims:
-    psum for sum (mean divides by the shard count); max, min, any and all reduce the
-    gathered per-shard results (differentiable, unlike pmax); logsumexp is
-    m + log(psum(exp(lse - m))) with m the largest per-shard value."""
+    psum for sum (mean divides by the shard count); any, all and prod reduce the
+    gathered per-shard results; max and min take the extreme by pmax/pmin of the
+    stop_gradient'd shard results (an all-reduce: fewer bytes than a gather beyond two
+    devices; pmax has no derivative, its input's tangent is a symbolic zero), and share
+    the gradient among the elements equal to it; logsumexp is m + log(psum(exp(lse - m)))
+    with m the pmax of the per-shard values."""
     ((x, lay),) = args
     split, kept = _reduced(eqn, lay)
     name, out = eqn.primitive.name, eqn.outputs[0]
@@ -214,13 +223,13 @@ def reduction_rule(ctx, eqn, args):
     elif name in ("max", "min") and split:
         # The global extreme, without gradient; then, as jnp.max does on one device, the
         # gradient shared equally by every element equal to it, across all shards.
-        m = getattr(jnp, name)(col.gather_stacked(jax.lax.stop_gradient(y), split, ctx.log), axis=0)
+        m = _extreme(name, jax.lax.stop_gradient(y), split, ctx.log)
         axes = eqn.params["axes"]
         hit = x == jnp.expand_dims(m, axes)
         count = col.psum(jnp.sum(hit, axis=axes, dtype=x.dtype), split, ctx.log)
         y = col.psum(jnp.sum(jnp.where(hit, x, 0), axis=axes), split, ctx.log) / count
     elif split:  # logsumexp
-        m = jnp.max(col.gather_stacked(jax.lax.stop_gradient(y), split, ctx.log), axis=0)
+        m = _extreme("max", jax.lax.stop_gradient(y), split, ctx.log)
         m = jnp.where(jnp.isfinite(m), m, 0)
         y = m + jnp.log(col.psum(jnp.exp(y - m), split, ctx.log))
     want = ctx.wanted[out]
@@ -229,8 +238,9 @@ def reduction_rule(ctx, eqn, args):
 
 @rule("softmax", "log_softmax")
 def softmax_rule(ctx, eqn, args):
-    """Along split dims: the global max (of the gathered per-shard maxes) is subtracted,
-    the shards' sums of exponentials are psum-ed; nothing else moves."""
+    """Along split dims: the global max (the pmax of the per-shard maxes, without
+    gradient) is subtracted, the shards' sums of exponentials are psum-ed; nothing else
+    moves."""
     ((x, lay),) = args
     out = eqn.outputs[0]
     want = ctx.wanted[out]
@@ -241,7 +251,7 @@ def softmax_rule(ctx, eqn, args):
         return [(ctx.relayout(y, lay, want), want)]
     x = x.astype(out.dtype)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True))
-    m = jnp.max(col.gather_stacked(m, split, ctx.log), axis=0)
+    m = _extreme("max", m, split, ctx.log)
     m = jnp.where(jnp.isfinite(m), m, 0)
     total = col.psum(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True), split, ctx.log)
     if eqn.primitive.name == "softmax":
