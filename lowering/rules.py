@@ -164,9 +164,10 @@ def einsum_rule(ctx, eqn, args):
     """Compute layout from the rules over all the einsum's dims (so each mesh axis splits at
     most one of them); a summed dim split on an axis leaves partial sums, combined by
     psum_scatter into an output dim the output wants split on that axis, else by psum.
-    Where the rules give several of its dims one mesh axis, the rule order and each of
-    those dims first are weighed, and the one moving the fewest bytes wins (ties: rule
-    order); a result whose own dims conflict keeps that choice's layout (`ctx.free`)."""
+    Where the rules give several of its dims one mesh axis, the rule order is weighed
+    against each such dim that every operand and the result hold taking it first
+    (`_einsum_choices`); the one whose moves send the fewest bytes wins (ties: rule
+    order), and a result whose own dims conflict keeps its layout (`ctx.free`)."""
     (out,) = eqn.outputs
     choices, all_dims = _einsum_choices(ctx, eqn)
     if len(choices) > 1:
