@@ -23,8 +23,9 @@ The minimum follows the Mesh-TensorFlow paper's analysis with ring collectives
   length axes (keys and values need every position), and reduce-scatters its
   gradient when the input needs one.
 - moe: the least of the two ways to bring tokens and experts together when experts
-  are split: all-to-all the expert inputs and outputs (GShard: two each way), or
-  all-gather the expert weights and reduce-scatter their gradients.
+  are split: all-to-all the expert inputs (forward only: they are data dispatched by a
+  one-hot, and need no gradient) and the expert outputs (both ways), as GShard does,
+  or all-gather the expert weights and reduce-scatter their gradients.
 """
 
 from __future__ import annotations
@@ -157,8 +158,10 @@ def minimum(model: Model, case: Case, params: dict) -> float:
 def _moe_minimum(model: Model, case: Case, params: dict) -> float:
     """The gate's gradient sync; the expert weights' gradients summed over the data axes
     that do not split them; and, with experts split, the cheaper way to bring tokens and
-    experts together: over data axes, all-to-all the expert inputs and outputs (two each
-    way) or gather the expert weights and reduce-scatter their gradients; over other
+    experts together: over data axes, all-to-all the expert inputs there and the expert
+    outputs there and back (the expert inputs need no gradient: they are the data x
+    dispatched by a one-hot pattern that no parameter's gradient flows through) or
+    gather the expert weights and reduce-scatter their gradients; over other
     axes, where every device holds all its tokens, one all-reduce of the output. The
     gating's reductions over a split experts dim (softmax, top-2) are left out: this is
     a lower bound, not the exact minimum."""
@@ -177,7 +180,7 @@ def _moe_minimum(model: Model, case: Case, params: dict) -> float:
     if n_data > 1:
         slots = tokens // s["l"] * cfg.experts * moe.capacity(cfg, s["l"]) * cfg.d_model * F32
         gather = 2 * _ring("gather", n_data, expert_w * n_data)
-        total += min(4 * _ring("a2a", n_data, slots), gather)
+        total += min(3 * _ring("a2a", n_data, slots), gather)
     n_other = n_experts // n_data
     total += _ring("psum", n_other, tokens * cfg.d_model * F32)
     return total

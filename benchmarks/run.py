@@ -66,15 +66,8 @@ def table(rows: list[dict]) -> str:
 
 # Why a row misses a goal, by (model kind, layout name); checked against the rows.
 GAPS = {
-    ("moe", "expert-parallel"): "experts and batch share one axis, and the einsum rule keeps "
-    "the expert inputs split by batch (the output's layout) and all-gathers the expert "
-    "weights instead of moving the tokens with all-to-all (GShard). Pinning the expert "
-    "inputs with `nm.constrain(x, 'experts:data')` gives the all-to-all; the planner does "
-    "not weigh it by itself yet. Ordering the rules `experts:data;batch:data` (experts "
-    "first) sends 5,863,424 bytes at the full size, 2.5x the minimum, 5x less",
     ("moe", "2d expert-parallel"): "the minimum leaves out the gating's reductions over the "
-    "split experts dim (the softmax's max and sum, the two top-1 choices, their backward); "
-    "namedmesh gathers the per-device maxima where the partitioner all-reduces them",
+    "split experts dim (the softmax's max and sum, the two top-1 choices, their backward)",
     ("moe", "3d"): "as above: the gating's reductions over the split experts dim are not in "
     "the minimum",
 }

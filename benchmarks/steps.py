@@ -22,7 +22,6 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.distributed import place
 from lowering.layout import partition_spec
-from lowering.lower import Context, nontrivial, plan_layouts
 from namedmesh.trace import evaluate
 
 
@@ -33,15 +32,15 @@ def namedmesh_step(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str):
 
 
 def gspmd_step(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str):
-    mesh_, layout = Mesh(mesh), Layout(rules)
-    graph = nm.trace(loss, params, x)
-    ctx = Context(mesh_, layout, {})
-    plan_layouts(ctx, graph)  # the layout of every value namedmesh would make
+    mesh_ = Mesh(mesh)
+    # The layout namedmesh gives every value, read from its plan: where rules conflict,
+    # the einsum and elementwise rules choose layouts that no up-front pass knows.
+    graph, layouts = lower(loss, mesh_, rules).layouts(params, x)
     sharding = lambda lay: NamedSharding(mesh_.jax_mesh, partition_spec(lay))
-    inputs = [nontrivial(layout.of(v.dims, v.shape, mesh_, "input"), mesh_) for v in graph.inputs]
+    inputs = [layouts[v] for v in graph.inputs]
 
     def flat_loss(*arrays):
-        constrain = lambda v, r: jax.lax.with_sharding_constraint(r, sharding(ctx.wanted[v]))
+        constrain = lambda v, r: jax.lax.with_sharding_constraint(r, sharding(layouts[v]))
         return evaluate(graph, list(arrays), "jax", each=constrain)[0]
 
     leaves = jax.tree_util.tree_leaves((params, x), is_leaf=_is_tensor)

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 
+from lowering.cost import traffic
 from lowering.layout import ValueLayout
 
 Log = Callable[..., None]  # log(kind, axes, nbytes, transposes=True)
 
 
-def _nbytes(x) -> int:
+def nbytes(x) -> int:
+    """Bytes of the local array `x`."""
     return math.prod(x.shape) * x.dtype.itemsize
 
 
@@ -46,7 +49,7 @@ def gather(x, dim: int, axes: tuple[str, ...], log: Log):
     if not axes:
         return x
     name = axes[0] if len(axes) == 1 else axes
-    log("all_gather", axes, _nbytes(x))
+    log("all_gather", axes, nbytes(x))
     return jax.lax.all_gather(x, name, axis=dim, tiled=True)
 
 
@@ -67,7 +70,7 @@ def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
     axes = tuple(a for a in sizes if a in axes)
     if not axes:
         return x
-    log("psum", axes, _nbytes(x))
+    log("psum", axes, nbytes(x))
     first = axis_index(axes, sizes) == 0
     name = axes[0] if len(axes) == 1 else axes
     return jax.lax.psum(jax.numpy.where(first, x, jax.numpy.zeros_like(x)), name)
@@ -76,20 +79,34 @@ def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
 def gather_stacked(x, axes: tuple[str, ...], log: Log):
     """Every device's `x` along the mesh axes `axes`, stacked on a new leading dim; its
     result is invariant, so its transpose is a local slice."""
-    log("all_gather", axes, _nbytes(x), transposes=False)
+    log("all_gather", axes, nbytes(x), transposes=False)
     return jax.lax.all_gather(x, axes[0] if len(axes) == 1 else axes, axis=0, to="invarying")
 
 
-def relayout(x, src: ValueLayout, dst: ValueLayout, sizes: dict[str, int], log: Log):
-    """The local shard of layout `dst` from the local shard `x` of layout `src`.
+@dataclass(frozen=True)
+class Move:
+    """One step of a relayout. all_to_all: the split by `axes` leaves dim `dim` for dim
+    `to`; all_gather: dim `dim`'s minor split by `axes` is undone; slice: `axes` split
+    dim `dim` further (local)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    dim: int
+    to: int | None = None
+
+
+def plan_moves(src: ValueLayout, dst: ValueLayout) -> list[Move]:
+    """The moves that take layout `src` to `dst`, with the least traffic.
 
     Repeatedly: move an axis that is the minor split of one dim and the next split
     `dst` wants of another with all_to_all; else all_gather the minor split of a dim
     whose splits are not a prefix of what `dst` wants. Then slice the splits `dst` adds.
     """
     cur = [tuple(a) for a in src]
-    if cur == list(dst):
-        return x
+    dst = [tuple(a) for a in dst]
+    moves: list[Move] = []
+    if cur == dst:
+        return moves
     prefix = lambda i: cur[i] == dst[i][: len(cur[i])]
     while not all(prefix(i) for i in range(len(cur))):
         for i in range(len(cur)):
@@ -102,28 +119,59 @@ def relayout(x, src: ValueLayout, dst: ValueLayout, sizes: dict[str, int], log: 
                 and j != i
                 and dst[j][: len(cur[j]) + 1] == cur[j] + (a,)
             ):
-                log("all_to_all", (a,), _nbytes(x))
-                x = jax.lax.all_to_all(x, a, split_axis=j, concat_axis=i, tiled=True)
+                moves.append(Move("all_to_all", (a,), i, j))
                 cur[i], cur[j] = cur[i][:-1], cur[j] + (a,)
                 break
         else:
             i = next(i for i in range(len(cur)) if not prefix(i))
-            x = gather(x, i, cur[i][-1:], log)
+            moves.append(Move("all_gather", cur[i][-1:], i))
             cur[i] = cur[i][:-1]
     for i, (c, d) in enumerate(zip(cur, dst, strict=True)):
-        x = slice_to(x, i, d[len(c) :], sizes)
+        if d[len(c) :]:
+            moves.append(Move("slice", d[len(c) :], i))
+    return moves
+
+
+def relayout(x, src: ValueLayout, dst: ValueLayout, sizes: dict[str, int], log: Log):
+    """The local shard of layout `dst` from the local shard `x` of layout `src`, by the
+    moves of `plan_moves`."""
+    for m in plan_moves(src, dst):
+        if m.kind == "all_to_all":
+            log("all_to_all", m.axes, nbytes(x))
+            x = jax.lax.all_to_all(x, m.axes[0], split_axis=m.to, concat_axis=m.dim, tiled=True)
+        elif m.kind == "all_gather":
+            x = gather(x, m.dim, m.axes, log)
+        else:
+            x = slice_to(x, m.dim, m.axes, sizes)
     return x
+
+
+def relayout_traffic(
+    src: ValueLayout, dst: ValueLayout, nbytes: int, sizes: dict[str, int]
+) -> float:
+    """Bytes one device sends (lowering.cost.traffic) for `relayout` of a local shard of
+    `nbytes` bytes from layout `src` to `dst`: the same moves, costed."""
+    total = 0.0
+    for m in plan_moves(src, dst):
+        n = math.prod(sizes[a] for a in m.axes)
+        if m.kind == "slice":
+            nbytes //= n
+            continue
+        total += traffic(m.kind, m.axes, nbytes, sizes)
+        if m.kind == "all_gather":
+            nbytes *= n
+    return total
 
 
 def psum(x, axes: tuple[str, ...], log: Log):
     if not axes:
         return x
-    log("psum", axes, _nbytes(x))
+    log("psum", axes, nbytes(x))
     return jax.lax.psum(x, axes)
 
 
 def psum_scatter(x, axes: tuple[str, ...], dim: int, log: Log):
-    log("psum_scatter", axes, _nbytes(x))
+    log("psum_scatter", axes, nbytes(x))
     name = axes[0] if len(axes) == 1 else axes
     return jax.lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
 
@@ -131,12 +179,12 @@ def psum_scatter(x, axes: tuple[str, ...], dim: int, log: Log):
 def pmax(x, axes, log: Log):
     if not axes:
         return x
-    log("pmax", axes, _nbytes(x))
+    log("pmax", axes, nbytes(x))
     return jax.lax.pmax(x, axes)
 
 
 def pmin(x, axes, log: Log):
     if not axes:
         return x
-    log("pmin", axes, _nbytes(x))
+    log("pmin", axes, nbytes(x))
     return jax.lax.pmin(x, axes)

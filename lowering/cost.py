@@ -1,7 +1,7 @@
 """The cost report of a plan: per-device flops, collective bytes and peak memory.
 
 Collective traffic per device follows ring algorithms over n devices, with S the
-bytes each device contributes: all-reduce (psum, pmax) 2(n-1)/n S, reduce-scatter
+bytes each device contributes: all-reduce (psum, pmax, pmin) 2(n-1)/n S, reduce-scatter
 (psum_scatter) (n-1)/n S, all-gather (n-1) S (= (n-1)/n of the gathered output),
 all-to-all (n-1)/n S, a ppermute S.
 

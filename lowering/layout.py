@@ -5,6 +5,14 @@ Rules are ordered pairs dim -> mesh axes, written `"batch:rows;d_ff:cols"`
 given as a dict or a list of pairs. For one tensor, dims take their axes in rule
 order and an axis already taken by an earlier dim of that tensor is skipped;
 with `strict=True` such a conflict is an error instead.
+
+Rule order is the lowering's default, not its last word: where the rules give one
+mesh axis to two dims of an einsum, one of them held by every operand and the
+result (experts, in an expert FFN), the einsum is computed in whichever of the rule
+order and "that dim first" moves the fewest bytes (lowering/rules.py `einsum_rule`);
+a value whose own dims conflict (`Layout.conflicts`), made by an einsum or an
+elementwise op, keeps the layout it was computed in. Inputs and outputs of a
+lowered program always take the rule order.
 """
 
 from __future__ import annotations
@@ -96,6 +104,20 @@ class Layout:
         layout = self.assign(dims, shape, what)
         check_divisible(layout, dims, shape, mesh, what, self)
         return layout
+
+    def conflicts(self, dims: Sequence[str], sizes: Mapping[str, int] | None = None) -> tuple:
+        """The dims of `dims`, in rule order, whose rules share a mesh axis with the rule of
+        another of `dims` (mesh axes of size 1 in `sizes`, if given, split nothing and
+        are left out)."""
+        used = lambda axes: {a for a in axes if sizes is None or sizes[a] > 1}
+        mapped = [(d, used(axes)) for d, axes in self.rules if d in dims]
+        return tuple(d for d, a in mapped if any(a & b for e, b in mapped if e != d))
+
+    def first(self, dim: str) -> Layout:
+        """These rules with `dim`'s rule moved to the front (not strict): `dim` takes its
+        mesh axes before any dim that shares them."""
+        rules = [r for r in self.rules if r[0] == dim] + [r for r in self.rules if r[0] != dim]
+        return Layout(rules)
 
     def assign(self, dims: Sequence[str], shape=None, what: str = "tensor") -> ValueLayout:
         """The mesh axes each of `dims` takes, in rule order; sizes not checked."""

@@ -2,7 +2,9 @@
 
 The function is traced to a Graph; every value gets the layout the rules give it
 (inputs and outputs must divide exactly; an intermediate whose size an axis does
-not divide is left unsplit on that dim; `nm.constrain` pins a value's layout).
+not divide is left unsplit on that dim; `nm.constrain` pins a value's layout),
+except that an intermediate whose dims the rules give one mesh axis twice, made
+by an einsum or an elementwise op, takes the layout its rule computes it in.
 Inside shard_map each equation runs by its primitive's SPMD rule
 (lowering/rules.py) on local shards. The rules report the local ops they run and
 the collectives they issue, which `.plan()` and `.report()` show.
@@ -84,11 +86,13 @@ def _fmt_local(a) -> str:
 @dataclass
 class Context:
     """What a rule sees: the mesh, the rules, the layouts the planner wants, and the
-    current plan step, to which `log` and `local` report."""
+    current plan step, to which `log` and `local` report. A rule that makes a value in
+    `free` may give it another layout than `wanted`'s, and records it there."""
 
     mesh: Mesh
     layout: Layout
     wanted: dict
+    free: set = field(default_factory=set)  # values whose dims conflict under the rules
     step: Step | None = None
     combined: set = field(default_factory=set)  # axes the current step's inputs vary over
     moved: dict = field(default_factory=dict)  # relayouts done in this trace of the body
@@ -151,11 +155,15 @@ class Context:
             self.note_source(self.moved[key][1], self.source(x))
         return self.moved[key][1]
 
-    def soft_layout(self, dims, shape, is_value: bool = True) -> ValueLayout:
-        """The rules' layout of (dims, shape), leaving unsplit a dim its axes do not divide.
-        A strict layout's conflicts are errors only for values (`is_value`), not for the
-        dims of a whole einsum, which no single tensor holds."""
-        rules = self.layout if is_value else Layout(self.layout.rules)
+    def soft_layout(
+        self, dims, shape, is_value: bool = True, rules: Layout | None = None
+    ) -> ValueLayout:
+        """The layout `rules` (default: the program's) give (dims, shape), leaving unsplit
+        a dim its axes do not divide. A strict layout's conflicts are errors only for
+        values (`is_value`), not for the dims of a whole einsum, which no single tensor
+        holds."""
+        if rules is None:
+            rules = self.layout if is_value else Layout(self.layout.rules)
         layout = list(rules.assign(dims, shape, "value"))
         for i, n in enumerate(shape):
             if n % math.prod(self.sizes[a] for a in layout[i]):
@@ -194,12 +202,17 @@ def constraint_layout(rules_, v, mesh) -> ValueLayout:
 
 def plan_layouts(ctx: Context, graph) -> None:
     """The layout each value made by `graph`'s equations should have, into `ctx.wanted`:
-    the rules' (soft) layout, or the one `nm.constrain` pins."""
+    the rules' (soft) layout, or the one `nm.constrain` pins. Values whose dims conflict
+    (two of them take one mesh axis) go into `ctx.free` too: the einsum and elementwise
+    rules replace their rule-order layout by the one they compute them in."""
     for e in graph.eqns:
         for v in e.outputs:
             ctx.wanted[v] = ctx.soft_layout(v.dims, v.shape)
+            if ctx.layout.conflicts(v.dims, ctx.sizes):
+                ctx.free.add(v)
         if e.primitive.name == "constrain":
             ctx.wanted[e.outputs[0]] = constraint_layout(e.params["layout"], e.outputs[0], ctx.mesh)
+            ctx.free.discard(e.outputs[0])
 
 
 def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0):
@@ -320,6 +333,19 @@ class Lowered:
         datas, built = self._build(args)
         jax.eval_shape(built.jitted, *datas)
         return built.plan
+
+    def layouts(self, *args) -> tuple:
+        """(graph, layouts): the traced Graph and the layout the plan gives each value its
+        equations make (as the rules return them), for `args`."""
+        plan = self.plan(*args)
+        _, built = self._build(args)
+        layouts = dict(built.wanted)
+        for step in plan:
+            if step.eqn is not None:
+                layouts.update(
+                    (v, lay) for v, (_, lay) in zip(step.eqn.outputs, step.outputs, strict=True)
+                )
+        return built.graph, layouts
 
     def report(self, *args, wrt: int | tuple[int, ...] | None = None, show: bool = True) -> Report:
         """Per-device flops, collective bytes by kind and mesh axes, and estimated peak

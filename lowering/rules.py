@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from lowering import collectives as col
+from lowering.cost import traffic
 from lowering.layout import local_shape
 from namedmesh.primitive import REGISTRY
 
@@ -58,9 +59,14 @@ COMBINING = {"einsum", *ELEMENTWISE}  # ops whose result mixes all inputs
 
 @rule(*ELEMENTWISE)
 def elementwise_rule(ctx, eqn, args):
-    """Inputs relaid to the output's layout; the op runs on matching shards."""
+    """Inputs relaid to the output's layout; the op runs on matching shards. An output
+    whose dims conflict under the rules (`ctx.free`) takes the layout of the first input
+    with its dims, so that e.g. an expert FFN's activation stays where its einsum put it."""
     (out,) = eqn.outputs
     want = ctx.wanted[out]
+    if out in ctx.free:
+        same = (lay for (_, lay), v in zip(args, eqn.inputs, strict=True) if v.dims == out.dims)
+        want = ctx.wanted[out] = tuple(next(same, None) or ctx.soft_layout(out.dims, out.shape))
     by_dim = dict(zip(out.dims, want, strict=True))
     xs = [
         ctx.relayout(x, lay, _layout_in(v.dims, by_dim))
@@ -84,39 +90,109 @@ def constrain_rule(ctx, eqn, args):
     return [(ctx.relayout(x, lay, want), want)]
 
 
+def _combine(summed, cur, want):
+    """How a partial-sum einsum result in layout `cur` is summed over the mesh axes
+    `summed`: [(axis, output dim)] to psum_scatter into (an output dim `want` splits by
+    that axis next), the axes left to psum, and the layout after both."""
+    cur = [tuple(c) for c in cur]
+    scatter, reduce = [], []
+    for a in summed:
+        j = next((j for j, w in enumerate(want) if a in w), None)
+        if j is not None and tuple(want[j][: len(cur[j]) + 1]) == cur[j] + (a,):
+            scatter.append((a, j))
+            cur[j] = cur[j] + (a,)
+        else:
+            reduce.append(a)
+    return scatter, tuple(reduce), tuple(cur)
+
+
+def _einsum_choices(ctx, eqn):
+    """(compute layout by dim, output layout) per candidate rule order: the rules as
+    given, then each dim that shares a mesh axis with another of the einsum's dims and
+    that every operand and the result hold (experts, in an expert FFN) moved first.
+    Such a dim splits every operand and the result on the axis, so the candidates
+    differ only in what moves; promoting a summed dim, or one an operand lacks, would
+    leave that operand or the result whole on the axis (FSDP's `batch:data;d_model:data`
+    computed d_model-first holds the whole batch's partial sums on every device), a
+    memory trade bytes do not weigh. Only candidates that split the einsum by the same
+    mesh axes as the first (so the same flops per device) are kept, each distinct
+    compute layout once."""
+    (out,) = eqn.outputs
+    sizes = {d: n for v in eqn.inputs for d, n in zip(v.dims, v.shape, strict=True)}
+    all_dims = tuple(dict.fromkeys(d for v in eqn.inputs for d in v.dims))
+    shape = [sizes[d] for d in all_dims]
+    shared = [d for d in out.dims if all(d in v.dims for v in eqn.inputs)]
+    promoted = [d for d in ctx.layout.conflicts(all_dims, ctx.sizes) if d in shared]
+    orders = [None] + [ctx.layout.first(d) for d in promoted]
+    choices, seen = [], set()
+    for rules in orders:
+        lay = ctx.soft_layout(all_dims, shape, is_value=False, rules=rules)
+        axes = {a for split in lay for a in split}
+        if lay in seen or (choices and axes != choices[0][2]):
+            continue
+        seen.add(lay)
+        want = ctx.wanted[out]
+        if out in ctx.free:  # not ctx.wanted: a trace before this one may have chosen it
+            want = ctx.soft_layout(out.dims, out.shape, rules=rules)
+        choices.append((dict(zip(all_dims, lay, strict=True)), want, axes))
+    return [(comp, want) for comp, want, _ in choices], all_dims
+
+
+def _einsum_traffic(ctx, eqn, args, comp, want, all_dims) -> float:
+    """Bytes one device sends to compute the einsum in layout `comp` and leave its result
+    in `want`: the inputs' relayouts, the psum_scatter and psum of split summed dims, and
+    the result's relayout (by the algorithms that run them)."""
+    (out,) = eqn.outputs
+    total = sum(
+        col.relayout_traffic(lay, _layout_in(v.dims, comp), col.nbytes(x), ctx.sizes)
+        for (x, lay), v in zip(args, eqn.inputs, strict=True)
+    )
+    cur = _layout_in(out.dims, comp)
+    nbytes = math.prod(local_shape(cur, out.shape, ctx.mesh)) * out.dtype.itemsize
+    summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
+    scatter, reduce, cur = _combine(summed, cur, want)
+    for a, _ in scatter:
+        total += traffic("psum_scatter", (a,), nbytes, ctx.sizes)
+        nbytes //= ctx.sizes[a]
+    if reduce:
+        total += traffic("psum", reduce, nbytes, ctx.sizes)
+    return total + col.relayout_traffic(cur, want, nbytes, ctx.sizes)
+
+
 @rule("einsum")
 def einsum_rule(ctx, eqn, args):
     """Compute layout from the rules over all the einsum's dims (so each mesh axis splits at
     most one of them); a summed dim split on an axis leaves partial sums, combined by
-    psum_scatter into an output dim the output wants split on that axis, else by psum."""
+    psum_scatter into an output dim the output wants split on that axis, else by psum.
+    Where the rules give several of its dims one mesh axis, the rule order is weighed
+    against each such dim that every operand and the result hold taking it first
+    (`_einsum_choices`); the one whose moves send the fewest bytes wins (ties: rule
+    order), and a result whose own dims conflict keeps its layout (`ctx.free`)."""
     (out,) = eqn.outputs
-    sizes = {d: n for v in eqn.inputs for d, n in zip(v.dims, v.shape, strict=True)}
-    all_dims = tuple(dict.fromkeys(d for v in eqn.inputs for d in v.dims))
-    comp = dict(
-        zip(
-            all_dims,
-            ctx.soft_layout(all_dims, [sizes[d] for d in all_dims], is_value=False),
-            strict=True,
-        )
-    )
+    choices, all_dims = _einsum_choices(ctx, eqn)
+    if len(choices) > 1:
+        cost = [_einsum_traffic(ctx, eqn, args, c, w, all_dims) for c, w in choices]
+        choices = [choices[cost.index(min(cost))]]  # index: the first of equal costs
+    ((comp, want),) = choices
+    if out in ctx.free:
+        ctx.wanted[out] = want
     xs = [
         ctx.relayout(x, lay, _layout_in(v.dims, comp))
         for (x, lay), v in zip(args, eqn.inputs, strict=True)
     ]
     y = ctx.local(eqn.primitive, *xs, **eqn.params)
-    cur = list(_layout_in(out.dims, comp))
-    want = ctx.wanted[out]
     summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
-    reduce = []
-    for a in summed:
-        j = next((j for j, w in enumerate(want) if a in w), None)
-        if j is not None and tuple(want[j][: len(cur[j]) + 1]) == tuple(cur[j]) + (a,):
-            y = col.psum_scatter(y, (a,), j, ctx.log)
-            cur[j] = tuple(cur[j]) + (a,)
-        else:
-            reduce.append(a)
-    y = col.psum(y, tuple(reduce), ctx.log)
-    return [(ctx.relayout(y, tuple(cur), want), want)]
+    scatter, reduce, cur = _combine(summed, _layout_in(out.dims, comp), want)
+    for a, j in scatter:
+        y = col.psum_scatter(y, (a,), j, ctx.log)
+    y = col.psum(y, reduce, ctx.log)
+    return [(ctx.relayout(y, cur, want), want)]
+
+
+def _extreme(name: str, y, axes, log):
+    """The elementwise max (min) of `y` over the devices along `axes`: pmax (pmin), one
+    all-reduce of `y` where a gather would send (n-1) times its bytes."""
+    return (col.pmax if name == "max" else col.pmin)(y, axes, log)
 
 
 def _reduced(eqn, lay):
@@ -129,9 +205,12 @@ def _reduced(eqn, lay):
 @rule("sum", "max", "min", "any", "all", "mean", "logsumexp", "prod")
 def reduction_rule(ctx, eqn, args):
     """The reduction on each shard, then combined over the axes that split reduced dims:
-    psum for sum (mean divides by the shard count); max, min, any and all reduce the
-    gathered per-shard results (differentiable, unlike pmax); logsumexp is
-    m + log(psum(exp(lse - m))) with m the largest per-shard value."""
+    psum for sum (mean divides by the shard count); any, all and prod reduce the
+    gathered per-shard results; max and min take the extreme by pmax/pmin of the
+    stop_gradient'd shard results (an all-reduce: fewer bytes than a gather beyond two
+    devices; pmax has no derivative, its input's tangent is a symbolic zero), and share
+    the gradient among the elements equal to it; logsumexp is m + log(psum(exp(lse - m)))
+    with m the pmax of the per-shard values."""
     ((x, lay),) = args
     split, kept = _reduced(eqn, lay)
     name, out = eqn.primitive.name, eqn.outputs[0]
@@ -145,13 +224,13 @@ def reduction_rule(ctx, eqn, args):
     elif name in ("max", "min") and split:
         # The global extreme, without gradient; then, as jnp.max does on one device, the
         # gradient shared equally by every element equal to it, across all shards.
-        m = getattr(jnp, name)(col.gather_stacked(jax.lax.stop_gradient(y), split, ctx.log), axis=0)
+        m = _extreme(name, jax.lax.stop_gradient(y), split, ctx.log)
         axes = eqn.params["axes"]
         hit = x == jnp.expand_dims(m, axes)
         count = col.psum(jnp.sum(hit, axis=axes, dtype=x.dtype), split, ctx.log)
         y = col.psum(jnp.sum(jnp.where(hit, x, 0), axis=axes), split, ctx.log) / count
     elif split:  # logsumexp
-        m = jnp.max(col.gather_stacked(jax.lax.stop_gradient(y), split, ctx.log), axis=0)
+        m = _extreme("max", jax.lax.stop_gradient(y), split, ctx.log)
         m = jnp.where(jnp.isfinite(m), m, 0)
         y = m + jnp.log(col.psum(jnp.exp(y - m), split, ctx.log))
     want = ctx.wanted[out]
@@ -160,8 +239,9 @@ def reduction_rule(ctx, eqn, args):
 
 @rule("softmax", "log_softmax")
 def softmax_rule(ctx, eqn, args):
-    """Along split dims: the global max (of the gathered per-shard maxes) is subtracted,
-    the shards' sums of exponentials are psum-ed; nothing else moves."""
+    """Along split dims: the global max (the pmax of the per-shard maxes, without
+    gradient) is subtracted, the shards' sums of exponentials are psum-ed; nothing else
+    moves."""
     ((x, lay),) = args
     out = eqn.outputs[0]
     want = ctx.wanted[out]
@@ -172,7 +252,7 @@ def softmax_rule(ctx, eqn, args):
         return [(ctx.relayout(y, lay, want), want)]
     x = x.astype(out.dtype)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True))
-    m = jnp.max(col.gather_stacked(m, split, ctx.log), axis=0)
+    m = _extreme("max", m, split, ctx.log)
     m = jnp.where(jnp.isfinite(m), m, 0)
     total = col.psum(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True), split, ctx.log)
     total = ctx.varying(total, col.varying_axes(x))  # logged: the backward psums its gradient

@@ -6,8 +6,10 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
+from lowering.collectives import relayout_traffic
 from lowering.cost import expected_hlo, traffic
 from lowering.hlo import collectives
+from lowering.layout import Layout
 
 R = np.random.default_rng(0)
 X = nm.tensor(R.normal(size=(64, 128)).astype(np.float32), "batch d_model")
@@ -146,3 +148,32 @@ def test_training_report_of_data_parallel_is_the_gradient_all_reduce():
 def test_report_wrt_names_a_missing_argument():
     with pytest.raises(nm.NamedMeshError, match="no argument"):
         lower(mlp, MESH, "batch:rows").report(X, W1, W2, wrt=3, show=False)
+
+
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        ("batch:rows", "d_model:rows"),  # all_to_all
+        ("batch:rows,cols", "d_model:cols"),  # gather rows, move cols
+        ("batch:cols;d_model:rows", "batch:rows;d_model:cols"),
+        ("d_model:rows,cols", "batch:cols;d_model:rows"),
+        ("", "batch:rows;d_model:cols"),  # slices only: free
+    ],
+)
+def test_relayout_traffic_is_what_the_relayout_sends(src, dst):
+    """`relayout_traffic` costs the moves `relayout` runs: equal to the report's bytes of a
+    lowered `nm.constrain` between the two layouts, and to the HLO's collectives."""
+    f = lower(lambda x: nm.constrain(x, dst), MESH, src)
+    (step,) = [s for s in f.plan(X) if s.name == "constrain"]
+    sent = sum(traffic(c.kind, c.axes, c.nbytes, MESH.sizes) for c in step.collectives)
+    lay_src = Layout(src).of(X.dims, X.shape, MESH)
+    lay_dst = Layout(dst, strict=True).of(X.dims, X.shape, MESH)
+    local = X.data.nbytes
+    for axes in lay_src:
+        for a in axes:
+            local //= MESH.sizes[a]
+    assert relayout_traffic(lay_src, lay_dst, local, MESH.sizes) == pytest.approx(sent)
+    assert (sent == 0) == (src == "")
+    np.testing.assert_array_equal(np.asarray(f(X).data), X.data)
+    hlo = collectives(f.compile(X).as_text())
+    assert sorted(hlo) == sorted(expected_hlo(f.plan(X), MESH.sizes))

@@ -782,3 +782,92 @@ def test_a_replicated_value_used_twice_by_split_weights_is_psummed_once_in_backw
     ha, hb = np.maximum(x.data @ wa.data, 0), x.data @ wb.data
     want = ((ha > 0) * hb) @ wa.data.T + ha @ wb.data.T
     np.testing.assert_allclose(np.asarray(grad(x, wa, wb)[0].data), want, rtol=1e-4, atol=1e-4)
+
+
+def _expert_ffn(x, wi, wo):
+    h = nm.relu(nm.einsum(x, wi, out="batch experts d_ff"))
+    return nm.einsum(h, wo, out="batch experts d_model")
+
+
+def _expert_ffn_numpy(x, wi, wo):
+    h = np.maximum(np.einsum("bed,edf->bef", x, wi), 0)
+    return np.einsum("bef,efd->bed", h, wo)
+
+
+_R = np.random.default_rng(7)
+TOKENS = nm.tensor(_R.normal(size=(8, 8, 4)).astype(np.float32), "batch experts d_model")
+WI = nm.tensor(_R.normal(size=(8, 4, 64)).astype(np.float32), "experts d_model d_ff")
+WO = nm.tensor(_R.normal(size=(8, 64, 4)).astype(np.float32), "experts d_ff d_model")
+
+
+def test_conflicting_dims_move_the_tokens_not_the_expert_weights():
+    """batch and experts share one axis: rule order (batch first) would compute the FFN
+    split by batch and all-gather both expert weights; the planner weighs experts first
+    and moves the tokens by all_to_all in and out (GShard), the activation staying put."""
+    f = lower(_expert_ffn, mesh_of("8"), "batch:x;experts:x")
+    plan = f.plan(TOKENS, WI, WO)
+    kinds = [(s.name, c[0]) for s in plan for c in s.collectives]
+    assert kinds == [("einsum", "all_to_all"), ("outputs", "all_to_all")], str(plan)
+    assert plan[0].outputs == [(("batch", "experts", "d_ff"), ((), ("x",), ()))]
+    assert plan[1].inputs == plan[1].outputs == plan[0].outputs  # the relu moves nothing
+    want = _expert_ffn_numpy(TOKENS.data, WI.data, WO.data)
+    y = f(TOKENS, WI, WO)
+    assert y.dims == TOKENS.dims
+    np.testing.assert_allclose(np.asarray(y.data), want, rtol=RTOL, atol=1e-4)
+    assert_sharded_as_layout(y, mesh_of("8"), "batch:x;experts:x")  # outputs: rule order
+    text = f.compile(TOKENS, WI, WO).as_text()
+    assert "all-gather" not in text
+
+
+def test_conflicting_dims_gradients_and_rule_order_when_it_is_cheaper():
+    """The gradients under the planner's layouts equal NumPy's; with tokens far bigger than
+    the weights, gathering the weights is cheaper and rule order stays."""
+    f = lower(
+        lambda x, wi, wo: (_expert_ffn(x, wi, wo) ** 2).sum(), mesh_of("8"), "batch:x;experts:x"
+    )
+    gi, go = jax.grad(lambda wi, wo: f(TOKENS, wi, wo).data, argnums=(0, 1))(WI, WO)
+    x, wi, wo = TOKENS.data, WI.data, WO.data
+    a = np.einsum("bed,edf->bef", x, wi)
+    dy = 2 * _expert_ffn_numpy(x, wi, wo)
+    dh = np.einsum("bed,efd->bef", dy, wo) * (a > 0)
+    np.testing.assert_allclose(
+        np.asarray(go.data), np.einsum("bef,bed->efd", np.maximum(a, 0), dy), rtol=1e-4, atol=1e-3
+    )
+    np.testing.assert_allclose(
+        np.asarray(gi.data), np.einsum("bed,bef->edf", x, dh), rtol=1e-4, atol=1e-3
+    )
+    big = nm.tensor(_R.normal(size=(8, 8, 512, 4)).astype(np.float32), "batch experts slot d_model")
+    g = lower(
+        lambda x, wi: nm.einsum(x, wi, out="batch experts slot d_ff"),
+        mesh_of("8"),
+        "batch:x;experts:x",
+    )
+    kinds = [c[0] for s in g.plan(big, WI) for c in s.collectives]
+    assert kinds == ["all_gather"]
+    want = np.einsum("besd,edf->besf", big.data, WI.data)
+    np.testing.assert_allclose(np.asarray(g(big, WI).data), want, rtol=RTOL, atol=1e-4)
+
+
+def test_conflicting_dims_inside_a_scan_keep_the_carry_layout():
+    """The expert FFN as a scan body: the body computes experts-split, the carry is moved
+    back to its rule-order layout at the end of each iteration."""
+    x3 = nm.tensor(
+        _R.normal(size=(2, 8, 8, 4)).astype(np.float32) * 0.3, "step batch experts d_model"
+    )
+
+    def loop(c, xs, wi, wo):
+        return nm.scan(
+            lambda c, x: (_expert_ffn(c + x, wi, wo) * 0.1, c.sum("d_model")), c, xs, "step"
+        )
+
+    f = lower(loop, mesh_of("8"), "batch:x;experts:x")
+    carry, ys = f(TOKENS, x3, WI, WO)
+    c, want_ys = TOKENS.data, []
+    for i in range(2):
+        want_ys.append(c.sum(-1))
+        c = _expert_ffn_numpy(c + x3.data[i], WI.data, WO.data) * 0.1
+    np.testing.assert_allclose(np.asarray(carry.data), c, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ys.data), np.stack(want_ys), rtol=1e-4, atol=1e-4)
+    body = [s for s in f.plan(TOKENS, x3, WI, WO) if s.depth == 1]
+    kinds = [c[0] for s in body for c in s.collectives]
+    assert "all_gather" not in kinds and kinds.count("all_to_all") >= 2, kinds

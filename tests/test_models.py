@@ -222,7 +222,8 @@ def test_paper_layouts_plan_on_the_paper_meshes(name):
     assert sharded.flops == pytest.approx(whole.flops / mesh.size, rel=0.1)
     assert sharded.peak_memory < whole.peak_memory / 4
     kinds = {kind for kind, _ in sharded.collectives}
-    assert kinds <= {"psum", "psum_scatter", "all_gather", "all_to_all"}
+    # pmax: the softmax/logsumexp maxima over a split vocab or heads dim
+    assert kinds <= {"psum", "psum_scatter", "all_gather", "all_to_all", "pmax"}
     if "model" in mesh.sizes:  # heads and d_ff split: the attention and FFN outputs psum
         assert any("model" in axes for _, axes in sharded.collectives)
 
