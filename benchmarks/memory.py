@@ -116,7 +116,7 @@ CAUSES = {
     ("layer", "sequence-parallel"): ("softmax", "GELU", "gathered x"),
     ("layer", "3d"): ("softmax", "GELU", "gathered x"),
     ("moe", "data-parallel"): ("gradient all-reduce",),
-    ("moe", "expert-parallel"): ("gathered experts",),
+    ("moe", "expert-parallel"): ("expert hidden",),
     ("moe", "2d expert-parallel"): ("expert hidden", "gradient all-reduce"),
     ("moe", "3d"): ("expert hidden", "gradient all-reduce"),
 }
@@ -147,12 +147,6 @@ REASONS = {
     "gathered x": "sequence parallelism gathers x over the length axis for the keys and "
     "values and keeps the gathered copy (every position) through the backward pass for "
     "their weight gradients; the ideal has x divided by length",
-    "gathered experts": "experts and batch share one axis and the planner all-gathers every "
-    "expert's weights (the collective-bytes gap): both gathered weights are "
-    "temporaries through the forward and backward passes, and the expert gradients are "
-    "full-size before their reduce-scatter. With the rules ordered "
-    "`experts:data;batch:data`, which moves the tokens by all-to-all, neither is held and "
-    "the peak falls with the bytes sent",
     "expert hidden": "the experts' hidden layer (experts, capacity, d_ff; the device's "
     "shard) is live three times in the backward pass where the ideal keeps relu's output "
     "once: relu's input (XLA's derivative compares it with 0), a transposed copy of the "
