@@ -175,7 +175,10 @@ class Context:
         request reuses the first result (XLA would merge the duplicate collectives)."""
         source = self.source(x)
         if tuple(src) != tuple(dst):
-            x = self.varying(x, self.combined)
+            # A slice by this device's index makes a value vary over the axes it adds;
+            # cast here, so that the backward pass's psum of its gradient is planned.
+            added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
+            x = self.varying(x, self.combined | added)
         key = (id(x), tuple(src), tuple(dst))
         if key not in self.moved:
             log = lambda kind, axes, nbytes, **kw: self.log(kind, axes, nbytes, source, **kw)

@@ -527,6 +527,7 @@ def cumsum_rule(ctx, eqn, args):
     y = ctx.local(eqn.primitive, x, **p)
     totals = jnp.sum(x.astype(y.dtype), axis=axis, keepdims=True)
     totals = col.gather_stacked(totals, axes, ctx.log)
+    totals = ctx.varying(totals, col.varying_axes(y))  # logged: the backward psums its gradient
     me = col.axis_index(axes, ctx.sizes)
     shard = jnp.arange(totals.shape[0]).reshape((-1,) + (1,) * y.ndim)
     before = (shard > me) if p["reverse"] else (shard < me)

@@ -15,6 +15,7 @@ from collections import Counter
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -205,3 +206,30 @@ def test_random_values_and_dropout_masks_do_not_depend_on_the_layout(sizes, mesh
             continue
         for o, e in zip(out, eager, strict=True):
             np.testing.assert_allclose(np.asarray(o.data), e.data, rtol=1e-6, atol=1e-6)
+
+
+@given(S.cases(max_steps=4))
+@example(  # cumsum along a split dim: the shards' totals meet the varying running sums
+    (S.Program((("p", 2), ("q", 2)), (("p",),), (("cumsum", 0, 0, 0),), 0), Mesh({"m0": 2}),
+     Layout("p:m0"))
+)  # fmt: skip
+def test_training_report_bytes_are_the_compiled_training_steps(case):
+    """The cost model's backward bytes (report(wrt=...)) are the compiled value_and_grad's
+    less the compiled forward pass's (where XLA folds a forward collective away, which
+    the test above covers, the case says nothing of the backward and is skipped)."""
+    from benchmarks.collectives import hlo_traffic
+
+    program, mesh, layout = case
+    xs = program.example_inputs()
+    loss = lambda *xs: (program(*xs).astype(np.float32) ** 2).mean()
+    argnums = tuple(i for i, x in enumerate(xs) if np.issubdtype(x.dtype, np.floating))
+    lowered, _ = _lowered_or_error(loss, mesh, layout, xs)
+    if lowered is None or not argnums or xla_may_fold(nm.trace(loss, *xs)):
+        return
+    rep = lowered.report(*xs, wrt=argnums, show=False)
+    forward = hlo_traffic(lowered.compile(*xs).as_text())
+    if abs(forward - rep.bytes) > 0.5:
+        return
+    step = jax.jit(jax.value_and_grad(lambda *xs: lowered(*xs).data, argnums=argnums))
+    compiled = hlo_traffic(step.lower(*xs).compile().as_text())
+    assert rep.backward_bytes == pytest.approx(compiled - forward, abs=0.5)
