@@ -62,6 +62,11 @@ def varying_axes(x) -> set[str]:
     return set(vma)
 
 
+def missing_axes(x, vma: set, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The axes of `vma` over which `x` is not yet typed varying, in mesh order."""
+    return tuple(a for a in sizes if a in vma - varying_axes(x))
+
+
 def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
     """`x`, equal on every device along `axes` but typed varying there, as a value that
     shard_map may return replicated: a psum of device 0's copy. (A slice and gather back

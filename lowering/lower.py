@@ -22,7 +22,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering import cost, distributed, rules
-from lowering.collectives import make_invarying, relayout, varying_axes
+from lowering.collectives import make_invarying, missing_axes, nbytes, relayout, varying_axes
 from lowering.cost import Report
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh
@@ -145,12 +145,12 @@ class Context:
         """`x` typed varying over the axes `vma` (a free cast), once per value: left to
         jax, each use of an invariant value by a varying one is cast on its own, and
         the backward pass then psums each use's cotangent instead of their sum."""
-        missing = tuple(a for a in self.sizes if a in vma - varying_axes(x))
+        missing = missing_axes(x, vma, self.sizes)
         if not missing:
             return x
         key = (id(x), "varying", missing)
         if key not in self.moved:
-            self.log("pvary", missing, math.prod(x.shape) * x.dtype.itemsize, self.source(x))
+            self.log("pvary", missing, nbytes(x), self.source(x))
             self.moved[key] = (x, jax.lax.pcast(x, missing, to="varying"))
             self.note_source(self.moved[key][1], self.source(x))
         return self.moved[key][1]

@@ -466,7 +466,7 @@ def shift_rule(ctx, eqn, args):
         if off > 0
         else jax.lax.slice_in_dim(x, 0, k, axis=axis)
     )
-    ctx.log("ppermute", axes, math.prod(edge.shape) * edge.dtype.itemsize)
+    ctx.log("ppermute", axes, col.nbytes(edge))
     halo = jax.lax.ppermute(edge, name, _ring(axes, ctx.sizes, 1 if off > 0 else -1, p["wrap"]))
     if not p["wrap"]:
         me = col.axis_index(axes, ctx.sizes)
@@ -546,13 +546,13 @@ def _halo_extend(ctx, x, axis: int, axes, left: int, right: int, fill):
     parts = []
     if left:
         edge = jax.lax.slice_in_dim(x, n - left, n, axis=axis)
-        ctx.log("ppermute", axes, math.prod(edge.shape) * edge.dtype.itemsize)
+        ctx.log("ppermute", axes, col.nbytes(edge))
         halo = jax.lax.ppermute(edge, name, [(j, j + 1) for j in range(k - 1)])
         parts.append(jnp.where(me == 0, jnp.full_like(halo, fill), halo))
     parts.append(x)
     if right:
         edge = jax.lax.slice_in_dim(x, 0, right, axis=axis)
-        ctx.log("ppermute", axes, math.prod(edge.shape) * edge.dtype.itemsize)
+        ctx.log("ppermute", axes, col.nbytes(edge))
         halo = jax.lax.ppermute(edge, name, [(j + 1, j) for j in range(k - 1)])
         parts.append(jnp.where(me == k - 1, jnp.full_like(halo, fill), halo))
     return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x

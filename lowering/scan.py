@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lowering.collectives import varying_axes
+from lowering.collectives import missing_axes, nbytes, varying_axes
 from lowering.lower import Step, plan_layouts, run_graph
 from lowering.rules import rule
 
@@ -26,7 +26,7 @@ class _WiderCarry(Exception):
 
 
 def _pcast(x, vma: set, sizes):
-    missing = tuple(a for a in sizes if a in vma - varying_axes(x))
+    missing = missing_axes(x, vma, sizes)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -95,8 +95,8 @@ def scan_rule(ctx, eqn, args):
         except _WiderCarry as e:
             vma |= e.axes
     for c in carry:  # logged once the carry's type is settled: its transpose psums
-        if missing := tuple(a for a in ctx.sizes if a in vma - varying_axes(c)):
-            ctx.log("pvary", missing, c.size * c.dtype.itemsize, ctx.source(c))
+        if missing := missing_axes(c, vma, ctx.sizes):
+            ctx.log("pvary", missing, nbytes(c), ctx.source(c))
     ctx.step.body = list(steps)
     return [
         *zip(final, carry_lay, strict=True),
