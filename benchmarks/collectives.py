@@ -37,7 +37,7 @@ def hlo_traffic(hlo_text: str) -> float:
     return total
 
 
-def _median_seconds(fns: dict, repeats: int) -> dict:
+def median_seconds(fns: dict, repeats: int) -> dict:
     """Median wall time of each (fn, args), the implementations taking turns per repeat."""
     times: dict = {k: [] for k in fns}
     for _ in range(repeats):
@@ -70,7 +70,7 @@ def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:
         for a, r in zip(g, out["grads"]["gspmd"], strict=True):
             if not np.allclose(a, r, rtol=1e-3, atol=1e-5):
                 raise AssertionError(f"{model.name} {case.name}: {name}'s gradients differ")
-    out["seconds"] = _median_seconds(made, repeats)
+    out["seconds"] = median_seconds(made, repeats)
     f = lower(model.loss, Mesh(case.mesh), case.rules)
     placed = made["namedmesh"][1]  # (params, x) as the lowered loss takes them
     out["ideal_memory"] = memory.ideal_bytes(model.loss, params, x, case.mesh, case.rules)

@@ -17,7 +17,6 @@ change with a buffer's size are not modelled.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from benchmarks.collectives import median_seconds
 from lowering.cost import Report, traffic
 
 
@@ -51,12 +51,7 @@ _KIND = {"pmax": "psum", "pmin": "psum"}  # all-reduces too
 
 def _median(fn, args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return median_seconds({"fn": (fn, args)}, repeats)["fn"]
 
 
 def _mesh_runner():
