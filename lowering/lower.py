@@ -365,7 +365,7 @@ class Lowered:
         inputs = None
         if wrt is not None:
             wrt = (wrt,) if isinstance(wrt, int) else tuple(wrt)
-            bad = [i for i in wrt if not 0 <= i < len(args)]
+            bad = [i for i in wrt if not isinstance(i, int) or not 0 <= i < len(args)]
             if bad:
                 raise NamedMeshError(f"report(wrt={wrt}): no argument {bad} of {len(args)}")
             counts = [len(jax.tree_util.tree_leaves(a, is_leaf=_is_tensor)) for a in args]
