@@ -125,7 +125,12 @@ class Context:
             vma = set().union(*(varying_axes(a) for a in arrays))
             arrays = [self.varying(a, vma) for a in arrays]
         out = prim.jax_impl(*arrays, **params)
-        outs = out if prim.multiple_results else (out,)
+        self.note_local(prim, params, arrays, out if prim.multiple_results else (out,))
+        return out
+
+    def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
+        """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
+        report costs it by the primitive's cost rule on their shapes."""
         e = self.step.eqn
         aval = lambda v, a: Aval(v.dims, tuple(a.shape), np.dtype(a.dtype))
         self.step.local.append(
@@ -138,8 +143,7 @@ class Context:
         )
         shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
         ins, outs_ = self.step.local[-1][2:]
-        self.step.events.append(f"local {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
-        return out
+        self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
 
     def varying(self, x, vma: set):
         """`x` typed varying over the axes `vma` (a free cast), once per value: left to
@@ -242,6 +246,12 @@ def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth
         combines = e.primitive.name in rules.COMBINING
         ctx.combined = set().union(*(varying_axes(x) for x, _ in ins)) if combines else set()
         outs = rules.rule_for(e.primitive)(ctx, e, ins)
+        if not ctx.step.local and not ctx.step.body:
+            # The rule computed the op with its own jax arithmetic, not by `ctx.local` (a
+            # softmax or top_k along a split dim, random): its work is costed all the
+            # same, by the primitive's cost rule on the shards the rule took and gave.
+            ctx.note_local(e.primitive, e.params, [x for x, _ in ins], [y for y, _ in outs],
+                           "computed by the rule:")  # fmt: skip
         ctx.step.outputs = [(v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)]
         plan.append(ctx.step)
         plan.extend(ctx.step.body)

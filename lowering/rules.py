@@ -9,6 +9,7 @@ replicated (correct for every primitive, and the baseline the others improve on)
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -17,7 +18,9 @@ import jax.numpy as jnp
 from lowering import collectives as col
 from lowering.cost import traffic
 from lowering.layout import local_shape
+from namedmesh.ordering import lowest, sort_key
 from namedmesh.primitive import REGISTRY
+from namedmesh.reductions import finite_shift
 
 
 def rule(*names):
@@ -183,16 +186,67 @@ def einsum_rule(ctx, eqn, args):
     y = ctx.local(eqn.primitive, *xs, **eqn.params)
     summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
     scatter, reduce, cur = _combine(summed, _layout_in(out.dims, comp), want)
+    y = _as_counts(y, summed, ctx.sizes)
     for a, j in scatter:
         y = col.psum_scatter(y, (a,), j, ctx.log)
     y = col.psum(y, reduce, ctx.log)
-    return [(ctx.relayout(y, cur, want), want)]
+    return [(ctx.relayout(y.astype(out.dtype) if y.dtype != out.dtype else y, cur, want), want)]
+
+
+def _as_counts(y, summed, sizes):
+    """A boolean einsum's partial results (ORs of ANDs) as counts of the shards that hold
+    a True, in the narrowest unsigned type that cannot wrap (bool's bytes while under 256
+    shards), so that a psum then a cast to bool is their OR. Integer partial sums need
+    nothing: they wrap modulo 2^bits as NumPy's do, and wrapping addition is associative."""
+    if y.dtype != jnp.bool_ or not summed:
+        return y
+    return y.astype(jnp.uint8 if math.prod(sizes[a] for a in summed) < 256 else jnp.uint32)
 
 
 def _extreme(name: str, y, axes, log):
     """The elementwise max (min) of `y` over the devices along `axes`: pmax (pmin), one
-    all-reduce of `y` where a gather would send (n-1) times its bytes."""
+    all-reduce of `y` where a gather would send (n-1) times its bytes. Exact for every
+    dtype; a NaN may be dropped (XLA's all-reduce max does on CPU): see `_global_extreme`."""
     return (col.pmax if name == "max" else col.pmin)(y, axes, log)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _ties_gradient(x, m, hit, count, axes: tuple[int, ...], split: tuple[str, ...]):
+    """`m`, the global extreme of `x` along `axes`, with jax's one-device gradient of
+    jnp.max: the cotangent divided by the number of elements equal to the extreme
+    (`count`, over all shards), times the float mask `hit` of those elements (so a NaN
+    extreme, which no element equals, gives NaN gradients, as on one device). `m`,
+    `hit` and `count` carry no gradient."""
+    return m
+
+
+@_ties_gradient.defjvp
+def _ties_gradient_jvp(axes, split, primals, tangents):
+    x, m, hit, count = primals
+    t = tangents[0]
+    # psum's transpose is free: no collective is added to the plan's backward pass
+    return m, jax.lax.psum(jnp.sum(t * hit, axis=axes), split) / count
+
+
+def _global_extreme(name: str, x, y, axes: tuple[int, ...], split, log):
+    """max (min) of `x` along `axes` split over the mesh axes `split`, `y` the local
+    result: exactly NumPy's (pmax of the local extremes, no value through a sum or a
+    float), NaN wherever a shard holds one, and for floats jax's tie gradient. One psum
+    carries the count of NaNs (the value needs it) and of elements equal to the extreme
+    (the gradient does)."""
+    m = _extreme(name, jax.lax.stop_gradient(y), split, log)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return m
+    x0 = jax.lax.stop_gradient(x)
+    hit = x0 == jnp.expand_dims(m, axes)
+    counts = jnp.stack([jnp.sum(hit, axis=axes, dtype=jnp.int32),
+                        jnp.sum(jnp.isnan(x0), axis=axes, dtype=jnp.int32)])  # fmt: skip
+    ties, nans = col.psum(counts, split, log)
+    m = jnp.where(nans > 0, jnp.asarray(jnp.nan, m.dtype), m)
+    # With a NaN no element equals the extreme: no ties, and NaN gradients, as jax's
+    hit = hit & ~jnp.expand_dims(nans > 0, axes)
+    ties = jnp.where(nans > 0, 0, ties)
+    return _ties_gradient(x, m, hit.astype(x.dtype), ties.astype(x.dtype), axes, split)
 
 
 def _reduced(eqn, lay):
@@ -207,10 +261,9 @@ def reduction_rule(ctx, eqn, args):
     """The reduction on each shard, then combined over the axes that split reduced dims:
     psum for sum (mean divides by the shard count); any, all and prod reduce the
     gathered per-shard results; max and min take the extreme by pmax/pmin of the
-    stop_gradient'd shard results (an all-reduce: fewer bytes than a gather beyond two
-    devices; pmax has no derivative, its input's tangent is a symbolic zero), and share
-    the gradient among the elements equal to it; logsumexp is m + log(psum(exp(lse - m)))
-    with m the pmax of the per-shard values."""
+    shard results (`_global_extreme`: exact, NaN-propagating, jax's tie gradient);
+    logsumexp is m + log(psum(exp(lse - m))) with m the pmax of the per-shard values
+    (0 where it is infinite, as scipy's logsumexp shifts)."""
     ((x, lay),) = args
     split, kept = _reduced(eqn, lay)
     name, out = eqn.primitive.name, eqn.outputs[0]
@@ -222,14 +275,8 @@ def reduction_rule(ctx, eqn, args):
     elif name in ("any", "all", "prod") and split:
         y = getattr(jnp, name)(col.gather_stacked(y, split, ctx.log), axis=0)
     elif name in ("max", "min") and split:
-        # The global extreme, without gradient; then, as jnp.max does on one device, the
-        # gradient shared equally by every element equal to it, across all shards.
-        m = _extreme(name, jax.lax.stop_gradient(y), split, ctx.log)
-        axes = eqn.params["axes"]
-        hit = x == jnp.expand_dims(m, axes)
-        count = col.psum(jnp.sum(hit, axis=axes, dtype=x.dtype), split, ctx.log)
-        y = col.psum(jnp.sum(jnp.where(hit, x, 0), axis=axes), split, ctx.log) / count
-    elif split:  # logsumexp
+        y = _global_extreme(name, x, y, eqn.params["axes"], split, ctx.log)
+    elif split:  # logsumexp: a shard's NaN or inf reaches the psum through exp
         m = _extreme("max", jax.lax.stop_gradient(y), split, ctx.log)
         m = jnp.where(jnp.isfinite(m), m, 0)
         y = m + jnp.log(col.psum(jnp.exp(y - m), split, ctx.log))
@@ -240,8 +287,10 @@ def reduction_rule(ctx, eqn, args):
 @rule("softmax", "log_softmax")
 def softmax_rule(ctx, eqn, args):
     """Along split dims: the global max (the pmax of the per-shard maxes, without
-    gradient) is subtracted, the shards' sums of exponentials are psum-ed; nothing else
-    moves."""
+    gradient) is subtracted (for log_softmax only where it is finite, as scipy does), the
+    shards' sums of exponentials are psum-ed; nothing else moves. A NaN or +inf anywhere
+    in a row makes the sum NaN or inf, and the row what the reference gives (softmax:
+    all NaN)."""
     ((x, lay),) = args
     out = eqn.outputs[0]
     want = ctx.wanted[out]
@@ -253,13 +302,13 @@ def softmax_rule(ctx, eqn, args):
     x = x.astype(out.dtype)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True))
     m = _extreme("max", m, split, ctx.log)
-    m = jnp.where(jnp.isfinite(m), m, 0)
-    total = col.psum(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True), split, ctx.log)
+    shifted = finite_shift(x, m) if eqn.primitive.name == "log_softmax" else x - m
+    total = col.psum(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True), split, ctx.log)
     total = ctx.varying(total, col.varying_axes(x))  # logged: the backward psums its gradient
     if eqn.primitive.name == "softmax":
-        y = jnp.exp(x - m) / total
+        y = jnp.exp(shifted) / total
     else:
-        y = x - m - jnp.log(total)
+        y = shifted - jnp.log(total)
     return [(ctx.relayout(y, lay, want), want)]
 
 
@@ -484,7 +533,10 @@ def shift_rule(ctx, eqn, args):
 @rule("top_k", "argmax", "argmin")
 def top_k_rule(ctx, eqn, args):
     """Along a split dim: the local top_k (argmax) with global indices, the candidates of
-    all shards gathered in shard order, and a final top_k (argmax) over them."""
+    all shards gathered in shard order, and a final top_k (argmax) over them. Both rank by
+    `sort_key` (NumPy's order: NaN first, -0.0 tied with 0.0) and lax.top_k keeps the
+    lower index first on ties, so ties go to the first global index; the values are
+    gathered as they are and keyed again after the gather."""
     ((x, lay),) = args
     p = eqn.params
     axis = p["axis"]
@@ -493,15 +545,16 @@ def top_k_rule(ctx, eqn, args):
     k = p.get("k", 1)
     if not axes or x.shape[axis] < k:
         return along_dims_rule(ctx, eqn, args)
+    largest = name != "argmin"
     xm = jnp.moveaxis(x, axis, -1)
-    if name == "argmin":
-        xm = -xm if xm.dtype.kind == "f" else ~xm
-    vals, idx = jax.lax.top_k(xm, k)
+    _, idx = jax.lax.top_k(sort_key(xm, largest), k)
+    vals = jnp.take_along_axis(xm, idx, axis=-1)
     idx = idx + col.axis_index(axes, ctx.sizes) * x.shape[axis]
     vals = col.gather_stacked(vals, axes, ctx.log)  # [shards, ..., k]
     idx = col.gather_stacked(idx, axes, ctx.log)
     vals, idx = (jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (-1,)) for a in (vals, idx))
-    best, pos = jax.lax.top_k(vals, k)
+    _, pos = jax.lax.top_k(sort_key(vals, largest), k)
+    best = jnp.take_along_axis(vals, pos, axis=-1)
     best_idx = jnp.take_along_axis(idx, pos, axis=-1).astype(jnp.int32)
     kept = tuple(() if i == axis else a for i, a in enumerate(lay))
     if name == "top_k":
@@ -626,9 +679,7 @@ def pool_rule(ctx, eqn, args):
     halos = _halos(ctx, lay, v.shape, p["axes"], p["windows"], p["strides"], p["pads"])
     if halos is None:
         return replicated_rule(ctx, eqn, args)
-    fill = 0
-    if p["kind"] == "max":
-        fill = -jnp.inf if x.dtype.kind == "f" else jnp.iinfo(x.dtype).min
+    fill = lowest(x.dtype) if p["kind"] == "max" else 0
     pads = list(p["pads"])
     for i, a in enumerate(p["axes"]):
         if a in halos:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.ordering import lowest
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
@@ -213,9 +214,7 @@ def _pool_rule(x, axes, windows, strides, pads, kind):
 
 
 def _pool_np(x, axes, windows, strides, pads, kind):
-    fill = -np.inf if kind == "max" else 0
-    if kind == "max" and x.dtype.kind in "iu":
-        fill = np.iinfo(x.dtype).min
+    fill = lowest(x.dtype) if kind == "max" else 0
     xw = _windows(x, axes, windows, strides, (1,) * len(axes), pads, fill, np)
     win_axes = tuple(range(x.ndim, xw.ndim))
     return xw.max(axis=win_axes) if kind == "max" else xw.mean(axis=win_axes)
@@ -227,8 +226,7 @@ def _pool_jax(x, axes, windows, strides, pads, kind):
     )
     win, st, pd = full(windows, 1), full(strides, 1), full(pads, (0, 0))
     if kind == "max":
-        init = -jnp.inf if x.dtype.kind in "fc" else jnp.iinfo(x.dtype).min
-        return jax.lax.reduce_window(x, jnp.asarray(init, x.dtype), jax.lax.max, win, st, pd)
+        return jax.lax.reduce_window(x, jnp.asarray(lowest(x.dtype), x.dtype), jax.lax.max, win, st, pd)
     x = x.astype(jnp.float32) if x.dtype.kind not in "fc" else x
     total = jax.lax.reduce_window(x, jnp.asarray(0, x.dtype), jax.lax.add, win, st, pd)
     return total / math.prod(windows)

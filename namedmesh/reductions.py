@@ -14,6 +14,7 @@ import numpy as np
 import scipy.special
 
 from namedmesh.errors import ShapeError
+from namedmesh.ordering import sort_key
 from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
@@ -105,9 +106,23 @@ _log_softmax = primitive(
     "log_softmax",
     _same_rule,
     lambda x, axes: scipy.special.log_softmax(x, axis=axes),
-    lambda x, axes: jax.nn.log_softmax(x, axis=axes),
+    lambda x, axes: log_softmax_jax(x, axes),
     cost_rule=_normalization_cost,
 )
+
+
+def finite_shift(x, m):
+    """x - m, or x where the max m is infinite (or NaN): the shift of scipy's log_softmax
+    and logsumexp, whose semantics on infinities the reference has."""
+    return x - jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+
+
+def log_softmax_jax(x, axes):
+    """scipy.special.log_softmax's formula in jax (jax.nn.log_softmax differs on
+    infinities: [0, inf] gives [-inf, nan] here and in scipy, [nan, nan] there)."""
+    x = x.astype(_float(np.dtype(x.dtype)))
+    shifted = finite_shift(x, jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True)))
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True))
 
 
 def softmax(x: Tensor, dims: DimsLike) -> Tensor:
@@ -173,7 +188,10 @@ def _top_k_np(x, axis, k, new_dim):
 
 
 def _top_k_jax(x, axis, k, new_dim):
-    vals, idx = jax.lax.top_k(jnp.moveaxis(x, axis, -1), k)
+    # Ranked by NumPy's order (sort_key: NaN largest, -0.0 == 0.0), values taken as they are.
+    xm = jnp.moveaxis(x, axis, -1)
+    _, idx = jax.lax.top_k(sort_key(xm), k)
+    vals = jnp.take_along_axis(xm, idx, axis=-1)
     return jnp.moveaxis(vals, -1, axis), jnp.moveaxis(idx, -1, axis).astype(jnp.int32)
 
 
