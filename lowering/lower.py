@@ -222,6 +222,16 @@ def plan_layouts(ctx: Context, graph) -> None:
             ctx.free.discard(e.outputs[0])
 
 
+def cost_own_arithmetic(ctx: Context, e, ins, outs) -> None:
+    """Where a rule computed equation `e` with its own jax arithmetic, not by `ctx.local`
+    (a softmax, logsumexp or top_k along a split dim, random), cost it all the same: by
+    the primitive's cost rule on the local shards the rule took (`ins`) and gave (`outs`).
+    A scan is costed by its body's steps."""
+    if not ctx.step.local and not ctx.step.body:
+        ctx.note_local(e.primitive, e.params, [x for x, _ in ins], [y for y, _ in outs],
+                       "computed by the rule:")  # fmt: skip
+
+
 def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0):
     """Run `graph`'s equations on local shards by their SPMD rules. `env` maps each input
     Var to (local array, layout) and receives every value made; each equation's Step
@@ -246,12 +256,7 @@ def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth
         combines = e.primitive.name in rules.COMBINING
         ctx.combined = set().union(*(varying_axes(x) for x, _ in ins)) if combines else set()
         outs = rules.rule_for(e.primitive)(ctx, e, ins)
-        if not ctx.step.local and not ctx.step.body:
-            # The rule computed the op with its own jax arithmetic, not by `ctx.local` (a
-            # softmax or top_k along a split dim, random): its work is costed all the
-            # same, by the primitive's cost rule on the shards the rule took and gave.
-            ctx.note_local(e.primitive, e.params, [x for x, _ in ins], [y for y, _ in outs],
-                           "computed by the rule:")  # fmt: skip
+        cost_own_arithmetic(ctx, e, ins, outs)
         ctx.step.outputs = [(v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)]
         plan.append(ctx.step)
         plan.extend(ctx.step.body)

@@ -190,7 +190,12 @@ def einsum_rule(ctx, eqn, args):
     for a, j in scatter:
         y = col.psum_scatter(y, (a,), j, ctx.log)
     y = col.psum(y, reduce, ctx.log)
-    return [(ctx.relayout(y.astype(out.dtype) if y.dtype != out.dtype else y, cur, want), want)]
+    return [(ctx.relayout(_from_counts(y, out.dtype), cur, want), want)]
+
+
+def _from_counts(y, dtype):
+    """A combined einsum result in its dtype (a boolean one from its counts)."""
+    return y.astype(dtype) if y.dtype != dtype else y
 
 
 def _as_counts(y, summed, sizes):
@@ -262,11 +267,14 @@ def reduction_rule(ctx, eqn, args):
     psum for sum (mean divides by the shard count); any, all and prod reduce the
     gathered per-shard results; max and min take the extreme by pmax/pmin of the
     shard results (`_global_extreme`: exact, NaN-propagating, jax's tie gradient);
-    logsumexp is m + log(psum(exp(lse - m))) with m the pmax of the per-shard values
-    (0 where it is infinite, as scipy's logsumexp shifts)."""
+    logsumexp is `_split_logsumexp`."""
     ((x, lay),) = args
     split, kept = _reduced(eqn, lay)
     name, out = eqn.primitive.name, eqn.outputs[0]
+    want = ctx.wanted[out]
+    if name == "logsumexp" and split:
+        y = _split_logsumexp(ctx, x.astype(out.dtype), eqn.params["axes"], split)
+        return [(ctx.relayout(y, kept, want), want)]
     y = ctx.local(eqn.primitive, x, **eqn.params)
     if name in ("sum", "mean"):
         y = col.psum(y, split, ctx.log)
@@ -276,12 +284,23 @@ def reduction_rule(ctx, eqn, args):
         y = getattr(jnp, name)(col.gather_stacked(y, split, ctx.log), axis=0)
     elif name in ("max", "min") and split:
         y = _global_extreme(name, x, y, eqn.params["axes"], split, ctx.log)
-    elif split:  # logsumexp: a shard's NaN or inf reaches the psum through exp
-        m = _extreme("max", jax.lax.stop_gradient(y), split, ctx.log)
-        m = jnp.where(jnp.isfinite(m), m, 0)
-        y = m + jnp.log(col.psum(jnp.exp(y - m), split, ctx.log))
-    want = ctx.wanted[out]
     return [(ctx.relayout(y.astype(out.dtype), kept, want), want)]
+
+
+def _split_logsumexp(ctx, x, axes, split):
+    """scipy's logsumexp along dims split over `split`: the global max m (pmax of the
+    shards' maxes, no gradient; 0 where infinite) plus log of the psum of the shards'
+    sums of exp(x - m). A shard's NaN or inf reaches the psum through exp; an element at
+    -inf gets a zero gradient (a per-shard logsumexp would give an all -inf shard NaN)."""
+    m = _extreme("max", jax.lax.stop_gradient(jnp.max(x, axis=axes)), split, ctx.log)
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+    total = col.psum(jnp.sum(jnp.exp(x - jnp.expand_dims(m, axes)), axis=axes), split, ctx.log)
+    return m + jnp.log(total)
+
+
+# The max each normalization subtracts: softmax all of it (an infinite max gives NaN, as
+# scipy's softmax does), log_softmax only a finite one (as scipy's log_softmax does).
+_SHIFT = {"softmax": lambda x, m: x - m, "log_softmax": finite_shift}
 
 
 @rule("softmax", "log_softmax")
@@ -302,7 +321,7 @@ def softmax_rule(ctx, eqn, args):
     x = x.astype(out.dtype)
     m = jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True))
     m = _extreme("max", m, split, ctx.log)
-    shifted = finite_shift(x, m) if eqn.primitive.name == "log_softmax" else x - m
+    shifted = _SHIFT[eqn.primitive.name](x, m)
     total = col.psum(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True), split, ctx.log)
     total = ctx.varying(total, col.varying_axes(x))  # logged: the backward psums its gradient
     if eqn.primitive.name == "softmax":

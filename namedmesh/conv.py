@@ -226,9 +226,12 @@ def _pool_jax(x, axes, windows, strides, pads, kind):
     )
     win, st, pd = full(windows, 1), full(strides, 1), full(pads, (0, 0))
     if kind == "max":
-        return jax.lax.reduce_window(x, jnp.asarray(lowest(x.dtype), x.dtype), jax.lax.max, win, st, pd)
+        # NumPy inits, not jax arrays (which shard_map traces): jax then sees the max (add)
+        # monoid, which it can differentiate
+        init = np.asarray(lowest(x.dtype), x.dtype)
+        return jax.lax.reduce_window(x, init, jax.lax.max, win, st, pd)
     x = x.astype(jnp.float32) if x.dtype.kind not in "fc" else x
-    total = jax.lax.reduce_window(x, jnp.asarray(0, x.dtype), jax.lax.add, win, st, pd)
+    total = jax.lax.reduce_window(x, np.asarray(0, x.dtype), jax.lax.add, win, st, pd)
     return total / math.prod(windows)
 
 

@@ -34,5 +34,6 @@ def sort_key(x, largest: bool = True):
         x = x.astype(jnp.uint8)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x if largest else ~x
-    key = (x + jnp.zeros((), x.dtype)) if largest else (jnp.zeros((), x.dtype) - x)  # -0 -> +0
+    zero = jnp.zeros((), x.dtype)
+    key = jnp.where(x == zero, zero, x if largest else -x)  # -0.0 -> 0.0 (XLA folds x + 0)
     return jnp.where(jnp.isnan(x), jnp.asarray(jnp.nan, x.dtype), key)

@@ -38,7 +38,8 @@ def _kept(x, axes):
 
 
 def _float(dt: np.dtype) -> np.dtype:
-    return dt if dt.kind in "fc" else np.dtype(np.float32)
+    """A float result's dtype: the input's when inexact (bfloat16 too), else float32."""
+    return dt if jnp.issubdtype(dt, jnp.inexact) else np.dtype(np.float32)
 
 
 def _reduction_cost(in_avals, out_avals, params) -> Cost:
@@ -81,7 +82,19 @@ min = _make_reduction("min", np.min, jnp.min)
 mean = _make_reduction("mean", np.mean, jnp.mean, _float)
 any = _make_reduction("any", np.any, jnp.any, lambda dt: np.dtype(bool))
 all = _make_reduction("all", np.all, jnp.all, lambda dt: np.dtype(bool))
-logsumexp = _make_reduction("logsumexp", scipy.special.logsumexp, jax.nn.logsumexp, _float)
+
+
+def _scipy(fn):
+    """A scipy.special function on bfloat16 (which scipy cannot take) run in float32; the
+    result is cast back to the shape rule's dtype."""
+
+    def run(x, axis):
+        return fn(x.astype(np.float32) if x.dtype.kind == "V" else x, axis=axis)
+
+    return run
+
+
+logsumexp = _make_reduction("logsumexp", _scipy(scipy.special.logsumexp), jax.nn.logsumexp, _float)
 logsumexp.__doc__ = "log(sum(exp(x))) over `dims`, computed stably (max subtracted first)."
 
 
@@ -98,14 +111,14 @@ def _normalization_cost(in_avals, out_avals, params) -> Cost:
 _softmax = primitive(
     "softmax",
     _same_rule,
-    lambda x, axes: scipy.special.softmax(x, axis=axes),
+    lambda x, axes: _scipy(scipy.special.softmax)(x, axes),
     lambda x, axes: jax.nn.softmax(x, axis=axes),
     cost_rule=_normalization_cost,
 )
 _log_softmax = primitive(
     "log_softmax",
     _same_rule,
-    lambda x, axes: scipy.special.log_softmax(x, axis=axes),
+    lambda x, axes: _scipy(scipy.special.log_softmax)(x, axes),
     lambda x, axes: log_softmax_jax(x, axes),
     cost_rule=_normalization_cost,
 )

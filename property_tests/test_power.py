@@ -78,3 +78,87 @@ def test_a_wrong_rule_is_found_and_shrunk(name, make):
     assert not wrong((program, mesh, layout))  # right again once the rule is restored
     assert len(program.steps) <= 2  # (unused inputs may stay: indices refer to them)
     assert len(mesh.sizes) <= 2 and len(layout.rules) <= 2
+
+
+# Issue 13's classes of silent wrong answers, each reintroduced as the rule's old
+# behaviour: the value-case properties (property_tests/test_value_props.py) must find each
+# and shrink it. `wrong_value` is their check as a predicate.
+import importlib  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+
+import lowering.rules as rules  # noqa: E402
+from namedmesh.testing import lowered as cached_lower  # noqa: E402
+from property_tests import test_value_props as V  # noqa: E402
+
+lowering_lower = importlib.import_module("lowering.lower")  # `lowering.lower` is the function
+
+
+def failing(check):
+    def wrong_value(case) -> bool:
+        try:
+            check(case)
+        except Exception:  # a wrong answer, a raw error, or costed flops too low
+            return True
+        return False
+
+    return wrong_value
+
+
+def old_extreme(name, x, y, axes, split, log):
+    """max/min as the sum of the elements equal to the extreme over their count."""
+    m = rules._extreme(name, jax.lax.stop_gradient(y), split, log)
+    hit = x == jnp.expand_dims(m, axes)
+    count = col.psum(jnp.sum(hit, axis=axes, dtype=x.dtype), split, log)
+    return col.psum(jnp.sum(jnp.where(hit, x, 0), axis=axes), split, log) / count
+
+
+def old_key(x, largest=True):
+    """Raw values, negated for argmin: -0.0 ranks above 0.0 and NaN may lose."""
+    if largest:
+        return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    return -x if jnp.issubdtype(x.dtype, jnp.inexact) else ~x
+
+
+def old_lowest(dtype):
+    return -jnp.inf if dtype.kind == "f" else jnp.iinfo(dtype).min
+
+
+MUTATIONS = {  # class -> ([(module, name, old value)], ops drawn, property)
+    "1-max-min": ([(rules, "_global_extreme", old_extreme)], ("max", "min"), V.check_values),
+    "2-argmax-argmin": ([(rules, "sort_key", old_key)], ("argmax", "argmin"), V.check_values),
+    "6-bool-einsum": (
+        [
+            (rules, "_as_counts", lambda y, summed, sizes: y.astype(jnp.int32)),
+            (rules, "_from_counts", lambda y, dtype: y),
+        ],
+        ("einsum",),
+        V.check_values,
+    ),
+    "8-pool-fill": ([(rules, "lowest", old_lowest)], ("pool",), V.check_values),
+    "9-softmax-inf": (
+        [(rules, "_SHIFT", {**rules._SHIFT, "softmax": rules.finite_shift})],
+        ("softmax",),
+        V.check_values,
+    ),
+    "10-uncosted": (
+        [(lowering_lower, "cost_own_arithmetic", lambda *a: None)],
+        ("softmax", "top_k", "logsumexp"),
+        V.check_split_flops,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_each_reintroduced_wrong_answer_is_found_and_shrunk(name, monkeypatch):
+    patches, ops, check = MUTATIONS[name]
+    with monkeypatch.context() as m:
+        for module, attr, value in patches:
+            m.setattr(module, attr, value)
+        cached_lower.cache_clear()  # programs lowered by the right rules must not be reused
+        case = find(S.value_cases(ops=ops), failing(check), settings=POWER)
+        print(f"\nclass {name}: smallest counterexample {case!r}")
+    cached_lower.cache_clear()  # nor those lowered by the wrong ones
+    assert not failing(check)(case)  # right again once the rule is restored
+    distinct = {repr(v) for v in case.x.ravel().tolist()}
+    assert len(distinct) <= 3 and len(case.mesh) <= 2, case  # shrunk to a few values

@@ -9,6 +9,7 @@ A Program is data, so hypothesis shrinks it to a short one, and prints as code.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -291,6 +292,130 @@ def all_values(program: Program):
     return lambda *xs: program.values(*xs)[len(program.inputs) :]
 
 
+# Values and dtypes: the ops whose answer depends on ties, signed zeros, NaN, infinities
+# and the ends of a dtype's range (max/min, argmax/argmin, top_k, softmax, logsumexp, a
+# boolean or integer einsum, max pool), along a dim split over one or two mesh axes.
+DTYPES = ("bool", "int8", "uint8", "int32", "float16", "bfloat16", "float32")
+FLOATS = ("float16", "bfloat16", "float32")
+VALUE_OPS = {  # op -> dtypes it takes
+    "max": DTYPES,
+    "min": DTYPES,
+    "argmax": DTYPES,
+    "argmin": DTYPES,
+    "top_k": DTYPES,
+    "softmax": FLOATS,
+    "log_softmax": FLOATS,
+    "logsumexp": FLOATS,
+    "einsum": ("bool", "int8", "uint8", "int32"),  # exact: float sums depend on the order
+    "pool": DTYPES,
+}
+GRADIENT_OPS = ("max", "min", "top_k", "softmax", "log_softmax", "logsumexp", "pool")
+VALUE_MESHES = ({"m0": 4}, {"m0": 2, "m1": 2}, {"m0": 2, "m1": 4})
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a name in DTYPES (bfloat16 is ml_dtypes', as jax's)."""
+    import jax.numpy as jnp
+
+    return np.dtype(jnp.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def special_values(dtype: str) -> list:
+    """The values on which an op's semantics can go wrong for `dtype`: the ends of its
+    range and next to them, 0, 1, -1, and for floats -0.0, NaN, +-inf, the smallest
+    normal, and integers past float32's exact range as floats can hold them."""
+    if dtype == "bool":
+        return [False, True]
+    dt = np_dtype(dtype)
+    if dtype in FLOATS:
+        import jax.numpy as jnp
+
+        info = jnp.finfo(dt)
+        big = [float(info.max), float(info.min), float(info.max) / 2, float(info.tiny)]
+        return [0.0, -0.0, 1.0, -1.0, 0.5, -3.5, np.nan, np.inf, -np.inf, *big]
+    info = np.iinfo(dt)
+    vals = [0, 1, 2, info.max, info.min, info.max - 1, info.min + 1, -1, 2**24 + 1, 2**30]
+    return [v for v in vals if info.min <= v <= info.max]
+
+
+def value_arrays(shape: tuple[int, int], dtype: str):
+    """[rows, n] arrays of `dtype`: each row drawn from a few `special_values` (so ties of
+    the extreme, NaN, infinities and the dtype's ends are common, and shrink to zeros)."""
+    pool = special_values(dtype)
+    rows, n = shape
+
+    @st.composite
+    def draw(draw_):
+        out = []
+        for _ in range(rows):
+            few = draw_(st.lists(st.sampled_from(pool), min_size=1, max_size=4))
+            out.append(draw_(st.lists(st.sampled_from(few), min_size=n, max_size=n)))
+        return np.array(out, dtype=np_dtype(dtype))
+
+    return draw()
+
+
+@dataclass(frozen=True, eq=False)
+class ValueCase:
+    """One op on one array (two for einsum) whose dim `d` is split by `layout` on `mesh`."""
+
+    op: str
+    dtype: str
+    k: int
+    x: np.ndarray
+    y: np.ndarray
+    mesh: dict
+    layout: str
+
+    def inputs(self) -> list[nm.Tensor]:
+        xs = [nm.tensor(self.x, "r d")]
+        return xs + [nm.tensor(self.y, "d s")] if self.op == "einsum" else xs
+
+    def __repr__(self) -> str:
+        y = f", y={self.y.tolist()!r}" if self.op == "einsum" else ""
+        return (
+            f"ValueCase({self.op}, {self.dtype}, k={self.k}, x={self.x.tolist()!r}{y}, "
+            f"mesh={self.mesh}, layout={self.layout!r})"
+        )
+
+
+@functools.cache
+def value_op(op: str, k: int = 1):
+    """The function a ValueCase of `op` lowers: one op along `d` (one object per op and
+    k, so that lowered programs are cached across cases)."""
+    if op == "top_k":
+        return lambda x: list(nm.top_k(x, "d", k, new_dim="k"))
+    if op == "einsum":
+        return lambda x, y: nm.einsum(x, y, out="r s")
+    if op == "pool":  # SAME padding: the halo's fill reaches the ends of the split dim
+        return lambda x: nm.pool(x, {"d": 3}, stride=1, padding="SAME")
+    if op not in VALUE_OPS:
+        raise ValueError(f"no value op {op!r}")
+    return lambda x: getattr(nm, op)(x, "d")
+
+
+@st.composite
+def value_cases(draw, ops=tuple(VALUE_OPS), dtypes=DTYPES) -> ValueCase:
+    """A ValueCase: an op of `ops`, a dtype it takes, special values, `d` split over one
+    or two mesh axes in either order (sometimes `r` over another) on a mesh whose axes
+    all have size > 1."""
+    op = draw(st.sampled_from(ops))
+    dtype = draw(st.sampled_from([d for d in dtypes if d in VALUE_OPS[op]]))
+    mesh = draw(st.sampled_from(VALUE_MESHES))
+    axes = draw(st.permutations(list(mesh)))
+    n_d = draw(st.integers(1, len(axes)))
+    d_axes, rest = axes[:n_d], axes[n_d:]
+    split = int(np.prod([mesh[a] for a in d_axes]))
+    n = 2 * split  # fixed shapes per layout: a case that shrinks its values is not compiled again
+    rules = ["d:" + ",".join(d_axes)]
+    if rest and draw(st.booleans()):
+        rules.append(f"r:{rest[0]}")
+    x = draw(value_arrays((4, n), dtype))
+    y = draw(value_arrays((n, 2), dtype)) if op == "einsum" else x[:0]
+    k = draw(st.integers(1, min(3, n // split))) if op == "top_k" else 1
+    return ValueCase(op, dtype, k, x, y, mesh, ";".join(rules))
+
+
 __all__ = [
     "NAMES",
     "SIZES",
@@ -302,4 +427,12 @@ __all__ = [
     "programs",
     "Program",
     "all_values",
+    "DTYPES",
+    "VALUE_OPS",
+    "GRADIENT_OPS",
+    "special_values",
+    "value_arrays",
+    "value_cases",
+    "value_op",
+    "ValueCase",
 ]
