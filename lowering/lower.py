@@ -226,8 +226,10 @@ def cost_own_arithmetic(ctx: Context, e, ins, outs) -> None:
     """Where a rule computed equation `e` with its own jax arithmetic, not by `ctx.local`
     (a softmax, logsumexp or top_k along a split dim, random), cost it all the same: by
     the primitive's cost rule on the local shards the rule took (`ins`) and gave (`outs`).
-    A scan is costed by its body's steps."""
-    if not ctx.step.local and not ctx.step.body:
+    A scan is costed by its body's steps. Ops with no input (full, iota: each device
+    makes its block of a constant) stay uncosted, as the benchmarks' hand counts of the
+    models' work assume."""
+    if e.inputs and not ctx.step.local and not ctx.step.body:
         ctx.note_local(e.primitive, e.params, [x for x, _ in ins], [y for y, _ in outs],
                        "computed by the rule:")  # fmt: skip
 
