@@ -94,6 +94,11 @@ from property_tests import test_value_props as V  # noqa: E402
 lowering_lower = importlib.import_module("lowering.lower")  # `lowering.lower` is the function
 
 
+def clear_caches() -> None:
+    cached_lower.cache_clear()
+    V.gradients.cache_clear()
+
+
 def failing(check):
     def wrong_value(case) -> bool:
         try:
@@ -155,10 +160,10 @@ def test_each_reintroduced_wrong_answer_is_found_and_shrunk(name, monkeypatch):
     with monkeypatch.context() as m:
         for module, attr, value in patches:
             m.setattr(module, attr, value)
-        cached_lower.cache_clear()  # programs lowered by the right rules must not be reused
+        clear_caches()  # programs lowered by the right rules must not be reused
         case = find(S.value_cases(ops=ops), failing(check), settings=POWER)
         print(f"\nclass {name}: smallest counterexample {case!r}")
-    cached_lower.cache_clear()  # nor those lowered by the wrong ones
+    clear_caches()  # nor those lowered by the wrong ones
     assert not failing(check)(case)  # right again once the rule is restored
     distinct = {repr(v) for v in case.x.ravel().tolist()}
     assert len(distinct) <= 3 and len(case.mesh) <= 2, case  # shrunk to a few values
