@@ -57,7 +57,7 @@ def loss_of(op: str, k: int):
     return loss
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gradients(op: str, k: int, mesh: tuple, layout: str):
     """Jitted (lowered gradient, one-device jax gradient) of `op`'s sum: compiled once
     per dtype, so that hypothesis replaying a case with other values reuses them."""
