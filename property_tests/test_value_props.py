@@ -92,7 +92,8 @@ def test_gradients_on_special_values_equal_one_device_jax(case):
 
 
 def flops(fn, mesh, layout, xs) -> float:
-    return cached_lower(fn, mesh, Layout(layout)).report(*xs, show=False).flops
+    layout = layout if isinstance(layout, Layout) else Layout(layout)
+    return cached_lower(fn, mesh, layout).report(*xs, show=False).flops
 
 
 def check_split_flops(case: S.ValueCase) -> None:
@@ -109,3 +110,17 @@ def check_split_flops(case: S.ValueCase) -> None:
 @given(S.value_cases())
 def test_split_flops_are_at_least_the_replicated_flops_per_device(case):
     check_split_flops(case)
+
+
+@BUDGET
+@given(S.cases(max_steps=4))
+def test_program_flops_split_are_at_least_replicated_flops_per_device(case):
+    """The same for the random programs of every op the program strategy draws."""
+    program, mesh, layout = case
+    xs = program.example_inputs()
+    try:
+        split = flops(program, mesh, layout, xs)
+    except nm.LayoutError:
+        return  # a layout the inputs do not fit: test_lowering_props checks it deserves it
+    replicated = flops(program, mesh, "", xs)
+    assert split * np.prod(list(mesh.sizes.values())) >= replicated, (split, replicated)
