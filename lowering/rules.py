@@ -459,15 +459,14 @@ def shift_rule(ctx, eqn, args):
         return [(ctx.relayout(jnp.full_like(x, p["fill"]), lay, want), want)]
     if not axes or abs(off) > n or off == 0:
         return along_dims_rule(ctx, eqn, args)
-    name = axes[0] if len(axes) == 1 else axes
     k = abs(off)
     edge = (
         jax.lax.slice_in_dim(x, n - k, n, axis=axis)
         if off > 0
         else jax.lax.slice_in_dim(x, 0, k, axis=axis)
     )
-    ctx.log("ppermute", axes, col.nbytes(edge))
-    halo = jax.lax.ppermute(edge, name, _ring(axes, ctx.sizes, 1 if off > 0 else -1, p["wrap"]))
+    ring = _ring(axes, ctx.sizes, 1 if off > 0 else -1, p["wrap"])
+    halo = col.ppermute(edge, axes, ring, ctx.sizes, ctx.log)
     if not p["wrap"]:
         me = col.axis_index(axes, ctx.sizes)
         end = 0 if off > 0 else math.prod(ctx.sizes[a] for a in axes) - 1
@@ -539,21 +538,18 @@ def cumsum_rule(ctx, eqn, args):
 def _halo_extend(ctx, x, axis: int, axes, left: int, right: int, fill):
     """x with `left` elements of the previous shard before it and `right` of the next after
     it along `axis` (split by `axes`), by ppermute; the first and last shards get `fill`."""
-    name = axes[0] if len(axes) == 1 else axes
     k = math.prod(ctx.sizes[a] for a in axes)
     me = col.axis_index(axes, ctx.sizes)
     n = x.shape[axis]
     parts = []
     if left:
         edge = jax.lax.slice_in_dim(x, n - left, n, axis=axis)
-        ctx.log("ppermute", axes, col.nbytes(edge))
-        halo = jax.lax.ppermute(edge, name, [(j, j + 1) for j in range(k - 1)])
+        halo = col.ppermute(edge, axes, [(j, j + 1) for j in range(k - 1)], ctx.sizes, ctx.log)
         parts.append(jnp.where(me == 0, jnp.full_like(halo, fill), halo))
     parts.append(x)
     if right:
         edge = jax.lax.slice_in_dim(x, 0, right, axis=axis)
-        ctx.log("ppermute", axes, col.nbytes(edge))
-        halo = jax.lax.ppermute(edge, name, [(j + 1, j) for j in range(k - 1)])
+        halo = col.ppermute(edge, axes, [(j + 1, j) for j in range(k - 1)], ctx.sizes, ctx.log)
         parts.append(jnp.where(me == k - 1, jnp.full_like(halo, fill), halo))
     return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x
 
