@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from lowering import collectives as col
 from lowering.cost import traffic
 from lowering.layout import local_shape
+from namedmesh.elementwise import align
 from namedmesh.primitive import REGISTRY
+from namedmesh.structural import wide_indices
 
 
 def rule(*names):
@@ -400,7 +402,7 @@ def one_hot_rule(ctx, eqn, args):
     idx = ctx.relayout(idx, lay, want[:-1])
     (n,) = local_shape(want[-1:], out.shape[-1:], ctx.mesh)
     if want[-1]:
-        idx = idx - col.axis_index(want[-1], ctx.sizes) * n
+        idx = wide_indices(idx) - col.axis_index(want[-1], ctx.sizes) * n
     p = eqn.params
     return [(ctx.local(eqn.primitive, idx, dim=p["dim"], n=n, dtype=p["dtype"]), want)]
 
@@ -425,13 +427,12 @@ def gather_rule(ctx, eqn, args):
         return [(ctx.local(eqn.primitive, x, idx, **eqn.params), want)]
     n = x.shape[axis]
     full = vx.shape[axis]
+    idx = wide_indices(idx)  # an int8 index + 256 would wrap
     idx = jnp.clip(jnp.where(idx < 0, idx + full, idx), 0, full - 1)  # as nm.gather does
     local = idx - col.axis_index(split, ctx.sizes) * n
     inside = (local >= 0) & (local < n)
     y = ctx.local(eqn.primitive, x, jnp.where(inside, local, 0), **eqn.params)
-    mask = jax.lax.broadcast_in_dim(
-        inside, y.shape, [out.dims.index(d) for d in vi.dims if d in out.dims]
-    )
+    mask = align(inside, vi.dims, out.dims, jnp)  # by name: the indices' dims in any order
     y = col.psum(jnp.where(mask, y, jnp.zeros((), y.dtype)), split, ctx.log)
     return [(y, want)]
 

@@ -317,8 +317,9 @@ def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tenso
 
 
 # --- one_hot / gather / stop_gradient ------------------------------------------------
-def _wide(idx):
-    """Integer indices of at least 32 bits, so sizes and `idx + n` fit their dtype."""
+def wide_indices(idx):
+    """Integer indices (NumPy or jax) of at least 32 bits, so that sizes, offsets and
+    `idx + n` fit their dtype; every rule doing arithmetic on indices widens first."""
     return idx.astype(np.int32) if idx.dtype.itemsize < 4 else idx
 
 
@@ -332,7 +333,7 @@ _one_hot = primitive(
     "one_hot",
     _one_hot_rule,
     lambda i, dim, n, dtype: (i[..., None] == np.arange(n)).astype(dtype),
-    lambda i, dim, n, dtype: jax.nn.one_hot(_wide(i), n, dtype=dtype),
+    lambda i, dim, n, dtype: jax.nn.one_hot(wide_indices(i), n, dtype=dtype),
 )
 
 
@@ -372,7 +373,7 @@ def _gather_impl(xp):
     def impl(x, idx, axis, dims):
         x_dims, idx_dims, out_dims = dims
         n = x.shape[axis]
-        idx = _wide(idx)
+        idx = wide_indices(idx)
         idx = xp.clip(xp.where(idx < 0, idx + n, idx), 0, n - 1)
         index = []
         for a, d in enumerate(x_dims):
