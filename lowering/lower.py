@@ -199,13 +199,17 @@ def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
 
 
 def constraint_layout(rules_, v, mesh) -> ValueLayout:
-    """The layout `nm.constrain` pins: its rules alone (other dims replicated), strictly."""
+    """The layout `nm.constrain` pins: its rules alone (other dims replicated), strictly.
+    nm.constrain checked them but for the mesh: a LayoutError names the constraint and
+    its rule that names an axis `mesh` lacks."""
     layout = Layout(rules_, strict=True)
-    unknown = [d for d, _ in layout.rules if d not in v.dims]
-    if unknown:
-        raise LayoutError(
-            f"constraint {layout} names dim(s) {unknown} that the value {v.dims} lacks"
-        )
+    for dim, axes in layout.rules:
+        unknown = [a for a in axes if a not in mesh.sizes]
+        if unknown:
+            raise LayoutError(
+                f"nm.constrain({fmt_dims(v.dims, v.shape)}, {str(layout)!r}): rule "
+                f"{dim}:{','.join(axes)} names mesh axis {unknown} not in {mesh}"
+            )
     return nontrivial(layout.of(v.dims, v.shape, mesh, "constrained value"), mesh)
 
 

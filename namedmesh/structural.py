@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.elementwise import align
-from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.errors import LayoutError, ShapeError, fmt_dims
+from namedmesh.layout_rules import Rules, format_rules, parse_rules
 from namedmesh.primitive import Aval, bind, primitive, result_dtype, zero_flops_cost
 from namedmesh.reductions import _one_axis
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
@@ -418,11 +419,29 @@ def stop_gradient(x: Tensor) -> Tensor:
     return bind(_stop_gradient, x)
 
 
-def _layout_param(layout):
-    if isinstance(layout, str):
-        return layout
-    items = layout.items() if isinstance(layout, Mapping) else layout
-    return tuple((d, a if isinstance(a, str) else tuple(a)) for d, a in items)
+def _constraint_rules(x: Tensor, layout) -> Rules:
+    """The rules of `nm.constrain(x, layout)`, checked as far as no mesh is needed: well
+    formed, naming dims of x, no mesh axis on two dims (a constraint is strict)."""
+    try:
+        rules = parse_rules(layout)
+    except LayoutError as e:
+        raise LayoutError(f"constrain of the value {fmt_dims(x.dims, x.shape)}: {e}") from None
+    shown = format_rules(rules)
+    unknown = [d for d, _ in rules if d not in x.dims]
+    if unknown:
+        raise LayoutError(
+            f"constrain {shown!r}: names dim(s) {unknown} that the value {x.dims} lacks"
+        )
+    taken: dict[str, str] = {}
+    for d, axes in rules:
+        for a in axes:
+            if a in taken:
+                raise LayoutError(
+                    f"constrain {shown!r}: mesh axis {a!r} would split both {taken[a]!r} and "
+                    f"{d!r} of the value {fmt_dims(x.dims, x.shape)}"
+                )
+            taken[a] = d
+    return rules
 
 
 _constrain = primitive(
@@ -439,7 +458,9 @@ def constrain(x: Tensor, layout) -> Tensor:
 
     `layout` is a rule string such as `"batch:rows;seq:cols"` (or a dict / list of pairs);
     dims it does not name are replicated there. Eagerly, and on one device, the identity.
+    A malformed rule, a dim x lacks, or a mesh axis given to two dims is a LayoutError
+    here; a mesh axis the mesh lacks, one when lowered, naming this constraint.
     """
     if not isinstance(layout, str | Mapping | Sequence):
         raise ShapeError(f"constrain: layout must be a rule string, dict or list, got {layout!r}")
-    return bind(_constrain, x, layout=_layout_param(layout))
+    return bind(_constrain, x, layout=_constraint_rules(x, layout))
