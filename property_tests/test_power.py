@@ -135,7 +135,7 @@ FAST = settings(  # derandomized: the same search every run
     "item, module, name, replacement, kinds",
     [
         ("3", col, "ppermute", old_ppermute, ("shift", "conv", "pool_max", "pool_mean")),
-        ("4", rules, "wide_indices", lambda i: i, ("gather", "one_hot")),
+        ("4", rules, "wide_indices", lambda i: i, ("gather",)),
         ("5", rules, "align", positional_align, ("gather",)),
         ("7", LOWER, "check_dtypes", lambda graph: None, S.ALONG_KINDS),
     ],
