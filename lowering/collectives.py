@@ -81,6 +81,33 @@ def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
     return jax.lax.psum(jax.numpy.where(first, x, jax.numpy.zeros_like(x)), name)
 
 
+def mesh_position(pos: int, axes: tuple[str, ...], sizes: dict[str, int]) -> int:
+    """The position `pos` along `axes` as numbered in their tuple's order (as
+    `axis_index(axes, sizes)` numbers it), renumbered in the mesh's axis order."""
+    coords = {}
+    for a in reversed(axes):
+        pos, coords[a] = divmod(pos, sizes[a])
+    out = 0
+    for a in (a for a in sizes if a in axes):
+        out = out * sizes[a] + coords[a]
+    return out
+
+
+def ppermute(x, axes: tuple[str, ...], perm, sizes: dict[str, int], log: Log):
+    """`x` sent along the mesh axes `axes` by `perm`, pairs (source, destination) of
+    positions numbered as `axis_index(axes, sizes)` numbers them: the tuple's order, major
+    to minor, the order of a PartitionSpec's blocks and of all_gather, psum_scatter and
+    all_to_all over the tuple. jax.lax.ppermute alone reads a permutation over several
+    axes in the mesh's axis order whatever the tuple's order (jax 0.10), so the pairs
+    are renumbered here, for every rule, and the axes passed in mesh order."""
+    log("ppermute", axes, nbytes(x))
+    in_mesh = tuple(a for a in sizes if a in axes)
+    at = lambda p: mesh_position(p, axes, sizes)
+    return jax.lax.ppermute(
+        x, in_mesh[0] if len(in_mesh) == 1 else in_mesh, [(at(s), at(d)) for s, d in perm]
+    )
+
+
 def gather_stacked(x, axes: tuple[str, ...], log: Log):
     """Every device's `x` along the mesh axes `axes`, stacked on a new leading dim; its
     result is invariant, so its transpose is a local slice."""

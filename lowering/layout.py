@@ -23,56 +23,21 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import PartitionSpec
 
 from namedmesh.errors import LayoutError, fmt_dims
+from namedmesh.layout_rules import format_rules, parse_rules
 
 # A value's layout: for each of its dims, the mesh axes splitting it (empty: replicated).
 ValueLayout = tuple[tuple[str, ...], ...]
-
-
-def _parse(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    if isinstance(rules, str):
-        pairs = []
-        for part in filter(None, (p.strip() for p in rules.split(";"))):
-            dim, sep, axes = part.partition(":")
-            if not sep or not dim.strip() or not axes.strip() or ":" in axes:
-                raise LayoutError(
-                    f"malformed rule {part!r} in {rules!r}: expected 'dim:axis[,axis]'"
-                )
-            pairs.append((dim.strip(), tuple(a.strip() for a in axes.split(","))))
-    elif isinstance(rules, Mapping):
-        pairs = list(rules.items())
-    elif isinstance(rules, Sequence):
-        pairs = list(rules)
-    else:
-        raise LayoutError(f"layout rules must be a string, dict or list of pairs, got {rules!r}")
-    out = []
-    for pair in pairs:
-        if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], str)):
-            raise LayoutError(f"malformed rule {pair!r}: expected (dim, mesh axes)")
-        dim, axes = pair
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        if (
-            not axes
-            or not all(isinstance(a, str) and a for a in axes)
-            or len(set(axes)) != len(axes)
-        ):
-            raise LayoutError(f"malformed rule for dim {dim!r}: mesh axes {axes!r}")
-        out.append((dim, axes))
-    dims = [d for d, _ in out]
-    dup = sorted({d for d in dims if dims.count(d) > 1})
-    if dup:
-        raise LayoutError(f"dim(s) {dup} are mapped by more than one rule in {rules!r}")
-    return tuple(out)
 
 
 class Layout:
     """Ordered rules dim -> mesh axes; see the module docstring."""
 
     def __init__(self, rules=(), strict: bool = False):
-        self.rules = _parse(rules)
+        self.rules = parse_rules(rules)
         self.strict = bool(strict)
 
     def __str__(self) -> str:
-        return ";".join(f"{d}:{','.join(a)}" for d, a in self.rules)
+        return format_rules(self.rules)
 
     def __repr__(self) -> str:
         return f"Layout({str(self)!r}{', strict=True' if self.strict else ''})"

@@ -26,7 +26,7 @@ from lowering.collectives import make_invarying, missing_axes, nbytes, relayout,
 from lowering.cost import Report
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh
-from namedmesh.errors import LayoutError, MeshError, NamedMeshError
+from namedmesh.errors import ArgumentError, DtypeError, LayoutError, MeshError, fmt_dims
 from namedmesh.primitive import Aval
 from namedmesh.tensor import Tensor
 
@@ -125,8 +125,15 @@ class Context:
             vma = set().union(*(varying_axes(a) for a in arrays))
             arrays = [self.varying(a, vma) for a in arrays]
         out = prim.jax_impl(*arrays, **params)
-        self.note_local(prim, params, arrays, out if prim.multiple_results else (out,))
-        return out
+        e = self.step.eqn
+        # Held to the shape rule's dtypes, as nm.reference holds NumPy's: jax too may widen
+        # (argmax gives int64 under jax_enable_x64 where the rule says int32).
+        outs = tuple(
+            o if o.dtype == v.dtype else o.astype(v.dtype)
+            for o, v in zip(out if prim.multiple_results else (out,), e.outputs, strict=True)
+        )
+        self.note_local(prim, params, arrays, outs)
+        return outs if prim.multiple_results else outs[0]
 
     def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
         """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
@@ -197,14 +204,39 @@ def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
 
 
 def constraint_layout(rules_, v, mesh) -> ValueLayout:
-    """The layout `nm.constrain` pins: its rules alone (other dims replicated), strictly."""
+    """The layout `nm.constrain` pins: its rules alone (other dims replicated), strictly.
+    nm.constrain checked them but for the mesh: a LayoutError names the constraint and
+    its rule that names an axis `mesh` lacks."""
     layout = Layout(rules_, strict=True)
-    unknown = [d for d, _ in layout.rules if d not in v.dims]
-    if unknown:
-        raise LayoutError(
-            f"constraint {layout} names dim(s) {unknown} that the value {v.dims} lacks"
-        )
+    for dim, axes in layout.rules:
+        unknown = [a for a in axes if a not in mesh.sizes]
+        if unknown:
+            raise LayoutError(
+                f"nm.constrain({fmt_dims(v.dims, v.shape)}, {str(layout)!r}): rule "
+                f"{dim}:{','.join(axes)} names mesh axis {unknown} not in {mesh}"
+            )
     return nontrivial(layout.of(v.dims, v.shape, mesh, "constrained value"), mesh)
+
+
+def check_dtypes(graph) -> None:
+    """The 64-bit policy (docs/lowering.md): with jax_enable_x64 on, 64-bit values are
+    computed in 64 bits, as nm.reference computes them; with it off, jax would compute
+    them in 32 bits and change the answer, so a DtypeError names the first such value
+    (an input, a constant, or the op that makes it) before anything compiles."""
+    made = {v: f"input {i}" for i, v in enumerate(graph.inputs)}
+    made.update((v, "a constant") for v in graph.consts)
+    for e in graph.eqns:
+        made.update((v, f"the result of {e.primitive.name}") for v in e.outputs)
+    for v in graph.values():
+        dt = np.dtype(v.dtype)
+        if dt.kind in "iufc" and jax.dtypes.canonicalize_dtype(dt) != dt:
+            what = made.get(v, "a value inside a scan")
+            raise DtypeError(
+                f"{what} {fmt_dims(v.dims, v.shape)} is {dt}, which jax computes as "
+                f"{jax.dtypes.canonicalize_dtype(dt)} while jax_enable_x64 is off; cast it "
+                f"(nm.astype(t, np.{jax.dtypes.canonicalize_dtype(dt)})) or turn 64-bit on "
+                "(jax.config.update('jax_enable_x64', True), or `with jax.enable_x64(True):`)"
+            )
 
 
 def plan_layouts(ctx: Context, graph) -> None:
@@ -286,17 +318,23 @@ class Lowered:
         self._cache: dict = {}
 
     def _build(self, args):
-        leaves, tree = jax.tree_util.tree_flatten(list(args), is_leaf=_is_tensor)
-        for x in leaves:
+        paths, tree = jax.tree_util.tree_flatten_with_path(list(args), is_leaf=_is_tensor)
+        for path, x in paths:
             if not isinstance(x, Tensor):
-                raise NamedMeshError(f"lowered functions take Tensors, got a {type(x).__name__}")
-        key = (tree, tuple((x.dims, x.shape, x.dtype) for x in leaves))
+                raise ArgumentError(
+                    f"lowered functions take Tensors (or pytrees of them), got a "
+                    f"{type(x).__name__} as argument {jax.tree_util.keystr(path)}"
+                )
+        leaves = [x for _, x in paths]
+        x64 = bool(jax.config.jax_enable_x64)  # the dtype policy depends on it
+        key = (tree, tuple((x.dims, x.shape, x.dtype) for x in leaves), x64)
         if key not in self._cache:
             self._cache[key] = self._plan(args)
         return [x.data for x in leaves], self._cache[key]
 
     def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
+        check_dtypes(graph)
         of = lambda v, what: nontrivial(self.layout.of(v.dims, v.shape, self.mesh, what), self.mesh)
         wanted = {v: of(v, f"input {i}") for i, v in enumerate(graph.inputs)}
         ctx = Context(self.mesh, self.layout, wanted)
@@ -384,7 +422,7 @@ class Lowered:
             wrt = (wrt,) if isinstance(wrt, int) else tuple(wrt)
             bad = [i for i in wrt if not isinstance(i, int) or not 0 <= i < len(args)]
             if bad:
-                raise NamedMeshError(f"report(wrt={wrt}): no argument {bad} of {len(args)}")
+                raise ArgumentError(f"report(wrt={wrt}): no argument {bad} of {len(args)}")
             counts = [len(jax.tree_util.tree_leaves(a, is_leaf=_is_tensor)) for a in args]
             starts = np.cumsum([0, *counts])
             graph_in = built.graph.inputs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -39,7 +39,7 @@ class Mesh:
             shape = tuple(self.sizes.values())
             self.jax_mesh = jax.sharding.AbstractMesh(shape, tuple(self.sizes))
             return
-        devices = list(jax.devices() if devices is None else devices)
+        devices = list(jax.devices() if devices is None else _checked_devices(devices))
         if len(devices) < self.size:
             raise MeshError(
                 f"mesh {self} needs {self.size} devices but only {len(devices)} are available"
@@ -62,3 +62,24 @@ class Mesh:
 
     def __hash__(self) -> int:
         return hash(tuple(self.sizes.items()))
+
+
+def _checked_devices(devices) -> list:
+    """`devices` as a list, or a MeshError naming the entry that is not a jax device or
+    a device given twice (jax would fail later, inside a collective)."""
+    if isinstance(devices, np.ndarray):  # a grid of devices, as jax.sharding.Mesh takes
+        devices = devices.ravel()
+    if not isinstance(devices, Iterable):
+        raise MeshError(f"devices must be a sequence of jax devices, got {devices!r}")
+    devices = list(devices)
+    seen = {}
+    for i, d in enumerate(devices):
+        if not isinstance(d, jax.Device):
+            raise MeshError(
+                f"devices[{i}] is a {type(d).__name__} ({d!r}), not a jax device "
+                "(jax.devices() lists them)"
+            )
+        if d in seen:
+            raise MeshError(f"device {d} is given twice, as devices[{seen[d]}] and devices[{i}]")
+        seen[d] = i
+    return devices

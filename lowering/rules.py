@@ -18,9 +18,11 @@ import jax.numpy as jnp
 from lowering import collectives as col
 from lowering.cost import traffic
 from lowering.layout import local_shape
+from namedmesh.elementwise import align
 from namedmesh.ordering import lowest, sort_key
 from namedmesh.primitive import REGISTRY
 from namedmesh.reductions import finite_shift
+from namedmesh.structural import wide_indices
 
 
 def rule(*names):
@@ -468,7 +470,7 @@ def one_hot_rule(ctx, eqn, args):
     idx = ctx.relayout(idx, lay, want[:-1])
     (n,) = local_shape(want[-1:], out.shape[-1:], ctx.mesh)
     if want[-1]:
-        idx = idx - col.axis_index(want[-1], ctx.sizes) * n
+        idx = wide_indices(idx) - col.axis_index(want[-1], ctx.sizes) * n
     p = eqn.params
     return [(ctx.local(eqn.primitive, idx, dim=p["dim"], n=n, dtype=p["dtype"]), want)]
 
@@ -493,13 +495,12 @@ def gather_rule(ctx, eqn, args):
         return [(ctx.local(eqn.primitive, x, idx, **eqn.params), want)]
     n = x.shape[axis]
     full = vx.shape[axis]
+    idx = wide_indices(idx)  # an int8 index + 256 would wrap
     idx = jnp.clip(jnp.where(idx < 0, idx + full, idx), 0, full - 1)  # as nm.gather does
     local = idx - col.axis_index(split, ctx.sizes) * n
     inside = (local >= 0) & (local < n)
     y = ctx.local(eqn.primitive, x, jnp.where(inside, local, 0), **eqn.params)
-    mask = jax.lax.broadcast_in_dim(
-        inside, y.shape, [out.dims.index(d) for d in vi.dims if d in out.dims]
-    )
+    mask = align(inside, vi.dims, out.dims, jnp)  # by name: the indices' dims in any order
     y = col.psum(jnp.where(mask, y, jnp.zeros((), y.dtype)), split, ctx.log)
     return [(y, want)]
 
@@ -527,15 +528,14 @@ def shift_rule(ctx, eqn, args):
         return [(ctx.relayout(jnp.full_like(x, p["fill"]), lay, want), want)]
     if not axes or abs(off) > n or off == 0:
         return along_dims_rule(ctx, eqn, args)
-    name = axes[0] if len(axes) == 1 else axes
     k = abs(off)
     edge = (
         jax.lax.slice_in_dim(x, n - k, n, axis=axis)
         if off > 0
         else jax.lax.slice_in_dim(x, 0, k, axis=axis)
     )
-    ctx.log("ppermute", axes, col.nbytes(edge))
-    halo = jax.lax.ppermute(edge, name, _ring(axes, ctx.sizes, 1 if off > 0 else -1, p["wrap"]))
+    ring = _ring(axes, ctx.sizes, 1 if off > 0 else -1, p["wrap"])
+    halo = col.ppermute(edge, axes, ring, ctx.sizes, ctx.log)
     if not p["wrap"]:
         me = col.axis_index(axes, ctx.sizes)
         end = 0 if off > 0 else math.prod(ctx.sizes[a] for a in axes) - 1
@@ -611,21 +611,18 @@ def cumsum_rule(ctx, eqn, args):
 def _halo_extend(ctx, x, axis: int, axes, left: int, right: int, fill):
     """x with `left` elements of the previous shard before it and `right` of the next after
     it along `axis` (split by `axes`), by ppermute; the first and last shards get `fill`."""
-    name = axes[0] if len(axes) == 1 else axes
     k = math.prod(ctx.sizes[a] for a in axes)
     me = col.axis_index(axes, ctx.sizes)
     n = x.shape[axis]
     parts = []
     if left:
         edge = jax.lax.slice_in_dim(x, n - left, n, axis=axis)
-        ctx.log("ppermute", axes, col.nbytes(edge))
-        halo = jax.lax.ppermute(edge, name, [(j, j + 1) for j in range(k - 1)])
+        halo = col.ppermute(edge, axes, [(j, j + 1) for j in range(k - 1)], ctx.sizes, ctx.log)
         parts.append(jnp.where(me == 0, jnp.full_like(halo, fill), halo))
     parts.append(x)
     if right:
         edge = jax.lax.slice_in_dim(x, 0, right, axis=axis)
-        ctx.log("ppermute", axes, col.nbytes(edge))
-        halo = jax.lax.ppermute(edge, name, [(j + 1, j) for j in range(k - 1)])
+        halo = col.ppermute(edge, axes, [(j + 1, j) for j in range(k - 1)], ctx.sizes, ctx.log)
         parts.append(jnp.where(me == k - 1, jnp.full_like(halo, fill), halo))
     return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x
 

@@ -221,18 +221,15 @@ def _pool_np(x, axes, windows, strides, pads, kind):
 
 
 def _pool_jax(x, axes, windows, strides, pads, kind):
-    full = lambda per_axis, default: tuple(
-        per_axis[axes.index(a)] if a in axes else default for a in range(x.ndim)
-    )
-    win, st, pd = full(windows, 1), full(strides, 1), full(pads, (0, 0))
+    # Windows gathered as the NumPy impl does, not lax.reduce_window: its derivative
+    # cannot be linearized inside shard_map (jax 0.10), so a lowered pool had no gradient.
     if kind == "max":
-        # NumPy inits, not jax arrays (which shard_map traces): jax then sees the max (add)
-        # monoid, which it can differentiate
-        init = np.asarray(lowest(x.dtype), x.dtype)
-        return jax.lax.reduce_window(x, init, jax.lax.max, win, st, pd)
-    x = x.astype(jnp.float32) if x.dtype.kind not in "fc" else x
-    total = jax.lax.reduce_window(x, np.asarray(0, x.dtype), jax.lax.add, win, st, pd)
-    return total / math.prod(windows)
+        fill = lowest(x.dtype)
+    else:
+        fill, x = 0, x.astype(jnp.float32) if x.dtype.kind not in "fc" else x
+    xw = _windows(x, axes, windows, strides, (1,) * len(axes), pads, fill, jnp)
+    win_axes = tuple(range(x.ndim, xw.ndim))
+    return xw.max(axis=win_axes) if kind == "max" else xw.mean(axis=win_axes)
 
 
 def _pool_cost(in_avals, out_avals, params) -> Cost:

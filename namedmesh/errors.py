@@ -17,6 +17,16 @@ class MeshError(NamedMeshError, ValueError):
     """A mesh that cannot be built: too few devices, a size that is not positive."""
 
 
+class ArgumentError(NamedMeshError, TypeError):
+    """An argument of the wrong kind: a non-Tensor given to a lowered or traced function,
+    an argument position that does not exist."""
+
+
+class DtypeError(NamedMeshError, TypeError):
+    """A dtype that cannot be computed as asked: a 64-bit value lowered while jax's
+    `jax_enable_x64` is off (jax would compute it in 32 bits; see docs/lowering.md)."""
+
+
 def fmt_dims(dims, sizes=None) -> str:
     """`(batch: 4, d: 8)` when sizes are given, `(batch, d)` otherwise."""
     if sizes is None:

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.elementwise import align
-from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.errors import LayoutError, ShapeError, fmt_dims
+from namedmesh.layout_rules import Rules, format_rules, parse_rules
 from namedmesh.primitive import Aval, bind, primitive, result_dtype, zero_flops_cost
 from namedmesh.reductions import _one_axis
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
@@ -317,8 +318,9 @@ def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tenso
 
 
 # --- one_hot / gather / stop_gradient ------------------------------------------------
-def _wide(idx):
-    """Integer indices of at least 32 bits, so sizes and `idx + n` fit their dtype."""
+def wide_indices(idx):
+    """Integer indices (NumPy or jax) of at least 32 bits, so that sizes, offsets and
+    `idx + n` fit their dtype; every rule doing arithmetic on indices widens first."""
     return idx.astype(np.int32) if idx.dtype.itemsize < 4 else idx
 
 
@@ -332,7 +334,7 @@ _one_hot = primitive(
     "one_hot",
     _one_hot_rule,
     lambda i, dim, n, dtype: (i[..., None] == np.arange(n)).astype(dtype),
-    lambda i, dim, n, dtype: jax.nn.one_hot(_wide(i), n, dtype=dtype),
+    lambda i, dim, n, dtype: jax.nn.one_hot(wide_indices(i), n, dtype=dtype),
 )
 
 
@@ -372,7 +374,7 @@ def _gather_impl(xp):
     def impl(x, idx, axis, dims):
         x_dims, idx_dims, out_dims = dims
         n = x.shape[axis]
-        idx = _wide(idx)
+        idx = wide_indices(idx)
         idx = xp.clip(xp.where(idx < 0, idx + n, idx), 0, n - 1)
         index = []
         for a, d in enumerate(x_dims):
@@ -417,11 +419,29 @@ def stop_gradient(x: Tensor) -> Tensor:
     return bind(_stop_gradient, x)
 
 
-def _layout_param(layout):
-    if isinstance(layout, str):
-        return layout
-    items = layout.items() if isinstance(layout, Mapping) else layout
-    return tuple((d, a if isinstance(a, str) else tuple(a)) for d, a in items)
+def _constraint_rules(x: Tensor, layout) -> Rules:
+    """The rules of `nm.constrain(x, layout)`, checked as far as no mesh is needed: well
+    formed, naming dims of x, no mesh axis on two dims (a constraint is strict)."""
+    try:
+        rules = parse_rules(layout)
+    except LayoutError as e:
+        raise LayoutError(f"constrain of the value {fmt_dims(x.dims, x.shape)}: {e}") from None
+    shown = format_rules(rules)
+    unknown = [d for d, _ in rules if d not in x.dims]
+    if unknown:
+        raise LayoutError(
+            f"constrain {shown!r}: names dim(s) {unknown} that the value {x.dims} lacks"
+        )
+    taken: dict[str, str] = {}
+    for d, axes in rules:
+        for a in axes:
+            if a in taken:
+                raise LayoutError(
+                    f"constrain {shown!r}: mesh axis {a!r} would split both {taken[a]!r} and "
+                    f"{d!r} of the value {fmt_dims(x.dims, x.shape)}"
+                )
+            taken[a] = d
+    return rules
 
 
 _constrain = primitive(
@@ -438,7 +458,9 @@ def constrain(x: Tensor, layout) -> Tensor:
 
     `layout` is a rule string such as `"batch:rows;seq:cols"` (or a dict / list of pairs);
     dims it does not name are replicated there. Eagerly, and on one device, the identity.
+    A malformed rule, a dim x lacks, or a mesh axis given to two dims is a LayoutError
+    here; a mesh axis the mesh lacks, one when lowered, naming this constraint.
     """
     if not isinstance(layout, str | Mapping | Sequence):
         raise ShapeError(f"constrain: layout must be a rule string, dict or list, got {layout!r}")
-    return bind(_constrain, x, layout=_layout_param(layout))
+    return bind(_constrain, x, layout=_constraint_rules(x, layout))

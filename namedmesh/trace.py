@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from namedmesh.errors import NamedMeshError
+from namedmesh.errors import ArgumentError, NamedMeshError
 from namedmesh.primitive import TRACE_STACK, Aval, Primitive, Var, _coerce_numpy, _fmt_aval
 from namedmesh.tensor import Tensor
 
@@ -146,7 +146,7 @@ def _leaves(tree, what: str) -> tuple[list[Tensor], Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_tensor)
     for x in leaves:
         if not isinstance(x, Tensor):
-            raise NamedMeshError(
+            raise ArgumentError(
                 f"{what} must be Tensors (or pytrees of them), got a {type(x).__name__}"
             )
     return leaves, treedef

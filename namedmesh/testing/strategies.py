@@ -436,3 +436,9 @@ __all__ = [
     "value_op",
     "ValueCase",
 ]
+
+# Layout orders, index dtypes and 64-bit inputs (issue 13): namedmesh/testing/axis_strategies.py
+from namedmesh.testing.axis_strategies import *  # noqa: E402, F403
+from namedmesh.testing.axis_strategies import __all__ as _axis_all  # noqa: E402
+
+__all__ += _axis_all

@@ -1,0 +1,73 @@
+"""Parsing layout rules, mesh-independent: shared by `lowering.Layout` and `nm.constrain`,
+so that a malformed rule fails at the call that wrote it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from namedmesh.errors import LayoutError
+
+# Ordered rules: (dim, the mesh axes that split it, major to minor).
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def _pairs(rules) -> list:
+    if isinstance(rules, str):
+        pairs = []
+        for part in filter(None, (p.strip() for p in rules.split(";"))):
+            dim, sep, axes = part.partition(":")
+            if not sep or not dim.strip() or not axes.strip() or ":" in axes:
+                raise LayoutError(
+                    f"malformed rule {part!r} in {rules!r}: expected 'dim:axis[,axis]'"
+                )
+            pairs.append((dim.strip(), tuple(a.strip() for a in axes.split(","))))
+        return pairs
+    if isinstance(rules, Mapping):
+        return list(rules.items())
+    if isinstance(rules, Sequence):
+        return list(rules)
+    raise LayoutError(f"layout rules must be a string, dict or list of pairs, got {rules!r}")
+
+
+def _axes(dim: str, axes) -> tuple[str, ...]:
+    """A rule's mesh axes: one axis name or a list/tuple of them, each once."""
+    if isinstance(axes, str):
+        axes = (axes,)
+    elif isinstance(axes, list | tuple):
+        axes = tuple(axes)
+    else:
+        raise LayoutError(
+            f"rule for dim {dim!r}: mesh axes must be an axis name or a list of axis names, "
+            f"got {axes!r}"
+        )
+    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
+        raise LayoutError(
+            f"malformed rule for dim {dim!r}: mesh axes {axes!r} (expected distinct, "
+            "non-empty axis names)"
+        )
+    return axes
+
+
+def parse_rules(rules) -> Rules:
+    """Rules given as `"batch:rows;d_ff:cols"`, a dict dim -> axis or axes, or a list of
+    (dim, axes) pairs, as ordered (dim, axes) pairs; LayoutError naming the rule and the
+    value at fault for anything else, and for a dim mapped twice."""
+    out = []
+    for pair in _pairs(rules):
+        if (
+            isinstance(pair, str)
+            or not (isinstance(pair, Sequence) and len(pair) == 2)
+            or not (isinstance(pair[0], str) and pair[0])
+        ):
+            raise LayoutError(f"malformed rule {pair!r}: expected (dim, mesh axes)")
+        out.append((pair[0], _axes(*pair)))
+    dims = [d for d, _ in out]
+    dup = sorted({d for d in dims if dims.count(d) > 1})
+    if dup:
+        raise LayoutError(f"dim(s) {dup} are mapped by more than one rule in {rules!r}")
+    return tuple(out)
+
+
+def format_rules(rules: Rules) -> str:
+    """`"batch:rows;d_ff:cols"`: the string form of parsed rules."""
+    return ";".join(f"{d}:{','.join(a)}" for d, a in rules)
