@@ -87,14 +87,10 @@ def test_a_wrong_rule_is_found_and_shrunk(name, make):
 # Issue 13's classes of silent wrong answers, each reintroduced as the rule's old
 # behaviour: the value-case properties (property_tests/test_value_props.py) must find each
 # and shrink it. `wrong_value` is their check as a predicate.
-import importlib  # noqa: E402
-
 import jax.numpy as jnp  # noqa: E402
 
 from namedmesh.testing import lowered as cached_lower  # noqa: E402
 from property_tests import test_value_props as V  # noqa: E402
-
-lowering_lower = importlib.import_module("lowering.lower")  # `lowering.lower` is the function
 
 
 def clear_caches() -> None:
@@ -159,7 +155,7 @@ MUTATIONS = {  # class -> ([(module, name, old value)], ops and dtypes drawn, pr
         V.check_values,
     ),
     "10-uncosted": (
-        [(lowering_lower, "cost_own_arithmetic", lambda *a: None)],
+        [(LOWER, "cost_own_arithmetic", lambda *a: None)],
         ("softmax", "top_k", "logsumexp"),
         ALL,
         V.check_split_flops,
