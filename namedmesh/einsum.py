@@ -16,25 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import opt_einsum
 
+from namedmesh.checks import agreed_sizes, did_you_mean
 from namedmesh.errors import ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
 
 def _sizes(operands) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    where: dict[str, int] = {}
-    for i, x in enumerate(operands):
-        for d, s in zip(x.dims, x.shape, strict=True):
-            if sizes.setdefault(d, s) != s:
-                j = where[d]
-                raise ShapeError(
-                    f"einsum: dim {d!r} has size {sizes[d]} in operand {j} "
-                    f"{fmt_dims(operands[j].dims, operands[j].shape)} but {s} in operand {i} "
-                    f"{fmt_dims(x.dims, x.shape)}"
-                )
-            where.setdefault(d, i)
-    return sizes
+    return agreed_sizes("einsum", operands)
 
 
 def output_dims(in_dims: tuple[tuple[str, ...], ...], out: DimsLike | None) -> tuple[str, ...]:
@@ -47,6 +36,7 @@ def output_dims(in_dims: tuple[tuple[str, ...], ...], out: DimsLike | None) -> t
             raise ShapeError(
                 f"einsum: out dim(s) {missing} are in no operand; operands have "
                 + ", ".join(fmt_dims(d) for d in in_dims)
+                + did_you_mean(missing[0], sorted(known - set(out)) or sorted(known))
             )
         return out
     counts: dict[str, int] = {}
@@ -158,5 +148,8 @@ def dot(*operands: Tensor, over: DimsLike) -> Tensor:
     seen = dict.fromkeys(d for x in operands for d in x.dims)
     missing = [d for d in over if d not in seen]
     if missing:
-        raise ShapeError(f"dot: dim(s) {missing} are in no operand")
+        raise ShapeError(
+            f"dot: dim(s) {missing} are in no operand {[x.dims for x in operands]}"
+            + did_you_mean(missing[0], seen)
+        )
     return einsum(*operands, out=tuple(d for d in seen if d not in over))

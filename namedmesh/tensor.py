@@ -8,14 +8,18 @@ from collections.abc import Iterable, Mapping
 import jax
 import numpy as np
 
+from namedmesh.checks import names_not_positions, require_dims
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import TRACE_STACK, Aval, Var, _fmt_aval, _is_jax
 
 DimsLike = str | Iterable[str]
 
 
-def parse_dims(dims: DimsLike, what: str = "dims") -> tuple[str, ...]:
-    """`"batch d"` or `("batch", "d")` -> `("batch", "d")`; names must be unique strings."""
+def parse_dims(dims: DimsLike, what: str = "dims", have=None) -> tuple[str, ...]:
+    """`"batch d"` or `("batch", "d")` -> `("batch", "d")`; names must be unique strings.
+    A position (an int) is a ShapeError naming `what` and, given `have` (the tensor's
+    dims), the name at that position."""
+    names_not_positions(dims, what, have)
     out = tuple(dims.split()) if isinstance(dims, str) else tuple(dims)
     for d in out:
         if not isinstance(d, str) or not d:
@@ -91,10 +95,9 @@ class Tensor:
 
     def size_of(self, dim: str) -> int:
         """The size of `dim`, or a ShapeError naming the dims this tensor has."""
-        try:
-            return self.data.shape[self.dims.index(dim)]
-        except ValueError:
-            raise ShapeError(f"dim {dim!r} is not among the dims {self.dims}") from None
+        names_not_positions(dim, "size_of", self.dims)
+        require_dims("size_of", [dim], self.dims)
+        return self.data.shape[self.dims.index(dim)]
 
     def __array__(self, dtype=None, copy=None):
         arr = np.asarray(self.data)
