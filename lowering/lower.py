@@ -26,7 +26,7 @@ from lowering.collectives import make_invarying, missing_axes, nbytes, relayout,
 from lowering.cost import Report
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh
-from namedmesh.errors import LayoutError, MeshError, NamedMeshError
+from namedmesh.errors import ArgumentError, LayoutError, MeshError, NamedMeshError
 from namedmesh.primitive import Aval
 from namedmesh.tensor import Tensor
 
@@ -270,9 +270,13 @@ class Lowered:
 
     def _build(self, args):
         leaves, tree = jax.tree_util.tree_flatten(list(args), is_leaf=_is_tensor)
-        for x in leaves:
+        for i, x in enumerate(leaves):
             if not isinstance(x, Tensor):
-                raise NamedMeshError(f"lowered functions take Tensors, got a {type(x).__name__}")
+                shape = f" of shape {x.shape}" if hasattr(x, "shape") else ""
+                raise ArgumentError(
+                    f"lowered functions take Tensors, got a {type(x).__name__}{shape} as "
+                    f"input {input_names(args)[i]}; give it dims with nm.tensor(data, dims)"
+                )
         key = (tree, tuple((x.dims, x.shape, x.dtype) for x in leaves))
         if key not in self._cache:
             self._cache[key] = self._plan(args)
@@ -280,8 +284,10 @@ class Lowered:
 
     def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
+        self.layout.check_dims({d for v in graph.values() for d in v.dims})
         of = lambda v, what: nontrivial(self.layout.of(v.dims, v.shape, self.mesh, what), self.mesh)
-        wanted = {v: of(v, f"input {i}") for i, v in enumerate(graph.inputs)}
+        names = input_names(args)
+        wanted = {v: of(v, f"input {names[i]}") for i, v in enumerate(graph.inputs)}
         ctx = Context(self.mesh, self.layout, wanted)
         plan_layouts(ctx, graph)
         out_layouts = [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
@@ -405,6 +411,17 @@ def _global_inputs(datas, built, mesh) -> list:
 
 def _is_tensor(x) -> bool:
     return isinstance(x, Tensor)
+
+
+def input_names(args) -> list[str]:
+    """Each Tensor leaf of `args` named by its argument and path, `0:layers/attn/q`, so
+    that an error about an input names the parameter, not its flattened position."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(list(args), is_leaf=_is_tensor)
+    out = []
+    for path, _ in paths:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        out.append(keys[0] + (":" + "/".join(keys[1:]) if len(keys) > 1 else ""))
+    return out
 
 
 def lower(fn: Callable, mesh: Mesh, layout: Layout | str) -> Lowered:

@@ -96,16 +96,17 @@ def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed) -> Layout:
         layout, table = auto_layout(loss, mesh, params, batch, key, grad_argnums=(0,))
         print(table)
         return layout
-    layout = Layout(text)
+    layout = Layout(text) if text else default_layout(mesh)
     layout.check(mesh)
-    dims = model_dims(nm.trace(loss, params, batch, key))
-    unknown = [d for d, _ in layout.rules if d not in dims]
-    if unknown:
-        raise UsageError(
-            f"--layout names dim(s) {unknown} that the {name} model lacks; "
-            f"its dims are {sorted(dims)}"
-        )
+    layout.check_dims(model_dims(nm.trace(loss, params, batch, key)), f"the {name} model")
     return layout
+
+
+def default_layout(mesh) -> Layout:
+    """Data parallelism over every mesh axis of more than one device (`batch:rows,cols`);
+    replicated on one device."""
+    axes = tuple(a for a, n in mesh.sizes.items() if n > 1)
+    return Layout({"batch": axes} if axes else {})
 
 
 def train(args) -> None:
@@ -113,7 +114,8 @@ def train(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model} ({args.config}): {_count(trainer):,} parameters")
-    print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}")
+    how = "" if args.layout else " (the default: data parallel over the mesh)"
+    print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     print("lowering report (forward and backward pass, per step, per device):")
     print("    " + str(report).replace("\n", "\n    "))
     state = trainer.init_state()

@@ -6,6 +6,7 @@ from namedmesh.tensor import Tensor  # first: the op modules it loads import it 
 
 # isort: on
 from namedmesh import random
+from namedmesh.autodiff import grad, value_and_grad
 from namedmesh.control import scan
 from namedmesh.conv import conv, pool
 from namedmesh.creation import (
@@ -70,7 +71,16 @@ from namedmesh.elementwise import (
     tanh,
     where,
 )
-from namedmesh.errors import LayoutError, MeshError, NamedMeshError, ShapeError
+from namedmesh.checks import DimNameWarning
+from namedmesh.errors import (
+    ArgumentError,
+    LayoutError,
+    MeshError,
+    NamedMeshError,
+    NumPyDispatchError,
+    ShapeError,
+    TracedValueError,
+)
 from namedmesh.interop import from_xarray, to_xarray
 from namedmesh.primitive import REGISTRY, Aval, Cost, Primitive, bind
 from namedmesh.random import dropout

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
+import os
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -107,20 +109,34 @@ def warn_near_misses(op: str, operands: Sequence) -> None:
             f"{op}: dim {d!r} of operand {i} {fmt_dims(operands[i].dims)} is in no other "
             f"operand and is broadcast as a new dim; did you mean {near!r}?",
             DimNameWarning,
-            stacklevel=5,
+            stacklevel=_user_stacklevel(),  # shown at the user's line
         )
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first caller outside the namedmesh package."""
+    frame, level = inspect.currentframe(), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level - 1
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 @functools.lru_cache(maxsize=4096)
 def _near_misses(dims: tuple[tuple[str, ...], ...]) -> tuple:
+    """(operand, dim, near name) per near-miss pair, each pair once."""
     found = []
-    for i, own in enumerate(dims):
+    pairs = set()
+    for i, own in reversed(list(enumerate(dims))):  # the later operand brings the new dim
         others = {d for j, o in enumerate(dims) if j != i for d in o} - set(own)
         for d in own:
             if any(d in o for j, o in enumerate(dims) if j != i):
                 continue
             near = difflib.get_close_matches(d, sorted(others), 1, 0.8)
-            if near:
+            if near and frozenset((d, near[0])) not in pairs:
+                pairs.add(frozenset((d, near[0])))
                 found.append((i, d, near[0]))
     return tuple(found)
 

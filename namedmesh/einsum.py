@@ -17,7 +17,7 @@ import numpy as np
 import opt_einsum
 
 from namedmesh.checks import agreed_sizes, did_you_mean
-from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.errors import ArgumentError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
@@ -122,7 +122,10 @@ def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
         raise ShapeError("einsum: needs at least one operand")
     for i, x in enumerate(operands):
         if not isinstance(x, Tensor):
-            raise TypeError(f"einsum: operand {i} is a {type(x).__name__}, not a Tensor")
+            raise ArgumentError(
+                f"einsum: operand {i} is a {type(x).__name__}, not a Tensor"
+                + ("; give it dims with nm.tensor(data, dims)" if hasattr(x, "shape") else "")
+            )
     in_dims = tuple(x.dims for x in operands)
     out = output_dims(in_dims, out)
     if len(operands) <= 2:

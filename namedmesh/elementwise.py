@@ -16,6 +16,7 @@ import numpy as np
 import scipy.special
 
 from namedmesh.checks import agreed_sizes, warn_near_misses
+from namedmesh.errors import ArgumentError
 from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
@@ -55,7 +56,7 @@ def operands(*xs, op: str, like_from: int = 0) -> list[Tensor]:
         if isinstance(x, np.ndarray | np.generic) and np.ndim(x) == 0:
             x = x.item()
         if not isinstance(x, bool | int | float | complex):
-            raise TypeError(
+            raise ArgumentError(
                 f"{op}: operands must be Tensors or scalars, got {type(x).__name__}"
                 + (
                     f" of shape {x.shape}; give it dims with nm.tensor(data, dims)"

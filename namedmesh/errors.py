@@ -17,6 +17,20 @@ class MeshError(NamedMeshError, ValueError):
     """A mesh that cannot be built: too few devices, a size that is not positive."""
 
 
+
+class ArgumentError(NamedMeshError, TypeError):
+    """An argument of the wrong kind: a NumPy array where a Tensor is expected."""
+
+
+class NumPyDispatchError(ArgumentError):
+    """A NumPy function or ufunc applied to a Tensor that has no named equivalent (the
+    message names the function and the named op to use instead)."""
+
+
+class TracedValueError(NamedMeshError, TypeError):
+    """jax or NumPy applied to the `.data` of a traced Tensor: an op namedmesh cannot
+    record. The message points to `nm.primitive`, the way to add one."""
+
 def fmt_dims(dims, sizes=None) -> str:
     """`(batch: 4, d: 8)` when sizes are given, `(batch, d)` otherwise."""
     if sizes is None:

@@ -42,7 +42,8 @@ class Tensor:
     __array_priority__ = 100  # numpy scalars on the left defer to Tensor's operators
 
     def __init__(self, data, dims: DimsLike):
-        dims = parse_dims(dims)
+        """`data` (array-like) with one name per axis; ShapeError when the count differs."""
+        dims = parse_dims(dims, "nm.tensor(data, dims)")
         if not isinstance(data, np.ndarray | Var | jax.ShapeDtypeStruct) and not _is_jax(data):
             data = np.asarray(data)
         if data.ndim != len(dims):
@@ -102,6 +103,15 @@ class Tensor:
     def __array__(self, dtype=None, copy=None):
         arr = np.asarray(self.data)
         return arr if dtype is None else arr.astype(dtype)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """`np.exp(t)`, `np.maximum(t, 0)`, `a + t` with an ndarray `a`: the named op of the
+        same name (namedmesh/numpy_dispatch.py); a typed error where there is none."""
+        return _npd.apply_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        """`np.sum(t, axis="d")`, `np.where(c, t, 0)`, ...: the named op, by dim name."""
+        return _npd.apply_function(func, args, kwargs)
 
     def __len__(self) -> int:
         if not self.dims:
@@ -266,5 +276,6 @@ jax.tree_util.register_pytree_node(
 )
 
 from namedmesh import elementwise as _ew  # noqa: E402  (ops import Tensor)
+from namedmesh import numpy_dispatch as _npd  # noqa: E402
 from namedmesh import reductions as _red  # noqa: E402
 from namedmesh import structural as _st  # noqa: E402
