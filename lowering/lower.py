@@ -61,9 +61,19 @@ class Step:
 
 
 class Plan(list):
-    """The Steps of a lowered program, printable."""
+    """The Steps of a lowered program, printable as a table (also at a REPL prompt)."""
 
     def __str__(self) -> str:
+        """The plan without its free casts to varying; see `format`."""
+        return self.format()
+
+    __repr__ = __str__
+
+    def format(self, casts: bool = False) -> str:
+        """One line per equation (its layouts in and out), then its local ops and
+        collectives. `casts`: also the free casts to varying (`pvary`), which cost
+        nothing forward and become the psums of the gradients in the backward pass."""
+
         def fmt(dims, lay):
             parts = (d + (":" + ",".join(a) if a else "") for d, a in zip(dims, lay, strict=True))
             return "[" + ", ".join(parts) + "]"
@@ -75,7 +85,7 @@ class Plan(list):
             pad = "    " * s.depth
             times = f"  (x{s.repeat})" if s.depth else ""
             lines.append(f"{pad}{s.name}: {ins} -> {outs}{times}")
-            lines.extend(pad + "    " + e for e in s.events)
+            lines.extend(pad + "    " + e for e in s.events if casts or not e.startswith("pvary"))
         return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ from namedmesh.tensor import Tensor  # first: the op modules it loads import it 
 # isort: on
 from namedmesh import random
 from namedmesh.autodiff import grad, value_and_grad
+from namedmesh.checks import DimNameWarning
 from namedmesh.control import scan
 from namedmesh.conv import conv, pool
 from namedmesh.creation import (
@@ -71,7 +72,6 @@ from namedmesh.elementwise import (
     tanh,
     where,
 )
-from namedmesh.checks import DimNameWarning
 from namedmesh.errors import (
     ArgumentError,
     LayoutError,

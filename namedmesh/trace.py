@@ -166,7 +166,8 @@ def _run_user_fn(fn: Callable, args):
             "record, such as jax.numpy or an operator on .data. Use the named ops on the "
             "Tensor itself (nm.exp(t), t + 1, nm.einsum, ...), or add the op as a "
             "primitive: namedmesh.primitive.primitive(name, shape_rule, numpy_impl, "
-            "jax_impl), applied with nm.bind (docs/language.md, 'Primitives'). The error was: {type(e).__name__}: {str(e).splitlines()[0]}"
+            "jax_impl), applied with nm.bind (docs/language.md, 'Primitives'). The error "
+            f"was: {type(e).__name__}: {str(e).splitlines()[0]}"
         ) from e
 
 
