@@ -100,6 +100,7 @@ from namedmesh.reductions import (
     sum,
     top_k,
 )
+from namedmesh.selection import expand_dims, isel, squeeze, std, var
 from namedmesh.structural import (
     concat,
     constrain,

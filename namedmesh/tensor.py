@@ -257,6 +257,34 @@ class Tensor:
     def argmin(self, dim: str) -> Tensor:
         return _red.argmin(self, dim)
 
+    def all(self, dims: DimsLike | None = None) -> Tensor:
+        """True where every element over `dims` (all dims when None) is true; see nm.all."""
+        return _red.all(self, dims)
+
+    def any(self, dims: DimsLike | None = None) -> Tensor:
+        """True where any element over `dims` (all dims when None) is true; see nm.any."""
+        return _red.any(self, dims)
+
+    def var(self, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
+        """The variance over `dims` (all when None), divisor count - ddof; see nm.var."""
+        return _sel.var(self, dims, ddof)
+
+    def std(self, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
+        """The standard deviation over `dims` (all when None); see nm.std."""
+        return _sel.std(self, dims, ddof)
+
+    def isel(self, indexers=None, **kw) -> Tensor:
+        """Select (an int drops the dim) or slice by dim name, as xarray; see nm.isel."""
+        return _sel.isel(self, indexers, **kw)
+
+    def squeeze(self, dims: DimsLike | None = None) -> Tensor:
+        """Without the size-1 `dims` (all size-1 dims when None); see nm.squeeze."""
+        return _sel.squeeze(self, dims)
+
+    def expand_dims(self, dims) -> Tensor:
+        """With new leading dims (names, or name -> size); see nm.expand_dims."""
+        return _sel.expand_dims(self, dims)
+
     def rename(self, mapping: Mapping[str, str] | None = None, **names: str) -> Tensor:
         return _st.rename(self, mapping, **names)
 
@@ -278,4 +306,5 @@ jax.tree_util.register_pytree_node(
 from namedmesh import elementwise as _ew  # noqa: E402  (ops import Tensor)
 from namedmesh import numpy_dispatch as _npd  # noqa: E402
 from namedmesh import reductions as _red  # noqa: E402
+from namedmesh import selection as _sel  # noqa: E402
 from namedmesh import structural as _st  # noqa: E402
