@@ -17,8 +17,14 @@ XA = A.to_xarray()
 CASES = {
     "isel int": (lambda t: nm.isel(t, batch=2), lambda x: x.isel(batch=2)),
     "isel negative": (lambda t: t.isel(d=-1), lambda x: x.isel(d=-1)),
-    "isel slice": (lambda t: nm.isel(t, batch=slice(1, 8, 2)), lambda x: x.isel(batch=slice(1, 8, 2))),
-    "isel both": (lambda t: t.isel({"batch": slice(4, None), "d": 0}), lambda x: x.isel(batch=slice(4, None), d=0)),
+    "isel slice": (
+        lambda t: nm.isel(t, batch=slice(1, 8, 2)),
+        lambda x: x.isel(batch=slice(1, 8, 2)),
+    ),
+    "isel both": (
+        lambda t: t.isel({"batch": slice(4, None), "d": 0}),
+        lambda x: x.isel(batch=slice(4, None), d=0),
+    ),
     "squeeze all": (lambda t: nm.squeeze(t), lambda x: x.squeeze()),
     "squeeze one": (lambda t: t.squeeze("unit"), lambda x: x.squeeze("unit")),
     "expand one": (lambda t: nm.expand_dims(t, "one"), lambda x: x.expand_dims("one")),
@@ -27,7 +33,7 @@ CASES = {
     "var all ddof": (lambda t: t.var(ddof=1), lambda x: x.var(ddof=1)),
     "std": (lambda t: nm.std(t, "batch d"), lambda x: x.std(["batch", "d"])),
     "std ddof": (lambda t: t.std("d", ddof=1), lambda x: x.std("d", ddof=1)),
-}  # fmt: skip
+}
 
 
 def _check(got, want, rtol=1e-5):
