@@ -340,6 +340,8 @@ class Lowered:
             )
 
     def __call__(self, *args):
+        """Run on global Tensors (pytrees of them); returns global Tensors whose data are
+        jax.Arrays sharded as the layout says. Compiles once per input signature."""
         self._runnable("calling a lowered function")
         datas, built = self._build(args)
         datas = _global_inputs(datas, built, self.mesh)

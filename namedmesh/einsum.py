@@ -117,7 +117,17 @@ def _path(in_dims, out, shapes):
 
 
 def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
-    """Contract tensors by dim name; see the module docstring for the rules."""
+    """Contract Tensors by dim name.
+
+    Dims shared by operands and absent from `out` are summed. `out` (a tuple or a
+    space-separated string) fixes the result's dims and their order; when it is None
+    the result keeps the dims that occur in exactly one operand, in order of first
+    occurrence. A dim must have one size in every operand (ShapeError otherwise), and
+    `out` may only name dims of the operands (ShapeError with the closest name). Three
+    or more operands are contracted pairwise in the order opt_einsum finds. matmul,
+    dot, outer and batched products and sums over a dim are all einsums:
+    `nm.einsum(x, w, out="batch d_ff")` is x @ w over their shared dim `d_model`.
+    """
     if not operands:
         raise ShapeError("einsum: needs at least one operand")
     for i, x in enumerate(operands):

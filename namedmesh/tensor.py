@@ -72,26 +72,32 @@ class Tensor:
     # --- shape --------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
+        """The positional shape, one size per dim in `.dims` order."""
         return tuple(self.data.shape)
 
     @property
     def sizes(self) -> dict[str, int]:
+        """dim name -> size, in `.dims` order."""
         return dict(zip(self.dims, self.data.shape, strict=True))
 
     @property
     def dtype(self) -> np.dtype:
+        """The NumPy dtype of the data (bfloat16 is ml_dtypes' NumPy dtype)."""
         return np.dtype(self.data.dtype)
 
     @property
     def ndim(self) -> int:
+        """The number of dims."""
         return len(self.dims)
 
     @property
     def size(self) -> int:
+        """The number of elements (1 for a 0-d Tensor)."""
         return math.prod(self.shape)
 
     @property
     def aval(self) -> Aval:
+        """The abstract value: dims, shape and dtype, without data."""
         return Aval(self.dims, self.shape, self.dtype)
 
     def size_of(self, dim: str) -> int:
@@ -128,6 +134,7 @@ class Tensor:
         return int(np.asarray(self.data))
 
     def item(self):
+        """The value of a one-element Tensor as a Python scalar (reads the data)."""
         return np.asarray(self.data).item()
 
     def __repr__(self) -> str:
@@ -234,27 +241,35 @@ class Tensor:
         return _ew.greater_equal(self, o)
 
     def astype(self, dtype) -> Tensor:
+        """The Tensor converted to `dtype` (same dims); see nm.astype."""
         return _ew.astype(self, dtype)
 
     def sum(self, dims: DimsLike | None = None) -> Tensor:
+        """The sum over `dims` (names; all dims when None); the reduced dims leave."""
         return _red.sum(self, dims)
 
     def mean(self, dims: DimsLike | None = None) -> Tensor:
+        """The mean over `dims` (names; all dims when None), in a floating dtype."""
         return _red.mean(self, dims)
 
     def max(self, dims: DimsLike | None = None) -> Tensor:
+        """The maximum over `dims` (names; all dims when None); NaN wins, as in NumPy."""
         return _red.max(self, dims)
 
     def min(self, dims: DimsLike | None = None) -> Tensor:
+        """The minimum over `dims` (names; all dims when None); NaN wins, as in NumPy."""
         return _red.min(self, dims)
 
     def prod(self, dims: DimsLike | None = None) -> Tensor:
+        """The product over `dims` (names; all dims when None); the reduced dims leave."""
         return _red.prod(self, dims)
 
     def argmax(self, dim: str) -> Tensor:
+        """The int32 index of the first maximum along the one dim `dim`, which leaves."""
         return _red.argmax(self, dim)
 
     def argmin(self, dim: str) -> Tensor:
+        """The int32 index of the first minimum along the one dim `dim`, which leaves."""
         return _red.argmin(self, dim)
 
     def all(self, dims: DimsLike | None = None) -> Tensor:
@@ -286,12 +301,15 @@ class Tensor:
         return _sel.expand_dims(self, dims)
 
     def rename(self, mapping: Mapping[str, str] | None = None, **names: str) -> Tensor:
+        """The Tensor with dims renamed (`{"old": "new"}` or old="new"); data untouched."""
         return _st.rename(self, mapping, **names)
 
     def transpose(self, *dims: str) -> Tensor:
+        """The Tensor with its axes in the order `dims` (all of them; `...` for the rest)."""
         return _st.transpose(self, *dims)
 
     def to_xarray(self, coords=None, name=None):
+        """An xarray.DataArray of the values (copied to NumPy) with these dims."""
         from namedmesh.interop import to_xarray
 
         return to_xarray(self, coords=coords, name=name)
