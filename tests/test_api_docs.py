@@ -4,12 +4,11 @@ its contract in a docstring; `help(nm.einsum)` reaches the einsum rules themselv
 import inspect
 import types
 
+import lowering
 import namedmesh as nm
 import namedmesh.testing
-import lowering
 
 MODULES = [nm, nm.random, namedmesh.testing, lowering]
-CLASSES_TOO = True
 
 
 def _public(obj):
