@@ -109,15 +109,20 @@ class Report:
     def verdicts(self) -> list[str]:
         """The report's findings in words: compute repeated over mesh axes (each op's
         share above 1% of the flops), or that none is."""
-        out = []
+        out, minor = [], []
         for (axes, factor), (ops, flops) in sorted(self.repeated.items()):
+            names = ", ".join(f"{n} x{c}" for n, c in sorted(ops.items()))
+            where = f"x{factor} over mesh axis {','.join(axes)}: {flops:,.0f}"
             if flops > 0.01 * self.flops:
-                names = ", ".join(f"{n} x{c}" for n, c in sorted(ops.items()))
                 out.append(
-                    f"verdict: compute repeated x{factor} over mesh axis {','.join(axes)}: "
-                    f"{flops:,.0f} of the {self.flops:,.0f} flops per device ({names}); a "
-                    f"rule splitting a dim of these ops over {','.join(axes)} would share it"
+                    f"verdict: compute repeated {where} of the {self.flops:,.0f} flops per "
+                    f"device ({names}); a rule splitting a dim of these ops over "
+                    f"{','.join(axes)} would share it"
                 )
+            else:
+                minor.append(f"{where} flops ({names})")
+        if minor:
+            out.append("verdict: under 1% of the flops repeated: " + "; ".join(minor))
         return out or ["verdict: no compute is repeated across the mesh"]
 
 

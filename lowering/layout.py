@@ -106,9 +106,9 @@ class Layout:
             if dim not in dims:
                 raise LayoutError(
                     f"rule {dim}:{','.join(axes)} of layout {self} names dim {dim!r}, which no "
-                    f"value of {what} has{did_you_mean(dim, dims)} {what.capitalize()}'s dims: "
-                    f"{sorted(dims)}. (Layout(..., shared=True) allows rules for dims a "
-                    "program lacks.)"
+                    f"value of {what} has{did_you_mean(dim, dims) or '.'} "
+                    f"{what[0].upper() + what[1:]}'s dims: {sorted(dims)}. "
+                    "(Layout(..., shared=True) allows rules for dims a program lacks.)"
                 )
 
     def check(self, mesh) -> None:

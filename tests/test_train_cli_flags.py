@@ -1,0 +1,93 @@
+"""The training CLI's help, defaults and newer flags as a user meets them: every flag
+documented with its default, a default layout that is data parallel, `--set` for a
+Config field, `--tokenizer` taking a file, TensorBoard events on request, and typed
+one-line errors (with the closest name) for each of them."""
+
+import json
+import math
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models import config, data, transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train_cli import ENV, train  # noqa: E402
+
+
+def test_help_documents_every_flag_with_its_default():
+    text = subprocess.run(
+        [sys.executable, "-m", "models.train", "--help"], cwd=ROOT, env=ENV,
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    options = text[text.index("options:") :]
+    flags = re.findall(r"^  (--[\w-]+)", options, re.MULTILINE)
+    assert len(flags) >= 20 and "--steps" in flags and "--tensorboard" in flags
+    # ArgumentDefaultsHelpFormatter adds "(default: ...)" to every flag that has help
+    blocks = re.split(r"^  (?=--)", options, flags=re.MULTILINE)[1:]
+    undocumented = [b.split()[0] for b in blocks if "(default:" not in b]
+    assert undocumented == []
+
+
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        (["--set", "d_modle=32"], "did you mean 'd_model'"),
+        (["--set", "layers=two"], "'two' is not a valid int for Config.layers"),
+        (["--set", "layers"], "expected field=value"),
+        (["--tokenizer", "/no/such/tokenizer.json"], "/no/such/tokenizer.json"),
+        (["--mesh", "data=2", "--layout", "bacth:data"], "did you mean 'batch'"),
+    ],
+)
+def test_bad_new_flags_exit_2_with_one_line_naming_the_fault(tmp_path, flags, names):
+    r = train(*flags, "--out", str(tmp_path / "run"), "--steps", "2")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and names in lines[0], r.stderr
+
+
+def _scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> step -> value, read from the TFRecord event files with the protobuf that
+    tensorboardX writes (no TensorFlow needed)."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict = {}
+    for path in folder.glob("events.out.tfevents.*"):
+        raw, i = path.read_bytes(), 0
+        while i < len(raw):
+            (n,) = struct.unpack("<Q", raw[i : i + 8])
+            event = event_pb2.Event.FromString(raw[i + 12 : i + 12 + n])
+            i += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, {})[event.step] = v.simple_value
+    return out
+
+
+def test_a_run_with_set_a_tokenizer_file_the_default_layout_and_tensorboard(tmp_path):
+    tok = tmp_path / "tokenizer.json"
+    data.ByteTokenizer().save(tmp_path)
+    out, board = tmp_path / "run", tmp_path / "tb"
+    r = train(
+        "--mesh", "data=2", "--steps", "3", "--eval-every", "3", "--set", "d_model=32",
+        "--tokenizer", str(tok), "--tensorboard", str(board), "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "layout batch:data (the default: data parallel over the mesh)" in r.stdout
+    cfg = config.get("tiny").replace(d_model=32, length=16, batch=8, vocab=data.padded_vocab(256))
+    n = sum(math.prod(p.sizes.values()) for p in _leaves(transformer.lm_shapes(cfg)))
+    assert f"{n:,} parameters" in r.stdout
+    assert json.loads((out / "run.json").read_text())["set"] == ["d_model=32"]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    scalars = _scalars(board)
+    assert {r["step"]: r["loss"] for r in records} == pytest.approx(scalars["loss"])
+    assert scalars["val_loss"] == pytest.approx({3: records[-1]["val_loss"]})
+
+
+def _leaves(shapes):
+    if isinstance(shapes, dict):
+        return [s for v in shapes.values() for s in _leaves(v)]
+    return [shapes]
