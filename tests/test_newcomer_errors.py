@@ -189,3 +189,20 @@ def test_nm_grad_of_a_loss_with_dims_left_names_them():
         nm.grad(lambda w: nm.einsum(X, w).sum("classes"))(W)
     with pytest.raises(TypeError):  # jax.grad itself, for comparison, says nothing of dims
         jax.grad(lambda w: nm.einsum(X, w).sum("classes"))(W)
+
+
+# --- further first-hour mistakes ---------------------------------------------------------
+def test_a_layout_string_with_spaces_and_a_trailing_semicolon_is_read_as_meant():
+    assert Layout(" batch : rows ; d_ff:cols ; ") == Layout("batch:rows;d_ff:cols")
+    with pytest.raises(nm.LayoutError, match="malformed rule 'batch rows'"):
+        Layout("batch rows")
+
+
+def test_a_mesh_axis_of_size_0_is_a_mesh_error():
+    with pytest.raises(nm.MeshError, match="rows"):
+        Mesh({"rows": 0})
+
+
+def test_an_unknown_mesh_axis_in_a_layout_names_the_mesh():
+    with pytest.raises(nm.LayoutError, match=r"\['row'\].*Mesh\(rows=2\)"):
+        lower(mlp, Mesh({"rows": 2}), "batch:row").plan(X, W)
