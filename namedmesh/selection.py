@@ -9,7 +9,6 @@ that it lowers by their rules, halo exchange included.
 from __future__ import annotations
 
 import builtins
-import math
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -17,8 +16,8 @@ import numpy as np
 
 from namedmesh.checks import names_not_positions, require_dims
 from namedmesh.errors import ShapeError
-from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive, zero_flops_cost
-from namedmesh.reductions import axes_of
+from namedmesh.primitive import Aval, bind, primitive, zero_flops_cost
+from namedmesh.reductions import axes_of, normalization_cost
 from namedmesh.structural import slice_
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
@@ -99,27 +98,20 @@ def _moment_rule(x, axes, ddof):
     return Aval(tuple(x.dims[i] for i in keep), tuple(x.shape[i] for i in keep), dt)
 
 
-def _moment_cost(in_avals, out_avals, params) -> Cost:
-    # a mean, then a subtract, square and sum per element
-    return default_cost(in_avals, out_avals, params)._replace(
-        flops=4 * math.prod(in_avals[0].shape)
+def _moment(name: str):
+    """The primitive of np.var or np.std (same name in NumPy and jax.numpy)."""
+    np_fn, jnp_fn = getattr(np, name), getattr(jnp, name)
+    return primitive(
+        name,
+        _moment_rule,
+        lambda x, axes, ddof: np_fn(x, axis=axes, ddof=ddof),
+        lambda x, axes, ddof: jnp_fn(x, axis=axes, ddof=ddof),
+        cost_rule=normalization_cost,  # a mean, then a subtract, square and sum
     )
 
 
-_var = primitive(
-    "var",
-    _moment_rule,
-    lambda x, axes, ddof: np.var(x, axis=axes, ddof=ddof),
-    lambda x, axes, ddof: jnp.var(x, axis=axes, ddof=ddof),
-    cost_rule=_moment_cost,
-)
-_std = primitive(
-    "std",
-    _moment_rule,
-    lambda x, axes, ddof: np.std(x, axis=axes, ddof=ddof),
-    lambda x, axes, ddof: jnp.std(x, axis=axes, ddof=ddof),
-    cost_rule=_moment_cost,
-)
+_var = _moment("var")
+_std = _moment("std")
 
 
 def var(x: Tensor, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:

@@ -4,9 +4,9 @@ LayoutError), as for every other op. A focused draw: the general suite draws the
 kinds too, but rarely next to each other."""
 
 from hypothesis import given, settings
+from test_lowering_props import check_case
 
 from namedmesh.testing import strategies as S
-from test_lowering_props import check_case
 
 KINDS = ("isel", "moments", "expand_dims", "einsum", "binary", "reduce")
 

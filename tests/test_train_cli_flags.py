@@ -42,6 +42,7 @@ def test_help_documents_every_flag_with_its_default():
         (["--set", "layers"], "expected field=value"),
         (["--tokenizer", "/no/such/tokenizer.json"], "/no/such/tokenizer.json"),
         (["--mesh", "data=2", "--layout", "bacth:data"], "did you mean 'batch'"),
+        (["--mesh", "m=3", "--layout", "heads:m"], "input 0:layers/attn/"),  # by its path
     ],
 )
 def test_bad_new_flags_exit_2_with_one_line_naming_the_fault(tmp_path, flags, names):
