@@ -26,6 +26,7 @@ from lowering.collectives import make_invarying, missing_axes, nbytes, relayout,
 from lowering.cost import Report
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh
+from namedmesh.checks import did_you_mean
 from namedmesh.errors import ArgumentError, LayoutError, MeshError, NamedMeshError
 from namedmesh.primitive import Aval
 from namedmesh.tensor import Tensor
@@ -209,6 +210,7 @@ def constraint_layout(rules_, v, mesh) -> ValueLayout:
     if unknown:
         raise LayoutError(
             f"constraint {layout} names dim(s) {unknown} that the value {v.dims} lacks"
+            + did_you_mean(unknown[0], v.dims)
         )
     return nontrivial(layout.of(v.dims, v.shape, mesh, "constrained value"), mesh)
 

@@ -206,3 +206,24 @@ def test_a_mesh_axis_of_size_0_is_a_mesh_error():
 def test_an_unknown_mesh_axis_in_a_layout_names_the_mesh():
     with pytest.raises(nm.LayoutError, match=r"\['row'\].*Mesh\(rows=2\)"):
         lower(mlp, Mesh({"rows": 2}), "batch:row").plan(X, W)
+
+
+def test_a_constraint_with_a_typo_gets_the_closest_name():
+    f = lambda x: nm.constrain(x, "bacth:rows") * 2
+    with pytest.raises(nm.LayoutError, match="did you mean 'batch'"):
+        lower(f, Mesh({"rows": 2}), "batch:rows").plan(X)
+
+
+def test_a_report_flags_compute_repeated_over_a_mesh_axis():
+    """Megatron's MLP splits every einsum over both axes; splitting only d_ff leaves
+    every einsum repeated by the rows' devices, which the verdict names with its factor."""
+    w2 = nm.tensor(R.normal(size=(5, 3)).astype(np.float32), "classes d")
+    f = lambda x, w, w2: nm.einsum(nm.relu(nm.einsum(x, w)), w2, out="batch d")
+    mesh = Mesh({"rows": 2, "cols": 5}, devices="abstract")  # planned, not run
+    x8 = nm.tensor(R.normal(size=(8, 3)).astype(np.float32), "batch d")
+    megatron = lower(f, mesh, "batch:rows;classes:cols").report(x8, W, w2, show=False)
+    d_ff_only = lower(f, mesh, "classes:cols").report(x8, W, w2, show=False)
+    assert str(megatron).endswith("verdict: no compute is repeated across the mesh")
+    assert d_ff_only.flops == 2 * megatron.flops  # the repeat, measured independently
+    (line,) = [v for v in d_ff_only.verdicts() if "repeated x2 over mesh axis rows" in v]
+    assert "einsum x2" in line and f"{megatron.flops:,.0f} of the {d_ff_only.flops:,.0f}" in line
