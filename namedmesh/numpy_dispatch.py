@@ -115,6 +115,9 @@ _INSTEAD = {
     "expand_dims": "use nm.expand_dims(t, dim)",
     "norm": "use nm.sqrt(nm.square(t).sum(dims))",
     "cumprod": "use nm.scan over the dim",
+    "isclose": "use nm.abs(a - b) <= atol + rtol * nm.abs(b), or np.allclose for one bool",
+    "argsort": "use nm.top_k(t, dim, k) for the k largest",
+    "sort": "use nm.top_k(t, dim, size of dim)",
 }
 
 
@@ -136,8 +139,9 @@ def apply_function(func, args, kwargs):
     kwargs = dict(kwargs)
     if by_axis:
         x, *rest = args
-        axis = kwargs.pop("axis", rest.pop(0) if rest else None)
+        axis = kwargs.pop("axis") if "axis" in kwargs else rest.pop(0) if rest else None
         names_not_positions(axis, f"np.{name}(axis=...) on a Tensor", x.dims)
+        ddof = {"ddof": kwargs.pop("ddof")} if "ddof" in kwargs and target in ("var", "std") else {}
         extra = [k for k, v in kwargs.items() if v is not None]
         if rest or extra:
             raise NumPyDispatchError(
@@ -146,7 +150,7 @@ def apply_function(func, args, kwargs):
             )
         if target in ("argmax", "argmin", "cumsum") and axis is None:
             raise NumPyDispatchError(f"np.{name} on a Tensor needs axis=<a dim name of {x.dims}>")
-        return fn(x, axis) if axis is not None or target == "squeeze" else fn(x)
+        return fn(x, axis, **ddof) if axis is not None or target == "squeeze" else fn(x, **ddof)
     if name == "transpose" and "axes" in kwargs:
         args = (*args, kwargs.pop("axes"))
     if kwargs:
