@@ -11,7 +11,7 @@ from namedmesh.testing import strategies as S
 KINDS = ("isel", "moments", "expand_dims", "einsum", "binary", "reduce")
 
 
-@settings(max_examples=60)  # the general suite covers them too; this adds a focused 60
+@settings(max_examples=40)  # the general suite covers them too; this adds a focused 40
 @given(S.cases(max_steps=4, kinds=KINDS))
 def test_selection_ops_equal_reference_or_deserved_layout_error(case):
     check_case(case)
