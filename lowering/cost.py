@@ -79,6 +79,9 @@ class Report:
     peak_memory: int = 0  # bytes: inputs + the most live values at once, per device
     backward_flops: float = 0.0
     backward: dict = field(default_factory=dict)  # as `collectives`, of the backward pass
+    # (mesh axes, factor) -> [ops, repeated flops]: work each device does that devices
+    # along those axes repeat, because no dim of the op is split over them
+    repeated: dict = field(default_factory=dict)
 
     @property
     def bytes(self) -> float:
@@ -101,7 +104,26 @@ class Report:
             lines.append(f"backward pass, per-device collective bytes sent: "
                          f"{self.backward_bytes:,.0f}")  # fmt: skip
             lines += _lines(self.backward)
-        return "\n".join(lines)
+        return "\n".join(lines + self.verdicts())
+
+    def verdicts(self) -> list[str]:
+        """The report's findings in words: compute repeated over mesh axes (each op's
+        share above 1% of the flops), or that none is."""
+        out, minor = [], []
+        for (axes, factor), (ops, flops) in sorted(self.repeated.items()):
+            names = ", ".join(f"{n} x{c}" for n, c in sorted(ops.items()))
+            where = f"x{factor} over mesh axis {','.join(axes)}: {flops:,.0f}"
+            if flops > 0.01 * self.flops:
+                out.append(
+                    f"verdict: compute repeated {where} of the {self.flops:,.0f} flops per "
+                    f"device ({names}); a rule splitting a dim of these ops over "
+                    f"{','.join(axes)} would share it"
+                )
+            else:
+                minor.append(f"{where} flops ({names})")
+        if minor:
+            out.append("verdict: under 1% of the flops repeated: " + "; ".join(minor))
+        return out or ["verdict: no compute is repeated across the mesh"]
 
 
 def _lines(coll: dict) -> list[str]:
@@ -127,6 +149,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         for prim, params, in_avals, outs in step.local:
             f = prim.cost_rule(in_avals, outs, params).flops * step.repeat
             rep.flops += f
+            _repeats(rep.repeated, step, prim, params, in_avals, outs, sizes)
             if any(flowing):
                 rep.backward_flops += f * (sum(flowing) if prim.name == "einsum" else 1)
         result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
@@ -139,6 +162,28 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
                 n = math.prod(sizes[a] for a in c.axes)
                 _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, sizes)
     return rep
+
+
+def _repeats(repeated: dict, step, prim, params, in_avals, outs, sizes) -> None:
+    """Into `repeated`: the flops of `step`'s local op that other devices repeat. The op
+    runs on shards whose dims the mesh splits `distinct` ways; the other mesh axes
+    (those splitting neither its result nor, through a psum, its summed dims) repeat it."""
+    eqn = step.eqn
+    if eqn is None or prim is not eqn.primitive:
+        return
+    local = prim.cost_rule(in_avals, outs, params).flops
+    glob = prim.cost_rule([v.aval for v in eqn.inputs], [v.aval for v in eqn.outputs], params)
+    n = math.prod(sizes.values())
+    if not local or local * n <= glob.flops * 1.0001:
+        return
+    used = {a for _, lay in step.outputs for axes in lay for a in axes}
+    used |= {a for c in step.collectives if c.kind in ("psum", "psum_scatter") for a in c.axes}
+    axes = tuple(a for a, k in sizes.items() if k > 1 and a not in used)
+    factor = round(local * n / glob.flops, 2)
+    key = (axes, int(factor) if float(factor).is_integer() else factor)
+    ops, flops = repeated.get(key, ({}, 0.0))
+    ops[prim.name] = ops.get(prim.name, 0) + step.repeat
+    repeated[key] = (ops, flops + (local - glob.flops / n) * step.repeat)
 
 
 def active_values(graph, active: set) -> set:

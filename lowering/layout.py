@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
+from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, fmt_dims
 from namedmesh.layout_rules import format_rules, parse_rules
 
@@ -32,15 +33,23 @@ ValueLayout = tuple[tuple[str, ...], ...]
 class Layout:
     """Ordered rules dim -> mesh axes; see the module docstring."""
 
-    def __init__(self, rules=(), strict: bool = False):
+    def __init__(self, rules=(), strict: bool = False, shared: bool = False):
+        """`rules` as in the module docstring. `strict`: a mesh axis that would split two
+        dims of one value is an error. `shared`: the layout serves several programs (a
+        train and an eval program, a whole model zoo), so a rule may name a dim that a
+        given program lacks; otherwise `lower` rejects such a rule as a typo."""
         self.rules = parse_rules(rules)
         self.strict = bool(strict)
+        self.shared = bool(shared)
 
     def __str__(self) -> str:
-        return format_rules(self.rules)
+        """The rules as `"batch:rows;d_ff:cols"`; no rules print as `(replicated)`."""
+        return format_rules(self.rules) or "(replicated)"
 
     def __repr__(self) -> str:
-        return f"Layout({str(self)!r}{', strict=True' if self.strict else ''})"
+        rules = format_rules(self.rules)
+        flags = (", strict=True" if self.strict else "") + (", shared=True" if self.shared else "")
+        return f"Layout({rules!r}{flags})"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Layout) and (self.rules, self.strict) == (
@@ -50,6 +59,22 @@ class Layout:
 
     def __hash__(self) -> int:
         return hash((self.rules, self.strict))
+
+    def check_dims(self, dims, what: str = "the program") -> None:
+        """LayoutError for a rule naming a dim none of `dims` is (unless `shared`): listing
+        `what`'s dims and the closest name. A rule for a missing dim does nothing, so a
+        typo would otherwise run replicated without a word."""
+        if self.shared:
+            return
+        dims = set(dims)
+        for dim, axes in self.rules:
+            if dim not in dims:
+                raise LayoutError(
+                    f"rule {dim}:{','.join(axes)} of layout {self} names dim {dim!r}, which no "
+                    f"value of {what} has{did_you_mean(dim, dims) or '.'} "
+                    f"{what[0].upper() + what[1:]}'s dims: {sorted(dims)}. "
+                    "(Layout(..., shared=True) allows rules for dims a program lacks.)"
+                )
 
     def check(self, mesh) -> None:
         """LayoutError for a rule naming a mesh axis the mesh lacks."""

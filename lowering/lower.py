@@ -61,9 +61,19 @@ class Step:
 
 
 class Plan(list):
-    """The Steps of a lowered program, printable."""
+    """The Steps of a lowered program, printable as a table (also at a REPL prompt)."""
 
     def __str__(self) -> str:
+        """The plan without its free casts to varying; see `format`."""
+        return self.format()
+
+    __repr__ = __str__
+
+    def format(self, casts: bool = False) -> str:
+        """One line per equation (its layouts in and out), then its local ops and
+        collectives. `casts`: also the free casts to varying (`pvary`), which cost
+        nothing forward and become the psums of the gradients in the backward pass."""
+
         def fmt(dims, lay):
             parts = (d + (":" + ",".join(a) if a else "") for d, a in zip(dims, lay, strict=True))
             return "[" + ", ".join(parts) + "]"
@@ -75,7 +85,7 @@ class Plan(list):
             pad = "    " * s.depth
             times = f"  (x{s.repeat})" if s.depth else ""
             lines.append(f"{pad}{s.name}: {ins} -> {outs}{times}")
-            lines.extend(pad + "    " + e for e in s.events)
+            lines.extend(pad + "    " + e for e in s.events if casts or not e.startswith("pvary"))
         return "\n".join(lines)
 
 
@@ -261,9 +271,17 @@ def cost_own_arithmetic(ctx: Context, e, ins, outs) -> None:
     A scan is costed by its body's steps. Ops with no input (full, iota: each device
     makes its block of a constant) stay uncosted, as the benchmarks' hand counts of the
     models' work assume."""
-    if e.inputs and not ctx.step.local and not ctx.step.body:
-        ctx.note_local(e.primitive, e.params, [x for x, _ in ins], [y for y, _ in outs],
-                       "computed by the rule:")  # fmt: skip
+    if not e.inputs or ctx.step.local or ctx.step.body:
+        return
+    arrays, results = [x for x, _ in ins], [y for y, _ in outs]
+    aval = lambda v, a: Aval(v.dims, tuple(a.shape), np.dtype(a.dtype))
+    cost = e.primitive.cost_rule(
+        [aval(v, a) for v, a in zip(e.inputs, arrays, strict=True)],
+        [aval(v, a) for v, a in zip(e.outputs, results, strict=True)],
+        e.params,
+    )
+    if cost.flops:  # a relayout alone (constrain) has no arithmetic to cost or show
+        ctx.note_local(e.primitive, e.params, arrays, results, "computed by the rule:")
 
 
 def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0):
@@ -321,9 +339,11 @@ class Lowered:
         paths, tree = jax.tree_util.tree_flatten_with_path(list(args), is_leaf=_is_tensor)
         for path, x in paths:
             if not isinstance(x, Tensor):
+                shape = f" (shape {x.shape})" if hasattr(x, "shape") else ""
                 raise ArgumentError(
                     f"lowered functions take Tensors (or pytrees of them), got a "
-                    f"{type(x).__name__} as argument {jax.tree_util.keystr(path)}"
+                    f"{type(x).__name__} as argument {jax.tree_util.keystr(path)}{shape}; "
+                    "give it dims with nm.tensor(data, dims)"
                 )
         leaves = [x for _, x in paths]
         x64 = bool(jax.config.jax_enable_x64)  # the dtype policy depends on it
@@ -335,8 +355,10 @@ class Lowered:
     def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
         check_dtypes(graph)
+        self.layout.check_dims({d for v in graph.values() for d in v.dims})
         of = lambda v, what: nontrivial(self.layout.of(v.dims, v.shape, self.mesh, what), self.mesh)
-        wanted = {v: of(v, f"input {i}") for i, v in enumerate(graph.inputs)}
+        names = input_names(args)
+        wanted = {v: of(v, f"input {names[i]}") for i, v in enumerate(graph.inputs)}
         ctx = Context(self.mesh, self.layout, wanted)
         plan_layouts(ctx, graph)
         out_layouts = [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
@@ -379,6 +401,8 @@ class Lowered:
             )
 
     def __call__(self, *args):
+        """Run on global Tensors (pytrees of them); returns global Tensors whose data are
+        jax.Arrays sharded as the layout says. Compiles once per input signature."""
         self._runnable("calling a lowered function")
         datas, built = self._build(args)
         datas = _global_inputs(datas, built, self.mesh)
@@ -460,6 +484,17 @@ def _global_inputs(datas, built, mesh) -> list:
 
 def _is_tensor(x) -> bool:
     return isinstance(x, Tensor)
+
+
+def input_names(args) -> list[str]:
+    """Each Tensor leaf of `args` named by its argument and path, `0:layers/attn/q`, so
+    that an error about an input names the parameter, not its flattened position."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(list(args), is_leaf=_is_tensor)
+    out = []
+    for path, _ in paths:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        out.append(keys[0] + (":" + "/".join(keys[1:]) if len(keys) > 1 else ""))
+    return out
 
 
 def lower(fn: Callable, mesh: Mesh, layout: Layout | str) -> Lowered:

@@ -51,6 +51,7 @@ class Mesh:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        """The mesh axes' names, in order."""
         return tuple(self.sizes)
 
     def __repr__(self) -> str:

@@ -713,3 +713,56 @@ def stack_rule(ctx, eqn, args):
     xs = [ctx.relayout(x, lay, want[1:]) for x, lay in args]
     y = ctx.local(eqn.primitive, *xs, **eqn.params)
     return [(ctx.relayout(y, ((),) + want[1:], want), want)]
+
+
+@rule("squeeze")
+def squeeze_rule(ctx, eqn, args):
+    """The size-1 dims leave the shard; the others keep their split (a dim of size 1 is
+    never split, since no mesh axis of more than one device divides it)."""
+    ((x, lay),) = args
+    axes = eqn.params["axes"]
+    whole = tuple(() if i in axes else a for i, a in enumerate(lay))
+    y = ctx.local(eqn.primitive, ctx.relayout(x, lay, whole), **eqn.params)
+    out = eqn.outputs[0]
+    kept = tuple(a for i, a in enumerate(lay) if i not in axes)
+    return [(ctx.relayout(y, kept, ctx.wanted[out]), ctx.wanted[out])]
+
+
+@rule("expand_dims")
+def expand_dims_rule(ctx, eqn, args):
+    """The old dims take the output's splits; each device repeats its values over its
+    block of the new dims (their values are the same everywhere), moving nothing."""
+    ((x, lay),) = args
+    out = eqn.outputs[0]
+    want = ctx.wanted[out]
+    new = eqn.params["new"]
+    k = len(new)
+    x = ctx.relayout(x, lay, want[k:])
+    local = local_shape(want[:k], tuple(n for _, n in new), ctx.mesh)
+    local_new = tuple((d, n) for (d, _), n in zip(new, local, strict=True))
+    return [(ctx.local(eqn.primitive, x, new=local_new), want)]
+
+
+@rule("var", "std")
+def moment_rule(ctx, eqn, args):
+    """Along split dims, in two passes as on one device: the global mean (psum of the
+    shards' sums over the count), then the psum of the shards' sums of squared
+    deviations from it, over count - ddof; std is its square root."""
+    ((x, lay),) = args
+    split, kept = _reduced(eqn, lay)
+    (v,), (out,) = eqn.inputs, eqn.outputs
+    want = ctx.wanted[out]
+    if not split:
+        y = ctx.local(eqn.primitive, x, **eqn.params)
+        return [(ctx.relayout(y, kept, want), want)]
+    axes, ddof = eqn.params["axes"], eqn.params["ddof"]
+    count = math.prod(v.shape[i] for i in axes)
+    total = REGISTRY["sum"]
+    x = x.astype(out.dtype)
+    mean = col.psum(ctx.local(total, x, axes=axes), split, ctx.log) / count
+    mean = ctx.varying(jnp.expand_dims(mean, axes), col.varying_axes(x))
+    squares = ctx.local(total, jnp.square(x - mean), axes=axes)
+    y = col.psum(squares, split, ctx.log) / jnp.maximum(count - ddof, 0)
+    if eqn.primitive.name == "std":
+        y = jnp.sqrt(y)
+    return [(ctx.relayout(y.astype(out.dtype), kept, want), want)]

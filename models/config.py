@@ -85,3 +85,46 @@ def get(name: str, **changes) -> Config:
     if name not in CONFIGS:
         raise KeyError(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
     return CONFIGS[name].replace(**changes)
+
+
+class ConfigError(ValueError):
+    """A `--set field=value` that names no Config field or whose value has the wrong type."""
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`["d_model=128", "ffn=relu"]` -> `{"d_model": 128, "ffn": "relu"}`, each value
+    converted to its Config field's type (bool: true/false; tuples: Python literals).
+    ConfigError for a malformed item, an unknown field (with the closest name) or a
+    value that does not convert."""
+    import ast
+    import difflib
+    import typing
+
+    hints = typing.get_type_hints(Config)
+    out = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise ConfigError(f"--set {item!r}: expected field=value, e.g. d_model=128")
+        if name not in hints:
+            near = difflib.get_close_matches(name, list(hints), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"--set {item!r}: Config has no field {name!r}{hint}")
+        kind = hints[name]
+        try:
+            if kind is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(text)
+                value = text.lower() in ("true", "1", "yes")
+            elif kind in (int, float, str):
+                value = kind(text)
+            else:
+                value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ConfigError(
+                f"--set {item!r}: {text!r} is not a valid {getattr(kind, '__name__', kind)} "
+                f"for Config.{name}"
+            ) from None
+        out[name] = value
+    return out

@@ -97,13 +97,28 @@ class BPETokenizer:
 
 def load_tokenizer(directory: str | Path):
     """The tokenizer saved with a checkpoint (`save`)."""
-    path = Path(directory) / "tokenizer.json"
-    spec = json.loads(path.read_text())
+    return load_tokenizer_file(Path(directory) / "tokenizer.json")
+
+
+def load_tokenizer_file(path: str | Path):
+    """A tokenizer from a `tokenizer.json` file: ours (`{"kind": "byte"}`) or one the
+    `tokenizers` package wrote (a BPE, trained here or elsewhere). DataError for a file
+    that is missing or not a tokenizer."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"tokenizer file {path} does not exist")
+    try:
+        spec = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"tokenizer file {path} is not JSON: {e}") from None
     if spec.get("kind") == "byte":
         return ByteTokenizer()
     from tokenizers import Tokenizer
 
-    return BPETokenizer(Tokenizer.from_file(str(path)))
+    try:
+        return BPETokenizer(Tokenizer.from_file(str(path)))
+    except Exception as e:  # the tokenizers package raises its own exception type
+        raise DataError(f"{path} is not a tokenizer.json that `tokenizers` reads: {e}") from None
 
 
 def padded_vocab(n: int, objective: str = "lm", multiple: int = 128) -> int:

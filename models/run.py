@@ -32,6 +32,7 @@ _RUN_FLAGS = (
     "clip",
     "dropout",
     "seed",
+    "set",
 )
 
 
@@ -51,7 +52,7 @@ def setup(args):
             raise UsageError(f"--resume: no checkpoint in {out}/checkpoints to resume from")
         stored = json.loads((out / "run.json").read_text())
         for k in _RUN_FLAGS:
-            setattr(args, k, stored[k])
+            setattr(args, k, stored[k] if k in stored else getattr(args, k))
     elif (out / "metrics.jsonl").exists():
         raise UsageError(f"{out} holds a run already: pass --resume, or another --out")
     try:
@@ -65,15 +66,17 @@ def setup(args):
             tokenizer = data.load_tokenizer(out)
         elif args.tokenizer == "bpe":
             tokenizer = data.BPETokenizer.train(data.split(text)[0], args.bpe_vocab)
-        else:
+        elif args.tokenizer == "byte":
             tokenizer = data.ByteTokenizer()
+        else:
+            tokenizer = data.load_tokenizer_file(args.tokenizer)
         changes = {"vocab": data.padded_vocab(tokenizer.vocab_size, model.objective)}
         for k in ("batch", "length", "dropout"):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
-        cfg = cfg.replace(**changes)
+        cfg = cfg.replace(**changes, **config.parse_overrides(args.set or []))
         corpus = data.Corpus(text, tokenizer, cfg.length, model.objective)
-    except data.DataError as e:
+    except (data.DataError, config.ConfigError) as e:
         raise UsageError(str(e)) from None
     try:
         mesh = Mesh(args.mesh)
@@ -96,16 +99,17 @@ def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed) -> Layout:
         layout, table = auto_layout(loss, mesh, params, batch, key, grad_argnums=(0,))
         print(table)
         return layout
-    layout = Layout(text)
+    layout = Layout(text) if text else default_layout(mesh)
     layout.check(mesh)
-    dims = model_dims(nm.trace(loss, params, batch, key))
-    unknown = [d for d, _ in layout.rules if d not in dims]
-    if unknown:
-        raise UsageError(
-            f"--layout names dim(s) {unknown} that the {name} model lacks; "
-            f"its dims are {sorted(dims)}"
-        )
+    layout.check_dims(model_dims(nm.trace(loss, params, batch, key)), f"the {name} model")
     return layout
+
+
+def default_layout(mesh) -> Layout:
+    """Data parallelism over every mesh axis of more than one device (`batch:rows,cols`);
+    replicated on one device."""
+    axes = tuple(a for a, n in mesh.sizes.items() if n > 1)
+    return Layout({"batch": axes} if axes else {})
 
 
 def train(args) -> None:
@@ -113,7 +117,8 @@ def train(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model} ({args.config}): {_count(trainer):,} parameters")
-    print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}")
+    how = "" if args.layout else " (the default: data parallel over the mesh)"
+    print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     print("lowering report (forward and backward pass, per step, per device):")
     print("    " + str(report).replace("\n", "\n    "))
     state = trainer.init_state()
@@ -132,6 +137,7 @@ def train(args) -> None:
     meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab}
     history = _read(metrics_path)
     bar = _progress(args, start)
+    board = _tensorboard(args)
     with open(metrics_path, "a") as log:
         last = time.perf_counter()
         for step in range(start + 1, args.steps + 1):
@@ -156,6 +162,10 @@ def train(args) -> None:
                 )
             log.write(json.dumps(rec) + "\n")
             log.flush()
+            if board is not None:
+                for k, v in rec.items():
+                    if k != "step":
+                        board.add_scalar(k, v, step)
             history.append(rec)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             bar.update(1)
@@ -165,6 +175,8 @@ def train(args) -> None:
             last = time.perf_counter()  # evaluations and saves are not step time
     bar.close()
     ckpt.close()
+    if board is not None:
+        board.close()
     print(f"wrote {metrics_path}, {out / 'loss.png'} and checkpoints in {out / 'checkpoints'}")
 
 
@@ -175,6 +187,16 @@ def _count(trainer) -> int:
             trainer.abstract_inputs()[0], is_leaf=lambda x: isinstance(x, nm.Tensor)
         )
     )
+
+
+def _tensorboard(args):
+    """A tensorboardX SummaryWriter on --tensorboard DIR (one scalar per metric per
+    step, tagged as in metrics.jsonl), or None."""
+    if not getattr(args, "tensorboard", None):
+        return None
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(args.tensorboard)
 
 
 def _progress(args, start):

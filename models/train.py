@@ -40,29 +40,55 @@ class Parser(argparse.ArgumentParser):
 
 
 def arguments(argv=None) -> argparse.Namespace:
-    p = Parser(prog="python -m models.train", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="lm", help="lm (default), moe, bert or encdec")
-    p.add_argument("--config", default="tiny", help="tiny, small, base, lm1b_m1 ... lm1b_5")
-    p.add_argument("--mesh", type=parse_mesh, default={"data": 1}, help="e.g. rows=2,cols=4")
-    p.add_argument("--layout", default="", help='rules like "batch:rows;d_ff:cols", or auto')
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--out", default="runs/run")
-    p.add_argument("--data", default=None, help="a text file or folder (default: Python's docs)")
-    p.add_argument("--tokenizer", default="byte", choices=["byte", "bpe"])
-    p.add_argument("--bpe-vocab", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (config's)")
-    p.add_argument("--length", type=int, default=None, help="tokens per sequence (config's)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--dropout", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--resume", action="store_true")
+    p = Parser(
+        prog="python -m models.train",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
+    )
+    p.add_argument("--model", default="lm", help="the model: lm, moe, bert or encdec")
+    p.add_argument(
+        "--config", default="tiny", help="its config: tiny, small, base, lm1b_m1 ... lm1b_5"
+    )
+    p.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default={"data": 1},
+        help="mesh axes and sizes, e.g. rows=2,cols=4",
+    )
+    p.add_argument(
+        "--layout",
+        default="",
+        help='rules like "batch:rows;d_ff:cols", or auto; empty: batch over every mesh axis',
+    )
+    p.add_argument("--steps", type=int, default=300, help="training steps in all")
+    p.add_argument("--out", default="runs/run", help="folder for metrics, checkpoints, plot")
+    p.add_argument("--data", default=None, help="a text file or folder; None: Python's docs")
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte, bpe (trained on the data), or a tokenizer.json file to load",
+    )
+    p.add_argument("--bpe-vocab", type=int, default=1024, help="vocabulary of a trained bpe")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (None: config's)")
+    p.add_argument("--length", type=int, default=None, help="tokens per sequence (None: config's)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"], help="optax")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=50, help="steps of linear warmup")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    p.add_argument("--dropout", type=float, default=None, help="rate (None: config's)")
+    p.add_argument("--seed", type=int, default=0, help="of parameters, data order, dropout")
+    p.add_argument("--eval-every", type=int, default=100, help="steps between validations")
+    p.add_argument("--eval-batches", type=int, default=8, help="batches per validation")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="override a model Config field (repeatable), e.g. --set d_model=128",
+    )
+    p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events")
     return p.parse_args(argv)
 
 

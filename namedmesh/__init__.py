@@ -6,6 +6,8 @@ from namedmesh.tensor import Tensor  # first: the op modules it loads import it 
 
 # isort: on
 from namedmesh import random
+from namedmesh.autodiff import grad, value_and_grad
+from namedmesh.checks import DimNameWarning
 from namedmesh.control import scan
 from namedmesh.conv import conv, pool
 from namedmesh.creation import (
@@ -76,7 +78,9 @@ from namedmesh.errors import (
     LayoutError,
     MeshError,
     NamedMeshError,
+    NumPyDispatchError,
     ShapeError,
+    TracedValueError,
 )
 from namedmesh.interop import from_xarray, to_xarray
 from namedmesh.primitive import REGISTRY, Aval, Cost, Primitive, bind
@@ -97,6 +101,7 @@ from namedmesh.reductions import (
     sum,
     top_k,
 )
+from namedmesh.selection import expand_dims, isel, squeeze, std, var
 from namedmesh.structural import (
     concat,
     constrain,

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from namedmesh.checks import require_dims
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
@@ -77,9 +78,8 @@ def scan(f: Callable, init, xs, dim: str, length: int | None = None):
     carry, carry_tree = _leaves(init, "scan's init")
     x_leaves, x_tree = _leaves(xs, "scan's xs")
     sizes = {x.size_of(dim) if dim in x.dims else None for x in x_leaves}
-    missing = [x.dims for x in x_leaves if dim not in x.dims]
-    if missing:
-        raise ShapeError(f"scan over {dim!r}: tensors of xs with dims {missing} lack it")
+    for x in x_leaves:
+        require_dims("scan", [dim], x.dims, "a tensor of xs")
     if length is not None:
         sizes.add(int(length))
     if len(sizes) != 1:

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.checks import agreed_sizes, require_dims
+from namedmesh.errors import ShapeError
 from namedmesh.ordering import lowest
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import Tensor
@@ -104,13 +105,7 @@ def _conv_layout(x_dims, k_dims, spatial):
 
 def _conv_rule(x, k, spatial, strides, dilations, pads, dims):
     x_sizes, k_sizes = x.aval.sizes, k.aval.sizes
-    for d in set(x.dims) & set(k.dims):
-        if x_sizes[d] != k_sizes[d]:
-            raise ShapeError(
-                f"conv: dim {d!r} has size {x_sizes[d]} in x "
-                f"{fmt_dims(x.dims, x.shape)} but {k_sizes[d]} in the kernel "
-                f"{fmt_dims(k.dims, k.shape)}"
-            )
+    agreed_sizes("conv", (x, k), ("x", "the kernel"))
     _, _, out = _conv_layout(x.dims, k.dims, dict(spatial))
     sizes = {**x_sizes, **k_sizes}
     for (d, w), s, dl, p in zip(spatial, strides, dilations, pads, strict=True):
@@ -176,10 +171,8 @@ def conv(
     if not sp:
         raise ShapeError("conv: `spatial` must map at least one spatial dim to a window dim")
     for d, w in sp.items():
-        if d not in x.dims:
-            raise ShapeError(f"conv: spatial dim {d!r} not in x's dims {x.dims}")
-        if w not in kernel.dims:
-            raise ShapeError(f"conv: window dim {w!r} not in the kernel's dims {kernel.dims}")
+        require_dims("conv spatial", [d], x.dims, "x")
+        require_dims("conv window", [w], kernel.dims, "the kernel")
         if w in x.dims or d in kernel.dims:
             raise ShapeError(
                 f"conv: window dim {w!r} and spatial dim {d!r} must each belong "
@@ -251,9 +244,10 @@ def pool(
     if kind not in ("max", "mean"):
         raise ShapeError(f"pool: kind must be 'max' or 'mean', got {kind!r}")
     dims = tuple(window)
-    axes = tuple(x.dims.index(d) if d in x.dims else -1 for d in dims)
-    if not dims or -1 in axes:
-        raise ShapeError(f"pool: window dims {dims} must be dims of x {x.dims}")
+    if not dims:
+        raise ShapeError(f"pool: window names no dim of x {x.dims}")
+    require_dims("pool window", dims, x.dims, "x")
+    axes = tuple(x.dims.index(d) for d in dims)
     windows = _positive(tuple(int(window[d]) for d in dims), dims, "pool: window size")
     strides = windows if stride is None else _per_dim(stride, dims, "stride", windows)
     pads = _padding(padding, dims, [x.size_of(d) for d in dims], windows, strides, (1,) * len(dims))

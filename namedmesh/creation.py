@@ -61,14 +61,17 @@ def ones(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
 
 
 def zeros_like(x: Tensor, dtype=None) -> Tensor:
+    """Zeros with `x`'s dims and sizes, in `x`'s dtype unless `dtype` is given."""
     return full(x.sizes, 0, x.dtype if dtype is None else dtype)
 
 
 def ones_like(x: Tensor, dtype=None) -> Tensor:
+    """Ones with `x`'s dims and sizes, in `x`'s dtype unless `dtype` is given."""
     return full(x.sizes, 1, x.dtype if dtype is None else dtype)
 
 
 def full_like(x: Tensor, value, dtype=None) -> Tensor:
+    """`value` everywhere, with `x`'s dims and sizes, in `x`'s dtype unless `dtype`."""
     return full(x.sizes, value, x.dtype if dtype is None else dtype)
 
 

@@ -16,25 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import opt_einsum
 
-from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.checks import agreed_sizes, did_you_mean
+from namedmesh.errors import ArgumentError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
 
 def _sizes(operands) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    where: dict[str, int] = {}
-    for i, x in enumerate(operands):
-        for d, s in zip(x.dims, x.shape, strict=True):
-            if sizes.setdefault(d, s) != s:
-                j = where[d]
-                raise ShapeError(
-                    f"einsum: dim {d!r} has size {sizes[d]} in operand {j} "
-                    f"{fmt_dims(operands[j].dims, operands[j].shape)} but {s} in operand {i} "
-                    f"{fmt_dims(x.dims, x.shape)}"
-                )
-            where.setdefault(d, i)
-    return sizes
+    return agreed_sizes("einsum", operands)
 
 
 def output_dims(in_dims: tuple[tuple[str, ...], ...], out: DimsLike | None) -> tuple[str, ...]:
@@ -47,6 +36,7 @@ def output_dims(in_dims: tuple[tuple[str, ...], ...], out: DimsLike | None) -> t
             raise ShapeError(
                 f"einsum: out dim(s) {missing} are in no operand; operands have "
                 + ", ".join(fmt_dims(d) for d in in_dims)
+                + did_you_mean(missing[0], sorted(known - set(out)) or sorted(known))
             )
         return out
     counts: dict[str, int] = {}
@@ -127,12 +117,25 @@ def _path(in_dims, out, shapes):
 
 
 def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
-    """Contract tensors by dim name; see the module docstring for the rules."""
+    """Contract Tensors by dim name.
+
+    Dims shared by operands and absent from `out` are summed. `out` (a tuple or a
+    space-separated string) fixes the result's dims and their order; when it is None
+    the result keeps the dims that occur in exactly one operand, in order of first
+    occurrence. A dim must have one size in every operand (ShapeError otherwise), and
+    `out` may only name dims of the operands (ShapeError with the closest name). Three
+    or more operands are contracted pairwise in the order opt_einsum finds. matmul,
+    dot, outer and batched products and sums over a dim are all einsums:
+    `nm.einsum(x, w, out="batch d_ff")` is x @ w over their shared dim `d_model`.
+    """
     if not operands:
         raise ShapeError("einsum: needs at least one operand")
     for i, x in enumerate(operands):
         if not isinstance(x, Tensor):
-            raise TypeError(f"einsum: operand {i} is a {type(x).__name__}, not a Tensor")
+            raise ArgumentError(
+                f"einsum: operand {i} is a {type(x).__name__}, not a Tensor"
+                + ("; give it dims with nm.tensor(data, dims)" if hasattr(x, "shape") else "")
+            )
     in_dims = tuple(x.dims for x in operands)
     out = output_dims(in_dims, out)
     if len(operands) <= 2:
@@ -158,5 +161,8 @@ def dot(*operands: Tensor, over: DimsLike) -> Tensor:
     seen = dict.fromkeys(d for x in operands for d in x.dims)
     missing = [d for d in over if d not in seen]
     if missing:
-        raise ShapeError(f"dot: dim(s) {missing} are in no operand")
+        raise ShapeError(
+            f"dot: dim(s) {missing} are in no operand {[x.dims for x in operands]}"
+            + did_you_mean(missing[0], seen)
+        )
     return einsum(*operands, out=tuple(d for d in seen if d not in over))

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.special
 
-from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.checks import agreed_sizes, warn_near_misses
+from namedmesh.errors import ArgumentError
 from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
@@ -55,7 +56,7 @@ def operands(*xs, op: str, like_from: int = 0) -> list[Tensor]:
         if isinstance(x, np.ndarray | np.generic) and np.ndim(x) == 0:
             x = x.item()
         if not isinstance(x, bool | int | float | complex):
-            raise TypeError(
+            raise ArgumentError(
                 f"{op}: operands must be Tensors or scalars, got {type(x).__name__}"
                 + (
                     f" of shape {x.shape}; give it dims with nm.tensor(data, dims)"
@@ -69,20 +70,10 @@ def operands(*xs, op: str, like_from: int = 0) -> list[Tensor]:
 
 
 def broadcast_dims(xs, op: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Union of dims in order of first appearance; ShapeError on a size disagreement."""
-    sizes: dict[str, int] = {}
-    where: dict[str, int] = {}
-    for i, x in enumerate(xs):
-        for d, s in zip(x.dims, x.shape, strict=True):
-            if d not in sizes:
-                sizes[d], where[d] = s, i
-            elif sizes[d] != s:
-                j = where[d]
-                raise ShapeError(
-                    f"{op}: dim {d!r} has size {sizes[d]} in operand {j} "
-                    f"{fmt_dims(xs[j].dims, xs[j].shape)} but {s} in operand {i} "
-                    f"{fmt_dims(x.dims, x.shape)}"
-                )
+    """Union of dims in order of first appearance; ShapeError on a size disagreement, a
+    DimNameWarning for a new dim that looks like a typo of another operand's."""
+    sizes = agreed_sizes(op, xs)
+    warn_near_misses(op, xs)
     return tuple(sizes), tuple(sizes.values())
 
 

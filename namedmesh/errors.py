@@ -18,13 +18,24 @@ class MeshError(NamedMeshError, ValueError):
 
 
 class ArgumentError(NamedMeshError, TypeError):
-    """An argument of the wrong kind: a non-Tensor given to a lowered or traced function,
-    an argument position that does not exist."""
+    """An argument of the wrong kind: a non-Tensor (a NumPy array, say) given to a lowered
+    or traced function or where a Tensor is expected, an argument position that does not
+    exist."""
 
 
 class DtypeError(NamedMeshError, TypeError):
     """A dtype that cannot be computed as asked: a 64-bit value lowered while jax's
     `jax_enable_x64` is off (jax would compute it in 32 bits; see docs/lowering.md)."""
+
+
+class NumPyDispatchError(ArgumentError):
+    """A NumPy function or ufunc applied to a Tensor that has no named equivalent (the
+    message names the function and the named op to use instead)."""
+
+
+class TracedValueError(NamedMeshError, TypeError):
+    """jax or NumPy applied to the `.data` of a traced Tensor: an op namedmesh cannot
+    record. The message points to `nm.primitive`, the way to add one."""
 
 
 def fmt_dims(dims, sizes=None) -> str:

@@ -30,10 +30,12 @@ class Aval(NamedTuple):
 
     @property
     def sizes(self) -> dict[str, int]:
+        """dim name -> size."""
         return dict(zip(self.dims, self.shape, strict=True))
 
     @property
     def nbytes(self) -> int:
+        """Bytes of a value with this shape and dtype."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 

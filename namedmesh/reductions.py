@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.special
 
+from namedmesh.checks import axis_of, require_dims
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import sort_key
 from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive
@@ -25,10 +26,8 @@ def axes_of(x, dims: DimsLike | None, op: str) -> tuple[int, ...]:
     """Positions of `dims` in `x`, with a ShapeError naming any dim `x` lacks."""
     if dims is None:
         return tuple(range(len(x.dims)))
-    names = parse_dims(dims, op)
-    missing = [d for d in names if d not in x.dims]
-    if missing:
-        raise ShapeError(f"{op}: dim(s) {missing} not in the tensor's dims {x.dims}")
+    names = parse_dims(dims, op, have=x.dims)
+    require_dims(op, names, x.dims)
     return tuple(x.dims.index(d) for d in names)
 
 
@@ -102,7 +101,8 @@ def _same_rule(x, axes, **_):
     return Aval(x.dims, x.shape, _float(x.dtype))
 
 
-def _normalization_cost(in_avals, out_avals, params) -> Cost:
+def normalization_cost(in_avals, out_avals, params) -> Cost:
+    """Four flops per input element (a max or mean, a subtract, an exp or square, a sum)."""
     return default_cost(in_avals, out_avals, params)._replace(
         flops=4 * math.prod(in_avals[0].shape)
     )
@@ -113,14 +113,14 @@ _softmax = primitive(
     _same_rule,
     lambda x, axes: _scipy(scipy.special.softmax)(x, axes),
     lambda x, axes: jax.nn.softmax(x, axis=axes),
-    cost_rule=_normalization_cost,
+    cost_rule=normalization_cost,
 )
 _log_softmax = primitive(
     "log_softmax",
     _same_rule,
     lambda x, axes: _scipy(scipy.special.log_softmax)(x, axes),
     lambda x, axes: log_softmax_jax(x, axes),
-    cost_rule=_normalization_cost,
+    cost_rule=normalization_cost,
 )
 
 
@@ -169,20 +169,14 @@ _argmin = primitive(
 )
 
 
-def _one_axis(x, dim: str, op: str) -> int:
-    if not isinstance(dim, str) or " " in dim:
-        raise ShapeError(f"{op}: takes one dim name, got {dim!r}")
-    return axes_of(x, dim, op)[0]
-
-
 def argmax(x: Tensor, dim: str) -> Tensor:
     """Index (int32) of the largest value along `dim`, first one on ties."""
-    return bind(_argmax, x, axis=_one_axis(x, dim, "argmax"))
+    return bind(_argmax, x, axis=axis_of(x, dim, "argmax"))
 
 
 def argmin(x: Tensor, dim: str) -> Tensor:
     """Index (int32) of the smallest value along `dim`, first one on ties."""
-    return bind(_argmin, x, axis=_one_axis(x, dim, "argmin"))
+    return bind(_argmin, x, axis=axis_of(x, dim, "argmin"))
 
 
 def _top_k_rule(x, axis, k, new_dim):
@@ -218,7 +212,7 @@ def top_k(x: Tensor, dim: str, k: int, new_dim: str | None = None) -> tuple[Tens
 
     Both results have `dim` replaced, in place, by `new_dim` (default: `dim` itself) of size k.
     """
-    axis = _one_axis(x, dim, "top_k")
+    axis = axis_of(x, dim, "top_k")
     new_dim = dim if new_dim is None else new_dim
     if new_dim != dim and new_dim in x.dims:
         raise ShapeError(f"top_k: new_dim {new_dim!r} is already a dim of the tensor {x.dims}")
@@ -243,4 +237,4 @@ _cumsum = primitive(
 
 def cumsum(x: Tensor, dim: str, reverse: bool = False) -> Tensor:
     """Running sum along `dim` (from the end when `reverse`); keeps x's dims."""
-    return bind(_cumsum, x, axis=_one_axis(x, dim, "cumsum"), reverse=bool(reverse))
+    return bind(_cumsum, x, axis=axis_of(x, dim, "cumsum"), reverse=bool(reverse))

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from namedmesh.checks import agreed_sizes, axis_of, did_you_mean, names_not_positions, require_dims
 from namedmesh.elementwise import align
 from namedmesh.errors import LayoutError, ShapeError, fmt_dims
 from namedmesh.layout_rules import Rules, format_rules, parse_rules
 from namedmesh.primitive import Aval, bind, primitive, result_dtype, zero_flops_cost
-from namedmesh.reductions import _one_axis
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
 
@@ -36,9 +36,7 @@ _rename = primitive(
 def rename(x: Tensor, mapping: Mapping[str, str] | None = None, **names: str) -> Tensor:
     """`x` with dims renamed, `rename(x, {"a": "b"})` or `rename(x, a="b")`; data untouched."""
     mapping = {**(mapping or {}), **names}
-    unknown = [d for d in mapping if d not in x.dims]
-    if unknown:
-        raise ShapeError(f"rename: dim(s) {unknown} not in the tensor's dims {x.dims}")
+    require_dims("rename", mapping, x.dims)
     dims = parse_dims(tuple(mapping.get(d, d) for d in x.dims), f"rename {mapping}")
     return bind(_rename, x, dims=dims)
 
@@ -56,9 +54,10 @@ def transpose(x: Tensor, *dims: str | Sequence[str]) -> Tensor:
     """`x` with its axes in the order `dims`; `...` stands for the other dims in their order."""
     if len(dims) == 1 and not isinstance(dims[0], str) or len(dims) == 1 and " " in dims[0]:
         dims = tuple(dims[0].split()) if isinstance(dims[0], str) else tuple(dims[0])
+    names_not_positions(tuple(dims), "transpose", x.dims)
     named = [d for d in dims if d != "..."]
-    unknown = [d for d in named if d not in x.dims]
-    if unknown or len(set(named)) != len(named) or dims.count("...") > 1:
+    require_dims("transpose", named, x.dims)
+    if len(set(named)) != len(named) or dims.count("...") > 1:
         raise ShapeError(f"transpose: {dims} is not an ordering of the dims {x.dims}")
     if "..." in dims:
         rest = [d for d in x.dims if d not in named]
@@ -93,12 +92,10 @@ def reshape(x: Tensor, new: Mapping[str, int], from_: DimsLike) -> Tensor:
     `reshape(x, {"heads": 8, "d_head": 64}, from_="d_model")` splits;
     `reshape(x, {"d_model": 512}, from_="heads d_head")` merges.
     """
-    src = parse_dims(from_, "reshape from_")
-    missing = [d for d in src if d not in x.dims]
-    if missing or not src:
-        raise ShapeError(
-            f"reshape: from_ dim(s) {missing or src} not in the tensor's dims {x.dims}"
-        )
+    src = parse_dims(from_, "reshape from_", have=x.dims)
+    require_dims("reshape from_", src, x.dims)
+    if not src:
+        raise ShapeError(f"reshape: from_ names no dim of the tensor {x.dims}")
     names = parse_dims(tuple(new), "reshape new dims")
     clash = [d for d in names if d in x.dims and d not in src]
     if clash:
@@ -152,7 +149,7 @@ def concat(tensors: Sequence[Tensor], dim: str) -> Tensor:
     if not tensors:
         raise ShapeError("concat: needs at least one tensor")
     first = tensors[0]
-    axis = _one_axis(first, dim, "concat")
+    axis = axis_of(first, dim, "concat")
     ts = [first] + [_aligned_to(t, first.dims, "concat") for t in tensors[1:]]
     return bind(_concat, *ts, axis=axis)
 
@@ -207,7 +204,7 @@ _split = primitive(
 
 def split(x: Tensor, dim: str, sizes: int | Sequence[int]) -> tuple[Tensor, ...]:
     """Cut `x` along `dim` into `sizes` equal parts (an int) or parts of the given sizes."""
-    axis = _one_axis(x, dim, "split")
+    axis = axis_of(x, dim, "split")
     n = x.shape[axis]
     if isinstance(sizes, int):
         if sizes < 1 or n % sizes:
@@ -242,7 +239,7 @@ def slice_(
     x: Tensor, dim: str, start: int | None = None, stop: int | None = None, step: int = 1
 ) -> Tensor:
     """Elements `start:stop:step` along `dim` (Python slice rules, positive step)."""
-    axis = _one_axis(x, dim, "slice")
+    axis = axis_of(x, dim, "slice")
     if not isinstance(step, int | np.integer) or step < 1:
         raise ShapeError(f"slice: step must be a positive int, got {step!r} for dim {dim!r}")
     start, stop, step = builtins.slice(start, stop, step).indices(x.shape[axis])
@@ -266,9 +263,7 @@ _pad = primitive(
 
 def pad(x: Tensor, widths: Mapping[str, int | tuple[int, int]], value=0) -> Tensor:
     """Pad dims with `value`: `widths` maps a dim to (before, after) or to one int for both."""
-    unknown = [d for d in widths if d not in x.dims]
-    if unknown:
-        raise ShapeError(f"pad: dim(s) {unknown} not in the tensor's dims {x.dims}")
+    require_dims("pad", widths, x.dims)
     pairs = []
     for d in x.dims:
         w = widths.get(d, (0, 0))
@@ -313,7 +308,7 @@ def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tenso
 
     Positions left empty get `fill`; with `wrap=True` values leaving one end enter the other.
     """
-    axis = _one_axis(x, dim, "shift")
+    axis = axis_of(x, dim, "shift")
     return bind(_shift, x, axis=axis, offset=int(offset), wrap=bool(wrap), fill=fill)
 
 
@@ -359,13 +354,7 @@ def _gather_rule(x, idx, axis, dims):
     dim = x.dims[axis]
     if dim in idx.dims:
         raise ShapeError(f"gather: indices {idx.dims} must not have the gathered dim {dim!r}")
-    sizes = dict(zip(x.dims, x.shape, strict=True))
-    for d, s in zip(idx.dims, idx.shape, strict=True):
-        if sizes.setdefault(d, s) != s:
-            raise ShapeError(
-                f"gather: dim {d!r} has size {sizes[d]} in the tensor {fmt_dims(x.dims, x.shape)} "
-                f"but {s} in the indices {fmt_dims(idx.dims, idx.shape)}"
-            )
+    sizes = agreed_sizes("gather", (x, idx), ("the tensor", "the indices"))
     out = _gather_dims(x, idx, axis)
     return Aval(out, tuple(sizes[d] for d in out), x.dtype)
 
@@ -400,7 +389,7 @@ def gather(x: Tensor, dim: str, indices: Tensor) -> Tensor:
     Dims of `indices` that `x` also has are matched pointwise; its other dims replace `dim`,
     in place. Negative indices count from the end; out-of-range ones are clamped.
     """
-    axis = _one_axis(x, dim, "gather")
+    axis = axis_of(x, dim, "gather")
     out = _gather_dims(x, indices, axis)
     return bind(_gather, x, indices, axis=axis, dims=(x.dims, indices.dims, out))
 
@@ -431,6 +420,7 @@ def _constraint_rules(x: Tensor, layout) -> Rules:
     if unknown:
         raise LayoutError(
             f"constrain {shown!r}: names dim(s) {unknown} that the value {x.dims} lacks"
+            + did_you_mean(unknown[0], x.dims)
         )
     taken: dict[str, str] = {}
     for d, axes in rules:

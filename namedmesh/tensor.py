@@ -8,14 +8,18 @@ from collections.abc import Iterable, Mapping
 import jax
 import numpy as np
 
+from namedmesh.checks import names_not_positions, require_dims
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import TRACE_STACK, Aval, Var, _fmt_aval, _is_jax
 
 DimsLike = str | Iterable[str]
 
 
-def parse_dims(dims: DimsLike, what: str = "dims") -> tuple[str, ...]:
-    """`"batch d"` or `("batch", "d")` -> `("batch", "d")`; names must be unique strings."""
+def parse_dims(dims: DimsLike, what: str = "dims", have=None) -> tuple[str, ...]:
+    """`"batch d"` or `("batch", "d")` -> `("batch", "d")`; names must be unique strings.
+    A position (an int) is a ShapeError naming `what` and, given `have` (the tensor's
+    dims), the name at that position."""
+    names_not_positions(dims, what, have)
     out = tuple(dims.split()) if isinstance(dims, str) else tuple(dims)
     for d in out:
         if not isinstance(d, str) or not d:
@@ -38,7 +42,8 @@ class Tensor:
     __array_priority__ = 100  # numpy scalars on the left defer to Tensor's operators
 
     def __init__(self, data, dims: DimsLike):
-        dims = parse_dims(dims)
+        """`data` (array-like) with one name per axis; ShapeError when the count differs."""
+        dims = parse_dims(dims, "nm.tensor(data, dims)")
         if not isinstance(data, np.ndarray | Var | jax.ShapeDtypeStruct) and not _is_jax(data):
             data = np.asarray(data)
         if data.ndim != len(dims):
@@ -67,38 +72,52 @@ class Tensor:
     # --- shape --------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
+        """The positional shape, one size per dim in `.dims` order."""
         return tuple(self.data.shape)
 
     @property
     def sizes(self) -> dict[str, int]:
+        """dim name -> size, in `.dims` order."""
         return dict(zip(self.dims, self.data.shape, strict=True))
 
     @property
     def dtype(self) -> np.dtype:
+        """The NumPy dtype of the data (bfloat16 is ml_dtypes' NumPy dtype)."""
         return np.dtype(self.data.dtype)
 
     @property
     def ndim(self) -> int:
+        """The number of dims."""
         return len(self.dims)
 
     @property
     def size(self) -> int:
+        """The number of elements (1 for a 0-d Tensor)."""
         return math.prod(self.shape)
 
     @property
     def aval(self) -> Aval:
+        """The abstract value: dims, shape and dtype, without data."""
         return Aval(self.dims, self.shape, self.dtype)
 
     def size_of(self, dim: str) -> int:
         """The size of `dim`, or a ShapeError naming the dims this tensor has."""
-        try:
-            return self.data.shape[self.dims.index(dim)]
-        except ValueError:
-            raise ShapeError(f"dim {dim!r} is not among the dims {self.dims}") from None
+        names_not_positions(dim, "size_of", self.dims)
+        require_dims("size_of", [dim], self.dims)
+        return self.data.shape[self.dims.index(dim)]
 
     def __array__(self, dtype=None, copy=None):
         arr = np.asarray(self.data)
         return arr if dtype is None else arr.astype(dtype)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """`np.exp(t)`, `np.maximum(t, 0)`, `a + t` with an ndarray `a`: the named op of the
+        same name (namedmesh/numpy_dispatch.py); a typed error where there is none."""
+        return _npd.apply_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        """`np.sum(t, axis="d")`, `np.where(c, t, 0)`, ...: the named op, by dim name."""
+        return _npd.apply_function(func, args, kwargs)
 
     def __len__(self) -> int:
         if not self.dims:
@@ -115,6 +134,7 @@ class Tensor:
         return int(np.asarray(self.data))
 
     def item(self):
+        """The value of a one-element Tensor as a Python scalar (reads the data)."""
         return np.asarray(self.data).item()
 
     def __repr__(self) -> str:
@@ -221,36 +241,75 @@ class Tensor:
         return _ew.greater_equal(self, o)
 
     def astype(self, dtype) -> Tensor:
+        """The Tensor converted to `dtype` (same dims); see nm.astype."""
         return _ew.astype(self, dtype)
 
     def sum(self, dims: DimsLike | None = None) -> Tensor:
+        """The sum over `dims` (names; all dims when None); the reduced dims leave."""
         return _red.sum(self, dims)
 
     def mean(self, dims: DimsLike | None = None) -> Tensor:
+        """The mean over `dims` (names; all dims when None), in a floating dtype."""
         return _red.mean(self, dims)
 
     def max(self, dims: DimsLike | None = None) -> Tensor:
+        """The maximum over `dims` (names; all dims when None); NaN wins, as in NumPy."""
         return _red.max(self, dims)
 
     def min(self, dims: DimsLike | None = None) -> Tensor:
+        """The minimum over `dims` (names; all dims when None); NaN wins, as in NumPy."""
         return _red.min(self, dims)
 
     def prod(self, dims: DimsLike | None = None) -> Tensor:
+        """The product over `dims` (names; all dims when None); the reduced dims leave."""
         return _red.prod(self, dims)
 
     def argmax(self, dim: str) -> Tensor:
+        """The int32 index of the first maximum along the one dim `dim`, which leaves."""
         return _red.argmax(self, dim)
 
     def argmin(self, dim: str) -> Tensor:
+        """The int32 index of the first minimum along the one dim `dim`, which leaves."""
         return _red.argmin(self, dim)
 
+    def all(self, dims: DimsLike | None = None) -> Tensor:
+        """True where every element over `dims` (all dims when None) is true; see nm.all."""
+        return _red.all(self, dims)
+
+    def any(self, dims: DimsLike | None = None) -> Tensor:
+        """True where any element over `dims` (all dims when None) is true; see nm.any."""
+        return _red.any(self, dims)
+
+    def var(self, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
+        """The variance over `dims` (all when None), divisor count - ddof; see nm.var."""
+        return _sel.var(self, dims, ddof)
+
+    def std(self, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
+        """The standard deviation over `dims` (all when None); see nm.std."""
+        return _sel.std(self, dims, ddof)
+
+    def isel(self, indexers=None, **kw) -> Tensor:
+        """Select (an int drops the dim) or slice by dim name, as xarray; see nm.isel."""
+        return _sel.isel(self, indexers, **kw)
+
+    def squeeze(self, dims: DimsLike | None = None) -> Tensor:
+        """Without the size-1 `dims` (all size-1 dims when None); see nm.squeeze."""
+        return _sel.squeeze(self, dims)
+
+    def expand_dims(self, dims) -> Tensor:
+        """With new leading dims (names, or name -> size); see nm.expand_dims."""
+        return _sel.expand_dims(self, dims)
+
     def rename(self, mapping: Mapping[str, str] | None = None, **names: str) -> Tensor:
+        """The Tensor with dims renamed (`{"old": "new"}` or old="new"); data untouched."""
         return _st.rename(self, mapping, **names)
 
     def transpose(self, *dims: str) -> Tensor:
+        """The Tensor with its axes in the order `dims` (all of them; `...` for the rest)."""
         return _st.transpose(self, *dims)
 
     def to_xarray(self, coords=None, name=None):
+        """An xarray.DataArray of the values (copied to NumPy) with these dims."""
         from namedmesh.interop import to_xarray
 
         return to_xarray(self, coords=coords, name=name)
@@ -263,5 +322,7 @@ jax.tree_util.register_pytree_node(
 )
 
 from namedmesh import elementwise as _ew  # noqa: E402  (ops import Tensor)
+from namedmesh import numpy_dispatch as _npd  # noqa: E402
 from namedmesh import reductions as _red  # noqa: E402
+from namedmesh import selection as _sel  # noqa: E402
 from namedmesh import structural as _st  # noqa: E402

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from namedmesh.errors import ArgumentError, NamedMeshError
+from namedmesh.errors import ArgumentError, NamedMeshError, TracedValueError
 from namedmesh.primitive import TRACE_STACK, Aval, Primitive, Var, _coerce_numpy, _fmt_aval
 from namedmesh.tensor import Tensor
 
@@ -152,6 +152,30 @@ def _leaves(tree, what: str) -> tuple[list[Tensor], Any]:
     return leaves, treedef
 
 
+def _run_user_fn(fn: Callable, args):
+    """`fn(*args)`; a TracedValueError when `fn` handed a traced value's data (a `Var`)
+    to jax or to an operator: a computation that namedmesh cannot record."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, NamedMeshError) or not _mentions_var(e):
+            raise
+        raise TracedValueError(
+            f"{getattr(fn, '__name__', 'the traced function')}: a traced Tensor's .data (an "
+            "abstract Var with no values) reached a computation that namedmesh does not "
+            "record, such as jax.numpy or an operator on .data. Use the named ops on the "
+            "Tensor itself (nm.exp(t), t + 1, nm.einsum, ...), or add the op as a "
+            "primitive: namedmesh.primitive.primitive(name, shape_rule, numpy_impl, "
+            "jax_impl), applied with nm.bind (docs/language.md, 'Primitives'). The error "
+            f"was: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from e
+
+
+def _mentions_var(e: BaseException) -> bool:
+    text = str(e)
+    return "Var(" in text or "'Var'" in text
+
+
 def trace(fn: Callable, *example_inputs) -> Graph:
     """Record `fn(*example_inputs)` as a Graph. Only the inputs' dims, sizes and dtypes
     matter; their values are not read. Inputs and result may be pytrees of Tensors."""
@@ -169,7 +193,7 @@ def trace_nested(fn: Callable, *example_inputs, nested: bool = True) -> tuple[Gr
     TRACE_STACK.append(frame)
     try:
         args = jax.tree_util.tree_unflatten(in_tree, [Tensor._make(v, v.dims) for v in in_vars])
-        result = fn(*args)
+        result = _run_user_fn(fn, args)
         out_leaves, out_tree = _leaves(result, "the traced function's results")
         outs = tuple(frame.var_of(t) for t in out_leaves)
     finally:

@@ -1,6 +1,8 @@
 """docs/language.md is a test: its python blocks run in order, and it names every public op."""
 
+import contextlib
 import inspect
+import io
 import linecache
 import re
 import traceback
@@ -36,6 +38,24 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
     ]
 
 
+def outputs(text: str) -> dict[int, str]:
+    """line of a ```python block -> the ```output block right after it: what the block
+    prints, checked at test time so that printouts in the docs cannot drift."""
+    fences = list(FENCE.finditer(text))
+    out = {}
+    for m, nxt in zip(fences, fences[1:], strict=False):
+        if m.group(1) == "python" and nxt.group(1) == "output":
+            out[text.count("\n", 0, m.start()) + 1] = nxt.group(2)
+    return out
+
+
+def _run_block(code, namespace) -> str:
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        exec(code, namespace)
+    return buffer.getvalue()
+
+
 def inline_code(text: str) -> list[str]:
     """The `...` spans of the prose (fenced blocks removed)."""
     prose = FENCE.sub("", text)
@@ -56,7 +76,8 @@ def test_python_blocks_run_in_order(page):
     before = set(REGISTRY)
     namespace: dict = {"__name__": "docs_" + doc.stem}
     try:
-        blocks = python_blocks(doc.read_text(encoding="utf-8"))
+        text = doc.read_text(encoding="utf-8")
+        blocks, printed = python_blocks(text), outputs(text)
         assert blocks, f"{page} has no python blocks"
         for number, (line, source) in enumerate(blocks, start=1):
             filename = f"{doc.name}:block{number}(line {line})"
@@ -64,13 +85,18 @@ def test_python_blocks_run_in_order(page):
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
             code = compile(source, filename, "exec")
             try:
-                exec(code, namespace)
+                got = _run_block(code, namespace)
             except Exception as e:  # any failure, reported with its block
                 tb = "".join(traceback.format_exception(e, limit=-3))
                 pytest.fail(
                     f"python block {number} (line {line} of {doc.name}) raised "
                     f"{type(e).__name__}: {e}\n{tb}",
                     pytrace=False,
+                )
+            if line in printed:
+                assert got.rstrip() == printed[line].rstrip(), (
+                    f"the ```output block after python block {number} (line {line} of "
+                    f"{doc.name}) is not what the block prints now:\n{got}"
                 )
     finally:
         for name in set(REGISTRY) - before:  # primitives the page registers as examples
@@ -108,3 +134,22 @@ def test_every_random_function_is_documented():
     assert "normal" in own and "key" in own
     missing = [n for n in own if not _mentioned(spans, f"nm.random.{n}")]
     assert not missing, f"not mentioned as `nm.random.<name>` in {DOC.name}: {missing}"
+
+
+# What a printout of the code looks like: a plan, a report or a graph.
+PRINTOUT = re.compile(r"^(\w+: \[.*\] -> |per-device flops: |graph\()", re.MULTILINE)
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
+def test_printouts_are_output_blocks(page):
+    """A plan, report or graph printout shown in a page is an ```output block, which
+    `test_python_blocks_run_in_order` compares with what the code prints."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    stale = [
+        text.count("\n", 0, m.start()) + 1
+        for m in FENCE.finditer(text)
+        if m.group(1) != "output" and PRINTOUT.search(m.group(2))
+    ]
+    assert not stale, f"{page}: printouts in non-output blocks at lines {stale}"
+    if page not in RUNNABLE:
+        assert "```output" not in text, f"{page} has output blocks but its code is not run"

@@ -66,7 +66,10 @@ def test_bad_flags_exit_2_with_one_line_naming_the_fault(tmp_path, flags, names)
 def baseline(tmp_path_factory):
     """An uninterrupted 2D run of 24 steps, saving every 6."""
     out = tmp_path_factory.mktemp("baseline") / "run"
-    r = train(*TWO_D, "--steps", "24", "--save-every", "6", "--eval-every", "12", "--out", out)
+    board = ["--tensorboard", str(out.parent / "tb")]  # checked below, against metrics.jsonl
+    r = train(
+        *TWO_D, "--steps", "24", "--save-every", "6", "--eval-every", "12", "--out", out, *board
+    )
     assert r.returncode == 0, r.stderr
     return out, r.stdout
 
@@ -85,6 +88,18 @@ def test_a_run_prints_its_plan_and_writes_metrics_plot_and_checkpoints(baseline)
     assert checkpoint.latest_step(out) == 24
     assert json.loads((out / "run.json").read_text())["config"] == "tiny"
     assert (out / "tokenizer.json").exists()
+
+
+def test_tensorboard_events_hold_the_metrics(baseline):
+    from test_train_cli_flags import scalars
+
+    out, _ = baseline
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    got = scalars(out.parent / "tb")
+    assert got["loss"] == pytest.approx({r["step"]: r["loss"] for r in records})
+    assert got["val_loss"] == pytest.approx(
+        {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    )
 
 
 def test_sigkill_then_resume_logs_the_same_losses(baseline, tmp_path):

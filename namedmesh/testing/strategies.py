@@ -39,6 +39,9 @@ KINDS = (
     "dropout",
     "where",
     "scan",
+    "isel",
+    "moments",
+    "expand_dims",
 )
 EINSUM_KINDS = ("einsum", "einsum3", "binary")  # einsum chains: where the collectives are
 UNARY = ("tanh", "sin", "abs", "negative", "sigmoid", "relu", "square", "exp")
@@ -76,10 +79,11 @@ def meshes(max_devices: int | None = None, max_axes: int = 3):
 _mostly = st.integers(0, 3).map(bool)  # True 3 times in 4; shrinks to False
 
 
-def layouts(dim_names, mesh, allow_strict: bool = True, sizes=None):
+def layouts(dim_names, mesh, allow_strict: bool = True, sizes=None, shared: bool = False):
     """Ordered rules over `dim_names`: a dim over one or two axes, a rule reusing the
     previous rule's axes (a conflict: the earlier dim of a tensor takes them), and
-    `strict` on or off. With `sizes` (dim -> size), axes that divide a dim's size are
+    `strict` on or off; `shared` marks it as naming dims a program may lack. With
+    `sizes` (dim -> size), axes that divide a dim's size are
     preferred, so that fewer layouts are invalid for the inputs."""
     from lowering import Layout
 
@@ -106,7 +110,7 @@ def layouts(dim_names, mesh, allow_strict: bool = True, sizes=None):
                 if not fits(d, chosen) and draw_(_mostly):
                     chosen = tuple(a for a in chosen if fits(d, (a,)))[:1] or chosen
             rules.append((d, tuple(chosen)))
-        return Layout(rules, strict=allow_strict and draw_(st.booleans()))
+        return Layout(rules, strict=allow_strict and draw_(st.booleans()), shared=shared)
 
     return draw()
 
@@ -223,6 +227,22 @@ def _apply(pool, kind, i, j, k):
             return c, c * 0.5
 
         return nm.scan(body, nm.sum(a, d) * 0.1, a, d)[1]
+    return _apply_selection(a, b, kind, i, j, k, d, n)
+
+
+def _apply_selection(a, b, kind, i, j, k, d, n):
+    """The steps of the xarray-style ops: isel, var/std, expand_dims then squeeze."""
+    if kind == "isel":
+        return nm.isel(a, {d: k % n - (n if j % 2 else 0)} if i % 2 else {d: slice(k % n, None)})
+    if kind == "moments":
+        red = [x for m, x in enumerate(a.dims) if (k >> m) & 1] or [d]
+        many = np.prod([a.size_of(x) for x in red]) > 1
+        return (nm.var if i % 2 else nm.std)(a, red, ddof=j % 2 if many else 0)
+    if kind == "expand_dims":  # a dim of b that a lacks (so a layout may split it), or a new one
+        new = next((e for e in b.dims if e not in a.dims), None)
+        if new is None:
+            return nm.squeeze(nm.expand_dims(nm.tanh(a), "unit"), "unit")
+        return nm.expand_dims(nm.tanh(a), {new: b.size_of(new)}) * b
     return -a
 
 
@@ -283,7 +303,9 @@ def cases(draw, max_steps: int = 6, kinds=KINDS):
     mesh = draw(meshes())
     if draw(st.booleans()):
         program = program.with_constraints(draw(constraints(program, mesh)))
-    layout = draw(layouts([n for n, _ in program.sizes], mesh, sizes=dict(program.sizes)))
+    # over every name the program may use: a step may leave one out (a shared layout)
+    names = [n for n, _ in program.sizes]
+    layout = draw(layouts(names, mesh, sizes=dict(program.sizes), shared=True))
     return program, mesh, layout
 
 
