@@ -45,6 +45,11 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="tiny", help="tiny, small, base, lm1b_m1 ... lm1b_5")
     p.add_argument("--mesh", type=parse_mesh, default={"data": 1}, help="e.g. rows=2,cols=4")
     p.add_argument("--layout", default="", help='rules like "batch:rows;d_ff:cols", or auto')
+    p.add_argument(
+        "--rates", default=None,
+        help="--layout auto: weigh at a hardware's rates (tpu_v2, tpu_v3, tpu_v4, tpu_v5e, a100, "
+        "h100); default: measured on the mesh's devices",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--out", default="runs/run")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python's docs)")

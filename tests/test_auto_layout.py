@@ -179,3 +179,37 @@ def test_measured_rates_are_cached_by_device_kind_and_mesh_shape(tmp_path):
     rates_mod.clear_cache()
     assert rates_mod.measure(mesh, tmp_path) == measured  # disk, not measured again
     assert math.isclose(stored[key]["latency_s"], measured.latency_s)
+
+
+SMALL_RUN = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--eval-batches", "1"]
+
+
+def test_cli_layout_auto_prints_the_search(capsys):
+    """`--layout auto --rates tpu_v2`'s path (models/run.py pick_layout): the printout."""
+    from models import config, zoo
+    from models.run import pick_layout
+    from models.trainer import optimizer
+
+    model = zoo.get("lm")
+    cfg = model.configure(config.get("tiny")).replace(length=16, batch=8)
+    opt, _ = optimizer("adamw", 3e-3, 10, 1, 1.0)
+    layout = pick_layout("auto", model, "lm", cfg, Mesh({"data": 2}), opt, 0, "tpu_v2")
+    text = capsys.readouterr().out
+    assert "rates: tpu_v2: 22.5 TFLOP/s" in text
+    assert f"chosen: {str(layout) or '(replicated)'}. It " in text
+
+
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        (["--layout", "auto", "--rates", "tpu_v9"], "tpu_v9"),
+        (["--layout", "batch:data", "--rates", "tpu_v2"], "--rates"),
+    ],
+)
+def test_cli_bad_rates_exit_2_naming_them(tmp_path, capsys, flags, names):
+    from models import train
+
+    argv = [*SMALL_RUN, "--mesh", "data=2", *flags, "--steps", "1", "--out", str(tmp_path)]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and names in err[0] and "error:" in err[0]
