@@ -139,25 +139,46 @@ class _Costing:
             tuple(dict.fromkeys(d for v in (*e.inputs, *e.outputs) for d in v.dims))
             for e in self.graph.eqns
         }
-        self.seen: dict = {}
+        self.renamings = _renamings(mesh)
+        self.seen: dict = {}  # canonical form -> Candidate
+        self.by_pairs: dict = {}  # (dim, axis) pairs -> Candidate
         self.table = Search()
 
-    def canonical(self, layout: Layout):
+    def canonical(self, layout: Layout) -> str:
+        """The layout of every value and of every equation's dims, the same for rule
+        sets that plan alike; the least over renamings of equal-sized mesh axes, which
+        cost alike at rates that are the same on every axis."""
+        keys = []
+        for names in self.renamings:
+            order = list(self.mesh.sizes)  # a dim's axes in the mesh's order
+            renamed = Layout(
+                [
+                    (d, tuple(sorted((names[a] for a in axes), key=order.index)))
+                    for d, axes in layout.rules
+                ]
+            )
+            keys.append(self._form(renamed))
+        return min(keys)
+
+    def _form(self, layout: Layout) -> str:
         sizes = self.mesh.sizes
         soft = lambda dims, shape: tuple(
             axes if n % math.prod(sizes[a] for a in axes) == 0 else ()
             for axes, n in zip(layout.assign(dims), shape, strict=True)
         )
-        values = frozenset((dims, soft(dims, shape)) for dims, shape in self.shapes)
-        return values, frozenset((dims, layout.assign(dims)) for dims in self.eqn_dims)
+        values = sorted(repr((dims, soft(dims, shape))) for dims, shape in self.shapes)
+        eqns = sorted(repr((dims, layout.assign(dims))) for dims in self.eqn_dims)
+        return repr((values, eqns))
 
     def __call__(self, pairs: Pairs) -> Candidate:
-        layout = to_layout(pairs, self.mesh)
-        key = self.canonical(layout)
-        if key not in self.seen:
-            self.seen[key] = self._cost(layout)
-            self.table.append(self.seen[key])
-        return self.seen[key]
+        if pairs not in self.by_pairs:
+            layout = to_layout(pairs, self.mesh)
+            key = self.canonical(layout)
+            if key not in self.seen:
+                self.seen[key] = self._cost(layout)
+                self.table.append(self.seen[key])
+            self.by_pairs[pairs] = self.seen[key]
+        return self.by_pairs[pairs]
 
     def _cost(self, layout: Layout) -> Candidate:
         cand = Candidate(layout)
@@ -175,6 +196,21 @@ class _Costing:
         if self.limit is not None and cand.memory > self.limit:
             cand.note, cand.time = "over the memory limit", math.inf
         return cand
+
+
+def _renamings(mesh: Mesh, most: int = 120) -> list[dict[str, str]]:
+    """Maps of mesh axis names that permute axes of equal size (the identity alone when
+    there would be more than `most`)."""
+    groups: dict[int, list[str]] = {}
+    for a, n in mesh.sizes.items():
+        groups.setdefault(n, []).append(a)
+    if math.prod(math.factorial(len(g)) for g in groups.values()) > most:
+        return [{a: a for a in mesh.sizes}]
+    out = [{}]
+    for g in groups.values():
+        perms = list(itertools.permutations(g))
+        out = [{**m, **dict(zip(g, p, strict=True))} for m in out for p in perms]
+    return out
 
 
 def _reason(e: Exception) -> str:
@@ -280,6 +316,8 @@ def _by_axis(cost, mesh, dims, beam) -> list[Pairs]:
                 if fit:
                     grown.append((*s, *((d, axis) for d in fit)))
         ranked = sorted(dict.fromkeys(grown), key=lambda s: _rank(cost(s), room, cost.limit))
+        distinct = {id(cost(s)): s for s in reversed(ranked)}  # one state per candidate
+        ranked = [s for s in ranked if distinct[id(cost(s))] is s]
         states = [s for s in ranked if not cost(s).note.startswith("invalid")][:beam]
     return states
 
