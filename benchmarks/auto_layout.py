@@ -54,8 +54,8 @@ def planned_seconds(cfg, mesh: Mesh, layout: str, rates: str = "tpu_v2") -> floa
     return hardware(rates).seconds(lower(loss, mesh, layout).report(*inputs, wrt=0, show=False))
 
 
-def paper_rows() -> list[list[str]]:
-    rows = []
+def paper_rows() -> tuple[list[list[str]], str]:
+    rows, worst = [], {"ratio": 0.0, "gib": 0.0, "s": 0.0}
     for name in PAPER:
         cfg = config.get(name)
         mesh = Mesh(dict(cfg.mesh), devices="abstract")
@@ -69,10 +69,21 @@ def paper_rows() -> list[list[str]]:
             f"{best.time / paper:.3f}", f"{best.memory / 2**30:.2f}", str(len(r["table"])),
             f"{r['seconds']:.1f}",
         ])  # fmt: skip
-    return rows
+        for k, v in (("ratio", best.time / paper), ("gib", best.memory / 2**30),
+                     ("s", r["seconds"])):  # fmt: skip
+            worst[k] = max(worst[k], v)
+    met = worst["ratio"] <= 1 + 1e-9 and worst["gib"] <= 8
+    verdict = (
+        f"Goal (chosen <= paper's planned time, within 8 GiB per core, each search under "
+        f"10 s): chosen/paper at most {worst['ratio']:.3f}, at most {worst['gib']:.2f} GiB "
+        f"per core ({'met' if met else 'not met'}); slowest search {worst['s']:.1f} s "
+        f"({'met' if worst['s'] < 10 else 'not met'}; load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} cores)."
+    )
+    return rows, verdict
 
 
-def four_axis_rows() -> tuple[list[list[str]], str]:
+def four_axis_rows() -> tuple[list[list[str]], str, str]:
     cfg = config.get("base", layers=24)
     rows, printout = [], ""
     for sizes in FOUR_AXIS:
@@ -86,10 +97,15 @@ def four_axis_rows() -> tuple[list[list[str]], str]:
             f"{r['seconds']:.1f}",
         ])  # fmt: skip
         printout = printout or str(r["table"])
-    return rows, printout
+    slowest = max(float(row[-1]) for row in rows)
+    verdict = (
+        f"Goal (a layout in under 30 s): slowest {slowest:.1f} s, "
+        f"{'met' if slowest < 30 else 'not met'} (load average {os.getloadavg()[0]:.1f})."
+    )
+    return rows, printout, verdict
 
 
-def train_rows(steps: int) -> tuple[list[list[str]], str, str]:
+def train_rows(steps: int) -> tuple[list[list[str]], str, str, str]:
     """quality.py's layouts and `--layout auto` on rows=2,cols=4, trained one after another."""
     from tqdm import tqdm
 
@@ -113,7 +129,12 @@ def train_rows(steps: int) -> tuple[list[list[str]], str, str]:
         ]
         for r in runs
     ]  # fmt: skip
-    return rows, printout, fastest.layout.name
+    ratio = runs[-1].tokens_per_s / fastest.tokens_per_s if _ok(runs[-1]) else 0.0
+    verdict = (
+        f"Goal (the chosen layout's tokens/s within 10% of the fastest): {ratio:.2f} of "
+        f"{fastest.layout.name}'s, {'met' if ratio >= 0.9 else 'not met'}."
+    )
+    return rows, printout, fastest.layout.name, verdict
 
 
 def _ok(run: quality.Run) -> bool:
@@ -131,20 +152,25 @@ def main(argv: list[str] | None = None) -> int:
     info = report.machine()
     parts = report.heading(SECTION, f"Made by `{report.command('benchmarks.auto_layout', argv)}`"
                            f" on {when}.", info)  # fmt: skip
+    paper = paper_rows()
     parts += [
         "Paper scale (TPU v2 table: 22.5 TFLOP/s, 62 GB/s, 10 µs per collective, 8 GiB per "
         "core; training step, forward and backward):",
         "",
         report.md_table(
             ["config", "mesh", "chosen", "ms", "paper's layout", "ms", "chosen/paper",
-             "GiB/core", "planned", "search s"], paper_rows()),
+             "GiB/core", "planned", "search s"], paper[0]),
+        "",
+        paper[1],
         "",
     ]  # fmt: skip
-    rows, printout = four_axis_rows()
+    rows, printout, verdict = four_axis_rows()
     parts += [
         "24-layer `base` LM on 4-axis meshes (TPU v2 table):",
         "",
         report.md_table(["mesh", "chosen", "ms", "GiB/device", "planned", "search s"], rows),
+        "",
+        verdict,
         "",
         "The printout of the 2x2x2x2 search:",
         "",
@@ -154,13 +180,15 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     if not args.skip_train:
-        rows, printout, fastest = train_rows(args.steps)
+        rows, printout, fastest, verdict = train_rows(args.steps)
         parts += [
             f"`tiny` LM, {args.steps} steps per layout, tokens/s the median after step "
             f"{quality.COMPILE_STEPS} (benchmarks/quality.py's method); ratio to the fastest "
             f"({fastest}):",
             "",
             report.md_table(["layout", "mesh", "rules", "tokens/s", "÷ fastest"], rows),
+            "",
+            verdict,
             "",
             "What `--layout auto` printed (rates measured on the mesh in that process):",
             "",
