@@ -12,14 +12,13 @@ and holds the cost model's forward bytes against the forward pass's compiled HLO
 
 from __future__ import annotations
 
-import time
-
 import jax
 import numpy as np
 
 from benchmarks import cases, memory, report, steps
 from lowering import Mesh, lower
 from lowering.hlo import collectives
+from lowering.rates import median_seconds
 
 
 def hlo_traffic(hlo_text: str) -> float:
@@ -35,17 +34,6 @@ def hlo_traffic(hlo_text: str) -> float:
         else:  # collective-permute: the whole buffer
             total += result
     return total
-
-
-def median_seconds(fns: dict, repeats: int) -> dict:
-    """Median wall time of each (fn, args), the implementations taking turns per repeat."""
-    times: dict = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, (fn, args) in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[k].append(time.perf_counter() - start)
-    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def measure(model: cases.Model, case: cases.Case, repeats: int = 5) -> dict:

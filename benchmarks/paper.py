@@ -19,7 +19,7 @@ import jax
 
 import namedmesh as nm
 from benchmarks import report
-from lowering import Mesh, lower
+from lowering import Mesh, lower, rates
 from lowering.layout import Layout, local_shape
 from models import config, objectives, transformer
 
@@ -27,24 +27,17 @@ SECTION = "## Paper scale: the LM1B models on 512 cores (no devices)"
 CONFIGS = tuple(f"lm1b_{'m1' if k < 0 else k}" for k in sorted(config.PAPER_PARAMS))
 BYTES = 4  # the planned params and activations are float32 (the paper ran bf16 activations)
 
-# Per-TensorCore peak and collective bandwidth. Bandwidth: a ring along one mesh axis of
-# a 2-D torus uses 2 of a chip's 4 ICI ports, and the chip's 2 cores share them, so a
-# core sends at about one port's rate. No latency, no contention, no overlap.
+# Per-TensorCore peak and collective bandwidth, from lowering/rates.py's hardware table
+# (its sources there): a ring along one mesh axis of a 2-D torus uses 2 of a chip's 4 ICI
+# ports, and the chip's 2 cores share them, so a core sends at about one port's rate.
+# No latency, no contention, no overlap, as the page says.
 HARDWARE = {
-    "TPUv2": {
-        "peak_flops": 45e12 / 2,
-        "link_bytes_per_s": 62e9,
-        "source": "45 TFLOPS per 2-core chip (elektroniknet.de, TPUv2 figure); 256 chips = "
-        "512 cores per pod (docs.cloud.google.com/tpu/docs/v2); ~62 GB/s per ICI port, 4 "
-        "ports per chip (brendanjameslynskey.github.io, Google TPU series, ICI & OCS)",
-    },
-    "TPUv3": {
-        "peak_flops": 123e12 / 2,
-        "link_bytes_per_s": 340e12 / 1024 / 4,
-        "source": "123 TFLOPS bf16 per 2-core chip, 32 GiB HBM per chip, 1024 chips and "
-        "340 TB/s all-reduce bandwidth per pod (cloud.google.com/tpu/docs/v3), taken as 4 "
-        "ports per chip: 83 GB/s per port",
-    },
+    label: {
+        "peak_flops": rates.hardware(name).flops_per_s,
+        "link_bytes_per_s": rates.hardware(name).bytes_per_s["psum"],
+        "source": rates.hardware(name).source,
+    }
+    for label, name in (("TPUv2", "tpu_v2"), ("TPUv3", "tpu_v3"))
 }
 
 # What the stored sources publish for these models: tensor2tensor's docstring of

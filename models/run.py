@@ -13,6 +13,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering import Layout, Mesh, auto_layout
+from lowering.rates import user_cache_dir
 from models import checkpoint, config, data, zoo
 from models.trainer import Trainer, bits_per_byte, optimizer
 from namedmesh.errors import NamedMeshError
@@ -82,7 +83,9 @@ def setup(args):
         mesh = Mesh(args.mesh)
         opt, schedule = optimizer(args.optimizer, args.lr, args.steps, args.warmup, args.clip)
         name = f"{args.model} ({args.config})"
-        layout = pick_layout(args.layout, model, name, cfg, mesh, opt, args.seed)
+        layout = pick_layout(
+            args.layout, model, name, cfg, mesh, opt, args.seed, getattr(args, "rates", None)
+        )
         trainer = Trainer(model, cfg, mesh, layout, opt, args.seed)
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
@@ -90,15 +93,26 @@ def setup(args):
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
 
 
-def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed) -> Layout:
+def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed, rates=None) -> Layout:
+    """The layout `--layout` names, checked against the model; `auto`: auto_layout's
+    choice for the training loss, weighed at `rates` (a hardware name of
+    lowering.rates.HARDWARE; None: measured on the mesh, cached in the user cache dir),
+    its printout shown."""
     probe = Trainer(model, cfg, mesh, Layout(), opt, seed)
     params, batch = probe.abstract_inputs()
     key = probe.key(1)
     loss = lambda p, b, k: model.loss(p, b, cfg, k)
     if text == "auto":
-        layout, table = auto_layout(loss, mesh, params, batch, key, grad_argnums=(0,))
+        if rates is None:
+            print(f"measuring the rates of {mesh}'s devices (once; cached) ...", flush=True)
+        layout, table = auto_layout(
+            loss, mesh, params, batch, key, grad_argnums=(0,), rates=rates,
+            cache_dir=user_cache_dir(),
+        )  # fmt: skip
         print(table)
         return layout
+    if rates is not None:
+        raise UsageError("--rates weighs the candidates of --layout auto; pass --layout auto")
     layout = Layout(text) if text else default_layout(mesh)
     layout.check(mesh)
     layout.check_dims(model_dims(nm.trace(loss, params, batch, key)), f"the {name} model")

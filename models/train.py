@@ -60,6 +60,12 @@ def arguments(argv=None) -> argparse.Namespace:
         default="",
         help='rules like "batch:rows;d_ff:cols", or auto; empty: batch over every mesh axis',
     )
+    p.add_argument(
+        "--rates",
+        default=None,
+        help="--layout auto: weigh at a hardware's rates (tpu_v2, tpu_v3, tpu_v4, tpu_v5e, "
+        "a100, h100); None: measured on the mesh's devices",
+    )
     p.add_argument("--steps", type=int, default=300, help="training steps in all")
     p.add_argument("--out", default="runs/run", help="folder for metrics, checkpoints, plot")
     p.add_argument("--data", default=None, help="a text file or folder; None: Python's docs")

@@ -40,5 +40,5 @@ def test_abstract_mesh_refuses_to_run():
 
 
 def test_auto_layout_on_an_abstract_mesh_splits_the_big_hidden_dim():
-    layout, table = auto_layout(mlp, PAPER_MESH, X, W1, W2, grad_argnums=(1, 2))
-    assert "d_ff" in str(layout) and len(table) == (3 + 1) ** 2
+    layout, table = auto_layout(mlp, PAPER_MESH, X, W1, W2, grad_argnums=(1, 2), rates="tpu_v2")
+    assert "d_ff" in str(layout) and table[0].layout == layout

@@ -1,10 +1,23 @@
-"""auto_layout finds the layouts the Mesh-TensorFlow paper's analysis says are best."""
+"""auto_layout finds the layouts the Mesh-TensorFlow paper's analysis says are best,
+weighs them at stated rates, scales to 4-axis meshes and explains its answer."""
+
+import functools
+import json
+import math
 
 import numpy as np
 import pytest
 
 import namedmesh as nm
-from lowering import Layout, Mesh, auto_layout
+from lowering import Layout, Mesh, lower
+from lowering import auto_layout as _auto_layout
+from lowering import rates as rates_mod
+from lowering.cost import Report
+from lowering.rates import Rates, RatesError, hardware
+
+# The planning tests weigh candidates at a hardware table's rates: fixed, unlike a
+# measurement on the test machine.
+auto_layout = functools.partial(_auto_layout, rates="tpu_v2")
 
 A = nm.abstract
 MESH = Mesh({"rows": 2, "cols": 4})
@@ -76,11 +89,127 @@ def test_memory_limit_excludes_layouts_and_is_reported():
     tight = sorted(c.memory for c in table if np.isfinite(c.time))[1]
     layout, table = auto_layout(mlp, MESH, *inputs, memory_limit=tight)
     chosen = table[0]
-    assert chosen.memory <= tight
-    assert any("over memory limit" in c.note for c in table)
-    assert "chosen" in chosen.note and "layout" in str(table).splitlines()[0]
+    assert chosen.memory <= tight and chosen.layout == layout
+    over = [c for c in table if c.memory > tight and not c.note.startswith("invalid")]
+    assert over and all(not c.valid for c in over)
+    text = str(table)
+    assert f"invalid: {len(over)} x over the memory limit" in text
+    assert f"{tight:,} bytes" in text and "chosen" in chosen.note
 
 
 def test_no_valid_layout_is_a_layout_error():
     with pytest.raises(nm.LayoutError, match="no layout"):
         auto_layout(mlp, MESH, *mlp_inputs(8192, 64, 256), memory_limit=1)
+
+
+def test_fsdp_when_replicated_weights_do_not_fit():
+    """Data parallelism fits no longer: the weights are split over the data axis too."""
+    mesh = Mesh({"data": 8}, devices="abstract")
+    inputs = mlp_inputs(4096, 1024, 4096)
+    dp = lower(mlp, mesh, "batch:data").report(*inputs, wrt=(1, 2), show=False)
+    weights = 2 * 1024 * 4096 * 4
+    limit = dp.peak_memory - weights // 2  # replicated weights cannot fit
+    layout, table = auto_layout(mlp, mesh, *inputs, grad_argnums=(1, 2), memory_limit=limit)
+    assert table[0].memory <= limit
+    rules = dict(layout.rules)
+    assert rules.get("batch") == ("data",)
+    assert {"d_model", "d_ff"} & set(rules)  # some weight dim is split as well
+
+
+def test_four_axis_mesh_is_searched_without_the_product():
+    """A 4-axis mesh: far fewer candidates planned than the product over axes."""
+    mesh = Mesh({"a": 2, "b": 2, "c": 2, "d": 2}, devices="abstract")
+    inputs = layer_inputs(16, 64, 256, 8, 32, 1024)
+    layout, table = auto_layout(layer, mesh, *inputs, grad_argnums=tuple(range(1, 7)))
+    dims = {d for t in inputs for d in t.dims} | {"kseq"}
+    assert len(table) < (1 + len(dims)) ** 4 / 20
+    assert table[0].layout == layout and table[0].valid
+    best = lower(layer, mesh, layout).report(*inputs, wrt=tuple(range(1, 7)), show=False)
+    assert table[0].time == pytest.approx(hardware("tpu_v2").seconds(best))
+    # no worse than plain data parallelism over the whole mesh
+    dp = lower(layer, mesh, "batch:a,b,c,d").report(*inputs, wrt=tuple(range(1, 7)), show=False)
+    assert table[0].time <= hardware("tpu_v2").seconds(dp) * (1 + 1e-9)
+
+
+def test_printout_states_assumptions_top_ten_and_why():
+    _, table = auto_layout(
+        layer, MESH, *layer_inputs(8, 128, 4096, 32, 128, 16384), grad_argnums=tuple(range(1, 7))
+    )
+    text = str(table)
+    assert "22.5 TFLOP/s per device" in text and "62 GB/s" in text and "10 µs" in text
+    assert "memory limit: 8 GiB" in text
+    ranked = [ln for ln in text.splitlines() if ln[:3].strip().isdigit()]
+    assert len(ranked) == min(10, sum(c.valid for c in table))
+    head = text.splitlines()
+    assert text.splitlines()[-1].startswith(f"chosen: {table[0].layout}. It ")
+    assert len(head) < 25  # not a row per candidate
+    valid = [c for c in table if c.valid]
+    assert all(c.time == pytest.approx(c.compute + c.comm) for c in valid)
+
+
+def test_hardware_table_rates_and_seconds():
+    v2 = hardware("TPU-v2")
+    assert v2.flops_per_s == 22.5e12 and v2.memory_bytes == 8 * 2**30 and v2.source
+    assert set(rates_mod.HARDWARE) == {"tpu_v2", "tpu_v3", "tpu_v4", "tpu_v5e", "a100", "h100"}
+    rep = Report(
+        4.5e12, {("psum", ("x",)): (3, 6.2e9)}, 0, 4.5e12, {("all_gather", ("y",)): (1, 3.1e9)}
+    )
+    assert v2.seconds(rep) == pytest.approx(9e12 / 22.5e12 + 4 * 10e-6 + 9.3e9 / 62e9)
+    with pytest.raises(RatesError, match="tpu_v2"):
+        hardware("tpu_v9")
+    with pytest.raises(RatesError, match="bytes_per_s"):
+        Rates("bad", 1e12, {"psum": 1e9}, 0.0)
+
+
+def test_abstract_mesh_needs_rates():
+    mesh = Mesh({"x": 4}, devices="abstract")
+    with pytest.raises(RatesError, match="no devices to measure"):
+        _auto_layout(mlp, mesh, *mlp_inputs(64, 32, 64))
+
+
+def test_measured_rates_are_cached_by_device_kind_and_mesh_shape(tmp_path):
+    mesh = Mesh({"x": 2})
+    rates_mod.clear_cache()
+    measured = rates_mod.measure(mesh, tmp_path, repeats=1)
+    assert measured.flops_per_s > 0 and all(v > 0 for v in measured.bytes_per_s.values())
+    assert rates_mod.measure(mesh, tmp_path) is measured  # memory
+    stored = json.loads((tmp_path / "rates.json").read_text())
+    (key,) = stored
+    assert key.endswith("x=2") and "cpu" in key
+    rates_mod.clear_cache()
+    assert rates_mod.measure(mesh, tmp_path) == measured  # disk, not measured again
+    assert math.isclose(stored[key]["latency_s"], measured.latency_s)
+
+
+SMALL_RUN = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--eval-batches", "1"]
+
+
+def test_cli_layout_auto_prints_the_search(capsys):
+    """`--layout auto --rates tpu_v2`'s path (models/run.py pick_layout): the printout."""
+    from models import config, zoo
+    from models.run import pick_layout
+    from models.trainer import optimizer
+
+    model = zoo.get("lm")
+    cfg = model.configure(config.get("tiny")).replace(length=16, batch=8)
+    opt, _ = optimizer("adamw", 3e-3, 10, 1, 1.0)
+    layout = pick_layout("auto", model, "lm", cfg, Mesh({"data": 2}), opt, 0, "tpu_v2")
+    text = capsys.readouterr().out
+    assert "rates: tpu_v2: 22.5 TFLOP/s" in text
+    assert f"chosen: {str(layout) or '(replicated)'}. It " in text
+
+
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        (["--layout", "auto", "--rates", "tpu_v9"], "tpu_v9"),
+        (["--layout", "batch:data", "--rates", "tpu_v2"], "--rates"),
+    ],
+)
+def test_cli_bad_rates_exit_2_naming_them(tmp_path, capsys, flags, names):
+    from models import train
+
+    argv = [*SMALL_RUN, "--mesh", "data=2", *flags, "--steps", "1", "--out", str(tmp_path)]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and names in err[0] and "error:" in err[0]

@@ -1,0 +1,209 @@
+"""`python -m benchmarks.auto_layout [--steps N] [--skip-train] [--out docs/benchmarks.md]`:
+auto_layout's choices and search times against the issue's goals.
+
+1. Paper scale, no devices: for each LM1B config (models/config.py `lm1b_*`) on its
+   paper mesh (abstract, 32 to 512 cores), `auto_layout` of the training loss with the
+   TPU v2 table (`rates="tpu_v2"`, memory limit its 8 GiB per core); the chosen layout's
+   planned step time beside the paper's own layout's at the same rates, and the
+   search's wall seconds. Goal: chosen <= paper's, within 8 GiB, each under 10 s.
+2. A 24-layer `base` LM on 4-axis abstract meshes (2x2x2x2 and 4x4x4x8), TPU v2 table.
+   Goal: a layout in under 30 s.
+3. The `tiny` LM on the 2x4 simulated CPU mesh: `python -m models.train --layout auto`
+   (rates measured on the mesh in that process, a fresh cache) trained beside the layouts
+   of benchmarks/quality.py in one invocation, tokens/s as quality.py measures it.
+   Goal: the chosen layout's tokens/s within 10% of the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import quality, report
+from lowering import Mesh, auto_layout, lower
+from lowering.rates import hardware
+from models import config, objectives, transformer
+
+SECTION = "## auto_layout: choices and search time"
+PAPER = tuple(f"lm1b_{'m1' if k < 0 else k}" for k in sorted(config.PAPER_PARAMS))
+FOUR_AXIS = ({"a": 2, "b": 2, "c": 2, "d": 2}, {"a": 4, "b": 4, "c": 4, "d": 8})
+
+
+def _lm(cfg):
+    params = transformer.abstract(transformer.lm_shapes(cfg))
+    batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
+    return (lambda p, b: transformer.lm_loss(p, b, cfg)), (params, batch)
+
+
+def search(cfg, mesh: Mesh, rates: str = "tpu_v2") -> dict:
+    """The search's choice, printout, planned times and wall seconds."""
+    loss, inputs = _lm(cfg)
+    start = time.perf_counter()
+    layout, table = auto_layout(loss, mesh, *inputs, grad_argnums=(0,), rates=rates)
+    return {"layout": layout, "table": table, "seconds": time.perf_counter() - start}
+
+
+def planned_seconds(cfg, mesh: Mesh, layout: str, rates: str = "tpu_v2") -> float:
+    loss, inputs = _lm(cfg)
+    return hardware(rates).seconds(lower(loss, mesh, layout).report(*inputs, wrt=0, show=False))
+
+
+def paper_rows() -> tuple[list[list[str]], str]:
+    rows, worst = [], {"ratio": 0.0, "gib": 0.0, "s": 0.0}
+    for name in PAPER:
+        cfg = config.get(name)
+        mesh = Mesh(dict(cfg.mesh), devices="abstract")
+        r = search(cfg, mesh)
+        best, paper = r["table"][0], planned_seconds(cfg, mesh, cfg.layout)
+        print(f"{name}: {r['layout']} {best.time * 1e3:.1f} ms (paper's {paper * 1e3:.1f} ms), "
+              f"searched in {r['seconds']:.1f} s", flush=True)  # fmt: skip
+        rows.append([
+            f"`{name}`", "x".join(f"{a}={n}" for a, n in cfg.mesh), f"`{r['layout']}`",
+            f"{best.time * 1e3:.1f}", f"`{cfg.layout}`", f"{paper * 1e3:.1f}",
+            f"{best.time / paper:.3f}", f"{best.memory / 2**30:.2f}", str(len(r["table"])),
+            f"{r['seconds']:.1f}",
+        ])  # fmt: skip
+        for k, v in (("ratio", best.time / paper), ("gib", best.memory / 2**30),
+                     ("s", r["seconds"])):  # fmt: skip
+            worst[k] = max(worst[k], v)
+    met = worst["ratio"] <= 1 + 1e-9 and worst["gib"] <= 8
+    verdict = (
+        f"Goal (chosen <= paper's planned time, within 8 GiB per core, each search under "
+        f"10 s): chosen/paper at most {worst['ratio']:.3f}, at most {worst['gib']:.2f} GiB "
+        f"per core ({'met' if met else 'not met'}); slowest search {worst['s']:.1f} s "
+        f"({'met' if worst['s'] < 10 else 'not met'}; load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} cores)."
+    )
+    return rows, verdict
+
+
+def four_axis_rows() -> tuple[list[list[str]], str, str]:
+    cfg = config.get("base", layers=24)
+    rows, printout = [], ""
+    for sizes in FOUR_AXIS:
+        mesh = Mesh(sizes, devices="abstract")
+        r = search(cfg, mesh)
+        best = r["table"][0]
+        print(f"base x24 on {mesh}: {r['layout']}, searched in {r['seconds']:.1f} s", flush=True)
+        rows.append([
+            "x".join(f"{a}={n}" for a, n in sizes.items()), f"`{r['layout']}`",
+            f"{best.time * 1e3:.2f}", f"{best.memory / 2**30:.2f}", str(len(r["table"])),
+            f"{r['seconds']:.1f}",
+        ])  # fmt: skip
+        printout = printout or str(r["table"])
+    slowest = max(float(row[-1]) for row in rows)
+    verdict = (
+        f"Goal (a layout in under 30 s): slowest {slowest:.1f} s, "
+        f"{'met' if slowest < 30 else 'not met'} (load average {os.getloadavg()[0]:.1f})."
+    )
+    return rows, printout, verdict
+
+
+def train_rows(steps: int) -> tuple[list[list[str]], str, str, str]:
+    """quality.py's layouts and `--layout auto` on rows=2,cols=4, trained one after another."""
+    from tqdm import tqdm
+
+    auto = quality.Layout("auto", "rows=2,cols=4", "auto")
+    layouts = [*quality.LAYOUTS, auto]
+    with tempfile.TemporaryDirectory(prefix="auto-layout-") as tmp:
+        os.environ["XDG_CACHE_HOME"] = tmp  # the CLI measures the rates afresh
+        bar = tqdm(total=steps * len(layouts), unit="step", dynamic_ncols=True, mininterval=1.0)
+        runs = [quality.run_layout(lt, steps, steps, Path(tmp), bar) for lt in layouts]
+        bar.close()
+    log = runs[-1].log
+    chosen = re.search(r"^chosen: (.*?)\. ", log, re.M)
+    printout = log[log.find("auto_layout on") : log.find("\n", chosen.end())] if chosen else log
+    fastest = max((r for r in runs[:-1] if _ok(r)), key=lambda r: r.tokens_per_s)
+    rows = [
+        [
+            r.layout.name, f"`{r.layout.mesh}`",
+            f"`{chosen.group(1) if r is runs[-1] and chosen else r.layout.rules or '(none)'}`",
+            f"{r.tokens_per_s:,.0f}" if _ok(r) else f"failed (exit {r.returncode})",
+            f"{r.tokens_per_s / fastest.tokens_per_s:.2f}" if _ok(r) else "",
+        ]
+        for r in runs
+    ]  # fmt: skip
+    ratio = runs[-1].tokens_per_s / fastest.tokens_per_s if _ok(runs[-1]) else 0.0
+    verdict = (
+        f"Goal (the chosen layout's tokens/s within 10% of the fastest): {ratio:.2f} of "
+        f"{fastest.layout.name}'s, {'met' if ratio >= 0.9 else 'not met'}."
+    )
+    return rows, printout, fastest.layout.name, verdict
+
+
+def _ok(run: quality.Run) -> bool:
+    return run.returncode == 0 and len(run.records) == run.steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m benchmarks.auto_layout", description=__doc__)
+    p.add_argument("--steps", type=int, default=120, help="training steps per layout (120)")
+    p.add_argument("--skip-train", action="store_true", help="only the planning goals")
+    p.add_argument("--out", type=Path, help="markdown file whose section to replace")
+    args = p.parse_args(argv)
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    info = report.machine()
+    parts = report.heading(SECTION, f"Made by `{report.command('benchmarks.auto_layout', argv)}`"
+                           f" on {when}.", info)  # fmt: skip
+    paper = paper_rows()
+    parts += [
+        "Paper scale (TPU v2 table: 22.5 TFLOP/s, 62 GB/s, 10 µs per collective, 8 GiB per "
+        "core; training step, forward and backward):",
+        "",
+        report.md_table(
+            ["config", "mesh", "chosen", "ms", "paper's layout", "ms", "chosen/paper",
+             "GiB/core", "planned", "search s"], paper[0]),
+        "",
+        paper[1],
+        "",
+    ]  # fmt: skip
+    rows, printout, verdict = four_axis_rows()
+    parts += [
+        "24-layer `base` LM on 4-axis meshes (TPU v2 table):",
+        "",
+        report.md_table(["mesh", "chosen", "ms", "GiB/device", "planned", "search s"], rows),
+        "",
+        verdict,
+        "",
+        "The printout of the 2x2x2x2 search:",
+        "",
+        "```text",
+        printout,
+        "```",
+        "",
+    ]
+    if not args.skip_train:
+        rows, printout, fastest, verdict = train_rows(args.steps)
+        parts += [
+            f"`tiny` LM, {args.steps} steps per layout, tokens/s the median after step "
+            f"{quality.COMPILE_STEPS} (benchmarks/quality.py's method); ratio to the fastest "
+            f"({fastest}):",
+            "",
+            report.md_table(["layout", "mesh", "rules", "tokens/s", "÷ fastest"], rows),
+            "",
+            verdict,
+            "",
+            "What `--layout auto` printed (rates measured on the mesh in that process):",
+            "",
+            "```text",
+            printout,
+            "```",
+            "",
+        ]
+    text = "\n".join(parts)
+    print(text)
+    if args.out:
+        report.write_section(args.out, SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""The rates a step time is weighed at: flop/s, bytes/s per collective kind, a latency
+per collective, memory per device; measured on a mesh's devices or from a hardware table.
+
+`Rates.seconds(report)` turns a cost report (lowering/cost.py) into a step time,
+
+    overhead + flops / flop rate + collectives * latency + sum over kinds of bytes / rate
+
+a roofline: no overlap of compute with communication, no memory traffic of elementwise
+ops, rates that do not change with a buffer's size. `measure(mesh)` times
+microbenchmarks on the mesh's own devices (a float32 matmul run by every device at
+once; each collective kind with 4 MiB per device over all of them; an all-reduce of
+one float for the latency; a step that does nothing), once per device kind and mesh
+shape in memory, and, given `cache_dir`, in a JSON file there. `HARDWARE` holds the
+published figures of TPU v2/v3/v4/v5e, A100 and H100, each with its source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lowering.cost import Report, traffic
+from lowering.mesh import Mesh
+from namedmesh.errors import NamedMeshError
+
+KINDS = ("psum", "psum_scatter", "all_gather", "all_to_all", "ppermute")
+_SAME_RATE = {"pmax": "psum", "pmin": "psum"}  # all-reduces too
+
+
+class RatesError(NamedMeshError, ValueError):
+    """An unknown hardware name, a malformed Rates, or rates asked of a mesh without
+    devices."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one device does per second. `bytes_per_s`: per collective kind, the bytes one
+    device sends per second as the ring formulas of lowering/cost.py count them."""
+
+    name: str
+    flops_per_s: float
+    bytes_per_s: Mapping[str, float]
+    latency_s: float  # one collective, besides its bytes
+    memory_bytes: int | None = None  # per device (HBM); None: unknown
+    overhead_s: float = 0.0  # a step that does nothing (dispatch)
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        missing = [k for k in KINDS if k not in self.bytes_per_s]
+        bad = [k for k, v in self.bytes_per_s.items() if not v > 0]
+        if missing or bad or not self.flops_per_s > 0 or self.latency_s < 0:
+            raise RatesError(
+                f"Rates {self.name!r}: needs flops_per_s > 0, latency_s >= 0 and bytes_per_s > 0 "
+                f"for every kind of {KINDS}; missing {missing}, not positive {bad}"
+            )
+
+    def compute_seconds(self, rep: Report) -> float:
+        return (rep.flops + rep.backward_flops) / self.flops_per_s
+
+    def comm_seconds(self, rep: Report) -> float:
+        """Latency and bytes of every collective of the report, forward and backward."""
+        coll = [*rep.collectives.items(), *rep.backward.items()]
+        return sum(
+            n * self.latency_s + b / self.bytes_per_s[_SAME_RATE.get(k, k)]
+            for (k, _), (n, b) in coll
+        )
+
+    def seconds(self, rep: Report) -> float:
+        """The predicted seconds of the step `rep` reports (with its backward pass)."""
+        return self.overhead_s + self.compute_seconds(rep) + self.comm_seconds(rep)
+
+    def __str__(self) -> str:
+        bw = self.bytes_per_s
+        if len(set(bw.values())) == 1:
+            links = f"{next(iter(bw.values())) / 1e9:.3g} GB/s sent per device (every collective)"
+        else:
+            links = "GB/s sent per device: " + ", ".join(f"{k} {bw[k] / 1e9:.3g}" for k in KINDS)
+        mem = f"{self.memory_bytes / 2**30:.3g} GiB per device" if self.memory_bytes else "memory ?"
+        return (
+            f"{self.name}: {self.flops_per_s / 1e12:.4g} TFLOP/s per device; {links}; "
+            f"{self.latency_s * 1e6:.3g} µs per collective; {mem}"
+            + (f"; {self.overhead_s * 1e3:.3g} ms per empty step" if self.overhead_s else "")
+        )
+
+
+def uniform(name, flops, bandwidth, latency, memory, source) -> Rates:
+    """Rates with one bandwidth for every collective kind (a hardware table's row)."""
+    return Rates(name, flops, dict.fromkeys(KINDS, bandwidth), latency, memory, 0.0, source)
+
+
+_GIB = 2**30
+# Peak dense bf16 flop/s and HBM per JAX device; bandwidth is what one device sends along
+# one mesh axis. TPU: a ring along one axis of the torus uses about one ICI port per
+# device each way, so a device sends at about one port's rate. GPU: NVLink within a node,
+# one direction. Latency: an order of magnitude only (no published per-collective
+# figure was found): ~10 µs for an ICI collective, ~15 µs for NCCL's small all-reduce.
+HARDWARE: dict[str, Rates] = {
+    "tpu_v2": uniform("tpu_v2", 45e12 / 2, 62e9, 10e-6, 8 * _GIB,
+        "a JAX device is one TensorCore: 45 TFLOP/s and 16 GiB HBM per 2-core chip "
+        "(cloud.google.com/tpu/docs/v2; elektroniknet.de TPUv2 figure); ~62 GB/s per ICI "
+        "port, 4 ports per chip (brendanjameslynskey.github.io, Google TPU series)"),
+    "tpu_v3": uniform("tpu_v3", 123e12 / 2, 340e12 / 1024 / 4, 10e-6, 16 * _GIB,
+        "one TensorCore: 123 TFLOP/s bf16 and 32 GiB HBM per 2-core chip; 340 TB/s "
+        "all-reduce bandwidth per 1024-chip pod (cloud.google.com/tpu/docs/v3), taken as 4 "
+        "ports per chip: 83 GB/s per port"),
+    "tpu_v4": uniform("tpu_v4", 275e12, 300e9 / 6, 10e-6, 32 * _GIB,
+        "one chip (megacore): 275 TFLOP/s bf16, 32 GiB HBM, 2400 Gbps = 300 GB/s of ICI "
+        "over 6 ports of a 3-D torus (cloud.google.com/tpu/docs/v4): 50 GB/s per port"),
+    "tpu_v5e": uniform("tpu_v5e", 197e12, 200e9 / 4, 10e-6, 16 * _GIB,
+        "one chip: 197 TFLOP/s bf16, 16 GiB HBM, 1600 Gbps = 200 GB/s of ICI over 4 ports "
+        "of a 2-D torus (cloud.google.com/tpu/docs/v5e): 50 GB/s per port"),
+    "a100": uniform("a100", 312e12, 300e9, 15e-6, 80 * 10**9,
+        "A100 SXM 80GB: 312 TFLOP/s dense bf16, 80 GB HBM2e, NVLink 600 GB/s "
+        "bidirectional = 300 GB/s each way (NVIDIA A100 datasheet); within one node"),
+    "h100": uniform("h100", 989e12, 450e9, 15e-6, 80 * 10**9,
+        "H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3, NVLink 900 GB/s bidirectional = "
+        "450 GB/s each way (NVIDIA H100 datasheet); within one node"),
+}  # fmt: skip
+
+
+def hardware(name: str) -> Rates:
+    """The table's Rates called `name` (RatesError naming the known ones otherwise)."""
+    key = name.lower().replace("-", "_").replace(" ", "_")
+    if key not in HARDWARE:
+        raise RatesError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}")
+    return HARDWARE[key]
+
+
+def median_seconds(fns: dict, repeats: int) -> dict:
+    """Median wall time of each (fn, args), the implementations taking turns per repeat."""
+    times: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, (fn, args) in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[k].append(time.perf_counter() - start)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def _median(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    return median_seconds({"fn": (fn, args)}, repeats)["fn"]
+
+
+def _runner(devices):
+    """(k, place, run): `devices` as one mesh axis "all"; place an array split over it;
+    run a function of the local shard under jit(shard_map)."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+    spec = PartitionSpec("all")
+    place = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
+    return len(devices), place, run
+
+
+def collective_rates(
+    n_bytes: int, repeats: int = 9, latency_s: float = 0.0, only=None, devices=None
+) -> dict:
+    """Per collective kind (or those in `only`) over `devices` (default: all of jax's),
+    with `n_bytes` put in by each device: the bytes per second one device sends (ring
+    formulas), the time less `latency_s` per call (at most halved)."""
+    k, place, run = _runner(list(jax.devices() if devices is None else devices))
+    ring = [(j, (j + 1) % k) for j in range(k)]
+    kinds = {  # each keeps the local shape, so that out_specs can be `spec`
+        "psum": lambda x: jax.lax.psum(x, "all"),
+        "psum_scatter": lambda x: jnp.tile(jax.lax.psum_scatter(x, "all", tiled=True), k),
+        "all_gather": lambda x: jax.lax.all_gather(x[: x.size // k], "all", tiled=True),
+        "all_to_all": lambda x: jax.lax.all_to_all(x, "all", 0, 0, tiled=True),
+        "ppermute": lambda x: jax.lax.ppermute(x, "all", ring),
+    }
+    buf = place(np.ones((k * n_bytes // 4,), np.float32))
+    out = {}
+    for kind, f in kinds.items():
+        if only is not None and kind not in only:
+            continue
+        put_in = n_bytes // k if kind == "all_gather" else n_bytes
+        sent = max(traffic(kind, ("all",), put_in, {"all": k}), 1.0)  # one device: no traffic
+        t = _median(run(f), [buf], repeats)
+        # less the latency, but never below half the time: on a busy machine the latency
+        # measured can be near the whole time, and the rate would then be absurd
+        out[kind] = sent / max(t - latency_s, t / 2, 1e-9)
+    return out
+
+
+def calibrate(
+    devices=None, n_matmul: int = 512, n_bytes: int = 1 << 22, repeats: int = 9, name: str = ""
+) -> Rates:
+    """Rates measured on `devices` (default: all of jax's) as one mesh axis."""
+    devices = list(jax.devices() if devices is None else devices)
+    k, place, run = _runner(devices)
+    idle = _median(run(lambda x: x), [place(np.zeros((k, 1), np.float32))], repeats)
+    a = place(np.random.default_rng(0).normal(size=(k * n_matmul, n_matmul)).astype(np.float32))
+    matmul = _median(run(lambda x: x @ x), [a], repeats)
+    tiny = _median(run(lambda x: jax.lax.psum(x, "all")), [place(np.ones(k, np.float32))], repeats)
+    return Rates(
+        name or f"measured on {k} x {devices[0].device_kind}",
+        float(2 * n_matmul**3 / max(matmul - idle, 1e-9)),
+        collective_rates(n_bytes, repeats, tiny, devices=devices),
+        max(tiny - idle, 0.0),
+        _device_memory(devices[0]),
+        idle,
+        f"microbenchmarks on {k} devices: float32 {n_matmul}^3 matmul, collectives with "
+        f"{n_bytes} bytes per device, median of {repeats}",
+    )
+
+
+def _device_memory(device) -> int | None:
+    try:
+        stats = device.memory_stats()  # None or missing on CPU
+    except Exception:  # noqa: BLE001 - backends without memory stats raise various errors
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+_MEASURED: dict = {}
+
+
+def measure(mesh: Mesh, cache_dir: str | os.PathLike | None = None, repeats: int = 9) -> Rates:
+    """The Rates of `mesh`'s devices, timed on first use and kept, keyed by device kind and
+    mesh shape, in memory and (with `cache_dir`) in `cache_dir/rates.json`."""
+    if mesh.abstract:
+        raise RatesError(
+            f"{mesh} has no devices to measure: pass rates= a hardware name "
+            f"({', '.join(HARDWARE)}) or a Rates"
+        )
+    devices = list(mesh.jax_mesh.devices.flat)
+    key = f"{devices[0].platform}:{devices[0].device_kind}:" + "x".join(
+        f"{a}={n}" for a, n in mesh.sizes.items()
+    )
+    path = Path(cache_dir) / "rates.json" if cache_dir is not None else None
+    if key not in _MEASURED and path is not None and path.exists():
+        stored = json.loads(path.read_text()).get(key)
+        if stored is not None:
+            _MEASURED[key] = Rates(**stored)
+    if key not in _MEASURED:
+        _MEASURED[key] = calibrate(devices, repeats=repeats, name=f"measured: {key}")
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            table = json.loads(path.read_text()) if path.exists() else {}
+            table[key] = {**asdict(_MEASURED[key]), "bytes_per_s": dict(_MEASURED[key].bytes_per_s)}
+            path.write_text(json.dumps(table, indent=1))
+    return _MEASURED[key]
+
+
+def clear_cache() -> None:
+    """Forget the rates `measure` holds in memory (the files in cache dirs stay)."""
+    _MEASURED.clear()
+
+
+def user_cache_dir() -> Path:
+    """Where the CLI keeps measured rates: $XDG_CACHE_HOME/namedmesh (~/.cache/namedmesh)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "namedmesh"
+
+
+def resolve(rates, mesh: Mesh, cache_dir=None) -> Rates:
+    """`rates` as Rates: a Rates as is, a hardware name from `HARDWARE`, or None: measured
+    on `mesh`'s devices (`measure`)."""
+    if isinstance(rates, Rates):
+        return rates
+    if isinstance(rates, str):
+        return hardware(rates)
+    if rates is None:
+        return measure(mesh, cache_dir)
+    raise RatesError(f"rates must be a Rates, a hardware name or None, got {rates!r}")
+
+
+def describe(r: Rates) -> str:
+    """One line: the rates with their units (used by benchmark pages)."""
+    return str(r) + (f" ({r.source})" if r.source else "")
