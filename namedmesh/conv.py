@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.errors import ShapeError, fmt_dims
-from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
+from namedmesh.primitive import Aval, Cost, bind, is_inexact, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
 
@@ -208,7 +208,7 @@ def _pool_rule(x, axes, windows, strides, pads, kind):
     shape = list(x.shape)
     for a, k, s, p in zip(axes, windows, strides, pads, strict=True):
         shape[a] = _out_size(x.shape[a], k, s, 1, p, x.dims[a])
-    dtype = x.dtype if kind == "max" or x.dtype.kind in "fc" else np.dtype(np.float32)
+    dtype = x.dtype if kind == "max" or is_inexact(x.dtype) else np.dtype(np.float32)
     return Aval(x.dims, tuple(shape), dtype)
 
 
@@ -227,7 +227,7 @@ def _pool_jax(x, axes, windows, strides, pads, kind):
     )
     win, st, pd = full(windows, 1), full(strides, 1), full(pads, (0, 0))
     if kind == "max":
-        init = -jnp.inf if x.dtype.kind in "fc" else jnp.iinfo(x.dtype).min
+        init = -jnp.inf if is_inexact(x.dtype) else jnp.iinfo(x.dtype).min
         return jax.lax.reduce_window(x, jnp.asarray(init, x.dtype), jax.lax.max, win, st, pd)
     x = x.astype(jnp.float32) if x.dtype.kind not in "fc" else x
     total = jax.lax.reduce_window(x, jnp.asarray(0, x.dtype), jax.lax.add, win, st, pd)

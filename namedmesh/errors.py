@@ -17,6 +17,10 @@ class MeshError(NamedMeshError, ValueError):
     """A mesh that cannot be built: too few devices, a size that is not positive."""
 
 
+class DTypeError(NamedMeshError, ValueError):
+    """A dtype or numeric precision an op cannot use (e.g. an integer accumulation type)."""
+
+
 def fmt_dims(dims, sizes=None) -> str:
     """`(batch: 4, d: 8)` when sizes are given, `(batch, d)` otherwise."""
     if sizes is None:

@@ -14,7 +14,7 @@ import numpy as np
 import scipy.special
 
 from namedmesh.errors import ShapeError
-from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive
+from namedmesh.primitive import Aval, Cost, bind, default_cost, is_inexact, primitive
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
 _INT32 = np.dtype(np.int32)
@@ -37,7 +37,7 @@ def _kept(x, axes):
 
 
 def _float(dt: np.dtype) -> np.dtype:
-    return dt if dt.kind in "fc" else np.dtype(np.float32)
+    return dt if is_inexact(dt) else np.dtype(np.float32)
 
 
 def _reduction_cost(in_avals, out_avals, params) -> Cost:

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 import namedmesh as nm
+from namedmesh.primitive import is_inexact
 from namedmesh.tensor import Tensor
 from namedmesh.testing import strategies
 
@@ -56,7 +57,7 @@ def compare(got, want, rtol=None, what: str = "result") -> None:
             raise AssertionError(f"{what} {n} {w.dims}: dtype {g.dtype}, reference {w.dtype}")
         r, a = tolerance(w.dtype) if rtol is None else (rtol, rtol)
         gv, wv = np.asarray(g.data), np.asarray(w.data)
-        scale = float(np.max(np.abs(wv), initial=0.0)) if wv.dtype.kind in "fc" else 0.0
+        scale = float(np.max(np.abs(wv), initial=0.0)) if is_inexact(wv.dtype) else 0.0
         if not np.allclose(gv, wv, rtol=r, atol=a * max(scale, 1.0), equal_nan=True):
             diff = np.max(np.abs(gv.astype(np.float64) - wv.astype(np.float64)))
             raise AssertionError(
