@@ -192,7 +192,7 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
         p, k = xs
         return block(h, p, cfg, k, **block_args)
 
-    x, aux = nm.scan(body, x, (layers, layer_keys(key, n)), "layers")
+    x, aux = nm.scan(body, x, (layers, layer_keys(key, n)), "layers", remat=cfg.remat)
     return x, None if aux is None else aux.sum("layers")
 
 

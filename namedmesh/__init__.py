@@ -70,7 +70,14 @@ from namedmesh.elementwise import (
     tanh,
     where,
 )
-from namedmesh.errors import DTypeError, LayoutError, MeshError, NamedMeshError, ShapeError
+from namedmesh.errors import (
+    DTypeError,
+    LayoutError,
+    MeshError,
+    NamedMeshError,
+    ParameterError,
+    ShapeError,
+)
 from namedmesh.interop import from_xarray, to_xarray
 from namedmesh.primitive import REGISTRY, Aval, Cost, Primitive, bind
 from namedmesh.random import dropout

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import opt_einsum
 
-from namedmesh.errors import DTypeError, ShapeError, fmt_dims
+from namedmesh.errors import DTypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
@@ -137,7 +137,7 @@ _PRECISIONS = (None, "default", "high", "highest")
 def _accumulation(preferred_element_type, precision) -> dict:
     """The einsum's params for how it multiplies and sums, checked."""
     if precision not in _PRECISIONS:
-        raise DTypeError(f"einsum: precision must be one of {_PRECISIONS}, got {precision!r}")
+        raise ParameterError(f"einsum: precision must be one of {_PRECISIONS}, got {precision!r}")
     if preferred_element_type is None:
         return {"preferred": None, "precision": precision}
     dt = np.dtype(preferred_element_type)

@@ -21,6 +21,10 @@ class DTypeError(NamedMeshError, ValueError):
     """A dtype or numeric precision an op cannot use (e.g. an integer accumulation type)."""
 
 
+class ParameterError(NamedMeshError, ValueError):
+    """A parameter value an op does not take (an unknown policy or mode name)."""
+
+
 def fmt_dims(dims, sizes=None) -> str:
     """`(batch: 4, d: 8)` when sizes are given, `(batch, d)` otherwise."""
     if sizes is None:

@@ -68,12 +68,15 @@ def test_einsum_sums_bfloat16_products_in_float32():
 
 
 @pytest.mark.parametrize(
-    "kw, word",
-    [({"preferred_element_type": np.int32}, "int32"), ({"precision": "best"}, "best")],
+    "kw, error, word",
+    [
+        ({"preferred_element_type": np.int32}, nm.DTypeError, "int32"),
+        ({"precision": "best"}, nm.ParameterError, "best"),
+    ],
 )
-def test_einsum_bad_accumulation_is_a_dtype_error(kw, word):
+def test_einsum_bad_accumulation_is_a_typed_error(kw, error, word):
     a = bf16((2, 3), "i k")
-    with pytest.raises(nm.DTypeError, match=word):
+    with pytest.raises(error, match=word):
         nm.einsum(a, a.rename(i="j"), out="i j", **kw)
 
 
