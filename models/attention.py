@@ -10,6 +10,8 @@ float32 whatever the compute dtype. The running maximum only steadies the expone
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 import namedmesh as nm
@@ -48,18 +50,30 @@ def _blocks(t: nm.Tensor, nblocks: int, block: int) -> nm.Tensor:
 
 
 def blockwise_attend(
-    q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1.0, block: int = 128
+    q: nm.Tensor,
+    k: nm.Tensor,
+    v: nm.Tensor,
+    bias=None,
+    scale: float = 1.0,
+    block: int = 128,
+    bias_fn: Callable[[nm.Tensor], nm.Tensor] | None = None,
 ) -> nm.Tensor:
     """softmax over memory of scale * q.k + bias, times v, a block of `block` keys at a
     time: q (..., length, d_kv), k and v (..., memory, d_kv), other dims matched by name;
     `bias` has any of the logits' dims (q's other dims, length, memory). Equal to full
-    attention (models.layers.attend); the result has q's dims and v's dtype."""
+    attention (models.layers.attend); the result has q's dims and v's dtype.
+
+    `bias_fn(slots)`, given the memory positions of one block (an int Tensor over
+    memory), returns more bias for that block (or None) (a causal mask, relative positions), so
+    that no (length, memory) bias is ever whole either."""
     block = _check(q, k, v, bias, block)
     nblocks = k.size_of("memory") // block
     f32 = np.float32
     stat_dims = tuple(d for d in q.dims if d != "d_kv")
     logit_dims = stat_dims + ("memory",)
     xs = {"k": _blocks(k, nblocks, block), "v": _blocks(v, nblocks, block)}
+    if bias_fn is not None:
+        xs["slots"] = _blocks(nm.arange("memory", k.size_of("memory")), nblocks, block)
     if bias is not None and "memory" in bias.dims:
         xs["bias"] = _blocks(bias, nblocks, block)
     fixed_bias = bias if bias is not None and "memory" not in bias.dims else None
@@ -75,6 +89,8 @@ def blockwise_attend(
         s = nm.einsum(q, x["k"], out=logit_dims, preferred_element_type=f32) * scale
         s = s + x["bias"] if "bias" in x else s
         s = s + fixed_bias if fixed_bias is not None else s
+        more = None if bias_fn is None else bias_fn(x["slots"])
+        s = s if more is None else s + more
         m_new = nm.maximum(m, nm.stop_gradient(nm.max(s, "memory")))
         p = nm.exp(s - m_new)
         fade = nm.exp(m - m_new)

@@ -102,9 +102,11 @@ def attention(
     bias=None,
     cache: dict | None = None,
     position=None,
+    bias_fn=None,
 ):
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
-    d_model; x itself when None), plus `bias` (any of batch, heads, length, memory).
+    d_model; x itself when None), plus `bias` (any of batch, heads, length, memory) and
+    `bias_fn(slots)`, the bias for memory positions `slots` (an int Tensor over memory).
 
     With `cache` ({"k", "v"}: batch, memory, heads, d_kv), x holds one new position at
     index `position` (an int Tensor): its keys and values are written into the cache
@@ -119,10 +121,14 @@ def attention(
         k = cache["k"] * (1.0 - at) + at * k.sum("memory")
         v = cache["v"] * (1.0 - at) + at * v.sum("memory")
         cache = {"k": k, "v": v}
+    scale = cfg.d_kv**-0.5
     if cfg.attention == "blockwise":
-        o = blockwise_attend(q, k, v, bias, cfg.d_kv**-0.5, cfg.attention_block)
+        o = blockwise_attend(q, k, v, bias, scale, cfg.attention_block, bias_fn)
     elif cfg.attention == "full":
-        o = attend(q, k, v, bias, cfg.d_kv**-0.5)
+        more = None if bias_fn is None else bias_fn(nm.arange("memory", k.size_of("memory")))
+        if more is not None:
+            bias = more if bias is None else bias + more
+        o = attend(q, k, v, bias, scale)
     else:
         raise ValueError(f"attention must be full or blockwise, got {cfg.attention!r}")
     out = nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
