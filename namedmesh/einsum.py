@@ -122,7 +122,9 @@ def _einsum_cost(in_avals, out_avals, params) -> Cost:
     return Cost(flops, sum(a.nbytes for a in in_avals) + out_avals[0].nbytes)
 
 
-_einsum = primitive("einsum", _einsum_rule, _einsum_np, _einsum_jax, cost_rule=_einsum_cost)
+_einsum = primitive(
+    "einsum", _einsum_rule, _einsum_np, _einsum_jax, cost_rule=_einsum_cost, matmul=True
+)
 
 
 @functools.lru_cache(maxsize=1024)

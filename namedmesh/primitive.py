@@ -81,6 +81,7 @@ class Primitive:
     jax_impl: Callable[..., Any]
     cost_rule: Callable[..., Cost] = default_cost
     multiple_results: bool = False
+    matmul: bool = False  # a contraction: what remat policy "dots" keeps
     spmd_rule: Callable[..., Any] | None = field(default=None)  # filled by `lowering`
 
     def __repr__(self) -> str:
