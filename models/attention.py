@@ -5,7 +5,8 @@ are never whole: one `nm.scan` over `kblocks`, each step holding (length, block)
 Written only in the namedmesh language: memory is reshaped into (kblocks, memory=block)
 and scanned; the running maximum, sum and weighted values are the scan's carry, in
 float32 whatever the compute dtype. The running maximum only steadies the exponentials
-(the result does not depend on it), so it carries no gradient.
+(the result does not depend on it), so it carries no gradient. As in FlashAttention,
+the backward pass recomputes each block's logits (the scan's remat="full").
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def blockwise_attend(
         pv = nm.einsum(nm.astype(p, v.dtype), x["v"], out=q.dims, preferred_element_type=f32)
         return (m_new, total, acc * fade + pv), None
 
-    (_, total, acc), _ = nm.scan(step, init, xs, "kblocks")
+    # each block's logits are recomputed in the backward pass, not kept: else the
+    # backward pass would hold all of them, the (length, memory) matrix again
+    (_, total, acc), _ = nm.scan(step, init, xs, "kblocks", remat="full")
     out = acc / total
     return out if v.dtype == f32 else nm.astype(out, v.dtype)
