@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
-from models.attention import blockwise_attend
+from models.attention import blockwise_attend, ring_attend
 from models.config import Config
 
 NEG = -1e9  # the attention logit of a masked position
@@ -106,7 +106,8 @@ def attention(
 ):
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
     d_model; x itself when None), plus `bias` (any of batch, heads, length, memory) and
-    `bias_fn(slots)`, the bias for memory positions `slots` (an int Tensor over memory).
+    `bias_fn(queries, slots)`, the bias for query and memory positions (int Tensors
+    over length and memory).
 
     With `cache` ({"k", "v"}: batch, memory, heads, d_kv), x holds one new position at
     index `position` (an int Tensor): its keys and values are written into the cache
@@ -124,13 +125,17 @@ def attention(
     scale = cfg.d_kv**-0.5
     if cfg.attention == "blockwise":
         o = blockwise_attend(q, k, v, bias, scale, cfg.attention_block, bias_fn)
+    elif cfg.attention == "ring":
+        ring = k.size_of("memory") // min(cfg.attention_block, k.size_of("memory"))
+        o = ring_attend(q, k, v, bias, scale, ring, bias_fn)
     elif cfg.attention == "full":
-        more = None if bias_fn is None else bias_fn(nm.arange("memory", k.size_of("memory")))
+        slots = nm.arange("memory", k.size_of("memory"))
+        more = None if bias_fn is None else bias_fn(nm.arange("length", q.size_of("length")), slots)
         if more is not None:
             bias = more if bias is None else bias + more
         o = attend(q, k, v, bias, scale)
     else:
-        raise ValueError(f"attention must be full or blockwise, got {cfg.attention!r}")
+        raise ValueError(f"attention must be full, blockwise or ring, got {cfg.attention!r}")
     out = nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
     return out if cache is None else (out, cache)
 

@@ -70,7 +70,7 @@ def arguments(argv=None) -> argparse.Namespace:
         choices=["none", "full", "dots"],
         help="what the backward pass keeps of each layer: all, only its input, or matmuls",
     )
-    p.add_argument("--attention", default=None, choices=["full", "blockwise"])
+    p.add_argument("--attention", default=None, choices=["full", "blockwise", "ring"])
     p.add_argument("--attention-block", type=int, default=None, help="keys per block")
     p.add_argument(
         "--grad-accum", type=int, default=1, help="microbatches per step (batch divides by it)"

@@ -163,9 +163,8 @@ def block(
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
     x = norm(h, p["attn_norm"], cfg.norm)
     if cache is None:
-        queries = nm.arange("length", h.size_of("length"))
-        # a function of the memory positions: blockwise attention builds it block by block
-        bias_fn = lambda slots: self_attention_bias(p["attn"], cfg, queries, slots, causal)
+        # a function of the positions: blockwise attention builds it block by block
+        bias_fn = lambda queries, slots: self_attention_bias(p["attn"], cfg, queries, slots, causal)
         x = attention(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn)
     else:
         slots = nm.arange("memory", cache["k"].size_of("memory"))

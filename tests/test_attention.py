@@ -10,8 +10,9 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
+from lowering.hlo import collectives
 from models import transformer
-from models.attention import blockwise_attend
+from models.attention import blockwise_attend, ring_attend
 from tests.test_models import CFG, LAYOUTS, small_batch
 
 R = np.random.default_rng(11)
@@ -127,7 +128,7 @@ def _lm_value_and_grads(cfg, mesh, layout):
 
 
 LM_CFG = CFG.replace(relative_bias=4, attention_block=4, layers=1, batch=8)
-SEQ = ({"rows": 2, "cols": 2}, "length:rows;heads:cols")  # sequence parallel
+SEQ = ({"rows": 2, "cols": 2}, "ring:rows;length:rows;memory:rows;heads:cols")  # sequence parallel
 
 
 @pytest.mark.parametrize("name", [*sorted(LAYOUTS), "length"])
@@ -135,10 +136,11 @@ def test_blockwise_lm_loss_equals_full_attention_under_every_layout(name):
     sizes, layout = SEQ if name == "length" else LAYOUTS[name]
     params = transformer.init(transformer.lm_shapes(LM_CFG), 0)
     batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(LM_CFG).items()}
-    blockwise = LM_CFG.replace(attention="blockwise")
-    both = lambda p, b: [transformer.lm_loss(p, b, c) for c in (LM_CFG, blockwise)]
-    full, block = lower(both, Mesh(sizes), layout)(params, batch)  # one compile
+    kinds = [LM_CFG.replace(attention=a) for a in ("full", "blockwise", "ring")]
+    every = lambda p, b: [transformer.lm_loss(p, b, c) for c in kinds]
+    full, block, ring = lower(every, Mesh(sizes), layout)(params, batch)  # one compile
     np.testing.assert_allclose(np.asarray(block.data), np.asarray(full.data), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ring.data), np.asarray(full.data), rtol=1e-5)
 
 
 def test_blockwise_lm_gradients_with_remat_equal_full_attention():
@@ -151,3 +153,56 @@ def test_blockwise_lm_gradients_with_remat_equal_full_attention():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_block), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+RING = Mesh({"rows": 4})
+RING_LAYOUT = "ring:rows;length:rows;memory:rows"
+
+
+def test_ring_attention_sends_keys_and_values_around_the_ring():
+    """Under a layout splitting `ring`: values and gradients of full attention (causal by
+    bias_fn, padding rotating with the keys), only ppermutes, and per device
+    (n-1)/n of its keys and values (plus their positions and padding) sent."""
+    q, k, v = arr(QD), arr(KD), arr(KD)
+    pad = bias_array(("batch", "memory"))
+    causal = lambda queries, slots: nm.where(slots <= queries, 0.0, -1e9)
+
+    def ours(q, k, v, pad):
+        out = ring_attend(q, k, v, pad, 0.5, 4, causal)
+        return out.transpose(*QD)
+
+    lowered = lower(ours, RING, RING_LAYOUT)
+    args = [nm.tensor(a, d) for a, d in ((q, QD), (k, KD), (v, KD), (pad, ("batch", "memory")))]
+    bias = pad[:, None, None, :] + np.where(np.tril(np.ones((8, 8), bool)), 0.0, -1e9)
+    bias = np.broadcast_to(bias, (2, 3, 8, 8)).astype(np.float32)
+    want = jnp_attention(q, k, v, bias, ("batch", "heads", "length", "memory"), 0.5)
+    np.testing.assert_allclose(np.asarray(lowered(*args).data), want, rtol=1e-5, atol=1e-5)
+    cot = arr(QD)
+    got = jax.grad(lambda *a: (lowered(*a).data * cot).sum(), argnums=(0, 1, 2))(*args)
+    oracle = lambda q, k, v: (
+        jnp_attention(q, k, v, bias, ("batch", "heads", "length", "memory"), 0.5) * cot
+    ).sum()
+    for g, w in zip(got, jax.grad(oracle, argnums=(0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(g.data, w, rtol=1e-5, atol=1e-5)
+    n = 4
+    kv_block = 2 * (SIZES["batch"] * 2 * SIZES["heads"] * SIZES["d_kv"] * 4)  # k and v
+    side = SIZES["batch"] * 2 * 4 + 2 * 4  # the padding's and the positions' block
+    sent = lowered.report(*args, show=False).collectives
+    assert set(sent) == {("ppermute", ("rows",))}
+    assert sent[("ppermute", ("rows",))][1] == (n - 1) * (kv_block + side)
+    kv_total = 2 * SIZES["batch"] * SIZES["memory"] * SIZES["heads"] * SIZES["d_kv"] * 4
+    assert (n - 1) * kv_block == kv_total * (n - 1) // n  # (n-1)/n of k and v
+    hlo = collectives(lowered.compile(*args).as_text())
+    assert {kind for kind, *_ in hlo} == {"collective-permute"}
+    assert sorted(b for _, b, _ in hlo) == sorted(
+        [kv_block // 2] * 2 + [SIZES["batch"] * 2 * 4, 2 * 4]
+    )
+
+
+def test_ring_errors_name_the_fault():
+    q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
+    with pytest.raises(nm.ShapeError, match="ring 3 must divide length=8"):
+        ring_attend(q, k, k, None, 1.0, 3)
+    whole = nm.tensor(np.zeros((8, 8), np.float32), "length memory")
+    with pytest.raises(nm.ShapeError, match="bias_fn"):
+        ring_attend(q, k, k, whole, 1.0, 2)
