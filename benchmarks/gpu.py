@@ -6,10 +6,11 @@ Adafactor update, one jit) on a one-device mesh, on synthetic tokens. In bfloat1
 matmul (forward and backward) takes bfloat16 operands and accumulates in float32
 (`jax.default_matmul_precision("BF16_BF16_F32")`); parameters, activations, elementwise
 ops, the loss and the optimizer stay float32 (see `PRECISION`); the zoo's own compute
-dtype (`Config.dtype="bfloat16"`: bf16 activations too) is not what this measures yet. Reports tokens/s
-(median step time over timed steps after warm-up, each ended by block_until_ready) and
-model flops utilisation against --peak-tflops (default on a GPU: the H200's dense bf16
-peak). Writes a docs section only when --docs is given. Never needed by `make test`.
+dtype (`Config.dtype="bfloat16"`: bf16 activations too) is not what this measures yet.
+Reports tokens/s (median step time over timed steps after warm-up, each ended by
+block_until_ready) and model flops utilisation against --peak-tflops (default on a GPU:
+the H200's dense bf16 peak). Writes a docs section only when --docs is given. Never
+needed by `make test`.
 """
 
 from __future__ import annotations
