@@ -5,11 +5,12 @@ The LM's training step (models.trainer.Trainer's lowered loss, its gradient and 
 Adafactor update, one jit) on a one-device mesh, on synthetic tokens. In bfloat16 every
 matmul (forward and backward) takes bfloat16 operands and accumulates in float32
 (`jax.default_matmul_precision("BF16_BF16_F32")`); parameters, activations, elementwise
-ops, the loss and the optimizer stay float32, because namedmesh promotes a bfloat16
-model to float32 at its first float32 constant (see `PRECISION`). Reports tokens/s
-(median step time over timed steps after warm-up, each ended by block_until_ready) and
-model flops utilisation against --peak-tflops (default on a GPU: the H200's dense bf16
-peak). Writes a docs section only when --docs is given. Never needed by `make test`.
+ops, the loss and the optimizer stay float32 (see `PRECISION`); the zoo's own compute
+dtype (`Config.dtype="bfloat16"`: bf16 activations too) is not what this measures yet.
+Reports tokens/s (median step time over timed steps after warm-up, each ended by
+block_until_ready) and model flops utilisation against --peak-tflops (default on a GPU:
+the H200's dense bf16 peak). Writes a docs section only when --docs is given. Never
+needed by `make test`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from models import config, trainer, zoo
 
 SECTION = "## One GPU: base LM training step in bf16"
 H200_PEAK_TFLOPS = 989.0  # dense BF16 (NVIDIA lists 1,979 with 2:4 sparsity)
-# bfloat16: bf16 operands, f32 accumulation in every dot. Not bf16 parameters: namedmesh's
-# result_dtype does not count bfloat16 (NumPy kind "V") as a float, so bf16 + float32 is
-# float32 and a bf16 model turns float32 at the causal mask, which the layer scan rejects.
+# bfloat16: bf16 operands, f32 accumulation in every dot, float32 activations. Written
+# before the zoo had a compute dtype (Config.dtype), which this benchmark does not use yet.
 PRECISION = {"bfloat16": "BF16_BF16_F32", "float32": "float32"}
 MATMULS = ("q", "k", "v", "o", "wi", "wo", "wg")  # the layer parameters used as matmuls
 

@@ -60,6 +60,7 @@ class Layout:
     name: str
     mesh: str
     rules: str
+    flags: tuple[str, ...] = ()  # more flags of models.train (a compute dtype)
 
 
 LAYOUTS = [
@@ -69,7 +70,9 @@ LAYOUTS = [
     Layout("2D", "rows=2,cols=4", "batch:rows;heads:cols;d_ff:cols;vocab:cols"),
     Layout("FSDP-style", "data=4", "batch:data;d_model:data"),
     Layout("sequence-style", "rows=2,cols=2", "batch:rows;d_model:cols"),
+    Layout("one device, bfloat16", "one=1", "", ("--dtype", "bfloat16")),
 ]
+BF16_GOAL_BPB = 0.05  # the bf16 run's final bits/byte within this of the float32 run's
 QUICK_LAYOUTS = ("one device", "2D")
 
 
@@ -119,7 +122,7 @@ def train_command(layout: Layout, steps: int, eval_every: int, out: Path) -> lis
     return [
         sys.executable, "-m", "models.train", "--config", "tiny", "--mesh", layout.mesh,
         "--layout", layout.rules, "--steps", str(steps), "--eval-every", str(eval_every),
-        "--out", str(out), "--quiet",
+        "--out", str(out), "--quiet", *layout.flags,
     ]  # fmt: skip
 
 
@@ -228,7 +231,7 @@ def table(runs: list[Run]) -> str:
 def agreement(runs: list[Run]) -> tuple[float, float]:
     """Max |final val loss - one device's| and max |val bits/byte - one device's| over
     every evaluation step, across layouts (nan when nothing to compare)."""
-    base, others = runs[0], [r for r in runs[1:] if _ok(r)]
+    base, others = runs[0], [r for r in runs[1:] if _ok(r) and not r.layout.flags]
     if not _ok(base) or not others:
         return math.nan, math.nan
     final = max(abs(r.final_val - base.final_val) for r in others)
@@ -238,6 +241,17 @@ def agreement(runs: list[Run]) -> tuple[float, float]:
         for (_, _, b, _), (_, _, b0, _) in zip(r.evals, base.evals, strict=True)
     )
     return final, curve
+
+
+def precision_sentence(runs: list[Run]) -> str:
+    """The bfloat16 run's final bits/byte against the float32 one-device run's."""
+    base, bf16 = runs[0], [r for r in runs if "bfloat16" in r.layout.flags and _ok(r)]
+    if not _ok(base) or not bf16:
+        return "bfloat16: not run."
+    gap = bf16[0].final_bpb - base.final_bpb
+    met = "met" if abs(gap) <= BF16_GOAL_BPB else "not met"
+    return (f"bfloat16 compute dtype: final bits/byte {bf16[0].final_bpb:.4f}, {gap:+.4f} from "
+            f"float32 (goal: within {BF16_GOAL_BPB}): **{met}**.")  # fmt: skip
 
 
 def goal_sentence(runs: list[Run]) -> str:
@@ -315,7 +329,7 @@ def section(runs, argv, when, info, steps, eval_every, plot_link) -> str:
         "",
         table(runs),
         "",
-        f"Every layout trains on the same seed, batches and schedule, so the curves should "
+        f"Every float32 layout trains on the same seed, batches and schedule, so the curves should "
         f"coincide: the largest difference of the final validation loss from the one-device "
         f"run is {final_d:.2e} nats/token, and of any validation point {curve_d:.2e} "
         f"bits/byte.",
@@ -327,6 +341,8 @@ def section(runs, argv, when, info, steps, eval_every, plot_link) -> str:
         curves,
         "",
         goal_sentence(runs),
+        "",
+        precision_sentence(runs),
         "",
     ]
     return "\n".join(parts)

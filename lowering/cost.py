@@ -76,7 +76,9 @@ class Report:
 
     flops: float
     collectives: dict = field(default_factory=dict)  # (kind, axes) -> (count, bytes sent)
-    peak_memory: int = 0  # bytes: inputs + the most live values at once, per device
+    # bytes per device: inputs + the most live values at once; with `wrt`, a training
+    # step's: inputs, gradients, and the activations saved for the backward pass
+    peak_memory: int = 0
     backward_flops: float = 0.0
     backward: dict = field(default_factory=dict)  # as `collectives`, of the backward pass
     # (mesh axes, factor) -> [ops, repeated flops]: work each device does that devices
@@ -142,7 +144,10 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value;
     `wrt`, the graph inputs a gradient is taken of, adds the backward pass."""
     active = set() if wrt is None else active_values(graph, set(wrt))
-    rep = Report(0.0, peak_memory=_peak_memory(graph, local_bytes))
+    peak = _peak_memory(graph, local_bytes)
+    if wrt is not None:
+        peak = max(peak, _training_peak(graph, local_bytes, active, wrt))
+    rep = Report(0.0, peak_memory=peak)
     for step in plan:
         ins = step.eqn.inputs if step.eqn is not None else ()
         flowing = [v in active for v in ins]
@@ -232,3 +237,42 @@ def _peak_memory(graph, local_bytes) -> int:
         peak = max(peak, base + live)
         live -= ends.pop(i, 0)
     return int(peak)
+
+
+def _training_peak(graph, local_bytes, active: set, wrt) -> int:
+    """Per-device bytes of a step that returns the gradients of `wrt`: the inputs, the
+    gradients, every value a gradient flows through (saved by the forward pass for the
+    backward one), of a scan's body as its `remat` policy keeps it (all of it per
+    iteration; only the carry; the carry and the matmul outputs), and the working set
+    of one iteration that the backward pass recomputes."""
+    base = sum(local_bytes(v) for v in (*graph.inputs, *graph.consts))
+    saved, working = _saved(graph, local_bytes, active)
+    return int(base + sum(local_bytes(v) for v in wrt) + saved + working)
+
+
+def _saved(graph, local_bytes, active: set) -> tuple[int, int]:
+    """(bytes of the graph's values saved for the backward pass, the largest working set
+    of one scan iteration's backward pass)."""
+    saved, working = 0, 0
+    for e in graph.eqns:
+        if e.primitive.name == "scan":
+            kept, work = _scan_saved(e, local_bytes, active)
+            saved, working = saved + kept, max(working, work)
+        saved += sum(local_bytes(v) for v in e.outputs if v in active)
+    return saved, working
+
+
+def _scan_saved(e, local_bytes, active: set) -> tuple[int, int]:
+    body, nc, n = e.params["body"], e.params["n_carry"], e.params["length"]
+    inner = active_values(
+        body, {b for b, v in zip(body.inputs, e.inputs, strict=True) if v in active}
+    )
+    per_step, work = _saved(body, local_bytes, inner)
+    carry = sum(local_bytes(v) for v in body.inputs[:nc])
+    remat = e.params.get("remat", "none")
+    if remat == "none":
+        return n * per_step, work
+    dots = sum(
+        local_bytes(v) for b in body.eqns if b.primitive.matmul for v in b.outputs if v in inner
+    )
+    return n * (carry + (dots if remat == "dots" else 0)), per_step + work

@@ -5,9 +5,11 @@ body once however long the loop.
 The carry keeps one layout across iterations: the rules' layout of the scan's carry
 outputs; the body's carry is relaid to it at the end of each iteration. The scanned
 dim of `xs` is never split inside the loop (a split one is gathered first: pipeline
-parallelism is not a layout). shard_map types each value as varying or not over each
-mesh axis and a loop carry must keep its type, so the carry is typed varying over
-every axis over which the initial value or the body's result varies.
+parallelism is not a layout). The scan's `remat` policy wraps the loop's body in
+jax.checkpoint, so the backward pass recomputes what the policy does not keep.
+shard_map types each value as varying or not over each mesh axis and a loop carry
+must keep its type, so the carry is typed varying over every axis over which the
+initial value or the body's result varies.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from lowering.collectives import missing_axes, nbytes, varying_axes
 from lowering.lower import Step, plan_layouts, run_graph
 from lowering.rules import rule
+from namedmesh.control import checkpointed
 
 
 class _WiderCarry(Exception):
@@ -90,7 +93,8 @@ def scan_rule(ctx, eqn, args):
     while True:
         try:
             init = [_pcast(c, vma, ctx.sizes) for c in carry]
-            final, ys = jax.lax.scan(step, init, xs, length=p["length"])
+            body_fn = checkpointed(step, p.get("remat", "none"))
+            final, ys = jax.lax.scan(body_fn, init, xs, length=p["length"])
             break
         except _WiderCarry as e:
             vma |= e.axes

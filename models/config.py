@@ -33,6 +33,10 @@ class Config:
     capacity_factor: float = 1.25
     moe_loss: float = 0.01  # weight of the load-balancing loss
     encoder_layers: int = 0  # encoder-decoder: layers of the encoder
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
+    remat: str = "none"  # the layer scan's rematerialisation: none | full | dots
+    attention: str = "full"  # full | blockwise (online softmax over key blocks) | ring
+    attention_block: int = 128  # keys per block of blockwise attention
     mesh: tuple[tuple[str, int], ...] = (("batch", 1),)  # the paper's mesh shape
     layout: str = "batch:batch"
 

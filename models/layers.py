@@ -11,10 +11,30 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 import namedmesh as nm
+from models.attention import blockwise_attend, ring_attend
 from models.config import Config
 
 NEG = -1e9  # the attention logit of a masked position
+DTYPES = ("float32", "bfloat16")
+
+
+def compute_dtype(cfg: Config) -> np.dtype:
+    """The dtype of cfg's matmuls and activations (parameters and statistics stay float32)."""
+    if cfg.dtype not in DTYPES:
+        raise nm.DtypeError(f"config dtype must be one of {DTYPES}, got {cfg.dtype!r}")
+    return np.dtype(cfg.dtype)
+
+
+def cast(params, dtype: np.dtype):
+    """The floating Tensors of a (nested dict of) parameters converted to `dtype`; the
+    conversion's transpose brings their gradients back in their own dtype."""
+    if isinstance(params, dict):
+        return {k: cast(v, dtype) for k, v in params.items()}
+    floating = np.issubdtype(params.dtype, np.floating) or params.dtype == np.dtype("bfloat16")
+    return nm.astype(params, dtype) if floating and params.dtype != dtype else params
 
 
 class Param(NamedTuple):
@@ -34,12 +54,17 @@ def norm_params(cfg: Config) -> dict:
 
 
 def norm(x: nm.Tensor, p: dict, kind: str, eps: float = 1e-6) -> nm.Tensor:
-    """LayerNorm (mean and variance over d_model, then scale and bias) or RMSNorm."""
+    """LayerNorm (mean and variance over d_model, then scale and bias) or RMSNorm. The
+    statistics are float32 whatever x's dtype; the result has x's dtype."""
+    dtype = x.dtype
+    x = nm.astype(x, np.float32) if dtype != np.float32 else x
     if kind == "rms":
-        return x * nm.rsqrt(nm.mean(x * x, "d_model") + eps) * p["scale"]
-    centered = x - nm.mean(x, "d_model")
-    y = centered * nm.rsqrt(nm.mean(centered * centered, "d_model") + eps)
-    return y * p["scale"] + p["bias"]
+        y = x * nm.rsqrt(nm.mean(x * x, "d_model") + eps)
+    else:
+        centered = x - nm.mean(x, "d_model")
+        y = centered * nm.rsqrt(nm.mean(centered * centered, "d_model") + eps)
+    y = nm.astype(y, dtype) if dtype != np.float32 else y
+    return y * p["scale"] if kind == "rms" else y * p["scale"] + p["bias"]
 
 
 # --- attention ---------------------------------------------------------------------
@@ -77,9 +102,12 @@ def attention(
     bias=None,
     cache: dict | None = None,
     position=None,
+    bias_fn=None,
 ):
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
-    d_model; x itself when None), plus `bias` (any of batch, heads, length, memory).
+    d_model; x itself when None), plus `bias` (any of batch, heads, length, memory) and
+    `bias_fn(queries, slots)`, the bias for query and memory positions (int Tensors
+    over length and memory).
 
     With `cache` ({"k", "v"}: batch, memory, heads, d_kv), x holds one new position at
     index `position` (an int Tensor): its keys and values are written into the cache
@@ -90,17 +118,42 @@ def attention(
     v = nm.einsum(src, p["v"], out=("batch", "memory", "heads", "d_kv"))
     if cache is not None:
         slots = cache["k"].size_of("memory")
-        at = nm.one_hot(position, "memory", slots)  # write position: 1 there, else 0
+        at = nm.one_hot(position, "memory", slots, k.dtype)  # write position: 1 there
         k = cache["k"] * (1.0 - at) + at * k.sum("memory")
         v = cache["v"] * (1.0 - at) + at * v.sum("memory")
         cache = {"k": k, "v": v}
-    logits = nm.einsum(q, k, out=("batch", "heads", "length", "memory")) * cfg.d_kv**-0.5
-    if bias is not None:
-        logits = logits + bias
-    weights = nm.softmax(logits, "memory")
-    o = nm.einsum(weights, v, out=("batch", "length", "heads", "d_kv"))
+    scale = cfg.d_kv**-0.5
+    if cfg.attention == "blockwise":
+        o = blockwise_attend(q, k, v, bias, scale, cfg.attention_block, bias_fn)
+    elif cfg.attention == "ring":
+        ring = k.size_of("memory") // min(cfg.attention_block, k.size_of("memory"))
+        o = ring_attend(q, k, v, bias, scale, ring, bias_fn)
+    elif cfg.attention == "full":
+        slots = nm.arange("memory", k.size_of("memory"))
+        more = None if bias_fn is None else bias_fn(nm.arange("length", q.size_of("length")), slots)
+        if more is not None:
+            bias = more if bias is None else bias + more
+        o = attend(q, k, v, bias, scale)
+    else:
+        raise ValueError(f"attention must be full, blockwise or ring, got {cfg.attention!r}")
     out = nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
     return out if cache is None else (out, cache)
+
+
+def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1.0):
+    """softmax over memory of scale * q.k + bias, times v: q (..., length, d_kv), k and v
+    (..., memory, d_kv), other dims matched by name; the logits and softmax in float32,
+    the result (q's dims) in v's dtype."""
+    logits = nm.einsum(q, k, out=_logit_dims(q, k), preferred_element_type=np.float32) * scale
+    if bias is not None:
+        logits = logits + bias
+    weights = nm.astype(nm.softmax(logits, "memory"), v.dtype)
+    return nm.einsum(weights, v, out=q.dims)
+
+
+def _logit_dims(q: nm.Tensor, k: nm.Tensor) -> tuple[str, ...]:
+    batch = tuple(d for d in q.dims if d in k.dims and d != "d_kv")
+    return batch + ("length", "memory")
 
 
 # --- feed-forward ------------------------------------------------------------------
@@ -138,6 +191,7 @@ def cross_entropy(logits: nm.Tensor, targets: nm.Tensor, weights: nm.Tensor) -> 
     """Mean over weighted positions of -log softmax(logits)[target], as a 0-d Tensor.
     The target's log-probability is an einsum with its one-hot, so a vocab split over
     mesh axes costs one psum of per-position scalars."""
+    logits = nm.astype(logits, np.float32) if logits.dtype != np.float32 else logits
     logp = nm.log_softmax(logits, "vocab")
     picked = nm.einsum(
         logp, nm.one_hot(targets, "vocab", logits.size_of("vocab")), out=targets.dims

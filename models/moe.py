@@ -65,8 +65,12 @@ def moe(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor]:
     """(out, aux) for x (batch, length, d_model): each token's output is the gated sum
     of its top-2 experts' FFNs; aux is the load-balancing loss of this layer."""
     c = capacity(cfg, x.size_of("length"))
-    probs = nm.softmax(nm.einsum(x, p["gate"], out=("batch", "length", "experts")), "experts")
-    combine, dispatch, aux = gating(probs, c)
+    gate = nm.einsum(
+        x, p["gate"], out=("batch", "length", "experts"), preferred_element_type=np.float32
+    )
+    combine, dispatch, aux = gating(nm.softmax(gate, "experts"), c)  # float32 statistics
+    if x.dtype != np.float32:  # the routing tensors take the activations' dtype
+        combine, dispatch = nm.astype(combine, x.dtype), nm.astype(dispatch, x.dtype)
     slots = ("batch", "experts", "expert_capacity")
     expert_in = nm.einsum(dispatch, x, out=slots + ("d_model",))
     h = _ACTIVATIONS[cfg.ffn](nm.einsum(expert_in, p["wi"], out=slots + ("d_ff",)))

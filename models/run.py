@@ -34,6 +34,11 @@ _RUN_FLAGS = (
     "dropout",
     "seed",
     "set",
+    "dtype",
+    "remat",
+    "attention",
+    "attention_block",
+    "grad_accum",
 )
 
 
@@ -53,7 +58,8 @@ def setup(args):
             raise UsageError(f"--resume: no checkpoint in {out}/checkpoints to resume from")
         stored = json.loads((out / "run.json").read_text())
         for k in _RUN_FLAGS:
-            setattr(args, k, stored[k] if k in stored else getattr(args, k))
+            if k in stored:  # a run saved before a flag existed keeps its default
+                setattr(args, k, stored[k])
     elif (out / "metrics.jsonl").exists():
         raise UsageError(f"{out} holds a run already: pass --resume, or another --out")
     try:
@@ -72,7 +78,7 @@ def setup(args):
         else:
             tokenizer = data.load_tokenizer_file(args.tokenizer)
         changes = {"vocab": data.padded_vocab(tokenizer.vocab_size, model.objective)}
-        for k in ("batch", "length", "dropout"):
+        for k in ("batch", "length", "dropout", "dtype", "remat", "attention", "attention_block"):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
         cfg = cfg.replace(**changes, **config.parse_overrides(args.set or []))
@@ -86,7 +92,7 @@ def setup(args):
         layout = pick_layout(
             args.layout, model, name, cfg, mesh, opt, args.seed, getattr(args, "rates", None)
         )
-        trainer = Trainer(model, cfg, mesh, layout, opt, args.seed)
+        trainer = Trainer(model, cfg, mesh, layout, opt, args.seed, args.grad_accum)
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None

@@ -83,6 +83,28 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--dropout", type=float, default=None, help="rate (None: config's)")
     p.add_argument("--seed", type=int, default=0, help="of parameters, data order, dropout")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="compute dtype of matmuls and activations (parameters stay float32)",
+    )
+    p.add_argument(
+        "--remat",
+        default=None,
+        choices=["none", "full", "dots"],
+        help="what the backward pass keeps of each layer: all, only its input, or matmuls",
+    )
+    p.add_argument(
+        "--attention",
+        default=None,
+        choices=["full", "blockwise", "ring"],
+        help="attention form (None: config's)",
+    )
+    p.add_argument("--attention-block", type=int, default=None, help="keys per block")
+    p.add_argument(
+        "--grad-accum", type=int, default=1, help="microbatches per step (batch divides by it)"
+    )
     p.add_argument("--eval-every", type=int, default=100, help="steps between validations")
     p.add_argument("--eval-batches", type=int, default=8, help="batches per validation")
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -43,12 +44,30 @@ def batch_tensors(batch: dict[str, np.ndarray]) -> dict[str, nm.Tensor]:
 
 
 class Trainer:
-    """`state = init_state(seed)`; `state, loss = step(state, batch, step_number)`."""
+    """`state = init_state(seed)`; `state, loss = step(state, batch, step_number)`.
+
+    With `grad_accum` N > 1 each step's batch is cut into N microbatches whose losses
+    and gradients are summed, weighted by their target weights, in a loop inside the
+    jitted step: the update of one batch N times a microbatch, the activation memory
+    of one microbatch (a MoE's balancing loss is then the weighted mean of the
+    microbatches' own)."""
 
     def __init__(
-        self, model: Model, cfg: Config, mesh: Mesh, layout: Layout | str, opt, seed: int = 0
+        self,
+        model: Model,
+        cfg: Config,
+        mesh: Mesh,
+        layout: Layout | str,
+        opt,
+        seed: int = 0,
+        grad_accum: int = 1,
     ):
+        if grad_accum < 1 or cfg.batch % grad_accum:
+            raise ValueError(
+                f"grad_accum {grad_accum} must be positive and divide the batch {cfg.batch}"
+            )
         self.model, self.cfg, self.mesh, self.seed = model, cfg, mesh, seed
+        self.grad_accum = grad_accum
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.shapes = model.shapes(cfg)
         self.opt = opt
@@ -69,8 +88,9 @@ class Trainer:
         return {"params": params, "opt": opt_state}
 
     def abstract_inputs(self):
-        """Abstract params and batch: what `report` and `auto_layout` plan with."""
-        batch = objectives.abstract_batch(self.model.objective, self.cfg.batch, self.cfg.length)
+        """Abstract params and (micro)batch: what `report` and `auto_layout` plan with."""
+        rows = self.cfg.batch // self.grad_accum
+        batch = objectives.abstract_batch(self.model.objective, rows, self.cfg.length)
         return transformer.abstract(self.shapes), batch
 
     def report(self):
@@ -83,10 +103,31 @@ class Trainer:
             return None
         return nm.random.fold_in(nm.random.key(self.seed), step)
 
+    def _loss_and_grads(self, params, batch, key):
+        n = self.grad_accum
+        if n == 1:
+            return jax.value_and_grad(lambda p: self.lowered(p, batch, key).data)(params)
+        # row r of microbatch i is row r * n + i: each device's rows stay on it
+        micro = {k: _rows_apart(t.data, n) for k, t in batch.items()}
+        keys = None if key is None else [nm.random.fold_in(key, i).data for i in range(n)]
+        total = jnp.maximum(batch["weights"].data.sum(), 1.0)
+
+        def one(acc, xs):
+            b, k = xs
+            b = {name: nm.tensor(d, batch[name].dims) for name, d in b.items()}
+            k = None if k is None else nm.tensor(k, key.dims)
+            loss, grads = jax.value_and_grad(lambda p: self.lowered(p, b, k).data)(params)
+            share = jnp.maximum(b["weights"].data.sum(), 1.0) / total
+            add = lambda a, g: a + g * share
+            return jax.tree_util.tree_map(add, acc, (loss, grads)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
+        xs = (micro, None if keys is None else jnp.stack(keys))
+        (loss, grads), _ = jax.lax.scan(one, zero, xs)
+        return loss, grads
+
     def _update(self, state, batch, key):
-        loss, grads = jax.value_and_grad(lambda p: self.lowered(p, batch, key).data)(
-            state["params"]
-        )
+        loss, grads = self._loss_and_grads(state["params"], batch, key)
         updates, opt_state = self.opt.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, loss
 
@@ -108,6 +149,11 @@ class Trainer:
             total += float(self._eval(state["params"], self.place_batch(b))) * n
             tokens += n
         return total / max(tokens, 1), tokens
+
+
+def _rows_apart(x, n: int):
+    """(n, rows / n, ...): microbatch i holds rows i, i + n, i + 2n, ... of x."""
+    return jnp.swapaxes(x.reshape((x.shape[0] // n, n) + x.shape[1:]), 0, 1)
 
 
 def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:

@@ -19,6 +19,8 @@ from models.layers import (
     Param,
     attention,
     attention_params,
+    cast,
+    compute_dtype,
     cross_entropy,
     dropout,
     embed,
@@ -161,10 +163,9 @@ def block(
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
     x = norm(h, p["attn_norm"], cfg.norm)
     if cache is None:
-        n = h.size_of("length")
-        queries, slots = nm.arange("length", n), nm.arange("memory", n)
-        bias = self_attention_bias(p["attn"], cfg, queries, slots, causal, bias)
-        x = attention(x, p["attn"], cfg, bias=bias)
+        # a function of the positions: blockwise attention builds it block by block
+        bias_fn = lambda queries, slots: self_attention_bias(p["attn"], cfg, queries, slots, causal)
+        x = attention(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn)
     else:
         slots = nm.arange("memory", cache["k"].size_of("memory"))
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias)
@@ -190,7 +191,7 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
         p, k = xs
         return block(h, p, cfg, k, **block_args)
 
-    x, aux = nm.scan(body, x, (layers, layer_keys(key, n)), "layers")
+    x, aux = nm.scan(body, x, (layers, layer_keys(key, n)), "layers", remat=cfg.remat)
     return x, None if aux is None else aux.sum("layers")
 
 
@@ -204,10 +205,18 @@ def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config) -> nm.Tensor:
 
 
 def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
+    """Logits (float32 whatever the compute dtype: the loss's statistics) over vocab."""
     x = norm(x, params["final_norm"], cfg.norm)
+    out, f32 = x.dims[:-1] + ("vocab",), np.float32
     if "softmax" in params:
-        return nm.einsum(x, params["softmax"], out=x.dims[:-1] + ("vocab",))
-    return nm.einsum(x, params["embed"], out=x.dims[:-1] + ("vocab",)) * cfg.d_model**-0.5
+        return nm.einsum(x, params["softmax"], out=out, preferred_element_type=f32)
+    logits = nm.einsum(x, params["embed"], out=out, preferred_element_type=f32)
+    return logits * cfg.d_model**-0.5
+
+
+def compute_params(params: dict, cfg: Config) -> dict:
+    """`params` in cfg's compute dtype (float32 parameters, bfloat16 matmuls)."""
+    return cast(params, compute_dtype(cfg))
 
 
 def _with_aux(loss: nm.Tensor, aux, cfg: Config) -> nm.Tensor:
@@ -217,6 +226,7 @@ def _with_aux(loss: nm.Tensor, aux, cfg: Config) -> nm.Tensor:
 def lm_forward(params: dict, tokens: nm.Tensor, cfg: Config, key=None, causal: bool = True):
     """(logits, aux): logits (batch, length, vocab) for int tokens (batch, length) after
     the stack of `params["layers"]`, causal (the LM) or bidirectional (BERT)."""
+    params = compute_params(params, cfg)
     x = embed_inputs(params, tokens, cfg)
     x, aux = run_stack(x, params["layers"], cfg, key, causal=causal)
     return output_logits(params, x, cfg), aux
@@ -244,6 +254,7 @@ def mlm_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
 def encode(params: dict, batch: dict, cfg: Config, key=None):
     """(memory, memory_bias, aux): the encoder's output (batch, memory, d_model) over
     batch["inputs"], and the padding bias that hides its padded positions."""
+    params = compute_params(params, cfg)
     pad = padding_bias(batch["input_weights"].rename(length="memory"))
     x = embed_inputs(params, batch["inputs"], cfg)
     k = None if key is None else nm.random.fold_in(key, 7)
@@ -255,6 +266,7 @@ def encode(params: dict, batch: dict, cfg: Config, key=None):
 def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
     """(logits, aux): the decoder's next-token logits over batch["decoder_inputs"],
     attending to the encoding of batch["inputs"]."""
+    params = compute_params(params, cfg)
     memory, pad, aux_enc = encode(params, batch, cfg, key)
     x = embed_inputs(params, batch["decoder_inputs"], cfg)
     x, aux = run_stack(x, params["layers"], cfg, key, causal=True, memory=memory, memory_bias=pad)

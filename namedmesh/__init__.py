@@ -79,6 +79,7 @@ from namedmesh.errors import (
     MeshError,
     NamedMeshError,
     NumPyDispatchError,
+    ParameterError,
     ShapeError,
     TracedValueError,
 )

@@ -10,23 +10,38 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.checks import require_dims
-from namedmesh.errors import ShapeError
+from namedmesh.errors import ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
 from namedmesh.trace import _fmt_aval, _leaves, evaluate, trace_nested
+
+# What a scan's backward pass keeps of each iteration: every residual jax saves ("none"),
+# only the carry, recomputing the rest ("full"), or the carry and matmul outputs ("dots").
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+}
+
+
+def checkpointed(step: Callable, remat: str) -> Callable:
+    """`step` (a scan body over jax arrays) under the rematerialisation policy `remat`."""
+    if remat == "none":
+        return step
+    return jax.checkpoint(step, policy=REMAT_POLICIES[remat])
 
 
 def _slices(xs, axes, i, take):
     return [take(x, i, ax) for x, ax in zip(xs, axes, strict=True)]
 
 
-def _scan_rule(*args, body, n_carry, n_x, x_axes, dim, length, trees):
+def _scan_rule(*args, body, n_carry, n_x, x_axes, dim, length, trees, remat="none"):
     carry = [Aval(a.dims, tuple(a.shape), np.dtype(a.dtype)) for a in args[:n_carry]]
     ys = [Aval((dim,) + v.dims, (length,) + v.shape, v.dtype) for v in body.outputs[n_carry:]]
     return tuple(carry) + tuple(ys)
 
 
-def _scan_numpy(*arrays, body, n_carry, n_x, x_axes, dim, length, trees):
+def _scan_numpy(*arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="none"):
     carry, xs = list(arrays[:n_carry]), arrays[n_carry : n_carry + n_x]
     rest = list(arrays[n_carry + n_x :])
     ys = []
@@ -43,7 +58,7 @@ def _scan_numpy(*arrays, body, n_carry, n_x, x_axes, dim, length, trees):
     return (*carry, *stacked)
 
 
-def _scan_jax(*arrays, body, n_carry, n_x, x_axes, dim, length, trees):
+def _scan_jax(*arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="none"):
     carry, xs = list(arrays[:n_carry]), arrays[n_carry : n_carry + n_x]
     rest = list(arrays[n_carry + n_x :])
     xs = [jnp.moveaxis(x, ax, 0) for x, ax in zip(xs, x_axes, strict=True)]
@@ -52,7 +67,7 @@ def _scan_jax(*arrays, body, n_carry, n_x, x_axes, dim, length, trees):
         outs = evaluate(body, [*c, *x, *rest], "jax")
         return list(outs[:n_carry]), list(outs[n_carry:])
 
-    carry, ys = jax.lax.scan(step, carry, xs, length=length)
+    carry, ys = jax.lax.scan(checkpointed(step, remat), carry, xs, length=length)
     return (*carry, *ys)
 
 
@@ -69,12 +84,21 @@ _scan = primitive(
 )
 
 
-def scan(f: Callable, init, xs, dim: str, length: int | None = None):
+def scan(f: Callable, init, xs, dim: str, length: int | None = None, remat: str = "none"):
     """`carry, y = f(carry, x)` for each index of `dim`, in order, where `x` is `xs`
     (a pytree of Tensors that all have `dim`) at that index. Returns the last carry and
     the `y`s stacked along a new first dim `dim`. `f` must return a carry with the
     dims, sizes and dtypes of `init`; it may use other tensors too (weights shared by
-    all iterations). `length` is needed only when `xs` has no tensors."""
+    all iterations). `length` is needed only when `xs` has no tensors.
+
+    `remat` is what the backward pass keeps of each iteration (`REMAT_POLICIES`): "none"
+    keeps every residual (memory grows with the body's activations times the length);
+    "full" keeps only the carry and recomputes the body in the backward pass; "dots"
+    keeps the matmul (einsum) outputs too. Values and gradients do not change."""
+    if remat not in REMAT_POLICIES:
+        raise ParameterError(
+            f"scan over {dim!r}: remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}"
+        )
     carry, carry_tree = _leaves(init, "scan's init")
     x_leaves, x_tree = _leaves(xs, "scan's xs")
     sizes = {x.size_of(dim) if dim in x.dims else None for x in x_leaves}
@@ -124,6 +148,7 @@ def scan(f: Callable, init, xs, dim: str, length: int | None = None):
         dim=dim,
         length=n,
         trees=(carry_tree, y_tree[0]),
+        remat=remat,
     )
     final = jax.tree_util.tree_unflatten(carry_tree, list(outs[: len(carry)]))
     return final, jax.tree_util.tree_unflatten(y_tree[0], list(outs[len(carry) :]))

@@ -19,7 +19,7 @@ import numpy as np
 from namedmesh.checks import agreed_sizes, require_dims
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import lowest
-from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
+from namedmesh.primitive import Aval, Cost, bind, is_inexact, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
 
@@ -202,7 +202,7 @@ def _pool_rule(x, axes, windows, strides, pads, kind):
     shape = list(x.shape)
     for a, k, s, p in zip(axes, windows, strides, pads, strict=True):
         shape[a] = _out_size(x.shape[a], k, s, 1, p, x.dims[a])
-    dtype = x.dtype if kind == "max" or x.dtype.kind in "fc" else np.dtype(np.float32)
+    dtype = x.dtype if kind == "max" or is_inexact(x.dtype) else np.dtype(np.float32)
     return Aval(x.dims, tuple(shape), dtype)
 
 
@@ -219,7 +219,7 @@ def _pool_jax(x, axes, windows, strides, pads, kind):
     if kind == "max":
         fill = lowest(x.dtype)
     else:
-        fill, x = 0, x.astype(jnp.float32) if x.dtype.kind not in "fc" else x
+        fill, x = 0, x.astype(jnp.float32) if not is_inexact(x.dtype) else x
     xw = _windows(x, axes, windows, strides, (1,) * len(axes), pads, fill, jnp)
     win_axes = tuple(range(x.ndim, xw.ndim))
     return xw.max(axis=win_axes) if kind == "max" else xw.mean(axis=win_axes)

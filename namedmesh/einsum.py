@@ -17,7 +17,7 @@ import numpy as np
 import opt_einsum
 
 from namedmesh.checks import agreed_sizes, did_you_mean
-from namedmesh.errors import ArgumentError, ShapeError, fmt_dims
+from namedmesh.errors import ArgumentError, DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
@@ -46,9 +46,10 @@ def output_dims(in_dims: tuple[tuple[str, ...], ...], out: DimsLike | None) -> t
     return tuple(d for d, c in counts.items() if c == 1)
 
 
-def _einsum_rule(*xs, out, in_dims):
+def _einsum_rule(*xs, out, in_dims, preferred=None, precision=None):
     sizes = _sizes(xs)
-    return Aval(out, tuple(sizes[d] for d in out), result_dtype(*(x.dtype for x in xs)))
+    dtype = result_dtype(*(x.dtype for x in xs)) if preferred is None else preferred
+    return Aval(out, tuple(sizes[d] for d in out), dtype)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -80,7 +81,9 @@ def _matmul_plan(a_dims, b_dims, out):
     return a_sum, b_sum, a_perm, b_perm, len(batch), len(a_free), len(b_free), out_perm
 
 
-def _einsum_np(*xs, out, in_dims):
+def _einsum_np(*xs, out, in_dims, preferred=None, precision=None):
+    if preferred is not None:  # the product of the operands' exact values, summed there
+        xs = [x.astype(np.promote_types(preferred, np.float32)) for x in xs]
     if len(xs) == 1:
         return np.einsum(spec(in_dims, out), xs[0])
     a, b = xs
@@ -96,8 +99,10 @@ def _einsum_np(*xs, out, in_dims):
     return r.reshape(bs + fa + fb).transpose(out_perm)
 
 
-def _einsum_jax(*xs, out, in_dims):
-    return jnp.einsum(spec(in_dims, out), *xs)
+def _einsum_jax(*xs, out, in_dims, preferred=None, precision=None):
+    return jnp.einsum(
+        spec(in_dims, out), *xs, preferred_element_type=preferred, precision=precision
+    )
 
 
 def _einsum_cost(in_avals, out_avals, params) -> Cost:
@@ -107,7 +112,9 @@ def _einsum_cost(in_avals, out_avals, params) -> Cost:
     return Cost(flops, sum(a.nbytes for a in in_avals) + out_avals[0].nbytes)
 
 
-_einsum = primitive("einsum", _einsum_rule, _einsum_np, _einsum_jax, cost_rule=_einsum_cost)
+_einsum = primitive(
+    "einsum", _einsum_rule, _einsum_np, _einsum_jax, cost_rule=_einsum_cost, matmul=True
+)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -116,7 +123,27 @@ def _path(in_dims, out, shapes):
     return info.contraction_list
 
 
-def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
+_PRECISIONS = (None, "default", "high", "highest")
+
+
+def _accumulation(preferred_element_type, precision) -> dict:
+    """The einsum's params for how it multiplies and sums, checked."""
+    if precision not in _PRECISIONS:
+        raise ParameterError(f"einsum: precision must be one of {_PRECISIONS}, got {precision!r}")
+    if preferred_element_type is None:
+        return {"preferred": None, "precision": precision}
+    dt = np.dtype(preferred_element_type)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise DtypeError(f"einsum: preferred_element_type must be a floating dtype, got {dt.name}")
+    return {"preferred": dt, "precision": precision}
+
+
+def einsum(
+    *operands: Tensor,
+    out: DimsLike | None = None,
+    preferred_element_type=None,
+    precision: str | None = None,
+) -> Tensor:
     """Contract Tensors by dim name.
 
     Dims shared by operands and absent from `out` are summed. `out` (a tuple or a
@@ -127,7 +154,13 @@ def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
     or more operands are contracted pairwise in the order opt_einsum finds. matmul,
     dot, outer and batched products and sums over a dim are all einsums:
     `nm.einsum(x, w, out="batch d_ff")` is x @ w over their shared dim `d_model`.
-    """
+
+    `preferred_element_type` (a floating dtype) is the dtype the products are summed in
+    and the result's dtype: bfloat16 operands with float32 give the float32 sum of
+    their exact products (the NumPy reference multiplies in float32). `precision`
+    ("default", "high", "highest") is passed to XLA's dot for float32 operands on
+    accelerators that would otherwise round them (TPU, GPU TF32)."""
+    acc = _accumulation(preferred_element_type, precision)
     if not operands:
         raise ShapeError("einsum: needs at least one operand")
     for i, x in enumerate(operands):
@@ -139,7 +172,7 @@ def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
     in_dims = tuple(x.dims for x in operands)
     out = output_dims(in_dims, out)
     if len(operands) <= 2:
-        return bind(_einsum, *operands, out=out, in_dims=in_dims)
+        return bind(_einsum, *operands, out=out, in_dims=in_dims, **acc)
     _sizes(operands)  # one error naming the operands, before the pairwise steps
     ops = list(operands)
     shapes = tuple(x.shape for x in operands)
@@ -151,7 +184,8 @@ def einsum(*operands: Tensor, out: DimsLike | None = None) -> Tensor:
             needed = set(out).union(*(x.dims for x in ops))
             seen = dict.fromkeys(d for x in taken for d in x.dims)
             step_out = tuple(d for d in seen if d in needed)
-        ops.append(bind(_einsum, *taken, out=step_out, in_dims=tuple(x.dims for x in taken)))
+        in_dims = tuple(x.dims for x in taken)
+        ops.append(bind(_einsum, *taken, out=step_out, in_dims=in_dims, **acc))
     return ops[0]
 
 

@@ -17,7 +17,7 @@ import scipy.special
 
 from namedmesh.checks import agreed_sizes, warn_near_misses
 from namedmesh.errors import ArgumentError
-from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive, result_dtype
+from namedmesh.primitive import Aval, Cost, bind, default_cost, is_inexact, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
 _FLOAT32 = np.dtype(np.float32)
@@ -28,9 +28,9 @@ def _scalar_dtype(s, dt: np.dtype) -> np.dtype:
     if isinstance(s, bool):
         return dt
     if isinstance(s, int):
-        return dt if dt.kind in "iufc" else np.dtype(np.int32)
+        return dt if dt.kind in "iu" or is_inexact(dt) else np.dtype(np.int32)
     if isinstance(s, float):
-        return dt if dt.kind in "fc" else _FLOAT32
+        return dt if is_inexact(dt) else _FLOAT32
     if isinstance(s, complex):
         return dt if dt.kind == "c" else np.dtype(np.complex64)
     raise TypeError(f"cannot combine a {type(s).__name__} with a Tensor")
@@ -142,7 +142,7 @@ def _boolean(*dts):
 
 def _floating(*dts):
     dt = result_dtype(*dts)
-    return dt if dt.kind in "fc" else _FLOAT32
+    return dt if is_inexact(dt) else _FLOAT32
 
 
 def _gelu_np(x):

@@ -25,7 +25,8 @@ class ArgumentError(NamedMeshError, TypeError):
 
 class DtypeError(NamedMeshError, TypeError):
     """A dtype that cannot be computed as asked: a 64-bit value lowered while jax's
-    `jax_enable_x64` is off (jax would compute it in 32 bits; see docs/lowering.md)."""
+    `jax_enable_x64` is off (jax would compute it in 32 bits; see docs/lowering.md), an
+    integer accumulation type for einsum, a compute dtype a model does not take."""
 
 
 class NumPyDispatchError(ArgumentError):
@@ -36,6 +37,10 @@ class NumPyDispatchError(ArgumentError):
 class TracedValueError(NamedMeshError, TypeError):
     """jax or NumPy applied to the `.data` of a traced Tensor: an op namedmesh cannot
     record. The message points to `nm.primitive`, the way to add one."""
+
+
+class ParameterError(NamedMeshError, ValueError):
+    """A parameter value an op does not take (an unknown policy or mode name)."""
 
 
 def fmt_dims(dims, sizes=None) -> str:

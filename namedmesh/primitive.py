@@ -39,11 +39,17 @@ class Aval(NamedTuple):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def is_inexact(dtype) -> bool:
+    """Whether `dtype` is a float or complex type, bfloat16 included (NumPy files
+    bfloat16 under kind 'V', so `dtype.kind in "fc"` misses it)."""
+    return bool(jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.inexact))
+
+
 def result_dtype(*dtypes) -> np.dtype:
     """NumPy promotion, except that integers never widen a float (int32 * float32 is
     float32, as in JAX), so eager NumPy and jax agree."""
     dts = [np.dtype(d) for d in dtypes]
-    floats = [d for d in dts if jax.numpy.issubdtype(d, jax.numpy.inexact)]  # bfloat16 too
+    floats = [d for d in dts if is_inexact(d)]
     if not floats:
         return np.result_type(*dts)
     return np.dtype(functools.reduce(jax.numpy.promote_types, floats))
@@ -77,6 +83,7 @@ class Primitive:
     jax_impl: Callable[..., Any]
     cost_rule: Callable[..., Cost] = default_cost
     multiple_results: bool = False
+    matmul: bool = False  # a contraction: what remat policy "dots" keeps
     spmd_rule: Callable[..., Any] | None = field(default=None)  # filled by `lowering`
 
     def __repr__(self) -> str:

@@ -16,7 +16,7 @@ import scipy.special
 from namedmesh.checks import axis_of, require_dims
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import sort_key
-from namedmesh.primitive import Aval, Cost, bind, default_cost, primitive
+from namedmesh.primitive import Aval, Cost, bind, default_cost, is_inexact, primitive
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
 _INT32 = np.dtype(np.int32)
@@ -38,7 +38,7 @@ def _kept(x, axes):
 
 def _float(dt: np.dtype) -> np.dtype:
     """A float result's dtype: the input's when inexact (bfloat16 too), else float32."""
-    return dt if jnp.issubdtype(dt, jnp.inexact) else np.dtype(np.float32)
+    return dt if is_inexact(dt) else np.dtype(np.float32)
 
 
 def _reduction_cost(in_avals, out_avals, params) -> Cost:

@@ -60,7 +60,9 @@ class Graph:
             lines.append(f"  {decl(v)} = const {_short(c)}")
         for e in self.eqns:
             outs = ", ".join(decl(v) for v in e.outputs)
-            shown = {k: p for k, p in e.params.items() if k not in _DERIVED_PARAMS}
+            shown = {
+                k: p for k, p in e.params.items() if k not in _DERIVED_PARAMS and p is not None
+            }  # None: an option left at its default
             params = " ".join(f"{k}={_short(p)}" for k, p in shown.items())
             args = ", ".join(names[v] for v in e.inputs)
             lines.append(f"  {outs} = {e.primitive.name}({args}){'  ' + params if params else ''}")

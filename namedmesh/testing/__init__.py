@@ -16,20 +16,17 @@ import jax
 import numpy as np
 
 import namedmesh as nm
+from namedmesh.primitive import is_inexact
 from namedmesh.tensor import Tensor
 from namedmesh.testing import strategies
 
 CASES = {"lowered": 0}  # how many cases were lowered and run, for the suites' reports
 
 
-def _inexact(dtype) -> bool:
-    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))  # bfloat16 too
-
-
 def tolerance(dtype) -> tuple[float, float]:
     """(rtol, atol relative to the result's largest finite magnitude) fit for `dtype`."""
     dt = np.dtype(dtype)
-    if not _inexact(dt):
+    if not is_inexact(dt):
         return 0.0, 0.0
     return {2: (2e-2, 2e-2), 4: (2e-4, 2e-5), 8: (1e-9, 1e-12)}.get(dt.itemsize, (2e-4, 2e-5))
 
@@ -60,7 +57,7 @@ def compare(got, want, rtol=None, what: str = "result") -> None:
             raise AssertionError(f"{what} {n} {w.dims}: dtype {g.dtype}, reference {w.dtype}")
         r, a = tolerance(w.dtype) if rtol is None else (rtol, rtol)
         gv, wv = np.asarray(g.data), np.asarray(w.data)
-        finite = wv[np.isfinite(wv)] if _inexact(wv.dtype) else wv[:0]  # NaN, inf: equal
+        finite = wv[np.isfinite(wv)] if is_inexact(wv.dtype) else wv[:0]  # NaN, inf: equal
         scale = float(np.max(np.abs(finite), initial=0.0))
         if not np.allclose(gv, wv, rtol=r, atol=a * max(scale, 1.0), equal_nan=True):
             diff = np.max(np.abs(gv.astype(np.float64) - wv.astype(np.float64)))

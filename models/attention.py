@@ -1,0 +1,176 @@
+"""Blockwise attention: softmax(scale * q.k + bias) v over key blocks with an online
+softmax (Milakov & Gimelshein 2018; Rabe & Staats 2021), so the (length, memory) logits
+are never whole: one `nm.scan` over `kblocks`, each step holding (length, block).
+
+Written only in the namedmesh language: memory is reshaped into (kblocks, memory=block)
+and scanned; the running maximum, sum and weighted values are the scan's carry, in
+float32 whatever the compute dtype. The running maximum only steadies the exponentials
+(the result does not depend on it), so it carries no gradient. As in FlashAttention,
+the backward pass recomputes each block's logits (the scan's remat="full").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+import namedmesh as nm
+from namedmesh.errors import ShapeError
+
+_FLOOR = -1e30  # the running maximum before any key: exp(_FLOOR - m) is 0 for finite m
+
+
+def _check(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias, block: int) -> int:
+    """The key block size (at most the memory), after checking dims and sizes."""
+    for name, t, need in (("q", q, ("length", "d_kv")), ("k", k, ("memory", "d_kv"))):
+        if missing := [d for d in need if d not in t.dims]:
+            raise ShapeError(f"blockwise_attend: {name} {t.dims} lacks dim(s) {missing}")
+    if k.dims != v.dims or k.shape != v.shape:
+        raise ShapeError(f"blockwise_attend: k {k.sizes} and v {v.sizes} differ")
+    extra = [d for d in k.dims if d not in q.dims and d != "memory"]
+    if extra:
+        raise ShapeError(f"blockwise_attend: k's dim(s) {extra} are not dims of q {q.dims}")
+    logit_dims = {d for d in q.dims if d != "d_kv"} | {"memory"}
+    if bias is not None and (stray := [d for d in bias.dims if d not in logit_dims]):
+        raise ShapeError(
+            f"blockwise_attend: bias dim(s) {stray} are none of the logits' {sorted(logit_dims)}"
+        )
+    n, block = k.size_of("memory"), min(int(block), k.size_of("memory"))
+    if block < 1 or n % block:
+        raise ShapeError(
+            f"blockwise_attend: block {block} must be positive and divide memory={n} "
+            "(attention_block in the config)"
+        )
+    return block
+
+
+def _blocks(t: nm.Tensor, nblocks: int, block: int) -> nm.Tensor:
+    """t with memory split into (kblocks, memory=block)."""
+    return nm.reshape(t, {"kblocks": nblocks, "memory": block}, from_="memory")
+
+
+def _init(q: nm.Tensor, dims: tuple[str, ...]):
+    """(running maximum, running sum, weighted values) before any key, in float32."""
+    sizes = {d: q.size_of(d) for d in dims}
+    return (
+        nm.full(sizes, _FLOOR, np.float32),
+        nm.zeros(sizes, np.float32),
+        nm.zeros(q.sizes, np.float32),
+    )
+
+
+def _absorb(stats, q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, biases, scale: float):
+    """The online softmax's statistics after the keys k and values v of one block, with
+    the additive `biases` (Tensors or None) of that block."""
+    m, total, acc = stats
+    logit_dims = tuple(d for d in q.dims if d != "d_kv") + ("memory",)
+    s = nm.einsum(q, k, out=logit_dims, preferred_element_type=np.float32) * scale
+    for b in biases:
+        s = s if b is None else s + b
+    m_new = nm.maximum(m, nm.stop_gradient(nm.max(s, "memory")))
+    p = nm.exp(s - m_new)
+    fade = nm.exp(m - m_new)
+    pv = nm.einsum(nm.astype(p, v.dtype), v, out=q.dims, preferred_element_type=np.float32)
+    return m_new, total * fade + p.sum("memory"), acc * fade + pv
+
+
+def _result(stats, dtype) -> nm.Tensor:
+    _, total, acc = stats
+    out = acc / total
+    return out if dtype == np.float32 else nm.astype(out, dtype)
+
+
+BiasFn = Callable[[nm.Tensor, nm.Tensor], "nm.Tensor | None"]
+
+
+def blockwise_attend(
+    q: nm.Tensor,
+    k: nm.Tensor,
+    v: nm.Tensor,
+    bias=None,
+    scale: float = 1.0,
+    block: int = 128,
+    bias_fn: BiasFn | None = None,
+) -> nm.Tensor:
+    """softmax over memory of scale * q.k + bias, times v, a block of `block` keys at a
+    time: q (..., length, d_kv), k and v (..., memory, d_kv), other dims matched by name;
+    `bias` has any of the logits' dims (q's other dims, length, memory). Equal to full
+    attention (models.layers.attend); the result has q's dims and v's dtype.
+
+    `bias_fn(queries, slots)`, given the query positions (an int Tensor over length) and
+    the memory positions of one block (over memory), returns more bias for that block
+    (or None): a causal mask or relative positions, never whole either."""
+    block = _check(q, k, v, bias, block)
+    nblocks = k.size_of("memory") // block
+    xs = {"k": _blocks(k, nblocks, block), "v": _blocks(v, nblocks, block)}
+    queries = nm.arange("length", q.size_of("length"))
+    if bias_fn is not None:
+        xs["slots"] = _blocks(nm.arange("memory", k.size_of("memory")), nblocks, block)
+    if bias is not None and "memory" in bias.dims:
+        xs["bias"] = _blocks(bias, nblocks, block)
+    fixed = bias if bias is not None and "memory" not in bias.dims else None
+
+    def step(stats, x):
+        more = None if bias_fn is None else bias_fn(queries, x["slots"])
+        return _absorb(stats, q, x["k"], x["v"], (x.get("bias"), fixed, more), scale), None
+
+    # each block's logits are recomputed in the backward pass, not kept: else the
+    # backward pass would hold all of them, the (length, memory) matrix again
+    init = _init(q, tuple(d for d in q.dims if d != "d_kv"))
+    stats, _ = nm.scan(step, init, xs, "kblocks", remat="full")
+    return _result(stats, v.dtype)
+
+
+def ring_attend(
+    q: nm.Tensor,
+    k: nm.Tensor,
+    v: nm.Tensor,
+    bias=None,
+    scale: float = 1.0,
+    ring: int = 2,
+    bias_fn: BiasFn | None = None,
+) -> nm.Tensor:
+    """Blockwise attention whose key/value blocks travel: q's length and k's and v's
+    memory are cut into `ring` blocks along a new dim `ring`; at each of `ring` steps
+    query block i attends to the key block it holds, then every key/value block moves
+    one place along `ring` (`nm.shift(..., wrap=True)`). A layout that splits `ring`
+    over a mesh axis of `ring` devices (`"ring:rows;length:rows;memory:rows"`) keeps
+    each device's queries and sends its keys and values to the next device by one
+    ppermute per step: (ring-1)/ring of them per device, never all of them at once.
+    Same contract and result as `blockwise_attend`; `bias` must not hold both length
+    and memory (pass `bias_fn`)."""
+    _check(q, k, v, bias, k.size_of("memory"))
+    n_q, n_k = q.size_of("length"), k.size_of("memory")
+    if ring < 1 or n_q % ring or n_k % ring:
+        raise ShapeError(f"ring_attend: ring {ring} must divide length={n_q} and memory={n_k}")
+    if bias is not None and {"length", "memory"} <= set(bias.dims):
+        raise ShapeError("ring_attend: a bias over both length and memory: pass bias_fn")
+    cut = lambda t, dim: nm.reshape(t, {"ring": ring, dim: t.size_of(dim) // ring}, from_=dim)
+    qr = cut(q, "length")
+    queries = cut(nm.arange("length", n_q), "length")
+    moving = {
+        "k": cut(k, "memory"),
+        "v": cut(v, "memory"),
+        "slots": cut(nm.arange("memory", n_k), "memory"),
+    }
+    if bias is not None and "memory" in bias.dims:
+        moving["bias"] = cut(bias, "memory")
+    fixed = None if bias is None or "memory" in bias.dims else bias
+    if fixed is not None and "length" in fixed.dims:
+        fixed = cut(fixed, "length")
+
+    def absorb(stats, kv):
+        more = None if bias_fn is None else bias_fn(queries, kv["slots"])
+        return _absorb(stats, qr, kv["k"], kv["v"], (kv.get("bias"), fixed, more), scale)
+
+    def step(carry, _):
+        stats, kv = carry
+        stats = absorb(stats, kv)
+        return (stats, {name: nm.shift(t, "ring", 1, wrap=True) for name, t in kv.items()}), None
+
+    stats = _init(qr, tuple(d for d in qr.dims if d != "d_kv"))
+    if ring > 1:  # ring - 1 moves: the last block is absorbed where it arrives
+        (stats, moving), _ = nm.scan(step, (stats, moving), (), "ring_step", ring - 1, "full")
+    out = _result(absorb(stats, moving), v.dtype)
+    return nm.reshape(out, {"length": n_q}, from_="ring length").transpose(*q.dims)

@@ -1,0 +1,208 @@
+"""Blockwise attention (models/attention.py) against full attention written in plain
+jax.numpy: values and gradients with causal, padding, relative and per-head biases,
+rotated queries and keys, grouped heads; and the LM with blockwise attention (and
+remat) against the LM with full attention under every layout the model tests use."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from lowering import Mesh, lower
+from lowering.hlo import collectives
+from models import transformer
+from models.attention import blockwise_attend, ring_attend
+from tests.test_models import CFG, LAYOUTS, small_batch
+
+R = np.random.default_rng(11)
+SIZES = {"batch": 2, "heads": 3, "length": 8, "memory": 8, "d_kv": 4}
+
+
+def rotary(x, axis_len):
+    """Rotary position embedding of the last dim (pairs rotated by position), NumPy."""
+    half = x.shape[-1] // 2
+    pos = np.arange(x.shape[axis_len])[:, None] * (1e-2 ** (np.arange(half) / half))
+    shape = [1] * x.ndim
+    shape[axis_len], shape[-1] = x.shape[axis_len], half
+    cos, sin = np.cos(pos).reshape(shape), np.sin(pos).reshape(shape)
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(np.float32)
+
+
+def arr(dims):
+    return R.normal(size=[SIZES[d] for d in dims]).astype(np.float32)
+
+
+def bias_array(dims):
+    """A bias over `dims`: causal where it has length and memory, padding where it has
+    batch and memory (the last 3 positions of row 1), else learned-like values."""
+    b = arr(dims) * 0.5
+    full = np.zeros([SIZES[d] for d in ("batch", "heads", "length", "memory")], np.float32)
+    if "length" in dims and "memory" in dims:
+        full += np.where(np.tril(np.ones((8, 8), bool)), 0.0, -1e9)
+    if "batch" in dims and "memory" in dims:
+        full[1, :, :, -3:] += -1e9
+    order = ("batch", "heads", "length", "memory")
+    kept = full[tuple(slice(None) if d in dims else 0 for d in order)]
+    return b + kept.transpose([[d for d in order if d in dims].index(d) for d in dims])
+
+
+QD, KD = ("batch", "length", "heads", "d_kv"), ("batch", "memory", "heads", "d_kv")
+
+
+def jnp_attention(q, k, v, bias, bias_dims, scale):
+    """Full attention on positional arrays q (b l h k), k/v (b m h k): the oracle."""
+    logits = jnp.einsum("blhk,bmhk->bhlm", q, k) * scale
+    if bias is not None:
+        order = [d for d in ("batch", "heads", "length", "memory") if d in bias_dims]
+        b = jnp.transpose(bias, [bias_dims.index(d) for d in order])
+        shape = [SIZES[d] if d in bias_dims else 1 for d in ("batch", "heads", "length", "memory")]
+        logits = logits + b.reshape(shape)
+    return jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(logits, -1), v)
+
+
+@pytest.mark.parametrize(
+    "bias_dims, block",
+    [
+        (None, 8),  # one block
+        (("length", "memory"), 2),  # causal
+        (("batch", "memory"), 4),  # padding
+        (("heads", "length", "memory"), 2),  # relative position bias
+        (("memory", "batch", "heads", "length"), 2),  # all, in another order
+        (("heads",), 4),  # no memory: added to every block
+    ],
+)
+def test_blockwise_equals_full_attention_values_and_gradients(bias_dims, block):
+    q, k, v = rotary(arr(QD), 1), rotary(arr(KD), 1), arr(KD)
+    bias = None if bias_dims is None else bias_array(bias_dims)
+    scale = 0.5
+
+    def ours(q, k, v, b):
+        bt = None if b is None else nm.tensor(b, bias_dims)
+        out = blockwise_attend(
+            nm.tensor(q, QD), nm.tensor(k, KD), nm.tensor(v, KD), bt, scale, block
+        )
+        return out.transpose(*QD).data
+
+    def oracle(q, k, v, b):
+        return jnp_attention(q, k, v, b, bias_dims, scale)
+
+    args = [jnp.asarray(a) for a in (q, k, v)] + [None if bias is None else jnp.asarray(bias)]
+    np.testing.assert_allclose(jax.jit(ours)(*args), oracle(*args), rtol=1e-5, atol=1e-5)
+    cot = jnp.asarray(arr(QD))
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    grad = lambda f: jax.grad(lambda *a: (f(*a) * cot).sum(), argnums=argnums)
+    got, want = jax.jit(grad(ours))(*args), grad(oracle)(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_blockwise_matches_grouped_heads_by_name():
+    """k and v lack q's q_per_kv dim (grouped-query attention): matched by name."""
+    q = nm.tensor(R.normal(size=(2, 8, 2, 3, 4)).astype(np.float32), "batch length kv q d_kv")
+    k = nm.tensor(R.normal(size=(2, 8, 2, 4)).astype(np.float32), "batch memory kv d_kv")
+    v = nm.tensor(R.normal(size=(2, 8, 2, 4)).astype(np.float32), "batch memory kv d_kv")
+    got = blockwise_attend(q, k, v, None, 1.0, 4).transpose(*q.dims).data
+    logits = np.einsum("blgqk,bmgk->bgqlm", q.data, k.data)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bgqlm,bmgk->blgqk", w / w.sum(-1, keepdims=True), v.data)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_blockwise_errors_name_the_fault():
+    q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
+    with pytest.raises(nm.ShapeError, match="block 3 .* memory=8"):
+        blockwise_attend(q, k, k, None, 1.0, 3)
+    with pytest.raises(nm.ShapeError, match="lacks"):
+        blockwise_attend(q.rename(length="l"), k, k)
+    with pytest.raises(nm.ShapeError, match="bias dim"):
+        blockwise_attend(q, k, k, nm.tensor(np.zeros(3, np.float32), "other"))
+
+
+def _lm_value_and_grads(cfg, mesh, layout):
+    params = transformer.init(transformer.lm_shapes(cfg), 0)
+    batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(cfg).items()}
+    f = lower(lambda p, b: transformer.lm_loss(p, b, cfg), mesh, layout)
+    return jax.jit(jax.value_and_grad(lambda p, b: f(p, b).data))(params, batch)
+
+
+LM_CFG = CFG.replace(relative_bias=4, attention_block=4, layers=1, batch=8)
+SEQ = ({"rows": 2, "cols": 2}, "ring:rows;length:rows;memory:rows;heads:cols")  # sequence parallel
+
+
+@pytest.mark.parametrize("name", [*sorted(LAYOUTS), "length"])
+def test_blockwise_lm_loss_equals_full_attention_under_every_layout(name):
+    sizes, layout = SEQ if name == "length" else LAYOUTS[name]
+    params = transformer.init(transformer.lm_shapes(LM_CFG), 0)
+    batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(LM_CFG).items()}
+    kinds = [LM_CFG.replace(attention=a) for a in ("full", "blockwise", "ring")]
+    every = lambda p, b: [transformer.lm_loss(p, b, c) for c in kinds]
+    full, block, ring = lower(every, Mesh(sizes), layout)(params, batch)  # one compile
+    np.testing.assert_allclose(np.asarray(block.data), np.asarray(full.data), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ring.data), np.asarray(full.data), rtol=1e-5)
+
+
+def test_blockwise_lm_gradients_with_remat_equal_full_attention():
+    mesh, layout = Mesh(LAYOUTS["model"][0]), LAYOUTS["model"][1]
+    cfg = LM_CFG.replace(layers=2)
+    want, g_full = _lm_value_and_grads(cfg, mesh, layout)
+    got, g_block = _lm_value_and_grads(
+        cfg.replace(attention="blockwise", remat="full"), mesh, layout
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_block), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+RING = Mesh({"rows": 4})
+RING_LAYOUT = "ring:rows;length:rows;memory:rows"
+
+
+def test_ring_attention_sends_keys_and_values_around_the_ring():
+    """Under a layout splitting `ring`: values and gradients of full attention (causal by
+    bias_fn, padding rotating with the keys), only ppermutes, and per device
+    (n-1)/n of its keys and values (plus their positions and padding) sent."""
+    q, k, v = arr(QD), arr(KD), arr(KD)
+    pad = bias_array(("batch", "memory"))
+    causal = lambda queries, slots: nm.where(slots <= queries, 0.0, -1e9)
+
+    def ours(q, k, v, pad):
+        out = ring_attend(q, k, v, pad, 0.5, 4, causal)
+        return out.transpose(*QD)
+
+    lowered = lower(ours, RING, RING_LAYOUT)
+    args = [nm.tensor(a, d) for a, d in ((q, QD), (k, KD), (v, KD), (pad, ("batch", "memory")))]
+    bias = pad[:, None, None, :] + np.where(np.tril(np.ones((8, 8), bool)), 0.0, -1e9)
+    bias = np.broadcast_to(bias, (2, 3, 8, 8)).astype(np.float32)
+    want = jnp_attention(q, k, v, bias, ("batch", "heads", "length", "memory"), 0.5)
+    np.testing.assert_allclose(np.asarray(lowered(*args).data), want, rtol=1e-5, atol=1e-5)
+    cot = arr(QD)
+    got = jax.grad(lambda *a: (lowered(*a).data * cot).sum(), argnums=(0, 1, 2))(*args)
+    oracle = lambda q, k, v: (
+        jnp_attention(q, k, v, bias, ("batch", "heads", "length", "memory"), 0.5) * cot
+    ).sum()
+    for g, w in zip(got, jax.grad(oracle, argnums=(0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(g.data, w, rtol=1e-5, atol=1e-5)
+    n = 4
+    kv_block = 2 * (SIZES["batch"] * 2 * SIZES["heads"] * SIZES["d_kv"] * 4)  # k and v
+    side = SIZES["batch"] * 2 * 4 + 2 * 4  # the padding's and the positions' block
+    sent = lowered.report(*args, show=False).collectives
+    assert set(sent) == {("ppermute", ("rows",))}
+    assert sent[("ppermute", ("rows",))][1] == (n - 1) * (kv_block + side)
+    kv_total = 2 * SIZES["batch"] * SIZES["memory"] * SIZES["heads"] * SIZES["d_kv"] * 4
+    assert (n - 1) * kv_block == kv_total * (n - 1) // n  # (n-1)/n of k and v
+    hlo = collectives(lowered.compile(*args).as_text())
+    assert {kind for kind, *_ in hlo} == {"collective-permute"}
+    assert sorted(b for _, b, _ in hlo) == sorted(
+        [kv_block // 2] * 2 + [SIZES["batch"] * 2 * 4, 2 * 4]
+    )
+
+
+def test_ring_errors_name_the_fault():
+    q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
+    with pytest.raises(nm.ShapeError, match="ring 3 must divide length=8"):
+        ring_attend(q, k, k, None, 1.0, 3)
+    whole = nm.tensor(np.zeros((8, 8), np.float32), "length memory")
+    with pytest.raises(nm.ShapeError, match="bias_fn"):
+        ring_attend(q, k, k, whole, 1.0, 2)
