@@ -475,9 +475,6 @@ class HubModel:
     mesh: Mesh | None = None
     layout: Layout | None = None
 
-    def __post_init__(self):
-        self._compiled = {}
-
     def logits(self, input_ids, attention_mask=None, token_type_ids=None, decoder_input_ids=None):
         """Logits (batch, length, vocab): next-token logits of a decoder (GPT-2, Llama),
         masked-LM logits of BERT, or for T5 the decoder's logits over decoder_input_ids
@@ -494,13 +491,20 @@ class HubModel:
                 raise HubError("T5's logits need decoder_input_ids (the decoder's tokens)")
             batch["decoder_inputs"] = _ints(decoder_input_ids)
             batch.setdefault("weights", nm.ones(ids.sizes, np.float32))
-        key = tuple(sorted(batch))
-        if key not in self._compiled:
-            fn = lambda p, b: forward(p, b, self.config, self.family)
-            self._compiled[key] = (
-                jax.jit(fn) if self.mesh is None else lower(fn, self.mesh, self.layout)
-            )
-        return self._compiled[key](self.params, batch)
+        return _program(self.config, self.family, self.mesh, self.layout)(self.params, batch)
+
+
+_PROGRAMS: dict = {}
+
+
+def _program(cfg: Config, family: str, mesh: Mesh | None, layout: Layout | None):
+    """`forward` jitted (or lowered on mesh under layout), one per model shape: models
+    of the same config share their compiled programs."""
+    key = (cfg, family, id(mesh), str(layout))
+    if key not in _PROGRAMS:
+        fn = lambda p, b: forward(p, b, cfg, family)
+        _PROGRAMS[key] = (mesh, jax.jit(fn) if mesh is None else lower(fn, mesh, layout))
+    return _PROGRAMS[key][1]
 
 
 def forward(params: dict, batch: dict, cfg: Config, family: str) -> nm.Tensor:
