@@ -195,8 +195,8 @@ def bucket_bias(table: nm.Tensor, cfg: Config, n: int, bidirectional: bool, posi
     at = np.arange(n)
     rb, rd = cfg.relative_buckets, cfg.relative_max_distance
     index = nm.tensor(relative_buckets(at, at, bidirectional, rb, rd), ("length", "memory"))
-    if position is not None:
-        index = nm.gather(index, "length", position)
+    if position is not None:  # a traced position: gather from a jax array, not NumPy's
+        index = nm.gather(nm.tensor(jax.numpy.asarray(index.data), index.dims), "length", position)
     return nm.gather(table, "buckets", index)
 
 
