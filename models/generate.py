@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import namedmesh as nm
-from models import checkpoint, config, data, transformer, zoo
+from models import checkpoint, config, data, hub, transformer, zoo
 from models.config import Config
 from models.layers import head_sizes
 from models.train import Parser
@@ -185,8 +185,11 @@ def _rows(t: nm.Tensor, index: np.ndarray) -> nm.Tensor:
 
 
 def load(run: str | Path):
-    """(params, cfg, tokenizer) of the latest checkpoint of a training run's folder."""
+    """(params, cfg, tokenizer) of the latest checkpoint of a training run's folder, or
+    of a Hugging Face folder (config.json, safetensors, tokenizer.json) of a decoder LM."""
     run = Path(run)
+    if (run / "config.json").exists() and not (run / "run.json").exists():
+        return load_hub(run)
     if not (run / "run.json").exists() or checkpoint.latest_step(run) is None:
         raise checkpoint.CheckpointError(f"{run}: no run.json and checkpoint to load")
     flags = json.loads((run / "run.json").read_text())
@@ -195,7 +198,10 @@ def load(run: str | Path):
         raise checkpoint.CheckpointError(
             f"{run} holds a {flags['model']!r} model; generation needs a decoder LM (lm, moe)"
         )
-    cfg = model.configure(config.get(flags["config"])).replace(vocab=flags["vocab"])
+    if flags.get("init_from"):  # fine-tuned from a Hugging Face folder: its config
+        cfg = hub.config_of(flags["init_from"])[1]
+    else:
+        cfg = model.configure(config.get(flags["config"])).replace(vocab=flags["vocab"])
     cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length") if flags.get(k)})
     opt, _ = optimizer(flags["optimizer"], flags["lr"], 1, flags["warmup"], flags["clip"])
     shapes = model.shapes(cfg)
@@ -208,6 +214,19 @@ def load(run: str | Path):
     return state["params"], cfg, data.load_tokenizer(run)
 
 
+def load_hub(folder: Path):
+    """(params, cfg, tokenizer) of a Hugging Face folder holding a decoder LM."""
+    model = hub.load(folder)
+    if model.family not in hub.DECODERS:
+        raise hub.UnsupportedModelError(
+            f"{folder} holds a {model.family} model; generation needs a decoder LM "
+            f"({', '.join(hub.DECODERS)})"
+        )
+    if model.tokenizer is None:
+        raise hub.MissingFileError(f"{folder}: no tokenizer.json to encode the prompt with")
+    return model.params, model.config, data.BPETokenizer(model.tokenizer)
+
+
 def _state(shapes, opt):
     params = transformer.init(shapes, 0)
     return {"params": params, "opt": opt.init(params)}
@@ -215,7 +234,11 @@ def _state(shapes, opt):
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m models.generate", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, help="a training run's --out folder")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a training run's --out folder, or a Hugging Face folder (gpt2, llama)",
+    )
     p.add_argument("--prompt", default="The assert statement")
     p.add_argument("--mode", default="greedy", choices=["greedy", "sample", "beam"])
     p.add_argument("--max-new", type=int, default=200)

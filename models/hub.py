@@ -211,8 +211,9 @@ def gpt2_config(hf: dict, names: set[str]) -> Config:
     d, h = hf["n_embd"], hf["n_head"]
     return Config(
         vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf.get("n_inner") or 4 * d,
-        layers=hf["n_layer"], length=hf["n_positions"], ffn=_act(hf, "activation_function"),
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5), bias=True, scale_tied_logits=False,
+        layers=hf["n_layer"], length=hf["n_positions"], max_positions=hf["n_positions"],
+        ffn=_act(hf, "activation_function"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        bias=True, scale_tied_logits=False,
         attention_scale=hf.get("scale_attn_weights", True),
     )  # fmt: skip
 
@@ -264,9 +265,10 @@ def bert_config(hf: dict, names: set[str]) -> Config:
     return Config(
         vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf["intermediate_size"],
         layers=hf["num_hidden_layers"], length=hf["max_position_embeddings"],
-        ffn=_act(hf, "hidden_act"), norm_eps=hf.get("layer_norm_eps", 1e-12),
-        norm_position="post", bias=True, scale_tied_logits=False,
-        type_vocab=hf.get("type_vocab_size", 2), embed_norm=True, mlm_head=True,
+        max_positions=hf["max_position_embeddings"], ffn=_act(hf, "hidden_act"),
+        norm_eps=hf.get("layer_norm_eps", 1e-12), norm_position="post", bias=True,
+        scale_tied_logits=False, type_vocab=hf.get("type_vocab_size", 2), embed_norm=True,
+        mlm_head=True,
     )  # fmt: skip
 
 
@@ -298,6 +300,7 @@ FAMILIES = {
     ),
 }
 TABLES = {k: f.table for k, f in FAMILIES.items()}
+DECODERS = ("gpt2", "llama")  # the families that generate and fine-tune as LMs
 
 
 # --- reading tensors ---------------------------------------------------------------
@@ -576,6 +579,19 @@ def load(path, mesh: Mesh | None = None, layout: Layout | str | None = None) -> 
     weights = Weights(folder)
     prefix = _prefix(family, weights)
     cfg = FAMILIES[family].config(hf, set(weights.where))
+    return load_params(folder, family, cfg, hf, weights, prefix, mesh, layout)
+
+
+def config_of(path) -> tuple[str, Config]:
+    """(family, the zoo's Config) of a Hugging Face folder, reading no weights."""
+    folder = Path(path)
+    family, hf = read_config(folder)
+    return family, FAMILIES[family].config(hf, set(Weights(folder).where))
+
+
+def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubModel:
+    """`load` once the family and Config are known: cfg may differ from the folder's
+    in what does not change a parameter's shape (length, batch, dropout)."""
     if mesh is not None:
         layout = layout if isinstance(layout, Layout) else Layout(layout or "")
     params = {}
@@ -608,6 +624,11 @@ def _place(t: _Tensor, weights: Weights, mesh, layout, path: str) -> jax.Array:
     lay = layout.of(t.dims, shape, mesh, f"parameter {path!r}")
     sharding = jax.sharding.NamedSharding(mesh.jax_mesh, partition_spec(lay))
     return jax.make_array_from_callback(shape, sharding, lambda index: t.read(weights, index))
+
+
+def tokenizer_of(path):
+    """The folder's tokenizer.json as a tokenizers.Tokenizer, or None."""
+    return _tokenizer(Path(path))
 
 
 def _tokenizer(folder: Path):
