@@ -26,7 +26,6 @@ from models import checkpoint, config, data, hub, transformer, zoo
 from models.config import Config
 from models.layers import head_sizes
 from models.train import Parser
-from models.trainer import optimizer
 
 
 def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
@@ -203,15 +202,14 @@ def load(run: str | Path):
     else:
         cfg = model.configure(config.get(flags["config"])).replace(vocab=flags["vocab"])
     cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length") if flags.get(k)})
-    opt, _ = optimizer(flags["optimizer"], flags["lr"], 1, flags["warmup"], flags["clip"])
-    shapes = model.shapes(cfg)
-    target = jax.eval_shape(lambda: _state(shapes, opt))
+    # The parameters alone, by name: the optimizer's state stays on disk.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), target
+    target = jax.tree_util.tree_map(  # over the Tensors' data: abstract, on one device
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        transformer.abstract(model.shapes(cfg)),
     )
-    state, _ = checkpoint.restore(run, target)
-    return state["params"], cfg, data.load_tokenizer(run)
+    params, _ = checkpoint.restore_params(run, target)
+    return params, cfg, data.load_tokenizer(run)
 
 
 def load_hub(folder: Path):
@@ -225,11 +223,6 @@ def load_hub(folder: Path):
     if model.tokenizer is None:
         raise hub.MissingFileError(f"{folder}: no tokenizer.json to encode the prompt with")
     return model.params, model.config, data.BPETokenizer(model.tokenizer)
-
-
-def _state(shapes, opt):
-    params = transformer.init(shapes, 0)
-    return {"params": params, "opt": opt.init(params)}
 
 
 def main(argv=None) -> int:
