@@ -54,7 +54,7 @@ def torch_side(args, folder):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return forward, step
 

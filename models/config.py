@@ -152,6 +152,7 @@ def _llama(**sizes) -> Config:
         norm="rms",
         norm_eps=1e-5,
         shared_embedding=False,
+        scale_tied_logits=False,
         positions="rotary",
     )
 
@@ -171,6 +172,7 @@ def _t5(d_model: int, heads: int, d_ff: int, layers: int, v1_1: bool = False) ->
         norm="rms",
         norm_eps=1e-6,
         shared_embedding=not v1_1,
+        scale_tied_logits=not v1_1,
         attention_scale=False,
         positions="none",
         relative_buckets=32,

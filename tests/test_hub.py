@@ -311,3 +311,95 @@ def test_unsupported_options_are_named(folders, tmp_path):
     edit_config(folder, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(hub.UnsupportedModelError, match="rope"):
         hub.load(folder)
+
+
+# --- the named configs have the published shapes -------------------------------------------
+def published():
+    """The published models' configs (transformers' defaults are gpt2, t5-small and
+    bert-base-uncased), written out here, not derived from the zoo."""
+    T = transformers
+    return {
+        "gpt2": (T.GPT2LMHeadModel, T.GPT2Config()),
+        "gpt2-medium": (T.GPT2LMHeadModel, T.GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
+        "tinyllama-1.1b": (
+            T.LlamaForCausalLM,
+            T.LlamaConfig(
+                hidden_size=2048,
+                intermediate_size=5632,
+                num_hidden_layers=22,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                vocab_size=32000,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=2048,
+            ),
+        ),  # fmt: skip
+        "llama3-8b": (
+            T.LlamaForCausalLM,
+            T.LlamaConfig(
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                vocab_size=128256,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=8192,
+                rope_theta=500000.0,
+            ),
+        ),  # fmt: skip
+        "t5-small": (T.T5ForConditionalGeneration, T.T5Config()),
+        "t5-base": (
+            T.T5ForConditionalGeneration,
+            T.T5Config(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+        ),
+        "t5-v1_1-small": (
+            T.T5ForConditionalGeneration,
+            T.T5Config(
+                d_model=512,
+                d_ff=1024,
+                num_layers=8,
+                num_heads=6,
+                feed_forward_proj="gated-gelu",
+                tie_word_embeddings=False,
+            ),
+        ),  # fmt: skip
+        "bert-base-uncased": (T.BertForMaskedLM, T.BertConfig()),
+    }
+
+
+@pytest.mark.parametrize("name", list(published()))
+def test_named_configs_are_the_published_models(name):
+    """The zoo's named config is what hub makes of the model's config.json, and it has
+    as many parameters as transformers' model (built on the meta device: no memory)."""
+    from models import config
+    from models.layers import count
+
+    cls, hf = published()[name]
+    family = hf.model_type
+    with torch.device("meta"):
+        reference = cls(hf)
+    names = {k for k, _ in reference.named_parameters()}
+    if name == "t5-v1_1-small":
+        names.add("lm_head.weight")  # the file holds it; transformers 5 ties it on load
+    hf_dict = hf.to_dict()
+    if name == "t5-v1_1-small":
+        hf_dict["tie_word_embeddings"] = False
+        hf_dict.pop("scale_decoder_outputs")
+    cfg = hub.FAMILIES[family].config(hf_dict, names)
+    named = config.get(name)
+    assert cfg.replace(batch=named.batch) == named
+    extra = hf.vocab_size * hf.d_model if name == "t5-v1_1-small" else 0
+    want = sum(p.numel() for p in reference.parameters()) + extra
+    assert count(hub.FAMILIES[family].shapes(named)) == want
+
+
+def test_config_options_that_contradict_are_refused():
+    from models.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="kv_heads=3 does not divide heads=4"):
+        Config(heads=4, kv_heads=3)
+    with pytest.raises(ConfigError, match="norm_position"):
+        Config(norm_position="middle")
+    with pytest.raises(ValueError, match="ffn must be one of"):
+        transformer.lm_shapes(Config(ffn="gated_tanh"))
