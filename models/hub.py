@@ -330,12 +330,37 @@ class Weights:
             )
 
     def slice(self, name: str):
+        """The tensor `name` as an object with get_shape() and [slices] -> NumPy."""
         if name not in self.where:
             raise MissingFileError(f"the weights have no tensor {name!r}")
         path = self.where[name]
         if path not in self._files:
             self._files[path] = self._open(path, "numpy")
-        return self._files[path].get_slice(name)
+        found = self._files[path].get_slice(name)
+        return _BFloat16Slice(path, name) if found.get_dtype() == "BF16" else found
+
+
+class _BFloat16Slice:
+    """A bfloat16 tensor of a safetensors file, which safetensors' NumPy reader refuses:
+    memory-mapped at its offset in the file (the format is an 8-byte header length, a
+    JSON header, then the data), so a slice reads only its own bytes."""
+
+    def __init__(self, path: Path, name: str):
+        import ml_dtypes
+
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(n))[name]
+        self.shape = tuple(entry["shape"])
+        self.array = np.memmap(
+            path, ml_dtypes.bfloat16, "r", 8 + n + entry["data_offsets"][0], self.shape
+        )
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        return np.asarray(self.array[index])
 
 
 def _groups(axes: str, head_dims: dict[str, str]) -> list[tuple[str, ...]]:
@@ -395,6 +420,8 @@ class _Tensor:
                 [(hi - lo, slice(None))] + [(self.sizes[d], slice(*span[d])) for d in group[1:]]
             )
         block = np.asarray(weights.slice(name)[tuple(src)])
+        if block.dtype.kind == "f" or block.dtype.name == "bfloat16":
+            block = block.astype(np.float32)  # the zoo computes from float32 parameters
         block = block.reshape([n for axis in inner for n, _ in axis])
         block = block[tuple(s for axis in inner for _, s in axis)]
         flat = [d for g in self.groups for d in g]

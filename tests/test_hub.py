@@ -216,6 +216,17 @@ def test_sharded_checkpoints_load(folders, tmp_path):
     assert_close(as_array(hub.load(tmp_path).logits(IDS)), folders["llama"][1])
 
 
+def test_bfloat16_files_load_as_float32(folders, tmp_path):
+    """safetensors' NumPy reader has no bfloat16: such tensors are memory-mapped."""
+    cls, _ = hf_models()["gpt2"]
+    model = cls.from_pretrained(folders["gpt2"][0]).eval()
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    want = reference_logits("gpt2", model.to(torch.float32))  # the rounded weights
+    got = hub.load(tmp_path)
+    assert got.params["embed"].data.dtype == np.float32
+    assert_close(as_array(got.logits(IDS)), want)
+
+
 def test_t5_buckets_equal_the_reference():
     from transformers.models.t5.modeling_t5 import T5Attention
 
