@@ -12,8 +12,9 @@ groups of the zoo's named dims (`"(heads d_kv) d_model"`: a torch Linear weight,
 before in, whose out axis is heads and d_kv merged), and for fused tensors (GPT-2's
 c_attn) which part of an axis. Loading, placement and saving are the same code for
 every family: with a mesh, each device's shard is read as a slice of the file
-(safetensors' get_slice), so no device (and no host array) holds more than it needs
-along the leading split dim of each file tensor.
+(safetensors' get_slice): of each file axis, the rows that cover the shard's span of
+the axis' first dim, so a layout that splits layers, heads, kv_heads, d_ff, vocab or
+d_model reads each shard's own bytes and no device holds more than its shard.
 """
 
 from __future__ import annotations
@@ -373,7 +374,7 @@ def _groups(axes: str, head_dims: dict[str, str]) -> list[tuple[str, ...]]:
 
 
 @dataclass
-class _Tensor:
+class FileTensor:
     """A zoo parameter as found in the file: its entry, its axes as groups of dims,
     and the dims and sizes of the zoo parameter (with `layers` first when stacked)."""
 
@@ -459,7 +460,7 @@ def _head_dims(cfg: Config) -> dict[str, str]:
     return {"Q": "heads", "KV": "heads"}
 
 
-def tensors(family: str, cfg: Config, prefix: str = "") -> dict[str, _Tensor]:
+def tensors(family: str, cfg: Config, prefix: str = "") -> dict[str, FileTensor]:
     """Every zoo parameter of the family's model under `cfg`, by path, with the row of
     the family's table that says where it is in the files."""
     fam = FAMILIES[family]
@@ -471,7 +472,7 @@ def tensors(family: str, cfg: Config, prefix: str = "") -> dict[str, _Tensor]:
                 f"the {family} table has no row for the zoo parameter {path!r} (an option the "
                 "family does not have)"
             )
-        out[path] = _Tensor(
+        out[path] = FileTensor(
             rows[path], _groups(rows[path].axes, _head_dims(cfg)), tuple(p.sizes), p.sizes
         )
     return out
@@ -628,7 +629,7 @@ def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubMo
     return HubModel(family, cfg, params, _tokenizer(folder), hf, mesh, layout)
 
 
-def _check_shape(t: _Tensor, weights: Weights, path: str) -> None:
+def _check_shape(t: FileTensor, weights: Weights, path: str) -> None:
     names = (
         [t.entry.name.format(i=i) for i in range(t.sizes["layers"])]
         if t.stacked
@@ -644,7 +645,7 @@ def _check_shape(t: _Tensor, weights: Weights, path: str) -> None:
             )
 
 
-def _place(t: _Tensor, weights: Weights, mesh, layout, path: str) -> jax.Array:
+def _place(t: FileTensor, weights: Weights, mesh, layout, path: str) -> jax.Array:
     shape = tuple(t.sizes[d] for d in t.dims)
     if mesh is None:
         return jax.numpy.asarray(t.read(weights, tuple(slice(None) for _ in shape)))
