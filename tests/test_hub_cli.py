@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import checkpoint, data  # noqa: E402
+from models import checkpoint, data, hub, transformer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -82,6 +82,14 @@ def test_fine_tuning_starts_from_the_folder_falls_resumes_and_decodes(folder, tm
     more = run("models.train", *flags, "--steps", "14", "--resume")
     assert more.returncode == 0, more.stderr
     assert checkpoint.latest_step(out) == 14
+    # The checkpoint keeps the parameters by name with their dims, the optimizer apart.
+    stored = checkpoint.read_meta(out)["params"]
+    assert stored["layers/attn/q"] == {
+        "dims": ["layers", "d_model", "heads", "d_kv"], "shape": [2, 32, 4, 8], "dtype": "float32",
+    }  # fmt: skip
+    other = transformer.abstract(transformer.lm_shapes(hub.config_of(path)[1].replace(d_ff=64)))
+    with pytest.raises(checkpoint.CheckpointError, match="'layers/ffn/wi'.*128.*64"):
+        checkpoint.restore_params(out, other)
     gen = run("models.generate", "--checkpoint", str(out), "--prompt", PROMPT, "--max-new", "5")
     assert gen.returncode == 0 and gen.stdout.startswith(PROMPT), gen.stderr
 
