@@ -180,32 +180,20 @@ def _t5(d_model: int, heads: int, d_ff: int, layers: int, v1_1: bool = False) ->
     )
 
 
+# fmt: off
+_TINYLLAMA = _llama(vocab=32000, d_model=2048, heads=32, kv_heads=4, d_kv=64, d_ff=5632,
+                    layers=22, length=2048)
+_LLAMA3_8B = _llama(vocab=128256, d_model=4096, heads=32, kv_heads=8, d_kv=128, d_ff=14336,
+                    layers=32, length=8192, rotary_theta=500000.0)
+# fmt: on
+
 # The architectures people bring, with their published shapes (weights come from files:
 # models.hub.load).
 ECOSYSTEM: dict[str, Config] = {
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 16, 24),
-    "tinyllama-1.1b": _llama(
-        vocab=32000,
-        d_model=2048,
-        heads=32,
-        kv_heads=4,
-        d_kv=64,
-        d_ff=5632,
-        layers=22,
-        length=2048,
-    ),
-    "llama3-8b": _llama(
-        vocab=128256,
-        d_model=4096,
-        heads=32,
-        kv_heads=8,
-        d_kv=128,
-        d_ff=14336,
-        layers=32,
-        length=8192,
-        rotary_theta=500000.0,
-    ),
+    "tinyllama-1.1b": _TINYLLAMA,
+    "llama3-8b": _LLAMA3_8B,
     "t5-small": _t5(512, 8, 2048, 6),
     "t5-base": _t5(768, 12, 3072, 12),
     "t5-v1_1-small": _t5(512, 6, 1024, 8, v1_1=True),

@@ -27,68 +27,29 @@ MASK = (np.arange(LENGTH)[None, :] < R.integers(LENGTH // 2, LENGTH + 1, (BATCH,
 )
 
 
+# fmt: off
 def hf_models():
     """name -> (a transformers model class, its config): each family's options."""
     T = transformers
+    small = dict(vocab_size=VOCAB)
     return {
-        "gpt2": (
-            T.GPT2LMHeadModel,
-            T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=32),
-        ),
-        "llama": (  # grouped-query (8 query heads on 4 kv heads), head_dim != d_model/heads
-            T.LlamaForCausalLM,
-            T.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=8,
-                num_key_value_heads=4,
-                head_dim=8,
-                vocab_size=VOCAB,
-                rms_norm_eps=1e-5,
-                rope_theta=500.0,
-            ),
-        ),  # fmt: skip
-        "t5": (
-            T.T5ForConditionalGeneration,
-            T.T5Config(
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_decoder_layers=3,
-                num_heads=4,
-                vocab_size=VOCAB,
-                relative_attention_num_buckets=8,
-                relative_attention_max_distance=10,
-            ),
-        ),  # fmt: skip
-        "t5_v1_1": (
-            T.T5ForConditionalGeneration,
-            T.T5Config(
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                vocab_size=VOCAB,
-                feed_forward_proj="gated-gelu",
-                tie_word_embeddings=False,
-            ),
-        ),  # fmt: skip
-        "bert": (
-            T.BertForMaskedLM,
-            T.BertConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                vocab_size=VOCAB,
-                max_position_embeddings=16,
-                type_vocab_size=3,
-            ),
-        ),  # fmt: skip
+        "gpt2": (T.GPT2LMHeadModel, T.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=32, **small)),
+        # grouped-query (8 query heads on 4 kv heads), head_dim != d_model / heads
+        "llama": (T.LlamaForCausalLM, T.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=500.0, **small)),
+        "t5": (T.T5ForConditionalGeneration, T.T5Config(
+            d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=10, **small)),
+        "t5_v1_1": (T.T5ForConditionalGeneration, T.T5Config(
+            d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False, **small)),
+        "bert": (T.BertForMaskedLM, T.BertConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=16, type_vocab_size=3, **small)),
     }
+# fmt: on
 
 
 def reference_logits(name: str, model) -> np.ndarray:
@@ -325,6 +286,7 @@ def test_unsupported_options_are_named(folders, tmp_path):
 
 
 # --- the named configs have the published shapes -------------------------------------------
+# fmt: off
 def published():
     """The published models' configs (transformers' defaults are gpt2, t5-small and
     bert-base-uncased), written out here, not derived from the zoo."""
@@ -332,51 +294,23 @@ def published():
     return {
         "gpt2": (T.GPT2LMHeadModel, T.GPT2Config()),
         "gpt2-medium": (T.GPT2LMHeadModel, T.GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
-        "tinyllama-1.1b": (
-            T.LlamaForCausalLM,
-            T.LlamaConfig(
-                hidden_size=2048,
-                intermediate_size=5632,
-                num_hidden_layers=22,
-                num_attention_heads=32,
-                num_key_value_heads=4,
-                vocab_size=32000,
-                rms_norm_eps=1e-5,
-                max_position_embeddings=2048,
-            ),
-        ),  # fmt: skip
-        "llama3-8b": (
-            T.LlamaForCausalLM,
-            T.LlamaConfig(
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                vocab_size=128256,
-                rms_norm_eps=1e-5,
-                max_position_embeddings=8192,
-                rope_theta=500000.0,
-            ),
-        ),  # fmt: skip
+        "tinyllama-1.1b": (T.LlamaForCausalLM, T.LlamaConfig(
+            hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+            num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+            rms_norm_eps=1e-5, max_position_embeddings=2048)),
+        "llama3-8b": (T.LlamaForCausalLM, T.LlamaConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+            rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=500000.0)),
         "t5-small": (T.T5ForConditionalGeneration, T.T5Config()),
-        "t5-base": (
-            T.T5ForConditionalGeneration,
-            T.T5Config(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
-        ),
-        "t5-v1_1-small": (
-            T.T5ForConditionalGeneration,
-            T.T5Config(
-                d_model=512,
-                d_ff=1024,
-                num_layers=8,
-                num_heads=6,
-                feed_forward_proj="gated-gelu",
-                tie_word_embeddings=False,
-            ),
-        ),  # fmt: skip
+        "t5-base": (T.T5ForConditionalGeneration, T.T5Config(
+            d_model=768, d_ff=3072, num_layers=12, num_heads=12)),
+        "t5-v1_1-small": (T.T5ForConditionalGeneration, T.T5Config(
+            d_model=512, d_ff=1024, num_layers=8, num_heads=6, feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False)),
         "bert-base-uncased": (T.BertForMaskedLM, T.BertConfig()),
     }
+# fmt: on
 
 
 @pytest.mark.parametrize("name", list(published()))
