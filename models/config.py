@@ -2,12 +2,19 @@
 LM1B language models `lm1b_m1` ... `lm1b_5` (tensor2tensor's `mtf_transformer_paper_lm`:
 d_model 1024, d_kv 256, 6 layers, heads 8·2^k, d_ff 8192·2^k, unshared embeddings,
 a 32768-token vocabulary; 0.14B to 4.90B parameters), each with the paper's mesh and
-layout."""
+layout; and the shapes of the checkpoints people bring (`gpt2`, `gpt2-medium`,
+`tinyllama-1.1b`, `llama3-8b`, `t5-small`, `t5-base`, `t5-v1_1-small`,
+`bert-base-uncased`; see models/hub.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A Config whose options contradict each other or name no known choice, or a
+    `--set field=value` that names no Config field or whose value has the wrong type."""
 
 
 @dataclass(frozen=True)
@@ -24,10 +31,25 @@ class Config:
     layers: int = 2
     length: int = 64  # training sequence length (and the largest position)
     batch: int = 16
-    ffn: str = "gelu"  # relu | gelu | gated_gelu
+    ffn: str = "gelu"  # relu | gelu (tanh) | gelu_exact | silu, or gated_<one> (swiglu, geglu)
     norm: str = "layer"  # layer | rms
     shared_embedding: bool = True  # the softmax reuses the input embedding
     relative_bias: int = 0  # > 0: a learned bias per head for relative distances up to it
+    # --- options of the architectures people bring (models/hub.py); defaults keep the zoo's
+    norm_eps: float = 1e-6
+    norm_position: str = "pre"  # pre: h + f(norm(h)), final norm; post: norm(h + f(h)) (BERT)
+    bias: bool = False  # biases on the attention and FFN projections
+    scale_tied_logits: bool = True  # tied softmax: logits of x * d_model**-0.5
+    attention_scale: bool = True  # logits q.k * d_kv**-0.5 (False: T5's unscaled)
+    positions: str = "learned"  # learned (absolute, max_positions of them) | rotary | none
+    max_positions: int = 0  # learned positions in the table (0: `length`)
+    rotary_theta: float = 10000.0
+    kv_heads: int = 0  # > 0: grouped-query attention, dims kv_heads and q_per_kv
+    relative_buckets: int = 0  # > 0: T5's log-bucketed relative bias, one table per stack
+    relative_max_distance: int = 128
+    type_vocab: int = 0  # > 0: token-type embeddings (BERT)
+    embed_norm: bool = False  # a norm after the embeddings (BERT)
+    mlm_head: bool = False  # BERT's MLM head: dense, activation, norm, then a vocab bias
     dropout: float = 0.0
     experts: int = 0  # > 0: mixture-of-experts FFN (top-2 gating)
     capacity_factor: float = 1.25
@@ -40,8 +62,41 @@ class Config:
     mesh: tuple[tuple[str, int], ...] = (("batch", 1),)  # the paper's mesh shape
     layout: str = "batch:batch"
 
+    def __post_init__(self):
+        choices = {
+            "norm": ("layer", "rms"),
+            "norm_position": ("pre", "post"),
+            "positions": ("learned", "rotary", "none"),
+        }
+        for field, allowed in choices.items():
+            if getattr(self, field) not in allowed:
+                raise ConfigError(
+                    f"Config.{field} must be one of {allowed}, got {getattr(self, field)!r}"
+                )
+        if self.kv_heads and self.heads % self.kv_heads:
+            raise ConfigError(
+                f"Config.kv_heads={self.kv_heads} does not divide heads={self.heads}: each "
+                "key/value head must serve the same number of query heads"
+            )
+        if self.kv_heads and (self.relative_bias or self.relative_buckets):
+            raise ConfigError("relative position biases are per `heads`; kv_heads must be 0")
+        if self.positions == "rotary" and self.d_kv % 2:
+            raise ConfigError(f"rotary positions rotate pairs: d_kv={self.d_kv} must be even")
+
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads that share one key/value head (grouped-query attention)."""
+        return self.heads // self.kv_heads if self.kv_heads else 1
+
+    @property
+    def learned_positions(self) -> int:
+        """Rows of the learned absolute position table (0: the model has none)."""
+        if self.positions != "learned" or self.relative_bias or self.relative_buckets:
+            return 0
+        return self.max_positions or self.length
 
 
 _PAPER_LAYOUT = "batch:batch;vocab:model;d_ff:model;heads:model"
@@ -76,11 +131,104 @@ def _paper_lm(k: int) -> Config:
     )
 
 
+def _gpt2(d_model: int, heads: int, layers: int) -> Config:
+    return Config(
+        vocab=50257,
+        d_model=d_model,
+        heads=heads,
+        d_kv=d_model // heads,
+        d_ff=4 * d_model,
+        layers=layers,
+        length=1024,
+        max_positions=1024,
+        batch=8,
+        ffn="gelu",
+        norm_eps=1e-5,
+        bias=True,
+        scale_tied_logits=False,
+    )
+
+
+def _llama(**sizes) -> Config:
+    return Config(
+        **sizes,
+        batch=8,
+        ffn="gated_silu",
+        norm="rms",
+        norm_eps=1e-5,
+        shared_embedding=False,
+        scale_tied_logits=False,
+        positions="rotary",
+    )
+
+
+def _t5(d_model: int, heads: int, d_ff: int, layers: int, v1_1: bool = False) -> Config:
+    return Config(
+        vocab=32128,
+        d_model=d_model,
+        heads=heads,
+        d_kv=64,
+        d_ff=d_ff,
+        layers=layers,
+        encoder_layers=layers,
+        length=512,
+        batch=8,
+        ffn="gated_gelu" if v1_1 else "relu",
+        norm="rms",
+        norm_eps=1e-6,
+        shared_embedding=not v1_1,
+        scale_tied_logits=not v1_1,
+        attention_scale=False,
+        positions="none",
+        relative_buckets=32,
+        relative_max_distance=128,
+    )
+
+
+# fmt: off
+_TINYLLAMA = _llama(vocab=32000, d_model=2048, heads=32, kv_heads=4, d_kv=64, d_ff=5632,
+                    layers=22, length=2048)
+_LLAMA3_8B = _llama(vocab=128256, d_model=4096, heads=32, kv_heads=8, d_kv=128, d_ff=14336,
+                    layers=32, length=8192, rotary_theta=500000.0)
+# fmt: on
+
+# The architectures people bring, with their published shapes (weights come from files:
+# models.hub.load).
+ECOSYSTEM: dict[str, Config] = {
+    "gpt2": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 16, 24),
+    "tinyllama-1.1b": _TINYLLAMA,
+    "llama3-8b": _LLAMA3_8B,
+    "t5-small": _t5(512, 8, 2048, 6),
+    "t5-base": _t5(768, 12, 3072, 12),
+    "t5-v1_1-small": _t5(512, 6, 1024, 8, v1_1=True),
+    "bert-base-uncased": Config(
+        vocab=30522,
+        d_model=768,
+        heads=12,
+        d_kv=64,
+        d_ff=3072,
+        layers=12,
+        length=512,
+        max_positions=512,
+        batch=8,
+        ffn="gelu_exact",
+        norm_eps=1e-12,
+        norm_position="post",
+        bias=True,
+        scale_tied_logits=False,
+        type_vocab=2,
+        embed_norm=True,
+        mlm_head=True,
+    ),
+}
+
 CONFIGS: dict[str, Config] = {
     "tiny": Config(),
     "small": Config(d_model=256, heads=4, d_kv=64, d_ff=1024, layers=4, length=128),
     "base": Config(d_model=512, heads=8, d_kv=64, d_ff=2048, layers=6, length=256, batch=64),
     **{f"lm1b_{'m1' if k < 0 else k}": _paper_lm(k) for k in PAPER_PARAMS},
+    **ECOSYSTEM,
 }
 
 
@@ -89,10 +237,6 @@ def get(name: str, **changes) -> Config:
     if name not in CONFIGS:
         raise KeyError(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
     return CONFIGS[name].replace(**changes)
-
-
-class ConfigError(ValueError):
-    """A `--set field=value` that names no Config field or whose value has the wrong type."""
 
 
 def parse_overrides(items: list[str]) -> dict:

@@ -68,16 +68,33 @@ def norm(x: nm.Tensor, p: dict, kind: str, eps: float = 1e-6) -> nm.Tensor:
 
 
 # --- attention ---------------------------------------------------------------------
+def head_sizes(cfg: Config, kv: bool = False) -> dict:
+    """The head dims of queries (kv=False) or of keys and values: `heads`, or under
+    grouped-query attention `kv_heads` and, for queries, `q_per_kv` (the query heads
+    that share one key/value head), so a layout rule on kv_heads splits the KV heads."""
+    if not cfg.kv_heads:
+        return {"heads": cfg.heads}
+    return (
+        {"kv_heads": cfg.kv_heads} if kv else {"kv_heads": cfg.kv_heads, "q_per_kv": cfg.q_per_kv}
+    )
+
+
 def attention_params(cfg: Config) -> dict:
-    d, h, k = cfg.d_model, cfg.heads, cfg.d_kv
+    d, k = cfg.d_model, cfg.d_kv
+    qh, kvh = head_sizes(cfg), head_sizes(cfg, kv=True)
     p = {
-        "q": Param({"d_model": d, "heads": h, "d_kv": k}, d**-0.5),
-        "k": Param({"d_model": d, "heads": h, "d_kv": k}, d**-0.5),
-        "v": Param({"d_model": d, "heads": h, "d_kv": k}, d**-0.5),
-        "o": Param({"heads": h, "d_kv": k, "d_model": d}, (h * k) ** -0.5),
+        "q": Param({"d_model": d, **qh, "d_kv": k}, d**-0.5),
+        "k": Param({"d_model": d, **kvh, "d_kv": k}, d**-0.5),
+        "v": Param({"d_model": d, **kvh, "d_kv": k}, d**-0.5),
+        "o": Param({**qh, "d_kv": k, "d_model": d}, (cfg.heads * k) ** -0.5),
     }
+    if cfg.bias:
+        p["q_bias"] = Param({**qh, "d_kv": k}, "zeros")
+        p["k_bias"] = Param({**kvh, "d_kv": k}, "zeros")
+        p["v_bias"] = Param({**kvh, "d_kv": k}, "zeros")
+        p["o_bias"] = Param({"d_model": d}, "zeros")
     if cfg.relative_bias:
-        p["rel"] = Param({"heads": h, "distance": 2 * cfg.relative_bias + 1}, "zeros")
+        p["rel"] = Param({"heads": cfg.heads, "distance": 2 * cfg.relative_bias + 1}, "zeros")
     return p
 
 
@@ -94,6 +111,43 @@ def relative_bias(rel: nm.Tensor, queries, memory, max_distance: int) -> nm.Tens
     return nm.gather(rel, "distance", distance)
 
 
+def rotary(x: nm.Tensor, positions: nm.Tensor, theta: float) -> nm.Tensor:
+    """Rotary position embedding (RoFormer; Llama's "rotate half" form) of x over d_kv at
+    integer `positions` (a Tensor over length or memory, or 0-d): the halves (a, b) of
+    d_kv become (a cos - b sin, b cos + a sin), angle position * theta**(-2i/d_kv). Every
+    step is on named dims, so a layout splitting length, heads or d_kv gives the same
+    values."""
+    n = x.size_of("d_kv")
+    inv = 1.0 / theta ** (np.arange(0, n, 2, dtype=np.float32) / np.float32(n))
+    inv = nm.tensor(np.concatenate([inv, inv]).astype(np.float32), ("d_kv",))
+    angle = nm.astype(positions, np.float32) * inv
+    a, b = nm.split(x, "d_kv", 2)
+    return x * nm.cos(angle) + nm.concat([-b, a], "d_kv") * nm.sin(angle)
+
+
+def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1.0):
+    """The core of attention: softmax over `memory` of q.k * scale + bias, applied to v.
+
+    q has dims (..., length, d_kv), k and v (..., memory, d_kv); their other dims
+    (batch, heads, kv_heads, q_per_kv, ...) are matched by name, and `bias` broadcasts by
+    name over the logits. The logits and softmax are float32 whatever the compute dtype;
+    the result has q's dims and v's dtype."""
+    rest = [d for d in q.dims if d not in ("length", "d_kv")]
+    rest += [d for d in k.dims if d not in rest and d not in ("memory", "d_kv")]
+    logits = nm.einsum(q, k, out=(*rest, "length", "memory"), preferred_element_type=np.float32)
+    if scale != 1.0:
+        logits = logits * scale
+    if bias is not None:
+        logits = logits + bias
+    weights = nm.astype(nm.softmax(logits, "memory"), v.dtype)
+    return nm.einsum(weights, v, out=q.dims)
+
+
+def _project(x: nm.Tensor, p: dict, name: str, out: tuple) -> nm.Tensor:
+    y = nm.einsum(x, p[name], out=out)
+    return y + p[name + "_bias"] if name + "_bias" in p else y
+
+
 def attention(
     x: nm.Tensor,
     p: dict,
@@ -107,22 +161,29 @@ def attention(
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
     d_model; x itself when None), plus `bias` (any of batch, heads, length, memory) and
     `bias_fn(queries, slots)`, the bias for query and memory positions (int Tensors
-    over length and memory).
+    over length and memory). Self-attention of a rotary config rotates queries and keys
+    by their positions.
 
     With `cache` ({"k", "v"}: batch, memory, heads, d_kv), x holds one new position at
     index `position` (an int Tensor): its keys and values are written into the cache
     there, attention runs over the whole cache, and `(out, new_cache)` is returned."""
-    q = nm.einsum(x, p["q"], out=("batch", "length", "heads", "d_kv"))
+    qh, kvh = tuple(head_sizes(cfg)), tuple(head_sizes(cfg, kv=True))
+    q = _project(x, p, "q", ("batch", "length", *qh, "d_kv"))
     src = x.rename(length="memory") if memory is None else memory
-    k = nm.einsum(src, p["k"], out=("batch", "memory", "heads", "d_kv"))
-    v = nm.einsum(src, p["v"], out=("batch", "memory", "heads", "d_kv"))
+    k = _project(src, p, "k", ("batch", "memory", *kvh, "d_kv"))
+    v = _project(src, p, "v", ("batch", "memory", *kvh, "d_kv"))
+    if cfg.positions == "rotary" and memory is None:
+        n = x.size_of("length")
+        q_at = nm.arange("length", n) if cache is None else position
+        k_at = nm.arange("memory", n) if cache is None else position
+        q, k = rotary(q, q_at, cfg.rotary_theta), rotary(k, k_at, cfg.rotary_theta)
     if cache is not None:
         slots = cache["k"].size_of("memory")
         at = nm.one_hot(position, "memory", slots, k.dtype)  # write position: 1 there
         k = cache["k"] * (1.0 - at) + at * k.sum("memory")
         v = cache["v"] * (1.0 - at) + at * v.sum("memory")
         cache = {"k": k, "v": v}
-    scale = cfg.d_kv**-0.5
+    scale = cfg.d_kv**-0.5 if cfg.attention_scale else 1.0
     if cfg.attention == "blockwise":
         o = blockwise_attend(q, k, v, bias, scale, cfg.attention_block, bias_fn)
     elif cfg.attention == "ring":
@@ -136,49 +197,59 @@ def attention(
         o = attend(q, k, v, bias, scale)
     else:
         raise ValueError(f"attention must be full, blockwise or ring, got {cfg.attention!r}")
-    out = nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
+    out = _project(o, p, "o", ("batch", "length", "d_model"))
     return out if cache is None else (out, cache)
 
 
-def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1.0):
-    """softmax over memory of scale * q.k + bias, times v: q (..., length, d_kv), k and v
-    (..., memory, d_kv), other dims matched by name; the logits and softmax in float32,
-    the result (q's dims) in v's dtype."""
-    logits = nm.einsum(q, k, out=_logit_dims(q, k), preferred_element_type=np.float32) * scale
-    if bias is not None:
-        logits = logits + bias
-    weights = nm.astype(nm.softmax(logits, "memory"), v.dtype)
-    return nm.einsum(weights, v, out=q.dims)
-
-
-def _logit_dims(q: nm.Tensor, k: nm.Tensor) -> tuple[str, ...]:
-    batch = tuple(d for d in q.dims if d in k.dims and d != "d_kv")
-    return batch + ("length", "memory")
-
-
 # --- feed-forward ------------------------------------------------------------------
+def gelu_exact(x: nm.Tensor) -> nm.Tensor:
+    """GELU with the exact normal CDF, x * Phi(x) (BERT's "gelu"; nm.gelu is the tanh
+    approximation, GPT-2's "gelu_new")."""
+    return x * (0.5 + 0.5 * nm.erf(x * np.float32(0.5**0.5)))
+
+
+_ACTIVATIONS = {"relu": nm.relu, "gelu": nm.gelu, "gelu_exact": gelu_exact, "silu": nm.silu}
+_ALIASES = {"swiglu": "gated_silu", "geglu": "gated_gelu"}
+FFN_KINDS = (*_ACTIVATIONS, *(f"gated_{a}" for a in _ACTIVATIONS), *_ALIASES)
+
+
+def activation(ffn_kind: str):
+    """(the activation function, whether the FFN is gated) of an `ffn` config value:
+    relu, gelu (tanh approximation), gelu_exact, silu, or gated_<one of them> (a gated
+    linear unit: act(x wi) * (x wg)); swiglu and geglu name gated_silu and gated_gelu."""
+    kind = _ALIASES.get(ffn_kind, ffn_kind)
+    gated = kind.startswith("gated_")
+    name = kind.removeprefix("gated_")
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"ffn must be one of {', '.join(FFN_KINDS)}, got {ffn_kind!r}")
+    return _ACTIVATIONS[name], gated
+
+
 def ffn_params(cfg: Config) -> dict:
     d, f = cfg.d_model, cfg.d_ff
+    _, gated = activation(cfg.ffn)
     p = {
         "wi": Param({"d_model": d, "d_ff": f}, d**-0.5),
         "wo": Param({"d_ff": f, "d_model": d}, f**-0.5),
     }
-    if cfg.ffn == "gated_gelu":
+    if gated:
         p["wg"] = Param({"d_model": d, "d_ff": f}, d**-0.5)
+    if cfg.bias:
+        p["wi_bias"] = Param({"d_ff": f}, "zeros")
+        p["wo_bias"] = Param({"d_model": d}, "zeros")
+        if gated:
+            p["wg_bias"] = Param({"d_ff": f}, "zeros")
     return p
 
 
-_ACTIVATIONS = {"relu": nm.relu, "gelu": nm.gelu, "gated_gelu": nm.gelu}
-
-
 def ffn(x: nm.Tensor, p: dict, cfg: Config) -> nm.Tensor:
-    """d_model -> d_ff -> d_model with ReLU, GELU, or a GELU-gated linear unit."""
-    if cfg.ffn not in _ACTIVATIONS:
-        raise ValueError(f"ffn must be one of {sorted(_ACTIVATIONS)}, got {cfg.ffn!r}")
-    h = _ACTIVATIONS[cfg.ffn](nm.einsum(x, p["wi"], out=x.dims[:-1] + ("d_ff",)))
-    if cfg.ffn == "gated_gelu":
-        h = h * nm.einsum(x, p["wg"], out=x.dims[:-1] + ("d_ff",))
-    return nm.einsum(h, p["wo"], out=x.dims)
+    """d_model -> d_ff -> d_model with an activation, or a gated linear unit."""
+    act, gated = activation(cfg.ffn)
+    hidden = x.dims[:-1] + ("d_ff",)
+    h = act(_project(x, p, "wi", hidden))
+    if gated:
+        h = h * _project(x, p, "wg", hidden)
+    return _project(h, p, "wo", x.dims)
 
 
 # --- embeddings and loss -----------------------------------------------------------

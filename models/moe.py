@@ -14,7 +14,7 @@ import numpy as np
 
 import namedmesh as nm
 from models.config import Config
-from models.layers import _ACTIVATIONS, Param
+from models.layers import Param, activation
 
 
 def moe_params(cfg: Config) -> dict:
@@ -73,6 +73,6 @@ def moe(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor]:
         combine, dispatch = nm.astype(combine, x.dtype), nm.astype(dispatch, x.dtype)
     slots = ("batch", "experts", "expert_capacity")
     expert_in = nm.einsum(dispatch, x, out=slots + ("d_model",))
-    h = _ACTIVATIONS[cfg.ffn](nm.einsum(expert_in, p["wi"], out=slots + ("d_ff",)))
+    h = activation(cfg.ffn)[0](nm.einsum(expert_in, p["wi"], out=slots + ("d_ff",)))
     expert_out = nm.einsum(h, p["wo"], out=slots + ("d_model",))
     return nm.einsum(combine, expert_out, out=("batch", "length", "d_model")), aux

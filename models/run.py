@@ -14,7 +14,7 @@ import numpy as np
 import namedmesh as nm
 from lowering import Layout, Mesh, auto_layout
 from lowering.rates import user_cache_dir
-from models import checkpoint, config, data, zoo
+from models import checkpoint, config, data, hub, zoo
 from models.trainer import Trainer, bits_per_byte, optimizer
 from namedmesh.errors import NamedMeshError
 
@@ -60,17 +60,24 @@ def setup(args):
         for k in _RUN_FLAGS:
             if k in stored:  # a run saved before a flag existed keeps its default
                 setattr(args, k, stored[k])
+        args.init_from = stored.get("init_from")
     elif (out / "metrics.jsonl").exists():
         raise UsageError(f"{out} holds a run already: pass --resume, or another --out")
+    hub_tokenizer = None
     try:
-        model = zoo.get(args.model)
-        cfg = model.configure(config.get(args.config))
+        if args.init_from:
+            model, cfg, hub_tokenizer = from_hub(args)
+        else:
+            model = zoo.get(args.model)
+            cfg = model.configure(config.get(args.config))
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     try:
         text = data.load_text(args.data)
         if args.resume:
             tokenizer = data.load_tokenizer(out)
+        elif hub_tokenizer is not None:
+            tokenizer = hub_tokenizer
         elif args.tokenizer == "bpe":
             tokenizer = data.BPETokenizer.train(data.split(text)[0], args.bpe_vocab)
         elif args.tokenizer == "byte":
@@ -78,6 +85,8 @@ def setup(args):
         else:
             tokenizer = data.load_tokenizer_file(args.tokenizer)
         changes = {"vocab": data.padded_vocab(tokenizer.vocab_size, model.objective)}
+        if args.init_from:  # the checkpoint's embedding fixes the vocabulary
+            changes = {}
         for k in ("batch", "length", "dropout", "dtype", "remat", "attention", "attention_block"):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
@@ -97,6 +106,34 @@ def setup(args):
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
+
+
+def from_hub(args):
+    """(model, cfg, tokenizer) of the Hugging Face folder `args.init_from`: a decoder LM
+    (gpt2, llama) with its tokenizer.json, or the byte tokenizer when it has none."""
+    try:
+        family, cfg = hub.config_of(args.init_from)
+    except hub.HubError as e:
+        raise UsageError(f"--init-from: {e}") from None
+    if family not in hub.DECODERS:
+        raise UsageError(
+            f"--init-from: {args.init_from} holds a {family} model; fine-tuning reads decoder "
+            f"LMs ({', '.join(hub.DECODERS)})"
+        )
+    args.model = "lm"
+    tokenizer = hub.tokenizer_of(args.init_from)
+    tokenizer = data.ByteTokenizer() if tokenizer is None else data.BPETokenizer(tokenizer)
+    if tokenizer.vocab_size > cfg.vocab:
+        raise UsageError(
+            f"--init-from: the tokenizer has {tokenizer.vocab_size} ids, the model's embedding "
+            f"{cfg.vocab}"
+        )
+    if cfg.learned_positions and (args.length or cfg.length) > cfg.learned_positions:
+        raise UsageError(
+            f"--length {args.length} is longer than the {cfg.learned_positions} positions of "
+            f"{args.init_from}"
+        )
+    return zoo.get("lm"), cfg, tokenizer
 
 
 def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed, rates=None) -> Layout:
@@ -141,7 +178,11 @@ def train(args) -> None:
     print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     print("lowering report (forward and backward pass, per step, per device):")
     print("    " + str(report).replace("\n", "\n    "))
-    state = trainer.init_state()
+    params = None
+    if args.init_from and not args.resume:  # each shard read from the file onto its devices
+        params = hub.load(args.init_from, mesh, layout).params
+        print(f"initialised from {args.init_from}")
+    state = trainer.init_state(params)
     metrics_path = out / "metrics.jsonl"
     start = 0
     if args.resume:
@@ -151,6 +192,8 @@ def train(args) -> None:
         print(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
     else:
         run = {k: getattr(args, k) for k in _RUN_FLAGS}
+        if args.init_from:
+            run["init_from"] = str(Path(args.init_from).absolute())
         (out / "run.json").write_text(json.dumps({**run, "vocab": cfg.vocab}, indent=1))
         tokenizer.save(out)
     ckpt = checkpoint.Checkpointer(out)

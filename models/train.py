@@ -109,6 +109,11 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8, help="batches per validation")
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="fine-tune a Hugging Face folder (gpt2, llama): its config, weights, tokenizer",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--set",

@@ -75,8 +75,12 @@ class Trainer:
         self._step = None  # jitted at the first step, with the state's shardings pinned
         self._eval = jax.jit(lambda p, b: self.lowered(p, b, None).data)
 
-    def init_state(self) -> dict:
-        params = place(transformer.init(self.shapes, self.seed), self.mesh, self.layout)
+    def init_state(self, params: dict | None = None) -> dict:
+        """Parameters (`params`, or fresh ones from the seed) laid out on the mesh, and
+        the optimizer's state for them."""
+        if params is None:
+            params = transformer.init(self.shapes, self.seed)
+        params = place(params, self.mesh, self.layout)
         opt_state = jax.jit(self.opt.init)(params)
         # leaves not made from a parameter (step counts) land on one device: replicate them
         everywhere = jax.sharding.NamedSharding(self.mesh.jax_mesh, jax.sharding.PartitionSpec())

@@ -4,7 +4,9 @@ shapes, initial values, logits and losses.
 Layers are stacked along a `layers` dim and run with `nm.scan`, so the traced program
 (and the compile time) does not grow with depth. Pre-norm residual blocks:
 h += attention(norm(h)); [h += cross_attention(norm(h), encoder)]; h += ffn(norm(h)),
-where the FFN is a top-2 mixture of experts when the config has experts.
+where the FFN is a top-2 mixture of experts when the config has experts; or post-norm
+(BERT): h = norm(h + attention(h)); h = norm(h + ffn(h)). T5's bucketed relative bias
+is one table per stack, computed once and added in every layer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from models.config import Config
 from models.layers import (
     NEG,
     Param,
+    activation,
     attention,
     attention_params,
     cast,
@@ -54,13 +57,36 @@ def layer_shapes(cfg: Config, cross: bool = False) -> dict:
 
 
 def embedding_shapes(cfg: Config) -> dict:
+    """Input embeddings (tokens, learned positions, token types, their norm), the final
+    norm of a pre-norm stack, T5's relative bias table of the decoder (or LM) stack, and
+    the output side: an unshared softmax, BERT's MLM head."""
     d, v = cfg.d_model, cfg.vocab
-    shapes = {"embed": Param({"vocab": v, "d_model": d}, 1.0), "final_norm": norm_params(cfg)}
-    if not cfg.relative_bias:
-        shapes["pos"] = Param({"length": cfg.length, "d_model": d}, 0.1)
+    shapes = {"embed": Param({"vocab": v, "d_model": d}, 1.0)}
+    if cfg.norm_position == "pre":
+        shapes["final_norm"] = norm_params(cfg)
+    if cfg.learned_positions:
+        shapes["pos"] = Param({"length": cfg.learned_positions, "d_model": d}, 0.1)
+    if cfg.type_vocab:
+        shapes["type_embed"] = Param({"token_types": cfg.type_vocab, "d_model": d}, 0.1)
+    if cfg.embed_norm:
+        shapes["embed_norm"] = norm_params(cfg)
+    if cfg.relative_buckets:
+        shapes["relative"] = relative_shapes(cfg)
     if not cfg.shared_embedding:
         shapes["softmax"] = Param({"d_model": d, "vocab": v}, d**-0.5)
+    if cfg.mlm_head:
+        shapes["mlm"] = {
+            "dense": Param({"d_model": d, "d_model_out": d}, d**-0.5),
+            "dense_bias": Param({"d_model": d}, "zeros"),
+            "norm": norm_params(cfg),
+            "vocab_bias": Param({"vocab": v}, "zeros"),
+        }
     return shapes
+
+
+def relative_shapes(cfg: Config) -> Param:
+    """T5's relative bias: one learned value per head and distance bucket."""
+    return Param({"heads": cfg.heads, "buckets": cfg.relative_buckets}, 0.1)
 
 
 def lm_shapes(cfg: Config) -> dict:
@@ -76,6 +102,7 @@ def encdec_shapes(cfg: Config) -> dict:
         "encoder": stacked(layer_shapes(cfg), cfg.encoder_layers or cfg.layers),
         "encoder_norm": norm_params(cfg),
         "layers": stacked(layer_shapes(cfg, cross=True), cfg.layers),
+        **({"encoder_relative": relative_shapes(cfg)} if cfg.relative_buckets else {}),
     }
 
 
@@ -142,6 +169,39 @@ def self_attention_bias(p: dict, cfg: Config, queries, memory, causal: bool, ext
     return bias
 
 
+def relative_buckets(queries, memory, bidirectional: bool, buckets: int, max_distance: int):
+    """T5's bucket (an int array of shape (queries, memory)) of each relative position
+    memory - query: exact distances below buckets/2 (per direction when bidirectional),
+    then logarithmically wider buckets up to max_distance. Positions are NumPy ints."""
+    rel = np.asarray(memory)[None, :] - np.asarray(queries)[:, None]
+    out = np.zeros(rel.shape, np.int64)
+    if bidirectional:
+        buckets //= 2
+        out += (rel > 0) * buckets
+        rel = np.abs(rel)
+    else:
+        rel = -np.minimum(rel, 0)
+    exact = buckets // 2
+    with np.errstate(divide="ignore"):  # log(0) of the small distances, not used
+        scaled = np.log(rel.astype(np.float32) / np.float32(exact)) / np.float32(
+            np.log(max_distance / exact)
+        )
+    large = exact + np.nan_to_num(scaled * np.float32(buckets - exact), neginf=0).astype(np.int64)
+    return (out + np.where(rel < exact, rel, np.minimum(large, buckets - 1))).astype(np.int32)
+
+
+def bucket_bias(table: nm.Tensor, cfg: Config, n: int, bidirectional: bool, position=None):
+    """T5's relative position bias (heads, length, memory) of n positions attending to
+    each other; with `position` (a 0-d int Tensor), that one query's row (heads, memory)
+    over n cache slots. Computed once per stack and added in every layer."""
+    at = np.arange(n)
+    rb, rd = cfg.relative_buckets, cfg.relative_max_distance
+    index = nm.tensor(relative_buckets(at, at, bidirectional, rb, rd), ("length", "memory"))
+    if position is not None:  # a traced position: gather from a jax array, not NumPy's
+        index = nm.gather(nm.tensor(jax.numpy.asarray(index.data), index.dims), "length", position)
+    return nm.gather(table, "buckets", index)
+
+
 def block(
     h,
     p,
@@ -161,7 +221,8 @@ def block(
     With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the one new
     position `position` (a 0-d int Tensor) and (h, aux, new_cache) is returned."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
-    x = norm(h, p["attn_norm"], cfg.norm)
+    pre = cfg.norm_position == "pre"
+    x = norm(h, p["attn_norm"], cfg.norm, cfg.norm_eps) if pre else h
     if cache is None:
         # a function of the positions: blockwise attention builds it block by block
         bias_fn = lambda queries, slots: self_attention_bias(p["attn"], cfg, queries, slots, causal)
@@ -170,15 +231,20 @@ def block(
         slots = nm.arange("memory", cache["k"].size_of("memory"))
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias)
         x, cache = attention(x, p["attn"], cfg, bias=bias, cache=cache, position=position)
-    h = h + dropout(x, cfg.dropout, keys[0])
+    h = residual(h, dropout(x, cfg.dropout, keys[0]), p["attn_norm"], cfg)
     if memory is not None:
-        x = norm(h, p["cross_norm"], cfg.norm)
+        x = norm(h, p["cross_norm"], cfg.norm, cfg.norm_eps) if pre else h
         x = attention(x, p["cross"], cfg, memory=memory, bias=memory_bias)
-        h = h + dropout(x, cfg.dropout, keys[1])
-    x = norm(h, p["ffn_norm"], cfg.norm)
+        h = residual(h, dropout(x, cfg.dropout, keys[1]), p["cross_norm"], cfg)
+    x = norm(h, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
     x, aux = moe(x, p["ffn"], cfg) if cfg.experts else (ffn(x, p["ffn"], cfg), None)
-    h = h + dropout(x, cfg.dropout, keys[2])
+    h = residual(h, dropout(x, cfg.dropout, keys[2]), p["ffn_norm"], cfg)
     return (h, aux) if cache is None else (h, aux, cache)
+
+
+def residual(h, x, norm_p: dict, cfg: Config):
+    """h + x (pre-norm: the sublayer's input was normed), or norm(h + x) (post-norm)."""
+    return h + x if cfg.norm_position == "pre" else norm(h + x, norm_p, cfg.norm, cfg.norm_eps)
 
 
 def run_stack(x, layers: dict, cfg: Config, key, **block_args):
@@ -195,23 +261,53 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
     return x, None if aux is None else aux.sum("layers")
 
 
-def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config) -> nm.Tensor:
+def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
+    """Token embeddings (batch, length, d_model), plus the learned positions 0..length-1
+    and the token types' embeddings (int Tensor like tokens; 0 when None) where the
+    model has them, then the embedding norm (BERT)."""
     x = embed(tokens, params["embed"])
     if "pos" in params:
         n = tokens.size_of("length")
-        pos = params["pos"] if n == cfg.length else nm.slice(params["pos"], "length", 0, n)
-        x = x + pos
+        table = params["pos"]
+        x = x + (table if n == table.size_of("length") else nm.slice(table, "length", 0, n))
+    return embed_extras(params, x, cfg, token_types)
+
+
+def embed_extras(params: dict, x: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
+    """x plus the token-type embedding (type 0 when `token_types` is None), then the
+    embedding norm, where the model has them."""
+    if "type_embed" in params:
+        table = params["type_embed"]
+        x = x + (
+            nm.slice(table, "token_types", 0, 1).sum("token_types")
+            if token_types is None
+            else nm.gather(table, "token_types", token_types)
+        )
+    if "embed_norm" in params:
+        x = norm(x, params["embed_norm"], cfg.norm, cfg.norm_eps)
     return x
 
 
 def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
-    """Logits (float32 whatever the compute dtype: the loss's statistics) over vocab."""
-    x = norm(x, params["final_norm"], cfg.norm)
+    """Logits over `vocab` of the last hidden state, float32 whatever the compute dtype
+    (the loss's statistics): the final norm (pre-norm stacks), BERT's MLM transform, then
+    the unshared softmax or the tied embedding (its input scaled by d_model**-0.5 when
+    cfg.scale_tied_logits), plus the MLM head's bias."""
+    if "final_norm" in params:
+        x = norm(x, params["final_norm"], cfg.norm, cfg.norm_eps)
+    if "mlm" in params:
+        m = params["mlm"]
+        x = nm.einsum(x, m["dense"], out=x.dims[:-1] + ("d_model_out",))
+        x = activation(cfg.ffn)[0](x.rename(d_model_out="d_model") + m["dense_bias"])
+        x = norm(x, m["norm"], cfg.norm, cfg.norm_eps)
     out, f32 = x.dims[:-1] + ("vocab",), np.float32
     if "softmax" in params:
-        return nm.einsum(x, params["softmax"], out=out, preferred_element_type=f32)
-    logits = nm.einsum(x, params["embed"], out=out, preferred_element_type=f32)
-    return logits * cfg.d_model**-0.5
+        logits = nm.einsum(x, params["softmax"], out=out, preferred_element_type=f32)
+    else:
+        logits = nm.einsum(x, params["embed"], out=out, preferred_element_type=f32)
+        if cfg.scale_tied_logits:
+            logits = logits * cfg.d_model**-0.5
+    return logits + params["mlm"]["vocab_bias"] if "mlm" in params else logits
 
 
 def compute_params(params: dict, cfg: Config) -> dict:
@@ -223,12 +319,26 @@ def _with_aux(loss: nm.Tensor, aux, cfg: Config) -> nm.Tensor:
     return loss if aux is None else loss + aux * cfg.moe_loss
 
 
-def lm_forward(params: dict, tokens: nm.Tensor, cfg: Config, key=None, causal: bool = True):
+def lm_forward(
+    params: dict,
+    tokens: nm.Tensor,
+    cfg: Config,
+    key=None,
+    causal: bool = True,
+    weights=None,
+    token_types=None,
+):
     """(logits, aux): logits (batch, length, vocab) for int tokens (batch, length) after
-    the stack of `params["layers"]`, causal (the LM) or bidirectional (BERT)."""
+    the stack of `params["layers"]`, causal (the LM) or bidirectional (BERT). `weights`
+    (batch, length; 1 real, 0 padding) hides padded positions from attention;
+    `token_types` (ints like tokens) select token-type embeddings."""
     params = compute_params(params, cfg)
-    x = embed_inputs(params, tokens, cfg)
-    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal)
+    x = embed_inputs(params, tokens, cfg, token_types)
+    bias = None if weights is None else padding_bias(weights.rename(length="memory"))
+    if "relative" in params:
+        rel = bucket_bias(params["relative"], cfg, tokens.size_of("length"), not causal)
+        bias = rel if bias is None else rel + bias
+    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal, bias=bias)
     return output_logits(params, x, cfg), aux
 
 
@@ -258,8 +368,12 @@ def encode(params: dict, batch: dict, cfg: Config, key=None):
     pad = padding_bias(batch["input_weights"].rename(length="memory"))
     x = embed_inputs(params, batch["inputs"], cfg)
     k = None if key is None else nm.random.fold_in(key, 7)
-    x, aux = run_stack(x, params["encoder"], cfg, k, causal=False, bias=pad)
-    memory = norm(x, params["encoder_norm"], cfg.norm).rename(length="memory")
+    bias = pad
+    if "encoder_relative" in params:
+        n = batch["inputs"].size_of("length")
+        bias = bias + bucket_bias(params["encoder_relative"], cfg, n, bidirectional=True)
+    x, aux = run_stack(x, params["encoder"], cfg, k, causal=False, bias=bias)
+    memory = norm(x, params["encoder_norm"], cfg.norm, cfg.norm_eps).rename(length="memory")
     return memory, pad, aux
 
 
@@ -269,7 +383,13 @@ def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
     params = compute_params(params, cfg)
     memory, pad, aux_enc = encode(params, batch, cfg, key)
     x = embed_inputs(params, batch["decoder_inputs"], cfg)
-    x, aux = run_stack(x, params["layers"], cfg, key, causal=True, memory=memory, memory_bias=pad)
+    bias = None
+    if "relative" in params:
+        n = batch["decoder_inputs"].size_of("length")
+        bias = bucket_bias(params["relative"], cfg, n, bidirectional=False)
+    x, aux = run_stack(
+        x, params["layers"], cfg, key, causal=True, bias=bias, memory=memory, memory_bias=pad
+    )
     aux = aux_enc if aux is None else aux + aux_enc
     return output_logits(params, x, cfg), aux
 

@@ -1,0 +1,106 @@
+"""The command lines on a Hugging Face folder: `models.generate --checkpoint FOLDER`
+decodes what transformers decodes; `models.train --init-from FOLDER` starts from the
+folder's weights (its first loss is transformers' loss on the same batch), the loss
+falls, and the run resumes and decodes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from models import checkpoint, data, hub, transformer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+PROMPT = "The assert statement"
+
+
+def run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A small GPT-2 with a BPE tokenizer trained on the default corpus."""
+    tok = data.BPETokenizer.train(data.split(data.load_text())[0][:60_000], 320)
+    cfg = transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=tok.vocab_size, n_positions=64
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    out = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(out)
+    tok.save(out)
+    return out, model, tok
+
+
+def test_generate_decodes_a_hub_folder_as_transformers_does(folder):
+    path, model, tok = folder
+    ids = torch.tensor([tok.encode(PROMPT).tolist()])
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    gen = run("models.generate", "--checkpoint", str(path), "--prompt", PROMPT, "--max-new", "12",
+              "--mode", "greedy")  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.rstrip("\n") == PROMPT + tok.decode(want[0, ids.shape[1] :].numpy())
+
+
+def test_fine_tuning_starts_from_the_folder_falls_resumes_and_decodes(folder, tmp_path):
+    path, model, tok = folder
+    out = tmp_path / "run"
+    flags = ["--init-from", str(path), "--length", "32", "--batch", "8", "--lr", "3e-3",
+             "--warmup", "2", "--mesh", "data=2", "--layout", "batch:data;d_ff:data",
+             "--eval-every", "100", "--eval-batches", "1", "--save-every", "6", "--quiet",
+             "--out", str(out)]  # fmt: skip
+    first = run("models.train", *flags, "--steps", "12")
+    assert first.returncode == 0, first.stderr
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records]
+    # Step 1's loss is the loaded weights' loss on the first batch: transformers' too.
+    batch = data.Corpus(data.load_text(), tok, 32).batch(1, 8, 0)
+    with torch.no_grad():
+        logits = model(torch.tensor(batch["inputs"])).logits
+        want = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), torch.tensor(batch["targets"]).reshape(-1).long()
+        )
+    assert losses[0] == pytest.approx(float(want), rel=1e-4)
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.2
+    more = run("models.train", *flags, "--steps", "14", "--resume")
+    assert more.returncode == 0, more.stderr
+    assert checkpoint.latest_step(out) == 14
+    # The checkpoint keeps the parameters by name with their dims, the optimizer apart.
+    stored = checkpoint.read_meta(out)["params"]
+    assert stored["layers/attn/q"] == {
+        "dims": ["layers", "d_model", "heads", "d_kv"], "shape": [2, 32, 4, 8], "dtype": "float32",
+    }  # fmt: skip
+    other = transformer.abstract(transformer.lm_shapes(hub.config_of(path)[1].replace(d_ff=64)))
+    with pytest.raises(checkpoint.CheckpointError, match="'layers/ffn/wi'.*128.*64"):
+        checkpoint.restore_params(out, other)
+    gen = run("models.generate", "--checkpoint", str(out), "--prompt", PROMPT, "--max-new", "5")
+    assert gen.returncode == 0 and gen.stdout.startswith(PROMPT), gen.stderr
+
+
+def test_fine_tuning_refuses_an_encoder_decoder_in_one_line(tmp_path):
+    cfg = transformers.T5Config(
+        d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, vocab_size=300
+    )
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    r = run(
+        "models.train", "--init-from", str(tmp_path), "--steps", "2", "--out", str(tmp_path / "o")
+    )
+    assert r.returncode == 2 and "--init-from" in r.stderr and "t5" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
