@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from lowering import Mesh  # noqa: E402
+from lowering import Layout, Mesh  # noqa: E402
 from models import hub, transformer  # noqa: E402
 from models.generate import Decoder  # noqa: E402
 
@@ -126,10 +126,11 @@ def test_loaded_configs_have_the_families_options(loaded):
 
 
 MESH = {"rows": 2, "cols": 4}
-LAYOUTS = {  # data, Megatron (heads, d_ff and vocab on one axis), 2D
-    "data": "batch:rows,cols",
-    "megatron": "heads:cols;kv_heads:cols;d_ff:cols;vocab:cols",
-    "2d": "batch:rows;heads:cols;kv_heads:cols;d_ff:cols",
+LAYOUTS = {  # data, Megatron (heads, d_ff and vocab on one axis), 2D; shared by the
+    # families, so a rule may name a dim one lacks (kv_heads in GPT-2)
+    "data": Layout("batch:rows,cols", shared=True),
+    "megatron": Layout("heads:cols;kv_heads:cols;d_ff:cols;vocab:cols", shared=True),
+    "2d": Layout("batch:rows;heads:cols;kv_heads:cols;d_ff:cols", shared=True),
 }
 
 
