@@ -275,7 +275,7 @@ def reduction_rule(ctx, eqn, args):
     name, out = eqn.primitive.name, eqn.outputs[0]
     want = ctx.wanted[out]
     if name == "logsumexp" and split:
-        y = _split_logsumexp(ctx, x.astype(out.dtype), eqn.params["axes"], split)
+        y = _split_logsumexp(ctx, x, eqn.params["axes"], split, out.dtype)
         return [(ctx.relayout(y, kept, want), want)]
     y = ctx.local(eqn.primitive, x, **eqn.params)
     if name in ("sum", "mean"):
@@ -289,12 +289,24 @@ def reduction_rule(ctx, eqn, args):
     return [(ctx.relayout(y.astype(out.dtype), kept, want), want)]
 
 
-def _split_logsumexp(ctx, x, axes, split):
+def _global_max(ctx, x, axes, split, dtype):
+    """The max of the local array `x` along `axes` over the devices of `split` (dims kept,
+    no gradient), in `dtype`: one pmax per (array, axes) in a trace, shared by softmax,
+    log_softmax and logsumexp of one value, as XLA would merge their equal all-reduces."""
+    key = (id(x), "global max", axes, split, str(dtype))
+    if key not in ctx.moved:
+        m = jax.lax.stop_gradient(jnp.max(x.astype(dtype), axis=axes, keepdims=True))
+        ctx.moved[key] = (x, _extreme("max", m, split, ctx.log))
+    return ctx.moved[key][1]
+
+
+def _split_logsumexp(ctx, x, axes, split, dtype):
     """scipy's logsumexp along dims split over `split`: the global max m (pmax of the
     shards' maxes, no gradient; 0 where infinite) plus log of the psum of the shards'
     sums of exp(x - m). A shard's NaN or inf reaches the psum through exp; an element at
     -inf gets a zero gradient (a per-shard logsumexp would give an all -inf shard NaN)."""
-    m = _extreme("max", jax.lax.stop_gradient(jnp.max(x, axis=axes)), split, ctx.log)
+    m = jnp.squeeze(_global_max(ctx, x, axes, split, dtype), axes)
+    x = x.astype(dtype)
     m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
     total = col.psum(jnp.sum(jnp.exp(x - jnp.expand_dims(m, axes)), axis=axes), split, ctx.log)
     return m + jnp.log(total)
@@ -320,9 +332,8 @@ def softmax_rule(ctx, eqn, args):
     if not split:
         y = ctx.local(eqn.primitive, x, **eqn.params)
         return [(ctx.relayout(y, lay, want), want)]
+    m = _global_max(ctx, x, axes, split, out.dtype)
     x = x.astype(out.dtype)
-    m = jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True))
-    m = _extreme("max", m, split, ctx.log)
     shifted = _SHIFT[eqn.primitive.name](x, m)
     total = col.psum(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True), split, ctx.log)
     total = ctx.varying(total, col.varying_axes(x))  # logged: the backward psums its gradient

@@ -136,6 +136,18 @@ def test_gradients_equal_single_device_gradients(case):
         Layout("s:m0"),
     )
 )
+@example(  # softmax and log_softmax of one value: one pmax of its max, shared by both
+    (
+        S.Program(
+            (("p", 2), ("q", 2), ("r", 2), ("s", 2)),
+            (("p",),),
+            (("unary", 0, 0, 0), ("softmax", 0, 0, 0), ("softmax", 33, 0, 0)),
+            0,
+        ),
+        Mesh({"m0": 2}),
+        Layout("p:m0"),
+    )
+)
 @example(  # the indices of this top_k are dead: XLA drops their gather
     (
         S.Program((("p", 2), ("s", 4)), (("s",), ("p",)), (("top_k", 0, 0, 1),), 0),
