@@ -149,14 +149,8 @@ class Context:
         """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
         report costs it by the primitive's cost rule on their shapes."""
         e = self.step.eqn
-        aval = lambda v, a: Aval(v.dims, tuple(a.shape), np.dtype(a.dtype))
         self.step.local.append(
-            (
-                prim,
-                params,
-                [aval(v, a) for v, a in zip(e.inputs, arrays, strict=True)],
-                [aval(v, o) for v, o in zip(e.outputs, outs, strict=True)],
-            )
+            (prim, params, local_avals(e.inputs, arrays), local_avals(e.outputs, outs))
         )
         shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
         ins, outs_ = self.step.local[-1][2:]
@@ -264,6 +258,14 @@ def plan_layouts(ctx: Context, graph) -> None:
             ctx.free.discard(e.outputs[0])
 
 
+def local_avals(values, arrays) -> list[Aval]:
+    """The avals of local shards `arrays` of the graph `values`: their dims, local shapes
+    and dtypes, as cost rules take them."""
+    return [
+        Aval(v.dims, tuple(a.shape), np.dtype(a.dtype)) for v, a in zip(values, arrays, strict=True)
+    ]
+
+
 def cost_own_arithmetic(ctx: Context, e, ins, outs) -> None:
     """Where a rule computed equation `e` with its own jax arithmetic, not by `ctx.local`
     (a softmax, logsumexp or top_k along a split dim, random), cost it all the same: by
@@ -274,11 +276,8 @@ def cost_own_arithmetic(ctx: Context, e, ins, outs) -> None:
     if not e.inputs or ctx.step.local or ctx.step.body:
         return
     arrays, results = [x for x, _ in ins], [y for y, _ in outs]
-    aval = lambda v, a: Aval(v.dims, tuple(a.shape), np.dtype(a.dtype))
     cost = e.primitive.cost_rule(
-        [aval(v, a) for v, a in zip(e.inputs, arrays, strict=True)],
-        [aval(v, a) for v, a in zip(e.outputs, results, strict=True)],
-        e.params,
+        local_avals(e.inputs, arrays), local_avals(e.outputs, results), e.params
     )
     if cost.flops:  # a relayout alone (constrain) has no arithmetic to cost or show
         ctx.note_local(e.primitive, e.params, arrays, results, "computed by the rule:")
