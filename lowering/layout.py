@@ -78,12 +78,7 @@ class Layout:
 
     def check(self, mesh) -> None:
         """LayoutError for a rule naming a mesh axis the mesh lacks."""
-        for dim, axes in self.rules:
-            unknown = [a for a in axes if a not in mesh.sizes]
-            if unknown:
-                raise LayoutError(
-                    f"rule {dim}:{','.join(axes)} names mesh axis {unknown} not in {mesh}"
-                )
+        check_axes(self.rules, mesh, f"layout {self}")
 
     def of(
         self, dims: Sequence[str], shape: Sequence[int], mesh, what: str = "tensor"
@@ -127,6 +122,20 @@ class Layout:
             taken.update((a, dim) for a in free)
             split[dim] = free
         return tuple(split[d] for d in dims)
+
+
+def check_axes(rules, mesh, where: str) -> None:
+    """LayoutError for the first of `rules` (parsed (dim, axes) pairs) naming a mesh axis
+    `mesh` lacks, said of `where` (the layout or constraint that holds the rule), with
+    the closest axis name."""
+    for dim, axes in rules:
+        unknown = [a for a in axes if a not in mesh.sizes]
+        if unknown:
+            hint = did_you_mean(unknown[0], mesh.sizes) or "."
+            raise LayoutError(
+                f"{where}: rule {dim}:{','.join(axes)} names mesh axis {unknown[0]!r}, which "
+                f"{mesh} lacks{hint} Its axes: {list(mesh.sizes)}."
+            )
 
 
 def check_divisible(layout: ValueLayout, dims, shape, mesh, what: str, rules=None) -> None:

@@ -24,7 +24,7 @@ import namedmesh as nm
 from lowering import cost, distributed, rules
 from lowering.collectives import make_invarying, missing_axes, nbytes, relayout, varying_axes
 from lowering.cost import Report
-from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
+from lowering.layout import Layout, ValueLayout, check_axes, local_shape, partition_spec
 from lowering.mesh import Mesh
 from namedmesh.errors import ArgumentError, DtypeError, LayoutError, MeshError, fmt_dims
 from namedmesh.primitive import Aval
@@ -212,13 +212,7 @@ def constraint_layout(rules_, v, mesh) -> ValueLayout:
     nm.constrain checked them but for the mesh: a LayoutError names the constraint and
     its rule that names an axis `mesh` lacks."""
     layout = Layout(rules_, strict=True)
-    for dim, axes in layout.rules:
-        unknown = [a for a in axes if a not in mesh.sizes]
-        if unknown:
-            raise LayoutError(
-                f"nm.constrain({fmt_dims(v.dims, v.shape)}, {str(layout)!r}): rule "
-                f"{dim}:{','.join(axes)} names mesh axis {unknown} not in {mesh}"
-            )
+    check_axes(layout.rules, mesh, f"nm.constrain({fmt_dims(v.dims, v.shape)}, {str(layout)!r})")
     return nontrivial(layout.of(v.dims, v.shape, mesh, "constrained value"), mesh)
 
 

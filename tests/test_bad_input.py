@@ -50,7 +50,7 @@ def test_a_constraint_naming_an_axis_the_mesh_lacks_fails_when_lowered_naming_it
     assert np.array_equal(fn(X).data, X.data * 2)  # no mesh yet: nothing to check
     with pytest.raises(
         nm.LayoutError,
-        match=r"nm.constrain\(\(b: 4, s: 8\), 's:x;b:q'\): rule b:q names mesh axis \['q'\]",
+        match=r"nm.constrain\(\(b: 4, s: 8\), 's:x;b:q'\): rule b:q names mesh axis 'q', which",
     ):
         lower(fn, Mesh({"x": 2}), "b:x").plan(X)
 
@@ -74,3 +74,12 @@ def test_a_non_tensor_argument_is_an_argument_error_naming_its_position():
         lowered({"w": [X, 3]}, X)
     assert issubclass(nm.ArgumentError, nm.NamedMeshError)
     assert issubclass(nm.ArgumentError, TypeError)
+
+
+def test_a_layout_naming_an_axis_the_mesh_lacks_names_it_and_the_closest_axis():
+    with pytest.raises(
+        nm.LayoutError,
+        match=r"layout b:rowz: rule b:rowz names mesh axis 'rowz', which .* lacks; did you mean "
+        r"'rows'\? Its axes: \['rows', 'cols'\]",
+    ):
+        lower(lambda t: t * 2, Mesh({"rows": 2, "cols": 4}), "b:rowz").plan(X)
