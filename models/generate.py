@@ -1,18 +1,24 @@
-"""`python -m models.generate`: continue a prompt with a trained decoder LM.
+"""`python -m models.generate`: continue prompts with a decoder LM, or write a T5's
+outputs for its inputs.
 
     python -m models.generate --checkpoint runs/tiny --prompt "The assert statement" \\
         --mode greedy|sample|beam --max-new 200
+    python -m models.generate --checkpoint runs/tiny --prompts prompts.txt --mode sample \\
+        --temperature 0.8 --top-k 40 --top-p 0.9 --eos 10 --max-length 64
 
-Decoding runs one position at a time over a KV cache of `length` slots (the config's
-training length): each step embeds one token, writes its keys and values into the
-cache and attends over it. When the cache is full, the last half of the text is
-written into a fresh cache and decoding goes on (positions restart at 0, as in
-training). Greedy takes the likeliest token, sample draws from softmax(logits / T),
-beam keeps the `--beams` likeliest continuations.
+The prompts (one per line of --prompts) decode as one batch: one forward pass over
+the right-padded prompts fills a KV cache of --max-length slots per layer (prefill),
+then each step feeds every row's newest token at that row's own position. A row stops
+at the --eos token or at --max-length tokens (prompt included) and emits --eos from
+then on. Greedy takes the likeliest token; sample draws from softmax(logits / T)
+restricted to the --top-k likeliest tokens and the --top-p nucleus; beam (one prompt)
+keeps the --beams likeliest continuations. A T5 folder encodes each prompt once and
+decodes from its decoder start token, cross-attending to the encoding.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,34 +28,31 @@ import jax.numpy as jnp
 import numpy as np
 
 import namedmesh as nm
+from lowering import Layout, Mesh, lower
 from models import checkpoint, config, data, hub, transformer, zoo
 from models.config import Config
-from models.layers import head_sizes
+from models.layers import compute_dtype, head_sizes
+from models.sampling import Sampling, choose
 from models.train import Parser
+from namedmesh.errors import NamedMeshError, ParameterError
 
 
 def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
     """Empty keys and values for every layer: (layers, batch, memory, heads, d_kv), with
     kv_heads in place of heads under grouped-query attention; `slots` positions
-    (cfg.length by default)."""
+    (cfg.length by default), in the config's compute dtype. Inside a lowered program
+    the zeros are laid out by the layout's rules like any value."""
     heads = head_sizes(cfg, kv=True)
-    dims = ("layers", "batch", "memory", *heads, "d_kv")
-    shape = (cfg.layers, batch, slots or cfg.length, *heads.values(), cfg.d_kv)
-    return {k: nm.tensor(jnp.zeros(shape, jnp.float32), dims) for k in ("k", "v")}
+    sizes = {"layers": cfg.layers, "batch": batch, "memory": slots or cfg.length, **heads}
+    dtype = compute_dtype(cfg)
+    return {k: nm.zeros({**sizes, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
 
 
-def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Config, encoded=None):
-    """(logits (batch, vocab), new cache): the next-token logits after `tokens` (batch,
-    length=1; ints) at `position` (a 0-d int Tensor), given the cache of the positions
-    before. An encoder-decoder's decoder takes `encoded`, the (memory, padding bias) of
-    `transformer.encode`, and attends to it in every layer."""
-    x = transformer.embed(tokens, params["embed"])
-    if "pos" in params:
-        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", position)
-    x = transformer.embed_extras(params, x, cfg)
+def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, encoded):
+    """(hidden states, new cache): the decoder stack over x at `position` with the cache."""
     slots = cache["k"].size_of("memory")
     bias = None
-    if "relative" in params:  # T5: the bias row of this position, shared by all layers
+    if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
     memory, memory_bias = (None, None) if encoded is None else encoded
 
@@ -70,38 +73,163 @@ def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Con
         return h, (new["k"], new["v"])
 
     x, (k, v) = nm.scan(body, x, (params["layers"], cache["k"], cache["v"]), "layers")
+    return x, {"k": k, "v": v}
+
+
+def prefill_step(
+    params: dict, tokens: nm.Tensor, last, cfg: Config, slots: int, encoded=None
+) -> tuple[nm.Tensor, dict]:
+    """(logits, cache) after one forward pass over the prompts `tokens` (batch, length;
+    ints, right-padded) that writes their keys and values into the first `length` slots
+    of a fresh cache of `slots` positions. `last` (int Tensor over batch) is each row's
+    last real position: logits (batch, vocab) after it; None: logits (batch, length,
+    vocab) at every position. The causal mask keeps a row's padding out of its real
+    positions' attention, and the steps that follow overwrite the padded slots before any
+    query may see them, so a padded row decodes as it would alone."""
+    params = transformer.compute_params(params, cfg)
+    cache = init_cache(cfg, tokens.size_of("batch"), slots)
+    x = transformer.embed_inputs(params, tokens, cfg)
+    positions = nm.arange("length", tokens.size_of("length"))
+    x, cache = _run_layers(params, x, cfg, cache, positions, encoded)
+    if last is not None:  # the output projection only where a token is chosen
+        x = nm.gather(x, "length", last)
+    return transformer.output_logits(params, x, cfg), cache
+
+
+def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Config, encoded=None):
+    """(logits (batch, vocab), new cache): the next-token logits after `tokens` (batch,
+    length=1; ints) at `position` (an int Tensor: 0-d, or over batch for rows at
+    different positions), given the cache of the positions before. An encoder-decoder's
+    decoder takes `encoded`, the (memory, padding bias) of `transformer.encode`, and
+    attends to it in every layer."""
+    params = transformer.compute_params(params, cfg)
+    x = transformer.embed(tokens, params["embed"])
+    if "pos" in params:
+        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", position)
+    x = transformer.embed_extras(params, x, cfg)
+    x, cache = _run_layers(params, x, cfg, cache, position, encoded)
     logits = transformer.output_logits(params, x, cfg).sum("length")
-    return logits, {"k": k, "v": v}
+    return logits, cache
+
+
+MODES = ("greedy", "sample", "beam")
+
+
+def pad_rows(prompts, vocab: int, limit: int, multiple: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """(rows (batch, n) right-padded with 0, lengths (batch,)) of a list of token lists;
+    n is the longest prompt rounded up to `multiple` (at most `limit`), so batches of
+    similar lengths share one compiled prefill. ParameterError for no prompts, an empty
+    or over-long prompt, or a token outside the vocabulary."""
+    prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+    if not prompts:
+        raise ParameterError("prompts: no prompt to decode")
+    for i, p in enumerate(prompts):
+        if not len(p):
+            raise ParameterError(f"prompt {i} is empty: a prompt needs at least one token")
+        if len(p) > limit:
+            raise ParameterError(
+                f"prompt {i} has {len(p)} tokens, more than max_length (--max-length) {limit}"
+            )
+        if (bad := p[(p < 0) | (p >= vocab)]).size:
+            raise ParameterError(
+                f"prompt {i}: token {int(bad[0])} is outside the vocabulary [0, {vocab})"
+            )
+    lengths = np.array([len(p) for p in prompts])
+    n = min(limit, -(-int(lengths.max()) // multiple) * multiple)
+    rows = np.zeros((len(prompts), n), np.int32)
+    for i, p in enumerate(prompts):
+        rows[i, : len(p)] = p
+    return rows, lengths
+
+
+def _ints(x, dims) -> nm.Tensor:
+    return nm.tensor(jnp.asarray(np.asarray(x), jnp.int32), dims)
 
 
 class Decoder:
-    """Decoding with a jitted `decode_step` for one model's parameters, over a cache of
-    `slots` positions (cfg.length by default)."""
+    """Decoding with one model's parameters over a KV cache of `slots` positions per
+    layer (cfg.length by default; the most tokens a row holds, prompt included), one
+    compiled prefill per prompt width and one compiled step. With a `mesh` and `layout`,
+    prefill, step and encoder are lowered under the layout: the cache, the parameters
+    and the activations are split by its rules (`batch:data;heads:model` splits the
+    cache's batch and heads) and the tokens are those of one device."""
 
-    def __init__(self, params: dict, cfg: Config, slots: int | None = None):
-        self.params, self.cfg, self.slots = params, cfg, slots or cfg.length
-        self._step = jax.jit(lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e))
-        self._encode = jax.jit(lambda p, b: transformer.encode(p, b, cfg)[:2])
+    def __init__(
+        self,
+        params: dict,
+        cfg: Config,
+        slots: int | None = None,
+        mesh: Mesh | None = None,
+        layout: Layout | str | None = None,
+    ):
+        self.cfg, self.slots = cfg, slots or cfg.length
+        if not 1 <= self.slots <= (cfg.learned_positions or self.slots):
+            raise ParameterError(
+                f"max_length (--max-length) {self.slots} must be in [1, "
+                f"{cfg.learned_positions}], the model's learned positions"
+            )
+        if mesh is not None:  # one layout for several programs, some without batch
+            layout = Layout(layout) if isinstance(layout, str) else (layout or Layout())
+            layout = Layout(layout.rules, layout.strict, shared=True)
+        build = jax.jit if mesh is None else (lambda f: lower(f, mesh, layout))
+        n = self.slots
+        self._prefill = build(lambda p, t, i, e: prefill_step(p, t, i, cfg, n, e))
+        self._step = build(lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e))
+        self._encode = build(lambda p, b: transformer.encode(p, b, cfg)[:2])
+        # the compute dtype's copy of the parameters, made once rather than every step
+        if mesh is not None or cfg.dtype != "float32":
+            params = build(lambda p: transformer.compute_params(p, cfg))(params)
+        self.params = params
+        self._choose = jax.jit(choose, static_argnums=2)
         self.encoded = None  # an encoder-decoder's (memory, padding bias): see `encode`
 
-    def step(self, tokens: np.ndarray, position: int, cache: dict):
-        """(log-probabilities (batch, vocab) as NumPy, new cache)."""
-        t = nm.tensor(jnp.asarray(tokens, jnp.int32)[:, None], ("batch", "length"))
-        i = nm.tensor(jnp.int32(position), ())
-        logits, cache = self._step(self.params, t, i, cache, self.encoded)
-        return np.asarray(jax.nn.log_softmax(logits.transpose("batch", "vocab").data, -1)), cache
+    # --- the compiled pieces, on NumPy rows ------------------------------------------
+    def step(self, tokens: np.ndarray, position, cache: dict):
+        """(log-probabilities (batch, vocab) as NumPy, new cache) after feeding `tokens`
+        (batch,) at `position` (an int, or one per row)."""
+        logits, cache = self._logits_step(tokens, position, cache)
+        return np.asarray(jax.nn.log_softmax(logits, -1)), cache
 
-    def prefill(self, rows: np.ndarray):
-        """(log-probs after the last token, cache, next position) for token rows
-        (batch, n), n <= slots."""
+    def _logits_step(self, tokens, position, cache):
+        at = np.asarray(position)
+        i = _ints(at, ("batch",) if at.ndim else ())
+        t = _ints(np.asarray(tokens)[:, None], ("batch", "length"))
+        logits, cache = self._step(self.params, t, i, cache, self.encoded)
+        return logits.transpose("batch", "vocab").data, cache
+
+    def _prefill_logits(self, rows: np.ndarray, lengths: np.ndarray):
+        last = _ints(np.asarray(lengths) - 1, ("batch",))
+        logits, cache = self._prefill(
+            self.params, _ints(rows, ("batch", "length")), last, self.encoded
+        )
+        return logits.transpose("batch", "vocab").data, cache
+
+    def prefill(self, rows: np.ndarray, lengths: np.ndarray | None = None):
+        """(log-probs after each row's last token, cache, next position) for token rows
+        (batch, n), n <= slots, in one forward pass; `lengths` (batch,): each row's real
+        tokens, the rest padding (default: all n)."""
+        rows = np.asarray(rows)
+        lengths = np.full(len(rows), rows.shape[1]) if lengths is None else np.asarray(lengths)
+        logits, cache = self._prefill_logits(rows, lengths)
+        return np.asarray(jax.nn.log_softmax(logits, -1)), cache, rows.shape[1]
+
+    def prefill_by_steps(self, rows: np.ndarray):
+        """As `prefill` without padding, a token at a time through `step` (the way
+        decoding prefilled before the one-pass prefill; the benchmark's baseline)."""
+        rows = np.asarray(rows)
         cache = init_cache(self.cfg, rows.shape[0], self.slots)
+        cache = {k: nm.tensor(jnp.asarray(v.data), v.dims) for k, v in cache.items()}
         for i in range(rows.shape[1]):
             logp, cache = self.step(rows[:, i], i, cache)
         return logp, cache, rows.shape[1]
 
-    def encode(self, inputs: np.ndarray, weights: np.ndarray | None = None) -> None:
-        """Encode an encoder-decoder's inputs (batch, n; weights 1 real, 0 padding) once;
-        the following steps' cross-attention reads this memory."""
+    def encode(self, inputs, weights: np.ndarray | None = None) -> None:
+        """Encode an encoder-decoder's inputs once: token lists (right-padded here), or an
+        array (batch, n) with `weights` (1 real, 0 padding). The following steps'
+        cross-attention reads this memory; decode as many rows as inputs."""
+        if weights is None and not isinstance(inputs, np.ndarray):
+            inputs, lengths = pad_rows(inputs, self.cfg.vocab, self.cfg.length)
+            weights = np.arange(inputs.shape[1])[None, :] < lengths[:, None]
         inputs = np.asarray(inputs, np.int32)
         w = np.ones(inputs.shape, np.float32) if weights is None else weights
         batch = {
@@ -110,16 +238,71 @@ class Decoder:
         }
         self.encoded = self._encode(self.params, batch)
 
+    # --- decoding ----------------------------------------------------------------------
+    def decode(
+        self,
+        prompts,
+        max_new: int,
+        mode: str = "greedy",
+        *,
+        sampling: Sampling | None = None,
+        eos: int | None = None,
+        max_length: int | None = None,
+        seed: int = 0,
+    ) -> np.ndarray:
+        """New tokens (batch, steps) after a batch of prompts (token lists of any
+        lengths; an encoder-decoder's decoder start after `encode`), one prefill pass
+        then one step per token. mode: greedy, or sample with `sampling` (temperature,
+        top_k, top_p; Sampling() by default). A row finishes at `eos` or when it holds
+        `max_length` tokens (prompt included; <= slots, default slots) and emits `eos`
+        (0 without one) from then on; decoding ends after `max_new` steps or when every
+        row has finished, so steps <= max_new."""
+        if mode not in ("greedy", "sample"):
+            raise ParameterError(f"mode (--mode) of a batch must be greedy or sample, got {mode!r}")
+        limit = self._check(max_new, eos, max_length)
+        how = (sampling or Sampling()) if mode == "sample" else None
+        rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
+        logits, cache = self._prefill_logits(rows, lengths)
+        key, fill = jax.random.key(seed), 0 if eos is None else eos
+        count, done, out = lengths.copy(), lengths >= limit, []
+        for i in range(max_new):
+            if done.all():
+                break
+            tok = np.asarray(self._choose(logits, jax.random.fold_in(key, i), how))
+            tok = np.where(done, fill, tok)
+            out.append(tok)
+            done = done | (tok == eos) | (count + 1 >= limit)
+            if i + 1 < max_new and not done.all():  # finished rows rewrite their last slot
+                logits, cache = self._logits_step(tok, np.minimum(count, limit - 1), cache)
+            count = np.where(done, count, count + 1)
+        return np.stack(out, axis=1) if out else np.zeros((len(rows), 0), np.int32)
+
+    def translate(self, inputs, max_new: int, start: int = 0, **kw) -> np.ndarray:
+        """An encoder-decoder's new tokens (batch, steps) for a batch of input token
+        lists: `encode` once, then `decode` from the decoder start token `start`."""
+        self.encode(inputs)
+        return self.decode([[start]] * len(inputs), max_new, **kw)
+
     def greedy_rows(self, rows: np.ndarray, max_new: int) -> np.ndarray:
         """The `max_new` likeliest-next tokens after each row of `rows` (batch, n), by
         batch: the decoder's start tokens of an encoder-decoder after `encode`."""
-        logp, cache, pos = self.prefill(np.asarray(rows))
-        out = []
-        for _ in range(max_new):
-            out.append(logp.argmax(-1))
-            rows = np.concatenate([rows, out[-1][:, None]], axis=1)
-            logp, cache, pos = self._advance(rows, cache, pos)
-        return np.stack(out, axis=1)
+        return self.decode(list(np.asarray(rows)), max_new)
+
+    def _check(self, max_new: int, eos: int | None, max_length: int | None) -> int:
+        """The max length after checking the decoding parameters (ParameterError)."""
+        if not isinstance(max_new, int | np.integer) or max_new < 0:
+            raise ParameterError(f"max_new (--max-new) must be an int >= 0, got {max_new!r}")
+        if eos is not None and not 0 <= eos < self.cfg.vocab:
+            raise ParameterError(
+                f"eos (--eos) {eos} is outside the vocabulary [0, {self.cfg.vocab})"
+            )
+        limit = self.slots if max_length is None else max_length
+        if not 1 <= limit <= self.slots:
+            raise ParameterError(
+                f"max_length (--max-length) must be in [1, {self.slots}] (the cache's slots), "
+                f"got {max_length!r}"
+            )
+        return limit
 
     def generate(
         self,
@@ -129,27 +312,31 @@ class Decoder:
         *,
         beams: int = 4,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos: int | None = None,
         seed: int = 0,
     ) -> list[int]:
-        """The prompt's continuation: `max_new` new tokens."""
-        if not prompt:
-            raise ValueError("the prompt must hold at least one token")
+        """One prompt's continuation: `max_new` new tokens, fewer when `eos` ends it
+        (eos included). Past the cache's slots, the last half of the text is written into
+        a fresh cache and decoding goes on (positions restart at 0, as in training)."""
+        if mode not in MODES:
+            raise ParameterError(f"mode (--mode) must be one of {MODES}, got {mode!r}")
+        if not len(prompt):
+            raise ParameterError("the prompt must hold at least one token")
+        self._check(max_new, eos, None)
         if mode == "beam":
             return self.beam(prompt, max_new, beams)[0]
-        rng = np.random.default_rng(seed)
+        how = Sampling(temperature, top_k, top_p) if mode == "sample" else None
+        key = jax.random.key(seed)
         rows = np.asarray([prompt[-self.slots :]])
         logp, cache, pos = self.prefill(rows)
         out = []
-        for _ in range(max_new):
-            if mode == "greedy":
-                tok = int(logp[0].argmax())
-            elif mode == "sample":
-                p = np.exp((logp[0] - logp[0].max()) / temperature)
-                tok = int(rng.choice(len(p), p=p / p.sum()))
-            else:
-                raise ValueError(f"mode must be greedy, sample or beam, got {mode!r}")
-            out.append(tok)
-            rows = np.concatenate([rows, [[tok]]], axis=1)
+        for i in range(max_new):
+            out.append(int(self._choose(jnp.asarray(logp), jax.random.fold_in(key, i), how)[0]))
+            if out[-1] == eos:
+                break
+            rows = np.concatenate([rows, [[out[-1]]]], axis=1)
             logp, cache, pos = self._advance(rows, cache, pos)
         return out
 
@@ -162,6 +349,8 @@ class Decoder:
 
     def beam(self, prompt: list[int], max_new: int, beams: int) -> tuple[list[int], float]:
         """(the best continuation, its log-probability) by beam search of width `beams`."""
+        if not isinstance(beams, int) or beams < 1:
+            raise ParameterError(f"beams (--beams) must be an int >= 1, got {beams!r}")
         rows = np.asarray([prompt[-self.slots :]])
         logp, cache, pos = self.prefill(rows)
         seqs, scores = np.zeros((1, 0), int), np.zeros(1)
@@ -201,7 +390,7 @@ def load(run: str | Path):
         cfg = hub.config_of(flags["init_from"])[1]
     else:
         cfg = model.configure(config.get(flags["config"])).replace(vocab=flags["vocab"])
-    cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length") if flags.get(k)})
+    cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length", "dtype") if flags.get(k)})
     # The parameters alone, by name: the optimizer's state stays on disk.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(  # over the Tensors' data: abstract, on one device
@@ -213,49 +402,126 @@ def load(run: str | Path):
 
 
 def load_hub(folder: Path):
-    """(params, cfg, tokenizer) of a Hugging Face folder holding a decoder LM."""
+    """(params, cfg, tokenizer) of a Hugging Face folder holding a decoder LM or a T5."""
     model = hub.load(folder)
-    if model.family not in hub.DECODERS:
+    if model.family not in (*hub.DECODERS, "t5"):
         raise hub.UnsupportedModelError(
             f"{folder} holds a {model.family} model; generation needs a decoder LM "
-            f"({', '.join(hub.DECODERS)})"
+            f"({', '.join(hub.DECODERS)}) or t5"
         )
     if model.tokenizer is None:
         raise hub.MissingFileError(f"{folder}: no tokenizer.json to encode the prompt with")
     return model.params, model.config, data.BPETokenizer(model.tokenizer)
 
 
-def main(argv=None) -> int:
-    p = Parser(prog="python -m models.generate", description=__doc__.split("\n")[0])
+def decoder_start(path: str | Path) -> int | None:
+    """An encoder-decoder folder's decoder start token (config.json's
+    decoder_start_token_id, T5's 0 when absent); None for a decoder LM."""
+    path = Path(path)
+    if not (path / "config.json").exists() or (path / "run.json").exists():
+        return None
+    family, hf = hub.read_config(path)
+    return int(hf.get("decoder_start_token_id") or 0) if family == "t5" else None
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The non-empty lines of a --prompts file (ParameterError naming the flag)."""
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as e:
+        raise ParameterError(f"--prompts {path}: cannot read it ({e.strerror})") from None
+    if not lines:
+        raise ParameterError(f"--prompts {path}: the file holds no prompt (one per line)")
+    return lines
+
+
+def arguments(argv=None):
+    p = Parser(
+        prog="python -m models.generate",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
+    )
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="a training run's --out folder, or a Hugging Face folder (gpt2, llama)",
+        help="a training run's --out folder, or a Hugging Face folder (gpt2, llama, t5)",
     )
-    p.add_argument("--prompt", default="The assert statement")
-    p.add_argument("--mode", default="greedy", choices=["greedy", "sample", "beam"])
-    p.add_argument("--max-new", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--beams", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("--prompt", default="The assert statement", help="the text to continue")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="a text file of prompts, one per line, decoded as one batch (replaces --prompt)",
+    )
+    p.add_argument("--mode", default="greedy", choices=MODES, help="how tokens are chosen")
+    p.add_argument("--max-new", type=int, default=200, help="new tokens per prompt, at most")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="tokens a row holds at most, prompt included: the KV cache's slots "
+        "(None: the model's training length)",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="sample: divide the logits by it (> 0)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample: only the k likeliest tokens (0: all)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample: only the nucleus, the likeliest tokens of total probability >= p (1: all)",
+    )
+    p.add_argument(
+        "--eos",
+        type=int,
+        default=None,
+        help="a token id that ends a row (it is emitted, then padding); None: no end token",
+    )
+    p.add_argument("--beams", type=int, default=4, help="beam: the beam's width")
+    p.add_argument("--seed", type=int, default=0, help="sample: the random seed")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = arguments(argv)
     try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before loading
+        texts = read_prompts(args.prompts) if args.prompts else [args.prompt]
+        if args.mode == "beam" and len(texts) > 1:
+            raise ParameterError("--mode beam decodes one prompt; --prompts gave several")
         params, cfg, tokenizer = load(args.checkpoint)
-    except (checkpoint.CheckpointError, KeyError) as e:
+        dec = Decoder(params, cfg, slots=args.max_length)
+        prompts = [[int(i) for i in tokenizer.encode(t)] for t in texts]
+        start = decoder_start(args.checkpoint)
+        outputs = _decode(dec, prompts, start, sampling, args)
+    except (checkpoint.CheckpointError, KeyError, NamedMeshError) as e:
         print(f"models.generate: error: {e}", file=sys.stderr)
         return 2
-    prompt = [int(i) for i in tokenizer.encode(args.prompt)]
-    dec = Decoder(params, cfg)
-    out = dec.generate(
-        prompt,
+    for text, out in zip(texts, outputs, strict=True):
+        print(("" if start is not None else text) + tokenizer.decode(out))
+    return 0
+
+
+def _decode(dec: Decoder, prompts: list[list[int]], start, sampling, args) -> list[list[int]]:
+    """Each prompt's new tokens, up to and without the end token."""
+    if start is not None:  # an encoder-decoder: the prompts are its inputs
+        dec.encode(prompts)
+        prompts = [[start]] * len(prompts)
+    if args.mode == "beam":
+        return [dec.beam(prompts[0], args.max_new, args.beams)[0]]
+    out = dec.decode(
+        prompts,
         args.max_new,
         args.mode,
-        beams=args.beams,
-        temperature=args.temperature,
+        sampling=sampling,
+        eos=args.eos,
+        max_length=args.max_length,
         seed=args.seed,
     )
-    print(args.prompt + tokenizer.decode(out))
-    return 0
+    return [row[: list(row).index(args.eos)] if args.eos in row else row for row in out.tolist()]
 
 
 if __name__ == "__main__":
