@@ -1,5 +1,4 @@
-"""`python -m models.generate`: continue prompts with a decoder LM, or write a T5's
-outputs for its inputs.
+"""`python -m models.generate`: continue prompts with a decoder LM, or decode T5 inputs.
 
     python -m models.generate --checkpoint runs/tiny --prompt "The assert statement" \\
         --mode greedy|sample|beam --max-new 200
@@ -478,7 +477,8 @@ def arguments(argv=None):
         "--eos",
         type=int,
         default=None,
-        help="a token id that ends a row (it is emitted, then padding); None: no end token",
+        help="a token id that ends a row: the row emits it from then on and its text stops "
+        "before it (None: no end token)",
     )
     p.add_argument("--beams", type=int, default=4, help="beam: the beam's width")
     p.add_argument("--seed", type=int, default=0, help="sample: the random seed")

@@ -222,8 +222,9 @@ def block(
     (batch, memory, d_model) when given, then the FFN, each added to the residual; aux
     is the MoE load-balancing loss (None without experts).
 
-    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the one new
-    position `position` (a 0-d int Tensor) and (h, aux, new_cache) is returned."""
+    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the new position
+    `position` (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
+    (`position` over length), and (h, aux, new_cache) is returned."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
     pre = cfg.norm_position == "pre"
     x = norm(h, p["attn_norm"], cfg.norm, cfg.norm_eps) if pre else h
