@@ -9,10 +9,12 @@ The prompts (one per line of --prompts) decode as one batch: one forward pass ov
 the right-padded prompts fills a KV cache of --max-length slots per layer (prefill),
 then each step feeds every row's newest token at that row's own position. A row stops
 at the --eos token or at --max-length tokens (prompt included) and emits --eos from
-then on. Greedy takes the likeliest token; sample draws from softmax(logits / T)
-restricted to the --top-k likeliest tokens and the --top-p nucleus; beam (one prompt)
-keeps the --beams likeliest continuations. A T5 folder encodes each prompt once and
-decodes from its decoder start token, cross-attending to the encoding.
+then on (a single --prompt without --max-length instead goes on past the cache: its
+last half is written into a fresh cache). Greedy takes the likeliest token; sample
+draws from softmax(logits / T) restricted to the --top-k likeliest tokens and the
+--top-p nucleus; beam (one prompt) keeps the --beams likeliest continuations. A T5
+folder encodes each prompt once and decodes from its decoder start token,
+cross-attending to the encoding.
 """
 
 from __future__ import annotations
@@ -458,8 +460,8 @@ def arguments(argv=None):
         "--max-length",
         type=int,
         default=None,
-        help="tokens a row holds at most, prompt included: the KV cache's slots "
-        "(None: the model's training length)",
+        help="tokens a row holds at most, prompt included: the KV cache's slots (None: the "
+        "model's training length, and a single --prompt goes on past it in a sliding window)",
     )
     p.add_argument(
         "--temperature", type=float, default=0.8, help="sample: divide the logits by it (> 0)"
@@ -510,8 +512,20 @@ def _decode(dec: Decoder, prompts: list[list[int]], start, sampling, args) -> li
     if start is not None:  # an encoder-decoder: the prompts are its inputs
         dec.encode(prompts)
         prompts = [[start]] * len(prompts)
-    if args.mode == "beam":
-        return [dec.beam(prompts[0], args.max_new, args.beams)[0]]
+    if len(prompts) == 1 and (args.mode == "beam" or args.max_length is None):
+        # one prompt without --max-length: past the cache, a sliding window (as before)
+        out = dec.generate(
+            prompts[0],
+            args.max_new,
+            args.mode,
+            beams=args.beams,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            eos=args.eos,
+            seed=args.seed,
+        )
+        return [out[:-1] if out and out[-1] == args.eos else out]
     out = dec.decode(
         prompts,
         args.max_new,
