@@ -41,18 +41,18 @@ def measure(dec: Decoder, batch: int, prompt: int, new: int, repeats: int) -> di
     first = jax.random.key(0)
 
     def steps():
-        logits, cache = dec._prefill_logits(rows, lengths)
+        logits, cache = dec.prefill_logits(rows, lengths)
         jax.block_until_ready(logits)
         start = time.perf_counter()
         for i in range(new):  # what Decoder.decode does per token
             tok = np.asarray(dec._choose(logits, jax.random.fold_in(first, i), None))
-            logits, cache = dec._logits_step(tok, np.full(batch, prompt + i), cache)
+            logits, cache = dec.step_logits(tok, np.full(batch, prompt + i), cache)
         jax.block_until_ready(logits)
         return time.perf_counter() - start
 
     steps()  # compiles prefill, step and choose
     dec.prefill_by_steps(rows[:, :2])
-    one_pass = _median_s(lambda: dec._prefill_logits(rows, lengths)[0], repeats)
+    one_pass = _median_s(lambda: dec.prefill_logits(rows, lengths)[0], repeats)
     by_steps = _median_s(lambda: dec.prefill_by_steps(rows)[0], repeats)
     decode = statistics.median(steps() for _ in range(repeats))
     return {"one_pass": one_pass, "by_steps": by_steps, "decode": decode}

@@ -164,11 +164,10 @@ class Decoder:
         layout: Layout | str | None = None,
     ):
         self.cfg, self.slots = cfg, slots or cfg.length
-        if not 1 <= self.slots <= (cfg.learned_positions or self.slots):
-            raise ParameterError(
-                f"max_length (--max-length) {self.slots} must be in [1, "
-                f"{cfg.learned_positions}], the model's learned positions"
-            )
+        most = cfg.learned_positions  # a learned position table ends there
+        if self.slots < 1 or (most and self.slots > most):
+            bound = f" and <= {most}, the model's learned positions" if most else ""
+            raise ParameterError(f"max_length (--max-length) must be >= 1{bound}, got {self.slots}")
         if mesh is not None:  # one layout for several programs, some without batch
             layout = Layout(layout) if isinstance(layout, str) else (layout or Layout())
             layout = Layout(layout.rules, layout.strict, shared=True)
@@ -188,17 +187,22 @@ class Decoder:
     def step(self, tokens: np.ndarray, position, cache: dict):
         """(log-probabilities (batch, vocab) as NumPy, new cache) after feeding `tokens`
         (batch,) at `position` (an int, or one per row)."""
-        logits, cache = self._logits_step(tokens, position, cache)
+        logits, cache = self.step_logits(tokens, position, cache)
         return np.asarray(jax.nn.log_softmax(logits, -1)), cache
 
-    def _logits_step(self, tokens, position, cache):
+    def step_logits(self, tokens: np.ndarray, position, cache: dict):
+        """(logits (batch, vocab) as a jax.Array, new cache): `step` without the
+        log-softmax and the copy to the host (the decoding loop's step)."""
         at = np.asarray(position)
         i = _ints(at, ("batch",) if at.ndim else ())
         t = _ints(np.asarray(tokens)[:, None], ("batch", "length"))
         logits, cache = self._step(self.params, t, i, cache, self.encoded)
         return logits.transpose("batch", "vocab").data, cache
 
-    def _prefill_logits(self, rows: np.ndarray, lengths: np.ndarray):
+    def prefill_logits(self, rows: np.ndarray, lengths: np.ndarray):
+        """(logits (batch, vocab) after each row's last real token as a jax.Array, the
+        filled cache): one prefill pass over right-padded rows (batch, n) whose first
+        `lengths` tokens are real."""
         last = _ints(np.asarray(lengths) - 1, ("batch",))
         logits, cache = self._prefill(
             self.params, _ints(rows, ("batch", "length")), last, self.encoded
@@ -211,7 +215,7 @@ class Decoder:
         tokens, the rest padding (default: all n)."""
         rows = np.asarray(rows)
         lengths = np.full(len(rows), rows.shape[1]) if lengths is None else np.asarray(lengths)
-        logits, cache = self._prefill_logits(rows, lengths)
+        logits, cache = self.prefill_logits(rows, lengths)
         return np.asarray(jax.nn.log_softmax(logits, -1)), cache, rows.shape[1]
 
     def prefill_by_steps(self, rows: np.ndarray):
@@ -263,7 +267,7 @@ class Decoder:
         limit = self._check(max_new, eos, max_length)
         how = (sampling or Sampling()) if mode == "sample" else None
         rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
-        logits, cache = self._prefill_logits(rows, lengths)
+        logits, cache = self.prefill_logits(rows, lengths)
         key, fill = jax.random.key(seed), 0 if eos is None else eos
         count, done, out = lengths.copy(), lengths >= limit, []
         for i in range(max_new):
@@ -274,7 +278,7 @@ class Decoder:
             out.append(tok)
             done = done | (tok == eos) | (count + 1 >= limit)
             if i + 1 < max_new and not done.all():  # finished rows rewrite their last slot
-                logits, cache = self._logits_step(tok, np.minimum(count, limit - 1), cache)
+                logits, cache = self.step_logits(tok, np.minimum(count, limit - 1), cache)
             count = np.where(done, count, count + 1)
         return np.stack(out, axis=1) if out else np.zeros((len(rows), 0), np.int32)
 

@@ -77,7 +77,7 @@ def test_prefill_then_steps_equal_the_full_forward_pass_at_every_position(model)
     got = np.asarray(logits.transpose("batch", "length", "vocab").data)
     np.testing.assert_allclose(got, want[:, :n], rtol=0, atol=1e-5)
     for i in range(n, cfg.length):
-        logits, cache = dec._logits_step(rows[:, i], i, cache)
+        logits, cache = dec.step_logits(rows[:, i], i, cache)
         np.testing.assert_allclose(np.asarray(logits), want[:, i], rtol=0, atol=1e-5)
 
 
@@ -177,7 +177,7 @@ def test_decoding_on_a_2x4_mesh_gives_one_devices_tokens(model):
         dec.decode(prompts, 5, "sample", sampling=hot, seed=4),
         one.decode(prompts, 5, "sample", sampling=hot, seed=4),
     )
-    _, cache = dec._prefill_logits(np.asarray([p + [0] * 3 for p in [[1, 2]] * 4]), np.full(4, 2))
+    _, cache = dec.prefill_logits(np.asarray([p + [0] * 3 for p in [[1, 2]] * 4]), np.full(4, 2))
     k = cache["k"]  # (layers, batch, memory, heads, d_kv): batch on data, heads on model
     local = k.data.sharding.shard_shape(k.data.shape)
     assert local[k.dims.index("batch")] == 2 and local[k.dims.index("heads")] == 1
