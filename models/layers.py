@@ -143,6 +143,30 @@ def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1
     return nm.einsum(weights, v, out=q.dims)
 
 
+def _as_memory(position: nm.Tensor) -> nm.Tensor:
+    """Query positions as key positions: a prefill's `length` becomes `memory`."""
+    return position.rename(length="memory") if "length" in position.dims else position
+
+
+def write_cache(cache: dict, k: nm.Tensor, v: nm.Tensor, position: nm.Tensor):
+    """(keys, values) of the cache ({"k", "v"}: batch, memory=slots, ...) with the new
+    k and v (batch, memory=n, ...) written at `position`: one slot per row (n = 1,
+    position 0-d or over batch; a one-hot write, one traced program for every
+    position), or the first n slots of an empty cache (position over length: prefill).
+    The cache keeps its dtype (the compute dtype)."""
+    slots, dtype = cache["k"].size_of("memory"), cache["k"].dtype
+    k, v = (t if t.dtype == dtype else nm.astype(t, dtype) for t in (k, v))
+    if "length" in position.dims:  # prefill: slots n.. stay empty (the causal mask hides them)
+        fill = {"memory": (0, slots - k.size_of("memory"))}
+        return nm.pad(k, fill).transpose(*cache["k"].dims), nm.pad(v, fill).transpose(
+            *cache["v"].dims
+        )
+    at = nm.one_hot(position, "memory", slots, dtype)  # write position: 1 there
+    new_k = cache["k"] * (1.0 - at) + at * k.sum("memory")
+    new_v = cache["v"] * (1.0 - at) + at * v.sum("memory")
+    return new_k.transpose(*cache["k"].dims), new_v.transpose(*cache["v"].dims)
+
+
 def _project(x: nm.Tensor, p: dict, name: str, out: tuple) -> nm.Tensor:
     y = nm.einsum(x, p[name], out=out)
     return y + p[name + "_bias"] if name + "_bias" in p else y
@@ -164,9 +188,11 @@ def attention(
     over length and memory). Self-attention of a rotary config rotates queries and keys
     by their positions.
 
-    With `cache` ({"k", "v"}: batch, memory, heads, d_kv), x holds one new position at
-    index `position` (an int Tensor): its keys and values are written into the cache
-    there, attention runs over the whole cache, and `(out, new_cache)` is returned."""
+    With `cache` ({"k", "v"}: batch, memory, heads, d_kv), x holds one new position per
+    row at `position` (an int Tensor, 0-d or over batch), or, when `position` is over
+    `length` (0..n-1: a one-pass prefill of an empty cache), the first n positions: their
+    keys and values are written into the cache there, attention runs over the whole
+    cache, and `(out, new_cache)` is returned."""
     qh, kvh = tuple(head_sizes(cfg)), tuple(head_sizes(cfg, kv=True))
     q = _project(x, p, "q", ("batch", "length", *qh, "d_kv"))
     src = x.rename(length="memory") if memory is None else memory
@@ -175,13 +201,10 @@ def attention(
     if cfg.positions == "rotary" and memory is None:
         n = x.size_of("length")
         q_at = nm.arange("length", n) if cache is None else position
-        k_at = nm.arange("memory", n) if cache is None else position
+        k_at = nm.arange("memory", n) if cache is None else _as_memory(position)
         q, k = rotary(q, q_at, cfg.rotary_theta), rotary(k, k_at, cfg.rotary_theta)
     if cache is not None:
-        slots = cache["k"].size_of("memory")
-        at = nm.one_hot(position, "memory", slots, k.dtype)  # write position: 1 there
-        k = cache["k"] * (1.0 - at) + at * k.sum("memory")
-        v = cache["v"] * (1.0 - at) + at * v.sum("memory")
+        k, v = write_cache(cache, k, v, position)
         cache = {"k": k, "v": v}
     scale = cfg.d_kv**-0.5 if cfg.attention_scale else 1.0
     if cfg.attention == "blockwise":

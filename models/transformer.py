@@ -192,13 +192,17 @@ def relative_buckets(queries, memory, bidirectional: bool, buckets: int, max_dis
 
 def bucket_bias(table: nm.Tensor, cfg: Config, n: int, bidirectional: bool, position=None):
     """T5's relative position bias (heads, length, memory) of n positions attending to
-    each other; with `position` (a 0-d int Tensor), that one query's row (heads, memory)
-    over n cache slots. Computed once per stack and added in every layer."""
+    each other; with `position` (an int Tensor: 0-d, over batch, or a prefill's 0..k-1
+    over length), those queries' rows over n cache slots. Computed once per stack and
+    added in every layer."""
     at = np.arange(n)
     rb, rd = cfg.relative_buckets, cfg.relative_max_distance
     index = nm.tensor(relative_buckets(at, at, bidirectional, rb, rd), ("length", "memory"))
     if position is not None:  # a traced position: gather from a jax array, not NumPy's
-        index = nm.gather(nm.tensor(jax.numpy.asarray(index.data), index.dims), "length", position)
+        queries = "length" in position.dims  # a prefill's positions 0..k-1 over length
+        at = position.rename(length="queries") if queries else position
+        index = nm.gather(nm.tensor(jax.numpy.asarray(index.data), index.dims), "length", at)
+        index = index.rename(queries="length") if queries else index
     return nm.gather(table, "buckets", index)
 
 
@@ -218,8 +222,9 @@ def block(
     (batch, memory, d_model) when given, then the FFN, each added to the residual; aux
     is the MoE load-balancing loss (None without experts).
 
-    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the one new
-    position `position` (a 0-d int Tensor) and (h, aux, new_cache) is returned."""
+    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the new position
+    `position` (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
+    (`position` over length), and (h, aux, new_cache) is returned."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
     pre = cfg.norm_position == "pre"
     x = norm(h, p["attn_norm"], cfg.norm, cfg.norm_eps) if pre else h

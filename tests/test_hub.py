@@ -222,11 +222,14 @@ def hf_greedy(name: str, folder, **inputs) -> np.ndarray:
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_greedy_decoding_equals_transformers_generate(folders, loaded, name):
-    prompt = IDS[0, :5]
-    want = hf_greedy(name, folders[name][0], input_ids=prompt[None])[0, len(prompt) :]
+    """Prompts of lengths 5, 2 and 4 in one right-padded batch, one prefill pass, then
+    the cache: each row's tokens are transformers' for that prompt alone."""
+    prompts = [IDS[0, :5], IDS[1, :2], IDS[2, :4]]
     model = loaded[name]
-    got = Decoder(model.params, model.config, slots=32).generate(list(prompt), NEW, "greedy")
-    np.testing.assert_array_equal(got, want)
+    got = Decoder(model.params, model.config, slots=32).decode(prompts, NEW)
+    for row, prompt in zip(got, prompts, strict=True):
+        want = hf_greedy(name, folders[name][0], input_ids=prompt[None])[0, len(prompt) :]
+        np.testing.assert_array_equal(row, want)
 
 
 def test_t5_greedy_decoding_encodes_once_and_equals_transformers(folders, loaded):

@@ -104,3 +104,68 @@ def test_fine_tuning_refuses_an_encoder_decoder_in_one_line(tmp_path):
     )
     assert r.returncode == 2 and "--init-from" in r.stderr and "t5" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def hf_generate(model, ids, **kw) -> np.ndarray:
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return model.generate(
+            torch.tensor(ids), do_sample=False, pad_token_id=0, use_cache=False, **kw
+        ).numpy()
+
+
+def test_generate_decodes_a_prompts_file_as_one_batch(folder, tmp_path, capsys):
+    """Two prompts of different lengths, one line each: each continuation is what
+    transformers writes for that prompt alone; --eos stops a row at that token."""
+    from models.generate import main
+
+    path, model, tok = folder
+    texts = ["The assert statement", "A list"]
+    (tmp_path / "prompts.txt").write_text("\n".join(texts) + "\n")
+    wants = []
+    for text in texts:
+        ids = tok.encode(text).tolist()
+        wants.append(hf_generate(model, [ids], max_new_tokens=8)[0, len(ids) :])
+    flags = ["--checkpoint", str(path), "--prompts", str(tmp_path / "prompts.txt"),
+             "--max-new", "8", "--max-length", "48"]  # fmt: skip
+    assert main(flags) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [t + tok.decode(w) for t, w in zip(texts, wants, strict=True)]
+    eos = int(wants[0][3])  # the first prompt's fourth new token ends its row
+    assert main([*flags, "--eos", str(eos)]) == 0
+    first = list(wants[0])
+    assert capsys.readouterr().out.splitlines()[0] == texts[0] + tok.decode(
+        first[: first.index(eos)]
+    )
+
+
+def test_generate_decodes_a_t5_folder_as_transformers_does(folder, tmp_path, capsys):
+    """A T5 folder: each line is encoded once (a padded batch) and the decoder, from its
+    start token, cross-attends to the encoding; the text is transformers' output."""
+    from models.generate import main
+
+    _, _, tok = folder
+    cfg = transformers.T5Config(
+        d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=tok.vocab_size,
+        relative_attention_num_buckets=8, relative_attention_max_distance=10,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "t5")
+    tok.save(tmp_path / "t5")
+    texts = ["The assert statement", "A list of"]
+    (tmp_path / "inputs.txt").write_text("\n".join(texts))
+    ids = [tok.encode(t).tolist() for t in texts]
+    width = max(map(len, ids))
+    padded = np.array([i + [0] * (width - len(i)) for i in ids])
+    mask = (np.arange(width)[None] < np.array([len(i) for i in ids])[:, None]).astype(np.int64)
+    want = hf_generate(
+        model, padded, attention_mask=torch.tensor(mask), max_new_tokens=10,
+        decoder_start_token_id=0,
+    )[:, 1:]  # fmt: skip
+    assert main(["--checkpoint", str(tmp_path / "t5"), "--prompts", str(tmp_path / "inputs.txt"),
+                 "--max-new", "10", "--max-length", "11"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.splitlines() == [tok.decode(w) for w in want]

@@ -1,0 +1,363 @@
+"""Decoding with a KV cache: a batch of right-padded prompts prefilled in one forward
+pass, then one token per row per step at each row's own position, chosen greedily or
+by sampling (models/sampling.py), until an end token or the maximum length; beam
+search; an encoder-decoder's decoder over an encoding made once. `Decoder` runs it on
+one device or lowered under a mesh and layout. The command line is models/generate.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import namedmesh as nm
+from lowering import Layout, Mesh, lower
+from models import transformer
+from models.config import Config
+from models.layers import compute_dtype, head_sizes
+from models.sampling import Sampling, choose
+from namedmesh.errors import ParameterError
+
+
+def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
+    """Empty keys and values for every layer: (layers, batch, memory, heads, d_kv), with
+    kv_heads in place of heads under grouped-query attention; `slots` positions
+    (cfg.length by default), in the config's compute dtype. Inside a lowered program
+    the zeros are laid out by the layout's rules like any value."""
+    heads = head_sizes(cfg, kv=True)
+    sizes = {"layers": cfg.layers, "batch": batch, "memory": slots or cfg.length, **heads}
+    dtype = compute_dtype(cfg)
+    return {k: nm.zeros({**sizes, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
+
+
+def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, encoded):
+    """(hidden states, new cache): the decoder stack over x at `position` with the cache."""
+    slots = cache["k"].size_of("memory")
+    bias = None
+    if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
+        bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
+    memory, memory_bias = (None, None) if encoded is None else encoded
+
+    def body(h, xs):
+        p, k, v = xs
+        h, _, new = transformer.block(
+            h,
+            p,
+            cfg,
+            None,
+            causal=True,
+            bias=bias,
+            memory=memory,
+            memory_bias=memory_bias,
+            cache={"k": k, "v": v},
+            position=position,
+        )
+        return h, (new["k"], new["v"])
+
+    x, (k, v) = nm.scan(body, x, (params["layers"], cache["k"], cache["v"]), "layers")
+    return x, {"k": k, "v": v}
+
+
+def prefill_step(
+    params: dict, tokens: nm.Tensor, last, cfg: Config, slots: int, encoded=None
+) -> tuple[nm.Tensor, dict]:
+    """(logits, cache) after one forward pass over the prompts `tokens` (batch, length;
+    ints, right-padded) that writes their keys and values into the first `length` slots
+    of a fresh cache of `slots` positions. `last` (int Tensor over batch) is each row's
+    last real position: logits (batch, vocab) after it; None: logits (batch, length,
+    vocab) at every position. The causal mask keeps a row's padding out of its real
+    positions' attention, and the steps that follow overwrite the padded slots before any
+    query may see them, so a padded row decodes as it would alone."""
+    params = transformer.compute_params(params, cfg)
+    cache = init_cache(cfg, tokens.size_of("batch"), slots)
+    x = transformer.embed_inputs(params, tokens, cfg)
+    positions = nm.arange("length", tokens.size_of("length"))
+    x, cache = _run_layers(params, x, cfg, cache, positions, encoded)
+    if last is not None:  # the output projection only where a token is chosen
+        x = nm.gather(x, "length", last)
+    return transformer.output_logits(params, x, cfg), cache
+
+
+def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Config, encoded=None):
+    """(logits (batch, vocab), new cache): the next-token logits after `tokens` (batch,
+    length=1; ints) at `position` (an int Tensor: 0-d, or over batch for rows at
+    different positions), given the cache of the positions before. An encoder-decoder's
+    decoder takes `encoded`, the (memory, padding bias) of `transformer.encode`, and
+    attends to it in every layer."""
+    params = transformer.compute_params(params, cfg)
+    x = transformer.embed(tokens, params["embed"])
+    if "pos" in params:
+        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", position)
+    x = transformer.embed_extras(params, x, cfg)
+    x, cache = _run_layers(params, x, cfg, cache, position, encoded)
+    logits = transformer.output_logits(params, x, cfg).sum("length")
+    return logits, cache
+
+
+MODES = ("greedy", "sample", "beam")
+
+
+def pad_rows(prompts, vocab: int, limit: int, multiple: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """(rows (batch, n) right-padded with 0, lengths (batch,)) of a list of token lists;
+    n is the longest prompt rounded up to `multiple` (at most `limit`), so batches of
+    similar lengths share one compiled prefill. ParameterError for no prompts, an empty
+    or over-long prompt, or a token outside the vocabulary."""
+    prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+    if not prompts:
+        raise ParameterError("prompts: no prompt to decode")
+    for i, p in enumerate(prompts):
+        if not len(p):
+            raise ParameterError(f"prompt {i} is empty: a prompt needs at least one token")
+        if len(p) > limit:
+            raise ParameterError(
+                f"prompt {i} has {len(p)} tokens, more than max_length (--max-length) {limit}"
+            )
+        if (bad := p[(p < 0) | (p >= vocab)]).size:
+            raise ParameterError(
+                f"prompt {i}: token {int(bad[0])} is outside the vocabulary [0, {vocab})"
+            )
+    lengths = np.array([len(p) for p in prompts])
+    n = min(limit, -(-int(lengths.max()) // multiple) * multiple)
+    rows = np.zeros((len(prompts), n), np.int32)
+    for i, p in enumerate(prompts):
+        rows[i, : len(p)] = p
+    return rows, lengths
+
+
+def _ints(x, dims) -> nm.Tensor:
+    return nm.tensor(jnp.asarray(np.asarray(x), jnp.int32), dims)
+
+
+class Decoder:
+    """Decoding with one model's parameters over a KV cache of `slots` positions per
+    layer (cfg.length by default; the most tokens a row holds, prompt included), one
+    compiled prefill per prompt width and one compiled step. With a `mesh` and `layout`,
+    prefill, step and encoder are lowered under the layout: the cache, the parameters
+    and the activations are split by its rules (`batch:data;heads:model` splits the
+    cache's batch and heads) and the tokens are those of one device."""
+
+    def __init__(
+        self,
+        params: dict,
+        cfg: Config,
+        slots: int | None = None,
+        mesh: Mesh | None = None,
+        layout: Layout | str | None = None,
+    ):
+        self.cfg, self.slots = cfg, slots or cfg.length
+        most = cfg.learned_positions  # a learned position table ends there
+        if self.slots < 1 or (most and self.slots > most):
+            bound = f" and <= {most}, the model's learned positions" if most else ""
+            raise ParameterError(f"max_length (--max-length) must be >= 1{bound}, got {self.slots}")
+        if mesh is not None:  # one layout for several programs, some without batch
+            layout = Layout(layout) if isinstance(layout, str) else (layout or Layout())
+            layout = Layout(layout.rules, layout.strict, shared=True)
+        build = jax.jit if mesh is None else (lambda f: lower(f, mesh, layout))
+        n = self.slots
+        self._prefill = build(lambda p, t, i, e: prefill_step(p, t, i, cfg, n, e))
+        self._step = build(lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e))
+        self._encode = build(lambda p, b: transformer.encode(p, b, cfg)[:2])
+        # the compute dtype's copy of the parameters, made once rather than every step
+        if mesh is not None or cfg.dtype != "float32":
+            params = build(lambda p: transformer.compute_params(p, cfg))(params)
+        self.params = params
+        self._choose = jax.jit(choose, static_argnums=2)
+        self.encoded = None  # an encoder-decoder's (memory, padding bias): see `encode`
+
+    # --- the compiled pieces, on NumPy rows ------------------------------------------
+    def step(self, tokens: np.ndarray, position, cache: dict):
+        """(log-probabilities (batch, vocab) as NumPy, new cache) after feeding `tokens`
+        (batch,) at `position` (an int, or one per row)."""
+        logits, cache = self.step_logits(tokens, position, cache)
+        return np.asarray(jax.nn.log_softmax(logits, -1)), cache
+
+    def step_logits(self, tokens: np.ndarray, position, cache: dict):
+        """(logits (batch, vocab) as a jax.Array, new cache): `step` without the
+        log-softmax and the copy to the host (the decoding loop's step)."""
+        at = np.asarray(position)
+        i = _ints(at, ("batch",) if at.ndim else ())
+        t = _ints(np.asarray(tokens)[:, None], ("batch", "length"))
+        logits, cache = self._step(self.params, t, i, cache, self.encoded)
+        return logits.transpose("batch", "vocab").data, cache
+
+    def prefill_logits(self, rows: np.ndarray, lengths: np.ndarray):
+        """(logits (batch, vocab) after each row's last real token as a jax.Array, the
+        filled cache): one prefill pass over right-padded rows (batch, n) whose first
+        `lengths` tokens are real."""
+        last = _ints(np.asarray(lengths) - 1, ("batch",))
+        logits, cache = self._prefill(
+            self.params, _ints(rows, ("batch", "length")), last, self.encoded
+        )
+        return logits.transpose("batch", "vocab").data, cache
+
+    def prefill(self, rows: np.ndarray, lengths: np.ndarray | None = None):
+        """(log-probs after each row's last token, cache, next position) for token rows
+        (batch, n), n <= slots, in one forward pass; `lengths` (batch,): each row's real
+        tokens, the rest padding (default: all n)."""
+        rows = np.asarray(rows)
+        n = rows.shape[1]
+        lengths = np.full(len(rows), n) if lengths is None else np.asarray(lengths)
+        wide = min(self.slots, -(-n // 8) * 8)  # widths share compiled prefills, as in pad_rows
+        rows = np.pad(rows, ((0, 0), (0, wide - n)))
+        logits, cache = self.prefill_logits(rows, lengths)
+        return np.asarray(jax.nn.log_softmax(logits, -1)), cache, n
+
+    def prefill_by_steps(self, rows: np.ndarray):
+        """As `prefill` without padding, a token at a time through `step` (the way
+        decoding prefilled before the one-pass prefill; the benchmark's baseline)."""
+        rows = np.asarray(rows)
+        cache = init_cache(self.cfg, rows.shape[0], self.slots)
+        cache = {k: nm.tensor(jnp.asarray(v.data), v.dims) for k, v in cache.items()}
+        for i in range(rows.shape[1]):
+            logp, cache = self.step(rows[:, i], i, cache)
+        return logp, cache, rows.shape[1]
+
+    def encode(self, inputs, weights: np.ndarray | None = None) -> None:
+        """Encode an encoder-decoder's inputs once: token lists (right-padded here), or an
+        array (batch, n) with `weights` (1 real, 0 padding). The following steps'
+        cross-attention reads this memory; decode as many rows as inputs."""
+        if weights is None and not isinstance(inputs, np.ndarray):
+            most = self.cfg.learned_positions or 2**31  # relative positions: no bound
+            inputs, lengths = pad_rows(inputs, self.cfg.vocab, most)
+            weights = np.arange(inputs.shape[1])[None, :] < lengths[:, None]
+        inputs = np.asarray(inputs, np.int32)
+        w = np.ones(inputs.shape, np.float32) if weights is None else weights
+        batch = {
+            "inputs": nm.tensor(inputs, ("batch", "length")),
+            "input_weights": nm.tensor(np.asarray(w, np.float32), ("batch", "length")),
+        }
+        self.encoded = self._encode(self.params, batch)
+
+    # --- decoding ----------------------------------------------------------------------
+    def decode(
+        self,
+        prompts,
+        max_new: int,
+        mode: str = "greedy",
+        *,
+        sampling: Sampling | None = None,
+        eos: int | None = None,
+        max_length: int | None = None,
+        seed: int = 0,
+    ) -> np.ndarray:
+        """New tokens (batch, steps) after a batch of prompts (token lists of any
+        lengths; an encoder-decoder's decoder start after `encode`), one prefill pass
+        then one step per token. mode: greedy, or sample with `sampling` (temperature,
+        top_k, top_p; Sampling() by default). A row finishes at `eos` or when it holds
+        `max_length` tokens (prompt included; <= slots, default slots) and emits `eos`
+        (0 without one) from then on; decoding ends after `max_new` steps or when every
+        row has finished, so steps <= max_new."""
+        if mode not in ("greedy", "sample"):
+            raise ParameterError(f"mode (--mode) of a batch must be greedy or sample, got {mode!r}")
+        limit = self._check(max_new, eos, max_length)
+        how = (sampling or Sampling()) if mode == "sample" else None
+        rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
+        logits, cache = self.prefill_logits(rows, lengths)
+        key, fill = jax.random.key(seed), 0 if eos is None else eos
+        count, done, out = lengths.copy(), lengths >= limit, []
+        for i in range(max_new):
+            if done.all():
+                break
+            tok = np.asarray(self._choose(logits, jax.random.fold_in(key, i), how))
+            tok = np.where(done, fill, tok)
+            out.append(tok)
+            done = done | (tok == eos) | (count + 1 >= limit)
+            if i + 1 < max_new and not done.all():  # finished rows rewrite their last slot
+                logits, cache = self.step_logits(tok, np.minimum(count, limit - 1), cache)
+            count = np.where(done, count, count + 1)
+        return np.stack(out, axis=1) if out else np.zeros((len(rows), 0), np.int32)
+
+    def translate(self, inputs, max_new: int, start: int = 0, **kw) -> np.ndarray:
+        """An encoder-decoder's new tokens (batch, steps) for a batch of input token
+        lists: `encode` once, then `decode` from the decoder start token `start`."""
+        self.encode(inputs)
+        return self.decode([[start]] * len(inputs), max_new, **kw)
+
+    def greedy_rows(self, rows: np.ndarray, max_new: int) -> np.ndarray:
+        """The `max_new` likeliest-next tokens after each row of `rows` (batch, n), by
+        batch: the decoder's start tokens of an encoder-decoder after `encode`."""
+        return self.decode(list(np.asarray(rows)), max_new)
+
+    def _check(self, max_new: int, eos: int | None, max_length: int | None) -> int:
+        """The max length after checking the decoding parameters (ParameterError)."""
+        if not isinstance(max_new, int | np.integer) or max_new < 0:
+            raise ParameterError(f"max_new (--max-new) must be an int >= 0, got {max_new!r}")
+        if eos is not None and not 0 <= eos < self.cfg.vocab:
+            raise ParameterError(
+                f"eos (--eos) {eos} is outside the vocabulary [0, {self.cfg.vocab})"
+            )
+        limit = self.slots if max_length is None else max_length
+        if not 1 <= limit <= self.slots:
+            raise ParameterError(
+                f"max_length (--max-length) must be in [1, {self.slots}] (the cache's slots), "
+                f"got {max_length!r}"
+            )
+        return limit
+
+    def generate(
+        self,
+        prompt: list[int],
+        max_new: int,
+        mode: str = "greedy",
+        *,
+        beams: int = 4,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos: int | None = None,
+        seed: int = 0,
+    ) -> list[int]:
+        """One prompt's continuation: `max_new` new tokens, fewer when `eos` ends it
+        (eos included). Past the cache's slots, the last half of the text is written into
+        a fresh cache and decoding goes on (positions restart at 0, as in training)."""
+        if mode not in MODES:
+            raise ParameterError(f"mode (--mode) must be one of {MODES}, got {mode!r}")
+        if not len(prompt):
+            raise ParameterError("the prompt must hold at least one token")
+        self._check(max_new, eos, None)
+        if mode == "beam":
+            return self.beam(prompt, max_new, beams)[0]
+        how = Sampling(temperature, top_k, top_p) if mode == "sample" else None
+        key = jax.random.key(seed)
+        rows = np.asarray([prompt[-self.slots :]])
+        logp, cache, pos = self.prefill(rows)
+        out = []
+        for i in range(max_new):
+            out.append(int(self._choose(jnp.asarray(logp), jax.random.fold_in(key, i), how)[0]))
+            if out[-1] == eos:
+                break
+            rows = np.concatenate([rows, [[out[-1]]]], axis=1)
+            logp, cache, pos = self._advance(rows, cache, pos)
+        return out
+
+    def _advance(self, rows: np.ndarray, cache: dict, pos: int):
+        """Feed the last token of `rows`; refill a fresh cache when this one is full."""
+        if pos == self.slots:
+            return self.prefill(rows[:, -(self.slots // 2) :])
+        logp, cache = self.step(rows[:, -1], pos, cache)
+        return logp, cache, pos + 1
+
+    def beam(self, prompt: list[int], max_new: int, beams: int) -> tuple[list[int], float]:
+        """(the best continuation, its log-probability) by beam search of width `beams`."""
+        if not isinstance(beams, int) or beams < 1:
+            raise ParameterError(f"beams (--beams) must be an int >= 1, got {beams!r}")
+        rows = np.asarray([prompt[-self.slots :]])
+        logp, cache, pos = self.prefill(rows)
+        seqs, scores = np.zeros((1, 0), int), np.zeros(1)
+        for _ in range(max_new):
+            total = scores[:, None] + logp  # (beams, vocab)
+            best = np.argsort(-total, axis=None, kind="stable")[:beams]
+            parent, tok = np.unravel_index(best, total.shape)
+            seqs = np.concatenate([seqs[parent], tok[:, None]], axis=1)
+            scores = total[parent, tok]
+            cache = {k: _rows(v, parent) for k, v in cache.items()}
+            rows = np.concatenate([rows[np.minimum(parent, len(rows) - 1)], tok[:, None]], 1)
+            logp, cache, pos = self._advance(rows, cache, pos)
+        return [int(t) for t in seqs[0]], float(scores[0])
+
+
+def _rows(t: nm.Tensor, index: np.ndarray) -> nm.Tensor:
+    """The batch rows `index` of t (a beam's parent hypotheses)."""
+    axis = t.dims.index("batch")
+    return nm.tensor(jnp.take(t.data, jnp.asarray(index), axis=axis), t.dims)
