@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from namedmesh.primitive import READS_BOTH, READS_CONSTANT, READS_INPUTS, READS_OTHERS, READS_OUTPUT
+
 
 def active_values(graph, active: set) -> set:
     """The values of `graph` a gradient flows through from the `active` inputs: the
@@ -59,27 +61,70 @@ def peak_memory(graph, local_bytes) -> int:
     return int(peak)
 
 
+def backward_reads(e, active: set) -> set:
+    """The values of equation `e` its backward pass reads (what reverse mode saves for
+    it) of its inputs and outputs, as its primitive declares (`backward_reads`; the
+    values made inside it that it saves, `backward_saves`, are counted apart); none when no gradient
+    flows through `e` (no input in `active`). A scan's are its body's (`_scan_saved`)."""
+    ins = e.inputs
+    if not any(v in active for v in ins):
+        return set()
+    reads = e.primitive.backward_reads
+    if reads == READS_OTHERS:
+        return {u for i, v in enumerate(ins) if v in active for u in ins[:i] + ins[i + 1 :]}
+    if reads == READS_CONSTANT:
+        return {v for v in ins if v not in active}
+    return {
+        READS_INPUTS: set(ins),
+        READS_OUTPUT: set(e.outputs),
+        READS_BOTH: set(ins) | set(e.outputs),
+    }.get(reads, set())
+
+
 def training_peak(graph, local_bytes, active: set, wrt) -> int:
     """Per-device bytes of a step that returns the gradients of `wrt`: the inputs, the
-    gradients, every value a gradient flows through (saved by the forward pass for the
-    backward one), of a scan's body as its `remat` policy keeps it (all of it per
-    iteration; only the carry; the carry and the matmul outputs), and the working set
-    of one iteration that the backward pass recomputes."""
-    base = sum(local_bytes(v) for v in (*graph.inputs, *graph.consts))
-    saved, working = _saved(graph, local_bytes, active)
+    gradients, the values the backward pass reads (each primitive's `backward_reads`,
+    each value once), of a scan's body as its `remat` policy keeps them (every
+    iteration's; only the carry; the carry and the matmul outputs), and the largest
+    working set of the backward pass: the cotangents of one equation's inputs and
+    outputs, and under remat one iteration's recomputed values."""
+    held = {*graph.inputs, *graph.consts}
+    base = sum(local_bytes(v) for v in held)
+    saved, working = _saved(graph, local_bytes, active, held)
     return int(base + sum(local_bytes(v) for v in wrt) + saved + working)
 
 
-def _saved(graph, local_bytes, active: set) -> tuple[int, int]:
-    """(bytes of the graph's values saved for the backward pass, the largest working set
-    of one scan iteration's backward pass)."""
-    saved, working = 0, 0
+def _saved(graph, local_bytes, active: set, held: set, intermediates=True) -> tuple[int, int]:
+    """(bytes of the graph's values its backward pass reads, less the `held` ones (held
+    anyway), the largest working set of its backward pass). `intermediates`: count the values
+    made inside elementwise primitives (`backward_saves`) too; in an iteration
+    recomputed under remat nothing makes XLA store them (they are not stacked for
+    later iterations), so it fuses their recomputation into the backward pass's ops.
+    A softmax's exponentials it stores either way (its sum is a reduction)."""
+    saved, working, kept = 0, 0, set()
+    active = active & _reaching(graph)
     for e in graph.eqns:
         if e.primitive.name == "scan":
-            kept, work = _scan_saved(e, local_bytes, active)
-            saved, working = saved + kept, max(working, work)
-        saved += sum(local_bytes(v) for v in e.outputs if v in active)
-    return saved, working
+            scan_kept, work = _scan_saved(e, local_bytes, active)
+            saved, working = saved + scan_kept, max(working, work)
+        kept |= backward_reads(e, active)
+        stored = intermediates or not e.primitive.elementwise
+        if stored and e.primitive.backward_saves and any(v in active for v in e.inputs):
+            saved += e.primitive.backward_saves * local_bytes(e.inputs[0])
+        cotangents = [v for v in (*e.inputs, *e.outputs) if v in active]
+        working = max(working, sum(local_bytes(v) for v in cotangents))
+    return saved + sum(local_bytes(v) for v in kept - held), working
+
+
+def _reaching(graph) -> set:
+    """The values of `graph` its outputs depend on other than through stop_gradient: a
+    gradient flows back to these only (the max under an online softmax's stop_gradient
+    has no backward pass)."""
+    reach = set(graph.outputs)
+    for e in reversed(graph.eqns):
+        if e.primitive.name != "stop_gradient" and reach.intersection(e.outputs):
+            reach.update(e.inputs)
+    return reach
 
 
 def _scan_saved(e, local_bytes, active: set) -> tuple[int, int]:
@@ -87,9 +132,11 @@ def _scan_saved(e, local_bytes, active: set) -> tuple[int, int]:
     inner = active_values(
         body, {b for b, v in zip(body.inputs, e.inputs, strict=True) if v in active}
     )
-    per_step, work = _saved(body, local_bytes, inner)
-    carry = sum(local_bytes(v) for v in body.inputs[:nc])
+    # the scanned slices and the shared inputs are held whole outside the loop
+    held = set(body.inputs[nc:]) | set(body.consts)
     remat = e.params.get("remat", "none")
+    per_step, work = _saved(body, local_bytes, inner, held, intermediates=remat == "none")
+    carry = sum(local_bytes(v) for v in body.inputs[:nc])
     if remat == "none":
         return n * per_step, work
     dots = sum(
