@@ -53,3 +53,32 @@ def test_an_unknown_backward_reads_is_refused_at_registration():
     with pytest.raises(ValueError, match="'probe_op'.*backward_reads"):
         primitive("probe_op", None, None, None, backward_reads="sometimes")
     assert "probe_op" not in REGISTRY
+
+
+@pytest.mark.parametrize(
+    "name", ["gelu", "silu", "tanh", "exp", "sigmoid", "rsqrt", "square", "softmax", "log_softmax"]
+)
+def test_declared_backward_reads_match_the_residuals_jax_saves(name):
+    """For ops whose result has their input's shape: the input-sized values jax's
+    autodiff saves for the op's jax implementation (jax.ad_checkpoint's report of saved
+    residuals) are as many as the primitive declares (input, output, and its own)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from namedmesh.primitive import REGISTRY
+
+    prim = REGISTRY[name]
+    x = np.linspace(0.1, 2.0, 64 * 32, dtype=np.float32).reshape(64, 32)
+    if prim.elementwise:
+        f = lambda a: prim.jax_impl(a, in_dims=(("a", "b"),), out_dims=("a", "b")).sum()
+    else:
+        f = lambda a: prim.jax_impl(a, axes=(1,)).sum()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, x)
+    saved = sum(line.startswith("f32[64,32]") for line in out.getvalue().splitlines())
+    reads = prim.backward_reads
+    declared = (reads in ("inputs", "both")) + (reads in ("output", "both")) + prim.backward_saves
+    assert saved == declared, out.getvalue()
