@@ -18,9 +18,9 @@ from pathlib import Path
 
 import namedmesh as nm
 from lowering import Layout, Mesh
-from lowering.cost import active_values
 from lowering.layout import local_shape
 from lowering.lower import Context, nontrivial, plan_layouts
+from lowering.memory import active_values
 
 
 def peak_bytes(compiled) -> int:

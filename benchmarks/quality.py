@@ -356,12 +356,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per run (4000; quick 300)")
     p.add_argument("--eval-every", type=int, default=None, help="(250; quick 50)")
     p.add_argument("--quick", action="store_true", help="~300 steps, two layouts (a smoke run)")
+    p.add_argument("--layout", action="append", default=None, metavar="NAME",
+                   help="run only the layout NAME (repeatable; the names of LAYOUTS)")  # fmt: skip
     p.add_argument("--out", type=Path, help="markdown file whose quality section to replace")
     p.add_argument("--plot", type=Path, help="the curves' PNG (default: img/ next to --out)")
     args = p.parse_args(argv)
     steps = args.steps or (300 if args.quick else 4000)
     eval_every = args.eval_every or (50 if args.quick else 250)
     layouts = [lt for lt in LAYOUTS if not args.quick or lt.name in QUICK_LAYOUTS]
+    if args.layout:
+        if unknown := set(args.layout) - {lt.name for lt in LAYOUTS}:
+            p.error(f"--layout: no layout named {sorted(unknown)}; the layouts: "
+                    f"{[lt.name for lt in LAYOUTS]}")  # fmt: skip
+        layouts = [lt for lt in layouts if lt.name in args.layout]
     plot_path = args.plot or (args.out.parent / "img" / "quality_curves.png" if args.out else None)
 
     from tqdm import tqdm

@@ -79,8 +79,17 @@ def _scan_cost(in_avals, out_avals, params) -> Cost:
     return Cost(flops * params["length"], nbytes * params["length"])
 
 
+# A scan's backward pass reads its inputs (the shared values and the scanned slices,
+# from which it recomputes under remat); what it keeps of each iteration follows its
+# body and remat policy (lowering/memory.py looks into the body).
 _scan = primitive(
-    "scan", _scan_rule, _scan_numpy, _scan_jax, cost_rule=_scan_cost, multiple_results=True
+    "scan",
+    _scan_rule,
+    _scan_numpy,
+    _scan_jax,
+    cost_rule=_scan_cost,
+    multiple_results=True,
+    backward_reads="inputs",
 )
 
 

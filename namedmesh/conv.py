@@ -156,7 +156,9 @@ def _conv_cost(in_avals, out_avals, params) -> Cost:
     return Cost(flops, x.nbytes + k.nbytes + out_avals[0].nbytes)
 
 
-_conv = primitive("conv", _conv_rule, _conv_np, _conv_jax, cost_rule=_conv_cost)
+_conv = primitive(
+    "conv", _conv_rule, _conv_np, _conv_jax, cost_rule=_conv_cost, backward_reads="others"
+)
 
 
 def conv(
@@ -230,7 +232,9 @@ def _pool_cost(in_avals, out_avals, params) -> Cost:
     return Cost(flops, in_avals[0].nbytes + out_avals[0].nbytes)
 
 
-_pool = primitive("pool", _pool_rule, _pool_np, _pool_jax, cost_rule=_pool_cost)
+_pool = primitive(
+    "pool", _pool_rule, _pool_np, _pool_jax, cost_rule=_pool_cost, backward_reads="both"
+)
 
 
 def pool(

@@ -37,6 +37,7 @@ _full = primitive(
     lambda dims, shape, value, dtype: np.full(shape, value, dtype),
     lambda dims, shape, value, dtype: jnp.full(shape, value, dtype),
     cost_rule=lambda i, o, p: Cost(0, o[0].nbytes),
+    backward_reads="nothing",
 )
 
 
@@ -81,6 +82,7 @@ _iota = primitive(
     lambda dim, start, step, n, dtype: (start + step * np.arange(n)).astype(dtype),
     lambda dim, start, step, n, dtype: (start + step * jnp.arange(n)).astype(dtype),
     cost_rule=lambda i, o, p: Cost(o[0].shape[0], o[0].nbytes),
+    backward_reads="nothing",
 )
 
 

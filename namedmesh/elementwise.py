@@ -111,15 +111,34 @@ def _cost(flops_per_element: int):
     return cost
 
 
-def _make_nary(name: str, np_fn, jnp_fn, dtype_rule, flops: int = 1, like_from: int = 0):
+def _make_nary(
+    name: str,
+    np_fn,
+    jnp_fn,
+    dtype_rule,
+    flops: int = 1,
+    like_from: int = 0,
+    reads="inputs",
+    saves=0,
+):
     """One elementwise primitive and its public op. Scalars take the dtype of the first
-    Tensor among the operands from position `like_from` on."""
+    Tensor among the operands from position `like_from` on; `reads` and `saves` are
+    what its backward pass reads (`Primitive.backward_reads`, `backward_saves`)."""
 
     def shape_rule(*xs, in_dims, out_dims):
         dims, shape = broadcast_dims(xs, name)
         return Aval(dims, shape, dtype_rule(*(x.dtype for x in xs)))
 
-    prim = primitive(name, shape_rule, _nary(np_fn, np), _nary(jnp_fn, jnp), cost_rule=_cost(flops))
+    prim = primitive(
+        name,
+        shape_rule,
+        _nary(np_fn, np),
+        _nary(jnp_fn, jnp),
+        cost_rule=_cost(flops),
+        elementwise=True,
+        backward_reads=reads,
+        backward_saves=saves,
+    )
 
     def op(*xs) -> Tensor:
         ts = operands(*xs, op=name, like_from=like_from)
@@ -175,54 +194,60 @@ def _gelu_jax(x):
 
 
 # Unary: name, NumPy, jax.numpy, dtype rule, flops per element.
-negative = _make_nary("negative", np.negative, jnp.negative, _same)
+negative = _make_nary("negative", np.negative, jnp.negative, _same, reads="nothing")
 abs = _make_nary("abs", np.abs, jnp.abs, _same)
-sign = _make_nary("sign", np.sign, jnp.sign, _same)
-square = _make_nary("square", np.square, jnp.square, _same)
-reciprocal = _make_nary("reciprocal", _reciprocal_np, _reciprocal_jax, _floating)
-exp = _make_nary("exp", np.exp, jnp.exp, _floating)
+sign = _make_nary("sign", np.sign, jnp.sign, _same, reads="nothing")
+square = _make_nary("square", np.square, jnp.square, _same, reads="nothing", saves=1)
+reciprocal = _make_nary("reciprocal", _reciprocal_np, _reciprocal_jax, _floating, reads="output")
+exp = _make_nary("exp", np.exp, jnp.exp, _floating, reads="output")
 log = _make_nary("log", np.log, jnp.log, _floating)
 log1p = _make_nary("log1p", np.log1p, jnp.log1p, _floating)
-expm1 = _make_nary("expm1", np.expm1, jnp.expm1, _floating)
-sqrt = _make_nary("sqrt", np.sqrt, jnp.sqrt, _floating)
-rsqrt = _make_nary("rsqrt", _rsqrt_np, jax.lax.rsqrt, _floating, 2)
+expm1 = _make_nary("expm1", np.expm1, jnp.expm1, _floating, reads="output")
+sqrt = _make_nary("sqrt", np.sqrt, jnp.sqrt, _floating, reads="output")
+rsqrt = _make_nary("rsqrt", _rsqrt_np, jax.lax.rsqrt, _floating, 2, reads="nothing", saves=1)
 sin = _make_nary("sin", np.sin, jnp.sin, _floating)
 cos = _make_nary("cos", np.cos, jnp.cos, _floating)
 tan = _make_nary("tan", np.tan, jnp.tan, _floating)
-tanh = _make_nary("tanh", np.tanh, jnp.tanh, _floating)
+tanh = _make_nary("tanh", np.tanh, jnp.tanh, _floating, reads="output", saves=1)
 erf = _make_nary("erf", scipy.special.erf, jax.scipy.special.erf, _floating)
-sigmoid = _make_nary("sigmoid", scipy.special.expit, jax.nn.sigmoid, _floating, 4)
+sigmoid = _make_nary(
+    "sigmoid", scipy.special.expit, jax.nn.sigmoid, _floating, 4, reads="nothing", saves=1
+)
 relu = _make_nary("relu", _relu_np, jax.nn.relu, _same)
-gelu = _make_nary("gelu", _gelu_np, _gelu_jax, _floating, 8)
-silu = _make_nary("silu", _silu_np, jax.nn.silu, _floating, 5)
-floor = _make_nary("floor", np.floor, jnp.floor, _same)
-ceil = _make_nary("ceil", np.ceil, jnp.ceil, _same)
-round = _make_nary("round", np.round, jnp.round, _same)
-logical_not = _make_nary("logical_not", np.logical_not, jnp.logical_not, _boolean)
-isnan = _make_nary("isnan", np.isnan, jnp.isnan, _boolean)
-isfinite = _make_nary("isfinite", np.isfinite, jnp.isfinite, _boolean)
+gelu = _make_nary("gelu", _gelu_np, _gelu_jax, _floating, 8, reads="inputs", saves=4)
+silu = _make_nary("silu", _silu_np, jax.nn.silu, _floating, 5, reads="inputs", saves=2)
+floor = _make_nary("floor", np.floor, jnp.floor, _same, reads="nothing")
+ceil = _make_nary("ceil", np.ceil, jnp.ceil, _same, reads="nothing")
+round = _make_nary("round", np.round, jnp.round, _same, reads="nothing")
+logical_not = _make_nary("logical_not", np.logical_not, jnp.logical_not, _boolean, reads="nothing")
+isnan = _make_nary("isnan", np.isnan, jnp.isnan, _boolean, reads="nothing")
+isfinite = _make_nary("isfinite", np.isfinite, jnp.isfinite, _boolean, reads="nothing")
 
 # Binary: name, NumPy, jax.numpy, dtype rule.
-add = _make_nary("add", np.add, jnp.add, _same)
-subtract = _make_nary("subtract", np.subtract, jnp.subtract, _same)
-multiply = _make_nary("multiply", np.multiply, jnp.multiply, _same)
+add = _make_nary("add", np.add, jnp.add, _same, reads="nothing")
+subtract = _make_nary("subtract", np.subtract, jnp.subtract, _same, reads="nothing")
+multiply = _make_nary("multiply", np.multiply, jnp.multiply, _same, reads="others")
 divide = _make_nary("divide", np.true_divide, jnp.true_divide, _floating)
-floor_divide = _make_nary("floor_divide", np.floor_divide, jnp.floor_divide, _same)
-mod = _make_nary("mod", np.mod, jnp.mod, _same)
-power = _make_nary("power", np.power, jnp.power, _same)
+floor_divide = _make_nary("floor_divide", np.floor_divide, jnp.floor_divide, _same, reads="nothing")
+mod = _make_nary("mod", np.mod, jnp.mod, _same, reads="nothing")
+power = _make_nary("power", np.power, jnp.power, _same, reads="both")
 maximum = _make_nary("maximum", np.maximum, jnp.maximum, _same)
 minimum = _make_nary("minimum", np.minimum, jnp.minimum, _same)
 arctan2 = _make_nary("arctan2", np.arctan2, jnp.arctan2, _floating)
-equal = _make_nary("equal", np.equal, jnp.equal, _boolean)
-not_equal = _make_nary("not_equal", np.not_equal, jnp.not_equal, _boolean)
-less = _make_nary("less", np.less, jnp.less, _boolean)
-less_equal = _make_nary("less_equal", np.less_equal, jnp.less_equal, _boolean)
-greater = _make_nary("greater", np.greater, jnp.greater, _boolean)
-greater_equal = _make_nary("greater_equal", np.greater_equal, jnp.greater_equal, _boolean)
-logical_and = _make_nary("logical_and", np.logical_and, jnp.logical_and, _boolean)
-logical_or = _make_nary("logical_or", np.logical_or, jnp.logical_or, _boolean)
-logical_xor = _make_nary("logical_xor", np.logical_xor, jnp.logical_xor, _boolean)
-where = _make_nary("where", np.where, jnp.where, lambda c, x, y: result_dtype(x, y), like_from=1)
+equal = _make_nary("equal", np.equal, jnp.equal, _boolean, reads="nothing")
+not_equal = _make_nary("not_equal", np.not_equal, jnp.not_equal, _boolean, reads="nothing")
+less = _make_nary("less", np.less, jnp.less, _boolean, reads="nothing")
+less_equal = _make_nary("less_equal", np.less_equal, jnp.less_equal, _boolean, reads="nothing")
+greater = _make_nary("greater", np.greater, jnp.greater, _boolean, reads="nothing")
+greater_equal = _make_nary(
+    "greater_equal", np.greater_equal, jnp.greater_equal, _boolean, reads="nothing"
+)
+logical_and = _make_nary("logical_and", np.logical_and, jnp.logical_and, _boolean, reads="nothing")
+logical_or = _make_nary("logical_or", np.logical_or, jnp.logical_or, _boolean, reads="nothing")
+logical_xor = _make_nary("logical_xor", np.logical_xor, jnp.logical_xor, _boolean, reads="nothing")
+where = _make_nary(
+    "where", np.where, jnp.where, lambda c, x, y: result_dtype(x, y), like_from=1, reads="constant"
+)
 where.__doc__ = "`where(cond, x, y)`: x where cond else y, broadcast by name (cond's dims first)."
 
 UNARY_OPS = (
@@ -285,11 +310,15 @@ _convert = primitive(
     _convert_rule,
     lambda x, dtype: x.astype(dtype),
     lambda x, dtype: x.astype(dtype),
+    backward_reads="nothing",
 )
 
 
 def astype(x: Tensor, dtype) -> Tensor:
-    """`x` converted to `dtype`."""
+    """`x` converted to `dtype`; `x` itself when it has that dtype (no op recorded, so
+    that the memory estimate does not count a copy that jax never makes)."""
+    if x.dtype == np.dtype(dtype):
+        return x
     return bind(_convert, x, dtype=np.dtype(dtype))
 
 

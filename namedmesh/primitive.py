@@ -73,6 +73,19 @@ def zero_flops_cost(in_avals, out_avals, params) -> Cost:
     return Cost(0, sum(a.nbytes for a in in_avals) + sum(a.nbytes for a in out_avals))
 
 
+# What the backward pass of a primitive reads of its forward values (what reverse mode
+# saves for it), declared on each primitive as `backward_reads`; the training-step
+# memory estimate (lowering/memory.py) counts these values as kept.
+READS_INPUTS = "inputs"  # its inputs: a nonlinear op whose derivative is written in x
+READS_OUTPUT = "output"  # its output: exp, tanh (the derivative is written in y)
+READS_BOTH = "both"  # its inputs and its output
+READS_NOTHING = "nothing"  # a linear op (its transpose needs the cotangent alone), or no gradient
+READS_OTHERS = "others"  # a product: for each input a gradient flows to, the other inputs
+READS_CONSTANT = "constant"  # the inputs no gradient flows to (a select's condition)
+BACKWARD_READS = (READS_INPUTS, READS_OUTPUT, READS_BOTH, READS_NOTHING, READS_OTHERS,
+                  READS_CONSTANT)  # fmt: skip
+
+
 @dataclass(eq=False)
 class Primitive:
     """One op. `shape_rule(*inputs, **params)` sees objects with .dims/.shape/.dtype."""
@@ -84,6 +97,12 @@ class Primitive:
     cost_rule: Callable[..., Cost] = default_cost
     multiple_results: bool = False
     matmul: bool = False  # a contraction: what remat policy "dots" keeps
+    # acts on each element alone, broadcasting by name (the same flag as the planner's)
+    elementwise: bool = False
+    backward_reads: str = READS_INPUTS  # one of BACKWARD_READS
+    # and how many values of its first input's size, made inside its jax implementation,
+    # jax's autodiff saves besides (softmax's exponentials, gelu's tanh and products)
+    backward_saves: int = 0
     spmd_rule: Callable[..., Any] | None = field(default=None)  # filled by `lowering`
 
     def __repr__(self) -> str:
@@ -97,6 +116,8 @@ def primitive(name: str, shape_rule, numpy_impl, jax_impl, **kw) -> Primitive:
     """Create and register a primitive; names are unique."""
     if name in REGISTRY:
         raise ValueError(f"primitive {name!r} is already registered")
+    if kw.get("backward_reads", READS_INPUTS) not in BACKWARD_READS:
+        raise ValueError(f"primitive {name!r}: backward_reads must be one of {BACKWARD_READS}")
     p = Primitive(name, shape_rule, numpy_impl, jax_impl, **kw)
     REGISTRY[name] = p
     return p

@@ -107,6 +107,7 @@ _random = primitive(
     lambda key, dims, shape, dist, dtype, args: random_values(key, shape, dist, dtype, args),
     lambda key, dims, shape, dist, dtype, args: random_values(key, shape, dist, dtype, args, jnp),
     cost_rule=_random_cost,
+    backward_reads="nothing",
 )
 
 
@@ -122,6 +123,7 @@ _fold_in_prim = primitive(
     lambda key, data, stream: _fold_in(key, data, stream, np),
     lambda key, data, stream: _fold_in(key, data, stream, jnp),
     cost_rule=lambda i, o, p: Cost(60, 16),
+    backward_reads="nothing",
 )
 
 

@@ -45,7 +45,7 @@ def _reduction_cost(in_avals, out_avals, params) -> Cost:
     return default_cost(in_avals, out_avals, params)._replace(flops=math.prod(in_avals[0].shape))
 
 
-def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt):
+def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt, reads="nothing", saves=0):
     def shape_rule(x, axes):
         dims, shape = _kept(x, axes)
         return Aval(dims, shape, dtype_rule(x.dtype))
@@ -56,6 +56,8 @@ def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt):
         lambda x, axes: np_fn(x, axis=axes),
         lambda x, axes: jnp_fn(x, axis=axes),
         cost_rule=_reduction_cost,
+        backward_reads=reads,
+        backward_saves=saves,
     )
 
     def op(x: Tensor, dims: DimsLike | None = None) -> Tensor:
@@ -75,9 +77,9 @@ def _sum_dtype(dt):
 
 
 sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype)
-prod = _make_reduction("prod", np.prod, jnp.prod, _sum_dtype)
-max = _make_reduction("max", np.max, jnp.max)
-min = _make_reduction("min", np.min, jnp.min)
+prod = _make_reduction("prod", np.prod, jnp.prod, _sum_dtype, reads="both")
+max = _make_reduction("max", np.max, jnp.max, reads="both")
+min = _make_reduction("min", np.min, jnp.min, reads="both")
 mean = _make_reduction("mean", np.mean, jnp.mean, _float)
 any = _make_reduction("any", np.any, jnp.any, lambda dt: np.dtype(bool))
 all = _make_reduction("all", np.all, jnp.all, lambda dt: np.dtype(bool))
@@ -93,7 +95,9 @@ def _scipy(fn):
     return run
 
 
-logsumexp = _make_reduction("logsumexp", _scipy(scipy.special.logsumexp), jax.nn.logsumexp, _float)
+logsumexp = _make_reduction(
+    "logsumexp", _scipy(scipy.special.logsumexp), jax.nn.logsumexp, _float, reads="both"
+)
 logsumexp.__doc__ = "log(sum(exp(x))) over `dims`, computed stably (max subtracted first)."
 
 
@@ -114,6 +118,8 @@ _softmax = primitive(
     lambda x, axes: _scipy(scipy.special.softmax)(x, axes),
     lambda x, axes: jax.nn.softmax(x, axis=axes),
     cost_rule=normalization_cost,
+    backward_reads="nothing",
+    backward_saves=1,
 )
 _log_softmax = primitive(
     "log_softmax",
@@ -121,6 +127,8 @@ _log_softmax = primitive(
     lambda x, axes: _scipy(scipy.special.log_softmax)(x, axes),
     lambda x, axes: log_softmax_jax(x, axes),
     cost_rule=normalization_cost,
+    backward_reads="nothing",
+    backward_saves=1,
 )
 
 
@@ -203,7 +211,13 @@ def _top_k_jax(x, axis, k, new_dim):
 
 
 _top_k = primitive(
-    "top_k", _top_k_rule, _top_k_np, _top_k_jax, cost_rule=_reduction_cost, multiple_results=True
+    "top_k",
+    _top_k_rule,
+    _top_k_np,
+    _top_k_jax,
+    cost_rule=_reduction_cost,
+    multiple_results=True,
+    backward_reads="nothing",
 )
 
 
@@ -232,6 +246,7 @@ _cumsum = primitive(
     lambda x, axis, reverse: Aval(x.dims, x.shape, _sum_dtype(x.dtype)),
     _cumsum_np,
     lambda x, axis, reverse: jax.lax.cumsum(x.astype(_sum_dtype(x.dtype)), axis, reverse=reverse),
+    backward_reads="nothing",
 )
 
 

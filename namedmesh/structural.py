@@ -30,6 +30,7 @@ _rename = primitive(
     _identity,
     _identity,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
+    backward_reads="nothing",
 )
 
 
@@ -47,6 +48,7 @@ _transpose = primitive(
     lambda x, perm: np.transpose(x, perm),
     lambda x, perm: jnp.transpose(x, perm),
     cost_rule=zero_flops_cost,
+    backward_reads="nothing",
 )
 
 
@@ -82,6 +84,7 @@ _reshape = primitive(
     lambda x, shape, dims: np.reshape(x, shape),
     lambda x, shape, dims: jnp.reshape(x, shape),
     cost_rule=zero_flops_cost,
+    backward_reads="nothing",
 )
 
 
@@ -141,6 +144,7 @@ _concat = primitive(
     lambda *xs, axis: np.concatenate(xs, axis=axis),
     lambda *xs, axis: jnp.concatenate(xs, axis=axis),
     cost_rule=zero_flops_cost,
+    backward_reads="nothing",
 )
 
 
@@ -170,6 +174,7 @@ _stack = primitive(
     lambda *xs, dim: np.stack(xs),
     lambda *xs, dim: jnp.stack(xs),
     cost_rule=zero_flops_cost,
+    backward_reads="nothing",
 )
 
 
@@ -199,6 +204,7 @@ _split = primitive(
     lambda x, axis, sizes: _split_np(x, axis, sizes, jnp),
     cost_rule=zero_flops_cost,
     multiple_results=True,
+    backward_reads="nothing",
 )
 
 
@@ -232,6 +238,7 @@ _slice = primitive(
     lambda x, axis, start, stop, step: x[_slicer(axis, start, stop, step)],
     lambda x, axis, start, stop, step: x[_slicer(axis, start, stop, step)],
     cost_rule=zero_flops_cost,
+    backward_reads="nothing",
 )
 
 
@@ -258,6 +265,7 @@ _pad = primitive(
     lambda x, widths, value: np.pad(x, widths, constant_values=np.asarray(value, x.dtype)),
     lambda x, widths, value: jnp.pad(x, widths, constant_values=value),
     cost_rule=zero_flops_cost,
+    backward_reads="nothing",
 )
 
 
@@ -300,6 +308,7 @@ _shift = primitive(
     _shift_impl(np),
     _shift_impl(jnp),
     cost_rule=zero_flops_cost,
+    backward_reads="nothing",
 )
 
 
@@ -330,6 +339,7 @@ _one_hot = primitive(
     _one_hot_rule,
     lambda i, dim, n, dtype: (i[..., None] == np.arange(n)).astype(dtype),
     lambda i, dim, n, dtype: jax.nn.one_hot(wide_indices(i), n, dtype=dtype),
+    backward_reads="nothing",
 )
 
 
@@ -379,7 +389,12 @@ def _gather_impl(xp):
 
 
 _gather = primitive(
-    "gather", _gather_rule, _gather_impl(np), _gather_impl(jnp), cost_rule=zero_flops_cost
+    "gather",
+    _gather_rule,
+    _gather_impl(np),
+    _gather_impl(jnp),
+    cost_rule=zero_flops_cost,
+    backward_reads="constant",
 )
 
 
@@ -400,6 +415,7 @@ _stop_gradient = primitive(
     _identity,
     jax.lax.stop_gradient,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
+    backward_reads="nothing",
 )
 
 
@@ -440,6 +456,7 @@ _constrain = primitive(
     _identity,
     _identity,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
+    backward_reads="nothing",
 )
 
 

@@ -87,15 +87,20 @@ def test_unknown_remat_policy_is_a_parameter_error():
 
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
 def test_training_peak_estimate_follows_the_policy(remat):
-    """By hand: inputs and their gradients; per layer the body saves (batch, e) twice
-    (matmul, tanh) and (batch, d) twice (matmul, residual add); without remat all of it
-    for every layer, with full remat the carry (batch, d) per layer plus one layer's
-    values recomputed, with dots the carry and the two matmul outputs per layer."""
+    """By hand, from what each primitive's backward pass reads: the inputs and their
+    gradients; per layer the body keeps h (the first einsum's other operand; the
+    weights are held whole), y = tanh(a) (its output, and the second einsum's operand)
+    and tanh's one saved intermediate, (batch, e); without remat every layer's, with
+    full remat the carry h per layer plus one recomputed layer's h and y (XLA fuses
+    tanh's intermediate into the backward pass), with dots the carry and the matmul
+    outputs a and b per layer. Outside the scan, h * h keeps h. The working set is the
+    largest sum of cotangents of one equation's inputs and outputs: the scan's (x, the
+    stacked weights, h)."""
     rep = lower(program(remat), Mesh({"one": 1}), "").report(*ARGS, wrt=(0, 1, 2), show=False)
     f = 4  # float32
     inputs = (B * D + 2 * L * D * E) * f
-    step = (2 * B * E + 2 * B * D) * f
+    step = (B * D + 2 * B * E) * f
     carry, dots = B * D * f, (B * E + B * D) * f
-    outer = 2 * B * D * f + f  # the scan's result h, h * h, and the 0-d loss
-    body = {"none": L * step, "full": L * carry + step, "dots": L * (carry + dots) + step}
-    assert rep.peak_memory == 2 * inputs + outer + body[remat]
+    body = {"none": L * step, "full": L * carry, "dots": L * (carry + dots)}
+    working = (2 * B * D + 2 * L * D * E) * f
+    assert rep.peak_memory == 2 * inputs + B * D * f + body[remat] + working
