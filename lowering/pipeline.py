@@ -95,8 +95,9 @@ class PipelinePlan:
 
     @property
     def minimum_bytes(self) -> int:
-        """Each boundary's activations crossed once per direction: the carry's bytes."""
-        return 2 * self.microbatches * self.microbatch_bytes
+        """Sent per device and direction at the least: the carry, once across its stage
+        boundary (what `forward_bytes` and `backward_bytes` are held against)."""
+        return self.microbatches * self.microbatch_bytes
 
     @property
     def parameter_bytes(self) -> int:
@@ -118,7 +119,7 @@ class PipelinePlan:
             f"microbatches{cut}, {self.ticks} ticks, bubble {self.bubble:.1%}",
             f"    bytes sent per device: forward {self.forward_bytes:,.0f}, backward "
             f"{self.backward_bytes:,.0f} (the activations' minimum: "
-            f"{self.minimum_bytes:,.0f})",
+            f"{self.minimum_bytes:,.0f} each way)",
             f"    per device: stage parameters {self.parameter_bytes:,} bytes (stack "
             f"{self.stack_bytes:,}), activations kept {self.activation_bytes:,} bytes",
         ]
@@ -270,10 +271,13 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
     inner_carry = [stage_free(lay) for lay in carry_lay]
     carry = [ctx.relayout(c, lay, want) for c, lay, want in zip(carry, carry_lay, inner_carry,
                                                                  strict=True)]  # fmt: skip
+    # The stage's layers typed varying where the carry is, once: cast inside the loop, the
+    # backward pass would psum each layer's gradient once per tick, not once per step.
+    vma = set().union(*map(col.varying_axes, carry))
     xs, x_lays = [], []
     for (x, lay), ax in zip(x_args, p["x_axes"], strict=True):
         want = stage_free(lay[:ax]) + (axes,) + stage_free(lay[ax + 1 :])
-        xs.append(jnp.moveaxis(ctx.relayout(x, lay, want), ax, 0))
+        xs.append(jnp.moveaxis(ctx.varying(ctx.relayout(x, lay, want), vma), ax, 0))
         x_lays.append(want[:ax] + want[ax + 1 :])
     rest = [(ctx.relayout(r, lay, stage_free(lay)), stage_free(lay)) for r, lay in rest]
     dim = ctx.layout.options.get("microbatch_dim", "batch")
@@ -315,7 +319,7 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
     axes, m, s_n, dim = plan.axes, plan.microbatches, plan.stages, plan.dim
     s = col.axis_index(axes, ctx.sizes)
     c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
-    micro = [_to_micro(c, a, m) for c, a in zip(carry, c_ax, strict=True)]
+    micro = [_to_micro(c, a, m) if dim else c[None] for c, a in zip(carry, c_ax, strict=True)]
     r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
     rest_m = [(_to_micro(r, a, m) if a is not None and dim else r, lay, a)
               for (r, lay), a in zip(rest, r_ax, strict=True)]  # fmt: skip

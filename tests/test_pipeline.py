@@ -5,6 +5,7 @@ step's collective-permutes carry the bytes the plan predicts, no all-gather of t
 layer stack remains, and each device holds 1/S of the stack. One compile per layout."""
 
 import functools
+import shutil
 
 import jax
 import numpy as np
@@ -108,7 +109,7 @@ def test_the_plan_states_the_gpipe_schedule():
     assert (p.microbatches, p.ticks, p.layers_per_stage) == (16, 19, 2)
     assert p.bubble == pytest.approx(3 / 19)
     assert p.forward_bytes == 19 * 100 + 2 * 3 / 4 * 1600
-    assert p.minimum_bytes == 2 * 1600 and p.parameter_bytes == 200
+    assert p.minimum_bytes == 1600 and p.parameter_bytes == 200
     assert default_microbatches(2, 6) == 6 and default_microbatches(2, 12) == 6
     assert default_microbatches(3, 7) == 7 and default_microbatches(1, 7) == 1
     assert "bubble 15.8%" in str(p)
@@ -156,3 +157,25 @@ def test_errors_name_the_scan_and_the_rule():
     # by default such a body runs with one microbatch, and equals the loop
     got, want = lower(mixing, mesh, "layers:stage")(X, W)[0], mixing(X, W)[0]
     np.testing.assert_allclose(np.asarray(got.data), np.asarray(want.data), rtol=1e-5)
+
+
+def test_the_cli_trains_a_pipeline_and_its_checkpoint_resumes_without_one(tmp_path):
+    """`--mesh stage=4,data=2 --layout "layers:stage;batch:data"` trains; its step-2
+    checkpoint resumed data-parallel logs the pipelined run's later losses."""
+    from test_train_cli import losses, train
+
+    tiny = ["--set", "layers=4", "--steps", "4", "--save-every", "2", "--eval-every", "4"]
+    out = tmp_path / "run"
+    r = train(*tiny, "--mesh", "stage=4,data=2", "--layout", "layers:stage;batch:data",
+              "--out", out)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "pipeline (gpipe) over stage: 4 stages" in r.stdout and "bubble" in r.stdout
+    shutil.copytree(out, tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
+    r = train(*tiny, "--mesh", "data=2", "--layout", "batch:data", "--resume",
+              "--out", tmp_path / "resumed")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "resumed from step 2" in r.stdout
+    want, got = losses(out), losses(tmp_path / "resumed")
+    assert list(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-4)
