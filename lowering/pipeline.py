@@ -39,8 +39,6 @@ from lowering.cost import traffic
 from lowering.layout import Layout
 from namedmesh.errors import PipelineError, fmt_dims
 
-SCHEDULES = ("gpipe",)
-
 
 @dataclass(frozen=True)
 class PipelinePlan:
@@ -72,14 +70,11 @@ class PipelinePlan:
         """The fraction of ticks a stage idles (computes on zeros): (S-1)/(M+S-1)."""
         return (self.stages - 1) / self.ticks
 
-    def _sizes(self) -> dict[str, int]:
-        return {"stages": self.stages}
-
     @property
     def broadcast_bytes(self) -> float:
         """Sent to give every stage the last stage's result (an all-reduce)."""
-        return traffic("psum", ("stages",), self.microbatches * self.microbatch_bytes,
-                       self._sizes())  # fmt: skip
+        carry = self.microbatches * self.microbatch_bytes
+        return traffic("psum", ("stage",), carry, {"stage": self.stages})
 
     @property
     def forward_bytes(self) -> float:
@@ -281,11 +276,10 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
         x_lays.append(want[:ax] + want[ax + 1 :])
     rest = [(ctx.relayout(r, lay, stage_free(lay)), stage_free(lay)) for r, lay in rest]
     dim = ctx.layout.options.get("microbatch_dim", "batch")
-    has = [v for v in body.inputs[:nc] if dim in v.dims]
-    local = None
-    if len(has) == nc and nc:
-        i = body.inputs[0].dims.index(dim)
-        local = carry[0].shape[i]
+    # the carries' local size along `dim`: None where one lacks it or they differ
+    sizes = {c.shape[v.dims.index(dim)] if dim in v.dims else None
+             for c, v in zip(carry, body.inputs[:nc], strict=True)}  # fmt: skip
+    local = sizes.pop() if len(sizes) == 1 else None
     pplan = plan_pipeline(
         axes=axes,
         stages=math.prod(ctx.sizes[a] for a in axes),
