@@ -79,6 +79,77 @@ def rows(repeats: int = 5) -> list[dict]:
     return out
 
 
+PAPER = "lm1b_5"  # 4.9B parameters, 6 layers; the paper's mesh is batch 16 x model 32
+PAPER_LAYOUTS = [  # (name, mesh, layout), 512 cores each
+    ("the paper's", {"batch": 16, "model": 32}, "batch:batch;vocab:model;d_ff:model;heads:model"),
+    ("stage=2", {"stage": 2, "batch": 16, "model": 16},
+     "layers:stage;batch:batch;vocab:model;d_ff:model;heads:model"),
+    ("stage=2, wider batch", {"stage": 2, "batch": 32, "model": 8},
+     "layers:stage;batch:batch;vocab:model;d_ff:model;heads:model"),
+]  # fmt: skip
+
+
+def paper_rows() -> list[dict]:
+    """The paper's largest LM planned on 512 abstract cores (no devices), with and without
+    a stage axis: per device, bytes per step (forward and backward), parameter bytes,
+    the bubble and the activations the pipeline keeps."""
+    import math
+
+    from benchmarks import report
+    from lowering import Layout, Mesh, lower
+    from lowering.layout import local_shape
+    from models import config, objectives, transformer
+
+    cfg = config.get(PAPER)
+    params = transformer.abstract(transformer.lm_shapes(cfg))
+    batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
+    leaves = [t for t in _leaves(params)]
+    out = []
+    for name, sizes, layout in PAPER_LAYOUTS:
+        mesh = Mesh(sizes, devices="abstract")
+        rep = lower(lambda p, b: transformer.lm_loss(p, b, cfg), mesh, layout).report(
+            params, batch, wrt=0, show=False
+        )
+        plan = rep.pipelines[0] if rep.pipelines else None
+        of = lambda t, mesh=mesh, layout=layout: Layout(layout).of(t.dims, t.shape, mesh)
+        param_bytes = sum(math.prod(local_shape(of(t), t.shape, mesh)) * 4 for t in leaves)
+        figures = [
+            ("bytes per step", rep.bytes + rep.backward_bytes, None),
+            ("parameter bytes", param_bytes, None),
+            ("bubble", plan.bubble if plan else 0.0, None),
+            ("microbatches", plan.microbatches if plan else 1, None),
+            ("activations kept", plan.activation_bytes if plan else None, None),
+        ]
+        text = "x".join(f"{k}={n}" for k, n in sizes.items())
+        out += [report.row("pipeline_paper", name, layout, text, *f) for f in figures]
+    return out
+
+
+def _leaves(tree):
+    import jax
+
+    import namedmesh as nm
+
+    return jax.tree_util.tree_leaves(tree, is_leaf=lambda t: isinstance(t, nm.Tensor))
+
+
+def _paper_table(rows_: list[dict]) -> str:
+    from benchmarks import report
+
+    by = {}
+    for r in rows_:
+        by.setdefault((r["case"], r["layout"], r["mesh"]), {})[r["metric"]] = r["namedmesh"]
+    head = ["layout", "mesh", "bytes/step", "parameter bytes", "M", "bubble",
+            "pipeline activations kept"]  # fmt: skip
+    cells = [
+        [f"{case}: `{layout}`", mesh, f"{m['bytes per step'] / 1e9:.2f} GB",
+         f"{m['parameter bytes'] / 1e9:.2f} GB", str(m["microbatches"]), f"{m['bubble']:.0%}",
+         "—" if m["activations kept"] is None else f"{m['activations kept'] / 1e9:.2f} GB"]
+        for (case, layout, mesh), m in by.items()
+    ]  # fmt: skip
+    return report.md_table(head, cells)
+
+
 def _table(rows_: list[dict]) -> str:
     from benchmarks import report
 
@@ -102,14 +173,18 @@ def _table(rows_: list[dict]) -> str:
 
 
 def write_docs(path: Path, rows_: list[dict], command: str) -> None:
-    """Write (or replace) the SECTION of the markdown file at `path` from `rows_`."""
+    """Write (or replace) the SECTION of the markdown file at `path` from `rows_` (the
+    8-device rows, then the paper-scale ones)."""
     from benchmarks import report
 
+    paper = [r for r in rows_ if r["bench"] == "pipeline_paper"]
+    rows_ = [r for r in rows_ if r["bench"] == "pipeline"]
     text = f"""{SECTION}
 
 Made by `{command}` on {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, on 8
 simulated CPU devices (one machine's cores: the times say what the schedule costs in
-work, not what a pipeline over real links gains). The model is the tiny LM with 8
+work, not what a pipeline over real links gains; on this
+shared 2-core machine they vary up to 2x between runs). The model is the tiny LM with 8
 layers (d_model 64, 4 heads, d_ff 256, vocab 256), batch 16 x length 32, float32, one
 training step (loss and gradients).
 
@@ -127,6 +202,20 @@ and FSDP send the gradients' all-reduce (FSDP: reduce-scatter, and the parameter
 all-gathers) instead. **peak memory** is XLA's (arguments + outputs + temporaries);
 **parameters + batch** its arguments: a pipeline keeps 1/S of the layer stack per
 device, the rest of the model (embedding) replicated.
+
+At paper scale, planned without devices (`Mesh(sizes, devices="abstract")`): the 4.9B
+`{PAPER}` LM (6 layers, batch 256 x length 256, float32) on 512 cores, the paper's
+layout beside the same Megatron rules with a stage axis:
+
+{_paper_table(paper)}
+
+Per device; bytes/step is the cost model's (forward and backward). With stage=2 x
+model=16 each device holds the paper's parameter bytes (the layer stack halved by the
+stages, doubled by the smaller model axis) and sends about 13% less (Megatron's
+all-reduces span 16 devices, not 32), for an 11% bubble and the activations of
+M+S-1 ticks; halving the model axis again for a wider batch doubles the parameters
+per device and sends more. "Activations kept" is the pipeline's estimate (ticks x
+layers per stage x what one iteration on a microbatch keeps, remat "none").
 """
     report.write_section(path, SECTION, text)
 
@@ -139,8 +228,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if "jax" not in sys.modules:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    found = rows(args.repeats)
-    print(_table(found))
+    found = rows(args.repeats) + paper_rows()
+    print(_table([r for r in found if r["bench"] == "pipeline"]))
+    print(_paper_table([r for r in found if r["bench"] == "pipeline_paper"]))
     if args.docs:
         write_docs(Path(args.docs), found, "python -m benchmarks.pipeline")
         print(f"wrote {SECTION!r} in {args.docs}")

@@ -429,7 +429,7 @@ def main(argv=None) -> int:
     pipeline_rows = []  # five LM training steps compiled: not in --quick (make test runs it)
     if not args.quick:
         print("the LM pipelined over a stage axis, beside FSDP and data parallel ...", flush=True)
-        pipeline_rows = pipeline.rows()
+        pipeline_rows = pipeline.rows() + pipeline.paper_rows()
     rows += pipeline_rows
     info = machine()
     out = Path(args.results)
