@@ -179,3 +179,19 @@ def test_the_cli_trains_a_pipeline_and_its_checkpoint_resumes_without_one(tmp_pa
     want, got = losses(out), losses(tmp_path / "resumed")
     assert list(got) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-4)
+
+
+def test_the_plan_lists_the_compiled_collectives_ys_included():
+    """The plan/HLO contract on a pipelined scan whose body also returns per-layer ys
+    (which stay on their stage), beside a data axis."""
+    from test_scan import ARGS, MESH, WANT, scanned
+
+    from lowering.cost import expected_hlo
+
+    lowered = lower(scanned, MESH, "layers:rows;batch:cols")
+    hlo = lowered.compile(*ARGS).as_text()
+    assert sorted(collectives(hlo)) == sorted(expected_hlo(lowered.plan(*ARGS), MESH.sizes))
+    assert "ppermute over rows" in str(lowered.plan(*ARGS))
+    h, ys = lowered(*ARGS)
+    np.testing.assert_allclose(np.asarray(ys.data), WANT[1], rtol=1e-4, atol=1e-5)
+    assert ys.data.sharding.spec[0] == "rows"  # each stage's layers' ys stay on it
