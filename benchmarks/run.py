@@ -7,7 +7,8 @@ Megatron, 2D, FSDP, sequence-parallel, expert-parallel and 2x2x2 layouts, for na
 XLA's partitioner and a hand-written shard_map, beside the analytical minimum, with
 step times and the cost model's bytes (benchmarks/collectives.py); compile time vs
 depth and planner time (benchmarks/scaling.py); the paper's LM1B models planned on
-their 512-core meshes (benchmarks/paper.py). The quality benchmark is
+their 512-core meshes (benchmarks/paper.py); the LM pipelined over a stage axis beside
+FSDP and data parallelism (benchmarks/pipeline.py). The quality benchmark is
 `python -m benchmarks.quality`, the GPU one `python -m benchmarks.gpu`.
 """
 
@@ -409,7 +410,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     from tqdm import tqdm
 
-    from benchmarks import collectives, paper, roofline, scaling
+    from benchmarks import collectives, paper, pipeline, roofline, scaling
 
     size = "quick" if args.quick else "full"
     print("calibrating the roofline (matmul, all-reduce, empty step) ...", flush=True)
@@ -425,6 +426,11 @@ def main(argv=None) -> int:
     print("the paper's LM1B models on their meshes (planned, no devices) ...", flush=True)
     paper_rows = paper.rows()
     rows += paper_rows
+    pipeline_rows = []  # five LM training steps compiled: not in --quick (make test runs it)
+    if not args.quick:
+        print("the LM pipelined over a stage axis, beside FSDP and data parallel ...", flush=True)
+        pipeline_rows = pipeline.rows() + pipeline.paper_rows()
+    rows += pipeline_rows
     info = machine()
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
@@ -447,6 +453,8 @@ def main(argv=None) -> int:
             plot_bytes(rows, docs.parent / "img" / "bytes_per_layout.png")
         write_scaling_docs(docs, rows, command, plot)
         paper.write_docs(docs, paper_rows, command)
+        if pipeline_rows:
+            pipeline.write_docs(docs, pipeline_rows, command)
         print(f"wrote {args.docs}")
     return 0
 

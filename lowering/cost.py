@@ -84,6 +84,7 @@ class Report:
     # (mesh axes, factor) -> [ops, repeated flops]: work each device does that devices
     # along those axes repeat, because no dim of the op is split over them
     repeated: dict = field(default_factory=dict)
+    pipelines: list = field(default_factory=list)  # each pipelined scan's PipelinePlan
 
     @property
     def bytes(self) -> float:
@@ -106,6 +107,7 @@ class Report:
             lines.append(f"backward pass, per-device collective bytes sent: "
                          f"{self.backward_bytes:,.0f}")  # fmt: skip
             lines += _lines(self.backward)
+        lines += [line for plan in self.pipelines for line in plan.lines()]
         return "\n".join(lines + self.verdicts())
 
     def verdicts(self) -> list[str]:
@@ -149,6 +151,8 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         peak = max(peak, training_peak(graph, local_bytes, active, wrt))
     rep = Report(0.0, peak_memory=peak)
     for step in plan:
+        if step.pipeline is not None:
+            rep.pipelines.append(step.pipeline)
         ins = step.eqn.inputs if step.eqn is not None else ()
         flowing = [v in active for v in ins]
         for prim, params, in_avals, outs in step.local:

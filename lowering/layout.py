@@ -13,6 +13,11 @@ order and "that dim first" moves the fewest bytes (lowering/rules.py `einsum_rul
 a value whose own dims conflict (`Layout.conflicts`), made by an einsum or an
 elementwise op, keeps the layout it was computed in. Inputs and outputs of a
 lowered program always take the rule order.
+
+Beside its rules a layout string may carry options, `name=value`:
+`"layers:stage;batch:data;microbatches=8"` cuts the batch of a pipelined scan (one whose
+scanned dim a rule splits, lowering/pipeline.py) into 8 microbatches;
+`microbatch_dim=NAME` names the carry dim cut (default `batch`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, fmt_dims
-from namedmesh.layout_rules import format_rules, parse_rules
+from namedmesh.layout_rules import format_options, format_rules, parse_rules, split_options
 
 # A value's layout: for each of its dims, the mesh axes splitting it (empty: replicated).
 ValueLayout = tuple[tuple[str, ...], ...]
@@ -33,32 +38,40 @@ ValueLayout = tuple[tuple[str, ...], ...]
 class Layout:
     """Ordered rules dim -> mesh axes; see the module docstring."""
 
-    def __init__(self, rules=(), strict: bool = False, shared: bool = False):
-        """`rules` as in the module docstring. `strict`: a mesh axis that would split two
-        dims of one value is an error. `shared`: the layout serves several programs (a
-        train and an eval program, a whole model zoo), so a rule may name a dim that a
-        given program lacks; otherwise `lower` rejects such a rule as a typo."""
+    def __init__(
+        self, rules=(), strict: bool = False, shared: bool = False, options: dict | None = None
+    ):
+        """`rules` as in the module docstring, a string's `name=value` options among them.
+        `strict`: a mesh axis that would split two dims of one value is an error.
+        `shared`: the layout serves several programs (a train and an eval program, a
+        whole model zoo), so a rule may name a dim that a given program lacks; otherwise
+        `lower` rejects such a rule as a typo. `options`: more options, as a dict."""
+        rules, parsed = split_options(rules)
         self.rules = parse_rules(rules)
+        given = ";".join(f"{k}={v}" for k, v in (options or {}).items())
+        self.options = {**parsed, **split_options(given)[1]}  # checked as a string's are
         self.strict = bool(strict)
         self.shared = bool(shared)
 
     def __str__(self) -> str:
         """The rules as `"batch:rows;d_ff:cols"`; no rules print as `(replicated)`."""
-        return format_rules(self.rules) or "(replicated)"
+        text = ";".join(filter(None, (format_rules(self.rules), format_options(self.options))))
+        return text or "(replicated)"
 
     def __repr__(self) -> str:
-        rules = format_rules(self.rules)
+        rules = ";".join(filter(None, (format_rules(self.rules), format_options(self.options))))
         flags = (", strict=True" if self.strict else "") + (", shared=True" if self.shared else "")
         return f"Layout({rules!r}{flags})"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Layout) and (self.rules, self.strict) == (
+        return isinstance(other, Layout) and (self.rules, self.strict, self.options) == (
             other.rules,
             other.strict,
+            other.options,
         )
 
     def __hash__(self) -> int:
-        return hash((self.rules, self.strict))
+        return hash((self.rules, self.strict, tuple(sorted(self.options.items()))))
 
     def check_dims(self, dims, what: str = "the program") -> None:
         """LayoutError for a rule naming a dim none of `dims` is (unless `shared`): listing

@@ -58,6 +58,7 @@ class Step:
     repeat: int = 1  # times it runs per call (inside a scan: the scan's length)
     depth: int = 0  # how many scans it is inside
     body: list = field(default_factory=list)  # a scan's Steps, once
+    pipeline: object = None  # a pipelined scan's PipelinePlan (lowering/pipeline.py)
 
 
 class Plan(list):

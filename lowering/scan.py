@@ -4,8 +4,9 @@ body once however long the loop.
 
 The carry keeps one layout across iterations: the rules' layout of the scan's carry
 outputs; the body's carry is relaid to it at the end of each iteration. The scanned
-dim of `xs` is never split inside the loop (a split one is gathered first: pipeline
-parallelism is not a layout). The scan's `remat` policy wraps the loop's body in
+dim of `xs` is never split inside the loop: a layout that splits it over mesh axes
+makes the scan a pipeline over them (lowering/pipeline.py), each device running its
+stage's iterations. The scan's `remat` policy wraps the loop's body in
 jax.checkpoint, so the backward pass recomputes what the policy does not keep.
 shard_map types each value as varying or not over each mesh axis and a loop carry
 must keep its type, so the carry is typed varying over every axis over which the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lowering import pipeline
 from lowering.collectives import missing_axes, nbytes, varying_axes
 from lowering.lower import Step, plan_layouts, run_graph
 from lowering.rules import rule
@@ -36,18 +38,34 @@ def _pcast(x, vma: set, sizes):
 @rule("scan")
 def scan_rule(ctx, eqn, args):
     p = eqn.params
-    body, nc, nx = p["body"], p["n_carry"], p["n_x"]
-    outer = ctx.step
+    nc, nx = p["n_carry"], p["n_x"]
     carry_lay = [ctx.wanted[v] for v in eqn.outputs[:nc]]
     carry = [
         ctx.relayout(x, lay, want) for (x, lay), want in zip(args[:nc], carry_lay, strict=True)
     ]
+    x_args, rest = args[nc : nc + nx], args[nc + nx :]
+    if pipeline.split_axes(x_args, p["x_axes"]):  # a split scanned dim: a pipeline
+        return pipeline.emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop)
     xs, x_lays = [], []
-    for (x, lay), ax in zip(args[nc : nc + nx], p["x_axes"], strict=True):
-        whole = lay[:ax] + ((),) + lay[ax + 1 :]
-        xs.append(jnp.moveaxis(ctx.relayout(x, lay, whole), ax, 0))
+    for (x, lay), ax in zip(x_args, p["x_axes"], strict=True):
+        xs.append(jnp.moveaxis(x, ax, 0))
         x_lays.append(lay[:ax] + lay[ax + 1 :])
-    rest = args[nc + nx :]
+    final, ys, y_lays = run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, p["length"])
+    return [
+        *zip(final, carry_lay, strict=True),
+        *((y, ((),) + lay) for y, lay in zip(ys, y_lays, strict=True)),
+    ]
+
+
+def run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
+    """(final carry, ys, the ys' layouts): `jax.lax.scan` of the scan equation `eqn`'s
+    body over the local `xs` (scanned dim first, layouts `x_lays` without it), `length`
+    iterations, from the local `carry` (layouts `carry_lay`), with the captured `rest`
+    [(array, layout)]. Its Steps, repeated `length` times per run of `ctx.step` (the
+    step it runs in), go into that step's `body`."""
+    p = eqn.params
+    body, nc = p["body"], p["n_carry"]
+    outer = ctx.step
     in_lays = carry_lay + x_lays + [lay for _, lay in rest]
     ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
     plan_layouts(ctx, body)
@@ -62,14 +80,14 @@ def scan_rule(ctx, eqn, args):
                 body.inputs, zip([*c, *x, *(a for a, _ in rest)], in_lays, strict=True), strict=True
             )
         )
-        run_graph(ctx, body, env, steps, outer.repeat * p["length"], outer.depth + 1)
+        run_graph(ctx, body, env, steps, outer.repeat * length, outer.depth + 1)
         ctx.combined = set()
         ctx.step = Step(
             "carry",
             None,
             [(v.dims, env[v][1]) for v in body.outputs[:nc]],
             [],
-            repeat=outer.repeat * p["length"],
+            repeat=outer.repeat * length,
             depth=outer.depth + 1,
         )
         new = [
@@ -94,7 +112,7 @@ def scan_rule(ctx, eqn, args):
         try:
             init = [_pcast(c, vma, ctx.sizes) for c in carry]
             body_fn = checkpointed(step, p.get("remat", "none"))
-            final, ys = jax.lax.scan(body_fn, init, xs, length=p["length"])
+            final, ys = jax.lax.scan(body_fn, init, xs, length=length)
             break
         except _WiderCarry as e:
             vma |= e.axes
@@ -102,7 +120,4 @@ def scan_rule(ctx, eqn, args):
         if missing := missing_axes(c, vma, ctx.sizes):
             ctx.log("pvary", missing, nbytes(c), ctx.source(c))
     ctx.step.body = list(steps)
-    return [
-        *zip(final, carry_lay, strict=True),
-        *((y, ((),) + lay) for y, lay in zip(ys, y_lays, strict=True)),
-    ]
+    return final, ys, y_lays

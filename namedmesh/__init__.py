@@ -80,6 +80,7 @@ from namedmesh.errors import (
     NamedMeshError,
     NumPyDispatchError,
     ParameterError,
+    PipelineError,
     ShapeError,
     TracedValueError,
 )

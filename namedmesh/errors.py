@@ -13,6 +13,12 @@ class LayoutError(NamedMeshError, ValueError):
     """A layout that cannot be applied: unknown mesh axis, indivisible size, conflict."""
 
 
+class PipelineError(LayoutError):
+    """A layout that splits a scan's scanned dim (a pipeline) that the scan cannot run as
+    one: layers or a batch that the stages or microbatches do not divide, a carry without
+    the microbatched dim, a body that mixes examples along it."""
+
+
 class MeshError(NamedMeshError, ValueError):
     """A mesh that cannot be built: too few devices, a size that is not positive."""
 

@@ -48,6 +48,49 @@ def _axes(dim: str, axes) -> tuple[str, ...]:
     return axes
 
 
+# Options a layout string may carry beside its rules, `name=value` (docs/layouts.md,
+# "Pipelines"): the microbatches of a pipelined scan and the carry dim they cut.
+OPTIONS = {"microbatches": int, "microbatch_dim": str}
+
+
+def split_options(rules) -> tuple:
+    """(rules, options): a rule string's `name=value` parts (e.g. `microbatches=8` in
+    `"layers:stage;batch:data;microbatches=8"`) taken out as a dict of OPTIONS, the rest
+    left as given. LayoutError naming the part for an unknown option or a bad value."""
+    if not isinstance(rules, str):
+        return rules, {}
+    kept, options = [], {}
+    for part in filter(None, (p.strip() for p in rules.split(";"))):
+        name, sep, value = part.partition("=")
+        if not sep or ":" in part:
+            kept.append(part)
+            continue
+        name, value = name.strip(), value.strip()
+        if name not in OPTIONS:
+            raise LayoutError(
+                f"unknown layout option {part!r} in {rules!r}; options: {sorted(OPTIONS)}"
+            )
+        options[name] = _option(name, value, rules)
+    return ";".join(kept), options
+
+
+def _option(name: str, value: str, rules: str):
+    if OPTIONS[name] is int:
+        if not value.isdigit() or int(value) < 1:
+            raise LayoutError(
+                f"layout option {name}={value!r} in {rules!r}: expected a positive integer"
+            )
+        return int(value)
+    if not value.isidentifier():
+        raise LayoutError(f"layout option {name}={value!r} in {rules!r}: expected a dim name")
+    return value
+
+
+def format_options(options: Mapping) -> str:
+    """`"microbatches=8"`: options in their string form, in OPTIONS' order."""
+    return ";".join(f"{k}={options[k]}" for k in OPTIONS if k in options)
+
+
 def parse_rules(rules) -> Rules:
     """Rules given as `"batch:rows;d_ff:cols"`, a dict dim -> axis or axes, or a list of
     (dim, axes) pairs, as ordered (dim, axes) pairs; LayoutError naming the rule and the

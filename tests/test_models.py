@@ -234,6 +234,7 @@ LAYOUTS = {
     "2d": ({"rows": 2, "cols": 4}, "batch:rows;heads:cols;d_ff:cols;vocab:cols"),
     "fsdp": ({"data": 4}, "batch:data;d_model:data"),
     "seq": ({"rows": 2, "cols": 2}, "batch:rows;d_model:cols"),
+    "pipeline": ({"stage": 2, "data": 2}, "layers:stage;batch:data"),  # lowering/pipeline.py
 }
 
 

@@ -205,7 +205,9 @@ def test_a_mesh_axis_of_size_0_is_a_mesh_error():
 
 
 def test_an_unknown_mesh_axis_in_a_layout_names_the_mesh():
-    with pytest.raises(nm.LayoutError, match=r"\['row'\].*Mesh\(rows=2\)"):
+    with pytest.raises(
+        nm.LayoutError, match=r"axis 'row', which Mesh\(rows=2\) lacks; did you mean 'rows'"
+    ):
         lower(mlp, Mesh({"rows": 2}), "batch:row").plan(X, W)
 
 

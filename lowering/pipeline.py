@@ -1,0 +1,400 @@
+"""Pipeline parallelism as a layout: a rule that splits the scanned dim of an `nm.scan`
+(`layers:stage`) runs the scan as a GPipe pipeline over the mesh axes of that rule.
+
+Each device holds its stage's L/S iterations of the scanned inputs (its layers). The
+carry is cut along its microbatched dim (`batch`; layout option `microbatch_dim`) into
+M microbatches (layout option `microbatches`, e.g. `"layers:stage;microbatches=8"`).
+The pipeline runs M+S-1 ticks; at tick t stage s runs its iterations on microbatch t-s
+(stage 0 reads it from the carry, the others receive it from the stage before by
+`ppermute`), so (S-1)/(M+S-1) of the ticks are the bubble, where a stage computes on
+zeros whose result is dropped. The last stage's results are broadcast to every stage
+(a psum over the stage axes) as the scan's final carry; ys stay on the stage whose
+iterations made them, split along the scanned dim as the layout says.
+
+Gradients come from jax's transposition of this program: the backward pass runs the
+ticks in reverse, each ppermute transposed to one to the stage before, and each
+stage's gradients of its own layers stay on that stage.
+
+Two parts: `plan_pipeline` decides the schedule and its cost in plain Python (the
+`PipelinePlan`, which `report()` shows); `emit` runs it on local arrays inside
+shard_map, logging every collective by `ctx.log` as every rule does, so that the plan,
+the report and the compiled HLO agree.
+
+The default M is the largest divisor of the carry's local microbatched size up to 4S
+(a bubble of at most about 20%), or 1 where the carry lacks that dim or the body is not
+per-example along it; an explicit M that cannot be used is a PipelineError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from lowering import collectives as col
+from lowering.cost import traffic
+from lowering.layout import Layout
+from namedmesh.errors import PipelineError, fmt_dims
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The schedule of one pipelined scan and its cost per device (bytes are per
+    device, of one call; `stack_bytes` the scanned inputs' bytes per device were they
+    not split into stages)."""
+
+    schedule: str
+    axes: tuple[str, ...]  # the mesh axes the stages run along
+    stages: int
+    microbatches: int
+    length: int  # the scan's iterations (layers), L
+    dim: str | None  # the carry dim cut into microbatches (None when M = 1 needs none)
+    microbatch_bytes: int  # one microbatch of the carry (all its tensors)
+    stack_bytes: int
+    saved_bytes: int = 0  # activations one iteration keeps for the backward pass
+
+    @property
+    def ticks(self) -> int:
+        """Pipeline iterations, M + S - 1: each stage runs its layers once per tick."""
+        return self.microbatches + self.stages - 1
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.length // self.stages
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of ticks a stage idles (computes on zeros): (S-1)/(M+S-1)."""
+        return (self.stages - 1) / self.ticks
+
+    @property
+    def broadcast_bytes(self) -> float:
+        """Sent to give every stage the last stage's result (an all-reduce)."""
+        carry = self.microbatches * self.microbatch_bytes
+        return traffic("psum", ("stage",), carry, {"stage": self.stages})
+
+    @property
+    def forward_bytes(self) -> float:
+        """Sent per device forward: one microbatch to the next stage per tick, then the
+        broadcast of the result."""
+        return self.ticks * self.microbatch_bytes + self.broadcast_bytes
+
+    @property
+    def backward_bytes(self) -> float:
+        """Sent per device backward: one microbatch's gradient to the stage before per
+        tick, then the all-reduce that sums the carry's gradient (only stage 0 read it)."""
+        return self.ticks * self.microbatch_bytes + self.broadcast_bytes
+
+    @property
+    def minimum_bytes(self) -> int:
+        """Sent per device and direction at the least: the carry, once across its stage
+        boundary (what `forward_bytes` and `backward_bytes` are held against)."""
+        return self.microbatches * self.microbatch_bytes
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Per device: its stage's share of the scanned inputs (1/S of the stack)."""
+        return self.stack_bytes // self.stages
+
+    @property
+    def activation_bytes(self) -> int:
+        """Per device, kept for the backward pass: every tick's L/S iterations."""
+        return self.ticks * self.layers_per_stage * self.saved_bytes
+
+    def lines(self) -> list[str]:
+        """The plan in words, as `report()` prints it."""
+        over = ",".join(self.axes)
+        cut = f" of {self.dim!r}" if self.dim else ""
+        return [
+            f"pipeline ({self.schedule}) over {over}: {self.stages} stages x "
+            f"{self.layers_per_stage} of {self.length} iterations, {self.microbatches} "
+            f"microbatches{cut}, {self.ticks} ticks, bubble {self.bubble:.1%}",
+            f"    bytes sent per device: forward {self.forward_bytes:,.0f}, backward "
+            f"{self.backward_bytes:,.0f} (the activations' minimum: "
+            f"{self.minimum_bytes:,.0f} each way)",
+            f"    per device: stage parameters {self.parameter_bytes:,} bytes (stack "
+            f"{self.stack_bytes:,}), activations kept {self.activation_bytes:,} bytes",
+        ]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def default_microbatches(stages: int, size: int) -> int:
+    """The largest divisor of `size` (the carry's local microbatched size) up to 4S."""
+    return max(m for m in range(1, min(size, 4 * stages) + 1) if size % m == 0)
+
+
+def plan_pipeline(
+    *,
+    axes: tuple[str, ...],
+    stages: int,
+    length: int,
+    dim: str,
+    local_size: int | None,
+    mixing: str | None,
+    requested: int | None,
+    carry_bytes: int,
+    stack_bytes: int,
+    where: str = "scan",
+) -> PipelinePlan:
+    """The GPipe schedule of a scan of `length` iterations over `stages` stages along the
+    mesh `axes`: its microbatches (`requested`, or the default) of the carry's dim
+    `dim`, whose local size is `local_size` (None: a carry tensor lacks it) and along
+    which `mixing` (None, or the body's op that mixes examples) says whether the body
+    is per-example. PipelineError, naming `where` and the rule, when it cannot run."""
+    rule = f"layers rule over {','.join(axes)}"
+    if length % stages:
+        raise PipelineError(
+            f"{where}: {length} iterations are not divisible by the {stages} stages of "
+            f"mesh axes {axes} ({rule})"
+        )
+    if requested is None:
+        m = 1 if local_size is None or mixing else default_microbatches(stages, local_size)
+    else:
+        m = requested
+        if m > 1 and local_size is None:
+            raise PipelineError(
+                f"{where}: microbatches={m} cuts the carry along {dim!r}, which a carry "
+                f"tensor lacks ({rule}); set microbatch_dim=, or microbatches=1"
+            )
+        if m > 1 and mixing:
+            raise PipelineError(
+                f"{where}: microbatches={m} needs a body that treats each {dim!r} entry on "
+                f"its own, but {mixing}; set microbatches=1"
+            )
+        if m > 1 and local_size % m:
+            raise PipelineError(
+                f"{where}: dim {dim!r} of local size {local_size} (per device) is not "
+                f"divisible by microbatches={m}"
+            )
+    return PipelinePlan(
+        "gpipe", tuple(axes), stages, m, length, dim if m > 1 else None,
+        carry_bytes // m, stack_bytes,
+    )  # fmt: skip
+
+
+def split_axes(x_args, x_axes) -> tuple[str, ...]:
+    """The mesh axes that split the scanned dim of the first scanned input where any do
+    (its stages), else ()."""
+    for (_, lay), ax in zip(x_args, x_axes, strict=True):
+        if lay[ax]:
+            return tuple(lay[ax])
+    return ()
+
+
+def without_axes(layout: Layout, axes) -> Layout:
+    """`layout` with the mesh `axes` taken out of every rule: inside a stage they split
+    nothing, as every device along them runs other iterations."""
+    rules = [(d, tuple(a for a in ax if a not in axes)) for d, ax in layout.rules]
+    return Layout([(d, ax) for d, ax in rules if ax], layout.strict, shared=True)
+
+
+def _acts_along(e, dim: str) -> bool:
+    """Whether equation `e`'s parameters name `dim` (by name, or by its position in the
+    first input as an `axis`/`axes` parameter): an op along it, such as a softmax."""
+    if e.params.get("dim") == dim:
+        return True
+    if not e.inputs or dim not in e.inputs[0].dims:
+        return False
+    i = e.inputs[0].dims.index(dim)
+    axes = e.params.get("axes", e.params.get("axis"))
+    return i == axes or (isinstance(axes, tuple | list) and i in axes)
+
+
+def mixing_op(body, n_carry: int, n_x: int, dim: str) -> str | None:
+    """How `body` (a scan's Graph) is not per-example along `dim`, in words, or None when
+    it is: every value made from a carry or captured value with `dim` keeps `dim`, none
+    gets it otherwise, no op acts along it, and every output has it. Only then may
+    microbatches of the carry run through it apart."""
+    batched = {v for v in body.inputs if dim in v.dims}
+    for v in body.inputs[n_carry : n_carry + n_x]:
+        if dim in v.dims:
+            return f"a scanned input {fmt_dims(v.dims)} has {dim!r}"
+    for e in body.eqns:
+        has = any(v in batched for v in e.inputs)
+        if has and (_acts_along(e, dim) or any(dim not in v.dims for v in e.outputs)):
+            return f"{e.primitive.name} {fmt_dims(e.outputs[0].dims)} acts along it"
+        if not has and any(dim in v.dims for v in e.outputs):
+            return f"{e.primitive.name} makes {fmt_dims(e.outputs[0].dims)} from no input with it"
+        if has:
+            batched.update(e.outputs)
+    for v in body.outputs:
+        if v not in batched:
+            return f"the body returns {fmt_dims(v.dims)} without it"
+    return None
+
+
+def _to_micro(x, ax: int, m: int):
+    """(M, ...): `x` cut into m microbatches along axis `ax`, microbatch first."""
+    shape = x.shape[:ax] + (m, x.shape[ax] // m) + x.shape[ax + 1 :]
+    return jnp.moveaxis(x.reshape(shape), ax, 0)
+
+
+def _from_micro(x, ax: int):
+    """The inverse of `_to_micro`: microbatches (leading) joined along axis `ax`."""
+    x = jnp.moveaxis(x, 0, ax)
+    return x.reshape(x.shape[:ax] + (x.shape[ax] * x.shape[ax + 1],) + x.shape[ax + 2 :])
+
+
+class _Wider(Exception):
+    def __init__(self, axes):
+        self.axes = axes
+
+
+def _index(x, i):
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _put(buf, x, i, valid):
+    """`buf` with entry i set to x where `valid` (a traced bool), else kept."""
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(valid, x, _index(buf, i)), i, 0)
+
+
+def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
+    """The SPMD rule of a scan whose scanned dim the layout splits: its pipeline.
+    `carry` are the local carries in `carry_lay`, `x_args` and `rest` (array, layout)
+    the scanned and captured inputs; `run_loop` runs a stage's iterations (the plain
+    scan's loop, lowering/scan.py). Returns the scan's outputs as (array, layout)."""
+    p = eqn.params
+    body, nc = p["body"], p["n_carry"]
+    axes = split_axes(x_args, p["x_axes"])
+    stage_free = lambda lay: tuple(tuple(a for a in d if a not in axes) for d in lay)
+    inner_carry = [stage_free(lay) for lay in carry_lay]
+    carry = [ctx.relayout(c, lay, want) for c, lay, want in zip(carry, carry_lay, inner_carry,
+                                                                 strict=True)]  # fmt: skip
+    # The stage's layers typed varying where the carry is, once: cast inside the loop, the
+    # backward pass would psum each layer's gradient once per tick, not once per step.
+    vma = set().union(*map(col.varying_axes, carry))
+    xs, x_lays = [], []
+    for (x, lay), ax in zip(x_args, p["x_axes"], strict=True):
+        want = stage_free(lay[:ax]) + (axes,) + stage_free(lay[ax + 1 :])
+        xs.append(jnp.moveaxis(ctx.varying(ctx.relayout(x, lay, want), vma), ax, 0))
+        x_lays.append(want[:ax] + want[ax + 1 :])
+    rest = [(ctx.relayout(r, lay, stage_free(lay)), stage_free(lay)) for r, lay in rest]
+    dim = ctx.layout.options.get("microbatch_dim", "batch")
+    # the carries' local size along `dim`: None where one lacks it or they differ
+    sizes = {c.shape[v.dims.index(dim)] if dim in v.dims else None
+             for c, v in zip(carry, body.inputs[:nc], strict=True)}  # fmt: skip
+    local = sizes.pop() if len(sizes) == 1 else None
+    pplan = plan_pipeline(
+        axes=axes,
+        stages=math.prod(ctx.sizes[a] for a in axes),
+        length=p["length"],
+        dim=dim,
+        local_size=local,
+        mixing=mixing_op(body, nc, p["n_x"], dim),
+        requested=ctx.layout.options.get("microbatches"),
+        carry_bytes=sum(map(col.nbytes, carry)),
+        stack_bytes=sum(col.nbytes(x) for x in xs) * math.prod(ctx.sizes[a] for a in axes),
+        where=f"nm.scan over {p['dim']!r}",
+    )
+    layout, ctx.layout = ctx.layout, without_axes(ctx.layout, axes)
+    try:
+        final, ys, y_lays = _run(ctx, eqn, pplan, carry, inner_carry, xs, x_lays, rest, run_loop)
+    finally:
+        ctx.layout = layout
+    final = [ctx.relayout(c, a, b) for c, a, b in zip(final, inner_carry, carry_lay, strict=True)]
+    return [
+        *zip(final, carry_lay, strict=True),
+        *((y, (axes,) + lay) for y, lay in zip(ys, y_lays, strict=True)),
+    ]
+
+
+def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_loop):
+    """(final carry, ys, ys' layouts without the scanned dim): the ticks of `plan`."""
+    from lowering.lower import Step  # lower imports the rules, which import this module
+
+    p = eqn.params
+    body, nc = p["body"], p["n_carry"]
+    axes, m, s_n, dim = plan.axes, plan.microbatches, plan.stages, plan.dim
+    s = col.axis_index(axes, ctx.sizes)
+    c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
+    micro = [_to_micro(c, a, m) if dim else c[None] for c, a in zip(carry, c_ax, strict=True)]
+    r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
+    rest_m = [(_to_micro(r, a, m) if a is not None and dim else r, lay, a)
+              for (r, lay), a in zip(rest, r_ax, strict=True)]  # fmt: skip
+    outer = ctx.step
+    shown = [(v.dims, lay) for v, lay in zip(body.inputs[:nc], carry_lay, strict=True)]
+    made: list = []  # the tick's Step, then its body's Steps, from the last trace
+    y_lays: list = []
+
+    def tick(state, t):
+        inbox, outbuf = state
+        saved = ctx.moved, ctx.sources
+        ctx.moved, ctx.sources = {}, {}
+        ctx.step = Step("pipeline tick", None, shown, shown, repeat=outer.repeat * plan.ticks,
+                        depth=outer.depth + 1)  # fmt: skip
+        k = jnp.clip(t - s, 0, m - 1)  # the microbatch this stage works on
+        x_in = [jnp.where(s == 0, _index(mc, jnp.minimum(t, m - 1)), i)
+                for mc, i in zip(micro, inbox, strict=True)]  # fmt: skip
+        r_in = [(_index(r, k) if a is not None and dim else r, lay) for r, lay, a in rest_m]
+        final, ys, y_lays[:] = run_loop(ctx, eqn, x_in, carry_lay, xs, x_lays, r_in,
+                                        plan.layers_per_stage)  # fmt: skip
+        done = t - (s_n - 1)  # the microbatch the last stage finishes
+        outbuf = [_put(o, y, jnp.clip(done, 0, m - 1), done >= 0)
+                  for o, y in zip(outbuf, final, strict=True)]  # fmt: skip
+        perm = [(i, i + 1) for i in range(s_n - 1)]
+        inbox = [
+            col.ppermute(y, axes, perm, ctx.sizes, _logger(ctx, v))
+            for y, v in zip(final, eqn.outputs[:nc], strict=True)
+        ]
+        made[:] = [ctx.step, *ctx.step.body]
+        ctx.step.body = []
+        (ctx.moved, ctx.sources), ctx.step = saved, outer
+        wider = set().union(*map(col.varying_axes, [*inbox, *outbuf])) - vma
+        if wider:
+            raise _Wider(wider)
+        return (inbox, outbuf), ys
+
+    vma = set(axes).union(*map(col.varying_axes, carry))
+    while True:
+        try:
+            micro = [_cast(mc, vma, ctx.sizes) for mc in micro]
+            init = ([jnp.zeros_like(mc[0]) for mc in micro], [jnp.zeros_like(mc) for mc in micro])
+            (_, outbuf), ys = jax.lax.scan(tick, init, jnp.arange(plan.ticks))
+            break
+        except _Wider as e:
+            vma |= e.axes
+    for c in carry:  # cast once the loop's type is settled: its transpose psums
+        if missing := col.missing_axes(c, vma, ctx.sizes):
+            ctx.log("pvary", missing, col.nbytes(c), ctx.source(c))
+    last = s == s_n - 1
+    final = []
+    for o, a, v in zip(outbuf, c_ax, eqn.outputs[:nc], strict=True):
+        o = col.psum(jnp.where(last, o, jnp.zeros_like(o)), axes, _logger(ctx, v))
+        final.append(_from_micro(o, a) if dim else o[0])
+    # stage s ran microbatch k at tick s + k: its ys are ticks s .. s+M-1
+    ys = [jax.lax.dynamic_slice_in_dim(y, s, m, 0) for y in ys]
+    ys = [_from_micro(y, 1 + v.dims.index(dim)) if dim else y[0]
+          for y, v in zip(ys, body.outputs[nc:], strict=True)]  # fmt: skip
+    ctx.step.body = list(made)
+    ctx.step.pipeline = _with_saved(plan, made[1:], p.get("remat", "none"))
+    return final, ys, list(y_lays)
+
+
+def _logger(ctx, source):
+    """ctx.log for collectives that move (a microbatch of) the graph value `source`."""
+    return lambda kind, axes, nbytes, **kw: ctx.log(kind, axes, nbytes, source, **kw)
+
+
+def _cast(x, vma: set, sizes):
+    missing = col.missing_axes(x, vma, sizes)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _with_saved(plan: PipelinePlan, steps, remat: str) -> PipelinePlan:
+    """`plan` with the bytes one iteration keeps for the backward pass, from the local
+    results of its `steps` as the scan's `remat` policy keeps them: all of them, only
+    the carry ("full"), or the carry and the matmul results ("dots")."""
+    outs = [(prim, a) for st in steps for prim, _, _, results in st.local for a in results]
+    size = lambda a: math.prod(a.shape) * a.dtype.itemsize
+    if remat == "none":
+        kept = sum(size(a) for _, a in outs)
+    else:
+        dots = sum(size(a) for prim, a in outs if prim.matmul) if remat == "dots" else 0
+        kept = plan.microbatch_bytes + dots
+    return dataclasses.replace(plan, saved_bytes=kept)

@@ -1,0 +1,196 @@
+"""Pipeline parallelism as a layout (lowering/pipeline.py): the LM whose `layers` a rule
+splits over a `stage` axis trains as on one device (loss and gradients against the
+un-lowered model run by jax), alone and beside data and Megatron axes; the compiled
+step's collective-permutes carry the bytes the plan predicts, no all-gather of the
+layer stack remains, and each device holds 1/S of the stack. One compile per layout."""
+
+import functools
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from lowering import Layout, Mesh, lower
+from lowering.hlo import collectives
+from lowering.pipeline import default_microbatches, plan_pipeline
+from models import config, transformer
+from namedmesh.errors import LayoutError, PipelineError
+
+CFG = config.get("tiny").replace(
+    layers=8, d_model=16, heads=2, d_kv=8, d_ff=32, vocab=32, length=4, batch=8
+)
+SHAPES = transformer.lm_shapes(CFG)
+PARAMS = transformer.init(SHAPES, 0)
+R = np.random.default_rng(0)
+TOKENS = R.integers(0, CFG.vocab, size=(CFG.batch, CFG.length + 1)).astype(np.int32)
+BATCH = {
+    "inputs": nm.tensor(TOKENS[:, :-1], ("batch", "length")),
+    "targets": nm.tensor(TOKENS[:, 1:], ("batch", "length")),
+    "weights": nm.tensor(np.ones((CFG.batch, CFG.length), np.float32), ("batch", "length")),
+}
+STACK_BYTES = sum(t.nbytes for t in jax.tree_util.tree_leaves(PARAMS["layers"]))
+MEGATRON = "layers:stage;batch:data;heads:model;d_ff:model"
+CASES = {  # name: (mesh, layout, microbatches, batch per device)
+    "stage=2,M=4": ({"stage": 2}, "layers:stage;microbatches=4", 4, 8),
+    "stage=2,data=2,model=2": ({"stage": 2, "data": 2, "model": 2}, MEGATRON, 4, 4),  # M default
+}
+# stage=4 (beside data=2) trains as data parallelism does: the CLI test below
+
+
+def loss(params, batch):
+    return transformer.lm_loss(params, batch, CFG)
+
+
+@functools.cache
+def one_device():
+    """The oracle: the model's loss and gradients as jax computes them, unlowered."""
+    value, grads = jax.jit(jax.value_and_grad(lambda p: loss(p, BATCH).data))(PARAMS)
+    return float(value), grads
+
+
+@functools.cache
+def compiled(case: str):
+    """(lowered, compiled training step, its loss and gradients) under `case`."""
+    mesh, layout, _, _ = CASES[case]
+    lowered = lower(loss, Mesh(mesh), layout)
+    step = jax.jit(jax.value_and_grad(lambda p: lowered(p, BATCH).data))
+    exe = step.lower(PARAMS).compile()
+    value, grads = exe(PARAMS)
+    return lowered, exe, float(value), grads
+
+
+@pytest.mark.parametrize("layout", list(CASES))
+def test_loss_and_gradients_equal_one_device(layout):
+    want_loss, want_grads = one_device()
+    _, _, got_loss, got_grads = compiled(layout)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    got, want = jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(CASES))
+def test_hlo_permutes_carry_the_planned_bytes_and_no_stack_is_gathered(layout):
+    _, _, m, per_device = CASES[layout]
+    lowered, exe, _, _ = compiled(layout)
+    hlo = collectives(exe.as_text())
+    # one microbatch of the activations (batch, length, d_model) in float32, counted by
+    # hand; the forward loop sends it to the next stage, the backward one to the last
+    microbatch = per_device // m * CFG.length * CFG.d_model * 4
+    (plan,) = lowered.report(PARAMS, BATCH, show=False).pipelines
+    assert plan.microbatches == m and plan.microbatch_bytes == microbatch
+    permutes = [b for kind, b, _ in hlo if kind == "collective-permute"]
+    assert permutes == [microbatch, microbatch]
+    # nothing as large as one layer's share of a stacked parameter is gathered
+    layer = min(t.nbytes // CFG.layers for t in jax.tree_util.tree_leaves(PARAMS["layers"]))
+    gathered = [b for kind, b, _ in hlo if kind == "all-gather"]
+    assert all(b < layer for b in gathered), gathered
+
+
+def test_each_device_holds_its_stage_of_the_stack():
+    layout, stages = "stage=2,M=4", 2
+    _, exe, _, _ = compiled(layout)
+    whole = sum(t.nbytes for t in jax.tree_util.tree_leaves(PARAMS))
+    args = exe.memory_analysis().argument_size_in_bytes
+    assert args == whole - STACK_BYTES + STACK_BYTES // stages
+    lowered = compiled(layout)[0]
+    (plan,) = lowered.report(PARAMS, BATCH, show=False).pipelines
+    assert plan.parameter_bytes == STACK_BYTES // stages
+
+
+def test_the_plan_states_the_gpipe_schedule():
+    """Bubble (S-1)/(M+S-1) and the bytes of M+S-1 ticks, in plain Python."""
+    p = plan_pipeline(axes=("stage",), stages=4, length=8, dim="batch", local_size=16,
+                      mixing=None, requested=None, carry_bytes=1600, stack_bytes=800)  # fmt: skip
+    assert (p.microbatches, p.ticks, p.layers_per_stage) == (16, 19, 2)
+    assert p.bubble == pytest.approx(3 / 19)
+    assert p.forward_bytes == 19 * 100 + 2 * 3 / 4 * 1600
+    assert p.minimum_bytes == 1600 and p.parameter_bytes == 200
+    assert default_microbatches(2, 6) == 6 and default_microbatches(2, 12) == 6
+    assert default_microbatches(3, 7) == 7 and default_microbatches(1, 7) == 1
+    assert "bubble 15.8%" in str(p)
+
+
+def test_microbatches_are_set_in_the_layout():
+    layout = Layout("layers:stage;batch:data;microbatches=8")
+    assert layout.options == {"microbatches": 8}
+    assert str(layout) == "layers:stage;batch:data;microbatches=8"
+    assert Layout("layers:stage", options={"microbatches": 8}) == layout.__class__(
+        "layers:stage;microbatches=8"
+    )
+    for bad in ("layers:stage;microbatches=0", "layers:stage;micro=2", "a:b;microbatch_dim=1"):
+        with pytest.raises(LayoutError, match="option"):
+            Layout(bad)
+
+
+def _layer(h, w):
+    return nm.einsum(h, w, out=("batch", "e")).rename(e="d")
+
+
+def _scan(x, w):
+    return nm.scan(lambda h, w: (nm.tanh(_layer(h, w)), None), x, w, "layers")
+
+
+X = nm.tensor(np.ones((4, 3), np.float32), ("batch", "d"))
+W = nm.tensor(np.ones((6, 3, 3), np.float32), ("layers", "d", "e"))
+
+
+def test_errors_name_the_scan_and_the_rule():
+    mesh = Mesh({"stage": 4})
+    with pytest.raises(LayoutError, match="'layers' of size 6 is not divisible"):
+        lower(_scan, mesh, "layers:stage").plan(X, W)
+    mesh = Mesh({"stage": 2})
+    with pytest.raises(PipelineError, match="local size 4 .* not divisible by microbatches=3"):
+        lower(_scan, mesh, "layers:stage;microbatches=3").plan(X, W)
+    with pytest.raises(PipelineError, match="'tokens', which a carry tensor lacks"):
+        lower(_scan, mesh, "layers:stage;microbatches=2;microbatch_dim=tokens").plan(X, W)
+
+    def mixing(x, w):  # a softmax along the batch: microbatches would change it
+        return nm.scan(lambda h, w: (nm.softmax(_layer(h, w), "batch"), None), x, w, "layers")
+
+    with pytest.raises(PipelineError, match="softmax .* acts along it"):
+        lower(mixing, mesh, "layers:stage;microbatches=2").plan(X, W)
+    # by default such a body runs with one microbatch, and equals the loop
+    got, want = lower(mixing, mesh, "layers:stage")(X, W)[0], mixing(X, W)[0]
+    np.testing.assert_allclose(np.asarray(got.data), np.asarray(want.data), rtol=1e-5)
+
+
+def test_the_cli_trains_a_pipeline_and_its_checkpoint_resumes_without_one(tmp_path):
+    """`--mesh stage=4,data=2 --layout "layers:stage;batch:data"` trains; its step-2
+    checkpoint resumed data-parallel logs the pipelined run's later losses."""
+    from test_train_cli import losses, train
+
+    tiny = ["--set", "layers=4", "--steps", "4", "--save-every", "2", "--eval-every", "4"]
+    out = tmp_path / "run"
+    r = train(*tiny, "--mesh", "stage=4,data=2", "--layout", "layers:stage;batch:data",
+              "--out", out)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "pipeline (gpipe) over stage: 4 stages" in r.stdout and "bubble" in r.stdout
+    shutil.copytree(out, tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
+    r = train(*tiny, "--mesh", "data=2", "--layout", "batch:data", "--resume",
+              "--out", tmp_path / "resumed")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "resumed from step 2" in r.stdout
+    want, got = losses(out), losses(tmp_path / "resumed")
+    assert list(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-4)
+
+
+def test_the_plan_lists_the_compiled_collectives_ys_included():
+    """The plan/HLO contract on a pipelined scan whose body also returns per-layer ys
+    (which stay on their stage), beside a data axis."""
+    from test_scan import ARGS, MESH, WANT, scanned
+
+    from lowering.cost import expected_hlo
+
+    lowered = lower(scanned, MESH, "layers:rows;batch:cols")
+    hlo = lowered.compile(*ARGS).as_text()
+    assert sorted(collectives(hlo)) == sorted(expected_hlo(lowered.plan(*ARGS), MESH.sizes))
+    assert "ppermute over rows" in str(lowered.plan(*ARGS))
+    h, ys = lowered(*ARGS)
+    np.testing.assert_allclose(np.asarray(ys.data), WANT[1], rtol=1e-4, atol=1e-5)
+    assert ys.data.sharding.spec[0] == "rows"  # each stage's layers' ys stay on it
