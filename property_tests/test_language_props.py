@@ -3,13 +3,14 @@ by nm.reference equals eager, and the jax implementations agree with the NumPy o
 independent implementations of every primitive)."""
 
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 
 import namedmesh as nm
 from namedmesh.testing import compare
 from namedmesh.testing import strategies as S
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))  # the suite's time budget
 @given(S.programs())
 def test_traced_reference_equals_eager_and_jax(program):
     xs = program.example_inputs()

@@ -16,7 +16,7 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import namedmesh as nm
@@ -102,6 +102,10 @@ def check_case(case):
     compare(out, want)
 
 
+# Half the profile's examples for the two slowest properties (a compile and a
+# gradient, or a random program per layout, each): the suite's 30-minute budget. The
+# value property above keeps the full count; test_power shows each class is found.
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 @given(S.cases(max_steps=4))
 def test_gradients_equal_single_device_gradients(case):
     program, mesh, layout = case
@@ -197,6 +201,7 @@ def xla_may_fold(graph) -> bool:
     return False
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))  # budget, as above
 @given(S.dims(), S.meshes(), st.data())
 def test_random_values_and_dropout_masks_do_not_depend_on_the_layout(sizes, mesh, data):
     names = list(sizes)[: data.draw(st.integers(1, 3))]
