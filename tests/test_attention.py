@@ -134,9 +134,10 @@ SEQ = ({"rows": 2, "cols": 2}, "ring:rows;length:rows;memory:rows;heads:cols")  
 @pytest.mark.parametrize("name", [*sorted(LAYOUTS), "length"])
 def test_blockwise_lm_loss_equals_full_attention_under_every_layout(name):
     sizes, layout = SEQ if name == "length" else LAYOUTS[name]
-    params = transformer.init(transformer.lm_shapes(LM_CFG), 0)
-    batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(LM_CFG).items()}
-    kinds = [LM_CFG.replace(attention=a) for a in ("full", "blockwise", "ring")]
+    cfg = LM_CFG.replace(layers=sizes.get("stage", 1))  # a pipeline: one layer per stage
+    params = transformer.init(transformer.lm_shapes(cfg), 0)
+    batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(cfg).items()}
+    kinds = [cfg.replace(attention=a) for a in ("full", "blockwise", "ring")]
     every = lambda p, b: [transformer.lm_loss(p, b, c) for c in kinds]
     full, block, ring = lower(every, Mesh(sizes), layout)(params, batch)  # one compile
     np.testing.assert_allclose(np.asarray(block.data), np.asarray(full.data), rtol=1e-5)
