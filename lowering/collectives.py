@@ -67,6 +67,22 @@ def missing_axes(x, vma: set, sizes: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for a in sizes if a in vma - varying_axes(x))
 
 
+def cast_varying(x, vma: set, sizes: dict[str, int]):
+    """`x` typed varying over every axis of `vma` (a free cast: no data moves), as a loop
+    carry must be when its body makes it vary over them."""
+    missing = missing_axes(x, vma, sizes)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+class WiderCarry(Exception):
+    """Raised from a traced loop body whose carry came out varying over more mesh axes
+    (`axes`) than it went in: the loop is traced again with the carry cast to them."""
+
+    def __init__(self, axes: set):
+        super().__init__(axes)
+        self.axes = axes
+
+
 def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
     """`x`, equal on every device along `axes` but typed varying there, as a value that
     shard_map may return replicated: a psum of device 0's copy. (A slice and gather back

@@ -240,11 +240,6 @@ def _from_micro(x, ax: int):
     return x.reshape(x.shape[:ax] + (x.shape[ax] * x.shape[ax + 1],) + x.shape[ax + 2 :])
 
 
-class _Wider(Exception):
-    def __init__(self, axes):
-        self.axes = axes
-
-
 def _index(x, i):
     return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
@@ -347,17 +342,17 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
         (ctx.moved, ctx.sources), ctx.step = saved, outer
         wider = set().union(*map(col.varying_axes, [*inbox, *outbuf])) - vma
         if wider:
-            raise _Wider(wider)
+            raise col.WiderCarry(wider)
         return (inbox, outbuf), ys
 
     vma = set(axes).union(*map(col.varying_axes, carry))
     while True:
         try:
-            micro = [_cast(mc, vma, ctx.sizes) for mc in micro]
+            micro = [col.cast_varying(mc, vma, ctx.sizes) for mc in micro]
             init = ([jnp.zeros_like(mc[0]) for mc in micro], [jnp.zeros_like(mc) for mc in micro])
             (_, outbuf), ys = jax.lax.scan(tick, init, jnp.arange(plan.ticks))
             break
-        except _Wider as e:
+        except col.WiderCarry as e:
             vma |= e.axes
     for c in carry:  # cast once the loop's type is settled: its transpose psums
         if missing := col.missing_axes(c, vma, ctx.sizes):
@@ -379,11 +374,6 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
 def _logger(ctx, source):
     """ctx.log for collectives that move (a microbatch of) the graph value `source`."""
     return lambda kind, axes, nbytes, **kw: ctx.log(kind, axes, nbytes, source, **kw)
-
-
-def _cast(x, vma: set, sizes):
-    missing = col.missing_axes(x, vma, sizes)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _with_saved(plan: PipelinePlan, steps, remat: str) -> PipelinePlan:

@@ -19,20 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from lowering import pipeline
-from lowering.collectives import missing_axes, nbytes, varying_axes
+from lowering.collectives import WiderCarry, cast_varying, missing_axes, nbytes, varying_axes
 from lowering.lower import Step, plan_layouts, run_graph
 from lowering.rules import rule
 from namedmesh.control import checkpointed
-
-
-class _WiderCarry(Exception):
-    def __init__(self, axes):
-        self.axes = axes
-
-
-def _pcast(x, vma: set, sizes):
-    missing = missing_axes(x, vma, sizes)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 @rule("scan")
@@ -99,7 +89,7 @@ def run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
         wider = set().union(*map(varying_axes, new)) - vma
         if wider:
             (ctx.moved, ctx.sources), ctx.step = saved, outer
-            raise _WiderCarry(wider)
+            raise WiderCarry(wider)
         new = [ctx.varying(y, vma) for y in new]  # logged: its transpose psums the carry
         if ctx.step.collectives or ctx.step.casts:
             steps.append(ctx.step)
@@ -110,11 +100,11 @@ def run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     vma = set().union(*map(varying_axes, carry))
     while True:
         try:
-            init = [_pcast(c, vma, ctx.sizes) for c in carry]
+            init = [cast_varying(c, vma, ctx.sizes) for c in carry]
             body_fn = checkpointed(step, p.get("remat", "none"))
             final, ys = jax.lax.scan(body_fn, init, xs, length=length)
             break
-        except _WiderCarry as e:
+        except WiderCarry as e:
             vma |= e.axes
     for c in carry:  # logged once the carry's type is settled: its transpose psums
         if missing := missing_axes(c, vma, ctx.sizes):
