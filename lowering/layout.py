@@ -53,13 +53,16 @@ class Layout:
         self.strict = bool(strict)
         self.shared = bool(shared)
 
+    def _text(self) -> str:
+        """The rules and options as one string, `"layers:stage;microbatches=8"`."""
+        return ";".join(filter(None, (format_rules(self.rules), format_options(self.options))))
+
     def __str__(self) -> str:
         """The rules as `"batch:rows;d_ff:cols"`; no rules print as `(replicated)`."""
-        text = ";".join(filter(None, (format_rules(self.rules), format_options(self.options))))
-        return text or "(replicated)"
+        return self._text() or "(replicated)"
 
     def __repr__(self) -> str:
-        rules = ";".join(filter(None, (format_rules(self.rules), format_options(self.options))))
+        rules = self._text()
         flags = (", strict=True" if self.strict else "") + (", shared=True" if self.shared else "")
         return f"Layout({rules!r}{flags})"
 

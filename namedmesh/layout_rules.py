@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError
 
 # Ordered rules: (dim, the mesh axes that split it, major to minor).
@@ -68,7 +69,8 @@ def split_options(rules) -> tuple:
         name, value = name.strip(), value.strip()
         if name not in OPTIONS:
             raise LayoutError(
-                f"unknown layout option {part!r} in {rules!r}; options: {sorted(OPTIONS)}"
+                f"unknown layout option {part!r} in {rules!r}{did_you_mean(name, OPTIONS) or '.'} "
+                f"Options: {sorted(OPTIONS)}"
             )
         options[name] = _option(name, value, rules)
     return ";".join(kept), options

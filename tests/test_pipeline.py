@@ -124,6 +124,8 @@ def test_microbatches_are_set_in_the_layout():
     for bad in ("layers:stage;microbatches=0", "layers:stage;micro=2", "a:b;microbatch_dim=1"):
         with pytest.raises(LayoutError, match="option"):
             Layout(bad)
+    with pytest.raises(LayoutError, match="did you mean 'microbatches'"):
+        Layout("layers:stage;microbatch=4")
 
 
 def _layer(h, w):
