@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -19,10 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 CFG = config.Config(vocab=32, d_model=16, heads=4, d_kv=4, d_ff=32, layers=2, length=8, batch=2)
 
 
+_FORWARD = {}
+
+
 def recompute_logp(params, cfg, rows):
-    """Log-probabilities of the next token after each row, from the full forward pass."""
-    logits = transformer.lm_logits(params, nm.tensor(np.asarray(rows), ("batch", "length")), cfg)
-    x = np.asarray(logits.transpose("batch", "length", "vocab").data)[:, -1]
+    """Log-probabilities of the next token after each row, from the full forward pass.
+    Rows are padded to cfg.length (the model is causal: later tokens change no earlier
+    logits), so each config compiles the forward pass once."""
+    rows = np.asarray(rows, np.int32)
+    if cfg not in _FORWARD:
+        _FORWARD[cfg] = jax.jit(lambda p, t: transformer.lm_logits(p, t, cfg))
+    wide = np.zeros((len(rows), cfg.length), np.int32)
+    wide[:, : rows.shape[1]] = rows
+    logits = _FORWARD[cfg](params, nm.tensor(wide, ("batch", "length")))
+    x = np.asarray(logits.transpose("batch", "length", "vocab").data)[:, rows.shape[1] - 1]
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
