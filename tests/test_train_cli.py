@@ -54,7 +54,31 @@ def losses(out: Path) -> dict[int, float]:
         (["--attention", "blockwise", "--attention-block", "5"], "block 5"),  # nor 64
     ],
 )
-def test_bad_flags_exit_2_with_one_line_naming_the_fault(tmp_path, flags, names):
+def test_bad_flags_exit_2_with_one_line_naming_the_fault(tmp_path, flags, names, capsys):
+    """In process, main() as `python -m` runs it (argparse's own errors exit by SystemExit);
+    the two cases below run the real command line."""
+    from models.train import main
+
+    out = tmp_path / "run"
+    try:
+        code = main([*SMALL, *flags, "--out", str(out), "--steps", "3"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("usage")]
+    assert code == 2, err
+    assert len(lines) == 1 and "error:" in lines[0] and names in lines[0], err
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        (["--mesh", "data=2", "--layout", "nonsense:data"], "nonsense"),  # from the run
+        (["--mesh", "rows2"], "rows2"),  # from argparse
+    ],
+)
+def test_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path, flags, names):
     out = tmp_path / "run"
     r = train(*flags, "--out", str(out), "--steps", "3")
     lines = [x for x in r.stderr.splitlines() if x.strip() and not x.startswith("usage")]
