@@ -59,15 +59,18 @@ def test_generate_decodes_a_hub_folder_as_transformers_does(folder):
     assert gen.stdout.rstrip("\n") == PROMPT + tok.decode(want[0, ids.shape[1] :].numpy())
 
 
-def test_fine_tuning_starts_from_the_folder_falls_resumes_and_decodes(folder, tmp_path):
+def test_fine_tuning_starts_from_the_folder_falls_resumes_and_decodes(folder, tmp_path, capsys):
+    """In process: main() as `python -m` runs it (the subprocess path is tested above)."""
+    from models.generate import main as generate
+    from models.train import main as train
+
     path, model, tok = folder
     out = tmp_path / "run"
     flags = ["--init-from", str(path), "--length", "32", "--batch", "8", "--lr", "3e-3",
              "--warmup", "2", "--mesh", "data=2", "--layout", "batch:data;d_ff:data",
              "--eval-every", "100", "--eval-batches", "1", "--save-every", "6", "--quiet",
              "--out", str(out)]  # fmt: skip
-    first = run("models.train", *flags, "--steps", "12")
-    assert first.returncode == 0, first.stderr
+    assert train([*flags, "--steps", "12"]) == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     # Step 1's loss is the loaded weights' loss on the first batch: transformers' too.
@@ -79,8 +82,7 @@ def test_fine_tuning_starts_from_the_folder_falls_resumes_and_decodes(folder, tm
         )
     assert losses[0] == pytest.approx(float(want), rel=1e-4)
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.2
-    more = run("models.train", *flags, "--steps", "14", "--resume")
-    assert more.returncode == 0, more.stderr
+    assert train([*flags, "--steps", "14", "--resume"]) == 0
     assert checkpoint.latest_step(out) == 14
     # The checkpoint keeps the parameters by name with their dims, the optimizer apart.
     stored = checkpoint.read_meta(out)["params"]
@@ -90,8 +92,9 @@ def test_fine_tuning_starts_from_the_folder_falls_resumes_and_decodes(folder, tm
     other = transformer.abstract(transformer.lm_shapes(hub.config_of(path)[1].replace(d_ff=64)))
     with pytest.raises(checkpoint.CheckpointError, match="'layers/ffn/wi'.*128.*64"):
         checkpoint.restore_params(out, other)
-    gen = run("models.generate", "--checkpoint", str(out), "--prompt", PROMPT, "--max-new", "5")
-    assert gen.returncode == 0 and gen.stdout.startswith(PROMPT), gen.stderr
+    capsys.readouterr()
+    assert generate(["--checkpoint", str(out), "--prompt", PROMPT, "--max-new", "5"]) == 0
+    assert capsys.readouterr().out.startswith(PROMPT)
 
 
 def test_fine_tuning_refuses_an_encoder_decoder_in_one_line(tmp_path):

@@ -113,6 +113,15 @@ def test_moe_under_expert_parallelism_trains_as_on_one_device(sizes, layout, moe
     assert wi.data.addressable_shards[0].data.shape[1] == 4 // sizes[axis]  # holds its own
 
 
+BIG_BATCH = CFG.replace(batch=16)  # MLM predicts 15% of positions: a batch big enough to learn
+
+
+@functools.cache
+def one_device_curve(name):
+    """The one-device losses, shared by the layouts compared with them."""
+    return curve(name, Mesh({"one": 1}), "", steps=12, cfg=BIG_BATCH)[0]
+
+
 @pytest.mark.parametrize(
     "name, sizes, layout",
     [
@@ -122,9 +131,8 @@ def test_moe_under_expert_parallelism_trains_as_on_one_device(sizes, layout, moe
     ],
 )
 def test_bert_and_encdec_train_the_same_under_a_layout_as_on_one_device(name, sizes, layout):
-    cfg = CFG.replace(batch=16)  # MLM predicts 15% of positions: a batch big enough to learn
-    one, _ = curve(name, Mesh({"one": 1}), "", steps=12, cfg=cfg)
-    got, _ = curve(name, Mesh(sizes), layout, steps=12, cfg=cfg)
+    one = one_device_curve(name)
+    got, _ = curve(name, Mesh(sizes), layout, steps=12, cfg=BIG_BATCH)
     np.testing.assert_allclose(got, one, rtol=1e-3)
     assert got[-3:].mean() < got[0] - 0.3  # it learns
 
