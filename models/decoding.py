@@ -15,7 +15,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from models import transformer
 from models.config import Config
-from models.layers import compute_dtype, head_sizes
+from models.layers import compute_dtype, head_sizes, project_kv
 from models.sampling import Sampling, choose
 from namedmesh.errors import ParameterError
 
@@ -31,31 +31,46 @@ def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
     return {k: nm.zeros({**sizes, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
 
 
+def encode_memory(params: dict, batch: dict, cfg: Config) -> tuple[dict, nm.Tensor]:
+    """(cross keys and values, padding bias (batch, memory)) of an encoder-decoder: the
+    encoder run once over batch["inputs"] (batch["input_weights"]: 1 real, 0 padding),
+    and its output projected by every decoder layer's cross-attention, {"k", "v"}
+    (layers, batch, memory, heads or kv_heads, d_kv) in the compute dtype. Decoding
+    steps read them beside the self-attention cache instead of projecting the memory
+    again; inside a lowered program they are laid out by the layout's rules like it."""
+    params = transformer.compute_params(params, cfg)
+    memory, bias, _ = transformer.encode(params, batch, cfg)
+    return project_kv(memory, params["layers"]["cross"], cfg, ("layers",)), bias
+
+
 def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, encoded):
-    """(hidden states, new cache): the decoder stack over x at `position` with the cache."""
+    """(hidden states, new cache): the decoder stack over x at `position` with the cache,
+    and an encoder-decoder's `encoded` (cross keys and values, bias) of `encode_memory`."""
     slots = cache["k"].size_of("memory")
     bias = None
     if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
-    memory, memory_bias = (None, None) if encoded is None else encoded
+    cross, memory_bias = (None, None) if encoded is None else encoded
+    xs = {"p": params["layers"], "k": cache["k"], "v": cache["v"]}
+    if cross is not None:
+        xs["cross"] = cross
 
-    def body(h, xs):
-        p, k, v = xs
+    def body(h, x):
         h, _, new = transformer.block(
             h,
-            p,
+            x["p"],
             cfg,
             None,
             causal=True,
             bias=bias,
-            memory=memory,
             memory_bias=memory_bias,
-            cache={"k": k, "v": v},
+            memory_kv=x.get("cross"),
+            cache={"k": x["k"], "v": x["v"]},
             position=position,
         )
         return h, (new["k"], new["v"])
 
-    x, (k, v) = nm.scan(body, x, (params["layers"], cache["k"], cache["v"]), "layers")
+    x, (k, v) = nm.scan(body, x, xs, "layers")
     return x, {"k": k, "v": v}
 
 
@@ -83,8 +98,8 @@ def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Con
     """(logits (batch, vocab), new cache): the next-token logits after `tokens` (batch,
     length=1; ints) at `position` (an int Tensor: 0-d, or over batch for rows at
     different positions), given the cache of the positions before. An encoder-decoder's
-    decoder takes `encoded`, the (memory, padding bias) of `transformer.encode`, and
-    attends to it in every layer."""
+    decoder takes `encoded`, the (cross keys and values, padding bias) of
+    `encode_memory`, and attends to them in every layer."""
     params = transformer.compute_params(params, cfg)
     x = transformer.embed(tokens, params["embed"])
     if "pos" in params:
@@ -157,13 +172,13 @@ class Decoder:
         n = self.slots
         self._prefill = build(lambda p, t, i, e: prefill_step(p, t, i, cfg, n, e))
         self._step = build(lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e))
-        self._encode = build(lambda p, b: transformer.encode(p, b, cfg)[:2])
+        self._encode = build(lambda p, b: encode_memory(p, b, cfg))
         # the compute dtype's copy of the parameters, made once rather than every step
         if mesh is not None or cfg.dtype != "float32":
             params = build(lambda p: transformer.compute_params(p, cfg))(params)
         self.params = params
         self._choose = jax.jit(choose, static_argnums=2)
-        self.encoded = None  # an encoder-decoder's (memory, padding bias): see `encode`
+        self.encoded = None  # an encoder-decoder's (cross keys and values, bias): `encode`
 
     # --- the compiled pieces, on NumPy rows ------------------------------------------
     def step(self, tokens: np.ndarray, position, cache: dict):
@@ -215,8 +230,10 @@ class Decoder:
 
     def encode(self, inputs, weights: np.ndarray | None = None) -> None:
         """Encode an encoder-decoder's inputs once: token lists (right-padded here), or an
-        array (batch, n) with `weights` (1 real, 0 padding). The following steps'
-        cross-attention reads this memory; decode as many rows as inputs."""
+        array (batch, n) with `weights` (1 real, 0 padding). Every decoder layer's
+        cross-attention keys and values of the encoding are computed here, once
+        (`encode_memory`), and the following steps read them; decode as many rows as
+        inputs."""
         if weights is None and not isinstance(inputs, np.ndarray):
             most = self.cfg.learned_positions or 2**31  # relative positions: no bound
             inputs, lengths = pad_rows(inputs, self.cfg.vocab, most)
