@@ -118,12 +118,16 @@ def pad_rows(prompts, vocab: int, limit: int, multiple: int = 8) -> tuple[np.nda
     n is the longest prompt rounded up to `multiple` (at most `limit`), so batches of
     similar lengths share one compiled prefill. ParameterError for no prompts, an empty
     or over-long prompt, or a token outside the vocabulary."""
-    prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+    prompts = [np.asarray(p) for p in prompts]
     if not prompts:
         raise ParameterError("prompts: no prompt to decode")
     for i, p in enumerate(prompts):
-        if not len(p):
+        if not p.size:
             raise ParameterError(f"prompt {i} is empty: a prompt needs at least one token")
+        if p.ndim != 1 or p.dtype.kind not in "iu":  # floats would be truncated silently
+            raise ParameterError(
+                f"prompt {i} must be a flat list of int token ids, got {p.dtype} of shape {p.shape}"
+            )
         if len(p) > limit:
             raise ParameterError(
                 f"prompt {i} has {len(p)} tokens, more than max_length (--max-length) {limit}"
@@ -138,6 +142,14 @@ def pad_rows(prompts, vocab: int, limit: int, multiple: int = 8) -> tuple[np.nda
     for i, p in enumerate(prompts):
         rows[i, : len(p)] = p
     return rows, lengths
+
+
+def _widen(encoded, rows: int):
+    """An encoding of one input repeated for `rows` rows (a beam's hypotheses)."""
+    index = np.zeros(rows, np.int64)
+    return jax.tree_util.tree_map(
+        lambda t: _rows(t, index), encoded, is_leaf=lambda t: isinstance(t, nm.Tensor)
+    )
 
 
 def _ints(x, dims) -> nm.Tensor:
@@ -193,6 +205,7 @@ class Decoder:
         at = np.asarray(position)
         i = _ints(at, ("batch",) if at.ndim else ())
         t = _ints(np.asarray(tokens)[:, None], ("batch", "length"))
+        self._check_encoded(len(t.data))
         logits, cache = self._step(self.params, t, i, cache, self.encoded)
         return logits.transpose("batch", "vocab").data, cache
 
@@ -201,6 +214,7 @@ class Decoder:
         filled cache): one prefill pass over right-padded rows (batch, n) whose first
         `lengths` tokens are real."""
         last = _ints(np.asarray(lengths) - 1, ("batch",))
+        self._check_encoded(len(rows))
         logits, cache = self._prefill(
             self.params, _ints(rows, ("batch", "length")), last, self.encoded
         )
@@ -228,12 +242,29 @@ class Decoder:
             logp, cache = self.step(rows[:, i], i, cache)
         return logp, cache, rows.shape[1]
 
+    def _check_encoded(self, rows: int) -> None:
+        """ParameterError unless an encoder-decoder has encoded as many inputs as the
+        decoder has `rows` (an LM has no encoding)."""
+        if self.encoded is None:
+            if "encoder" in self.params:
+                raise ParameterError(
+                    "an encoder-decoder decodes after encode(inputs): call encode or translate"
+                )
+            return
+        have = self.encoded[1].size_of("batch")
+        if have != rows:
+            raise ParameterError(
+                f"the decoder has {rows} rows but encode was given {have} inputs: one row each"
+            )
+
     def encode(self, inputs, weights: np.ndarray | None = None) -> None:
         """Encode an encoder-decoder's inputs once: token lists (right-padded here), or an
         array (batch, n) with `weights` (1 real, 0 padding). Every decoder layer's
         cross-attention keys and values of the encoding are computed here, once
         (`encode_memory`), and the following steps read them; decode as many rows as
         inputs."""
+        if "encoder" not in self.params:
+            raise ParameterError("encode: this model has no encoder (a decoder-only model)")
         if weights is None and not isinstance(inputs, np.ndarray):
             most = self.cfg.learned_positions or 2**31  # relative positions: no bound
             inputs, lengths = pad_rows(inputs, self.cfg.vocab, most)
@@ -300,6 +331,8 @@ class Decoder:
         """The max length after checking the decoding parameters (ParameterError)."""
         if not isinstance(max_new, int | np.integer) or max_new < 0:
             raise ParameterError(f"max_new (--max-new) must be an int >= 0, got {max_new!r}")
+        if eos is not None and (not isinstance(eos, int | np.integer) or isinstance(eos, bool)):
+            raise ParameterError(f"eos (--eos) must be an int token id, got {eos!r}")
         if eos is not None and not 0 <= eos < self.cfg.vocab:
             raise ParameterError(
                 f"eos (--eos) {eos} is outside the vocabulary [0, {self.cfg.vocab})"
@@ -362,15 +395,20 @@ class Decoder:
         rows = np.asarray([prompt[-self.slots :]])
         logp, cache, pos = self.prefill(rows)
         seqs, scores = np.zeros((1, 0), int), np.zeros(1)
-        for _ in range(max_new):
-            total = scores[:, None] + logp  # (beams, vocab)
-            best = np.argsort(-total, axis=None, kind="stable")[:beams]
-            parent, tok = np.unravel_index(best, total.shape)
-            seqs = np.concatenate([seqs[parent], tok[:, None]], axis=1)
-            scores = total[parent, tok]
-            cache = {k: _rows(v, parent) for k, v in cache.items()}
-            rows = np.concatenate([rows[np.minimum(parent, len(rows) - 1)], tok[:, None]], 1)
-            logp, cache, pos = self._advance(rows, cache, pos)
+        one = self.encoded  # an encoder-decoder's input, one row for every hypothesis
+        try:
+            for _ in range(max_new):
+                total = scores[:, None] + logp  # (beams, vocab)
+                best = np.argsort(-total, axis=None, kind="stable")[:beams]
+                parent, tok = np.unravel_index(best, total.shape)
+                seqs = np.concatenate([seqs[parent], tok[:, None]], axis=1)
+                scores = total[parent, tok]
+                cache = {k: _rows(v, parent) for k, v in cache.items()}
+                rows = np.concatenate([rows[np.minimum(parent, len(rows) - 1)], tok[:, None]], 1)
+                self.encoded = None if one is None else _widen(one, len(parent))
+                logp, cache, pos = self._advance(rows, cache, pos)
+        finally:
+            self.encoded = one
         return [int(t) for t in seqs[0]], float(scores[0])
 
 

@@ -221,10 +221,12 @@ def attention(
     scale = cfg.d_kv**-0.5 if cfg.attention_scale else 1.0
     if cfg.attention == "blockwise":
         o = blockwise_attend(q, k, v, bias, scale, cfg.attention_block, bias_fn)
-    elif cfg.attention == "ring":
+    elif cfg.attention == "ring" and cache is None:
         ring = k.size_of("memory") // min(cfg.attention_block, k.size_of("memory"))
         o = ring_attend(q, k, v, bias, scale, ring, bias_fn)
-    elif cfg.attention == "full":
+    elif cfg.attention in ("full", "ring"):
+        # ring attention passes a sequence's keys around; a decoding step's one query per
+        # row over the KV cache has none to pass, so prefill and steps attend in full
         slots = nm.arange("memory", k.size_of("memory"))
         more = None if bias_fn is None else bias_fn(nm.arange("length", q.size_of("length")), slots)
         if more is not None:

@@ -71,6 +71,8 @@ def jnp_attention(q, k, v, bias, bias_dims, scale):
         (("heads", "length", "memory"), 2),  # relative position bias
         (("memory", "batch", "heads", "length"), 2),  # all, in another order
         (("heads",), 4),  # no memory: added to every block
+        (("length", "memory"), 3),  # causal, 8 keys in blocks 3, 3, 2 (+1 masked slot)
+        (("batch", "memory"), 5),  # padding, 8 keys in blocks 5, 3 (+2 masked slots)
     ],
 )
 def test_blockwise_equals_full_attention_values_and_gradients(bias_dims, block):
@@ -112,8 +114,8 @@ def test_blockwise_matches_grouped_heads_by_name():
 
 def test_blockwise_errors_name_the_fault():
     q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
-    with pytest.raises(nm.ShapeError, match="block 3 .* memory=8"):
-        blockwise_attend(q, k, k, None, 1.0, 3)
+    with pytest.raises(nm.ShapeError, match="block 0 must be positive .*--attention-block"):
+        blockwise_attend(q, k, k, None, 1.0, 0)
     with pytest.raises(nm.ShapeError, match="lacks"):
         blockwise_attend(q.rename(length="l"), k, k)
     with pytest.raises(nm.ShapeError, match="bias dim"):
@@ -202,7 +204,7 @@ def test_ring_attention_sends_keys_and_values_around_the_ring():
 
 def test_ring_errors_name_the_fault():
     q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
-    with pytest.raises(nm.ShapeError, match="ring 3 must divide length=8"):
+    with pytest.raises(nm.ShapeError, match="ring 3 must divide length=8.*--attention-block"):
         ring_attend(q, k, k, None, 1.0, 3)
     whole = nm.tensor(np.zeros((8, 8), np.float32), "length memory")
     with pytest.raises(nm.ShapeError, match="bias_fn"):

@@ -306,3 +306,58 @@ def test_encdec_translates_as_recomputation_and_on_a_2x4_mesh_as_one_device(encd
     assert cross.dims == ("layers", "batch", "memory", "heads", "d_kv")
     local = cross.data.sharding.shard_shape(cross.data.shape)
     assert local[1] == 2 and local[3] == 1
+
+
+def test_encdec_beam_bfloat16_and_misuse(encdec):
+    """Beam search of width 1 is greedy for an encoder-decoder too (the encoding is
+    repeated for every hypothesis); bfloat16 keeps bfloat16 cross keys and values and
+    the float32 tokens of these peaked predictions; misuse is a ParameterError."""
+    params, one = encdec
+    greedy = one.translate([[3, 1, 4]], 4)
+    one.encode([[3, 1, 4]])
+    assert one.beam([0], 4, 1)[0] == list(greedy[0])
+    assert len(one.beam([0], 4, 3)[0]) == 4 and one.encoded[1].size_of("batch") == 1
+    half = Decoder(params, ENCDEC.replace(dtype="bfloat16"))
+    np.testing.assert_array_equal(half.translate([[3, 1, 4]], 4), greedy)
+    assert half.encoded[0]["k"].dtype == np.dtype("bfloat16")
+    with pytest.raises(ParameterError, match="2 rows but encode was given 1 inputs"):
+        one.decode([[0], [0]], 3)
+    with pytest.raises(ParameterError, match="after encode"):
+        Decoder(params, ENCDEC).decode([[0]], 3)
+
+
+# --- the edges an outside tester tries ---------------------------------------------------------
+def test_decoding_edges(model):
+    """A prompt as long as max_length gets no new token; an eos inside a prompt ends
+    nothing; top_k past the vocabulary is no filter; a tiny top_p is greedy."""
+    _, cfg, dec = model
+    assert dec.decode([list(range(cfg.length))], 3).shape == (1, 0)
+    assert dec.decode([[3, 1, 4, 1, 5]], 3, max_length=5).shape == (1, 0)
+    free = dec.decode(PROMPTS, 4)
+    np.testing.assert_array_equal(dec.decode(PROMPTS, 4, eos=PROMPTS[0][1]), free)
+    wide = dec.decode(PROMPTS, 4, "sample", sampling=Sampling(1.0, cfg.vocab + 100), seed=5)
+    np.testing.assert_array_equal(wide, dec.decode(PROMPTS, 4, "sample", seed=5))
+    tiny = dec.decode(PROMPTS, 4, "sample", sampling=Sampling(1.0, 0, 1e-9), seed=5)
+    np.testing.assert_array_equal(tiny, free)
+
+
+@pytest.mark.parametrize("attention,block", [("ring", 4), ("blockwise", 5)])
+def test_ring_decodes_in_full_and_blockwise_takes_any_length(model, attention, block):
+    """Ring attention decodes (prefill and steps attend over the cache in full); a block
+    size that divides neither the 16 cache slots nor the prompts pads with masked slots.
+    Both give full attention's greedy tokens."""
+    params, cfg, dec = model
+    other = Decoder(params, cfg.replace(attention=attention, attention_block=block))
+    np.testing.assert_array_equal(other.decode(PROMPTS, 4), dec.decode(PROMPTS, 4))
+
+
+def test_bad_tokens_and_eos_are_parameter_errors(model):
+    _, _, dec = model
+    with pytest.raises(ParameterError, match="prompt 0 must be a flat list of int"):
+        dec.decode([[1.5, 2]], 3)
+    with pytest.raises(ParameterError, match="prompt 1 must be a flat list of int"):
+        dec.decode([[1], [[1, 2]]], 3)
+    with pytest.raises(ParameterError, match="--eos"):
+        dec.decode(PROMPTS, 3, eos=2.5)
+    with pytest.raises(ParameterError, match="no encoder"):
+        dec.encode(PROMPTS)
