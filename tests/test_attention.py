@@ -13,6 +13,7 @@ from lowering import Mesh, lower
 from lowering.hlo import collectives
 from models import transformer
 from models.attention import blockwise_attend, ring_attend
+from models.config import Config, ConfigError
 from tests.test_models import CFG, LAYOUTS, small_batch
 
 R = np.random.default_rng(11)
@@ -209,3 +210,14 @@ def test_ring_errors_name_the_fault():
     whole = nm.tensor(np.zeros((8, 8), np.float32), "length memory")
     with pytest.raises(nm.ShapeError, match="bias_fn"):
         ring_attend(q, k, k, whole, 1.0, 2)
+
+
+@pytest.mark.parametrize(
+    "field,value,named",
+    [("attention", "flash", "Config.attention"), ("attention_block", 0, "--attention-block"),
+     ("remat", "some", "Config.remat")],
+)  # fmt: skip
+def test_bad_long_sequence_options_are_parameter_errors_at_the_config(field, value, named):
+    with pytest.raises(nm.ParameterError, match=named) as caught:
+        Config(**{field: value})
+    assert isinstance(caught.value, ConfigError)
