@@ -15,7 +15,7 @@ import numpy as np
 
 import namedmesh as nm
 from models.attention import blockwise_attend, ring_attend
-from models.config import Config
+from models.config import Config, ConfigError
 
 NEG = -1e9  # the attention logit of a masked position
 DTYPES = ("float32", "bfloat16")
@@ -233,7 +233,7 @@ def attention(
             bias = more if bias is None else bias + more
         o = attend(q, k, v, bias, scale)
     else:
-        raise ValueError(f"attention must be full, blockwise or ring, got {cfg.attention!r}")
+        raise ConfigError(f"attention must be full, blockwise or ring, got {cfg.attention!r}")
     out = _project(o, p, "o", ("batch", "length", "d_model"))
     return out if cache is None else (out, cache)
 
@@ -258,7 +258,7 @@ def activation(ffn_kind: str):
     gated = kind.startswith("gated_")
     name = kind.removeprefix("gated_")
     if name not in _ACTIVATIONS:
-        raise ValueError(f"ffn must be one of {', '.join(FFN_KINDS)}, got {ffn_kind!r}")
+        raise ConfigError(f"Config.ffn must be one of {', '.join(FFN_KINDS)}, got {ffn_kind!r}")
     return _ACTIVATIONS[name], gated
 
 

@@ -221,3 +221,10 @@ def test_bad_long_sequence_options_are_parameter_errors_at_the_config(field, val
     with pytest.raises(nm.ParameterError, match=named) as caught:
         Config(**{field: value})
     assert isinstance(caught.value, ConfigError)
+
+
+def test_model_options_checked_when_shaped_are_parameter_errors_too():
+    with pytest.raises(ConfigError, match="MoE FFN .* 'swiglu'"):
+        transformer.lm_shapes(Config(experts=4, ffn="swiglu"))
+    with pytest.raises(nm.ParameterError, match="Config.ffn must be one of"):
+        transformer.lm_shapes(Config(ffn="gelu2"))
