@@ -262,7 +262,8 @@ ENCDEC = CFG.replace(
 
 @pytest.fixture(scope="module")
 def encdec():
-    params = transformer.init(transformer.encdec_shapes(ENCDEC), 1)
+    shapes = transformer.encdec_shapes(ENCDEC)
+    params = jax.jit(lambda: transformer.init(shapes, 1))()  # one compile, not op by op
     params["softmax"] = params["softmax"] * 4.0
     return params, Decoder(params, ENCDEC)
 
