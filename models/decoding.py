@@ -359,8 +359,9 @@ class Decoder:
         seed: int = 0,
     ) -> list[int]:
         """One prompt's continuation: `max_new` new tokens, fewer when `eos` ends it
-        (eos included). Past the cache's slots, the last half of the text is written into
-        a fresh cache and decoding goes on (positions restart at 0, as in training)."""
+        (eos included). A prompt longer than the cache is cut to its last `slots`
+        tokens; past the cache's slots, the last half of the text is written into a
+        fresh cache and decoding goes on (positions restart at 0, as in training)."""
         if mode not in MODES:
             raise ParameterError(f"mode (--mode) must be one of {MODES}, got {mode!r}")
         if not len(prompt):

@@ -329,10 +329,14 @@ def test_encdec_beam_bfloat16_and_misuse(encdec):
 
 # --- the edges an outside tester tries ---------------------------------------------------------
 def test_decoding_edges(model):
-    """A prompt as long as max_length gets no new token; an eos inside a prompt ends
-    nothing; top_k past the vocabulary is no filter; a tiny top_p is greedy."""
-    _, cfg, dec = model
+    """A prompt as long as max_length gets no new token (and `generate` cuts one longer
+    than the cache to its last slots); an eos inside a prompt ends nothing; top_k past
+    the vocabulary is no filter; a tiny top_p is greedy."""
+    params, cfg, dec = model
     assert dec.decode([list(range(cfg.length))], 3).shape == (1, 0)
+    long = [t % cfg.vocab for t in range(3, cfg.length + 7)]
+    window = full_logits(params, cfg, [long[-cfg.length :]])[0, -1]
+    assert dec.generate(long, 1) == [int(window.argmax())]
     assert dec.decode([[3, 1, 4, 1, 5]], 3, max_length=5).shape == (1, 0)
     free = dec.decode(PROMPTS, 4)
     np.testing.assert_array_equal(dec.decode(PROMPTS, 4, eos=PROMPTS[0][1]), free)
