@@ -19,6 +19,7 @@ import namedmesh as nm
 from namedmesh.errors import ShapeError
 
 _FLOOR = -1e30  # the running maximum before any key: exp(_FLOOR - m) is 0 for finite m
+_MASK = -1e9  # the logit of a padded key slot, as models.layers.NEG masks positions
 
 
 def _check(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias, block: int) -> int:
@@ -36,13 +37,29 @@ def _check(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias, block: int) -> int:
         raise ShapeError(
             f"blockwise_attend: bias dim(s) {stray} are none of the logits' {sorted(logit_dims)}"
         )
-    n, block = k.size_of("memory"), min(int(block), k.size_of("memory"))
-    if block < 1 or n % block:
+    block = min(int(block), k.size_of("memory"))
+    if block < 1:
         raise ShapeError(
-            f"blockwise_attend: block {block} must be positive and divide memory={n} "
-            "(attention_block in the config)"
+            f"blockwise_attend: block {block} must be positive "
+            "(attention_block in the config, --attention-block)"
         )
     return block
+
+
+def _pad_memory(k: nm.Tensor, v: nm.Tensor, bias, block: int):
+    """(k, v, bias, hide) with memory padded up to a multiple of `block`: zero keys and
+    values, and `hide` (over memory, None without padding) a mask bias on the padded
+    slots, so a length that `block` does not divide gives the unpadded result."""
+    n = k.size_of("memory")
+    extra = -n % block
+    if not extra:
+        return k, v, bias, None
+    fill = {"memory": (0, extra)}
+    k, v = nm.pad(k, fill), nm.pad(v, fill)
+    if bias is not None and "memory" in bias.dims:
+        bias = nm.pad(bias, fill)
+    hide = nm.where(nm.arange("memory", n + extra) < n, 0.0, np.float32(_MASK))
+    return k, v, bias, hide
 
 
 def _blocks(t: nm.Tensor, nblocks: int, block: int) -> nm.Tensor:
@@ -94,14 +111,16 @@ def blockwise_attend(
     bias_fn: BiasFn | None = None,
 ) -> nm.Tensor:
     """softmax over memory of scale * q.k + bias, times v, a block of `block` keys at a
-    time: q (..., length, d_kv), k and v (..., memory, d_kv), other dims matched by name;
-    `bias` has any of the logits' dims (q's other dims, length, memory). Equal to full
-    attention (models.layers.attend); the result has q's dims and v's dtype.
+    time (a memory that `block` does not divide is padded with masked slots): q (...,
+    length, d_kv), k and v (..., memory, d_kv), other dims matched by name; `bias` has
+    any of the logits' dims (q's other dims, length, memory). Equal to full attention
+    (models.layers.attend); the result has q's dims and v's dtype.
 
     `bias_fn(queries, slots)`, given the query positions (an int Tensor over length) and
     the memory positions of one block (over memory), returns more bias for that block
     (or None): a causal mask or relative positions, never whole either."""
     block = _check(q, k, v, bias, block)
+    k, v, bias, hide = _pad_memory(k, v, bias, block)
     nblocks = k.size_of("memory") // block
     xs = {"k": _blocks(k, nblocks, block), "v": _blocks(v, nblocks, block)}
     queries = nm.arange("length", q.size_of("length"))
@@ -109,11 +128,14 @@ def blockwise_attend(
         xs["slots"] = _blocks(nm.arange("memory", k.size_of("memory")), nblocks, block)
     if bias is not None and "memory" in bias.dims:
         xs["bias"] = _blocks(bias, nblocks, block)
+    if hide is not None:
+        xs["hide"] = _blocks(hide, nblocks, block)
     fixed = bias if bias is not None and "memory" not in bias.dims else None
 
     def step(stats, x):
         more = None if bias_fn is None else bias_fn(queries, x["slots"])
-        return _absorb(stats, q, x["k"], x["v"], (x.get("bias"), fixed, more), scale), None
+        biases = (x.get("bias"), fixed, more, x.get("hide"))
+        return _absorb(stats, q, x["k"], x["v"], biases, scale), None
 
     # each block's logits are recomputed in the backward pass, not kept: else the
     # backward pass would hold all of them, the (length, memory) matrix again
@@ -143,7 +165,10 @@ def ring_attend(
     _check(q, k, v, bias, k.size_of("memory"))
     n_q, n_k = q.size_of("length"), k.size_of("memory")
     if ring < 1 or n_q % ring or n_k % ring:
-        raise ShapeError(f"ring_attend: ring {ring} must divide length={n_q} and memory={n_k}")
+        raise ShapeError(
+            f"ring_attend: ring {ring} must divide length={n_q} and memory={n_k} (the model's "
+            "ring is memory // attention_block: choose --attention-block so that it does)"
+        )
     if bias is not None and {"length", "memory"} <= set(bias.dims):
         raise ShapeError("ring_attend: a bias over both length and memory: pass bias_fn")
     cut = lambda t, dim: nm.reshape(t, {"ring": ring, dim: t.size_of(dim) // ring}, from_=dim)

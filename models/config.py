@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from namedmesh.errors import ParameterError
 
-class ConfigError(ValueError):
+
+class ConfigError(ParameterError):
     """A Config whose options contradict each other or name no known choice, or a
-    `--set field=value` that names no Config field or whose value has the wrong type."""
+    `--set field=value` that names no Config field or whose value has the wrong type
+    (a ParameterError, so a NamedMeshError and a ValueError)."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,19 @@ class Config:
             "norm": ("layer", "rms"),
             "norm_position": ("pre", "post"),
             "positions": ("learned", "rotary", "none"),
+            "attention": ("full", "blockwise", "ring"),
+            "remat": ("none", "full", "dots"),
         }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
                 raise ConfigError(
                     f"Config.{field} must be one of {allowed}, got {getattr(self, field)!r}"
                 )
+        if self.attention_block < 1:
+            raise ConfigError(
+                "Config.attention_block (--attention-block) must be >= 1, "
+                f"got {self.attention_block}"
+            )
         if self.kv_heads and self.heads % self.kv_heads:
             raise ConfigError(
                 f"Config.kv_heads={self.kv_heads} does not divide heads={self.heads}: each "

@@ -15,7 +15,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from models import transformer
 from models.config import Config
-from models.layers import compute_dtype, head_sizes
+from models.layers import compute_dtype, head_sizes, project_kv
 from models.sampling import Sampling, choose
 from namedmesh.errors import ParameterError
 
@@ -31,31 +31,46 @@ def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
     return {k: nm.zeros({**sizes, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
 
 
+def encode_memory(params: dict, batch: dict, cfg: Config) -> tuple[dict, nm.Tensor]:
+    """(cross keys and values, padding bias (batch, memory)) of an encoder-decoder: the
+    encoder run once over batch["inputs"] (batch["input_weights"]: 1 real, 0 padding),
+    and its output projected by every decoder layer's cross-attention, {"k", "v"}
+    (layers, batch, memory, heads or kv_heads, d_kv) in the compute dtype. Decoding
+    steps read them beside the self-attention cache instead of projecting the memory
+    again; inside a lowered program they are laid out by the layout's rules like it."""
+    params = transformer.compute_params(params, cfg)
+    memory, bias, _ = transformer.encode(params, batch, cfg)
+    return project_kv(memory, params["layers"]["cross"], cfg, ("layers",)), bias
+
+
 def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, encoded):
-    """(hidden states, new cache): the decoder stack over x at `position` with the cache."""
+    """(hidden states, new cache): the decoder stack over x at `position` with the cache,
+    and an encoder-decoder's `encoded` (cross keys and values, bias) of `encode_memory`."""
     slots = cache["k"].size_of("memory")
     bias = None
     if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
-    memory, memory_bias = (None, None) if encoded is None else encoded
+    cross, memory_bias = (None, None) if encoded is None else encoded
+    xs = {"p": params["layers"], "k": cache["k"], "v": cache["v"]}
+    if cross is not None:
+        xs["cross"] = cross
 
-    def body(h, xs):
-        p, k, v = xs
+    def body(h, x):
         h, _, new = transformer.block(
             h,
-            p,
+            x["p"],
             cfg,
             None,
             causal=True,
             bias=bias,
-            memory=memory,
             memory_bias=memory_bias,
-            cache={"k": k, "v": v},
+            memory_kv=x.get("cross"),
+            cache={"k": x["k"], "v": x["v"]},
             position=position,
         )
         return h, (new["k"], new["v"])
 
-    x, (k, v) = nm.scan(body, x, (params["layers"], cache["k"], cache["v"]), "layers")
+    x, (k, v) = nm.scan(body, x, xs, "layers")
     return x, {"k": k, "v": v}
 
 
@@ -83,8 +98,8 @@ def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Con
     """(logits (batch, vocab), new cache): the next-token logits after `tokens` (batch,
     length=1; ints) at `position` (an int Tensor: 0-d, or over batch for rows at
     different positions), given the cache of the positions before. An encoder-decoder's
-    decoder takes `encoded`, the (memory, padding bias) of `transformer.encode`, and
-    attends to it in every layer."""
+    decoder takes `encoded`, the (cross keys and values, padding bias) of
+    `encode_memory`, and attends to them in every layer."""
     params = transformer.compute_params(params, cfg)
     x = transformer.embed(tokens, params["embed"])
     if "pos" in params:
@@ -103,12 +118,16 @@ def pad_rows(prompts, vocab: int, limit: int, multiple: int = 8) -> tuple[np.nda
     n is the longest prompt rounded up to `multiple` (at most `limit`), so batches of
     similar lengths share one compiled prefill. ParameterError for no prompts, an empty
     or over-long prompt, or a token outside the vocabulary."""
-    prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+    prompts = [np.asarray(p) for p in prompts]
     if not prompts:
         raise ParameterError("prompts: no prompt to decode")
     for i, p in enumerate(prompts):
-        if not len(p):
+        if not p.size:
             raise ParameterError(f"prompt {i} is empty: a prompt needs at least one token")
+        if p.ndim != 1 or p.dtype.kind not in "iu":  # floats would be truncated silently
+            raise ParameterError(
+                f"prompt {i} must be a flat list of int token ids, got {p.dtype} of shape {p.shape}"
+            )
         if len(p) > limit:
             raise ParameterError(
                 f"prompt {i} has {len(p)} tokens, more than max_length (--max-length) {limit}"
@@ -123,6 +142,14 @@ def pad_rows(prompts, vocab: int, limit: int, multiple: int = 8) -> tuple[np.nda
     for i, p in enumerate(prompts):
         rows[i, : len(p)] = p
     return rows, lengths
+
+
+def _widen(encoded, rows: int):
+    """An encoding of one input repeated for `rows` rows (a beam's hypotheses)."""
+    index = np.zeros(rows, np.int64)
+    return jax.tree_util.tree_map(
+        lambda t: _rows(t, index), encoded, is_leaf=lambda t: isinstance(t, nm.Tensor)
+    )
 
 
 def _ints(x, dims) -> nm.Tensor:
@@ -157,13 +184,13 @@ class Decoder:
         n = self.slots
         self._prefill = build(lambda p, t, i, e: prefill_step(p, t, i, cfg, n, e))
         self._step = build(lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e))
-        self._encode = build(lambda p, b: transformer.encode(p, b, cfg)[:2])
+        self._encode = build(lambda p, b: encode_memory(p, b, cfg))
         # the compute dtype's copy of the parameters, made once rather than every step
         if mesh is not None or cfg.dtype != "float32":
             params = build(lambda p: transformer.compute_params(p, cfg))(params)
         self.params = params
         self._choose = jax.jit(choose, static_argnums=2)
-        self.encoded = None  # an encoder-decoder's (memory, padding bias): see `encode`
+        self.encoded = None  # an encoder-decoder's (cross keys and values, bias): `encode`
 
     # --- the compiled pieces, on NumPy rows ------------------------------------------
     def step(self, tokens: np.ndarray, position, cache: dict):
@@ -178,6 +205,7 @@ class Decoder:
         at = np.asarray(position)
         i = _ints(at, ("batch",) if at.ndim else ())
         t = _ints(np.asarray(tokens)[:, None], ("batch", "length"))
+        self._check_encoded(len(t.data))
         logits, cache = self._step(self.params, t, i, cache, self.encoded)
         return logits.transpose("batch", "vocab").data, cache
 
@@ -186,6 +214,7 @@ class Decoder:
         filled cache): one prefill pass over right-padded rows (batch, n) whose first
         `lengths` tokens are real."""
         last = _ints(np.asarray(lengths) - 1, ("batch",))
+        self._check_encoded(len(rows))
         logits, cache = self._prefill(
             self.params, _ints(rows, ("batch", "length")), last, self.encoded
         )
@@ -213,10 +242,29 @@ class Decoder:
             logp, cache = self.step(rows[:, i], i, cache)
         return logp, cache, rows.shape[1]
 
+    def _check_encoded(self, rows: int) -> None:
+        """ParameterError unless an encoder-decoder has encoded as many inputs as the
+        decoder has `rows` (an LM has no encoding)."""
+        if self.encoded is None:
+            if "encoder" in self.params:
+                raise ParameterError(
+                    "an encoder-decoder decodes after encode(inputs): call encode or translate"
+                )
+            return
+        have = self.encoded[1].size_of("batch")
+        if have != rows:
+            raise ParameterError(
+                f"the decoder has {rows} rows but encode was given {have} inputs: one row each"
+            )
+
     def encode(self, inputs, weights: np.ndarray | None = None) -> None:
         """Encode an encoder-decoder's inputs once: token lists (right-padded here), or an
-        array (batch, n) with `weights` (1 real, 0 padding). The following steps'
-        cross-attention reads this memory; decode as many rows as inputs."""
+        array (batch, n) with `weights` (1 real, 0 padding). Every decoder layer's
+        cross-attention keys and values of the encoding are computed here, once
+        (`encode_memory`), and the following steps read them; decode as many rows as
+        inputs."""
+        if "encoder" not in self.params:
+            raise ParameterError("encode: this model has no encoder (a decoder-only model)")
         if weights is None and not isinstance(inputs, np.ndarray):
             most = self.cfg.learned_positions or 2**31  # relative positions: no bound
             inputs, lengths = pad_rows(inputs, self.cfg.vocab, most)
@@ -283,6 +331,8 @@ class Decoder:
         """The max length after checking the decoding parameters (ParameterError)."""
         if not isinstance(max_new, int | np.integer) or max_new < 0:
             raise ParameterError(f"max_new (--max-new) must be an int >= 0, got {max_new!r}")
+        if eos is not None and (not isinstance(eos, int | np.integer) or isinstance(eos, bool)):
+            raise ParameterError(f"eos (--eos) must be an int token id, got {eos!r}")
         if eos is not None and not 0 <= eos < self.cfg.vocab:
             raise ParameterError(
                 f"eos (--eos) {eos} is outside the vocabulary [0, {self.cfg.vocab})"
@@ -309,8 +359,9 @@ class Decoder:
         seed: int = 0,
     ) -> list[int]:
         """One prompt's continuation: `max_new` new tokens, fewer when `eos` ends it
-        (eos included). Past the cache's slots, the last half of the text is written into
-        a fresh cache and decoding goes on (positions restart at 0, as in training)."""
+        (eos included). A prompt longer than the cache is cut to its last `slots`
+        tokens; past the cache's slots, the last half of the text is written into a
+        fresh cache and decoding goes on (positions restart at 0, as in training)."""
         if mode not in MODES:
             raise ParameterError(f"mode (--mode) must be one of {MODES}, got {mode!r}")
         if not len(prompt):
@@ -345,15 +396,20 @@ class Decoder:
         rows = np.asarray([prompt[-self.slots :]])
         logp, cache, pos = self.prefill(rows)
         seqs, scores = np.zeros((1, 0), int), np.zeros(1)
-        for _ in range(max_new):
-            total = scores[:, None] + logp  # (beams, vocab)
-            best = np.argsort(-total, axis=None, kind="stable")[:beams]
-            parent, tok = np.unravel_index(best, total.shape)
-            seqs = np.concatenate([seqs[parent], tok[:, None]], axis=1)
-            scores = total[parent, tok]
-            cache = {k: _rows(v, parent) for k, v in cache.items()}
-            rows = np.concatenate([rows[np.minimum(parent, len(rows) - 1)], tok[:, None]], 1)
-            logp, cache, pos = self._advance(rows, cache, pos)
+        one = self.encoded  # an encoder-decoder's input, one row for every hypothesis
+        try:
+            for _ in range(max_new):
+                total = scores[:, None] + logp  # (beams, vocab)
+                best = np.argsort(-total, axis=None, kind="stable")[:beams]
+                parent, tok = np.unravel_index(best, total.shape)
+                seqs = np.concatenate([seqs[parent], tok[:, None]], axis=1)
+                scores = total[parent, tok]
+                cache = {k: _rows(v, parent) for k, v in cache.items()}
+                rows = np.concatenate([rows[np.minimum(parent, len(rows) - 1)], tok[:, None]], 1)
+                self.encoded = None if one is None else _widen(one, len(parent))
+                logp, cache, pos = self._advance(rows, cache, pos)
+        finally:
+            self.encoded = one
         return [int(t) for t in seqs[0]], float(scores[0])
 
 

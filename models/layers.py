@@ -15,7 +15,7 @@ import numpy as np
 
 import namedmesh as nm
 from models.attention import blockwise_attend, ring_attend
-from models.config import Config
+from models.config import Config, ConfigError
 
 NEG = -1e9  # the attention logit of a masked position
 DTYPES = ("float32", "bfloat16")
@@ -172,6 +172,15 @@ def _project(x: nm.Tensor, p: dict, name: str, out: tuple) -> nm.Tensor:
     return y + p[name + "_bias"] if name + "_bias" in p else y
 
 
+def project_kv(src: nm.Tensor, p: dict, cfg: Config, lead: tuple = ()) -> dict:
+    """{"k", "v"}: the keys and values (*lead, batch, memory, heads or kv_heads, d_kv)
+    of `src` (batch, memory, d_model) under the attention parameters `p`; `lead` names
+    the parameters' extra dims (("layers",) projects for every layer of a stack at once:
+    an encoder-decoder's cross-attention memory, projected once per encoding)."""
+    out = (*lead, "batch", "memory", *head_sizes(cfg, kv=True), "d_kv")
+    return {name: _project(src, p, name, out) for name in ("k", "v")}
+
+
 def attention(
     x: nm.Tensor,
     p: dict,
@@ -181,24 +190,27 @@ def attention(
     cache: dict | None = None,
     position=None,
     bias_fn=None,
+    memory_kv: dict | None = None,
 ):
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
-    d_model; x itself when None), plus `bias` (any of batch, heads, length, memory) and
-    `bias_fn(queries, slots)`, the bias for query and memory positions (int Tensors
-    over length and memory). Self-attention of a rotary config rotates queries and keys
-    by their positions.
+    d_model; x itself when None), or over `memory_kv`, memory's keys and values already
+    projected by `project_kv` (cross-attention during decoding), plus `bias` (any of
+    batch, heads, length, memory) and `bias_fn(queries, slots)`, the bias for query and
+    memory positions (int Tensors over length and memory). Self-attention of a rotary
+    config rotates queries and keys by their positions.
 
     With `cache` ({"k", "v"}: batch, memory, heads, d_kv), x holds one new position per
     row at `position` (an int Tensor, 0-d or over batch), or, when `position` is over
     `length` (0..n-1: a one-pass prefill of an empty cache), the first n positions: their
     keys and values are written into the cache there, attention runs over the whole
     cache, and `(out, new_cache)` is returned."""
-    qh, kvh = tuple(head_sizes(cfg)), tuple(head_sizes(cfg, kv=True))
+    qh = tuple(head_sizes(cfg))
     q = _project(x, p, "q", ("batch", "length", *qh, "d_kv"))
     src = x.rename(length="memory") if memory is None else memory
-    k = _project(src, p, "k", ("batch", "memory", *kvh, "d_kv"))
-    v = _project(src, p, "v", ("batch", "memory", *kvh, "d_kv"))
-    if cfg.positions == "rotary" and memory is None:
+    kv = memory_kv or project_kv(src, p, cfg)
+    k, v = kv["k"], kv["v"]
+    cross = memory is not None or memory_kv is not None
+    if cfg.positions == "rotary" and not cross:
         n = x.size_of("length")
         q_at = nm.arange("length", n) if cache is None else position
         k_at = nm.arange("memory", n) if cache is None else _as_memory(position)
@@ -209,17 +221,19 @@ def attention(
     scale = cfg.d_kv**-0.5 if cfg.attention_scale else 1.0
     if cfg.attention == "blockwise":
         o = blockwise_attend(q, k, v, bias, scale, cfg.attention_block, bias_fn)
-    elif cfg.attention == "ring":
+    elif cfg.attention == "ring" and cache is None:
         ring = k.size_of("memory") // min(cfg.attention_block, k.size_of("memory"))
         o = ring_attend(q, k, v, bias, scale, ring, bias_fn)
-    elif cfg.attention == "full":
+    elif cfg.attention in ("full", "ring"):
+        # ring attention passes a sequence's keys around; a decoding step's one query per
+        # row over the KV cache has none to pass, so prefill and steps attend in full
         slots = nm.arange("memory", k.size_of("memory"))
         more = None if bias_fn is None else bias_fn(nm.arange("length", q.size_of("length")), slots)
         if more is not None:
             bias = more if bias is None else bias + more
         o = attend(q, k, v, bias, scale)
     else:
-        raise ValueError(f"attention must be full, blockwise or ring, got {cfg.attention!r}")
+        raise ConfigError(f"attention must be full, blockwise or ring, got {cfg.attention!r}")
     out = _project(o, p, "o", ("batch", "length", "d_model"))
     return out if cache is None else (out, cache)
 
@@ -244,7 +258,7 @@ def activation(ffn_kind: str):
     gated = kind.startswith("gated_")
     name = kind.removeprefix("gated_")
     if name not in _ACTIVATIONS:
-        raise ValueError(f"ffn must be one of {', '.join(FFN_KINDS)}, got {ffn_kind!r}")
+        raise ConfigError(f"Config.ffn must be one of {', '.join(FFN_KINDS)}, got {ffn_kind!r}")
     return _ACTIVATIONS[name], gated
 
 

@@ -13,14 +13,14 @@ import math
 import numpy as np
 
 import namedmesh as nm
-from models.config import Config
+from models.config import Config, ConfigError
 from models.layers import Param, activation
 
 
 def moe_params(cfg: Config) -> dict:
     d, f, e = cfg.d_model, cfg.d_ff, cfg.experts
     if cfg.ffn not in ("relu", "gelu"):
-        raise ValueError(f"the MoE FFN takes ffn relu or gelu, got {cfg.ffn!r}")
+        raise ConfigError(f"the MoE FFN (experts > 0) takes ffn relu or gelu, got {cfg.ffn!r}")
     return {
         "gate": Param({"d_model": d, "experts": e}, d**-0.5),
         "wi": Param({"experts": e, "d_model": d, "d_ff": f}, d**-0.5),

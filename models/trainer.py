@@ -22,6 +22,7 @@ from lowering.distributed import place
 from models import objectives, transformer
 from models.config import Config
 from models.zoo import Model
+from namedmesh.errors import ParameterError
 
 
 def optimizer(name: str, lr: float, steps: int, warmup: int, clip: float):
@@ -62,9 +63,10 @@ class Trainer:
         seed: int = 0,
         grad_accum: int = 1,
     ):
-        if grad_accum < 1 or cfg.batch % grad_accum:
-            raise ValueError(
-                f"grad_accum {grad_accum} must be positive and divide the batch {cfg.batch}"
+        if not isinstance(grad_accum, int) or grad_accum < 1 or cfg.batch % grad_accum:
+            raise ParameterError(
+                f"grad_accum {grad_accum!r} (--grad-accum) must be an int >= 1 that divides "
+                f"the batch {cfg.batch} (--batch): each microbatch holds batch/grad_accum rows"
             )
         self.model, self.cfg, self.mesh, self.seed = model, cfg, mesh, seed
         self.grad_accum = grad_accum

@@ -217,10 +217,12 @@ def block(
     memory_bias=None,
     cache=None,
     position=None,
+    memory_kv=None,
 ):
     """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
-    (batch, memory, d_model) when given, then the FFN, each added to the residual; aux
-    is the MoE load-balancing loss (None without experts).
+    (batch, memory, d_model) when given (or over `memory_kv`, its keys and values
+    already projected for this layer: `layers.project_kv`), then the FFN, each added to
+    the residual; aux is the MoE load-balancing loss (None without experts).
 
     With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the new position
     `position` (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
@@ -237,9 +239,9 @@ def block(
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias)
         x, cache = attention(x, p["attn"], cfg, bias=bias, cache=cache, position=position)
     h = residual(h, dropout(x, cfg.dropout, keys[0]), p["attn_norm"], cfg)
-    if memory is not None:
+    if memory is not None or memory_kv is not None:
         x = norm(h, p["cross_norm"], cfg.norm, cfg.norm_eps) if pre else h
-        x = attention(x, p["cross"], cfg, memory=memory, bias=memory_bias)
+        x = attention(x, p["cross"], cfg, memory, memory_bias, memory_kv=memory_kv)
         h = residual(h, dropout(x, cfg.dropout, keys[1]), p["cross_norm"], cfg)
     x = norm(h, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
     x, aux = moe(x, p["ffn"], cfg) if cfg.experts else (ffn(x, p["ffn"], cfg), None)

@@ -24,11 +24,15 @@ REMAT_POLICIES = {
 }
 
 
-def checkpointed(step: Callable, remat: str) -> Callable:
-    """`step` (a scan body over jax arrays) under the rematerialisation policy `remat`."""
+def checkpointed(step: Callable, remat: str, prevent_cse: bool = False) -> Callable:
+    """`step` (a scan body over jax arrays) under the rematerialisation policy `remat`.
+    Without `prevent_cse` (the default): a scan's body is only ever called inside
+    lax.scan, which already keeps XLA from merging the recomputation with the forward
+    pass, so jax.checkpoint's optimization barriers would only hinder XLA's fusion of
+    the recomputed forward into the backward pass (jax.checkpoint's documentation)."""
     if remat == "none":
         return step
-    return jax.checkpoint(step, policy=REMAT_POLICIES[remat])
+    return jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
 
 
 def _slices(xs, axes, i, take):

@@ -13,6 +13,7 @@ from lowering import Mesh, lower
 from lowering.hlo import collectives
 from models import transformer
 from models.attention import blockwise_attend, ring_attend
+from models.config import Config, ConfigError
 from tests.test_models import CFG, LAYOUTS, small_batch
 
 R = np.random.default_rng(11)
@@ -71,6 +72,8 @@ def jnp_attention(q, k, v, bias, bias_dims, scale):
         (("heads", "length", "memory"), 2),  # relative position bias
         (("memory", "batch", "heads", "length"), 2),  # all, in another order
         (("heads",), 4),  # no memory: added to every block
+        (("length", "memory"), 3),  # causal, 8 keys in blocks 3, 3, 2 (+1 masked slot)
+        (("batch", "memory"), 5),  # padding, 8 keys in blocks 5, 3 (+2 masked slots)
     ],
 )
 def test_blockwise_equals_full_attention_values_and_gradients(bias_dims, block):
@@ -112,8 +115,8 @@ def test_blockwise_matches_grouped_heads_by_name():
 
 def test_blockwise_errors_name_the_fault():
     q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
-    with pytest.raises(nm.ShapeError, match="block 3 .* memory=8"):
-        blockwise_attend(q, k, k, None, 1.0, 3)
+    with pytest.raises(nm.ShapeError, match="block 0 must be positive .*--attention-block"):
+        blockwise_attend(q, k, k, None, 1.0, 0)
     with pytest.raises(nm.ShapeError, match="lacks"):
         blockwise_attend(q.rename(length="l"), k, k)
     with pytest.raises(nm.ShapeError, match="bias dim"):
@@ -202,8 +205,26 @@ def test_ring_attention_sends_keys_and_values_around_the_ring():
 
 def test_ring_errors_name_the_fault():
     q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
-    with pytest.raises(nm.ShapeError, match="ring 3 must divide length=8"):
+    with pytest.raises(nm.ShapeError, match="ring 3 must divide length=8.*--attention-block"):
         ring_attend(q, k, k, None, 1.0, 3)
     whole = nm.tensor(np.zeros((8, 8), np.float32), "length memory")
     with pytest.raises(nm.ShapeError, match="bias_fn"):
         ring_attend(q, k, k, whole, 1.0, 2)
+
+
+@pytest.mark.parametrize(
+    "field,value,named",
+    [("attention", "flash", "Config.attention"), ("attention_block", 0, "--attention-block"),
+     ("remat", "some", "Config.remat")],
+)  # fmt: skip
+def test_bad_long_sequence_options_are_parameter_errors_at_the_config(field, value, named):
+    with pytest.raises(nm.ParameterError, match=named) as caught:
+        Config(**{field: value})
+    assert isinstance(caught.value, ConfigError)
+
+
+def test_model_options_checked_when_shaped_are_parameter_errors_too():
+    with pytest.raises(ConfigError, match="MoE FFN .* 'swiglu'"):
+        transformer.lm_shapes(Config(experts=4, ffn="swiglu"))
+    with pytest.raises(nm.ParameterError, match="Config.ffn must be one of"):
+        transformer.lm_shapes(Config(ffn="gelu2"))

@@ -252,3 +252,117 @@ def test_every_flag_has_help_and_shows_its_default(capsys):
     for flag in ("--top-k", "--top-p", "--temperature", "--eos", "--prompts", "--max-length"):
         (entry,) = [e for e in entries if e.startswith(flag[1:] + " ")]
         assert "(default:" in entry and len(entry.split()) > 4, flag
+
+
+# --- encoder-decoder (T5-style): the memory's keys and values projected once ------------------
+ENCDEC = CFG.replace(
+    positions="none", relative_buckets=8, relative_max_distance=16, attention_scale=False
+)
+
+
+@pytest.fixture(scope="module")
+def encdec():
+    shapes = transformer.encdec_shapes(ENCDEC)
+    params = jax.jit(lambda: transformer.init(shapes, 1))()  # one compile, not op by op
+    params["softmax"] = params["softmax"] * 4.0
+    return params, Decoder(params, ENCDEC)
+
+
+def translate_by_recomputation(params, inputs, n) -> np.ndarray:
+    """Greedy tokens from the whole encoder-decoder forward pass (transformer's
+    encdec_logits: encoder and cross-attention projections recomputed every step), the
+    decoder inputs padded to cfg.length so that one compiled program serves every step."""
+    rows = np.zeros((len(inputs), max(map(len, inputs))), np.int32)
+    for i, p in enumerate(inputs):
+        rows[i, : len(p)] = p
+    weights = np.arange(rows.shape[1]) < np.array([[len(p)] for p in inputs])
+    run = jax.jit(lambda p, b: transformer.encdec_logits(p, b, ENCDEC)[0])
+    dec_in, out = np.zeros((len(inputs), ENCDEC.length), np.int32), []
+    for i in range(n):
+        batch = {
+            "inputs": nm.tensor(rows, ("batch", "length")),
+            "input_weights": nm.tensor(weights.astype(np.float32), ("batch", "length")),
+            "decoder_inputs": nm.tensor(dec_in, ("batch", "length")),
+        }
+        logits = np.asarray(run(params, batch).transpose("batch", "length", "vocab").data)
+        out.append(logits[:, i].argmax(-1))
+        if i + 1 < ENCDEC.length:
+            dec_in[:, i + 1] = out[-1]
+    return np.stack(out, 1)
+
+
+def test_encdec_translates_as_recomputation_and_on_a_2x4_mesh_as_one_device(encdec):
+    """Inputs of lengths 5, 1, 3, 2: the one-device decoder (encoder once, cross keys and
+    values once) gives the tokens of recomputing everything; under batch:data;heads:model
+    the same tokens, with the cross keys and values split like the cache."""
+    params, one = encdec
+    inputs = PROMPTS + [[7, 7]]
+    got = one.translate(inputs, 5)
+    np.testing.assert_array_equal(got, translate_by_recomputation(params, inputs, 5))
+    assert len({tuple(r) for r in got}) > 1
+    mesh = Mesh({"data": 2, "model": 4})
+    dec = Decoder(params, ENCDEC, mesh=mesh, layout=Layout("batch:data;heads:model"))
+    np.testing.assert_array_equal(dec.translate(inputs, 5), got)
+    cross = dec.encoded[0]["k"]  # (layers, batch, memory, heads, d_kv)
+    assert cross.dims == ("layers", "batch", "memory", "heads", "d_kv")
+    local = cross.data.sharding.shard_shape(cross.data.shape)
+    assert local[1] == 2 and local[3] == 1
+
+
+def test_encdec_beam_bfloat16_and_misuse(encdec):
+    """Beam search of width 1 is greedy for an encoder-decoder too (the encoding is
+    repeated for every hypothesis); bfloat16 keeps bfloat16 cross keys and values and
+    the float32 tokens of these peaked predictions; misuse is a ParameterError."""
+    params, one = encdec
+    greedy = one.translate([[3, 1, 4]], 4)
+    one.encode([[3, 1, 4]])
+    assert one.beam([0], 4, 1)[0] == list(greedy[0])
+    assert len(one.beam([0], 4, 3)[0]) == 4 and one.encoded[1].size_of("batch") == 1
+    half = Decoder(params, ENCDEC.replace(dtype="bfloat16"))
+    np.testing.assert_array_equal(half.translate([[3, 1, 4]], 4), greedy)
+    assert half.encoded[0]["k"].dtype == np.dtype("bfloat16")
+    with pytest.raises(ParameterError, match="2 rows but encode was given 1 inputs"):
+        one.decode([[0], [0]], 3)
+    with pytest.raises(ParameterError, match="after encode"):
+        Decoder(params, ENCDEC).decode([[0]], 3)
+
+
+# --- the edges an outside tester tries ---------------------------------------------------------
+def test_decoding_edges(model):
+    """A prompt as long as max_length gets no new token (and `generate` cuts one longer
+    than the cache to its last slots); an eos inside a prompt ends nothing; top_k past
+    the vocabulary is no filter; a tiny top_p is greedy."""
+    params, cfg, dec = model
+    assert dec.decode([list(range(cfg.length))], 3).shape == (1, 0)
+    long = [t % cfg.vocab for t in range(3, cfg.length + 7)]
+    window = full_logits(params, cfg, [long[-cfg.length :]])[0, -1]
+    assert dec.generate(long, 1) == [int(window.argmax())]
+    assert dec.decode([[3, 1, 4, 1, 5]], 3, max_length=5).shape == (1, 0)
+    free = dec.decode(PROMPTS, 4)
+    np.testing.assert_array_equal(dec.decode(PROMPTS, 4, eos=PROMPTS[0][1]), free)
+    wide = dec.decode(PROMPTS, 4, "sample", sampling=Sampling(1.0, cfg.vocab + 100), seed=5)
+    np.testing.assert_array_equal(wide, dec.decode(PROMPTS, 4, "sample", seed=5))
+    tiny = dec.decode(PROMPTS, 4, "sample", sampling=Sampling(1.0, 0, 1e-9), seed=5)
+    np.testing.assert_array_equal(tiny, free)
+
+
+@pytest.mark.parametrize("attention,block", [("ring", 4), ("blockwise", 5)])
+def test_ring_decodes_in_full_and_blockwise_takes_any_length(model, attention, block):
+    """Ring attention decodes (prefill and steps attend over the cache in full); a block
+    size that divides neither the 16 cache slots nor the prompts pads with masked slots.
+    Both give full attention's greedy tokens."""
+    params, cfg, dec = model
+    other = Decoder(params, cfg.replace(attention=attention, attention_block=block))
+    np.testing.assert_array_equal(other.decode(PROMPTS, 4), dec.decode(PROMPTS, 4))
+
+
+def test_bad_tokens_and_eos_are_parameter_errors(model):
+    _, _, dec = model
+    with pytest.raises(ParameterError, match="prompt 0 must be a flat list of int"):
+        dec.decode([[1.5, 2]], 3)
+    with pytest.raises(ParameterError, match="prompt 1 must be a flat list of int"):
+        dec.decode([[1], [[1, 2]]], 3)
+    with pytest.raises(ParameterError, match="--eos"):
+        dec.decode(PROMPTS, 3, eos=2.5)
+    with pytest.raises(ParameterError, match="no encoder"):
+        dec.encode(PROMPTS)

@@ -9,6 +9,7 @@ import pytest
 from lowering import Mesh
 from models import zoo
 from models.trainer import Trainer
+from namedmesh.errors import ParameterError
 from tests.test_models import CFG, small_batch
 
 BATCH = small_batch(CFG.replace(batch=8), seed=4)
@@ -52,5 +53,9 @@ def test_microbatches_give_the_update_of_the_whole_batch(n, sizes, layout):
 
 
 def test_grad_accum_must_divide_the_batch():
-    with pytest.raises(ValueError, match="grad_accum 3 .* batch 8"):
+    with pytest.raises(
+        ParameterError, match=r"grad_accum 3 \(--grad-accum\) .* batch 8 \(--batch\)"
+    ):
         _trainer(3)
+    with pytest.raises(ParameterError, match="--grad-accum"):
+        _trainer(0)

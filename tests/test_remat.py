@@ -9,6 +9,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
+from namedmesh.control import checkpointed
 
 R = np.random.default_rng(5)
 L, B, D, E = 6, 8, 16, 64
@@ -104,3 +105,13 @@ def test_training_peak_estimate_follows_the_policy(remat):
     body = {"none": L * step, "full": L * carry, "dots": L * (carry + dots)}
     working = (2 * B * D + 2 * L * D * E) * f
     assert rep.peak_memory == 2 * inputs + B * D * f + body[remat] + working
+
+
+def test_the_checkpointed_body_has_no_cse_barriers():
+    """Inside lax.scan the recomputation needs no optimization barriers (they only
+    slow the backward pass down): the remat equation says prevent_cse=False."""
+    f = checkpointed(lambda c, x: (c * x, None), "full")
+    jaxpr = jax.make_jaxpr(lambda c, xs: jax.lax.scan(f, c, xs))(1.0, jnp.ones(3))
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    (remat,) = [e for e in scan.params["jaxpr"].eqns if "prevent_cse" in e.params]
+    assert remat.params["prevent_cse"] is False
