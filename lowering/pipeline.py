@@ -100,6 +100,14 @@ class PipelinePlan:
         return self.stack_bytes // self.stages
 
     @property
+    def activation_share(self) -> float:
+        """The share of the scan's saved activations at the per-device batch (every
+        iteration's, as were it not pipelined) that a device keeps: its L/S iterations
+        for M+S-1 ticks of one microbatch, (M+S-1)/(S*M). The memory estimate scales the
+        scan's saved bytes by it (lowering/memory.py: `training_peak`)."""
+        return self.ticks / (self.stages * self.microbatches)
+
+    @property
     def activation_bytes(self) -> int:
         """Per device, kept for the backward pass: every tick's L/S iterations."""
         return self.ticks * self.layers_per_stage * self.saved_bytes
