@@ -370,17 +370,13 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
     body, nc = p["body"], p["n_carry"]
     axes, m, s_n, dim = plan.axes, plan.microbatches, plan.stages, plan.dim
     s = col.axis_index(axes, ctx.sizes)
-    c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
-    micro = [_to_micro(c, a, m) if dim else c[None] for c, a in zip(carry, c_ax, strict=True)]
-    r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
-    rest_m = [(_to_micro(r, a, m) if a is not None and dim else r, lay, a)
-              for (r, lay), a in zip(rest, r_ax, strict=True)]  # fmt: skip
+    c_ax, micro, rest_m = _cut(eqn, plan, carry, rest)
     outer = ctx.step
     shown = [(v.dims, lay) for v, lay in zip(body.inputs[:nc], carry_lay, strict=True)]
     made: list = []  # the tick's Step, then its body's Steps, from the last trace
     y_lays: list = []
 
-    def tick(state, t):
+    def tick(micro, vma, state, t):
         inbox, outbuf = state
         saved = ctx.moved, ctx.sources
         ctx.moved, ctx.sources = {}, {}
@@ -408,23 +404,8 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
             raise col.WiderCarry(wider)
         return (inbox, outbuf), ys
 
-    vma = set(axes).union(*map(col.varying_axes, carry))
-    while True:
-        try:
-            micro = [col.cast_varying(mc, vma, ctx.sizes) for mc in micro]
-            init = ([jnp.zeros_like(mc[0]) for mc in micro], [jnp.zeros_like(mc) for mc in micro])
-            (_, outbuf), ys = jax.lax.scan(tick, init, jnp.arange(plan.ticks))
-            break
-        except col.WiderCarry as e:
-            vma |= e.axes
-    for c in carry:  # cast once the loop's type is settled: its transpose psums
-        if missing := col.missing_axes(c, vma, ctx.sizes):
-            ctx.log("pvary", missing, col.nbytes(c), ctx.source(c))
-    last = s == s_n - 1
-    final = []
-    for o, a, v in zip(outbuf, c_ax, eqn.outputs[:nc], strict=True):
-        o = col.psum(jnp.where(last, o, jnp.zeros_like(o)), axes, _logger(ctx, v))
-        final.append(_from_micro(o, a) if dim else o[0])
+    (_, outbuf), ys = _ticks(ctx, tick, micro, carry, plan, 1)
+    final = _result(ctx, eqn, plan, outbuf, c_ax, s)
     # stage s ran microbatch k at tick s + k: its ys are ticks s .. s+M-1
     ys = [jax.lax.dynamic_slice_in_dim(y, s, m, 0) for y in ys]
     ys = [_from_micro(y, 1 + v.dims.index(dim)) if dim else y[0]
@@ -483,17 +464,13 @@ def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, re
     items = plan.repeats * m
     s = col.axis_index(axes, ctx.sizes)
     chunks = _deal_circular(ctx, eqn, plan, xs)
-    c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
-    micro = [_to_micro(c, a, m) if dim else c[None] for c, a in zip(carry, c_ax, strict=True)]
-    r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
-    rest_m = [(_to_micro(r, a, m) if a is not None and dim else r, lay, a)
-              for (r, lay), a in zip(rest, r_ax, strict=True)]  # fmt: skip
+    c_ax, micro, rest_m = _cut(eqn, plan, carry, rest)
     outer = ctx.step
     shown = [(v.dims, lay) for v, lay in zip(body.inputs[:nc], carry_lay, strict=True)]
     made: list = []
     ring = [(i, (i + 1) % s_n) for i in range(s_n)]
 
-    def tick(state, t):
+    def tick(micro, vma, state, t):
         inbox, circ, outbuf = state
         saved = ctx.moved, ctx.sources
         ctx.moved, ctx.sources = {}, {}
@@ -527,24 +504,53 @@ def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, re
             raise col.WiderCarry(wider)
         return (inbox, circ, outbuf), None
 
-    vma = set(axes).union(*map(col.varying_axes, carry))
-    while True:
-        try:
-            micro = [col.cast_varying(mc, vma, ctx.sizes) for mc in micro]
-            zeros = [jnp.zeros_like(mc) for mc in micro]
-            init = ([jnp.zeros_like(mc[0]) for mc in micro], zeros, list(zeros))
-            (_, _, outbuf), _ = jax.lax.scan(tick, init, jnp.arange(plan.ticks))
-            break
-        except col.WiderCarry as e:
-            vma |= e.axes
-    for c in carry:  # cast once the loop's type is settled: its transpose psums
-        if missing := col.missing_axes(c, vma, ctx.sizes):
-            ctx.log("pvary", missing, col.nbytes(c), ctx.source(c))
-    last = s == s_n - 1
-    final = []
-    for o, a, v in zip(outbuf, c_ax, eqn.outputs[:nc], strict=True):
-        o = col.psum(jnp.where(last, o, jnp.zeros_like(o)), axes, _logger(ctx, v))
-        final.append(_from_micro(o, a) if dim else o[0])
+    (_, _, outbuf), _ = _ticks(ctx, tick, micro, carry, plan, 2)
+    final = _result(ctx, eqn, plan, outbuf, c_ax, s)
     ctx.step.body = list(made)
     ctx.step.pipeline = _with_saved(plan, made[1:], p.get("remat", "none"))
     return final, [], []
+
+
+def _cut(eqn, plan: PipelinePlan, carry, rest):
+    """(each carry's microbatched axis, the carries as (M, ...) microbatches, the captured
+    inputs [(array, layout, its microbatched axis or None)], those with the dim cut)."""
+    p = eqn.params
+    body, nc, m, dim = p["body"], p["n_carry"], plan.microbatches, plan.dim
+    c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
+    micro = [_to_micro(c, a, m) if dim else c[None] for c, a in zip(carry, c_ax, strict=True)]
+    r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
+    rest_m = [(_to_micro(r, a, m) if a is not None and dim else r, lay, a)
+              for (r, lay), a in zip(rest, r_ax, strict=True)]  # fmt: skip
+    return c_ax, micro, rest_m
+
+
+def _ticks(ctx, tick, micro, carry, plan: PipelinePlan, buffers: int):
+    """(final state, ys): `tick(micro, vma, state, t)` scanned over the plan's ticks from
+    zero inboxes and `buffers` zeroed (M, ...) buffers per carry; retried with a wider
+    type while a tick's state varies over more mesh axes (col.WiderCarry), then the
+    carry's cast to that type logged (its transpose psums)."""
+    vma = set(plan.axes).union(*map(col.varying_axes, carry))
+    while True:
+        try:
+            ms = [col.cast_varying(mc, vma, ctx.sizes) for mc in micro]
+            bufs = [[jnp.zeros_like(mc) for mc in ms] for _ in range(buffers)]
+            init = ([jnp.zeros_like(mc[0]) for mc in ms], *bufs)
+            step = lambda state, t, ms=ms, vma=frozenset(vma): tick(ms, vma, state, t)
+            out = jax.lax.scan(step, init, jnp.arange(plan.ticks))
+            break
+        except col.WiderCarry as e:
+            vma |= e.axes
+    for c in carry:
+        if missing := col.missing_axes(c, vma, ctx.sizes):
+            ctx.log("pvary", missing, col.nbytes(c), ctx.source(c))
+    return out
+
+
+def _result(ctx, eqn, plan: PipelinePlan, outbuf, c_ax, s):
+    """The scan's final carries on every stage: the last stage's `outbuf` all-reduced."""
+    last = s == plan.stages - 1
+    final = []
+    for o, a, v in zip(outbuf, c_ax, eqn.outputs[: eqn.params["n_carry"]], strict=True):
+        o = col.psum(jnp.where(last, o, jnp.zeros_like(o)), plan.axes, _logger(ctx, v))
+        final.append(_from_micro(o, a) if plan.dim else o[0])
+    return final
