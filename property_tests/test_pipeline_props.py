@@ -3,7 +3,8 @@
 
 1. The lowered result equals nm.reference, and the gradients of a loss of it equal
    the single-device ones; or planning raises the PipelineError the case deserves (by
-   an independent statement of when microbatches cannot be used), and no other error.
+   an independent statement of when microbatches or the circular schedule cannot be
+   used), and no other error.
 
 Each case compiles its values and gradients in one program, cached by (stack, mesh,
 layout) apart from the input values: a twentieth of the profile's examples (15 under ci).
@@ -29,6 +30,7 @@ FEW = settings(max_examples=max(4, settings.default.max_examples // 20))
 # pipeline x data with a microbatched captured input, and microbatches the batch lacks
 STACK = SS.Stack(8, 2, "residual", ("batch", "d"), ys=True, remat="dots")
 STAGE_X_DATA = Mesh({"m0": 2, "m1": 4})
+CIRCULAR = SS.Stack(8, 2, "residual", ("batch", "d"), ys=False, remat="full")  # M = 2 = S
 
 
 def _loss(outs) -> jax.Array:
@@ -48,21 +50,37 @@ def one_device_grads(stack):
 
 
 def deserved_error(stack, mesh, layout) -> str | None:
-    """What in the case forbids its microbatches, or None: more than one microbatch
-    needs a body per-example along batch, every carry with batch, and a per-stage batch
-    (batch over its rule's axes less the stage axes) that they divide."""
-    m = layout.options.get("microbatches")
-    if m is None or m == 1:
-        return None
+    """What in the case forbids its pipeline, or None. More than one microbatch needs a
+    body per-example along batch, every carry with batch, and a per-stage batch (batch
+    over its rule's axes less the stage axes) that they divide; by default M is the
+    largest divisor of that batch up to 4S, or 1 for such a body. The circular schedule
+    (R = S rounds of L/(S*R) layers) needs one stage axis, S*S dividing L, M >= S and
+    no per-layer ys."""
     rules = dict(layout.rules)
     inside = [a for a in rules.get("batch", ()) if a not in rules["layers"]]
     local = stack.batch // math.prod(mesh.sizes[a] for a in inside)
-    if stack.mixes_examples:
-        return "acts along it"
-    if stack.batchless_carry:
-        return "which a carry tensor lacks"
-    if local % m:
-        return f"local size {local} .* not divisible by microbatches={m}"
+    per_example = not (stack.mixes_examples or stack.batchless_carry)
+    m = layout.options.get("microbatches")
+    if m is not None and m > 1:
+        if stack.mixes_examples:
+            return "acts along it"
+        if stack.batchless_carry:
+            return "which a carry tensor lacks"
+        if local % m:
+            return f"local size {local} .* not divisible by microbatches={m}"
+    if layout.options.get("schedule") != "circular":
+        return None
+    stages = math.prod(mesh.sizes[a] for a in rules["layers"])
+    if m is None:
+        m = max(d for d in range(1, 4 * stages + 1) if local % d == 0) if per_example else 1
+    if len(rules["layers"]) > 1:
+        return "runs over one mesh axis"
+    if SS.LAYERS % (stages * stages):
+        return "must be a multiple of the .* stages and divide"
+    if m < stages:
+        return f"needs at least {stages} microbatches"
+    if stack.ys:
+        return "keeps no per-iteration results"
     return None
 
 
@@ -70,6 +88,7 @@ def deserved_error(stack, mesh, layout) -> str | None:
 @given(SS.stack_cases(), st.integers(0, 2**31 - 1))
 @example((STACK, STAGE_X_DATA, Layout("layers:m0;batch:m1;microbatches=2")), 0)
 @example((STACK, STAGE_X_DATA, Layout("layers:m0;batch:m1;microbatches=4")), 0)
+@example((CIRCULAR, STAGE_X_DATA, Layout("layers:m0;batch:m1;schedule=circular")), 0)
 def test_pipelined_stacks_equal_the_reference_values_and_gradients(case, seed):
     stack, mesh, layout = case
     xs = stack.example_inputs(seed)

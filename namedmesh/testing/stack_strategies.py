@@ -8,7 +8,8 @@ w[layers, d, e], and the layout's first rule splits `layers` (so the stages are
 exactly that rule's axes); the other rules split `batch`, `d` and `e` over any mesh
 axes, the stage axes included. Sizes are powers of two no smaller than the axes that
 split them, so no rule is indivisible: what can go wrong is the pipeline's own
-business (`microbatches` that the per-stage batch or the body cannot take). A Stack is
+business (`microbatches` that the per-stage batch or the body cannot take, a circular
+schedule, drawn 1 in 4, that the stages or the body cannot run). A Stack is
 data without its input values, so a case hypothesis replays compiles once.
 """
 
@@ -117,4 +118,6 @@ def stack_cases(draw):
             rules.append((dim, draw(st.sampled_from(fitting))))
     m = draw(st.sampled_from((None, 2, 4, 8, 1)))
     options = {} if m is None else {"microbatches": m}
+    if draw(st.integers(0, 3)) == 3:  # 1 in 4: the circular schedule, R = S rounds
+        options["schedule"] = "circular"
     return stack, Mesh(sizes), Layout(rules, options=options)
