@@ -24,6 +24,7 @@ LAYOUTS = [  # (name, mesh, layout)
     ("stage=8", {"stage": 8}, "layers:stage"),
     ("stage=4 x data=2", {"stage": 4, "data": 2}, "layers:stage;batch:data"),
     ("stage=2 x data=2 x model=2", {"stage": 2, "data": 2, "model": 2}, MEGATRON),
+    ("the same, circular", {"stage": 2, "data": 2, "model": 2}, MEGATRON + ";schedule=circular"),
     ("FSDP", {"data": 8}, "batch:data;d_model:data"),
     ("data parallel", {"data": 8}, "batch:data"),
 ]
@@ -207,7 +208,12 @@ all-gathers) instead. **peak memory** is XLA's (arguments + outputs + temporarie
 against a memory limit; a pipeline's counts the activations of its M+S-1 ticks of one
 microbatch on the stage's L/S layers, `PipelinePlan.activation_share`);
 **parameters + batch** XLA's arguments: a pipeline keeps 1/S of the layer stack per
-device, the rest of the model (embedding) replicated.
+device, the rest of the model (embedding) replicated. The circular row
+(`schedule=circular`: R = S = 2 rounds of 2 layers per stage) has a smaller bubble
+than GPipe's on the same mesh, (S-1)/(R*M+S-1) against (S-1)/(M+S-1), for more bytes
+(a microbatch each of R*M+S-1 ticks, and the all_to_all that deals the stage's layers
+out) and more memory than the estimate says: XLA keeps each tick's chunk of layers for
+the backward pass, which the estimate does not count.
 
 At paper scale, planned without devices (`Mesh(sizes, devices="abstract")`): the 4.9B
 `{PAPER}` LM (6 layers, batch 256 x length 256, float32) on 512 cores, the paper's
