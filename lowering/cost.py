@@ -148,7 +148,8 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     active = set() if wrt is None else active_values(graph, set(wrt))
     peak = peak_memory(graph, local_bytes)
     if wrt is not None:
-        peak = max(peak, training_peak(graph, local_bytes, active, wrt))
+        shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
+        peak = max(peak, training_peak(graph, local_bytes, active, wrt, shares))
     rep = Report(0.0, peak_memory=peak)
     for step in plan:
         if step.pipeline is not None:

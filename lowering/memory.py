@@ -81,20 +81,24 @@ def backward_reads(e, active: set) -> set:
     }.get(reads, set())
 
 
-def training_peak(graph, local_bytes, active: set, wrt) -> int:
+def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = None) -> int:
     """Per-device bytes of a step that returns the gradients of `wrt`: the inputs, the
     gradients, the values the backward pass reads (each primitive's `backward_reads`,
     each value once), of a scan's body as its `remat` policy keeps them (every
     iteration's; only the carry; the carry and the matmul outputs), and the largest
     working set of the backward pass: the cotangents of one equation's inputs and
-    outputs, and under remat one iteration's recomputed values."""
+    outputs, and under remat one iteration's recomputed values. `shares` {scan Eqn:
+    float} scales what a scan saves: a pipelined one's device keeps that share
+    (`PipelinePlan.activation_share`)."""
     held = {*graph.inputs, *graph.consts}
     base = sum(local_bytes(v) for v in held)
-    saved, working = _saved(graph, local_bytes, active, held)
+    saved, working = _saved(graph, local_bytes, active, held, shares=shares or {})
     return int(base + sum(local_bytes(v) for v in wrt) + saved + working)
 
 
-def _saved(graph, local_bytes, active: set, held: set, intermediates=True) -> tuple[int, int]:
+def _saved(
+    graph, local_bytes, active: set, held: set, intermediates=True, shares=None
+) -> tuple[int, int]:
     """(bytes of the graph's values its backward pass reads, less the `held` ones (held
     anyway), the largest working set of its backward pass). `intermediates`: count the values
     made inside elementwise primitives (`backward_saves`) too; in an iteration
@@ -106,6 +110,7 @@ def _saved(graph, local_bytes, active: set, held: set, intermediates=True) -> tu
     for e in graph.eqns:
         if e.primitive.name == "scan":
             scan_kept, work = _scan_saved(e, local_bytes, active)
+            scan_kept *= (shares or {}).get(e, 1.0)
             saved, working = saved + scan_kept, max(working, work)
         kept |= backward_reads(e, active)
         stored = intermediates or not e.primitive.elementwise

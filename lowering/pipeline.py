@@ -55,20 +55,35 @@ class PipelinePlan:
     microbatch_bytes: int  # one microbatch of the carry (all its tensors)
     stack_bytes: int
     saved_bytes: int = 0  # activations one iteration keeps for the backward pass
+    repeats: int = 1  # circular: each microbatch passes every stage this many times
 
     @property
     def ticks(self) -> int:
-        """Pipeline iterations, M + S - 1: each stage runs its layers once per tick."""
-        return self.microbatches + self.stages - 1
+        """Pipeline iterations, R*M + S - 1: each stage runs `layers_per_tick` layers once
+        per tick (R = 1 for GPipe)."""
+        return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def layers_per_stage(self) -> int:
         return self.length // self.stages
 
     @property
+    def layers_per_tick(self) -> int:
+        """L/S for GPipe; L/(S*R) for the circular schedule: one of a stage's R chunks."""
+        return self.length // (self.stages * self.repeats)
+
+    @property
     def bubble(self) -> float:
-        """The fraction of ticks a stage idles (computes on zeros): (S-1)/(M+S-1)."""
+        """The fraction of ticks a stage idles (computes on zeros): (S-1)/(R*M+S-1)."""
         return (self.stages - 1) / self.ticks
+
+    @property
+    def reorder_bytes(self) -> float:
+        """Sent per device and direction to deal the stage's layers out circularly (an
+        all_to_all of its share of the stack); 0 for GPipe."""
+        if self.repeats == 1:
+            return 0.0
+        return traffic("all_to_all", ("stage",), self.parameter_bytes, {"stage": self.stages})
 
     @property
     def broadcast_bytes(self) -> float:
@@ -79,14 +94,14 @@ class PipelinePlan:
     @property
     def forward_bytes(self) -> float:
         """Sent per device forward: one microbatch to the next stage per tick, then the
-        broadcast of the result."""
-        return self.ticks * self.microbatch_bytes + self.broadcast_bytes
+        broadcast of the result (and the circular schedule's reorder of the layers)."""
+        return self.ticks * self.microbatch_bytes + self.broadcast_bytes + self.reorder_bytes
 
     @property
     def backward_bytes(self) -> float:
         """Sent per device backward: one microbatch's gradient to the stage before per
         tick, then the all-reduce that sums the carry's gradient (only stage 0 read it)."""
-        return self.ticks * self.microbatch_bytes + self.broadcast_bytes
+        return self.ticks * self.microbatch_bytes + self.broadcast_bytes + self.reorder_bytes
 
     @property
     def minimum_bytes(self) -> int:
@@ -100,9 +115,18 @@ class PipelinePlan:
         return self.stack_bytes // self.stages
 
     @property
+    def activation_share(self) -> float:
+        """The share of the scan's saved activations at the per-device batch (every
+        iteration's, as were it not pipelined) that a device keeps: its L/S iterations
+        for M+S-1 ticks of one microbatch, (M+S-1)/(S*M) (circular: L/(S*R) iterations
+        for R*M+S-1 ticks). The memory estimate scales the scan's saved bytes by it
+        (lowering/memory.py: `training_peak`)."""
+        return self.ticks / (self.stages * self.repeats * self.microbatches)
+
+    @property
     def activation_bytes(self) -> int:
-        """Per device, kept for the backward pass: every tick's L/S iterations."""
-        return self.ticks * self.layers_per_stage * self.saved_bytes
+        """Per device, kept for the backward pass: every tick's iterations."""
+        return self.ticks * self.layers_per_tick * self.saved_bytes
 
     def lines(self) -> list[str]:
         """The plan in words, as `report()` prints it."""
@@ -110,7 +134,9 @@ class PipelinePlan:
         cut = f" of {self.dim!r}" if self.dim else ""
         return [
             f"pipeline ({self.schedule}) over {over}: {self.stages} stages x "
-            f"{self.layers_per_stage} of {self.length} iterations, {self.microbatches} "
+            f"{self.layers_per_stage} of {self.length} iterations"
+            + (f" in {self.repeats} rounds" if self.repeats > 1 else "")
+            + f", {self.microbatches} "
             f"microbatches{cut}, {self.ticks} ticks, bubble {self.bubble:.1%}",
             f"    bytes sent per device: forward {self.forward_bytes:,.0f}, backward "
             f"{self.backward_bytes:,.0f} (the activations' minimum: "
@@ -140,12 +166,17 @@ def plan_pipeline(
     carry_bytes: int,
     stack_bytes: int,
     where: str = "scan",
+    schedule: str = "gpipe",
+    repeats: int | None = None,
+    ys: bool = False,
 ) -> PipelinePlan:
-    """The GPipe schedule of a scan of `length` iterations over `stages` stages along the
+    """The schedule of a scan of `length` iterations over `stages` stages along the
     mesh `axes`: its microbatches (`requested`, or the default) of the carry's dim
     `dim`, whose local size is `local_size` (None: a carry tensor lacks it) and along
     which `mixing` (None, or the body's op that mixes examples) says whether the body
-    is per-example. PipelineError, naming `where` and the rule, when it cannot run."""
+    is per-example. `schedule` "gpipe", or "circular" with `repeats` rounds (default
+    S) through the stages, for a body without per-iteration results (`ys` False).
+    PipelineError, naming `where` and the rule, when it cannot run."""
     rule = f"layers rule over {','.join(axes)}"
     if length % stages:
         raise PipelineError(
@@ -171,10 +202,38 @@ def plan_pipeline(
                 f"{where}: dim {dim!r} of local size {local_size} (per device) is not "
                 f"divisible by microbatches={m}"
             )
-    return PipelinePlan(
+    plan = PipelinePlan(
         "gpipe", tuple(axes), stages, m, length, dim if m > 1 else None,
         carry_bytes // m, stack_bytes,
     )  # fmt: skip
+    if schedule == "gpipe":
+        return plan
+    if schedule != "circular":
+        raise PipelineError(f"{where}: schedule={schedule!r} is not gpipe or circular ({rule})")
+    r = _circular_repeats(plan, repeats, ys, f"{where}: the circular schedule ({rule})")
+    return dataclasses.replace(plan, schedule="circular", repeats=r)
+
+
+def _circular_repeats(plan: PipelinePlan, repeats: int | None, ys: bool, where: str) -> int:
+    """The circular schedule's rounds R (default S), or the PipelineError that forbids
+    it: stage s holds the layers of chunks s, S+s, 2S+s, ... of L/(S*R) layers, dealt
+    out from the layout's contiguous blocks by one all_to_all, which needs one stage
+    axis and S | R; a microbatch's next round starts on stage 0 M ticks after its last,
+    which needs M >= S."""
+    s, m = plan.stages, plan.microbatches
+    r = s if repeats is None else repeats
+    if len(plan.axes) != 1:
+        raise PipelineError(f"{where} runs over one mesh axis, not {plan.axes}")
+    if r % s or plan.length % (s * r):
+        raise PipelineError(
+            f"{where}: repeats={r} must be a multiple of the {s} stages and divide the "
+            f"{plan.length} iterations into {s}*{r} equal chunks"
+        )
+    if m < s:
+        raise PipelineError(f"{where} needs at least {s} microbatches (one per stage), has {m}")
+    if ys:
+        raise PipelineError(f"{where} keeps no per-iteration results (ys); use schedule=gpipe")
+    return r
 
 
 def split_axes(x_args, x_axes) -> tuple[str, ...]:
@@ -286,10 +345,14 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
         carry_bytes=sum(map(col.nbytes, carry)),
         stack_bytes=sum(col.nbytes(x) for x in xs) * math.prod(ctx.sizes[a] for a in axes),
         where=f"nm.scan over {p['dim']!r}",
+        schedule=ctx.layout.options.get("schedule", "gpipe"),
+        repeats=ctx.layout.options.get("repeats"),
+        ys=len(body.outputs) > nc,
     )
+    run = _run if pplan.repeats == 1 else _run_circular
     layout, ctx.layout = ctx.layout, without_axes(ctx.layout, axes)
     try:
-        final, ys, y_lays = _run(ctx, eqn, pplan, carry, inner_carry, xs, x_lays, rest, run_loop)
+        final, ys, y_lays = run(ctx, eqn, pplan, carry, inner_carry, xs, x_lays, rest, run_loop)
     finally:
         ctx.layout = layout
     final = [ctx.relayout(c, a, b) for c, a, b in zip(final, inner_carry, carry_lay, strict=True)]
@@ -307,17 +370,13 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
     body, nc = p["body"], p["n_carry"]
     axes, m, s_n, dim = plan.axes, plan.microbatches, plan.stages, plan.dim
     s = col.axis_index(axes, ctx.sizes)
-    c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
-    micro = [_to_micro(c, a, m) if dim else c[None] for c, a in zip(carry, c_ax, strict=True)]
-    r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
-    rest_m = [(_to_micro(r, a, m) if a is not None and dim else r, lay, a)
-              for (r, lay), a in zip(rest, r_ax, strict=True)]  # fmt: skip
+    c_ax, micro, rest_m = _cut(eqn, plan, carry, rest)
     outer = ctx.step
     shown = [(v.dims, lay) for v, lay in zip(body.inputs[:nc], carry_lay, strict=True)]
     made: list = []  # the tick's Step, then its body's Steps, from the last trace
     y_lays: list = []
 
-    def tick(state, t):
+    def tick(micro, vma, state, t):
         inbox, outbuf = state
         saved = ctx.moved, ctx.sources
         ctx.moved, ctx.sources = {}, {}
@@ -345,23 +404,8 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
             raise col.WiderCarry(wider)
         return (inbox, outbuf), ys
 
-    vma = set(axes).union(*map(col.varying_axes, carry))
-    while True:
-        try:
-            micro = [col.cast_varying(mc, vma, ctx.sizes) for mc in micro]
-            init = ([jnp.zeros_like(mc[0]) for mc in micro], [jnp.zeros_like(mc) for mc in micro])
-            (_, outbuf), ys = jax.lax.scan(tick, init, jnp.arange(plan.ticks))
-            break
-        except col.WiderCarry as e:
-            vma |= e.axes
-    for c in carry:  # cast once the loop's type is settled: its transpose psums
-        if missing := col.missing_axes(c, vma, ctx.sizes):
-            ctx.log("pvary", missing, col.nbytes(c), ctx.source(c))
-    last = s == s_n - 1
-    final = []
-    for o, a, v in zip(outbuf, c_ax, eqn.outputs[:nc], strict=True):
-        o = col.psum(jnp.where(last, o, jnp.zeros_like(o)), axes, _logger(ctx, v))
-        final.append(_from_micro(o, a) if dim else o[0])
+    (_, outbuf), ys = _ticks(ctx, tick, micro, carry, plan, 1)
+    final = _result(ctx, eqn, plan, outbuf, c_ax, s)
     # stage s ran microbatch k at tick s + k: its ys are ticks s .. s+M-1
     ys = [jax.lax.dynamic_slice_in_dim(y, s, m, 0) for y in ys]
     ys = [_from_micro(y, 1 + v.dims.index(dim)) if dim else y[0]
@@ -388,3 +432,125 @@ def _with_saved(plan: PipelinePlan, steps, remat: str) -> PipelinePlan:
         dots = sum(size(a) for prim, a in outs if prim.matmul) if remat == "dots" else 0
         kept = plan.microbatch_bytes + dots
     return dataclasses.replace(plan, saved_bytes=kept)
+
+
+def _deal_circular(ctx, eqn, plan: PipelinePlan, xs):
+    """The stage's layers for the circular schedule, (R, L/(S*R), ...) per scanned input:
+    chunk r of stage s is the stack's chunk r*S + s, where the layout gave stage s the
+    contiguous chunks s*R .. s*R+R-1. One tiled all_to_all over the stage axis: local
+    chunk q*S + d goes to stage d, which files what stage s' sent at s'*R/S + q."""
+    (axis,) = plan.axes
+    s, r, v = plan.stages, plan.repeats, plan.layers_per_tick
+    out = []
+    nc = eqn.params["n_carry"]
+    for x, source in zip(xs, eqn.inputs[nc : nc + eqn.params["n_x"]], strict=True):
+        ctx.log("all_to_all", plan.axes, col.nbytes(x), source)
+        x = x.reshape((r // s, s, v) + x.shape[1:])
+        x = jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=1, tiled=True)
+        out.append(jnp.swapaxes(x, 0, 1).reshape((r, v) + x.shape[3:]))
+    return out
+
+
+def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_loop):
+    """(final carry, [], []): the ticks of the circular schedule. At tick t stage s runs
+    item i = t - s, microbatch i % M in round i // M, on its chunk of that round; stage
+    0 reads round 0 from the carry and later rounds from `circ`, where it files what the
+    last stage sends round the ring (M >= S ticks before it is read)."""
+    from lowering.lower import Step  # lower imports the rules, which import this module
+
+    p = eqn.params
+    body, nc = p["body"], p["n_carry"]
+    axes, m, s_n, dim = plan.axes, plan.microbatches, plan.stages, plan.dim
+    items = plan.repeats * m
+    s = col.axis_index(axes, ctx.sizes)
+    chunks = _deal_circular(ctx, eqn, plan, xs)
+    c_ax, micro, rest_m = _cut(eqn, plan, carry, rest)
+    outer = ctx.step
+    shown = [(v.dims, lay) for v, lay in zip(body.inputs[:nc], carry_lay, strict=True)]
+    made: list = []
+    ring = [(i, (i + 1) % s_n) for i in range(s_n)]
+
+    def tick(micro, vma, state, t):
+        inbox, circ, outbuf = state
+        saved = ctx.moved, ctx.sources
+        ctx.moved, ctx.sources = {}, {}
+        ctx.step = Step("pipeline tick", None, shown, shown, repeat=outer.repeat * plan.ticks,
+                        depth=outer.depth + 1)  # fmt: skip
+        i = jnp.clip(t - s, 0, items - 1)
+        k = i % m
+        pairs = zip(micro, circ, strict=True)
+        first = [jnp.where(i < m, _index(mc, k), _index(cb, k)) for mc, cb in pairs]
+        x_in = [jnp.where(s == 0, f, b) for f, b in zip(first, inbox, strict=True)]
+        r_in = [(_index(r, k) if a is not None and dim else r, lay) for r, lay, a in rest_m]
+        layers = [_index(c, i // m) for c in chunks]
+        final, _, _ = run_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
+                               plan.layers_per_tick)  # fmt: skip
+        done = t - (s_n - 1)  # the item the last stage finishes
+        last_round = (done >= items - m) & (done < items)
+        outbuf = [_put(o, y, jnp.clip(done, 0, items - 1) % m, last_round)
+                  for o, y in zip(outbuf, final, strict=True)]  # fmt: skip
+        inbox = [
+            col.ppermute(y, axes, ring, ctx.sizes, _logger(ctx, v))
+            for y, v in zip(final, eqn.outputs[:nc], strict=True)
+        ]
+        back = (done >= 0) & (done < items - m)  # what stage 0 now holds goes round again
+        circ = [_put(cb, y, jnp.clip(done, 0, items - 1) % m, back)
+                for cb, y in zip(circ, inbox, strict=True)]  # fmt: skip
+        made[:] = [ctx.step, *ctx.step.body]
+        ctx.step.body = []
+        (ctx.moved, ctx.sources), ctx.step = saved, outer
+        wider = set().union(*map(col.varying_axes, [*inbox, *circ, *outbuf])) - vma
+        if wider:
+            raise col.WiderCarry(wider)
+        return (inbox, circ, outbuf), None
+
+    (_, _, outbuf), _ = _ticks(ctx, tick, micro, carry, plan, 2)
+    final = _result(ctx, eqn, plan, outbuf, c_ax, s)
+    ctx.step.body = list(made)
+    ctx.step.pipeline = _with_saved(plan, made[1:], p.get("remat", "none"))
+    return final, [], []
+
+
+def _cut(eqn, plan: PipelinePlan, carry, rest):
+    """(each carry's microbatched axis, the carries as (M, ...) microbatches, the captured
+    inputs [(array, layout, its microbatched axis or None)], those with the dim cut)."""
+    p = eqn.params
+    body, nc, m, dim = p["body"], p["n_carry"], plan.microbatches, plan.dim
+    c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
+    micro = [_to_micro(c, a, m) if dim else c[None] for c, a in zip(carry, c_ax, strict=True)]
+    r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
+    rest_m = [(_to_micro(r, a, m) if a is not None and dim else r, lay, a)
+              for (r, lay), a in zip(rest, r_ax, strict=True)]  # fmt: skip
+    return c_ax, micro, rest_m
+
+
+def _ticks(ctx, tick, micro, carry, plan: PipelinePlan, buffers: int):
+    """(final state, ys): `tick(micro, vma, state, t)` scanned over the plan's ticks from
+    zero inboxes and `buffers` zeroed (M, ...) buffers per carry; retried with a wider
+    type while a tick's state varies over more mesh axes (col.WiderCarry), then the
+    carry's cast to that type logged (its transpose psums)."""
+    vma = set(plan.axes).union(*map(col.varying_axes, carry))
+    while True:
+        try:
+            ms = [col.cast_varying(mc, vma, ctx.sizes) for mc in micro]
+            bufs = [[jnp.zeros_like(mc) for mc in ms] for _ in range(buffers)]
+            init = ([jnp.zeros_like(mc[0]) for mc in ms], *bufs)
+            step = lambda state, t, ms=ms, vma=frozenset(vma): tick(ms, vma, state, t)
+            out = jax.lax.scan(step, init, jnp.arange(plan.ticks))
+            break
+        except col.WiderCarry as e:
+            vma |= e.axes
+    for c in carry:
+        if missing := col.missing_axes(c, vma, ctx.sizes):
+            ctx.log("pvary", missing, col.nbytes(c), ctx.source(c))
+    return out
+
+
+def _result(ctx, eqn, plan: PipelinePlan, outbuf, c_ax, s):
+    """The scan's final carries on every stage: the last stage's `outbuf` all-reduced."""
+    last = s == plan.stages - 1
+    final = []
+    for o, a, v in zip(outbuf, c_ax, eqn.outputs[: eqn.params["n_carry"]], strict=True):
+        o = col.psum(jnp.where(last, o, jnp.zeros_like(o)), plan.axes, _logger(ctx, v))
+        final.append(_from_micro(o, a) if plan.dim else o[0])
+    return final

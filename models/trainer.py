@@ -84,13 +84,13 @@ class Trainer:
             params = transformer.init(self.shapes, self.seed)
         params = place(params, self.mesh, self.layout)
         opt_state = jax.jit(self.opt.init)(params)
-        # leaves not made from a parameter (step counts) land on one device: replicate them
+        # leaves not made from a parameter (step counts) land on one device: replicate them.
+        # Every leaf is put (committed) where it lies: on a one-device mesh jit's outputs are
+        # uncommitted, and the step's committed outputs would compile the step a second time.
         everywhere = jax.sharding.NamedSharding(self.mesh.jax_mesh, jax.sharding.PartitionSpec())
         devices = set(self.mesh.jax_mesh.devices.flat)
-        opt_state = jax.tree_util.tree_map(
-            lambda x: x if x.sharding.device_set == devices else jax.device_put(x, everywhere),
-            opt_state,
-        )
+        on_mesh = lambda x: x.sharding if x.sharding.device_set == devices else everywhere
+        opt_state = jax.tree_util.tree_map(lambda x: jax.device_put(x, on_mesh(x)), opt_state)
         return {"params": params, "opt": opt_state}
 
     def abstract_inputs(self):

@@ -50,8 +50,9 @@ def _axes(dim: str, axes) -> tuple[str, ...]:
 
 
 # Options a layout string may carry beside its rules, `name=value` (docs/layouts.md,
-# "Pipelines"): the microbatches of a pipelined scan and the carry dim they cut.
-OPTIONS = {"microbatches": int, "microbatch_dim": str}
+# "Pipelines"): the microbatches of a pipelined scan and the carry dim they cut, its
+# schedule (gpipe or circular) and a circular schedule's repeats.
+OPTIONS = {"microbatches": int, "microbatch_dim": str, "schedule": str, "repeats": int}
 
 
 def split_options(rules) -> tuple:
@@ -84,7 +85,7 @@ def _option(name: str, value: str, rules: str):
             )
         return int(value)
     if not value.isidentifier():
-        raise LayoutError(f"layout option {name}={value!r} in {rules!r}: expected a dim name")
+        raise LayoutError(f"layout option {name}={value!r} in {rules!r}: expected a name")
     return value
 
 

@@ -35,6 +35,8 @@ MEGATRON = "layers:stage;batch:data;heads:model;d_ff:model"
 CASES = {  # name: (mesh, layout, microbatches, batch per device)
     "stage=2,M=4": ({"stage": 2}, "layers:stage;microbatches=4", 4, 8),
     "stage=2,data=2,model=2": ({"stage": 2, "data": 2, "model": 2}, MEGATRON, 4, 4),  # M default
+    # the circular schedule: 2 rounds of 2 layers per stage (its all_to_all: below)
+    "stage=2,circular": ({"stage": 2}, "layers:stage;schedule=circular;microbatches=4", 4, 8),
 }
 # stage=4 (beside data=2) trains as data parallelism does: the CLI test below
 
@@ -196,3 +198,71 @@ def test_the_plan_lists_the_compiled_collectives_ys_included():
     h, ys = lowered(*ARGS)
     np.testing.assert_allclose(np.asarray(ys.data), WANT[1], rtol=1e-4, atol=1e-5)
     assert ys.data.sharding.spec[0] == "rows"  # each stage's layers' ys stay on it
+
+
+def _stack_loss(x, w):
+    def layer(h, w):
+        return h + nm.tanh(nm.einsum(h, w, out="batch d_out")).rename(d_out="d_model"), None
+
+    return (nm.scan(layer, x, w, "layers")[0] ** 2).mean()
+
+
+def test_auto_layout_picks_a_stage_split_where_data_parallelism_does_not_fit():
+    """A pipelined candidate's training memory is its plan's: each device keeps its L/S
+    layers' activations for M+S-1 ticks of one microbatch (PipelinePlan.
+    activation_share), not the whole stack's. d_model = 30 leaves batch and layers as
+    the splits of a 4-device axis; under a limit that data parallelism exceeds, a stage
+    split is chosen, and its estimate is near the compiled step's memory."""
+    from lowering.search import auto_layout
+
+    x = nm.tensor(R.normal(size=(64, 30)).astype(np.float32), "batch d_model")
+    w = nm.tensor(R.normal(size=(8, 30, 30)).astype(np.float32), "layers d_model d_out")
+    mesh = Mesh({"x": 4})
+    layout, table = auto_layout(_stack_loss, mesh, x, w, grad_argnums=1, rates="tpu_v3",
+                                memory_limit=120_000)  # fmt: skip
+    assert "layers" in dict(layout.rules), table
+    data = next(c for c in table if str(c.layout) == "batch:x")
+    assert data.note == "over the memory limit" and data.memory > 120_000
+    lowered = lower(_stack_loss, mesh, "layers:x")
+    estimate = lowered.report(x, w, wrt=1, show=False).peak_memory
+    step = jax.jit(jax.grad(lambda w: lowered(x, w).data)).lower(w).compile()
+    m = step.memory_analysis()
+    compiled = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    assert abs(estimate - compiled) <= 0.2 * compiled, (estimate, compiled)
+
+
+def test_the_circular_schedule_equals_one_device_with_a_smaller_bubble():
+    """`schedule=circular`: each stage holds R chunks of layers (chunk r of stage s is the
+    stack's r*S + s), a microbatch passes the stages R times; bubble (S-1)/(R*M+S-1)
+    against GPipe's (S-1)/(M+S-1). Values and gradients against jax on one device, the
+    plan's collectives against the compiled HLO (the deal's all_to_all included)."""
+    from lowering.cost import expected_hlo
+
+    x = nm.tensor(R.normal(size=(16, 8)).astype(np.float32), "batch d_model")
+    w = nm.tensor((0.3 * R.normal(size=(8, 8, 8))).astype(np.float32), "layers d_model d_out")
+    mesh = Mesh({"stage": 2, "data": 2})
+    lowered = lower(_stack_loss, mesh, "layers:stage;batch:data;schedule=circular;microbatches=4")
+    got = jax.jit(jax.value_and_grad(lambda x, w: lowered(x, w).data, (0, 1)))(x, w)
+    want = jax.jit(jax.value_and_grad(lambda x, w: _stack_loss(x, w).data, (0, 1)))(x, w)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for g, v in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g.data), np.asarray(v.data), rtol=1e-5, atol=1e-6)
+    (plan,) = lowered.report(x, w, wrt=1, show=False).pipelines
+    assert (plan.schedule, plan.repeats, plan.layers_per_tick, plan.ticks) == ("circular", 2, 2, 9)
+    assert plan.bubble == pytest.approx(1 / 9)  # GPipe's with these M and S: 1/5
+    hlo = lowered.compile(x, w).as_text()
+    assert sorted(collectives(hlo)) == sorted(expected_hlo(lowered.plan(x, w), mesh.sizes))
+    assert "all-to-all" in hlo
+    with pytest.raises(PipelineError, match="at least 2 microbatches"):
+        lower(_stack_loss, mesh, "layers:stage;schedule=circular;microbatches=1").plan(x, w)
+    with pytest.raises(PipelineError, match="repeats=3 must be a multiple"):
+        lower(_stack_loss, mesh, "layers:stage;schedule=circular;repeats=3").plan(x, w)
+    with pytest.raises(PipelineError, match="schedule='zigzag' is not gpipe or circular"):
+        lower(_stack_loss, mesh, "layers:stage;schedule=zigzag").plan(x, w)
+
+    def with_ys(x, w):
+        layer = lambda h, w: (h + nm.einsum(h, w, out="batch d_out").rename(d_out="d_model"), h)
+        return nm.scan(layer, x, w, "layers")[1]
+
+    with pytest.raises(PipelineError, match="keeps no per-iteration results"):
+        lower(with_ys, mesh, "layers:stage;schedule=circular").plan(x, w)
