@@ -71,13 +71,18 @@ POWER = settings(
 
 
 @pytest.mark.parametrize(
-    "name, make", [("psum", drop_first_axis), ("psum_scatter", scatter_along_wrong_dim)]
+    "name, make, strategy",
+    [
+        ("psum", drop_first_axis, S.cases(max_steps=3, kinds=S.EINSUM_KINDS)),
+        # A reduce-scatter needs a contracted dim and a kept one on the same mesh axis;
+        # einsum chains draw that about once in 1,500 cases, single einsums as rarely but
+        # at a third of the time per case (and shrink in seconds, not minutes).
+        ("psum_scatter", scatter_along_wrong_dim, S.cases(max_steps=1, kinds=("einsum",))),
+    ],
 )
-def test_a_wrong_rule_is_found_and_shrunk(name, make):
+def test_a_wrong_rule_is_found_and_shrunk(name, make, strategy):
     with mutated(name, make):
-        program, mesh, layout = find(
-            S.cases(max_steps=3, kinds=S.EINSUM_KINDS), wrong, settings=POWER
-        )
+        program, mesh, layout = find(strategy, wrong, settings=POWER)
         print(f"\nmutated {name}: smallest counterexample {program!r} on {mesh} under {layout!r}")
     assert not wrong((program, mesh, layout))  # right again once the rule is restored
     assert len(program.steps) <= 2  # (unused inputs may stay: indices refer to them)
