@@ -253,7 +253,7 @@ def plan_layouts(ctx: Context, graph) -> None:
             ctx.wanted[v] = ctx.soft_layout(v.dims, v.shape)
             if ctx.layout.conflicts(v.dims, ctx.sizes):
                 ctx.free.add(v)
-        if e.primitive.name == "constrain":
+        if e.primitive.pins_layout:
             ctx.wanted[e.outputs[0]] = constraint_layout(e.params["layout"], e.outputs[0], ctx.mesh)
             ctx.free.discard(e.outputs[0])
 
@@ -304,7 +304,7 @@ def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth
         # An op that combines its inputs makes them all vary where any does. Cast before
         # moving, so that the backward pass sums a gathered value's gradient over those
         # axes after the reduce-scatter, on the smaller shard.
-        combines = e.primitive.name in rules.COMBINING
+        combines = e.primitive.combines_inputs
         ctx.combined = set().union(*(varying_axes(x) for x, _ in ins)) if combines else set()
         outs = rules.rule_for(e.primitive)(ctx, e, ins)
         cost_own_arithmetic(ctx, e, ins, outs)

@@ -1,16 +1,20 @@
 """SPMD rules: how each primitive runs on local shards, and which collectives it needs.
 
 A rule takes (ctx, eqn, [(local array, layout), ...]) and returns the outputs as
-[(local array, layout), ...]. `@rule(name, ...)` stores it in the primitive's
-`spmd_rule` slot (namedmesh.REGISTRY). Primitives without a rule of their own use
-`replicated_rule`: gather every input, run the op whole, leave the result
-replicated (correct for every primitive, and the baseline the others improve on).
+[(local array, layout), ...]. `@rule(prim, ...)` files it in `SPMD_RULES`, keyed by
+the primitive object (as jax keeps one table of lowerings per interpreter).
+Primitives without a rule of their own use `elementwise_rule` when they declare
+`elementwise`, else `replicated_rule`: gather every input, run the op whole, leave
+the result replicated (correct for every primitive, and the baseline the others
+improve on).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -20,24 +24,33 @@ from lowering.cost import traffic
 from lowering.layout import local_shape
 from namedmesh.elementwise import align
 from namedmesh.ordering import lowest, sort_key
-from namedmesh.primitive import REGISTRY
+from namedmesh.primitive import REGISTRY, Primitive
 from namedmesh.reductions import finite_shift
 from namedmesh.structural import wide_indices
 
+SPMD_RULES: dict[Primitive, Callable] = {}
 
-def rule(*names):
-    """Fill the `spmd_rule` slot of the named primitives."""
+# The primitives the rules of this package lower, by their registry entries (a KeyError
+# at import is a primitive that was renamed or removed).
+P = SimpleNamespace(**REGISTRY)
+
+
+def rule(*prims: Primitive):
+    """File the decorated function as the SPMD rule of `prims` in `SPMD_RULES`."""
 
     def register(fn):
-        for n in names:
-            REGISTRY[n].spmd_rule = fn  # a KeyError here is a typo in a primitive name
+        for p in prims:
+            SPMD_RULES[p] = fn
         return fn
 
     return register
 
 
-def rule_for(prim):
-    return prim.spmd_rule or replicated_rule
+def rule_for(prim: Primitive) -> Callable:
+    """The SPMD rule that lowers `prim`: its own, else by its declared flags."""
+    if prim in SPMD_RULES:
+        return SPMD_RULES[prim]
+    return elementwise_rule if prim.elementwise else replicated_rule
 
 
 def replicated_rule(ctx, eqn, args):
@@ -51,18 +64,6 @@ def _layout_in(dims, layout_of):
     return tuple(layout_of.get(d, ()) for d in dims)
 
 
-ELEMENTWISE = (
-    "negative abs sign square reciprocal exp log log1p expm1 sqrt rsqrt sin cos tan tanh erf "
-    "sigmoid relu gelu silu floor ceil round logical_not isnan isfinite add subtract multiply "
-    "divide floor_divide mod power maximum minimum arctan2 equal not_equal less less_equal "
-    "greater greater_equal logical_and logical_or logical_xor where"
-).split()
-
-
-COMBINING = {"einsum", *ELEMENTWISE}  # ops whose result mixes all inputs
-
-
-@rule(*ELEMENTWISE)
 def elementwise_rule(ctx, eqn, args):
     """Inputs relaid to the output's layout; the op runs on matching shards. An output
     whose dims conflict under the rules (`ctx.free`) takes the layout of the first input
@@ -80,14 +81,14 @@ def elementwise_rule(ctx, eqn, args):
     return [(ctx.local(eqn.primitive, *xs, **eqn.params), want)]
 
 
-@rule("convert", "stop_gradient", "rename")
+@rule(P.convert, P.stop_gradient, P.rename)
 def same_layout_rule(ctx, eqn, args):
     """Ops that act on each element alone and keep the dims' order: any layout will do."""
     ((x, lay),) = args
     return [(ctx.local(eqn.primitive, x, **eqn.params), lay)]
 
 
-@rule("constrain")
+@rule(P.constrain)
 def constrain_rule(ctx, eqn, args):
     """The value moved to the layout the constraint pins."""
     ((x, lay),) = args
@@ -164,7 +165,7 @@ def _einsum_traffic(ctx, eqn, args, comp, want, all_dims) -> float:
     return total + col.relayout_traffic(cur, want, nbytes, ctx.sizes)
 
 
-@rule("einsum")
+@rule(P.einsum)
 def einsum_rule(ctx, eqn, args):
     """Compute layout from the rules over all the einsum's dims (so each mesh axis splits at
     most one of them); a summed dim split on an axis leaves partial sums, combined by
@@ -263,7 +264,7 @@ def _reduced(eqn, lay):
     return split, kept
 
 
-@rule("sum", "max", "min", "any", "all", "mean", "logsumexp", "prod")
+@rule(P.sum, P.max, P.min, P.any, P.all, P.mean, P.logsumexp, P.prod)
 def reduction_rule(ctx, eqn, args):
     """The reduction on each shard, then combined over the axes that split reduced dims:
     psum for sum (mean divides by the shard count); any, all and prod reduce the
@@ -317,7 +318,7 @@ def _split_logsumexp(ctx, x, axes, split, dtype):
 _SHIFT = {"softmax": lambda x, m: x - m, "log_softmax": finite_shift}
 
 
-@rule("softmax", "log_softmax")
+@rule(P.softmax, P.log_softmax)
 def softmax_rule(ctx, eqn, args):
     """Along split dims: the global max (the pmax of the per-shard maxes, without
     gradient) is subtracted (for log_softmax only where it is finite, as scipy does), the
@@ -344,7 +345,7 @@ def softmax_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, want), want)]
 
 
-@rule("slice", "pad", "split", "concat")
+@rule(P.slice, P.pad, P.split, P.concat)
 def along_dims_rule(ctx, eqn, args):
     """Ops that act along some dims and are independent across the others: the acted-on
     dims are gathered, every other dim keeps its split, and outputs keep the inputs' dims
@@ -381,7 +382,7 @@ def _offsets(ctx, layout, local):
     ]
 
 
-@rule("random")
+@rule(P.random)
 def random_rule(ctx, eqn, args):
     """Each device draws only its own block, from the block's global offsets: the values
     equal the single-device ones under every layout, and nothing moves."""
@@ -406,7 +407,7 @@ def random_rule(ctx, eqn, args):
     return [(y, want)]
 
 
-@rule("full")
+@rule(P.full)
 def full_rule(ctx, eqn, args):
     (out,) = eqn.outputs
     want = ctx.wanted[out]
@@ -414,7 +415,7 @@ def full_rule(ctx, eqn, args):
     return [(jnp.full(local_shape(want, out.shape, ctx.mesh), p["value"], p["dtype"]), want)]
 
 
-@rule("iota")
+@rule(P.iota)
 def iota_rule(ctx, eqn, args):
     (out,) = eqn.outputs
     want = ctx.wanted[out]
@@ -424,7 +425,7 @@ def iota_rule(ctx, eqn, args):
     return [((p["start"] + p["step"] * (jnp.arange(n) + off)).astype(p["dtype"]), want)]
 
 
-@rule("transpose")
+@rule(P.transpose)
 def transpose_rule(ctx, eqn, args):
     """The shard transposed: each dim keeps its split."""
     ((x, lay),) = args
@@ -449,7 +450,7 @@ def _changed_run(v_in, out):
     return i0, len(a) - tail, len(b) - tail
 
 
-@rule("reshape")
+@rule(P.reshape)
 def reshape_rule(ctx, eqn, args):
     """Dims outside the changed run keep their split. Inside it, a split of its first input
     dim by axes of total size k passes to its first output dim when k divides that dim's
@@ -472,7 +473,7 @@ def reshape_rule(ctx, eqn, args):
     return [(ctx.relayout(y, out_lay, want), want)]
 
 
-@rule("one_hot")
+@rule(P.one_hot)
 def one_hot_rule(ctx, eqn, args):
     """Each device builds only its block of the new dim: one_hot(index - offset, block)."""
     ((idx, lay),) = args
@@ -486,7 +487,7 @@ def one_hot_rule(ctx, eqn, args):
     return [(ctx.local(eqn.primitive, idx, dim=p["dim"], n=n, dtype=p["dtype"]), want)]
 
 
-@rule("gather")
+@rule(P.gather)
 def gather_rule(ctx, eqn, args):
     """Other dims of the table and the indices' dims take the output's splits. A table
     split along the gathered dim (vocab-parallel embeddings) stays split: each device
@@ -524,7 +525,7 @@ def _ring(axes, sizes, step: int, wrap: bool):
     return pairs
 
 
-@rule("shift")
+@rule(P.shift)
 def shift_rule(ctx, eqn, args):
     """Along a split dim, each device sends its edge (|offset| elements) to its neighbour
     with ppermute and shifts locally; the first device (the last, for a negative offset)
@@ -560,7 +561,7 @@ def shift_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, want), want)]
 
 
-@rule("top_k", "argmax", "argmin")
+@rule(P.top_k, P.argmax, P.argmin)
 def top_k_rule(ctx, eqn, args):
     """Along a split dim: the local top_k (argmax) with global indices, the candidates of
     all shards gathered in shard order, and a final top_k (argmax) over them. Both rank by
@@ -598,7 +599,7 @@ def top_k_rule(ctx, eqn, args):
     return [(ctx.relayout(best_idx[..., 0], lay_out, want), want)]
 
 
-@rule("cumsum")
+@rule(P.cumsum)
 def cumsum_rule(ctx, eqn, args):
     """Along a split dim: the local running sum plus the totals of the shards before this
     one (after it, for `reverse`), from the gathered per-shard totals."""
@@ -655,7 +656,7 @@ def _halos(ctx, lay, shape, axes, spans, strides, pads):
     return halos
 
 
-@rule("conv")
+@rule(P.conv)
 def conv_rule(ctx, eqn, args):
     """Along split spatial dims each device extends its block by its neighbours' edges
     (ppermute) and convolves it without padding; batch dims keep their splits, channel and
@@ -696,7 +697,7 @@ def conv_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule("pool")
+@rule(P.pool)
 def pool_rule(ctx, eqn, args):
     """Pooling along split dims: halos from the neighbours as for conv, filled with the
     identity of the reduction (-inf for max, 0 for mean) at the ends."""
@@ -716,7 +717,7 @@ def pool_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule("stack")
+@rule(P.stack)
 def stack_rule(ctx, eqn, args):
     """Inputs take the output's splits of their dims; the new leading dim starts whole."""
     out = eqn.outputs[0]
@@ -726,7 +727,7 @@ def stack_rule(ctx, eqn, args):
     return [(ctx.relayout(y, ((),) + want[1:], want), want)]
 
 
-@rule("squeeze")
+@rule(P.squeeze)
 def squeeze_rule(ctx, eqn, args):
     """The size-1 dims leave the shard; the others keep their split (a dim of size 1 is
     never split, since no mesh axis of more than one device divides it)."""
@@ -739,7 +740,7 @@ def squeeze_rule(ctx, eqn, args):
     return [(ctx.relayout(y, kept, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule("expand_dims")
+@rule(P.expand_dims)
 def expand_dims_rule(ctx, eqn, args):
     """The old dims take the output's splits; each device repeats its values over its
     block of the new dims (their values are the same everywhere), moving nothing."""
@@ -754,7 +755,7 @@ def expand_dims_rule(ctx, eqn, args):
     return [(ctx.local(eqn.primitive, x, new=local_new), want)]
 
 
-@rule("var", "std")
+@rule(P.var, P.std)
 def moment_rule(ctx, eqn, args):
     """Along split dims, in two passes as on one device: the global mean (psum of the
     shards' sums over the count), then the psum of the shards' sums of squared
@@ -768,7 +769,7 @@ def moment_rule(ctx, eqn, args):
         return [(ctx.relayout(y, kept, want), want)]
     axes, ddof = eqn.params["axes"], eqn.params["ddof"]
     count = math.prod(v.shape[i] for i in axes)
-    total = REGISTRY["sum"]
+    total = P.sum
     x = x.astype(out.dtype)
     mean = col.psum(ctx.local(total, x, axes=axes), split, ctx.log) / count
     mean = ctx.varying(jnp.expand_dims(mean, axes), col.varying_axes(x))

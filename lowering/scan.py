@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from lowering.collectives import missing_axes, nbytes, varying_axes
 from lowering.lower import Step, plan_layouts, run_graph
-from lowering.rules import rule
+from lowering.rules import P, rule
 from namedmesh.control import checkpointed
 
 
@@ -33,7 +33,7 @@ def _pcast(x, vma: set, sizes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-@rule("scan")
+@rule(P.scan)
 def scan_rule(ctx, eqn, args):
     p = eqn.params
     body, nc, nx = p["body"], p["n_carry"], p["n_x"]

@@ -113,7 +113,14 @@ def _einsum_cost(in_avals, out_avals, params) -> Cost:
 
 
 _einsum = primitive(
-    "einsum", _einsum_rule, _einsum_np, _einsum_jax, cost_rule=_einsum_cost, matmul=True
+    "einsum",
+    _einsum_rule,
+    _einsum_np,
+    _einsum_jax,
+    cost_rule=_einsum_cost,
+    matmul=True,
+    combines_inputs=True,
+    backward_per_input=True,
 )
 
 

@@ -119,7 +119,15 @@ def _make_nary(name: str, np_fn, jnp_fn, dtype_rule, flops: int = 1, like_from: 
         dims, shape = broadcast_dims(xs, name)
         return Aval(dims, shape, dtype_rule(*(x.dtype for x in xs)))
 
-    prim = primitive(name, shape_rule, _nary(np_fn, np), _nary(jnp_fn, jnp), cost_rule=_cost(flops))
+    prim = primitive(
+        name,
+        shape_rule,
+        _nary(np_fn, np),
+        _nary(jnp_fn, jnp),
+        cost_rule=_cost(flops),
+        elementwise=True,
+        combines_inputs=True,
+    )
 
     def op(*xs) -> Tensor:
         ts = operands(*xs, op=name, like_from=like_from)

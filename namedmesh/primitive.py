@@ -2,8 +2,9 @@
 
 A primitive declares, once: its shape rule (input avals -> output avals, raising
 `ShapeError`), its NumPy implementation (the reference), its jax.numpy
-implementation, its cost rule, and a slot for the SPMD lowering rule that
-`lowering` fills. `bind` runs the shape rule, then either records an equation
+implementation, its cost rule, and the flags the lowering reads (elementwise,
+combines its inputs, backward cost, pins a layout); `lowering` keeps its SPMD rules
+in its own table keyed by the primitive. `bind` runs the shape rule, then either records an equation
 (under `nm.trace`) or runs NumPy (all inputs NumPy) or jax (any input a jax array).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -84,7 +85,18 @@ class Primitive:
     cost_rule: Callable[..., Cost] = default_cost
     multiple_results: bool = False
     matmul: bool = False  # a contraction: what remat policy "dots" keeps
-    spmd_rule: Callable[..., Any] | None = field(default=None)  # filled by `lowering`
+    # What the lowering must know about the op (lowering keeps its SPMD rules in its own
+    # table, keyed by the primitive object):
+    # acts on each element alone, broadcasting by name: lowered on the output's layout
+    elementwise: bool = False
+    # its result mixes all its inputs (einsum, elementwise): where any input varies over a
+    # mesh axis, all are typed varying there, so the backward pass sums their gradients
+    combines_inputs: bool = False
+    # its backward pass costs its forward flops once per input the gradient flows to (a
+    # contraction: one product per operand's gradient); other ops cost them once
+    backward_per_input: bool = False
+    # its result's layout is the one its `layout` param pins (nm.constrain)
+    pins_layout: bool = False
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"
