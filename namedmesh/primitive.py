@@ -97,6 +97,9 @@ class Primitive:
     backward_per_input: bool = False
     # its result's layout is the one its `layout` param pins (nm.constrain)
     pins_layout: bool = False
+    # its jax implementation returns its one input as it is (rename, constrain): the
+    # result is the same local array, which the lowering's casts and moves reuse
+    aliases_input: bool = False
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"

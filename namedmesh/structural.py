@@ -30,6 +30,7 @@ _rename = primitive(
     _identity,
     _identity,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
+    aliases_input=True,
 )
 
 
@@ -441,6 +442,7 @@ _constrain = primitive(
     _identity,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
     pins_layout=True,
+    aliases_input=True,
 )
 
 

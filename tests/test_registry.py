@@ -16,6 +16,7 @@ def test_every_primitive_declares_its_rules():
         for rule in (p.shape_rule, p.numpy_impl, p.jax_impl, p.cost_rule):
             assert callable(rule), (name, rule)
         flags = (p.elementwise, p.combines_inputs, p.backward_per_input, p.pins_layout)
+        flags += (p.aliases_input,)
         assert all(isinstance(f, bool) for f in flags), name
 
 
@@ -28,6 +29,7 @@ def test_the_lowering_reads_flags_not_names():
     assert flagged("combines_inputs") == flagged("elementwise") | {"einsum"}
     assert flagged("backward_per_input") == {"einsum"}
     assert flagged("pins_layout") == {"constrain"}
+    assert flagged("aliases_input") == {"rename", "constrain"}
 
 
 def test_cost_rules_return_costs_for_a_traced_program():
