@@ -160,7 +160,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
             rep.flops += f
             _repeats(rep.repeated, step, prim, params, in_avals, outs, sizes)
             if any(flowing):
-                rep.backward_flops += f * (sum(flowing) if prim.name == "einsum" else 1)
+                rep.backward_flops += f * (sum(flowing) if prim.matmul else 1)
         result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
         for c in [*step.collectives, *step.casts]:
             if c.kind in _TRAFFIC:

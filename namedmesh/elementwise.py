@@ -138,6 +138,7 @@ def _make_nary(
         elementwise=True,
         backward_reads=reads,
         backward_saves=saves,
+        combines_inputs=True,
     )
 
     def op(*xs) -> Tensor:

@@ -2,8 +2,10 @@
 
 A primitive declares, once: its shape rule (input avals -> output avals, raising
 `ShapeError`), its NumPy implementation (the reference), its jax.numpy
-implementation, its cost rule, and a slot for the SPMD lowering rule that
-`lowering` fills. `bind` runs the shape rule, then either records an equation
+implementation, its cost rule, and the flags the lowering reads (elementwise,
+combines its inputs, a contraction, pins a layout, aliases its input, what its
+backward pass reads); `lowering` keeps its SPMD rules in its own table keyed by the
+primitive. `bind` runs the shape rule, then either records an equation
 (under `nm.trace`) or runs NumPy (all inputs NumPy) or jax (any input a jax array).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -96,14 +98,27 @@ class Primitive:
     jax_impl: Callable[..., Any]
     cost_rule: Callable[..., Cost] = default_cost
     multiple_results: bool = False
-    matmul: bool = False  # a contraction: what remat policy "dots" keeps
-    # acts on each element alone, broadcasting by name (the same flag as the planner's)
+    # a contraction: what remat policy "dots" keeps; its backward pass costs its forward
+    # flops once per input the gradient flows to (one product per operand's gradient),
+    # other ops' backward passes cost their forward flops once
+    matmul: bool = False
+    # What the lowering must know about the op (lowering keeps its SPMD rules in its own
+    # table, keyed by the primitive object):
+    # acts on each element alone, broadcasting by name: lowered on the output's layout
     elementwise: bool = False
-    backward_reads: str = READS_INPUTS  # one of BACKWARD_READS
+    # its result mixes all its inputs (einsum, elementwise): where any input varies over a
+    # mesh axis, all are typed varying there, so the backward pass sums their gradients
+    combines_inputs: bool = False
+    # its result's layout is the one its `layout` param pins (nm.constrain)
+    pins_layout: bool = False
+    # its jax implementation returns its one input as it is (rename, constrain): the
+    # result is the same local array, which the lowering's casts and moves reuse
+    aliases_input: bool = False
+    # What its backward pass reads of the forward values: one of BACKWARD_READS
+    backward_reads: str = READS_INPUTS
     # and how many values of its first input's size, made inside its jax implementation,
     # jax's autodiff saves besides (softmax's exponentials, gelu's tanh and products)
     backward_saves: int = 0
-    spmd_rule: Callable[..., Any] | None = field(default=None)  # filled by `lowering`
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"

@@ -31,6 +31,7 @@ _rename = primitive(
     _identity,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
     backward_reads="nothing",
+    aliases_input=True,
 )
 
 
@@ -457,6 +458,8 @@ _constrain = primitive(
     _identity,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
     backward_reads="nothing",
+    pins_layout=True,
+    aliases_input=True,
 )
 
 
