@@ -20,9 +20,9 @@ def active_values(graph, active: set) -> set:
     active = set(active)
     for e in graph.eqns:
         flows = [v in active for v in e.inputs]
-        if e.primitive.name == "scan":
+        if e.primitive.loop:
             active |= _active_scan(e, flows)
-        elif any(flows) and e.primitive.name != "stop_gradient":
+        elif any(flows) and not e.primitive.stops_gradient:
             active |= {v for v in e.outputs if jnp.issubdtype(v.dtype, jnp.inexact)}
     return active
 
@@ -61,15 +61,18 @@ def peak_memory(graph, local_bytes) -> int:
     return int(peak)
 
 
-def backward_reads(e, active: set) -> set:
+def backward_reads(e, active: set, least: bool = False) -> set:
     """The values of equation `e` its backward pass reads (what reverse mode saves for
     it) of its inputs and outputs, as its primitive declares (`backward_reads`; the
     values made inside it that it saves, `backward_saves`, are counted apart); none when no gradient
-    flows through `e` (no input in `active`). A scan's are its body's (`_scan_saved`)."""
+    flows through `e` (no input in `active`). A scan's are its body's (`_scan_saved`).
+    `least`: what textbook reverse mode must read at the least (`least_reads`)."""
     ins = e.inputs
     if not any(v in active for v in ins):
         return set()
     reads = e.primitive.backward_reads
+    if least and e.primitive.least_reads is not None:
+        reads = e.primitive.least_reads
     if reads == READS_OTHERS:
         return {u for i, v in enumerate(ins) if v in active for u in ins[:i] + ins[i + 1 :]}
     if reads == READS_CONSTANT:
@@ -104,7 +107,7 @@ def _saved(graph, local_bytes, active: set, held: set, intermediates=True) -> tu
     saved, working, kept = 0, 0, set()
     active = active & _reaching(graph)
     for e in graph.eqns:
-        if e.primitive.name == "scan":
+        if e.primitive.loop:
             scan_kept, work = _scan_saved(e, local_bytes, active)
             saved, working = saved + scan_kept, max(working, work)
         kept |= backward_reads(e, active)
@@ -122,7 +125,7 @@ def _reaching(graph) -> set:
     has no backward pass)."""
     reach = set(graph.outputs)
     for e in reversed(graph.eqns):
-        if e.primitive.name != "stop_gradient" and reach.intersection(e.outputs):
+        if not e.primitive.stops_gradient and reach.intersection(e.outputs):
             reach.update(e.inputs)
     return reach
 

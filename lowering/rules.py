@@ -88,7 +88,7 @@ def plannable(graph, layout=None) -> bool:
     for e in graph.eqns:
         if e.primitive in SPMD_RULES and e.primitive not in PLAN_RULES:
             return False
-        if "body" in e.params:
+        if e.primitive.loop:
             if e.params.get("dim") in split or not plannable(e.params["body"], layout):
                 return False
     return True

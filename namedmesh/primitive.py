@@ -114,11 +114,20 @@ class Primitive:
     # its jax implementation returns its one input as it is (rename, constrain): the
     # result is the same local array, which the lowering's casts and moves reuse
     aliases_input: bool = False
+    # no gradient flows through it (stop_gradient)
+    stops_gradient: bool = False
+    # a loop: runs its `body` param (a Graph) `length` times, carrying `n_carry` values
+    # (nm.scan); what its backward pass reads and where gradients flow are its body's
+    loop: bool = False
     # What its backward pass reads of the forward values: one of BACKWARD_READS
     backward_reads: str = READS_INPUTS
     # and how many values of its first input's size, made inside its jax implementation,
     # jax's autodiff saves besides (softmax's exponentials, gelu's tanh and products)
     backward_saves: int = 0
+    # What textbook reverse mode must read at the least, where that is not
+    # `backward_reads` (jax's residuals: relu's input, where its output would do): one
+    # of BACKWARD_READS, or None for `backward_reads`. The memory benchmark's ideal.
+    least_reads: str | None = None
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"
@@ -131,8 +140,9 @@ def primitive(name: str, shape_rule, numpy_impl, jax_impl, **kw) -> Primitive:
     """Create and register a primitive; names are unique."""
     if name in REGISTRY:
         raise ValueError(f"primitive {name!r} is already registered")
-    if kw.get("backward_reads", READS_INPUTS) not in BACKWARD_READS:
-        raise ValueError(f"primitive {name!r}: backward_reads must be one of {BACKWARD_READS}")
+    for reads in ("backward_reads", "least_reads"):
+        if kw.get(reads, READS_INPUTS) not in (*BACKWARD_READS, None):
+            raise ValueError(f"primitive {name!r}: {reads} must be one of {BACKWARD_READS}")
     p = Primitive(name, shape_rule, numpy_impl, jax_impl, **kw)
     REGISTRY[name] = p
     return p

@@ -417,6 +417,7 @@ _stop_gradient = primitive(
     jax.lax.stop_gradient,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
     backward_reads="nothing",
+    stops_gradient=True,
 )
 
 

@@ -16,6 +16,7 @@ def test_every_primitive_declares_its_rules():
         for rule in (p.shape_rule, p.numpy_impl, p.jax_impl, p.cost_rule):
             assert callable(rule), (name, rule)
         flags = (p.elementwise, p.combines_inputs, p.matmul, p.pins_layout, p.aliases_input)
+        flags += (p.stops_gradient, p.loop)
         assert all(isinstance(f, bool) for f in flags), name
 
 
@@ -29,6 +30,8 @@ def test_the_lowering_reads_flags_not_names():
     assert flagged("matmul") == {"einsum"}
     assert flagged("pins_layout") == {"constrain"}
     assert flagged("aliases_input") == {"rename", "constrain"}
+    assert flagged("stops_gradient") == {"stop_gradient"}
+    assert flagged("loop") == {"scan"}
 
 
 def test_cost_rules_return_costs_for_a_traced_program():
