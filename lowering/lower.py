@@ -218,6 +218,7 @@ def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Rep
 def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report:
     """The cost Report of `plan`, with peak memory from the values' layouts `wanted`."""
 
+    @functools.cache  # each value is asked for several times (peak, saved, working set)
     def local_bytes(v):
         layout = wanted.get(v, ((),) * len(v.dims))
         return math.prod(local_shape(layout, v.shape, mesh)) * v.dtype.itemsize

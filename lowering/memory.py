@@ -8,22 +8,51 @@ keeps them, and one recomputed iteration's working set).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
+import weakref
 
-from namedmesh.primitive import READS_BOTH, READS_CONSTANT, READS_INPUTS, READS_OTHERS, READS_OUTPUT
+from namedmesh.primitive import (
+    READS_BOTH,
+    READS_CONSTANT,
+    READS_INPUTS,
+    READS_OTHERS,
+    READS_OUTPUT,
+    is_inexact,
+)
+
+
+def per_graph(fn):
+    """`fn(graph, *args)` (hashable args), kept per graph while it lives: what depends
+    on the program alone, not on the layout, is found once for all the candidate
+    layouts auto_layout costs. Callers must not change the result."""
+    cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def cached(graph, *args):
+        known = cache.setdefault(graph, {})
+        if args not in known:
+            known[args] = fn(graph, *args)
+        return known[args]
+
+    return cached
 
 
 def active_values(graph, active: set) -> set:
     """The values of `graph` a gradient flows through from the `active` inputs: the
     inexact values computed from them, except through stop_gradient. A scan's carries
     are active once any iteration makes them so."""
+    return set(_active_values(graph, frozenset(active)))
+
+
+@per_graph
+def _active_values(graph, active: frozenset) -> set:
     active = set(active)
     for e in graph.eqns:
         flows = [v in active for v in e.inputs]
         if e.primitive.loop:
             active |= _active_scan(e, flows)
         elif any(flows) and not e.primitive.stops_gradient:
-            active |= {v for v in e.outputs if jnp.issubdtype(v.dtype, jnp.inexact)}
+            active |= {v for v in e.outputs if is_inexact(v.dtype)}
     return active
 
 
@@ -119,6 +148,7 @@ def _saved(graph, local_bytes, active: set, held: set, intermediates=True) -> tu
     return saved + sum(local_bytes(v) for v in kept - held), working
 
 
+@per_graph
 def _reaching(graph) -> set:
     """The values of `graph` its outputs depend on other than through stop_gradient: a
     gradient flows back to these only (the max under an online softmax's stop_gradient

@@ -306,8 +306,9 @@ class RuleContext:
         a dim its axes do not divide. A strict layout's conflicts are errors only for
         values (`is_value`), not for the dims of a whole einsum, which no single tensor
         holds."""
-        if rules is None:
-            rules = self.layout if is_value else Layout(self.layout.rules)
+        if rules is None:  # a non-strict copy where the conflicts are no errors
+            loose = is_value or not self.layout.strict
+            rules = self.layout if loose else Layout(self.layout.rules)
         layout = list(rules.assign(dims, shape, "value"))
         for i, n in enumerate(shape):
             if n % math.prod(self.sizes[a] for a in layout[i]):

@@ -106,7 +106,7 @@ def _nary(xp_fn, xp):
 def _cost(flops_per_element: int):
     def cost(in_avals, out_avals, params) -> Cost:
         c = default_cost(in_avals, out_avals, params)
-        return c._replace(flops=flops_per_element * c.flops)
+        return Cost(flops_per_element * c.flops, c.bytes)
 
     return cost
 

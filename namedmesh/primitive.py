@@ -44,14 +44,25 @@ class Aval(NamedTuple):
 def is_inexact(dtype) -> bool:
     """Whether `dtype` is a float or complex type, bfloat16 included (NumPy files
     bfloat16 under kind 'V', so `dtype.kind in "fc"` misses it)."""
-    return bool(jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.inexact))
+    return _is_inexact(np.dtype(dtype))
+
+
+# Cached: every shape rule and the planner's abstract ops ask these of a few dtypes, and
+# jax's type lattice takes microseconds per question
+@functools.cache
+def _is_inexact(dtype: np.dtype) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
 
 def result_dtype(*dtypes) -> np.dtype:
     """NumPy promotion, except that integers never widen a float (int32 * float32 is
     float32, as in JAX), so eager NumPy and jax agree."""
-    dts = [np.dtype(d) for d in dtypes]
-    floats = [d for d in dts if is_inexact(d)]
+    return _result_dtype(tuple(np.dtype(d) for d in dtypes))
+
+
+@functools.cache
+def _result_dtype(dts: tuple[np.dtype, ...]) -> np.dtype:
+    floats = [d for d in dts if _is_inexact(d)]
     if not floats:
         return np.result_type(*dts)
     return np.dtype(functools.reduce(jax.numpy.promote_types, floats))
