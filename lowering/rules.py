@@ -820,20 +820,29 @@ def _plus_before(y, totals, me, reverse: bool):
 def _halo_extend(ctx, x, axis: int, axes, left: int, right: int, fill):
     """x with `left` elements of the previous shard before it and `right` of the next after
     it along `axis` (split by `axes`), by ppermute; the first and last shards get `fill`."""
+    if not (left or right):
+        return x
     k = math.prod(ctx.sizes[a] for a in axes)
-    me = col.axis_index(axes, ctx.sizes)
+    me = ctx.axis_index(axes)
     n = x.shape[axis]
+    edge = lambda lo, hi: ctx.call(_slice, x, lo=lo, hi=hi, axis=axis, dtype=x.dtype,
+                                   shape=x.shape[:axis] + (hi - lo,) + x.shape[axis + 1 :])
     parts = []
     if left:
-        edge = jax.lax.slice_in_dim(x, n - left, n, axis=axis)
-        halo = col.ppermute(edge, axes, [(j, j + 1) for j in range(k - 1)], ctx.sizes, ctx.log)
-        parts.append(jnp.where(me == 0, jnp.full_like(halo, fill), halo))
+        halo = ctx.ppermute(edge(n - left, n), axes, [(j, j + 1) for j in range(k - 1)])
+        parts.append(ctx.call(_fill_at, halo, me, end=0, fill=fill, shape=halo.shape,
+                              dtype=halo.dtype))  # fmt: skip
     parts.append(x)
     if right:
-        edge = jax.lax.slice_in_dim(x, 0, right, axis=axis)
-        halo = col.ppermute(edge, axes, [(j + 1, j) for j in range(k - 1)], ctx.sizes, ctx.log)
-        parts.append(jnp.where(me == k - 1, jnp.full_like(halo, fill), halo))
-    return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x
+        halo = ctx.ppermute(edge(0, right), axes, [(j + 1, j) for j in range(k - 1)])
+        parts.append(ctx.call(_fill_at, halo, me, end=k - 1, fill=fill, shape=halo.shape,
+                              dtype=halo.dtype))  # fmt: skip
+    shape = x.shape[:axis] + (n + left + right,) + x.shape[axis + 1 :]
+    return ctx.call(_concat, *parts, axis=axis, shape=shape, dtype=x.dtype)
+
+
+def _concat(*parts, axis):
+    return jnp.concatenate(parts, axis=axis)
 
 
 def _halos(ctx, lay, shape, axes, spans, strides, pads):
@@ -853,7 +862,7 @@ def _halos(ctx, lay, shape, axes, spans, strides, pads):
     return halos
 
 
-@rule(P.conv)
+@rule(P.conv, pure=True)
 def conv_rule(ctx, eqn, args):
     """Along split spatial dims each device extends its block by its neighbours' edges
     (ppermute) and convolves it without padding; batch dims keep their splits, channel and
@@ -894,7 +903,7 @@ def conv_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule(P.pool)
+@rule(P.pool, pure=True)
 def pool_rule(ctx, eqn, args):
     """Pooling along split dims: halos from the neighbours as for conv, filled with the
     identity of the reduction (-inf for max, 0 for mean) at the ends."""

@@ -139,17 +139,25 @@ def test_planning_calls_no_jax(monkeypatch):
     assert rep.flops > 0 and rep.backward and rep.collectives
 
 
-def test_an_op_without_a_plan_rule_is_traced():
-    """A program with an op whose rule is not plannable (conv's) is planned as jax traces
-    it, the same as before the planner."""
+def conv_pool(x, k):
+    """Halo exchanges along a split spatial dim: a SAME conv and an overlapping max pool."""
+    y = nm.conv(x, k, {"w": "kw"}, padding="SAME")
+    return [y.sum("w"), nm.pool(x, {"w": 3}, stride=1, padding="SAME")]
+
+
+@pytest.mark.parametrize("layout", ["w:cols", "b:rows;w:cols"])
+def test_conv_and_pool_plan_as_they_trace_and_run_correctly(layout):
+    """conv's and pool's halos (ppermute of the neighbours' edges) are planned without
+    jax, as they trace, and the emitted program equals the reference."""
     rng = np.random.default_rng(4)
     x = nm.tensor(rng.normal(size=(2, 16, 3)).astype(np.float32), "b w c")
     k = nm.tensor(rng.normal(size=(3, 3, 4)).astype(np.float32), "kw c o")
-    fn = lambda x, k: nm.conv(x, k, {"w": "kw"}, padding="SAME").sum("w")
-    assert not rules.plannable(nm.trace(fn, x, k))
-    lowered = lower(fn, MESH, "w:cols")
-    assert not lowered._build((x, k))[1].planned
-    assert [c.kind for s in lowered.plan(x, k) for c in s.collectives][:2] == ["ppermute"] * 2
+    assert rules.plannable(nm.trace(conv_pool, x, k))
+    assert_plans_equal(conv_pool, ABSTRACT, layout, x, k)
+    plan = lower(conv_pool, ABSTRACT, layout).plan(x, k)
+    assert [c.kind for s in plan for c in s.collectives][:2] == ["ppermute"] * 2
+    for g, w in zip(lower(conv_pool, MESH, layout)(x, k), conv_pool(x, k), strict=True):
+        np.testing.assert_allclose(g.data, w.data, rtol=1e-5, atol=1e-5)
 
 
 def test_a_pipelined_scan_is_traced():
