@@ -1,6 +1,8 @@
 """`python -m benchmarks.auto_layout [--steps N] [--skip-train] [--out docs/benchmarks.md]`:
 auto_layout's choices and search times against the issue's goals.
 
+0. Costing one candidate: the Planner (plain Python) against tracing the rules through
+   jax, the way every candidate was costed before the planner. Goal: 10x faster.
 1. Paper scale, no devices: for each LM1B config (models/config.py `lm1b_*`) on its
    paper mesh (abstract, 32 to 512 cores), `auto_layout` of the training loss with the
    TPU v2 table (`rates="tpu_v2"`, memory limit its 8 GiB per core); the chosen layout's
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import re
 import sys
@@ -25,8 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import namedmesh as nm
 from benchmarks import quality, report
-from lowering import Mesh, auto_layout, lower
+from lowering import Layout, Mesh, auto_layout, lower
+from lowering.lower import argument_inputs, graph_report
 from lowering.rates import hardware
 from models import config, objectives, transformer
 
@@ -52,6 +57,51 @@ def search(cfg, mesh: Mesh, rates: str = "tpu_v2") -> dict:
 def planned_seconds(cfg, mesh: Mesh, layout: str, rates: str = "tpu_v2") -> float:
     loss, inputs = _lm(cfg)
     return hardware(rates).seconds(lower(loss, mesh, layout).report(*inputs, wrt=0, show=False))
+
+
+def costing_rows(repeats: int = 5) -> tuple[list[list[str]], str]:
+    """Seconds to cost one candidate layout (plan + report, forward and backward), median
+    of `repeats`, for the paper's layout of `lm1b_1` and a 4-axis layout of `base` x24:
+    as the search did before the Planner (`lower(..., traced=True).report`: the program
+    traced, then its rules traced through jax) and as it does now (`graph_report` of the
+    program traced once, by the Planner)."""
+    cases = [("lm1b_1", config.get("lm1b_1"), None, None),
+             ("base x24", config.get("base", layers=24), FOUR_AXIS[0],
+              "batch:a,b;heads:c;d_ff:c;vocab:d")]
+    rows, ratios = [], []
+    for name, cfg, sizes, layout in cases:  # fmt: skip
+        mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
+        layout = layout or cfg.layout
+        loss, inputs = _lm(cfg)
+        graph = nm.trace(loss, *inputs)
+        wrt = argument_inputs(graph, inputs, 0)
+        traced = functools.partial(_traced_report, loss, mesh, layout, inputs)
+        planned = functools.partial(graph_report, graph, mesh, Layout(layout), wrt)
+        times = {True: _median_seconds(traced, repeats), False: _median_seconds(planned, repeats)}
+        ratios.append(times[True] / times[False])
+        rows.append([
+            f"`{name}`", str(mesh), f"`{layout}`",
+            f"{times[True]:.3f}", f"{times[False]:.3f}", f"{ratios[-1]:.1f}",
+        ])  # fmt: skip
+    verdict = (
+        f"Goal (costing a candidate at least 10x faster than by tracing): {min(ratios):.1f}x "
+        f"to {max(ratios):.1f}x, {'met' if min(ratios) >= 10 else 'not met'} (load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)."
+    )
+    return rows, verdict
+
+
+def _traced_report(loss, mesh, layout, inputs):
+    return lower(loss, mesh, layout, traced=True).report(*inputs, wrt=0, show=False)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return sorted(runs)[len(runs) // 2]
 
 
 def paper_rows() -> tuple[list[list[str]], str]:
@@ -152,6 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     info = report.machine()
     parts = report.heading(SECTION, f"Made by `{report.command('benchmarks.auto_layout', argv)}`"
                            f" on {when}.", info)  # fmt: skip
+    costing = costing_rows()
+    parts += [
+        "Costing one candidate layout (plan, forward and backward cost), median of 5, "
+        "seconds: `traced` as every candidate was costed before the Planner "
+        "(`lower(..., traced=True).report(..., wrt=0)`), `planned` as the search costs it "
+        "now (`lower.graph_report` of the program traced once):",
+        "",
+        report.md_table(["program", "mesh", "layout", "traced s", "planned s", "speedup"],
+                        costing[0]),
+        "",
+        costing[1],
+        "",
+    ]  # fmt: skip
     paper = paper_rows()
     parts += [
         "Paper scale (TPU v2 table: 22.5 TFLOP/s, 62 GB/s, 10 µs per collective, 8 GiB per "

@@ -20,7 +20,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh
 from lowering.layout import local_shape
 from lowering.lower import Context, nontrivial, plan_layouts
-from lowering.memory import active_values
+from lowering.memory import active_values, backward_reads
 
 
 def peak_bytes(compiled) -> int:
@@ -31,51 +31,17 @@ def peak_bytes(compiled) -> int:
             - m.alias_size_in_bytes)  # fmt: skip
 
 
-# What reverse-mode differentiation must keep of an equation through which a gradient
-# flows, by primitive: the others of a product's operands; the output or the input of
-# a nonlinear elementwise op (whichever its derivative is written in); a select's
-# condition; nothing for a linear op. Any other primitive keeps all its inputs.
-_KEEPS_OTHERS = {"einsum", "multiply", "conv"}
-_KEEPS_OUTPUT = {"relu", "softmax", "log_softmax", "exp", "expm1", "sqrt", "rsqrt",
-                 "tanh", "sigmoid", "reciprocal"}  # fmt: skip
-_KEEPS_INPUT = {"gelu", "silu", "erf", "log", "log1p", "sin", "cos", "tan", "abs",
-                "square", "logsumexp", "max", "min", "prod"}  # fmt: skip
-_LINEAR = {"add", "subtract", "negative", "sum", "mean", "rename", "reshape", "transpose",
-           "concat", "split", "stack", "slice", "pad", "shift", "cumsum", "convert",
-           "constrain", "gather", "one_hot"}  # fmt: skip
-_NO_GRADIENT = {"stop_gradient", "argmax", "argmin", "iota", "full", "random",
-                "random_fold_in", "floor", "ceil", "round", "sign", "equal", "not_equal",
-                "less", "less_equal", "greater", "greater_equal", "logical_and",
-                "logical_or", "logical_xor", "logical_not", "isfinite", "isnan", "all",
-                "any"}  # fmt: skip
-
-
-def _kept(e, needs_grad: set) -> set:
-    """The values the backward pass of equation `e` reads."""
-    name, ins = e.primitive.name, e.inputs
-    if name in _KEEPS_OTHERS:
-        return {v for i, u in enumerate(ins) if u in needs_grad for v in ins[:i] + ins[i + 1 :]}
-    if name in _KEEPS_OUTPUT:
-        return set(e.outputs)
-    if name in _KEEPS_INPUT:
-        return set(ins)
-    if name in _LINEAR:
-        return set()
-    if name == "where":
-        return {ins[0]}
-    return set(ins)
-
-
 def ideal_bytes(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str) -> int:
     """Bytes one device must hold for a step that returns the gradients of `loss(params,
     x)` (no optimizer state): its shards of the parameters, of their gradients (laid out
     alike) and of x, plus its shards of the activations the backward pass reads, each
     counted once and not when it is a parameter or x; every value of the traced graph
     is divided as the layout's rules divide it (the layout namedmesh's planner wants
-    for it). The activations are those textbook reverse mode keeps per primitive
-    (`_kept`), not jax's choice of residuals; a step can hold less only by recomputing
-    or by putting activations in the gradients' buffers before writing them. Scan
-    bodies are not looked into (the benchmarked models have none)."""
+    for it). The activations are those textbook reverse mode keeps per primitive (its
+    declared `least_reads`, else `backward_reads`: lowering.memory.backward_reads), not
+    jax's choice of residuals; a step can hold less only by recomputing or by putting
+    activations in the gradients' buffers before writing them. Scan bodies are not
+    looked into (the benchmarked models have none)."""
     mesh_, layout = Mesh(mesh, devices="abstract"), Layout(rules)
     graph = nm.trace(loss, params, x)
     of = lambda v: nontrivial(layout.of(v.dims, v.shape, mesh_, "input"), mesh_)
@@ -87,8 +53,7 @@ def ideal_bytes(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str) -> int
     *weights, data = graph.inputs  # x is the last input leaf
     needs_grad, kept = active_values(graph, set(weights)), set()
     for e in graph.eqns:
-        if e.primitive.name not in _NO_GRADIENT and needs_grad & set(e.inputs):
-            kept |= _kept(e, needs_grad)
+        kept |= backward_reads(e, needs_grad, least=True)
     kept -= set(graph.inputs)
     return 2 * sum(map(local, weights)) + local(data) + sum(map(local, kept))
 

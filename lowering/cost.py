@@ -17,6 +17,7 @@ once per input the gradient flows to; every other op's, its forward flops.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 from lowering.memory import active_values, peak_memory, training_peak
@@ -157,11 +158,12 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         ins = step.eqn.inputs if step.eqn is not None else ()
         flowing = [v in active for v in ins]
         for prim, params, in_avals, outs in step.local:
-            f = prim.cost_rule(in_avals, outs, params).flops * step.repeat
+            local = prim.cost_rule(in_avals, outs, params).flops
+            f = local * step.repeat
             rep.flops += f
-            _repeats(rep.repeated, step, prim, params, in_avals, outs, sizes)
+            _repeats(rep.repeated, step, prim, params, local, sizes)
             if any(flowing):
-                rep.backward_flops += f * (sum(flowing) if prim.name == "einsum" else 1)
+                rep.backward_flops += f * (sum(flowing) if prim.matmul else 1)
         result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
         for c in [*step.collectives, *step.casts]:
             if c.kind in _TRAFFIC:
@@ -174,15 +176,31 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     return rep
 
 
-def _repeats(repeated: dict, step, prim, params, in_avals, outs, sizes) -> None:
-    """Into `repeated`: the flops of `step`'s local op that other devices repeat. The op
-    runs on shards whose dims the mesh splits `distinct` ways; the other mesh axes
-    (those splitting neither its result nor, through a psum, its summed dims) repeat it."""
+_GLOBAL_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _global_cost(eqn, params: dict):
+    """The cost of equation `eqn` run whole on one device with `params` (kept per
+    equation and params: it is the same under every layout auto_layout costs)."""
+    known = _GLOBAL_COSTS.setdefault(eqn, [])
+    for seen, cost in known:
+        if seen == params:
+            return cost
+    avals = lambda vs: [v.aval for v in vs]
+    cost = eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), params)
+    known.append((params, cost))
+    return cost
+
+
+def _repeats(repeated: dict, step, prim, params, local: float, sizes) -> None:
+    """Into `repeated`: the flops of `step`'s local op (`local` per run) that other
+    devices repeat. The op runs on shards whose dims the mesh splits `distinct` ways;
+    the other mesh axes (those splitting neither its result nor, through a psum, its
+    summed dims) repeat it."""
     eqn = step.eqn
-    if eqn is None or prim is not eqn.primitive:
+    if eqn is None or prim is not eqn.primitive or not local:
         return
-    local = prim.cost_rule(in_avals, outs, params).flops
-    glob = prim.cost_rule([v.aval for v in eqn.inputs], [v.aval for v in eqn.outputs], params)
+    glob = _global_cost(eqn, params)
     n = math.prod(sizes.values())
     if not local or local * n <= glob.flops * 1.0001:
         return

@@ -94,7 +94,8 @@ class Layout:
 
     def check(self, mesh) -> None:
         """LayoutError for a rule naming a mesh axis the mesh lacks."""
-        check_axes(self.rules, mesh, f"layout {self}")
+        if any(a not in mesh.sizes for _, axes in self.rules for a in axes):
+            check_axes(self.rules, mesh, f"layout {self}")  # the message, only when needed
 
     def of(
         self, dims: Sequence[str], shape: Sequence[int], mesh, what: str = "tensor"
@@ -122,6 +123,15 @@ class Layout:
 
     def assign(self, dims: Sequence[str], shape=None, what: str = "tensor") -> ValueLayout:
         """The mesh axes each of `dims` takes, in rule order; sizes not checked."""
+        # asked of the same dims for every value of a program, and by the planner again
+        # for each candidate layout that auto_layout costs: kept per dims once found
+        cache = self.__dict__.setdefault("_assigned", {})
+        key = (tuple(dims), tuple(self.rules), self.strict)
+        if key not in cache:
+            cache[key] = self._assign(dims, shape, what)
+        return cache[key]
+
+    def _assign(self, dims, shape, what: str) -> ValueLayout:
         taken: dict[str, str] = {}
         split = {d: () for d in dims}
         for dim, axes in self.rules:

@@ -5,207 +5,60 @@ The function is traced to a Graph; every value gets the layout the rules give it
 not divide is left unsplit on that dim; `nm.constrain` pins a value's layout),
 except that an intermediate whose dims the rules give one mesh axis twice, made
 by an einsum or an elementwise op, takes the layout its rule computes it in.
-Inside shard_map each equation runs by its primitive's SPMD rule
-(lowering/rules.py) on local shards. The rules report the local ops they run and
-the collectives they issue, which `.plan()` and `.report()` show.
+Each equation is planned by its primitive's SPMD rule (lowering/rules.py): where
+every op has a plan rule, `plan_program` runs the rules in the `Planner` on abstract
+local shards, without jax, and the emitter (lowering/emit.py) runs the Plan inside
+shard_map; otherwise the rules run in the traced `Context` on jax arrays inside
+shard_map and log the plan as jax traces them. `.plan()` and `.report()` show the
+plan: the local ops run and the collectives issued.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 import namedmesh as nm
 from lowering import cost, distributed, rules
-from lowering.collectives import make_invarying, missing_axes, nbytes, relayout, varying_axes
+from lowering.collectives import cast_varying, varying_axes
 from lowering.cost import Report
+from lowering.emit import emit, run_op
 from lowering.layout import Layout, ValueLayout, check_axes, local_shape, partition_spec
 from lowering.mesh import Mesh
+from lowering.plan import (
+    Collective,
+    Local,
+    Plan,
+    Planner,
+    RuleContext,
+    Step,
+    constant,
+    local_avals,
+    nontrivial,
+)
 from namedmesh.errors import ArgumentError, DtypeError, LayoutError, MeshError, fmt_dims
-from namedmesh.primitive import Aval
 from namedmesh.tensor import Tensor
 
-
-class Collective(NamedTuple):
-    """One collective a rule issues. `source` is the graph value it moves (None: the
-    equation's result), which decides whether the backward pass transposes it;
-    `transposes` is False for one whose transpose is local (lowering/cost.py)."""
-
-    kind: str  # psum, psum_scatter, all_gather, all_to_all, ppermute, pmax, pmin; pvary
-    axes: tuple[str, ...]
-    nbytes: int  # local input bytes per device
-    source: object = None
-    transposes: bool = True
+__all__ = ["Collective", "Context", "Lowered", "Plan", "Planner", "Step", "lower", "plan_program"]
 
 
-@dataclass
-class Step:
-    """One equation of the plan: layouts in and out, local ops run, collectives issued."""
+class Context(RuleContext):
+    """The rules' context inside shard_map: operations run on jax arrays (lowering/emit.py
+    OPS), and the rules' logs make the traced plan."""
 
-    name: str
-    eqn: object  # the graph equation (None for the final relayout of outputs)
-    inputs: list  # (dims, layout) per input
-    outputs: list  # (dims, layout) per output
-    local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
-    collectives: list = field(default_factory=list)  # Collective, in order
-    casts: list = field(default_factory=list)  # Collective "pvary": typed varying, free
-    events: list = field(default_factory=list)  # local ops and collectives, in order, as text
-    repeat: int = 1  # times it runs per call (inside a scan: the scan's length)
-    depth: int = 0  # how many scans it is inside
-    body: list = field(default_factory=list)  # a scan's Steps, once
-    pipeline: object = None  # a pipelined scan's PipelinePlan (lowering/pipeline.py)
+    def vma(self, x) -> set[str]:
+        return varying_axes(x)
 
+    def _op(self, op, *xs, made=None, **params):
+        return run_op(op, *xs, **params)
 
-class Plan(list):
-    """The Steps of a lowered program, printable as a table (also at a REPL prompt)."""
-
-    def __str__(self) -> str:
-        """The plan without its free casts to varying; see `format`."""
-        return self.format()
-
-    __repr__ = __str__
-
-    def format(self, casts: bool = False) -> str:
-        """One line per equation (its layouts in and out), then its local ops and
-        collectives. `casts`: also the free casts to varying (`pvary`), which cost
-        nothing forward and become the psums of the gradients in the backward pass."""
-
-        def fmt(dims, lay):
-            parts = (d + (":" + ",".join(a) if a else "") for d, a in zip(dims, lay, strict=True))
-            return "[" + ", ".join(parts) + "]"
-
-        lines = []
-        for s in self:
-            ins = " ".join(fmt(*x) for x in s.inputs)
-            outs = " ".join(fmt(*x) for x in s.outputs)
-            pad = "    " * s.depth
-            times = f"  (x{s.repeat})" if s.depth else ""
-            lines.append(f"{pad}{s.name}: {ins} -> {outs}{times}")
-            lines.extend(pad + "    " + e for e in s.events if casts or not e.startswith("pvary"))
-        return "\n".join(lines)
-
-
-def _fmt_local(a) -> str:
-    return f"{a.dtype.kind}{a.dtype.itemsize * 8}[{','.join(map(str, a.shape))}]"
-
-
-@dataclass
-class Context:
-    """What a rule sees: the mesh, the rules, the layouts the planner wants, and the
-    current plan step, to which `log` and `local` report. A rule that makes a value in
-    `free` may give it another layout than `wanted`'s, and records it there."""
-
-    mesh: Mesh
-    layout: Layout
-    wanted: dict
-    free: set = field(default_factory=set)  # values whose dims conflict under the rules
-    step: Step | None = None
-    combined: set = field(default_factory=set)  # axes the current step's inputs vary over
-    moved: dict = field(default_factory=dict)  # relayouts done in this trace of the body
-    sources: dict = field(default_factory=dict)  # id(local array) -> (array, graph value)
-
-    def source(self, x):
-        """The graph value whose local array `x` is (or a relayout of), if known."""
-        return self.sources.get(id(x), (None, None))[1]
-
-    def note_source(self, x, v) -> None:
-        if v is not None:
-            self.sources[id(x)] = (x, v)  # the array is kept so that its id stays unique
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self.mesh.sizes
-
-    def log(
-        self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
-    ) -> None:
-        c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
-        (self.step.casts if kind == "pvary" else self.step.collectives).append(c)
-        what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
-        self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device{what}")
-
-    def local(self, prim, *arrays, **params):
-        """Run `prim`'s jax implementation on local shards of the current equation's inputs,
-        noting the local avals for the cost report."""
-        if len(arrays) > 1:
-            vma = set().union(*(varying_axes(a) for a in arrays))
-            arrays = [self.varying(a, vma) for a in arrays]
-        out = prim.jax_impl(*arrays, **params)
-        e = self.step.eqn
-        # Held to the shape rule's dtypes, as nm.reference holds NumPy's: jax too may widen
-        # (argmax gives int64 under jax_enable_x64 where the rule says int32).
-        outs = tuple(
-            o if o.dtype == v.dtype else o.astype(v.dtype)
-            for o, v in zip(out if prim.multiple_results else (out,), e.outputs, strict=True)
-        )
-        self.note_local(prim, params, arrays, outs)
-        return outs if prim.multiple_results else outs[0]
-
-    def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
-        """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
-        report costs it by the primitive's cost rule on their shapes."""
-        e = self.step.eqn
-        self.step.local.append(
-            (prim, params, local_avals(e.inputs, arrays), local_avals(e.outputs, outs))
-        )
-        shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
-        ins, outs_ = self.step.local[-1][2:]
-        self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
-
-    def varying(self, x, vma: set):
-        """`x` typed varying over the axes `vma` (a free cast), once per value: left to
-        jax, each use of an invariant value by a varying one is cast on its own, and
-        the backward pass then psums each use's cotangent instead of their sum."""
-        missing = missing_axes(x, vma, self.sizes)
-        if not missing:
-            return x
-        key = (id(x), "varying", missing)
-        if key not in self.moved:
-            self.log("pvary", missing, nbytes(x), self.source(x))
-            self.moved[key] = (x, jax.lax.pcast(x, missing, to="varying"))
-            self.note_source(self.moved[key][1], self.source(x))
-        return self.moved[key][1]
-
-    def soft_layout(
-        self, dims, shape, is_value: bool = True, rules: Layout | None = None
-    ) -> ValueLayout:
-        """The layout `rules` (default: the program's) give (dims, shape), leaving unsplit
-        a dim its axes do not divide. A strict layout's conflicts are errors only for
-        values (`is_value`), not for the dims of a whole einsum, which no single tensor
-        holds."""
-        if rules is None:
-            rules = self.layout if is_value else Layout(self.layout.rules)
-        layout = list(rules.assign(dims, shape, "value"))
-        for i, n in enumerate(shape):
-            if n % math.prod(self.sizes[a] for a in layout[i]):
-                layout[i] = ()
-        return nontrivial(tuple(layout), self.mesh)
-
-    def relayout(self, x, src: ValueLayout, dst: ValueLayout):
-        """`x` moved from layout `src` to `dst`, once per value and target: a second
-        request reuses the first result (XLA would merge the duplicate collectives)."""
-        source = self.source(x)
-        if tuple(src) != tuple(dst):
-            # A slice by this device's index makes a value vary over the axes it adds;
-            # cast here, so that the backward pass's psum of its gradient is planned.
-            added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
-            x = self.varying(x, self.combined | added)
-        key = (id(x), tuple(src), tuple(dst))
-        if key not in self.moved:
-            log = lambda kind, axes, nbytes, **kw: self.log(kind, axes, nbytes, source, **kw)
-            self.moved[key] = (x, relayout(x, src, dst, self.sizes, log))
-            self.note_source(self.moved[key][1], source)
-        return self.moved[key][1]
-
-
-def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
-    """`layout` without mesh axes of size 1, which split nothing and need no collectives."""
-    return tuple(tuple(a for a in axes if mesh.sizes[a] > 1) for axes in layout)
+    def cast_varying(self, x, vma: set):
+        return cast_varying(x, vma, self.sizes)
 
 
 def constraint_layout(rules_, v, mesh) -> ValueLayout:
@@ -238,7 +91,7 @@ def check_dtypes(graph) -> None:
             )
 
 
-def plan_layouts(ctx: Context, graph) -> None:
+def plan_layouts(ctx: RuleContext, graph) -> None:
     """The layout each value made by `graph`'s equations should have, into `ctx.wanted`:
     the rules' (soft) layout, or the one `nm.constrain` pins. Values whose dims conflict
     (two of them take one mesh axis) go into `ctx.free` too: the einsum and elementwise
@@ -248,20 +101,12 @@ def plan_layouts(ctx: Context, graph) -> None:
             ctx.wanted[v] = ctx.soft_layout(v.dims, v.shape)
             if ctx.layout.conflicts(v.dims, ctx.sizes):
                 ctx.free.add(v)
-        if e.primitive.name == "constrain":
+        if e.primitive.pins_layout:
             ctx.wanted[e.outputs[0]] = constraint_layout(e.params["layout"], e.outputs[0], ctx.mesh)
             ctx.free.discard(e.outputs[0])
 
 
-def local_avals(values, arrays) -> list[Aval]:
-    """The avals of local shards `arrays` of the graph `values`: their dims, local shapes
-    and dtypes, as cost rules take them."""
-    return [
-        Aval(v.dims, tuple(a.shape), np.dtype(a.dtype)) for v, a in zip(values, arrays, strict=True)
-    ]
-
-
-def cost_own_arithmetic(ctx: Context, e, ins, outs) -> None:
+def cost_own_arithmetic(ctx: RuleContext, e, ins, outs) -> None:
     """Where a rule computed equation `e` with its own jax arithmetic, not by `ctx.local`
     (a softmax, logsumexp or top_k along a split dim, random), cost it all the same: by
     the primitive's cost rule on the local shards the rule took (`ins`) and gave (`outs`).
@@ -278,12 +123,14 @@ def cost_own_arithmetic(ctx: Context, e, ins, outs) -> None:
         ctx.note_local(e.primitive, e.params, arrays, results, "computed by the rule:")
 
 
-def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0):
-    """Run `graph`'s equations on local shards by their SPMD rules. `env` maps each input
-    Var to (local array, layout) and receives every value made; each equation's Step
-    (then the Steps of a scan's body) is appended to `plan`."""
+def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0):
+    """Run `graph`'s equations on local shards by their SPMD rules: on jax arrays in the
+    traced `Context`, on `Local`s by their plan rules in a `Planner`. `env` maps each
+    input Var to (local value, layout) and receives every value made; each equation's
+    Step (then the Steps of a scan's body) is appended to `plan`."""
+    planned = isinstance(ctx, Planner)
     for v, c in graph.consts.items():
-        env[v] = (jax.numpy.asarray(c), ((),) * len(v.dims))
+        env[v] = (constant(c) if planned else jax.numpy.asarray(c), ((),) * len(v.dims))
     for v, (x, _) in env.items():
         ctx.note_source(x, v)
     for e in graph.eqns:
@@ -299,9 +146,9 @@ def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth
         # An op that combines its inputs makes them all vary where any does. Cast before
         # moving, so that the backward pass sums a gathered value's gradient over those
         # axes after the reduce-scatter, on the smaller shard.
-        combines = e.primitive.name in rules.COMBINING
-        ctx.combined = set().union(*(varying_axes(x) for x, _ in ins)) if combines else set()
-        outs = rules.rule_for(e.primitive)(ctx, e, ins)
+        combines = e.primitive.combines_inputs
+        ctx.combined = set().union(*(ctx.vma(x) for x, _ in ins)) if combines else set()
+        outs = (rules.plan_rule_for if planned else rules.rule_for)(e.primitive)(ctx, e, ins)
         cost_own_arithmetic(ctx, e, ins, outs)
         ctx.step.outputs = [(v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)]
         plan.append(ctx.step)
@@ -311,6 +158,117 @@ def run_graph(ctx: Context, graph, env: dict, plan: list, repeat: int = 1, depth
             ctx.note_source(x, v)
 
 
+def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, list]:
+    """(layout by input value, layouts of the outputs) of `graph` under `layout`, after
+    checking its dtypes and that the rules name its dims; LayoutError for an input or
+    output (named by `names`, the inputs' argument paths) its axes do not divide."""
+    check_dtypes(graph)
+    layout.check_dims({d for v in graph.values() for d in v.dims})
+    names = names or [str(i) for i in range(len(graph.inputs))]
+    of = lambda v, what: nontrivial(layout.of(v.dims, v.shape, mesh, what), mesh)
+    wanted = {v: of(v, f"input {names[i]}") for i, v in enumerate(graph.inputs)}
+    return wanted, [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
+
+
+def traced_body(graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts) -> Callable:
+    """The shard_map body that runs every equation's rule on jax arrays, filling
+    `body.plan` as jax traces it (for programs with an op that has no plan rule)."""
+    ctx = Context(mesh, layout, wanted)
+    plan_layouts(ctx, graph)
+    plan = Plan()
+
+    def body(local_inputs):
+        plan.clear()
+        ctx.moved, ctx.sources = {}, {}
+        env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, local_inputs, strict=True)}
+        run_graph(ctx, graph, env, plan)
+        return relayout_outputs(ctx, graph, env, out_layouts, plan)
+
+    body.plan = plan
+    return body
+
+
+def _jitted(body, graph, mesh: Mesh, wanted: dict, out_layouts) -> Callable:
+    sharded = jax.shard_map(
+        lambda *xs: body(xs),
+        mesh=mesh.jax_mesh,
+        in_specs=tuple(partition_spec(wanted[v]) for v in graph.inputs),
+        out_specs=[partition_spec(lay) for lay in out_layouts],
+    )
+    return jax.jit(sharded)
+
+
+def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Report:
+    """The cost Report of the traced program `graph` under `layout` on `mesh` (as
+    `Lowered.report`), `wrt` the graph inputs a gradient is taken of: planned by the
+    Planner without jax where every op has a plan rule, else traced. What
+    `auto_layout` costs each candidate by, the program traced once. `names`: the
+    inputs' argument paths, for errors (`input_names`)."""
+    wanted, out_layouts = io_layouts(graph, mesh, layout, names)
+    if rules.plannable(graph, layout):
+        plan = plan_program(graph, mesh, layout, wanted, out_layouts)
+    else:
+        body = traced_body(graph, mesh, layout, wanted, out_layouts)
+        shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in graph.inputs]
+        jax.eval_shape(_jitted(body, graph, mesh, wanted, out_layouts), *shapes)
+        plan = body.plan
+    return plan_report(plan, graph, wanted, mesh, wrt)
+
+
+def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report:
+    """The cost Report of `plan`, with peak memory from the values' layouts `wanted`."""
+
+    @functools.cache  # each value is asked for several times (peak, saved, working set)
+    def local_bytes(v):
+        layout = wanted.get(v, ((),) * len(v.dims))
+        return math.prod(local_shape(layout, v.shape, mesh)) * v.dtype.itemsize
+
+    return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt)
+
+
+def relayout_outputs(ctx: RuleContext, graph, env: dict, out_layouts, plan: list) -> list:
+    """The program's outputs moved to their layouts, each typed invariant over the mesh
+    axes its layout does not split (a psum of device 0's copy where it still varies);
+    the step that does it joins `plan` when it issues anything."""
+    ctx.combined = set()
+    ctx.step = Step(
+        "outputs",
+        None,
+        [(v.dims, env[v][1]) for v in graph.outputs],
+        [(v.dims, lay) for v, lay in zip(graph.outputs, out_layouts, strict=True)],
+    )
+    res = []
+    for v, lay in zip(graph.outputs, out_layouts, strict=True):
+        y = ctx.relayout(*env[v], lay)
+        extra = ctx.vma(y) - {a for axes in lay for a in axes}
+        res.append(ctx.make_invarying(y, tuple(extra)))
+    if ctx.step.collectives or ctx.step.casts:
+        plan.append(ctx.step)
+    return res
+
+
+def plan_program(graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts: list) -> Plan:
+    """The Plan of `graph` on `mesh` under `layout`, in plain Python (no jax): `wanted`
+    holds the inputs' layouts and receives every value's; `out_layouts` are the
+    outputs'. Every op of `graph` must have a plan rule (`rules.plannable`)."""
+    ctx = Planner(mesh, layout, wanted)
+    plan_layouts(ctx, graph)
+    plan = Plan()
+    plan.inputs = [Local(local_shape(wanted[v], v.shape, mesh), np.dtype(v.dtype),
+                         frozenset(a for axes in wanted[v] for a in axes))
+                   for v in graph.inputs]  # fmt: skip
+    env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, plan.inputs, strict=True)}
+    run_graph(ctx, graph, env, plan)
+    plan.consts = {env[v][0]: c for v, c in graph.consts.items()}
+    plan.outputs = relayout_outputs(ctx, graph, env, out_layouts, plan)
+    # What the emitter runs: the top-level steps and the outputs' step, which the plan
+    # lists only when it issues a collective (it may slice locally all the same)
+    plan.program = [s for s in plan if s.depth == 0]
+    if not plan.program or plan.program[-1] is not ctx.step:
+        plan.program.append(ctx.step)
+    return plan
+
+
 @dataclass
 class _Built:
     graph: object
@@ -318,13 +276,14 @@ class _Built:
     out_layouts: list
     jitted: Callable
     plan: Plan
+    planned: bool  # made by the Planner, before and without jax (else traced)
 
 
 class Lowered:
     """The callable `lower` returns; see the module docstring."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, layout: Layout | str):
-        self.fn, self.mesh = fn, mesh
+    def __init__(self, fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False):
+        self.fn, self.mesh, self.traced = fn, mesh, traced
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.layout.check(mesh)
         self._cache: dict = {}
@@ -348,44 +307,16 @@ class Lowered:
 
     def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
-        check_dtypes(graph)
-        self.layout.check_dims({d for v in graph.values() for d in v.dims})
-        of = lambda v, what: nontrivial(self.layout.of(v.dims, v.shape, self.mesh, what), self.mesh)
-        names = input_names(args)
-        wanted = {v: of(v, f"input {names[i]}") for i, v in enumerate(graph.inputs)}
-        ctx = Context(self.mesh, self.layout, wanted)
-        plan_layouts(ctx, graph)
-        out_layouts = [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
-        plan = Plan()
-
-        def body(*local_inputs):
-            plan.clear()
-            ctx.moved, ctx.sources = {}, {}
-            env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, local_inputs, strict=True)}
-            run_graph(ctx, graph, env, plan)
-            ctx.combined = set()
-            ctx.step = Step(
-                "outputs",
-                None,
-                [(v.dims, env[v][1]) for v in graph.outputs],
-                [(v.dims, lay) for v, lay in zip(graph.outputs, out_layouts, strict=True)],
-            )
-            res = []
-            for v, lay in zip(graph.outputs, out_layouts, strict=True):
-                y = ctx.relayout(*env[v], lay)
-                extra = varying_axes(y) - {a for axes in lay for a in axes}
-                res.append(make_invarying(y, tuple(extra), ctx.sizes, ctx.log))
-            if ctx.step.collectives or ctx.step.casts:
-                plan.append(ctx.step)
-            return res
-
-        sharded = jax.shard_map(
-            body,
-            mesh=self.mesh.jax_mesh,
-            in_specs=tuple(partition_spec(wanted[v]) for v in graph.inputs),
-            out_specs=[partition_spec(lay) for lay in out_layouts],
-        )
-        return _Built(graph, wanted, out_layouts, jax.jit(sharded), plan)
+        wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, input_names(args))
+        planned = rules.plannable(graph, self.layout) and not self.traced
+        if planned:
+            plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
+            body = functools.partial(emit, plan)
+        else:
+            body = traced_body(graph, self.mesh, self.layout, wanted, out_layouts)
+            plan = body.plan
+        jitted = _jitted(body, graph, self.mesh, wanted, out_layouts)
+        return _Built(graph, wanted, out_layouts, jitted, plan, planned)
 
     def _runnable(self, what: str) -> None:
         if self.mesh.abstract:
@@ -407,7 +338,8 @@ class Lowered:
     def plan(self, *args) -> Plan:
         """Per equation: layouts in and out and the collectives chosen (printable)."""
         datas, built = self._build(args)
-        jax.eval_shape(built.jitted, *datas)
+        if not built.planned:  # the rules log the plan as jax traces them
+            jax.eval_shape(built.jitted, *datas)
         return built.plan
 
     def layouts(self, *args) -> tuple:
@@ -430,25 +362,16 @@ class Lowered:
         the backward pass (lowering/cost.py)."""
         plan = self.plan(*args)
         _, built = self._build(args)
-
-        def local_bytes(v):
-            layout = built.wanted.get(v, ((),) * len(v.dims))
-            return math.prod(local_shape(layout, v.shape, self.mesh)) * v.dtype.itemsize
-
-        inputs = None
-        if wrt is not None:
-            wrt = (wrt,) if isinstance(wrt, int) else tuple(wrt)
-            bad = [i for i in wrt if not isinstance(i, int) or not 0 <= i < len(args)]
-            if bad:
-                raise ArgumentError(f"report(wrt={wrt}): no argument {bad} of {len(args)}")
-            counts = [len(jax.tree_util.tree_leaves(a, is_leaf=_is_tensor)) for a in args]
-            starts = np.cumsum([0, *counts])
-            graph_in = built.graph.inputs
-            inputs = [v for i in wrt for v in graph_in[starts[i] : starts[i + 1]]]
-        rep = cost.report(plan, built.graph, local_bytes, self.mesh.sizes, wrt=inputs)
+        inputs = None if wrt is None else argument_inputs(built.graph, args, wrt)
+        rep = plan_report(plan, built.graph, built.wanted, self.mesh, wrt=inputs)
         if show:
             print(rep)
         return rep
+
+    def traced_plan(self, *args) -> Plan:
+        """The plan the rules log as jax traces them, whatever the planner can do: the
+        oracle the Planner's plan is tested against."""
+        return Lowered(self.fn, self.mesh, self.layout, traced=True).plan(*args)
 
     def compile(self, *args):
         """The jax Compiled object (`.as_text()` is the HLO, `.cost_analysis()` the flops)."""
@@ -464,6 +387,18 @@ class Lowered:
             local_shape(self.layout.of(x.dims, x.shape, self.mesh), x.shape, self.mesh)
             for x in leaves
         ]
+
+
+def argument_inputs(graph, args, argnums: int | tuple[int, ...]) -> list:
+    """The inputs of `graph` (traced from `args`) that the arguments at positions
+    `argnums` (as jax.grad's) hold; ArgumentError naming a position with no argument."""
+    wrt = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    bad = [i for i in wrt if not isinstance(i, int) or not 0 <= i < len(args)]
+    if bad:
+        raise ArgumentError(f"report(wrt={wrt}): no argument {bad} of {len(args)}")
+    counts = [len(jax.tree_util.tree_leaves(a, is_leaf=_is_tensor)) for a in args]
+    starts = np.cumsum([0, *counts])
+    return [v for i in wrt for v in graph.inputs[starts[i] : starts[i + 1]]]
 
 
 def _global_inputs(datas, built, mesh) -> list:
@@ -491,8 +426,11 @@ def input_names(args) -> list[str]:
     return out
 
 
-def lower(fn: Callable, mesh: Mesh, layout: Layout | str) -> Lowered:
-    """`fn` on global Tensors, run as an SPMD program on `mesh` under `layout`."""
+def lower(fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False) -> Lowered:
+    """`fn` on global Tensors, run as an SPMD program on `mesh` under `layout`. Its plan
+    is made by the Planner, without jax, when every op of the program has a plan rule
+    (lowering/rules.py `PLAN_RULES`), else by its rules as jax traces them; `traced`
+    forces the latter (the planner's test oracle)."""
     if not isinstance(mesh, Mesh):
         raise LayoutError(f"lower needs a lowering.Mesh, got {type(mesh).__name__}")
-    return Lowered(fn, mesh, layout)
+    return Lowered(fn, mesh, layout, traced)

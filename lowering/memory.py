@@ -8,22 +8,51 @@ keeps them, and one recomputed iteration's working set).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
+import weakref
 
-from namedmesh.primitive import READS_BOTH, READS_CONSTANT, READS_INPUTS, READS_OTHERS, READS_OUTPUT
+from namedmesh.primitive import (
+    READS_BOTH,
+    READS_CONSTANT,
+    READS_INPUTS,
+    READS_OTHERS,
+    READS_OUTPUT,
+    is_inexact,
+)
+
+
+def per_graph(fn):
+    """`fn(graph, *args)` (hashable args), kept per graph while it lives: what depends
+    on the program alone, not on the layout, is found once for all the candidate
+    layouts auto_layout costs. Callers must not change the result."""
+    cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def cached(graph, *args):
+        known = cache.setdefault(graph, {})
+        if args not in known:
+            known[args] = fn(graph, *args)
+        return known[args]
+
+    return cached
 
 
 def active_values(graph, active: set) -> set:
     """The values of `graph` a gradient flows through from the `active` inputs: the
     inexact values computed from them, except through stop_gradient. A scan's carries
     are active once any iteration makes them so."""
+    return set(_active_values(graph, frozenset(active)))
+
+
+@per_graph
+def _active_values(graph, active: frozenset) -> set:
     active = set(active)
     for e in graph.eqns:
         flows = [v in active for v in e.inputs]
-        if e.primitive.name == "scan":
+        if e.primitive.loop:
             active |= _active_scan(e, flows)
-        elif any(flows) and e.primitive.name != "stop_gradient":
-            active |= {v for v in e.outputs if jnp.issubdtype(v.dtype, jnp.inexact)}
+        elif any(flows) and not e.primitive.stops_gradient:
+            active |= {v for v in e.outputs if is_inexact(v.dtype)}
     return active
 
 
@@ -61,15 +90,18 @@ def peak_memory(graph, local_bytes) -> int:
     return int(peak)
 
 
-def backward_reads(e, active: set) -> set:
+def backward_reads(e, active: set, least: bool = False) -> set:
     """The values of equation `e` its backward pass reads (what reverse mode saves for
     it) of its inputs and outputs, as its primitive declares (`backward_reads`; the
     values made inside it that it saves, `backward_saves`, are counted apart); none when no gradient
-    flows through `e` (no input in `active`). A scan's are its body's (`_scan_saved`)."""
+    flows through `e` (no input in `active`). A scan's are its body's (`_scan_saved`).
+    `least`: what textbook reverse mode must read at the least (`least_reads`)."""
     ins = e.inputs
     if not any(v in active for v in ins):
         return set()
     reads = e.primitive.backward_reads
+    if least and e.primitive.least_reads is not None:
+        reads = e.primitive.least_reads
     if reads == READS_OTHERS:
         return {u for i, v in enumerate(ins) if v in active for u in ins[:i] + ins[i + 1 :]}
     if reads == READS_CONSTANT:
@@ -108,7 +140,7 @@ def _saved(
     saved, working, kept = 0, 0, set()
     active = active & _reaching(graph)
     for e in graph.eqns:
-        if e.primitive.name == "scan":
+        if e.primitive.loop:
             scan_kept, work = _scan_saved(e, local_bytes, active)
             scan_kept *= (shares or {}).get(e, 1.0)
             saved, working = saved + scan_kept, max(working, work)
@@ -121,13 +153,14 @@ def _saved(
     return saved + sum(local_bytes(v) for v in kept - held), working
 
 
+@per_graph
 def _reaching(graph) -> set:
     """The values of `graph` its outputs depend on other than through stop_gradient: a
     gradient flows back to these only (the max under an online softmax's stop_gradient
     has no backward pass)."""
     reach = set(graph.outputs)
     for e in reversed(graph.eqns):
-        if e.primitive.name != "stop_gradient" and reach.intersection(e.outputs):
+        if not e.primitive.stops_gradient and reach.intersection(e.outputs):
             reach.update(e.inputs)
     return reach
 

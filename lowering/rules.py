@@ -1,46 +1,106 @@
 """SPMD rules: how each primitive runs on local shards, and which collectives it needs.
 
 A rule takes (ctx, eqn, [(local array, layout), ...]) and returns the outputs as
-[(local array, layout), ...]. `@rule(name, ...)` stores it in the primitive's
-`spmd_rule` slot (namedmesh.REGISTRY). Primitives without a rule of their own use
-`replicated_rule`: gather every input, run the op whole, leave the result
-replicated (correct for every primitive, and the baseline the others improve on).
+[(local array, layout), ...]. `@rule(prim, ...)` files it in `SPMD_RULES`, keyed by
+the primitive object (as jax keeps one table of lowerings per interpreter).
+Primitives without a rule of their own use `elementwise_rule` when they declare
+`elementwise`, else `replicated_rule`: gather every input, run the op whole, leave
+the result replicated (correct for every primitive, and the baseline the others
+improve on).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowering import collectives as col
 from lowering.cost import traffic
-from lowering.layout import local_shape
+from lowering.layout import Layout, local_shape
+from lowering.plan import nbytes
 from namedmesh.elementwise import align
 from namedmesh.ordering import lowest, sort_key
-from namedmesh.primitive import REGISTRY
+from namedmesh.primitive import REGISTRY, Primitive, is_inexact
 from namedmesh.reductions import finite_shift
-from namedmesh.structural import wide_indices
+
+SPMD_RULES: dict[Primitive, Callable] = {}
+# The rules that plan without jax: written against the context's operations alone
+# (lowering/plan.py RuleContext), they run in the Planner on abstract local values as
+# well as traced. The one place that says which rules are pure; a program every op of
+# which has one is planned by the Planner (`plannable`).
+PLAN_RULES: dict[Primitive, Callable] = {}
+
+# The primitives the rules of this package lower, by their registry entries (a KeyError
+# at import is a primitive that was renamed or removed).
+P = SimpleNamespace(**REGISTRY)
 
 
-def rule(*names):
-    """Fill the `spmd_rule` slot of the named primitives."""
+def rule(*prims: Primitive, pure: bool = False):
+    """File the decorated function as the SPMD rule of `prims` in `SPMD_RULES`, and in
+    `PLAN_RULES` too when it is `pure` (uses the context's operations alone)."""
 
     def register(fn):
-        for n in names:
-            REGISTRY[n].spmd_rule = fn  # a KeyError here is a typo in a primitive name
+        for p in prims:
+            SPMD_RULES[p] = fn
+            if pure:
+                PLAN_RULES[p] = fn
         return fn
 
     return register
 
 
-def rule_for(prim):
-    return prim.spmd_rule or replicated_rule
+def plan_rule(*prims: Primitive):
+    """File the decorated function as the plan rule of `prims` alone, for a primitive
+    whose traced rule and plan rule differ (nm.scan's)."""
+
+    def register(fn):
+        PLAN_RULES.update((p, fn) for p in prims)
+        return fn
+
+    return register
+
+
+def rule_for(prim: Primitive) -> Callable:
+    """The SPMD rule that lowers `prim`: its own, else by its declared flags."""
+    if prim in SPMD_RULES:
+        return SPMD_RULES[prim]
+    return elementwise_rule if prim.elementwise else replicated_rule
+
+
+def plan_rule_for(prim: Primitive) -> Callable:
+    """The rule that plans `prim` without jax (KeyError: it has none)."""
+    return PLAN_RULES[prim] if prim in SPMD_RULES else rule_for(prim)
+
+
+def plannable(graph, layout=None) -> bool:
+    """Whether every op of `graph` (and of its scans' bodies) has a plan rule. Under
+    `layout`, a scan whose scanned dim the layout or an `nm.constrain` of the program may
+    split is a pipeline (lowering/pipeline.py), which runs traced: not plannable."""
+    split = set() if layout is None else {d for d, axes in layout.rules if axes}
+    split |= {d for e in graph.eqns if e.primitive.pins_layout
+              for d, axes in _constrained(e) if axes}  # fmt: skip
+    for e in graph.eqns:
+        if e.primitive in SPMD_RULES and e.primitive not in PLAN_RULES:
+            return False
+        if e.primitive.loop:
+            if e.params.get("dim") in split or not plannable(e.params["body"], layout):
+                return False
+    return True
+
+
+def _constrained(e) -> list:
+    """The (dim, mesh axes) rules of an `nm.constrain` equation `e`."""
+    return Layout(e.params["layout"]).rules
 
 
 def replicated_rule(ctx, eqn, args):
+    """Every input gathered, the op run whole, the result replicated."""
     xs = [ctx.relayout(x, lay, ((),) * len(lay)) for x, lay in args]
     outs = ctx.local(eqn.primitive, *xs, **eqn.params)
     outs = outs if eqn.primitive.multiple_results else (outs,)
@@ -51,18 +111,6 @@ def _layout_in(dims, layout_of):
     return tuple(layout_of.get(d, ()) for d in dims)
 
 
-ELEMENTWISE = (
-    "negative abs sign square reciprocal exp log log1p expm1 sqrt rsqrt sin cos tan tanh erf "
-    "sigmoid relu gelu silu floor ceil round logical_not isnan isfinite add subtract multiply "
-    "divide floor_divide mod power maximum minimum arctan2 equal not_equal less less_equal "
-    "greater greater_equal logical_and logical_or logical_xor where"
-).split()
-
-
-COMBINING = {"einsum", *ELEMENTWISE}  # ops whose result mixes all inputs
-
-
-@rule(*ELEMENTWISE)
 def elementwise_rule(ctx, eqn, args):
     """Inputs relaid to the output's layout; the op runs on matching shards. An output
     whose dims conflict under the rules (`ctx.free`) takes the layout of the first input
@@ -80,14 +128,14 @@ def elementwise_rule(ctx, eqn, args):
     return [(ctx.local(eqn.primitive, *xs, **eqn.params), want)]
 
 
-@rule("convert", "stop_gradient", "rename")
+@rule(P.convert, P.stop_gradient, P.rename, pure=True)
 def same_layout_rule(ctx, eqn, args):
     """Ops that act on each element alone and keep the dims' order: any layout will do."""
     ((x, lay),) = args
     return [(ctx.local(eqn.primitive, x, **eqn.params), lay)]
 
 
-@rule("constrain")
+@rule(P.constrain, pure=True)
 def constrain_rule(ctx, eqn, args):
     """The value moved to the layout the constraint pins."""
     ((x, lay),) = args
@@ -149,22 +197,22 @@ def _einsum_traffic(ctx, eqn, args, comp, want, all_dims) -> float:
     the result's relayout (by the algorithms that run them)."""
     (out,) = eqn.outputs
     total = sum(
-        col.relayout_traffic(lay, _layout_in(v.dims, comp), col.nbytes(x), ctx.sizes)
+        col.relayout_traffic(lay, _layout_in(v.dims, comp), nbytes(x), ctx.sizes)
         for (x, lay), v in zip(args, eqn.inputs, strict=True)
     )
     cur = _layout_in(out.dims, comp)
-    nbytes = math.prod(local_shape(cur, out.shape, ctx.mesh)) * out.dtype.itemsize
+    size = math.prod(local_shape(cur, out.shape, ctx.mesh)) * out.dtype.itemsize
     summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
     scatter, reduce, cur = _combine(summed, cur, want)
     for a, _ in scatter:
-        total += traffic("psum_scatter", (a,), nbytes, ctx.sizes)
-        nbytes //= ctx.sizes[a]
+        total += traffic("psum_scatter", (a,), size, ctx.sizes)
+        size //= ctx.sizes[a]
     if reduce:
-        total += traffic("psum", reduce, nbytes, ctx.sizes)
-    return total + col.relayout_traffic(cur, want, nbytes, ctx.sizes)
+        total += traffic("psum", reduce, size, ctx.sizes)
+    return total + col.relayout_traffic(cur, want, size, ctx.sizes)
 
 
-@rule("einsum")
+@rule(P.einsum, pure=True)
 def einsum_rule(ctx, eqn, args):
     """Compute layout from the rules over all the einsum's dims (so each mesh axis splits at
     most one of them); a summed dim split on an axis leaves partial sums, combined by
@@ -188,33 +236,22 @@ def einsum_rule(ctx, eqn, args):
     y = ctx.local(eqn.primitive, *xs, **eqn.params)
     summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
     scatter, reduce, cur = _combine(summed, _layout_in(out.dims, comp), want)
-    y = _as_counts(y, summed, ctx.sizes)
+    y = ctx.astype(y, _counts_dtype(y.dtype, summed, ctx.sizes))
     for a, j in scatter:
-        y = col.psum_scatter(y, (a,), j, ctx.log)
-    y = col.psum(y, reduce, ctx.log)
-    return [(ctx.relayout(_from_counts(y, out.dtype), cur, want), want)]
+        y = ctx.psum_scatter(y, (a,), j)
+    y = ctx.psum(y, reduce)
+    return [(ctx.relayout(ctx.astype(y, out.dtype), cur, want), want)]
 
 
-def _from_counts(y, dtype):
-    """A combined einsum result in its dtype (a boolean one from its counts)."""
-    return y.astype(dtype) if y.dtype != dtype else y
-
-
-def _as_counts(y, summed, sizes):
-    """A boolean einsum's partial results (ORs of ANDs) as counts of the shards that hold
-    a True, in the narrowest unsigned type that cannot wrap (bool's bytes while under 256
-    shards), so that a psum then a cast to bool is their OR. Integer partial sums need
-    nothing: they wrap modulo 2^bits as NumPy's do, and wrapping addition is associative."""
-    if y.dtype != jnp.bool_ or not summed:
-        return y
-    return y.astype(jnp.uint8 if math.prod(sizes[a] for a in summed) < 256 else jnp.uint32)
-
-
-def _extreme(name: str, y, axes, log):
-    """The elementwise max (min) of `y` over the devices along `axes`: pmax (pmin), one
-    all-reduce of `y` where a gather would send (n-1) times its bytes. Exact for every
-    dtype; a NaN may be dropped (XLA's all-reduce max does on CPU): see `_global_extreme`."""
-    return (col.pmax if name == "max" else col.pmin)(y, axes, log)
+def _counts_dtype(dtype, summed, sizes) -> np.dtype:
+    """A boolean einsum's partial results (ORs of ANDs) are summed as counts of the shards
+    that hold a True, in the narrowest unsigned type that cannot wrap (bool's bytes while
+    under 256 shards), so that a psum then a cast to bool is their OR. Integer partial
+    sums need nothing: they wrap modulo 2^bits as NumPy's do, and wrapping addition is
+    associative."""
+    if np.dtype(dtype) != np.dtype(bool) or not summed:
+        return np.dtype(dtype)
+    return np.dtype(np.uint8 if math.prod(sizes[a] for a in summed) < 256 else np.uint32)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
@@ -235,20 +272,37 @@ def _ties_gradient_jvp(axes, split, primals, tangents):
     return m, jax.lax.psum(jnp.sum(t * hit, axis=axes), split) / count
 
 
-def _global_extreme(name: str, x, y, axes: tuple[int, ...], split, log):
+def _global_extreme(ctx, prim, x, y, axes: tuple[int, ...], split):
     """max (min) of `x` along `axes` split over the mesh axes `split`, `y` the local
-    result: exactly NumPy's (pmax of the local extremes, no value through a sum or a
-    float), NaN wherever a shard holds one, and for floats jax's tie gradient. One psum
-    carries the count of NaNs (the value needs it) and of elements equal to the extreme
-    (the gradient does)."""
-    m = _extreme(name, jax.lax.stop_gradient(y), split, log)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
+    result: exactly NumPy's (pmax (pmin) of the local extremes: one all-reduce, no value
+    through a sum or a float), NaN wherever a shard holds one (XLA's all-reduce max may
+    drop a NaN on CPU), and for floats jax's tie gradient. One psum carries the count of
+    NaNs (the value needs it) and of elements equal to the extreme (the gradient does)."""
+    y = ctx.call(jax.lax.stop_gradient, y, shape=y.shape, dtype=y.dtype)
+    m = (ctx.pmax if prim is P.max else ctx.pmin)(y, split)
+    if not is_inexact(x.dtype):
         return m
+    counts = ctx.call(_ties_and_nans, x, m, axes=axes, shape=(2, *m.shape), dtype=np.int32)
+    counts = ctx.psum(counts, split)
+    vma = ctx.vma(m) | ctx.vma(counts)  # the extreme's, not x's: its gradient is custom
+    return ctx.call(_extreme_with_ties, x, m, counts, axes=axes, split=split, shape=m.shape,
+                    dtype=m.dtype, vma=vma)  # fmt: skip
+
+
+def _ties_and_nans(x, m, axes):
+    """Per result element, the local count of elements equal to the extreme `m` and of
+    NaNs (int32, stacked)."""
     x0 = jax.lax.stop_gradient(x)
     hit = x0 == jnp.expand_dims(m, axes)
-    counts = jnp.stack([jnp.sum(hit, axis=axes, dtype=jnp.int32),
-                        jnp.sum(jnp.isnan(x0), axis=axes, dtype=jnp.int32)])  # fmt: skip
-    ties, nans = col.psum(counts, split, log)
+    return jnp.stack([jnp.sum(hit, axis=axes, dtype=jnp.int32),
+                      jnp.sum(jnp.isnan(x0), axis=axes, dtype=jnp.int32)])  # fmt: skip
+
+
+def _extreme_with_ties(x, m, counts, axes, split):
+    """The extreme `m`, NaN where a shard held one, with jax's tie gradient from the
+    global `counts` of ties and NaNs."""
+    ties, nans = counts
+    hit = jax.lax.stop_gradient(x) == jnp.expand_dims(m, axes)
     m = jnp.where(nans > 0, jnp.asarray(jnp.nan, m.dtype), m)
     # With a NaN no element equals the extreme: no ties, and NaN gradients, as jax's
     hit = hit & ~jnp.expand_dims(nans > 0, axes)
@@ -263,7 +317,11 @@ def _reduced(eqn, lay):
     return split, kept
 
 
-@rule("sum", "max", "min", "any", "all", "mean", "logsumexp", "prod")
+_SUMS = (P.sum, P.mean)
+_STACKED = {P.any: jnp.any, P.all: jnp.all, P.prod: jnp.prod}  # reduce gathered results
+
+
+@rule(P.sum, P.max, P.min, P.any, P.all, P.mean, P.logsumexp, P.prod, pure=True)
 def reduction_rule(ctx, eqn, args):
     """The reduction on each shard, then combined over the axes that split reduced dims:
     psum for sum (mean divides by the shard count); any, all and prod reduce the
@@ -272,21 +330,32 @@ def reduction_rule(ctx, eqn, args):
     logsumexp is `_split_logsumexp`."""
     ((x, lay),) = args
     split, kept = _reduced(eqn, lay)
-    name, out = eqn.primitive.name, eqn.outputs[0]
+    prim, out = eqn.primitive, eqn.outputs[0]
     want = ctx.wanted[out]
-    if name == "logsumexp" and split:
+    if prim is P.logsumexp and split:
         y = _split_logsumexp(ctx, x, eqn.params["axes"], split, out.dtype)
         return [(ctx.relayout(y, kept, want), want)]
-    y = ctx.local(eqn.primitive, x, **eqn.params)
-    if name in ("sum", "mean"):
-        y = col.psum(y, split, ctx.log)
-        if name == "mean" and split:
-            y = y / math.prod(ctx.sizes[a] for a in split)
-    elif name in ("any", "all", "prod") and split:
-        y = getattr(jnp, name)(col.gather_stacked(y, split, ctx.log), axis=0)
-    elif name in ("max", "min") and split:
-        y = _global_extreme(name, x, y, eqn.params["axes"], split, ctx.log)
-    return [(ctx.relayout(y.astype(out.dtype), kept, want), want)]
+    y = ctx.local(prim, x, **eqn.params)
+    if prim in _SUMS:
+        y = ctx.psum(y, split)
+        if prim is P.mean and split:
+            k = math.prod(ctx.sizes[a] for a in split)
+            y = ctx.call(_divide, y, by=k, to=out.dtype, shape=y.shape, dtype=out.dtype)
+    elif prim in _STACKED and split:
+        g = ctx.gather_stacked(y, split)
+        y = ctx.call(_reduce_stacked, g, reduce=_STACKED[prim], to=out.dtype, shape=y.shape,
+                     dtype=out.dtype)  # fmt: skip
+    elif prim in (P.max, P.min) and split:
+        y = _global_extreme(ctx, prim, x, y, eqn.params["axes"], split)
+    return [(ctx.relayout(ctx.astype(y, out.dtype), kept, want), want)]
+
+
+def _divide(y, by, to):
+    return (y / by).astype(to)
+
+
+def _reduce_stacked(g, reduce, to):
+    return reduce(g, axis=0).astype(to)
 
 
 def _global_max(ctx, x, axes, split, dtype):
@@ -295,9 +364,14 @@ def _global_max(ctx, x, axes, split, dtype):
     log_softmax and logsumexp of one value, as XLA would merge their equal all-reduces."""
     key = (id(x), "global max", axes, split, str(dtype))
     if key not in ctx.moved:
-        m = jax.lax.stop_gradient(jnp.max(x.astype(dtype), axis=axes, keepdims=True))
-        ctx.moved[key] = (x, _extreme("max", m, split, ctx.log))
+        shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
+        m = ctx.call(_local_max, x, axes=axes, to=dtype, shape=shape, dtype=dtype)
+        ctx.moved[key] = (x, ctx.pmax(m, split))
     return ctx.moved[key][1]
+
+
+def _local_max(x, axes, to):
+    return jax.lax.stop_gradient(jnp.max(x.astype(to), axis=axes, keepdims=True))
 
 
 def _split_logsumexp(ctx, x, axes, split, dtype):
@@ -305,19 +379,42 @@ def _split_logsumexp(ctx, x, axes, split, dtype):
     shards' maxes, no gradient; 0 where infinite) plus log of the psum of the shards'
     sums of exp(x - m). A shard's NaN or inf reaches the psum through exp; an element at
     -inf gets a zero gradient (a per-shard logsumexp would give an all -inf shard NaN)."""
-    m = jnp.squeeze(_global_max(ctx, x, axes, split, dtype), axes)
-    x = x.astype(dtype)
-    m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
-    total = col.psum(jnp.sum(jnp.exp(x - jnp.expand_dims(m, axes)), axis=axes), split, ctx.log)
-    return m + jnp.log(total)
+    m = _global_max(ctx, x, axes, split, dtype)
+    shape = tuple(n for i, n in enumerate(x.shape) if i not in axes)
+    part = ctx.call(_sum_exp, x, m, axes=axes, to=dtype, shape=shape, dtype=dtype)
+    total = ctx.psum(part, split)
+    return ctx.call(_log_total, m, total, axes=axes, shape=shape, dtype=dtype)
+
+
+def _finite(m, axes):
+    m = jnp.squeeze(m, axes)
+    return jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+
+
+def _sum_exp(x, m, axes, to):
+    m = _finite(m, axes)
+    return jnp.sum(jnp.exp(x.astype(to) - jnp.expand_dims(m, axes)), axis=axes)
+
+
+def _log_total(m, total, axes):
+    return _finite(m, axes) + jnp.log(total)
 
 
 # The max each normalization subtracts: softmax all of it (an infinite max gives NaN, as
 # scipy's softmax does), log_softmax only a finite one (as scipy's log_softmax does).
-_SHIFT = {"softmax": lambda x, m: x - m, "log_softmax": finite_shift}
+_SHIFT = {P.softmax: lambda x, m: x - m, P.log_softmax: finite_shift}
 
 
-@rule("softmax", "log_softmax")
+def _sum_shifted_exp(x, m, axes, shift, to):
+    return jnp.sum(jnp.exp(shift(x.astype(to), m)), axis=axes, keepdims=True)
+
+
+def _normalize(x, m, total, shift, to, log: bool):
+    shifted = shift(x.astype(to), m)
+    return shifted - jnp.log(total) if log else jnp.exp(shifted) / total
+
+
+@rule(P.softmax, P.log_softmax, pure=True)
 def softmax_rule(ctx, eqn, args):
     """Along split dims: the global max (the pmax of the per-shard maxes, without
     gradient) is subtracted (for log_softmax only where it is finite, as scipy does), the
@@ -333,18 +430,17 @@ def softmax_rule(ctx, eqn, args):
         y = ctx.local(eqn.primitive, x, **eqn.params)
         return [(ctx.relayout(y, lay, want), want)]
     m = _global_max(ctx, x, axes, split, out.dtype)
-    x = x.astype(out.dtype)
-    shifted = _SHIFT[eqn.primitive.name](x, m)
-    total = col.psum(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True), split, ctx.log)
-    total = ctx.varying(total, col.varying_axes(x))  # logged: the backward psums its gradient
-    if eqn.primitive.name == "softmax":
-        y = jnp.exp(shifted) / total
-    else:
-        y = shifted - jnp.log(total)
+    shift, dt = _SHIFT[eqn.primitive], out.dtype
+    shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
+    total = ctx.call(_sum_shifted_exp, x, m, axes=axes, shift=shift, to=dt, shape=shape, dtype=dt)
+    total = ctx.psum(total, split)
+    total = ctx.varying(total, ctx.vma(x))  # logged: the backward psums its gradient
+    y = ctx.call(_normalize, x, m, total, shift=shift, to=dt, log=eqn.primitive is P.log_softmax,
+                 shape=x.shape, dtype=dt)  # fmt: skip
     return [(ctx.relayout(y, lay, want), want)]
 
 
-@rule("slice", "pad", "split", "concat")
+@rule(P.slice, P.pad, P.split, P.concat, pure=True)
 def along_dims_rule(ctx, eqn, args):
     """Ops that act along some dims and are independent across the others: the acted-on
     dims are gathered, every other dim keeps its split, and outputs keep the inputs' dims
@@ -374,57 +470,68 @@ def along_dims_rule(ctx, eqn, args):
     return result
 
 
-def _offsets(ctx, layout, local):
-    return [
-        col.axis_index(axes, ctx.sizes) * n if axes else 0
-        for axes, n in zip(layout, local, strict=True)
-    ]
-
-
-@rule("random")
+@rule(P.random, pure=True)
 def random_rule(ctx, eqn, args):
     """Each device draws only its own block, from the block's global offsets: the values
     equal the single-device ones under every layout, and nothing moves."""
-    from namedmesh.random import random_values
-
     ((key, lay),) = args
     key = ctx.relayout(key, lay, ((),))
     (out,) = eqn.outputs
     want = ctx.wanted[out]
     local = local_shape(want, out.shape, ctx.mesh)
     p = eqn.params
-    y = random_values(
-        key,
-        p["shape"],
-        p["dist"],
-        p["dtype"],
-        p["args"],
-        xp=jnp,
-        offsets=_offsets(ctx, want, local),
-        shape=local,
-    )
+    index = [ctx.axis_index(axes) for axes in want if axes]
+    y = ctx.call(_random_block, key, *index, split=tuple(bool(a) for a in want), block=local,
+                 full=p["shape"], dist=p["dist"], to=p["dtype"], params=p["args"],
+                 shape=local, dtype=out.dtype)  # fmt: skip
     return [(y, want)]
 
 
-@rule("full")
+def _random_block(key, *index, split, block, full, dist, to, params):
+    """The block `block` of a draw of shape `full`: each split dim's block starts at this
+    device's position (`index`, one per split dim) times the block's size."""
+    from namedmesh.random import random_values
+
+    it = iter(index)
+    offsets = [next(it) * n if s else 0 for s, n in zip(split, block, strict=True)]
+    return random_values(key, full, dist, to, params, xp=jnp, offsets=offsets, shape=block)
+
+
+@rule(P.full, pure=True)
 def full_rule(ctx, eqn, args):
+    """Each device makes its block of the constant."""
     (out,) = eqn.outputs
     want = ctx.wanted[out]
     p = eqn.params
-    return [(jnp.full(local_shape(want, out.shape, ctx.mesh), p["value"], p["dtype"]), want)]
+    shape = local_shape(want, out.shape, ctx.mesh)
+    y = ctx.call(_full, size=shape, value=p["value"], to=p["dtype"], shape=shape, dtype=out.dtype)
+    return [(y, want)]
 
 
-@rule("iota")
+def _full(size, value, to):
+    return jnp.full(size, value, to)
+
+
+@rule(P.iota, pure=True)
 def iota_rule(ctx, eqn, args):
+    """Each device makes its block of the range, from the block's offset."""
     (out,) = eqn.outputs
     want = ctx.wanted[out]
     (n,) = local_shape(want, out.shape, ctx.mesh)
-    (off,) = _offsets(ctx, want, (n,))
+    offset = (ctx.axis_index(want[0]),) if want[0] else ()
     p = eqn.params
-    return [((p["start"] + p["step"] * (jnp.arange(n) + off)).astype(p["dtype"]), want)]
+    y = ctx.call(_iota, *offset, n=n, start=p["start"], step=p["step"], to=p["dtype"],
+                 shape=(n,), dtype=out.dtype)  # fmt: skip
+    return [(y, want)]
 
 
-@rule("transpose")
+def _iota(*offset, n, start, step, to):
+    """start + step * (the global positions of this device's block of n), in `to`."""
+    off = offset[0] * n if offset else 0
+    return (start + step * (jnp.arange(n) + off)).astype(to)
+
+
+@rule(P.transpose, pure=True)
 def transpose_rule(ctx, eqn, args):
     """The shard transposed: each dim keeps its split."""
     ((x, lay),) = args
@@ -449,7 +556,7 @@ def _changed_run(v_in, out):
     return i0, len(a) - tail, len(b) - tail
 
 
-@rule("reshape")
+@rule(P.reshape, pure=True)
 def reshape_rule(ctx, eqn, args):
     """Dims outside the changed run keep their split. Inside it, a split of its first input
     dim by axes of total size k passes to its first output dim when k divides that dim's
@@ -472,7 +579,7 @@ def reshape_rule(ctx, eqn, args):
     return [(ctx.relayout(y, out_lay, want), want)]
 
 
-@rule("one_hot")
+@rule(P.one_hot, pure=True)
 def one_hot_rule(ctx, eqn, args):
     """Each device builds only its block of the new dim: one_hot(index - offset, block)."""
     ((idx, lay),) = args
@@ -481,12 +588,25 @@ def one_hot_rule(ctx, eqn, args):
     idx = ctx.relayout(idx, lay, want[:-1])
     (n,) = local_shape(want[-1:], out.shape[-1:], ctx.mesh)
     if want[-1]:
-        idx = wide_indices(idx) - col.axis_index(want[-1], ctx.sizes) * n
+        idx = _wide(ctx, idx)
+        me = ctx.axis_index(want[-1])
+        idx = ctx.call(_minus_block, idx, me, n=n, shape=idx.shape, dtype=idx.dtype)
     p = eqn.params
     return [(ctx.local(eqn.primitive, idx, dim=p["dim"], n=n, dtype=p["dtype"]), want)]
 
 
-@rule("gather")
+def _wide(ctx, idx):
+    """Integer indices of at least 32 bits (`structural.wide_indices`), so that sizes,
+    offsets and `idx + n` fit their dtype."""
+    return ctx.astype(idx, np.int32) if np.dtype(idx.dtype).itemsize < 4 else idx
+
+
+def _minus_block(idx, me, n):
+    """Indices into this device's block of n (the `me`-th)."""
+    return idx - (me * n).astype(idx.dtype)
+
+
+@rule(P.gather, pure=True)
 def gather_rule(ctx, eqn, args):
     """Other dims of the table and the indices' dims take the output's splits. A table
     split along the gathered dim (vocab-parallel embeddings) stays split: each device
@@ -506,14 +626,37 @@ def gather_rule(ctx, eqn, args):
         return [(ctx.local(eqn.primitive, x, idx, **eqn.params), want)]
     n = x.shape[axis]
     full = vx.shape[axis]
-    idx = wide_indices(idx)  # an int8 index + 256 would wrap
-    idx = jnp.clip(jnp.where(idx < 0, idx + full, idx), 0, full - 1)  # as nm.gather does
-    local = idx - col.axis_index(split, ctx.sizes) * n
-    inside = (local >= 0) & (local < n)
-    y = ctx.local(eqn.primitive, x, jnp.where(inside, local, 0), **eqn.params)
-    mask = align(inside, vi.dims, out.dims, jnp)  # by name: the indices' dims in any order
-    y = col.psum(jnp.where(mask, y, jnp.zeros((), y.dtype)), split, ctx.log)
-    return [(y, want)]
+    idx = _wide(ctx, idx)  # an int8 index + 256 would wrap
+    me = ctx.axis_index(split)
+    local = ctx.call(_block_indices, idx, me, n=n, full=full, shape=idx.shape, dtype=idx.dtype)
+    inside = ctx.call(_in_block, idx, me, n=n, full=full, shape=idx.shape, dtype=bool)
+    y = ctx.local(eqn.primitive, x, local, **eqn.params)
+    y = ctx.call(_zero_outside, y, inside, dims=vi.dims, out_dims=out.dims, shape=y.shape,
+                 dtype=y.dtype)  # fmt: skip
+    return [(ctx.psum(y, split), want)]
+
+
+def _block_offsets(idx, me, n, full):
+    """Indices into this device's block of n, wrapped and clipped as nm.gather does."""
+    idx = jnp.clip(jnp.where(idx < 0, idx + full, idx), 0, full - 1)
+    return idx - (me * n).astype(idx.dtype)
+
+
+def _in_block(idx, me, n, full):
+    local = _block_offsets(idx, me, n, full)
+    return (local >= 0) & (local < n)
+
+
+def _block_indices(idx, me, n, full):
+    """The block's indices where they fall in it, else 0."""
+    local = _block_offsets(idx, me, n, full)
+    return jnp.where((local >= 0) & (local < n), local, 0)
+
+
+def _zero_outside(y, inside, dims, out_dims):
+    """y where the index fell in this device's block, else 0; `inside` has the indices'
+    `dims`, matched to the result's by name."""
+    return jnp.where(align(inside, dims, out_dims, jnp), y, jnp.zeros((), y.dtype))
 
 
 def _ring(axes, sizes, step: int, wrap: bool):
@@ -524,7 +667,7 @@ def _ring(axes, sizes, step: int, wrap: bool):
     return pairs
 
 
-@rule("shift")
+@rule(P.shift, pure=True)
 def shift_rule(ctx, eqn, args):
     """Along a split dim, each device sends its edge (|offset| elements) to its neighbour
     with ppermute and shifts locally; the first device (the last, for a negative offset)
@@ -536,31 +679,48 @@ def shift_rule(ctx, eqn, args):
     n = x.shape[axis]
     want = ctx.wanted[eqn.outputs[0]]
     if not p["wrap"] and abs(off) >= eqn.inputs[0].shape[axis]:  # nothing is left but fill
-        return [(ctx.relayout(jnp.full_like(x, p["fill"]), lay, want), want)]
+        filled = ctx.call(_filled, x, fill=p["fill"], shape=x.shape, dtype=x.dtype)
+        return [(ctx.relayout(filled, lay, want), want)]
     if not axes or abs(off) > n or off == 0:
         return along_dims_rule(ctx, eqn, args)
     k = abs(off)
-    edge = (
-        jax.lax.slice_in_dim(x, n - k, n, axis=axis)
-        if off > 0
-        else jax.lax.slice_in_dim(x, 0, k, axis=axis)
-    )
+    lo, hi = (n - k, n) if off > 0 else (0, k)
+    edge_shape = x.shape[:axis] + (k,) + x.shape[axis + 1 :]
+    edge = ctx.call(_slice, x, lo=lo, hi=hi, axis=axis, shape=edge_shape, dtype=x.dtype)
     ring = _ring(axes, ctx.sizes, 1 if off > 0 else -1, p["wrap"])
-    halo = col.ppermute(edge, axes, ring, ctx.sizes, ctx.log)
+    halo = ctx.ppermute(edge, axes, ring)
     if not p["wrap"]:
-        me = col.axis_index(axes, ctx.sizes)
+        me = ctx.axis_index(axes)
         end = 0 if off > 0 else math.prod(ctx.sizes[a] for a in axes) - 1
-        halo = jnp.where(me == end, jnp.full_like(halo, p["fill"]), halo)
-    body = (
-        jax.lax.slice_in_dim(x, 0, n - k, axis=axis)
-        if off > 0
-        else jax.lax.slice_in_dim(x, k, n, axis=axis)
-    )
-    y = jnp.concatenate([halo, body] if off > 0 else [body, halo], axis=axis)
+        halo = ctx.call(_fill_at, halo, me, end=end, fill=p["fill"], shape=halo.shape,
+                        dtype=halo.dtype)  # fmt: skip
+    y = ctx.call(_shifted, x, halo, k=k, axis=axis, forward=off > 0, shape=x.shape,
+                 dtype=x.dtype)  # fmt: skip
     return [(ctx.relayout(y, lay, want), want)]
 
 
-@rule("top_k", "argmax", "argmin")
+def _filled(x, fill):
+    return jnp.full_like(x, fill)
+
+
+def _slice(x, lo, hi, axis):
+    return jax.lax.slice_in_dim(x, lo, hi, axis=axis)
+
+
+def _fill_at(halo, me, end, fill):
+    """The halo, or `fill` on the device at the end that receives nothing."""
+    return jnp.where(me == end, jnp.full_like(halo, fill), halo)
+
+
+def _shifted(x, halo, k, axis, forward: bool):
+    """The shard shifted by k along `axis`, the neighbour's `halo` entering at one end."""
+    n = x.shape[axis]
+    if forward:
+        return jnp.concatenate([halo, jax.lax.slice_in_dim(x, 0, n - k, axis=axis)], axis=axis)
+    return jnp.concatenate([jax.lax.slice_in_dim(x, k, n, axis=axis), halo], axis=axis)
+
+
+@rule(P.top_k, P.argmax, P.argmin, pure=True)
 def top_k_rule(ctx, eqn, args):
     """Along a split dim: the local top_k (argmax) with global indices, the candidates of
     all shards gathered in shard order, and a final top_k (argmax) over them. Both rank by
@@ -571,34 +731,62 @@ def top_k_rule(ctx, eqn, args):
     p = eqn.params
     axis = p["axis"]
     axes = lay[axis]
-    name = eqn.primitive.name
     k = p.get("k", 1)
     if not axes or x.shape[axis] < k:
         return along_dims_rule(ctx, eqn, args)
-    largest = name != "argmin"
-    xm = jnp.moveaxis(x, axis, -1)
-    _, idx = jax.lax.top_k(sort_key(xm, largest), k)
-    vals = jnp.take_along_axis(xm, idx, axis=-1)
-    idx = idx + col.axis_index(axes, ctx.sizes) * x.shape[axis]
-    vals = col.gather_stacked(vals, axes, ctx.log)  # [shards, ..., k]
-    idx = col.gather_stacked(idx, axes, ctx.log)
-    vals, idx = (jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (-1,)) for a in (vals, idx))
-    _, pos = jax.lax.top_k(sort_key(vals, largest), k)
-    best = jnp.take_along_axis(vals, pos, axis=-1)
-    best_idx = jnp.take_along_axis(idx, pos, axis=-1).astype(jnp.int32)
+    kw = {"axis": axis, "k": k, "largest": eqn.primitive is not P.argmin}
+    shape = x.shape[:axis] + x.shape[axis + 1 :] + (k,)
+    vals = ctx.call(_local_top, x, **kw, shape=shape, dtype=x.dtype)
+    me = ctx.axis_index(axes)
+    idx = ctx.call(_local_top_index, x, me, **kw, shape=shape, dtype=np.int32)
+    vals = ctx.gather_stacked(vals, axes)  # [shards, ..., k]
+    idx = ctx.gather_stacked(idx, axes)
     kept = tuple(() if i == axis else a for i, a in enumerate(lay))
-    if name == "top_k":
-        outs = [jnp.moveaxis(best, -1, axis), jnp.moveaxis(best_idx, -1, axis)]
+    best = x.shape[:axis] + (k,) + x.shape[axis + 1 :]
+    if eqn.primitive is P.top_k:
+        outs = [ctx.call(_best, vals, vals, **kw, shape=best, dtype=x.dtype),
+                ctx.call(_best, vals, idx, **kw, shape=best, dtype=np.int32)]  # fmt: skip
         return [
             (ctx.relayout(o, kept, ctx.wanted[v]), ctx.wanted[v])
             for o, v in zip(outs, eqn.outputs, strict=True)
         ]
     lay_out = tuple(a for i, a in enumerate(lay) if i != axis)
     want = ctx.wanted[eqn.outputs[0]]
-    return [(ctx.relayout(best_idx[..., 0], lay_out, want), want)]
+    first = ctx.call(_best_first, vals, idx, **kw, shape=shape[:-1], dtype=np.int32)
+    return [(ctx.relayout(first, lay_out, want), want)]
 
 
-@rule("cumsum")
+def _local_ranked(x, axis, k, largest):
+    """(x with `axis` last, the positions of its top k along it)."""
+    xm = jnp.moveaxis(x, axis, -1)
+    return xm, jax.lax.top_k(sort_key(xm, largest), k)[1]
+
+
+def _local_top(x, axis, k, largest):
+    xm, idx = _local_ranked(x, axis, k, largest)
+    return jnp.take_along_axis(xm, idx, axis=-1)
+
+
+def _local_top_index(x, me, axis, k, largest):
+    """The local top k's global indices along `axis`."""
+    _, idx = _local_ranked(x, axis, k, largest)
+    return idx + me * x.shape[axis]
+
+
+def _best(vals, what, axis, k, largest):
+    """`what` (the gathered values or indices) at the top k of the gathered values, with
+    the ranked dim back at `axis`."""
+    merged = [jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (-1,)) for a in (vals, what)]
+    _, pos = jax.lax.top_k(sort_key(merged[0], largest), k)
+    return jnp.moveaxis(jnp.take_along_axis(merged[1], pos, axis=-1), -1, axis)
+
+
+def _best_first(vals, idx, axis, k, largest):
+    """The global index of the extreme (argmax, argmin), int32."""
+    return jnp.moveaxis(_best(vals, idx, axis, k, largest), axis, -1)[..., 0].astype(jnp.int32)
+
+
+@rule(P.cumsum, pure=True)
 def cumsum_rule(ctx, eqn, args):
     """Along a split dim: the local running sum plus the totals of the shards before this
     one (after it, for `reverse`), from the gathered per-shard totals."""
@@ -608,34 +796,53 @@ def cumsum_rule(ctx, eqn, args):
     if not axes:
         return along_dims_rule(ctx, eqn, args)
     y = ctx.local(eqn.primitive, x, **p)
-    totals = jnp.sum(x.astype(y.dtype), axis=axis, keepdims=True)
-    totals = col.gather_stacked(totals, axes, ctx.log)
-    totals = ctx.varying(totals, col.varying_axes(y))  # logged: the backward psums its gradient
-    me = col.axis_index(axes, ctx.sizes)
-    shard = jnp.arange(totals.shape[0]).reshape((-1,) + (1,) * y.ndim)
-    before = (shard > me) if p["reverse"] else (shard < me)
-    y = y + jnp.sum(jnp.where(before, totals, 0), axis=0).astype(y.dtype)
+    shape = tuple(1 if i == axis else n for i, n in enumerate(x.shape))
+    totals = ctx.call(_total, x, axis=axis, to=y.dtype, shape=shape, dtype=y.dtype)
+    totals = ctx.gather_stacked(totals, axes)
+    totals = ctx.varying(totals, ctx.vma(y))  # logged: the backward psums its gradient
+    me = ctx.axis_index(axes)
+    y = ctx.call(_plus_before, y, totals, me, reverse=p["reverse"], shape=y.shape, dtype=y.dtype)
     want = ctx.wanted[eqn.outputs[0]]
     return [(ctx.relayout(y, lay, want), want)]
+
+
+def _total(x, axis, to):
+    return jnp.sum(x.astype(to), axis=axis, keepdims=True)
+
+
+def _plus_before(y, totals, me, reverse: bool):
+    """y plus the gathered `totals` of the shards before device `me` (after, reversed)."""
+    shard = jnp.arange(totals.shape[0]).reshape((-1,) + (1,) * y.ndim)
+    before = (shard > me) if reverse else (shard < me)
+    return y + jnp.sum(jnp.where(before, totals, 0), axis=0).astype(y.dtype)
 
 
 def _halo_extend(ctx, x, axis: int, axes, left: int, right: int, fill):
     """x with `left` elements of the previous shard before it and `right` of the next after
     it along `axis` (split by `axes`), by ppermute; the first and last shards get `fill`."""
+    if not (left or right):
+        return x
     k = math.prod(ctx.sizes[a] for a in axes)
-    me = col.axis_index(axes, ctx.sizes)
+    me = ctx.axis_index(axes)
     n = x.shape[axis]
+    edge = lambda lo, hi: ctx.call(_slice, x, lo=lo, hi=hi, axis=axis, dtype=x.dtype,
+                                   shape=x.shape[:axis] + (hi - lo,) + x.shape[axis + 1 :])
     parts = []
     if left:
-        edge = jax.lax.slice_in_dim(x, n - left, n, axis=axis)
-        halo = col.ppermute(edge, axes, [(j, j + 1) for j in range(k - 1)], ctx.sizes, ctx.log)
-        parts.append(jnp.where(me == 0, jnp.full_like(halo, fill), halo))
+        halo = ctx.ppermute(edge(n - left, n), axes, [(j, j + 1) for j in range(k - 1)])
+        parts.append(ctx.call(_fill_at, halo, me, end=0, fill=fill, shape=halo.shape,
+                              dtype=halo.dtype))  # fmt: skip
     parts.append(x)
     if right:
-        edge = jax.lax.slice_in_dim(x, 0, right, axis=axis)
-        halo = col.ppermute(edge, axes, [(j + 1, j) for j in range(k - 1)], ctx.sizes, ctx.log)
-        parts.append(jnp.where(me == k - 1, jnp.full_like(halo, fill), halo))
-    return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x
+        halo = ctx.ppermute(edge(0, right), axes, [(j + 1, j) for j in range(k - 1)])
+        parts.append(ctx.call(_fill_at, halo, me, end=k - 1, fill=fill, shape=halo.shape,
+                              dtype=halo.dtype))  # fmt: skip
+    shape = x.shape[:axis] + (n + left + right,) + x.shape[axis + 1 :]
+    return ctx.call(_concat, *parts, axis=axis, shape=shape, dtype=x.dtype)
+
+
+def _concat(*parts, axis):
+    return jnp.concatenate(parts, axis=axis)
 
 
 def _halos(ctx, lay, shape, axes, spans, strides, pads):
@@ -655,7 +862,7 @@ def _halos(ctx, lay, shape, axes, spans, strides, pads):
     return halos
 
 
-@rule("conv")
+@rule(P.conv, pure=True)
 def conv_rule(ctx, eqn, args):
     """Along split spatial dims each device extends its block by its neighbours' edges
     (ppermute) and convolves it without padding; batch dims keep their splits, channel and
@@ -696,7 +903,7 @@ def conv_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule("pool")
+@rule(P.pool, pure=True)
 def pool_rule(ctx, eqn, args):
     """Pooling along split dims: halos from the neighbours as for conv, filled with the
     identity of the reduction (-inf for max, 0 for mean) at the ends."""
@@ -716,7 +923,7 @@ def pool_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule("stack")
+@rule(P.stack, pure=True)
 def stack_rule(ctx, eqn, args):
     """Inputs take the output's splits of their dims; the new leading dim starts whole."""
     out = eqn.outputs[0]
@@ -726,7 +933,7 @@ def stack_rule(ctx, eqn, args):
     return [(ctx.relayout(y, ((),) + want[1:], want), want)]
 
 
-@rule("squeeze")
+@rule(P.squeeze, pure=True)
 def squeeze_rule(ctx, eqn, args):
     """The size-1 dims leave the shard; the others keep their split (a dim of size 1 is
     never split, since no mesh axis of more than one device divides it)."""
@@ -739,7 +946,7 @@ def squeeze_rule(ctx, eqn, args):
     return [(ctx.relayout(y, kept, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule("expand_dims")
+@rule(P.expand_dims, pure=True)
 def expand_dims_rule(ctx, eqn, args):
     """The old dims take the output's splits; each device repeats its values over its
     block of the new dims (their values are the same everywhere), moving nothing."""
@@ -754,7 +961,7 @@ def expand_dims_rule(ctx, eqn, args):
     return [(ctx.local(eqn.primitive, x, new=local_new), want)]
 
 
-@rule("var", "std")
+@rule(P.var, P.std, pure=True)
 def moment_rule(ctx, eqn, args):
     """Along split dims, in two passes as on one device: the global mean (psum of the
     shards' sums over the count), then the psum of the shards' sums of squared
@@ -766,14 +973,29 @@ def moment_rule(ctx, eqn, args):
     if not split:
         y = ctx.local(eqn.primitive, x, **eqn.params)
         return [(ctx.relayout(y, kept, want), want)]
-    axes, ddof = eqn.params["axes"], eqn.params["ddof"]
+    axes, ddof, dt = eqn.params["axes"], eqn.params["ddof"], out.dtype
     count = math.prod(v.shape[i] for i in axes)
-    total = REGISTRY["sum"]
-    x = x.astype(out.dtype)
-    mean = col.psum(ctx.local(total, x, axes=axes), split, ctx.log) / count
-    mean = ctx.varying(jnp.expand_dims(mean, axes), col.varying_axes(x))
-    squares = ctx.local(total, jnp.square(x - mean), axes=axes)
-    y = col.psum(squares, split, ctx.log) / jnp.maximum(count - ddof, 0)
-    if eqn.primitive.name == "std":
-        y = jnp.sqrt(y)
-    return [(ctx.relayout(y.astype(out.dtype), kept, want), want)]
+    x = ctx.astype(x, dt)
+    total = ctx.psum(ctx.local(P.sum, x, axes=axes), split)
+    shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
+    mean = ctx.call(_expanded_mean, total, count=count, axes=axes, shape=shape, dtype=dt)
+    mean = ctx.varying(mean, ctx.vma(x))
+    squares = ctx.local(P.sum, ctx.call(_squared_deviation, x, mean, shape=x.shape, dtype=dt),
+                        axes=axes)  # fmt: skip
+    squares = ctx.psum(squares, split)
+    root = eqn.primitive is P.std
+    y = ctx.call(_moment, squares, n=count - ddof, root=root, to=dt, shape=squares.shape, dtype=dt)
+    return [(ctx.relayout(y, kept, want), want)]
+
+
+def _expanded_mean(total, count, axes):
+    return jnp.expand_dims(total / count, axes)
+
+
+def _squared_deviation(x, mean):
+    return jnp.square(x - mean)
+
+
+def _moment(squares, n, root: bool, to):
+    y = squares / jnp.maximum(n, 0)
+    return (jnp.sqrt(y) if root else y).astype(to)

@@ -11,6 +11,12 @@ jax.checkpoint, so the backward pass recomputes what the policy does not keep.
 shard_map types each value as varying or not over each mesh axis and a loop carry
 must keep its type, so the carry is typed varying over every axis over which the
 initial value or the body's result varies.
+
+`scan_rule` runs traced; `plan_scan` plans the same loop on `Local`s without jax,
+re-planning the body until the carry's type settles, and records it as one "scan"
+instruction holding the body's steps, which the emitter (lowering/emit.py) runs
+inside jax.lax.scan. A pipelined scan (a split scanned dim) has no plan rule: the
+program runs traced (`rules.plannable` says no for it).
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import jax.numpy as jnp
 
 from lowering import pipeline
 from lowering.collectives import WiderCarry, cast_varying, missing_axes, nbytes, varying_axes
-from lowering.lower import Step, plan_layouts, run_graph
-from lowering.rules import rule
+from lowering.lower import plan_layouts, run_graph
+from lowering.plan import Instr, Local, Step
+from lowering.rules import P, plan_rule, rule
 from namedmesh.control import checkpointed
 
 
-@rule("scan")
+@rule(P.scan)
 def scan_rule(ctx, eqn, args):
     p = eqn.params
     nc, nx = p["n_carry"], p["n_x"]
@@ -111,3 +118,86 @@ def run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
             ctx.log("pvary", missing, nbytes(c), ctx.source(c))
     ctx.step.body = list(steps)
     return final, ys, y_lays
+
+
+@plan_rule(P.scan)
+def plan_scan(ctx, eqn, args):
+    """`scan_rule`'s plan, on Locals: the same layouts, moves and casts."""
+    p = eqn.params
+    body, nc, nx = p["body"], p["n_carry"], p["n_x"]
+    carry_lay = [ctx.wanted[v] for v in eqn.outputs[:nc]]
+    carry = [
+        ctx.relayout(x, lay, want) for (x, lay), want in zip(args[:nc], carry_lay, strict=True)
+    ]
+    xs, x_lays = [], []
+    for (x, lay), ax in zip(args[nc : nc + nx], p["x_axes"], strict=True):
+        whole = ctx.relayout(x, lay, lay[:ax] + ((),) + lay[ax + 1 :])
+        shape = (whole.shape[ax], *whole.shape[:ax], *whole.shape[ax + 1 :])
+        xs.append(ctx.call(jnp.moveaxis, whole, source=ax, destination=0, shape=shape,
+                           dtype=whole.dtype))  # fmt: skip
+        x_lays.append(lay[:ax] + lay[ax + 1 :])
+    rest = args[nc + nx :]
+    in_lays = carry_lay + x_lays + [lay for _, lay in rest]
+    ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
+    plan_layouts(ctx, body)
+    vma = set().union(*map(ctx.vma, carry))
+    while True:
+        try:
+            planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma)
+            break
+        except WiderCarry as e:  # the body's carry varies over more axes: again
+            vma |= e.axes
+    steps, shown, inner_ins, new, ys, y_lays, consts = planned
+    init = [ctx.cast_varying(c, vma) for c in carry]
+    final = [Local(c.shape, c.dtype, frozenset(vma)) for c in carry]
+    stacked = [Local((p["length"], *y.shape), y.dtype, y.vma) for y in ys]
+    ctx.step.ops.append(Instr("scan", (*init, *xs), (*final, *stacked), {
+        "n_carry": nc, "n_x": nx, "length": p["length"], "remat": p.get("remat", "none"),
+        "carry_in": inner_ins[:nc], "x_in": inner_ins[nc:], "steps": steps,
+        "carry_out": new, "ys": ys, "consts": consts,
+    }))  # fmt: skip
+    for c in carry:  # logged once the carry's type is settled: its transpose psums
+        if missing := ctx.missing_axes(c, vma):
+            ctx.log("pvary", missing, nbytes(c), ctx.source(c))
+    ctx.step.body = shown
+    return [
+        *zip(final, carry_lay, strict=True),
+        *((y, ((),) + lay) for y, lay in zip(stacked, y_lays, strict=True)),
+    ]
+
+
+def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set):
+    """The body planned with the carry typed varying over `vma`: (the steps to run, the
+    steps to show, the body's input Locals, its carry and y results, the ys' layouts,
+    its constants by Local); WiderCarry when the body's carry varies over more axes
+    than `vma`."""
+    p = eqn.params
+    body, nc = p["body"], p["n_carry"]
+    outer = ctx.step
+    saved = ctx.moved, ctx.sources
+    ctx.moved, ctx.sources = {}, {}  # this plan's values must not leak out of the loop
+    inner_ins = [Local(c.shape, c.dtype, frozenset(vma)) for c in carry]
+    inner_ins += [Local(x.shape[1:], x.dtype, x.vma) for x in xs]
+    values = [*inner_ins, *(a for a, _ in rest)]
+    env = dict(zip(body.inputs, zip(values, in_lays, strict=True), strict=True))
+    shown: list = []
+    repeat, depth = outer.repeat * p["length"], outer.depth + 1
+    run_graph(ctx, body, env, shown, repeat, depth)
+    ctx.combined = set()
+    ctx.step = Step("carry", None, [(v.dims, env[v][1]) for v in body.outputs[:nc]], [],
+                    repeat=repeat, depth=depth)  # fmt: skip
+    new = [ctx.relayout(*env[v], lay) for v, lay in zip(body.outputs[:nc], carry_lay, strict=True)]
+    ctx.step.outputs = [(v.dims, lay) for v, lay in zip(body.outputs[:nc], carry_lay, strict=True)]
+    wider = set().union(*map(ctx.vma, new)) - vma
+    if not wider:
+        new = [ctx.varying(y, vma) for y in new]  # logged: its transpose psums the carry
+    carry_step = ctx.step
+    (ctx.moved, ctx.sources), ctx.step = saved, outer
+    if wider:
+        raise WiderCarry(wider)
+    if carry_step.collectives or carry_step.casts:
+        shown.append(carry_step)
+    steps = [s for s in shown if s.depth == depth and s is not carry_step] + [carry_step]
+    ys = [env[v] for v in body.outputs[nc:]]
+    consts = {env[v][0]: c for v, c in body.consts.items()}
+    return steps, shown, inner_ins, new, [y for y, _ in ys], [lay for _, lay in ys], consts

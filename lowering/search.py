@@ -6,7 +6,8 @@ collectives an einsum needs, whether a partial sum becomes a psum or a psum_scat
 and which gradient syncs the backward pass adds depend on how every axis is used at
 once, and a linearised model would rank layouts by an approximation of the cost the
 planner then reports. Here every candidate that survives pruning is planned and
-costed exactly (`Lowered.report`, forward and backward), and the search grows with
+costed exactly (`lower.graph_report`, as `Lowered.report`, forward and backward; by
+the Planner, without jax, when every op of the program has a plan rule), and the search grows with
 (mesh axes) x (dims), not with (dims)^(mesh axes):
 
 1. Axes, largest first: each state of the beam is extended by giving the next mesh axis
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import namedmesh as nm
 from lowering.layout import Layout
-from lowering.lower import lower
+from lowering.lower import argument_inputs, graph_report, input_names
 from lowering.mesh import Mesh
 from lowering.rates import Rates, resolve
 from namedmesh.errors import LayoutError, NamedMeshError
@@ -133,7 +134,9 @@ class _Costing:
     def __init__(self, fn, mesh, inputs, wrt, rates, limit):
         self.fn, self.mesh, self.inputs, self.wrt = fn, mesh, inputs, wrt
         self.rates, self.limit = rates, limit
-        self.graph = nm.trace(fn, *inputs)
+        self.graph = nm.trace(fn, *inputs)  # once: every candidate plans this graph
+        self.names = input_names(inputs)
+        self.wrt_inputs = None if wrt is None else argument_inputs(self.graph, inputs, wrt)
         self.shapes = {(v.dims, v.shape) for v in self.graph.values()}
         self.eqn_dims = {
             tuple(dict.fromkeys(d for v in (*e.inputs, *e.outputs) for d in v.dims))
@@ -183,7 +186,7 @@ class _Costing:
     def _cost(self, layout: Layout) -> Candidate:
         cand = Candidate(layout)
         try:
-            rep = lower(self.fn, self.mesh, layout).report(*self.inputs, wrt=self.wrt, show=False)
+            rep = graph_report(self.graph, self.mesh, layout, self.wrt_inputs, self.names)
         except NamedMeshError as e:
             cand.note = "invalid: " + _reason(e)
             return cand

@@ -94,6 +94,7 @@ _scan = primitive(
     cost_rule=_scan_cost,
     multiple_results=True,
     backward_reads="inputs",
+    loop=True,
 )
 
 

@@ -104,7 +104,9 @@ def _conv_layout(x_dims, k_dims, spatial):
 
 
 def _conv_rule(x, k, spatial, strides, dilations, pads, dims):
-    x_sizes, k_sizes = x.aval.sizes, k.aval.sizes
+    # the shape rule sees objects with .dims and .shape only (the planner passes Avals)
+    sizes_of = lambda t: dict(zip(t.dims, t.shape, strict=True))
+    x_sizes, k_sizes = sizes_of(x), sizes_of(k)
     agreed_sizes("conv", (x, k), ("x", "the kernel"))
     _, _, out = _conv_layout(x.dims, k.dims, dict(spatial))
     sizes = {**x_sizes, **k_sizes}

@@ -120,6 +120,7 @@ _einsum = primitive(
     cost_rule=_einsum_cost,
     matmul=True,
     backward_reads="others",
+    combines_inputs=True,
 )
 
 

@@ -106,7 +106,7 @@ def _nary(xp_fn, xp):
 def _cost(flops_per_element: int):
     def cost(in_avals, out_avals, params) -> Cost:
         c = default_cost(in_avals, out_avals, params)
-        return c._replace(flops=flops_per_element * c.flops)
+        return Cost(flops_per_element * c.flops, c.bytes)
 
     return cost
 
@@ -120,10 +120,12 @@ def _make_nary(
     like_from: int = 0,
     reads="inputs",
     saves=0,
+    least=None,
 ):
     """One elementwise primitive and its public op. Scalars take the dtype of the first
     Tensor among the operands from position `like_from` on; `reads` and `saves` are
-    what its backward pass reads (`Primitive.backward_reads`, `backward_saves`)."""
+    what its backward pass reads (`Primitive.backward_reads`, `backward_saves`), `least`
+    what it must read at the least where that differs (`Primitive.least_reads`)."""
 
     def shape_rule(*xs, in_dims, out_dims):
         dims, shape = broadcast_dims(xs, name)
@@ -138,6 +140,8 @@ def _make_nary(
         elementwise=True,
         backward_reads=reads,
         backward_saves=saves,
+        least_reads=least,
+        combines_inputs=True,
     )
 
     def op(*xs) -> Tensor:
@@ -197,23 +201,28 @@ def _gelu_jax(x):
 negative = _make_nary("negative", np.negative, jnp.negative, _same, reads="nothing")
 abs = _make_nary("abs", np.abs, jnp.abs, _same)
 sign = _make_nary("sign", np.sign, jnp.sign, _same, reads="nothing")
-square = _make_nary("square", np.square, jnp.square, _same, reads="nothing", saves=1)
+square = _make_nary(
+    "square", np.square, jnp.square, _same, reads="nothing", saves=1, least="inputs"
+)
 reciprocal = _make_nary("reciprocal", _reciprocal_np, _reciprocal_jax, _floating, reads="output")
 exp = _make_nary("exp", np.exp, jnp.exp, _floating, reads="output")
 log = _make_nary("log", np.log, jnp.log, _floating)
 log1p = _make_nary("log1p", np.log1p, jnp.log1p, _floating)
 expm1 = _make_nary("expm1", np.expm1, jnp.expm1, _floating, reads="output")
 sqrt = _make_nary("sqrt", np.sqrt, jnp.sqrt, _floating, reads="output")
-rsqrt = _make_nary("rsqrt", _rsqrt_np, jax.lax.rsqrt, _floating, 2, reads="nothing", saves=1)
+rsqrt = _make_nary(
+    "rsqrt", _rsqrt_np, jax.lax.rsqrt, _floating, 2, reads="nothing", saves=1, least="output"
+)
 sin = _make_nary("sin", np.sin, jnp.sin, _floating)
 cos = _make_nary("cos", np.cos, jnp.cos, _floating)
 tan = _make_nary("tan", np.tan, jnp.tan, _floating)
 tanh = _make_nary("tanh", np.tanh, jnp.tanh, _floating, reads="output", saves=1)
 erf = _make_nary("erf", scipy.special.erf, jax.scipy.special.erf, _floating)
 sigmoid = _make_nary(
-    "sigmoid", scipy.special.expit, jax.nn.sigmoid, _floating, 4, reads="nothing", saves=1
+    "sigmoid", scipy.special.expit, jax.nn.sigmoid, _floating, 4, reads="nothing", saves=1,
+    least="output",
 )
-relu = _make_nary("relu", _relu_np, jax.nn.relu, _same)
+relu = _make_nary("relu", _relu_np, jax.nn.relu, _same, least="output")
 gelu = _make_nary("gelu", _gelu_np, _gelu_jax, _floating, 8, reads="inputs", saves=4)
 silu = _make_nary("silu", _silu_np, jax.nn.silu, _floating, 5, reads="inputs", saves=2)
 floor = _make_nary("floor", np.floor, jnp.floor, _same, reads="nothing")

@@ -2,8 +2,10 @@
 
 A primitive declares, once: its shape rule (input avals -> output avals, raising
 `ShapeError`), its NumPy implementation (the reference), its jax.numpy
-implementation, its cost rule, and a slot for the SPMD lowering rule that
-`lowering` fills. `bind` runs the shape rule, then either records an equation
+implementation, its cost rule, and the flags the lowering reads (elementwise,
+combines its inputs, a contraction, pins a layout, aliases its input, what its
+backward pass reads); `lowering` keeps its SPMD rules in its own table keyed by the
+primitive. `bind` runs the shape rule, then either records an equation
 (under `nm.trace`) or runs NumPy (all inputs NumPy) or jax (any input a jax array).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -42,14 +44,25 @@ class Aval(NamedTuple):
 def is_inexact(dtype) -> bool:
     """Whether `dtype` is a float or complex type, bfloat16 included (NumPy files
     bfloat16 under kind 'V', so `dtype.kind in "fc"` misses it)."""
-    return bool(jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.inexact))
+    return _is_inexact(np.dtype(dtype))
+
+
+# Cached: every shape rule and the planner's abstract ops ask these of a few dtypes, and
+# jax's type lattice takes microseconds per question
+@functools.cache
+def _is_inexact(dtype: np.dtype) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
 
 def result_dtype(*dtypes) -> np.dtype:
     """NumPy promotion, except that integers never widen a float (int32 * float32 is
     float32, as in JAX), so eager NumPy and jax agree."""
-    dts = [np.dtype(d) for d in dtypes]
-    floats = [d for d in dts if is_inexact(d)]
+    return _result_dtype(tuple(np.dtype(d) for d in dtypes))
+
+
+@functools.cache
+def _result_dtype(dts: tuple[np.dtype, ...]) -> np.dtype:
+    floats = [d for d in dts if _is_inexact(d)]
     if not floats:
         return np.result_type(*dts)
     return np.dtype(functools.reduce(jax.numpy.promote_types, floats))
@@ -96,14 +109,36 @@ class Primitive:
     jax_impl: Callable[..., Any]
     cost_rule: Callable[..., Cost] = default_cost
     multiple_results: bool = False
-    matmul: bool = False  # a contraction: what remat policy "dots" keeps
-    # acts on each element alone, broadcasting by name (the same flag as the planner's)
+    # a contraction: what remat policy "dots" keeps; its backward pass costs its forward
+    # flops once per input the gradient flows to (one product per operand's gradient),
+    # other ops' backward passes cost their forward flops once
+    matmul: bool = False
+    # What the lowering must know about the op (lowering keeps its SPMD rules in its own
+    # table, keyed by the primitive object):
+    # acts on each element alone, broadcasting by name: lowered on the output's layout
     elementwise: bool = False
-    backward_reads: str = READS_INPUTS  # one of BACKWARD_READS
+    # its result mixes all its inputs (einsum, elementwise): where any input varies over a
+    # mesh axis, all are typed varying there, so the backward pass sums their gradients
+    combines_inputs: bool = False
+    # its result's layout is the one its `layout` param pins (nm.constrain)
+    pins_layout: bool = False
+    # its jax implementation returns its one input as it is (rename, constrain): the
+    # result is the same local array, which the lowering's casts and moves reuse
+    aliases_input: bool = False
+    # no gradient flows through it (stop_gradient)
+    stops_gradient: bool = False
+    # a loop: runs its `body` param (a Graph) `length` times, carrying `n_carry` values
+    # (nm.scan); what its backward pass reads and where gradients flow are its body's
+    loop: bool = False
+    # What its backward pass reads of the forward values: one of BACKWARD_READS
+    backward_reads: str = READS_INPUTS
     # and how many values of its first input's size, made inside its jax implementation,
     # jax's autodiff saves besides (softmax's exponentials, gelu's tanh and products)
     backward_saves: int = 0
-    spmd_rule: Callable[..., Any] | None = field(default=None)  # filled by `lowering`
+    # What textbook reverse mode must read at the least, where that is not
+    # `backward_reads` (jax's residuals: relu's input, where its output would do): one
+    # of BACKWARD_READS, or None for `backward_reads`. The memory benchmark's ideal.
+    least_reads: str | None = None
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"
@@ -116,8 +151,9 @@ def primitive(name: str, shape_rule, numpy_impl, jax_impl, **kw) -> Primitive:
     """Create and register a primitive; names are unique."""
     if name in REGISTRY:
         raise ValueError(f"primitive {name!r} is already registered")
-    if kw.get("backward_reads", READS_INPUTS) not in BACKWARD_READS:
-        raise ValueError(f"primitive {name!r}: backward_reads must be one of {BACKWARD_READS}")
+    for reads in ("backward_reads", "least_reads"):
+        if kw.get(reads, READS_INPUTS) not in (*BACKWARD_READS, None):
+            raise ValueError(f"primitive {name!r}: {reads} must be one of {BACKWARD_READS}")
     p = Primitive(name, shape_rule, numpy_impl, jax_impl, **kw)
     REGISTRY[name] = p
     return p

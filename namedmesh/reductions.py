@@ -120,6 +120,7 @@ _softmax = primitive(
     cost_rule=normalization_cost,
     backward_reads="nothing",
     backward_saves=1,
+    least_reads="output",
 )
 _log_softmax = primitive(
     "log_softmax",
@@ -129,6 +130,7 @@ _log_softmax = primitive(
     cost_rule=normalization_cost,
     backward_reads="nothing",
     backward_saves=1,
+    least_reads="output",
 )
 
 
@@ -167,6 +169,7 @@ _argmax = primitive(
     lambda x, axis: np.argmax(x, axis=axis),
     lambda x, axis: jnp.argmax(x, axis=axis),
     cost_rule=_reduction_cost,
+    least_reads="nothing",  # no gradient flows through it
 )
 _argmin = primitive(
     "argmin",
@@ -174,6 +177,7 @@ _argmin = primitive(
     lambda x, axis: np.argmin(x, axis=axis),
     lambda x, axis: jnp.argmin(x, axis=axis),
     cost_rule=_reduction_cost,
+    least_reads="nothing",
 )
 
 

@@ -31,6 +31,7 @@ _rename = primitive(
     _identity,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
     backward_reads="nothing",
+    aliases_input=True,
 )
 
 
@@ -416,6 +417,7 @@ _stop_gradient = primitive(
     jax.lax.stop_gradient,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
     backward_reads="nothing",
+    stops_gradient=True,
 )
 
 
@@ -457,6 +459,8 @@ _constrain = primitive(
     _identity,
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
     backward_reads="nothing",
+    pins_layout=True,
+    aliases_input=True,
 )
 
 

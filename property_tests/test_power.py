@@ -3,6 +3,7 @@ counterexample and hypothesis shrinks it to a small case."""
 
 import contextlib
 import importlib
+import math
 
 import jax
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 import lowering.collectives as col
 import namedmesh as nm
 from lowering import Layout, Mesh, lower, rules
+from lowering.plan import RuleContext
 from namedmesh.testing import CASES, compare
 from namedmesh.testing import strategies as S
 
@@ -39,30 +41,29 @@ def wrong(case) -> bool:
 
 def drop_first_axis(psum):
     """A psum that forgets the first of its mesh axes."""
-    return lambda x, axes, log: psum(x, tuple(axes)[1:], log)
+    return lambda ctx, x, axes: psum(ctx, x, tuple(axes)[1:])
 
 
 def scatter_along_wrong_dim(psum_scatter):
     """A psum_scatter along the first other dim its mesh axes also divide."""
 
-    def bad(x, axes, dim, log):
-        n = 1
-        for a in axes:
-            n *= jax.lax.psum(1, a)
+    def bad(ctx, x, axes, dim):
+        n = math.prod(ctx.sizes[a] for a in axes)
         other = [i for i in range(x.ndim) if i != dim and x.shape[i] % n == 0]
-        return psum_scatter(x, axes, other[0] if other else dim, log)
+        return psum_scatter(ctx, x, axes, other[0] if other else dim)
 
     return bad
 
 
 @contextlib.contextmanager
 def mutated(name, make):
-    original = getattr(col, name)
-    setattr(col, name, make(original))
+    """The rules' context's operation `name` (what every rule calls) made wrong."""
+    original = getattr(RuleContext, name)
+    setattr(RuleContext, name, make(original))
     try:
         yield
     finally:
-        setattr(col, name, original)
+        setattr(RuleContext, name, original)
 
 
 POWER = settings(
@@ -93,6 +94,7 @@ def test_a_wrong_rule_is_found_and_shrunk(name, make, strategy):
 # behaviour: the value-case properties (property_tests/test_value_props.py) must find each
 # and shrink it. `wrong_value` is their check as a predicate.
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from namedmesh.testing import lowered as cached_lower  # noqa: E402
 from property_tests import test_value_props as V  # noqa: E402
@@ -114,12 +116,14 @@ def failing(check):
     return wrong_value
 
 
-def old_extreme(name, x, y, axes, split, log):
+def old_extreme(ctx, prim, x, y, axes, split):
     """max/min as the sum of the elements equal to the extreme over their count."""
-    m = rules._extreme(name, jax.lax.stop_gradient(y), split, log)
-    hit = x == jnp.expand_dims(m, axes)
-    count = col.psum(jnp.sum(hit, axis=axes, dtype=x.dtype), split, log)
-    return col.psum(jnp.sum(jnp.where(hit, x, 0), axis=axes), split, log) / count
+    m = (ctx.pmax if prim is rules.P.max else ctx.pmin)(y, split)
+    hits = lambda x, m: jnp.sum(x == jnp.expand_dims(m, axes), axis=axes, dtype=x.dtype)
+    total = lambda x, m: jnp.sum(jnp.where(x == jnp.expand_dims(m, axes), x, 0), axis=axes)
+    count = ctx.psum(ctx.call(hits, x, m, shape=m.shape, dtype=x.dtype), split)
+    total = ctx.psum(ctx.call(total, x, m, shape=m.shape, dtype=x.dtype), split)
+    return ctx.call(lambda t, c: t / c, total, count, shape=m.shape, dtype=x.dtype)
 
 
 def old_key(x, largest=True):
@@ -144,17 +148,14 @@ MUTATIONS = {  # class -> ([(module, name, old value)], ops and dtypes drawn, pr
         V.check_values,
     ),
     "6-bool-einsum": (
-        [
-            (rules, "_as_counts", lambda y, summed, sizes: y.astype(jnp.int32)),
-            (rules, "_from_counts", lambda y, dtype: y),
-        ],
+        [(rules, "_counts_dtype", lambda dtype, summed, sizes: np.dtype(dtype))],
         ("einsum",),
         ALL,
         V.check_values,
     ),
     "8-pool-fill": ([(rules, "lowest", old_lowest)], ("pool",), ALL, V.check_values),
     "9-softmax-inf": (
-        [(rules, "_SHIFT", {**rules._SHIFT, "softmax": rules.finite_shift})],
+        [(rules, "_SHIFT", {**rules._SHIFT, rules.P.softmax: rules.finite_shift})],
         ("softmax",),
         ALL,
         V.check_values,
@@ -234,7 +235,7 @@ FAST = settings(  # derandomized: the same search every run
     "item, module, name, replacement, kinds",
     [
         ("3", col, "ppermute", old_ppermute, ("shift", "conv", "pool_max", "pool_mean")),
-        ("4", rules, "wide_indices", lambda i: i, ("gather",)),
+        ("4", rules, "_wide", lambda ctx, i: i, ("gather",)),
         ("5", rules, "align", positional_align, ("gather",)),
         ("7", LOWER, "check_dtypes", lambda graph: None, S.ALONG_KINDS),
     ],

@@ -15,7 +15,23 @@ def test_every_primitive_declares_its_rules():
         assert p.name == name
         for rule in (p.shape_rule, p.numpy_impl, p.jax_impl, p.cost_rule):
             assert callable(rule), (name, rule)
-        assert hasattr(p, "spmd_rule")  # the slot the lowering fills
+        flags = (p.elementwise, p.combines_inputs, p.matmul, p.pins_layout, p.aliases_input)
+        flags += (p.stops_gradient, p.loop)
+        assert all(isinstance(f, bool) for f in flags), name
+
+
+def test_the_lowering_reads_flags_not_names():
+    """Elementwise ops combine their inputs; a contraction's backward pass costs it per
+    input; only nm.constrain pins a layout (independent of how each was registered)."""
+    flagged = lambda flag: {n for n, p in nm.REGISTRY.items() if getattr(p, flag)}
+    assert {"add", "where", "exp", "less"} <= flagged("elementwise")
+    assert not {"sum", "einsum", "softmax", "convert"} & flagged("elementwise")
+    assert flagged("combines_inputs") == flagged("elementwise") | {"einsum"}
+    assert flagged("matmul") == {"einsum"}
+    assert flagged("pins_layout") == {"constrain"}
+    assert flagged("aliases_input") == {"rename", "constrain"}
+    assert flagged("stops_gradient") == {"stop_gradient"}
+    assert flagged("loop") == {"scan"}
 
 
 def test_cost_rules_return_costs_for_a_traced_program():

@@ -1,0 +1,110 @@
+"""The emitter: a Plan's instructions run on local arrays inside jit(shard_map).
+
+Each `Instr` of a planned step (lowering/plan.py) names an operation of `OPS` (or is
+a function of local arrays, a rule's own arithmetic) and the local values it reads
+and makes; `run_steps` runs them in order, binding each planned `Local` to the jax
+array it stands for. The emitter decides nothing: layouts, collectives, casts and
+local ops are all the plan's. The traced context (lowering/lower.py) runs the same
+`OPS` as rules call them, when a program has an op whose rule is not yet plannable.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lowering import collectives as col
+
+
+def _name(axes):
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _local(*xs, local_op, **params):
+    prim, dtypes, _ = local_op
+    out = prim.jax_impl(*xs, **params)
+    outs = out if prim.multiple_results else (out,)
+    return tuple(o if o.dtype == t else o.astype(t) for o, t in zip(outs, dtypes, strict=True))
+
+
+def _make_invarying(x, axes, sizes):
+    first = col.axis_index(axes, sizes) == 0
+    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), _name(axes))
+
+
+OPS = {
+    "local": _local,
+    "astype": lambda x, dtype: x.astype(dtype),
+    "axis_index": lambda axes, sizes: col.axis_index(axes, sizes),
+    "psum": lambda x, axes: jax.lax.psum(x, axes),
+    "psum_scatter": lambda x, axes, dim: jax.lax.psum_scatter(
+        x, _name(axes), scatter_dimension=dim, tiled=True
+    ),
+    "pmax": lambda x, axes: jax.lax.pmax(x, axes),
+    "pmin": lambda x, axes: jax.lax.pmin(x, axes),
+    "gather_stacked": lambda x, axes: jax.lax.all_gather(
+        x, _name(axes), axis=0, to="invarying"
+    ),
+    "make_invarying": _make_invarying,
+    "all_to_all": lambda x, axes, dim, to: jax.lax.all_to_all(
+        x, axes[0], split_axis=to, concat_axis=dim, tiled=True
+    ),
+    "all_gather": lambda x, axes, dim: jax.lax.all_gather(x, _name(axes), axis=dim, tiled=True),
+    "slice_to": lambda x, axes, dim, sizes: col.slice_to(x, dim, axes, sizes),
+    "pcast": lambda x, axes: jax.lax.pcast(x, axes, to="varying"),
+    "ppermute": lambda x, axes, perm, sizes: col.ppermute(x, axes, perm, sizes, _unlogged),
+}
+
+
+def _unlogged(*args, **kw) -> None:
+    """The log of a collective the plan has already logged."""
+
+
+def run_op(op, *xs, **params):
+    """Operation `op` (a name of OPS, or a function) on local arrays."""
+    fn = op if callable(op) else OPS[op]
+    return fn(*xs, **params)
+
+
+def run_steps(steps, env: dict) -> None:
+    """Run the instructions of `steps` (a plan, or a scan's body) on local arrays; `env`
+    maps each planned Local to its array and receives the values made."""
+    for step in steps:
+        for ins in step.ops:
+            if ins.op == "scan":
+                res = _scan(ins, env)
+            else:
+                res = run_op(ins.op, *(env[x] for x in ins.ins), **ins.params)
+            res = res if isinstance(res, tuple) else (res,)
+            env.update(zip(ins.outs, res, strict=True))
+
+
+def emit(plan, local_inputs) -> list:
+    """The local outputs of the planned program on `local_inputs` (inside shard_map)."""
+    env = dict(zip(plan.inputs, local_inputs, strict=True))
+    env.update((x, jnp.asarray(c)) for x, c in plan.consts.items())
+    run_steps(plan.program, env)
+    return [env[x] for x in plan.outputs]
+
+
+def _scan(ins, env: dict):
+    """A planned scan: jax.lax.scan whose body runs the body's planned steps; values of
+    the enclosing program the body reads are closed over."""
+    from namedmesh.control import checkpointed
+
+    p = ins.params
+    nc, nx = p["n_carry"], p["n_x"]
+    init = [env[x] for x in ins.ins[:nc]]
+    xs = [env[x] for x in ins.ins[nc : nc + nx]]
+
+    def step(c, x):
+        inner = dict(env)
+        inner.update(zip(p["carry_in"], c, strict=True))
+        inner.update(zip(p["x_in"], x, strict=True))
+        inner.update((v, jnp.asarray(c)) for v, c in p["consts"].items())
+        run_steps(p["steps"], inner)
+        return [inner[v] for v in p["carry_out"]], [inner[v] for v in p["ys"]]
+
+    body = checkpointed(step, p["remat"])
+    final, ys = jax.lax.scan(body, init, xs, length=p["length"])
+    return (*final, *ys)

@@ -1,0 +1,435 @@
+"""The plan as data: what every equation of a lowered program does on local shards.
+
+A `Plan` is a list of `Step`s, one per equation: the layouts of its inputs and
+outputs, the local ops it runs (with their local avals, which the cost report
+costs), the collectives it issues (kind, mesh axes, bytes, the graph value moved),
+and `ops`, the step's instructions (`Instr`) over local values, which the emitter
+(lowering/emit.py) runs inside jit(shard_map) and decides nothing about.
+
+`RuleContext` is what an SPMD rule sees. Its operations on local values (relayout,
+the collectives, local ops, casts to varying, arithmetic by `call`) are one API with
+two interpreters: `Planner` (here) works on `Local`s, abstract shards (shape, dtype,
+the mesh axes they vary over), records each operation as an `Instr`, and never
+calls jax; the traced context of lowering/lower.py runs the same operations on jax
+arrays inside shard_map. A rule written against this API alone (lowering/rules.py
+`PLAN_RULES`) plans without jax; the others run traced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from lowering.collectives import plan_moves
+from lowering.layout import Layout, ValueLayout
+from lowering.mesh import Mesh
+from namedmesh.primitive import Aval, Primitive
+
+
+class Collective(NamedTuple):
+    """One collective a rule issues. `source` is the graph value it moves (None: the
+    equation's result), which decides whether the backward pass transposes it;
+    `transposes` is False for one whose transpose is local (lowering/cost.py)."""
+
+    kind: str  # psum, psum_scatter, all_gather, all_to_all, ppermute, pmax, pmin; pvary
+    axes: tuple[str, ...]
+    nbytes: int  # local input bytes per device
+    source: object = None
+    transposes: bool = True
+
+
+class Instr(NamedTuple):
+    """One operation on local values: `op` (a name of lowering/emit.py's OPS, or a
+    function of local arrays), the values it reads and makes, and its static params."""
+
+    op: str | Callable
+    ins: tuple
+    outs: tuple
+    params: dict
+
+
+@dataclass
+class Step:
+    """One equation of the plan: layouts in and out, local ops run, collectives issued."""
+
+    name: str
+    eqn: object  # the graph equation (None for the final relayout of outputs)
+    inputs: list  # (dims, layout) per input
+    outputs: list  # (dims, layout) per output
+    local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
+    collectives: list = field(default_factory=list)  # Collective, in order
+    casts: list = field(default_factory=list)  # Collective "pvary": typed varying, free
+    events: list = field(default_factory=list)  # local ops and collectives, in order, as text
+    repeat: int = 1  # times it runs per call (inside a scan: the scan's length)
+    depth: int = 0  # how many scans it is inside
+    body: list = field(default_factory=list)  # a scan's Steps, once
+    pipeline: object = None  # a pipelined scan's PipelinePlan (lowering/pipeline.py)
+    ops: list = field(default_factory=list)  # Instr, in order (planned steps only)
+
+
+class Plan(list):
+    """The Steps of a lowered program, printable as a table (also at a REPL prompt).
+    A plan made by the `Planner` also holds the local values of the program's inputs,
+    constants and outputs (`inputs`, `consts`, `outputs`), which the emitter binds."""
+
+    inputs: list = ()
+    consts: dict = {}
+    outputs: list = ()
+    program: list = ()  # the steps the emitter runs, in order (a scan's body is its op's)
+
+    def __str__(self) -> str:
+        """The plan without its free casts to varying; see `format`."""
+        return self.format()
+
+    __repr__ = __str__
+
+    def format(self, casts: bool = False) -> str:
+        """One line per equation (its layouts in and out), then its local ops and
+        collectives. `casts`: also the free casts to varying (`pvary`), which cost
+        nothing forward and become the psums of the gradients in the backward pass."""
+
+        def fmt(dims, lay):
+            parts = (d + (":" + ",".join(a) if a else "") for d, a in zip(dims, lay, strict=True))
+            return "[" + ", ".join(parts) + "]"
+
+        lines = []
+        for s in self:
+            ins = " ".join(fmt(*x) for x in s.inputs)
+            outs = " ".join(fmt(*x) for x in s.outputs)
+            pad = "    " * s.depth
+            times = f"  (x{s.repeat})" if s.depth else ""
+            lines.append(f"{pad}{s.name}: {ins} -> {outs}{times}")
+            lines.extend(pad + "    " + e for e in s.events if casts or not e.startswith("pvary"))
+        return "\n".join(lines)
+
+
+def signature(plan) -> list:
+    """Everything `plan` says, per step (layouts, local ops and their local avals,
+    collectives, casts, repetitions), with graph values by dims and shape: equal for
+    two plans of one program made from two traces (the Planner's and the traced one)."""
+    src = lambda v: None if v is None else (v.dims, v.shape)
+    return [
+        (
+            s.name, s.inputs, s.outputs, s.repeat, s.depth, s.events,
+            [(p.name, ins, outs) for p, _, ins, outs in s.local],
+            [(c.kind, c.axes, c.nbytes, src(c.source), c.transposes) for c in s.collectives],
+            [(c.kind, c.axes, c.nbytes, src(c.source)) for c in s.casts],
+        )
+        for s in plan
+    ]  # fmt: skip
+
+
+def _fmt_local(a) -> str:
+    return f"{a.dtype.kind}{a.dtype.itemsize * 8}[{','.join(map(str, a.shape))}]"
+
+
+def nbytes(x) -> int:
+    """Bytes of the local array or `Local` `x`."""
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
+
+
+def local_avals(values, arrays) -> list[Aval]:
+    """The avals of local shards `arrays` of the graph `values`: their dims, local shapes
+    and dtypes, as cost rules take them."""
+    return [
+        Aval(v.dims, tuple(a.shape), np.dtype(a.dtype)) for v, a in zip(values, arrays, strict=True)
+    ]
+
+
+def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
+    """`layout` without mesh axes of size 1, which split nothing and need no collectives."""
+    return tuple(tuple(a for a in axes if mesh.sizes[a] > 1) for axes in layout)
+
+
+@dataclass
+class RuleContext:
+    """What a rule sees: the mesh, the rules, the layouts the planner wants, and the
+    current plan step, to which `log` and `local` report. A rule that makes a value in
+    `free` may give it another layout than `wanted`'s, and records it there. Subclasses
+    interpret the operations on local values: `vma` and `_op`."""
+
+    mesh: Mesh
+    layout: Layout
+    wanted: dict
+    free: set = field(default_factory=set)  # values whose dims conflict under the rules
+    step: Step | None = None
+    combined: set = field(default_factory=set)  # axes the current step's inputs vary over
+    moved: dict = field(default_factory=dict)  # relayouts done in this trace of the body
+    sources: dict = field(default_factory=dict)  # id(local array) -> (array, graph value)
+
+    # --- the interpreter: what a subclass defines ---------------------------------------
+    def vma(self, x) -> set[str]:
+        """The mesh axes over which the local value `x` is typed varying."""
+        raise NotImplementedError
+
+    def _op(self, op: str | Callable, *xs, made: tuple | None = None, **params):
+        """Run (or record) operation `op` on the local values `xs`; "local" gives a
+        tuple of the primitive's outputs."""
+        raise NotImplementedError
+
+    # --- operations on local values -------------------------------------------------
+    def call(self, fn: Callable, *xs, shape, dtype, vma: set | None = None, **params):
+        """`fn(*xs, **params)`, local arithmetic with no collective, giving one array of
+        `shape` and `dtype` that varies where its inputs do (or over `vma`, if given)."""
+        return self._op(fn, *xs, made=(tuple(shape), np.dtype(dtype), vma), **params)
+
+    def astype(self, x, dtype):
+        return x if np.dtype(x.dtype) == np.dtype(dtype) else self._op("astype", x, dtype=dtype)
+
+    def axis_index(self, axes: tuple[str, ...]):
+        """This device's position along the mesh axes `axes`, major to minor (int32)."""
+        return self._op("axis_index", axes=tuple(axes), sizes=self.sizes)
+
+    def psum(self, x, axes: tuple[str, ...]):
+        if not axes:
+            return x
+        self.log("psum", axes, nbytes(x))
+        return self._op("psum", x, axes=tuple(axes))
+
+    def psum_scatter(self, x, axes: tuple[str, ...], dim: int):
+        self.log("psum_scatter", axes, nbytes(x))
+        return self._op("psum_scatter", x, axes=tuple(axes), dim=dim)
+
+    def pmax(self, x, axes: tuple[str, ...]):
+        if not axes:
+            return x
+        self.log("pmax", axes, nbytes(x))
+        return self._op("pmax", x, axes=tuple(axes))
+
+    def pmin(self, x, axes: tuple[str, ...]):
+        if not axes:
+            return x
+        self.log("pmin", axes, nbytes(x))
+        return self._op("pmin", x, axes=tuple(axes))
+
+    def gather_stacked(self, x, axes: tuple[str, ...]):
+        """Every device's `x` along `axes`, stacked on a new leading dim; invariant, so
+        its transpose is a local slice."""
+        self.log("all_gather", axes, nbytes(x), transposes=False)
+        return self._op("gather_stacked", x, axes=tuple(axes))
+
+    def ppermute(self, x, axes: tuple[str, ...], perm):
+        """`x` sent along `axes` by `perm`, pairs (source, destination) numbered as
+        `axis_index(axes)` numbers positions (collectives.ppermute)."""
+        self.log("ppermute", axes, nbytes(x))
+        return self._op("ppermute", x, axes=tuple(axes), perm=tuple(perm), sizes=self.sizes)
+
+    def make_invarying(self, x, axes: tuple[str, ...], source=None):
+        """`x`, equal on every device along `axes` but typed varying there, as a value
+        shard_map may return replicated: a psum of device 0's copy."""
+        axes = tuple(a for a in self.sizes if a in axes)
+        if not axes:
+            return x
+        self.log("psum", axes, nbytes(x), source)
+        return self._op("make_invarying", x, axes=axes, sizes=self.sizes)
+
+    # --- the shared logic of the rules' context ------------------------------------------
+    def source(self, x):
+        """The graph value whose local array `x` is (or a relayout of), if known."""
+        return self.sources.get(id(x), (None, None))[1]
+
+    def note_source(self, x, v) -> None:
+        if v is not None:
+            self.sources[id(x)] = (x, v)  # the array is kept so that its id stays unique
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.mesh.sizes
+
+    def log(
+        self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
+    ) -> None:
+        c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
+        (self.step.casts if kind == "pvary" else self.step.collectives).append(c)
+        what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
+        self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device{what}")
+
+    def local(self, prim: Primitive, *arrays, **params):
+        """Run `prim`'s jax implementation on local shards of the current equation's inputs,
+        noting the local avals for the cost report. Results are held to the shape rule's
+        dtypes, as nm.reference holds NumPy's: jax too may widen (argmax gives int64
+        under jax_enable_x64 where the rule says int32)."""
+        if len(arrays) > 1:
+            vma = set().union(*(self.vma(a) for a in arrays))
+            arrays = [self.varying(a, vma) for a in arrays]
+        e = self.step.eqn
+        # (prim, its results' dtypes, its inputs' dims): one param, apart from the op's own
+        what = (prim, tuple(v.dtype for v in e.outputs), tuple(v.dims for v in e.inputs))
+        outs = self._op("local", *arrays, local_op=what, **params)
+        self.note_local(prim, params, arrays, outs)
+        return outs if prim.multiple_results else outs[0]
+
+    def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
+        """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
+        report costs it by the primitive's cost rule on their shapes."""
+        e = self.step.eqn
+        self.step.local.append(
+            (prim, params, local_avals(e.inputs, arrays), local_avals(e.outputs, outs))
+        )
+        shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
+        ins, outs_ = self.step.local[-1][2:]
+        self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
+
+    def missing_axes(self, x, vma: set) -> tuple[str, ...]:
+        """The axes of `vma` over which `x` is not yet typed varying, in mesh order (as
+        collectives.missing_axes says of a jax array)."""
+        return tuple(a for a in self.sizes if a in set(vma) - self.vma(x))
+
+    def cast_varying(self, x, vma: set):
+        """`x` typed varying over every axis of `vma`, unlogged (collectives.cast_varying:
+        a loop carry's type, whose cast the loop logs once it has settled)."""
+        missing = self.missing_axes(x, vma)
+        return self._op("pcast", x, axes=missing) if missing else x
+
+    def varying(self, x, vma: set):
+        """`x` typed varying over the axes `vma` (a free cast), once per value: left to
+        jax, each use of an invariant value by a varying one is cast on its own, and
+        the backward pass then psums each use's cotangent instead of their sum."""
+        missing = self.missing_axes(x, vma)
+        if not missing:
+            return x
+        key = (id(x), "varying", missing)
+        if key not in self.moved:
+            self.log("pvary", missing, nbytes(x), self.source(x))
+            self.moved[key] = (x, self._op("pcast", x, axes=missing))
+            self.note_source(self.moved[key][1], self.source(x))
+        return self.moved[key][1]
+
+    def soft_layout(
+        self, dims, shape, is_value: bool = True, rules: Layout | None = None
+    ) -> ValueLayout:
+        """The layout `rules` (default: the program's) give (dims, shape), leaving unsplit
+        a dim its axes do not divide. A strict layout's conflicts are errors only for
+        values (`is_value`), not for the dims of a whole einsum, which no single tensor
+        holds."""
+        if rules is None:  # a non-strict copy where the conflicts are no errors
+            loose = is_value or not self.layout.strict
+            rules = self.layout if loose else Layout(self.layout.rules)
+        layout = list(rules.assign(dims, shape, "value"))
+        for i, n in enumerate(shape):
+            if n % math.prod(self.sizes[a] for a in layout[i]):
+                layout[i] = ()
+        return nontrivial(tuple(layout), self.mesh)
+
+    def relayout(self, x, src: ValueLayout, dst: ValueLayout):
+        """`x` moved from layout `src` to `dst`, once per value and target: a second
+        request reuses the first result (XLA would merge the duplicate collectives)."""
+        source = self.source(x)
+        if tuple(src) != tuple(dst):
+            # A slice by this device's index makes a value vary over the axes it adds;
+            # cast here, so that the backward pass's psum of its gradient is planned.
+            added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
+            x = self.varying(x, self.combined | added)
+        key = (id(x), tuple(src), tuple(dst))
+        if key not in self.moved:
+            self.moved[key] = (x, self._moves(x, src, dst, source))
+            self.note_source(self.moved[key][1], source)
+        return self.moved[key][1]
+
+    def _moves(self, x, src, dst, source):
+        """The moves of `collectives.plan_moves`, each logged and run."""
+        for m in plan_moves(src, dst):
+            if m.kind == "all_to_all":
+                self.log("all_to_all", m.axes, nbytes(x), source)
+                x = self._op("all_to_all", x, axes=m.axes, dim=m.dim, to=m.to)
+            elif m.kind == "all_gather":
+                self.log("all_gather", m.axes, nbytes(x), source)
+                x = self._op("all_gather", x, axes=m.axes, dim=m.dim)
+            else:
+                x = self._op("slice_to", x, axes=m.axes, dim=m.dim, sizes=self.sizes)
+        return x
+
+
+@dataclass(eq=False)
+class Local:
+    """A local shard as the planner sees it: its shape, dtype and the mesh axes over
+    which shard_map types it varying. Identity is the value's (hashed by id)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    vma: frozenset = frozenset()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        vary = f" varying {','.join(sorted(self.vma))}" if self.vma else ""
+        return f"Local({_fmt_local(self)}{vary})"
+
+
+def _scaled(shape, dim: int, by: float) -> tuple[int, ...]:
+    return tuple(int(n * by) if i == dim else n for i, n in enumerate(shape))
+
+
+def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
+    """The Local(s) `op` makes from the Locals `xs`: shapes, dtypes and varying axes as
+    shard_map's types give them (a psum, pmax or invariant gather leaves its axes
+    invariant; a slice by the device's index or a cast makes a value vary there)."""
+    vma = frozenset().union(*(x.vma for x in xs)) if xs else frozenset()
+    if callable(op):
+        shape, dtype, given = made
+        return Local(shape, dtype, frozenset(given) if given is not None else vma)
+    if op == "local":
+        return _abstract_local(xs, vma, params)
+    x = xs[0] if xs else None
+    axes = params.get("axes", ())
+    n = math.prod(sizes[a] for a in axes)
+    if op == "astype":
+        return Local(x.shape, np.dtype(params["dtype"]), vma)
+    if op == "axis_index":
+        return Local((), np.dtype(np.int32), frozenset(axes))
+    if op in ("psum", "pmax", "pmin", "make_invarying"):
+        return Local(x.shape, x.dtype, vma - set(axes))
+    if op == "gather_stacked":
+        return Local((n, *x.shape), x.dtype, vma - set(axes))
+    if op == "psum_scatter":
+        return Local(_scaled(x.shape, params["dim"], 1 / n), x.dtype, vma)
+    if op == "all_gather":
+        return Local(_scaled(x.shape, params["dim"], n), x.dtype, vma)
+    if op == "all_to_all":
+        shape = _scaled(_scaled(x.shape, params["dim"], n), params["to"], 1 / n)
+        return Local(shape, x.dtype, vma)
+    if op in ("slice_to", "pcast"):
+        shape = _scaled(x.shape, params["dim"], 1 / n) if op == "slice_to" else x.shape
+        return Local(shape, x.dtype, vma | set(axes))
+    if op == "ppermute":
+        return Local(x.shape, x.dtype, vma)
+    raise KeyError(f"no abstract rule for op {op!r}")
+
+
+def _abstract_local(xs, vma, params) -> tuple[Local, ...]:
+    """A primitive on local shards: its shape rule on their local avals."""
+    prim, dtypes, in_dims = params["local_op"]
+    kw = {k: v for k, v in params.items() if k != "local_op"}
+    avals = [Aval(d, tuple(x.shape), np.dtype(x.dtype)) for d, x in zip(in_dims, xs, strict=False)]
+    out = prim.shape_rule(*avals, **kw)
+    outs = out if prim.multiple_results else (out,)
+    return tuple(Local(tuple(o.shape), np.dtype(t), vma) for o, t in zip(outs, dtypes, strict=True))
+
+
+class Planner(RuleContext):
+    """The rules' context on `Local`s: each operation is recorded into the current step's
+    `ops` as an `Instr` and gives the Local it would make; no jax is called."""
+
+    def vma(self, x) -> set[str]:
+        return set(x.vma)
+
+    def _op(self, op, *xs, made=None, **params):
+        if op == "local" and params["local_op"][0].aliases_input:
+            return (xs[0],)  # the same local value, as jax returns the same array
+        res = _abstract(op, xs, self.sizes, made, params)
+        outs = res if isinstance(res, tuple) else (res,)
+        self.step.ops.append(Instr(op, xs, outs, params))
+        return res
+
+
+def constant(c) -> Local:
+    """The Local of a graph constant (the same on every device)."""
+    a = np.asarray(c)
+    return Local(tuple(a.shape), a.dtype)
+

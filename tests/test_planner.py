@@ -1,0 +1,175 @@
+"""The planner: a Plan made in plain Python, without jax, equal to the plan the rules
+log as jax traces them (`Lowered.traced_plan`, the oracle), and the emitter that runs
+it. The compiled HLO's collectives against the plan's are property 3 of
+property_tests/test_lowering_props.py, which now runs planned programs."""
+
+import jax
+import jax.extend.core
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from lowering import Layout, Mesh, lower, rules
+from lowering.cost import report
+from lowering.layout import local_shape
+from lowering.lower import plan_program
+from lowering.plan import nontrivial, signature
+from models import config, objectives, transformer
+
+MESH = Mesh({"rows": 2, "cols": 4})
+ABSTRACT = Mesh({"rows": 2, "cols": 4}, devices="abstract")
+
+
+def assert_plans_equal(fn, mesh, layout, *args, wrt=None):
+    lowered = lower(fn, mesh, layout)
+    planned = lowered.plan(*args)
+    assert lowered._build(args)[1].planned, "the program should be planned without jax"
+    assert signature(planned) == signature(lowered.traced_plan(*args))
+    if wrt is not None:
+        traced = lower(fn, mesh, layout, traced=True)
+        assert lowered.report(*args, wrt=wrt, show=False) == traced.report(
+            *args, wrt=wrt, show=False
+        )
+
+
+def lm(name: str, **kw):
+    cfg = config.get(name, **kw)
+    params = transformer.abstract(transformer.lm_shapes(cfg))
+    batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
+    return (lambda p, b: transformer.lm_loss(p, b, cfg)), (params, batch)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "batch:rows;heads:cols;d_ff:cols;vocab:cols",  # Megatron beside data parallelism
+        "batch:rows,cols",
+        "batch:rows;d_model:cols",  # FSDP-style
+        "batch:cols;length:rows",  # sequence split: attention gathers the keys
+        "vocab:rows,cols;length:cols",  # vocab-parallel embedding lookup (gather + psum)
+    ],
+)
+def test_zoo_lm_training_plan_equals_the_traced_plan(layout):
+    loss, inputs = lm("tiny")
+    assert_plans_equal(loss, ABSTRACT, layout, *inputs, wrt=0)
+
+
+def mlp(x, w1, w2):
+    return (nm.einsum(nm.relu(nm.einsum(x, w1, out="batch d_ff")), w2, out="batch d") ** 2).mean()
+
+
+def mlp_inputs():
+    rng = np.random.default_rng(0)
+    f = lambda dims, *shape: nm.tensor(rng.normal(size=shape).astype(np.float32), dims)
+    return f("batch d", 16, 8), f("d d_ff", 8, 32), f("d_ff d", 32, 8)
+
+
+@pytest.mark.parametrize("layout", ["batch:rows;d_ff:cols", "d:cols;d_ff:cols", "batch:rows,cols"])
+def test_mlp_plan_equals_the_traced_plan_and_runs_it(layout):
+    args = mlp_inputs()
+    assert_plans_equal(mlp, ABSTRACT, layout, *args, wrt=(1, 2))
+    got = lower(mlp, MESH, layout)(*args)
+    np.testing.assert_allclose(got.data, mlp(*args).data, rtol=1e-5)
+
+
+def ops(x, i):
+    """The structural, reduction and lookup rules the planner ports, in one program."""
+    y = nm.softmax(x, "v") + nm.log_softmax(x, "v")
+    outs = [nm.logsumexp(x, "v"), x.max("v"), x.min("b"), x.mean("v"), (x > 0).any("v")]
+    outs += [nm.one_hot(i, "v", 8).astype(np.float32) * y, nm.gather(x, "v", i)]
+    r = nm.reshape(y, {"v_hi": 2, "v_lo": 4}, from_="v")
+    outs += [nm.concat([x, y], "v"), nm.slice(x, "v", 1, 5).sum("v"), nm.pad(x, {"v": (1, 7)})]
+    outs += [nm.stack([x, y], "s"), nm.expand_dims(x, {"e": 2}), nm.transpose(r, "v_lo b v_hi")]
+    outs += [nm.arange("v", 8) + x, nm.where(x > 0, x, nm.zeros({"v": 8}))]
+    return outs
+
+
+@pytest.mark.parametrize("layout", ["v:cols", "b:rows;v:cols", "v:rows,cols", "b:cols"])
+def test_each_ported_rule_plans_as_it_traces_and_runs_correctly(layout):
+    rng = np.random.default_rng(1)
+    x = nm.tensor(rng.normal(size=(4, 8)).astype(np.float32), "b v")
+    i = nm.tensor(rng.integers(-8, 8, size=(4,)).astype(np.int32), "b")
+    assert_plans_equal(ops, ABSTRACT, layout, x, i)
+    got = lower(ops, MESH, layout)(x, i)
+    for g, w in zip(got, ops(x, i), strict=True):
+        np.testing.assert_allclose(g.data, w.data, rtol=1e-5, atol=1e-6)
+
+
+def more_ops(x, key):
+    """The rules with their own arithmetic and halos: top_k, argmax, shift, cumsum,
+    var/std, random draws and dropout."""
+    values, indices = nm.top_k(x, "v", 2)
+    outs = [values.sum("v"), indices.astype(np.float32).sum("v"), nm.argmax(x, "v")]
+    outs += [nm.shift(x, "v", 1), nm.shift(x, "v", -2, wrap=True), nm.cumsum(x, "v")]
+    outs += [nm.var(x, "v"), nm.std(x, "b", ddof=1), nm.random.normal(key, x.sizes)]
+    return outs + [nm.dropout(x, 0.5, nm.random.fold_in(key, 1))]
+
+
+@pytest.mark.parametrize("layout", ["v:cols", "b:rows;v:cols", "v:rows,cols"])
+def test_rules_with_their_own_arithmetic_plan_as_they_trace(layout):
+    rng = np.random.default_rng(2)
+    x = nm.tensor(rng.normal(size=(4, 8)).astype(np.float32), "b v")
+    key = nm.random.key(3)
+    assert_plans_equal(more_ops, ABSTRACT, layout, x, key)
+    got = lower(more_ops, MESH, layout)(x, key)
+    for g, w in zip(got, more_ops(x, key), strict=True):
+        np.testing.assert_allclose(g.data, w.data, rtol=1e-5, atol=1e-6)
+
+
+def test_planning_calls_no_jax(monkeypatch):
+    """The planner and the cost report of its plan bind no jax primitive: every jax op
+    (jax.numpy, jax.lax, shard_map) goes through Primitive.bind, patched here to raise."""
+    loss, inputs = lm("tiny")
+    graph = nm.trace(loss, *inputs)
+    layout = Layout("batch:rows;heads:cols;d_ff:cols;vocab:cols")
+    assert rules.plannable(graph)
+
+    def no_jax(self, *args, **params):
+        raise AssertionError(f"the planner called jax: {self}")
+
+    monkeypatch.setattr(jax.extend.core.Primitive, "bind", no_jax)
+    with pytest.raises(AssertionError, match="called jax"):
+        jax.numpy.zeros(3) + 1  # the patch bites
+    of = lambda v: nontrivial(layout.of(v.dims, v.shape, ABSTRACT), ABSTRACT)
+    wanted = {v: of(v) for v in graph.inputs}
+    plan = plan_program(graph, ABSTRACT, layout, wanted, [of(v) for v in graph.outputs])
+    local_bytes = lambda v: np.prod(local_shape(wanted.get(v, ((),) * len(v.dims)), v.shape,
+                                                ABSTRACT)) * v.dtype.itemsize  # fmt: skip
+    rep = report(plan, graph, local_bytes, ABSTRACT.sizes, wrt=graph.inputs[:-2])
+    assert rep.flops > 0 and rep.backward and rep.collectives
+
+
+def conv_pool(x, k):
+    """Halo exchanges along a split spatial dim: a SAME conv and an overlapping max pool."""
+    y = nm.conv(x, k, {"w": "kw"}, padding="SAME")
+    return [y.sum("w"), nm.pool(x, {"w": 3}, stride=1, padding="SAME")]
+
+
+@pytest.mark.parametrize("layout", ["w:cols", "b:rows;w:cols"])
+def test_conv_and_pool_plan_as_they_trace_and_run_correctly(layout):
+    """conv's and pool's halos (ppermute of the neighbours' edges) are planned without
+    jax, as they trace, and the emitted program equals the reference."""
+    rng = np.random.default_rng(4)
+    x = nm.tensor(rng.normal(size=(2, 16, 3)).astype(np.float32), "b w c")
+    k = nm.tensor(rng.normal(size=(3, 3, 4)).astype(np.float32), "kw c o")
+    assert rules.plannable(nm.trace(conv_pool, x, k))
+    assert_plans_equal(conv_pool, ABSTRACT, layout, x, k)
+    plan = lower(conv_pool, ABSTRACT, layout).plan(x, k)
+    assert [c.kind for s in plan for c in s.collectives][:2] == ["ppermute"] * 2
+    for g, w in zip(lower(conv_pool, MESH, layout)(x, k), conv_pool(x, k), strict=True):
+        np.testing.assert_allclose(g.data, w.data, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pipelined_scan_is_traced():
+    """A layout that splits a scan's scanned dim makes it a pipeline (lowering/pipeline.py),
+    which has no plan rule: `plannable` says no under that layout, and the program is
+    planned as jax traces it, the pipeline in its plan."""
+    loss, inputs = lm("tiny")
+    graph = nm.trace(loss, *inputs)
+    assert rules.plannable(graph, Layout("batch:rows,cols"))
+    assert not rules.plannable(graph, Layout("layers:rows;batch:cols"))
+    lowered = lower(loss, ABSTRACT, "layers:rows;batch:cols")
+    plan = lowered.plan(*inputs)
+    assert not lowered._build(inputs)[1].planned
+    (pipe,) = [s.pipeline for s in plan if s.pipeline is not None]
+    assert (pipe.axes, pipe.stages) == (("rows",), 2)
