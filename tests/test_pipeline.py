@@ -35,10 +35,11 @@ MEGATRON = "layers:stage;batch:data;heads:model;d_ff:model"
 CASES = {  # name: (mesh, layout, microbatches, batch per device)
     "stage=2,M=4": ({"stage": 2}, "layers:stage;microbatches=4", 4, 8),
     "stage=2,data=2,model=2": ({"stage": 2, "data": 2, "model": 2}, MEGATRON, 4, 4),  # M default
+    "stage=4,data=2": ({"stage": 4, "data": 2}, "layers:stage;batch:data;microbatches=4", 4, 4),
+    "stage=8": ({"stage": 8}, "layers:stage;microbatches=8", 8, 8),  # one layer per stage
     # the circular schedule: 2 rounds of 2 layers per stage (its all_to_all: below)
     "stage=2,circular": ({"stage": 2}, "layers:stage;schedule=circular;microbatches=4", 4, 8),
 }
-# stage=4 (beside data=2) trains as data parallelism does: the CLI test below
 
 
 def loss(params, batch):
