@@ -8,32 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
-import namedmesh as nm
 from models import config, transformer
 from models.generate import Decoder
+from tests.test_decode import full_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = config.Config(vocab=32, d_model=16, heads=4, d_kv=4, d_ff=32, layers=2, length=8, batch=2)
 
 
-_FORWARD = {}
-
-
 def recompute_logp(params, cfg, rows):
-    """Log-probabilities of the next token after each row, from the full forward pass.
-    Rows are padded to cfg.length (the model is causal: later tokens change no earlier
-    logits), so each config compiles the forward pass once."""
-    rows = np.asarray(rows, np.int32)
-    if cfg not in _FORWARD:
-        _FORWARD[cfg] = jax.jit(lambda p, t: transformer.lm_logits(p, t, cfg))
-    wide = np.zeros((len(rows), cfg.length), np.int32)
-    wide[:, : rows.shape[1]] = rows
-    logits = _FORWARD[cfg](params, nm.tensor(wide, ("batch", "length")))
-    x = np.asarray(logits.transpose("batch", "length", "vocab").data)[:, rows.shape[1] - 1]
+    """Log-probabilities of the next token after each row, from the full forward pass
+    (test_decode's oracle: one jitted pass per config over rows padded to its length)."""
+    x = full_logits(params, cfg, rows)[:, -1]
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
