@@ -269,8 +269,18 @@ def _moe_cases() -> tuple:
     )
 
 
+# The layouts `--quick` (and so `make test`) keeps of each larger model: every kind of
+# layout still appears (the MLP keeps all of its own), at about half the compiles.
+QUICK_CASES = {
+    "attention": ("model-parallel", "sequence-parallel"),
+    "layer": ("2d", "3d"),
+    "moe": ("expert-parallel", "3d"),
+}
+
+
 def models(size: str) -> list[Model]:
-    """The benchmarked models at `size` ("quick" or "full")."""
+    """The benchmarked models at `size` ("quick" or "full"): "quick" is the smallest
+    sizes, and of the attention, layer and MoE models the layouts in QUICK_CASES."""
     quick = size == "quick"
     mlps = [(16, 32, 64)] if quick else [(16, 32, 64), (64, 256, 1024), (256, 1024, 4096)]
     out = [
@@ -281,9 +291,11 @@ def models(size: str) -> list[Model]:
     b, n, d, h, k = (8, 16, 32, 8, 8) if quick else (16, 128, 256, 8, 32)
     att = config.Config(d_model=d, heads=h, d_kv=k, d_ff=4 * d, length=n)
     sizes = {"b": b, "l": n, "d": d, "h": h, "k": k}
-    out.append(Model("attention", sizes, att, _attention_cases()))
-    out.append(Model("layer", {**sizes, "f": 4 * d}, att, _layer_cases()))
+    pick = lambda name, cs: [c for c in cs if c.name in QUICK_CASES[name]] if quick else cs
+    out.append(Model("attention", sizes, att, pick("attention", _attention_cases())))
+    out.append(Model("layer", {**sizes, "f": 4 * d}, att, pick("layer", _layer_cases())))
     e = 8
     moe_cfg = att.replace(experts=e, ffn="relu")
-    out.append(Model("moe", {"b": b, "l": n, "d": d, "f": 4 * d, "e": e}, moe_cfg, _moe_cases()))
+    moe_sizes = {"b": b, "l": n, "d": d, "f": 4 * d, "e": e}
+    out.append(Model("moe", moe_sizes, moe_cfg, pick("moe", _moe_cases())))
     return out

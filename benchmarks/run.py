@@ -402,7 +402,10 @@ def plot_compile(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="the smallest case only")
+    p.add_argument(
+        "--quick", action="store_true",
+        help="the smallest sizes and about half the layouts (cases.QUICK_CASES)",
+    )  # fmt: skip
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"), help="'' to skip")
     args = p.parse_args(argv)

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from benchmarks import cases, memory, run, steps
+from benchmarks.collectives import count as cases_count
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_cost_model_bytes_equal_the_hlo(quick):
     for r in rows:  # "<pass> bytes per device, cost model" / "..., compiled HLO"
         key = (r["case"], r["layout"], r["mesh"], r["metric"].split(",")[0])
         pairs.setdefault(key, {})[r["metric"].split(", ")[1]] = r["namedmesh"]
-    assert len(pairs) >= 40 and {k[-1] for k in pairs} == {
+    assert len(pairs) == 2 * cases_count("quick") and {k[-1] for k in pairs} == {
         "forward bytes per device", "training-step bytes per device"}  # fmt: skip
     for key, v in pairs.items():
         assert v["cost model"] == pytest.approx(v["compiled HLO"], abs=0.5), key
