@@ -65,15 +65,9 @@ def costing_rows(repeats: int = 5) -> tuple[list[list[str]], str]:
     as the search did before the Planner (`lower(..., traced=True).report`: the program
     traced, then its rules traced through jax) and as it does now (`graph_report` of the
     program traced once, by the Planner)."""
-    cases = [
-        ("lm1b_1", config.get("lm1b_1"), None, None),
-        (
-            "base x24",
-            config.get("base", layers=24),
-            FOUR_AXIS[0],
-            "batch:a,b;heads:c;d_ff:c;vocab:d",
-        ),
-    ]
+    cases = [("lm1b_1", config.get("lm1b_1"), None, None),
+             ("base x24", config.get("base", layers=24), FOUR_AXIS[0],
+              "batch:a,b;heads:c;d_ff:c;vocab:d")]
     rows, ratios = [], []
     for name, cfg, sizes, layout in cases:  # fmt: skip
         mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
