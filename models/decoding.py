@@ -292,12 +292,16 @@ class Decoder:
         """New tokens (batch, steps) after a batch of prompts (token lists of any
         lengths; an encoder-decoder's decoder start after `encode`), one prefill pass
         then one step per token. mode: greedy, or sample with `sampling` (temperature,
-        top_k, top_p; Sampling() by default). A row finishes at `eos` or when it holds
-        `max_length` tokens (prompt included; <= slots, default slots) and emits `eos`
-        (0 without one) from then on; decoding ends after `max_new` steps or when every
-        row has finished, so steps <= max_new."""
+        top_k, top_p; Sampling() by default; given with greedy, a ParameterError). A row
+        finishes at `eos` or when it holds `max_length` tokens (prompt included; <= slots,
+        default slots) and emits `eos` (0 without one) from then on; decoding ends after
+        `max_new` steps or when every row has finished, so steps <= max_new."""
         if mode not in ("greedy", "sample"):
             raise ParameterError(f"mode (--mode) of a batch must be greedy or sample, got {mode!r}")
+        if sampling is not None and mode != "sample":
+            raise ParameterError(
+                f"sampling={sampling!r} is read only with mode='sample', got mode={mode!r}"
+            )
         limit = self._check(max_new, eos, max_length)
         how = (sampling or Sampling()) if mode == "sample" else None
         rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)

@@ -192,7 +192,7 @@ def _decode(dec: Decoder, prompts: list[list[int]], start, sampling, args) -> li
         prompts,
         args.max_new,
         args.mode,
-        sampling=sampling,
+        sampling=sampling if args.mode == "sample" else None,
         eos=args.eos,
         max_length=args.max_length,
         seed=args.seed,

@@ -222,6 +222,8 @@ def test_bad_decoding_parameters_name_the_flag(model):
         dec.decode([list(range(cfg.length + 1))], 3)
     with pytest.raises(ParameterError, match="--max-new"):
         dec.decode(PROMPTS, -1)
+    with pytest.raises(ParameterError, match="read only with mode='sample'"):
+        dec.decode(PROMPTS, 3, sampling=Sampling(temperature=0.5))  # greedy would ignore it
     with pytest.raises(ParameterError, match="prompt 1 is empty"):
         dec.decode([[1], []], 3)
     with pytest.raises(ParameterError, match="token 40 is outside the vocabulary"):
