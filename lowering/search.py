@@ -11,14 +11,24 @@ the Planner, without jax, when every op of the program has a plan rule), and the
 (mesh axes) x (dims), not with (dims)^(mesh axes):
 
 1. Axes, largest first: each state of the beam is extended by giving the next mesh axis
-   to one dim (a dim already split takes the axis too: `batch:rows,cols`) or to none;
-   the `beam` best states by predicted time whose memory could still fit (memory over
-   the product of the axes not yet given) go on.
-2. Sharing: from the best full states, an axis is given to one more dim, after the
+   to one dim (a dim already split takes the axis too: `batch:rows,cols`), a group of
+   dims no value holds two of, or none. Kept: the `beam` best states that fit (or could,
+   with the axes not yet given: memory over their product) by predicted time, then the
+   rest by memory; and the `beam` fastest whatever their memory.
+2. Sharing: from every state phase 1 kept, an axis is given to one more dim, after the
    ones it has (rule order: the earlier dim keeps the axis where a value holds both).
    This makes Megatron's `heads;d_ff;vocab` on one model axis, FSDP (`d_model` on the
    data axis after `batch`: parameters split, activations not), and a sequence split
-   (`length`) beside any of them. The best improvement is taken until none improves.
+   (`length`) beside any of them. A beam again, the same two halves: the best state not
+   yet extended is extended, until every state the beam keeps has been.
+
+Neither phase prunes by a bound: memory over the axes still to give is no bound on a
+state's completions (phase 2 divides memory further by sharing an axis), and a state
+over the limit may be the one whose completion is fastest, so the fastest states are kept
+whatever their memory. On programs small enough to plan every layout the choice is no
+slower than the best within the limit of all that give each axis to at most two dims
+(tests/test_search_optimal.py, against brute force); on larger ones the search is a
+beam, not a proof.
 
 Each candidate's time is `Rates.seconds` of its report (lowering/rates.py): flops at
 the device's flop rate, each collective's latency and bytes at its kind's rate. The
@@ -56,6 +66,7 @@ class Candidate:
     bytes: float = math.nan
     memory: int = 0
     time: float = math.inf
+    planned: float = math.inf  # the predicted time, whether or not it fits memory
     compute: float = math.nan
     comm: float = math.nan
     collectives: int = 0
@@ -143,35 +154,52 @@ class _Costing:
             for e in self.graph.eqns
         }
         self.renamings = _renamings(mesh)
+        self.renamed: list[dict] = [{} for _ in self.renamings]  # a value's axes, renamed
         self.seen: dict = {}  # canonical form -> Candidate
+        self.keys: dict = {}  # form -> canonical form (the least renamed)
         self.by_pairs: dict = {}  # (dim, axis) pairs -> Candidate
         self.table = Search()
 
-    def canonical(self, layout: Layout) -> str:
+    def canonical(self, layout: Layout) -> tuple:
         """The layout of every value and of every equation's dims, the same for rule
         sets that plan alike; the least over renamings of equal-sized mesh axes, which
-        cost alike at rates that are the same on every axis."""
+        cost alike at rates that are the same on every axis. A renamed layout assigns
+        each value the renamed axes (in the mesh's order), so the form is found once and
+        renamed, not found again per renaming."""
+        values, eqns = self._form(layout)
+        plain = (tuple(sorted(values)), tuple(sorted(eqns)))
+        if plain not in self.keys:  # rule sets that plan alike rename alike
+            self.keys[plain] = self._least_renamed(values, eqns)
+        return self.keys[plain]
+
+    def _least_renamed(self, values: list, eqns: list) -> tuple:
         keys = []
-        for names in self.renamings:
-            order = list(self.mesh.sizes)  # a dim's axes in the mesh's order
-            renamed = Layout(
-                [
-                    (d, tuple(sorted((names[a] for a in axes), key=order.index)))
-                    for d, axes in layout.rules
-                ]
+        for names, memo in zip(self.renamings, self.renamed, strict=True):
+            for _, ax in (*values, *eqns):  # each value's axes renamed once per renaming
+                if ax not in memo:
+                    memo[ax] = self._rename(names, ax)
+            keys.append(
+                (
+                    tuple(sorted((d, memo[ax]) for d, ax in values)),
+                    tuple(sorted((d, memo[ax]) for d, ax in eqns)),
+                )
             )
-            keys.append(self._form(renamed))
         return min(keys)
 
-    def _form(self, layout: Layout) -> str:
+    def _rename(self, names: dict, ax: tuple) -> tuple:
+        """Each dim's mesh axes in `ax` renamed by `names`, in the mesh's order."""
+        order = {a: i for i, a in enumerate(self.mesh.sizes)}
+        return tuple(tuple(sorted((names[a] for a in axes), key=order.get)) for axes in ax)
+
+    def _form(self, layout: Layout) -> tuple[list, list]:
         sizes = self.mesh.sizes
         soft = lambda dims, shape: tuple(
             axes if n % math.prod(sizes[a] for a in axes) == 0 else ()
             for axes, n in zip(layout.assign(dims), shape, strict=True)
         )
-        values = sorted(repr((dims, soft(dims, shape))) for dims, shape in self.shapes)
-        eqns = sorted(repr((dims, layout.assign(dims))) for dims in self.eqn_dims)
-        return repr((values, eqns))
+        values = [((dims, shape), soft(dims, shape)) for dims, shape in self.shapes]
+        eqns = [(dims, layout.assign(dims)) for dims in self.eqn_dims]
+        return values, eqns
 
     def __call__(self, pairs: Pairs) -> Candidate:
         if pairs not in self.by_pairs:
@@ -195,7 +223,7 @@ class _Costing:
         cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
         cand.compute = self.rates.compute_seconds(rep)
         cand.comm = self.rates.comm_seconds(rep)
-        cand.time = self.rates.overhead_s + cand.compute + cand.comm
+        cand.time = cand.planned = self.rates.overhead_s + cand.compute + cand.comm
         if self.limit is not None and cand.memory > self.limit:
             cand.note, cand.time = "over the memory limit", math.inf
         return cand
@@ -273,7 +301,7 @@ def auto_layout(
     wrt = (grad_argnums,) if isinstance(grad_argnums, int) else tuple(grad_argnums)
     cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit)
     dims = _dims(cost.graph)
-    _share(cost, min(_by_axis(cost, mesh, dims, beam), key=lambda s: _rank(cost(s))), mesh, dims)
+    _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
     table = cost.table
     table.sort(key=lambda c: (_rank(c), len(c.layout.rules)))
     table.rates, table.memory_limit, table.mesh = rates, limit, mesh
@@ -318,11 +346,29 @@ def _by_axis(cost, mesh, dims, beam) -> list[Pairs]:
                 fit = [d for d in group if dims[d] % (_split(s, d, mesh) * mesh.sizes[axis]) == 0]
                 if fit:
                     grown.append((*s, *((d, axis) for d in fit)))
-        ranked = sorted(dict.fromkeys(grown), key=lambda s: _rank(cost(s), room, cost.limit))
-        distinct = {id(cost(s)): s for s in reversed(ranked)}  # one state per candidate
-        ranked = [s for s in ranked if distinct[id(cost(s))] is s]
-        states = [s for s in ranked if not cost(s).note.startswith("invalid")][:beam]
+        states = _best(cost, grown, beam, room)
     return states
+
+
+def _best(cost, states: list[Pairs], beam: int, room: float = 1.0) -> list[Pairs]:
+    """The frontier kept of `states`: one state per cost (planned time, memory and
+    collectives; the first given, a state before its extensions: a state that only adds
+    a pair that changes nothing would fill the beam with copies of one layout), the
+    `beam` best by `_rank` (those that fit, or could fit with `room` more ways to
+    split, by time; then the rest by memory) and the `beam` fastest whatever their
+    memory. The second half keeps a fast state that is over the limit now but whose
+    completions (an axis shared by one more dim: FSDP) may fit: a memory bound on
+    partial states is no bound on their completions, and ranking by it alone lost
+    the best layout (a 2x4 MLP under a limit no phase-1 state met)."""
+    first: dict[tuple, Pairs] = {}
+    for s in states:  # of states that cost alike, the first (the fewest pairs) stands for all
+        c = cost(s)
+        if not c.note.startswith("invalid"):
+            first.setdefault((c.planned, c.memory, c.collectives), s)
+    valid = list(first.values())
+    fit = sorted(valid, key=lambda s: _rank(cost(s), room, cost.limit))[:beam]
+    fast = sorted(valid, key=lambda s: cost(s).planned)[:beam]
+    return list(dict.fromkeys([*fit, *fast]))
 
 
 def _split(state: Pairs, dim: str, mesh) -> int:
@@ -330,24 +376,23 @@ def _split(state: Pairs, dim: str, mesh) -> int:
     return math.prod(mesh.sizes[a] for d, a in state if d == dim)
 
 
-def _share(cost, state: Pairs, mesh, dims) -> None:
-    """Phase 2: from the best state, give an axis one more dim of the program's inputs
-    (parameters: FSDP; tokens' length: sequence split) while that improves it."""
-    input_dims = [d for d in dims if any(d in v.dims for v in cost.graph.inputs)]
-    while True:
+def _share(cost, states: list[Pairs], mesh, dims, beam: int) -> None:
+    """Phase 2: from every state phase 1 kept, give an axis one more dim (after the
+    dims it has): a beam over these moves, whose best state not yet extended is
+    extended next, until every state the beam keeps has been."""
+    extended: set[int] = set()
+    frontier = states
+    while todo := [s for s in frontier if id(cost(s)) not in extended]:
+        state = todo[0]
+        extended.add(id(cost(state)))
         moves = [
             (*state, (d, a))
             for a in mesh.sizes
             if mesh.sizes[a] > 1
-            for d in input_dims
+            for d in dims
             if (d, a) not in state and dims[d] % (_split(state, d, mesh) * mesh.sizes[a]) == 0
         ]
-        if not moves:
-            break
-        step = min(moves, key=lambda s: _rank(cost(s)))
-        if _rank(cost(step)) >= _rank(cost(state)):
-            break
-        state = step
+        frontier = _best(cost, [*frontier, *moves], beam)
 
 
 def explain(table: Search, within: float = 0.01) -> str:
