@@ -44,10 +44,11 @@ import math
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import namedmesh as nm
-from lowering.layout import Layout
+from lowering.layout import Layout, check_axes
 from lowering.lower import argument_inputs, graph_report, input_names
 from lowering.mesh import Mesh
 from lowering.rates import Rates, resolve
@@ -89,6 +90,17 @@ class Search(list):
     seconds: float
     mesh: Mesh
     why: str = ""
+    theirs: tuple[Candidate, ...] = ()  # the layouts the caller asked to be weighed
+    _costing: _Costing | None = None
+
+    def compare(self, layout: Layout | str) -> str:
+        """One sentence on `layout` against the chosen one: chosen, not valid on the
+        mesh (why), over the memory limit (by how much, and the time it would plan
+        at), or slower (by how much, in compute or in communication). Costed as the
+        search's candidates are; LayoutError if it names a mesh axis the mesh lacks."""
+        layout = Layout(layout) if isinstance(layout, str) else layout
+        check_axes(layout.rules, self.mesh, f"auto_layout: compared layout {layout}")
+        return versus(self, self._costing.of(layout, record=False))
 
     def invalid(self) -> Counter:
         """Count of the candidates not chosen for cause, by reason."""
@@ -119,6 +131,7 @@ class Search(list):
         for reason, n in sorted(self.invalid().items(), key=lambda x: -x[1]):
             lines.append(f"invalid: {n} x {reason}")
         lines.append(f"chosen: {rules_text(self[0].layout)}. {self.why}")
+        lines += [f"yours: {rules_text(c.layout)}: {versus(self, c)}" for c in self.theirs]
         return "\n".join(lines)
 
 
@@ -203,13 +216,18 @@ class _Costing:
 
     def __call__(self, pairs: Pairs) -> Candidate:
         if pairs not in self.by_pairs:
-            layout = to_layout(pairs, self.mesh)
-            key = self.canonical(layout)
-            if key not in self.seen:
-                self.seen[key] = self._cost(layout)
-                self.table.append(self.seen[key])
-            self.by_pairs[pairs] = self.seen[key]
+            self.by_pairs[pairs] = self.of(to_layout(pairs, self.mesh))
         return self.by_pairs[pairs]
+
+    def of(self, layout: Layout, record: bool = True) -> Candidate:
+        """The candidate of `layout`, costed once per canonical form and options; a
+        new one joins the table if `record`."""
+        key = (self.canonical(layout), repr(sorted(layout.options.items())), layout.strict)
+        if key not in self.seen:
+            self.seen[key] = self._cost(layout)
+            if record:
+                self.table.append(self.seen[key])
+        return self.seen[key]
 
     def _cost(self, layout: Layout) -> Candidate:
         cand = Candidate(layout)
@@ -285,6 +303,7 @@ def auto_layout(
     rates: Rates | str | None = None,
     beam: int = 3,
     cache_dir=None,
+    candidates: Sequence[Layout | str] = (),
 ) -> tuple[Layout, Search]:
     """The Layout with the least predicted step time of `fn(*inputs)` on `mesh` among those
     within `memory_limit` bytes per device, and the Search (candidates best first, and the
@@ -294,15 +313,23 @@ def auto_layout(
     or None to measure the mesh's devices (`lowering.rates.measure`, cached in memory and
     in `cache_dir` if given). `memory_limit` defaults to the rates' memory per device.
     `grad_argnums`: the inputs a training step differentiates (their gradient syncs and
-    the backward pass are costed). LayoutError when no candidate is valid and fits."""
+    the backward pass are costed). `candidates`: layouts of the caller's (a paper's rules,
+    the layout in use) weighed beside the search's, chosen if best; the printout says of
+    each why it was or was not chosen (`Search.compare` says it of any layout afterwards).
+    LayoutError when no candidate is valid and fits, or when one of `candidates` names a
+    mesh axis `mesh` lacks."""
     start = time.perf_counter()
     rates = resolve(rates, mesh, cache_dir)
     limit = rates.memory_bytes if memory_limit is None else memory_limit
     wrt = (grad_argnums,) if isinstance(grad_argnums, int) else tuple(grad_argnums)
+    theirs = [Layout(c) if isinstance(c, str) else c for c in candidates]
+    for layout in theirs:
+        check_axes(layout.rules, mesh, f"auto_layout: candidate layout {layout}")
     cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit)
     dims = _dims(cost.graph)
-    _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
     table = cost.table
+    table.theirs, table._costing = tuple(map(cost.of, theirs)), cost
+    _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
     table.sort(key=lambda c: (_rank(c), len(c.layout.rules)))
     table.rates, table.memory_limit, table.mesh = rates, limit, mesh
     table.seconds = time.perf_counter() - start
@@ -423,4 +450,25 @@ def explain(table: Search, within: float = 0.01) -> str:
         f"It is {nxt.time / win.time:.3g}x faster than the next different layout, "
         f"{rules_text(nxt.layout)} ({win.time * 1e3:.4g} against {nxt.time * 1e3:.4g} ms per "
         f"step), because {why}{tail}"
+    )
+
+
+def versus(table: Search, cand: Candidate) -> str:
+    """Why `cand` was or was not chosen, against the chosen `table[0]`."""
+    win = table[0]
+    if cand is win:
+        return "chosen."
+    if cand.note.startswith("invalid"):
+        return f"not valid on {table.mesh} ({cand.note.removeprefix('invalid: ')})."
+    ratio = f"{cand.planned / win.time:.4g}x the chosen's {win.time * 1e3:.4g} ms"
+    if not cand.valid:
+        return (
+            f"over the memory limit ({_bytes(cand.memory)} per device against "
+            f"{_bytes(table.memory_limit)}), though it would plan at "
+            f"{cand.planned * 1e3:.4g} ms per step, {ratio}."
+        )
+    return (
+        f"{cand.time * 1e3:.4g} ms per step, {ratio}: compute {cand.compute * 1e3:.4g} ms "
+        f"against {win.compute * 1e3:.4g}, communication {cand.comm * 1e3:.4g} ms in "
+        f"{cand.collectives} collectives against {win.comm * 1e3:.4g} in {win.collectives}."
     )
