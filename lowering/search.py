@@ -14,18 +14,20 @@ the Planner, without jax, when every op of the program has a plan rule), and the
    to one dim (a dim already split takes the axis too: `batch:rows,cols`), a group of
    dims no value holds two of, or none. Kept: the `beam` best states that fit (or could,
    with the axes not yet given: memory over their product) by predicted time, then the
-   rest by memory; and the `beam` fastest whatever their memory.
+   rest by memory; and up to `beam` states over the limit but faster than all that fit
+   (those no other state is both faster and smaller than, the smallest first).
 2. Sharing: from every state phase 1 kept, an axis is given to one more dim, after the
    ones it has (rule order: the earlier dim keeps the axis where a value holds both).
    This makes Megatron's `heads;d_ff;vocab` on one model axis, FSDP (`d_model` on the
    data axis after `batch`: parameters split, activations not), and a sequence split
-   (`length`) beside any of them. A beam again, the same two halves: the best state not
-   yet extended is extended, until every state the beam keeps has been.
+   (`length`) beside any of them. Every state phase 1 kept is extended; then a beam
+   again, the same two halves: its best state not yet extended is extended, until every
+   state the beam keeps has been.
 
-Neither phase prunes by a bound: memory over the axes still to give is no bound on a
-state's completions (phase 2 divides memory further by sharing an axis), and a state
-over the limit may be the one whose completion is fastest, so the fastest states are kept
-whatever their memory. On programs small enough to plan every layout the choice is no
+What the beams drop is not proved worse: memory over the axes still to give is no bound
+on a state's completions (phase 2 divides memory further by sharing an axis), and a
+state over the limit may be the one whose completion is fastest, so fast states are
+kept whatever their memory. On programs small enough to plan every layout the choice is no
 slower than the best within the limit of all that give each axis to at most two dims
 (tests/test_search_optimal.py, against brute force); on larger ones the search is a
 beam, not a proof.
@@ -382,20 +384,31 @@ def _best(cost, states: list[Pairs], beam: int, room: float = 1.0) -> list[Pairs
     collectives; the first given, a state before its extensions: a state that only adds
     a pair that changes nothing would fill the beam with copies of one layout), the
     `beam` best by `_rank` (those that fit, or could fit with `room` more ways to
-    split, by time; then the rest by memory) and the `beam` fastest whatever their
-    memory. The second half keeps a fast state that is over the limit now but whose
-    completions (an axis shared by one more dim: FSDP) may fit: a memory bound on
-    partial states is no bound on their completions, and ranking by it alone lost
-    the best layout (a 2x4 MLP under a limit no phase-1 state met)."""
+    split, by time; then the rest by memory), and up to `beam` states that do not fit
+    yet are faster than every state that does: of those, the ones no other is both
+    faster and smaller than, the smallest first. The second half keeps a fast state
+    whose completions (an axis shared by one more dim: FSDP) may fit: a memory bound
+    on partial states is no bound on their completions, and ranking by it alone lost
+    the best layout (a 2x4 MLP under a limit no phase-1 state met; `lm1b_2`, whose
+    paper layout is over 8 GiB, by 0.07%)."""
     first: dict[tuple, Pairs] = {}
-    for s in states:  # of states that cost alike, the first (the fewest pairs) stands for all
+    for s in states:  # of states that cost alike, the first stands for all
         c = cost(s)
         if not c.note.startswith("invalid"):
             first.setdefault((c.planned, c.memory, c.collectives), s)
-    valid = list(first.values())
-    fit = sorted(valid, key=lambda s: _rank(cost(s), room, cost.limit))[:beam]
-    fast = sorted(valid, key=lambda s: cost(s).planned)[:beam]
-    return list(dict.fromkeys([*fit, *fast]))
+    rank = {s: _rank(cost(s), room, cost.limit) for s in first.values()}
+    ranked = sorted(rank, key=rank.get)
+    fits = [s for s in ranked if rank[s][0] == 0]
+    fastest = cost(fits[0]).planned if fits else math.inf
+    over = [s for s in ranked if rank[s][0] == 1 and cost(s).planned < fastest]
+    front, least = [], math.inf
+    for s in sorted(over, key=lambda s: (cost(s).planned, cost(s).memory)):
+        if cost(s).memory < least:
+            front.append(s)
+            least = cost(s).memory
+    return list(
+        dict.fromkeys([*ranked[:beam], *sorted(front, key=lambda s: cost(s).memory)[:beam]])
+    )
 
 
 def _split(state: Pairs, dim: str, mesh) -> int:
@@ -404,22 +417,24 @@ def _split(state: Pairs, dim: str, mesh) -> int:
 
 
 def _share(cost, states: list[Pairs], mesh, dims, beam: int) -> None:
-    """Phase 2: from every state phase 1 kept, give an axis one more dim (after the
-    dims it has): a beam over these moves, whose best state not yet extended is
-    extended next, until every state the beam keeps has been."""
+    """Phase 2: give an axis one more dim (after the dims it has). Every state phase 1
+    kept is extended first; then a beam over these moves, whose best state not yet
+    extended is extended next, until every state the beam keeps has been."""
     extended: set[int] = set()
-    frontier = states
-    while todo := [s for s in frontier if id(cost(s)) not in extended]:
-        state = todo[0]
-        extended.add(id(cost(state)))
-        moves = [
-            (*state, (d, a))
-            for a in mesh.sizes
-            if mesh.sizes[a] > 1
-            for d in dims
-            if (d, a) not in state and dims[d] % (_split(state, d, mesh) * mesh.sizes[a]) == 0
-        ]
+    frontier, todo = states, states
+    while todo:
+        moves = []
+        for state in todo:
+            extended.add(id(cost(state)))
+            moves += [
+                (*state, (d, a))
+                for a in mesh.sizes
+                if mesh.sizes[a] > 1
+                for d in dims
+                if (d, a) not in state and dims[d] % (_split(state, d, mesh) * mesh.sizes[a]) == 0
+            ]
         frontier = _best(cost, [*frontier, *moves], beam)
+        todo = [s for s in frontier if id(cost(s)) not in extended][:1]
 
 
 def explain(table: Search, within: float = 0.01) -> str:
