@@ -16,13 +16,14 @@ the Planner, without jax, when every op of the program has a plan rule), and the
    with the axes not yet given: memory over their product) by predicted time, then the
    rest by memory; and up to `beam` states over the limit but faster than all that fit
    (those no other state is both faster and smaller than, the smallest first).
-2. Sharing: from every state phase 1 kept, an axis is given to one more dim, after the
+2. Sharing: an axis, or every axis a dim lacks, is given to one more dim, after the
    ones it has (rule order: the earlier dim keeps the axis where a value holds both).
    This makes Megatron's `heads;d_ff;vocab` on one model axis, FSDP (`d_model` on the
    data axis after `batch`: parameters split, activations not), and a sequence split
-   (`length`) beside any of them. Every state phase 1 kept is extended; then a beam
-   again, the same two halves: its best state not yet extended is extended, until every
-   state the beam keeps has been.
+   (`length`) beside any of them. The best state phase 1 kept that fits is extended, and
+   every one over the limit; then the frontier is the best state and up to `beam`
+   faster ones over the limit (as in phase 1), and its states not yet extended are
+   extended, best first, until none is left.
 
 What the beams drop is not proved worse: memory over the axes still to give is no bound
 on a state's completions (phase 2 divides memory further by sharing an axis), and a
@@ -375,22 +376,22 @@ def _by_axis(cost, mesh, dims, beam) -> list[Pairs]:
                 fit = [d for d in group if dims[d] % (_split(s, d, mesh) * mesh.sizes[axis]) == 0]
                 if fit:
                     grown.append((*s, *((d, axis) for d in fit)))
-        states = _best(cost, grown, beam, room)
+        states = _best(cost, grown, beam, beam, room)
     return states
 
 
-def _best(cost, states: list[Pairs], beam: int, room: float = 1.0) -> list[Pairs]:
+def _best(cost, states: list[Pairs], fit: int, fast: int, room: float = 1.0) -> list[Pairs]:
     """The frontier kept of `states`: one state per cost (planned time, memory and
     collectives; the first given, a state before its extensions: a state that only adds
     a pair that changes nothing would fill the beam with copies of one layout), the
-    `beam` best by `_rank` (those that fit, or could fit with `room` more ways to
-    split, by time; then the rest by memory), and up to `beam` states that do not fit
-    yet are faster than every state that does: of those, the ones no other is both
-    faster and smaller than, the smallest first. The second half keeps a fast state
-    whose completions (an axis shared by one more dim: FSDP) may fit: a memory bound
-    on partial states is no bound on their completions, and ranking by it alone lost
-    the best layout (a 2x4 MLP under a limit no phase-1 state met; `lm1b_2`, whose
-    paper layout is over 8 GiB, by 0.07%)."""
+    `fit` best by `_rank` (those that fit, or could fit with `room` more ways to split,
+    by time; then the rest by memory), and up to `fast` states that do not fit yet are
+    faster than every state that does: of those, the ones no other is both faster and
+    smaller than, the smallest first. The second half keeps a fast state whose
+    completions (an axis shared by one more dim: FSDP) may fit: a memory bound on
+    partial states is no bound on their completions, and ranking by it alone lost the
+    best layout (a 2x4 MLP under a limit no phase-1 state met; `lm1b_2`, whose paper
+    layout is over 8 GiB, by 0.07%)."""
     first: dict[tuple, Pairs] = {}
     for s in states:  # of states that cost alike, the first stands for all
         c = cost(s)
@@ -406,9 +407,8 @@ def _best(cost, states: list[Pairs], beam: int, room: float = 1.0) -> list[Pairs
         if cost(s).memory < least:
             front.append(s)
             least = cost(s).memory
-    return list(
-        dict.fromkeys([*ranked[:beam], *sorted(front, key=lambda s: cost(s).memory)[:beam]])
-    )
+    front.sort(key=lambda s: cost(s).memory)
+    return list(dict.fromkeys([*ranked[:fit], *front[:fast]]))
 
 
 def _split(state: Pairs, dim: str, mesh) -> int:
@@ -417,24 +417,33 @@ def _split(state: Pairs, dim: str, mesh) -> int:
 
 
 def _share(cost, states: list[Pairs], mesh, dims, beam: int) -> None:
-    """Phase 2: give an axis one more dim (after the dims it has). Every state phase 1
-    kept is extended first; then a beam over these moves, whose best state not yet
-    extended is extended next, until every state the beam keeps has been."""
+    """Phase 2: give one more dim an axis, or every axis it lacks at once (after the
+    dims those axes have). The best state phase 1 kept that fits is extended, and every
+    one over the limit; then, best first, each state not yet extended of a frontier of
+    the best state and up to `beam` over the limit but faster (`_best`), until none is
+    left. With no state over the limit this is a climb from the best, each step the
+    best move."""
     extended: set[int] = set()
-    frontier, todo = states, states
+    fits = [s for s in states if _rank(cost(s), 1.0, cost.limit)[0] == 0]
+    frontier, todo = states, [*fits[:1], *(s for s in states if s not in fits)]
     while todo:
-        moves = []
-        for state in todo:
-            extended.add(id(cost(state)))
-            moves += [
-                (*state, (d, a))
-                for a in mesh.sizes
-                if mesh.sizes[a] > 1
-                for d in dims
-                if (d, a) not in state and dims[d] % (_split(state, d, mesh) * mesh.sizes[a]) == 0
-            ]
-        frontier = _best(cost, [*frontier, *moves], beam)
+        moves = [m for state in todo for m in _moves(state, mesh, dims)]
+        extended.update(id(cost(s)) for s in todo)
+        frontier = _best(cost, [*frontier, *moves], 1, beam)
         todo = [s for s in frontier if id(cost(s)) not in extended][:1]
+
+
+def _moves(state: Pairs, mesh, dims: dict[str, int]) -> list[Pairs]:
+    """Phase 2's moves from `state`: a dim takes one mesh axis more, or all it lacks (a
+    split over the whole mesh, `batch:x,y` after `d_ff:x,y`, which one axis at a time
+    may pass through layouts over the limit or slower)."""
+    out = []
+    for d in dims:
+        lacks = [a for a in mesh.sizes if mesh.sizes[a] > 1 and (d, a) not in state]
+        for group in [[a] for a in lacks] + ([lacks] if len(lacks) > 1 else []):
+            if dims[d] % (_split(state, d, mesh) * math.prod(mesh.sizes[a] for a in group)) == 0:
+                out.append((*state, *((d, a) for a in group)))
+    return out
 
 
 def explain(table: Search, within: float = 0.01) -> str:

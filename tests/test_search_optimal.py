@@ -94,17 +94,17 @@ def program(name: str, shape: tuple):
     return attention, attention_inputs(*shape), (1, 2, 3, 4)
 
 
-CASES = [
+CASES = [  # each one a case some version of the search missed
     ("mlp", (("x", 2), ("y", 4)), (64, 4096, 4096)),
-    ("mlp", (("x", 2), ("y", 4)), (4096, 1024, 4096)),
-    ("mlp", (("x", 4), ("y", 2)), (256, 512, 2048)),
+    ("mlp", (("x", 2), ("y", 2)), (16, 4096, 256)),
+    ("mlp", (("x", 8), ("y", 2)), (8192, 4096, 256)),
     ("mlp", (("a", 2), ("b", 2), ("c", 2)), (4096, 1024, 4096)),
-    ("attention", (("x", 2), ("y", 4)), (8, 512, 1024, 16, 64)),
+    ("attention", (("x", 2), ("y", 4)), (2, 4096, 256, 4, 32)),  # keys split: kseq
 ]
 
 
 @pytest.mark.parametrize("name, sizes, shape", CASES)
-@pytest.mark.parametrize("quantile", [None, 0.05, 0.2, 0.5])
+@pytest.mark.parametrize("quantile", [None, 0.02, 0.05, 0.1, 0.3])
 def test_search_finds_the_brute_force_optimum_within_the_limit(name, sizes, shape, quantile):
     table = brute_force(name, sizes, shape)
     memories = sorted({m for _, m, _ in table})
