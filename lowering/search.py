@@ -56,6 +56,7 @@ from lowering.layout import Layout, check_axes
 from lowering.lower import argument_inputs, graph_report, input_names
 from lowering.mesh import Mesh
 from lowering.rates import Rates, resolve
+from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, NamedMeshError
 
 Pairs = tuple[tuple[str, str], ...]  # (dim, mesh axis) in the order they were given
@@ -101,9 +102,11 @@ class Search(list):
         """One sentence on `layout` against the chosen one: chosen, not valid on the
         mesh (why), over the memory limit (by how much, and the time it would plan
         at), or slower (by how much, in compute or in communication). Costed as the
-        search's candidates are; LayoutError if it names a mesh axis the mesh lacks."""
+        search's candidates are; LayoutError if it names a mesh axis the mesh lacks or a
+        dim the program lacks."""
         layout = Layout(layout) if isinstance(layout, str) else layout
         check_axes(layout.rules, self.mesh, f"auto_layout: compared layout {layout}")
+        _check_dims(layout, _dims(self._costing.graph), "compared")
         return versus(self, self._costing.of(layout, record=False))
 
     def invalid(self) -> Counter:
@@ -321,7 +324,7 @@ def auto_layout(
     the layout in use) weighed beside the search's, chosen if best; the printout says of
     each why it was or was not chosen (`Search.compare` says it of any layout afterwards).
     LayoutError when no candidate is valid and fits, or when one of `candidates` names a
-    mesh axis `mesh` lacks."""
+    mesh axis `mesh` lacks or a dim the program lacks."""
     start = time.perf_counter()
     rates = resolve(rates, mesh, cache_dir)
     limit = rates.memory_bytes if memory_limit is None else memory_limit
@@ -331,6 +334,8 @@ def auto_layout(
         check_axes(layout.rules, mesh, f"auto_layout: candidate layout {layout}")
     cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit)
     dims = _dims(cost.graph)
+    for layout in theirs:
+        _check_dims(layout, dims, "candidate")
     table = cost.table
     table.theirs, table._costing = tuple(map(cost.of, theirs)), cost
     _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
@@ -476,6 +481,18 @@ def explain(table: Search, within: float = 0.01) -> str:
         f"{rules_text(nxt.layout)} ({win.time * 1e3:.4g} against {nxt.time * 1e3:.4g} ms per "
         f"step), because {why}{tail}"
     )
+
+
+def _check_dims(layout: Layout, dims, what: str) -> None:
+    """LayoutError naming the first rule of `layout` whose dim the program lacks (a
+    typo), unless the layout is `shared` (it may serve other programs)."""
+    for d, axes in layout.rules:
+        if d not in dims and not layout.shared:
+            raise LayoutError(
+                f"auto_layout: {what} layout {layout}: rule {d}:{','.join(axes)} names dim "
+                f"{d!r}, which no value of the program has{did_you_mean(d, dims) or '.'} "
+                f"Its dims: {sorted(dims)}."
+            )
 
 
 def versus(table: Search, cand: Candidate) -> str:

@@ -257,3 +257,7 @@ def test_callers_candidates_are_weighed_and_each_says_why_not_chosen():
     assert "over the memory limit" in table.compare(Layout("batch:rows,cols"))
     with pytest.raises(nm.LayoutError, match="rowz"):
         auto_layout(mlp, MESH, *inputs, grad_argnums=wrt, candidates=["batch:rowz"])
+    with pytest.raises(nm.LayoutError, match="'batchh'.*did you mean 'batch'"):
+        auto_layout(mlp, MESH, *inputs, grad_argnums=wrt, candidates=["batchh:rows"])
+    with pytest.raises(nm.LayoutError, match="'d_fff'"):
+        table.compare("d_fff:rows")
