@@ -442,13 +442,22 @@ def _share(cost, states: list[Pairs], mesh, dims, beam: int) -> None:
 def _moves(state: Pairs, mesh, dims: dict[str, int]) -> list[Pairs]:
     """Phase 2's moves from `state`: a dim takes one mesh axis more, or all it lacks (a
     split over the whole mesh, `batch:x,y` after `d_ff:x,y`, which one axis at a time
-    may pass through layouts over the limit or slower)."""
+    may pass through layouts over the limit or slower); or two split dims swap their
+    axes (`d_ff:x;batch:y,z` to `d_ff:y,z;batch:x`: which dim takes the larger split
+    is decided in phase 1 one axis at a time, and two moves apart otherwise)."""
     out = []
     for d in dims:
         lacks = [a for a in mesh.sizes if mesh.sizes[a] > 1 and (d, a) not in state]
         for group in [[a] for a in lacks] + ([lacks] if len(lacks) > 1 else []):
             if dims[d] % (_split(state, d, mesh) * math.prod(mesh.sizes[a] for a in group)) == 0:
                 out.append((*state, *((d, a) for a in group)))
+    axes: dict[str, list[str]] = {}
+    for d, a in state:
+        axes.setdefault(d, []).append(a)
+    for d, e in itertools.combinations(axes, 2):
+        swapped = {**axes, d: axes[e], e: axes[d]}
+        if all(dims[x] % math.prod(mesh.sizes[a] for a in swapped[x]) == 0 for x in (d, e)):
+            out.append(tuple((x, a) for x in axes for a in swapped[x]))
     return out
 
 
