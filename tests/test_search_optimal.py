@@ -99,6 +99,7 @@ CASES = [  # each one a case some version of the search missed
     ("mlp", (("x", 2), ("y", 2)), (16, 4096, 256)),
     ("mlp", (("x", 8), ("y", 2)), (8192, 4096, 256)),
     ("mlp", (("a", 2), ("b", 2), ("c", 2)), (4096, 1024, 4096)),
+    ("mlp", (("a", 2), ("b", 4), ("c", 2)), (8192, 64, 4096)),  # which dim takes b: a swap
     ("attention", (("x", 2), ("y", 4)), (2, 4096, 256, 4, 32)),  # keys split: kseq
 ]
 
