@@ -31,7 +31,7 @@ state over the limit may be the one whose completion is fastest, so fast states 
 kept whatever their memory. On programs small enough to plan every layout the choice is no
 slower than the best within the limit of all that give each axis to at most two dims
 (tests/test_search_optimal.py, against brute force; none of 615 such searches on
-2-axis meshes missed); on 3-axis meshes under a limit that binds it can miss (20 of 270
+2-axis meshes missed); on 3-axis meshes under a limit that binds it can miss (9 of 270
 MLP searches, docs/benchmarks.md), and on larger ones it is a beam, not a proof.
 
 Each candidate's time is `Rates.seconds` of its report (lowering/rates.py): flops at
