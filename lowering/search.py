@@ -11,14 +11,28 @@ the Planner, without jax, when every op of the program has a plan rule), and the
 (mesh axes) x (dims), not with (dims)^(mesh axes):
 
 1. Axes, largest first: each state of the beam is extended by giving the next mesh axis
-   to one dim (a dim already split takes the axis too: `batch:rows,cols`) or to none;
-   the `beam` best states by predicted time whose memory could still fit (memory over
-   the product of the axes not yet given) go on.
-2. Sharing: from the best full states, an axis is given to one more dim, after the
+   to one dim (a dim already split takes the axis too: `batch:rows,cols`), a group of
+   dims no value holds two of, or none. Kept: the `beam` best states that fit (or could,
+   with the axes not yet given: memory over their product) by predicted time, then the
+   rest by memory; and up to `beam` states over the limit but faster than all that fit
+   (those no other state is both faster and smaller than, the smallest first).
+2. Sharing: an axis, or every axis a dim lacks, is given to one more dim, after the
    ones it has (rule order: the earlier dim keeps the axis where a value holds both).
    This makes Megatron's `heads;d_ff;vocab` on one model axis, FSDP (`d_model` on the
    data axis after `batch`: parameters split, activations not), and a sequence split
-   (`length`) beside any of them. The best improvement is taken until none improves.
+   (`length`) beside any of them. The best state phase 1 kept that fits is extended, and
+   every one over the limit; then the frontier is the best state and up to `beam`
+   faster ones over the limit (as in phase 1), and its states not yet extended are
+   extended, best first, until none is left.
+
+What the beams drop is not proved worse: memory over the axes still to give is no bound
+on a state's completions (phase 2 divides memory further by sharing an axis), and a
+state over the limit may be the one whose completion is fastest, so fast states are
+kept whatever their memory. On programs small enough to plan every layout the choice is no
+slower than the best within the limit of all that give each axis to at most two dims
+(tests/test_search_optimal.py, against brute force; none of 615 such searches on
+2-axis meshes missed); on 3-axis meshes under a limit that binds it can miss (9 of 270
+MLP searches, docs/benchmarks.md), and on larger ones it is a beam, not a proof.
 
 Each candidate's time is `Rates.seconds` of its report (lowering/rates.py): flops at
 the device's flop rate, each collective's latency and bytes at its kind's rate. The
@@ -34,13 +48,15 @@ import math
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import namedmesh as nm
-from lowering.layout import Layout
+from lowering.layout import Layout, check_axes
 from lowering.lower import argument_inputs, graph_report, input_names
 from lowering.mesh import Mesh
 from lowering.rates import Rates, resolve
+from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, NamedMeshError
 
 Pairs = tuple[tuple[str, str], ...]  # (dim, mesh axis) in the order they were given
@@ -56,6 +72,7 @@ class Candidate:
     bytes: float = math.nan
     memory: int = 0
     time: float = math.inf
+    planned: float = math.inf  # the predicted time, whether or not it fits memory
     compute: float = math.nan
     comm: float = math.nan
     collectives: int = 0
@@ -78,6 +95,19 @@ class Search(list):
     seconds: float
     mesh: Mesh
     why: str = ""
+    theirs: tuple[Candidate, ...] = ()  # the layouts the caller asked to be weighed
+    _costing: _Costing | None = None
+
+    def compare(self, layout: Layout | str) -> str:
+        """One sentence on `layout` against the chosen one: chosen, not valid on the
+        mesh (why), over the memory limit (by how much, and the time it would plan
+        at), or slower (by how much, in compute or in communication). Costed as the
+        search's candidates are; LayoutError if it names a mesh axis the mesh lacks or a
+        dim the program lacks."""
+        layout = Layout(layout) if isinstance(layout, str) else layout
+        check_axes(layout.rules, self.mesh, f"auto_layout: compared layout {layout}")
+        _check_dims(layout, _dims(self._costing.graph), "compared")
+        return versus(self, self._costing.of(layout, record=False))
 
     def invalid(self) -> Counter:
         """Count of the candidates not chosen for cause, by reason."""
@@ -108,6 +138,7 @@ class Search(list):
         for reason, n in sorted(self.invalid().items(), key=lambda x: -x[1]):
             lines.append(f"invalid: {n} x {reason}")
         lines.append(f"chosen: {rules_text(self[0].layout)}. {self.why}")
+        lines += [f"yours: {rules_text(c.layout)}: {versus(self, c)}" for c in self.theirs]
         return "\n".join(lines)
 
 
@@ -143,45 +174,67 @@ class _Costing:
             for e in self.graph.eqns
         }
         self.renamings = _renamings(mesh)
+        self.renamed: list[dict] = [{} for _ in self.renamings]  # a value's axes, renamed
         self.seen: dict = {}  # canonical form -> Candidate
+        self.keys: dict = {}  # form -> canonical form (the least renamed)
         self.by_pairs: dict = {}  # (dim, axis) pairs -> Candidate
         self.table = Search()
 
-    def canonical(self, layout: Layout) -> str:
+    def canonical(self, layout: Layout) -> tuple:
         """The layout of every value and of every equation's dims, the same for rule
         sets that plan alike; the least over renamings of equal-sized mesh axes, which
-        cost alike at rates that are the same on every axis."""
+        cost alike at rates that are the same on every axis. A renamed layout assigns
+        each value the renamed axes (in the mesh's order), so the form is found once and
+        renamed, not found again per renaming."""
+        values, eqns = self._form(layout)
+        plain = (tuple(sorted(values)), tuple(sorted(eqns)))
+        if plain not in self.keys:  # rule sets that plan alike rename alike
+            self.keys[plain] = self._least_renamed(values, eqns)
+        return self.keys[plain]
+
+    def _least_renamed(self, values: list, eqns: list) -> tuple:
         keys = []
-        for names in self.renamings:
-            order = list(self.mesh.sizes)  # a dim's axes in the mesh's order
-            renamed = Layout(
-                [
-                    (d, tuple(sorted((names[a] for a in axes), key=order.index)))
-                    for d, axes in layout.rules
-                ]
+        for names, memo in zip(self.renamings, self.renamed, strict=True):
+            for _, ax in (*values, *eqns):  # each value's axes renamed once per renaming
+                if ax not in memo:
+                    memo[ax] = self._rename(names, ax)
+            keys.append(
+                (
+                    tuple(sorted((d, memo[ax]) for d, ax in values)),
+                    tuple(sorted((d, memo[ax]) for d, ax in eqns)),
+                )
             )
-            keys.append(self._form(renamed))
         return min(keys)
 
-    def _form(self, layout: Layout) -> str:
+    def _rename(self, names: dict, ax: tuple) -> tuple:
+        """Each dim's mesh axes in `ax` renamed by `names`, in the mesh's order."""
+        order = {a: i for i, a in enumerate(self.mesh.sizes)}
+        return tuple(tuple(sorted((names[a] for a in axes), key=order.get)) for axes in ax)
+
+    def _form(self, layout: Layout) -> tuple[list, list]:
         sizes = self.mesh.sizes
         soft = lambda dims, shape: tuple(
             axes if n % math.prod(sizes[a] for a in axes) == 0 else ()
             for axes, n in zip(layout.assign(dims), shape, strict=True)
         )
-        values = sorted(repr((dims, soft(dims, shape))) for dims, shape in self.shapes)
-        eqns = sorted(repr((dims, layout.assign(dims))) for dims in self.eqn_dims)
-        return repr((values, eqns))
+        values = [((dims, shape), soft(dims, shape)) for dims, shape in self.shapes]
+        eqns = [(dims, layout.assign(dims)) for dims in self.eqn_dims]
+        return values, eqns
 
     def __call__(self, pairs: Pairs) -> Candidate:
         if pairs not in self.by_pairs:
-            layout = to_layout(pairs, self.mesh)
-            key = self.canonical(layout)
-            if key not in self.seen:
-                self.seen[key] = self._cost(layout)
-                self.table.append(self.seen[key])
-            self.by_pairs[pairs] = self.seen[key]
+            self.by_pairs[pairs] = self.of(to_layout(pairs, self.mesh))
         return self.by_pairs[pairs]
+
+    def of(self, layout: Layout, record: bool = True) -> Candidate:
+        """The candidate of `layout`, costed once per canonical form and options; a
+        new one joins the table if `record`."""
+        key = (self.canonical(layout), repr(sorted(layout.options.items())), layout.strict)
+        if key not in self.seen:
+            self.seen[key] = self._cost(layout)
+            if record:
+                self.table.append(self.seen[key])
+        return self.seen[key]
 
     def _cost(self, layout: Layout) -> Candidate:
         cand = Candidate(layout)
@@ -195,7 +248,7 @@ class _Costing:
         cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
         cand.compute = self.rates.compute_seconds(rep)
         cand.comm = self.rates.comm_seconds(rep)
-        cand.time = self.rates.overhead_s + cand.compute + cand.comm
+        cand.time = cand.planned = self.rates.overhead_s + cand.compute + cand.comm
         if self.limit is not None and cand.memory > self.limit:
             cand.note, cand.time = "over the memory limit", math.inf
         return cand
@@ -257,6 +310,7 @@ def auto_layout(
     rates: Rates | str | None = None,
     beam: int = 3,
     cache_dir=None,
+    candidates: Sequence[Layout | str] = (),
 ) -> tuple[Layout, Search]:
     """The Layout with the least predicted step time of `fn(*inputs)` on `mesh` among those
     within `memory_limit` bytes per device, and the Search (candidates best first, and the
@@ -266,15 +320,25 @@ def auto_layout(
     or None to measure the mesh's devices (`lowering.rates.measure`, cached in memory and
     in `cache_dir` if given). `memory_limit` defaults to the rates' memory per device.
     `grad_argnums`: the inputs a training step differentiates (their gradient syncs and
-    the backward pass are costed). LayoutError when no candidate is valid and fits."""
+    the backward pass are costed). `candidates`: layouts of the caller's (a paper's rules,
+    the layout in use) weighed beside the search's, chosen if best; the printout says of
+    each why it was or was not chosen (`Search.compare` says it of any layout afterwards).
+    LayoutError when no candidate is valid and fits, or when one of `candidates` names a
+    mesh axis `mesh` lacks or a dim the program lacks."""
     start = time.perf_counter()
     rates = resolve(rates, mesh, cache_dir)
     limit = rates.memory_bytes if memory_limit is None else memory_limit
     wrt = (grad_argnums,) if isinstance(grad_argnums, int) else tuple(grad_argnums)
+    theirs = [Layout(c) if isinstance(c, str) else c for c in candidates]
+    for layout in theirs:
+        check_axes(layout.rules, mesh, f"auto_layout: candidate layout {layout}")
     cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit)
     dims = _dims(cost.graph)
-    _share(cost, min(_by_axis(cost, mesh, dims, beam), key=lambda s: _rank(cost(s))), mesh, dims)
+    for layout in theirs:
+        _check_dims(layout, dims, "candidate")
     table = cost.table
+    table.theirs, table._costing = tuple(map(cost.of, theirs)), cost
+    _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
     table.sort(key=lambda c: (_rank(c), len(c.layout.rules)))
     table.rates, table.memory_limit, table.mesh = rates, limit, mesh
     table.seconds = time.perf_counter() - start
@@ -318,11 +382,39 @@ def _by_axis(cost, mesh, dims, beam) -> list[Pairs]:
                 fit = [d for d in group if dims[d] % (_split(s, d, mesh) * mesh.sizes[axis]) == 0]
                 if fit:
                     grown.append((*s, *((d, axis) for d in fit)))
-        ranked = sorted(dict.fromkeys(grown), key=lambda s: _rank(cost(s), room, cost.limit))
-        distinct = {id(cost(s)): s for s in reversed(ranked)}  # one state per candidate
-        ranked = [s for s in ranked if distinct[id(cost(s))] is s]
-        states = [s for s in ranked if not cost(s).note.startswith("invalid")][:beam]
+        states = _best(cost, grown, beam, beam, room)
     return states
+
+
+def _best(cost, states: list[Pairs], fit: int, fast: int, room: float = 1.0) -> list[Pairs]:
+    """The frontier kept of `states`: one state per cost (planned time, memory and
+    collectives; the first given, a state before its extensions: a state that only adds
+    a pair that changes nothing would fill the beam with copies of one layout), the
+    `fit` best by `_rank` (those that fit, or could fit with `room` more ways to split,
+    by time; then the rest by memory), and up to `fast` states that do not fit yet are
+    faster than every state that does: of those, the ones no other is both faster and
+    smaller than, the smallest first. The second half keeps a fast state whose
+    completions (an axis shared by one more dim: FSDP) may fit: a memory bound on
+    partial states is no bound on their completions, and ranking by it alone lost the
+    best layout (a 2x4 MLP under a limit no phase-1 state met; `lm1b_2`, whose paper
+    layout is over 8 GiB, by 0.07%)."""
+    first: dict[tuple, Pairs] = {}
+    for s in states:  # of states that cost alike, the first stands for all
+        c = cost(s)
+        if not c.note.startswith("invalid"):
+            first.setdefault((c.planned, c.memory, c.collectives), s)
+    rank = {s: _rank(cost(s), room, cost.limit) for s in first.values()}
+    ranked = sorted(rank, key=rank.get)
+    fits = [s for s in ranked if rank[s][0] == 0]
+    fastest = cost(fits[0]).planned if fits else math.inf
+    over = [s for s in ranked if rank[s][0] == 1 and cost(s).planned < fastest]
+    front, least = [], math.inf
+    for s in sorted(over, key=lambda s: (cost(s).planned, cost(s).memory)):
+        if cost(s).memory < least:
+            front.append(s)
+            least = cost(s).memory
+    front.sort(key=lambda s: cost(s).memory)
+    return list(dict.fromkeys([*ranked[:fit], *front[:fast]]))
 
 
 def _split(state: Pairs, dim: str, mesh) -> int:
@@ -330,24 +422,43 @@ def _split(state: Pairs, dim: str, mesh) -> int:
     return math.prod(mesh.sizes[a] for d, a in state if d == dim)
 
 
-def _share(cost, state: Pairs, mesh, dims) -> None:
-    """Phase 2: from the best state, give an axis one more dim of the program's inputs
-    (parameters: FSDP; tokens' length: sequence split) while that improves it."""
-    input_dims = [d for d in dims if any(d in v.dims for v in cost.graph.inputs)]
-    while True:
-        moves = [
-            (*state, (d, a))
-            for a in mesh.sizes
-            if mesh.sizes[a] > 1
-            for d in input_dims
-            if (d, a) not in state and dims[d] % (_split(state, d, mesh) * mesh.sizes[a]) == 0
-        ]
-        if not moves:
-            break
-        step = min(moves, key=lambda s: _rank(cost(s)))
-        if _rank(cost(step)) >= _rank(cost(state)):
-            break
-        state = step
+def _share(cost, states: list[Pairs], mesh, dims, beam: int) -> None:
+    """Phase 2: give one more dim an axis, or every axis it lacks at once (after the
+    dims those axes have). The best state phase 1 kept that fits is extended, and every
+    one over the limit; then, best first, each state not yet extended of a frontier of
+    the best state and up to `beam` over the limit but faster (`_best`), until none is
+    left. With no state over the limit this is a climb from the best, each step the
+    best move."""
+    extended: set[int] = set()
+    fits = [s for s in states if _rank(cost(s), 1.0, cost.limit)[0] == 0]
+    frontier, todo = states, [*fits[:1], *(s for s in states if s not in fits)]
+    while todo:
+        moves = [m for state in todo for m in _moves(state, mesh, dims)]
+        extended.update(id(cost(s)) for s in todo)
+        frontier = _best(cost, [*frontier, *moves], 1, beam)
+        todo = [s for s in frontier if id(cost(s)) not in extended][:1]
+
+
+def _moves(state: Pairs, mesh, dims: dict[str, int]) -> list[Pairs]:
+    """Phase 2's moves from `state`: a dim takes one mesh axis more, or all it lacks (a
+    split over the whole mesh, `batch:x,y` after `d_ff:x,y`, which one axis at a time
+    may pass through layouts over the limit or slower); or two split dims swap their
+    axes (`d_ff:x;batch:y,z` to `d_ff:y,z;batch:x`: which dim takes the larger split
+    is decided in phase 1 one axis at a time, and two moves apart otherwise)."""
+    out = []
+    for d in dims:
+        lacks = [a for a in mesh.sizes if mesh.sizes[a] > 1 and (d, a) not in state]
+        for group in [[a] for a in lacks] + ([lacks] if len(lacks) > 1 else []):
+            if dims[d] % (_split(state, d, mesh) * math.prod(mesh.sizes[a] for a in group)) == 0:
+                out.append((*state, *((d, a) for a in group)))
+    axes: dict[str, list[str]] = {}
+    for d, a in state:
+        axes.setdefault(d, []).append(a)
+    for d, e in itertools.combinations(axes, 2):
+        swapped = {**axes, d: axes[e], e: axes[d]}
+        if all(dims[x] % math.prod(mesh.sizes[a] for a in swapped[x]) == 0 for x in (d, e)):
+            out.append(tuple((x, a) for x in axes for a in swapped[x]))
+    return out
 
 
 def explain(table: Search, within: float = 0.01) -> str:
@@ -378,4 +489,37 @@ def explain(table: Search, within: float = 0.01) -> str:
         f"It is {nxt.time / win.time:.3g}x faster than the next different layout, "
         f"{rules_text(nxt.layout)} ({win.time * 1e3:.4g} against {nxt.time * 1e3:.4g} ms per "
         f"step), because {why}{tail}"
+    )
+
+
+def _check_dims(layout: Layout, dims, what: str) -> None:
+    """LayoutError naming the first rule of `layout` whose dim the program lacks (a
+    typo), unless the layout is `shared` (it may serve other programs)."""
+    for d, axes in layout.rules:
+        if d not in dims and not layout.shared:
+            raise LayoutError(
+                f"auto_layout: {what} layout {layout}: rule {d}:{','.join(axes)} names dim "
+                f"{d!r}, which no value of the program has{did_you_mean(d, dims) or '.'} "
+                f"Its dims: {sorted(dims)}."
+            )
+
+
+def versus(table: Search, cand: Candidate) -> str:
+    """Why `cand` was or was not chosen, against the chosen `table[0]`."""
+    win = table[0]
+    if cand is win:
+        return "chosen."
+    if cand.note.startswith("invalid"):
+        return f"not valid on {table.mesh} ({cand.note.removeprefix('invalid: ')})."
+    ratio = f"{cand.planned / win.time:.4g}x the chosen's {win.time * 1e3:.4g} ms"
+    if not cand.valid:
+        return (
+            f"over the memory limit ({_bytes(cand.memory)} per device against "
+            f"{_bytes(table.memory_limit)}), though it would plan at "
+            f"{cand.planned * 1e3:.4g} ms per step, {ratio}."
+        )
+    return (
+        f"{cand.time * 1e3:.4g} ms per step, {ratio}: compute {cand.compute * 1e3:.4g} ms "
+        f"against {win.compute * 1e3:.4g}, communication {cand.comm * 1e3:.4g} ms in "
+        f"{cand.collectives} collectives against {win.comm * 1e3:.4g} in {win.collectives}."
     )

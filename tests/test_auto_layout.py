@@ -4,6 +4,7 @@ weighs them at stated rates, scales to 4-axis meshes and explains its answer."""
 import functools
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -220,3 +221,43 @@ def test_cli_bad_rates_exit_2_naming_them(tmp_path, capsys, flags, names):
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and names in err[0] and "error:" in err[0]
+
+
+def test_callers_candidates_are_weighed_and_each_says_why_not_chosen():
+    """A caller's layouts (a paper's rules) are costed beside the search's; the printout
+    says of each why it lost: over the limit (its memory, the time it would plan at) or
+    slower (the ratio to the chosen). Times and memory checked against `Lowered.report`."""
+    inputs, wrt = mlp_inputs(8192, 64, 256), (1, 2)
+    report = lambda rules: lower(mlp, MESH, rules).report(*inputs, wrt=wrt, show=False)
+    seconds = lambda rules: hardware("tpu_v2").seconds(report(rules))
+    limit = report("batch:rows,cols").peak_memory - 1  # data parallelism is over it
+    mine = ["batch:rows,cols", "batch:rows,cols;d_model:rows,cols"]  # FSDP-style
+    layout, table = auto_layout(
+        mlp, MESH, *inputs, grad_argnums=wrt, memory_limit=limit, candidates=mine
+    )
+    lines = {ln.split(": ")[1]: ln for ln in str(table).splitlines() if ln.startswith("yours:")}
+    assert set(lines) == set(mine)
+    over = lines["batch:rows,cols"]
+    assert "over the memory limit" in over and f"{limit + 1:,}" not in over
+    numbers = [float(x) for x in re.findall(r"([0-9.]+) ms per step, ([0-9.]+)x", over)[0]]
+    chosen_s = seconds(layout)
+    assert numbers[0] == pytest.approx(seconds("batch:rows,cols") * 1e3, rel=1e-3)
+    assert numbers[1] == pytest.approx(seconds("batch:rows,cols") / chosen_s, rel=1e-3)
+    assert (
+        report("batch:rows,cols;d_model:rows,cols").peak_memory <= limit
+        and seconds("batch:rows,cols;d_model:rows,cols") > chosen_s
+    )
+    slower = re.findall(
+        r"([0-9.]+) ms per step, ([0-9.]+)x", lines["batch:rows,cols;d_model:rows,cols"]
+    )[0]
+    assert float(slower[1]) == pytest.approx(
+        seconds("batch:rows,cols;d_model:rows,cols") / chosen_s, rel=1e-3
+    )
+    assert table.compare(layout) == "chosen."
+    assert "over the memory limit" in table.compare(Layout("batch:rows,cols"))
+    with pytest.raises(nm.LayoutError, match="rowz"):
+        auto_layout(mlp, MESH, *inputs, grad_argnums=wrt, candidates=["batch:rowz"])
+    with pytest.raises(nm.LayoutError, match="'batchh'.*did you mean 'batch'"):
+        auto_layout(mlp, MESH, *inputs, grad_argnums=wrt, candidates=["batchh:rows"])
+    with pytest.raises(nm.LayoutError, match="'d_fff'"):
+        table.compare("d_fff:rows")
