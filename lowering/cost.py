@@ -17,9 +17,9 @@ once per input the gradient flows to; every other op's, its forward flops.
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 
+from lowering.caches import memo, per_object
 from lowering.memory import active_values, peak_memory, training_peak
 
 _TRAFFIC = {
@@ -158,7 +158,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         ins = step.eqn.inputs if step.eqn is not None else ()
         flowing = [v in active for v in ins]
         for prim, params, in_avals, outs in step.local:
-            local = prim.cost_rule(in_avals, outs, params).flops
+            local = local_flops(prim, in_avals, outs, params)
             f = local * step.repeat
             rep.flops += f
             _repeats(rep.repeated, step, prim, params, local, sizes)
@@ -176,20 +176,26 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     return rep
 
 
-_GLOBAL_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def local_flops(prim, in_avals: list, out_avals: list, params: dict) -> float:
+    """The flops of `prim`'s cost rule on local avals (kept: the same local op recurs in
+    many of the candidate layouts auto_layout costs)."""
+    try:
+        return _local_flops(prim, tuple(in_avals), tuple(out_avals), tuple(params.items()))
+    except TypeError:  # a param that does not hash
+        return prim.cost_rule(in_avals, out_avals, params).flops
 
 
-def _global_cost(eqn, params: dict):
-    """The cost of equation `eqn` run whole on one device with `params` (kept per
-    equation and params: it is the same under every layout auto_layout costs)."""
-    known = _GLOBAL_COSTS.setdefault(eqn, [])
-    for seen, cost in known:
-        if seen == params:
-            return cost
+@memo()
+def _local_flops(prim, in_avals: tuple, out_avals: tuple, params: tuple) -> float:
+    return prim.cost_rule(list(in_avals), list(out_avals), dict(params)).flops
+
+
+@per_object
+def _global_cost(eqn, params: tuple):
+    """The cost of equation `eqn` run whole on one device with `params` (items; kept
+    per equation and params: it is the same under every layout auto_layout costs)."""
     avals = lambda vs: [v.aval for v in vs]
-    cost = eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), params)
-    known.append((params, cost))
-    return cost
+    return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(params))
 
 
 def _repeats(repeated: dict, step, prim, params, local: float, sizes) -> None:
@@ -200,7 +206,7 @@ def _repeats(repeated: dict, step, prim, params, local: float, sizes) -> None:
     eqn = step.eqn
     if eqn is None or prim is not eqn.primitive or not local:
         return
-    glob = _global_cost(eqn, params)
+    glob = _global_cost(eqn, tuple(params.items()))
     n = math.prod(sizes.values())
     if not local or local * n <= glob.flops * 1.0001:
         return

@@ -25,6 +25,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering import cost, distributed, rules
+from lowering.caches import memo
 from lowering.collectives import cast_varying, varying_axes
 from lowering.cost import Report
 from lowering.emit import emit, run_op
@@ -206,7 +207,7 @@ def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Rep
     inputs' argument paths, for errors (`input_names`)."""
     wanted, out_layouts = io_layouts(graph, mesh, layout, names)
     if rules.plannable(graph, layout):
-        plan = plan_program(graph, mesh, layout, wanted, out_layouts)
+        plan = plan_program(graph, mesh, layout, wanted, out_layouts, record=False)
     else:
         body = traced_body(graph, mesh, layout, wanted, out_layouts)
         shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in graph.inputs]
@@ -218,12 +219,23 @@ def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Rep
 def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report:
     """The cost Report of `plan`, with peak memory from the values' layouts `wanted`."""
 
+    sizes = tuple(mesh.sizes.items())
+
     @functools.cache  # each value is asked for several times (peak, saved, working set)
     def local_bytes(v):
         layout = wanted.get(v, ((),) * len(v.dims))
-        return math.prod(local_shape(layout, v.shape, mesh)) * v.dtype.itemsize
+        return _local_bytes(layout, v.shape, v.dtype.itemsize, sizes)
 
     return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt)
+
+
+@memo()  # the same (layout, shape) recurs in many candidate layouts
+def _local_bytes(layout: ValueLayout, shape: tuple, itemsize: int, sizes: tuple) -> int:
+    """Bytes of one device's shard of a value of `shape` with `layout` on a mesh of
+    `sizes` (items)."""
+    mesh = dict(sizes)
+    split = (n // math.prod(mesh[a] for a in axes) for n, axes in zip(shape, layout, strict=True))
+    return math.prod(split) * itemsize
 
 
 def relayout_outputs(ctx: RuleContext, graph, env: dict, out_layouts, plan: list) -> list:
@@ -247,11 +259,15 @@ def relayout_outputs(ctx: RuleContext, graph, env: dict, out_layouts, plan: list
     return res
 
 
-def plan_program(graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts: list) -> Plan:
+def plan_program(
+    graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts: list, record: bool = True
+) -> Plan:
     """The Plan of `graph` on `mesh` under `layout`, in plain Python (no jax): `wanted`
     holds the inputs' layouts and receives every value's; `out_layouts` are the
-    outputs'. Every op of `graph` must have a plan rule (`rules.plannable`)."""
-    ctx = Planner(mesh, layout, wanted)
+    outputs'. Every op of `graph` must have a plan rule (`rules.plannable`). `record`
+    False: a plan for the cost report alone, without the steps' events text and the
+    emitter's instructions (the same layouts, local ops and collectives)."""
+    ctx = Planner(mesh, layout, wanted, record=record)
     plan_layouts(ctx, graph)
     plan = Plan()
     plan.inputs = [Local(local_shape(wanted[v], v.shape, mesh), np.dtype(v.dtype),

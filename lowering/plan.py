@@ -160,6 +160,9 @@ class RuleContext:
     combined: set = field(default_factory=set)  # axes the current step's inputs vary over
     moved: dict = field(default_factory=dict)  # relayouts done in this trace of the body
     sources: dict = field(default_factory=dict)  # id(local array) -> (array, graph value)
+    # False: costing only (auto_layout), which reads neither the events text nor the
+    # emitter's instructions, so neither is made
+    record: bool = True
 
     # --- the interpreter: what a subclass defines ---------------------------------------
     def vma(self, x) -> set[str]:
@@ -245,6 +248,8 @@ class RuleContext:
     ) -> None:
         c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
         (self.step.casts if kind == "pvary" else self.step.collectives).append(c)
+        if not self.record:
+            return
         what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
         self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device{what}")
 
@@ -270,6 +275,8 @@ class RuleContext:
         self.step.local.append(
             (prim, params, local_avals(e.inputs, arrays), local_avals(e.outputs, outs))
         )
+        if not self.record:
+            return
         shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
         ins, outs_ = self.step.local[-1][2:]
         self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
@@ -424,7 +431,8 @@ class Planner(RuleContext):
             return (xs[0],)  # the same local value, as jax returns the same array
         res = _abstract(op, xs, self.sizes, made, params)
         outs = res if isinstance(res, tuple) else (res,)
-        self.step.ops.append(Instr(op, xs, outs, params))
+        if self.record:
+            self.step.ops.append(Instr(op, xs, outs, params))
         return res
 
 
@@ -432,4 +440,3 @@ def constant(c) -> Local:
     """The Local of a graph constant (the same on every device)."""
     a = np.asarray(c)
     return Local(tuple(a.shape), a.dtype)
-
