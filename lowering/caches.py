@@ -1,11 +1,14 @@
 """The caches that let auto_layout cost thousands of candidate layouts of one program.
 
 Each holds the results of a pure function, so a hit is exactly what the call would
-give: `per_object` keeps what depends on one program (a Graph, an equation) and not on
-the layout, for as long as that object lives; `memo` keeps a pure function of
-hashable values (a primitive's shape or cost rule on local avals), bounded. Callers
-must not change a result. `clear()` empties them all, so that a benchmark can cost
-a candidate from cold caches.
+give: `per_object` keeps results per object (a Graph, an equation) for as long as that
+object lives; `memo` keeps a pure function of hashable values (a primitive's shape or
+cost rule on local avals), bounded. Callers must not change a result. A cache is of
+one of two kinds: "program" (what depends on the program alone, found once for all
+the candidates of a search, as its trace is) or "layouts" (what one candidate leaves
+for another: a step planned under the same situation, local shapes and flops).
+`clear(kind)` empties them, so that a benchmark can cost a candidate from cold
+caches.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import functools
 import weakref
 from collections.abc import Callable
 
-_CLEARS: list[Callable[[], None]] = []
+_CLEARS: list[tuple[str, Callable[[], None]]] = []
 _UNHASHABLE = object()  # the key of a list of (args, result) for args that do not hash
 
 
-def per_object(fn: Callable) -> Callable:
+def per_object(fn: Callable | None = None, kind: str = "program") -> Callable:
     """`fn(obj, *args)`, kept per `obj` (weakly: dropped with it) and per `args`. Args
-    that do not hash (a params dict) are compared by equality."""
+    that do not hash (a params dict) are compared by equality. `@per_object` or
+    `@per_object(kind="layouts")`."""
+    if fn is None:
+        return functools.partial(per_object, kind=kind)
     cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @functools.wraps(fn)
@@ -42,23 +48,25 @@ def per_object(fn: Callable) -> Callable:
             seen.append((args, result))
             return result
 
-    _CLEARS.append(cache.clear)
+    _CLEARS.append((kind, cache.clear))
     return cached
 
 
 def memo(maxsize: int = 1 << 16) -> Callable[[Callable], Callable]:
-    """`functools.lru_cache(maxsize)` of a pure function of hashable arguments, emptied
-    by `clear()`."""
+    """`functools.lru_cache(maxsize)` of a pure function of hashable arguments (of local
+    shards: kind "layouts")."""
 
     def wrap(fn: Callable) -> Callable:
         cached = functools.lru_cache(maxsize)(fn)
-        _CLEARS.append(cached.cache_clear)
+        _CLEARS.append(("layouts", cached.cache_clear))
         return cached
 
     return wrap
 
 
-def clear() -> None:
-    """Empty every cache of this module's helpers (cold caches for a benchmark)."""
-    for c in _CLEARS:
-        c()
+def clear(kind: str | None = None) -> None:
+    """Empty the caches of `kind` ("program", "layouts"; None: all), for a benchmark
+    that costs a candidate from cold caches."""
+    for k, c in _CLEARS:
+        if kind is None or k == kind:
+            c()

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lowering.caches import memo
 from lowering.collectives import plan_moves
 from lowering.layout import Layout, ValueLayout
 from lowering.mesh import Mesh
@@ -284,7 +285,8 @@ class RuleContext:
     def missing_axes(self, x, vma: set) -> tuple[str, ...]:
         """The axes of `vma` over which `x` is not yet typed varying, in mesh order (as
         collectives.missing_axes says of a jax array)."""
-        return tuple(a for a in self.sizes if a in set(vma) - self.vma(x))
+        missing = set(vma) - self.vma(x)
+        return tuple(a for a in self.sizes if a in missing) if missing else ()
 
     def cast_varying(self, x, vma: set):
         """`x` typed varying over every axis of `vma`, unlogged (collectives.cast_varying:
@@ -412,11 +414,20 @@ def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
 def _abstract_local(xs, vma, params) -> tuple[Local, ...]:
     """A primitive on local shards: its shape rule on their local avals."""
     prim, dtypes, in_dims = params["local_op"]
-    kw = {k: v for k, v in params.items() if k != "local_op"}
-    avals = [Aval(d, tuple(x.shape), np.dtype(x.dtype)) for d, x in zip(in_dims, xs, strict=False)]
-    out = prim.shape_rule(*avals, **kw)
-    outs = out if prim.multiple_results else (out,)
-    return tuple(Local(tuple(o.shape), np.dtype(t), vma) for o, t in zip(outs, dtypes, strict=True))
+    kw = tuple((k, v) for k, v in params.items() if k != "local_op")
+    shards = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in xs)
+    try:
+        shapes = _local_shapes(prim, in_dims, shards, kw)
+    except TypeError:  # a param that does not hash
+        shapes = _local_shapes.__wrapped__(prim, in_dims, shards, kw)
+    return tuple(Local(shape, np.dtype(t), vma) for shape, t in zip(shapes, dtypes, strict=True))
+
+
+@memo()  # the same local op on the same shards recurs in many candidate layouts
+def _local_shapes(prim, in_dims, shards, kw) -> tuple:
+    avals = [Aval(d, shape, dt) for d, (shape, dt) in zip(in_dims, shards, strict=False)]
+    out = prim.shape_rule(*avals, **dict(kw))
+    return tuple(tuple(o.shape) for o in (out if prim.multiple_results else (out,)))
 
 
 class Planner(RuleContext):
