@@ -152,16 +152,18 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
         peak = max(peak, training_peak(graph, local_bytes, active, wrt, shares))
     rep = Report(0.0, peak_memory=peak)
+    devices = math.prod(sizes.values())
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
         ins = step.eqn.inputs if step.eqn is not None else ()
         flowing = [v in active for v in ins]
         for prim, params, in_avals, outs in step.local:
-            local = local_flops(prim, in_avals, outs, params)
+            items = tuple(params.items())
+            local = _flops(prim, in_avals, outs, params, items)
             f = local * step.repeat
             rep.flops += f
-            _repeats(rep.repeated, step, prim, params, local, sizes)
+            _repeats(rep.repeated, step, prim, items, local, sizes, devices)
             if any(flowing):
                 rep.backward_flops += f * (sum(flowing) if prim.matmul else 1)
         result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
@@ -176,11 +178,11 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     return rep
 
 
-def local_flops(prim, in_avals: list, out_avals: list, params: dict) -> float:
+def _flops(prim, in_avals: list, out_avals: list, params: dict, items: tuple) -> float:
     """The flops of `prim`'s cost rule on local avals (kept: the same local op recurs in
-    many of the candidate layouts auto_layout costs)."""
+    many of the candidate layouts auto_layout costs); `items`, those of `params`."""
     try:
-        return _local_flops(prim, tuple(in_avals), tuple(out_avals), tuple(params.items()))
+        return _local_flops(prim, tuple(in_avals), tuple(out_avals), items)
     except TypeError:  # a param that does not hash
         return prim.cost_rule(in_avals, out_avals, params).flops
 
@@ -198,16 +200,15 @@ def _global_cost(eqn, params: tuple):
     return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(params))
 
 
-def _repeats(repeated: dict, step, prim, params, local: float, sizes) -> None:
-    """Into `repeated`: the flops of `step`'s local op (`local` per run) that other
-    devices repeat. The op runs on shards whose dims the mesh splits `distinct` ways;
-    the other mesh axes (those splitting neither its result nor, through a psum, its
-    summed dims) repeat it."""
+def _repeats(repeated: dict, step, prim, items: tuple, local: float, sizes, n: int) -> None:
+    """Into `repeated`: the flops of `step`'s local op (`local` per run, params `items`)
+    that other devices repeat, of the `n` of the mesh. The op runs on shards whose dims
+    the mesh splits `distinct` ways; the other mesh axes (those splitting neither its
+    result nor, through a psum, its summed dims) repeat it."""
     eqn = step.eqn
     if eqn is None or prim is not eqn.primitive or not local:
         return
-    glob = _global_cost(eqn, tuple(params.items()))
-    n = math.prod(sizes.values())
+    glob = _global_cost(eqn, items)
     if not local or local * n <= glob.flops * 1.0001:
         return
     used = {a for _, lay in step.outputs for axes in lay for a in axes}

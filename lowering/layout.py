@@ -118,8 +118,12 @@ class Layout:
     def first(self, dim: str) -> Layout:
         """These rules with `dim`'s rule moved to the front (not strict): `dim` takes its
         mesh axes before any dim that shares them."""
-        rules = [r for r in self.rules if r[0] == dim] + [r for r in self.rules if r[0] != dim]
-        return Layout(rules)
+        # kept: asked of the same dim by every einsum that shares its axis, per candidate
+        known = self.__dict__.setdefault("_first", {})
+        if dim not in known:
+            first = [r for r in self.rules if r[0] == dim]
+            known[dim] = Layout(first + [r for r in self.rules if r[0] != dim])
+        return known[dim]
 
     def assign(self, dims: Sequence[str], shape=None, what: str = "tensor") -> ValueLayout:
         """The mesh axes each of `dims` takes, in rule order; sizes not checked."""

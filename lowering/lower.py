@@ -25,7 +25,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering import cost, distributed, rules
-from lowering.caches import memo
+from lowering.caches import memo, per_object
 from lowering.collectives import cast_varying, varying_axes
 from lowering.cost import Report
 from lowering.emit import emit, run_op
@@ -76,6 +76,11 @@ def check_dtypes(graph) -> None:
     computed in 64 bits, as nm.reference computes them; with it off, jax would compute
     them in 32 bits and change the answer, so a DtypeError names the first such value
     (an input, a constant, or the op that makes it) before anything compiles."""
+    _check_dtypes(graph, jax.dtypes.canonicalize_dtype(np.float64) == np.float64)
+
+
+@per_object  # once per program and 64-bit setting, for all the candidates of a search
+def _check_dtypes(graph, x64: bool) -> None:
     made = {v: f"input {i}" for i, v in enumerate(graph.inputs)}
     made.update((v, "a constant") for v in graph.consts)
     for e in graph.eqns:
@@ -97,10 +102,13 @@ def plan_layouts(ctx: RuleContext, graph) -> None:
     the rules' (soft) layout, or the one `nm.constrain` pins. Values whose dims conflict
     (two of them take one mesh axis) go into `ctx.free` too: the einsum and elementwise
     rules replace their rule-order layout by the one they compute them in."""
+    conflicts: dict = {}  # by dims: the same dims recur in many values
     for e in graph.eqns:
         for v in e.outputs:
             ctx.wanted[v] = ctx.soft_layout(v.dims, v.shape)
-            if ctx.layout.conflicts(v.dims, ctx.sizes):
+            if v.dims not in conflicts:
+                conflicts[v.dims] = ctx.layout.conflicts(v.dims, ctx.sizes)
+            if conflicts[v.dims]:
                 ctx.free.add(v)
         if e.primitive.pins_layout:
             ctx.wanted[e.outputs[0]] = constraint_layout(e.params["layout"], e.outputs[0], ctx.mesh)
@@ -164,11 +172,17 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, lis
     checking its dtypes and that the rules name its dims; LayoutError for an input or
     output (named by `names`, the inputs' argument paths) its axes do not divide."""
     check_dtypes(graph)
-    layout.check_dims({d for v in graph.values() for d in v.dims})
+    layout.check_dims(_dims(graph))
     names = names or [str(i) for i in range(len(graph.inputs))]
     of = lambda v, what: nontrivial(layout.of(v.dims, v.shape, mesh, what), mesh)
     wanted = {v: of(v, f"input {names[i]}") for i, v in enumerate(graph.inputs)}
     return wanted, [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
+
+
+@per_object
+def _dims(graph) -> frozenset:
+    """Every dim of `graph`'s values (its scans' bodies' too)."""
+    return frozenset(d for v in graph.values() for d in v.dims)
 
 
 def traced_body(graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts) -> Callable:

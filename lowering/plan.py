@@ -164,6 +164,7 @@ class RuleContext:
     # False: costing only (auto_layout), which reads neither the events text nor the
     # emitter's instructions, so neither is made
     record: bool = True
+    soft_layouts: dict = field(default_factory=dict, repr=False)  # kept by soft_layout
 
     # --- the interpreter: what a subclass defines ---------------------------------------
     def vma(self, x) -> set[str]:
@@ -315,9 +316,25 @@ class RuleContext:
         a dim its axes do not divide. A strict layout's conflicts are errors only for
         values (`is_value`), not for the dims of a whole einsum, which no single tensor
         holds."""
-        if rules is None:  # a non-strict copy where the conflicts are no errors
-            loose = is_value or not self.layout.strict
-            rules = self.layout if loose else Layout(self.layout.rules)
+        if rules is not None:
+            return self._soft_layout(dims, shape, rules)
+        # asked again and again of the same dims and shape in one plan (every activation
+        # [batch, length, d_model] of a Transformer): kept per context and rules (a
+        # pipeline's stages plan under the rules without the stage axes); the rules are
+        # held, so that their id stays theirs
+        held, known = self.soft_layouts.get(id(self.layout), (None, None))
+        if held is not self.layout:
+            known = {}
+            self.soft_layouts[id(self.layout)] = (self.layout, known)
+        key = (tuple(dims), tuple(shape), is_value)
+        if key not in known:
+            loose = is_value or not self.layout.strict  # else a non-strict copy: no errors
+            known[key] = self._soft_layout(
+                dims, shape, self.layout if loose else Layout(self.layout.rules)
+            )
+        return known[key]
+
+    def _soft_layout(self, dims, shape, rules: Layout) -> ValueLayout:
         layout = list(rules.assign(dims, shape, "value"))
         for i, n in enumerate(shape):
             if n % math.prod(self.sizes[a] for a in layout[i]):
@@ -327,13 +344,15 @@ class RuleContext:
     def relayout(self, x, src: ValueLayout, dst: ValueLayout):
         """`x` moved from layout `src` to `dst`, once per value and target: a second
         request reuses the first result (XLA would merge the duplicate collectives)."""
+        src, dst = tuple(src), tuple(dst)
+        if src == dst:  # no move: the value itself, whether or not asked before
+            return x
         source = self.source(x)
-        if tuple(src) != tuple(dst):
-            # A slice by this device's index makes a value vary over the axes it adds;
-            # cast here, so that the backward pass's psum of its gradient is planned.
-            added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
-            x = self.varying(x, self.combined | added)
-        key = (id(x), tuple(src), tuple(dst))
+        # A slice by this device's index makes a value vary over the axes it adds; cast
+        # here, so that the backward pass's psum of its gradient is planned.
+        added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
+        x = self.varying(x, self.combined | added)
+        key = (id(x), src, dst)
         if key not in self.moved:
             self.moved[key] = (x, self._moves(x, src, dst, source))
             self.note_source(self.moved[key][1], source)
@@ -379,7 +398,7 @@ def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
     """The Local(s) `op` makes from the Locals `xs`: shapes, dtypes and varying axes as
     shard_map's types give them (a psum, pmax or invariant gather leaves its axes
     invariant; a slice by the device's index or a cast makes a value vary there)."""
-    vma = frozenset().union(*(x.vma for x in xs)) if xs else frozenset()
+    vma = xs[0].vma if len(xs) == 1 else frozenset().union(*(x.vma for x in xs))
     if callable(op):
         shape, dtype, given = made
         return Local(shape, dtype, frozenset(given) if given is not None else vma)
@@ -387,13 +406,15 @@ def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
         return _abstract_local(xs, vma, params)
     x = xs[0] if xs else None
     axes = params.get("axes", ())
-    n = math.prod(sizes[a] for a in axes)
     if op == "astype":
         return Local(x.shape, np.dtype(params["dtype"]), vma)
     if op == "axis_index":
         return Local((), np.dtype(np.int32), frozenset(axes))
     if op in ("psum", "pmax", "pmin", "make_invarying"):
         return Local(x.shape, x.dtype, vma - set(axes))
+    if op == "pcast":
+        return Local(x.shape, x.dtype, vma | set(axes))
+    n = math.prod(sizes[a] for a in axes)
     if op == "gather_stacked":
         return Local((n, *x.shape), x.dtype, vma - set(axes))
     if op == "psum_scatter":
@@ -403,9 +424,8 @@ def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
     if op == "all_to_all":
         shape = _scaled(_scaled(x.shape, params["dim"], n), params["to"], 1 / n)
         return Local(shape, x.dtype, vma)
-    if op in ("slice_to", "pcast"):
-        shape = _scaled(x.shape, params["dim"], 1 / n) if op == "slice_to" else x.shape
-        return Local(shape, x.dtype, vma | set(axes))
+    if op == "slice_to":
+        return Local(_scaled(x.shape, params["dim"], 1 / n), x.dtype, vma | set(axes))
     if op == "ppermute":
         return Local(x.shape, x.dtype, vma)
     raise KeyError(f"no abstract rule for op {op!r}")
@@ -434,8 +454,8 @@ class Planner(RuleContext):
     """The rules' context on `Local`s: each operation is recorded into the current step's
     `ops` as an `Instr` and gives the Local it would make; no jax is called."""
 
-    def vma(self, x) -> set[str]:
-        return set(x.vma)
+    def vma(self, x) -> frozenset[str]:
+        return x.vma
 
     def _op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:
