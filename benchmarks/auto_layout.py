@@ -1,8 +1,10 @@
-"""`python -m benchmarks.auto_layout [--steps N] [--skip-train] [--out docs/benchmarks.md]`:
+"""`python -m benchmarks.auto_layout [--steps N] [--skip-train] [--before DIR] [--out FILE]`:
 auto_layout's choices and search times against the issue's goals.
 
-0. Costing one candidate: the Planner (plain Python) against tracing the rules through
-   jax, the way every candidate was costed before the planner. Goal: 10x faster.
+0. Costing one candidate (`costing_rows`): as the search costs it (the Planner, plain
+   Python, the program traced once), one layout from emptied caches and the mean over a
+   search's candidates, against the traced costing of commit 1c2e4d2, the last before
+   the Planner, checked out in DIR (`--before`). Process time. Goal: 10x faster.
 1. Paper scale, no devices: for each LM1B config (models/config.py `lm1b_*`) on its
    paper mesh (abstract, 32 to 512 cores), `auto_layout` of the training loss with the
    TPU v2 table (`rates="tpu_v2"`, memory limit its 8 GiB per core); the chosen layout's
