@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lowering.caches import memo
+from lowering.caches import memo, per_object
 from lowering.collectives import plan_moves
 from lowering.layout import Layout, ValueLayout
 from lowering.mesh import Mesh
@@ -263,12 +263,17 @@ class RuleContext:
         if len(arrays) > 1:
             vma = set().union(*(self.vma(a) for a in arrays))
             arrays = [self.varying(a, vma) for a in arrays]
+        outs = self._local(prim, arrays, params)
+        return outs if prim.multiple_results else outs[0]
+
+    def _local(self, prim: Primitive, arrays, params: dict) -> tuple:
+        """`prim` run (or recorded) on the local arrays and noted: its results."""
         e = self.step.eqn
         # (prim, its results' dtypes, its inputs' dims): one param, apart from the op's own
         what = (prim, tuple(v.dtype for v in e.outputs), tuple(v.dims for v in e.inputs))
         outs = self._op("local", *arrays, local_op=what, **params)
         self.note_local(prim, params, arrays, outs)
-        return outs if prim.multiple_results else outs[0]
+        return outs
 
     def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
         """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
@@ -450,12 +455,41 @@ def _local_shapes(prim, in_dims, shards, kw) -> tuple:
     return tuple(tuple(o.shape) for o in (out if prim.multiple_results else (out,)))
 
 
+@per_object(kind="layouts")
+def _costed_local(e, prim: Primitive, shards: tuple, items: tuple) -> tuple:
+    """(result shapes, input avals, result avals) of `prim` run for equation `e` on local
+    shards of these (shape, dtype), with params `items`: as `_abstract_local` and
+    `note_local` make them."""
+    in_dims = tuple(v.dims for v in e.inputs)
+    shards = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in shards)
+    try:
+        shapes = _local_shapes(prim, in_dims, shards, items)
+    except TypeError:  # a param that does not hash
+        shapes = _local_shapes.__wrapped__(prim, in_dims, shards, items)
+    ins = tuple(Aval(v.dims, *x) for v, x in zip(e.inputs, shards, strict=True))
+    outs = tuple(
+        Aval(v.dims, shape, np.dtype(v.dtype)) for v, shape in zip(e.outputs, shapes, strict=True)
+    )
+    return shapes, ins, outs
+
+
 class Planner(RuleContext):
     """The rules' context on `Local`s: each operation is recorded into the current step's
     `ops` as an `Instr` and gives the Local it would make; no jax is called."""
 
     def vma(self, x) -> frozenset[str]:
         return x.vma
+
+    def _local(self, prim: Primitive, arrays, params: dict) -> tuple:
+        if self.record or prim.aliases_input:
+            return super()._local(prim, arrays, params)
+        # Costing only: the results' shapes and the avals that the report costs, in one
+        # lookup kept per equation and shards (what _abstract_local and note_local make)
+        shards = tuple((x.shape, x.dtype) for x in arrays)
+        shapes, ins, outs = _costed_local(self.step.eqn, prim, shards, tuple(params.items()))
+        self.step.local.append((prim, params, list(ins), list(outs)))
+        vma = arrays[0].vma if len(arrays) == 1 else frozenset().union(*(x.vma for x in arrays))
+        return tuple(Local(s, a.dtype, vma) for s, a in zip(shapes, outs, strict=True))
 
     def _op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:
