@@ -153,6 +153,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         peak = max(peak, training_peak(graph, local_bytes, active, wrt, shares))
     rep = Report(0.0, peak_memory=peak)
     devices = math.prod(sizes.values())
+    whole = _global_costs(graph)
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
@@ -163,7 +164,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
             local = _flops(prim, in_avals, outs, params, items)
             f = local * step.repeat
             rep.flops += f
-            _repeats(rep.repeated, step, prim, items, local, sizes, devices)
+            _repeats(rep.repeated, step, prim, items, local, sizes, devices, whole)
             if any(flowing):
                 rep.backward_flops += f * (sum(flowing) if prim.matmul else 1)
         result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
@@ -193,22 +194,36 @@ def _local_flops(prim, in_avals: tuple, out_avals: tuple, params: tuple) -> floa
 
 
 @per_object
-def _global_cost(eqn, params: tuple):
-    """The cost of equation `eqn` run whole on one device with `params` (items; kept
-    per equation and params: it is the same under every layout auto_layout costs)."""
-    avals = lambda vs: [v.aval for v in vs]
-    return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(params))
+def _global_costs(graph) -> dict:
+    """{(equation, params items): its cost run whole on one device}, of `graph` and its
+    scans' bodies: the same under every layout auto_layout costs, found once each."""
+    return {}
 
 
-def _repeats(repeated: dict, step, prim, items: tuple, local: float, sizes, n: int) -> None:
+def _global_cost(whole: dict, eqn, items: tuple):
+    try:
+        return whole[eqn, items]
+    except KeyError:
+        avals = lambda vs: [v.aval for v in vs]
+        cost = eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items))
+        whole[eqn, items] = cost
+        return cost
+    except TypeError:  # a param that does not hash
+        avals = lambda vs: [v.aval for v in vs]
+        return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items))
+
+
+def _repeats(
+    repeated: dict, step, prim, items: tuple, local: float, sizes, n: int, whole: dict
+) -> None:
     """Into `repeated`: the flops of `step`'s local op (`local` per run, params `items`)
-    that other devices repeat, of the `n` of the mesh. The op runs on shards whose dims
-    the mesh splits `distinct` ways; the other mesh axes (those splitting neither its
-    result nor, through a psum, its summed dims) repeat it."""
+    that other devices repeat, of the `n` of the mesh (`whole`: `_global_costs`). The op
+    runs on shards whose dims the mesh splits `distinct` ways; the other mesh axes (those
+    splitting neither its result nor, through a psum, its summed dims) repeat it."""
     eqn = step.eqn
     if eqn is None or prim is not eqn.primitive or not local:
         return
-    glob = _global_cost(eqn, items)
+    glob = _global_cost(whole, eqn, items)
     if not local or local * n <= glob.flops * 1.0001:
         return
     used = {a for _, lay in step.outputs for axes in lay for a in axes}

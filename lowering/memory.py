@@ -57,12 +57,12 @@ def peak_memory(graph, local_bytes) -> int:
     """Inputs and constants held throughout; each intermediate from its equation to its
     last use (results to the end)."""
     held, schedule = _lifetimes(graph)
-    base = sum(local_bytes(v) for v in held)
+    base = sum(map(local_bytes, held))
     live, peak = 0, base
     for made, freed in schedule:
-        live += sum(local_bytes(v) for v in made)
+        live += sum(map(local_bytes, made))
         peak = max(peak, base + live)
-        live -= sum(local_bytes(v) for v in freed)
+        live -= sum(map(local_bytes, freed))
     return int(peak)
 
 
@@ -159,8 +159,8 @@ def _saved(terms, local_bytes, shares: dict) -> tuple[int, int]:
         else:
             saved += add[1] * local_bytes(add[2])
     for values in cotangents:
-        working = max(working, sum(local_bytes(v) for v in values))
-    return saved + sum(local_bytes(v) for v in kept), working
+        working = max(working, sum(map(local_bytes, values)))
+    return saved + sum(map(local_bytes, kept)), working
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates

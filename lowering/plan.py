@@ -143,6 +143,8 @@ def local_avals(values, arrays) -> list[Aval]:
 
 def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
     """`layout` without mesh axes of size 1, which split nothing and need no collectives."""
+    if 1 not in mesh.sizes.values():
+        return tuple(tuple(axes) for axes in layout)
     return tuple(tuple(a for a in axes if mesh.sizes[a] > 1) for axes in layout)
 
 
@@ -261,8 +263,10 @@ class RuleContext:
         dtypes, as nm.reference holds NumPy's: jax too may widen (argmax gives int64
         under jax_enable_x64 where the rule says int32)."""
         if len(arrays) > 1:
-            vma = set().union(*(self.vma(a) for a in arrays))
-            arrays = [self.varying(a, vma) for a in arrays]
+            vmas = [self.vma(a) for a in arrays]
+            vma = set().union(*vmas)
+            if any(len(v) < len(vma) for v in vmas):  # some input varies over fewer axes
+                arrays = [self.varying(a, vma) for a in arrays]
         outs = self._local(prim, arrays, params)
         return outs if prim.multiple_results else outs[0]
 
