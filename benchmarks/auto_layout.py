@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
 import json
 import os
 import re
@@ -76,7 +77,7 @@ def costing_rows(before: Path | None = None) -> tuple[list[list[str]], str]:
     2x2x2x2: the fixed layout with the caches that candidates leave for each other
     emptied (`lowering.caches.clear("layouts")`), the minimum of 9; and the mean over
     the distinct candidates the search plans for that program and mesh, from cold
-    caches (all emptied first). Against `before`, a checkout of
+    caches (all emptied first), the least of 3. Against `before`, a checkout of
     commit 1c2e4d2 (the last before the Planner, when every candidate was traced and its
     rules traced through jax: `lower(...).report(..., wrt=0)`), timed by the same
     calls in a process of its own; without it, against today's traced path
@@ -126,6 +127,7 @@ def _min_ms(fn, repeats: int = 9) -> float:
     """The least process time of `repeats` calls of `fn` (after one), in ms: another
     process on the machine's cores slows wall-clock time, not this process's own."""
     fn()
+    gc.collect()  # each timing from the same heap: the collector's passes are its own
     runs = []
     for _ in range(repeats):
         start = time.process_time()
@@ -134,27 +136,31 @@ def _min_ms(fn, repeats: int = 9) -> float:
     return min(runs) * 1e3
 
 
-def _search_mean_ms(cfg, mesh: Mesh, graph, wrt) -> tuple[int, int, float]:
+def _search_mean_ms(cfg, mesh: Mesh, graph, wrt, repeats: int = 3) -> tuple[int, int, float]:
     """(planned, traced, mean ms): the distinct candidates `auto_layout` plans for `cfg`
-    on `mesh` (TPU v2 table), costed again in its order from cold caches; those whose
-    scan a rule splits are pipelines, traced through jax (lowering/pipeline.py), and
-    left out of the mean, which is of the candidates the Planner costs."""
+    on `mesh` (TPU v2 table), costed again one after another from cold caches, the least
+    mean of `repeats`; those whose scan a rule splits are pipelines, traced through jax
+    (lowering/pipeline.py), and left out of the mean, which is of the candidates the
+    Planner costs."""
     layouts = [c.layout for c in search(cfg, mesh)["table"]]
     planned = [lay for lay in layouts if rules.plannable(graph, lay)]
-    caches.clear()
-    start = time.process_time()
-    for lay in planned:
-        try:
-            graph_report(graph, mesh, lay, wrt)
-        except NamedMeshError:
-            pass  # an invalid candidate costs its check, as in the search
-    mean = (time.process_time() - start) / len(planned) * 1e3
-    return len(planned), len(layouts) - len(planned), mean
+    means = []
+    for _ in range(repeats):
+        caches.clear()
+        gc.collect()
+        start = time.process_time()
+        for lay in planned:
+            try:
+                graph_report(graph, mesh, lay, wrt)
+            except NamedMeshError:
+                pass  # an invalid candidate costs its check, as in the search
+        means.append((time.process_time() - start) / len(planned) * 1e3)
+    return len(planned), len(layouts) - len(planned), min(means)
 
 
 # What 1c2e4d2's checkout runs: the costing_rows cases, costed as its search did.
 _REFERENCE = """
-import json, os, sys, time
+import gc, json, os, sys, time
 sys.path.insert(0, os.getcwd())
 from benchmarks.auto_layout import FOUR_AXIS, _lm
 from lowering import Mesh, lower
@@ -166,6 +172,7 @@ for name, changes, sizes, layout in %r:
     loss, inputs = _lm(cfg)
     f = lambda: lower(loss, mesh, layout or cfg.layout).report(*inputs, wrt=0, show=False)
     f()
+    gc.collect()
     runs = []
     for _ in range(9):
         t = time.process_time()
