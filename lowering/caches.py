@@ -6,7 +6,8 @@ object lives; `memo` keeps a pure function of hashable values (a primitive's sha
 cost rule on local avals), bounded. Callers must not change a result. A cache is of
 one of two kinds: "program" (what depends on the program alone, found once for all
 the candidates of a search, as its trace is) or "layouts" (what one candidate leaves
-for another: a step planned under the same situation, local shapes and flops).
+for another: a local op's shapes and flops on the same shards, an einsum's choice of
+compute layouts under the same rules of its dims, shard bytes).
 `clear(kind)` empties them, so that a benchmark can cost a candidate from cold
 caches.
 """

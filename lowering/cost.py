@@ -201,16 +201,19 @@ def _global_costs(graph) -> dict:
 
 
 def _global_cost(whole: dict, eqn, items: tuple):
+    """The cost of `eqn` run whole on one device with params `items`, kept in `whole`."""
     try:
         return whole[eqn, items]
     except KeyError:
-        avals = lambda vs: [v.aval for v in vs]
-        cost = eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items))
-        whole[eqn, items] = cost
+        cost = whole[eqn, items] = _whole_cost(eqn, items)
         return cost
     except TypeError:  # a param that does not hash
-        avals = lambda vs: [v.aval for v in vs]
-        return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items))
+        return _whole_cost(eqn, items)
+
+
+def _whole_cost(eqn, items: tuple):
+    avals = lambda vs: [v.aval for v in vs]
+    return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items))
 
 
 def _repeats(
