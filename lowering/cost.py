@@ -153,20 +153,20 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         peak = max(peak, training_peak(graph, local_bytes, active, wrt, shares))
     rep = Report(0.0, peak_memory=peak)
     devices = math.prod(sizes.values())
-    whole = _global_costs(graph)
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
         ins = step.eqn.inputs if step.eqn is not None else ()
         flowing = [v in active for v in ins]
-        for prim, params, in_avals, outs in step.local:
-            items = tuple(params.items())
-            local = _flops(prim, in_avals, outs, params, items)
+        for op in step.local:
+            local = op.flops
+            if local is None:  # not found while planning
+                local = local_flops(op.prim, op.ins, op.outs, op.params)
             f = local * step.repeat
             rep.flops += f
-            _repeats(rep.repeated, step, prim, items, local, sizes, devices, whole)
+            _repeats(rep.repeated, step, op, local, sizes, devices)
             if any(flowing):
-                rep.backward_flops += f * (sum(flowing) if prim.matmul else 1)
+                rep.backward_flops += f * (sum(flowing) if op.prim.matmul else 1)
         result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
         for c in [*step.collectives, *step.casts]:
             if c.kind in _TRAFFIC:
@@ -179,11 +179,11 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     return rep
 
 
-def _flops(prim, in_avals: list, out_avals: list, params: dict, items: tuple) -> float:
+def local_flops(prim, in_avals: list, out_avals: list, params: dict) -> float:
     """The flops of `prim`'s cost rule on local avals (kept: the same local op recurs in
-    many of the candidate layouts auto_layout costs); `items`, those of `params`."""
+    many of the candidate layouts auto_layout costs)."""
     try:
-        return _local_flops(prim, tuple(in_avals), tuple(out_avals), items)
+        return _local_flops(prim, tuple(in_avals), tuple(out_avals), tuple(params.items()))
     except TypeError:  # a param that does not hash
         return prim.cost_rule(in_avals, out_avals, params).flops
 
@@ -193,47 +193,29 @@ def _local_flops(prim, in_avals: tuple, out_avals: tuple, params: tuple) -> floa
     return prim.cost_rule(list(in_avals), list(out_avals), dict(params)).flops
 
 
-@per_object
-def _global_costs(graph) -> dict:
-    """{(equation, params items): its cost run whole on one device}, of `graph` and its
-    scans' bodies: the same under every layout auto_layout costs, found once each."""
-    return {}
-
-
-def _global_cost(whole: dict, eqn, items: tuple):
-    """The cost of `eqn` run whole on one device with params `items`, kept in `whole`."""
-    try:
-        return whole[eqn, items]
-    except KeyError:
-        cost = whole[eqn, items] = _whole_cost(eqn, items)
-        return cost
-    except TypeError:  # a param that does not hash
-        return _whole_cost(eqn, items)
-
-
-def _whole_cost(eqn, items: tuple):
+@per_object  # the same under every layout auto_layout costs: found once per equation
+def whole_flops(eqn, items: tuple) -> float:
+    """The flops of equation `eqn` run whole on one device with params `items`."""
     avals = lambda vs: [v.aval for v in vs]
-    return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items))
+    return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items)).flops
 
 
-def _repeats(
-    repeated: dict, step, prim, items: tuple, local: float, sizes, n: int, whole: dict
-) -> None:
-    """Into `repeated`: the flops of `step`'s local op (`local` per run, params `items`)
-    that other devices repeat, of the `n` of the mesh (`whole`: `_global_costs`). The op
-    runs on shards whose dims the mesh splits `distinct` ways; the other mesh axes (those
-    splitting neither its result nor, through a psum, its summed dims) repeat it."""
+def _repeats(repeated: dict, step, op, local: float, sizes, n: int) -> None:
+    """Into `repeated`: the flops of `step`'s local op `op` (`local` per run) that other
+    devices repeat, of the `n` of the mesh. The op runs on shards whose dims the mesh
+    splits `distinct` ways; the other mesh axes (those splitting neither its result
+    nor, through a psum, its summed dims) repeat it."""
     eqn = step.eqn
-    if eqn is None or prim is not eqn.primitive or not local:
+    if eqn is None or op.prim is not eqn.primitive or not local:
         return
-    glob = _global_cost(whole, eqn, items)
-    if not local or local * n <= glob.flops * 1.0001:
+    glob = op.whole if op.whole is not None else whole_flops(eqn, tuple(op.params.items()))
+    if local * n <= glob * 1.0001:
         return
     used = {a for _, lay in step.outputs for axes in lay for a in axes}
     used |= {a for c in step.collectives if c.kind in ("psum", "psum_scatter") for a in c.axes}
     axes = tuple(a for a, k in sizes.items() if k > 1 and a not in used)
-    factor = round(local * n / glob.flops, 2)
+    factor = round(local * n / glob, 2)
     key = (axes, int(factor) if float(factor).is_integer() else factor)
     ops, flops = repeated.get(key, ({}, 0.0))
-    ops[prim.name] = ops.get(prim.name, 0) + step.repeat
-    repeated[key] = (ops, flops + (local - glob.flops / n) * step.repeat)
+    ops[op.prim.name] = ops.get(op.prim.name, 0) + step.repeat
+    repeated[key] = (ops, flops + (local - glob / n) * step.repeat)

@@ -26,6 +26,7 @@ import numpy as np
 
 from lowering.caches import memo, per_object
 from lowering.collectives import plan_moves
+from lowering.cost import local_flops, whole_flops
 from lowering.layout import Layout, ValueLayout
 from lowering.mesh import Mesh
 from namedmesh.primitive import Aval, Primitive
@@ -53,6 +54,21 @@ class Instr(NamedTuple):
     params: dict
 
 
+class LocalOp(NamedTuple):
+    """A local op a step runs: the primitive, its params and the local avals of its
+    inputs and results, which the cost report costs by the primitive's cost rule. A
+    costing-only Planner also gives the op's local flops and those of the equation run
+    whole on one device (`whole`; None: not the equation's own primitive), found once
+    per equation and shards; elsewhere they are None and the report finds them."""
+
+    prim: Primitive
+    params: dict
+    ins: list
+    outs: list
+    flops: float | None = None
+    whole: float | None = None
+
+
 @dataclass
 class Step:
     """One equation of the plan: layouts in and out, local ops run, collectives issued."""
@@ -61,7 +77,7 @@ class Step:
     eqn: object  # the graph equation (None for the final relayout of outputs)
     inputs: list  # (dims, layout) per input
     outputs: list  # (dims, layout) per output
-    local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
+    local: list = field(default_factory=list)  # LocalOp, in order
     collectives: list = field(default_factory=list)  # Collective, in order
     casts: list = field(default_factory=list)  # Collective "pvary": typed varying, free
     events: list = field(default_factory=list)  # local ops and collectives, in order, as text
@@ -116,7 +132,7 @@ def signature(plan) -> list:
     return [
         (
             s.name, s.inputs, s.outputs, s.repeat, s.depth, s.events,
-            [(p.name, ins, outs) for p, _, ins, outs in s.local],
+            [(op.prim.name, op.ins, op.outs) for op in s.local],
             [(c.kind, c.axes, c.nbytes, src(c.source), c.transposes) for c in s.collectives],
             [(c.kind, c.axes, c.nbytes, src(c.source)) for c in s.casts],
         )
@@ -283,13 +299,11 @@ class RuleContext:
         """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
         report costs it by the primitive's cost rule on their shapes."""
         e = self.step.eqn
-        self.step.local.append(
-            (prim, params, local_avals(e.inputs, arrays), local_avals(e.outputs, outs))
-        )
+        ins, outs_ = local_avals(e.inputs, arrays), local_avals(e.outputs, outs)
+        self.step.local.append(LocalOp(prim, params, ins, outs_))
         if not self.record:
             return
         shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
-        ins, outs_ = self.step.local[-1][2:]
         self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
 
     def missing_axes(self, x, vma: set) -> tuple[str, ...]:
@@ -461,20 +475,23 @@ def _local_shapes(prim, in_dims, shards, kw) -> tuple:
 
 @per_object(kind="layouts")
 def _costed_local(e, prim: Primitive, shards: tuple, items: tuple) -> tuple:
-    """(result shapes, input avals, result avals) of `prim` run for equation `e` on local
-    shards of these (shape, dtype), with params `items`: as `_abstract_local` and
-    `note_local` make them."""
+    """(result shapes, LocalOp) of `prim` run for equation `e` on local shards of these
+    (shape, dtype), with params `items`: the shapes `_abstract_local` gives, the avals
+    `note_local` records, their flops and the equation's whole flops, which the cost
+    report would find again for each candidate. The LocalOp is shared: not to change."""
     in_dims = tuple(v.dims for v in e.inputs)
     shards = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in shards)
     try:
         shapes = _local_shapes(prim, in_dims, shards, items)
     except TypeError:  # a param that does not hash
         shapes = _local_shapes.__wrapped__(prim, in_dims, shards, items)
-    ins = tuple(Aval(v.dims, *x) for v, x in zip(e.inputs, shards, strict=True))
-    outs = tuple(
+    ins = [Aval(v.dims, *x) for v, x in zip(e.inputs, shards, strict=True)]
+    outs = [
         Aval(v.dims, shape, np.dtype(v.dtype)) for v, shape in zip(e.outputs, shapes, strict=True)
-    )
-    return shapes, ins, outs
+    ]
+    params = dict(items)
+    whole = whole_flops(e, items) if prim is e.primitive else None
+    return shapes, LocalOp(prim, params, ins, outs, local_flops(prim, ins, outs, params), whole)
 
 
 class Planner(RuleContext):
@@ -490,10 +507,10 @@ class Planner(RuleContext):
         # Costing only: the results' shapes and the avals that the report costs, in one
         # lookup kept per equation and shards (what _abstract_local and note_local make)
         shards = tuple((x.shape, x.dtype) for x in arrays)
-        shapes, ins, outs = _costed_local(self.step.eqn, prim, shards, tuple(params.items()))
-        self.step.local.append((prim, params, list(ins), list(outs)))
+        shapes, op = _costed_local(self.step.eqn, prim, shards, tuple(params.items()))
+        self.step.local.append(op)
         vma = arrays[0].vma if len(arrays) == 1 else frozenset().union(*(x.vma for x in arrays))
-        return tuple(Local(s, a.dtype, vma) for s, a in zip(shapes, outs, strict=True))
+        return tuple(Local(s, a.dtype, vma) for s, a in zip(shapes, op.outs, strict=True))
 
     def _op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:
