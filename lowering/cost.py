@@ -156,27 +156,40 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
-        ins = step.eqn.inputs if step.eqn is not None else ()
-        flowing = [v in active for v in ins]
-        for op in step.local:
-            local = op.flops
-            if local is None:  # not found while planning
-                local = local_flops(op.prim, op.ins, op.outs, op.params)
-            f = local * step.repeat
-            rep.flops += f
-            _repeats(rep.repeated, step, op, local, sizes, devices)
-            if any(flowing):
-                rep.backward_flops += f * (sum(flowing) if op.prim.matmul else 1)
-        result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
-        for c in [*step.collectives, *step.casts]:
-            if c.kind in _TRAFFIC:
-                _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, sizes)
-            through = c.source in active if c.source is not None else result_active
-            if wrt is not None and through and c.transposes and c.kind in _BACKWARD:
-                kind, nbytes = _BACKWARD[c.kind]
-                n = math.prod(sizes[a] for a in c.axes)
-                _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, sizes)
+        if step.local:
+            _add_local_ops(rep, step, active, sizes, devices)
+        if step.collectives or step.casts:
+            _add_collectives(rep, step, active, wrt is not None, sizes)
     return rep
+
+
+def _add_local_ops(rep: Report, step, active: set, sizes, devices: int) -> None:
+    """Into `rep`: the flops of `step`'s local ops, forward and (for an op that reads a
+    value the gradient flows through) backward: a matmul's once per such input."""
+    flowing = sum(v in active for v in step.eqn.inputs) if step.eqn is not None else 0
+    for op in step.local:
+        local = op.flops
+        if local is None:  # not found while planning
+            local = local_flops(op.prim, op.ins, op.outs, op.params)
+        f = local * step.repeat
+        rep.flops += f
+        _repeats(rep.repeated, step, op, local, sizes, devices)
+        if flowing:
+            rep.backward_flops += f * (flowing if op.prim.matmul else 1)
+
+
+def _add_collectives(rep: Report, step, active: set, backward: bool, sizes) -> None:
+    """Into `rep`: the bytes of `step`'s collectives and casts, and (`backward`) of the
+    collectives their transposes issue where the gradient flows through them."""
+    result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
+    for c in [*step.collectives, *step.casts]:
+        if c.kind in _TRAFFIC:
+            _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, sizes)
+        through = c.source in active if c.source is not None else result_active
+        if backward and through and c.transposes and c.kind in _BACKWARD:
+            kind, nbytes = _BACKWARD[c.kind]
+            n = math.prod(sizes[a] for a in c.axes)
+            _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, sizes)
 
 
 def local_flops(prim, in_avals: list, out_avals: list, params: dict) -> float:

@@ -102,17 +102,30 @@ def plan_layouts(ctx: RuleContext, graph) -> None:
     the rules' (soft) layout, or the one `nm.constrain` pins. Values whose dims conflict
     (two of them take one mesh axis) go into `ctx.free` too: the einsum and elementwise
     rules replace their rule-order layout by the one they compute them in."""
-    conflicts: dict = {}  # by dims: the same dims recur in many values
+    by_shape, pinned = _values_by_shape(graph)
+    conflicts: dict = {}  # by dims: the same dims recur in many shapes
+    for (dims, shape), values in by_shape.items():
+        ctx.wanted.update(dict.fromkeys(values, ctx.soft_layout(dims, shape)))
+        if dims not in conflicts:
+            conflicts[dims] = ctx.layout.conflicts(dims, ctx.sizes)
+        if conflicts[dims]:
+            ctx.free.update(values)
+    for v, layout in pinned:
+        ctx.wanted[v] = constraint_layout(layout, v, ctx.mesh)
+        ctx.free.discard(v)
+
+
+@per_object
+def _values_by_shape(graph) -> tuple[dict, list]:
+    """({(dims, shape): the values `graph`'s equations make with them}, [(value, layout
+    it is pinned to by nm.constrain)]): what `plan_layouts` assigns per candidate, found
+    once per program (a Transformer's values share a few dims and shapes)."""
+    by_shape: dict = {}
     for e in graph.eqns:
         for v in e.outputs:
-            ctx.wanted[v] = ctx.soft_layout(v.dims, v.shape)
-            if v.dims not in conflicts:
-                conflicts[v.dims] = ctx.layout.conflicts(v.dims, ctx.sizes)
-            if conflicts[v.dims]:
-                ctx.free.add(v)
-        if e.primitive.pins_layout:
-            ctx.wanted[e.outputs[0]] = constraint_layout(e.params["layout"], e.outputs[0], ctx.mesh)
-            ctx.free.discard(e.outputs[0])
+            by_shape.setdefault((v.dims, v.shape), []).append(v)
+    pinned = [(e.outputs[0], e.params["layout"]) for e in graph.eqns if e.primitive.pins_layout]
+    return by_shape, pinned
 
 
 def cost_own_arithmetic(ctx: RuleContext, e, ins, outs) -> None:

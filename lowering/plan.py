@@ -281,8 +281,11 @@ class RuleContext:
         if len(arrays) > 1:
             vmas = [self.vma(a) for a in arrays]
             vma = set().union(*vmas)
-            if any(len(v) < len(vma) for v in vmas):  # some input varies over fewer axes
-                arrays = [self.varying(a, vma) for a in arrays]
+            # cast only the inputs that vary over fewer axes (the others are typed alike)
+            arrays = [
+                a if len(v) == len(vma) else self.varying(a, vma)
+                for a, v in zip(arrays, vmas, strict=True)
+            ]
         outs = self._local(prim, arrays, params)
         return outs if prim.multiple_results else outs[0]
 
@@ -506,11 +509,12 @@ class Planner(RuleContext):
             return super()._local(prim, arrays, params)
         # Costing only: the results' shapes and the avals that the report costs, in one
         # lookup kept per equation and shards (what _abstract_local and note_local make)
-        shards = tuple((x.shape, x.dtype) for x in arrays)
+        shards = tuple([(x.shape, x.dtype) for x in arrays])
         shapes, op = _costed_local(self.step.eqn, prim, shards, tuple(params.items()))
         self.step.local.append(op)
-        vma = arrays[0].vma if len(arrays) == 1 else frozenset().union(*(x.vma for x in arrays))
-        return tuple(Local(s, a.dtype, vma) for s, a in zip(shapes, op.outs, strict=True))
+        # `local` has cast the inputs alike: they vary over the same axes
+        vma = arrays[0].vma if arrays else frozenset()
+        return tuple([Local(s, a.dtype, vma) for s, a in zip(shapes, op.outs, strict=True)])
 
     def _op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:

@@ -109,7 +109,7 @@ def replicated_rule(ctx, eqn, args):
 
 
 def _layout_in(dims, layout_of):
-    return tuple(layout_of.get(d, ()) for d in dims)
+    return tuple([layout_of.get(d, ()) for d in dims])
 
 
 def elementwise_rule(ctx, eqn, args):
