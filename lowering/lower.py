@@ -187,9 +187,18 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, lis
     check_dtypes(graph)
     layout.check_dims(_dims(graph))
     names = names or [str(i) for i in range(len(graph.inputs))]
-    of = lambda v, what: nontrivial(layout.of(v.dims, v.shape, mesh, what), mesh)
-    wanted = {v: of(v, f"input {names[i]}") for i, v in enumerate(graph.inputs)}
-    return wanted, [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
+    # by (dims, shape): a model's parameters share a few. A value's layout is found (and
+    # checked) at the first value with its dims and shape, so an error names that one
+    known: dict = {}
+
+    def of(v, kind: str, name) -> ValueLayout:
+        key = (v.dims, v.shape)
+        if key not in known:
+            known[key] = nontrivial(layout.of(v.dims, v.shape, mesh, f"{kind} {name}"), mesh)
+        return known[key]
+
+    wanted = {v: of(v, "input", names[i]) for i, v in enumerate(graph.inputs)}
+    return wanted, [of(v, "output", i) for i, v in enumerate(graph.outputs)]
 
 
 @per_object
