@@ -69,7 +69,7 @@ class LocalOp(NamedTuple):
     whole: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # one per equation and candidate: slots make it cheaper
 class Step:
     """One equation of the plan: layouts in and out, local ops run, collectives issued."""
 
@@ -398,7 +398,7 @@ class RuleContext:
         return x
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # many per candidate: slots make them cheaper
 class Local:
     """A local shard as the planner sees it: its shape, dtype and the mesh axes over
     which shard_map types it varying. Identity is the value's (hashed by id)."""

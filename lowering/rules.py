@@ -123,7 +123,8 @@ def elementwise_rule(ctx, eqn, args):
         want = ctx.wanted[out] = tuple(next(same, None) or ctx.soft_layout(out.dims, out.shape))
     by_dim = dict(zip(out.dims, want, strict=True))
     xs = [
-        ctx.relayout(x, lay, _layout_in(v.dims, by_dim))
+        # an input with the output's dims (most) takes its layout as it is
+        ctx.relayout(x, lay, want if v.dims == out.dims else _layout_in(v.dims, by_dim))
         for (x, lay), v in zip(args, eqn.inputs, strict=True)
     ]
     return [(ctx.local(eqn.primitive, *xs, **eqn.params), want)]
