@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
+from lowering.caches import memo
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, fmt_dims
 from namedmesh.layout_rules import format_options, format_rules, parse_rules, split_options
@@ -127,31 +128,37 @@ class Layout:
 
     def assign(self, dims: Sequence[str], shape=None, what: str = "tensor") -> ValueLayout:
         """The mesh axes each of `dims` takes, in rule order; sizes not checked."""
-        # asked of the same dims for every value of a program, and by the planner again
-        # for each candidate layout that auto_layout costs: kept per dims once found
-        cache = self.__dict__.setdefault("_assigned", {})
-        key = (tuple(dims), tuple(self.rules), self.strict)
-        if key not in cache:
-            cache[key] = self._assign(dims, shape, what)
-        return cache[key]
+        dims = tuple(dims)
+        # the rules of these dims alone decide it: kept by them, as many candidate
+        # layouts that auto_layout costs share them
+        relevant = tuple(r for r in self.rules if r[0] in dims)
+        layout, conflict = _assign(dims, relevant, self.strict)
+        if conflict:
+            a, first, dim = conflict
+            shown = fmt_dims(dims, shape) if shape is not None else fmt_dims(dims)
+            raise LayoutError(
+                f"{what} {shown}: mesh axis {a!r} would split both {first!r} and "
+                f"{dim!r} (strict layout {self})"
+            )
+        return layout
 
-    def _assign(self, dims, shape, what: str) -> ValueLayout:
-        taken: dict[str, str] = {}
-        split = {d: () for d in dims}
-        for dim, axes in self.rules:
-            if dim not in split:
-                continue
-            free = tuple(a for a in axes if a not in taken)
-            if len(free) < len(axes) and self.strict:
-                a = next(a for a in axes if a in taken)
-                shown = fmt_dims(dims, shape) if shape is not None else fmt_dims(dims)
-                raise LayoutError(
-                    f"{what} {shown}: mesh axis {a!r} would split both {taken[a]!r} and "
-                    f"{dim!r} (strict layout {self})"
-                )
-            taken.update((a, dim) for a in free)
-            split[dim] = free
-        return tuple(split[d] for d in dims)
+
+@memo()
+def _assign(dims: tuple, rules: tuple, strict: bool) -> tuple[ValueLayout, tuple | None]:
+    """(the mesh axes each of `dims` takes under `rules`, in rule order; None), or under
+    `strict` (None, (mesh axis, the dim that took it, the dim that wants it too))."""
+    taken: dict[str, str] = {}
+    split = {d: () for d in dims}
+    for dim, axes in rules:
+        if dim not in split:
+            continue
+        free = tuple(a for a in axes if a not in taken)
+        if len(free) < len(axes) and strict:
+            a = next(a for a in axes if a in taken)
+            return None, (a, taken[a], dim)
+        taken.update((a, dim) for a in free)
+        split[dim] = free
+    return tuple(split[d] for d in dims), None
 
 
 def check_axes(rules, mesh, where: str) -> None:

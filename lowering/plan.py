@@ -361,11 +361,8 @@ class RuleContext:
         return known[key]
 
     def _soft_layout(self, dims, shape, rules: Layout) -> ValueLayout:
-        layout = list(rules.assign(dims, shape, "value"))
-        for i, n in enumerate(shape):
-            if n % math.prod(self.sizes[a] for a in layout[i]):
-                layout[i] = ()
-        return nontrivial(tuple(layout), self.mesh)
+        assigned = rules.assign(dims, shape, "value")
+        return _dividing(assigned, tuple(shape), tuple(self.sizes.items()))
 
     def relayout(self, x, src: ValueLayout, dst: ValueLayout):
         """`x` moved from layout `src` to `dst`, once per value and target: a second
@@ -396,6 +393,18 @@ class RuleContext:
             else:
                 x = self._op("slice_to", x, axes=m.axes, dim=m.dim, sizes=self.sizes)
         return x
+
+
+@memo()  # the same assigned layout and shape recur in many candidate layouts
+def _dividing(layout: ValueLayout, shape: tuple, sizes: tuple) -> ValueLayout:
+    """`layout` of a value of `shape` on a mesh of `sizes` (items), leaving unsplit a dim
+    its mesh axes do not divide, without the axes of size 1 (as `nontrivial`)."""
+    mesh = dict(sizes)
+    fits = [
+        () if n % math.prod(mesh[a] for a in axes) else axes
+        for n, axes in zip(shape, layout, strict=True)
+    ]
+    return tuple(tuple(a for a in axes if mesh[a] > 1) for axes in fits)
 
 
 @dataclass(eq=False, slots=True)  # many per candidate: slots make them cheaper
