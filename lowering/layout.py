@@ -112,9 +112,8 @@ class Layout:
         """The dims of `dims`, in rule order, whose rules share a mesh axis with the rule of
         another of `dims` (mesh axes of size 1 in `sizes`, if given, split nothing and
         are left out)."""
-        used = lambda axes: {a for a in axes if sizes is None or sizes[a] > 1}
-        mapped = [(d, used(axes)) for d, axes in self.rules if d in dims]
-        return tuple(d for d, a in mapped if any(a & b for e, b in mapped if e != d))
+        relevant = tuple(r for r in self.rules if r[0] in dims)  # all that decides it
+        return _conflicts(relevant, tuple(sizes.items()) if sizes is not None else None)
 
     def first(self, dim: str) -> Layout:
         """These rules with `dim`'s rule moved to the front (not strict): `dim` takes its
@@ -141,6 +140,16 @@ class Layout:
                 f"{dim!r} (strict layout {self})"
             )
         return layout
+
+
+@memo()  # the rules of one value's dims recur in many candidate layouts
+def _conflicts(rules: tuple, sizes: tuple | None) -> tuple:
+    """The dims of `rules` whose mesh axes (of size over 1 in `sizes` items, if given)
+    another of them shares, in rule order."""
+    mesh = dict(sizes) if sizes is not None else None
+    used = lambda axes: {a for a in axes if mesh is None or mesh[a] > 1}
+    mapped = [(d, used(axes)) for d, axes in rules]
+    return tuple(d for d, a in mapped if any(a & b for e, b in mapped if e != d))
 
 
 @memo()
