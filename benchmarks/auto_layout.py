@@ -1,8 +1,10 @@
-"""`python -m benchmarks.auto_layout [--steps N] [--skip-train] [--out docs/benchmarks.md]`:
+"""`python -m benchmarks.auto_layout [--steps N] [--skip-train] [--before DIR] [--out FILE]`:
 auto_layout's choices and search times against the issue's goals.
 
-0. Costing one candidate: the Planner (plain Python) against tracing the rules through
-   jax, the way every candidate was costed before the planner. Goal: 10x faster.
+0. Costing one candidate (`costing_rows`): as the search costs it (the Planner, plain
+   Python, the program traced once), one layout from emptied caches and the mean over a
+   search's candidates, against the traced costing of commit 1c2e4d2, the last before
+   the Planner, checked out in DIR (`--before`). Process time. Goal: 10x faster.
 1. Paper scale, no devices: for each LM1B config (models/config.py `lm1b_*`) on its
    paper mesh (abstract, 32 to 512 cores), `auto_layout` of the training loss with the
    TPU v2 table (`rates="tpu_v2"`, memory limit its 8 GiB per core); the chosen layout's
@@ -21,8 +23,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
+import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,10 +35,11 @@ from pathlib import Path
 
 import namedmesh as nm
 from benchmarks import quality, report
-from lowering import Layout, Mesh, auto_layout, lower
+from lowering import Layout, Mesh, auto_layout, caches, lower, rules
 from lowering.lower import argument_inputs, graph_report
 from lowering.rates import hardware
 from models import config, objectives, transformer
+from namedmesh.errors import NamedMeshError
 
 SECTION = "## auto_layout: choices and search time"
 PAPER = tuple(f"lm1b_{'m1' if k < 0 else k}" for k in sorted(config.PAPER_PARAMS))
@@ -63,49 +69,130 @@ def planned_seconds(cfg, mesh: Mesh, layout: str, rates: str = "tpu_v2") -> floa
     return hardware(rates).seconds(lower(loss, mesh, layout).report(*inputs, wrt=0, show=False))
 
 
-def costing_rows(repeats: int = 5) -> tuple[list[list[str]], str]:
-    """Seconds to cost one candidate layout (plan + report, forward and backward), median
-    of `repeats`, for the paper's layout of `lm1b_1` and a 4-axis layout of `base` x24:
-    as the search did before the Planner (`lower(..., traced=True).report`: the program
-    traced, then its rules traced through jax) and as it does now (`graph_report` of the
-    program traced once, by the Planner)."""
-    cases = [("lm1b_1", config.get("lm1b_1"), None, None),
-             ("base x24", config.get("base", layers=24), FOUR_AXIS[0],
-              "batch:a,b;heads:c;d_ff:c;vocab:d")]
+COSTING = (
+    ("lm1b_1", {}, None, None),
+    ("base x24", {"layers": 24}, FOUR_AXIS[0], "batch:a,b;heads:c;d_ff:c;vocab:d"),
+)
+
+
+def costing_rows(before: Path | None = None) -> tuple[list[list[str]], str]:
+    """Milliseconds of process time to cost one candidate layout (plan + report, forward
+    and backward) of `lm1b_1` (the paper's layout on its mesh) and of `base` x24 on
+    2x2x2x2: the fixed layout with the caches that candidates leave for each other
+    emptied (`lowering.caches.clear("layouts")`), the minimum of 9; and the mean over
+    the distinct candidates the search plans for that program and mesh, from cold
+    caches (all emptied first), the least of 3. Against `before`, a checkout of
+    commit 1c2e4d2 (the last before the Planner, when every candidate was traced and its
+    rules traced through jax: `lower(...).report(..., wrt=0)`), timed by the same
+    calls in a process of its own; without it, against today's traced path
+    (`lower(..., traced=True)`), which has gained caches since."""
+    reference = _reference_ms(before) if before else {}
     rows, ratios = [], []
-    for name, cfg, sizes, layout in cases:  # fmt: skip
-        mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
-        layout = layout or cfg.layout
-        loss, inputs = _lm(cfg)
-        graph = nm.trace(loss, *inputs)
-        wrt = argument_inputs(graph, inputs, 0)
-        traced = functools.partial(_traced_report, loss, mesh, layout, inputs)
-        planned = functools.partial(graph_report, graph, mesh, Layout(layout), wrt)
-        times = {True: _median_seconds(traced, repeats), False: _median_seconds(planned, repeats)}
-        ratios.append(times[True] / times[False])
-        rows.append([
-            f"`{name}`", str(mesh), f"`{layout}`",
-            f"{times[True]:.3f}", f"{times[False]:.3f}", f"{ratios[-1]:.1f}",
-        ])  # fmt: skip
+    for case in COSTING:
+        row, ref, now, mean = _costing_row(*case, reference.get(case[0]))
+        rows.append(row)
+        ratios += [ref / now, ref / mean]
+    what = "1c2e4d2's traced costing" if before else "today's traced costing"
     verdict = (
-        f"Goal (costing a candidate at least 10x faster than by tracing): {min(ratios):.1f}x "
+        f"Goal (costing a candidate at least 10x faster than {what}): {min(ratios):.1f}x "
         f"to {max(ratios):.1f}x, {'met' if min(ratios) >= 10 else 'not met'} (load average "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)."
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; process time)."
     )
     return rows, verdict
+
+
+def _costing_row(name, changes, sizes, layout, ref):
+    cfg = config.get(name.split()[0], **changes)
+    mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
+    layout = layout or cfg.layout
+    loss, inputs = _lm(cfg)
+    graph = nm.trace(loss, *inputs)
+    wrt = argument_inputs(graph, inputs, 0)
+    ref = ref or _min_ms(functools.partial(_traced_report, loss, mesh, layout, inputs))
+    now = _min_ms(functools.partial(_cold_report, graph, mesh, layout, wrt))
+    planned, traced, mean = _search_mean_ms(cfg, mesh, graph, wrt)
+    row = [
+        f"`{name}`", str(mesh), f"`{layout}`", f"{ref:.1f}", f"{now:.1f}", f"{ref / now:.1f}",
+        f"{mean:.1f} ({planned} planned, {traced} traced)", f"{ref / mean:.1f}",
+    ]  # fmt: skip
+    return row, ref, now, mean
+
+
+def _cold_report(graph, mesh, layout, wrt):
+    caches.clear("layouts")
+    return graph_report(graph, mesh, Layout(layout), wrt)
 
 
 def _traced_report(loss, mesh, layout, inputs):
     return lower(loss, mesh, layout, traced=True).report(*inputs, wrt=0, show=False)
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _min_ms(fn, repeats: int = 9) -> float:
+    """The least process time of `repeats` calls of `fn` (after one), in ms: another
+    process on the machine's cores slows wall-clock time, not this process's own."""
+    fn()
+    gc.collect()  # each timing from the same heap: the collector's passes are its own
     runs = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        runs.append(time.perf_counter() - start)
-    return sorted(runs)[len(runs) // 2]
+        runs.append(time.process_time() - start)
+    return min(runs) * 1e3
+
+
+def _search_mean_ms(cfg, mesh: Mesh, graph, wrt, repeats: int = 3) -> tuple[int, int, float]:
+    """(planned, traced, mean ms): the distinct candidates `auto_layout` plans for `cfg`
+    on `mesh` (TPU v2 table), costed again one after another from cold caches, the least
+    mean of `repeats`; those whose scan a rule splits are pipelines, traced through jax
+    (lowering/pipeline.py), and left out of the mean, which is of the candidates the
+    Planner costs."""
+    layouts = [c.layout for c in search(cfg, mesh)["table"]]
+    planned = [lay for lay in layouts if rules.plannable(graph, lay)]
+    means = []
+    for _ in range(repeats):
+        caches.clear()
+        gc.collect()
+        start = time.process_time()
+        for lay in planned:
+            try:
+                graph_report(graph, mesh, lay, wrt)
+            except NamedMeshError:
+                pass  # an invalid candidate costs its check, as in the search
+        means.append((time.process_time() - start) / len(planned) * 1e3)
+    return len(planned), len(layouts) - len(planned), min(means)
+
+
+# What 1c2e4d2's checkout runs: the costing_rows cases, costed as its search did.
+_REFERENCE = """
+import gc, json, os, sys, time
+sys.path.insert(0, os.getcwd())
+from benchmarks.auto_layout import FOUR_AXIS, _lm
+from lowering import Mesh, lower
+from models import config
+out = {}
+for name, changes, sizes, layout in %r:
+    cfg = config.get(name.split()[0], **changes)
+    mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
+    loss, inputs = _lm(cfg)
+    f = lambda: lower(loss, mesh, layout or cfg.layout).report(*inputs, wrt=0, show=False)
+    f()
+    gc.collect()
+    runs = []
+    for _ in range(9):
+        t = time.process_time()
+        f()
+        runs.append(time.process_time() - t)
+    out[name] = min(runs) * 1e3
+print(json.dumps(out))
+"""
+
+
+def _reference_ms(checkout: Path) -> dict[str, float]:
+    """ms per candidate of each COSTING case, timed in `checkout` (commit 1c2e4d2)."""
+    code = _REFERENCE % (COSTING,)
+    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def paper_rows() -> tuple[list[list[str]], str]:
@@ -204,20 +291,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=120, help="training steps per layout (120)")
     p.add_argument("--skip-train", action="store_true", help="only the planning goals")
     p.add_argument("--out", type=Path, help="markdown file whose section to replace")
+    p.add_argument("--before", type=Path, help="a checkout of commit 1c2e4d2 to time the "
+                   "costing against (`git worktree add DIR 1c2e4d2`)")  # fmt: skip
     args = p.parse_args(argv)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     info = report.machine()
     parts = report.heading(SECTION, f"Made by `{report.command('benchmarks.auto_layout', argv)}`"
                            f" on {when}.", info)  # fmt: skip
-    costing = costing_rows()
+    costing = costing_rows(args.before)
     parts += [
-        "Costing one candidate layout (plan, forward and backward cost), median of 5, "
-        "seconds: `traced` as every candidate was costed before the Planner "
-        "(`lower(..., traced=True).report(..., wrt=0)`), `planned` as the search costs it "
-        "now (`lower.graph_report` of the program traced once):",
+        "Costing one candidate layout (plan, forward and backward cost), ms of process "
+        "time: `before` as every candidate was costed before the Planner (commit 1c2e4d2 "
+        "with `--before`, else today's traced path), `fixed` the layout costed by "
+        "`lower.graph_report` with the caches candidates leave each other emptied (both "
+        "the least of 9), `search mean` over the candidates the search plans, from cold "
+        "caches:",
         "",
-        report.md_table(["program", "mesh", "layout", "traced s", "planned s", "speedup"],
-                        costing[0]),
+        report.md_table(["program", "mesh", "layout", "before ms", "fixed ms", "speedup",
+                         "search mean ms", "speedup"], costing[0]),
         "",
         costing[1],
         "",

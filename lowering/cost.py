@@ -17,9 +17,9 @@ once per input the gradient flows to; every other op's, its forward flops.
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 
+from lowering.caches import memo, per_object
 from lowering.memory import active_values, peak_memory, training_peak
 
 _TRAFFIC = {
@@ -152,63 +152,83 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
         peak = max(peak, training_peak(graph, local_bytes, active, wrt, shares))
     rep = Report(0.0, peak_memory=peak)
+    devices = math.prod(sizes.values())
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
-        ins = step.eqn.inputs if step.eqn is not None else ()
-        flowing = [v in active for v in ins]
-        for prim, params, in_avals, outs in step.local:
-            local = prim.cost_rule(in_avals, outs, params).flops
-            f = local * step.repeat
-            rep.flops += f
-            _repeats(rep.repeated, step, prim, params, local, sizes)
-            if any(flowing):
-                rep.backward_flops += f * (sum(flowing) if prim.matmul else 1)
-        result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
-        for c in [*step.collectives, *step.casts]:
-            if c.kind in _TRAFFIC:
-                _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, sizes)
-            through = c.source in active if c.source is not None else result_active
-            if wrt is not None and through and c.transposes and c.kind in _BACKWARD:
-                kind, nbytes = _BACKWARD[c.kind]
-                n = math.prod(sizes[a] for a in c.axes)
-                _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, sizes)
+        if step.local:
+            _add_local_ops(rep, step, active, sizes, devices)
+        if step.collectives or step.casts:
+            _add_collectives(rep, step, active, wrt is not None, sizes)
     return rep
 
 
-_GLOBAL_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _add_local_ops(rep: Report, step, active: set, sizes, devices: int) -> None:
+    """Into `rep`: the flops of `step`'s local ops, forward and (for an op that reads a
+    value the gradient flows through) backward: a matmul's once per such input."""
+    flowing = sum(v in active for v in step.eqn.inputs) if step.eqn is not None else 0
+    for op in step.local:
+        local = op.flops
+        if local is None:  # not found while planning
+            local = local_flops(op.prim, op.ins, op.outs, op.params)
+        f = local * step.repeat
+        rep.flops += f
+        _repeats(rep.repeated, step, op, local, sizes, devices)
+        if flowing:
+            rep.backward_flops += f * (flowing if op.prim.matmul else 1)
 
 
-def _global_cost(eqn, params: dict):
-    """The cost of equation `eqn` run whole on one device with `params` (kept per
-    equation and params: it is the same under every layout auto_layout costs)."""
-    known = _GLOBAL_COSTS.setdefault(eqn, [])
-    for seen, cost in known:
-        if seen == params:
-            return cost
+def _add_collectives(rep: Report, step, active: set, backward: bool, sizes) -> None:
+    """Into `rep`: the bytes of `step`'s collectives and casts, and (`backward`) of the
+    collectives their transposes issue where the gradient flows through them."""
+    result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
+    for c in [*step.collectives, *step.casts]:
+        if c.kind in _TRAFFIC:
+            _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, sizes)
+        through = c.source in active if c.source is not None else result_active
+        if backward and through and c.transposes and c.kind in _BACKWARD:
+            kind, nbytes = _BACKWARD[c.kind]
+            n = math.prod(sizes[a] for a in c.axes)
+            _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, sizes)
+
+
+def local_flops(prim, in_avals: list, out_avals: list, params: dict) -> float:
+    """The flops of `prim`'s cost rule on local avals (kept: the same local op recurs in
+    many of the candidate layouts auto_layout costs)."""
+    try:
+        return _local_flops(prim, tuple(in_avals), tuple(out_avals), tuple(params.items()))
+    except TypeError:  # a param that does not hash
+        return prim.cost_rule(in_avals, out_avals, params).flops
+
+
+@memo()
+def _local_flops(prim, in_avals: tuple, out_avals: tuple, params: tuple) -> float:
+    return prim.cost_rule(list(in_avals), list(out_avals), dict(params)).flops
+
+
+@per_object  # the same under every layout auto_layout costs: found once per equation
+def whole_flops(eqn, items: tuple) -> float:
+    """The flops of equation `eqn` run whole on one device with params `items`."""
     avals = lambda vs: [v.aval for v in vs]
-    cost = eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), params)
-    known.append((params, cost))
-    return cost
+    return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items)).flops
 
 
-def _repeats(repeated: dict, step, prim, params, local: float, sizes) -> None:
-    """Into `repeated`: the flops of `step`'s local op (`local` per run) that other
-    devices repeat. The op runs on shards whose dims the mesh splits `distinct` ways;
-    the other mesh axes (those splitting neither its result nor, through a psum, its
-    summed dims) repeat it."""
+def _repeats(repeated: dict, step, op, local: float, sizes, n: int) -> None:
+    """Into `repeated`: the flops of `step`'s local op `op` (`local` per run) that other
+    devices repeat, of the `n` of the mesh. The op runs on shards whose dims the mesh
+    splits `distinct` ways; the other mesh axes (those splitting neither its result
+    nor, through a psum, its summed dims) repeat it."""
     eqn = step.eqn
-    if eqn is None or prim is not eqn.primitive or not local:
+    if eqn is None or op.prim is not eqn.primitive or not local:
         return
-    glob = _global_cost(eqn, params)
-    n = math.prod(sizes.values())
-    if not local or local * n <= glob.flops * 1.0001:
+    glob = op.whole if op.whole is not None else whole_flops(eqn, tuple(op.params.items()))
+    if local * n <= glob * 1.0001:
         return
     used = {a for _, lay in step.outputs for axes in lay for a in axes}
     used |= {a for c in step.collectives if c.kind in ("psum", "psum_scatter") for a in c.axes}
     axes = tuple(a for a, k in sizes.items() if k > 1 and a not in used)
-    factor = round(local * n / glob.flops, 2)
+    factor = round(local * n / glob, 2)
     key = (axes, int(factor) if float(factor).is_integer() else factor)
     ops, flops = repeated.get(key, ({}, 0.0))
-    ops[prim.name] = ops.get(prim.name, 0) + step.repeat
-    repeated[key] = (ops, flops + (local - glob.flops / n) * step.repeat)
+    ops[op.prim.name] = ops.get(op.prim.name, 0) + step.repeat
+    repeated[key] = (ops, flops + (local - glob / n) * step.repeat)

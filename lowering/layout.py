@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
+from lowering.caches import memo
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, fmt_dims
 from namedmesh.layout_rules import format_options, format_rules, parse_rules, split_options
@@ -111,43 +112,62 @@ class Layout:
         """The dims of `dims`, in rule order, whose rules share a mesh axis with the rule of
         another of `dims` (mesh axes of size 1 in `sizes`, if given, split nothing and
         are left out)."""
-        used = lambda axes: {a for a in axes if sizes is None or sizes[a] > 1}
-        mapped = [(d, used(axes)) for d, axes in self.rules if d in dims]
-        return tuple(d for d, a in mapped if any(a & b for e, b in mapped if e != d))
+        relevant = tuple(r for r in self.rules if r[0] in dims)  # all that decides it
+        return _conflicts(relevant, tuple(sizes.items()) if sizes is not None else None)
 
     def first(self, dim: str) -> Layout:
         """These rules with `dim`'s rule moved to the front (not strict): `dim` takes its
         mesh axes before any dim that shares them."""
-        rules = [r for r in self.rules if r[0] == dim] + [r for r in self.rules if r[0] != dim]
-        return Layout(rules)
+        # kept: asked of the same dim by every einsum that shares its axis, per candidate
+        known = self.__dict__.setdefault("_first", {})
+        if dim not in known:
+            first = [r for r in self.rules if r[0] == dim]
+            known[dim] = Layout(first + [r for r in self.rules if r[0] != dim])
+        return known[dim]
 
     def assign(self, dims: Sequence[str], shape=None, what: str = "tensor") -> ValueLayout:
         """The mesh axes each of `dims` takes, in rule order; sizes not checked."""
-        # asked of the same dims for every value of a program, and by the planner again
-        # for each candidate layout that auto_layout costs: kept per dims once found
-        cache = self.__dict__.setdefault("_assigned", {})
-        key = (tuple(dims), tuple(self.rules), self.strict)
-        if key not in cache:
-            cache[key] = self._assign(dims, shape, what)
-        return cache[key]
+        dims = tuple(dims)
+        # the rules of these dims alone decide it: kept by them, as many candidate
+        # layouts that auto_layout costs share them
+        relevant = tuple(r for r in self.rules if r[0] in dims)
+        layout, conflict = _assign(dims, relevant, self.strict)
+        if conflict:
+            a, first, dim = conflict
+            shown = fmt_dims(dims, shape) if shape is not None else fmt_dims(dims)
+            raise LayoutError(
+                f"{what} {shown}: mesh axis {a!r} would split both {first!r} and "
+                f"{dim!r} (strict layout {self})"
+            )
+        return layout
 
-    def _assign(self, dims, shape, what: str) -> ValueLayout:
-        taken: dict[str, str] = {}
-        split = {d: () for d in dims}
-        for dim, axes in self.rules:
-            if dim not in split:
-                continue
-            free = tuple(a for a in axes if a not in taken)
-            if len(free) < len(axes) and self.strict:
-                a = next(a for a in axes if a in taken)
-                shown = fmt_dims(dims, shape) if shape is not None else fmt_dims(dims)
-                raise LayoutError(
-                    f"{what} {shown}: mesh axis {a!r} would split both {taken[a]!r} and "
-                    f"{dim!r} (strict layout {self})"
-                )
-            taken.update((a, dim) for a in free)
-            split[dim] = free
-        return tuple(split[d] for d in dims)
+
+@memo()  # the rules of one value's dims recur in many candidate layouts
+def _conflicts(rules: tuple, sizes: tuple | None) -> tuple:
+    """The dims of `rules` whose mesh axes (of size over 1 in `sizes` items, if given)
+    another of them shares, in rule order."""
+    mesh = dict(sizes) if sizes is not None else None
+    used = lambda axes: {a for a in axes if mesh is None or mesh[a] > 1}
+    mapped = [(d, used(axes)) for d, axes in rules]
+    return tuple(d for d, a in mapped if any(a & b for e, b in mapped if e != d))
+
+
+@memo()
+def _assign(dims: tuple, rules: tuple, strict: bool) -> tuple[ValueLayout, tuple | None]:
+    """(the mesh axes each of `dims` takes under `rules`, in rule order; None), or under
+    `strict` (None, (mesh axis, the dim that took it, the dim that wants it too))."""
+    taken: dict[str, str] = {}
+    split = {d: () for d in dims}
+    for dim, axes in rules:
+        if dim not in split:
+            continue
+        free = tuple(a for a in axes if a not in taken)
+        if len(free) < len(axes) and strict:
+            a = next(a for a in axes if a in taken)
+            return None, (a, taken[a], dim)
+        taken.update((a, dim) for a in free)
+        split[dim] = free
+    return tuple(split[d] for d in dims), None
 
 
 def check_axes(rules, mesh, where: str) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering import cost, distributed, rules
+from lowering.caches import memo, per_object
 from lowering.collectives import cast_varying, varying_axes
 from lowering.cost import Report
 from lowering.emit import emit, run_op
@@ -75,6 +76,11 @@ def check_dtypes(graph) -> None:
     computed in 64 bits, as nm.reference computes them; with it off, jax would compute
     them in 32 bits and change the answer, so a DtypeError names the first such value
     (an input, a constant, or the op that makes it) before anything compiles."""
+    _check_dtypes(graph, jax.dtypes.canonicalize_dtype(np.float64) == np.float64)
+
+
+@per_object  # once per program and 64-bit setting, for all the candidates of a search
+def _check_dtypes(graph, x64: bool) -> None:
     made = {v: f"input {i}" for i, v in enumerate(graph.inputs)}
     made.update((v, "a constant") for v in graph.consts)
     for e in graph.eqns:
@@ -96,14 +102,30 @@ def plan_layouts(ctx: RuleContext, graph) -> None:
     the rules' (soft) layout, or the one `nm.constrain` pins. Values whose dims conflict
     (two of them take one mesh axis) go into `ctx.free` too: the einsum and elementwise
     rules replace their rule-order layout by the one they compute them in."""
+    by_shape, pinned = _values_by_shape(graph)
+    conflicts: dict = {}  # by dims: the same dims recur in many shapes
+    for (dims, shape), values in by_shape.items():
+        ctx.wanted.update(dict.fromkeys(values, ctx.soft_layout(dims, shape)))
+        if dims not in conflicts:
+            conflicts[dims] = ctx.layout.conflicts(dims, ctx.sizes)
+        if conflicts[dims]:
+            ctx.free.update(values)
+    for v, layout in pinned:
+        ctx.wanted[v] = constraint_layout(layout, v, ctx.mesh)
+        ctx.free.discard(v)
+
+
+@per_object
+def _values_by_shape(graph) -> tuple[dict, list]:
+    """({(dims, shape): the values `graph`'s equations make with them}, [(value, layout
+    it is pinned to by nm.constrain)]): what `plan_layouts` assigns per candidate, found
+    once per program (a Transformer's values share a few dims and shapes)."""
+    by_shape: dict = {}
     for e in graph.eqns:
         for v in e.outputs:
-            ctx.wanted[v] = ctx.soft_layout(v.dims, v.shape)
-            if ctx.layout.conflicts(v.dims, ctx.sizes):
-                ctx.free.add(v)
-        if e.primitive.pins_layout:
-            ctx.wanted[e.outputs[0]] = constraint_layout(e.params["layout"], e.outputs[0], ctx.mesh)
-            ctx.free.discard(e.outputs[0])
+            by_shape.setdefault((v.dims, v.shape), []).append(v)
+    pinned = [(e.outputs[0], e.params["layout"]) for e in graph.eqns if e.primitive.pins_layout]
+    return by_shape, pinned
 
 
 def cost_own_arithmetic(ctx: RuleContext, e, ins, outs) -> None:
@@ -163,11 +185,26 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, lis
     checking its dtypes and that the rules name its dims; LayoutError for an input or
     output (named by `names`, the inputs' argument paths) its axes do not divide."""
     check_dtypes(graph)
-    layout.check_dims({d for v in graph.values() for d in v.dims})
+    layout.check_dims(_dims(graph))
     names = names or [str(i) for i in range(len(graph.inputs))]
-    of = lambda v, what: nontrivial(layout.of(v.dims, v.shape, mesh, what), mesh)
-    wanted = {v: of(v, f"input {names[i]}") for i, v in enumerate(graph.inputs)}
-    return wanted, [of(v, f"output {i}") for i, v in enumerate(graph.outputs)]
+    # by (dims, shape): a model's parameters share a few. A value's layout is found (and
+    # checked) at the first value with its dims and shape, so an error names that one
+    known: dict = {}
+
+    def of(v, kind: str, name) -> ValueLayout:
+        key = (v.dims, v.shape)
+        if key not in known:
+            known[key] = nontrivial(layout.of(v.dims, v.shape, mesh, f"{kind} {name}"), mesh)
+        return known[key]
+
+    wanted = {v: of(v, "input", names[i]) for i, v in enumerate(graph.inputs)}
+    return wanted, [of(v, "output", i) for i, v in enumerate(graph.outputs)]
+
+
+@per_object
+def _dims(graph) -> frozenset:
+    """Every dim of `graph`'s values (its scans' bodies' too)."""
+    return frozenset(d for v in graph.values() for d in v.dims)
 
 
 def traced_body(graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts) -> Callable:
@@ -206,7 +243,7 @@ def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Rep
     inputs' argument paths, for errors (`input_names`)."""
     wanted, out_layouts = io_layouts(graph, mesh, layout, names)
     if rules.plannable(graph, layout):
-        plan = plan_program(graph, mesh, layout, wanted, out_layouts)
+        plan = plan_program(graph, mesh, layout, wanted, out_layouts, record=False)
     else:
         body = traced_body(graph, mesh, layout, wanted, out_layouts)
         shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in graph.inputs]
@@ -218,12 +255,23 @@ def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Rep
 def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report:
     """The cost Report of `plan`, with peak memory from the values' layouts `wanted`."""
 
+    sizes = tuple(mesh.sizes.items())
+
     @functools.cache  # each value is asked for several times (peak, saved, working set)
     def local_bytes(v):
         layout = wanted.get(v, ((),) * len(v.dims))
-        return math.prod(local_shape(layout, v.shape, mesh)) * v.dtype.itemsize
+        return _local_bytes(layout, v.shape, v.dtype.itemsize, sizes)
 
     return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt)
+
+
+@memo()  # the same (layout, shape) recurs in many candidate layouts
+def _local_bytes(layout: ValueLayout, shape: tuple, itemsize: int, sizes: tuple) -> int:
+    """Bytes of one device's shard of a value of `shape` with `layout` on a mesh of
+    `sizes` (items)."""
+    mesh = dict(sizes)
+    split = (n // math.prod(mesh[a] for a in axes) for n, axes in zip(shape, layout, strict=True))
+    return math.prod(split) * itemsize
 
 
 def relayout_outputs(ctx: RuleContext, graph, env: dict, out_layouts, plan: list) -> list:
@@ -247,11 +295,15 @@ def relayout_outputs(ctx: RuleContext, graph, env: dict, out_layouts, plan: list
     return res
 
 
-def plan_program(graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts: list) -> Plan:
+def plan_program(
+    graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts: list, record: bool = True
+) -> Plan:
     """The Plan of `graph` on `mesh` under `layout`, in plain Python (no jax): `wanted`
     holds the inputs' layouts and receives every value's; `out_layouts` are the
-    outputs'. Every op of `graph` must have a plan rule (`rules.plannable`)."""
-    ctx = Planner(mesh, layout, wanted)
+    outputs'. Every op of `graph` must have a plan rule (`rules.plannable`). `record`
+    False: a plan for the cost report alone, without the steps' events text and the
+    emitter's instructions (the same layouts, local ops and collectives)."""
+    ctx = Planner(mesh, layout, wanted, record=record)
     plan_layouts(ctx, graph)
     plan = Plan()
     plan.inputs = [Local(local_shape(wanted[v], v.shape, mesh), np.dtype(v.dtype),

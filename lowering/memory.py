@@ -8,9 +8,7 @@ keeps them, and one recomputed iteration's working set).
 
 from __future__ import annotations
 
-import functools
-import weakref
-
+from lowering.caches import per_object
 from namedmesh.primitive import (
     READS_BOTH,
     READS_CONSTANT,
@@ -21,22 +19,6 @@ from namedmesh.primitive import (
 )
 
 
-def per_graph(fn):
-    """`fn(graph, *args)` (hashable args), kept per graph while it lives: what depends
-    on the program alone, not on the layout, is found once for all the candidate
-    layouts auto_layout costs. Callers must not change the result."""
-    cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    @functools.wraps(fn)
-    def cached(graph, *args):
-        known = cache.setdefault(graph, {})
-        if args not in known:
-            known[args] = fn(graph, *args)
-        return known[args]
-
-    return cached
-
-
 def active_values(graph, active: set) -> set:
     """The values of `graph` a gradient flows through from the `active` inputs: the
     inexact values computed from them, except through stop_gradient. A scan's carries
@@ -44,7 +26,7 @@ def active_values(graph, active: set) -> set:
     return set(_active_values(graph, frozenset(active)))
 
 
-@per_graph
+@per_object  # of the program alone, not of the layout: once for all candidates
 def _active_values(graph, active: frozenset) -> set:
     active = set(active)
     for e in graph.eqns:
@@ -74,20 +56,30 @@ def _active_scan(e, flows: list) -> set:
 def peak_memory(graph, local_bytes) -> int:
     """Inputs and constants held throughout; each intermediate from its equation to its
     last use (results to the end)."""
+    held, schedule = _lifetimes(graph)
+    base = sum(map(local_bytes, held))
+    live, peak = 0, base
+    for made, freed in schedule:
+        live += sum(map(local_bytes, made))
+        peak = max(peak, base + live)
+        live -= sum(map(local_bytes, freed))
+    return int(peak)
+
+
+@per_object
+def _lifetimes(graph) -> tuple[tuple, tuple]:
+    """(the values held throughout: inputs, then constants; per equation, (the values it
+    makes, the values whose last use it is)), results never freed."""
     last = {v: len(graph.eqns) for v in graph.outputs}
     for i, e in enumerate(graph.eqns):
         for v in e.inputs:
             last[v] = max(last.get(v, i), i)
-    base = sum(local_bytes(v) for v in graph.inputs) + sum(local_bytes(v) for v in graph.consts)
-    live, peak = 0, base
-    ends: dict[int, int] = {}
+    ends: dict[int, list] = {}
     for i, e in enumerate(graph.eqns):
         for v in e.outputs:
-            live += local_bytes(v)
-            ends[last.get(v, i)] = ends.get(last.get(v, i), 0) + local_bytes(v)
-        peak = max(peak, base + live)
-        live -= ends.pop(i, 0)
-    return int(peak)
+            ends.setdefault(last.get(v, i), []).append(v)
+    held = (*graph.inputs, *graph.consts)
+    return held, tuple((tuple(e.outputs), tuple(ends.get(i, ()))) for i, e in enumerate(graph.eqns))
 
 
 def backward_reads(e, active: set, least: bool = False) -> set:
@@ -122,38 +114,56 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
     outputs, and under remat one iteration's recomputed values. `shares` {scan Eqn:
     float} scales what a scan saves: a pipelined one's device keeps that share
     (`PipelinePlan.activation_share`)."""
-    held = {*graph.inputs, *graph.consts}
+    held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
-    saved, working = _saved(graph, local_bytes, active, held, shares=shares or {})
+    terms = _saved_terms(graph, frozenset(active), held, True)
+    saved, working = _saved(terms, local_bytes, shares or {})
     return int(base + sum(local_bytes(v) for v in wrt) + saved + working)
 
 
-def _saved(
-    graph, local_bytes, active: set, held: set, intermediates=True, shares=None
-) -> tuple[int, int]:
-    """(bytes of the graph's values its backward pass reads, less the `held` ones (held
-    anyway), the largest working set of its backward pass). `intermediates`: count the values
-    made inside elementwise primitives (`backward_saves`) too; in an iteration
-    recomputed under remat nothing makes XLA store them (they are not stacked for
-    later iterations), so it fuses their recomputation into the backward pass's ops.
-    A softmax's exponentials it stores either way (its sum is a reduction)."""
-    saved, working, kept = 0, 0, set()
+@per_object  # of the program alone, not of the layout: once for all candidates
+def _saved_terms(graph, active: frozenset, held: frozenset, intermediates: bool) -> tuple:
+    """What `_saved` sums, as graph values whose bytes the layout decides: (per equation
+    in order, a scan's terms ("scan", eqn, length, remat, body terms, carry, matmul
+    outputs) or ("save", factor, value); the values the backward pass reads, less the
+    `held` ones (held anyway); per equation, its cotangents, live at once).
+    `intermediates`: count the values made inside elementwise primitives
+    (`backward_saves`) too; in an iteration recomputed under remat nothing makes XLA
+    store them (they are not stacked for later iterations), so it fuses their
+    recomputation into the backward pass's ops. A softmax's exponentials it stores
+    either way (its sum is a reduction)."""
+    adds, working, kept = [], [], set()
     active = active & _reaching(graph)
     for e in graph.eqns:
         if e.primitive.loop:
-            scan_kept, work = _scan_saved(e, local_bytes, active)
-            scan_kept *= (shares or {}).get(e, 1.0)
-            saved, working = saved + scan_kept, max(working, work)
+            adds.append(_scan_terms(e, active))
         kept |= backward_reads(e, active)
         stored = intermediates or not e.primitive.elementwise
         if stored and e.primitive.backward_saves and any(v in active for v in e.inputs):
-            saved += e.primitive.backward_saves * local_bytes(e.inputs[0])
-        cotangents = [v for v in (*e.inputs, *e.outputs) if v in active]
-        working = max(working, sum(local_bytes(v) for v in cotangents))
-    return saved + sum(local_bytes(v) for v in kept - held), working
+            adds.append(("save", e.primitive.backward_saves, e.inputs[0]))
+        working.append(tuple(v for v in (*e.inputs, *e.outputs) if v in active))
+    return tuple(adds), tuple(kept - held), tuple(working)
 
 
-@per_graph
+def _saved(terms, local_bytes, shares: dict) -> tuple[int, int]:
+    """(bytes of the graph's values its backward pass reads, the largest working set of
+    its backward pass), of its `_saved_terms`; a scan's saved bytes scaled by its share
+    in `shares`."""
+    adds, kept, cotangents = terms
+    saved, working = 0, 0
+    for add in adds:
+        if add[0] == "scan":
+            scan_kept, work = _scan_saved(add, local_bytes)
+            scan_kept *= shares.get(add[1], 1.0)
+            saved, working = saved + scan_kept, max(working, work)
+        else:
+            saved += add[1] * local_bytes(add[2])
+    for values in cotangents:
+        working = max(working, sum(map(local_bytes, values)))
+    return saved + sum(map(local_bytes, kept)), working
+
+
+@per_object  # of the program alone, not of the layout: once for all candidates
 def _reaching(graph) -> set:
     """The values of `graph` its outputs depend on other than through stop_gradient: a
     gradient flows back to these only (the max under an online softmax's stop_gradient
@@ -165,19 +175,24 @@ def _reaching(graph) -> set:
     return reach
 
 
-def _scan_saved(e, local_bytes, active: set) -> tuple[int, int]:
-    body, nc, n = e.params["body"], e.params["n_carry"], e.params["length"]
+def _scan_terms(e, active: set) -> tuple:
+    body, nc = e.params["body"], e.params["n_carry"]
     inner = active_values(
         body, {b for b, v in zip(body.inputs, e.inputs, strict=True) if v in active}
     )
     # the scanned slices and the shared inputs are held whole outside the loop
-    held = set(body.inputs[nc:]) | set(body.consts)
+    held = frozenset((*body.inputs[nc:], *body.consts))
     remat = e.params.get("remat", "none")
-    per_step, work = _saved(body, local_bytes, inner, held, intermediates=remat == "none")
-    carry = sum(local_bytes(v) for v in body.inputs[:nc])
+    terms = _saved_terms(body, frozenset(inner), held, remat == "none")
+    dots = tuple(v for b in body.eqns if b.primitive.matmul for v in b.outputs if v in inner)
+    return ("scan", e, e.params["length"], remat, terms, tuple(body.inputs[:nc]), dots)
+
+
+def _scan_saved(terms, local_bytes) -> tuple[int, int]:
+    _, _, n, remat, body_terms, carry_values, dots_values = terms
+    per_step, work = _saved(body_terms, local_bytes, {})
+    carry = sum(local_bytes(v) for v in carry_values)
     if remat == "none":
         return n * per_step, work
-    dots = sum(
-        local_bytes(v) for b in body.eqns if b.primitive.matmul for v in b.outputs if v in inner
-    )
+    dots = sum(local_bytes(v) for v in dots_values)
     return n * (carry + (dots if remat == "dots" else 0)), per_step + work

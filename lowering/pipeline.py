@@ -424,7 +424,7 @@ def _with_saved(plan: PipelinePlan, steps, remat: str) -> PipelinePlan:
     """`plan` with the bytes one iteration keeps for the backward pass, from the local
     results of its `steps` as the scan's `remat` policy keeps them: all of them, only
     the carry ("full"), or the carry and the matmul results ("dots")."""
-    outs = [(prim, a) for st in steps for prim, _, _, results in st.local for a in results]
+    outs = [(op.prim, a) for st in steps for op in st.local for a in op.outs]
     size = lambda a: math.prod(a.shape) * a.dtype.itemsize
     if remat == "none":
         kept = sum(size(a) for _, a in outs)

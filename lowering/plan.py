@@ -24,7 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lowering.caches import memo, per_object
 from lowering.collectives import plan_moves
+from lowering.cost import local_flops, whole_flops
 from lowering.layout import Layout, ValueLayout
 from lowering.mesh import Mesh
 from namedmesh.primitive import Aval, Primitive
@@ -52,7 +54,22 @@ class Instr(NamedTuple):
     params: dict
 
 
-@dataclass
+class LocalOp(NamedTuple):
+    """A local op a step runs: the primitive, its params and the local avals of its
+    inputs and results, which the cost report costs by the primitive's cost rule. A
+    costing-only Planner also gives the op's local flops and those of the equation run
+    whole on one device (`whole`; None: not the equation's own primitive), found once
+    per equation and shards; elsewhere they are None and the report finds them."""
+
+    prim: Primitive
+    params: dict
+    ins: list
+    outs: list
+    flops: float | None = None
+    whole: float | None = None
+
+
+@dataclass(slots=True)  # one per equation and candidate: slots make it cheaper
 class Step:
     """One equation of the plan: layouts in and out, local ops run, collectives issued."""
 
@@ -60,7 +77,7 @@ class Step:
     eqn: object  # the graph equation (None for the final relayout of outputs)
     inputs: list  # (dims, layout) per input
     outputs: list  # (dims, layout) per output
-    local: list = field(default_factory=list)  # (primitive, params, in avals, out avals)
+    local: list = field(default_factory=list)  # LocalOp, in order
     collectives: list = field(default_factory=list)  # Collective, in order
     casts: list = field(default_factory=list)  # Collective "pvary": typed varying, free
     events: list = field(default_factory=list)  # local ops and collectives, in order, as text
@@ -115,7 +132,7 @@ def signature(plan) -> list:
     return [
         (
             s.name, s.inputs, s.outputs, s.repeat, s.depth, s.events,
-            [(p.name, ins, outs) for p, _, ins, outs in s.local],
+            [(op.prim.name, op.ins, op.outs) for op in s.local],
             [(c.kind, c.axes, c.nbytes, src(c.source), c.transposes) for c in s.collectives],
             [(c.kind, c.axes, c.nbytes, src(c.source)) for c in s.casts],
         )
@@ -142,6 +159,8 @@ def local_avals(values, arrays) -> list[Aval]:
 
 def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
     """`layout` without mesh axes of size 1, which split nothing and need no collectives."""
+    if 1 not in mesh.sizes.values():
+        return tuple(tuple(axes) for axes in layout)
     return tuple(tuple(a for a in axes if mesh.sizes[a] > 1) for axes in layout)
 
 
@@ -160,6 +179,10 @@ class RuleContext:
     combined: set = field(default_factory=set)  # axes the current step's inputs vary over
     moved: dict = field(default_factory=dict)  # relayouts done in this trace of the body
     sources: dict = field(default_factory=dict)  # id(local array) -> (array, graph value)
+    # False: costing only (auto_layout), which reads neither the events text nor the
+    # emitter's instructions, so neither is made
+    record: bool = True
+    soft_layouts: dict = field(default_factory=dict, repr=False)  # kept by soft_layout
 
     # --- the interpreter: what a subclass defines ---------------------------------------
     def vma(self, x) -> set[str]:
@@ -245,6 +268,8 @@ class RuleContext:
     ) -> None:
         c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
         (self.step.casts if kind == "pvary" else self.step.collectives).append(c)
+        if not self.record:
+            return
         what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
         self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device{what}")
 
@@ -254,30 +279,41 @@ class RuleContext:
         dtypes, as nm.reference holds NumPy's: jax too may widen (argmax gives int64
         under jax_enable_x64 where the rule says int32)."""
         if len(arrays) > 1:
-            vma = set().union(*(self.vma(a) for a in arrays))
-            arrays = [self.varying(a, vma) for a in arrays]
+            vmas = [self.vma(a) for a in arrays]
+            vma = set().union(*vmas)
+            # cast only the inputs that vary over fewer axes (the others are typed alike)
+            arrays = [
+                a if len(v) == len(vma) else self.varying(a, vma)
+                for a, v in zip(arrays, vmas, strict=True)
+            ]
+        outs = self._local(prim, arrays, params)
+        return outs if prim.multiple_results else outs[0]
+
+    def _local(self, prim: Primitive, arrays, params: dict) -> tuple:
+        """`prim` run (or recorded) on the local arrays and noted: its results."""
         e = self.step.eqn
         # (prim, its results' dtypes, its inputs' dims): one param, apart from the op's own
         what = (prim, tuple(v.dtype for v in e.outputs), tuple(v.dims for v in e.inputs))
         outs = self._op("local", *arrays, local_op=what, **params)
         self.note_local(prim, params, arrays, outs)
-        return outs if prim.multiple_results else outs[0]
+        return outs
 
     def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
         """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
         report costs it by the primitive's cost rule on their shapes."""
         e = self.step.eqn
-        self.step.local.append(
-            (prim, params, local_avals(e.inputs, arrays), local_avals(e.outputs, outs))
-        )
+        ins, outs_ = local_avals(e.inputs, arrays), local_avals(e.outputs, outs)
+        self.step.local.append(LocalOp(prim, params, ins, outs_))
+        if not self.record:
+            return
         shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
-        ins, outs_ = self.step.local[-1][2:]
         self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
 
     def missing_axes(self, x, vma: set) -> tuple[str, ...]:
         """The axes of `vma` over which `x` is not yet typed varying, in mesh order (as
         collectives.missing_axes says of a jax array)."""
-        return tuple(a for a in self.sizes if a in set(vma) - self.vma(x))
+        missing = set(vma) - self.vma(x)
+        return tuple(a for a in self.sizes if a in missing) if missing else ()
 
     def cast_varying(self, x, vma: set):
         """`x` typed varying over every axis of `vma`, unlogged (collectives.cast_varying:
@@ -306,25 +342,40 @@ class RuleContext:
         a dim its axes do not divide. A strict layout's conflicts are errors only for
         values (`is_value`), not for the dims of a whole einsum, which no single tensor
         holds."""
-        if rules is None:  # a non-strict copy where the conflicts are no errors
-            loose = is_value or not self.layout.strict
-            rules = self.layout if loose else Layout(self.layout.rules)
-        layout = list(rules.assign(dims, shape, "value"))
-        for i, n in enumerate(shape):
-            if n % math.prod(self.sizes[a] for a in layout[i]):
-                layout[i] = ()
-        return nontrivial(tuple(layout), self.mesh)
+        if rules is not None:
+            return self._soft_layout(dims, shape, rules)
+        # asked again and again of the same dims and shape in one plan (every activation
+        # [batch, length, d_model] of a Transformer): kept per context and rules (a
+        # pipeline's stages plan under the rules without the stage axes); the rules are
+        # held, so that their id stays theirs
+        held, known = self.soft_layouts.get(id(self.layout), (None, None))
+        if held is not self.layout:
+            known = {}
+            self.soft_layouts[id(self.layout)] = (self.layout, known)
+        key = (tuple(dims), tuple(shape), is_value)
+        if key not in known:
+            loose = is_value or not self.layout.strict  # else a non-strict copy: no errors
+            known[key] = self._soft_layout(
+                dims, shape, self.layout if loose else Layout(self.layout.rules)
+            )
+        return known[key]
+
+    def _soft_layout(self, dims, shape, rules: Layout) -> ValueLayout:
+        assigned = rules.assign(dims, shape, "value")
+        return _dividing(assigned, tuple(shape), tuple(self.sizes.items()))
 
     def relayout(self, x, src: ValueLayout, dst: ValueLayout):
         """`x` moved from layout `src` to `dst`, once per value and target: a second
         request reuses the first result (XLA would merge the duplicate collectives)."""
+        src, dst = tuple(src), tuple(dst)
+        if src == dst:  # no move: the value itself, whether or not asked before
+            return x
         source = self.source(x)
-        if tuple(src) != tuple(dst):
-            # A slice by this device's index makes a value vary over the axes it adds;
-            # cast here, so that the backward pass's psum of its gradient is planned.
-            added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
-            x = self.varying(x, self.combined | added)
-        key = (id(x), tuple(src), tuple(dst))
+        # A slice by this device's index makes a value vary over the axes it adds; cast
+        # here, so that the backward pass's psum of its gradient is planned.
+        added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
+        x = self.varying(x, self.combined | added)
+        key = (id(x), src, dst)
         if key not in self.moved:
             self.moved[key] = (x, self._moves(x, src, dst, source))
             self.note_source(self.moved[key][1], source)
@@ -344,7 +395,19 @@ class RuleContext:
         return x
 
 
-@dataclass(eq=False)
+@memo()  # the same assigned layout and shape recur in many candidate layouts
+def _dividing(layout: ValueLayout, shape: tuple, sizes: tuple) -> ValueLayout:
+    """`layout` of a value of `shape` on a mesh of `sizes` (items), leaving unsplit a dim
+    its mesh axes do not divide, without the axes of size 1 (as `nontrivial`)."""
+    mesh = dict(sizes)
+    fits = [
+        () if n % math.prod(mesh[a] for a in axes) else axes
+        for n, axes in zip(shape, layout, strict=True)
+    ]
+    return tuple(tuple(a for a in axes if mesh[a] > 1) for axes in fits)
+
+
+@dataclass(eq=False, slots=True)  # many per candidate: slots make them cheaper
 class Local:
     """A local shard as the planner sees it: its shape, dtype and the mesh axes over
     which shard_map types it varying. Identity is the value's (hashed by id)."""
@@ -370,7 +433,7 @@ def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
     """The Local(s) `op` makes from the Locals `xs`: shapes, dtypes and varying axes as
     shard_map's types give them (a psum, pmax or invariant gather leaves its axes
     invariant; a slice by the device's index or a cast makes a value vary there)."""
-    vma = frozenset().union(*(x.vma for x in xs)) if xs else frozenset()
+    vma = xs[0].vma if len(xs) == 1 else frozenset().union(*(x.vma for x in xs))
     if callable(op):
         shape, dtype, given = made
         return Local(shape, dtype, frozenset(given) if given is not None else vma)
@@ -378,13 +441,15 @@ def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
         return _abstract_local(xs, vma, params)
     x = xs[0] if xs else None
     axes = params.get("axes", ())
-    n = math.prod(sizes[a] for a in axes)
     if op == "astype":
         return Local(x.shape, np.dtype(params["dtype"]), vma)
     if op == "axis_index":
         return Local((), np.dtype(np.int32), frozenset(axes))
     if op in ("psum", "pmax", "pmin", "make_invarying"):
         return Local(x.shape, x.dtype, vma - set(axes))
+    if op == "pcast":
+        return Local(x.shape, x.dtype, vma | set(axes))
+    n = math.prod(sizes[a] for a in axes)
     if op == "gather_stacked":
         return Local((n, *x.shape), x.dtype, vma - set(axes))
     if op == "psum_scatter":
@@ -394,9 +459,8 @@ def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
     if op == "all_to_all":
         shape = _scaled(_scaled(x.shape, params["dim"], n), params["to"], 1 / n)
         return Local(shape, x.dtype, vma)
-    if op in ("slice_to", "pcast"):
-        shape = _scaled(x.shape, params["dim"], 1 / n) if op == "slice_to" else x.shape
-        return Local(shape, x.dtype, vma | set(axes))
+    if op == "slice_to":
+        return Local(_scaled(x.shape, params["dim"], 1 / n), x.dtype, vma | set(axes))
     if op == "ppermute":
         return Local(x.shape, x.dtype, vma)
     raise KeyError(f"no abstract rule for op {op!r}")
@@ -405,26 +469,69 @@ def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
 def _abstract_local(xs, vma, params) -> tuple[Local, ...]:
     """A primitive on local shards: its shape rule on their local avals."""
     prim, dtypes, in_dims = params["local_op"]
-    kw = {k: v for k, v in params.items() if k != "local_op"}
-    avals = [Aval(d, tuple(x.shape), np.dtype(x.dtype)) for d, x in zip(in_dims, xs, strict=False)]
-    out = prim.shape_rule(*avals, **kw)
-    outs = out if prim.multiple_results else (out,)
-    return tuple(Local(tuple(o.shape), np.dtype(t), vma) for o, t in zip(outs, dtypes, strict=True))
+    kw = tuple((k, v) for k, v in params.items() if k != "local_op")
+    shards = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in xs)
+    try:
+        shapes = _local_shapes(prim, in_dims, shards, kw)
+    except TypeError:  # a param that does not hash
+        shapes = _local_shapes.__wrapped__(prim, in_dims, shards, kw)
+    return tuple(Local(shape, np.dtype(t), vma) for shape, t in zip(shapes, dtypes, strict=True))
+
+
+@memo()  # the same local op on the same shards recurs in many candidate layouts
+def _local_shapes(prim, in_dims, shards, kw) -> tuple:
+    avals = [Aval(d, shape, dt) for d, (shape, dt) in zip(in_dims, shards, strict=False)]
+    out = prim.shape_rule(*avals, **dict(kw))
+    return tuple(tuple(o.shape) for o in (out if prim.multiple_results else (out,)))
+
+
+@per_object(kind="layouts")
+def _costed_local(e, prim: Primitive, shards: tuple, items: tuple) -> tuple:
+    """(result shapes, LocalOp) of `prim` run for equation `e` on local shards of these
+    (shape, dtype), with params `items`: the shapes `_abstract_local` gives, the avals
+    `note_local` records, their flops and the equation's whole flops, which the cost
+    report would find again for each candidate. The LocalOp is shared: not to change."""
+    in_dims = tuple(v.dims for v in e.inputs)
+    shards = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in shards)
+    try:
+        shapes = _local_shapes(prim, in_dims, shards, items)
+    except TypeError:  # a param that does not hash
+        shapes = _local_shapes.__wrapped__(prim, in_dims, shards, items)
+    ins = [Aval(v.dims, *x) for v, x in zip(e.inputs, shards, strict=True)]
+    outs = [
+        Aval(v.dims, shape, np.dtype(v.dtype)) for v, shape in zip(e.outputs, shapes, strict=True)
+    ]
+    params = dict(items)
+    whole = whole_flops(e, items) if prim is e.primitive else None
+    return shapes, LocalOp(prim, params, ins, outs, local_flops(prim, ins, outs, params), whole)
 
 
 class Planner(RuleContext):
     """The rules' context on `Local`s: each operation is recorded into the current step's
     `ops` as an `Instr` and gives the Local it would make; no jax is called."""
 
-    def vma(self, x) -> set[str]:
-        return set(x.vma)
+    def vma(self, x) -> frozenset[str]:
+        return x.vma
+
+    def _local(self, prim: Primitive, arrays, params: dict) -> tuple:
+        if self.record or prim.aliases_input:
+            return super()._local(prim, arrays, params)
+        # Costing only: the results' shapes and the avals that the report costs, in one
+        # lookup kept per equation and shards (what _abstract_local and note_local make)
+        shards = tuple([(x.shape, x.dtype) for x in arrays])
+        shapes, op = _costed_local(self.step.eqn, prim, shards, tuple(params.items()))
+        self.step.local.append(op)
+        # `local` has cast the inputs alike: they vary over the same axes
+        vma = arrays[0].vma if arrays else frozenset()
+        return tuple([Local(s, a.dtype, vma) for s, a in zip(shapes, op.outs, strict=True)])
 
     def _op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:
             return (xs[0],)  # the same local value, as jax returns the same array
         res = _abstract(op, xs, self.sizes, made, params)
         outs = res if isinstance(res, tuple) else (res,)
-        self.step.ops.append(Instr(op, xs, outs, params))
+        if self.record:
+            self.step.ops.append(Instr(op, xs, outs, params))
         return res
 
 
@@ -432,4 +539,3 @@ def constant(c) -> Local:
     """The Local of a graph constant (the same on every device)."""
     a = np.asarray(c)
     return Local(tuple(a.shape), a.dtype)
-

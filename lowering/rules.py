@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowering import collectives as col
+from lowering.caches import per_object
 from lowering.cost import traffic
 from lowering.layout import Layout, local_shape
 from lowering.plan import nbytes
@@ -108,7 +109,7 @@ def replicated_rule(ctx, eqn, args):
 
 
 def _layout_in(dims, layout_of):
-    return tuple(layout_of.get(d, ()) for d in dims)
+    return tuple([layout_of.get(d, ()) for d in dims])
 
 
 def elementwise_rule(ctx, eqn, args):
@@ -122,7 +123,8 @@ def elementwise_rule(ctx, eqn, args):
         want = ctx.wanted[out] = tuple(next(same, None) or ctx.soft_layout(out.dims, out.shape))
     by_dim = dict(zip(out.dims, want, strict=True))
     xs = [
-        ctx.relayout(x, lay, _layout_in(v.dims, by_dim))
+        # an input with the output's dims (most) takes its layout as it is
+        ctx.relayout(x, lay, want if v.dims == out.dims else _layout_in(v.dims, by_dim))
         for (x, lay), v in zip(args, eqn.inputs, strict=True)
     ]
     return [(ctx.local(eqn.primitive, *xs, **eqn.params), want)]
@@ -160,6 +162,38 @@ def _combine(summed, cur, want):
 
 
 def _einsum_choices(ctx, eqn):
+    """`_choose_einsum_layouts`, kept per equation and what it reads of the context (the
+    rules of the einsum's dims, the mesh, the result's wanted layout or that it is free),
+    which many candidate layouts share. A strict layout's are not kept: its errors name
+    all of its rules."""
+    if ctx.layout.strict:
+        return _choose_einsum_layouts(ctx, eqn)
+    (out,) = eqn.outputs
+    dims = _einsum_dims(eqn)
+    free = out in ctx.free
+    key = (
+        tuple(r for r in ctx.layout.rules if r[0] in dims),
+        tuple(ctx.sizes.items()),
+        free,
+        None if free else ctx.wanted[out],
+    )
+    known = _einsum_kept(eqn)
+    if key not in known:
+        known[key] = _choose_einsum_layouts(ctx, eqn)
+    return known[key]
+
+
+@per_object
+def _einsum_dims(eqn) -> frozenset:
+    return frozenset(d for v in eqn.inputs for d in v.dims)
+
+
+@per_object(kind="layouts")
+def _einsum_kept(eqn) -> dict:
+    return {}
+
+
+def _choose_einsum_layouts(ctx, eqn):
     """(compute layout by dim, output layout) per candidate rule order: the rules as
     given, then each dim that shares a mesh axis with another of the einsum's dims and
     that every operand and the result hold (experts, in an expert FFN) moved first.

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import assume, given
 
 import namedmesh as nm
-from lowering import lower, rules
+from lowering import caches, lower, rules
+from lowering.lower import argument_inputs, graph_report
 from lowering.plan import signature
 from namedmesh.testing import strategies as S
 
@@ -28,3 +29,28 @@ def test_the_planners_plan_is_the_traced_plan(case):
             lowered.traced_plan(*xs)
         return
     assert signature(planned) == signature(lowered.traced_plan(*xs))
+
+
+@given(S.cases(max_steps=4))
+def test_costing_only_reports_what_the_full_plan_reports(case):
+    """What auto_layout costs each candidate by (`graph_report`: a Planner that makes no
+    events text and no instructions, from cold caches, then again from warm ones) is
+    the report of the full plan (`Lowered.report`), every figure and its text."""
+    program, mesh, layout = case
+    xs = program.example_inputs()
+    lowered = lower(program, mesh, layout)
+    graph = nm.trace(program, *xs)
+    assume(rules.plannable(graph, lowered.layout))
+    argnums = tuple(range(len(xs)))
+    wrt = argument_inputs(graph, xs, argnums)
+    caches.clear()
+    try:
+        cold = graph_report(graph, mesh, lowered.layout, wrt)
+    except nm.LayoutError as e:
+        with pytest.raises(nm.LayoutError, match=re.escape(str(e)[:40])):
+            lowered.report(*xs, wrt=argnums, show=False)
+        return
+    full = lowered.report(*xs, wrt=argnums, show=False)
+    warm = graph_report(graph, mesh, lowered.layout, wrt)
+    assert cold == full == warm
+    assert str(cold) == str(full) == str(warm)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import namedmesh as nm
-from lowering import Layout, Mesh, lower, rules
+from lowering import Layout, Mesh, caches, lower, rules
 from lowering.cost import report
 from lowering.layout import local_shape
-from lowering.lower import plan_program
+from lowering.lower import argument_inputs, graph_report, plan_program
 from lowering.plan import nontrivial, signature
 from models import config, objectives, transformer
 
@@ -173,3 +173,26 @@ def test_a_pipelined_scan_is_traced():
     assert not lowered._build(inputs)[1].planned
     (pipe,) = [s.pipeline for s in plan if s.pipeline is not None]
     assert (pipe.axes, pipe.stages) == (("rows",), 2)
+
+
+def test_a_search_costs_each_candidate_as_it_costs_it_alone():
+    """The caches that candidates leave each other (lowering/caches.py) change no figure:
+    layouts costed one after another by `graph_report`, as auto_layout costs them, give
+    the reports they give each from cold caches, and those of the traced plans."""
+    loss, inputs = lm("tiny")
+    graph = nm.trace(loss, *inputs)
+    wrt = argument_inputs(graph, inputs, 0)
+    layouts = [
+        "batch:rows;heads:cols;d_ff:cols;vocab:cols",
+        "batch:rows,cols",
+        "batch:rows;d_model:cols",
+        "batch:cols;length:rows",
+        "heads:rows;d_ff:rows",
+    ]
+    caches.clear()
+    warm = [graph_report(graph, ABSTRACT, Layout(lay), wrt) for lay in layouts]
+    for lay, got in zip(layouts, warm, strict=True):
+        caches.clear()
+        assert got == graph_report(graph, ABSTRACT, Layout(lay), wrt)
+        traced = lower(loss, ABSTRACT, lay, traced=True).report(*inputs, wrt=0, show=False)
+        assert got == traced and str(got) == str(traced)
