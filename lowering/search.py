@@ -109,6 +109,17 @@ class Search(list):
         _check_dims(layout, _dims(self._costing.graph), "compared")
         return versus(self, self._costing.of(layout, record=False))
 
+    def alike(self) -> list[list[Candidate]]:
+        """The valid candidates, best first, in groups that plan alike (the same time,
+        memory, flops, bytes and collectives: e.g. a rule for a dim that a split of
+        another leaves with nothing to divide); the printout shows each group once."""
+        groups: dict[tuple, list[Candidate]] = {}
+        for c in self:
+            if c.valid:
+                key = (c.time, c.memory, c.flops, c.bytes, c.collectives)
+                groups.setdefault(key, []).append(c)
+        return list(groups.values())
+
     def invalid(self) -> Counter:
         """Count of the candidates not chosen for cause, by reason."""
         return Counter(c.note for c in self if not c.valid)
@@ -123,17 +134,17 @@ class Search(list):
             "time = flops / flop rate + per collective (latency + bytes / rate of its kind), "
             "forward and backward, per device",
         ]
-        top = [c for c in self if c.valid][:10]
-        w = max([len("layout"), *(len(rules_text(c.layout)) for c in top)])
+        top = self.alike()[:10]
+        w = max([len("layout"), *(len(rules_text(g[0].layout)) for g in top)])
         lines.append(
             f"{'':>3} {'layout':<{w}} {'time ms':>9} {'compute':>9} {'comm':>9} "
             f"{'colls':>6} {'memory':>10}"
         )
-        for i, c in enumerate(top, 1):
+        for i, (c, *same) in enumerate(top, 1):
             lines.append(
                 f"{i:>3} {rules_text(c.layout):<{w}} {c.time * 1e3:>9.4g} "
                 f"{c.compute * 1e3:>9.4g} {c.comm * 1e3:>9.4g} {c.collectives:>6} "
-                f"{_bytes(c.memory):>10}"
+                f"{_bytes(c.memory):>10}" + (f"  (+{len(same)} alike)" if same else "")
             )
         for reason, n in sorted(self.invalid().items(), key=lambda x: -x[1]):
             lines.append(f"invalid: {n} x {reason}")

@@ -147,7 +147,16 @@ def test_printout_states_assumptions_top_ten_and_why():
     assert "22.5 TFLOP/s per device" in text and "62 GB/s" in text and "10 µs" in text
     assert "memory limit: 8 GiB" in text
     ranked = [ln for ln in text.splitlines() if ln[:3].strip().isdigit()]
-    assert len(ranked) == min(10, sum(c.valid for c in table))
+    groups = table.alike()  # the valid candidates, those that plan alike once
+    assert len(ranked) == min(10, len(groups))
+    assert sum(map(len, groups)) == sum(c.valid for c in table)
+    figures = lambda c: (c.time, c.memory, c.flops, c.bytes, c.collectives)
+    assert len({figures(g[0]) for g in groups}) == len(groups)  # each plan shown once
+    for line, (c, *same) in zip(ranked, groups, strict=False):
+        assert line.split()[1] == str(c.layout)
+        assert (f"(+{len(same)} alike)" in line) == bool(same)
+        assert all(figures(s) == figures(c) for s in same)
+    assert any("alike)" in line for line in ranked)  # this layer has some
     head = text.splitlines()
     assert text.splitlines()[-1].startswith(f"chosen: {table[0].layout}. It ")
     assert len(head) < 25  # not a row per candidate
