@@ -323,6 +323,13 @@ def einsums(draw, sizes=(2, 4, 8), max_inputs: int = 2) -> Program:
     return Program(tuple((d, n) for d in NAMES), inputs, (("einsum", 0, -1, k),), 0)
 
 
+def _summed_and_kept(program: Program) -> tuple[list[str], tuple[str, ...]]:
+    """(the dims of `program`'s inputs its result lacks, sorted; the result's dims): of
+    a one-step program, the dims its step sums and keeps."""
+    out = program.values(*program.example_inputs())[-1].dims
+    return sorted({d for dims in program.inputs for d in dims} - set(out)), out
+
+
 @st.composite
 def shared_axis_cases(draw):
     """(program, mesh, layout): a single einsum under a layout that puts two of its dims
@@ -334,8 +341,7 @@ def shared_axis_cases(draw):
     mesh = draw(meshes(max_axes=2))
     axis = draw(st.sampled_from(list(mesh.sizes)))
     program = draw(einsums(sizes=[n for n in (2, 4, 8) if n % mesh.sizes[axis] == 0]))
-    out = program.values(*program.example_inputs())[-1].dims
-    summed = sorted({d for dims in program.inputs for d in dims} - set(out))
+    summed, out = _summed_and_kept(program)
     if summed and out:  # a summed dim first, a kept one second: a reduce-scatter
         first, second = draw(st.sampled_from(summed)), draw(st.sampled_from(out))
     else:
@@ -354,9 +360,8 @@ def multi_axis_cases(draw):
     program = draw(einsums(sizes=(8,), max_inputs=1))
     two = lambda m: len(m.sizes) == 2 and min(m.sizes.values()) > 1
     mesh = draw(meshes(max_axes=2).filter(two))
-    out = program.values(*program.example_inputs())[-1].dims
-    summed = [d for d in program.inputs[0] if d not in out]
-    dim = draw(st.sampled_from(summed or program.inputs[0]))
+    summed, _ = _summed_and_kept(program)
+    dim = draw(st.sampled_from(summed or list(program.inputs[0])))
     axes = tuple(draw(st.permutations(list(mesh.sizes))))
     return program, mesh, Layout([(dim, axes)], shared=True)
 
