@@ -2,7 +2,8 @@
 splits over a `stage` axis trains as on one device (loss and gradients against the
 un-lowered model run by jax), alone and beside data and Megatron axes; the compiled
 step's collective-permutes carry the bytes the plan predicts, no all-gather of the
-layer stack remains, and each device holds 1/S of the stack. One compile per layout."""
+layer stack remains, and each device holds 1/S of the stack. The pipeline is planned
+without jax and runs from its plan (lowering/emit.py). One compile per layout."""
 
 import functools
 import shutil
@@ -58,6 +59,7 @@ def compiled(case: str):
     """(lowered, compiled training step, its loss and gradients) under `case`."""
     mesh, layout, _, _ = CASES[case]
     lowered = lower(loss, Mesh(mesh), layout)
+    assert lowered._build((PARAMS, BATCH))[1].planned  # run from the Planner's plan
     step = jax.jit(jax.value_and_grad(lambda p: lowered(p, BATCH).data))
     exe = step.lower(PARAMS).compile()
     value, grads = exe(PARAMS)
