@@ -16,9 +16,14 @@ ticks in reverse, each ppermute transposed to one to the stage before, and each
 stage's gradients of its own layers stay on that stage.
 
 Two parts: `plan_pipeline` decides the schedule and its cost in plain Python (the
-`PipelinePlan`, which `report()` shows); `emit` runs it on local arrays inside
-shard_map, logging every collective by `ctx.log` as every rule does, so that the plan,
-the report and the compiled HLO agree.
+`PipelinePlan`, which `report()` shows); `emit` is the scan's SPMD rule for it, written
+against the RuleContext's operations alone (relayout, casts, `collective`, `call` for
+the local arithmetic with its shapes stated, `loop` for the ticks), so that one
+implementation serves both interpreters: the Planner plans it on `Local`s without jax
+(the ticks a "scan" instruction whose body is the tick's step, the stage's own loop
+inside it), and the traced context runs it on jax arrays inside shard_map (the
+oracle, `lower(..., traced=True)`). Every collective is logged by `ctx.log` as every
+rule does, so that the plan, the report and the compiled HLO agree.
 
 The default M is the largest divisor of the carry's local microbatched size up to 4S
 (a bubble of at most about 20%), or 1 where the carry lacks that dim or the body is not
@@ -308,7 +313,7 @@ def _index(x, i):
 
 
 def _put(buf, x, i, valid):
-    """`buf` with entry i set to x where `valid` (a traced bool), else kept."""
+    """`buf` with entry i set to x where `valid` (a bool scalar), else kept."""
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(valid, x, _index(buf, i)), i, 0)
 
 

@@ -12,11 +12,12 @@ shard_map types each value as varying or not over each mesh axis and a loop carr
 must keep its type, so the carry is typed varying over every axis over which the
 initial value or the body's result varies.
 
-`scan_rule` runs traced; `plan_scan` plans the same loop on `Local`s without jax,
-re-planning the body until the carry's type settles, and records it as one "scan"
-instruction holding the body's steps, which the emitter (lowering/emit.py) runs
-inside jax.lax.scan. A pipelined scan (a split scanned dim) has no plan rule: the
-program runs traced (`rules.plannable` says no for it).
+`scan_rule` runs traced (its loop `run_loop`); `plan_scan` plans the same loop on
+`Local`s without jax (`plan_loop`), re-planning the body until the carry's type
+settles, and records it as one "scan" instruction holding the body's steps, which the
+emitter (lowering/emit.py) runs inside jax.lax.scan. A pipelined scan (a split scanned
+dim) is one implementation for both, `pipeline.emit` on the context's operations,
+given the interpreter's loop for its stages' iterations.
 """
 
 from __future__ import annotations

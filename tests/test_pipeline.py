@@ -16,6 +16,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.hlo import collectives
 from lowering.pipeline import default_microbatches, plan_pipeline
+from lowering.plan import signature
 from models import config, transformer
 from namedmesh.errors import LayoutError, PipelineError
 
@@ -93,6 +94,14 @@ def test_hlo_permutes_carry_the_planned_bytes_and_no_stack_is_gathered(layout):
     layer = min(t.nbytes // CFG.layers for t in jax.tree_util.tree_leaves(PARAMS["layers"]))
     gathered = [b for kind, b, _ in hlo if kind == "all-gather"]
     assert all(b < layer for b in gathered), gathered
+
+
+@pytest.mark.parametrize("layout", list(CASES))
+def test_the_planned_pipeline_is_the_traced_one(layout):
+    """The plan the steps above ran from, made without jax, is the one the rules log as
+    jax traces them (`Lowered.traced_plan`, the oracle)."""
+    lowered = compiled(layout)[0]
+    assert signature(lowered.plan(PARAMS, BATCH)) == signature(lowered.traced_plan(PARAMS, BATCH))
 
 
 def test_each_device_holds_its_stage_of_the_stack():
