@@ -190,16 +190,18 @@ def test_a_pipelined_scan_plans_as_it_traces(name):
 
 
 def test_a_pipelined_scan_with_ys_plans_as_it_traces_and_runs_from_the_plan():
-    """Per-layer results (ys) stay on their stage; the emitted program equals a NumPy loop."""
+    """Per-layer results (ys) stay on their stage; the program emitted from the plan, and
+    the one its rules make as jax traces them (the oracle), equal a NumPy loop."""
     from test_scan import ARGS, WANT, scanned
 
     layout = "layers:rows;batch:cols"
     assert_plans_equal(scanned, ABSTRACT, layout, *ARGS, wrt=(1, 2))
-    lowered = lower(scanned, MESH, layout)
-    h, ys = lowered(*ARGS)
-    assert lowered._build(ARGS)[1].planned
-    np.testing.assert_allclose(np.asarray(h.data), WANT[0], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(ys.data), WANT[1], rtol=1e-4, atol=1e-5)
+    for traced in (False, True):
+        lowered = lower(scanned, MESH, layout, traced=traced)
+        h, ys = lowered(*ARGS)
+        assert lowered._build(ARGS)[1].planned is not traced
+        np.testing.assert_allclose(np.asarray(h.data), WANT[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ys.data), WANT[1], rtol=1e-4, atol=1e-5)
 
 
 def test_a_search_costs_each_candidate_as_it_costs_it_alone():
