@@ -211,13 +211,6 @@ def relayout_traffic(
     return total
 
 
-def psum(x, axes: tuple[str, ...], log: Log):
-    if not axes:
-        return x
-    log("psum", axes, nbytes(x))
-    return jax.lax.psum(x, axes)
-
-
 def psum_scatter(x, axes: tuple[str, ...], dim: int, log: Log):
     log("psum_scatter", axes, nbytes(x))
     name = axes[0] if len(axes) == 1 else axes

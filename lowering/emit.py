@@ -88,8 +88,9 @@ def emit(plan, local_inputs) -> list:
 
 
 def _scan(ins, env: dict):
-    """A planned scan: jax.lax.scan whose body runs the body's planned steps; values of
-    the enclosing program the body reads are closed over."""
+    """A planned loop (a scan's, or a pipeline's ticks: RuleContext.loop): jax.lax.scan
+    whose body runs the body's planned steps; values of the enclosing program the body
+    reads are closed over."""
     from namedmesh.control import checkpointed
 
     p = ins.params

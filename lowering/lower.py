@@ -61,6 +61,9 @@ class Context(RuleContext):
     def cast_varying(self, x, vma: set):
         return cast_varying(x, vma, self.sizes)
 
+    def _loop(self, run, init, xs, length, made):
+        return jax.lax.scan(run, init, xs, length=length)
+
 
 def constraint_layout(rules_, v, mesh) -> ValueLayout:
     """The layout `nm.constrain` pins: its rules alone (other dims replicated), strictly.

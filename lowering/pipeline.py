@@ -16,9 +16,14 @@ ticks in reverse, each ppermute transposed to one to the stage before, and each
 stage's gradients of its own layers stay on that stage.
 
 Two parts: `plan_pipeline` decides the schedule and its cost in plain Python (the
-`PipelinePlan`, which `report()` shows); `emit` runs it on local arrays inside
-shard_map, logging every collective by `ctx.log` as every rule does, so that the plan,
-the report and the compiled HLO agree.
+`PipelinePlan`, which `report()` shows); `emit` is the scan's SPMD rule for it, written
+against the RuleContext's operations alone (relayout, casts, `collective`, `call` for
+the local arithmetic with its shapes stated, `loop` for the ticks), so that one
+implementation serves both interpreters: the Planner plans it on `Local`s without jax
+(the ticks a "scan" instruction whose body is the tick's step, the stage's own loop
+inside it), and the traced context runs it on jax arrays inside shard_map (the
+oracle, `lower(..., traced=True)`). Every collective is logged by `ctx.log` as every
+rule does, so that the plan, the report and the compiled HLO agree.
 
 The default M is the largest divisor of the carry's local microbatched size up to 4S
 (a bubble of at most about 20%), or 1 where the carry lacks that dim or the body is not
@@ -30,13 +35,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lowering import collectives as col
+from lowering.collectives import WiderCarry
 from lowering.cost import traffic
 from lowering.layout import Layout
+from lowering.plan import Step, nbytes
 from namedmesh.errors import PipelineError, fmt_dims
 
 
@@ -287,6 +295,7 @@ def mixing_op(body, n_carry: int, n_x: int, dim: str) -> str | None:
     return None
 
 
+# --- local arithmetic of the pipeline, run by `ctx.call` (traced, or from the plan) ---
 def _to_micro(x, ax: int, m: int):
     """(M, ...): `x` cut into m microbatches along axis `ax`, microbatch first."""
     shape = x.shape[:ax] + (m, x.shape[ax] // m) + x.shape[ax + 1 :]
@@ -304,15 +313,121 @@ def _index(x, i):
 
 
 def _put(buf, x, i, valid):
-    """`buf` with entry i set to x where `valid` (a traced bool), else kept."""
+    """`buf` with entry i set to x where `valid` (a bool scalar), else kept."""
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(valid, x, _index(buf, i)), i, 0)
+
+
+def _file(buf, x, t, *, lag: int, lo: int, hi: int, items: int, m: int):
+    """`buf` with what the last stage (`lag` ticks behind tick `t`) finished, item
+    t - lag, filed at its microbatch where lo <= t - lag < hi."""
+    done = t - lag
+    return _put(buf, x, jnp.clip(done, 0, items - 1) % m, (done >= lo) & (done < hi))
+
+
+def _ticks_range(n: int):
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def _clipped(t, s, *, hi: int):
+    """t - s clipped to 0 .. hi: what stage s works on at tick t."""
+    return jnp.clip(t - s, 0, hi)
+
+
+def _entering(s, t, mc, inbox, *, last: int):
+    """Stage 0 reads microbatch t of the carry; the others what the stage before sent."""
+    return jnp.where(s == 0, _index(mc, jnp.minimum(t, last)), inbox)
+
+
+def _round_input(i, k, mc, cb, *, m: int):
+    """Item i's input: microbatch k of the carry in round 0, else of what came round."""
+    return jnp.where(i < m, _index(mc, k), _index(cb, k))
+
+
+def _first_stage(s, a, b):
+    return jnp.where(s == 0, a, b)
+
+
+def _last_stage(x, s, *, last: int):
+    return jnp.where(s == last, x, jnp.zeros_like(x))
+
+
+def _index_div(x, i, *, m: int):
+    return _index(x, i // m)
+
+
+def _mod(i, *, m: int):
+    return i % m
+
+
+def _slice_from(y, s, *, size: int):
+    return jax.lax.dynamic_slice_in_dim(y, s, size, 0)
+
+
+def _lead(x):
+    return x[None]
+
+
+def _first(x):
+    return x[0]
+
+
+def _zeros_entry(x):
+    return jnp.zeros_like(x[0])
+
+
+def _reshaped(x, *, to: tuple):
+    return x.reshape(to)
+
+
+def _dealt(x, *, to: tuple):
+    return jnp.swapaxes(x, 0, 1).reshape(to)
+
+
+def _moved(ctx, x, src: int, dst: int):
+    """`x` with axis `src` moved to `dst`."""
+    shape = list(x.shape)
+    shape.insert(dst, shape.pop(src))
+    return ctx.call(jnp.moveaxis, x, source=src, destination=dst, shape=shape, dtype=x.dtype)
+
+
+def _cut_shape(shape, ax: int, m: int) -> tuple:
+    return (m, *shape[:ax], shape[ax] // m, *shape[ax + 1 :])
+
+
+def _joined_shape(shape, ax: int) -> tuple:
+    rest = list(shape[1:])
+    rest[ax] *= shape[0]
+    return tuple(rest)
+
+
+def _micro(ctx, x, ax: int, m: int):
+    """`_to_micro` as the context's op."""
+    return ctx.call(_to_micro, x, ax=ax, m=m, shape=_cut_shape(x.shape, ax, m), dtype=x.dtype)
+
+
+def _joined(ctx, x, ax: int):
+    """`_from_micro` as the context's op."""
+    return ctx.call(_from_micro, x, ax=ax, shape=_joined_shape(x.shape, ax), dtype=x.dtype)
+
+
+def _call(ctx, fn, *xs, like, **params):
+    """`fn(*xs)` giving a value of the shape and dtype of `like`."""
+    return ctx.call(fn, *xs, shape=like.shape, dtype=like.dtype, **params)
+
+
+def _scalar(ctx, fn, *xs, **params):
+    """`fn(*xs)` giving an int32 scalar (a tick or microbatch number)."""
+    return ctx.call(fn, *xs, shape=(), dtype=np.int32, **params)
 
 
 def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
     """The SPMD rule of a scan whose scanned dim the layout splits: its pipeline.
-    `carry` are the local carries in `carry_lay`, `x_args` and `rest` (array, layout)
-    the scanned and captured inputs; `run_loop` runs a stage's iterations (the plain
-    scan's loop, lowering/scan.py). Returns the scan's outputs as (array, layout)."""
+    `carry` are the local carries in `carry_lay`, `x_args` and `rest` (local value,
+    layout) the scanned and captured inputs; `run_loop` runs a stage's iterations (the
+    plain scan's loop, lowering/scan.py: `run_loop` traced, `plan_loop` planned).
+    Written against the RuleContext's operations alone, so that the traced context runs
+    it on jax arrays and the Planner plans it on Locals. Returns the scan's outputs as
+    (local value, layout)."""
     p = eqn.params
     body, nc = p["body"], p["n_carry"]
     axes = split_axes(x_args, p["x_axes"])
@@ -322,11 +437,11 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
                                                                  strict=True)]  # fmt: skip
     # The stage's layers typed varying where the carry is, once: cast inside the loop, the
     # backward pass would psum each layer's gradient once per tick, not once per step.
-    vma = set().union(*map(col.varying_axes, carry))
+    vma = set().union(*map(ctx.vma, carry))
     xs, x_lays = [], []
     for (x, lay), ax in zip(x_args, p["x_axes"], strict=True):
         want = stage_free(lay[:ax]) + (axes,) + stage_free(lay[ax + 1 :])
-        xs.append(jnp.moveaxis(ctx.varying(ctx.relayout(x, lay, want), vma), ax, 0))
+        xs.append(_moved(ctx, ctx.varying(ctx.relayout(x, lay, want), vma), ax, 0))
         x_lays.append(want[:ax] + want[ax + 1 :])
     rest = [(ctx.relayout(r, lay, stage_free(lay)), stage_free(lay)) for r, lay in rest]
     dim = ctx.layout.options.get("microbatch_dim", "batch")
@@ -342,8 +457,8 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
         local_size=local,
         mixing=mixing_op(body, nc, p["n_x"], dim),
         requested=ctx.layout.options.get("microbatches"),
-        carry_bytes=sum(map(col.nbytes, carry)),
-        stack_bytes=sum(col.nbytes(x) for x in xs) * math.prod(ctx.sizes[a] for a in axes),
+        carry_bytes=sum(map(nbytes, carry)),
+        stack_bytes=sum(nbytes(x) for x in xs) * math.prod(ctx.sizes[a] for a in axes),
         where=f"nm.scan over {p['dim']!r}",
         schedule=ctx.layout.options.get("schedule", "gpipe"),
         repeats=ctx.layout.options.get("repeats"),
@@ -364,60 +479,59 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
 
 def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_loop):
     """(final carry, ys, ys' layouts without the scanned dim): the ticks of `plan`."""
-    from lowering.lower import Step  # lower imports the rules, which import this module
-
     p = eqn.params
     body, nc = p["body"], p["n_carry"]
     axes, m, s_n, dim = plan.axes, plan.microbatches, plan.stages, plan.dim
-    s = col.axis_index(axes, ctx.sizes)
-    c_ax, micro, rest_m = _cut(eqn, plan, carry, rest)
-    outer = ctx.step
-    shown = [(v.dims, lay) for v, lay in zip(body.inputs[:nc], carry_lay, strict=True)]
-    made: list = []  # the tick's Step, then its body's Steps, from the last trace
+    s = ctx.axis_index(axes)
+    c_ax, micro, rest_m = _cut(ctx, eqn, plan, carry, rest)
     y_lays: list = []
+    perm = tuple((i, i + 1) for i in range(s_n - 1))
 
     def tick(micro, vma, state, t):
-        inbox, outbuf = state
-        saved = ctx.moved, ctx.sources
-        ctx.moved, ctx.sources = {}, {}
-        ctx.step = Step("pipeline tick", None, shown, shown, repeat=outer.repeat * plan.ticks,
-                        depth=outer.depth + 1)  # fmt: skip
-        k = jnp.clip(t - s, 0, m - 1)  # the microbatch this stage works on
-        x_in = [jnp.where(s == 0, _index(mc, jnp.minimum(t, m - 1)), i)
+        inbox, outbuf = state[:nc], state[nc:]
+        k = _scalar(ctx, _clipped, t, s, hi=m - 1)  # the microbatch this stage works on
+        x_in = [_call(ctx, _entering, s, t, mc, i, like=i, last=m - 1)
                 for mc, i in zip(micro, inbox, strict=True)]  # fmt: skip
-        r_in = [(_index(r, k) if a is not None and dim else r, lay) for r, lay, a in rest_m]
+        r_in = [(_call(ctx, _index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
+                for r, lay, a in rest_m]  # fmt: skip
         final, ys, y_lays[:] = run_loop(ctx, eqn, x_in, carry_lay, xs, x_lays, r_in,
                                         plan.layers_per_stage)  # fmt: skip
-        done = t - (s_n - 1)  # the microbatch the last stage finishes
-        outbuf = [_put(o, y, jnp.clip(done, 0, m - 1), done >= 0)
+        # the microbatch the last stage finishes
+        filed = dict(lag=s_n - 1, lo=0, hi=m, items=m, m=m)
+        outbuf = [_call(ctx, _file, o, y, t, like=o, **filed)
                   for o, y in zip(outbuf, final, strict=True)]  # fmt: skip
-        perm = [(i, i + 1) for i in range(s_n - 1)]
-        inbox = [
-            col.ppermute(y, axes, perm, ctx.sizes, _logger(ctx, v))
-            for y, v in zip(final, eqn.outputs[:nc], strict=True)
-        ]
-        made[:] = [ctx.step, *ctx.step.body]
-        ctx.step.body = []
-        (ctx.moved, ctx.sources), ctx.step = saved, outer
-        wider = set().union(*map(col.varying_axes, [*inbox, *outbuf])) - vma
-        if wider:
-            raise col.WiderCarry(wider)
-        return (inbox, outbuf), ys
+        inbox = [ctx.collective("ppermute", y, axes, v, perm=perm, sizes=ctx.sizes)
+                 for y, v in zip(final, eqn.outputs[:nc], strict=True)]  # fmt: skip
+        _check_type([*inbox, *outbuf], ctx, vma)
+        return [*inbox, *outbuf], ys
 
-    (_, outbuf), ys = _ticks(ctx, tick, micro, carry, plan, 1)
-    final = _result(ctx, eqn, plan, outbuf, c_ax, s)
+    state, ys = _ticks(ctx, tick, micro, carry, carry_lay, plan, 1)
+    final = _result(ctx, eqn, plan, state[nc:], c_ax, s)
     # stage s ran microbatch k at tick s + k: its ys are ticks s .. s+M-1
-    ys = [jax.lax.dynamic_slice_in_dim(y, s, m, 0) for y in ys]
-    ys = [_from_micro(y, 1 + v.dims.index(dim)) if dim else y[0]
+    ys = [_call(ctx, _slice_from, y, s, like=_Shape((m, *y.shape[1:]), y.dtype), size=m)
+          for y in ys]  # fmt: skip
+    ys = [_joined(ctx, y, 1 + v.dims.index(dim)) if dim else _call(ctx, _first, y, like=_entry(y))
           for y, v in zip(ys, body.outputs[nc:], strict=True)]  # fmt: skip
-    ctx.step.body = list(made)
-    ctx.step.pipeline = _with_saved(plan, made[1:], p.get("remat", "none"))
     return final, ys, list(y_lays)
 
 
-def _logger(ctx, source):
-    """ctx.log for collectives that move (a microbatch of) the graph value `source`."""
-    return lambda kind, axes, nbytes, **kw: ctx.log(kind, axes, nbytes, source, **kw)
+class _Shape(NamedTuple):
+    """A shape and dtype, as `_call`'s `like` takes them."""
+
+    shape: tuple
+    dtype: object
+
+
+def _entry(x) -> _Shape:
+    """The shape and dtype of one entry of `x` along its leading dim."""
+    return _Shape(tuple(x.shape[1:]), x.dtype)
+
+
+def _check_type(state, ctx, vma) -> None:
+    """WiderCarry when a tick's state varies over more mesh axes than its carry's `vma`."""
+    wider = set().union(*map(ctx.vma, state)) - vma
+    if wider:
+        raise WiderCarry(wider)
 
 
 def _with_saved(plan: PipelinePlan, steps, remat: str) -> PipelinePlan:
@@ -439,15 +553,15 @@ def _deal_circular(ctx, eqn, plan: PipelinePlan, xs):
     chunk r of stage s is the stack's chunk r*S + s, where the layout gave stage s the
     contiguous chunks s*R .. s*R+R-1. One tiled all_to_all over the stage axis: local
     chunk q*S + d goes to stage d, which files what stage s' sent at s'*R/S + q."""
-    (axis,) = plan.axes
     s, r, v = plan.stages, plan.repeats, plan.layers_per_tick
     out = []
     nc = eqn.params["n_carry"]
     for x, source in zip(xs, eqn.inputs[nc : nc + eqn.params["n_x"]], strict=True):
-        ctx.log("all_to_all", plan.axes, col.nbytes(x), source)
-        x = x.reshape((r // s, s, v) + x.shape[1:])
-        x = jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=1, tiled=True)
-        out.append(jnp.swapaxes(x, 0, 1).reshape((r, v) + x.shape[3:]))
+        to = (r // s, s, v, *x.shape[1:])
+        x = _call(ctx, _reshaped, x, like=_Shape(to, x.dtype), to=to)
+        x = ctx.collective("all_to_all", x, plan.axes, source, dim=1, to=1)
+        to = (r, v, *x.shape[3:])
+        out.append(_call(ctx, _dealt, x, like=_Shape(to, x.dtype), to=to))
     return out
 
 
@@ -456,101 +570,97 @@ def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, re
     item i = t - s, microbatch i % M in round i // M, on its chunk of that round; stage
     0 reads round 0 from the carry and later rounds from `circ`, where it files what the
     last stage sends round the ring (M >= S ticks before it is read)."""
-    from lowering.lower import Step  # lower imports the rules, which import this module
-
-    p = eqn.params
-    body, nc = p["body"], p["n_carry"]
+    nc = eqn.params["n_carry"]
     axes, m, s_n, dim = plan.axes, plan.microbatches, plan.stages, plan.dim
     items = plan.repeats * m
-    s = col.axis_index(axes, ctx.sizes)
+    s = ctx.axis_index(axes)
     chunks = _deal_circular(ctx, eqn, plan, xs)
-    c_ax, micro, rest_m = _cut(eqn, plan, carry, rest)
-    outer = ctx.step
-    shown = [(v.dims, lay) for v, lay in zip(body.inputs[:nc], carry_lay, strict=True)]
-    made: list = []
-    ring = [(i, (i + 1) % s_n) for i in range(s_n)]
+    c_ax, micro, rest_m = _cut(ctx, eqn, plan, carry, rest)
+    ring = tuple((i, (i + 1) % s_n) for i in range(s_n))
 
     def tick(micro, vma, state, t):
-        inbox, circ, outbuf = state
-        saved = ctx.moved, ctx.sources
-        ctx.moved, ctx.sources = {}, {}
-        ctx.step = Step("pipeline tick", None, shown, shown, repeat=outer.repeat * plan.ticks,
-                        depth=outer.depth + 1)  # fmt: skip
-        i = jnp.clip(t - s, 0, items - 1)
-        k = i % m
-        pairs = zip(micro, circ, strict=True)
-        first = [jnp.where(i < m, _index(mc, k), _index(cb, k)) for mc, cb in pairs]
-        x_in = [jnp.where(s == 0, f, b) for f, b in zip(first, inbox, strict=True)]
-        r_in = [(_index(r, k) if a is not None and dim else r, lay) for r, lay, a in rest_m]
-        layers = [_index(c, i // m) for c in chunks]
+        inbox, circ, outbuf = state[:nc], state[nc : 2 * nc], state[2 * nc :]
+        i = _scalar(ctx, _clipped, t, s, hi=items - 1)
+        k = _scalar(ctx, _mod, i, m=m)
+        first = [_call(ctx, _round_input, i, k, mc, cb, like=_entry(cb), m=m)
+                 for mc, cb in zip(micro, circ, strict=True)]  # fmt: skip
+        x_in = [_call(ctx, _first_stage, s, f, b, like=b)
+                for f, b in zip(first, inbox, strict=True)]  # fmt: skip
+        r_in = [(_call(ctx, _index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
+                for r, lay, a in rest_m]  # fmt: skip
+        layers = [_call(ctx, _index_div, c, i, like=_entry(c), m=m) for c in chunks]
         final, _, _ = run_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
                                plan.layers_per_tick)  # fmt: skip
-        done = t - (s_n - 1)  # the item the last stage finishes
-        last_round = (done >= items - m) & (done < items)
-        outbuf = [_put(o, y, jnp.clip(done, 0, items - 1) % m, last_round)
+        # the item the last stage finishes: its last round is the result, the others go
+        # round again from stage 0
+        filed = dict(lag=s_n - 1, items=items, m=m)
+        outbuf = [_call(ctx, _file, o, y, t, like=o, lo=items - m, hi=items, **filed)
                   for o, y in zip(outbuf, final, strict=True)]  # fmt: skip
-        inbox = [
-            col.ppermute(y, axes, ring, ctx.sizes, _logger(ctx, v))
-            for y, v in zip(final, eqn.outputs[:nc], strict=True)
-        ]
-        back = (done >= 0) & (done < items - m)  # what stage 0 now holds goes round again
-        circ = [_put(cb, y, jnp.clip(done, 0, items - 1) % m, back)
+        inbox = [ctx.collective("ppermute", y, axes, v, perm=ring, sizes=ctx.sizes)
+                 for y, v in zip(final, eqn.outputs[:nc], strict=True)]  # fmt: skip
+        circ = [_call(ctx, _file, cb, y, t, like=cb, lo=0, hi=items - m, **filed)
                 for cb, y in zip(circ, inbox, strict=True)]  # fmt: skip
-        made[:] = [ctx.step, *ctx.step.body]
-        ctx.step.body = []
-        (ctx.moved, ctx.sources), ctx.step = saved, outer
-        wider = set().union(*map(col.varying_axes, [*inbox, *circ, *outbuf])) - vma
-        if wider:
-            raise col.WiderCarry(wider)
-        return (inbox, circ, outbuf), None
+        _check_type([*inbox, *circ, *outbuf], ctx, vma)
+        return [*inbox, *circ, *outbuf], []
 
-    (_, _, outbuf), _ = _ticks(ctx, tick, micro, carry, plan, 2)
-    final = _result(ctx, eqn, plan, outbuf, c_ax, s)
-    ctx.step.body = list(made)
-    ctx.step.pipeline = _with_saved(plan, made[1:], p.get("remat", "none"))
-    return final, [], []
+    state, _ = _ticks(ctx, tick, micro, carry, carry_lay, plan, 2)
+    return _result(ctx, eqn, plan, state[2 * nc :], c_ax, s), [], []
 
 
-def _cut(eqn, plan: PipelinePlan, carry, rest):
+def _cut(ctx, eqn, plan: PipelinePlan, carry, rest):
     """(each carry's microbatched axis, the carries as (M, ...) microbatches, the captured
-    inputs [(array, layout, its microbatched axis or None)], those with the dim cut)."""
+    inputs [(value, layout, its microbatched axis or None)], those with the dim cut)."""
     p = eqn.params
     body, nc, m, dim = p["body"], p["n_carry"], plan.microbatches, plan.dim
     c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
-    micro = [_to_micro(c, a, m) if dim else c[None] for c, a in zip(carry, c_ax, strict=True)]
+    lead = lambda c: _call(ctx, _lead, c, like=_Shape((1, *c.shape), c.dtype))
+    micro = [_micro(ctx, c, a, m) if dim else lead(c) for c, a in zip(carry, c_ax, strict=True)]
     r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
-    rest_m = [(_to_micro(r, a, m) if a is not None and dim else r, lay, a)
+    rest_m = [(_micro(ctx, r, a, m) if a is not None and dim else r, lay, a)
               for (r, lay), a in zip(rest, r_ax, strict=True)]  # fmt: skip
     return c_ax, micro, rest_m
 
 
-def _ticks(ctx, tick, micro, carry, plan: PipelinePlan, buffers: int):
-    """(final state, ys): `tick(micro, vma, state, t)` scanned over the plan's ticks from
-    zero inboxes and `buffers` zeroed (M, ...) buffers per carry; retried with a wider
-    type while a tick's state varies over more mesh axes (col.WiderCarry), then the
-    carry's cast to that type logged (its transpose psums)."""
-    vma = set(plan.axes).union(*map(col.varying_axes, carry))
+def _ticks(ctx, tick, micro, carry, carry_lay, plan: PipelinePlan, buffers: int):
+    """(final state, ys): `tick(micro, vma, state, t)` looped (ctx.loop) over the plan's
+    ticks from zero inboxes and `buffers` zeroed (M, ...) buffers per carry, in a
+    "pipeline tick" Step; retried with a wider type while a tick's state varies over
+    more mesh axes (WiderCarry), then the carry's cast to that type logged (its
+    transpose psums). The scan's Step gets the tick's Steps and the PipelinePlan."""
+    outer = ctx.step
+    p = outer.eqn.params
+    shown = [(v.dims, lay) for v, lay in zip(p["body"].inputs[: p["n_carry"]], carry_lay,
+                                              strict=True)]  # fmt: skip
+    new_step = lambda: Step("pipeline tick", None, shown, shown,
+                            repeat=outer.repeat * plan.ticks, depth=outer.depth + 1)  # fmt: skip
+    vma = set(plan.axes).union(*map(ctx.vma, carry))
+    done = len(outer.ops)
     while True:
         try:
-            ms = [col.cast_varying(mc, vma, ctx.sizes) for mc in micro]
-            bufs = [[jnp.zeros_like(mc) for mc in ms] for _ in range(buffers)]
-            init = ([jnp.zeros_like(mc[0]) for mc in ms], *bufs)
-            step = lambda state, t, ms=ms, vma=frozenset(vma): tick(ms, vma, state, t)
-            out = jax.lax.scan(step, init, jnp.arange(plan.ticks))
+            ms = [ctx.cast_varying(mc, vma) for mc in micro]
+            init = [_call(ctx, _zeros_entry, mc, like=_entry(mc)) for mc in ms]
+            init += [_call(ctx, jnp.zeros_like, mc, like=mc) for _ in range(buffers) for mc in ms]
+            t = ctx.call(_ticks_range, n=plan.ticks, shape=(plan.ticks,), dtype=np.int32, vma=set())
+            step = lambda c, x, ms=ms, vma=frozenset(vma): tick(ms, vma, c, x[0])
+            state, ys, made = ctx.loop(step, init, [t], plan.ticks, new_step)
             break
-        except col.WiderCarry as e:
+        except WiderCarry as e:
             vma |= e.axes
+            del outer.ops[done:]  # the planned ops of the narrower try
     for c in carry:
-        if missing := col.missing_axes(c, vma, ctx.sizes):
-            ctx.log("pvary", missing, col.nbytes(c), ctx.source(c))
-    return out
+        if missing := ctx.missing_axes(c, vma):
+            ctx.log("pvary", missing, nbytes(c), ctx.source(c))
+    outer.body = [made, *made.body]
+    made.body = []
+    outer.pipeline = _with_saved(plan, outer.body[1:], p.get("remat", "none"))
+    return state, ys
 
 
 def _result(ctx, eqn, plan: PipelinePlan, outbuf, c_ax, s):
     """The scan's final carries on every stage: the last stage's `outbuf` all-reduced."""
-    last = s == plan.stages - 1
     final = []
     for o, a, v in zip(outbuf, c_ax, eqn.outputs[: eqn.params["n_carry"]], strict=True):
-        o = col.psum(jnp.where(last, o, jnp.zeros_like(o)), plan.axes, _logger(ctx, v))
-        final.append(_from_micro(o, a) if plan.dim else o[0])
+        o = _call(ctx, _last_stage, o, s, like=o, last=plan.stages - 1)
+        o = ctx.collective("psum", o, plan.axes, v)
+        final.append(_joined(ctx, o, a) if plan.dim else _call(ctx, _first, o, like=_entry(o)))
     return final

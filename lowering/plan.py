@@ -394,6 +394,38 @@ class RuleContext:
                 x = self._op("slice_to", x, axes=m.axes, dim=m.dim, sizes=self.sizes)
         return x
 
+    # --- a pipelined scan's operations (lowering/pipeline.py) ------------------------
+    def collective(self, op: str, x, axes: tuple[str, ...], source=None, **params):
+        """Collective `op` (psum, ppermute or all_to_all, as lowering/emit.py's OPS take
+        them) of `x` over `axes`, logged as moving (a part of) the graph value `source`."""
+        self.log(op, axes, nbytes(x), source)
+        return self._op(op, x, axes=tuple(axes), **params)
+
+    def loop(self, body: Callable, init: list, xs: list, length: int, step: Callable) -> tuple:
+        """(final carry, stacked ys, the body's Step): `body(carry, x) -> (carry, ys)` on
+        lists of local values, run `length` times over the leading dim of `xs` from
+        `init`, in the Step `step()` makes (its relayouts kept apart from the enclosing
+        step's). Traced, jax.lax.scan; planned, one "scan" instruction running that Step.
+        The carry keeps `init`'s types: a body that widens them raises (WiderCarry)."""
+        made: list = []
+
+        def run(c, x):
+            saved = self.moved, self.sources, self.step
+            self.moved, self.sources, self.step = {}, {}, step()
+            made[:] = [self.step]
+            try:
+                return body(list(c), list(x))
+            finally:
+                self.moved, self.sources, self.step = saved
+
+        final, ys = self._loop(run, list(init), list(xs), length, made)
+        return list(final), list(ys), made[0]
+
+    def _loop(self, run: Callable, init: list, xs: list, length: int, made: list) -> tuple:
+        """The interpreter's loop of `loop`: (final carry, stacked ys); `made` holds the
+        body's Step once `run` has run."""
+        raise NotImplementedError
+
 
 @memo()  # the same assigned layout and shape recur in many candidate layouts
 def _dividing(layout: ValueLayout, shape: tuple, sizes: tuple) -> ValueLayout:
@@ -533,6 +565,20 @@ class Planner(RuleContext):
         if self.record:
             self.step.ops.append(Instr(op, xs, outs, params))
         return res
+
+    def _loop(self, run, init, xs, length, made):
+        carry_in = [Local(c.shape, c.dtype, c.vma) for c in init]
+        x_in = [Local(x.shape[1:], x.dtype, x.vma) for x in xs]
+        new, ys = run(carry_in, x_in)
+        final = [Local(c.shape, c.dtype, c.vma) for c in init]
+        stacked = [Local((length, *y.shape), y.dtype, y.vma) for y in ys]
+        if self.record:
+            self.step.ops.append(Instr("scan", (*init, *xs), (*final, *stacked), {
+                "n_carry": len(init), "n_x": len(xs), "length": length, "remat": "none",
+                "carry_in": carry_in, "x_in": x_in, "steps": list(made), "carry_out": list(new),
+                "ys": list(ys), "consts": {},
+            }))  # fmt: skip
+        return final, stacked
 
 
 def constant(c) -> Local:

@@ -23,7 +23,7 @@ import numpy as np
 from lowering import collectives as col
 from lowering.caches import per_object
 from lowering.cost import traffic
-from lowering.layout import Layout, local_shape
+from lowering.layout import local_shape
 from lowering.plan import nbytes
 from namedmesh.elementwise import align
 from namedmesh.ordering import lowest, sort_key
@@ -80,24 +80,15 @@ def plan_rule_for(prim: Primitive) -> Callable:
 
 
 def plannable(graph, layout=None) -> bool:
-    """Whether every op of `graph` (and of its scans' bodies) has a plan rule. Under
-    `layout`, a scan whose scanned dim the layout or an `nm.constrain` of the program may
-    split is a pipeline (lowering/pipeline.py), which runs traced: not plannable."""
-    split = set() if layout is None else {d for d, axes in layout.rules if axes}
-    split |= {d for e in graph.eqns if e.primitive.pins_layout
-              for d, axes in _constrained(e) if axes}  # fmt: skip
+    """Whether every op of `graph` (and of its scans' bodies) has a plan rule. A scan
+    whose scanned dim the layout splits (a pipeline, lowering/pipeline.py) is planned
+    too; `layout` is kept for the callers' sake and no longer changes the answer."""
     for e in graph.eqns:
         if e.primitive in SPMD_RULES and e.primitive not in PLAN_RULES:
             return False
-        if e.primitive.loop:
-            if e.params.get("dim") in split or not plannable(e.params["body"], layout):
-                return False
+        if e.primitive.loop and not plannable(e.params["body"], layout):
+            return False
     return True
-
-
-def _constrained(e) -> list:
-    """The (dim, mesh axes) rules of an `nm.constrain` equation `e`."""
-    return Layout(e.params["layout"]).rules
 
 
 def replicated_rule(ctx, eqn, args):

@@ -12,11 +12,12 @@ shard_map types each value as varying or not over each mesh axis and a loop carr
 must keep its type, so the carry is typed varying over every axis over which the
 initial value or the body's result varies.
 
-`scan_rule` runs traced; `plan_scan` plans the same loop on `Local`s without jax,
-re-planning the body until the carry's type settles, and records it as one "scan"
-instruction holding the body's steps, which the emitter (lowering/emit.py) runs
-inside jax.lax.scan. A pipelined scan (a split scanned dim) has no plan rule: the
-program runs traced (`rules.plannable` says no for it).
+`scan_rule` runs traced (its loop `run_loop`); `plan_scan` plans the same loop on
+`Local`s without jax (`plan_loop`), re-planning the body until the carry's type
+settles, and records it as one "scan" instruction holding the body's steps, which the
+emitter (lowering/emit.py) runs inside jax.lax.scan. A pipelined scan (a split scanned
+dim) is one implementation for both, `pipeline.emit` on the context's operations,
+given the interpreter's loop for its stages' iterations.
 """
 
 from __future__ import annotations
@@ -122,37 +123,54 @@ def run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
 
 @plan_rule(P.scan)
 def plan_scan(ctx, eqn, args):
-    """`scan_rule`'s plan, on Locals: the same layouts, moves and casts."""
+    """`scan_rule`'s plan, on Locals: the same layouts, moves and casts; a split scanned
+    dim makes the same pipeline (pipeline.emit), its stages' loops planned."""
     p = eqn.params
-    body, nc, nx = p["body"], p["n_carry"], p["n_x"]
+    nc, nx = p["n_carry"], p["n_x"]
     carry_lay = [ctx.wanted[v] for v in eqn.outputs[:nc]]
     carry = [
         ctx.relayout(x, lay, want) for (x, lay), want in zip(args[:nc], carry_lay, strict=True)
     ]
+    x_args, rest = args[nc : nc + nx], args[nc + nx :]
+    if pipeline.split_axes(x_args, p["x_axes"]):  # a split scanned dim: a pipeline
+        return pipeline.emit(ctx, eqn, carry, carry_lay, x_args, rest, plan_loop)
     xs, x_lays = [], []
-    for (x, lay), ax in zip(args[nc : nc + nx], p["x_axes"], strict=True):
+    for (x, lay), ax in zip(x_args, p["x_axes"], strict=True):
         whole = ctx.relayout(x, lay, lay[:ax] + ((),) + lay[ax + 1 :])
         shape = (whole.shape[ax], *whole.shape[:ax], *whole.shape[ax + 1 :])
         xs.append(ctx.call(jnp.moveaxis, whole, source=ax, destination=0, shape=shape,
                            dtype=whole.dtype))  # fmt: skip
         x_lays.append(lay[:ax] + lay[ax + 1 :])
-    rest = args[nc + nx :]
+    final, ys, y_lays = plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, p["length"])
+    return [
+        *zip(final, carry_lay, strict=True),
+        *((y, ((),) + lay) for y, lay in zip(ys, y_lays, strict=True)),
+    ]
+
+
+def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
+    """`run_loop` planned: (final carry, stacked ys, the ys' layouts) of the scan
+    equation `eqn`'s body over the Locals `xs`, `length` iterations, recorded into the
+    current step as one "scan" instruction holding the body's steps, re-planning the body
+    until the carry's type settles. The body's Steps go into the current step's `body`."""
+    p = eqn.params
+    body, nc = p["body"], p["n_carry"]
     in_lays = carry_lay + x_lays + [lay for _, lay in rest]
     ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
     plan_layouts(ctx, body)
     vma = set().union(*map(ctx.vma, carry))
     while True:
         try:
-            planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma)
+            planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
             break
         except WiderCarry as e:  # the body's carry varies over more axes: again
             vma |= e.axes
     steps, shown, inner_ins, new, ys, y_lays, consts = planned
     init = [ctx.cast_varying(c, vma) for c in carry]
     final = [Local(c.shape, c.dtype, frozenset(vma)) for c in carry]
-    stacked = [Local((p["length"], *y.shape), y.dtype, y.vma) for y in ys]
+    stacked = [Local((length, *y.shape), y.dtype, y.vma) for y in ys]
     ctx.step.ops.append(Instr("scan", (*init, *xs), (*final, *stacked), {
-        "n_carry": nc, "n_x": nx, "length": p["length"], "remat": p.get("remat", "none"),
+        "n_carry": nc, "n_x": len(xs), "length": length, "remat": p.get("remat", "none"),
         "carry_in": inner_ins[:nc], "x_in": inner_ins[nc:], "steps": steps,
         "carry_out": new, "ys": ys, "consts": consts,
     }))  # fmt: skip
@@ -160,13 +178,10 @@ def plan_scan(ctx, eqn, args):
         if missing := ctx.missing_axes(c, vma):
             ctx.log("pvary", missing, nbytes(c), ctx.source(c))
     ctx.step.body = shown
-    return [
-        *zip(final, carry_lay, strict=True),
-        *((y, ((),) + lay) for y, lay in zip(stacked, y_lays, strict=True)),
-    ]
+    return final, stacked, y_lays
 
 
-def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set):
+def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set, length: int):
     """The body planned with the carry typed varying over `vma`: (the steps to run, the
     steps to show, the body's input Locals, its carry and y results, the ys' layouts,
     its constants by Local); WiderCarry when the body's carry varies over more axes
@@ -181,7 +196,7 @@ def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set):
     values = [*inner_ins, *(a for a, _ in rest)]
     env = dict(zip(body.inputs, zip(values, in_lays, strict=True), strict=True))
     shown: list = []
-    repeat, depth = outer.repeat * p["length"], outer.depth + 1
+    repeat, depth = outer.repeat * length, outer.depth + 1
     run_graph(ctx, body, env, shown, repeat, depth)
     ctx.combined = set()
     ctx.step = Step("carry", None, [(v.dims, env[v][1]) for v in body.outputs[:nc]], [],

@@ -2,7 +2,8 @@
 splits over a `stage` axis trains as on one device (loss and gradients against the
 un-lowered model run by jax), alone and beside data and Megatron axes; the compiled
 step's collective-permutes carry the bytes the plan predicts, no all-gather of the
-layer stack remains, and each device holds 1/S of the stack. One compile per layout."""
+layer stack remains, and each device holds 1/S of the stack. The pipeline is planned
+without jax and runs from its plan (lowering/emit.py). One compile per layout."""
 
 import functools
 import shutil
@@ -15,6 +16,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.hlo import collectives
 from lowering.pipeline import default_microbatches, plan_pipeline
+from lowering.plan import signature
 from models import config, transformer
 from namedmesh.errors import LayoutError, PipelineError
 
@@ -58,6 +60,7 @@ def compiled(case: str):
     """(lowered, compiled training step, its loss and gradients) under `case`."""
     mesh, layout, _, _ = CASES[case]
     lowered = lower(loss, Mesh(mesh), layout)
+    assert lowered._build((PARAMS, BATCH))[1].planned  # run from the Planner's plan
     step = jax.jit(jax.value_and_grad(lambda p: lowered(p, BATCH).data))
     exe = step.lower(PARAMS).compile()
     value, grads = exe(PARAMS)
@@ -91,6 +94,14 @@ def test_hlo_permutes_carry_the_planned_bytes_and_no_stack_is_gathered(layout):
     layer = min(t.nbytes // CFG.layers for t in jax.tree_util.tree_leaves(PARAMS["layers"]))
     gathered = [b for kind, b, _ in hlo if kind == "all-gather"]
     assert all(b < layer for b in gathered), gathered
+
+
+@pytest.mark.parametrize("layout", list(CASES))
+def test_the_planned_pipeline_is_the_traced_one(layout):
+    """The plan the steps above ran from, made without jax, is the one the rules log as
+    jax traces them (`Lowered.traced_plan`, the oracle)."""
+    lowered = compiled(layout)[0]
+    assert signature(lowered.plan(PARAMS, BATCH)) == signature(lowered.traced_plan(PARAMS, BATCH))
 
 
 def test_each_device_holds_its_stage_of_the_stack():

@@ -1,7 +1,8 @@
 """A pipeline beside the other ways to split a model (issue 18): FSDP-style rules with the
 scan's remat policy, a mixture of experts, and the encoder-decoder's two stacks (each
 `nm.scan` over `layers` its own pipeline, one after the other). Loss and gradients
-equal the model run by jax on one device, unlowered; one compile per layout.
+equal the model run by jax on one device, unlowered, run from the Planner's plan (equal
+to the traced one); one compile per layout.
 (Pipeline x data x Megatron on a 2x2x2 mesh: tests/test_pipeline.py.)"""
 
 import functools
@@ -12,6 +13,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
+from lowering.plan import signature
 from models import objectives, transformer, zoo
 from tests.test_pipeline import BATCH, CFG, PARAMS, one_device
 
@@ -44,6 +46,12 @@ def _value_and_grads(loss, params, batch):
     return jax.jit(jax.value_and_grad(lambda p: loss(p, batch).data))(params)
 
 
+def _assert_planned(lowered, params, batch):
+    """Run from the Planner's plan, which is the one the rules log as jax traces them."""
+    assert lowered._build((params, batch))[1].planned
+    assert signature(lowered.plan(params, batch)) == signature(lowered.traced_plan(params, batch))
+
+
 def _assert_equal(got, want):
     (got_loss, got_grads), (want_loss, want_grads) = got, want
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
@@ -60,6 +68,7 @@ def test_fsdp_rules_and_remat_inside_the_stages():
     lowered = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh({"stage": 2, "data": 4}),
                     "layers:stage;batch:data;d_model:data;microbatches=2")  # fmt: skip
     _assert_equal(_value_and_grads(lowered, PARAMS, BATCH), one_device())
+    _assert_planned(lowered, PARAMS, BATCH)
     (plan,) = lowered.report(PARAMS, BATCH, wrt=0, show=False).pipelines
     assert (plan.stages, plan.microbatches) == (2, 2)
 
@@ -75,6 +84,7 @@ def test_moe_and_the_encoder_decoder_pipelined(name, sizes, layout, pipelines):
     loss, params, batch = case(name)
     lowered = lower(loss, Mesh(sizes), layout)
     _assert_equal(_value_and_grads(lowered, params, batch), _value_and_grads(loss, params, batch))
+    _assert_planned(lowered, params, batch)
     plans = lowered.report(params, batch, wrt=0, show=False).pipelines
     assert [p.stages for p in plans] == [2] * pipelines
     # the MoE's balancing loss mixes the batch: one microbatch; the stacks' bodies don't

@@ -3,6 +3,8 @@ log as jax traces them (`Lowered.traced_plan`, the oracle), and the emitter that
 it. The compiled HLO's collectives against the plan's are property 3 of
 property_tests/test_lowering_props.py, which now runs planned programs."""
 
+import math
+
 import jax
 import jax.extend.core
 import numpy as np
@@ -116,13 +118,17 @@ def test_rules_with_their_own_arithmetic_plan_as_they_trace(layout):
         np.testing.assert_allclose(g.data, w.data, rtol=1e-5, atol=1e-6)
 
 
-def test_planning_calls_no_jax(monkeypatch):
+@pytest.mark.parametrize(
+    "layout", ["batch:rows;heads:cols;d_ff:cols;vocab:cols", "layers:rows;batch:cols"]
+)
+def test_planning_calls_no_jax(monkeypatch, layout):
     """The planner and the cost report of its plan bind no jax primitive: every jax op
-    (jax.numpy, jax.lax, shard_map) goes through Primitive.bind, patched here to raise."""
+    (jax.numpy, jax.lax, shard_map) goes through Primitive.bind, patched here to raise.
+    A pipelined scan (the second layout) too."""
     loss, inputs = lm("tiny")
     graph = nm.trace(loss, *inputs)
-    layout = Layout("batch:rows;heads:cols;d_ff:cols;vocab:cols")
-    assert rules.plannable(graph)
+    layout = Layout(layout)
+    assert rules.plannable(graph, layout)
 
     def no_jax(self, *args, **params):
         raise AssertionError(f"the planner called jax: {self}")
@@ -160,19 +166,42 @@ def test_conv_and_pool_plan_as_they_trace_and_run_correctly(layout):
         np.testing.assert_allclose(g.data, w.data, rtol=1e-5, atol=1e-5)
 
 
-def test_a_pipelined_scan_is_traced():
+PIPELINES = {  # the tiny LM of 8 layers; name: (remat, layout)
+    "gpipe, M default": ("none", "layers:rows;batch:cols"),
+    "gpipe, M=1, remat full": ("full", "layers:rows;microbatches=1"),
+    "gpipe, 2 stage axes, remat dots": ("dots", "layers:rows,cols;microbatches=2"),
+    "gpipe, stage axes out of mesh order": ("none", "layers:cols,rows;batch:rows"),
+    "circular": ("dots", "layers:rows;batch:cols;schedule=circular;microbatches=2"),
+    "circular, Megatron": ("none", "layers:rows;heads:cols;d_ff:cols;schedule=circular;repeats=4"),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_a_pipelined_scan_plans_as_it_traces(name):
     """A layout that splits a scan's scanned dim makes it a pipeline (lowering/pipeline.py),
-    which has no plan rule: `plannable` says no under that layout, and the program is
-    planned as jax traces it, the pipeline in its plan."""
-    loss, inputs = lm("tiny")
-    graph = nm.trace(loss, *inputs)
-    assert rules.plannable(graph, Layout("batch:rows,cols"))
-    assert not rules.plannable(graph, Layout("layers:rows;batch:cols"))
-    lowered = lower(loss, ABSTRACT, "layers:rows;batch:cols")
-    plan = lowered.plan(*inputs)
-    assert not lowered._build(inputs)[1].planned
-    (pipe,) = [s.pipeline for s in plan if s.pipeline is not None]
-    assert (pipe.axes, pipe.stages) == (("rows",), 2)
+    planned without jax like every other op: the plan (its pipeline tick and the stage's
+    loop) and the training report equal those the rules log as jax traces them."""
+    remat, layout = PIPELINES[name]
+    loss, inputs = lm("tiny", layers=8, remat=remat)
+    assert rules.plannable(nm.trace(loss, *inputs), Layout(layout))
+    assert_plans_equal(loss, ABSTRACT, layout, *inputs, wrt=0)
+    (pipe,) = [s.pipeline for s in lower(loss, ABSTRACT, layout).plan(*inputs) if s.pipeline]
+    assert pipe.stages == math.prod(ABSTRACT.sizes[a] for a in dict(Layout(layout).rules)["layers"])
+
+
+def test_a_pipelined_scan_with_ys_plans_as_it_traces_and_runs_from_the_plan():
+    """Per-layer results (ys) stay on their stage; the program emitted from the plan, and
+    the one its rules make as jax traces them (the oracle), equal a NumPy loop."""
+    from test_scan import ARGS, WANT, scanned
+
+    layout = "layers:rows;batch:cols"
+    assert_plans_equal(scanned, ABSTRACT, layout, *ARGS, wrt=(1, 2))
+    for traced in (False, True):
+        lowered = lower(scanned, MESH, layout, traced=traced)
+        h, ys = lowered(*ARGS)
+        assert lowered._build(ARGS)[1].planned is not traced
+        np.testing.assert_allclose(np.asarray(h.data), WANT[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ys.data), WANT[1], rtol=1e-4, atol=1e-5)
 
 
 def test_a_search_costs_each_candidate_as_it_costs_it_alone():
