@@ -31,8 +31,8 @@ state over the limit may be the one whose completion is fastest, so fast states 
 kept whatever their memory. On programs small enough to plan every layout the choice is no
 slower than the best within the limit of all that give each axis to at most two dims
 (tests/test_search_optimal.py, against brute force; none of 615 such searches on
-2-axis meshes missed); on 3-axis meshes under a limit that binds it can miss (9 of 270
-MLP searches, docs/benchmarks.md), and on larger ones it is a beam, not a proof.
+2-axis meshes missed); on 3-axis meshes under a limit that binds it can miss (6 of 270
+MLP searches, by up to 5.4%, docs/benchmarks.md), and on larger ones it is a beam, not a proof.
 
 Each candidate's time is `Rates.seconds` of its report (lowering/rates.py): flops at
 the device's flop rate, each collective's latency and bytes at its kind's rate. The
@@ -453,9 +453,11 @@ def _share(cost, states: list[Pairs], mesh, dims, beam: int) -> None:
 def _moves(state: Pairs, mesh, dims: dict[str, int]) -> list[Pairs]:
     """Phase 2's moves from `state`: a dim takes one mesh axis more, or all it lacks (a
     split over the whole mesh, `batch:x,y` after `d_ff:x,y`, which one axis at a time
-    may pass through layouts over the limit or slower); or two split dims swap their
+    may pass through layouts over the limit or slower); two split dims swap their
     axes (`d_ff:x;batch:y,z` to `d_ff:y,z;batch:x`: which dim takes the larger split
-    is decided in phase 1 one axis at a time, and two moves apart otherwise)."""
+    is decided in phase 1 one axis at a time, and two moves apart otherwise); or a dim
+    gives up one of its axes, which another dim may take (phase 1 gave it an axis that
+    a later share made the wrong one: it mends 4 of 9 misses of 270 3-axis MLP searches)."""
     out = []
     for d in dims:
         lacks = [a for a in mesh.sizes if mesh.sizes[a] > 1 and (d, a) not in state]
@@ -469,6 +471,12 @@ def _moves(state: Pairs, mesh, dims: dict[str, int]) -> list[Pairs]:
         swapped = {**axes, d: axes[e], e: axes[d]}
         if all(dims[x] % math.prod(mesh.sizes[a] for a in swapped[x]) == 0 for x in (d, e)):
             out.append(tuple((x, a) for x in axes for a in swapped[x]))
+    for i, (d, a) in enumerate(state):  # a dim gives up one axis, kept or handed on
+        rest = (*state[:i], *state[i + 1 :])
+        out.append(rest)
+        takers = (e for e in dims if e != d and (e, a) not in rest)
+        out.extend((*rest, (e, a)) for e in takers
+                   if dims[e] % (_split(rest, e, mesh) * mesh.sizes[a]) == 0)  # fmt: skip
     return out
 
 

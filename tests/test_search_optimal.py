@@ -100,6 +100,7 @@ CASES = [  # each one a case some version of the search missed
     ("mlp", (("x", 8), ("y", 2)), (8192, 4096, 256)),
     ("mlp", (("a", 2), ("b", 2), ("c", 2)), (4096, 1024, 4096)),
     ("mlp", (("a", 2), ("b", 4), ("c", 2)), (8192, 64, 4096)),  # which dim takes b: a swap
+    ("mlp", (("a", 2), ("b", 2), ("c", 2)), (16, 1024, 256)),  # d_model gives c up to d_ff
     ("attention", (("x", 2), ("y", 4)), (2, 4096, 256, 4, 32)),  # keys split: kseq
 ]
 
