@@ -146,7 +146,7 @@ def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, sizes) -> None
 def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value;
     `wrt`, the graph inputs a gradient is taken of, adds the backward pass."""
-    active = set() if wrt is None else active_values(graph, set(wrt))
+    active, flow = _gradient_flow(graph, None if wrt is None else frozenset(wrt))
     peak = peak_memory(graph, local_bytes)
     if wrt is not None:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
@@ -156,33 +156,67 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
+        flowing, result_active = flow.get(step.eqn) or _flow(step.eqn, active)
         if step.local:
-            _add_local_ops(rep, step, active, sizes, devices)
+            _add_local_ops(rep, step, flowing, sizes, devices)
         if step.collectives or step.casts:
-            _add_collectives(rep, step, active, wrt is not None, sizes)
+            _add_collectives(rep, step, active, result_active, wrt is not None, sizes)
     return rep
 
 
-def _add_local_ops(rep: Report, step, active: set, sizes, devices: int) -> None:
-    """Into `rep`: the flops of `step`'s local ops, forward and (for an op that reads a
-    value the gradient flows through) backward: a matmul's once per such input."""
-    flowing = sum(v in active for v in step.eqn.inputs) if step.eqn is not None else 0
+def _flow(e, active) -> tuple[int, bool]:
+    """(how many of equation `e`'s inputs the gradient flows to, whether it flows through
+    one of its results); (0, False) for a step of no equation (a scan's carry, the
+    outputs' relayout)."""
+    if e is None:
+        return 0, False
+    return sum(v in active for v in e.inputs), any(v in active for v in e.outputs)
+
+
+@per_object  # of the program alone: once for all the candidates a search costs
+def _gradient_flow(graph, wrt: frozenset | None) -> tuple[frozenset, dict]:
+    """(the values a gradient of `wrt` flows through (`active_values`; none without
+    `wrt`), {equation of `graph` or of its scans' bodies: (how many of its inputs the
+    gradient flows to, whether it flows through one of its results)}), which the report
+    asks of every step of every candidate."""
+    active = frozenset() if wrt is None else frozenset(active_values(graph, set(wrt)))
+    flow: dict = {}
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for e in g.eqns:
+            flow[e] = _flow(e, active)
+            if e.primitive.loop:
+                stack.append(e.params["body"])
+    return active, flow
+
+
+def _add_local_ops(rep: Report, step, flowing: int, sizes, devices: int) -> None:
+    """Into `rep`: the flops of `step`'s local ops, forward and (for an op that reads
+    `flowing` values the gradient flows through) backward: a matmul's once per such
+    input."""
+    flops, backward = rep.flops, rep.backward_flops  # summed in the same order as ever
     for op in step.local:
         local = op.flops
         if local is None:  # not found while planning
             local = local_flops(op.prim, op.ins, op.outs, op.params)
         f = local * step.repeat
-        rep.flops += f
-        _repeats(rep.repeated, step, op, local, sizes, devices)
+        flops += f
+        # an op no other device repeats (local x devices <= whole) adds no `repeated`
+        if op.whole is None or local * devices > op.whole * 1.0001:
+            _repeats(rep.repeated, step, op, local, sizes, devices)
         if flowing:
-            rep.backward_flops += f * (flowing if op.prim.matmul else 1)
+            backward += f * (flowing if op.prim.matmul else 1)
+    rep.flops, rep.backward_flops = flops, backward
 
 
-def _add_collectives(rep: Report, step, active: set, backward: bool, sizes) -> None:
+def _add_collectives(
+    rep: Report, step, active: frozenset, result_active: bool, backward: bool, sizes
+) -> None:
     """Into `rep`: the bytes of `step`'s collectives and casts, and (`backward`) of the
-    collectives their transposes issue where the gradient flows through them."""
-    result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
-    for c in [*step.collectives, *step.casts]:
+    collectives their transposes issue where the gradient flows through them (through
+    the value they move, else through the step's result: `result_active`)."""
+    for c in (*step.collectives, *step.casts):
         if c.kind in _TRAFFIC:
             _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, sizes)
         through = c.source in active if c.source is not None else result_active
