@@ -151,33 +151,33 @@ def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, d
     input Var to (local value, layout) and receives every value made; each equation's
     Step (then the Steps of a scan's body) is appended to `plan`."""
     planned = isinstance(ctx, Planner)
+    rule_for = rules.plan_rule_for if planned else rules.rule_for
+    note_source = ctx.note_source
     for v, c in graph.consts.items():
         env[v] = (constant(c) if planned else jax.numpy.asarray(c), ((),) * len(v.dims))
     for v, (x, _) in env.items():
-        ctx.note_source(x, v)
+        note_source(x, v)
     for e in graph.eqns:
         ins = [env[v] for v in e.inputs]
-        ctx.step = Step(
-            e.primitive.name,
-            e,
-            [(v.dims, lay) for v, (_, lay) in zip(e.inputs, ins, strict=True)],
-            [],
-            repeat=repeat,
-            depth=depth,
-        )
+        # the layouts in, as the plan prints them (a costing-only plan prints nothing)
+        shown = [(v.dims, x[1]) for v, x in zip(e.inputs, ins, strict=True)] if ctx.record else []
+        ctx.step = step = Step(e.primitive.name, e, shown, [], repeat=repeat, depth=depth)
         # An op that combines its inputs makes them all vary where any does. Cast before
         # moving, so that the backward pass sums a gathered value's gradient over those
         # axes after the reduce-scatter, on the smaller shard.
-        combines = e.primitive.combines_inputs
-        ctx.combined = set().union(*(ctx.vma(x) for x, _ in ins)) if combines else set()
-        outs = (rules.plan_rule_for if planned else rules.rule_for)(e.primitive)(ctx, e, ins)
+        if e.primitive.combines_inputs:
+            ctx.combined = set().union(*[ctx.vma(x) for x, _ in ins])
+        elif ctx.combined:
+            ctx.combined = set()
+        outs = rule_for(e.primitive)(ctx, e, ins)
         cost_own_arithmetic(ctx, e, ins, outs)
-        ctx.step.outputs = [(v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)]
-        plan.append(ctx.step)
-        plan.extend(ctx.step.body)
-        env.update(zip(e.outputs, outs, strict=True))
-        for v, (x, _) in zip(e.outputs, outs, strict=True):
-            ctx.note_source(x, v)
+        step.outputs = [(v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)]
+        plan.append(step)
+        if step.body:
+            plan.extend(step.body)
+        for v, out in zip(e.outputs, outs, strict=True):
+            env[v] = out
+            note_source(out[0], v)
 
 
 def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, list]:

@@ -280,12 +280,13 @@ class RuleContext:
         under jax_enable_x64 where the rule says int32)."""
         if len(arrays) > 1:
             vmas = [self.vma(a) for a in arrays]
-            vma = set().union(*vmas)
-            # cast only the inputs that vary over fewer axes (the others are typed alike)
-            arrays = [
-                a if len(v) == len(vma) else self.varying(a, vma)
-                for a, v in zip(arrays, vmas, strict=True)
-            ]
+            if any(v != vmas[0] for v in vmas):
+                vma = set().union(*vmas)
+                # cast only the inputs that vary over fewer axes (the others are typed alike)
+                arrays = [
+                    a if len(v) == len(vma) else self.varying(a, vma)
+                    for a, v in zip(arrays, vmas, strict=True)
+                ]
         outs = self._local(prim, arrays, params)
         return outs if prim.multiple_results else outs[0]
 
