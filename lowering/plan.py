@@ -330,11 +330,13 @@ class RuleContext:
         if not missing:
             return x
         key = (id(x), "varying", missing)
-        if key not in self.moved:
-            self.log("pvary", missing, nbytes(x), self.source(x))
-            self.moved[key] = (x, self._op("pcast", x, axes=missing))
-            self.note_source(self.moved[key][1], self.source(x))
-        return self.moved[key][1]
+        done = self.moved.get(key)
+        if done is None:
+            source = self.source(x)
+            self.log("pvary", missing, nbytes(x), source)
+            done = self.moved[key] = (x, self._op("pcast", x, axes=missing))
+            self.note_source(done[1], source)
+        return done[1]
 
     def soft_layout(
         self, dims, shape, is_value: bool = True, rules: Layout | None = None
@@ -377,10 +379,11 @@ class RuleContext:
         added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
         x = self.varying(x, self.combined | added)
         key = (id(x), src, dst)
-        if key not in self.moved:
-            self.moved[key] = (x, self._moves(x, src, dst, source))
-            self.note_source(self.moved[key][1], source)
-        return self.moved[key][1]
+        done = self.moved.get(key)
+        if done is None:
+            done = self.moved[key] = (x, self._moves(x, src, dst, source))
+            self.note_source(done[1], source)
+        return done[1]
 
     def _moves(self, x, src, dst, source):
         """The moves of `collectives.plan_moves`, each logged and run."""
