@@ -258,11 +258,21 @@ def _repeats(repeated: dict, step, op, local: float, sizes, n: int) -> None:
     glob = op.whole if op.whole is not None else whole_flops(eqn, tuple(op.params.items()))
     if local * n <= glob * 1.0001:
         return
-    used = {a for _, lay in step.outputs for axes in lay for a in axes}
-    used |= {a for c in step.collectives if c.kind in ("psum", "psum_scatter") for a in c.axes}
-    axes = tuple(a for a, k in sizes.items() if k > 1 and a not in used)
-    factor = round(local * n / glob, 2)
-    key = (axes, int(factor) if float(factor).is_integer() else factor)
+    used = [lay for _, lay in step.outputs]
+    used += [(c.axes,) for c in step.collectives if c.kind in ("psum", "psum_scatter")]
+    key = (_unused_axes(tuple(used), tuple(sizes.items())), _factor(local * n / glob))
     ops, flops = repeated.get(key, ({}, 0.0))
     ops[op.prim.name] = ops.get(op.prim.name, 0) + step.repeat
     repeated[key] = (ops, flops + (local - glob / n) * step.repeat)
+
+
+@memo()  # the same layouts recur in every candidate
+def _unused_axes(layouts: tuple, sizes: tuple) -> tuple[str, ...]:
+    """The mesh axes (of `sizes`, items; of size above 1) that split no dim of `layouts`."""
+    used = {a for lay in layouts for axes in lay for a in axes}
+    return tuple(a for a, k in sizes if k > 1 and a not in used)
+
+
+def _factor(ratio: float) -> float | int:
+    factor = round(ratio, 2)
+    return int(factor) if float(factor).is_integer() else factor

@@ -259,7 +259,9 @@ def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report
 
     @functools.cache  # each value is asked for several times (peak, saved, working set)
     def local_bytes(v):
-        layout = wanted.get(v, ((),) * len(v.dims))
+        layout = wanted.get(v)
+        if layout is None:  # a value no rule laid out (a scan body's constant): whole
+            layout = ((),) * len(v.dims)
         return _local_bytes(layout, v.shape, v.dtype.itemsize, sizes)
 
     return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt)
