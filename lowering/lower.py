@@ -159,9 +159,7 @@ def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, d
         note_source(x, v)
     for e in graph.eqns:
         ins = [env[v] for v in e.inputs]
-        # the layouts in, as the plan prints them (a costing-only plan prints nothing)
-        shown = [(v.dims, x[1]) for v, x in zip(e.inputs, ins, strict=True)] if ctx.record else []
-        ctx.step = step = Step(e.primitive.name, e, shown, [], repeat=repeat, depth=depth)
+        ctx.step = step = _step(ctx, e, ins, repeat, depth)
         # An op that combines its inputs makes them all vary where any does. Cast before
         # moving, so that the backward pass sums a gathered value's gradient over those
         # axes after the reduce-scatter, on the smaller shard.
@@ -178,6 +176,20 @@ def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, d
         for v, out in zip(e.outputs, outs, strict=True):
             env[v] = out
             note_source(out[0], v)
+
+
+def _step(ctx: RuleContext, e, ins: list, repeat: int, depth: int) -> Step:
+    """The Step of equation `e`, its inputs (local value, layout) `ins`. A costing-only
+    plan's (`ctx.record` False) holds no layouts in and no events, and shares empty
+    tuples for the collectives and casts most steps do not issue (`RuleContext.log` makes
+    the list), the scans' body and the instructions (which only a scan's step records):
+    a search's candidates then make few objects each for the collector to trace."""
+    if ctx.record:
+        shown = [(v.dims, x[1]) for v, x in zip(e.inputs, ins, strict=True)]
+        return Step(e.primitive.name, e, shown, [], repeat=repeat, depth=depth)
+    ops = [] if e.primitive.loop else ()
+    return Step(e.primitive.name, e, (), (), collectives=(), casts=(), events=(), body=(),
+                ops=ops, repeat=repeat, depth=depth)  # fmt: skip
 
 
 def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, list]:

@@ -267,7 +267,15 @@ class RuleContext:
         self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
     ) -> None:
         c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
-        (self.step.casts if kind == "pvary" else self.step.collectives).append(c)
+        step = self.step  # a costing-only step holds () until its first (lower._step)
+        if kind == "pvary":
+            if isinstance(step.casts, tuple):
+                step.casts = []
+            step.casts.append(c)
+        else:
+            if isinstance(step.collectives, tuple):
+                step.collectives = []
+            step.collectives.append(c)
         if not self.record:
             return
         what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
