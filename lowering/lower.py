@@ -321,7 +321,7 @@ def plan_program(
     plan_layouts(ctx, graph)
     plan = Plan()
     plan.inputs = [Local(local_shape(wanted[v], v.shape, mesh), np.dtype(v.dtype),
-                         frozenset(a for axes in wanted[v] for a in axes))
+                         _axes_of(wanted[v]))
                    for v in graph.inputs]  # fmt: skip
     env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, plan.inputs, strict=True)}
     run_graph(ctx, graph, env, plan)
@@ -333,6 +333,12 @@ def plan_program(
     if not plan.program or plan.program[-1] is not ctx.step:
         plan.program.append(ctx.step)
     return plan
+
+
+@memo()  # the inputs' layouts recur in every candidate
+def _axes_of(layout: ValueLayout) -> frozenset:
+    """The mesh axes `layout` splits a value over (over which its shard varies)."""
+    return frozenset(a for axes in layout for a in axes)
 
 
 @dataclass
