@@ -273,6 +273,8 @@ def _unused_axes(layouts: tuple, sizes: tuple) -> tuple[str, ...]:
     return tuple(a for a, k in sizes if k > 1 and a not in used)
 
 
+@memo()  # round() is slow, and the same ratios recur
 def _factor(ratio: float) -> float | int:
+    """`ratio` rounded to 2 decimals, an int where whole (the key `repeated` keeps)."""
     factor = round(ratio, 2)
     return int(factor) if float(factor).is_integer() else factor
