@@ -202,9 +202,13 @@ def _add_local_ops(rep: Report, step, flowing: int, sizes, devices: int) -> None
             local = local_flops(op.prim, op.ins, op.outs, op.params)
         f = local * step.repeat
         flops += f
-        # an op no other device repeats (local x devices <= whole) adds no `repeated`
-        if op.whole is None or local * devices > op.whole * 1.0001:
-            _repeats(rep.repeated, step, op, local, sizes, devices)
+        found = op.repeated  # (devices, work) found while planning
+        if found is not None and found[0] == devices:
+            work = found[1]
+        else:
+            work = _work(step, op, local, devices)
+        if work is not None:
+            _repeats(rep.repeated, step, op.prim.name, work, sizes)
         if flowing:
             backward += f * (flowing if op.prim.matmul else 1)
     rep.flops, rep.backward_flops = flops, backward
@@ -247,23 +251,37 @@ def whole_flops(eqn, items: tuple) -> float:
     return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items)).flops
 
 
-def _repeats(repeated: dict, step, op, local: float, sizes, n: int) -> None:
-    """Into `repeated`: the flops of `step`'s local op `op` (`local` per run) that other
-    devices repeat, of the `n` of the mesh. The op runs on shards whose dims the mesh
-    splits `distinct` ways; the other mesh axes (those splitting neither its result
-    nor, through a psum, its summed dims) repeat it."""
+def repeated_work(local: float, whole: float | None, devices: int) -> tuple | None:
+    """(factor, flops repeated per run) of a local op of `local` flops per device of an
+    equation of `whole` flops run whole (None: not the equation's own op) on a mesh of
+    `devices`: how many times over the mesh does the work, and what each device does
+    beyond its share; None where no device repeats it."""
+    if whole is None or not local or local * devices <= whole * 1.0001:
+        return None
+    return _factor(local * devices / whole), local - whole / devices
+
+
+def _work(step, op, local: float, devices: int) -> tuple | None:
+    """`repeated_work` of `step`'s local op `op` (`local` flops per run), where
+    planning did not find it: none unless `op` is the equation's own primitive."""
     eqn = step.eqn
-    if eqn is None or op.prim is not eqn.primitive or not local:
-        return
-    glob = op.whole if op.whole is not None else whole_flops(eqn, tuple(op.params.items()))
-    if local * n <= glob * 1.0001:
-        return
+    if eqn is None or op.prim is not eqn.primitive:
+        return None
+    whole = op.whole if op.whole is not None else whole_flops(eqn, tuple(op.params.items()))
+    return repeated_work(local, whole, devices)
+
+
+def _repeats(repeated: dict, step, name: str, work: tuple, sizes) -> None:
+    """Into `repeated`: the flops of `step`'s local op `name` that other devices repeat
+    (`work`: its `repeated_work`). The mesh axes that split neither the op's result nor,
+    through a psum, its summed dims repeat it."""
     used = [lay for _, lay in step.outputs]
     used += [(c.axes,) for c in step.collectives if c.kind in ("psum", "psum_scatter")]
-    key = (_unused_axes(tuple(used), tuple(sizes.items())), _factor(local * n / glob))
+    factor, excess = work
+    key = (_unused_axes(tuple(used), tuple(sizes.items())), factor)
     ops, flops = repeated.get(key, ({}, 0.0))
-    ops[op.prim.name] = ops.get(op.prim.name, 0) + step.repeat
-    repeated[key] = (ops, flops + (local - glob / n) * step.repeat)
+    ops[name] = ops.get(name, 0) + step.repeat
+    repeated[key] = (ops, flops + excess * step.repeat)
 
 
 @memo()  # the same layouts recur in every candidate

@@ -17,6 +17,7 @@ arrays inside shard_map. A rule written against this API alone (lowering/rules.p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import numpy as np
 
 from lowering.caches import memo, per_object
 from lowering.collectives import plan_moves
-from lowering.cost import local_flops, whole_flops
+from lowering.cost import local_flops, repeated_work, whole_flops
 from lowering.layout import Layout, ValueLayout
 from lowering.mesh import Mesh
 from namedmesh.primitive import Aval, Primitive
@@ -67,6 +68,9 @@ class LocalOp(NamedTuple):
     outs: list
     flops: float | None = None
     whole: float | None = None
+    # (devices, `cost.repeated_work` on a mesh of that many devices: None where no
+    # device repeats the op); None: not found while planning
+    repeated: tuple | None = None
 
 
 @dataclass(slots=True)  # one per equation and candidate: slots make it cheaper
@@ -498,7 +502,7 @@ def _local_shapes(prim, in_dims, shards, kw) -> tuple:
 
 
 @per_object(kind="layouts")
-def _costed_local(e, prim: Primitive, shards: tuple, items: tuple) -> tuple:
+def _costed_local(e, prim: Primitive, shards: tuple, items: tuple, devices: int) -> tuple:
     """(result shapes, LocalOp) of `prim` run for equation `e` on local shards of these
     (shape, dtype), with params `items`: the shapes `_abstract_local` gives, the avals
     `note_local` records, their flops and the equation's whole flops, which the cost
@@ -515,7 +519,9 @@ def _costed_local(e, prim: Primitive, shards: tuple, items: tuple) -> tuple:
     ]
     params = dict(items)
     whole = whole_flops(e, items) if prim is e.primitive else None
-    return shapes, LocalOp(prim, params, ins, outs, local_flops(prim, ins, outs, params), whole)
+    flops = local_flops(prim, ins, outs, params)
+    repeated = (devices, repeated_work(flops, whole, devices))
+    return shapes, LocalOp(prim, params, ins, outs, flops, whole, repeated)
 
 
 class Planner(RuleContext):
@@ -525,13 +531,19 @@ class Planner(RuleContext):
     def vma(self, x) -> frozenset[str]:
         return x.vma
 
+    @functools.cached_property
+    def devices(self) -> int:
+        """The number of devices of the mesh."""
+        return math.prod(self.sizes.values())
+
     def _local(self, prim: Primitive, arrays, params: dict) -> tuple:
         if self.record or prim.aliases_input:
             return super()._local(prim, arrays, params)
         # Costing only: the results' shapes and the avals that the report costs, in one
         # lookup kept per equation and shards (what _abstract_local and note_local make)
         shards = tuple([(x.shape, x.dtype) for x in arrays])
-        shapes, op = _costed_local(self.step.eqn, prim, shards, tuple(params.items()))
+        items = tuple(params.items())
+        shapes, op = _costed_local(self.step.eqn, prim, shards, items, self.devices)
         self.step.local.append(op)
         # `local` has cast the inputs alike: they vary over the same axes
         vma = arrays[0].vma if arrays else frozenset()
