@@ -315,8 +315,8 @@ def plan_program(
     """The Plan of `graph` on `mesh` under `layout`, in plain Python (no jax): `wanted`
     holds the inputs' layouts and receives every value's; `out_layouts` are the
     outputs'. Every op of `graph` must have a plan rule (`rules.plannable`). `record`
-    False: a plan for the cost report alone, without the steps' events text and the
-    emitter's instructions (the same layouts, local ops and collectives)."""
+    False: a plan for the cost report alone, without the steps' events text, the
+    emitter's instructions and `program` (the same layouts, local ops and collectives)."""
     ctx = Planner(mesh, layout, wanted, record=record)
     plan_layouts(ctx, graph)
     plan = Plan()
@@ -327,6 +327,8 @@ def plan_program(
     run_graph(ctx, graph, env, plan)
     plan.consts = {env[v][0]: c for v, c in graph.consts.items()}
     plan.outputs = relayout_outputs(ctx, graph, env, out_layouts, plan)
+    if not record:  # nothing emits a costing-only plan
+        return plan
     # What the emitter runs: the top-level steps and the outputs' step, which the plan
     # lists only when it issues a collective (it may slice locally all the same)
     plan.program = [s for s in plan if s.depth == 0]
