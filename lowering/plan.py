@@ -295,9 +295,9 @@ class RuleContext:
             if any(v != vmas[0] for v in vmas):
                 vma = set().union(*vmas)
                 # cast only the inputs that vary over fewer axes (the others are typed alike)
-                arrays = [
-                    a if len(v) == len(vma) else self.varying(a, vma)
-                    for a, v in zip(arrays, vmas, strict=True)
+                arrays = [  # (indexes: zip's keyword strict= costs more than this)
+                    a if len(vmas[i]) == len(vma) else self.varying(a, vma)
+                    for i, a in enumerate(arrays)
                 ]
         outs = self._local(prim, arrays, params)
         return outs if prim.multiple_results else outs[0]
@@ -547,7 +547,8 @@ class Planner(RuleContext):
         self.step.local.append(op)
         # `local` has cast the inputs alike: they vary over the same axes
         vma = arrays[0].vma if arrays else frozenset()
-        return tuple([Local(s, a.dtype, vma) for s, a in zip(shapes, op.outs, strict=True)])
+        outs = op.outs  # one aval per shape (indexes: zip's strict= costs more than this)
+        return tuple([Local(s, outs[i].dtype, vma) for i, s in enumerate(shapes)])
 
     def _op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:

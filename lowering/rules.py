@@ -122,7 +122,8 @@ def elementwise_rule(ctx, eqn, args):
         same = (lay for (_, lay), v in zip(args, eqn.inputs, strict=True) if v.dims == out.dims)
         want = ctx.wanted[out] = tuple(next(same, None) or ctx.soft_layout(out.dims, out.shape))
     xs, by_dim = [], None
-    for (x, lay), v in zip(args, eqn.inputs, strict=True):
+    for i, v in enumerate(eqn.inputs):  # (indexes: zip's strict= costs more than this)
+        x, lay = args[i]
         if v.dims == out.dims:  # (most) the output's dims: its layout as it is
             dst = want
         else:
