@@ -186,7 +186,8 @@ def check_axes(rules, mesh, where: str) -> None:
 
 def check_divisible(layout: ValueLayout, dims, shape, mesh, what: str, rules=None) -> None:
     """LayoutError for a dim whose size its mesh axes' product does not divide."""
-    for d, n, axes in zip(dims, shape, layout, strict=True):
+    for i, axes in enumerate(layout):  # (indexes: zip's strict= costs more than this)
+        d, n = dims[i], shape[i]
         k = math.prod(mesh.sizes[a] for a in axes)
         if n % k:
             by = f" (rule {d}:{','.join(axes)} of {rules!r})" if rules is not None else ""

@@ -266,10 +266,8 @@ def einsum_rule(ctx, eqn, args):
     ((comp, want),) = choices
     if out in ctx.free:
         ctx.wanted[out] = want
-    xs = [
-        ctx.relayout(x, lay, _layout_in(v.dims, comp))
-        for (x, lay), v in zip(args, eqn.inputs, strict=True)
-    ]
+    ins = eqn.inputs  # (indexes: zip's keyword strict= costs more than this)
+    xs = [ctx.relayout(x, lay, _layout_in(ins[i].dims, comp)) for i, (x, lay) in enumerate(args)]
     y = ctx.local(eqn.primitive, *xs, **eqn.params)
     summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
     scatter, reduce, cur = _combine(summed, _layout_in(out.dims, comp), want)
