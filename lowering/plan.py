@@ -59,8 +59,9 @@ class LocalOp(NamedTuple):
     """A local op a step runs: the primitive, its params and the local avals of its
     inputs and results, which the cost report costs by the primitive's cost rule. A
     costing-only Planner also gives the op's local flops and those of the equation run
-    whole on one device (`whole`; None: not the equation's own primitive), found once
-    per equation and shards; elsewhere they are None and the report finds them."""
+    whole on one device (`whole`; None: not the equation's own primitive) and the work
+    other devices repeat (`repeated`), found once per equation and shards; elsewhere
+    they are None and the report finds them."""
 
     prim: Primitive
     params: dict
@@ -505,8 +506,9 @@ def _local_shapes(prim, in_dims, shards, kw) -> tuple:
 def _costed_local(e, prim: Primitive, shards: tuple, items: tuple, devices: int) -> tuple:
     """(result shapes, LocalOp) of `prim` run for equation `e` on local shards of these
     (shape, dtype), with params `items`: the shapes `_abstract_local` gives, the avals
-    `note_local` records, their flops and the equation's whole flops, which the cost
-    report would find again for each candidate. The LocalOp is shared: not to change."""
+    `note_local` records, their flops, the equation's whole flops and the work that
+    other devices of a mesh of `devices` repeat, which the cost report would find again
+    for each candidate. The LocalOp is shared: not to change."""
     in_dims = tuple(v.dims for v in e.inputs)
     shards = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in shards)
     try:
