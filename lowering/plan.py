@@ -293,7 +293,7 @@ class RuleContext:
         under jax_enable_x64 where the rule says int32)."""
         if len(arrays) > 1:
             vmas = [self.vma(a) for a in arrays]
-            if any(v != vmas[0] for v in vmas):
+            if vmas.count(vmas[0]) != len(vmas):  # (no generator: this runs per local op)
                 vma = set().union(*vmas)
                 # cast only the inputs that vary over fewer axes (the others are typed alike)
                 arrays = [  # (indexes: zip's keyword strict= costs more than this)
