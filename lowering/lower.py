@@ -202,19 +202,33 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, lis
     output (named by `names`, the inputs' argument paths) its axes do not divide."""
     check_dtypes(graph)
     layout.check_dims(_dims(graph))
+    layout.check(mesh)  # (what `layout.of` checks first, which a kept layout skips)
     names = names or [str(i) for i in range(len(graph.inputs))]
     # by (dims, shape): a model's parameters share a few. A value's layout is found (and
     # checked) at the first value with its dims and shape, so an error names that one
     known: dict = {}
+    kept = _kept_layouts(mesh)
 
     def of(v, kind: str, name) -> ValueLayout:
         key = (v.dims, v.shape)
         if key not in known:
-            known[key] = nontrivial(layout.of(v.dims, v.shape, mesh, f"{kind} {name}"), mesh)
+            # the rules of its dims decide it: kept by them for the candidates that share
+            # them (one that failed its checks was not kept, and fails them again here)
+            rules = (tuple(r for r in layout.rules if r[0] in v.dims), layout.strict, *key)
+            if rules not in kept:
+                kept[rules] = nontrivial(layout.of(*key, mesh, f"{kind} {name}"), mesh)
+            known[key] = kept[rules]
         return known[key]
 
     wanted = {v: of(v, "input", names[i]) for i, v in enumerate(graph.inputs)}
     return wanted, [of(v, "output", i) for i, v in enumerate(graph.outputs)]
+
+
+@per_object(kind="layouts")
+def _kept_layouts(mesh: Mesh) -> dict:
+    """{(the rules of a value's dims, strict, dims, shape): its layout on `mesh`}, for
+    `io_layouts`."""
+    return {}
 
 
 @per_object
