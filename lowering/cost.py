@@ -138,9 +138,11 @@ def _lines(coll: dict) -> list[str]:
     ]
 
 
-def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, sizes) -> None:
+def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, n: int) -> None:
+    """Into `coll`: one more `kind` over `axes` (`n` devices) of `nbytes` in per device,
+    `repeat` times."""
     count, b = coll.get((kind, axes), (0, 0.0))
-    coll[(kind, axes)] = (count + repeat, b + traffic(kind, axes, nbytes, sizes) * repeat)
+    coll[(kind, axes)] = (count + repeat, b + _TRAFFIC[kind](n, nbytes) * repeat)
 
 
 def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
@@ -152,7 +154,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
         peak = max(peak, training_peak(graph, local_bytes, active, wrt, shares))
     rep = Report(0.0, peak_memory=peak)
-    devices = math.prod(sizes.values())
+    devices, items = math.prod(sizes.values()), tuple(sizes.items())
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
@@ -160,7 +162,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         if step.local:
             _add_local_ops(rep, step, flowing, sizes, devices)
         if step.collectives or step.casts:
-            _add_collectives(rep, step, active, result_active, wrt is not None, sizes)
+            _add_collectives(rep, step, active, result_active, wrt is not None, items)
     return rep
 
 
@@ -215,19 +217,27 @@ def _add_local_ops(rep: Report, step, flowing: int, sizes, devices: int) -> None
 
 
 def _add_collectives(
-    rep: Report, step, active: frozenset, result_active: bool, backward: bool, sizes
+    rep: Report, step, active: frozenset, result_active: bool, backward: bool, items: tuple
 ) -> None:
     """Into `rep`: the bytes of `step`'s collectives and casts, and (`backward`) of the
     collectives their transposes issue where the gradient flows through them (through
-    the value they move, else through the step's result: `result_active`)."""
+    the value they move, else through the step's result: `result_active`), on a mesh of
+    `items` (its sizes' items)."""
     for c in (*step.collectives, *step.casts):
+        n = _span(c.axes, items)
         if c.kind in _TRAFFIC:
-            _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, sizes)
+            _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, n)
         through = c.source in active if c.source is not None else result_active
         if backward and through and c.transposes and c.kind in _BACKWARD:
             kind, nbytes = _BACKWARD[c.kind]
-            n = math.prod(sizes[a] for a in c.axes)
-            _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, sizes)
+            _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, n)
+
+
+@memo()  # asked of every collective of every candidate
+def _span(axes: tuple, sizes: tuple) -> int:
+    """How many devices the mesh axes `axes` span, on a mesh of `sizes` (items)."""
+    mesh = dict(sizes)
+    return math.prod(mesh[a] for a in axes)
 
 
 def local_flops(prim, in_avals: list, out_avals: list, params: dict) -> float:

@@ -171,7 +171,8 @@ def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, d
         if len(outs) != len(e.outputs):
             raise ValueError(f"the rule of {e.primitive.name} gave {len(outs)} results for "
                              f"{len(e.outputs)}")  # fmt: skip
-        cost_own_arithmetic(ctx, e, ins, outs)
+        if not step.local and not step.body:  # (most steps ran a local op: no call)
+            cost_own_arithmetic(ctx, e, ins, outs)
         # (indexes, not zip: zip's keyword strict= alone cost a search 3% of its time)
         step.outputs = [(v.dims, outs[i][1]) for i, v in enumerate(e.outputs)]
         plan.append(step)
