@@ -28,13 +28,22 @@ def per_object(fn: Callable | None = None, kind: str = "program") -> Callable:
     `@per_object(kind="layouts")`."""
     if fn is None:
         return functools.partial(per_object, kind=kind)
-    cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # {id(obj): (weak reference to obj, {args: result})}: a plain dict by id, cheaper to
+    # look up than a WeakKeyDictionary (which makes a reference per lookup); an entry
+    # leaves with its object (the reference's callback runs before the id is free)
+    cache: dict[int, tuple[weakref.ref, dict]] = {}
+
+    def forget(ref, key: int) -> None:
+        if cache.get(key, (None,))[0] is ref:
+            del cache[key]
 
     @functools.wraps(fn)
     def cached(obj, *args):
-        known = cache.get(obj)
-        if known is None:
-            known = cache[obj] = {}
+        entry = cache.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            key = id(obj)
+            entry = cache[key] = (weakref.ref(obj, lambda r: forget(r, key)), {})
+        known = entry[1]
         try:
             return known[args]
         except KeyError:

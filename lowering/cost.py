@@ -138,58 +138,106 @@ def _lines(coll: dict) -> list[str]:
     ]
 
 
-def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, sizes) -> None:
+def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, n: int) -> None:
+    """Into `coll`: one more `kind` over `axes` (`n` devices) of `nbytes` in per device,
+    `repeat` times."""
     count, b = coll.get((kind, axes), (0, 0.0))
-    coll[(kind, axes)] = (count + repeat, b + traffic(kind, axes, nbytes, sizes) * repeat)
+    coll[(kind, axes)] = (count + repeat, b + _TRAFFIC[kind](n, nbytes) * repeat)
 
 
 def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
     """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value;
     `wrt`, the graph inputs a gradient is taken of, adds the backward pass."""
-    active = set() if wrt is None else active_values(graph, set(wrt))
+    active, flow = _gradient_flow(graph, None if wrt is None else frozenset(wrt))
     peak = peak_memory(graph, local_bytes)
     if wrt is not None:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
         peak = max(peak, training_peak(graph, local_bytes, active, wrt, shares))
     rep = Report(0.0, peak_memory=peak)
-    devices = math.prod(sizes.values())
+    devices, items = math.prod(sizes.values()), tuple(sizes.items())
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
+        flowing, result_active = flow.get(step.eqn) or _flow(step.eqn, active)
         if step.local:
-            _add_local_ops(rep, step, active, sizes, devices)
+            _add_local_ops(rep, step, flowing, sizes, devices)
         if step.collectives or step.casts:
-            _add_collectives(rep, step, active, wrt is not None, sizes)
+            _add_collectives(rep, step, active, result_active, wrt is not None, items)
     return rep
 
 
-def _add_local_ops(rep: Report, step, active: set, sizes, devices: int) -> None:
-    """Into `rep`: the flops of `step`'s local ops, forward and (for an op that reads a
-    value the gradient flows through) backward: a matmul's once per such input."""
-    flowing = sum(v in active for v in step.eqn.inputs) if step.eqn is not None else 0
+def _flow(e, active) -> tuple[int, bool]:
+    """(how many of equation `e`'s inputs the gradient flows to, whether it flows through
+    one of its results); (0, False) for a step of no equation (a scan's carry, the
+    outputs' relayout)."""
+    if e is None:
+        return 0, False
+    return sum(v in active for v in e.inputs), any(v in active for v in e.outputs)
+
+
+@per_object  # of the program alone: once for all the candidates a search costs
+def _gradient_flow(graph, wrt: frozenset | None) -> tuple[frozenset, dict]:
+    """(the values a gradient of `wrt` flows through (`active_values`; none without
+    `wrt`), {equation of `graph` or of its scans' bodies: (how many of its inputs the
+    gradient flows to, whether it flows through one of its results)}), which the report
+    asks of every step of every candidate."""
+    active = frozenset() if wrt is None else frozenset(active_values(graph, set(wrt)))
+    flow: dict = {}
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for e in g.eqns:
+            flow[e] = _flow(e, active)
+            if e.primitive.loop:
+                stack.append(e.params["body"])
+    return active, flow
+
+
+def _add_local_ops(rep: Report, step, flowing: int, sizes, devices: int) -> None:
+    """Into `rep`: the flops of `step`'s local ops, forward and (for an op that reads
+    `flowing` values the gradient flows through) backward: a matmul's once per such
+    input."""
+    flops, backward = rep.flops, rep.backward_flops  # summed in the same order as ever
     for op in step.local:
         local = op.flops
         if local is None:  # not found while planning
             local = local_flops(op.prim, op.ins, op.outs, op.params)
         f = local * step.repeat
-        rep.flops += f
-        _repeats(rep.repeated, step, op, local, sizes, devices)
+        flops += f
+        found = op.repeated  # (devices, work) found while planning
+        if found is not None and found[0] == devices:
+            work = found[1]
+        else:
+            work = _work(step, op, local, devices)
+        if work is not None:
+            _repeats(rep.repeated, step, op.prim.name, work, sizes)
         if flowing:
-            rep.backward_flops += f * (flowing if op.prim.matmul else 1)
+            backward += f * (flowing if op.prim.matmul else 1)
+    rep.flops, rep.backward_flops = flops, backward
 
 
-def _add_collectives(rep: Report, step, active: set, backward: bool, sizes) -> None:
+def _add_collectives(
+    rep: Report, step, active: frozenset, result_active: bool, backward: bool, items: tuple
+) -> None:
     """Into `rep`: the bytes of `step`'s collectives and casts, and (`backward`) of the
-    collectives their transposes issue where the gradient flows through them."""
-    result_active = step.eqn is not None and any(v in active for v in step.eqn.outputs)
-    for c in [*step.collectives, *step.casts]:
+    collectives their transposes issue where the gradient flows through them (through
+    the value they move, else through the step's result: `result_active`), on a mesh of
+    `items` (its sizes' items)."""
+    for c in (*step.collectives, *step.casts):
+        n = _span(c.axes, items)
         if c.kind in _TRAFFIC:
-            _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, sizes)
+            _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, n)
         through = c.source in active if c.source is not None else result_active
         if backward and through and c.transposes and c.kind in _BACKWARD:
             kind, nbytes = _BACKWARD[c.kind]
-            n = math.prod(sizes[a] for a in c.axes)
-            _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, sizes)
+            _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, n)
+
+
+@memo()  # asked of every collective of every candidate
+def _span(axes: tuple, sizes: tuple) -> int:
+    """How many devices the mesh axes `axes` span, on a mesh of `sizes` (items)."""
+    mesh = dict(sizes)
+    return math.prod(mesh[a] for a in axes)
 
 
 def local_flops(prim, in_avals: list, out_avals: list, params: dict) -> float:
@@ -213,22 +261,48 @@ def whole_flops(eqn, items: tuple) -> float:
     return eqn.primitive.cost_rule(avals(eqn.inputs), avals(eqn.outputs), dict(items)).flops
 
 
-def _repeats(repeated: dict, step, op, local: float, sizes, n: int) -> None:
-    """Into `repeated`: the flops of `step`'s local op `op` (`local` per run) that other
-    devices repeat, of the `n` of the mesh. The op runs on shards whose dims the mesh
-    splits `distinct` ways; the other mesh axes (those splitting neither its result
-    nor, through a psum, its summed dims) repeat it."""
+def repeated_work(local: float, whole: float | None, devices: int) -> tuple | None:
+    """(factor, flops repeated per run) of a local op of `local` flops per device of an
+    equation of `whole` flops run whole (None: not the equation's own op) on a mesh of
+    `devices`: how many times over the mesh does the work, and what each device does
+    beyond its share; None where no device repeats it."""
+    if whole is None or not local or local * devices <= whole * 1.0001:
+        return None
+    return _factor(local * devices / whole), local - whole / devices
+
+
+def _work(step, op, local: float, devices: int) -> tuple | None:
+    """`repeated_work` of `step`'s local op `op` (`local` flops per run), where
+    planning did not find it: none unless `op` is the equation's own primitive."""
     eqn = step.eqn
-    if eqn is None or op.prim is not eqn.primitive or not local:
-        return
-    glob = op.whole if op.whole is not None else whole_flops(eqn, tuple(op.params.items()))
-    if local * n <= glob * 1.0001:
-        return
-    used = {a for _, lay in step.outputs for axes in lay for a in axes}
-    used |= {a for c in step.collectives if c.kind in ("psum", "psum_scatter") for a in c.axes}
-    axes = tuple(a for a, k in sizes.items() if k > 1 and a not in used)
-    factor = round(local * n / glob, 2)
-    key = (axes, int(factor) if float(factor).is_integer() else factor)
+    if eqn is None or op.prim is not eqn.primitive:
+        return None
+    whole = op.whole if op.whole is not None else whole_flops(eqn, tuple(op.params.items()))
+    return repeated_work(local, whole, devices)
+
+
+def _repeats(repeated: dict, step, name: str, work: tuple, sizes) -> None:
+    """Into `repeated`: the flops of `step`'s local op `name` that other devices repeat
+    (`work`: its `repeated_work`). The mesh axes that split neither the op's result nor,
+    through a psum, its summed dims repeat it."""
+    used = [lay for _, lay in step.outputs]
+    used += [(c.axes,) for c in step.collectives if c.kind in ("psum", "psum_scatter")]
+    factor, excess = work
+    key = (_unused_axes(tuple(used), tuple(sizes.items())), factor)
     ops, flops = repeated.get(key, ({}, 0.0))
-    ops[op.prim.name] = ops.get(op.prim.name, 0) + step.repeat
-    repeated[key] = (ops, flops + (local - glob / n) * step.repeat)
+    ops[name] = ops.get(name, 0) + step.repeat
+    repeated[key] = (ops, flops + excess * step.repeat)
+
+
+@memo()  # the same layouts recur in every candidate
+def _unused_axes(layouts: tuple, sizes: tuple) -> tuple[str, ...]:
+    """The mesh axes (of `sizes`, items; of size above 1) that split no dim of `layouts`."""
+    used = {a for lay in layouts for axes in lay for a in axes}
+    return tuple(a for a, k in sizes if k > 1 and a not in used)
+
+
+@memo()  # round() is slow, and the same ratios recur
+def _factor(ratio: float) -> float | int:
+    """`ratio` rounded to 2 decimals, an int where whole (the key `repeated` keeps)."""
+    factor = round(ratio, 2)
+    return int(factor) if float(factor).is_integer() else factor

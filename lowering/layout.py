@@ -186,7 +186,8 @@ def check_axes(rules, mesh, where: str) -> None:
 
 def check_divisible(layout: ValueLayout, dims, shape, mesh, what: str, rules=None) -> None:
     """LayoutError for a dim whose size its mesh axes' product does not divide."""
-    for d, n, axes in zip(dims, shape, layout, strict=True):
+    for i, axes in enumerate(layout):  # (indexes: zip's strict= costs more than this)
+        d, n = dims[i], shape[i]
         k = math.prod(mesh.sizes[a] for a in axes)
         if n % k:
             by = f" (rule {d}:{','.join(axes)} of {rules!r})" if rules is not None else ""
@@ -203,6 +204,14 @@ def partition_spec(layout: ValueLayout) -> PartitionSpec:
 
 def local_shape(layout: ValueLayout, shape: Sequence[int], mesh) -> tuple[int, ...]:
     """The per-device shard shape of a value of global `shape` with `layout`."""
-    return tuple(
-        n // math.prod(mesh.sizes[a] for a in axes) for n, axes in zip(shape, layout, strict=True)
-    )
+    try:
+        return _local_shape(tuple(layout), tuple(shape), tuple(mesh.sizes.items()))
+    except TypeError:  # a layout of lists, which does not hash
+        return _local_shape.__wrapped__(layout, shape, tuple(mesh.sizes.items()))
+
+
+@memo()  # asked of the same layouts and shapes by every candidate
+def _local_shape(layout: ValueLayout, shape: tuple, sizes: tuple) -> tuple[int, ...]:
+    mesh = dict(sizes)
+    split = zip(shape, layout, strict=True)
+    return tuple(n // math.prod(mesh[a] for a in axes) for n, axes in split)

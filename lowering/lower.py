@@ -154,33 +154,50 @@ def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, d
     input Var to (local value, layout) and receives every value made; each equation's
     Step (then the Steps of a scan's body) is appended to `plan`."""
     planned = isinstance(ctx, Planner)
+    rule_for = rules.plan_rule_for if planned else rules.rule_for
+    note_source = ctx.note_source
     for v, c in graph.consts.items():
         env[v] = (constant(c) if planned else jax.numpy.asarray(c), ((),) * len(v.dims))
     for v, (x, _) in env.items():
-        ctx.note_source(x, v)
+        note_source(x, v)
     for e in graph.eqns:
         ins = [env[v] for v in e.inputs]
-        ctx.step = Step(
-            e.primitive.name,
-            e,
-            [(v.dims, lay) for v, (_, lay) in zip(e.inputs, ins, strict=True)],
-            [],
-            repeat=repeat,
-            depth=depth,
-        )
+        ctx.step = step = _step(ctx, e, ins, repeat, depth)
         # An op that combines its inputs makes them all vary where any does. Cast before
         # moving, so that the backward pass sums a gathered value's gradient over those
         # axes after the reduce-scatter, on the smaller shard.
-        combines = e.primitive.combines_inputs
-        ctx.combined = set().union(*(ctx.vma(x) for x, _ in ins)) if combines else set()
-        outs = (rules.plan_rule_for if planned else rules.rule_for)(e.primitive)(ctx, e, ins)
-        cost_own_arithmetic(ctx, e, ins, outs)
-        ctx.step.outputs = [(v.dims, lay) for v, (_, lay) in zip(e.outputs, outs, strict=True)]
-        plan.append(ctx.step)
-        plan.extend(ctx.step.body)
-        env.update(zip(e.outputs, outs, strict=True))
-        for v, (x, _) in zip(e.outputs, outs, strict=True):
-            ctx.note_source(x, v)
+        if e.primitive.combines_inputs:
+            ctx.combined = set().union(*[ctx.vma(x) for x, _ in ins])
+        elif ctx.combined:
+            ctx.combined = set()
+        outs = rule_for(e.primitive)(ctx, e, ins)
+        if len(outs) != len(e.outputs):
+            raise ValueError(f"the rule of {e.primitive.name} gave {len(outs)} results for "
+                             f"{len(e.outputs)}")  # fmt: skip
+        if not step.local and not step.body:  # (most steps ran a local op: no call)
+            cost_own_arithmetic(ctx, e, ins, outs)
+        # (indexes, not zip: zip's keyword strict= alone cost a search 3% of its time)
+        step.outputs = [(v.dims, outs[i][1]) for i, v in enumerate(e.outputs)]
+        plan.append(step)
+        if step.body:
+            plan.extend(step.body)
+        for i, v in enumerate(e.outputs):
+            env[v] = outs[i]
+            note_source(outs[i][0], v)
+
+
+def _step(ctx: RuleContext, e, ins: list, repeat: int, depth: int) -> Step:
+    """The Step of equation `e`, its inputs (local value, layout) `ins`. A costing-only
+    plan's (`ctx.record` False) holds no layouts in and no events, and shares empty
+    tuples for the collectives and casts most steps do not issue (`RuleContext.log` makes
+    the list), the scans' body and the instructions (which only a scan's step records):
+    a search's candidates then make few objects each for the collector to trace."""
+    if ctx.record:
+        shown = [(v.dims, x[1]) for v, x in zip(e.inputs, ins, strict=True)]
+        return Step(e.primitive.name, e, shown, [], repeat=repeat, depth=depth)
+    ops = [] if e.primitive.loop else ()
+    return Step(e.primitive.name, e, (), (), collectives=(), casts=(), events=(), body=(),
+                ops=ops, repeat=repeat, depth=depth)  # fmt: skip
 
 
 def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, list]:
@@ -189,19 +206,33 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, lis
     output (named by `names`, the inputs' argument paths) its axes do not divide."""
     check_dtypes(graph)
     layout.check_dims(_dims(graph))
+    layout.check(mesh)  # (what `layout.of` checks first, which a kept layout skips)
     names = names or [str(i) for i in range(len(graph.inputs))]
     # by (dims, shape): a model's parameters share a few. A value's layout is found (and
     # checked) at the first value with its dims and shape, so an error names that one
     known: dict = {}
+    kept = _kept_layouts(mesh)
 
     def of(v, kind: str, name) -> ValueLayout:
         key = (v.dims, v.shape)
         if key not in known:
-            known[key] = nontrivial(layout.of(v.dims, v.shape, mesh, f"{kind} {name}"), mesh)
+            # the rules of its dims decide it: kept by them for the candidates that share
+            # them (one that failed its checks was not kept, and fails them again here)
+            rules = (tuple(r for r in layout.rules if r[0] in v.dims), layout.strict, *key)
+            if rules not in kept:
+                kept[rules] = nontrivial(layout.of(*key, mesh, f"{kind} {name}"), mesh)
+            known[key] = kept[rules]
         return known[key]
 
     wanted = {v: of(v, "input", names[i]) for i, v in enumerate(graph.inputs)}
     return wanted, [of(v, "output", i) for i, v in enumerate(graph.outputs)]
+
+
+@per_object(kind="layouts")
+def _kept_layouts(mesh: Mesh) -> dict:
+    """{(the rules of a value's dims, strict, dims, shape): its layout on `mesh`}, for
+    `io_layouts`."""
+    return {}
 
 
 @per_object
@@ -262,7 +293,9 @@ def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report
 
     @functools.cache  # each value is asked for several times (peak, saved, working set)
     def local_bytes(v):
-        layout = wanted.get(v, ((),) * len(v.dims))
+        layout = wanted.get(v)
+        if layout is None:  # a value no rule laid out (a scan body's constant): whole
+            layout = ((),) * len(v.dims)
         return _local_bytes(layout, v.shape, v.dtype.itemsize, sizes)
 
     return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt)
@@ -304,24 +337,32 @@ def plan_program(
     """The Plan of `graph` on `mesh` under `layout`, in plain Python (no jax): `wanted`
     holds the inputs' layouts and receives every value's; `out_layouts` are the
     outputs'. Every op of `graph` must have a plan rule (`rules.plannable`). `record`
-    False: a plan for the cost report alone, without the steps' events text and the
-    emitter's instructions (the same layouts, local ops and collectives)."""
+    False: a plan for the cost report alone, without the steps' events text, the
+    emitter's instructions and `program` (the same layouts, local ops and collectives)."""
     ctx = Planner(mesh, layout, wanted, record=record)
     plan_layouts(ctx, graph)
     plan = Plan()
     plan.inputs = [Local(local_shape(wanted[v], v.shape, mesh), np.dtype(v.dtype),
-                         frozenset(a for axes in wanted[v] for a in axes))
+                         _axes_of(wanted[v]))
                    for v in graph.inputs]  # fmt: skip
     env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, plan.inputs, strict=True)}
     run_graph(ctx, graph, env, plan)
     plan.consts = {env[v][0]: c for v, c in graph.consts.items()}
     plan.outputs = relayout_outputs(ctx, graph, env, out_layouts, plan)
+    if not record:  # nothing emits a costing-only plan
+        return plan
     # What the emitter runs: the top-level steps and the outputs' step, which the plan
     # lists only when it issues a collective (it may slice locally all the same)
     plan.program = [s for s in plan if s.depth == 0]
     if not plan.program or plan.program[-1] is not ctx.step:
         plan.program.append(ctx.step)
     return plan
+
+
+@memo()  # the inputs' layouts recur in every candidate
+def _axes_of(layout: ValueLayout) -> frozenset:
+    """The mesh axes `layout` splits a value over (over which its shard varies)."""
+    return frozenset(a for axes in layout for a in axes)
 
 
 @dataclass

@@ -17,6 +17,7 @@ arrays inside shard_map. A rule written against this API alone (lowering/rules.p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import numpy as np
 
 from lowering.caches import memo, per_object
 from lowering.collectives import plan_moves
-from lowering.cost import local_flops, whole_flops
+from lowering.cost import local_flops, repeated_work, whole_flops
 from lowering.layout import Layout, ValueLayout
 from lowering.mesh import Mesh
 from namedmesh.primitive import Aval, Primitive
@@ -58,8 +59,9 @@ class LocalOp(NamedTuple):
     """A local op a step runs: the primitive, its params and the local avals of its
     inputs and results, which the cost report costs by the primitive's cost rule. A
     costing-only Planner also gives the op's local flops and those of the equation run
-    whole on one device (`whole`; None: not the equation's own primitive), found once
-    per equation and shards; elsewhere they are None and the report finds them."""
+    whole on one device (`whole`; None: not the equation's own primitive) and the work
+    other devices repeat (`repeated`), found once per equation and shards; elsewhere
+    they are None and the report finds them."""
 
     prim: Primitive
     params: dict
@@ -67,6 +69,9 @@ class LocalOp(NamedTuple):
     outs: list
     flops: float | None = None
     whole: float | None = None
+    # (devices, `cost.repeated_work` on a mesh of that many devices: None where no
+    # device repeats the op); None: not found while planning
+    repeated: tuple | None = None
 
 
 @dataclass(slots=True)  # one per equation and candidate: slots make it cheaper
@@ -267,7 +272,15 @@ class RuleContext:
         self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
     ) -> None:
         c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
-        (self.step.casts if kind == "pvary" else self.step.collectives).append(c)
+        step = self.step  # a costing-only step holds () until its first (lower._step)
+        if kind == "pvary":
+            if isinstance(step.casts, tuple):
+                step.casts = []
+            step.casts.append(c)
+        else:
+            if isinstance(step.collectives, tuple):
+                step.collectives = []
+            step.collectives.append(c)
         if not self.record:
             return
         what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
@@ -280,12 +293,13 @@ class RuleContext:
         under jax_enable_x64 where the rule says int32)."""
         if len(arrays) > 1:
             vmas = [self.vma(a) for a in arrays]
-            vma = set().union(*vmas)
-            # cast only the inputs that vary over fewer axes (the others are typed alike)
-            arrays = [
-                a if len(v) == len(vma) else self.varying(a, vma)
-                for a, v in zip(arrays, vmas, strict=True)
-            ]
+            if vmas.count(vmas[0]) != len(vmas):  # (no generator: this runs per local op)
+                vma = set().union(*vmas)
+                # cast only the inputs that vary over fewer axes (the others are typed alike)
+                arrays = [  # (indexes: zip's keyword strict= costs more than this)
+                    a if len(vmas[i]) == len(vma) else self.varying(a, vma)
+                    for i, a in enumerate(arrays)
+                ]
         outs = self._local(prim, arrays, params)
         return outs if prim.multiple_results else outs[0]
 
@@ -329,11 +343,13 @@ class RuleContext:
         if not missing:
             return x
         key = (id(x), "varying", missing)
-        if key not in self.moved:
-            self.log("pvary", missing, nbytes(x), self.source(x))
-            self.moved[key] = (x, self._op("pcast", x, axes=missing))
-            self.note_source(self.moved[key][1], self.source(x))
-        return self.moved[key][1]
+        done = self.moved.get(key)
+        if done is None:
+            source = self.source(x)
+            self.log("pvary", missing, nbytes(x), source)
+            done = self.moved[key] = (x, self._op("pcast", x, axes=missing))
+            self.note_source(done[1], source)
+        return done[1]
 
     def soft_layout(
         self, dims, shape, is_value: bool = True, rules: Layout | None = None
@@ -376,10 +392,11 @@ class RuleContext:
         added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
         x = self.varying(x, self.combined | added)
         key = (id(x), src, dst)
-        if key not in self.moved:
-            self.moved[key] = (x, self._moves(x, src, dst, source))
-            self.note_source(self.moved[key][1], source)
-        return self.moved[key][1]
+        done = self.moved.get(key)
+        if done is None:
+            done = self.moved[key] = (x, self._moves(x, src, dst, source))
+            self.note_source(done[1], source)
+        return done[1]
 
     def _moves(self, x, src, dst, source):
         """The moves of `collectives.plan_moves`, each logged and run."""
@@ -518,11 +535,12 @@ def _local_shapes(prim, in_dims, shards, kw) -> tuple:
 
 
 @per_object(kind="layouts")
-def _costed_local(e, prim: Primitive, shards: tuple, items: tuple) -> tuple:
+def _costed_local(e, prim: Primitive, shards: tuple, items: tuple, devices: int) -> tuple:
     """(result shapes, LocalOp) of `prim` run for equation `e` on local shards of these
     (shape, dtype), with params `items`: the shapes `_abstract_local` gives, the avals
-    `note_local` records, their flops and the equation's whole flops, which the cost
-    report would find again for each candidate. The LocalOp is shared: not to change."""
+    `note_local` records, their flops, the equation's whole flops and the work that
+    other devices of a mesh of `devices` repeat, which the cost report would find again
+    for each candidate. The LocalOp is shared: not to change."""
     in_dims = tuple(v.dims for v in e.inputs)
     shards = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in shards)
     try:
@@ -535,7 +553,9 @@ def _costed_local(e, prim: Primitive, shards: tuple, items: tuple) -> tuple:
     ]
     params = dict(items)
     whole = whole_flops(e, items) if prim is e.primitive else None
-    return shapes, LocalOp(prim, params, ins, outs, local_flops(prim, ins, outs, params), whole)
+    flops = local_flops(prim, ins, outs, params)
+    repeated = (devices, repeated_work(flops, whole, devices))
+    return shapes, LocalOp(prim, params, ins, outs, flops, whole, repeated)
 
 
 class Planner(RuleContext):
@@ -545,17 +565,24 @@ class Planner(RuleContext):
     def vma(self, x) -> frozenset[str]:
         return x.vma
 
+    @functools.cached_property
+    def devices(self) -> int:
+        """The number of devices of the mesh."""
+        return math.prod(self.sizes.values())
+
     def _local(self, prim: Primitive, arrays, params: dict) -> tuple:
         if self.record or prim.aliases_input:
             return super()._local(prim, arrays, params)
         # Costing only: the results' shapes and the avals that the report costs, in one
         # lookup kept per equation and shards (what _abstract_local and note_local make)
         shards = tuple([(x.shape, x.dtype) for x in arrays])
-        shapes, op = _costed_local(self.step.eqn, prim, shards, tuple(params.items()))
+        items = tuple(params.items())
+        shapes, op = _costed_local(self.step.eqn, prim, shards, items, self.devices)
         self.step.local.append(op)
         # `local` has cast the inputs alike: they vary over the same axes
         vma = arrays[0].vma if arrays else frozenset()
-        return tuple([Local(s, a.dtype, vma) for s, a in zip(shapes, op.outs, strict=True)])
+        outs = op.outs  # one aval per shape (indexes: zip's strict= costs more than this)
+        return tuple([Local(s, outs[i].dtype, vma) for i, s in enumerate(shapes)])
 
     def _op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:

@@ -112,12 +112,15 @@ def elementwise_rule(ctx, eqn, args):
     if out in ctx.free:
         same = (lay for (_, lay), v in zip(args, eqn.inputs, strict=True) if v.dims == out.dims)
         want = ctx.wanted[out] = tuple(next(same, None) or ctx.soft_layout(out.dims, out.shape))
-    by_dim = dict(zip(out.dims, want, strict=True))
-    xs = [
-        # an input with the output's dims (most) takes its layout as it is
-        ctx.relayout(x, lay, want if v.dims == out.dims else _layout_in(v.dims, by_dim))
-        for (x, lay), v in zip(args, eqn.inputs, strict=True)
-    ]
+    xs, by_dim = [], None
+    for i, v in enumerate(eqn.inputs):  # (indexes: zip's strict= costs more than this)
+        x, lay = args[i]
+        if v.dims == out.dims:  # (most) the output's dims: its layout as it is
+            dst = want
+        else:
+            by_dim = by_dim or dict(zip(out.dims, want, strict=True))
+            dst = _layout_in(v.dims, by_dim)
+        xs.append(x if lay == dst else ctx.relayout(x, lay, dst))
     return [(ctx.local(eqn.primitive, *xs, **eqn.params), want)]
 
 
@@ -254,10 +257,8 @@ def einsum_rule(ctx, eqn, args):
     ((comp, want),) = choices
     if out in ctx.free:
         ctx.wanted[out] = want
-    xs = [
-        ctx.relayout(x, lay, _layout_in(v.dims, comp))
-        for (x, lay), v in zip(args, eqn.inputs, strict=True)
-    ]
+    ins = eqn.inputs  # (indexes: zip's keyword strict= costs more than this)
+    xs = [ctx.relayout(x, lay, _layout_in(ins[i].dims, comp)) for i, (x, lay) in enumerate(args)]
     y = ctx.local(eqn.primitive, *xs, **eqn.params)
     summed = [a for d in all_dims if d not in out.dims for a in comp[d]]
     scatter, reduce, cur = _combine(summed, _layout_in(out.dims, comp), want)
