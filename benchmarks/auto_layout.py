@@ -122,9 +122,8 @@ def costing_rows(before: Path | None = None, rounds: int = 3) -> tuple[list[list
 
 def _costing_case(name, changes, sizes, layout) -> dict:
     """What `costing_rows` times for one case: the program traced once, the fixed
-    layout's costing and traced costing, and the candidates the search plans (those
-    whose scan a rule splits are pipelines, traced through jax (lowering/pipeline.py),
-    and left out of the mean, which is of the candidates the Planner costs)."""
+    layout's costing and traced costing, and the candidates the search plans (all
+    planned by the Planner, pipelines too: `traced_count` counts any that are not)."""
     cfg = config.get(name.split()[0], **changes)
     mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
     layout = layout or cfg.layout
