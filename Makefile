@@ -15,14 +15,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/python -m models.demo
 
-# Two pytest-xdist workers (TEST_JOBS), one per core of a CI machine: the suite is
-# single-threaded Python and XLA compiles. Whole files go to one worker (loadfile), so a
-# module's fixtures are built once; property_tests first, as its files are the longest.
-TEST_JOBS ?= 2
-
 test: $(STAMP)
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest \
-		-n $(TEST_JOBS) --dist loadfile property_tests tests
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest tests property_tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

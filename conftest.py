@@ -1,14 +1,11 @@
-"""Shared by tests/ and property_tests/: 8 simulated CPU devices (set before jax is imported),
-the hypothesis profiles (dev by default, ci when CI=true, thorough on request), and the
-count of lowered cases, summed over pytest-xdist's workers when `make test` runs two."""
+"""Shared by tests/ and property_tests/: 8 simulated CPU devices (set before jax is imported)
+and the hypothesis profiles (dev by default, ci when CI=true, thorough on request)."""
 
 import os
-import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -29,32 +26,13 @@ settings.load_profile(
 )
 
 
-_LOWERED_BY_WORKER: dict[str, int] = {}  # filled on xdist's controller as workers finish
-
-
-def _lowered_cases() -> int:
-    testing = sys.modules.get("namedmesh.testing")
-    return testing.CASES["lowered"] if testing is not None else 0
-
-
-def pytest_sessionfinish(session):
-    """An xdist worker hands its count of lowered cases to the controller."""
-    workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:
-        workeroutput["lowered"] = _lowered_cases()
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """The controller adds up its workers' counts (pytest-xdist's hook)."""
-    _LOWERED_BY_WORKER[node.gateway.id] = getattr(node, "workeroutput", {}).get("lowered", 0)
-
-
 def pytest_terminal_summary(terminalreporter):
     """Report how many (program, mesh, layout) cases the property suites lowered and ran."""
-    lowered = sum(_LOWERED_BY_WORKER.values()) if _LOWERED_BY_WORKER else _lowered_cases()
-    if lowered:
+    import sys
+
+    testing = sys.modules.get("namedmesh.testing")
+    if testing is not None:
         profile = settings._current_profile
         terminalreporter.write_line(
-            f"lowered cases run: {lowered} (hypothesis profile {profile!r})"
+            f"lowered cases run: {testing.CASES['lowered']} (hypothesis profile {profile!r})"
         )
