@@ -12,8 +12,8 @@ settings.register_profile(
     "dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(  # derandomized: a CI run tests the same cases every time
-    "ci",
-    max_examples=300,
+    "ci",  # 200: the suite's 30-minute budget on CI's 2 cores (300 took 34 minutes there)
+    max_examples=200,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
