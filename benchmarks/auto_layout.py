@@ -131,7 +131,7 @@ def _costing_case(name, changes, sizes, layout) -> dict:
     graph = nm.trace(loss, *inputs)
     wrt = argument_inputs(graph, inputs, 0)
     layouts = [c.layout for c in search(cfg, mesh)["table"]]
-    planned = [lay for lay in layouts if rules.plannable(graph, lay)]
+    planned = layouts if rules.plannable(graph) else []
     return {
         "name": name, "mesh": mesh, "layout": layout, "graph": graph, "wrt": wrt,
         "planned": planned, "traced_count": len(layouts) - len(planned),

@@ -276,7 +276,7 @@ def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Rep
     `auto_layout` costs each candidate by, the program traced once. `names`: the
     inputs' argument paths, for errors (`input_names`)."""
     wanted, out_layouts = io_layouts(graph, mesh, layout, names)
-    if rules.plannable(graph, layout):
+    if rules.plannable(graph):
         plan = plan_program(graph, mesh, layout, wanted, out_layouts, record=False)
     else:
         body = traced_body(graph, mesh, layout, wanted, out_layouts)
@@ -404,7 +404,7 @@ class Lowered:
     def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
         wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, input_names(args))
-        planned = rules.plannable(graph, self.layout) and not self.traced
+        planned = rules.plannable(graph) and not self.traced
         if planned:
             plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
             body = functools.partial(emit, plan)
@@ -485,16 +485,32 @@ class Lowered:
         ]
 
 
-def argument_inputs(graph, args, argnums: int | tuple[int, ...]) -> list:
+def argument_inputs(graph, args, argnums, where: str = "report(wrt=...)") -> list:
     """The inputs of `graph` (traced from `args`) that the arguments at positions
-    `argnums` (as jax.grad's) hold; ArgumentError naming a position with no argument."""
-    wrt = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    bad = [i for i in wrt if not isinstance(i, int) or not 0 <= i < len(args)]
+    `argnums` (an int or a sequence of ints, as jax.grad's) hold; ArgumentError naming
+    `where` (the call and parameter) and a position with no argument."""
+    wrt = argnum_tuple(argnums, where)
+    bad = [i for i in wrt if not 0 <= i < len(args)]
     if bad:
-        raise ArgumentError(f"report(wrt={wrt}): no argument {bad} of {len(args)}")
+        raise ArgumentError(
+            f"{where}: no argument at position {bad} of the {len(args)} given "
+            f"(positions 0 to {len(args) - 1})"
+        )
     counts = [len(jax.tree_util.tree_leaves(a, is_leaf=_is_tensor)) for a in args]
     starts = np.cumsum([0, *counts])
     return [v for i in wrt for v in graph.inputs[starts[i] : starts[i + 1]]]
+
+
+def argnum_tuple(argnums, where: str) -> tuple[int, ...]:
+    """`argnums` (an int or a sequence of ints: argument positions) as a tuple;
+    ArgumentError naming `where` for anything else (a name, a bool, a float)."""
+    items = (argnums,) if not isinstance(argnums, list | tuple) else tuple(argnums)
+    bad = [i for i in items if not isinstance(i, int | np.integer) or isinstance(i, bool)]
+    if bad:
+        raise ArgumentError(
+            f"{where}: argument positions are ints (as jax.grad's argnums), got {argnums!r}"
+        )
+    return tuple(int(i) for i in items)
 
 
 def _global_inputs(datas, built, mesh) -> list:

@@ -17,8 +17,11 @@ published figures of TPU v2/v3/v4/v5e, A100 and H100, each with its source.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lowering.cost import Report, traffic
 from lowering.mesh import Mesh
+from namedmesh.checks import did_you_mean
 from namedmesh.errors import NamedMeshError
 
 KINDS = ("psum", "psum_scatter", "all_gather", "all_to_all", "ppermute")
@@ -55,13 +59,27 @@ class Rates:
     source: str = field(default="", compare=False)
 
     def __post_init__(self):
-        missing = [k for k in KINDS if k not in self.bytes_per_s]
-        bad = [k for k, v in self.bytes_per_s.items() if not v > 0]
-        if missing or bad or not self.flops_per_s > 0 or self.latency_s < 0:
-            raise RatesError(
-                f"Rates {self.name!r}: needs flops_per_s > 0, latency_s >= 0 and bytes_per_s > 0 "
-                f"for every kind of {KINDS}; missing {missing}, not positive {bad}"
+        faults = [
+            *_fault("flops_per_s", self.flops_per_s, "> 0"),
+            *_fault("latency_s", self.latency_s, ">= 0"),
+            *_fault("overhead_s", self.overhead_s, ">= 0"),
+        ]
+        if self.memory_bytes is not None:
+            faults += _fault("memory_bytes", self.memory_bytes, "> 0")
+        if not isinstance(self.bytes_per_s, Mapping):
+            faults.append(
+                f"bytes_per_s must map each of {KINDS} to bytes/s, got {self.bytes_per_s!r}"
             )
+        else:
+            for k in self.bytes_per_s:
+                if k not in KINDS:
+                    faults.append(f"bytes_per_s has unknown kind {k!r}{did_you_mean(k, KINDS)}")
+            faults += [f"bytes_per_s lacks {k!r}" for k in KINDS if k not in self.bytes_per_s]
+            for k in KINDS:
+                if k in self.bytes_per_s:
+                    faults += _fault(f"bytes_per_s[{k!r}]", self.bytes_per_s[k], "> 0")
+        if faults:
+            raise RatesError(f"Rates {self.name!r}: " + "; ".join(faults))
 
     def compute_seconds(self, rep: Report) -> float:
         return (rep.flops + rep.backward_flops) / self.flops_per_s
@@ -90,6 +108,14 @@ class Rates:
             f"{self.latency_s * 1e6:.3g} µs per collective; {mem}"
             + (f"; {self.overhead_s * 1e3:.3g} ms per empty step" if self.overhead_s else "")
         )
+
+
+def _fault(name: str, value, bound: str) -> list[str]:
+    """`[why]` when `value` is not a finite real number `bound` ("> 0" or ">= 0"), else []."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if real and math.isfinite(value) and (value > 0 if bound == "> 0" else value >= 0):
+        return []
+    return [f"{name} must be a finite number {bound}, got {value!r}"]
 
 
 def uniform(name, flops, bandwidth, latency, memory, source) -> Rates:
@@ -131,8 +157,70 @@ def hardware(name: str) -> Rates:
     """The table's Rates called `name` (RatesError naming the known ones otherwise)."""
     key = name.lower().replace("-", "_").replace(" ", "_")
     if key not in HARDWARE:
-        raise RatesError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}")
+        raise RatesError(
+            f"unknown hardware {name!r}{did_you_mean(key, HARDWARE)} Known: {', '.join(HARDWARE)}"
+        )
     return HARDWARE[key]
+
+
+# parse's keys and the Rates field each sets ("bandwidth": every collective kind's rate)
+_KEYS = {
+    "flops": "flops_per_s",
+    "latency": "latency_s",
+    "memory": "memory_bytes",
+    "overhead": "overhead_s",
+    "bandwidth": "bytes_per_s",
+    **dict.fromkeys(KINDS, "bytes_per_s"),
+}
+
+
+def parse(text: str) -> Rates:
+    """Rates from text, as `--rates` takes them: a hardware name of `HARDWARE`
+    (`tpu_v4`), optionally followed by `key=value` pairs in SI units that replace its
+    figures (`tpu_v4,latency=2e-5`), or pairs alone (`flops=1e12,bandwidth=1e10,
+    latency=1e-5`). Keys: flops (flop/s per device), bandwidth (bytes/s a device sends,
+    every collective kind) or one kind's rate (psum, psum_scatter, all_gather,
+    all_to_all, ppermute), latency (s per collective), memory (bytes per device),
+    overhead (s per step). RatesError names the part at fault."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise RatesError(
+            f"rates {text!r}: expected a hardware name ({', '.join(HARDWARE)}) or key=value pairs"
+        )
+    fields: dict = {"name": text, "bytes_per_s": {}, "source": "given"}
+    if "=" not in parts[0]:
+        fields = {**_stored(hardware(parts[0])), "name": text}
+        parts = parts[1:]
+    for part in parts:
+        key, value = _pair(text, part)
+        if _KEYS[key] != "bytes_per_s":
+            whole = key == "memory" and math.isfinite(value)  # bytes: an int
+            fields[_KEYS[key]] = int(value) if whole else value
+        else:
+            kinds = KINDS if key == "bandwidth" else (key,)
+            fields["bytes_per_s"] = {**fields["bytes_per_s"], **dict.fromkeys(kinds, value)}
+    lacking = [k for k in ("flops", "latency") if _KEYS[k] not in fields]
+    if lacking:
+        raise RatesError(
+            f"rates {text!r}: no {' or '.join(lacking)}= given (nor a hardware name first)"
+        )
+    return Rates(**fields)
+
+
+def _pair(text: str, part: str) -> tuple[str, float]:
+    """`key=value` of `parse` as (key, number); RatesError naming the part otherwise."""
+    key, eq, value = (x.strip() for x in part.partition("="))
+    if not eq or key not in _KEYS:
+        raise RatesError(
+            f"rates {text!r}: {part!r} is not key=value with a key of {', '.join(_KEYS)}"
+            + did_you_mean(key, _KEYS)
+        )
+    try:
+        return key, float(value)
+    except ValueError:
+        raise RatesError(
+            f"rates {text!r}: {key}={value!r} is not a number (SI units: 2e-5, 8e9)"
+        ) from None
 
 
 def median_seconds(fns: dict, repeats: int) -> dict:
@@ -236,18 +324,46 @@ def measure(mesh: Mesh, cache_dir: str | os.PathLike | None = None, repeats: int
         f"{a}={n}" for a, n in mesh.sizes.items()
     )
     path = Path(cache_dir) / "rates.json" if cache_dir is not None else None
-    if key not in _MEASURED and path is not None and path.exists():
-        stored = json.loads(path.read_text()).get(key)
-        if stored is not None:
-            _MEASURED[key] = Rates(**stored)
-    if key not in _MEASURED:
-        _MEASURED[key] = calibrate(devices, repeats=repeats, name=f"measured: {key}")
+    if key in _MEASURED:
+        return _MEASURED[key]
+    stored = _read_cache(path) if path is not None else {}
+    if key not in stored:
+        stored[key] = calibrate(devices, repeats=repeats, name=f"measured: {key}")
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            table = json.loads(path.read_text()) if path.exists() else {}
-            table[key] = {**asdict(_MEASURED[key]), "bytes_per_s": dict(_MEASURED[key].bytes_per_s)}
-            path.write_text(json.dumps(table, indent=1))
-    return _MEASURED[key]
+            _write_cache(path, stored)
+    _MEASURED[key] = stored[key]
+    return stored[key]
+
+
+def _read_cache(path: Path) -> dict[str, Rates]:
+    """The Rates stored in `path` by key. A cache, so an entry that cannot be read (a
+    file cut short, edited, or written by another version) is measured again, with a
+    warning naming the file, rather than failing the search."""
+    if not path.exists():
+        return {}
+    try:
+        table = json.loads(path.read_text())
+        return {k: Rates(**{**v, "bytes_per_s": dict(v["bytes_per_s"])}) for k, v in table.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        warnings.warn(
+            f"measured rates cache {path} is unreadable ({type(e).__name__}: {e}); "
+            f"measuring again and rewriting it",
+            stacklevel=3,
+        )
+        return {}
+
+
+def _stored(r: Rates) -> dict:
+    return {**asdict(r), "bytes_per_s": dict(r.bytes_per_s)}
+
+
+def _write_cache(path: Path, table: dict[str, Rates]) -> None:
+    """`table` written to `path` whole, by os.replace, so a process killed while writing
+    leaves the old file, not half of a new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({k: _stored(r) for k, r in table.items()}, indent=1))
+    os.replace(tmp, path)
 
 
 def clear_cache() -> None:
@@ -267,7 +383,7 @@ def resolve(rates, mesh: Mesh, cache_dir=None) -> Rates:
     if isinstance(rates, Rates):
         return rates
     if isinstance(rates, str):
-        return hardware(rates)
+        return parse(rates)
     if rates is None:
         return measure(mesh, cache_dir)
     raise RatesError(f"rates must be a Rates, a hardware name or None, got {rates!r}")

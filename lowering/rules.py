@@ -79,14 +79,14 @@ def plan_rule_for(prim: Primitive) -> Callable:
     return PLAN_RULES[prim] if prim in SPMD_RULES else rule_for(prim)
 
 
-def plannable(graph, layout=None) -> bool:
-    """Whether every op of `graph` (and of its scans' bodies) has a plan rule. A scan
-    whose scanned dim the layout splits (a pipeline, lowering/pipeline.py) is planned
-    too; `layout` is kept for the callers' sake and no longer changes the answer."""
+def plannable(graph) -> bool:
+    """Whether every op of `graph` (and of its scans' bodies) has a plan rule, under any
+    layout: a scan whose scanned dim the layout splits (a pipeline, lowering/pipeline.py)
+    is planned too. False only for a primitive registered with an impure rule."""
     for e in graph.eqns:
         if e.primitive in SPMD_RULES and e.primitive not in PLAN_RULES:
             return False
-        if e.primitive.loop and not plannable(e.params["body"], layout):
+        if e.primitive.loop and not plannable(e.params["body"]):
             return False
     return True
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import re
 import time
 from collections import Counter
@@ -53,11 +54,11 @@ from dataclasses import dataclass
 
 import namedmesh as nm
 from lowering.layout import Layout, check_axes
-from lowering.lower import argument_inputs, graph_report, input_names
+from lowering.lower import argnum_tuple, argument_inputs, graph_report, input_names
 from lowering.mesh import Mesh
 from lowering.rates import Rates, resolve
 from namedmesh.checks import did_you_mean
-from namedmesh.errors import LayoutError, NamedMeshError
+from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
 
 Pairs = tuple[tuple[str, str], ...]  # (dim, mesh axis) in the order they were given
 
@@ -104,7 +105,7 @@ class Search(list):
         at), or slower (by how much, in compute or in communication). Costed as the
         search's candidates are; LayoutError if it names a mesh axis the mesh lacks or a
         dim the program lacks."""
-        layout = Layout(layout) if isinstance(layout, str) else layout
+        layout = layout if isinstance(layout, Layout) else Layout(layout)
         check_axes(layout.rules, self.mesh, f"auto_layout: compared layout {layout}")
         _check_dims(layout, _dims(self._costing.graph), "compared")
         return versus(self, self._costing.of(layout, record=False))
@@ -178,7 +179,8 @@ class _Costing:
         self.rates, self.limit = rates, limit
         self.graph = nm.trace(fn, *inputs)  # once: every candidate plans this graph
         self.names = input_names(inputs)
-        self.wrt_inputs = None if wrt is None else argument_inputs(self.graph, inputs, wrt)
+        where = "auto_layout(grad_argnums=...)"
+        self.wrt_inputs = None if wrt is None else argument_inputs(self.graph, inputs, wrt, where)
         self.shapes = {(v.dims, v.shape) for v in self.graph.values()}
         self.eqn_dims = {
             tuple(dict.fromkeys(d for v in (*e.inputs, *e.outputs) for d in v.dims))
@@ -337,10 +339,13 @@ def auto_layout(
     LayoutError when no candidate is valid and fits, or when one of `candidates` names a
     mesh axis `mesh` lacks or a dim the program lacks."""
     start = time.perf_counter()
+    _check_parameters(memory_limit, beam)
+    wrt = argnum_tuple(grad_argnums, "auto_layout(grad_argnums=...)")
     rates = resolve(rates, mesh, cache_dir)
     limit = rates.memory_bytes if memory_limit is None else memory_limit
-    wrt = (grad_argnums,) if isinstance(grad_argnums, int) else tuple(grad_argnums)
-    theirs = [Layout(c) if isinstance(c, str) else c for c in candidates]
+    if isinstance(candidates, str | dict | Layout):  # one layout, not a sequence of its parts
+        candidates = (candidates,)
+    theirs = [c if isinstance(c, Layout) else Layout(c) for c in candidates]
     for layout in theirs:
         check_axes(layout.rules, mesh, f"auto_layout: candidate layout {layout}")
     cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit)
@@ -361,6 +366,22 @@ def auto_layout(
     table[0].note = "chosen: least predicted time"
     table.why = explain(table)
     return table[0].layout, table
+
+
+def _check_parameters(memory_limit, beam) -> None:
+    """ParameterError for a memory limit that is not a positive number of bytes (a string
+    such as "8GiB", 0, NaN) or a beam that is not a positive int: either would make the
+    search choose from nothing, or compare bytes with a string."""
+    number = isinstance(memory_limit, numbers.Real) and not isinstance(memory_limit, bool)
+    if memory_limit is not None and not (number and 0 < memory_limit < math.inf):
+        raise ParameterError(
+            f"auto_layout: memory_limit must be a positive number of bytes per device "
+            f"(e.g. 8 * 2**30) or None (the rates' memory), got {memory_limit!r}"
+        )
+    if not isinstance(beam, numbers.Integral) or isinstance(beam, bool) or beam < 1:
+        raise ParameterError(
+            f"auto_layout: beam must be a positive int (states kept per step), got {beam!r}"
+        )
 
 
 def _options(graph, dims: dict[str, int]) -> list[tuple[str, ...]]:

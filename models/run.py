@@ -13,7 +13,8 @@ import numpy as np
 
 import namedmesh as nm
 from lowering import Layout, Mesh, auto_layout
-from lowering.rates import user_cache_dir
+from lowering.rates import RatesError, user_cache_dir
+from lowering.rates import parse as parse_rates
 from models import checkpoint, config, data, hub, zoo
 from models.trainer import Trainer, bits_per_byte, optimizer
 from namedmesh.errors import NamedMeshError
@@ -138,9 +139,16 @@ def from_hub(args):
 
 def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed, rates=None) -> Layout:
     """The layout `--layout` names, checked against the model; `auto`: auto_layout's
-    choice for the training loss, weighed at `rates` (a hardware name of
-    lowering.rates.HARDWARE; None: measured on the mesh, cached in the user cache dir),
-    its printout shown."""
+    choice for the training loss, weighed at `rates` (`--rates`' text: a hardware name of
+    lowering.rates.HARDWARE and/or key=value figures, `lowering.rates.parse`; None:
+    measured on the mesh, cached in the user cache dir), its printout shown."""
+    if rates is not None and text != "auto":
+        raise UsageError("--rates weighs the candidates of --layout auto; pass --layout auto")
+    if rates is not None:
+        try:
+            rates = parse_rates(rates)
+        except RatesError as e:
+            raise UsageError(f"--rates: {e}") from None
     probe = Trainer(model, cfg, mesh, Layout(), opt, seed)
     params, batch = probe.abstract_inputs()
     key = probe.key(1)
@@ -154,8 +162,6 @@ def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed, rates=None) -
         )  # fmt: skip
         print(table)
         return layout
-    if rates is not None:
-        raise UsageError("--rates weighs the candidates of --layout auto; pass --layout auto")
     layout = Layout(text) if text else default_layout(mesh)
     layout.check(mesh)
     layout.check_dims(model_dims(nm.trace(loss, params, batch, key)), f"the {name} model")

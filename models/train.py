@@ -64,7 +64,9 @@ def arguments(argv=None) -> argparse.Namespace:
         "--rates",
         default=None,
         help="--layout auto: weigh at a hardware's rates (tpu_v2, tpu_v3, tpu_v4, tpu_v5e, "
-        "a100, h100); None: measured on the mesh's devices",
+        "a100, h100), optionally changed (tpu_v4,latency=2e-5), or at figures of your own "
+        "(flops=1e12,bandwidth=1e10,latency=1e-5[,memory=8e9]; SI units); default: measured "
+        "on the mesh's devices",
     )
     p.add_argument("--steps", type=int, default=300, help="training steps in all")
     p.add_argument("--out", default="runs/run", help="folder for metrics, checkpoints, plot")

@@ -220,6 +220,7 @@ def test_cli_layout_auto_prints_the_search(capsys):
     "flags, names",
     [
         (["--layout", "auto", "--rates", "tpu_v9"], "tpu_v9"),
+        (["--layout", "auto", "--rates", "tpu_v2,latncy=1e-5"], "did you mean 'latency'"),
         (["--layout", "batch:data", "--rates", "tpu_v2"], "--rates"),
     ],
 )

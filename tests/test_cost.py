@@ -148,8 +148,10 @@ def test_training_report_of_data_parallel_is_the_gradient_all_reduce():
 def test_report_wrt_names_a_missing_argument():
     with pytest.raises(nm.NamedMeshError, match="no argument"):
         lower(mlp, MESH, "batch:rows").report(X, W1, W2, wrt=3, show=False)
-    with pytest.raises(nm.NamedMeshError, match="no argument"):
+    with pytest.raises(nm.NamedMeshError, match=r"report\(wrt=...\): argument positions are ints"):
         lower(mlp, MESH, "batch:rows").report(X, W1, W2, wrt=("w1",), show=False)
+    with pytest.raises(nm.NamedMeshError, match="argument positions are ints"):
+        lower(mlp, MESH, "batch:rows").report(X, W1, W2, wrt=True, show=False)
 
 
 @pytest.mark.parametrize(

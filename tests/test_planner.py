@@ -128,7 +128,7 @@ def test_planning_calls_no_jax(monkeypatch, layout):
     loss, inputs = lm("tiny")
     graph = nm.trace(loss, *inputs)
     layout = Layout(layout)
-    assert rules.plannable(graph, layout)
+    assert rules.plannable(graph)
 
     def no_jax(self, *args, **params):
         raise AssertionError(f"the planner called jax: {self}")
@@ -183,7 +183,7 @@ def test_a_pipelined_scan_plans_as_it_traces(name):
     loop) and the training report equal those the rules log as jax traces them."""
     remat, layout = PIPELINES[name]
     loss, inputs = lm("tiny", layers=8, remat=remat)
-    assert rules.plannable(nm.trace(loss, *inputs), Layout(layout))
+    assert rules.plannable(nm.trace(loss, *inputs))
     assert_plans_equal(loss, ABSTRACT, layout, *inputs, wrt=0)
     (pipe,) = [s.pipeline for s in lower(loss, ABSTRACT, layout).plan(*inputs) if s.pipeline]
     assert pipe.stages == math.prod(ABSTRACT.sizes[a] for a in dict(Layout(layout).rules)["layers"])
