@@ -30,7 +30,7 @@ from lowering.collectives import cast_varying, varying_axes
 from lowering.cost import Report
 from lowering.emit import emit, run_op
 from lowering.layout import Layout, ValueLayout, check_axes, local_shape, partition_spec
-from lowering.mesh import Mesh
+from lowering.mesh import Mesh, require_mesh
 from lowering.plan import (
     Collective,
     Local,
@@ -42,7 +42,7 @@ from lowering.plan import (
     local_avals,
     nontrivial,
 )
-from namedmesh.errors import ArgumentError, DtypeError, LayoutError, MeshError, fmt_dims
+from namedmesh.errors import ArgumentError, DtypeError, MeshError, fmt_dims
 from namedmesh.tensor import Tensor
 
 __all__ = ["Collective", "Context", "Lowered", "Plan", "Planner", "Step", "lower", "plan_program"]
@@ -543,6 +543,4 @@ def lower(fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False) 
     is made by the Planner, without jax, when every op of the program has a plan rule
     (lowering/rules.py `PLAN_RULES`), else by its rules as jax traces them; `traced`
     forces the latter (the planner's test oracle)."""
-    if not isinstance(mesh, Mesh):
-        raise LayoutError(f"lower needs a lowering.Mesh, got {type(mesh).__name__}")
-    return Lowered(fn, mesh, layout, traced)
+    return Lowered(fn, require_mesh(mesh, "lower"), layout, traced)

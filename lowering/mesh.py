@@ -84,3 +84,12 @@ def _checked_devices(devices) -> list:
             raise MeshError(f"device {d} is given twice, as devices[{seen[d]}] and devices[{i}]")
         seen[d] = i
     return devices
+
+
+def require_mesh(mesh, where: str) -> Mesh:
+    """`mesh` when it is a Mesh; MeshError naming `where` otherwise, with the Mesh to
+    write for a dict of axis sizes."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    hint = f"; write Mesh({mesh!r})" if isinstance(mesh, Mapping) else ""
+    raise MeshError(f"{where} needs a lowering.Mesh, got {type(mesh).__name__}{hint}")

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import namedmesh as nm
 from lowering.layout import Layout, check_axes
 from lowering.lower import argnum_tuple, argument_inputs, graph_report, input_names
-from lowering.mesh import Mesh
+from lowering.mesh import Mesh, require_mesh
 from lowering.rates import Rates, resolve
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
@@ -339,6 +339,7 @@ def auto_layout(
     LayoutError when no candidate is valid and fits, or when one of `candidates` names a
     mesh axis `mesh` lacks or a dim the program lacks."""
     start = time.perf_counter()
+    mesh = require_mesh(mesh, "auto_layout")
     _check_parameters(memory_limit, beam)
     wrt = argnum_tuple(grad_argnums, "auto_layout(grad_argnums=...)")
     rates = resolve(rates, mesh, cache_dir)

@@ -189,6 +189,8 @@ def trace_nested(fn: Callable, *example_inputs, nested: bool = True) -> tuple[Gr
     """`trace`, inside the trace in progress if any (`nested`): tensors of the outer
     traces that `fn` uses become extra graph inputs, after the example inputs; returns
     the graph and those outer tensors' Vars, in the same order."""
+    if not callable(fn):
+        raise ArgumentError(f"trace: the program must be a function of Tensors, got {fn!r}")
     leaves, in_tree = _leaves(list(example_inputs), "trace inputs")
     in_vars = tuple(Var(x.aval) for x in leaves)
     frame = _Frame(in_vars, TRACE_STACK[-1] if nested and TRACE_STACK else None)

@@ -129,3 +129,14 @@ def test_measured_rates_cache_survives_a_damaged_file(tmp_path, monkeypatch):
     assert rates_mod.measure(mesh, tmp_path) == fake and len(calls) == 2  # read back
     assert not list(tmp_path.glob(".*.tmp"))
     rates_mod.clear_cache()
+
+
+def test_a_mesh_given_as_sizes_or_a_program_not_a_function_is_named():
+    with pytest.raises(
+        nm.MeshError, match=r"auto_layout needs a lowering.Mesh, got dict; write Mesh"
+    ):
+        auto_layout(mlp, {"rows": 2, "cols": 4}, *INPUTS, rates="tpu_v2")
+    with pytest.raises(
+        nm.ArgumentError, match="the program must be a function of Tensors, got 'mlp'"
+    ):
+        auto_layout("mlp", MESH, *INPUTS, rates="tpu_v2")
