@@ -991,7 +991,10 @@ def expand_dims_rule(ctx, eqn, args):
 def moment_rule(ctx, eqn, args):
     """Along split dims, in two passes as on one device: the global mean (psum of the
     shards' sums over the count), then the psum of the shards' sums of squared
-    deviations from it, over count - ddof; std is its square root."""
+    deviations from it, over count - ddof; std is its square root. All of it is the
+    rule's own arithmetic (`ctx.call`), so the step is costed by the primitive's cost
+    rule on the shards (lower.cost_own_arithmetic), as a softmax along a split dim is:
+    with the sums run as local ops, only they were costed, half the work."""
     ((x, lay),) = args
     split, kept = _reduced(eqn, lay)
     (v,), (out,) = eqn.inputs, eqn.outputs
@@ -1002,12 +1005,12 @@ def moment_rule(ctx, eqn, args):
     axes, ddof, dt = eqn.params["axes"], eqn.params["ddof"], out.dtype
     count = math.prod(v.shape[i] for i in axes)
     x = ctx.astype(x, dt)
-    total = ctx.psum(ctx.local(P.sum, x, axes=axes), split)
+    reduced = tuple(n for i, n in enumerate(x.shape) if i not in axes)
+    total = ctx.psum(ctx.call(_sum, x, axes=axes, shape=reduced, dtype=dt), split)
     shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
     mean = ctx.call(_expanded_mean, total, count=count, axes=axes, shape=shape, dtype=dt)
     mean = ctx.varying(mean, ctx.vma(x))
-    squares = ctx.local(P.sum, ctx.call(_squared_deviation, x, mean, shape=x.shape, dtype=dt),
-                        axes=axes)  # fmt: skip
+    squares = ctx.call(_squared_deviations, x, mean, axes=axes, shape=reduced, dtype=dt)
     squares = ctx.psum(squares, split)
     root = eqn.primitive is P.std
     y = ctx.call(_moment, squares, n=count - ddof, root=root, to=dt, shape=squares.shape, dtype=dt)
@@ -1018,8 +1021,12 @@ def _expanded_mean(total, count, axes):
     return jnp.expand_dims(total / count, axes)
 
 
-def _squared_deviation(x, mean):
-    return jnp.square(x - mean)
+def _sum(x, axes):
+    return jnp.sum(x, axis=axes)
+
+
+def _squared_deviations(x, mean, axes):
+    return jnp.sum(jnp.square(x - mean), axis=axes)
 
 
 def _moment(squares, n, root: bool, to):

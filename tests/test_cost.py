@@ -181,3 +181,32 @@ def test_relayout_traffic_is_what_the_relayout_sends(src, dst):
     np.testing.assert_array_equal(np.asarray(f(X).data), X.data)
     hlo = collectives(f.compile(X).as_text())
     assert sorted(hlo) == sorted(expected_hlo(f.plan(X), MESH.sizes))
+
+
+REDUCING = {  # every op that reduces or scans along a dim, with a rule of its own there
+    "sum": lambda x: nm.sum(x, "s"),
+    "mean": lambda x: nm.mean(x, "s"),
+    "prod": lambda x: nm.prod(x, "s"),
+    "max": lambda x: nm.max(x, "s"),
+    "logsumexp": lambda x: nm.logsumexp(x, "s"),
+    "var": lambda x: nm.var(x, "s"),
+    "std": lambda x: nm.std(x, "s", ddof=1),
+    "softmax": lambda x: nm.softmax(x, "s"),
+    "log_softmax": lambda x: nm.log_softmax(x, "s"),
+    "cumsum": lambda x: nm.cumsum(x, "s"),
+    "argmax": lambda x: nm.argmax(x, "s"),
+    "top_k": lambda x: nm.top_k(x, "s", 4)[0],
+}
+
+
+@pytest.mark.parametrize("layout", ["s:m0", "s:m0,m1", "p:m0;s:m1"])
+@pytest.mark.parametrize("op", sorted(REDUCING))
+def test_an_op_along_a_split_dim_costs_its_work_on_every_device(op, layout):
+    """No op's work goes uncosted along a split dim, whatever arithmetic its rule does
+    itself: the devices' flops add up to at least the op's flops on one device (var and
+    std once costed only their two local sums, half the work)."""
+    x = nm.abstract({"p": 4, "q": 2, "s": 8})
+    mesh = Mesh({"m0": 2, "m1": 2}, devices="abstract")
+    split = lower(REDUCING[op], mesh, layout).report(x, show=False).flops
+    whole = lower(REDUCING[op], mesh, "").report(x, show=False).flops
+    assert whole > 0 and split * 4 >= whole, (split, whole)
