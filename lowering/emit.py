@@ -42,9 +42,7 @@ OPS = {
     ),
     "pmax": lambda x, axes: jax.lax.pmax(x, axes),
     "pmin": lambda x, axes: jax.lax.pmin(x, axes),
-    "gather_stacked": lambda x, axes: jax.lax.all_gather(
-        x, _name(axes), axis=0, to="invarying"
-    ),
+    "gather_stacked": lambda x, axes: jax.lax.all_gather(x, _name(axes), axis=0, to="invarying"),
     "make_invarying": _make_invarying,
     "all_to_all": lambda x, axes, dim, to: jax.lax.all_to_all(
         x, axes[0], split_axis=to, concat_axis=dim, tiled=True

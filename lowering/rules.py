@@ -851,8 +851,15 @@ def _halo_extend(ctx, x, axis: int, axes, left: int, right: int, fill):
     k = math.prod(ctx.sizes[a] for a in axes)
     me = ctx.axis_index(axes)
     n = x.shape[axis]
-    edge = lambda lo, hi: ctx.call(_slice, x, lo=lo, hi=hi, axis=axis, dtype=x.dtype,
-                                   shape=x.shape[:axis] + (hi - lo,) + x.shape[axis + 1 :])
+    edge = lambda lo, hi: ctx.call(
+        _slice,
+        x,
+        lo=lo,
+        hi=hi,
+        axis=axis,
+        dtype=x.dtype,
+        shape=x.shape[:axis] + (hi - lo,) + x.shape[axis + 1 :],
+    )
     parts = []
     if left:
         halo = ctx.ppermute(edge(n - left, n), axes, [(j, j + 1) for j in range(k - 1)])

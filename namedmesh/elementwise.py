@@ -219,7 +219,13 @@ tan = _make_nary("tan", np.tan, jnp.tan, _floating)
 tanh = _make_nary("tanh", np.tanh, jnp.tanh, _floating, reads="output", saves=1)
 erf = _make_nary("erf", scipy.special.erf, jax.scipy.special.erf, _floating)
 sigmoid = _make_nary(
-    "sigmoid", scipy.special.expit, jax.nn.sigmoid, _floating, 4, reads="nothing", saves=1,
+    "sigmoid",
+    scipy.special.expit,
+    jax.nn.sigmoid,
+    _floating,
+    4,
+    reads="nothing",
+    saves=1,
     least="output",
 )
 relu = _make_nary("relu", _relu_np, jax.nn.relu, _same, least="output")
