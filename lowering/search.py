@@ -370,14 +370,15 @@ def auto_layout(
 
 
 def _check_parameters(memory_limit, beam) -> None:
-    """ParameterError for a memory limit that is not a positive number of bytes (a string
-    such as "8GiB", 0, NaN) or a beam that is not a positive int: either would make the
-    search choose from nothing, or compare bytes with a string."""
+    """ParameterError for a memory limit that is not a positive number of bytes or inf
+    (a string such as "8GiB", 0, NaN) or a beam that is not a positive int: either would
+    make the search choose from nothing, or compare bytes with a string."""
     number = isinstance(memory_limit, numbers.Real) and not isinstance(memory_limit, bool)
-    if memory_limit is not None and not (number and 0 < memory_limit < math.inf):
+    if memory_limit is not None and not (number and memory_limit > 0):  # NaN > 0 is False
         raise ParameterError(
             f"auto_layout: memory_limit must be a positive number of bytes per device "
-            f"(e.g. 8 * 2**30) or None (the rates' memory), got {memory_limit!r}"
+            f"(e.g. 8 * 2**30; math.inf: no limit) or None (the rates' memory), "
+            f"got {memory_limit!r}"
         )
     if not isinstance(beam, numbers.Integral) or isinstance(beam, bool) or beam < 1:
         raise ParameterError(

@@ -95,6 +95,14 @@ def test_auto_layout_refuses_bad_parameters_naming_them(kwargs, names):
     assert names in str(e.value)
 
 
+def test_an_infinite_memory_limit_is_no_limit():
+    over = {"memory_limit": 1, "rates": "tpu_v2"}
+    with pytest.raises(nm.LayoutError, match="over the memory limit"):
+        auto_layout(mlp, MESH, *INPUTS, **over)
+    _, table = auto_layout(mlp, MESH, *INPUTS, **{**over, "memory_limit": math.inf})
+    assert all(c.valid for c in table)
+
+
 def test_auto_layout_takes_rates_text_and_one_candidate_as_a_string():
     slow_links = "flops=1e12,bandwidth=1e6,latency=1e-3"
     layout, table = auto_layout(mlp, MESH, *INPUTS, rates=slow_links, candidates="d_ff:cols")

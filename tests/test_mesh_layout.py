@@ -245,7 +245,7 @@ def test_unknown_mesh_axis_reported_by_of():
 
 
 def test_lower_rejects_a_non_mesh():
-    with pytest.raises(LayoutError, match="Mesh"):
+    with pytest.raises(MeshError, match=r"lower needs a lowering.Mesh, got dict; write Mesh\("):
         lower(lambda x: x, {"rows": 2}, "batch:rows")
 
 
