@@ -100,8 +100,9 @@ def setup(args):
         opt, schedule = optimizer(args.optimizer, args.lr, args.steps, args.warmup, args.clip)
         name = f"{args.model} ({args.config})"
         layout = pick_layout(
-            args.layout, model, name, cfg, mesh, opt, args.seed, getattr(args, "rates", None)
-        )
+            args.layout, model, name, cfg, mesh, opt, args.seed, getattr(args, "rates", None),
+            grad_accum=args.grad_accum,
+        )  # fmt: skip
         trainer = Trainer(model, cfg, mesh, layout, opt, args.seed, args.grad_accum)
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
@@ -137,11 +138,14 @@ def from_hub(args):
     return zoo.get("lm"), cfg, tokenizer
 
 
-def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed, rates=None) -> Layout:
+def pick_layout(
+    text: str, model, name: str, cfg, mesh, opt, seed, rates=None, grad_accum: int = 1
+) -> Layout:
     """The layout `--layout` names, checked against the model; `auto`: auto_layout's
     choice for the training loss, weighed at `rates` (`--rates`' text: a hardware name of
     lowering.rates.HARDWARE and/or key=value figures, `lowering.rates.parse`; None:
-    measured on the mesh, cached in the user cache dir), its printout shown."""
+    measured on the mesh, cached in the user cache dir), its printout shown. The search
+    plans the step the run takes: with `grad_accum` N, on microbatches of batch/N rows."""
     if rates is not None and text != "auto":
         raise UsageError("--rates weighs the candidates of --layout auto; pass --layout auto")
     if rates is not None:
@@ -149,7 +153,7 @@ def pick_layout(text: str, model, name: str, cfg, mesh, opt, seed, rates=None) -
             rates = parse_rates(rates)
         except RatesError as e:
             raise UsageError(f"--rates: {e}") from None
-    probe = Trainer(model, cfg, mesh, Layout(), opt, seed)
+    probe = Trainer(model, cfg, mesh, Layout(), opt, seed, grad_accum)
     params, batch = probe.abstract_inputs()
     key = probe.key(1)
     loss = lambda p, b, k: model.loss(p, b, cfg, k)

@@ -216,6 +216,25 @@ def test_cli_layout_auto_prints_the_search(capsys):
     assert f"chosen: {str(layout) or '(replicated)'}. It " in text
 
 
+def test_cli_layout_auto_plans_the_microbatch_that_grad_accum_trains(capsys):
+    """With --grad-accum N the step runs on batch/N rows: a search that planned the whole
+    batch chose `batch` over all 4 devices, which 2-row microbatches cannot take."""
+    from models import config, zoo
+    from models.run import pick_layout
+    from models.trainer import Trainer, optimizer
+
+    model = zoo.get("lm")
+    cfg = model.configure(config.get("tiny")).replace(length=16, batch=8)
+    opt, _ = optimizer("adamw", 3e-3, 10, 1, 1.0)
+    mesh, cheap_links = Mesh({"data": 4}), "flops=1e9,bandwidth=1e10,latency=1e-7"
+    whole = pick_layout("auto", model, "lm", cfg, mesh, opt, 0, cheap_links)
+    assert dict(whole.rules)["batch"] == ("data",)  # what the whole batch of 8 takes
+    layout = pick_layout("auto", model, "lm", cfg, mesh, opt, 0, cheap_links, grad_accum=4)
+    assert "batch" not in dict(layout.rules)  # 2 rows do not split over 4 devices
+    Trainer(model, cfg, mesh, layout, opt, 0, grad_accum=4).report()  # the run's step plans
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     "flags, names",
     [
