@@ -181,7 +181,8 @@ def parse(text: str) -> Rates:
     latency=1e-5`). Keys: flops (flop/s per device), bandwidth (bytes/s a device sends,
     every collective kind) or one kind's rate (psum, psum_scatter, all_gather,
     all_to_all, ppermute), latency (s per collective), memory (bytes per device),
-    overhead (s per step). RatesError names the part at fault."""
+    overhead (s per step). `bandwidth` and then one kind's key set that kind apart; a key
+    given twice is an error. RatesError names the part at fault."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise RatesError(
@@ -191,6 +192,10 @@ def parse(text: str) -> Rates:
     if "=" not in parts[0]:
         fields = {**_stored(hardware(parts[0])), "name": text}
         parts = parts[1:]
+    given = [_pair(text, part)[0] for part in parts]
+    twice = sorted({k for k in given if given.count(k) > 1})
+    if twice:
+        raise RatesError(f"rates {text!r}: {', '.join(twice)} given more than once")
     for part in parts:
         key, value = _pair(text, part)
         if _KEYS[key] != "bytes_per_s":

@@ -34,6 +34,8 @@ def test_parse_a_name_a_name_with_changes_and_figures_alone():
     assert own.flops_per_s == 1e12 and own.latency_s == 1e-5 and own.memory_bytes == 8 * 10**9
     assert dict(own.bytes_per_s) == dict.fromkeys(KINDS, 1e10)
     assert isinstance(own.memory_bytes, int)
+    apart = parse("flops=1e12,bandwidth=1e10,psum=2e10,latency=0")  # one kind set apart
+    assert apart.bytes_per_s["psum"] == 2e10 and apart.bytes_per_s["all_gather"] == 1e10
 
 
 @pytest.mark.parametrize(
@@ -52,6 +54,7 @@ def test_parse_a_name_a_name_with_changes_and_figures_alone():
         ("tpu_v2,latency=-1", "latency_s must be a finite number >= 0, got -1.0"),
         ("tpu_v2,flops=nan", "flops_per_s must be a finite number > 0, got nan"),
         ("tpu_v2,memory=0", "memory_bytes must be a finite number > 0, got 0"),
+        ("tpu_v2,latency=1e-5,latency=2e-5", "latency given more than once"),
     ],
 )
 def test_parse_names_the_part_at_fault(text, names):
