@@ -71,13 +71,15 @@ class Rates:
                 f"bytes_per_s must map each of {KINDS} to bytes/s, got {self.bytes_per_s!r}"
             )
         else:
-            for k in self.bytes_per_s:
-                if k not in KINDS:
-                    faults.append(f"bytes_per_s has unknown kind {k!r}{did_you_mean(k, KINDS)}")
-            faults += [f"bytes_per_s lacks {k!r}" for k in KINDS if k not in self.bytes_per_s]
+            bw = self.bytes_per_s
+            faults += [f"bytes_per_s has unknown kind {k!r}{did_you_mean(k, KINDS)}"
+                       for k in bw if k not in KINDS]  # fmt: skip
             for k in KINDS:
-                if k in self.bytes_per_s:
-                    faults += _fault(f"bytes_per_s[{k!r}]", self.bytes_per_s[k], "> 0")
+                faults += (
+                    _fault(f"bytes_per_s[{k!r}]", bw[k], "> 0")
+                    if k in bw
+                    else [f"bytes_per_s lacks {k!r}"]
+                )
         if faults:
             raise RatesError(f"Rates {self.name!r}: " + "; ".join(faults))
 
@@ -192,12 +194,12 @@ def parse(text: str) -> Rates:
     if "=" not in parts[0]:
         fields = {**_stored(hardware(parts[0])), "name": text}
         parts = parts[1:]
-    given = [_pair(text, part)[0] for part in parts]
+    pairs = [_pair(text, part) for part in parts]
+    given = [key for key, _ in pairs]
     twice = sorted({k for k in given if given.count(k) > 1})
     if twice:
         raise RatesError(f"rates {text!r}: {', '.join(twice)} given more than once")
-    for part in parts:
-        key, value = _pair(text, part)
+    for key, value in pairs:
         if _KEYS[key] != "bytes_per_s":
             whole = key == "memory" and math.isfinite(value)  # bytes: an int
             fields[_KEYS[key]] = int(value) if whole else value
@@ -348,7 +350,7 @@ def _read_cache(path: Path) -> dict[str, Rates]:
         return {}
     try:
         table = json.loads(path.read_text())
-        return {k: Rates(**{**v, "bytes_per_s": dict(v["bytes_per_s"])}) for k, v in table.items()}
+        return {k: Rates(**v) for k, v in table.items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         warnings.warn(
             f"measured rates cache {path} is unreadable ({type(e).__name__}: {e}); "
