@@ -1,12 +1,13 @@
-"""Checkpoints in the Hugging Face layout: load GPT-2, Llama, T5 (v1.0, v1.1) and BERT
-folders into the zoo's named parameters, run them under any layout, save them back.
+"""Checkpoints in the Hugging Face layout: load the folders of the families in
+models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, T5, BERT) into the zoo's
+named parameters, run them under any layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors
     logits = model.logits(ids)                          # Tensor (batch, length, vocab)
     model = hub.load(path, mesh=Mesh({"x": 8}), layout="heads:x;d_ff:x")
     hub.save(model, "out")                              # transformers loads it back
 
-Each family is one table (`TABLES`): a zoo parameter path, the Hugging Face tensor
+Each family's module has one table (`TABLES`): a zoo parameter path, the tensor
 name (with `{i}` for the layer of a stacked parameter), the file tensor's axes as
 groups of the zoo's named dims (`"(heads d_kv) d_model"`: a torch Linear weight, out
 before in, whose out axis is heads and d_kv merged), and for fused tensors (GPT-2's
