@@ -33,8 +33,9 @@ from models.layers import (
     norm_params,
     padding_bias,
     relative_bias,
+    write_slots,
 )
-from models.moe import moe, moe_params
+from models.moe import merged, moe, moe_params, over_layers, queued
 
 
 def stacked(shapes, n: int):
@@ -222,10 +223,12 @@ def block(
     """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
     (batch, memory, d_model) when given (or over `memory_kv`, its keys and values
     already projected for this layer: `layers.project_kv`), then the FFN, each added to
-    the residual; aux is the MoE load-balancing loss (None without experts).
+    the residual; aux is the MoE router's statistics (models/moe.py `statistics`; None
+    without experts).
 
-    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the new position
-    `position` (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
+    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv; and "route", the experts
+    each position chose, under capacity routing), h holds the new position `position`
+    (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
     (`position` over length), and (h, aux, new_cache) is returned."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
     pre = cfg.norm_position == "pre"
@@ -237,14 +240,22 @@ def block(
     else:
         slots = nm.arange("memory", cache["k"].size_of("memory"))
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias)
-        x, cache = attention(x, p["attn"], cfg, bias=bias, cache=cache, position=position)
+        kv = {"k": cache["k"], "v": cache["v"]}
+        x, kv = attention(x, p["attn"], cfg, bias=bias, cache=kv, position=position)
+        cache = {**cache, **kv}
     h = residual(h, dropout(x, cfg.dropout, keys[0]), p["attn_norm"], cfg)
     if memory is not None or memory_kv is not None:
         x = norm(h, p["cross_norm"], cfg.norm, cfg.norm_eps) if pre else h
         x = attention(x, p["cross"], cfg, memory, memory_bias, memory_kv=memory_kv)
         h = residual(h, dropout(x, cfg.dropout, keys[1]), p["cross_norm"], cfg)
     x = norm(h, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
-    x, aux = moe(x, p["ffn"], cfg) if cfg.experts else (ffn(x, p["ffn"], cfg), None)
+    if not cfg.experts:
+        x, aux = ffn(x, p["ffn"], cfg), None
+    elif cache is None or "route" not in cache:
+        x, aux, _ = moe(x, p["ffn"], cfg)
+    else:  # capacity routing's decoding: queue behind the cached positions' choices
+        x, aux, chosen = moe(x, p["ffn"], cfg, queued(cache["route"], position))
+        cache = {**cache, "route": write_slots(cache["route"], chosen, position)}
     h = residual(h, dropout(x, cfg.dropout, keys[2]), p["ffn_norm"], cfg)
     return (h, aux) if cache is None else (h, aux, cache)
 
@@ -256,7 +267,7 @@ def residual(h, x, norm_p: dict, cfg: Config):
 
 def run_stack(x, layers: dict, cfg: Config, key, **block_args):
     """(x, aux): `block` for each index of the `layers` dim, in one nm.scan; aux is the
-    sum of the layers' load-balancing losses (None without experts)."""
+    router's statistics over the layers (moe.over_layers; None without experts)."""
     is_tensor = lambda t: isinstance(t, nm.Tensor)
     n = jax.tree_util.tree_leaves(layers, is_leaf=is_tensor)[0].size_of("layers")
 
@@ -265,7 +276,7 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
         return block(h, p, cfg, k, **block_args)
 
     x, aux = nm.scan(body, x, (layers, layer_keys(key, n)), "layers", remat=cfg.remat)
-    return x, None if aux is None else aux.sum("layers")
+    return x, None if aux is None else over_layers(aux)
 
 
 def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
@@ -323,7 +334,7 @@ def compute_params(params: dict, cfg: Config) -> dict:
 
 
 def _with_aux(loss: nm.Tensor, aux, cfg: Config) -> nm.Tensor:
-    return loss if aux is None else loss + aux * cfg.moe_loss
+    return loss if aux is None else loss + aux["balance"] * cfg.moe_loss
 
 
 def lm_forward(
@@ -397,7 +408,7 @@ def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
     x, aux = run_stack(
         x, params["layers"], cfg, key, causal=True, bias=bias, memory=memory, memory_bias=pad
     )
-    aux = aux_enc if aux is None else aux + aux_enc
+    aux = aux_enc if aux is None else merged(aux, aux_enc)
     return output_logits(params, x, cfg), aux
 
 
