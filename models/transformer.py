@@ -333,8 +333,11 @@ def compute_params(params: dict, cfg: Config) -> dict:
     return cast(params, compute_dtype(cfg))
 
 
-def _with_aux(loss: nm.Tensor, aux, cfg: Config) -> nm.Tensor:
-    return loss if aux is None else loss + aux["balance"] * cfg.moe_loss
+def _with_aux(loss: nm.Tensor, aux, cfg: Config, stats: bool = False):
+    """The loss plus the weighted balancing loss; with `stats`, (that, the router's
+    statistics: {} without experts)."""
+    total = loss if aux is None else loss + aux["balance"] * cfg.moe_loss
+    return (total, aux or {}) if stats else total
 
 
 def lm_forward(
@@ -365,18 +368,19 @@ def lm_logits(params: dict, tokens: nm.Tensor, cfg: Config, key=None) -> nm.Tens
     return lm_forward(params, tokens, cfg, key)[0]
 
 
-def lm_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
+def lm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """Mean next-token cross-entropy (nats) over the weighted positions of `batch`
-    ({"inputs", "targets", "weights"}: batch, length), plus the MoE balancing loss."""
+    ({"inputs", "targets", "weights"}: batch, length), plus the MoE balancing loss;
+    with `stats`, (loss, the router's statistics)."""
     logits, aux = lm_forward(params, batch["inputs"], cfg, key)
-    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 
-def mlm_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
+def mlm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """BERT's masked-LM loss: bidirectional attention over the (partly masked) inputs,
     cross-entropy against the original tokens at the positions of weight 1."""
     logits, aux = lm_forward(params, batch["inputs"], cfg, key, causal=False)
-    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 
 def encode(params: dict, batch: dict, cfg: Config, key=None):
@@ -412,8 +416,8 @@ def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
     return output_logits(params, x, cfg), aux
 
 
-def encdec_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
+def encdec_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """Span corruption: cross-entropy of the decoder's targets (the dropped spans, each
     after its sentinel) given the corrupted inputs."""
     logits, aux = encdec_logits(params, batch, cfg, key)
-    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)

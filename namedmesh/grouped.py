@@ -53,9 +53,12 @@ def _grouped_rule(x, w, group, dim):
             f"{op}: x's dims {stray} are neither contracted with the weight {w.dims} nor "
             f"dims of the groups {group.dims}"
         )
-    clash = [d for d in outs if d in group.dims]
+    clash = [d for d in w.dims if d != dim and d in group.dims]
     if clash:
-        raise ShapeError(f"{op}: the weight's output dims {clash} are also dims of the groups")
+        raise ShapeError(
+            f"{op}: the weight's dims {clash} are also dims of the groups: a weight dim is "
+            "either contracted with x or a dim of the result, after the groups' dims"
+        )
     sizes = agreed_sizes(op, (x, w, group), ("x", "the weight", "the groups"))
     out = _out_dims(group.dims, w.dims, x.dims, dim)
     return Aval(out, tuple(sizes[d] for d in out), result_dtype(x.dtype, w.dtype))

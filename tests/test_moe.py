@@ -175,3 +175,27 @@ def test_grouped_matmul_equals_numpy_and_names_its_errors():
         nm.grouped_matmul(args[0], args[1], nm.tensor(g * 1.0, "b l k"), dim="e")
     with pytest.raises(nm.ShapeError, match="share no dim"):
         nm.grouped_matmul(nm.tensor(x, "b l q"), args[1], args[2], dim="e")
+
+
+def test_training_reports_the_router_statistics(tmp_path):
+    """A capacity-routed `moe` run writes each step's router statistics to metrics.jsonl
+    and TensorBoard: the experts' loads sum to 1 and choices are dropped (capacity
+    0.25 of an even share fits at most a quarter of them)."""
+    import json
+
+    from test_train_cli_flags import scalars
+
+    from models.train import main
+
+    out = tmp_path / "run"
+    flags = ["--config", "tiny", "--length", "16", "--batch", "4", "--quiet", "--model", "moe"]
+    flags += ["--steps", "2", "--eval-batches", "1", "--set", "routing=capacity"]
+    flags += ["--set", "capacity_factor=0.25", "--set", "layers=1", "--set", "d_model=16"]
+    assert main([*flags, "--out", str(out), "--tensorboard", str(tmp_path / "tb")]) == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        loads = [r[f"moe/load/{e}"] for e in range(4)]
+        assert sum(loads) == pytest.approx(1.0) and min(loads) >= 0
+        assert 0.75 <= r["moe/dropped"] < 1 and r["moe/balance_loss"] > 0
+    board = scalars(tmp_path / "tb")
+    assert board["moe/dropped"] == pytest.approx({r["step"]: r["moe/dropped"] for r in records})
