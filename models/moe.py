@@ -129,28 +129,34 @@ def capacity_routed(x, p, cfg, choice, weight, before):
 ROUTINGS = {"dropless": dropless, "capacity": capacity_routed}
 
 
-def moe(x: nm.Tensor, p: dict, cfg: Config, before=0.0) -> Routed:
+def moe(x: nm.Tensor, p: dict, cfg: Config, before=0.0, stats: bool = False) -> Routed:
     """The MoE FFN of x (batch, length, d_model) under cfg.routing. `before` (capacity
     routing's decoding: batch, experts) counts the choices of earlier positions already
-    queued at each expert."""
+    queued at each expert. The statistics hold the balancing loss, and with `stats` the
+    rest (not computed otherwise: a lowered program would count their collectives)."""
     choice, weight, probs = route(x, p, cfg)
     out, kept = ROUTINGS[cfg.routing](x, p, cfg, choice, weight, before)
     chosen = nm.one_hot(choice, "experts", cfg.experts).sum("choices")
     kept = chosen if kept is None else kept
-    return Routed(out, statistics(choice, probs, chosen, kept), chosen)
+    balance = {"balance": balance_loss(choice, probs)}
+    return Routed(out, balance | statistics(chosen, kept) if stats else balance, chosen)
 
 
-def statistics(choice: nm.Tensor, probs: nm.Tensor, chosen: nm.Tensor, kept: nm.Tensor) -> dict:
-    """The router's statistics of one layer, 0-d but `load`: `balance`, the
-    load-balancing loss (1 when first choices and probability spread evenly over the
-    experts; GShard's, per batch row); `load` (experts), the share of all choices each
-    expert got; `dropped`, the share of choices capacity routing dropped (0 dropless)."""
+def balance_loss(choice: nm.Tensor, probs: nm.Tensor) -> nm.Tensor:
+    """GShard's load-balancing loss, per batch row: 1 when first choices and probability
+    spread evenly over the experts."""
     e = probs.size_of("experts")
     first = nm.one_hot(nm.slice(choice, "choices", 0, 1).sum("choices"), "experts", e)
-    balance = nm.mean(nm.mean(first, "length") * nm.mean(probs, "length")) * float(e * e)
+    return nm.mean(nm.mean(first, "length") * nm.mean(probs, "length")) * float(e * e)
+
+
+def statistics(chosen: nm.Tensor, kept: nm.Tensor) -> dict:
+    """The router's statistics of one layer besides its balancing loss: `load`
+    (experts), the share of all choices each expert got; `dropped`, the share of choices
+    capacity routing dropped (0 dropless)."""
     total = chosen.sum()
     load = chosen.sum(("batch", "length")) / total
-    return {"balance": balance, "load": load, "dropped": 1.0 - kept.sum() / total}
+    return {"load": load, "dropped": 1.0 - kept.sum() / total}
 
 
 def over_layers(stats: dict) -> dict:

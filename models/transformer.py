@@ -219,12 +219,13 @@ def block(
     cache=None,
     position=None,
     memory_kv=None,
+    stats: bool = False,
 ):
     """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
     (batch, memory, d_model) when given (or over `memory_kv`, its keys and values
     already projected for this layer: `layers.project_kv`), then the FFN, each added to
-    the residual; aux is the MoE router's statistics (models/moe.py `statistics`; None
-    without experts).
+    the residual; aux is the MoE router's statistics (models/moe.py `statistics`: its
+    balancing loss, and with `stats` the rest; None without experts).
 
     With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv; and "route", the experts
     each position chose, under capacity routing), h holds the new position `position`
@@ -252,7 +253,7 @@ def block(
     if not cfg.experts:
         x, aux = ffn(x, p["ffn"], cfg), None
     elif cache is None or "route" not in cache:
-        x, aux, _ = moe(x, p["ffn"], cfg)
+        x, aux, _ = moe(x, p["ffn"], cfg, stats=stats)
     else:  # capacity routing's decoding: queue behind the cached positions' choices
         x, aux, chosen = moe(x, p["ffn"], cfg, queued(cache["route"], position))
         cache = {**cache, "route": write_slots(cache["route"], chosen, position)}
@@ -348,18 +349,20 @@ def lm_forward(
     causal: bool = True,
     weights=None,
     token_types=None,
+    stats: bool = False,
 ):
     """(logits, aux): logits (batch, length, vocab) for int tokens (batch, length) after
     the stack of `params["layers"]`, causal (the LM) or bidirectional (BERT). `weights`
     (batch, length; 1 real, 0 padding) hides padded positions from attention;
-    `token_types` (ints like tokens) select token-type embeddings."""
+    `token_types` (ints like tokens) select token-type embeddings. aux: the MoE's
+    balancing loss, and with `stats` its other statistics (None without experts)."""
     params = compute_params(params, cfg)
     x = embed_inputs(params, tokens, cfg, token_types)
     bias = None if weights is None else padding_bias(weights.rename(length="memory"))
     if "relative" in params:
         rel = bucket_bias(params["relative"], cfg, tokens.size_of("length"), not causal)
         bias = rel if bias is None else rel + bias
-    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal, bias=bias)
+    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal, bias=bias, stats=stats)
     return output_logits(params, x, cfg), aux
 
 
@@ -372,18 +375,18 @@ def lm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = Fals
     """Mean next-token cross-entropy (nats) over the weighted positions of `batch`
     ({"inputs", "targets", "weights"}: batch, length), plus the MoE balancing loss;
     with `stats`, (loss, the router's statistics)."""
-    logits, aux = lm_forward(params, batch["inputs"], cfg, key)
+    logits, aux = lm_forward(params, batch["inputs"], cfg, key, stats=stats)
     return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 
 def mlm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """BERT's masked-LM loss: bidirectional attention over the (partly masked) inputs,
     cross-entropy against the original tokens at the positions of weight 1."""
-    logits, aux = lm_forward(params, batch["inputs"], cfg, key, causal=False)
+    logits, aux = lm_forward(params, batch["inputs"], cfg, key, causal=False, stats=stats)
     return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 
-def encode(params: dict, batch: dict, cfg: Config, key=None):
+def encode(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """(memory, memory_bias, aux): the encoder's output (batch, memory, d_model) over
     batch["inputs"], and the padding bias that hides its padded positions."""
     params = compute_params(params, cfg)
@@ -394,24 +397,25 @@ def encode(params: dict, batch: dict, cfg: Config, key=None):
     if "encoder_relative" in params:
         n = batch["inputs"].size_of("length")
         bias = bias + bucket_bias(params["encoder_relative"], cfg, n, bidirectional=True)
-    x, aux = run_stack(x, params["encoder"], cfg, k, causal=False, bias=bias)
+    x, aux = run_stack(x, params["encoder"], cfg, k, causal=False, bias=bias, stats=stats)
     memory = norm(x, params["encoder_norm"], cfg.norm, cfg.norm_eps).rename(length="memory")
     return memory, pad, aux
 
 
-def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
+def encdec_logits(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """(logits, aux): the decoder's next-token logits over batch["decoder_inputs"],
     attending to the encoding of batch["inputs"]."""
     params = compute_params(params, cfg)
-    memory, pad, aux_enc = encode(params, batch, cfg, key)
+    memory, pad, aux_enc = encode(params, batch, cfg, key, stats)
     x = embed_inputs(params, batch["decoder_inputs"], cfg)
     bias = None
     if "relative" in params:
         n = batch["decoder_inputs"].size_of("length")
         bias = bucket_bias(params["relative"], cfg, n, bidirectional=False)
     x, aux = run_stack(
-        x, params["layers"], cfg, key, causal=True, bias=bias, memory=memory, memory_bias=pad
-    )
+        x, params["layers"], cfg, key, causal=True, bias=bias, memory=memory, memory_bias=pad,
+        stats=stats,
+    )  # fmt: skip
     aux = aux_enc if aux is None else merged(aux, aux_enc)
     return output_logits(params, x, cfg), aux
 
@@ -419,5 +423,5 @@ def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
 def encdec_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """Span corruption: cross-entropy of the decoder's targets (the dropped spans, each
     after its sentinel) given the corrupted inputs."""
-    logits, aux = encdec_logits(params, batch, cfg, key)
+    logits, aux = encdec_logits(params, batch, cfg, key, stats)
     return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)

@@ -101,7 +101,8 @@ def test_dropless_routing_equals_numpy_token_by_token(router, k):
     cfg = CFG.replace(ffn="gated_silu", router=router, experts_per_token=k)
     p = transformer.init(moe.moe_params(cfg), 2)
     x = R.normal(size=(cfg.batch, cfg.length, cfg.d_model)).astype(np.float32)
-    run = jax.jit(lambda p, x: moe.moe(nm.tensor(x, ("batch", "length", "d_model")), p, cfg))
+    x_dims = ("batch", "length", "d_model")
+    run = jax.jit(lambda p, x: moe.moe(nm.tensor(x, x_dims), p, cfg, stats=True))
     out, stats, _ = run(p, x)
     np.testing.assert_allclose(np.asarray(out.data), np_dropless(x, p, k, router), atol=2e-5)
     assert float(stats["dropped"].data) == 0.0
@@ -117,7 +118,7 @@ def test_capacity_routing_drops_and_reports_it():
         k: nm.tensor(np.asarray(v.data)[0], v.dims[1:]) for k, v in params["layers"]["ffn"].items()
     }
     x = R.normal(size=(cfg.batch, cfg.length, cfg.d_model)).astype(np.float32)
-    _, stats, _ = moe.moe(nm.tensor(x, ("batch", "length", "d_model")), p, cfg)
+    _, stats, _ = moe.moe(nm.tensor(x, ("batch", "length", "d_model")), p, cfg, stats=True)
     logits = x @ np.asarray(p["gate"].data)
     top = np.argsort(-logits, -1, kind="stable")[..., :2]
     c, kept = moe.capacity(cfg), 0
