@@ -5,8 +5,8 @@ out[g..., o...] = sum_c x[g..., c...] * w[group[g...], c..., o...]
 
 Its meaning names no order: the sort by group is how the jax implementation runs it
 (rows sorted by group, each group padded to whole blocks, one batched matmul of the
-blocks against their groups' weights, then unsorted), so a row costs one row's matmul
-whatever the groups' sizes. `jax.lax.ragged_dot` states the same product but lowers on
+blocks against their groups' weights, then unsorted), so a row costs about one row's
+matmul whatever the groups' sizes (`block_rows`). `jax.lax.ragged_dot` states the same product but lowers on
 CPU to a dense product over every group (groups times the flops). A group outside
 [0, groups) gives a zero row: an expert-parallel shard passes the groups of the other
 shards that way (lowering/rules.py).
@@ -89,11 +89,13 @@ def _grouped_np(x, w, group, dim, dims):
 
 
 def block_rows(rows: int, groups: int) -> int:
-    """Rows per block of the grouped matmul: about the rows a group has when they spread
-    evenly, a power of two in [8, 128] (a block wastes at most its size less one row per
-    group, and a weight read per block)."""
-    even = max(1, rows // max(groups, 1))
-    return min(128, max(8, 1 << (even.bit_length() - 1)))
+    """Rows per block of the grouped matmul: a power of two in [8, 128], at most an
+    eighth of the rows a group has when they spread evenly. The blocks are sized for
+    the worst case, each group's last block part empty (groups x (block - 1) rows more
+    than `rows`: at most an eighth more, once rows >= 64 x groups), and each block
+    reads its group's weight (fewer, larger blocks read fewer)."""
+    share = max(1, rows // (8 * max(groups, 1)))
+    return min(128, max(8, 1 << (share.bit_length() - 1)))
 
 
 def grouped_rows(x, w, g):
