@@ -6,8 +6,9 @@ out[g..., o...] = sum_c x[g..., c...] * w[group[g...], c..., o...]
 Its meaning names no order: the sort by group is how the jax implementation runs it
 (rows sorted by group, each group padded to whole blocks, one batched matmul of the
 blocks against their groups' weights, then unsorted), so a row costs about one row's
-matmul whatever the groups' sizes (`block_rows`). `jax.lax.ragged_dot` states the same product but lowers on
-CPU to a dense product over every group (groups times the flops). A group outside
+matmul whatever the groups' sizes (`block_rows`). `jax.lax.ragged_dot` states the same
+product but lowers on CPU to a dense product over every group (groups times the
+flops: benchmarks/moe_routing.py). A group outside
 [0, groups) gives a zero row: an expert-parallel shard passes the groups of the other
 shards that way (lowering/rules.py).
 """
