@@ -84,9 +84,9 @@ def _as_rows(xp, x, w, group, dim, x_dims, w_dims, group_dims):
 def _grouped_np(x, w, group, dim, dims):
     x, w, g, shape = _as_rows(np, x, w, group, dim, *dims)
     inside = (g >= 0) & (g < w.shape[0])
-    picked = w[np.where(inside, g, 0)] * inside[:, None, None]
     dtype = result_dtype(x.dtype, w.dtype)
-    return np.einsum("nc,nco->no", x, picked).astype(dtype).reshape(shape)
+    y = np.einsum("nc,nco->no", x, w[np.where(inside, g, 0)]).astype(dtype)
+    return np.where(inside[:, None], y, np.zeros((), dtype)).reshape(shape)  # 0, never NaN
 
 
 def block_rows(rows: int, groups: int) -> int:
