@@ -24,6 +24,7 @@ ROUTINGS = {
     "dropless": CFG,
     "capacity": CFG.replace(routing="capacity", capacity_factor=0.5),
 }
+MESH, EXPERTS_SPLIT = {"data": 2, "expert": 4}, "batch:data;experts:expert"
 R = np.random.default_rng(0)
 TOKENS = R.integers(0, CFG.vocab, size=(CFG.batch, CFG.length)).astype(np.int32)
 
@@ -63,16 +64,19 @@ def test_later_tokens_never_change_earlier_logits(routing):
 def test_kv_cache_decoding_equals_the_full_forward(routing):
     """A prefill of 5 tokens, then one cached step per token: each step's logits are the
     full forward's at its position (capacity routing: the cache keeps each position's
-    choices, so a step queues behind the tokens before it)."""
+    choices, so a step queues behind the tokens before it; also with experts split)."""
     cfg, params, logits = model(routing)
     full = logits(TOKENS)
-    dec = Decoder(params, cfg)
+    decoders = [Decoder(params, cfg)]
+    if routing == "capacity":  # its cache of choices, split by experts like the weights
+        decoders.append(Decoder(params, cfg, mesh=Mesh(MESH), layout=EXPERTS_SPLIT))
     n = 5
-    out, cache = dec.prefill_logits(TOKENS[:, :n], np.full(CFG.batch, n))
-    np.testing.assert_allclose(np.asarray(out), full[:, n - 1], rtol=1e-5, atol=1e-5)
-    for i in range(n, CFG.length):
-        out, cache = dec.step_logits(TOKENS[:, i], i, cache)
-        np.testing.assert_allclose(np.asarray(out), full[:, i], rtol=1e-5, atol=1e-5)
+    for dec in decoders:
+        out, cache = dec.prefill_logits(TOKENS[:, :n], np.full(CFG.batch, n))
+        np.testing.assert_allclose(np.asarray(out), full[:, n - 1], rtol=1e-5, atol=1e-5)
+        for i in range(n, CFG.length):
+            out, cache = dec.step_logits(TOKENS[:, i], i, cache)
+            np.testing.assert_allclose(np.asarray(out), full[:, i], rtol=1e-5, atol=1e-5)
 
 
 def np_softmax(x, axis=-1):
@@ -130,16 +134,13 @@ def test_capacity_routing_drops_and_reports_it():
     np.testing.assert_allclose(float(stats["dropped"].data), want, rtol=1e-6)
 
 
-MESH = {"data": 2, "expert": 4}
-
-
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_experts_split_over_a_mesh_axis_give_one_devices_logits(routing):
     """`experts:expert` keeps each device's expert weights; dropless routing's grouped
     matmuls psum (or psum_scatter) their rows over the experts' axis, the bytes of the
     local result (the cost model's count)."""
     cfg, params, logits = model(routing)
-    f = lower(lambda p, t: lm_logits(p, t, cfg), Mesh(MESH), "batch:data;experts:expert")
+    f = lower(lambda p, t: lm_logits(p, t, cfg), Mesh(MESH), EXPERTS_SPLIT)
     tokens = as_tokens(TOKENS)
     np.testing.assert_allclose(np.asarray(f(params, tokens).data), logits(TOKENS), atol=2e-5)
     if routing != "dropless":
