@@ -23,12 +23,17 @@ from namedmesh.errors import ParameterError
 def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
     """Empty keys and values for every layer: (layers, batch, memory, heads, d_kv), with
     kv_heads in place of heads under grouped-query attention; `slots` positions
-    (cfg.length by default), in the config's compute dtype. Inside a lowered program
+    (cfg.length by default), in the config's compute dtype; under capacity routing,
+    "route" (layers, batch, memory, experts): the experts each position chose, whose
+    counts before a position are the expert queues it joins. Inside a lowered program
     the zeros are laid out by the layout's rules like any value."""
     heads = head_sizes(cfg, kv=True)
-    sizes = {"layers": cfg.layers, "batch": batch, "memory": slots or cfg.length, **heads}
+    sizes = {"layers": cfg.layers, "batch": batch, "memory": slots or cfg.length}
     dtype = compute_dtype(cfg)
-    return {k: nm.zeros({**sizes, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
+    cache = {k: nm.zeros({**sizes, **heads, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
+    if cfg.experts and cfg.routing == "capacity":  # each position's experts, queued
+        cache["route"] = nm.zeros({**sizes, "experts": cfg.experts}, np.float32)
+    return cache
 
 
 def encode_memory(params: dict, batch: dict, cfg: Config) -> tuple[dict, nm.Tensor]:
@@ -51,7 +56,7 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
     if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
     cross, memory_bias = (None, None) if encoded is None else encoded
-    xs = {"p": params["layers"], "k": cache["k"], "v": cache["v"]}
+    xs = {"p": params["layers"], "cache": cache}
     if cross is not None:
         xs["cross"] = cross
 
@@ -65,13 +70,12 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
             bias=bias,
             memory_bias=memory_bias,
             memory_kv=x.get("cross"),
-            cache={"k": x["k"], "v": x["v"]},
+            cache=x["cache"],
             position=position,
         )
-        return h, (new["k"], new["v"])
+        return h, new
 
-    x, (k, v) = nm.scan(body, x, xs, "layers")
-    return x, {"k": k, "v": v}
+    return nm.scan(body, x, xs, "layers")
 
 
 def prefill_step(

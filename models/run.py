@@ -222,6 +222,7 @@ def train(args) -> None:
                 "loss": loss,
                 "lr": float(schedule(step - 1)),
                 "tokens_per_s": cfg.batch * cfg.length / (now - last),
+                **trainer.router_metrics(),
             }
             if step % args.eval_every == 0 or step == args.steps:
                 val, _ = trainer.evaluate(

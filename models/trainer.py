@@ -74,6 +74,11 @@ class Trainer:
         self.shapes = model.shapes(cfg)
         self.opt = opt
         self.lowered = lower(lambda p, b, k: model.loss(p, b, cfg, k), mesh, self.layout)
+        # the training step's program: the loss with the MoE router's statistics beside it
+        self._with_stats = lower(
+            lambda p, b, k: model.loss(p, b, cfg, k, stats=True), mesh, self.layout
+        )
+        self.stats = {}  # the last step's router statistics (jax arrays; {} without experts)
         self._step = None  # jitted at the first step, with the state's shardings pinned
         self._eval = jax.jit(lambda p, b: self.lowered(p, b, None).data)
 
@@ -109,10 +114,16 @@ class Trainer:
             return None
         return nm.random.fold_in(nm.random.key(self.seed), step)
 
+    def _value(self, params, batch, key):
+        """(loss, router statistics) as jax arrays, for value_and_grad's has_aux."""
+        loss, stats = self._with_stats(params, batch, key)
+        return loss.data, {k: v.data for k, v in stats.items()}
+
     def _loss_and_grads(self, params, batch, key):
+        """((loss, router statistics), gradients)."""
         n = self.grad_accum
         if n == 1:
-            return jax.value_and_grad(lambda p: self.lowered(p, batch, key).data)(params)
+            return jax.value_and_grad(lambda p: self._value(p, batch, key), has_aux=True)(params)
         # row r of microbatch i is row r * n + i: each device's rows stay on it
         micro = {k: _rows_apart(t.data, n) for k, t in batch.items()}
         keys = None if key is None else [nm.random.fold_in(key, i).data for i in range(n)]
@@ -122,20 +133,24 @@ class Trainer:
             b, k = xs
             b = {name: nm.tensor(d, batch[name].dims) for name, d in b.items()}
             k = None if k is None else nm.tensor(k, key.dims)
-            loss, grads = jax.value_and_grad(lambda p: self.lowered(p, b, k).data)(params)
+            value, grads = jax.value_and_grad(lambda p: self._value(p, b, k), has_aux=True)(params)
             share = jnp.maximum(b["weights"].data.sum(), 1.0) / total
             add = lambda a, g: a + g * share
-            return jax.tree_util.tree_map(add, acc, (loss, grads)), None
+            return jax.tree_util.tree_map(add, acc, (value, grads)), None
 
-        zero = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
+        first = {name: nm.tensor(d[0], batch[name].dims) for name, d in micro.items()}
+        first_key = None if key is None else nm.tensor(keys[0], key.dims)
+        value = jax.eval_shape(lambda p: self._value(p, first, first_key), params)
+        zero = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), (value, params))
         xs = (micro, None if keys is None else jnp.stack(keys))
         (loss, grads), _ = jax.lax.scan(one, zero, xs)
         return loss, grads
 
     def _update(self, state, batch, key):
-        loss, grads = self._loss_and_grads(state["params"], batch, key)
+        (loss, stats), grads = self._loss_and_grads(state["params"], batch, key)
         updates, opt_state = self.opt.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, loss
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}
+        return new, loss, stats
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> dict:
         return place(batch_tensors(batch), self.mesh, self.layout)
@@ -144,8 +159,22 @@ class Trainer:
         """One update with the batch of step `step` (numbered from 1)."""
         if self._step is None:  # a new state keeps the old one's layout: one compile
             shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-            self._step = jax.jit(self._update, donate_argnums=(0,), out_shardings=(shardings, None))
-        return self._step(state, self.place_batch(batch), self.key(step))
+            self._step = jax.jit(
+                self._update, donate_argnums=(0,), out_shardings=(shardings, None, None)
+            )
+        state, loss, self.stats = self._step(state, self.place_batch(batch), self.key(step))
+        return state, loss
+
+    def router_metrics(self) -> dict[str, float]:
+        """The last step's MoE router statistics as metrics ({} without experts):
+        `moe/balance_loss` (summed over layers), `moe/dropped` (the share of choices
+        capacity routing dropped), `moe/load/<e>` (expert e's share of the choices)."""
+        if not self.stats:
+            return {}
+        out = {"moe/balance_loss": float(self.stats["balance"])}
+        out["moe/dropped"] = float(self.stats["dropped"])
+        load = np.asarray(self.stats["load"])
+        return out | {f"moe/load/{e}": float(v) for e, v in enumerate(load)}
 
     def evaluate(self, state, batches) -> tuple[float, int]:
         """(mean loss in nats per token, tokens) over weighted positions of `batches`."""

@@ -84,6 +84,7 @@ from namedmesh.errors import (
     ShapeError,
     TracedValueError,
 )
+from namedmesh.grouped import grouped_matmul
 from namedmesh.interop import from_xarray, to_xarray
 from namedmesh.primitive import REGISTRY, Aval, Cost, Primitive, bind
 from namedmesh.random import dropout
