@@ -98,9 +98,9 @@ def read_prompts(path: Path) -> list[str]:
     return lines
 
 
-def arguments(argv=None):
+def arguments(argv=None, prog: str = "python -m models.generate"):
     p = Parser(
-        prog="python -m models.generate",
+        prog=prog,
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
     )
@@ -149,8 +149,8 @@ def arguments(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = arguments(argv)
+def main(argv=None, prog: str = "python -m models.generate") -> int:
+    args = arguments(argv, prog)
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before loading
         texts = read_prompts(args.prompts) if args.prompts else [args.prompt]
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         start = decoder_start(args.checkpoint)
         outputs = _decode(dec, prompts, start, sampling, args)
     except (checkpoint.CheckpointError, KeyError, NamedMeshError) as e:
-        print(f"models.generate: error: {e}", file=sys.stderr)
+        print(f"{prog.removeprefix('python -m ')}: error: {e}", file=sys.stderr)
         return 2
     for text, out in zip(texts, outputs, strict=True):
         print(("" if start is not None else text) + tokenizer.decode(out))
