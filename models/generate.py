@@ -54,6 +54,7 @@ def load(run: str | Path):
     else:
         cfg = model.configure(config.get(flags["config"])).replace(vocab=flags["vocab"])
     cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length", "dtype") if flags.get(k)})
+    cfg = cfg.replace(**config.parse_overrides(flags.get("set") or []))  # the run's --set
     # The parameters alone, by name: the optimizer's state stays on disk.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(  # over the Tensors' data: abstract, on one device
