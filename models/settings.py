@@ -60,7 +60,7 @@ def defaults(parser: argparse.ArgumentParser, path: str) -> dict:
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, its defaults first taken from `--config-file` when
     argv names one."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # not --config
     pre.add_argument("--config-file", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config_file is not None:

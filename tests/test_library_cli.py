@@ -183,6 +183,7 @@ def test_config_files_refuse_unknown_keys_and_bad_files(tmp_path, capsys):
     (tmp_path / "a.json").write_text(json.dumps({"steps": 7, "vocab": 384, "grad-accum": 2}))
     args = train.arguments(["--config-file", str(tmp_path / "a.json"), "--lr", "0.5"])
     assert (args.steps, args.grad_accum, args.lr) == (7, 2, 0.5)
+    assert train.arguments(["--config", "small"]).config == "small"  # not --config-file
     (tmp_path / "b.yaml").write_text("stepz: 3\n")
     (tmp_path / "c.json").write_text("[1, 2]")
     for name, says in (("b.yaml", "'stepz' is not a flag"), ("c.json", "not a mapping")):
