@@ -19,7 +19,7 @@ PROMPT = "The assert statement"
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--out", default="runs/demo")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
