@@ -81,9 +81,20 @@ def test_the_command_trains_on_token_files_from_a_folder_with_its_own_models_py(
     assert all(math.isfinite(s["val_loss"]) for s in steps if s["step"] % 2 == 0)
 
 
-def test_entry_point_lives_in_the_namedmesh_package():
-    assert entry_point() == "namedmesh.cli:main"
-    assert (ROOT / "namedmesh" / "__main__.py").is_file()
+def test_python_m_namedmesh_ignores_the_folders_models_py(run):
+    r = subprocess.run(
+        [sys.executable, "-m", "namedmesh", "train", "--help"],
+        cwd=run, env=ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: namedmesh train") and "--val-data" in r.stdout
+
+
+def test_make_demo_installs_no_test_extras():
+    rules = (ROOT / "Makefile").read_text().split("\n\n")
+    demo = next(r for r in rules if r.startswith("$(DEMO_STAMP):"))
+    assert "pip install -e ." in demo and "[test]" not in demo
+    assert "$(DEMO_STAMP)" in next(r for r in rules if "\ndemo:" in "\n" + r)
 
 
 def numpy_loss(run_dir: Path, ids: np.ndarray, length: int) -> float:
