@@ -11,7 +11,8 @@
   `text_field` column.
 
 A folder holds text, JSON lines and Parquet files; token files are passed one by one.
-Documents are joined with a newline. `read` returns a `str` or `Tokens`.
+Documents are joined with a newline. `read` returns a `str` or `Tokens`. Text of every
+kind is read whole and then tokenized; a corpus larger than memory goes in as token ids.
 """
 
 from __future__ import annotations

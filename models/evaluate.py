@@ -56,14 +56,9 @@ def load(folder: str):
             f"{folder} holds a {family} model; eval measures next-token perplexity of a "
             f"decoder LM ({', '.join(hub.DECODERS)})"
         )
-    model = hub.load(path)
-    tok = model.tokenizer
-    return (
-        zoo.get("lm"),
-        model.params,
-        model.config,
-        data.ByteTokenizer() if tok is None else (data.BPETokenizer(tok)),
-    )
+    model = hub.load(path)  # without a tokenizer.json (an exported byte run): bytes
+    tok = data.ByteTokenizer() if model.tokenizer is None else data.BPETokenizer(model.tokenizer)
+    return zoo.get("lm"), model.params, model.config, tok
 
 
 def evaluate(args) -> dict:
