@@ -32,6 +32,10 @@ GPT2_FIELDS = {
     "kv_heads": 0,
     "attention_scale": True,
     "encoder_layers": 0,
+    "qkv_bias": False,
+    "qk_norm": False,
+    "sliding_window": 0,
+    "attention_softcap": 0.0,
 }
 
 
