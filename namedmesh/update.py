@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.checks import axis_of
+from namedmesh.elementwise import align
 from namedmesh.errors import DtypeError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
@@ -66,18 +67,22 @@ def _update_np(x, start, value, axis, dims):
 
 
 def _update_jax(x, start, value, axis, dims):
-    batch = _starts_axes(*dims)
-
-    def one(x, start, value, axis):
+    x_dims, start_dims = dims
+    start = jnp.asarray(start, jnp.int32)
+    if not start_dims:
         return jax.lax.dynamic_update_slice_in_dim(x, value, start, axis)
-
-    # one start per element of start's dims: a vmap over each, the first outermost; an
-    # inner vmap sees the tensor without the axes its outer ones mapped
-    f = one
-    for j in reversed(range(len(batch))):
-        pos = batch[j] - sum(b < batch[j] for b in batch[:j])
-        f = jax.vmap(f, in_axes=(pos, 0, pos, None), out_axes=pos)
-    return f(x, jnp.asarray(start, jnp.int32), value, axis - sum(b < axis for b in batch))
+    # One start per element of start's dims: a scatter of value's elements at index
+    # arrays shaped like value. (A vmapped dynamic_update_slice moves the mapped axes of
+    # x to the front: two transposes of the whole tensor, where this writes the window.)
+    n = value.shape[axis]
+    first = align(jnp.clip(start, 0, x.shape[axis] - n), start_dims, x_dims, jnp)
+    index = []
+    for a, size in enumerate(value.shape):
+        shape = [1] * x.ndim
+        shape[a] = size
+        idx = jnp.arange(size, dtype=jnp.int32).reshape(shape)
+        index.append(first + idx if a == axis else idx)
+    return x.at[tuple(index)].set(value, indices_are_sorted=True, unique_indices=True)
 
 
 def _update_cost(in_avals, out_avals, params) -> Cost:
