@@ -73,6 +73,11 @@ def alternate(sides: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
     return times
 
 
+def why_not(e: Exception) -> str:
+    """A side that could not run, in a table cell: the error's type and first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
 def min_median(ts: list[float]) -> tuple[float, float]:
     return min(ts), statistics.median(ts)
 

@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
         try:
             forward(t_ids), step(t_ids, t_targets)
         except Exception as e:  # a compiler missing on this machine: say so in the row
-            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            failed[name] = fair.why_not(e)
             del t_sides[name]
 
     def zoo_step():
