@@ -52,8 +52,7 @@ class Config:
     attention_scale: bool = True  # logits q.k * d_kv**-0.5 (False: T5's unscaled)
     positions: str = "learned"  # learned (absolute, max_positions of them) | rotary | none
     max_positions: int = 0  # learned positions in the table (0: `length`)
-    rotary_theta: float = 10000.0
-    rope_scaling: Rope = Rope()  # rotary frequency scaling (llama3, linear, dynamic, yarn)
+    rope: Rope = Rope()  # rotary positions: theta and scaling (llama3, linear, dynamic, yarn)
     kv_heads: int = 0  # > 0: grouped-query attention, dims kv_heads and q_per_kv
     relative_buckets: int = 0  # > 0: T5's log-bucketed relative bias, one table per stack
     relative_max_distance: int = 128
@@ -211,7 +210,7 @@ def _t5(d_model: int, heads: int, d_ff: int, layers: int, v1_1: bool = False) ->
 _TINYLLAMA = _llama(vocab=32000, d_model=2048, heads=32, kv_heads=4, d_kv=64, d_ff=5632,
                     layers=22, length=2048)
 _LLAMA3_8B = _llama(vocab=128256, d_model=4096, heads=32, kv_heads=8, d_kv=128, d_ff=14336,
-                    layers=32, length=8192, rotary_theta=500000.0)
+                    layers=32, length=8192, rope=Rope(theta=500000.0))
 # fmt: on
 
 # The architectures people bring, with their published shapes (weights come from files:

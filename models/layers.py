@@ -117,16 +117,14 @@ def relative_bias(rel: nm.Tensor, queries, memory, max_distance: int) -> nm.Tens
     return nm.gather(rel, "distance", distance)
 
 
-def rotary(
-    x: nm.Tensor, positions: nm.Tensor, theta: float, rope: Rope = DEFAULT_ROPE, seq_len: int = 0
-) -> nm.Tensor:
+def rotary(x: nm.Tensor, positions: nm.Tensor, rope: Rope = DEFAULT_ROPE, seq_len: int = 0):
     """Rotary position embedding (RoFormer; Llama's "rotate half" form) of x over d_kv at
     integer `positions` (a Tensor over length or memory, or 0-d): the halves (a, b) of
     d_kv become (a cos - b sin, b cos + a sin), angle position * inv_freq, inv_freq
-    theta**(-2i/d_kv) scaled as `rope` says (models/rope.py; `seq_len`: the positions
+    rope.theta**(-2i/d_kv) scaled as `rope` says (models/rope.py; `seq_len`: the positions
     of the pass, which dynamic scaling reads). Every step is on named dims, so a layout
     splitting length, heads or d_kv gives the same values."""
-    inv, factor = frequencies(rope, x.size_of("d_kv"), theta, seq_len)
+    inv, factor = frequencies(rope, x.size_of("d_kv"), seq_len)
     inv = nm.tensor(np.concatenate([inv, inv]).astype(np.float32), ("d_kv",))
     angle = nm.astype(positions, np.float32) * inv
     cos, sin = nm.cos(angle), nm.sin(angle)
@@ -184,16 +182,15 @@ def _rotate(q: nm.Tensor, k: nm.Tensor, cfg: Config, cache, position):
     n = x_len = q.size_of("length")
     if cache is not None:
         n = cache["k"].size_of("memory")
-        if depends_on_length(cfg.rope_scaling) and n > cfg.rope_scaling.original_positions:
+        if depends_on_length(cfg.rope) and n > cfg.rope.original_positions:
             raise ConfigError(
-                f"rope_scaling kind {cfg.rope_scaling.kind!r} with a KV cache of {n} slots "
-                f"past original_positions={cfg.rope_scaling.original_positions}: its "
+                f"rope kind {cfg.rope.kind!r} with a KV cache of {n} slots "
+                f"past original_positions={cfg.rope.original_positions}: its "
                 "frequencies change with the sequence, so cached keys would be stale"
             )
     q_at = nm.arange("length", x_len) if cache is None else position
     k_at = nm.arange("memory", x_len) if cache is None else _as_memory(position)
-    args = (cfg.rotary_theta, cfg.rope_scaling, n)
-    return rotary(q, q_at, *args), rotary(k, k_at, *args)
+    return rotary(q, q_at, cfg.rope, n), rotary(k, k_at, cfg.rope, n)
 
 
 def _project(x: nm.Tensor, p: dict, name: str, out: tuple) -> nm.Tensor:

@@ -14,10 +14,12 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Rope:
-    """How rotary frequencies are scaled: `kind` (default, linear, dynamic, llama3,
-    yarn) and its parameters; `original_positions` is the pretraining context
-    (original_max_position_embeddings; dynamic: max_position_embeddings)."""
+    """Rotary positions' base `theta` and how their frequencies are scaled: `kind`
+    (default, linear, dynamic, llama3, yarn) and its parameters; `original_positions`
+    is the pretraining context (original_max_position_embeddings; dynamic:
+    max_position_embeddings)."""
 
+    theta: float = 10000.0
     kind: str = "default"
     factor: float = 1.0
     original_positions: int = 0
@@ -41,24 +43,24 @@ def base_frequencies(dim: int, theta: float) -> np.ndarray:
     return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
 
 
-def _default(rope: Rope, dim: int, theta: float, seq_len: int):
-    return base_frequencies(dim, theta), 1.0
+def _default(rope: Rope, dim: int, seq_len: int):
+    return base_frequencies(dim, rope.theta), 1.0
 
 
-def _linear(rope: Rope, dim: int, theta: float, seq_len: int):
-    return base_frequencies(dim, theta) / rope.factor, 1.0
+def _linear(rope: Rope, dim: int, seq_len: int):
+    return base_frequencies(dim, rope.theta) / rope.factor, 1.0
 
 
-def _dynamic(rope: Rope, dim: int, theta: float, seq_len: int):
+def _dynamic(rope: Rope, dim: int, seq_len: int):
     """NTK-aware: the base grows with the sequence once it passes the original context
     (transformers recomputes it from the longest position a forward pass sees)."""
     n, f = max(seq_len, rope.original_positions), rope.factor
-    base = theta * ((f * n / rope.original_positions) - (f - 1)) ** (dim / (dim - 2))
+    base = rope.theta * ((f * n / rope.original_positions) - (f - 1)) ** (dim / (dim - 2))
     return base_frequencies(dim, base), 1.0
 
 
-def _llama3(rope: Rope, dim: int, theta: float, seq_len: int):
-    inv = base_frequencies(dim, theta)
+def _llama3(rope: Rope, dim: int, seq_len: int):
+    inv = base_frequencies(dim, rope.theta)
     old, f = rope.original_positions, rope.factor
     low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -73,8 +75,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(rope: Rope, dim: int, theta: float, seq_len: int):
-    f = rope.factor
+def _yarn(rope: Rope, dim: int, seq_len: int):
+    f, theta = rope.factor, rope.theta
     factor = rope.attention_factor
     if not factor:
         factor = (
@@ -109,10 +111,10 @@ SCALINGS = {
 }
 
 
-def frequencies(rope: Rope, dim: int, theta: float, seq_len: int) -> tuple[np.ndarray, float]:
+def frequencies(rope: Rope, dim: int, seq_len: int) -> tuple[np.ndarray, float]:
     """(inverse frequencies over dim // 2 pairs, factor on cos and sin) for positions
     below `seq_len` (only dynamic scaling depends on it)."""
-    inv, factor = SCALINGS[rope.kind](rope, dim, theta, seq_len)
+    inv, factor = SCALINGS[rope.kind](rope, dim, seq_len)
     return np.asarray(inv, np.float32), factor
 
 

@@ -25,7 +25,7 @@ VOCAB, BATCH, LENGTH, NEW = 64, 4, 12, 12
 R = np.random.default_rng(1)
 IDS = R.integers(0, VOCAB, (BATCH, LENGTH))
 MASK = (np.arange(LENGTH)[None, :] < np.array([[12], [9], [6], [12]])).astype(np.int64)
-PROMPTS = [IDS[0, :5], IDS[1, :2], IDS[2, :4]]
+PROMPTS = [IDS[0, :5], IDS[1, :2]]
 
 
 # fmt: off
@@ -45,19 +45,21 @@ def cases():
         # dynamic NTK: max_position_embeddings 8 < LENGTH, so the base grows
         "llama_dynamic": (T.LlamaForCausalLM, T.LlamaConfig(
             **{**llama, "max_position_embeddings": 8}, **rope("dynamic", factor=2.0))),
-        "llama_yarn": (T.LlamaForCausalLM, T.LlamaConfig(**llama, **rope(
-            "yarn", factor=4.0, original_max_position_embeddings=8))),
         # a window of 4 < LENGTH and < the decoded length: attention past the window
         "mistral": (T.MistralForCausalLM, T.MistralConfig(**llama, sliding_window=4)),
-        "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(**llama)),
+        # yarn, as Qwen2.5's long-context configs
+        "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(**llama, **rope(
+            "yarn", factor=4.0, original_max_position_embeddings=8))),
         # head_dim 12, not hidden_size / heads = 4
         "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(**llama, head_dim=12)),
     }
 # fmt: on
 
 
-GREEDY = ["llama3", "mistral", "qwen2", "qwen3"]
-LAYOUT = ["llama3", "mistral", "qwen2", "qwen3"]
+# decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
+# Mistral's window past its size, Qwen3's q/k norms and head_dim; within the budget
+GREEDY = ["llama3", "mistral", "qwen3"]
+LAYOUT = ["llama3", "qwen2", "qwen3"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
@@ -105,10 +107,8 @@ def test_logits_equal_transformers(built, loaded, name):
 def test_configs_hold_the_families_options(loaded):
     c = {name: m.config for name, m in loaded.items()}
     assert c["llama3"].shared_embedding and not c["llama_linear"].shared_embedding
-    assert (c["llama3"].rope_scaling.kind, c["llama3"].rope_scaling.original_positions) == (
-        "llama3", 8,
-    )  # fmt: skip
-    assert c["llama_dynamic"].rope_scaling.original_positions == 8
+    assert (c["llama3"].rope.kind, c["llama3"].rope.original_positions) == ("llama3", 8)
+    assert (c["llama_dynamic"].rope.original_positions, c["llama3"].rope.theta) == (8, 500.0)
     assert (c["mistral"].sliding_window, c["qwen2"].sliding_window) == (4, 0)
     assert c["qwen2"].qkv_bias and not c["qwen2"].bias and c["qwen3"].qk_norm
     assert (c["qwen3"].d_kv, c["qwen3"].kv_heads) == (12, 4)
@@ -134,7 +134,7 @@ def hf_greedy(model, prompt) -> np.ndarray:
 
 @pytest.mark.parametrize("name", GREEDY)
 def test_greedy_tokens_equal_transformers_generate(built, loaded, name):
-    """Prompts of lengths 5, 2 and 4 in one right-padded batch, a prefill, then the KV
+    """Prompts of lengths 5 and 2 in one right-padded batch, a prefill, then the KV
     cache (Mistral's window of 4 is passed after a few steps)."""
     model = loaded[name]
     got = Decoder(model.params, model.config, slots=24).decode(PROMPTS, NEW)

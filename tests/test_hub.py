@@ -111,7 +111,7 @@ def test_logits_equal_the_reference(folders, loaded, name):
 def test_loaded_configs_have_the_families_options(loaded):
     llama, t5, bert = loaded["llama"].config, loaded["t5"].config, loaded["bert"].config
     assert (llama.kv_heads, llama.q_per_kv, llama.d_kv, llama.positions) == (4, 2, 8, "rotary")
-    assert llama.rotary_theta == 500.0 and llama.norm_eps == 1e-5
+    assert llama.rope.theta == 500.0 and llama.norm_eps == 1e-5
     assert loaded["llama"].params["layers"]["attn"]["k"].dims == (
         "layers", "d_model", "kv_heads", "d_kv",
     )  # fmt: skip

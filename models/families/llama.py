@@ -23,8 +23,8 @@ ROPE_KEYS = {
 _ROPE_FIELDS = {"original_max_position_embeddings": "original_positions"}
 
 
-def rope_of(hf: dict) -> tuple[float, Rope]:
-    """(theta, Rope) of config.json's rope_parameters (transformers 5) or rope_scaling
+def rope_of(hf: dict) -> Rope:
+    """The Rope of config.json's rope_parameters (transformers 5) or rope_scaling
     and rope_theta (older files); a key the scaling kind does not read is refused."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0))
@@ -47,7 +47,7 @@ def rope_of(hf: dict) -> tuple[float, Rope]:
         fields.setdefault("original_positions", max_pos)
         if kind == "yarn" and "factor" not in fields:
             fields["factor"] = max_pos / fields["original_positions"]
-    return theta, Rope(kind, **fields)
+    return Rope(theta, kind, **fields)
 
 
 def decoder_config(hf: dict, names: set[str], **options) -> Config:
@@ -60,7 +60,7 @@ def decoder_config(hf: dict, names: set[str], **options) -> Config:
     if act(hf, "hidden_act") != "silu":
         raise UnsupportedModelError(f"config.json: hidden_act={hf['hidden_act']!r} (Llama: silu)")
     hf.get("pretraining_tp")  # transformers 5 computes without it: so does the zoo
-    theta, rope = rope_of(hf)
+    rope = rope_of(hf)
     h = hf["num_attention_heads"]
     return Config(
         vocab=hf["vocab_size"], d_model=hf["hidden_size"], heads=h,
@@ -68,8 +68,8 @@ def decoder_config(hf: dict, names: set[str], **options) -> Config:
         d_kv=hf.get("head_dim") or hf["hidden_size"] // h, d_ff=hf["intermediate_size"],
         layers=hf["num_hidden_layers"], length=hf.get("max_position_embeddings", 2048),
         ffn="gated_silu", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
-        bias=hf.get("attention_bias", False), positions="rotary", rotary_theta=theta,
-        rope_scaling=rope, shared_embedding=bool(hf.get("tie_word_embeddings", False)),
+        bias=hf.get("attention_bias", False), positions="rotary", rope=rope,
+        shared_embedding=bool(hf.get("tie_word_embeddings", False)),
         scale_tied_logits=False, **options,
     )  # fmt: skip
 
