@@ -697,6 +697,23 @@ def grouped_matmul_rule(ctx, eqn, args):
     return [(ctx.relayout(ctx.psum(y, reduce), cur, want), want)]
 
 
+@rule(P.update_slice, pure=True)
+def update_slice_rule(ctx, eqn, args):
+    """The written dim whole on every device, every other dim split as the output wants
+    (the starts' dims as the tensor's): each device writes its own rows' windows, no
+    collective (a KV cache split over batch or heads writes per shard)."""
+    (x, xl), (start, sl), (value, vl) = args
+    (vx, vs, _), (out,) = eqn.inputs, eqn.outputs
+    axis = eqn.params["axis"]
+    want = tuple(() if i == axis else a for i, a in enumerate(ctx.wanted[out]))
+    by_dim = dict(zip(vx.dims, want, strict=True))
+    x = ctx.relayout(x, xl, want)
+    value = ctx.relayout(value, vl, want)
+    start = ctx.relayout(start, sl, _layout_in(vs.dims, by_dim))
+    y = ctx.local(eqn.primitive, x, start, value, **eqn.params)
+    return [(ctx.relayout(y, want, ctx.wanted[out]), ctx.wanted[out])]
+
+
 def _block_offsets(idx, me, n, full):
     """Indices into this device's block of n, wrapped and clipped as nm.gather does."""
     idx = jnp.clip(jnp.where(idx < 0, idx + full, idx), 0, full - 1)

@@ -121,5 +121,6 @@ from namedmesh.structural import (
 )
 from namedmesh.structural import slice_ as slice
 from namedmesh.trace import Eqn, Graph, evaluate, interpret, reference, trace
+from namedmesh.update import update_slice
 
 __version__ = "0.1.0"
