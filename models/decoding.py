@@ -103,7 +103,8 @@ def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Con
     params = transformer.compute_params(params, cfg)
     x = transformer.embed(tokens, params["embed"])
     if "pos" in params:
-        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", position)
+        at = position + cfg.position_offset if cfg.position_offset else position
+        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", at)
     x = transformer.embed_extras(params, x, cfg)
     x, cache = _run_layers(params, x, cfg, cache, position, encoded)
     logits = transformer.output_logits(params, x, cfg).sum("length")

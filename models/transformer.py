@@ -65,7 +65,8 @@ def embedding_shapes(cfg: Config) -> dict:
     if cfg.norm_position == "pre":
         shapes["final_norm"] = norm_params(cfg)
     if cfg.learned_positions:
-        shapes["pos"] = Param({"length": cfg.learned_positions, "d_model": d}, 0.1)
+        rows = cfg.learned_positions + cfg.position_offset
+        shapes["pos"] = Param({"length": rows, "d_model": d}, 0.1)
     if cfg.type_vocab:
         shapes["type_embed"] = Param({"token_types": cfg.type_vocab, "d_model": d}, 0.1)
     if cfg.embed_norm:
@@ -227,13 +228,14 @@ def block(
     """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
     (batch, memory, d_model) when given (or over `memory_kv`, its keys and values
     already projected for this layer: `layers.project_kv`), then the FFN, each added to
-    the residual; aux is the MoE load-balancing loss (None without experts).
+    the residual (cfg.parallel_residual: the FFN reads the block's input, not the
+    attention's output); aux is the MoE load-balancing loss (None without experts).
 
     With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the new position
     `position` (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
     (`position` over length), and (h, aux, new_cache) is returned."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
-    pre = cfg.norm_position == "pre"
+    pre, block_input = cfg.norm_position == "pre", h
     x = norm(h, p["attn_norm"], cfg.norm, cfg.norm_eps) if pre else h
     if cache is None:
         # a function of the positions: blockwise attention builds it block by block
@@ -248,7 +250,8 @@ def block(
         x = norm(h, p["cross_norm"], cfg.norm, cfg.norm_eps) if pre else h
         x = attention(x, p["cross"], cfg, memory, memory_bias, memory_kv=memory_kv)
         h = residual(h, dropout(x, cfg.dropout, keys[1]), p["cross_norm"], cfg)
-    x = norm(h, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
+    ffn_input = block_input if cfg.parallel_residual else h  # GPT-NeoX: h + attn + ffn
+    x = norm(ffn_input, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
     x, aux = moe(x, p["ffn"], cfg) if cfg.experts else (ffn(x, p["ffn"], cfg), None)
     h = residual(h, dropout(x, cfg.dropout, keys[2]), p["ffn_norm"], cfg)
     return (h, aux) if cache is None else (h, aux, cache)
@@ -279,9 +282,10 @@ def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None)
     model has them, then the embedding norm (BERT)."""
     x = embed(tokens, params["embed"])
     if "pos" in params:
-        n = tokens.size_of("length")
+        n, at = tokens.size_of("length"), cfg.position_offset
         table = params["pos"]
-        x = x + (table if n == table.size_of("length") else nm.slice(table, "length", 0, n))
+        whole = at == 0 and n == table.size_of("length")
+        x = x + (table if whole else nm.slice(table, "length", at, at + n))
     return embed_extras(params, x, cfg, token_types)
 
 

@@ -36,6 +36,11 @@ def cases():
     llama = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32)
     rope = lambda kind, **kw: {"rope_parameters": {"rope_type": kind, "rope_theta": 500.0, **kw}}
+    phi3 = {**llama, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    longrope = {"rope_type": "longrope", "rope_theta": 500.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0]}
+    opt = dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=32, pad_token_id=1)
     return {
         # llama 3.1/3.2: llama3 scaling, tied embeddings (3.2's small models)
         "llama3": (T.LlamaForCausalLM, T.LlamaConfig(**llama, tie_word_embeddings=True, **rope(
@@ -52,14 +57,29 @@ def cases():
             "yarn", factor=4.0, original_max_position_embeddings=8))),
         # head_dim 12, not hidden_size / heads = 4
         "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(**llama, head_dim=12)),
+        # longrope past its original 8 positions (long factors), 6 of 8 dims rotated
+        "phi3": (T.Phi3ForCausalLM, T.Phi3Config(**phi3, original_max_position_embeddings=8,
+                                                 rope_parameters=longrope)),
+        # within its original 32 positions (short factors), a window of 5
+        "phi3_window": (T.Phi3ForCausalLM, T.Phi3Config(
+            **{**phi3, "max_position_embeddings": 128}, original_max_position_embeddings=32,
+            sliding_window=5, rope_parameters=longrope)),
+        # parallel residual, 4 of 8 dims rotated, per-head fused q/k/v, untied embed_out
+        "gpt_neox": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=8, max_position_embeddings=32, rope_parameters={
+                "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})),
+        # learned positions offset by 2, ReLU, biases, tied; pre-norm and post-norm
+        "opt": (T.OPTForCausalLM, T.OPTConfig(**opt)),
+        "opt_post": (T.OPTForCausalLM, T.OPTConfig(**opt, do_layer_norm_before=False)),
     }
 # fmt: on
 
 
 # decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
 # Mistral's window past its size, Qwen3's q/k norms and head_dim; within the budget
-GREEDY = ["llama3", "mistral", "qwen3"]
-LAYOUT = ["llama3", "qwen2", "qwen3"]
+GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "gpt_neox", "opt"]
+LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox", "opt"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
@@ -112,14 +132,23 @@ def test_configs_hold_the_families_options(loaded):
     assert (c["mistral"].sliding_window, c["qwen2"].sliding_window) == (4, 0)
     assert c["qwen2"].qkv_bias and not c["qwen2"].bias and c["qwen3"].qk_norm
     assert (c["qwen3"].d_kv, c["qwen3"].kv_heads) == (12, 4)
+    phi3, window = c["phi3"].rope, c["phi3_window"].rope
+    assert (phi3.kind, phi3.original_positions, phi3.fraction) == ("longrope", 8, 0.75)
+    assert (phi3.factor, phi3.long_factor, window.original_positions) == (4, (2, 3, 5), 32)
+    assert (c["phi3_window"].sliding_window, c["phi3"].kv_heads) == (5, 4)
+    neox = c["gpt_neox"]
+    assert neox.parallel_residual and neox.rope.fraction == 0.5 and not neox.shared_embedding
+    assert (c["opt"].position_offset, c["opt"].ffn, c["opt"].bias) == (2, "relu", True)
+    assert (c["opt"].norm_position, c["opt_post"].norm_position) == ("pre", "post")
 
 
 @pytest.mark.parametrize("name", LAYOUT)
 def test_logits_under_a_layout_on_8_devices(built, name):
     layout = Layout("batch:rows;heads:cols;kv_heads:cols;d_ff:cols;vocab:cols", shared=True)
     model = hub.load(built[name][0], mesh=Mesh({"rows": 2, "cols": 4}), layout=layout)
-    k = model.params["layers"]["attn"]["k"].data
-    assert k.sharding.shard_shape(k.shape)[2] == 1  # 4 kv heads over 4 devices
+    k = model.params["layers"]["attn"]["k"]
+    heads = k.dims.index("kv_heads" if "kv_heads" in k.dims else "heads")
+    assert k.data.sharding.shard_shape(k.shape)[heads] == k.shape[heads] // 4  # over 4 devices
     assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
 
 
@@ -142,11 +171,14 @@ def test_greedy_tokens_equal_transformers_generate(built, loaded, name):
         np.testing.assert_array_equal(row, hf_greedy(built[name][1], prompt))
 
 
-def test_dynamic_rope_refuses_a_cache_past_its_original_length(loaded):
-    """Dynamic NTK's frequencies change as the sequence grows: keys cached under older
-    ones would differ from transformers', so a cache past 8 positions is refused."""
-    model = loaded["llama_dynamic"]
-    with pytest.raises(ConfigError, match="'dynamic' with a KV cache of 24 slots"):
+@pytest.mark.parametrize("name,kind", [("llama_dynamic", "dynamic"), ("phi3", "longrope")])
+def test_length_dependent_rope_refuses_a_cache_past_its_original_length(loaded, name, kind):
+    """Dynamic NTK's frequencies change as the sequence grows, longrope's switch to the
+    long factors past it: keys cached under older ones would differ from a full pass
+    (transformers' cached keys keep the short factors), so a cache past 8 positions is
+    refused."""
+    model = loaded[name]
+    with pytest.raises(ConfigError, match=f"'{kind}' with a KV cache of 24 slots"):
         Decoder(model.params, model.config, slots=24).decode(PROMPTS, 4)
 
 
@@ -203,6 +235,23 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
     folder = relabel(built, "qwen2", tmp_path, use_sliding_window=True, layer_types=kinds)
     with pytest.raises(hub.UnsupportedModelError, match="use_sliding_window=True with layer"):
         hub.load(folder)
+
+
+@pytest.mark.parametrize(
+    "name,changes,match",
+    [
+        ("opt", {"word_embed_proj_dim": 16}, "word_embed_proj_dim=16 differs from hidden_size"),
+        ("gpt_neox", {"attention_bias": False}, "attention_bias=False is not supported"),
+        (
+            "llama_linear",
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "'partial_rotary_factor': 0.5.* are not implemented",
+        ),
+    ],
+)
+def test_options_a_family_does_not_implement_are_refused(built, tmp_path, name, changes, match):
+    with pytest.raises(hub.UnsupportedModelError, match=match):
+        hub.load(relabel(built, name, tmp_path, **changes))
 
 
 def test_kernels_refuse_what_they_do_not_implement(loaded):
