@@ -109,6 +109,8 @@ class Config:
                 f"rotary positions rotate pairs: the {rotary_dims(self.rope, self.d_kv)} rotated "
                 f"dims of d_kv={self.d_kv} (rope.fraction {self.rope.fraction}) must be even"
             )
+        if self.positions == "rotary":
+            self.rope.check(rotary_dims(self.rope, self.d_kv))
         if self.parallel_residual and self.norm_position != "pre":
             raise ConfigError("Config.parallel_residual needs norm_position='pre' (GPT-NeoX's)")
 

@@ -1,6 +1,6 @@
 """Checkpoints in the Hugging Face layout: load the folders of the families in
-models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, T5, BERT) into the zoo's
-named parameters, run them under any layout, save them back.
+models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX, OPT, T5,
+BERT) into the zoo's named parameters, run them under any layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors
     logits = model.logits(ids)                          # Tensor (batch, length, vocab)
@@ -11,7 +11,8 @@ Each family's module has one table (`TABLES`): a zoo parameter path, the tensor
 name (with `{i}` for the layer of a stacked parameter), the file tensor's axes as
 groups of the zoo's named dims (`"(heads d_kv) d_model"`: a torch Linear weight, out
 before in, whose out axis is heads and d_kv merged), and for fused tensors (GPT-2's
-c_attn) which part of an axis. Loading, placement and saving are the same code for
+c_attn, Phi-3's qkv_proj of unequal parts, GPT-NeoX's per-head `(heads * d_kv)`)
+which part of an axis. Loading, placement and saving are the same code for
 every family: with a mesh, each device's shard is read as a slice of the file
 (safetensors' get_slice): of each file axis, the rows that cover the shard's span of
 the axis' first dim, so a layout that splits layers, heads, kv_heads, d_ff, vocab or

@@ -15,9 +15,9 @@ import numpy as np
 @dataclass(frozen=True)
 class Rope:
     """Rotary positions' base `theta` and how their frequencies are scaled: `kind`
-    (default, linear, dynamic, llama3, yarn, longrope) and its parameters; `original_positions`
-    is the pretraining context (original_max_position_embeddings; dynamic:
-    max_position_embeddings)."""
+    (default, linear, dynamic, llama3, yarn, longrope) and its parameters;
+    `original_positions` is the pretraining context (original_max_position_embeddings;
+    dynamic: max_position_embeddings); `fraction` of d_kv is rotated."""
 
     theta: float = 10000.0
     kind: str = "default"
@@ -27,11 +27,11 @@ class Rope:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float = 0.0  # yarn: 0 = derived from factor (and mscale)
+    attention_factor: float = 0.0  # yarn, longrope: 0 = derived from factor (and mscale)
     mscale: float = 0.0  # yarn
     mscale_all_dim: float = 0.0  # yarn
     truncate: bool = True  # yarn
-    fraction: float = 1.0  # of d_kv rotated: the first int(d_kv * fraction) (partial_rotary_factor)
+    fraction: float = 1.0  # the first int(d_kv * fraction) dims rotate (partial_rotary_factor)
     short_factor: tuple[float, ...] = ()  # longrope: per-pair divisors within original_positions
     long_factor: tuple[float, ...] = ()  # longrope: per-pair divisors past original_positions
 
@@ -44,6 +44,18 @@ class Rope:
             raise ConfigError(
                 f"Rope.fraction (partial_rotary_factor) must be in (0, 1], got {self.fraction}"
             )
+
+    def check(self, dims: int) -> None:
+        """ConfigError unless longrope's factors hold one value per pair of the `dims`
+        rotated dims of d_kv."""
+        from models.config import ConfigError
+
+        for name in ("short_factor", "long_factor") if self.kind == "longrope" else ():
+            if len(getattr(self, name)) != dims // 2:
+                raise ConfigError(
+                    f"Rope.{name} has {len(getattr(self, name))} values; the {dims} rotated "
+                    f"dims of d_kv have {dims // 2} pairs"
+                )
 
 
 def base_frequencies(dim: int, theta: float) -> np.ndarray:
@@ -113,15 +125,9 @@ def _longrope(rope: Rope, dim: int, seq_len: int):
     """LongRoPE (Phi-3): each pair's frequency divided by its short factor, or by its
     long factor once the pass is longer than original_positions; cos and sin scaled by
     sqrt(1 + log(factor) / log(original_positions)) unless attention_factor is given."""
+    rope.check(dim)
     long = seq_len > rope.original_positions
     factors = np.asarray(rope.long_factor if long else rope.short_factor, np.float32)
-    if factors.shape != (dim // 2,):
-        from models.config import ConfigError
-
-        raise ConfigError(
-            f"Rope {'long' if long else 'short'}_factor has {factors.size} values; the "
-            f"{dim} rotated dims of d_kv have {dim // 2} pairs"
-        )
     scale = rope.attention_factor
     if not scale:
         f = rope.factor

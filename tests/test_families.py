@@ -77,9 +77,12 @@ def cases():
 
 
 # decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
-# Mistral's window past its size, Qwen3's q/k norms and head_dim; within the budget
-GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "gpt_neox", "opt"]
-LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox", "opt"]
+# Mistral's window past its size, Qwen3's q/k norms and head_dim, Phi-3's longrope and
+# partial rotary (GPT-NeoX's too) in the cache, OPT's offset positions in a decoding step;
+# layouts where the weights' reading differs: Phi-3's unequal q/k/v parts over kv_heads,
+# GPT-NeoX's per-head q/k/v over heads. Within the budget.
+GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "opt"]
+LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
@@ -243,6 +246,18 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
         ("opt", {"word_embed_proj_dim": 16}, "word_embed_proj_dim=16 differs from hidden_size"),
         ("gpt_neox", {"attention_bias": False}, "attention_bias=False is not supported"),
         (
+            "phi3",
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "partial_rotary_factor": 0.75,
+                    "short_factor": [1.0, 2.0],
+                    "long_factor": [1.0, 2.0, 3.0],
+                }
+            },
+            "short_factor has 2 values; the 6 rotated dims of d_kv have 3 pairs",
+        ),
+        (
             "llama_linear",
             {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
             "'partial_rotary_factor': 0.5.* are not implemented",
@@ -250,7 +265,7 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
     ],
 )
 def test_options_a_family_does_not_implement_are_refused(built, tmp_path, name, changes, match):
-    with pytest.raises(hub.UnsupportedModelError, match=match):
+    with pytest.raises((hub.UnsupportedModelError, ConfigError), match=match):
         hub.load(relabel(built, name, tmp_path, **changes))
 
 
