@@ -73,6 +73,9 @@ class Config:
     # attention and FFN both read the block's input: h + attn(norm(h)) + ffn(norm'(h)) (GPT-NeoX)
     parallel_residual: bool = False
     position_offset: int = 0  # learned positions: position p reads row p + offset (OPT: 2)
+    # > 0: token embeddings of this width (dim d_embed), projected in to d_model before the
+    # stack and out of it after (OPT's word_embed_proj_dim: project_in, project_out)
+    embed_dim: int = 0
 
     def __post_init__(self):
         choices = {

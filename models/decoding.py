@@ -101,7 +101,7 @@ def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Con
     decoder takes `encoded`, the (cross keys and values, padding bias) of
     `encode_memory`, and attends to them in every layer."""
     params = transformer.compute_params(params, cfg)
-    x = transformer.embed(tokens, params["embed"])
+    x = transformer.token_embeddings(params, tokens)
     if "pos" in params:
         at = position + cfg.position_offset if cfg.position_offset else position
         x = x + nm.gather(params["pos"].rename(length="memory"), "memory", at)

@@ -62,6 +62,10 @@ def embedding_shapes(cfg: Config) -> dict:
     the output side: an unshared softmax, BERT's MLM head."""
     d, v = cfg.d_model, cfg.vocab
     shapes = {"embed": Param({"vocab": v, "d_model": d}, 1.0)}
+    if e := cfg.embed_dim:  # narrower embeddings, projected in and out
+        shapes["embed"] = Param({"vocab": v, "d_embed": e}, 1.0)
+        shapes["project_in"] = Param({"d_embed": e, "d_model": d}, e**-0.5)
+        shapes["project_out"] = Param({"d_model": d, "d_embed": e}, d**-0.5)
     if cfg.norm_position == "pre":
         shapes["final_norm"] = norm_params(cfg)
     if cfg.learned_positions:
@@ -74,7 +78,8 @@ def embedding_shapes(cfg: Config) -> dict:
     if cfg.relative_buckets:
         shapes["relative"] = relative_shapes(cfg)
     if not cfg.shared_embedding:
-        shapes["softmax"] = Param({"d_model": d, "vocab": v}, d**-0.5)
+        width = {"d_embed": cfg.embed_dim} if cfg.embed_dim else {"d_model": d}
+        shapes["softmax"] = Param({**width, "vocab": v}, d**-0.5)
     if cfg.mlm_head:
         shapes["mlm"] = {
             "dense": Param({"d_model": d, "d_model_out": d}, d**-0.5),
@@ -280,13 +285,22 @@ def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None)
     """Token embeddings (batch, length, d_model), plus the learned positions 0..length-1
     and the token types' embeddings (int Tensor like tokens; 0 when None) where the
     model has them, then the embedding norm (BERT)."""
-    x = embed(tokens, params["embed"])
+    x = token_embeddings(params, tokens)
     if "pos" in params:
         n, at = tokens.size_of("length"), cfg.position_offset
         table = params["pos"]
         whole = at == 0 and n == table.size_of("length")
         x = x + (table if whole else nm.slice(table, "length", at, at + n))
     return embed_extras(params, x, cfg, token_types)
+
+
+def token_embeddings(params: dict, tokens: nm.Tensor) -> nm.Tensor:
+    """The embedding rows of int `tokens` (batch, length, d_model), projected in from
+    d_embed where the model's embeddings are narrower (project_in)."""
+    x = embed(tokens, params["embed"])
+    if "project_in" in params:
+        x = nm.einsum(x, params["project_in"], out=(*x.dims[:-1], "d_model"))
+    return x
 
 
 def embed_extras(params: dict, x: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
@@ -306,9 +320,10 @@ def embed_extras(params: dict, x: nm.Tensor, cfg: Config, token_types=None) -> n
 
 def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
     """Logits over `vocab` of the last hidden state, float32 whatever the compute dtype
-    (the loss's statistics): the final norm (pre-norm stacks), BERT's MLM transform, then
-    the unshared softmax or the tied embedding (its input scaled by d_model**-0.5 when
-    cfg.scale_tied_logits), plus the MLM head's bias."""
+    (the loss's statistics): the final norm (pre-norm stacks), BERT's MLM transform, the
+    projection out to narrower embeddings (project_out), then the unshared softmax or
+    the tied embedding (its input scaled by d_model**-0.5 when cfg.scale_tied_logits),
+    plus the MLM head's bias."""
     if "final_norm" in params:
         x = norm(x, params["final_norm"], cfg.norm, cfg.norm_eps)
     if "mlm" in params:
@@ -316,6 +331,8 @@ def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
         x = nm.einsum(x, m["dense"], out=x.dims[:-1] + ("d_model_out",))
         x = activation(cfg.ffn)[0](x.rename(d_model_out="d_model") + m["dense_bias"])
         x = norm(x, m["norm"], cfg.norm, cfg.norm_eps)
+    if "project_out" in params:  # to the embeddings' width
+        x = nm.einsum(x, params["project_out"], out=(*x.dims[:-1], "d_embed"))
     out, f32 = x.dims[:-1] + ("vocab",), np.float32
     if "softmax" in params:
         logits = nm.einsum(x, params["softmax"], out=out, preferred_element_type=f32)

@@ -69,19 +69,22 @@ def cases():
             vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=8, max_position_embeddings=32, rope_parameters={
                 "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})),
-        # learned positions offset by 2, ReLU, biases, tied; pre-norm and post-norm
+        # learned positions offset by 2, ReLU, biases, tied; opt-350m's post-norm and
+        # narrower embeddings (project_in, project_out), untied
         "opt": (T.OPTForCausalLM, T.OPTConfig(**opt)),
-        "opt_post": (T.OPTForCausalLM, T.OPTConfig(**opt, do_layer_norm_before=False)),
+        "opt_350m": (T.OPTForCausalLM, T.OPTConfig(
+            **opt, do_layer_norm_before=False, word_embed_proj_dim=16, tie_word_embeddings=False)),
     }
 # fmt: on
 
 
 # decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
 # Mistral's window past its size, Qwen3's q/k norms and head_dim, Phi-3's longrope and
-# partial rotary (GPT-NeoX's too) in the cache, OPT's offset positions in a decoding step;
+# partial rotary (GPT-NeoX's too) in the cache, OPT's offset positions, post-norm and
+# projected embeddings in a decoding step;
 # layouts where the weights' reading differs: Phi-3's unequal q/k/v parts over kv_heads,
 # GPT-NeoX's per-head q/k/v over heads. Within the budget.
-GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "opt"]
+GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "opt_350m"]
 LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox"]
 
 
@@ -142,7 +145,9 @@ def test_configs_hold_the_families_options(loaded):
     neox = c["gpt_neox"]
     assert neox.parallel_residual and neox.rope.fraction == 0.5 and not neox.shared_embedding
     assert (c["opt"].position_offset, c["opt"].ffn, c["opt"].bias) == (2, "relu", True)
-    assert (c["opt"].norm_position, c["opt_post"].norm_position) == ("pre", "post")
+    opt, opt_350m = c["opt"], c["opt_350m"]
+    assert (opt.norm_position, opt_350m.norm_position) == ("pre", "post")
+    assert (opt.embed_dim, opt_350m.embed_dim, opt_350m.shared_embedding) == (0, 16, False)
 
 
 @pytest.mark.parametrize("name", LAYOUT)
@@ -243,7 +248,6 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
 @pytest.mark.parametrize(
     "name,changes,match",
     [
-        ("opt", {"word_embed_proj_dim": 16}, "word_embed_proj_dim=16 differs from hidden_size"),
         ("gpt_neox", {"attention_bias": False}, "attention_bias=False is not supported"),
         (
             "phi3",
