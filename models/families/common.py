@@ -83,7 +83,7 @@ GENERIC = frozenset(
     finetuning_task problem_type attention_dropout attn_pdrop embd_pdrop resid_pdrop
     dropout_rate hidden_dropout_prob attention_probs_dropout_prob classifier_dropout
     summary_activation summary_first_dropout summary_proj_to_labels summary_type
-    summary_use_proj is_encoder_decoder chunk_size_feed_forward""".split()
+    summary_use_proj is_encoder_decoder chunk_size_feed_forward auto_map""".split()
 )
 
 

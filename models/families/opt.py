@@ -14,7 +14,7 @@ OFFSET = 2  # OPTLearnedPositionalEmbedding's offset
 def config(hf: dict, names: set[str]) -> Config:
     require(hf, "_remove_final_layer_norm", (False,), False)
     require(hf, "layer_norm_elementwise_affine", (True,), True)
-    hf.get("dropout"), hf.get("layerdrop"), hf.get("init_std")  # training only
+    hf.get("dropout"), hf.get("activation_dropout"), hf.get("layerdrop"), hf.get("init_std")
     d, h, n = hf["hidden_size"], hf["num_attention_heads"], hf["max_position_embeddings"]
     e = hf.get("word_embed_proj_dim") or d  # opt-350m: 512 wide embeddings, d_model 1024
     return Config(

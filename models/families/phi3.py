@@ -17,7 +17,8 @@ FUSED = ("layers/attn/q", "layers/attn/k", "layers/attn/v", "layers/ffn/wi", "la
 def config(hf: dict, names: set[str]) -> Config:
     # the pretraining context: transformers prefers it to rope_parameters' own
     top = {"original_max_position_embeddings": hf.get("original_max_position_embeddings")}
-    rope = llama.rope_of(hf, partial=True, overrides=top)
+    partial = {"partial_rotary_factor": hf.get("partial_rotary_factor")}  # Phi-4-mini: top level
+    rope = llama.rope_of(hf, partial=True, defaults=partial, overrides=top)
     return llama.decoder_config(hf, names, rope=rope, sliding_window=hf.get("sliding_window") or 0)
 
 
