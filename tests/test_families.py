@@ -276,15 +276,16 @@ def test_options_a_family_does_not_implement_are_refused(built, tmp_path, name, 
 OLDER = {  # config.json as the hub's files spell it, before transformers 5's rope_parameters
     "gpt_neox": dict(rope_parameters=None, rotary_pct=0.5, rotary_emb_base=500.0),
     "phi3": dict(rope_parameters=None, rope_theta=500.0, partial_rotary_factor=0.75, rope_scaling={
-        "type": "longrope", "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0]}),
+        "type": "su", "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0]}),
     "opt": dict(activation_dropout=0.0, auto_map={"AutoConfig": "configuration_opt.OPTConfig"}),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(OLDER))
 def test_older_config_spellings_read_the_same(built, loaded, tmp_path, name):
-    """Pythia's rotary_pct and rotary_emb_base, Phi-3's rope_scaling and top-level
-    partial_rotary_factor, OPT's activation_dropout: the same Config, the same logits."""
+    """Pythia's rotary_pct and rotary_emb_base, Phi-3's rope_scaling of type su (its
+    longrope) and top-level partial_rotary_factor, OPT's activation_dropout: the same
+    Config, the same logits."""
     model = hub.load(relabel(built, name, tmp_path, **OLDER[name]))
     assert model.config == loaded[name].config
     assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])

@@ -30,17 +30,19 @@ _ROPE_FIELDS = {
 }
 
 
-def rope_of(hf: dict, partial: bool = False, defaults=None, overrides=None) -> Rope:
+def rope_of(hf: dict, partial: bool = False, defaults=None, overrides=None, aliases=None) -> Rope:
     """The Rope of config.json's rope_parameters (transformers 5) or rope_scaling
     and rope_theta (older files); a key the scaling kind does not read is refused, and
     partial_rotary_factor unless the family rotates part of d_kv (`partial`).
     `defaults` stand for rope keys a file lacks (GPT-NeoX's older rotary_pct);
     `overrides` are top-level values that win for the kinds that read them (Phi-3's
-    original_max_position_embeddings)."""
+    original_max_position_embeddings); `aliases` rename scaling kinds (Phi-3: su, yarn
+    are its longrope)."""
     given = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     params = {k: v for k, v in (defaults or {}).items() if v is not None} | given
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0))
     kind = params.pop("rope_type", params.pop("type", "default"))
+    kind = (aliases or {}).get(kind, kind)
     if kind not in ROPE_KEYS:
         raise UnsupportedModelError(
             f"config.json: rope_type={kind!r} is not supported (supported: {sorted(ROPE_KEYS)})"

@@ -18,7 +18,8 @@ def config(hf: dict, names: set[str]) -> Config:
     # the pretraining context: transformers prefers it to rope_parameters' own
     top = {"original_max_position_embeddings": hf.get("original_max_position_embeddings")}
     partial = {"partial_rotary_factor": hf.get("partial_rotary_factor")}  # Phi-4-mini: top level
-    rope = llama.rope_of(hf, partial=True, defaults=partial, overrides=top)
+    longrope = {"su": "longrope", "yarn": "longrope"}  # as transformers' Phi3Config reads them
+    rope = llama.rope_of(hf, partial=True, defaults=partial, overrides=top, aliases=longrope)
     return llama.decoder_config(hf, names, rope=rope, sliding_window=hf.get("sliding_window") or 0)
 
 
