@@ -38,6 +38,8 @@ class Rope:
     def __post_init__(self):
         from models.config import ConfigError
 
+        for name in ("short_factor", "long_factor"):  # a list from --set: hashable
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
         if self.kind not in SCALINGS:
             raise ConfigError(f"Rope.kind must be one of {sorted(SCALINGS)}, got {self.kind!r}")
         if not 0 < self.fraction <= 1:

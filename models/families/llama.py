@@ -56,7 +56,6 @@ def rope_of(hf: dict, partial: bool = False, defaults=None, overrides=None, alia
             f"config.json: rope option(s) {stray} are not implemented for rope_type {kind!r}"
         )
     fields = {_ROPE_FIELDS.get(k, k): v for k, v in params.items() if v is not None}
-    fields |= {k: tuple(fields[k]) for k in ("short_factor", "long_factor") if k in fields}
     max_pos = hf.get("max_position_embeddings", 2048)
     if kind == "dynamic":
         fields["original_positions"] = max_pos  # transformers grows the base past it
