@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from models.kernels import KERNELS
-from models.rope import Rope
+from models.rope import Rope, rotary_dims
 from namedmesh.errors import ParameterError
 
 
@@ -73,6 +73,12 @@ class Config:
     attention_block: int = 128  # keys per block of blockwise attention
     mesh: tuple[tuple[str, int], ...] = (("batch", 1),)  # the paper's mesh shape
     layout: str = "batch:batch"
+    # attention and FFN both read the block's input: h + attn(norm(h)) + ffn(norm'(h)) (GPT-NeoX)
+    parallel_residual: bool = False
+    position_offset: int = 0  # learned positions: position p reads row p + offset (OPT: 2)
+    # > 0: token embeddings of this width (dim d_embed), projected in to d_model before the
+    # stack and out of it after (OPT's word_embed_proj_dim: project_in, project_out)
+    embed_dim: int = 0
 
     def __post_init__(self):
         choices = {
@@ -111,8 +117,15 @@ class Config:
                 f"Config.sliding_window={self.sliding_window} and attention_softcap="
                 f"{self.attention_softcap} must be >= 0 (0: none)"
             )
-        if self.positions == "rotary" and self.d_kv % 2:
-            raise ConfigError(f"rotary positions rotate pairs: d_kv={self.d_kv} must be even")
+        if self.positions == "rotary" and rotary_dims(self.rope, self.d_kv) % 2:
+            raise ConfigError(
+                f"rotary positions rotate pairs: the {rotary_dims(self.rope, self.d_kv)} rotated "
+                f"dims of d_kv={self.d_kv} (rope.fraction {self.rope.fraction}) must be even"
+            )
+        if self.positions == "rotary":
+            self.rope.check(rotary_dims(self.rope, self.d_kv))
+        if self.parallel_residual and self.norm_position != "pre":
+            raise ConfigError("Config.parallel_residual needs norm_position='pre' (GPT-NeoX's)")
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -124,7 +137,8 @@ class Config:
 
     @property
     def learned_positions(self) -> int:
-        """Rows of the learned absolute position table (0: the model has none)."""
+        """Positions of the learned absolute position table (0: the model has none); the
+        table has position_offset rows more, before them."""
         if self.positions != "learned" or self.relative_bias or self.relative_buckets:
             return 0
         return self.max_positions or self.length

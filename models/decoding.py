@@ -139,9 +139,10 @@ def decode_step(
     An encoder-decoder's decoder takes `encoded`, the (cross keys and values, padding
     bias) of `encode_memory`, and attends to them in every layer."""
     params = transformer.compute_params(params, cfg)
-    x = transformer.embed(tokens, params["embed"])
+    x = transformer.token_embeddings(params, tokens)
     if "pos" in params:
-        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", position)
+        at = position + cfg.position_offset if cfg.position_offset else position
+        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", at)
     x = transformer.embed_extras(params, x, cfg)
     attend = attend or cache["k"].size_of("memory")
     prefix = {name: nm.slice(t, "memory", 0, attend) for name, t in cache.items()}

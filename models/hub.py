@@ -1,6 +1,6 @@
 """Checkpoints in the Hugging Face layout: load the folders of the families in
-models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, T5, BERT) into the zoo's
-named parameters, run them under any layout, save them back.
+models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX, OPT, T5,
+BERT) into the zoo's named parameters, run them under any layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors
     logits = model.logits(ids)                          # Tensor (batch, length, vocab)
@@ -11,7 +11,8 @@ Each family's module has one table (`TABLES`): a zoo parameter path, the tensor
 name (with `{i}` for the layer of a stacked parameter), the file tensor's axes as
 groups of the zoo's named dims (`"(heads d_kv) d_model"`: a torch Linear weight, out
 before in, whose out axis is heads and d_kv merged), and for fused tensors (GPT-2's
-c_attn) which part of an axis. Loading, placement and saving are the same code for
+c_attn, Phi-3's qkv_proj of unequal parts, GPT-NeoX's per-head `(heads * d_kv)`)
+which part of an axis. Loading, placement and saving are the same code for
 every family: with a mesh, each device's shard is read as a slice of the file
 (safetensors' get_slice): of each file axis, the rows that cover the shard's span of
 the axis' first dim, so a layout that splits layers, heads, kv_heads, d_ff, vocab or
@@ -142,11 +143,26 @@ class FileTensor:
     def stacked(self) -> bool:
         return self.dims[0] == "layers"
 
+    def size(self, dim: str) -> int:
+        """A dim's size; `*` is the fused parts' (Entry.part's count)."""
+        return self.entry.part[2] if dim == "*" else self.sizes[dim]
+
+    def _offset(self, axis: int) -> int:
+        """Where this part starts along `axis` of the file tensor: 0 when the axis is
+        not fused or its parts sit inside its group (`*`)."""
+        part, group = self.entry.part, self.groups[axis]
+        if not part or part[0] != axis or "*" in group:
+            return 0
+        _, index, count = part
+        if isinstance(count, tuple):
+            return sum(count[:index])
+        return index * math.prod(self.sizes[d] for d in group)
+
     def file_shape(self) -> tuple[int, ...]:
-        shape = [math.prod(self.sizes[d] for d in g) for g in self.groups]
-        if self.entry.part:
+        shape = [math.prod(self.size(d) for d in g) for g in self.groups]
+        if self.entry.part and "*" not in self.groups[self.entry.part[0]]:
             axis, _, count = self.entry.part
-            shape[axis] *= count
+            shape[axis] = sum(count) if isinstance(count, tuple) else shape[axis] * count
         return tuple(shape)
 
     def read(self, weights: Weights, index: tuple) -> np.ndarray:
@@ -163,17 +179,17 @@ class FileTensor:
     def _read_one(self, weights: Weights, name: str, spans) -> np.ndarray:
         layer_dims = self.dims[1:] if self.stacked else self.dims
         span = dict(zip(layer_dims, spans, strict=True))
+        if self.entry.part:  # a part inside its group (`*`) is a span of one
+            span["*"] = (self.entry.part[1], self.entry.part[1] + 1)
         src, inner = [], []
         for axis, group in enumerate(self.groups):
             # Read the rows covering the first dim's span, whole in the group's other dims.
             lo, hi = span[group[0]]
-            step = math.prod(self.sizes[d] for d in group[1:])
-            offset = 0
-            if self.entry.part and self.entry.part[0] == axis:
-                offset = self.entry.part[1] * math.prod(self.sizes[d] for d in group)
+            step = math.prod(self.size(d) for d in group[1:])
+            offset = self._offset(axis)
             src.append(slice(offset + lo * step, offset + hi * step))
             inner.append(
-                [(hi - lo, slice(None))] + [(self.sizes[d], slice(*span[d])) for d in group[1:]]
+                [(hi - lo, slice(None))] + [(self.size(d), slice(*span[d])) for d in group[1:]]
             )
         block = np.asarray(weights.slice(name)[tuple(src)])
         if block.dtype.kind == "f" or block.dtype.name == "bfloat16":
@@ -181,23 +197,31 @@ class FileTensor:
         block = block.reshape([n for axis in inner for n, _ in axis])
         block = block[tuple(s for axis in inner for _, s in axis)]
         flat = [d for g in self.groups for d in g]
+        if "*" in flat:  # the part's span of one
+            block = block.squeeze(flat.index("*"))
+            flat.remove("*")
         return block.transpose([flat.index(d) for d in layer_dims])
 
     def write(self, value: np.ndarray, out: dict[str, np.ndarray], layer: int | None) -> None:
         """Put the (one layer's) value of the zoo parameter into the file tensors `out`."""
         layer_dims = self.dims[1:] if self.stacked else self.dims
         flat = [d for g in self.groups for d in g]
-        block = value.transpose([layer_dims.index(d) for d in flat])
-        block = block.reshape([math.prod(self.sizes[d] for d in g) for g in self.groups])
+        block = value.transpose([layer_dims.index(d) for d in flat if d != "*"])
         name = self.entry.name if layer is None else self.entry.name.format(i=layer)
         if not self.entry.part:
-            out[name] = block
+            out[name] = block.reshape(self.file_shape())
             return
-        axis, i, count = self.entry.part
+        axis, i, _ = self.entry.part
         whole = out.setdefault(name, np.zeros(self.file_shape(), block.dtype))
-        n = block.shape[axis]
+        if "*" in flat:  # this part's place inside the group: index i of `*`
+            index = [slice(None)] * len(flat)
+            index[flat.index("*")] = i
+            whole.reshape([self.size(d) for d in flat])[tuple(index)] = block
+            return
+        block = block.reshape([math.prod(self.sizes[d] for d in g) for g in self.groups])
+        start = self._offset(axis)
         index = [slice(None)] * block.ndim
-        index[axis] = slice(i * n, (i + 1) * n)
+        index[axis] = slice(start, start + block.shape[axis])
         whole[tuple(index)] = block
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import namedmesh as nm
 from models.config import Config, ConfigError
 from models.kernels import KERNELS, Options
-from models.rope import Rope, depends_on_length, frequencies
+from models.rope import Rope, depends_on_length, frequencies, rotary_dims
 
 NEG = -1e9  # the attention logit of a masked position
 DEFAULT_ROPE = Rope()
@@ -122,8 +122,19 @@ def rotary(x: nm.Tensor, positions: nm.Tensor, rope: Rope = DEFAULT_ROPE, seq_le
     integer `positions` (a Tensor over length or memory, or 0-d): the halves (a, b) of
     d_kv become (a cos - b sin, b cos + a sin), angle position * inv_freq, inv_freq
     rope.theta**(-2i/d_kv) scaled as `rope` says (models/rope.py; `seq_len`: the positions
-    of the pass, which dynamic scaling reads). Every step is on named dims, so a layout
-    splitting length, heads or d_kv gives the same values."""
+    of the pass, which dynamic and longrope scaling read); with rope.fraction < 1 only
+    the first int(d_kv * fraction) dims rotate (GPT-NeoX, Phi-4-mini). Every step is on
+    named dims, so a layout splitting length, heads or d_kv gives the same values."""
+    d = x.size_of("d_kv")
+    n = rotary_dims(rope, d)
+    if n < d:  # partial rotary: the first n dims rotate, the rest pass through
+        rotated, rest = nm.split(x, "d_kv", (n, d - n))
+        return nm.concat([_rotate_pairs(rotated, positions, rope, seq_len), rest], "d_kv")
+    return _rotate_pairs(x, positions, rope, seq_len)
+
+
+def _rotate_pairs(x: nm.Tensor, positions: nm.Tensor, rope: Rope, seq_len: int):
+    """Every dim of x's d_kv rotated (the halves are the pairs), as `rotary` says."""
     inv, factor = frequencies(rope, x.size_of("d_kv"), seq_len)
     inv = nm.tensor(np.concatenate([inv, inv]).astype(np.float32), ("d_kv",))
     angle = nm.astype(positions, np.float32) * inv

@@ -15,9 +15,9 @@ import numpy as np
 @dataclass(frozen=True)
 class Rope:
     """Rotary positions' base `theta` and how their frequencies are scaled: `kind`
-    (default, linear, dynamic, llama3, yarn) and its parameters; `original_positions`
-    is the pretraining context (original_max_position_embeddings; dynamic:
-    max_position_embeddings)."""
+    (default, linear, dynamic, llama3, yarn, longrope) and its parameters;
+    `original_positions` is the pretraining context (original_max_position_embeddings;
+    dynamic: max_position_embeddings); `fraction` of d_kv is rotated."""
 
     theta: float = 10000.0
     kind: str = "default"
@@ -27,16 +27,37 @@ class Rope:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float = 0.0  # yarn: 0 = derived from factor (and mscale)
+    attention_factor: float = 0.0  # yarn, longrope: 0 = derived from factor (and mscale)
     mscale: float = 0.0  # yarn
     mscale_all_dim: float = 0.0  # yarn
     truncate: bool = True  # yarn
+    fraction: float = 1.0  # the first int(d_kv * fraction) dims rotate (partial_rotary_factor)
+    short_factor: tuple[float, ...] = ()  # longrope: per-pair divisors within original_positions
+    long_factor: tuple[float, ...] = ()  # longrope: per-pair divisors past original_positions
 
     def __post_init__(self):
-        if self.kind not in SCALINGS:
-            from models.config import ConfigError
+        from models.config import ConfigError
 
+        for name in ("short_factor", "long_factor"):  # a list from --set: hashable
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+        if self.kind not in SCALINGS:
             raise ConfigError(f"Rope.kind must be one of {sorted(SCALINGS)}, got {self.kind!r}")
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(
+                f"Rope.fraction (partial_rotary_factor) must be in (0, 1], got {self.fraction}"
+            )
+
+    def check(self, dims: int) -> None:
+        """ConfigError unless longrope's factors hold one value per pair of the `dims`
+        rotated dims of d_kv."""
+        from models.config import ConfigError
+
+        for name in ("short_factor", "long_factor") if self.kind == "longrope" else ():
+            if len(getattr(self, name)) != dims // 2:
+                raise ConfigError(
+                    f"Rope.{name} has {len(getattr(self, name))} values; the {dims} rotated "
+                    f"dims of d_kv have {dims // 2} pairs"
+                )
 
 
 def base_frequencies(dim: int, theta: float) -> np.ndarray:
@@ -102,12 +123,28 @@ def _yarn(rope: Rope, dim: int, seq_len: int):
     return inv.astype(np.float32), float(factor)
 
 
+def _longrope(rope: Rope, dim: int, seq_len: int):
+    """LongRoPE (Phi-3): each pair's frequency divided by its short factor, or by its
+    long factor once the pass is longer than original_positions; cos and sin scaled by
+    sqrt(1 + log(factor) / log(original_positions)) unless attention_factor is given."""
+    rope.check(dim)
+    long = seq_len > rope.original_positions
+    factors = np.asarray(rope.long_factor if long else rope.short_factor, np.float32)
+    scale = rope.attention_factor
+    if not scale:
+        f = rope.factor
+        scale = 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(rope.original_positions))
+    pos = rope.theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    return (1.0 / (factors * pos)).astype(np.float32), float(scale)
+
+
 SCALINGS = {
     "default": _default,
     "linear": _linear,
     "dynamic": _dynamic,
     "llama3": _llama3,
     "yarn": _yarn,
+    "longrope": _longrope,
 }
 
 
@@ -119,6 +156,13 @@ def frequencies(rope: Rope, dim: int, seq_len: int) -> tuple[np.ndarray, float]:
 
 
 def depends_on_length(rope: Rope) -> bool:
-    """Whether the frequencies change with the sequence (dynamic NTK), so keys rotated
-    for a KV cache would differ from a full forward pass's."""
-    return rope.kind == "dynamic"
+    """Whether the frequencies change with the sequence (dynamic NTK; longrope past
+    original_positions), so keys rotated for a KV cache would differ from a full
+    forward pass's."""
+    return rope.kind in ("dynamic", "longrope")
+
+
+def rotary_dims(rope: Rope, d_kv: int) -> int:
+    """How many of d_kv's dims are rotated (the rest pass through): int(d_kv * fraction),
+    as transformers' partial_rotary_factor (GPT-NeoX's rotary_pct)."""
+    return int(d_kv * rope.fraction)

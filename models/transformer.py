@@ -63,10 +63,15 @@ def embedding_shapes(cfg: Config) -> dict:
     the output side: an unshared softmax, BERT's MLM head."""
     d, v = cfg.d_model, cfg.vocab
     shapes = {"embed": Param({"vocab": v, "d_model": d}, 1.0)}
+    if e := cfg.embed_dim:  # narrower embeddings, projected in and out
+        shapes["embed"] = Param({"vocab": v, "d_embed": e}, 1.0)
+        shapes["project_in"] = Param({"d_embed": e, "d_model": d}, e**-0.5)
+        shapes["project_out"] = Param({"d_model": d, "d_embed": e}, d**-0.5)
     if cfg.norm_position == "pre":
         shapes["final_norm"] = norm_params(cfg)
     if cfg.learned_positions:
-        shapes["pos"] = Param({"length": cfg.learned_positions, "d_model": d}, 0.1)
+        rows = cfg.learned_positions + cfg.position_offset
+        shapes["pos"] = Param({"length": rows, "d_model": d}, 0.1)
     if cfg.type_vocab:
         shapes["type_embed"] = Param({"token_types": cfg.type_vocab, "d_model": d}, 0.1)
     if cfg.embed_norm:
@@ -74,7 +79,8 @@ def embedding_shapes(cfg: Config) -> dict:
     if cfg.relative_buckets:
         shapes["relative"] = relative_shapes(cfg)
     if not cfg.shared_embedding:
-        shapes["softmax"] = Param({"d_model": d, "vocab": v}, d**-0.5)
+        width = {"d_embed": cfg.embed_dim} if cfg.embed_dim else {"d_model": d}
+        shapes["softmax"] = Param({**width, "vocab": v}, d**-0.5)
     if cfg.mlm_head:
         shapes["mlm"] = {
             "dense": Param({"d_model": d, "d_model_out": d}, d**-0.5),
@@ -229,15 +235,16 @@ def block(
     """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
     (batch, memory, d_model) when given (or over `memory_kv`, its keys and values
     already projected for this layer: `layers.project_kv`), then the FFN, each added to
-    the residual; aux is the MoE router's statistics (models/moe.py `statistics`: its
-    balancing loss, and with `stats` the rest; None without experts).
+    the residual (cfg.parallel_residual: the FFN reads the block's input, not the
+    attention's output); aux is the MoE router's statistics (models/moe.py `statistics`:
+    its balancing loss, and with `stats` the rest; None without experts).
 
     With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv; and "route", the experts
     each position chose, under capacity routing), h holds the new position `position`
     (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
     (`position` over length), and (h, aux, new_cache) is returned."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
-    pre = cfg.norm_position == "pre"
+    pre, block_input = cfg.norm_position == "pre", h
     x = norm(h, p["attn_norm"], cfg.norm, cfg.norm_eps) if pre else h
     if cache is None:
         # a function of the positions: blockwise attention builds it block by block
@@ -254,7 +261,8 @@ def block(
         x = norm(h, p["cross_norm"], cfg.norm, cfg.norm_eps) if pre else h
         x = attention(x, p["cross"], cfg, memory, memory_bias, memory_kv=memory_kv)
         h = residual(h, dropout(x, cfg.dropout, keys[1]), p["cross_norm"], cfg)
-    x = norm(h, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
+    ffn_input = block_input if cfg.parallel_residual else h  # GPT-NeoX: h + attn + ffn
+    x = norm(ffn_input, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
     if not cfg.experts:
         x, aux = ffn(x, p["ffn"], cfg), None
     elif cache is None or "route" not in cache:
@@ -289,12 +297,22 @@ def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None)
     """Token embeddings (batch, length, d_model), plus the learned positions 0..length-1
     and the token types' embeddings (int Tensor like tokens; 0 when None) where the
     model has them, then the embedding norm (BERT)."""
-    x = embed(tokens, params["embed"])
+    x = token_embeddings(params, tokens)
     if "pos" in params:
-        n = tokens.size_of("length")
+        n, at = tokens.size_of("length"), cfg.position_offset
         table = params["pos"]
-        x = x + (table if n == table.size_of("length") else nm.slice(table, "length", 0, n))
+        whole = at == 0 and n == table.size_of("length")
+        x = x + (table if whole else nm.slice(table, "length", at, at + n))
     return embed_extras(params, x, cfg, token_types)
+
+
+def token_embeddings(params: dict, tokens: nm.Tensor) -> nm.Tensor:
+    """The embedding rows of int `tokens` (batch, length, d_model), projected in from
+    d_embed where the model's embeddings are narrower (project_in)."""
+    x = embed(tokens, params["embed"])
+    if "project_in" in params:
+        x = nm.einsum(x, params["project_in"], out=(*x.dims[:-1], "d_model"))
+    return x
 
 
 def embed_extras(params: dict, x: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
@@ -314,9 +332,10 @@ def embed_extras(params: dict, x: nm.Tensor, cfg: Config, token_types=None) -> n
 
 def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
     """Logits over `vocab` of the last hidden state, float32 whatever the compute dtype
-    (the loss's statistics): the final norm (pre-norm stacks), BERT's MLM transform, then
-    the unshared softmax or the tied embedding (its input scaled by d_model**-0.5 when
-    cfg.scale_tied_logits), plus the MLM head's bias."""
+    (the loss's statistics): the final norm (pre-norm stacks), BERT's MLM transform, the
+    projection out to narrower embeddings (project_out), then the unshared softmax or
+    the tied embedding (its input scaled by d_model**-0.5 when cfg.scale_tied_logits),
+    plus the MLM head's bias."""
     if "final_norm" in params:
         x = norm(x, params["final_norm"], cfg.norm, cfg.norm_eps)
     if "mlm" in params:
@@ -324,6 +343,8 @@ def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
         x = nm.einsum(x, m["dense"], out=x.dims[:-1] + ("d_model_out",))
         x = activation(cfg.ffn)[0](x.rename(d_model_out="d_model") + m["dense_bias"])
         x = norm(x, m["norm"], cfg.norm, cfg.norm_eps)
+    if "project_out" in params:  # to the embeddings' width
+        x = nm.einsum(x, params["project_out"], out=(*x.dims[:-1], "d_embed"))
     out, f32 = x.dims[:-1] + ("vocab",), np.float32
     if "softmax" in params:
         logits = nm.einsum(x, params["softmax"], out=out, preferred_element_type=f32)

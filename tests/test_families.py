@@ -36,6 +36,11 @@ def cases():
     llama = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32)
     rope = lambda kind, **kw: {"rope_parameters": {"rope_type": kind, "rope_theta": 500.0, **kw}}
+    phi3 = {**llama, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    longrope = {"rope_type": "longrope", "rope_theta": 500.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0]}
+    opt = dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=32, pad_token_id=1)
     return {
         # llama 3.1/3.2: llama3 scaling, tied embeddings (3.2's small models)
         "llama3": (T.LlamaForCausalLM, T.LlamaConfig(**llama, tie_word_embeddings=True, **rope(
@@ -52,14 +57,35 @@ def cases():
             "yarn", factor=4.0, original_max_position_embeddings=8))),
         # head_dim 12, not hidden_size / heads = 4
         "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(**llama, head_dim=12)),
+        # longrope past its original 8 positions (long factors), 6 of 8 dims rotated
+        "phi3": (T.Phi3ForCausalLM, T.Phi3Config(**phi3, original_max_position_embeddings=8,
+                                                 rope_parameters=longrope)),
+        # within its original 32 positions (short factors), a window of 5
+        "phi3_window": (T.Phi3ForCausalLM, T.Phi3Config(
+            **{**phi3, "max_position_embeddings": 128}, original_max_position_embeddings=32,
+            sliding_window=5, rope_parameters=longrope)),
+        # parallel residual, 4 of 8 dims rotated, per-head fused q/k/v, untied embed_out
+        "gpt_neox": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=8, max_position_embeddings=32, rope_parameters={
+                "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})),
+        # learned positions offset by 2, ReLU, biases, tied; opt-350m's post-norm and
+        # narrower embeddings (project_in, project_out), untied
+        "opt": (T.OPTForCausalLM, T.OPTConfig(**opt)),
+        "opt_350m": (T.OPTForCausalLM, T.OPTConfig(
+            **opt, do_layer_norm_before=False, word_embed_proj_dim=16, tie_word_embeddings=False)),
     }
 # fmt: on
 
 
 # decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
-# Mistral's window past its size, Qwen3's q/k norms and head_dim; within the budget
-GREEDY = ["llama3", "mistral", "qwen3"]
-LAYOUT = ["llama3", "qwen2", "qwen3"]
+# Mistral's window past its size, Qwen3's q/k norms and head_dim, Phi-3's longrope and
+# partial rotary (GPT-NeoX's too) in the cache, OPT's offset positions, post-norm and
+# projected embeddings in a decoding step;
+# layouts where the weights' reading differs: Phi-3's unequal q/k/v parts over kv_heads,
+# GPT-NeoX's per-head q/k/v over heads. Within the budget.
+GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "opt_350m"]
+LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
@@ -112,14 +138,25 @@ def test_configs_hold_the_families_options(loaded):
     assert (c["mistral"].sliding_window, c["qwen2"].sliding_window) == (4, 0)
     assert c["qwen2"].qkv_bias and not c["qwen2"].bias and c["qwen3"].qk_norm
     assert (c["qwen3"].d_kv, c["qwen3"].kv_heads) == (12, 4)
+    phi3, window = c["phi3"].rope, c["phi3_window"].rope
+    assert (phi3.kind, phi3.original_positions, phi3.fraction) == ("longrope", 8, 0.75)
+    assert (phi3.factor, phi3.long_factor, window.original_positions) == (4, (2, 3, 5), 32)
+    assert (c["phi3_window"].sliding_window, c["phi3"].kv_heads) == (5, 4)
+    neox = c["gpt_neox"]
+    assert neox.parallel_residual and neox.rope.fraction == 0.5 and not neox.shared_embedding
+    assert (c["opt"].position_offset, c["opt"].ffn, c["opt"].bias) == (2, "relu", True)
+    opt, opt_350m = c["opt"], c["opt_350m"]
+    assert (opt.norm_position, opt_350m.norm_position) == ("pre", "post")
+    assert (opt.embed_dim, opt_350m.embed_dim, opt_350m.shared_embedding) == (0, 16, False)
 
 
 @pytest.mark.parametrize("name", LAYOUT)
 def test_logits_under_a_layout_on_8_devices(built, name):
     layout = Layout("batch:rows;heads:cols;kv_heads:cols;d_ff:cols;vocab:cols", shared=True)
     model = hub.load(built[name][0], mesh=Mesh({"rows": 2, "cols": 4}), layout=layout)
-    k = model.params["layers"]["attn"]["k"].data
-    assert k.sharding.shard_shape(k.shape)[2] == 1  # 4 kv heads over 4 devices
+    k = model.params["layers"]["attn"]["k"]
+    heads = k.dims.index("kv_heads" if "kv_heads" in k.dims else "heads")
+    assert k.data.sharding.shard_shape(k.shape)[heads] == k.shape[heads] // 4  # over 4 devices
     assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
 
 
@@ -142,11 +179,14 @@ def test_greedy_tokens_equal_transformers_generate(built, loaded, name):
         np.testing.assert_array_equal(row, hf_greedy(built[name][1], prompt))
 
 
-def test_dynamic_rope_refuses_a_cache_past_its_original_length(loaded):
-    """Dynamic NTK's frequencies change as the sequence grows: keys cached under older
-    ones would differ from transformers', so a cache past 8 positions is refused."""
-    model = loaded["llama_dynamic"]
-    with pytest.raises(ConfigError, match="'dynamic' with a KV cache of 24 slots"):
+@pytest.mark.parametrize("name,kind", [("llama_dynamic", "dynamic"), ("phi3", "longrope")])
+def test_length_dependent_rope_refuses_a_cache_past_its_original_length(loaded, name, kind):
+    """Dynamic NTK's frequencies change as the sequence grows, longrope's switch to the
+    long factors past it: keys cached under older ones would differ from a full pass
+    (transformers' cached keys keep the short factors), so a cache past 8 positions is
+    refused."""
+    model = loaded[name]
+    with pytest.raises(ConfigError, match=f"'{kind}' with a KV cache of 24 slots"):
         Decoder(model.params, model.config, slots=24).decode(PROMPTS, 4)
 
 
@@ -203,6 +243,52 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
     folder = relabel(built, "qwen2", tmp_path, use_sliding_window=True, layer_types=kinds)
     with pytest.raises(hub.UnsupportedModelError, match="use_sliding_window=True with layer"):
         hub.load(folder)
+
+
+@pytest.mark.parametrize(
+    "name,changes,match",
+    [
+        ("gpt_neox", {"attention_bias": False}, "attention_bias=False is not supported"),
+        (
+            "phi3",
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "partial_rotary_factor": 0.75,
+                    "short_factor": [1.0, 2.0],
+                    "long_factor": [1.0, 2.0, 3.0],
+                }
+            },
+            "short_factor has 2 values; the 6 rotated dims of d_kv have 3 pairs",
+        ),
+        (
+            "llama_linear",
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "'partial_rotary_factor': 0.5.* are not implemented",
+        ),
+    ],
+)
+def test_options_a_family_does_not_implement_are_refused(built, tmp_path, name, changes, match):
+    with pytest.raises((hub.UnsupportedModelError, ConfigError), match=match):
+        hub.load(relabel(built, name, tmp_path, **changes))
+
+
+OLDER = {  # config.json as the hub's files spell it, before transformers 5's rope_parameters
+    "gpt_neox": dict(rope_parameters=None, rotary_pct=0.5, rotary_emb_base=500.0),
+    "phi3": dict(rope_parameters=None, rope_theta=500.0, partial_rotary_factor=0.75, rope_scaling={
+        "type": "su", "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0]}),
+    "opt": dict(activation_dropout=0.0, auto_map={"AutoConfig": "configuration_opt.OPTConfig"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(OLDER))
+def test_older_config_spellings_read_the_same(built, loaded, tmp_path, name):
+    """Pythia's rotary_pct and rotary_emb_base, Phi-3's rope_scaling of type su (its
+    longrope) and top-level partial_rotary_factor, OPT's activation_dropout: the same
+    Config, the same logits."""
+    model = hub.load(relabel(built, name, tmp_path, **OLDER[name]))
+    assert model.config == loaded[name].config
+    assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
 
 
 def test_kernels_refuse_what_they_do_not_implement(loaded):

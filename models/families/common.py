@@ -30,12 +30,16 @@ class Entry(NamedTuple):
     """One row of a family's table: the zoo path, the file's tensor name (`{i}`: the
     layer), its axes as groups of zoo dims, and (axis, index, count) when the tensor
     fuses `count` zoo parameters along `axis` (this one is part `index`). In the axes,
-    Q are the query head dims and KV the key/value head dims."""
+    Q are the query head dims and KV the key/value head dims. The parts are one after
+    another along the axis (GPT-2's c_attn: q, k, v), of equal sizes, or of the sizes
+    `count` lists when it is a tuple (Phi-3's qkv_proj under grouped-query heads); a
+    `*` in the axis' group says where equal parts sit inside it ("(Q * d_kv)": each
+    head's q, k and v together, GPT-NeoX's query_key_value)."""
 
     path: str
     name: str
     axes: str
-    part: tuple[int, int, int] | None = None
+    part: tuple[int, int, int | tuple[int, ...]] | None = None
 
 
 def linear(path: str, name: str, out: str, inp: str, bias: bool) -> list[Entry]:
@@ -79,7 +83,7 @@ GENERIC = frozenset(
     finetuning_task problem_type attention_dropout attn_pdrop embd_pdrop resid_pdrop
     dropout_rate hidden_dropout_prob attention_probs_dropout_prob classifier_dropout
     summary_activation summary_first_dropout summary_proj_to_labels summary_type
-    summary_use_proj is_encoder_decoder chunk_size_feed_forward""".split()
+    summary_use_proj is_encoder_decoder chunk_size_feed_forward auto_map""".split()
 )
 
 

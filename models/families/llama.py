@@ -1,5 +1,5 @@
 """Llama 1, 2 and 3.x (LlamaForCausalLM): RMSNorm, SwiGLU, rotary positions with
-the rope scalings of models/rope.py (llama3, linear, dynamic, yarn), grouped-query
+the rope scalings of models/rope.py (llama3, linear, dynamic, yarn, longrope), grouped-query
 attention, `head_dim` apart from hidden_size / heads, tied or untied embeddings.
 Mistral, Qwen2 and Qwen3 are this family plus an option each and import it."""
 
@@ -19,23 +19,39 @@ ROPE_KEYS = {
         "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
         "attention_factor", "mscale", "mscale_all_dim", "truncate",
     ),
+    "longrope": (
+        "factor", "short_factor", "long_factor", "original_max_position_embeddings",
+        "attention_factor",
+    ),
 }  # fmt: skip
-_ROPE_FIELDS = {"original_max_position_embeddings": "original_positions"}
+_ROPE_FIELDS = {
+    "original_max_position_embeddings": "original_positions",
+    "partial_rotary_factor": "fraction",
+}
 
 
-def rope_of(hf: dict) -> Rope:
+def rope_of(hf: dict, partial: bool = False, defaults=None, overrides=None, aliases=None) -> Rope:
     """The Rope of config.json's rope_parameters (transformers 5) or rope_scaling
-    and rope_theta (older files); a key the scaling kind does not read is refused."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    and rope_theta (older files); a key the scaling kind does not read is refused, and
+    partial_rotary_factor unless the family rotates part of d_kv (`partial`).
+    `defaults` stand for rope keys a file lacks (GPT-NeoX's older rotary_pct);
+    `overrides` are top-level values that win for the kinds that read them (Phi-3's
+    original_max_position_embeddings); `aliases` rename scaling kinds (Phi-3: su, yarn
+    are its longrope)."""
+    given = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params = {k: v for k, v in (defaults or {}).items() if v is not None} | given
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0))
     kind = params.pop("rope_type", params.pop("type", "default"))
+    kind = (aliases or {}).get(kind, kind)
     if kind not in ROPE_KEYS:
         raise UnsupportedModelError(
             f"config.json: rope_type={kind!r} is not supported (supported: {sorted(ROPE_KEYS)})"
         )
-    if params.get("partial_rotary_factor", 1.0) == 1.0:
+    params |= {k: v for k, v in (overrides or {}).items() if k in ROPE_KEYS[kind] and v}
+    if not partial and params.get("partial_rotary_factor", 1.0) == 1.0:
         params.pop("partial_rotary_factor", None)
-    if stray := {k: v for k, v in params.items() if k not in ROPE_KEYS[kind]}:
+    allowed = (*ROPE_KEYS[kind], *(("partial_rotary_factor",) if partial else ()))
+    if stray := {k: v for k, v in params.items() if k not in allowed}:
         raise UnsupportedModelError(
             f"config.json: rope option(s) {stray} are not implemented for rope_type {kind!r}"
         )
@@ -43,9 +59,9 @@ def rope_of(hf: dict) -> Rope:
     max_pos = hf.get("max_position_embeddings", 2048)
     if kind == "dynamic":
         fields["original_positions"] = max_pos  # transformers grows the base past it
-    elif kind in ("llama3", "yarn"):
+    elif kind in ("llama3", "yarn", "longrope"):
         fields.setdefault("original_positions", max_pos)
-        if kind == "yarn" and "factor" not in fields:
+        if kind in ("yarn", "longrope") and "factor" not in fields:
             fields["factor"] = max_pos / fields["original_positions"]
     return Rope(theta, kind, **fields)
 
@@ -60,7 +76,7 @@ def decoder_config(hf: dict, names: set[str], **options) -> Config:
     if act(hf, "hidden_act") != "silu":
         raise UnsupportedModelError(f"config.json: hidden_act={hf['hidden_act']!r} (Llama: silu)")
     hf.get("pretraining_tp")  # transformers 5 computes without it: so does the zoo
-    rope = rope_of(hf)
+    rope = options.pop("rope", None) or rope_of(hf)
     h = hf["num_attention_heads"]
     return Config(
         vocab=hf["vocab_size"], d_model=hf["hidden_size"], heads=h,
