@@ -15,7 +15,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from models import transformer
 from models.config import Config
-from models.layers import compute_dtype, head_sizes, project_kv
+from models.layers import compute_dtype, head_sizes, layer_constants, project_kv
 from models.sampling import Sampling, choose
 from namedmesh.errors import ParameterError
 
@@ -54,6 +54,8 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
     xs = {"p": params["layers"], "k": cache["k"], "v": cache["v"]}
     if cross is not None:
         xs["cross"] = cross
+    if (consts := layer_constants(cfg, slots)) is not None:
+        xs["layer"] = consts  # each layer's window and rotary frequencies
 
     def body(h, x):
         h, _, new = transformer.block(
@@ -67,6 +69,7 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
             memory_kv=x.get("cross"),
             cache={"k": x["k"], "v": x["v"]},
             position=position,
+            layer=x.get("layer"),
         )
         return h, (new["k"], new["v"])
 
@@ -101,7 +104,7 @@ def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Con
     decoder takes `encoded`, the (cross keys and values, padding bias) of
     `encode_memory`, and attends to them in every layer."""
     params = transformer.compute_params(params, cfg)
-    x = transformer.embed(tokens, params["embed"])
+    x = transformer.embed_tokens(params, tokens, cfg)
     if "pos" in params:
         x = x + nm.gather(params["pos"].rename(length="memory"), "memory", position)
     x = transformer.embed_extras(params, x, cfg)

@@ -52,14 +52,27 @@ def cases():
             "yarn", factor=4.0, original_max_position_embeddings=8))),
         # head_dim 12, not hidden_size / heads = 4
         "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(**llama, head_dim=12)),
+        "gemma": (T.GemmaForCausalLM, T.GemmaConfig(**llama, head_dim=12)),
+        # caps that bite (logits reach ~2), a sliding layer then a global one
+        "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config(
+            **llama, head_dim=12, sliding_window=4, attn_logit_softcapping=1.0,
+            final_logit_softcapping=2.0, query_pre_attn_scalar=10)),
+        # sliding, global, sliding; linear scaling on the global layer, another local base
+        "gemma3": (T.Gemma3ForCausalLM, T.Gemma3TextConfig(
+            **{**llama, "num_hidden_layers": 3}, head_dim=12, sliding_window=4,
+            sliding_window_pattern=2, query_pre_attn_scalar=10, final_logit_softcapping=2.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 500.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
     }
 # fmt: on
 
 
 # decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
-# Mistral's window past its size, Qwen3's q/k norms and head_dim; within the budget
-GREEDY = ["llama3", "mistral", "qwen3"]
-LAYOUT = ["llama3", "qwen2", "qwen3"]
+# Mistral's window past its size, Qwen3's q/k norms and head_dim, Gemma 2's caps and
+# per-layer windows, Gemma 3's per-layer rotary bases; within the budget
+GREEDY = ["llama3", "mistral", "qwen3", "gemma2", "gemma3"]
+LAYOUT = ["llama3", "qwen2", "qwen3", "gemma3"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
@@ -112,6 +125,14 @@ def test_configs_hold_the_families_options(loaded):
     assert (c["mistral"].sliding_window, c["qwen2"].sliding_window) == (4, 0)
     assert c["qwen2"].qkv_bias and not c["qwen2"].bias and c["qwen3"].qk_norm
     assert (c["qwen3"].d_kv, c["qwen3"].kv_heads) == (12, 4)
+    assert c["gemma"].norm == "rms_offset" and c["gemma"].embed_scale
+    assert c["gemma"].ffn == "gated_gelu" and not c["gemma"].post_norms
+    g2, g3 = c["gemma2"], c["gemma3"]
+    assert (g2.attention_softcap, g2.logit_softcap, g2.attention_scale_dim) == (1.0, 2.0, 10.0)
+    assert g2.post_norms and (g2.sliding_window, g2.sliding_layers) == (4, (True, False))
+    assert g3.qk_norm and g3.sliding_layers == (True, False, True)
+    ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
+    assert ropes == ("linear", 4.0, 500.0, 50.0)
 
 
 @pytest.mark.parametrize("name", LAYOUT)
@@ -163,15 +184,21 @@ def test_bfloat16_folder_loads_and_save_round_trips(built, loaded, tmp_path, nam
     assert_close(as_array(hub.load(tmp_path / "bf16").logits(IDS, attention_mask=MASK)), want16)
 
 
-@pytest.mark.parametrize("attention,block", [("blockwise", 5), ("ring", 4)])
-def test_sliding_window_inside_blockwise_and_ring(built, loaded, attention, block):
-    """Mistral's window of 4 over 12 positions, the keys in blocks of 5 or a ring of 3."""
-    model = loaded["mistral"]
+@pytest.mark.parametrize(
+    "name,attention,block",
+    [("mistral", "blockwise", 5), ("mistral", "ring", 4), ("gemma2", "blockwise", 5)]
+    + [("gemma2", "ring", 4), ("gemma3", "ring", 4)],
+)
+def test_sliding_window_inside_blockwise_and_ring(built, loaded, name, attention, block):
+    """A window of 4 over 12 positions (Mistral's on every layer, Gemma's per layer,
+    with Gemma 2's soft-capped logits and Gemma 3's per-layer rotary bases), the keys in
+    blocks of 5 or a ring of 3."""
+    model = loaded[name]
     cfg = model.config.replace(attention=attention, attention_block=block)
     logits = hub.HubModel(model.family, cfg, model.params, None, model.hf_config).logits(
         IDS, attention_mask=MASK
     )
-    assert_close(as_array(logits), built["mistral"][2])
+    assert_close(as_array(logits), built[name][2])
 
 
 # --- refusals ------------------------------------------------------------------------------
@@ -206,7 +233,20 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
 
 
 def test_kernels_refuse_what_they_do_not_implement(loaded):
-    model = loaded["mistral"]
-    cfg = model.config.replace(attention="blockwise", attention_softcap=30.0)
-    with pytest.raises(ConfigError, match="attention='blockwise' with softcap"):
-        hub.HubModel(model.family, cfg, model.params, None, {}).logits(IDS)
+    model = loaded["gemma2"]
+    cfg = model.config.replace(attention="ring")
+    with pytest.raises(ConfigError, match="attention='ring' with cached"):
+        Decoder(model.params, cfg, slots=24).decode(PROMPTS, 2)
+
+
+def test_gemma_folders_that_would_compute_otherwise_are_refused(built, tmp_path):
+    """Gemma 2 weights labelled Gemma (its post-norms unread), and a Gemma 3 attention
+    cap, which transformers' Gemma 3 reads but never applies."""
+    gemma2_keys = ("attn_logit_softcapping", "final_logit_softcapping", "layer_types")
+    gemma2_keys += ("query_pre_attn_scalar", "sliding_window")
+    folder = relabel(built, "gemma2", tmp_path, model_type="gemma", **dict.fromkeys(gemma2_keys))
+    with pytest.raises(hub.UnsupportedModelError, match=r"does not read: .*post_feedforward"):
+        hub.load(folder)
+    folder = relabel(built, "gemma3", tmp_path, attn_logit_softcapping=50.0)
+    with pytest.raises(hub.UnsupportedModelError, match="attn_logit_softcapping=50.0"):
+        hub.load(folder)
