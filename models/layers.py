@@ -72,13 +72,12 @@ def norm(x: nm.Tensor, p: dict, kind: str, eps: float = 1e-6, dim: str = "d_mode
         y = centered * nm.rsqrt(nm.mean(centered * centered, dim) + eps)
     else:
         y = x * nm.rsqrt(nm.mean(x * x, dim) + eps)
-    if kind == "rms_offset":
+    if kind == "rms_offset":  # x * (1 + w) in float32, then x's dtype
         scale = p["scale"] if p["scale"].dtype == np.float32 else nm.astype(p["scale"], np.float32)
         y = y * (scale + 1.0)
+        return nm.astype(y, dtype) if dtype != np.float32 else y
     y = nm.astype(y, dtype) if dtype != np.float32 else y
-    if kind == "layer":
-        return y * p["scale"] + p["bias"]
-    return y if kind == "rms_offset" else y * p["scale"]
+    return y * p["scale"] + p["bias"] if kind == "layer" else y * p["scale"]
 
 
 def head_norm_kind(cfg: Config) -> str:

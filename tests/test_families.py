@@ -18,8 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from lowering import Layout, Mesh  # noqa: E402
 from models import hub  # noqa: E402
-from models.config import ConfigError  # noqa: E402
+from models.config import Config, ConfigError  # noqa: E402
 from models.generate import Decoder  # noqa: E402
+from models.rope import Rope  # noqa: E402
 
 VOCAB, BATCH, LENGTH, NEW = 64, 4, 12, 12
 R = np.random.default_rng(1)
@@ -53,13 +54,15 @@ def cases():
         # head_dim 12, not hidden_size / heads = 4
         "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(**llama, head_dim=12)),
         "gemma": (T.GemmaForCausalLM, T.GemmaConfig(**llama, head_dim=12)),
-        # caps that bite (logits reach ~2), a sliding layer then a global one
+        # caps that bite (logits reach ~2), a sliding layer then a global one; untied,
+        # because a tiny tied Gemma (embeddings x sqrt(d_model)) repeats its last token
         "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config(
-            **llama, head_dim=12, sliding_window=4, attn_logit_softcapping=1.0,
-            final_logit_softcapping=2.0, query_pre_attn_scalar=10)),
+            **llama, head_dim=12, sliding_window=4, tie_word_embeddings=False,
+            attn_logit_softcapping=1.0, final_logit_softcapping=2.0, query_pre_attn_scalar=10)),
         # sliding, global, sliding; linear scaling on the global layer, another local base
         "gemma3": (T.Gemma3ForCausalLM, T.Gemma3TextConfig(
             **{**llama, "num_hidden_layers": 3}, head_dim=12, sliding_window=4,
+            tie_word_embeddings=False,
             sliding_window_pattern=2, query_pre_attn_scalar=10, final_logit_softcapping=2.0,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
                                                 "rope_theta": 500.0},
@@ -126,6 +129,7 @@ def test_configs_hold_the_families_options(loaded):
     assert c["qwen2"].qkv_bias and not c["qwen2"].bias and c["qwen3"].qk_norm
     assert (c["qwen3"].d_kv, c["qwen3"].kv_heads) == (12, 4)
     assert c["gemma"].norm == "rms_offset" and c["gemma"].embed_scale
+    assert c["gemma"].shared_embedding and not c["gemma2"].shared_embedding
     assert c["gemma"].ffn == "gated_gelu" and not c["gemma"].post_norms
     g2, g3 = c["gemma2"], c["gemma3"]
     assert (g2.attention_softcap, g2.logit_softcap, g2.attention_scale_dim) == (1.0, 2.0, 10.0)
@@ -186,8 +190,8 @@ def test_bfloat16_folder_loads_and_save_round_trips(built, loaded, tmp_path, nam
 
 @pytest.mark.parametrize(
     "name,attention,block",
-    [("mistral", "blockwise", 5), ("mistral", "ring", 4), ("gemma2", "blockwise", 5)]
-    + [("gemma2", "ring", 4), ("gemma3", "ring", 4)],
+    [("mistral", "blockwise", 5), ("mistral", "ring", 4), ("gemma2", "ring", 4)]
+    + [("gemma3", "blockwise", 5)],
 )
 def test_sliding_window_inside_blockwise_and_ring(built, loaded, name, attention, block):
     """A window of 4 over 12 positions (Mistral's on every layer, Gemma's per layer,
@@ -237,6 +241,20 @@ def test_kernels_refuse_what_they_do_not_implement(loaded):
     cfg = model.config.replace(attention="ring")
     with pytest.raises(ConfigError, match="attention='ring' with cached"):
         Decoder(model.params, cfg, slots=24).decode(PROMPTS, 2)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(sliding_layers=(True,), sliding_window=4), "1 flags for layers=2"),
+        (dict(sliding_layers=(True, False)), "need sliding_window > 0"),
+        (dict(local_rope=Rope(50.0), sliding_window=4), "local_rope needs sliding_layers"),
+        (dict(logit_softcap=-1.0), "logit_softcap=-1.0 must be >= 0"),
+    ],
+)
+def test_per_layer_options_that_contradict_are_config_errors(options, match):
+    with pytest.raises(ConfigError, match=match):
+        Config(layers=2, **options)
 
 
 def test_gemma_folders_that_would_compute_otherwise_are_refused(built, tmp_path):
