@@ -243,6 +243,27 @@ def test_kernels_refuse_what_they_do_not_implement(loaded):
         Decoder(model.params, cfg, slots=24).decode(PROMPTS, 2)
 
 
+def test_older_gemma_config_files_read_as_transformers_reads_them():
+    """Gemma 3 files from before transformers 5 (rope_theta, rope_local_base_freq and
+    rope_scaling; a sliding_window_pattern, no layer_types) and Gemma files whose
+    hidden_act "gelu" means the tanh approximation: the Config holds what transformers'
+    own config makes of them."""
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=7,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=12)  # fmt: skip
+    old = dict(sizes, model_type="gemma3_text", rope_theta=1e5, rope_local_base_freq=100.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=16,
+               sliding_window_pattern=3, cache_implementation="hybrid")  # fmt: skip
+    want = transformers.Gemma3TextConfig(**old)
+    cfg = hub.family_config("gemma3_text", dict(old), set())
+    assert cfg.sliding_layers == tuple(k == "sliding_attention" for k in want.layer_types)
+    full, local = want.rope_parameters["full_attention"], want.rope_parameters["sliding_attention"]
+    assert (cfg.rope.kind, cfg.rope.factor, cfg.rope.theta) == ("linear", 8.0, full["rope_theta"])
+    assert (cfg.local_rope.kind, cfg.local_rope.theta) == ("default", local["rope_theta"])
+    gemma = dict(sizes, model_type="gemma", hidden_act="gelu", hidden_activation=None)
+    assert transformers.GemmaConfig(**gemma).hidden_act == "gelu_pytorch_tanh"
+    assert hub.family_config("gemma", dict(gemma), set()).ffn == "gated_gelu"  # tanh
+
+
 @pytest.mark.parametrize(
     "options,match",
     [
