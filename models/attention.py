@@ -77,12 +77,15 @@ def _init(q: nm.Tensor, dims: tuple[str, ...]):
     )
 
 
-def _absorb(stats, q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, biases, scale: float):
+def _absorb(stats, q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, biases, scale: float, cap=0.0):
     """The online softmax's statistics after the keys k and values v of one block, with
-    the additive `biases` (Tensors or None) of that block."""
+    the additive `biases` (Tensors or None) of that block; logits soft-capped to
+    cap * tanh(logits / cap) before the biases when `cap` > 0."""
     m, total, acc = stats
     logit_dims = tuple(d for d in q.dims if d != "d_kv") + ("memory",)
     s = nm.einsum(q, k, out=logit_dims, preferred_element_type=np.float32) * scale
+    if cap:
+        s = softcap(s, cap)
     for b in biases:
         s = s if b is None else s + b
     m_new = nm.maximum(m, nm.stop_gradient(nm.max(s, "memory")))
@@ -90,6 +93,11 @@ def _absorb(stats, q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, biases, scale: floa
     fade = nm.exp(m - m_new)
     pv = nm.einsum(nm.astype(p, v.dtype), v, out=q.dims, preferred_element_type=np.float32)
     return m_new, total * fade + p.sum("memory"), acc * fade + pv
+
+
+def softcap(logits: nm.Tensor, cap: float) -> nm.Tensor:
+    """cap * tanh(logits / cap): logits squashed into (-cap, cap) (Gemma 2)."""
+    return nm.tanh(logits * np.float32(1 / cap)) * np.float32(cap)
 
 
 def _result(stats, dtype) -> nm.Tensor:
@@ -109,12 +117,14 @@ def blockwise_attend(
     scale: float = 1.0,
     block: int = 128,
     bias_fn: BiasFn | None = None,
+    cap: float = 0.0,
 ) -> nm.Tensor:
-    """softmax over memory of scale * q.k + bias, times v, a block of `block` keys at a
-    time (a memory that `block` does not divide is padded with masked slots): q (...,
-    length, d_kv), k and v (..., memory, d_kv), other dims matched by name; `bias` has
-    any of the logits' dims (q's other dims, length, memory). Equal to full attention
-    (models.layers.attend); the result has q's dims and v's dtype.
+    """softmax over memory of scale * q.k (soft-capped: `cap` > 0) + bias, times v, a
+    block of `block` keys at a time (a memory that `block` does not divide is padded
+    with masked slots): q (..., length, d_kv), k and v (..., memory, d_kv), other dims
+    matched by name; `bias` has any of the logits' dims (q's other dims, length,
+    memory). Equal to full attention (models.layers.attend); the result has q's dims
+    and v's dtype.
 
     `bias_fn(queries, slots)`, given the query positions (an int Tensor over length) and
     the memory positions of one block (over memory), returns more bias for that block
@@ -135,7 +145,7 @@ def blockwise_attend(
     def step(stats, x):
         more = None if bias_fn is None else bias_fn(queries, x["slots"])
         biases = (x.get("bias"), fixed, more, x.get("hide"))
-        return _absorb(stats, q, x["k"], x["v"], biases, scale), None
+        return _absorb(stats, q, x["k"], x["v"], biases, scale, cap), None
 
     # each block's logits are recomputed in the backward pass, not kept: else the
     # backward pass would hold all of them, the (length, memory) matrix again
@@ -152,6 +162,7 @@ def ring_attend(
     scale: float = 1.0,
     ring: int = 2,
     bias_fn: BiasFn | None = None,
+    cap: float = 0.0,
 ) -> nm.Tensor:
     """Blockwise attention whose key/value blocks travel: q's length and k's and v's
     memory are cut into `ring` blocks along a new dim `ring`; at each of `ring` steps
@@ -187,7 +198,8 @@ def ring_attend(
 
     def absorb(stats, kv):
         more = None if bias_fn is None else bias_fn(queries, kv["slots"])
-        return _absorb(stats, qr, kv["k"], kv["v"], (kv.get("bias"), fixed, more), scale)
+        biases = (kv.get("bias"), fixed, more)
+        return _absorb(stats, qr, kv["k"], kv["v"], biases, scale, cap)
 
     def step(carry, _):
         stats, kv = carry

@@ -9,11 +9,15 @@ layout; and the shapes of the checkpoints people bring (`gpt2`, `gpt2-medium`,
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 from models.kernels import KERNELS
 from models.rope import Rope, rotary_dims
 from namedmesh.errors import ParameterError
+
+# layer: LayerNorm; rms: RMSNorm; rms_offset: RMSNorm scaled by 1 + its weight (Gemma)
+NORMS = ("layer", "rms", "rms_offset")
 
 
 class ConfigError(ParameterError):
@@ -37,7 +41,7 @@ class Config:
     length: int = 64  # training sequence length (and the largest position)
     batch: int = 16
     ffn: str = "gelu"  # relu | gelu (tanh) | gelu_exact | silu, or gated_<one> (swiglu, geglu)
-    norm: str = "layer"  # layer | rms
+    norm: str = "layer"  # layer | rms | rms_offset (RMSNorm x (1 + weight): Gemma)
     shared_embedding: bool = True  # the softmax reuses the input embedding
     relative_bias: int = 0  # > 0: a learned bias per head for relative distances up to it
     # --- options of the architectures people bring (models/hub.py); defaults keep the zoo's
@@ -79,10 +83,17 @@ class Config:
     # > 0: token embeddings of this width (dim d_embed), projected in to d_model before the
     # stack and out of it after (OPT's word_embed_proj_dim: project_in, project_out)
     embed_dim: int = 0
+    # --- Gemma 1-3's options (models/families/gemma*.py); defaults keep the zoo's
+    embed_scale: bool = False  # token embeddings x sqrt(d_model), rounded to the compute dtype
+    post_norms: bool = False  # a norm on attention's and the FFN's outputs too (Gemma 2, 3)
+    attention_scale_dim: float = 0.0  # > 0: logits q.k * attention_scale_dim**-0.5, not d_kv's
+    logit_softcap: float = 0.0  # > 0: final logits -> cap * tanh(logits / cap)
+    sliding_layers: tuple[bool, ...] = ()  # the layers sliding_window applies to (): all
+    local_rope: Rope | None = None  # rotary positions of the sliding layers (None: rope)
 
     def __post_init__(self):
         choices = {
-            "norm": ("layer", "rms"),
+            "norm": NORMS,
             "norm_position": ("pre", "post"),
             "positions": ("learned", "rotary", "none"),
             "attention": tuple(KERNELS),
@@ -117,6 +128,7 @@ class Config:
                 f"Config.sliding_window={self.sliding_window} and attention_softcap="
                 f"{self.attention_softcap} must be >= 0 (0: none)"
             )
+        self._check_layer_kinds()
         if self.positions == "rotary" and rotary_dims(self.rope, self.d_kv) % 2:
             raise ConfigError(
                 f"rotary positions rotate pairs: the {rotary_dims(self.rope, self.d_kv)} rotated "
@@ -126,6 +138,32 @@ class Config:
             self.rope.check(rotary_dims(self.rope, self.d_kv))
         if self.parallel_residual and self.norm_position != "pre":
             raise ConfigError("Config.parallel_residual needs norm_position='pre' (GPT-NeoX's)")
+
+    def _check_layer_kinds(self):
+        """sliding_layers (one flag per layer) and local_rope need a window to mean
+        something; the scales and caps must not be negative."""
+        if self.sliding_layers and len(self.sliding_layers) != self.layers:
+            raise ConfigError(
+                f"Config.sliding_layers has {len(self.sliding_layers)} flags for "
+                f"layers={self.layers}: one per layer"
+            )
+        if (self.sliding_layers or self.local_rope) and not self.sliding_window:
+            raise ConfigError(
+                "Config.sliding_layers and local_rope say which layers slide: they need "
+                "sliding_window > 0"
+            )
+        if self.sliding_layers and self.encoder_layers:
+            raise ConfigError(
+                f"Config.sliding_layers with encoder_layers={self.encoder_layers}: per-layer "
+                "windows are implemented for one stack of `layers` (decoder-only models)"
+            )
+        if self.local_rope is not None and not self.sliding_layers:
+            raise ConfigError("Config.local_rope needs sliding_layers (which layers are local)")
+        if self.attention_scale_dim < 0 or self.logit_softcap < 0:
+            raise ConfigError(
+                f"Config.attention_scale_dim={self.attention_scale_dim} and logit_softcap="
+                f"{self.logit_softcap} must be >= 0 (0: none)"
+            )
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -284,6 +322,12 @@ def get(name: str, **changes) -> Config:
     return CONFIGS[name].replace(**changes)
 
 
+def _record_of(hint):
+    """A field's type, or the record of an optional record (`Rope | None`: Rope)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else hint
+
+
 def parse_overrides(items: list[str]) -> dict:
     """`["d_model=128", "ffn=relu"]` -> `{"d_model": 128, "ffn": "relu"}`, each value
     converted to its Config field's type (bool: true/false; tuples: Python literals).
@@ -291,7 +335,6 @@ def parse_overrides(items: list[str]) -> dict:
     value that does not convert."""
     import ast
     import difflib
-    import typing
 
     hints = typing.get_type_hints(Config)
     out = {}
@@ -304,7 +347,7 @@ def parse_overrides(items: list[str]) -> dict:
             near = difflib.get_close_matches(name, list(hints), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ConfigError(f"--set {item!r}: Config has no field {name!r}{hint}")
-        kind = hints[name]
+        kind = _record_of(hints[name])
         try:
             if kind is bool:
                 if text.lower() not in ("true", "false", "1", "0", "yes", "no"):

@@ -15,7 +15,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from models import transformer
 from models.config import Config
-from models.layers import compute_dtype, head_sizes, project_kv
+from models.layers import compute_dtype, head_sizes, layer_constants, project_kv
 from models.sampling import Sampling, choose
 from namedmesh.errors import ParameterError
 
@@ -62,6 +62,8 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
     if cross is not None:
         xs["cross"] = cross
     n = x.size_of("length")
+    if (consts := layer_constants(cfg, slots)) is not None:
+        xs["layer"] = consts  # each layer's window and rotary frequencies
 
     def body(h, x):
         h, _, new = transformer.block(
@@ -75,6 +77,7 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
             memory_kv=x.get("cross"),
             cache=x["cache"],
             position=position,
+            layer=x.get("layer"),
         )
         return h, {name: _written(t, position, n) for name, t in new.items()}
 
@@ -139,7 +142,7 @@ def decode_step(
     An encoder-decoder's decoder takes `encoded`, the (cross keys and values, padding
     bias) of `encode_memory`, and attends to them in every layer."""
     params = transformer.compute_params(params, cfg)
-    x = transformer.token_embeddings(params, tokens)
+    x = transformer.embed_tokens(params, tokens, cfg)
     if "pos" in params:
         at = position + cfg.position_offset if cfg.position_offset else position
         x = x + nm.gather(params["pos"].rename(length="memory"), "memory", at)

@@ -5,9 +5,10 @@ function `kernel(q, k, v, opts) -> out` with one signature, and the options of
 
 What every kernel honours through `opts`: an additive `bias` (padding masks, T5's
 relative bias), `bias_fn(queries, slots)` (causal masks, sliding windows and learned
-relative biases, built from positions block by block), the query `scale`, and grouped
-query heads (kv_heads, q_per_kv are matched by name). `softcap` (logits ->
-cap * tanh(logits / cap)) and running over a KV cache are declared per kernel.
+relative biases, built from positions block by block), the query `scale`, `softcap`
+(logits -> cap * tanh(logits / cap), before the bias), and grouped query heads
+(kv_heads, q_per_kv are matched by name). Running over a KV cache is declared per
+kernel.
 A fused kernel (jax.nn.dot_product_attention where the dims are local) is one more row.
 """
 
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
-from models.attention import blockwise_attend, ring_attend
+from models.attention import blockwise_attend, ring_attend, softcap
 
 
 class Options(NamedTuple):
@@ -49,7 +50,7 @@ def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
     if opts.scale != 1.0:
         logits = logits * opts.scale
     if opts.softcap:
-        logits = nm.tanh(logits * np.float32(1 / opts.softcap)) * np.float32(opts.softcap)
+        logits = softcap(logits, opts.softcap)
     if bias is not None:
         logits = logits + bias
     weights = nm.astype(nm.softmax(logits, "memory"), v.dtype)
@@ -58,14 +59,14 @@ def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
 
 def blockwise(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
     """models.attention.blockwise_attend: keys in blocks of `opts.block`, online softmax."""
-    return blockwise_attend(q, k, v, opts.bias, opts.scale, opts.block, opts.bias_fn)
+    return blockwise_attend(q, k, v, opts.bias, opts.scale, opts.block, opts.bias_fn, opts.softcap)
 
 
 def ring(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
     """models.attention.ring_attend over memory // block ring steps."""
     n = k.size_of("memory")
     steps = n // min(opts.block, n)
-    return ring_attend(q, k, v, opts.bias, opts.scale, steps, opts.bias_fn)
+    return ring_attend(q, k, v, opts.bias, opts.scale, steps, opts.bias_fn, opts.softcap)
 
 
 class Kernel(NamedTuple):
@@ -75,14 +76,12 @@ class Kernel(NamedTuple):
     refuses: dict
 
 
-_NO_SOFTCAP = "logit soft-capping (Config.attention_softcap) is not in its online softmax"
 KERNELS: dict[str, Kernel] = {
     "full": Kernel(full, {}),
-    "blockwise": Kernel(blockwise, {"softcap": _NO_SOFTCAP}),
+    "blockwise": Kernel(blockwise, {}),
     "ring": Kernel(
         ring,
         {
-            "softcap": _NO_SOFTCAP,
             "cached": "a KV cache (decoding) has no sequence of keys to pass around the ring; "
             "decode with attention='full' or 'blockwise'",
         },

@@ -49,24 +49,40 @@ class Param(NamedTuple):
 
 # --- norms -------------------------------------------------------------------------
 def norm_params(cfg: Config) -> dict:
-    p = {"scale": Param({"d_model": cfg.d_model}, "ones")}
+    p = {"scale": Param({"d_model": cfg.d_model}, norm_init(cfg))}
     if cfg.norm == "layer":
         p["bias"] = Param({"d_model": cfg.d_model}, "zeros")
     return p
 
 
+def norm_init(cfg: Config) -> str:
+    """A norm scale's initial value: ones, or zeros where the norm adds 1 (rms_offset)."""
+    return "zeros" if cfg.norm == "rms_offset" else "ones"
+
+
 def norm(x: nm.Tensor, p: dict, kind: str, eps: float = 1e-6, dim: str = "d_model"):
-    """LayerNorm (mean and variance over `dim`, then scale and bias) or RMSNorm. The
-    statistics are float32 whatever x's dtype; the result has x's dtype."""
+    """LayerNorm (mean and variance over `dim`, then scale and bias), RMSNorm, or
+    RMSNorm scaled by 1 + scale (rms_offset, Gemma's: the product taken in float32 as
+    transformers does). The statistics are float32 whatever x's dtype; the result has
+    x's dtype."""
     dtype = x.dtype
     x = nm.astype(x, np.float32) if dtype != np.float32 else x
-    if kind == "rms":
-        y = x * nm.rsqrt(nm.mean(x * x, dim) + eps)
-    else:
+    if kind == "layer":
         centered = x - nm.mean(x, dim)
         y = centered * nm.rsqrt(nm.mean(centered * centered, dim) + eps)
+    else:
+        y = x * nm.rsqrt(nm.mean(x * x, dim) + eps)
+    if kind == "rms_offset":  # x * (1 + w) in float32, then x's dtype
+        scale = p["scale"] if p["scale"].dtype == np.float32 else nm.astype(p["scale"], np.float32)
+        y = y * (scale + 1.0)
+        return nm.astype(y, dtype) if dtype != np.float32 else y
     y = nm.astype(y, dtype) if dtype != np.float32 else y
-    return y * p["scale"] if kind == "rms" else y * p["scale"] + p["bias"]
+    return y * p["scale"] + p["bias"] if kind == "layer" else y * p["scale"]
+
+
+def head_norm_kind(cfg: Config) -> str:
+    """The kind of the q/k norms over d_kv (qk_norm): an RMSNorm, offset as cfg's is."""
+    return "rms_offset" if cfg.norm == "rms_offset" else "rms"
 
 
 # --- attention ---------------------------------------------------------------------
@@ -97,8 +113,8 @@ def attention_params(cfg: Config) -> dict:
     if cfg.bias:
         p["o_bias"] = Param({"d_model": d}, "zeros")
     if cfg.qk_norm:
-        p["q_norm"] = {"scale": Param({"d_kv": k}, "ones")}
-        p["k_norm"] = {"scale": Param({"d_kv": k}, "ones")}
+        p["q_norm"] = {"scale": Param({"d_kv": k}, norm_init(cfg))}
+        p["k_norm"] = {"scale": Param({"d_kv": k}, norm_init(cfg))}
     if cfg.relative_bias:
         p["rel"] = Param({"heads": cfg.heads, "distance": 2 * cfg.relative_bias + 1}, "zeros")
     return p
@@ -136,13 +152,44 @@ def rotary(x: nm.Tensor, positions: nm.Tensor, rope: Rope = DEFAULT_ROPE, seq_le
 def _rotate_pairs(x: nm.Tensor, positions: nm.Tensor, rope: Rope, seq_len: int):
     """Every dim of x's d_kv rotated (the halves are the pairs), as `rotary` says."""
     inv, factor = frequencies(rope, x.size_of("d_kv"), seq_len)
-    inv = nm.tensor(np.concatenate([inv, inv]).astype(np.float32), ("d_kv",))
+    return rotate(x, positions, nm.tensor(np.concatenate([inv, inv]), ("d_kv",)), factor)
+
+
+def rotate(x: nm.Tensor, positions: nm.Tensor, inv: nm.Tensor, factor=1.0) -> nm.Tensor:
+    """`rotary` with the inverse frequency of each d_kv entry given (`inv`, float32
+    over d_kv: each pair's twice) and the factor on cos and sin (a float, or a 0-d
+    Tensor: one layer's, in a stack whose layers rotate differently)."""
     angle = nm.astype(positions, np.float32) * inv
     cos, sin = nm.cos(angle), nm.sin(angle)
-    if factor != 1.0:
-        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    if isinstance(factor, nm.Tensor) or factor != 1.0:
+        f = factor if isinstance(factor, nm.Tensor) else np.float32(factor)
+        cos, sin = cos * f, sin * f
     a, b = nm.split(x, "d_kv", 2)
     return x * cos + nm.concat([-b, a], "d_kv") * sin
+
+
+GLOBAL_WINDOW = 2**30  # a global layer's window among sliding ones: past every position
+
+
+def layer_constants(cfg: Config, seq_len: int) -> dict | None:
+    """What differs between the layers of a stack besides their parameters, as Tensors
+    over `layers` that the layer scan carries beside them (one traced block for every
+    layer, not one per kind of layer): with cfg.sliding_layers, each layer's `window`
+    (GLOBAL_WINDOW on the global ones); with cfg.local_rope too, each layer's rotary
+    `inv_freq` (layers, d_kv) and `rope_factor` for positions below `seq_len`. None
+    when the layers are alike."""
+    if not cfg.sliding_layers:
+        return None
+    sliding = np.asarray(cfg.sliding_layers, bool)
+    windows = np.where(sliding, cfg.sliding_window, GLOBAL_WINDOW).astype(np.int32)
+    out = {"window": nm.tensor(windows, ("layers",))}
+    if cfg.local_rope is not None:
+        tables = [frequencies(r, cfg.d_kv, seq_len) for r in (cfg.rope, cfg.local_rope)]
+        inv = np.stack([tables[int(s)][0] for s in sliding])
+        out["inv_freq"] = nm.tensor(np.concatenate([inv, inv], -1), ("layers", "d_kv"))
+        factors = np.asarray([tables[int(s)][1] for s in sliding], np.float32)
+        out["rope_factor"] = nm.tensor(factors, ("layers",))
+    return out
 
 
 def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1.0):
@@ -191,19 +238,24 @@ def write_slots(cache: nm.Tensor, new: nm.Tensor, position: nm.Tensor) -> nm.Ten
     return (cache * (1.0 - at) + at * new.sum("memory")).transpose(*cache.dims)
 
 
-def _rotate(q: nm.Tensor, k: nm.Tensor, cfg: Config, cache, position):
-    """q and k rotated at their positions: 0..n-1 of a pass, or the cache's `position`."""
+def _rotate(q: nm.Tensor, k: nm.Tensor, cfg: Config, cache, position, layer=None):
+    """q and k rotated at their positions: 0..n-1 of a pass, or the cache's `position`;
+    by this layer's frequencies where `layer` (of `layer_constants`) has them."""
     n = x_len = q.size_of("length")
     if cache is not None:
         n = cache["k"].size_of("memory")
-        if depends_on_length(cfg.rope) and n > cfg.rope.original_positions:
-            raise ConfigError(
-                f"rope kind {cfg.rope.kind!r} with a KV cache of {n} slots "
-                f"past original_positions={cfg.rope.original_positions}: its "
-                "frequencies change with the sequence, so cached keys would be stale"
-            )
+        for rope in (cfg.rope, cfg.local_rope or cfg.rope):
+            if depends_on_length(rope) and n > rope.original_positions:
+                raise ConfigError(
+                    f"rope kind {rope.kind!r} with a KV cache of {n} slots "
+                    f"past original_positions={rope.original_positions}: its "
+                    "frequencies change with the sequence, so cached keys would be stale"
+                )
     q_at = nm.arange("length", x_len) if cache is None else position
     k_at = nm.arange("memory", x_len) if cache is None else _as_memory(position)
+    if layer is not None and "inv_freq" in layer:
+        inv, factor = layer["inv_freq"], layer["rope_factor"]
+        return rotate(q, q_at, inv, factor), rotate(k, k_at, inv, factor)
     return rotary(q, q_at, cfg.rope, n), rotary(k, k_at, cfg.rope, n)
 
 
@@ -231,6 +283,7 @@ def attention(
     position=None,
     bias_fn=None,
     memory_kv: dict | None = None,
+    layer: dict | None = None,
 ):
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
     d_model; x itself when None), or over `memory_kv`, memory's keys and values already
@@ -243,7 +296,8 @@ def attention(
     row at `position` (an int Tensor, 0-d or over batch), or, when `position` is over
     `length` (0..n-1: a one-pass prefill of an empty cache), the first n positions: their
     keys and values are written into the cache there, attention runs over the whole
-    cache, and `(out, new_cache)` is returned."""
+    cache, and `(out, new_cache)` is returned. `layer`: this layer's constants in a stack
+    whose layers differ (`layer_constants`: its rotary frequencies)."""
     qh = tuple(head_sizes(cfg))
     q = _project(x, p, "q", ("batch", "length", *qh, "d_kv"))
     src = x.rename(length="memory") if memory is None else memory
@@ -251,14 +305,14 @@ def attention(
     k, v = kv["k"], kv["v"]
     cross = memory is not None or memory_kv is not None
     if "q_norm" in p:  # Qwen3: each head's queries and keys normed over d_kv, before rotary
-        q = norm(q, p["q_norm"], "rms", cfg.norm_eps, "d_kv")
-        k = norm(k, p["k_norm"], "rms", cfg.norm_eps, "d_kv")
+        q = norm(q, p["q_norm"], head_norm_kind(cfg), cfg.norm_eps, "d_kv")
+        k = norm(k, p["k_norm"], head_norm_kind(cfg), cfg.norm_eps, "d_kv")
     if cfg.positions == "rotary" and not cross:
-        q, k = _rotate(q, k, cfg, cache, position)
+        q, k = _rotate(q, k, cfg, cache, position, layer)
     if cache is not None:
         k, v = write_cache(cache, k, v, position)
         cache = {"k": k, "v": v}
-    scale = cfg.d_kv**-0.5 if cfg.attention_scale else 1.0
+    scale = (cfg.attention_scale_dim or cfg.d_kv) ** -0.5 if cfg.attention_scale else 1.0
     cached = cache is not None
     opts = Options(bias, bias_fn, scale, cfg.attention_softcap, cfg.attention_block, cached)
     o = kernel_for(cfg, opts)(q, k, v, opts)

@@ -29,6 +29,7 @@ from models.layers import (
     embed,
     ffn,
     ffn_params,
+    layer_constants,
     norm,
     norm_params,
     padding_bias,
@@ -54,6 +55,9 @@ def layer_shapes(cfg: Config, cross: bool = False) -> dict:
         shapes["cross"] = attention_params(cfg.replace(relative_bias=0))
     shapes["ffn_norm"] = norm_params(cfg)
     shapes["ffn"] = moe_params(cfg) if cfg.experts else ffn_params(cfg)
+    if cfg.post_norms:
+        shapes["attn_post_norm"] = norm_params(cfg)
+        shapes["ffn_post_norm"] = norm_params(cfg)
     return shapes
 
 
@@ -163,15 +167,19 @@ def layer_keys(key, n: int):
     return nm.stack([nm.random.fold_in(key, i) for i in range(n)], "layers")
 
 
-def self_attention_bias(p: dict, cfg: Config, queries, memory, causal: bool, extra=None):
+def self_attention_bias(
+    p: dict, cfg: Config, queries, memory, causal: bool, extra=None, window=None
+):
     """The additive self-attention bias of one layer for query and memory positions (int
     Tensors over length and memory): causal mask, sliding window (a query sees the
-    last cfg.sliding_window positions), relative positions, and `extra` (a padding
+    last `window` positions: cfg.sliding_window, or this layer's of
+    `layers.layer_constants`, a 0-d Tensor), relative positions, and `extra` (a padding
     bias). A function of positions, so every attention kernel and the KV cache apply it
     block by block alike."""
     bias = nm.where(memory <= queries, 0.0, NEG) if causal else None
     if cfg.sliding_window:
-        window = nm.where(memory > queries - cfg.sliding_window, 0.0, NEG)
+        size = cfg.sliding_window if window is None else window
+        window = nm.where(memory > queries - size, 0.0, NEG)
         bias = window if bias is None else bias + window
     if cfg.relative_bias:
         rel = relative_bias(p["rel"], queries, memory, cfg.relative_bias)
@@ -231,6 +239,7 @@ def block(
     position=None,
     memory_kv=None,
     stats: bool = False,
+    layer=None,
 ):
     """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
     (batch, memory, d_model) when given (or over `memory_kv`, its keys and values
@@ -242,20 +251,27 @@ def block(
     With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv; and "route", the experts
     each position chose, under capacity routing), h holds the new position `position`
     (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
-    (`position` over length), and (h, aux, new_cache) is returned."""
+    (`position` over length), and (h, aux, new_cache) is returned. `layer` holds this
+    layer's constants where the layers differ (`layers.layer_constants`: its window and
+    rotary frequencies); with cfg.post_norms, attention's and the FFN's outputs are
+    normed before they are added (Gemma 2's sandwich)."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
     pre, block_input = cfg.norm_position == "pre", h
     x = norm(h, p["attn_norm"], cfg.norm, cfg.norm_eps) if pre else h
+    window = None if layer is None else layer["window"]
     if cache is None:
         # a function of the positions: blockwise attention builds it block by block
-        bias_fn = lambda queries, slots: self_attention_bias(p["attn"], cfg, queries, slots, causal)
-        x = attention(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn)
+        bias_fn = lambda queries, slots: self_attention_bias(
+            p["attn"], cfg, queries, slots, causal, window=window
+        )
+        x = attention(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer)
     else:
         slots = nm.arange("memory", cache["k"].size_of("memory"))
-        bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias)
+        bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias, window)
         kv = {"k": cache["k"], "v": cache["v"]}
-        x, kv = attention(x, p["attn"], cfg, bias=bias, cache=kv, position=position)
+        x, kv = attention(x, p["attn"], cfg, bias=bias, cache=kv, position=position, layer=layer)
         cache = {**cache, **kv}
+    x = post_norm(x, p, "attn_post_norm", cfg)
     h = residual(h, dropout(x, cfg.dropout, keys[0]), p["attn_norm"], cfg)
     if memory is not None or memory_kv is not None:
         x = norm(h, p["cross_norm"], cfg.norm, cfg.norm_eps) if pre else h
@@ -270,8 +286,14 @@ def block(
     else:  # capacity routing's decoding: queue behind the cached positions' choices
         x, aux, chosen = moe(x, p["ffn"], cfg, queued(cache["route"], position))
         cache = {**cache, "route": write_slots(cache["route"], chosen, position)}
+    x = post_norm(x, p, "ffn_post_norm", cfg)
     h = residual(h, dropout(x, cfg.dropout, keys[2]), p["ffn_norm"], cfg)
     return (h, aux) if cache is None else (h, aux, cache)
+
+
+def post_norm(x, p: dict, name: str, cfg: Config):
+    """A sublayer's output normed by the block's norm `name` (cfg.post_norms), else x."""
+    return norm(x, p[name], cfg.norm, cfg.norm_eps) if cfg.post_norms else x
 
 
 def residual(h, x, norm_p: dict, cfg: Config):
@@ -284,12 +306,14 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
     router's statistics over the layers (moe.over_layers; None without experts)."""
     is_tensor = lambda t: isinstance(t, nm.Tensor)
     n = jax.tree_util.tree_leaves(layers, is_leaf=is_tensor)[0].size_of("layers")
+    consts = layer_constants(cfg, x.size_of("length"))
 
     def body(h, xs):
-        p, k = xs
-        return block(h, p, cfg, k, **block_args)
+        p, k, c = xs
+        return block(h, p, cfg, k, layer=c, **block_args)
 
-    x, aux = nm.scan(body, x, (layers, layer_keys(key, n)), "layers", remat=cfg.remat)
+    xs = (layers, layer_keys(key, n), consts)
+    x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat)
     return x, None if aux is None else over_layers(aux)
 
 
@@ -297,7 +321,7 @@ def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None)
     """Token embeddings (batch, length, d_model), plus the learned positions 0..length-1
     and the token types' embeddings (int Tensor like tokens; 0 when None) where the
     model has them, then the embedding norm (BERT)."""
-    x = token_embeddings(params, tokens)
+    x = embed_tokens(params, tokens, cfg)
     if "pos" in params:
         n, at = tokens.size_of("length"), cfg.position_offset
         table = params["pos"]
@@ -306,10 +330,14 @@ def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None)
     return embed_extras(params, x, cfg, token_types)
 
 
-def token_embeddings(params: dict, tokens: nm.Tensor) -> nm.Tensor:
-    """The embedding rows of int `tokens` (batch, length, d_model), projected in from
-    d_embed where the model's embeddings are narrower (project_in)."""
+def embed_tokens(params: dict, tokens: nm.Tensor, cfg: Config) -> nm.Tensor:
+    """The rows of the embedding at `tokens` (batch, length, d_model): times sqrt(d_model)
+    where cfg.embed_scale (Gemma), the factor rounded to the compute dtype first as
+    transformers rounds it; projected in from d_embed where the model's embeddings are
+    narrower (OPT-350m's project_in)."""
     x = embed(tokens, params["embed"])
+    if cfg.embed_scale:
+        x = x * nm.astype(nm.tensor(np.float32(cfg.d_model**0.5), ()), x.dtype)
     if "project_in" in params:
         x = nm.einsum(x, params["project_in"], out=(*x.dims[:-1], "d_model"))
     return x
@@ -352,6 +380,8 @@ def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
         logits = nm.einsum(x, params["embed"], out=out, preferred_element_type=f32)
         if cfg.scale_tied_logits:
             logits = logits * cfg.d_model**-0.5
+    if cfg.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
+        logits = nm.tanh(logits / np.float32(cfg.logit_softcap)) * np.float32(cfg.logit_softcap)
     return logits + params["mlm"]["vocab_bias"] if "mlm" in params else logits
 
 

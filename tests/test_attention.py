@@ -234,9 +234,11 @@ def test_model_options_checked_when_shaped_are_parameter_errors_too():
         transformer.lm_shapes(Config(ffn="gelu2"))
 
 
-def test_full_kernel_soft_caps_and_windows_as_numpy():
-    """kernels.full with softcap 2 and a sliding window of 3 built from positions (as
-    transformer.self_attention_bias makes it), against NumPy."""
+@pytest.mark.parametrize("kernel,block", [("full", 8), ("blockwise", 3), ("ring", 4)])
+def test_kernels_soft_cap_and_window_as_numpy(kernel, block):
+    """Each kernel with softcap 2 and a sliding window of 3 built from positions (as
+    transformer.self_attention_bias makes it), against NumPy: the whole logits, keys in
+    blocks of 3 (the cap inside the online softmax), a ring of 2."""
     from models.kernels import KERNELS, Options
 
     q, k, v = (arr(("heads", n, "d_kv")) for n in ("length", "memory", "memory"))
@@ -252,8 +254,8 @@ def test_full_kernel_soft_caps_and_windows_as_numpy():
         return nm.where(ok, 0.0, -1e9)
 
     t = lambda x, dims: nm.tensor(x, dims)
-    opts = Options(bias_fn=window, scale=0.5, softcap=2.0)
-    got = KERNELS["full"].fn(
+    opts = Options(bias_fn=window, scale=0.5, softcap=2.0, block=block)
+    got = KERNELS[kernel].fn(
         t(q, ("heads", "length", "d_kv")), t(k, ("heads", "memory", "d_kv")),
         t(v, ("heads", "memory", "d_kv")), opts,
     )  # fmt: skip

@@ -18,8 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from lowering import Layout, Mesh  # noqa: E402
 from models import hub  # noqa: E402
-from models.config import ConfigError  # noqa: E402
+from models.config import Config, ConfigError  # noqa: E402
 from models.generate import Decoder  # noqa: E402
+from models.rope import Rope  # noqa: E402
 
 VOCAB, BATCH, LENGTH, NEW = 64, 4, 12, 12
 R = np.random.default_rng(1)
@@ -74,6 +75,20 @@ def cases():
         "opt": (T.OPTForCausalLM, T.OPTConfig(**opt)),
         "opt_350m": (T.OPTForCausalLM, T.OPTConfig(
             **opt, do_layer_norm_before=False, word_embed_proj_dim=16, tie_word_embeddings=False)),
+        "gemma": (T.GemmaForCausalLM, T.GemmaConfig(**llama, head_dim=12)),
+        # caps that bite (logits reach ~2), a sliding layer then a global one; untied,
+        # because a tiny tied Gemma (embeddings x sqrt(d_model)) repeats its last token
+        "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config(
+            **llama, head_dim=12, sliding_window=4, tie_word_embeddings=False,
+            attn_logit_softcapping=1.0, final_logit_softcapping=2.0, query_pre_attn_scalar=10)),
+        # sliding, global, sliding; linear scaling on the global layer, another local base
+        "gemma3": (T.Gemma3ForCausalLM, T.Gemma3TextConfig(
+            **{**llama, "num_hidden_layers": 3}, head_dim=12, sliding_window=4,
+            tie_word_embeddings=False,
+            sliding_window_pattern=2, query_pre_attn_scalar=10, final_logit_softcapping=2.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 500.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
     }
 # fmt: on
 
@@ -81,11 +96,12 @@ def cases():
 # decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
 # Mistral's window past its size, Qwen3's q/k norms and head_dim, Phi-3's longrope and
 # partial rotary (GPT-NeoX's too) in the cache, OPT's offset positions, post-norm and
-# projected embeddings in a decoding step;
+# projected embeddings in a decoding step, Gemma 2's caps and per-layer windows, Gemma 3's
+# per-layer rotary bases;
 # layouts where the weights' reading differs: Phi-3's unequal q/k/v parts over kv_heads,
-# GPT-NeoX's per-head q/k/v over heads. Within the budget.
-GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "opt_350m"]
-LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox"]
+# GPT-NeoX's per-head q/k/v over heads, Gemma 3's per-layer constants. Within the budget.
+GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "opt_350m", "gemma2", "gemma3"]
+LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox", "gemma3"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
@@ -148,6 +164,15 @@ def test_configs_hold_the_families_options(loaded):
     opt, opt_350m = c["opt"], c["opt_350m"]
     assert (opt.norm_position, opt_350m.norm_position) == ("pre", "post")
     assert (opt.embed_dim, opt_350m.embed_dim, opt_350m.shared_embedding) == (0, 16, False)
+    assert c["gemma"].norm == "rms_offset" and c["gemma"].embed_scale
+    assert c["gemma"].shared_embedding and not c["gemma2"].shared_embedding
+    assert c["gemma"].ffn == "gated_gelu" and not c["gemma"].post_norms
+    g2, g3 = c["gemma2"], c["gemma3"]
+    assert (g2.attention_softcap, g2.logit_softcap, g2.attention_scale_dim) == (1.0, 2.0, 10.0)
+    assert g2.post_norms and (g2.sliding_window, g2.sliding_layers) == (4, (True, False))
+    assert g3.qk_norm and g3.sliding_layers == (True, False, True)
+    ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
+    assert ropes == ("linear", 4.0, 500.0, 50.0)
 
 
 @pytest.mark.parametrize("name", LAYOUT)
@@ -203,15 +228,21 @@ def test_bfloat16_folder_loads_and_save_round_trips(built, loaded, tmp_path, nam
     assert_close(as_array(hub.load(tmp_path / "bf16").logits(IDS, attention_mask=MASK)), want16)
 
 
-@pytest.mark.parametrize("attention,block", [("blockwise", 5), ("ring", 4)])
-def test_sliding_window_inside_blockwise_and_ring(built, loaded, attention, block):
-    """Mistral's window of 4 over 12 positions, the keys in blocks of 5 or a ring of 3."""
-    model = loaded["mistral"]
+@pytest.mark.parametrize(
+    "name,attention,block",
+    [("mistral", "blockwise", 5), ("mistral", "ring", 4), ("gemma2", "ring", 4)]
+    + [("gemma3", "blockwise", 5)],
+)
+def test_sliding_window_inside_blockwise_and_ring(built, loaded, name, attention, block):
+    """A window of 4 over 12 positions (Mistral's on every layer, Gemma's per layer,
+    with Gemma 2's soft-capped logits and Gemma 3's per-layer rotary bases), the keys in
+    blocks of 5 or a ring of 3."""
+    model = loaded[name]
     cfg = model.config.replace(attention=attention, attention_block=block)
     logits = hub.HubModel(model.family, cfg, model.params, None, model.hf_config).logits(
         IDS, attention_mask=MASK
     )
-    assert_close(as_array(logits), built["mistral"][2])
+    assert_close(as_array(logits), built[name][2])
 
 
 # --- refusals ------------------------------------------------------------------------------
@@ -292,7 +323,55 @@ def test_older_config_spellings_read_the_same(built, loaded, tmp_path, name):
 
 
 def test_kernels_refuse_what_they_do_not_implement(loaded):
-    model = loaded["mistral"]
-    cfg = model.config.replace(attention="blockwise", attention_softcap=30.0)
-    with pytest.raises(ConfigError, match="attention='blockwise' with softcap"):
-        hub.HubModel(model.family, cfg, model.params, None, {}).logits(IDS)
+    model = loaded["gemma2"]
+    cfg = model.config.replace(attention="ring")
+    with pytest.raises(ConfigError, match="attention='ring' with cached"):
+        Decoder(model.params, cfg, slots=24).decode(PROMPTS, 2)
+
+
+def test_older_gemma_config_files_read_as_transformers_reads_them():
+    """Gemma 3 files from before transformers 5 (rope_theta, rope_local_base_freq and
+    rope_scaling; a sliding_window_pattern, no layer_types) and Gemma files whose
+    hidden_act "gelu" means the tanh approximation: the Config holds what transformers'
+    own config makes of them."""
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=7,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=12)  # fmt: skip
+    old = dict(sizes, model_type="gemma3_text", rope_theta=1e5, rope_local_base_freq=100.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=16,
+               sliding_window_pattern=3, cache_implementation="hybrid")  # fmt: skip
+    want = transformers.Gemma3TextConfig(**old)
+    cfg = hub.family_config("gemma3_text", dict(old), set())
+    assert cfg.sliding_layers == tuple(k == "sliding_attention" for k in want.layer_types)
+    full, local = want.rope_parameters["full_attention"], want.rope_parameters["sliding_attention"]
+    assert (cfg.rope.kind, cfg.rope.factor, cfg.rope.theta) == ("linear", 8.0, full["rope_theta"])
+    assert (cfg.local_rope.kind, cfg.local_rope.theta) == ("default", local["rope_theta"])
+    gemma = dict(sizes, model_type="gemma", hidden_act="gelu", hidden_activation=None)
+    assert transformers.GemmaConfig(**gemma).hidden_act == "gelu_pytorch_tanh"
+    assert hub.family_config("gemma", dict(gemma), set()).ffn == "gated_gelu"  # tanh
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(sliding_layers=(True,), sliding_window=4), "1 flags for layers=2"),
+        (dict(sliding_layers=(True, False)), "need sliding_window > 0"),
+        (dict(local_rope=Rope(50.0), sliding_window=4), "local_rope needs sliding_layers"),
+        (dict(logit_softcap=-1.0), "logit_softcap=-1.0 must be >= 0"),
+    ],
+)
+def test_per_layer_options_that_contradict_are_config_errors(options, match):
+    with pytest.raises(ConfigError, match=match):
+        Config(layers=2, **options)
+
+
+def test_gemma_folders_that_would_compute_otherwise_are_refused(built, tmp_path):
+    """Gemma 2 weights labelled Gemma (its post-norms unread), and a Gemma 3 attention
+    cap, which transformers' Gemma 3 reads but never applies."""
+    gemma2_keys = ("attn_logit_softcapping", "final_logit_softcapping", "layer_types")
+    gemma2_keys += ("query_pre_attn_scalar", "sliding_window")
+    folder = relabel(built, "gemma2", tmp_path, model_type="gemma", **dict.fromkeys(gemma2_keys))
+    with pytest.raises(hub.UnsupportedModelError, match=r"does not read: .*post_feedforward"):
+        hub.load(folder)
+    folder = relabel(built, "gemma3", tmp_path, attn_logit_softcapping=50.0)
+    with pytest.raises(hub.UnsupportedModelError, match="attn_logit_softcapping=50.0"):
+        hub.load(folder)

@@ -4,7 +4,21 @@ it needs. A new family is one module and one line here (docs/models.md says how)
 
 from __future__ import annotations
 
-from models.families import bert, gpt2, gpt_neox, llama, mistral, opt, phi3, qwen2, qwen3, t5
+from models.families import (
+    bert,
+    gemma,
+    gemma2,
+    gemma3_text,
+    gpt2,
+    gpt_neox,
+    llama,
+    mistral,
+    opt,
+    phi3,
+    qwen2,
+    qwen3,
+    t5,
+)
 from models.families.common import Family
 
 FAMILIES: dict[str, Family] = {
@@ -20,5 +34,8 @@ FAMILIES: dict[str, Family] = {
         phi3.FAMILY,
         gpt_neox.FAMILY,
         opt.FAMILY,
+        gemma.FAMILY,
+        gemma2.FAMILY,
+        gemma3_text.FAMILY,
     )
 }

@@ -67,18 +67,19 @@ def rope_of(hf: dict, partial: bool = False, defaults=None, overrides=None, alia
 
 
 def decoder_config(hf: dict, names: set[str], **options) -> Config:
-    """The Config of a Llama-shaped config.json, with a family's extra `options`."""
+    """The Config of a Llama-shaped config.json, with a family's extra `options` (which
+    may replace Llama's: a family that passes `ffn` reads its activation itself)."""
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         raise UnsupportedModelError(
             f"config.json: attention_bias={hf.get('attention_bias')} with mlp_bias="
             f"{hf.get('mlp_bias')} is not supported (both or neither)"
         )
-    if act(hf, "hidden_act") != "silu":
+    if "ffn" not in options and act(hf, "hidden_act") != "silu":
         raise UnsupportedModelError(f"config.json: hidden_act={hf['hidden_act']!r} (Llama: silu)")
     hf.get("pretraining_tp")  # transformers 5 computes without it: so does the zoo
-    rope = options.pop("rope", None) or rope_of(hf)
+    rope = rope_of(hf) if "rope" not in options else options["rope"]
     h = hf["num_attention_heads"]
-    return Config(
+    fields = dict(
         vocab=hf["vocab_size"], d_model=hf["hidden_size"], heads=h,
         kv_heads=hf.get("num_key_value_heads") or h,
         d_kv=hf.get("head_dim") or hf["hidden_size"] // h, d_ff=hf["intermediate_size"],
@@ -86,8 +87,9 @@ def decoder_config(hf: dict, names: set[str], **options) -> Config:
         ffn="gated_silu", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
         bias=hf.get("attention_bias", False), positions="rotary", rope=rope,
         shared_embedding=bool(hf.get("tie_word_embeddings", False)),
-        scale_tied_logits=False, **options,
+        scale_tied_logits=False,
     )  # fmt: skip
+    return Config(**{**fields, **options})
 
 
 def config(hf: dict, names: set[str]) -> Config:

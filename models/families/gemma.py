@@ -1,0 +1,30 @@
+"""Gemma (GemmaForCausalLM): Llama's layout and weight names with RMSNorms that scale
+by 1 + weight (the product in float32), token embeddings times sqrt(d_model) rounded
+to the compute dtype, a gated tanh-GELU FFN, head_dim apart from hidden_size / heads,
+tied embeddings by default. Gemma 2 and Gemma 3 build on it."""
+
+from __future__ import annotations
+
+from models.config import Config
+from models.families import llama
+from models.families.common import act, require
+
+
+def options(hf: dict, activation: str) -> dict:
+    """The Config options every Gemma has, its FFN gated by the zoo's `activation`."""
+    require(hf, "use_bidirectional_attention", (None, False), None)  # EmbeddingGemma's
+    return dict(
+        ffn=f"gated_{activation}", norm="rms_offset", embed_scale=True,
+        shared_embedding=bool(hf.get("tie_word_embeddings", True)),
+    )  # fmt: skip
+
+
+def config(hf: dict, names: set[str]) -> Config:
+    # transformers reads Gemma's legacy hidden_act "gelu" as the tanh approximation, and
+    # hidden_activation (in older files) not at all
+    hf.get("hidden_activation")
+    activation = "gelu" if hf.get("hidden_act", "gelu") == "gelu" else act(hf, "hidden_act")
+    return llama.decoder_config(hf, names, **options(hf, activation))
+
+
+FAMILY = llama.FAMILY._replace(name="gemma", config=config, heads="GemmaForCausalLM")

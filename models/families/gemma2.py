@@ -1,0 +1,67 @@
+"""Gemma 2 (Gemma2ForCausalLM): Gemma plus a norm after attention and after the FFN
+(post_attention_layernorm is the post-norm, pre_feedforward_layernorm the FFN's
+input norm), attention logits scaled by query_pre_attn_scalar**-0.5 and soft-capped
+(attn_logit_softcapping), final logits soft-capped (final_logit_softcapping), and
+sliding and global layers as `layer_types` says (by default alternating, sliding
+first): the window is a per-layer array the layer scan carries (models.layers.
+layer_constants), in every attention kernel and the KV cache. Gemma 3 builds on it."""
+
+from __future__ import annotations
+
+from models.config import Config
+from models.families import gemma, llama
+from models.families.common import Entry, UnsupportedModelError, act, norm
+
+KINDS = ("sliding_attention", "full_attention")
+
+
+def sliding_flags(hf: dict, pattern: int) -> tuple[bool, ...]:
+    """Per layer, whether it is a sliding one: `layer_types`, or when absent every
+    layer but each `pattern`-th (transformers' default)."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or [KINDS[(i + 1) % pattern == 0] for i in range(n)]
+    if stray := sorted(set(kinds) - set(KINDS)):
+        raise UnsupportedModelError(f"config.json: layer_types {stray} (supported: {KINDS})")
+    return tuple(k == "sliding_attention" for k in kinds)
+
+
+def windows(hf: dict, sliding: tuple[bool, ...]) -> dict:
+    """sliding_window and sliding_layers: () when every layer is alike."""
+    size = hf.get("sliding_window")
+    if any(sliding) and not size:
+        raise UnsupportedModelError(
+            f"config.json: sliding_window={size!r} with sliding layers in layer_types"
+        )
+    if not any(sliding):
+        return {"sliding_window": 0}
+    return {"sliding_window": size, "sliding_layers": () if all(sliding) else sliding}
+
+
+def options(hf: dict) -> dict:
+    """What Gemma 2 and 3 add to Gemma's options (windows apart)."""
+    hf.get("hidden_act")  # transformers' Gemma 2 and 3 read hidden_activation only
+    hf.get("cache_implementation")  # how transformers caches sliding layers: same values
+    return dict(
+        gemma.options(hf, act(hf, "hidden_activation")), post_norms=True,
+        attention_scale_dim=float(hf.get("query_pre_attn_scalar") or 0.0),
+        attention_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+        logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+    )  # fmt: skip
+
+
+def config(hf: dict, names: set[str]) -> Config:
+    sliding = sliding_flags(hf, 2)
+    return llama.decoder_config(hf, names, **options(hf), **windows(hf, sliding))
+
+
+def table(cfg: Config, prefix: str) -> list[Entry]:
+    layer = f"{prefix}layers.{{i}}."
+    rows = [e for e in llama.table(cfg, prefix) if e.path != "layers/ffn_norm"]
+    return rows + [
+        *norm("layers/attn_post_norm", f"{layer}post_attention_layernorm", False),
+        *norm("layers/ffn_norm", f"{layer}pre_feedforward_layernorm", False),
+        *norm("layers/ffn_post_norm", f"{layer}post_feedforward_layernorm", False),
+    ]
+
+
+FAMILY = llama.FAMILY._replace(name="gemma2", config=config, table=table, heads="Gemma2ForCausalLM")

@@ -1,0 +1,58 @@
+"""Gemma 3 text (Gemma3ForCausalLM, model_type gemma3_text): Gemma 2 plus q/k norms
+(1 + weight, over head_dim) and a rotary base of its own on the sliding layers
+(rope_parameters' sliding_attention, or rope_local_base_freq in older files), while
+the global layers have rope_parameters' full_attention with its scaling; every
+`sliding_window_pattern`-th layer is global unless layer_types says otherwise. Each
+layer's window and frequencies are arrays the layer scan carries
+(models.layers.layer_constants)."""
+
+from __future__ import annotations
+
+from models.config import Config
+from models.families import gemma2, llama
+from models.families.common import UnsupportedModelError, require
+from models.rope import Rope
+
+LOCAL_THETA, GLOBAL_THETA = 10_000.0, 1_000_000.0  # transformers' defaults
+
+
+def ropes(hf: dict) -> tuple[Rope, Rope]:
+    """(global layers' Rope, sliding layers' Rope) as transformers makes them: from
+    rope_parameters per layer type, with older files' rope_scaling merged into the
+    global layers' and rope_theta / rope_local_base_freq as their default bases."""
+    given = hf.get("rope_parameters") or {}
+    if stray := sorted(set(given) - set(gemma2.KINDS)):
+        raise UnsupportedModelError(
+            f"config.json: rope_parameters keys {stray}: Gemma 3's are per layer type "
+            f"{gemma2.KINDS}"
+        )
+    params = {k: dict(given.get(k) or {"rope_type": "default"}) for k in gemma2.KINDS}
+    params["full_attention"].update(hf.get("rope_scaling") or {})
+    params["full_attention"].setdefault("rope_theta", hf.get("rope_theta") or GLOBAL_THETA)
+    local = hf.get("rope_local_base_freq") or LOCAL_THETA
+    params["sliding_attention"].setdefault("rope_theta", local)
+    max_pos = hf.get("max_position_embeddings", 131_072)
+    full, sliding = (
+        llama.rope_of({"rope_parameters": params[k], "max_position_embeddings": max_pos})
+        for k in ("full_attention", "sliding_attention")
+    )
+    return full, sliding
+
+
+def config(hf: dict, names: set[str]) -> Config:
+    # transformers' Gemma 3 reads attn_logit_softcapping but never applies it: a value
+    # would make the zoo differ from it or be dropped silently, so only null is read
+    require(hf, "attn_logit_softcapping", (None,), None)
+    # the pattern (transformers 5 writes it twice) counts only where layer_types is absent
+    pattern = hf.get("sliding_window_pattern"), hf.get("_sliding_window_pattern")
+    pattern = pattern[0] or pattern[1] or 6
+    sliding = gemma2.sliding_flags(hf, pattern)
+    full, local = ropes(hf)
+    kinds = gemma2.windows(hf, sliding)
+    rope = {"rope": full, "local_rope": local} if kinds.get("sliding_layers") else {}
+    rope = rope or {"rope": local if all(sliding) else full}
+    options = gemma2.options(hf) | kinds | rope
+    return llama.decoder_config(hf, names, qk_norm=True, **options)
+
+
+FAMILY = gemma2.FAMILY._replace(name="gemma3_text", config=config, heads="Gemma3ForCausalLM")
