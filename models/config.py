@@ -90,6 +90,14 @@ class Config:
             )
         if self.kv_heads and (self.relative_bias or self.relative_buckets):
             raise ConfigError("relative position biases are per `heads`; kv_heads must be 0")
+        if self.attention == "ring" and self.relative_buckets:
+            # T5's bias is one (heads, length, memory) table for the whole stack, which a
+            # ring cannot pass round with its key blocks (ring_attend refuses it)
+            raise ConfigError(
+                f"Config.attention='ring' (--attention ring) cannot take "
+                f"relative_buckets={self.relative_buckets} (T5's bucketed relative bias, "
+                "over both length and memory): use attention='blockwise' or 'full'"
+            )
         if self.positions == "rotary" and self.d_kv % 2:
             raise ConfigError(f"rotary positions rotate pairs: d_kv={self.d_kv} must be even")
 
