@@ -13,7 +13,7 @@ import namedmesh as nm
 from models.attention import blockwise_attend, ring_attend
 from models.layers import attend
 
-BUDGET = settings(max_examples=max(8, settings.default.max_examples // 10))  # eager: slow
+BUDGET = settings(max_examples=max(8, settings.default.max_examples // 20))  # eager: slow
 BIASES = {  # kind -> the dims of a bias tensor (None: no tensor)
     "none": None,
     "padding": ("batch", "memory"),
