@@ -36,7 +36,7 @@ OPS = {
     "local": _local,
     "astype": lambda x, dtype: x.astype(dtype),
     "axis_index": lambda axes, sizes: col.axis_index(axes, sizes),
-    "psum": col.psum,  # (bool stays bool: an OR)
+    "psum": lambda x, axes: col.psum(x, axes),  # (bool stays bool: an OR)
     "psum_scatter": lambda x, axes, dim: col.psum_scatter(x, axes, dim),
     "pmax": lambda x, axes: jax.lax.pmax(x, axes),
     "pmin": lambda x, axes: jax.lax.pmin(x, axes),
