@@ -93,8 +93,18 @@ def make_invarying(x, axes: tuple[str, ...], sizes: dict[str, int], log: Log):
         return x
     log("psum", axes, nbytes(x))
     first = axis_index(axes, sizes) == 0
-    name = axes[0] if len(axes) == 1 else axes
-    return jax.lax.psum(jax.numpy.where(first, x, jax.numpy.zeros_like(x)), name)
+    return psum(jax.numpy.where(first, x, jax.numpy.zeros_like(x)), axes)
+
+
+def psum(x, axes: tuple[str, ...]):
+    """The sum of `x` over the devices of `axes`, in `x`'s dtype: bools are ORed (their
+    sum in NumPy), where jax.lax.psum would make them int32 counts. A bool that a rule
+    psums (a gather's or slice's block, zero elsewhere; device 0's copy) must stay bool,
+    or `~x` downstream is a bitwise not of an integer."""
+    name = axes[0] if len(axes) == 1 else tuple(axes)
+    if x.dtype == jax.numpy.bool_:
+        return jax.lax.pmax(x, name)
+    return jax.lax.psum(x, name)
 
 
 def mesh_position(pos: int, axes: tuple[str, ...], sizes: dict[str, int]) -> int:
@@ -211,9 +221,15 @@ def relayout_traffic(
     return total
 
 
-def psum_scatter(x, axes: tuple[str, ...], dim: int, log: Log):
-    log("psum_scatter", axes, nbytes(x))
-    name = axes[0] if len(axes) == 1 else axes
+def psum_scatter(x, axes: tuple[str, ...], dim: int):
+    """The block along `dim` of the sum of `x` over the devices of `axes`, in `x`'s dtype:
+    bools are ORed (counted in int32, which no mesh wraps), where jax.lax.psum_scatter
+    refuses them."""
+    name = axes[0] if len(axes) == 1 else tuple(axes)
+    if x.dtype == jax.numpy.bool_:
+        counts = jax.lax.psum_scatter(x.astype(jax.numpy.int32), name, scatter_dimension=dim,
+                                      tiled=True)  # fmt: skip
+        return counts != 0
     return jax.lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
 
 

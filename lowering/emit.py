@@ -29,17 +29,15 @@ def _local(*xs, local_op, **params):
 
 def _make_invarying(x, axes, sizes):
     first = col.axis_index(axes, sizes) == 0
-    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), _name(axes))
+    return col.psum(jnp.where(first, x, jnp.zeros_like(x)), axes)
 
 
 OPS = {
     "local": _local,
     "astype": lambda x, dtype: x.astype(dtype),
     "axis_index": lambda axes, sizes: col.axis_index(axes, sizes),
-    "psum": lambda x, axes: jax.lax.psum(x, axes),
-    "psum_scatter": lambda x, axes, dim: jax.lax.psum_scatter(
-        x, _name(axes), scatter_dimension=dim, tiled=True
-    ),
+    "psum": lambda x, axes: col.psum(x, axes),  # (bool stays bool: an OR)
+    "psum_scatter": lambda x, axes, dim: col.psum_scatter(x, axes, dim),
     "pmax": lambda x, axes: jax.lax.pmax(x, axes),
     "pmin": lambda x, axes: jax.lax.pmin(x, axes),
     "gather_stacked": lambda x, axes: jax.lax.all_gather(x, _name(axes), axis=0, to="invarying"),

@@ -7,9 +7,11 @@ M microbatches (layout option `microbatches`, e.g. `"layers:stage;microbatches=8
 The pipeline runs M+S-1 ticks; at tick t stage s runs its iterations on microbatch t-s
 (stage 0 reads it from the carry, the others receive it from the stage before by
 `ppermute`), so (S-1)/(M+S-1) of the ticks are the bubble, where a stage computes on
-zeros whose result is dropped. The last stage's results are broadcast to every stage
-(a psum over the stage axes) as the scan's final carry; ys stay on the stage whose
-iterations made them, split along the scanned dim as the layout says.
+zeros (or a stale microbatch) whose result is dropped, and whose inputs' gradients are
+masked (`_bubble_masked`: a body singular at zero must not make them NaN). The last
+stage's results are broadcast to every stage (a psum over the stage axes) as the scan's
+final carry; ys stay on the stage whose iterations made them, split along the scanned dim
+as the layout says.
 
 Gradients come from jax's transposition of this program: the backward pass runs the
 ticks in reverse, each ppermute transposed to one to the stage before, and each
@@ -46,6 +48,7 @@ from lowering.cost import traffic
 from lowering.layout import Layout
 from lowering.plan import Step, nbytes
 from namedmesh.errors import PipelineError, fmt_dims
+from namedmesh.primitive import is_inexact
 
 
 @dataclass(frozen=True)
@@ -276,22 +279,54 @@ def mixing_op(body, n_carry: int, n_x: int, dim: str) -> str | None:
     """How `body` (a scan's Graph) is not per-example along `dim`, in words, or None when
     it is: every value made from a carry or captured value with `dim` keeps `dim`, none
     gets it otherwise, no op acts along it, and every output has it. Only then may
-    microbatches of the carry run through it apart."""
-    batched = {v for v in body.inputs if dim in v.dims}
+    microbatches of the carry run through it apart. (Values made from no input are loop
+    constants, which the scan's rule makes before the loop and captures:
+    scan.hoisted.)"""
     for v in body.inputs[n_carry : n_carry + n_x]:
         if dim in v.dims:
             return f"a scanned input {fmt_dims(v.dims)} has {dim!r}"
+    batched = {v for v in body.inputs if dim in v.dims}
+    why = _mixing(body, batched, dim)
+    if why:
+        return why
+    for v in body.outputs:
+        if v not in batched:
+            return f"the body returns {fmt_dims(v.dims)} without it"
+    return None
+
+
+def _mixing(body, batched: set, dim: str) -> str | None:
+    """`mixing_op`'s check of `body`'s equations, given the `batched` values (updated
+    with those they make). A loop inside (nm.scan) is checked through its body: its
+    results made from batched values must keep `dim`, the others (a ring's key
+    positions, carried beside the batch) need not have it."""
     for e in body.eqns:
         has = any(v in batched for v in e.inputs)
+        if has and e.primitive.loop and not _acts_along(e, dim):
+            inner, nc, outs = e.params["body"], e.params["n_carry"], e.outputs
+            start = {i for i, v in zip(inner.inputs, e.inputs, strict=True) if v in batched}
+            while True:  # until no carry becomes batched in an iteration that was not
+                inside = set(start)
+                why = _mixing(inner, inside, dim)
+                if why:
+                    return why
+                more = {inner.inputs[i] for i in range(nc) if inner.outputs[i] in inside}
+                if more <= start:
+                    break
+                start |= more
+            for i, (v, o) in enumerate(zip(inner.outputs, outs, strict=True)):
+                through = v in inside or (i < nc and inner.inputs[i] in inside)
+                if through and dim not in o.dims:
+                    return f"{e.primitive.name} {fmt_dims(o.dims)} acts along it"
+                if through:
+                    batched.add(o)
+            continue
         if has and (_acts_along(e, dim) or any(dim not in v.dims for v in e.outputs)):
             return f"{e.primitive.name} {fmt_dims(e.outputs[0].dims)} acts along it"
         if not has and any(dim in v.dims for v in e.outputs):
             return f"{e.primitive.name} makes {fmt_dims(e.outputs[0].dims)} from no input with it"
         if has:
             batched.update(e.outputs)
-    for v in body.outputs:
-        if v not in batched:
-            return f"the body returns {fmt_dims(v.dims)} without it"
     return None
 
 
@@ -326,6 +361,47 @@ def _file(buf, x, t, *, lag: int, lo: int, hi: int, items: int, m: int):
 
 def _ticks_range(n: int):
     return jnp.arange(n, dtype=jnp.int32)
+
+
+def _working(ctx, t, s, items: int):
+    """Whether stage s has an item (0 <= t - s < items) at tick t (a bool scalar)."""
+    return ctx.call(_has_item, t, s, items=items, shape=(), dtype=bool)
+
+
+def _has_item(t, s, *, items: int):
+    return (t - s >= 0) & (t - s < items)
+
+
+def _bubble_masked(ctx, working, x_in, layers, rest):
+    """The stage's inputs at a tick, their gradients masked where it has no item (the
+    bubble): there its input is zeros or a stale microbatch, at which a body may be
+    singular (y / |y|, log, 1/x), and the zero cotangent of its dropped result times an
+    infinite derivative is NaN in the layers' gradients. Masking each input's cotangent
+    after the body's backward pass (a select, `_gradient_where`) drops that NaN; values
+    are untouched, and on the working ticks the gradients are one device's. (A cond that
+    skipped the bubble's work would save the stage's layers once per tick for its
+    backward pass, as jax's cond keeps them as residuals.)"""
+    vma = ctx.vma(working)
+
+    def mask(x):  # (integers and bools have no gradient)
+        if not is_inexact(x.dtype):
+            return x
+        return _call(ctx, _gradient_where, ctx.varying(x, vma), working, like=x)
+
+    return ([mask(x) for x in x_in], [mask(x) for x in layers],
+            [(mask(r), lay) for r, lay in rest])  # fmt: skip
+
+
+@jax.custom_jvp
+def _gradient_where(x, keep):
+    """`x`, its tangent (so its cotangent) zeroed where the bool `keep` is False."""
+    return x
+
+
+@_gradient_where.defjvp
+def _gradient_where_jvp(primals, tangents):
+    x, keep = primals
+    return x, jnp.where(keep, tangents[0], jnp.zeros_like(tangents[0]))
 
 
 def _clipped(t, s, *, hi: int):
@@ -494,7 +570,8 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
                 for mc, i in zip(micro, inbox, strict=True)]  # fmt: skip
         r_in = [(_call(ctx, _index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
                 for r, lay, a in rest_m]  # fmt: skip
-        final, ys, y_lays[:] = run_loop(ctx, eqn, x_in, carry_lay, xs, x_lays, r_in,
+        x_in, layers, r_in = _bubble_masked(ctx, _working(ctx, t, s, m), x_in, xs, r_in)
+        final, ys, y_lays[:] = run_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
                                         plan.layers_per_stage)  # fmt: skip
         # the microbatch the last stage finishes
         filed = dict(lag=s_n - 1, lo=0, hi=m, items=m, m=m)
@@ -589,6 +666,8 @@ def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, re
         r_in = [(_call(ctx, _index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
                 for r, lay, a in rest_m]  # fmt: skip
         layers = [_call(ctx, _index_div, c, i, like=_entry(c), m=m) for c in chunks]
+        working = _working(ctx, t, s, items)
+        x_in, layers, r_in = _bubble_masked(ctx, working, x_in, layers, r_in)
         final, _, _ = run_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
                                plan.layers_per_tick)  # fmt: skip
         # the item the last stage finishes: its last round is the result, the others go

@@ -599,7 +599,9 @@ def reshape_rule(ctx, eqn, args):
     x = ctx.relayout(x, lay, src)
     out_lay = src[:i0] + ((first,) if keep_first else ((),) * (o1 > i0))
     out_lay += ((),) * (o1 - i0 - (o1 > i0)) + src[i1:]
-    shape = local_shape(out_lay, out.shape, ctx.mesh)
+    # the dims outside the run keep the shard's sizes (a pipeline's microbatch cuts one)
+    run = local_shape(out_lay[i0:o1], out.shape[i0:o1], ctx.mesh)
+    shape = (*x.shape[:i0], *run, *x.shape[i1:])
     y = ctx.local(eqn.primitive, x, shape=shape, dims=eqn.params["dims"])
     want = ctx.wanted[out]
     return [(ctx.relayout(y, out_lay, want), want)]

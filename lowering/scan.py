@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowering import pipeline
 from lowering.collectives import WiderCarry, cast_varying, missing_axes, nbytes, varying_axes
@@ -31,6 +32,7 @@ from lowering.lower import plan_layouts, run_graph
 from lowering.plan import Instr, Local, Step
 from lowering.rules import P, plan_rule, rule
 from namedmesh.control import checkpointed
+from namedmesh.trace import Eqn, Graph
 
 
 @rule(P.scan)
@@ -43,7 +45,11 @@ def scan_rule(ctx, eqn, args):
     ]
     x_args, rest = args[nc : nc + nx], args[nc + nx :]
     if pipeline.split_axes(x_args, p["x_axes"]):  # a split scanned dim: a pipeline
-        return pipeline.emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop)
+        outer = ctx.step
+        eqn, rest, made = hoisted(ctx, eqn, rest)
+        outs = pipeline.emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop)
+        outer.body[:0] = made  # (their costs; their instructions are the step's own)
+        return outs
     xs, x_lays = [], []
     for (x, lay), ax in zip(x_args, p["x_axes"], strict=True):
         xs.append(jnp.moveaxis(x, ax, 0))
@@ -121,6 +127,54 @@ def run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     return final, ys, y_lays
 
 
+def hoisted(ctx, eqn, rest):
+    """(the scan equation, its captured inputs) with the values its body makes from no
+    input made once before the loop and captured, where one has the microbatched dim (the
+    online softmax's initial statistics, `nm.full` over the carry's dims; a constant
+    tensor the body closes over). A loop
+    constant is the same at every iteration, so this changes no value; made inside the
+    body at the whole batch's size, it would not fit a microbatch, where captured it is
+    cut into microbatches as any captured input is (pipeline._cut), each taking its own
+    examples' entries. Returns the Steps that made them too; their instructions join the
+    scan's step, before the pipeline's."""
+    p = eqn.params
+    body, dim = p["body"], ctx.layout.options.get("microbatch_dim", "batch")
+    made = set(body.inputs)  # values made from an input
+    for e in body.eqns:
+        if any(v in made for v in e.inputs):
+            made.update(e.outputs)
+    free = [e for e in body.eqns if not any(v in made for v in e.inputs)]
+    used = {v for e in body.eqns if e not in free for v in e.inputs} | set(body.outputs)
+    constants = [v for v in body.consts if v in used and dim in v.dims]
+    constants += [v for e in free for v in e.outputs if v in used]
+    if not any(dim in v.dims for v in constants):
+        return eqn, rest, []
+    plan_layouts(ctx, body)
+    outer, made = ctx.step, []
+    read = {v for e in free for v in e.inputs} | set(constants)
+    env = {v: (_constant(ctx, c), ((),) * len(v.dims)) for v, c in body.consts.items()
+           if v in read}  # fmt: skip
+    run_graph(ctx, Graph((), (), free, None, None, {}), env, made, outer.repeat, outer.depth + 1)
+    ctx.step = outer
+    outer.ops.extend(op for step in made for op in step.ops)
+    consts = {v: c for v, c in body.consts.items() if v not in constants}
+    inner = Graph(body.inputs + tuple(constants), body.outputs,
+                  [e for e in body.eqns if e not in free], body.in_tree, body.out_tree,
+                  consts)  # fmt: skip
+    eqn = Eqn(eqn.primitive, eqn.inputs + tuple(constants), eqn.outputs, {**p, "body": inner})
+    return eqn, [*rest, *(env[v] for v in constants)], made
+
+
+def _constant(ctx, c):
+    """The constant array `c` as a local value the plan makes (every device, whole)."""
+    c = np.asarray(c)
+    return ctx.call(_array, value=c, shape=c.shape, dtype=c.dtype, vma=set())
+
+
+def _array(value):
+    return jnp.asarray(value)
+
+
 @plan_rule(P.scan)
 def plan_scan(ctx, eqn, args):
     """`scan_rule`'s plan, on Locals: the same layouts, moves and casts; a split scanned
@@ -133,7 +187,11 @@ def plan_scan(ctx, eqn, args):
     ]
     x_args, rest = args[nc : nc + nx], args[nc + nx :]
     if pipeline.split_axes(x_args, p["x_axes"]):  # a split scanned dim: a pipeline
-        return pipeline.emit(ctx, eqn, carry, carry_lay, x_args, rest, plan_loop)
+        outer = ctx.step
+        eqn, rest, made = hoisted(ctx, eqn, rest)
+        outs = pipeline.emit(ctx, eqn, carry, carry_lay, x_args, rest, plan_loop)
+        outer.body[:0] = made  # (their costs; their instructions are the step's own)
+        return outs
     xs, x_lays = [], []
     for (x, lay), ax in zip(x_args, p["x_axes"], strict=True):
         whole = ctx.relayout(x, lay, lay[:ax] + ((),) + lay[ax + 1 :])

@@ -128,6 +128,14 @@ class Config:
                 f"Config.sliding_window={self.sliding_window} and attention_softcap="
                 f"{self.attention_softcap} must be >= 0 (0: none)"
             )
+        if self.attention == "ring" and self.relative_buckets:
+            # T5's bias is one (heads, length, memory) table for the whole stack, which a
+            # ring cannot pass round with its key blocks (ring_attend refuses it)
+            raise ConfigError(
+                f"Config.attention='ring' (--attention ring) cannot take "
+                f"relative_buckets={self.relative_buckets} (T5's bucketed relative bias, "
+                "over both length and memory): use attention='blockwise' or 'full'"
+            )
         self._check_layer_kinds()
         if self.positions == "rotary" and rotary_dims(self.rope, self.d_kv) % 2:
             raise ConfigError(

@@ -211,7 +211,11 @@ def _pool_rule(x, axes, windows, strides, pads, kind):
 
 
 def _pool_np(x, axes, windows, strides, pads, kind):
-    fill = lowest(x.dtype) if kind == "max" else 0
+    # a mean pool of integers or bools computes in float32 (its result's dtype), as jax's
+    if kind == "max":
+        fill = lowest(x.dtype)
+    else:
+        fill, x = 0, x if is_inexact(x.dtype) else x.astype(np.float32)
     xw = _windows(x, axes, windows, strides, (1,) * len(axes), pads, fill, np)
     win_axes = tuple(range(x.ndim, xw.ndim))
     return xw.max(axis=win_axes) if kind == "max" else xw.mean(axis=win_axes)

@@ -16,8 +16,17 @@ import numpy as np
 import scipy.special
 
 from namedmesh.checks import agreed_sizes, warn_near_misses
-from namedmesh.errors import ArgumentError
-from namedmesh.primitive import Aval, Cost, bind, default_cost, is_inexact, primitive, result_dtype
+from namedmesh.errors import ArgumentError, DtypeError, fmt_dims
+from namedmesh.primitive import (
+    Aval,
+    Cost,
+    bind,
+    default_cost,
+    float_result,
+    is_inexact,
+    primitive,
+    result_dtype,
+)
 from namedmesh.tensor import Tensor
 
 _FLOAT32 = np.dtype(np.float32)
@@ -67,6 +76,11 @@ def operands(*xs, op: str, like_from: int = 0) -> list[Tensor]:
         dt = _default_dtype(x) if like is None else _scalar_dtype(x, like)
         out.append(Tensor._make(np.asarray(x, dtype=dt), ()))
     return out
+
+
+def fmt_operands(xs) -> str:
+    """The operands as their dims and sizes, for an error message."""
+    return ", ".join(fmt_dims(x.dims, x.shape) for x in xs)
 
 
 def broadcast_dims(xs, op: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -121,13 +135,18 @@ def _make_nary(
     reads="inputs",
     saves=0,
     least=None,
+    bool_instead: str | None = None,
 ):
     """One elementwise primitive and its public op. Scalars take the dtype of the first
     Tensor among the operands from position `like_from` on; `reads` and `saves` are
     what its backward pass reads (`Primitive.backward_reads`, `backward_saves`), `least`
-    what it must read at the least where that differs (`Primitive.least_reads`)."""
+    what it must read at the least where that differs (`Primitive.least_reads`). An op
+    that bools have no meaning for (NumPy and jax refuse them) names `bool_instead`, the
+    op to use: its bool operands are a DtypeError at the call."""
 
     def shape_rule(*xs, in_dims, out_dims):
+        if bool_instead and any(x.dtype == _BOOL for x in xs):
+            raise DtypeError(f"{name} of a bool tensor {fmt_operands(xs)}: use {bool_instead}")
         dims, shape = broadcast_dims(xs, name)
         return Aval(dims, shape, dtype_rule(*(x.dtype for x in xs)))
 
@@ -142,6 +161,7 @@ def _make_nary(
         backward_saves=saves,
         least_reads=least,
         combines_inputs=True,
+        float_valued=dtype_rule is float_result,
     )
 
     def op(*xs) -> Tensor:
@@ -161,11 +181,6 @@ def _same(*dts):
 
 def _boolean(*dts):
     return _BOOL
-
-
-def _floating(*dts):
-    dt = result_dtype(*dts)
-    return dt if is_inexact(dt) else _FLOAT32
 
 
 def _gelu_np(x):
@@ -193,62 +208,83 @@ def _silu_np(x):
     return x * scipy.special.expit(x)
 
 
+def _power_np(x, y):
+    """np.power, and integers to negative powers as jax gives them (1/x**-y truncated: 1
+    for 1, +-1 for -1, else 0), which NumPy refuses with a ValueError."""
+    if np.dtype(y.dtype).kind not in "iu" or np.all(y >= 0):
+        return np.power(x, y)
+    x, y = np.broadcast_arrays(x, y)
+    whole = np.power(x, np.abs(y))  # (the integers' modular power where y >= 0)
+    odd = (np.abs(y) % 2).astype(bool)
+    inverse = np.where(x == 1, 1, np.where(x == -1, np.where(odd, -1, 1), 0))
+    return np.where(y >= 0, whole, inverse).astype(whole.dtype)
+
+
+def _round_jax(x):
+    """jnp.round, and integers and bools as they are (jax refuses to round bools)."""
+    return jnp.round(x) if is_inexact(x.dtype) else x
+
+
 def _gelu_jax(x):
     return jax.nn.gelu(x, approximate=True)
 
 
 # Unary: name, NumPy, jax.numpy, dtype rule, flops per element.
-negative = _make_nary("negative", np.negative, jnp.negative, _same, reads="nothing")
+negative = _make_nary(
+    "negative", np.negative, jnp.negative, _same, reads="nothing", bool_instead="logical_not"
+)
 abs = _make_nary("abs", np.abs, jnp.abs, _same)
-sign = _make_nary("sign", np.sign, jnp.sign, _same, reads="nothing")
+sign = _make_nary("sign", np.sign, jnp.sign, _same, reads="nothing", bool_instead="astype")
 square = _make_nary(
     "square", np.square, jnp.square, _same, reads="nothing", saves=1, least="inputs"
 )
-reciprocal = _make_nary("reciprocal", _reciprocal_np, _reciprocal_jax, _floating, reads="output")
-exp = _make_nary("exp", np.exp, jnp.exp, _floating, reads="output")
-log = _make_nary("log", np.log, jnp.log, _floating)
-log1p = _make_nary("log1p", np.log1p, jnp.log1p, _floating)
-expm1 = _make_nary("expm1", np.expm1, jnp.expm1, _floating, reads="output")
-sqrt = _make_nary("sqrt", np.sqrt, jnp.sqrt, _floating, reads="output")
+reciprocal = _make_nary("reciprocal", _reciprocal_np, _reciprocal_jax, float_result, reads="output")
+exp = _make_nary("exp", np.exp, jnp.exp, float_result, reads="output")
+log = _make_nary("log", np.log, jnp.log, float_result)
+log1p = _make_nary("log1p", np.log1p, jnp.log1p, float_result)
+expm1 = _make_nary("expm1", np.expm1, jnp.expm1, float_result, reads="output")
+sqrt = _make_nary("sqrt", np.sqrt, jnp.sqrt, float_result, reads="output")
 rsqrt = _make_nary(
-    "rsqrt", _rsqrt_np, jax.lax.rsqrt, _floating, 2, reads="nothing", saves=1, least="output"
+    "rsqrt", _rsqrt_np, jax.lax.rsqrt, float_result, 2, reads="nothing", saves=1, least="output"
 )
-sin = _make_nary("sin", np.sin, jnp.sin, _floating)
-cos = _make_nary("cos", np.cos, jnp.cos, _floating)
-tan = _make_nary("tan", np.tan, jnp.tan, _floating)
-tanh = _make_nary("tanh", np.tanh, jnp.tanh, _floating, reads="output", saves=1)
-erf = _make_nary("erf", scipy.special.erf, jax.scipy.special.erf, _floating)
+sin = _make_nary("sin", np.sin, jnp.sin, float_result)
+cos = _make_nary("cos", np.cos, jnp.cos, float_result)
+tan = _make_nary("tan", np.tan, jnp.tan, float_result)
+tanh = _make_nary("tanh", np.tanh, jnp.tanh, float_result, reads="output", saves=1)
+erf = _make_nary("erf", scipy.special.erf, jax.scipy.special.erf, float_result)
 sigmoid = _make_nary(
     "sigmoid",
     scipy.special.expit,
     jax.nn.sigmoid,
-    _floating,
+    float_result,
     4,
     reads="nothing",
     saves=1,
     least="output",
 )
 relu = _make_nary("relu", _relu_np, jax.nn.relu, _same, least="output")
-gelu = _make_nary("gelu", _gelu_np, _gelu_jax, _floating, 8, reads="inputs", saves=4)
-silu = _make_nary("silu", _silu_np, jax.nn.silu, _floating, 5, reads="inputs", saves=2)
+gelu = _make_nary("gelu", _gelu_np, _gelu_jax, float_result, 8, reads="inputs", saves=4)
+silu = _make_nary("silu", _silu_np, jax.nn.silu, float_result, 5, reads="inputs", saves=2)
 floor = _make_nary("floor", np.floor, jnp.floor, _same, reads="nothing")
 ceil = _make_nary("ceil", np.ceil, jnp.ceil, _same, reads="nothing")
-round = _make_nary("round", np.round, jnp.round, _same, reads="nothing")
+round = _make_nary("round", np.round, _round_jax, _same, reads="nothing")
 logical_not = _make_nary("logical_not", np.logical_not, jnp.logical_not, _boolean, reads="nothing")
 isnan = _make_nary("isnan", np.isnan, jnp.isnan, _boolean, reads="nothing")
 isfinite = _make_nary("isfinite", np.isfinite, jnp.isfinite, _boolean, reads="nothing")
 
 # Binary: name, NumPy, jax.numpy, dtype rule.
 add = _make_nary("add", np.add, jnp.add, _same, reads="nothing")
-subtract = _make_nary("subtract", np.subtract, jnp.subtract, _same, reads="nothing")
+subtract = _make_nary(
+    "subtract", np.subtract, jnp.subtract, _same, reads="nothing", bool_instead="logical_xor"
+)
 multiply = _make_nary("multiply", np.multiply, jnp.multiply, _same, reads="others")
-divide = _make_nary("divide", np.true_divide, jnp.true_divide, _floating)
+divide = _make_nary("divide", np.true_divide, jnp.true_divide, float_result)
 floor_divide = _make_nary("floor_divide", np.floor_divide, jnp.floor_divide, _same, reads="nothing")
 mod = _make_nary("mod", np.mod, jnp.mod, _same, reads="nothing")
-power = _make_nary("power", np.power, jnp.power, _same, reads="both")
+power = _make_nary("power", _power_np, jnp.power, _same, reads="both")
 maximum = _make_nary("maximum", np.maximum, jnp.maximum, _same)
 minimum = _make_nary("minimum", np.minimum, jnp.minimum, _same)
-arctan2 = _make_nary("arctan2", np.arctan2, jnp.arctan2, _floating)
+arctan2 = _make_nary("arctan2", np.arctan2, jnp.arctan2, float_result)
 equal = _make_nary("equal", np.equal, jnp.equal, _boolean, reads="nothing")
 not_equal = _make_nary("not_equal", np.not_equal, jnp.not_equal, _boolean, reads="nothing")
 less = _make_nary("less", np.less, jnp.less, _boolean, reads="nothing")

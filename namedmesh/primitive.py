@@ -68,6 +68,27 @@ def _result_dtype(dts: tuple[np.dtype, ...]) -> np.dtype:
     return np.dtype(functools.reduce(jax.numpy.promote_types, floats))
 
 
+def float_result(*dtypes) -> np.dtype:
+    """The dtype of a float-valued op's result (exp, divide, softmax, mean, var...): the
+    operands' promoted dtype when it is inexact (bfloat16 too), else float32."""
+    dt = result_dtype(*dtypes)
+    return dt if _is_inexact(dt) else np.dtype(np.float32)
+
+
+def in_float(impl: Callable) -> Callable:
+    """`impl` run on its inputs cast to the float result's dtype (`float_result`) where they
+    are integer or bool: a float-valued op computes in the result's dtype, never in an
+    integer one (softmax's max subtracted in int8 wraps; NumPy's exp of int8 is float16),
+    and bools reach ops that refuse them (x - max) as 0.0 and 1.0."""
+
+    @functools.wraps(impl)
+    def run(*xs, **params):
+        dt = float_result(*(x.dtype for x in xs))
+        return impl(*(x if _is_inexact(np.dtype(x.dtype)) else x.astype(dt) for x in xs), **params)
+
+    return run
+
+
 class Cost(NamedTuple):
     """Per-call cost on one device: floating-point operations and bytes read + written."""
 
@@ -144,6 +165,9 @@ class Primitive:
     # params must be ones whose equal values act alike (not 0.0 and -0.0); None:
     # numpy_impl with the params of each call
     numpy_kernel: Callable[..., Callable] | None = None
+    # its result is a float whatever its inputs' dtype (`float_result`), computed from the
+    # inputs cast to that dtype (`in_float`): NumPy, jax and the lowering's local code alike
+    float_valued: bool = False
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"
@@ -159,6 +183,8 @@ def primitive(name: str, shape_rule, numpy_impl, jax_impl, **kw) -> Primitive:
     for reads in ("backward_reads", "least_reads"):
         if kw.get(reads, READS_INPUTS) not in (*BACKWARD_READS, None):
             raise ValueError(f"primitive {name!r}: {reads} must be one of {BACKWARD_READS}")
+    if kw.get("float_valued"):
+        numpy_impl, jax_impl = in_float(numpy_impl), in_float(jax_impl)
     p = Primitive(name, shape_rule, numpy_impl, jax_impl, **kw)
     REGISTRY[name] = p
     return p
@@ -247,9 +273,18 @@ def _run_eager(prim: Primitive, datas, params, avals) -> tuple:
             )
     if any(_is_jax(d) for d in datas):
         res = prim.jax_impl(*datas, **params)
-        return res if prim.multiple_results else (res,)
+        return _coerce_jax(res if prim.multiple_results else (res,), avals)
     res = prim.numpy_impl(*datas, **params)
     return _coerce_numpy(res if prim.multiple_results else (res,), avals)
+
+
+def _coerce_jax(outs, avals):
+    """jax promotes some dtypes NumPy keeps (a bool's square, relu or power is int32 in
+    jax, bool in NumPy and in the shape rule): hold it to the shape rule's dtype, as the
+    lowering's local ops are (lowering/emit.py), so eager jax, jit and lowered agree."""
+    canonical = jax.dtypes.canonicalize_dtype
+    return [o if o.dtype == canonical(a.dtype) else o.astype(a.dtype) for o, a in
+            zip(outs, avals, strict=True)]  # fmt: skip
 
 
 def _coerce_numpy(outs, avals):

@@ -16,7 +16,7 @@ import scipy.special
 from namedmesh.checks import axis_of, require_dims
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import sort_key
-from namedmesh.primitive import Aval, Cost, bind, default_cost, is_inexact, primitive
+from namedmesh.primitive import Aval, Cost, bind, default_cost, float_result, primitive
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
 _INT32 = np.dtype(np.int32)
@@ -36,11 +36,6 @@ def _kept(x, axes):
     return tuple(x.dims[i] for i in keep), tuple(x.shape[i] for i in keep)
 
 
-def _float(dt: np.dtype) -> np.dtype:
-    """A float result's dtype: the input's when inexact (bfloat16 too), else float32."""
-    return dt if is_inexact(dt) else np.dtype(np.float32)
-
-
 def _reduction_cost(in_avals, out_avals, params) -> Cost:
     return default_cost(in_avals, out_avals, params)._replace(flops=math.prod(in_avals[0].shape))
 
@@ -58,6 +53,7 @@ def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt, reads="nothin
         cost_rule=_reduction_cost,
         backward_reads=reads,
         backward_saves=saves,
+        float_valued=dtype_rule is float_result,
     )
 
     def op(x: Tensor, dims: DimsLike | None = None) -> Tensor:
@@ -80,7 +76,7 @@ sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype)
 prod = _make_reduction("prod", np.prod, jnp.prod, _sum_dtype, reads="both")
 max = _make_reduction("max", np.max, jnp.max, reads="both")
 min = _make_reduction("min", np.min, jnp.min, reads="both")
-mean = _make_reduction("mean", np.mean, jnp.mean, _float)
+mean = _make_reduction("mean", np.mean, jnp.mean, float_result)
 any = _make_reduction("any", np.any, jnp.any, lambda dt: np.dtype(bool))
 all = _make_reduction("all", np.all, jnp.all, lambda dt: np.dtype(bool))
 
@@ -96,13 +92,13 @@ def _scipy(fn):
 
 
 logsumexp = _make_reduction(
-    "logsumexp", _scipy(scipy.special.logsumexp), jax.nn.logsumexp, _float, reads="both"
+    "logsumexp", _scipy(scipy.special.logsumexp), jax.nn.logsumexp, float_result, reads="both"
 )
 logsumexp.__doc__ = "log(sum(exp(x))) over `dims`, computed stably (max subtracted first)."
 
 
 def _same_rule(x, axes, **_):
-    return Aval(x.dims, x.shape, _float(x.dtype))
+    return Aval(x.dims, x.shape, float_result(x.dtype))
 
 
 def normalization_cost(in_avals, out_avals, params) -> Cost:
@@ -121,6 +117,7 @@ _softmax = primitive(
     backward_reads="nothing",
     backward_saves=1,
     least_reads="output",
+    float_valued=True,
 )
 _log_softmax = primitive(
     "log_softmax",
@@ -131,6 +128,7 @@ _log_softmax = primitive(
     backward_reads="nothing",
     backward_saves=1,
     least_reads="output",
+    float_valued=True,
 )
 
 
@@ -143,7 +141,7 @@ def finite_shift(x, m):
 def log_softmax_jax(x, axes):
     """scipy.special.log_softmax's formula in jax (jax.nn.log_softmax differs on
     infinities: [0, inf] gives [-inf, nan] here and in scipy, [nan, nan] there)."""
-    x = x.astype(_float(np.dtype(x.dtype)))
+    x = x.astype(float_result(np.dtype(x.dtype)))
     shifted = finite_shift(x, jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True)))
     return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True))
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from namedmesh.checks import names_not_positions, require_dims
 from namedmesh.errors import ShapeError
-from namedmesh.primitive import Aval, bind, primitive, zero_flops_cost
+from namedmesh.primitive import Aval, bind, float_result, primitive, zero_flops_cost
 from namedmesh.reductions import axes_of, normalization_cost
 from namedmesh.structural import slice_
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
@@ -96,7 +96,7 @@ def expand_dims(x: Tensor, dims: str | DimsLike | Mapping[str, int]) -> Tensor:
 # --- var / std --------------------------------------------------------------------------
 def _moment_rule(x, axes, ddof):
     keep = [i for i in range(len(x.dims)) if i not in axes]
-    dt = x.dtype if x.dtype.kind in "fc" else np.dtype(np.float32)
+    dt = float_result(x.dtype)  # (bfloat16's kind is "V": var of bfloat16 is bfloat16)
     return Aval(tuple(x.dims[i] for i in keep), tuple(x.shape[i] for i in keep), dt)
 
 
@@ -109,6 +109,7 @@ def _moment(name: str):
         lambda x, axes, ddof: np_fn(x, axis=axes, ddof=ddof),
         lambda x, axes, ddof: jnp_fn(x, axis=axes, ddof=ddof),
         cost_rule=normalization_cost,  # a mean, then a subtract, square and sum
+        float_valued=True,
     )
 
 

@@ -26,8 +26,11 @@ import namedmesh as nm
 
 LAYERS = 4
 # the body after z = h . w (+ 0.1 g): per example along batch ("residual"); mixing the
-# examples ("softmax_batch"); beside a second carry that lacks batch ("side_carry")
-STACK_BODIES = ("residual", "softmax_batch", "side_carry")
+# examples ("softmax_batch"); beside a second carry that lacks batch ("side_carry");
+# singular at zero, z / |z|, which a pipeline's bubble ticks compute on zeros ("unit");
+# with a constant over batch made from no input, as the online softmax's initial
+# statistics are ("constant": a loop constant that microbatches must cut)
+STACK_BODIES = ("residual", "softmax_batch", "side_carry", "unit", "constant")
 STACK_MESHES = ({"m0": 2}, {"m0": 4}, {"m0": 2, "m1": 2}, {"m0": 2, "m1": 4}, {"m0": 4, "m1": 2},
                 {"m0": 2, "m1": 2, "m2": 2})  # fmt: skip
 
@@ -74,6 +77,11 @@ class Stack:
                 new = (nm.tanh(z) * nm.softmax(z, "batch"),)
             elif self.body == "side_carry":
                 new = (nm.tanh(z + carry[1]), carry[1] + 0.1 * nm.sum(w, "e"))
+            elif self.body == "unit":
+                new = (carry[0] + z / nm.sqrt(nm.sum(z * z, "d")),)
+            elif self.body == "constant":
+                half = nm.full({"batch": self.batch, "d": self.width}, 0.5, np.float32)
+                new = (carry[0] + nm.tanh(z) * half,)
             else:
                 new = (carry[0] + nm.tanh(z - nm.mean(z, "d")),)
             return new, (z * 0.5 if self.ys else None)
@@ -96,16 +104,17 @@ def _axis_sets(mesh_sizes: dict[str, int], limit: int) -> list[tuple[str, ...]]:
 
 
 @st.composite
-def stack_cases(draw):
-    """(Stack, mesh, layout): see the module docstring. `microbatches` is left to the
-    default, or set to 2, 4, 8 or 1 (which the per-stage batch may not divide)."""
+def stack_cases(draw, bodies=STACK_BODIES):
+    """(Stack, mesh, layout): see the module docstring, with a body of `bodies`.
+    `microbatches` is left to the default, or set to 2, 4, 8 or 1 (which the per-stage
+    batch may not divide)."""
     from lowering import Layout, Mesh
 
     stack = Stack(
         batch=8,
         width=draw(st.sampled_from((2, 4))),
         # per-example twice as often as each other body: the one microbatches can cut
-        body=draw(st.sampled_from(STACK_BODIES[:1] + STACK_BODIES)),
+        body=draw(st.sampled_from(bodies[:1] + bodies)),
         captured=draw(st.sampled_from(((), ("batch", "d"), ("d",)))),
         ys=draw(st.booleans()),
         remat=draw(st.sampled_from(("none", "full", "dots"))),

@@ -1,0 +1,74 @@
+"""Every op's result dtype equals one device's, for every input dtype (issue 26): each op
+of `DTYPE_OPS` on x[r, d] of every dtype, with `d` split or not, gives the shape rule's
+dtype eagerly in NumPy, eagerly in jax, under jit and lowered, or all of them refuse it
+with the same NamedMeshError. The structural ops and the reductions and normalisations
+(bool moved along a split dim; softmax of integers) also equal the NumPy reference in
+value."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+
+import namedmesh as nm
+from lowering import Layout, Mesh
+from namedmesh.testing import CASES, compare
+from namedmesh.testing import lowered as cached_lower
+from namedmesh.testing.dtype_strategies import ALONG_OPS, DTYPE_OPS, STRUCTURAL_OPS, dtype_cases
+
+# A case compiles one small program: a fifth of the profile's examples each
+BUDGET = settings(max_examples=max(8, settings.default.max_examples // 5))
+VALUED = (*STRUCTURAL_OPS, *ALONG_OPS)  # values compared too (float ops: dtypes alone)
+
+
+@functools.cache
+def mesh_of(sizes: tuple) -> Mesh:
+    return Mesh(dict(sizes))
+
+
+@functools.cache
+def jitted(op: str):
+    fn = DTYPE_OPS[op]
+    return jax.jit(lambda a: fn(nm.tensor(a, "r d")).data)
+
+
+def outcome(run):
+    """run()'s result, or the NamedMeshError it raised, by type (any other raises)."""
+    try:
+        return run()
+    except nm.NamedMeshError as e:
+        return type(e)
+
+
+def check_dtypes(case) -> None:
+    fn, x = DTYPE_OPS[case.op], case.x
+    graph = outcome(lambda: nm.trace(fn, nm.tensor(x, "r d")))
+    if isinstance(graph, type):  # the op refuses the dtype: every path must, alike
+        for path in (lambda: fn(nm.tensor(jnp.asarray(x), "r d")), lambda: jitted(case.op)(x)):
+            assert outcome(path) is graph, (case, graph)
+        return
+    (want,) = graph.outputs
+    ref = nm.reference(graph)(nm.tensor(x, "r d"))
+    eager = fn(nm.tensor(jnp.asarray(x), "r d"))
+    lowered = cached_lower(fn, mesh_of(tuple(case.mesh.items())), Layout(case.layout))
+    got = lowered(nm.tensor(x, "r d"))
+    CASES["lowered"] += 1
+    dtypes = {"shape rule": want.dtype, "NumPy": ref.dtype, "jax": eager.dtype,
+              "jit": jitted(case.op)(jnp.asarray(x)).dtype, "lowered": got.dtype}  # fmt: skip
+    assert len(set(map(np.dtype, dtypes.values()))) == 1, (case, dtypes)
+    if case.op in VALUED:
+        compare(got, ref, rtol=0.0 if case.op in STRUCTURAL_OPS else None, what=repr(case))
+
+
+@BUDGET
+@given(dtype_cases())
+def test_every_op_gives_one_devices_dtype_for_every_input_dtype(case):
+    check_dtypes(case)
+
+
+@BUDGET
+@given(dtype_cases(ops=tuple(STRUCTURAL_OPS), dtypes=("bool",), split=(True,)))
+def test_bool_stays_bool_through_every_structural_op_along_a_split_dim(case):
+    check_dtypes(case)
