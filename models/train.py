@@ -18,6 +18,8 @@ import math
 import os
 import sys
 
+from models import settings
+
 
 def parse_mesh(text: str) -> dict[str, int]:
     """ "rows=2,cols=4" -> {"rows": 2, "cols": 4}."""
@@ -36,12 +38,12 @@ class Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (no usage dump), still with exit status 2."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog.split()[-1]}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)\n")
 
 
-def arguments(argv=None) -> argparse.Namespace:
+def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Namespace:
     p = Parser(
-        prog="python -m models.train",
+        prog=prog,
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
     )
@@ -124,25 +126,44 @@ def arguments(argv=None) -> argparse.Namespace:
         help="override a model Config field (repeatable), e.g. --set d_model=128",
     )
     p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events")
-    return p.parse_args(argv)
+    # --- data formats and config files (models/datasets.py, models/settings.py) ---
+    p.add_argument(
+        "--val-data",
+        default=None,
+        help="a validation set apart from --data, of any kind --data takes (None: the last "
+        "tenth of --data)",
+    )
+    p.add_argument(
+        "--text-field", default="text", help="the field of the documents in JSON lines/Parquet"
+    )
+    p.add_argument(
+        "--config-file",
+        default=None,
+        metavar="FILE",
+        help="start from the settings of a JSON or YAML file (a run's run.json); flags given "
+        "on the command line override it",
+    )
+    return settings.parse(p, argv)
 
 
-def _simulate_devices(n: int) -> None:
+def simulate_devices(n: int) -> None:
     """Let XLA's CPU backend offer n devices (it must be set before jax is imported)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
+    # XLA reads the flags when jax starts its backend (at the first device query), not at
+    # `import jax`: the `namedmesh` command has imported jax already.
+    if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def main(argv=None) -> int:
-    args = arguments(argv)
-    _simulate_devices(math.prod(args.mesh.values()))
+def main(argv=None, prog: str = "python -m models.train") -> int:
+    args = arguments(argv, prog)
+    simulate_devices(math.prod(args.mesh.values()))
     from models.run import UsageError, train
 
     try:
         train(args)
     except UsageError as e:
-        print(f"models.train: error: {e}", file=sys.stderr)
+        print(f"{prog.removeprefix('python -m ')}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -19,6 +19,7 @@ import optax
 import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.distributed import place
+from lowering.layout import partition_spec
 from models import objectives, transformer
 from models.config import Config
 from models.zoo import Model
@@ -139,6 +140,18 @@ class Trainer:
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> dict:
         return place(batch_tensors(batch), self.mesh, self.layout)
+
+    def local_rows(self, devices=None) -> np.ndarray | None:
+        """The rows of a training batch that `devices` (this process's) hold under the
+        layout: each process reads only its share of the data. None on one process."""
+        if devices is None and jax.process_count() == 1:
+            return None
+        devices = set(jax.local_devices() if devices is None else devices)
+        shape = (self.cfg.batch, self.cfg.length)
+        lay = self.layout.of(("batch", "length"), shape, self.mesh, "the batch")
+        sharding = jax.sharding.NamedSharding(self.mesh.jax_mesh, partition_spec(lay))
+        held = [i[0] for d, i in sharding.devices_indices_map(shape).items() if d in devices]
+        return np.unique(np.concatenate([np.arange(shape[0])[s] for s in held]))
 
     def step(self, state, batch: dict[str, np.ndarray], step: int):
         """One update with the batch of step `step` (numbered from 1)."""
