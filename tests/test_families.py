@@ -35,6 +35,8 @@ def cases():
     T = transformers
     llama = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32)
+    encoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, max_position_embeddings=32)
     rope = lambda kind, **kw: {"rope_parameters": {"rope_type": kind, "rope_theta": 500.0, **kw}}
     return {
         # llama 3.1/3.2: llama3 scaling, tied embeddings (3.2's small models)
@@ -52,6 +54,11 @@ def cases():
             "yarn", factor=4.0, original_max_position_embeddings=8))),
         # head_dim 12, not hidden_size / heads = 4
         "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(**llama, head_dim=12)),
+        # masked LMs: 4 heads, so a layout splits them over 4 devices; IDS hold pad id 1
+        "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(**encoder, type_vocab_size=1)),
+        "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig(
+            vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
+            max_position_embeddings=32, sinusoidal_pos_embds=True)),
     }
 # fmt: on
 
@@ -59,7 +66,7 @@ def cases():
 # decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
 # Mistral's window past its size, Qwen3's q/k norms and head_dim; within the budget
 GREEDY = ["llama3", "mistral", "qwen3"]
-LAYOUT = ["llama3", "qwen2", "qwen3"]
+LAYOUT = ["llama3", "qwen2", "qwen3", "roberta", "distilbert"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
@@ -112,6 +119,21 @@ def test_configs_hold_the_families_options(loaded):
     assert (c["mistral"].sliding_window, c["qwen2"].sliding_window) == (4, 0)
     assert c["qwen2"].qkv_bias and not c["qwen2"].bias and c["qwen3"].qk_norm
     assert (c["qwen3"].d_kv, c["qwen3"].kv_heads) == (12, 4)
+
+
+def test_roberta_positions_count_past_left_padding(built, loaded):
+    """Rows left-padded with RoBERTa's pad id 1: transformers numbers the real tokens from
+    row 2 whatever the padding, as the zoo does (numbering by index would be off)."""
+    pad = np.array([[0], [3], [6], [1]])
+    ids = np.where(np.arange(LENGTH)[None, :] < pad, 1, np.where(IDS == 1, 2, IDS))
+    mask = (ids != 1).astype(np.int64)
+    with torch.no_grad():
+        want = built["roberta"][1](input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    got = as_array(loaded["roberta"].logits(ids, attention_mask=mask))[mask == 1]
+    want = want.logits.numpy()[mask == 1]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert loaded["roberta"].config.position_pad == 1
+    assert loaded["distilbert"].config.type_vocab == 0
 
 
 @pytest.mark.parametrize("name", LAYOUT)
@@ -202,6 +224,13 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
     kinds = ["sliding_attention", "full_attention"]
     folder = relabel(built, "qwen2", tmp_path, use_sliding_window=True, layer_types=kinds)
     with pytest.raises(hub.UnsupportedModelError, match="use_sliding_window=True with layer"):
+        hub.load(folder)
+
+
+def test_roberta_with_another_activation_is_refused(built, tmp_path):
+    """Its head's GELU is fixed: a hidden_act of gelu_new would apply to the head too."""
+    folder = relabel(built, "roberta", tmp_path, hidden_act="gelu_new")
+    with pytest.raises(hub.UnsupportedModelError, match="hidden_act='gelu_new'"):
         hub.load(folder)
 
 

@@ -4,7 +4,7 @@ it needs. A new family is one module and one line here (docs/models.md says how)
 
 from __future__ import annotations
 
-from models.families import bert, gpt2, llama, mistral, qwen2, qwen3, t5
+from models.families import bert, distilbert, gpt2, llama, mistral, qwen2, qwen3, roberta, t5
 from models.families.common import Family
 
 FAMILIES: dict[str, Family] = {
@@ -17,5 +17,7 @@ FAMILIES: dict[str, Family] = {
         mistral.FAMILY,
         qwen2.FAMILY,
         qwen3.FAMILY,
+        roberta.FAMILY,
+        distilbert.FAMILY,
     )
 }
