@@ -35,4 +35,5 @@ FAMILY = Family(
     "RobertaForMaskedLM",
     # buffers; the decoder is the tied word embedding and lm_head.bias again
     ignored=(r".*embeddings\.(position|token_type)_ids$", r"^lm_head\.decoder\.(weight|bias)$"),
+    tokens=("bos", "eos"),  # <s> text </s>
 )  # fmt: skip
