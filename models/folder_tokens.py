@@ -35,13 +35,13 @@ def read(folder, family: str | None = None):
 
         return Tokenizer.from_file(str(folder / "tokenizer.json"))
     if (folder / "vocab.json").exists() and (folder / "merges.txt").exists():
-        tok = _byte_level_bpe(folder)
+        tok, named = _byte_level_bpe(folder), {}
     elif (folder / "tokenizer.model").exists():
-        tok = _sentencepiece(folder)
+        tok, named = _sentencepiece(folder)
     else:
         return None
     wants = FAMILIES[family].tokens if family in FAMILIES else ()
-    return _add_specials(tok, folder, wants)
+    return _add_specials(tok, folder, wants, named)
 
 
 def required(folder, family: str | None, flag: str):
@@ -83,7 +83,9 @@ def _sentencepiece(folder: Path):
         )
     control = [p.piece for p in proto.pieces if p.type in (2, 3)]  # unknown, control
     tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in control])
-    return tok
+    spec, n = proto.trainer_spec, len(proto.pieces)
+    ids = {"bos": spec.bos_id, "eos": spec.eos_id}  # -1: the model has none
+    return tok, {k: proto.pieces[i].piece for k, i in ids.items() if 0 <= i < n}
 
 
 def _tokenizer_config(folder: Path) -> dict:
@@ -104,8 +106,9 @@ def special_token(folder, name: str) -> str | None:
     return None
 
 
-def _add_specials(tok, folder: Path, wants: tuple[str, ...]):
-    """The post-processor that puts the family's `wants` ("bos", "eos") around a text."""
+def _add_specials(tok, folder: Path, wants: tuple[str, ...], named: dict):
+    """The post-processor that puts the family's `wants` ("bos", "eos") around a text:
+    the tokens tokenizer_config.json names, else those the tokenizer's file `named`."""
     from tokenizers import processors
 
     if not wants:
@@ -115,7 +118,7 @@ def _add_specials(tok, folder: Path, wants: tuple[str, ...]):
     for kind in wants:
         if config.get(f"add_{kind}_token") is False:
             continue
-        text = special_token(folder, f"{kind}_token")
+        text = special_token(folder, f"{kind}_token") or named.get(kind)
         if text is None or tok.token_to_id(text) is None:
             raise MissingFileError(
                 f"{folder}: the family adds a {kind} token, but tokenizer_config.json names "
