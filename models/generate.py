@@ -224,6 +224,8 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         folder = base_folder(args.checkpoint)
         prompts = encode_prompts(texts, tokenizer, folder, args.chat)
         ends = eos_of(args.eos, tokenizer, folder)
+        if args.eos is None:  # a folder's id past the vocabulary is never decoded (GPT-2's
+            ends = [e for e in ends if 0 <= e < cfg.vocab]  # 50256 on a smaller vocab)
         args.eos = ends[0] if ends else None
         start = decoder_start(args.checkpoint)
         outputs = [_cut(row, ends) for row in _decode(dec, prompts, start, sampling, args)]

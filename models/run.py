@@ -131,14 +131,14 @@ def from_hub(args):
     folder = base if args.resume and (base / "config.json").exists() else args.init_from
     try:
         family, cfg = hub.config_of(folder)
+        if family not in hub.DECODERS:
+            raise UsageError(
+                f"--init-from: {args.init_from} holds a {family} model; fine-tuning reads "
+                f"decoder LMs ({', '.join(hub.DECODERS)})"
+            )
         tokenizer = folder_tokens.required(folder, family, "--init-from")
     except hub.HubError as e:
         raise UsageError(f"--init-from: {e}" if "--init-from" not in str(e) else str(e)) from None
-    if family not in hub.DECODERS:
-        raise UsageError(
-            f"--init-from: {args.init_from} holds a {family} model; fine-tuning reads decoder "
-            f"LMs ({', '.join(hub.DECODERS)})"
-        )
     args.model, args.config = "lm", family
     args.tokenizer = f"{folder_tokens.source(folder)} of --init-from"
     tokenizer = data.BPETokenizer(tokenizer)
