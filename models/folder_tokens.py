@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from models.families import FAMILIES
-from models.families.common import MissingFileError
+from models.families.common import MissingFileError, UnsupportedModelError
 
 # the files a tokenizer is read from, in the order they are tried (for error messages)
 FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model")
@@ -66,7 +66,15 @@ def _byte_level_bpe(folder: Path):
 
 def _sentencepiece(folder: Path):
     from tokenizers import AddedToken
-    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    try:
+        from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+    except ImportError:
+        raise UnsupportedModelError(
+            f"{folder}/tokenizer.model: reading a SentencePiece model needs transformers and "
+            "protobuf (pip install 'namedmesh[sentencepiece]'), or give the folder a "
+            "tokenizer.json"
+        ) from None
 
     proto = import_protobuf().ModelProto()
     proto.ParseFromString((folder / "tokenizer.model").read_bytes())

@@ -110,7 +110,34 @@ def setup(args):
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
+    # the optimizer's state besides: adamw's two moments per parameter, on every device
+    state = _count(trainer) * 4 * (2 if args.optimizer == "adamw" else 1)
+    check_memory(report.peak_memory + state, mesh, f"--config {args.config}")
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
+
+
+def check_memory(per_device: int, mesh, what: str) -> None:
+    """UsageError when a per-device estimate (the lowering report's peak memory and the
+    optimizer's state, replicated at most), on every device of the mesh this process
+    holds, exceeds the memory it has: the host's available memory for CPU devices (which
+    share it), else each device's own limit. Checked before any parameter exists, so a
+    model too big is refused in seconds, not killed in minutes."""
+    devices = [d for d in mesh.jax_mesh.devices.flat if d.process_index == jax.process_index()]
+    if devices[0].platform == "cpu":
+        import psutil
+
+        need, have, where = per_device * len(devices), psutil.virtual_memory().available, "host"
+    else:
+        stats = devices[0].memory_stats() or {}
+        need, have, where = per_device, stats.get("bytes_limit"), "device"
+    if have is not None and need > have:
+        raise UsageError(
+            f"{what} needs an estimated {need / 2**30:.1f} GiB ({per_device / 2**30:.1f} GiB "
+            f"per device: the lowering report's peak and the optimizer's state, x "
+            f"{len(devices)} devices) but the {where} has {have / 2**30:.1f} GiB available: "
+            "pass a smaller --batch or "
+            "--length, --remat full, or a layout that splits the model"
+        )
 
 
 def _bpe_text(text, valid, path) -> str:

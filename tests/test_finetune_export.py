@@ -130,3 +130,29 @@ def test_generate_on_a_mesh_decodes_as_transformers_and_stops_at_the_runs_eos(
     assert capsys.readouterr().out.rstrip("\n") == prompt + tok.decode(new)
     chat = generate.encode_prompts(["Hi"], tok, generate.base_folder(folder), chat=True)[0]
     assert tok.decode(chat) == "[Hi]>"
+
+
+def test_config_list_names_every_config_and_a_config_too_big_is_refused_first(
+    tmp_path, capsys, monkeypatch
+):
+    """`--config list` prints each named config; a config whose estimate (the lowering
+    report's peak plus adamw's moments) exceeds the memory available is refused in one
+    line naming both, before any parameter exists (gpt2 was OOM-killed after 268 s)."""
+    import psutil
+
+    from models import config
+    from models.train import main as train
+
+    assert train(["--config", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == list(config.CONFIGS)
+    assert next(x for x in lines if x.startswith("gpt2 ")).split()[1:] == [
+        "12", "768", "12", "3072", "50257", "1024",
+    ]  # fmt: skip
+    memory = psutil.virtual_memory()._replace(available=2**30)  # 1 GiB free
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    flags = ["--config", "base", "--batch", "64", "--steps", "1", "--out", str(tmp_path / "o")]
+    assert train(flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--config base needs an estimated" in err
+    assert "the host has 1.0 GiB available" in err and not (tmp_path / "o").exists()
