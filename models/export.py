@@ -4,8 +4,9 @@ transformers loads.
 
 A run fine-tuned from a Hugging Face folder (`train --init-from`) goes back out as its
 base's family with the base's config.json, generation_config.json, tokenizer_config.json
-and chat template, from the run's copy of them (RUN/base: the base folder is not read). A run of the zoo's `lm` goes out as GPT-2,
-whose architecture it shares where its config has layer norms, tanh-GELU, learned
+and chat template, from the run's copy of them (RUN/base: the base folder is not read).
+A run of the zoo's `lm` goes out as GPT-2, whose architecture it shares where its
+config has layer norms, tanh-GELU, learned
 positions, tied embeddings and d_kv * heads == d_model: its missing biases are zeros
 and the tied softmax's d_model**-0.5 is folded into the final norm. Other models are
 refused by name. A byte-tokenizer run writes no tokenizer.json (it has no `tokenizers`
