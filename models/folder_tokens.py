@@ -5,7 +5,8 @@ file); `vocab.json` + `merges.txt` (a byte-level BPE, GPT-2's and RoBERTa's, rea
 `tokenizers.models.BPE.from_file`); a SentencePiece `tokenizer.model` (its protobuf read
 with transformers' bundled `sentencepiece_model_pb2` and turned into a `tokenizers`
 Tokenizer by `SpmConverter.build_tokenizer_from_spm_proto`, which follows the model's
-own normalizer spec: the `sentencepiece` package is not needed). Each becomes a
+own normalizer spec: the `sentencepiece` package is not needed); BERT's WordPiece
+`vocab.txt` ([CLS] text [SEP]). Each becomes a
 `tokenizers.Tokenizer`, so a run saves it as one tokenizer.json. Where the family adds
 <s> / </s> around a text (`Family.tokens`), a tokenizer made from vocab.json or
 tokenizer.model gets that post-processor; tokenizer.json carries its own.
@@ -23,7 +24,7 @@ from models.families import FAMILIES
 from models.families.common import MissingFileError, UnsupportedModelError
 
 # the files a tokenizer is read from, in the order they are tried (for error messages)
-FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model")
+FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model", "vocab.txt")
 
 
 def read(folder, family: str | None = None):
@@ -38,6 +39,8 @@ def read(folder, family: str | None = None):
         tok, named = _byte_level_bpe(folder), {}
     elif (folder / "tokenizer.model").exists():
         tok, named = _sentencepiece(folder)
+    elif (folder / "vocab.txt").exists():
+        return _wordpiece(folder)  # BERT's [CLS] text [SEP], whatever the family
     else:
         return None
     wants = FAMILIES[family].tokens if family in FAMILIES else ()
@@ -61,6 +64,27 @@ def _byte_level_bpe(folder: Path):
     tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _wordpiece(folder: Path):
+    """BERT's and DistilBERT's WordPiece vocab.txt, built as tokenizers'
+    BertWordPieceTokenizer builds it: [CLS] text [SEP], lower-cased unless
+    tokenizer_config.json's do_lower_case is false."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    lower = _tokenizer_config(folder).get("do_lower_case", True)
+    tok = Tokenizer(models.WordPiece.from_file(str(folder / "vocab.txt"), unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lower)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    marks = {t: tok.token_to_id(t) for t in ("[CLS]", "[SEP]")}
+    if None in marks.values():
+        raise MissingFileError(f"{folder}/vocab.txt has no [CLS] or [SEP] token: not BERT's")
+    tok.post_processor = processors.BertProcessing(
+        ("[SEP]", marks["[SEP]"]), ("[CLS]", marks["[CLS]"])
+    )
+    tok.add_special_tokens(["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"])
     return tok
 
 

@@ -127,10 +127,21 @@ def test_a_folder_without_a_tokenizer_is_refused_by_generate_and_init_from(tmp_p
         num_attention_heads=2, max_position_embeddings=16,
     )  # fmt: skip
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
-    files = "holds no tokenizer (tokenizer.json, vocab.json + merges.txt, tokenizer.model)"
+    files = "no tokenizer (tokenizer.json, vocab.json + merges.txt, tokenizer.model, vocab.txt)"
     assert generate.main(["--checkpoint", str(tmp_path / "llama"), "--max-new", "2"]) == 2
     assert files in capsys.readouterr().err
     flags = ["--init-from", str(tmp_path / "llama"), "--steps", "1", "--out", str(tmp_path / "o")]
     assert train(flags) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--init-from:" in err and "holds no tokenizer" in err
+
+
+def test_a_wordpiece_vocab_txt_encodes_as_transformers_bert(tmp_path):
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "as", "##sert", "state"]
+    words += ["##ment", ",", "a", "##s", "list", "of", "x"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    bert = transformers.BertTokenizer(str(tmp_path / "vocab.txt"))
+    ours = folder_tokens.read(tmp_path, "distilbert")
+    for text in ("The Assert statement, as a list of xs", "the unknown word"):
+        assert ours.encode(text).ids == bert(text)["input_ids"]
+    assert ours.decode(ours.encode("the assert statement").ids) == "the assert statement"
