@@ -88,6 +88,17 @@ def latest_step(directory) -> int | None:
     return _manager(directory).latest_step()
 
 
+def check_step(directory, step: int | None) -> int:
+    """`step`, or the latest when None; CheckpointError naming the steps saved when the
+    run has no checkpoint at `step`."""
+    steps = sorted(_manager(directory).all_steps()) if latest_step(directory) else []
+    if not steps:
+        raise CheckpointError(f"no checkpoint in {directory}/checkpoints")
+    if step is not None and step not in steps:
+        raise CheckpointError(f"--step {step}: {directory} has checkpoints at steps {steps}")
+    return steps[-1] if step is None else step
+
+
 def read_meta(directory, step: int | None = None) -> dict:
     """The JSON record of a checkpoint (the latest by default)."""
     mngr = _manager(directory)

@@ -63,6 +63,9 @@ class Config:
     type_vocab: int = 0  # > 0: token-type embeddings (BERT)
     embed_norm: bool = False  # a norm after the embeddings (BERT)
     mlm_head: bool = False  # BERT's MLM head: dense, activation, norm, then a vocab bias
+    # >= 0: positions count the tokens that are not this id (RoBERTa's padding_idx): a
+    # token reads row position_pad + (such tokens up to it), one of this id row position_pad
+    position_pad: int = -1
     dropout: float = 0.0
     experts: int = 0  # > 0: mixture-of-experts FFN (docs/models.md, "Mixture of experts")
     experts_per_token: int = 2  # k: the experts each token reaches

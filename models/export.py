@@ -1,9 +1,12 @@
-"""`namedmesh export RUN --out DIR`: a training run's latest checkpoint as a Hugging Face
-folder (config.json, model.safetensors, tokenizer.json) that transformers loads.
+"""`namedmesh export RUN --out DIR [--step N]`: a training run's checkpoint (the latest by
+default) as a Hugging Face folder (config.json, model.safetensors, tokenizer.json) that
+transformers loads.
 
 A run fine-tuned from a Hugging Face folder (`train --init-from`) goes back out as its
-base's family with the base's config.json. A run of the zoo's `lm` goes out as GPT-2,
-whose architecture it shares where its config has layer norms, tanh-GELU, learned
+base's family with the base's config.json, generation_config.json, tokenizer_config.json
+and chat template, from the run's copy of them (RUN/base: the base folder is not read).
+A run of the zoo's `lm` goes out as GPT-2, whose architecture it shares where its
+config has layer norms, tanh-GELU, learned
 positions, tied embeddings and d_kv * heads == d_model: its missing biases are zeros
 and the tied softmax's d_model**-0.5 is folded into the final norm. Other models are
 refused by name. A byte-tokenizer run writes no tokenizer.json (it has no `tokenizers`
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -43,6 +47,7 @@ def arguments(argv=None, prog: str = "python -m models.export") -> argparse.Name
     p = Parser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("run", help="a training run's --out folder")
     p.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (the latest)")
     return p.parse_args(argv)
 
 
@@ -99,22 +104,28 @@ def as_gpt2(params: dict, cfg):
     return out, cfg2
 
 
-def export(run: str | Path, out: str | Path) -> Path:
-    """Write the run's latest checkpoint to `out` as a Hugging Face folder."""
+def export(run: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """Write the run's checkpoint at `step` (the latest by default) to `out` as a
+    Hugging Face folder."""
     from models import data, generate, hub
 
     run = Path(run)
-    params, cfg, tokenizer = generate.load(run)  # refuses runs that are not decoder LMs
+    params, cfg, tokenizer = generate.load(run, step)  # refuses runs that are not decoder LMs
     if (run / "config.json").exists() and not (run / "run.json").exists():
         raise hub.HubError(f"{run} is a Hugging Face folder already; export reads a run")
     flags = json.loads((run / "run.json").read_text())
+    base = generate.base_folder(run)  # a fine-tune's copy of its base's files
     if flags.get("init_from"):
-        family, hf = hub.read_config(Path(flags["init_from"]))
+        family, hf = hub.read_config(base or Path(flags["init_from"]))
     else:
         family, hf = "gpt2", gpt2_config(cfg)
         params, cfg = as_gpt2(params, cfg)
     tok = tokenizer.tok if isinstance(tokenizer, data.BPETokenizer) else None
     hub.save(hub.HubModel(family, cfg, params, tok, hf), out)
+    for name in ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):  # fmt: skip
+        if base is not None and (base / name).exists():
+            shutil.copyfile(base / name, Path(out) / name)
     return Path(out)
 
 
@@ -124,7 +135,7 @@ def main(argv=None, prog: str = "python -m models.export") -> int:
     from namedmesh.errors import NamedMeshError
 
     try:
-        folder = export(args.run, args.out)
+        folder = export(args.run, args.out, args.step)
     except (CheckpointError, NamedMeshError, KeyError) as e:
         print(f"{prog.removeprefix('python -m ')}: error: {e}".splitlines()[0], file=sys.stderr)
         return 2

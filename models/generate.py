@@ -4,6 +4,8 @@
         --mode greedy|sample|beam --max-new 200
     python -m models.generate --checkpoint runs/tiny --prompts prompts.txt --mode sample \\
         --temperature 0.8 --top-k 40 --top-p 0.9 --eos 10 --max-length 64
+    python -m models.generate --checkpoint path/to/instruct --chat --prompt "Hi" \\
+        --mesh data=1,model=4 --layout "heads:model;d_ff:model"
 
 The prompts (one per line of --prompts) decode as one batch: one forward pass over
 the right-padded prompts fills a KV cache of --max-length slots per layer (prefill),
@@ -15,29 +17,37 @@ draws from softmax(logits / T) restricted to the --top-k likeliest tokens and th
 --top-p nucleus; beam (one prompt) keeps the --beams likeliest continuations. A T5
 folder encodes each prompt once and decodes from its decoder start token,
 cross-attending to the encoding.
+
+A Hugging Face folder (or a run fine-tuned from one, which keeps the base's files in
+OUT/base) brings its tokenizer, its EOS ids (generation_config.json, config.json: the
+default --eos; a row ends at any of them) and its chat template (--chat renders the
+prompt as one user turn of it), as models/folder_tokens.py reads them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import jax
 
-from models import checkpoint, config, data, hub, transformer, zoo
+from lowering import Mesh
+from models import checkpoint, config, data, folder_tokens, hub, transformer, zoo
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.sampling import Sampling
-from models.train import Parser
+from models.train import Parser, parse_mesh, simulate_devices
 from namedmesh.errors import NamedMeshError, ParameterError
 
 __all__ = ["Decoder", "decode_step", "init_cache", "prefill_step", "load", "main"]
 
 
-def load(run: str | Path):
-    """(params, cfg, tokenizer) of the latest checkpoint of a training run's folder, or
-    of a Hugging Face folder (config.json, safetensors, tokenizer.json) of a decoder LM."""
+def load(run: str | Path, step: int | None = None):
+    """(params, cfg, tokenizer) of a training run's checkpoint at `step` (the latest by
+    default), or of a Hugging Face folder (config.json, safetensors, a tokenizer) of a
+    decoder LM."""
     run = Path(run)
     if (run / "config.json").exists() and not (run / "run.json").exists():
         return load_hub(run)
@@ -50,7 +60,8 @@ def load(run: str | Path):
             f"{run} holds a {flags['model']!r} model; generation needs a decoder LM (lm, moe)"
         )
     if flags.get("init_from"):  # fine-tuned from a Hugging Face folder: its config
-        cfg = hub.config_of(flags["init_from"])[1]
+        base = run / hub.BASE  # the run's copy (runs before it existed: the base folder)
+        cfg = hub.config_of(base if (base / "config.json").exists() else flags["init_from"])[1]
     else:
         cfg = model.configure(config.get(flags["config"])).replace(vocab=flags["vocab"])
     cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length", "dtype") if flags.get(k)})
@@ -61,8 +72,17 @@ def load(run: str | Path):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         transformer.abstract(model.shapes(cfg)),
     )
-    params, _ = checkpoint.restore_params(run, target)
+    params, _ = checkpoint.restore_params(run, target, checkpoint.check_step(run, step))
     return params, cfg, data.load_tokenizer(run)
+
+
+def base_folder(run: str | Path) -> Path | None:
+    """The folder whose config.json and tokenizer files describe `run`'s model: a
+    Hugging Face folder itself, a fine-tune's OUT/base; None for a zoo run."""
+    run = Path(run)
+    if (run / "config.json").exists() and not (run / "run.json").exists():
+        return run
+    return run / hub.BASE if (run / hub.BASE / "config.json").exists() else None
 
 
 def load_hub(folder: Path):
@@ -74,9 +94,8 @@ def load_hub(folder: Path):
             f"{folder} holds a {model.family} model; generation needs a decoder LM or an "
             f"encoder-decoder ({', '.join(generating)})"
         )
-    if model.tokenizer is None:
-        raise hub.MissingFileError(f"{folder}: no tokenizer.json to encode the prompt with")
-    return model.params, model.config, data.BPETokenizer(model.tokenizer)
+    tokenizer = folder_tokens.required(folder, model.family, "--checkpoint")
+    return model.params, model.config, data.BPETokenizer(tokenizer)
 
 
 def decoder_start(path: str | Path) -> int | None:
@@ -142,34 +161,86 @@ def arguments(argv=None, prog: str = "python -m models.generate"):
     )
     p.add_argument(
         "--eos",
-        type=int,
         default=None,
-        help="a token id that ends a row: the row emits it from then on and its text stops "
-        "before it (None: no end token)",
+        help="a token id or a token's text that ends a row: the row emits it from then on "
+        "and its text stops before it (None: the folder's generation_config.json / "
+        "config.json EOS ids, any of which ends a row; none: no end token)",
     )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="render each prompt as a user turn of the folder's chat template (instruct models)",
+    )
+    p.add_argument(
+        "--mesh", type=parse_mesh, default=None, help="mesh axes and sizes, e.g. data=2,model=4"
+    )
+    p.add_argument("--layout", default="", help='rules like "heads:model;d_ff:model" (with --mesh)')
     p.add_argument("--beams", type=int, default=4, help="beam: the beam's width")
     p.add_argument("--seed", type=int, default=0, help="sample: the random seed")
     return p.parse_args(argv)
 
 
+def eos_of(text: str | None, tokenizer, folder: Path | None) -> list[int]:
+    """The end ids of --eos: an int, a token's text, none, or (None) the folder's."""
+    if text is None:
+        return folder_tokens.eos_ids(folder) if folder is not None else []
+    if text == "none":
+        return []
+    if text.lstrip("-").isdigit():
+        return [int(text)]
+    found = tokenizer.tok.token_to_id(text) if isinstance(tokenizer, data.BPETokenizer) else None
+    if found is None:
+        raise ParameterError(f"--eos {text!r} is neither a token id nor a token of the tokenizer")
+    return [found]
+
+
+def encode_prompts(texts, tokenizer, folder: Path | None, chat: bool) -> list[list[int]]:
+    """Token ids of each prompt; with `chat`, of the folder's chat template rendered
+    around it (its special tokens are the template's: none added by the tokenizer)."""
+    if not chat:
+        return [[int(i) for i in tokenizer.encode(t)] for t in texts]
+    if folder is None or not isinstance(tokenizer, data.BPETokenizer):
+        raise ParameterError("--chat needs a Hugging Face folder (or a fine-tune of one)")
+    rendered = [folder_tokens.apply_chat(folder, t) for t in texts]
+    return [tokenizer.tok.encode(t, add_special_tokens=False).ids for t in rendered]
+
+
 def main(argv=None, prog: str = "python -m models.generate") -> int:
     args = arguments(argv, prog)
+    if args.mesh:
+        simulate_devices(math.prod(args.mesh.values()))
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before loading
         texts = read_prompts(args.prompts) if args.prompts else [args.prompt]
         if args.mode == "beam" and len(texts) > 1:
             raise ParameterError("--mode beam decodes one prompt; --prompts gave several")
+        if args.layout and not args.mesh:
+            raise ParameterError("--layout places the model on a --mesh; pass --mesh too")
         params, cfg, tokenizer = load(args.checkpoint)
-        dec = Decoder(params, cfg, slots=args.max_length)
-        prompts = [[int(i) for i in tokenizer.encode(t)] for t in texts]
+        mesh = Mesh(args.mesh) if args.mesh else None
+        if mesh is not None:  # on the host, for the lowered programs to lay out
+            params = jax.device_get(params)
+        dec = Decoder(params, cfg, slots=args.max_length, mesh=mesh, layout=args.layout)
+        folder = base_folder(args.checkpoint)
+        prompts = encode_prompts(texts, tokenizer, folder, args.chat)
+        ends = eos_of(args.eos, tokenizer, folder)
+        if args.eos is None:  # a folder's id past the vocabulary is never decoded (GPT-2's
+            ends = [e for e in ends if 0 <= e < cfg.vocab]  # 50256 on a smaller vocab)
+        args.eos = ends[0] if ends else None
         start = decoder_start(args.checkpoint)
-        outputs = _decode(dec, prompts, start, sampling, args)
+        outputs = [_cut(row, ends) for row in _decode(dec, prompts, start, sampling, args)]
     except (checkpoint.CheckpointError, KeyError, NamedMeshError) as e:
         print(f"{prog.removeprefix('python -m ')}: error: {e}", file=sys.stderr)
         return 2
     for text, out in zip(texts, outputs, strict=True):
-        print(("" if start is not None else text) + tokenizer.decode(out))
+        print(("" if start is not None or args.chat else text) + tokenizer.decode(out))
     return 0
+
+
+def _cut(row: list[int], ends: list[int]) -> list[int]:
+    """The row up to its first end id (the decoder stops at the first of them only)."""
+    at = [i for i, t in enumerate(row) if t in ends]
+    return row[: at[0]] if at else row
 
 
 def _decode(dec: Decoder, prompts: list[list[int]], start, sampling, args) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """Checkpoints in the Hugging Face layout: load the folders of the families in
 models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX, OPT, Gemma 1-3,
-T5, BERT) into the zoo's named parameters, run them under any layout, save them back.
+T5, BERT, RoBERTa, DistilBERT) into the zoo's named parameters, run them under any
+layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors
     logits = model.logits(ids)                          # Tensor (batch, length, vocab)
@@ -33,7 +34,7 @@ import numpy as np
 import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.layout import partition_spec
-from models import transformer, zoo
+from models import folder_tokens, transformer, zoo
 from models.config import Config
 from models.families import FAMILIES
 from models.families.common import (
@@ -361,10 +362,10 @@ def _prefix(family: str, weights: Weights) -> str:
 
 def load(path, mesh: Mesh | None = None, layout: Layout | str | None = None) -> HubModel:
     """The model in a Hugging Face folder (config.json, model.safetensors or a sharded
-    model.safetensors.index.json, tokenizer.json when present). With a `mesh`, each
-    parameter is laid out by `layout` (rules on the zoo's dims) and every device's shard
-    is read from the file as a slice, so the model need not fit one device; without,
-    parameters are whole on the default device. Raises MissingFileError,
+    model.safetensors.index.json, a tokenizer when present: models/folder_tokens.py).
+    With a `mesh`, each parameter is laid out by `layout` (rules on the zoo's dims) and
+    every device's shard is read from the file as a slice, so the model need not fit one
+    device; without, parameters are whole on the default device. Raises MissingFileError,
     UnsupportedModelError, WeightShapeError (all HubError)."""
     folder = Path(path)
     family, hf = read_config(folder)
@@ -408,10 +409,39 @@ def _check_all_read(family: str, files: dict, weights: Weights) -> None:
 
 
 def config_of(path) -> tuple[str, Config]:
-    """(family, the zoo's Config) of a Hugging Face folder, reading no weights."""
+    """(family, the zoo's Config) of a Hugging Face folder, reading no weights (or of a
+    run's copy of its base, `copy_base`, whose tensors.json names the weights)."""
     folder = Path(path)
     family, hf = read_config(folder)
-    return family, family_config(family, hf, set(Weights(folder).where))
+    if (folder / "tensors.json").exists():
+        names = set(json.loads((folder / "tensors.json").read_text()))
+    else:
+        names = set(Weights(folder).where)
+    return family, family_config(family, hf, names)
+
+
+BASE = "base"  # a fine-tune's copy of its base folder, in the run's folder
+# what a run keeps of its base: everything but the weights
+BASE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+)  # fmt: skip
+
+
+def copy_base(path, dest) -> str:
+    """Copy a Hugging Face folder's config, tokenizer and special-token files (not its
+    weights) to `dest`, with tensors.json naming its weights' tensors, so a fine-tune
+    no longer needs its base folder; returns the family."""
+    import shutil
+
+    folder, dest = Path(path), Path(dest)
+    family, _ = read_config(folder)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in BASE_FILES:
+        if (folder / name).exists():
+            shutil.copyfile(folder / name, dest / name)
+    (dest / "tensors.json").write_text(json.dumps(sorted(Weights(folder).where)))
+    return family
 
 
 def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubModel:
@@ -425,7 +455,7 @@ def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubMo
     for p, t in files.items():
         _check_shape(t, weights, p)
         _set(params, p, nm.tensor(_place(t, weights, mesh, layout, p), t.dims))
-    return HubModel(family, cfg, params, _tokenizer(folder), hf, mesh, layout)
+    return HubModel(family, cfg, params, folder_tokens.read(folder, family), hf, mesh, layout)
 
 
 def _check_shape(t: FileTensor, weights: Weights, path: str) -> None:
@@ -454,17 +484,9 @@ def _place(t: FileTensor, weights: Weights, mesh, layout, path: str) -> jax.Arra
 
 
 def tokenizer_of(path):
-    """The folder's tokenizer.json as a tokenizers.Tokenizer, or None."""
-    return _tokenizer(Path(path))
-
-
-def _tokenizer(folder: Path):
-    path = folder / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
+    """The folder's tokenizer (models/folder_tokens.py: tokenizer.json, vocab.json +
+    merges.txt or tokenizer.model) as a tokenizers.Tokenizer, or None."""
+    return folder_tokens.read(path, read_config(Path(path))[0])
 
 
 def save(model: HubModel, path) -> None:

@@ -15,7 +15,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh, auto_layout
 from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
-from models import checkpoint, config, data, hub, zoo
+from models import checkpoint, config, data, folder_tokens, hub, zoo
 from models.trainer import Trainer, bits_per_byte, optimizer
 from namedmesh.errors import NamedMeshError
 
@@ -110,7 +110,34 @@ def setup(args):
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
+    # the optimizer's state besides: adamw's two moments per parameter, on every device
+    state = _count(trainer) * 4 * (2 if args.optimizer == "adamw" else 1)
+    check_memory(report.peak_memory + state, mesh, f"--config {args.config}")
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
+
+
+def check_memory(per_device: int, mesh, what: str) -> None:
+    """UsageError when a per-device estimate (the lowering report's peak memory and the
+    optimizer's state, replicated at most), on every device of the mesh this process
+    holds, exceeds the memory it has: the host's available memory for CPU devices (which
+    share it), else each device's own limit. Checked before any parameter exists, so a
+    model too big is refused in seconds, not killed in minutes."""
+    devices = [d for d in mesh.jax_mesh.devices.flat if d.process_index == jax.process_index()]
+    if devices[0].platform == "cpu":
+        import psutil
+
+        need, have, where = per_device * len(devices), psutil.virtual_memory().available, "host"
+    else:
+        stats = devices[0].memory_stats() or {}
+        need, have, where = per_device, stats.get("bytes_limit"), "device"
+    if have is not None and need > have:
+        raise UsageError(
+            f"{what} needs an estimated {need / 2**30:.1f} GiB ({per_device / 2**30:.1f} GiB "
+            f"per device: the lowering report's peak and the optimizer's state, x "
+            f"{len(devices)} devices) but the {where} has {have / 2**30:.1f} GiB available: "
+            "pass a smaller --batch or "
+            "--length, --remat full, or a layout that splits the model"
+        )
 
 
 def _bpe_text(text, valid, path) -> str:
@@ -125,19 +152,23 @@ def _bpe_text(text, valid, path) -> str:
 
 def from_hub(args):
     """(model, cfg, tokenizer) of the Hugging Face folder `args.init_from`: a decoder LM
-    (hub.DECODERS) with its tokenizer.json, or the byte tokenizer when it has none."""
+    (hub.DECODERS) with its tokenizer (models/folder_tokens.py; a folder without one is
+    refused, never given the byte tokenizer). args.config becomes the family's name."""
+    base = Path(args.out) / hub.BASE  # a resumed fine-tune's copy of its base
+    folder = base if args.resume and (base / "config.json").exists() else args.init_from
     try:
-        family, cfg = hub.config_of(args.init_from)
+        family, cfg = hub.config_of(folder)
+        if family not in hub.DECODERS:
+            raise UsageError(
+                f"--init-from: {args.init_from} holds a {family} model; fine-tuning reads "
+                f"decoder LMs ({', '.join(hub.DECODERS)})"
+            )
+        tokenizer = folder_tokens.required(folder, family, "--init-from")
     except hub.HubError as e:
-        raise UsageError(f"--init-from: {e}") from None
-    if family not in hub.DECODERS:
-        raise UsageError(
-            f"--init-from: {args.init_from} holds a {family} model; fine-tuning reads decoder "
-            f"LMs ({', '.join(hub.DECODERS)})"
-        )
-    args.model = "lm"
-    tokenizer = hub.tokenizer_of(args.init_from)
-    tokenizer = data.ByteTokenizer() if tokenizer is None else data.BPETokenizer(tokenizer)
+        raise UsageError(f"--init-from: {e}" if "--init-from" not in str(e) else str(e)) from None
+    args.model, args.config = "lm", family
+    args.tokenizer = f"{folder_tokens.source(folder)} of --init-from"
+    tokenizer = data.BPETokenizer(tokenizer)
     if tokenizer.vocab_size > cfg.vocab:
         raise UsageError(
             f"--init-from: the tokenizer has {tokenizer.vocab_size} ids, the model's embedding "
@@ -196,7 +227,8 @@ def train(args) -> None:
     model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule = setup(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"model {args.model} ({args.config}): {_count(trainer):,} parameters")
+    print(f"model {args.model} ({args.config}): {_count(trainer):,} parameters; tokenizer "
+          f"{args.tokenizer}, {tokenizer.vocab_size} ids")  # fmt: skip
     how = "" if args.layout else " (the default: data parallel over the mesh)"
     print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     print("lowering report (forward and backward pass, per step, per device):")
@@ -217,6 +249,7 @@ def train(args) -> None:
         run = {k: getattr(args, k) for k in _RUN_FLAGS}
         if args.init_from:
             run["init_from"] = str(Path(args.init_from).absolute())
+            run["family"] = hub.copy_base(args.init_from, out / hub.BASE)
         (out / "run.json").write_text(json.dumps({**run, "vocab": cfg.vocab}, indent=1))
         tokenizer.save(out)
     ckpt = checkpoint.Checkpointer(out)

@@ -49,7 +49,10 @@ def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Names
     )
     p.add_argument("--model", default="lm", help="the model: lm, moe, bert or encdec")
     p.add_argument(
-        "--config", default="tiny", help="its config: tiny, small, base, lm1b_m1 ... lm1b_5"
+        "--config",
+        default="tiny",
+        help="its config: tiny, small, base, lm1b_m1 ... lm1b_5, the published shapes (gpt2, "
+        "llama3-8b, t5-small...); `--config list` lists them all with their sizes",
     )
     p.add_argument(
         "--mesh",
@@ -155,8 +158,24 @@ def simulate_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def list_configs() -> str:
+    """The named configs, one line each: name, layers, d_model, heads, d_ff, vocab, length."""
+    from models.config import CONFIGS
+
+    rows = [("name", "layers", "d_model", "heads", "d_ff", "vocab", "length")]
+    rows += [
+        (k, c.layers, c.d_model, c.heads, c.d_ff, c.vocab, c.length) for k, c in CONFIGS.items()
+    ]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def main(argv=None, prog: str = "python -m models.train") -> int:
     args = arguments(argv, prog)
+    if args.config == "list":
+        print(list_configs())
+        return 0
     simulate_devices(math.prod(args.mesh.values()))
     from models.run import UsageError, train
 

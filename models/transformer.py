@@ -322,7 +322,9 @@ def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None)
     and the token types' embeddings (int Tensor like tokens; 0 when None) where the
     model has them, then the embedding norm (BERT)."""
     x = embed_tokens(params, tokens, cfg)
-    if "pos" in params:
+    if "pos" in params and cfg.position_pad >= 0:
+        x = x + counted_positions(params["pos"], tokens, cfg.position_pad)
+    elif "pos" in params:
         n, at = tokens.size_of("length"), cfg.position_offset
         table = params["pos"]
         whole = at == 0 and n == table.size_of("length")
@@ -341,6 +343,14 @@ def embed_tokens(params: dict, tokens: nm.Tensor, cfg: Config) -> nm.Tensor:
     if "project_in" in params:
         x = nm.einsum(x, params["project_in"], out=(*x.dims[:-1], "d_model"))
     return x
+
+
+def counted_positions(table: nm.Tensor, tokens: nm.Tensor, pad: int) -> nm.Tensor:
+    """RoBERTa's position embeddings: a token reads row pad + (tokens up to it that are
+    not `pad`), a `pad` token row pad (transformers' create_position_ids_from_input_ids)."""
+    real = (tokens != pad).astype(np.int32)
+    rows = nm.cumsum(real, "length") * real + pad
+    return nm.gather(table.rename(length="memory"), "memory", rows)
 
 
 def embed_extras(params: dict, x: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:

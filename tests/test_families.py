@@ -36,6 +36,8 @@ def cases():
     T = transformers
     llama = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32)
+    encoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, max_position_embeddings=32)
     rope = lambda kind, **kw: {"rope_parameters": {"rope_type": kind, "rope_theta": 500.0, **kw}}
     phi3 = {**llama, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     longrope = {"rope_type": "longrope", "rope_theta": 500.0, "partial_rotary_factor": 0.75,
@@ -89,6 +91,11 @@ def cases():
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
                                                 "rope_theta": 500.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+        # masked LMs: 4 heads, so a layout splits them over 4 devices; IDS hold pad id 1
+        "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(**encoder, type_vocab_size=1)),
+        "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig(
+            vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
+            max_position_embeddings=32, sinusoidal_pos_embds=True)),
     }
 # fmt: on
 
@@ -99,9 +106,10 @@ def cases():
 # projected embeddings in a decoding step, Gemma 2's caps and per-layer windows, Gemma 3's
 # per-layer rotary bases;
 # layouts where the weights' reading differs: Phi-3's unequal q/k/v parts over kv_heads,
-# GPT-NeoX's per-head q/k/v over heads, Gemma 3's per-layer constants. Within the budget.
+# GPT-NeoX's per-head q/k/v over heads, Gemma 3's per-layer constants, the encoders'
+# heads. Within the budget.
 GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "opt_350m", "gemma2", "gemma3"]
-LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox", "gemma3"]
+LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox", "gemma3", "roberta", "distilbert"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
@@ -173,6 +181,21 @@ def test_configs_hold_the_families_options(loaded):
     assert g3.qk_norm and g3.sliding_layers == (True, False, True)
     ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
     assert ropes == ("linear", 4.0, 500.0, 50.0)
+
+
+def test_roberta_positions_count_past_left_padding(built, loaded):
+    """Rows left-padded with RoBERTa's pad id 1: transformers numbers the real tokens from
+    row 2 whatever the padding, as the zoo does (numbering by index would be off)."""
+    pad = np.array([[0], [3], [6], [1]])
+    ids = np.where(np.arange(LENGTH)[None, :] < pad, 1, np.where(IDS == 1, 2, IDS))
+    mask = (ids != 1).astype(np.int64)
+    with torch.no_grad():
+        want = built["roberta"][1](input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    got = as_array(loaded["roberta"].logits(ids, attention_mask=mask))[mask == 1]
+    want = want.logits.numpy()[mask == 1]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert loaded["roberta"].config.position_pad == 1
+    assert loaded["distilbert"].config.type_vocab == 0
 
 
 @pytest.mark.parametrize("name", LAYOUT)
@@ -320,6 +343,13 @@ def test_older_config_spellings_read_the_same(built, loaded, tmp_path, name):
     model = hub.load(relabel(built, name, tmp_path, **OLDER[name]))
     assert model.config == loaded[name].config
     assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
+
+
+def test_roberta_with_another_activation_is_refused(built, tmp_path):
+    """Its head's GELU is fixed: a hidden_act of gelu_new would apply to the head too."""
+    folder = relabel(built, "roberta", tmp_path, hidden_act="gelu_new")
+    with pytest.raises(hub.UnsupportedModelError, match="hidden_act='gelu_new'"):
+        hub.load(folder)
 
 
 def test_kernels_refuse_what_they_do_not_implement(loaded):

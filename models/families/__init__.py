@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from models.families import (
     bert,
+    distilbert,
     gemma,
     gemma2,
     gemma3_text,
@@ -17,6 +18,7 @@ from models.families import (
     phi3,
     qwen2,
     qwen3,
+    roberta,
     t5,
 )
 from models.families.common import Family
@@ -37,5 +39,7 @@ FAMILIES: dict[str, Family] = {
         gemma.FAMILY,
         gemma2.FAMILY,
         gemma3_text.FAMILY,
+        roberta.FAMILY,
+        distilbert.FAMILY,
     )
 }

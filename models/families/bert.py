@@ -1,6 +1,7 @@
 """BERT (BertForMaskedLM): post-norm encoder, learned absolute positions, token-type
 embeddings, exact GELU, the masked-LM head (dense, activation, LayerNorm, vocab bias)
-over the tied embedding; padding masks over the keys."""
+over the tied embedding; padding masks over the keys. RoBERTa is this encoder with
+its own positions and head names and imports it."""
 
 from __future__ import annotations
 
@@ -8,23 +9,28 @@ from models.config import Config
 from models.families.common import Entry, Family, act, linear, norm, require
 
 
-def config(hf: dict, names: set[str]) -> Config:
+def encoder_config(hf: dict, **options) -> Config:
+    """The Config of a BERT-shaped config.json, with a family's extra `options`."""
     require(hf, "position_embedding_type", ("absolute",), "absolute")
     require(hf, "is_decoder", (False,), False)
     require(hf, "add_cross_attention", (False,), False)
     require(hf, "tie_word_embeddings", (True,), True)
-    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    d, h, n = hf["hidden_size"], hf["num_attention_heads"], hf["max_position_embeddings"]
     return Config(
         vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf["intermediate_size"],
-        layers=hf["num_hidden_layers"], length=hf["max_position_embeddings"],
-        max_positions=hf["max_position_embeddings"], ffn=act(hf, "hidden_act"),
-        norm_eps=hf.get("layer_norm_eps", 1e-12), norm_position="post", bias=True,
-        scale_tied_logits=False, type_vocab=hf.get("type_vocab_size", 2), embed_norm=True,
-        mlm_head=True,
+        layers=hf["num_hidden_layers"], length=options.pop("length", n), max_positions=n,
+        ffn=act(hf, "hidden_act"), norm_eps=hf.get("layer_norm_eps", 1e-12),
+        norm_position="post", bias=True, scale_tied_logits=False,
+        type_vocab=hf.get("type_vocab_size", 2), embed_norm=True, mlm_head=True, **options,
     )  # fmt: skip
 
 
-def table(cfg: Config, prefix: str) -> list[Entry]:
+def config(hf: dict, names: set[str]) -> Config:
+    return encoder_config(hf)
+
+
+def encoder_table(prefix: str) -> list[Entry]:
+    """The embeddings and layers of BERT's encoder (BertModel's names)."""
     e, layer = f"{prefix}embeddings.", f"{prefix}encoder.layer.{{i}}."
     return [
         Entry("embed", f"{e}word_embeddings.weight", "vocab d_model"),
@@ -39,11 +45,24 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
         *linear("layers/ffn/wi", f"{layer}intermediate.dense", "d_ff", "d_model", True),
         *linear("layers/ffn/wo", f"{layer}output.dense", "d_model", "d_ff", True),
         *norm("layers/ffn_norm", f"{layer}output.LayerNorm", True),
-        *linear("mlm/dense", "cls.predictions.transform.dense", "d_model_out", "d_model", False),
-        Entry("mlm/dense_bias", "cls.predictions.transform.dense.bias", "d_model"),
-        *norm("mlm/norm", "cls.predictions.transform.LayerNorm", True),
-        Entry("mlm/vocab_bias", "cls.predictions.bias", "vocab"),
     ]
+
+
+def mlm_head(dense: str, layer_norm: str, vocab_bias: str) -> list[Entry]:
+    """A masked-LM head: dense (d_model -> d_model), its norm, a bias over the vocab."""
+    return [
+        *linear("mlm/dense", dense, "d_model_out", "d_model", False),
+        Entry("mlm/dense_bias", f"{dense}.bias", "d_model"),
+        *norm("mlm/norm", layer_norm, True),
+        Entry("mlm/vocab_bias", vocab_bias, "vocab"),
+    ]
+
+
+def table(cfg: Config, prefix: str) -> list[Entry]:
+    head = "cls.predictions."
+    return encoder_table(prefix) + mlm_head(
+        f"{head}transform.dense", f"{head}transform.LayerNorm", f"{head}bias"
+    )
 
 
 FAMILY = Family(

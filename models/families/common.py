@@ -61,7 +61,10 @@ class Family(NamedTuple):
     model (models.zoo.MODELS: lm, bert, encdec) that gives shapes, logits and loss;
     `prefixes` are the tensor-name prefixes its files use (tried in order) and `probe`
     a tensor every checkpoint holds; `ignored` are regexes of tensor names that carry
-    nothing (buffers like rotary_emb.inv_freq); `heads` names the transformers class."""
+    nothing (buffers like rotary_emb.inv_freq); `heads` names the transformers class;
+    `tokens` the special tokens ("bos", "eos") its tokenizer puts around a text, which
+    a tokenizer made from vocab.json + merges.txt or tokenizer.model is given
+    (models/folder_tokens.py; a tokenizer.json says so itself)."""
 
     name: str
     config: Callable
@@ -71,6 +74,7 @@ class Family(NamedTuple):
     probe: str
     heads: str
     ignored: tuple[str, ...] = ()
+    tokens: tuple[str, ...] = ()
 
 
 # config.json keys that change nothing the zoo computes at inference: bookkeeping,

@@ -123,5 +123,5 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 FAMILY = Family(
     "llama", config, table, "lm", ("model.", ""), "embed_tokens.weight", "LlamaForCausalLM",
-    ignored=(r".*rotary_emb\.inv_freq$",),
+    ignored=(r".*rotary_emb\.inv_freq$",), tokens=("bos",),  # <s> text (SentencePiece)
 )  # fmt: skip

@@ -29,4 +29,9 @@ def config(hf: dict, names: set[str]) -> Config:
     return llama.decoder_config(hf, names, qkv_bias=True, sliding_window=window(hf))
 
 
-FAMILY = llama.FAMILY._replace(name="qwen2", config=config, heads="Qwen2ForCausalLM")
+FAMILY = llama.FAMILY._replace(
+    name="qwen2",
+    config=config,
+    heads="Qwen2ForCausalLM",
+    tokens=(),  # no BOS: text alone
+)

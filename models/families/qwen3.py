@@ -12,4 +12,9 @@ def config(hf: dict, names: set[str]) -> Config:
     return llama.decoder_config(hf, names, qk_norm=True, sliding_window=qwen2.window(hf))
 
 
-FAMILY = llama.FAMILY._replace(name="qwen3", config=config, heads="Qwen3ForCausalLM")
+FAMILY = llama.FAMILY._replace(
+    name="qwen3",
+    config=config,
+    heads="Qwen3ForCausalLM",
+    tokens=(),  # no BOS: text alone
+)

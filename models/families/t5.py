@@ -82,4 +82,5 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 FAMILY = Family(
     "t5", config, table, "encdec", ("",), "shared.weight", "T5ForConditionalGeneration",
     ignored=(r"^(encoder|decoder)\.embed_tokens\.weight$",),  # copies of shared.weight
+    tokens=("eos",),  # text </s>
 )  # fmt: skip

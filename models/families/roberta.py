@@ -1,0 +1,39 @@
+"""RoBERTa (RobertaForMaskedLM): BERT's encoder whose positions skip the padding id:
+a token reads position row padding_idx + (the non-pad tokens up to it), a pad token
+row padding_idx (transformers' create_position_ids_from_input_ids, so left padding
+and pad ids inside a row count as transformers counts them); the masked-LM head
+`lm_head` (dense, exact GELU whatever hidden_act is, LayerNorm, tied decoder, bias).
+Tokenizer: byte-level BPE (vocab.json + merges.txt or tokenizer.json), <s> ... </s>."""
+
+from __future__ import annotations
+
+from models.config import Config
+from models.families import bert
+from models.families.common import Family, UnsupportedModelError, act
+
+
+def config(hf: dict, names: set[str]) -> Config:
+    if act(hf, "hidden_act") != "gelu_exact":  # the head's GELU is fixed, the FFN's not
+        raise UnsupportedModelError(
+            f"config.json: hidden_act={hf['hidden_act']!r}: RoBERTa's head applies exact gelu, "
+            "the zoo one activation for both (supported: 'gelu')"
+        )
+    pad = hf.get("pad_token_id", 1)
+    # the first real token reads row pad + 1: max_position_embeddings - pad - 1 positions
+    length = hf["max_position_embeddings"] - pad - 1
+    return bert.encoder_config(hf, position_pad=pad, length=length)
+
+
+def table(cfg: Config, prefix: str):
+    return bert.encoder_table(prefix) + bert.mlm_head(
+        "lm_head.dense", "lm_head.layer_norm", "lm_head.bias"
+    )
+
+
+FAMILY = Family(
+    "roberta", config, table, "bert", ("roberta.",), "embeddings.word_embeddings.weight",
+    "RobertaForMaskedLM",
+    # buffers; the decoder is the tied word embedding and lm_head.bias again
+    ignored=(r".*embeddings\.(position|token_type)_ids$", r"^lm_head\.decoder\.(weight|bias)$"),
+    tokens=("bos", "eos"),  # <s> text </s>
+)  # fmt: skip

@@ -1,0 +1,158 @@
+"""A fine-tune is self-contained and goes back out: a 2-step `train --init-from` of a tiny
+Llama folder (tokenizer.json, generation_config.json, a chat template) keeps its base's
+config and tokenizer files in the run, records family and tokenizer, and once the base
+folder is moved away still exports (any step) a folder whose transformers logits equal
+the zoo's, and still decodes, on a mesh too, what transformers decodes."""
+
+import contextlib
+import io
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import namedmesh as nm  # noqa: E402
+from models import checkpoint, data, export, generate, hub  # noqa: E402
+
+TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"  # noqa: E501
+IDS = np.arange(24).reshape(2, 12) * 7 % 200
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from models.train import main as train
+
+    root = tmp_path_factory.mktemp("finetune")
+    tok = data.BPETokenizer.train(data.split(data.load_text())[0][:30_000], 200)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        eos_token_id=[5, 9], bos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = root / "base"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(base)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, chat_template=TEMPLATE)
+    fast.save_pretrained(base)
+    out = io.StringIO()
+    flags = ["--init-from", str(base), "--steps", "2", "--length", "16", "--batch", "4",
+             "--save-every", "1", "--eval-batches", "1", "--quiet",
+             "--out", str(root / "run")]  # fmt: skip
+    with contextlib.redirect_stdout(out):
+        assert train(flags) == 0
+    shutil.move(base, root / "moved")  # the run must not need its base any more
+    assert tok.vocab_size == 256  # the byte alphabet at least
+    return root / "run", out.getvalue()
+
+
+def test_the_run_records_its_family_and_tokenizer_and_keeps_the_base_files(run):
+    folder, header = run
+    flags = json.loads((folder / "run.json").read_text())
+    assert (flags["family"], flags["config"], flags["model"]) == ("llama", "llama", "lm")
+    assert flags["tokenizer"] == "tokenizer.json of --init-from"
+    assert "model lm (llama)" in header and "tokenizer tokenizer.json of --init-from, 256" in header
+    kept = {p.name for p in (folder / "base").iterdir()}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+    } <= kept
+    assert not any(name.endswith(".safetensors") for name in kept)
+
+
+def zoo_logits(folder, step) -> np.ndarray:
+    params, cfg, _ = generate.load(folder, step)
+    inputs = nm.tensor(IDS.astype(np.int32), ("batch", "length"))
+    logits = hub.forward(params, {"inputs": inputs}, cfg, "llama")
+    return np.asarray(logits.transpose("batch", "length", "vocab").data)
+
+
+def test_any_step_exports_a_folder_transformers_reads_with_equal_logits(run, tmp_path):
+    folder, _ = run
+    got = {}
+    for step in (1, 2):
+        assert (
+            export.main([str(folder), "--out", str(tmp_path / f"s{step}"), "--step", str(step)])
+            == 0
+        )
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"s{step}").eval()
+        with torch.no_grad():
+            got[step] = back(torch.tensor(IDS)).logits.numpy()
+        want = zoo_logits(folder, step)
+        np.testing.assert_allclose(got[step], want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert np.abs(got[1] - got[2]).max() > 1e-3  # the steps differ: each is its own
+    assert (tmp_path / "s2" / "chat_template.jinja").exists()
+    assert json.loads((tmp_path / "s2" / "generation_config.json").read_text())["eos_token_id"] == [
+        5,
+        9,
+    ]
+    with pytest.raises(checkpoint.CheckpointError, match=r"--step 7: .* steps \[1, 2\]"):
+        export.export(folder, tmp_path / "s7", 7)
+
+
+def test_generate_on_a_mesh_decodes_as_transformers_and_stops_at_the_runs_eos(
+    run, tmp_path, capsys
+):
+    """The exported folder in transformers' greedy generate and the run in `generate
+    --mesh --layout`: the same text, ended by the second of the EOS ids of the run's copy
+    of generation_config.json; --chat renders the kept template."""
+    folder, _ = run
+    export.export(folder, tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = data.load_tokenizer(folder)
+    prompt = "The assert"
+    ids = torch.tensor([tok.encode(prompt).tolist()])
+    with torch.no_grad():
+        free = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 3])  # the fourth new token ends the text
+    kept = folder / "base" / "generation_config.json"
+    before = kept.read_text()
+    kept.write_text(json.dumps({"eos_token_id": [5, eos]}))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=[5, eos])
+    new = want[0, ids.shape[1] :].tolist()
+    new = new[: new.index(eos)]
+    assert len(new) <= 3
+    (tmp_path / "p.txt").write_text(prompt + "\n")
+    flags = ["--checkpoint", str(folder), "--prompts", str(tmp_path / "p.txt"),
+             "--max-new", "10", "--max-length", "32", "--mesh", "data=1,model=2",
+             "--layout", "heads:model;d_ff:model"]  # fmt: skip
+    capsys.readouterr()
+    try:
+        assert generate.main(flags) == 0
+    finally:
+        kept.write_text(before)
+    assert capsys.readouterr().out.rstrip("\n") == prompt + tok.decode(new)
+    chat = generate.encode_prompts(["Hi"], tok, generate.base_folder(folder), chat=True)[0]
+    assert tok.decode(chat) == "[Hi]>"
+
+
+def test_config_list_names_every_config_and_a_config_too_big_is_refused_first(
+    tmp_path, capsys, monkeypatch
+):
+    """`--config list` prints each named config; a config whose estimate (the lowering
+    report's peak plus adamw's moments) exceeds the memory available is refused in one
+    line naming both, before any parameter exists (gpt2 was OOM-killed after 268 s)."""
+    import psutil
+
+    from models import config
+    from models.train import main as train
+
+    assert train(["--config", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == list(config.CONFIGS)
+    assert next(x for x in lines if x.startswith("gpt2 ")).split()[1:] == [
+        "12", "768", "12", "3072", "50257", "1024",
+    ]  # fmt: skip
+    memory = psutil.virtual_memory()._replace(available=2**30)  # 1 GiB free
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    flags = ["--config", "base", "--batch", "64", "--steps", "1", "--out", str(tmp_path / "o")]
+    assert train(flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--config base needs an estimated" in err
+    assert "the host has 1.0 GiB available" in err and not (tmp_path / "o").exists()
