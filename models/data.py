@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import objectives
+from models import files, objectives
 
 VALIDATION_FRACTION = 0.1
 
@@ -31,11 +31,24 @@ def load_text(path: str | None = None) -> str:
     p = Path(path)
     if not p.exists():
         raise DataError(f"--data {path}: no such file or folder")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
-    text = "".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    found = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    text = "".join(_text(f, path) for f in found)
     if not text:
         raise DataError(f"--data {path}: no text found")
     return text
+
+
+def _text(file: Path, flag: str) -> str:
+    """A file's text; DataError for a binary file (one holding a NUL byte, as no text
+    does), naming it and the byte."""
+    raw = file.read_bytes()
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise DataError(
+            f"--data {flag}: {file} is not text (a NUL byte at offset {nul}); "
+            "give a UTF-8 text file or a folder of them"
+        )
+    return raw.decode("utf-8", errors="replace")
 
 
 def split(text: str) -> tuple[str, str]:
@@ -57,7 +70,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def save(self, directory: Path) -> None:
-        (Path(directory) / "tokenizer.json").write_text(json.dumps({"kind": "byte"}))
+        files.write_json(Path(directory) / "tokenizer.json", {"kind": "byte"}, indent=None)
 
 
 class BPETokenizer:
@@ -92,7 +105,7 @@ class BPETokenizer:
         return self.tok.decode([int(i) for i in ids])
 
     def save(self, directory: Path) -> None:
-        self.tok.save(str(Path(directory) / "tokenizer.json"))
+        files.write_with(Path(directory) / "tokenizer.json", self.tok.save)
 
 
 def load_tokenizer(directory: str | Path):

@@ -20,17 +20,16 @@ cross-attending to the encoding.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import jax
 
-from models import checkpoint, config, data, hub, transformer, zoo
+from models import checkpoint, config, data, files, hub, transformer, zoo
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.sampling import Sampling
-from models.train import Parser
-from namedmesh.errors import NamedMeshError, ParameterError
+from models.train import Parser, fail, user_errors
+from namedmesh.errors import ParameterError
 
 __all__ = ["Decoder", "decode_step", "init_cache", "prefill_step", "load", "main"]
 
@@ -43,7 +42,7 @@ def load(run: str | Path):
         return load_hub(run)
     if not (run / "run.json").exists() or checkpoint.latest_step(run) is None:
         raise checkpoint.CheckpointError(f"{run}: no run.json and checkpoint to load")
-    flags = json.loads((run / "run.json").read_text())
+    flags = files.read_json(run / "run.json", "the run's record")
     model = zoo.get(flags["model"])
     if model.objective != "lm":
         raise checkpoint.CheckpointError(
@@ -161,9 +160,8 @@ def main(argv=None) -> int:
         prompts = [[int(i) for i in tokenizer.encode(t)] for t in texts]
         start = decoder_start(args.checkpoint)
         outputs = _decode(dec, prompts, start, sampling, args)
-    except (checkpoint.CheckpointError, KeyError, NamedMeshError) as e:
-        print(f"models.generate: error: {e}", file=sys.stderr)
-        return 2
+    except (*user_errors(), KeyError) as e:
+        return fail(e, 2, "models.generate")
     for text, out in zip(texts, outputs, strict=True):
         print(("" if start is not None else text) + tokenizer.decode(out))
     return 0

@@ -32,9 +32,10 @@ import numpy as np
 import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.layout import partition_spec
-from models import transformer
+from models import files, transformer
 from models.checkpoint import CheckpointError
 from models.config import Config
+from namedmesh.errors import NamedMeshError
 
 
 class HubError(CheckpointError):
@@ -51,6 +52,15 @@ class MissingFileError(HubError):
 
 class WeightShapeError(HubError):
     """A tensor of the weights whose shape is not the one config.json implies."""
+
+
+class SaveError(HubError):
+    """An export that could not be written; the folder holds what it held before."""
+
+
+class DamagedFileError(HubError):
+    """A config.json, index or safetensors file that is not what it should be: not
+    JSON, truncated, a key missing or of the wrong type."""
 
 
 class Entry(NamedTuple):
@@ -315,14 +325,16 @@ class Weights:
         self._open, self._files = safe_open, {}
         index = folder / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.where = {k: folder / v for k, v in weight_map.items()}
+            weight_map = files.read_json(index, "the index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise DamagedFileError(f"{index}: no weight_map object (tensor -> shard file)")
+            self.where = {k: folder / str(v) for k, v in weight_map.items()}
             missing = sorted({str(p) for p in self.where.values() if not p.exists()})
             if missing:
                 raise MissingFileError(f"{index} lists shard(s) that are missing: {missing}")
         elif (folder / "model.safetensors").exists():
             path = folder / "model.safetensors"
-            with safe_open(path, "numpy") as f:
+            with _opened(safe_open, path) as f:
                 self.where = {k: path for k in f.keys()}
         else:
             raise MissingFileError(
@@ -336,9 +348,18 @@ class Weights:
             raise MissingFileError(f"the weights have no tensor {name!r}")
         path = self.where[name]
         if path not in self._files:
-            self._files[path] = self._open(path, "numpy")
+            self._files[path] = _opened(self._open, path)
         found = self._files[path].get_slice(name)
         return _BFloat16Slice(path, name) if found.get_dtype() == "BF16" else found
+
+
+def _opened(safe_open, path: Path):
+    """safe_open(path); DamagedFileError for a file safetensors refuses (truncated,
+    a damaged header)."""
+    try:
+        return safe_open(path, "numpy")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+        raise DamagedFileError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 class _BFloat16Slice:
@@ -574,7 +595,10 @@ def read_config(folder: Path) -> tuple[str, dict]:
     path = folder / "config.json"
     if not path.exists():
         raise MissingFileError(f"{folder}: no config.json (is it a Hugging Face model folder?)")
-    hf = json.loads(path.read_text())
+    try:
+        hf = files.read_json(path, "config.json")
+    except files.FileReadError as e:
+        raise DamagedFileError(str(e)) from None
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise UnsupportedModelError(
@@ -606,7 +630,7 @@ def load(path, mesh: Mesh | None = None, layout: Layout | str | None = None) -> 
     family, hf = read_config(folder)
     weights = Weights(folder)
     prefix = _prefix(family, weights)
-    cfg = FAMILIES[family].config(hf, set(weights.where))
+    cfg = _config(family, hf, weights, folder)
     return load_params(folder, family, cfg, hf, weights, prefix, mesh, layout)
 
 
@@ -614,7 +638,20 @@ def config_of(path) -> tuple[str, Config]:
     """(family, the zoo's Config) of a Hugging Face folder, reading no weights."""
     folder = Path(path)
     family, hf = read_config(folder)
-    return family, FAMILIES[family].config(hf, set(Weights(folder).where))
+    return family, _config(family, hf, Weights(folder), folder)
+
+
+def _config(family: str, hf: dict, weights: Weights, folder: Path) -> Config:
+    """The family's Config of config.json; DamagedFileError for a missing key or a
+    value of the wrong type."""
+    try:
+        return FAMILIES[family].config(hf, set(weights.where))
+    except KeyError as e:
+        raise DamagedFileError(f"{folder}/config.json lacks the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, HubError | NamedMeshError):
+            raise
+        raise DamagedFileError(f"{folder}/config.json: a value of the wrong type ({e})") from None
 
 
 def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubModel:
@@ -671,11 +708,12 @@ def _tokenizer(folder: Path):
 def save(model: HubModel, path) -> None:
     """Write `model` as a Hugging Face folder: config.json (the loaded one), the
     parameters in model.safetensors under the family's names, and tokenizer.json when
-    the model has a tokenizer. transformers' from_pretrained loads it back."""
+    the model has a tokenizer. transformers' from_pretrained loads it back. The folder
+    is written whole beside `path` and then replaces it, so nothing of an export that
+    was there survives (no stale shard or index) and a failed write (full disk,
+    read-only folder) leaves it intact: SaveError."""
     from safetensors.numpy import save_file
 
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     prefix = FAMILIES[model.family].prefixes[0]
     out: dict[str, np.ndarray] = {}
     for p, t in tensors(model.family, model.config, prefix).items():
@@ -685,11 +723,18 @@ def save(model: HubModel, path) -> None:
                 t.write(value[i], out, i)
         else:
             t.write(value, out, None)
-    save_file(
-        {k: np.ascontiguousarray(v) for k, v in out.items()},
-        folder / "model.safetensors",
-        {"format": "pt"},
-    )
-    (folder / "config.json").write_text(json.dumps(model.hf_config, indent=2))
-    if model.tokenizer is not None:
-        model.tokenizer.save(str(folder / "tokenizer.json"))
+
+    def write(folder: Path) -> None:  # a fresh folder, then put in place of the old whole
+        tensors_ = {k: np.ascontiguousarray(v) for k, v in out.items()}
+        try:
+            save_file(tensors_, folder / "model.safetensors", {"format": "pt"})
+        except Exception as e:  # safetensors' own SafetensorError wraps the OS's
+            raise e if isinstance(e, OSError) else OSError(str(e)) from None
+        (folder / "config.json").write_text(json.dumps(model.hf_config, indent=2))
+        if model.tokenizer is not None:
+            model.tokenizer.save(str(folder / "tokenizer.json"))
+
+    try:
+        files.replace_folder(path, write)
+    except files.FileWriteError as e:
+        raise SaveError(str(e)) from None

@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import sys
+from typing import NamedTuple
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -28,8 +29,58 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(
                 f"--mesh {text!r}: expected axis=size pairs separated by commas, e.g. rows=2,cols=4"
             )
+        if name.strip() in out:
+            raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {name.strip()!r} given twice")
         out[name.strip()] = int(size)
     return out
+
+
+class Range(NamedTuple):
+    """The values a numeric flag takes: low <= value (low < value when `open_low`),
+    value <= high when high is given; floats must be finite."""
+
+    low: float
+    high: float | None = None
+    open_low: bool = False
+
+    def holds(self, value) -> bool:
+        if not math.isfinite(value) or (value <= self.low if self.open_low else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def __str__(self) -> str:
+        low = f"> {self.low}" if self.open_low else f">= {self.low}"
+        return low if self.high is None else f"{low} and <= {self.high}"
+
+
+# Every numeric flag's allowed values, checked before anything is read or compiled (None
+# values mean "the config's" and are not checked).
+RANGES = {
+    "steps": Range(1),
+    "batch": Range(1),
+    "length": Range(1),
+    "seed": Range(0, 2**32 - 1),
+    "bpe_vocab": Range(257),  # the 256 bytes and at least one merge
+    "lr": Range(0, open_low=True),
+    "warmup": Range(0),
+    "clip": Range(0),  # 0: no clipping
+    "dropout": Range(0, 1, open_low=False),
+    "attention_block": Range(1),
+    "grad_accum": Range(1),
+    "eval_every": Range(1),
+    "eval_batches": Range(1),
+    "save_every": Range(1),
+    "skip_nonfinite": Range(0),
+}
+
+
+def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) -> str | None:
+    """The one-line complaint about the first flag outside its range, or None."""
+    for name, allowed in ranges.items():
+        value = getattr(args, name, None)
+        if value is not None and not allowed.holds(value):
+            return f"--{name.replace('_', '-')} {value}: must be {allowed}"
+    return None
 
 
 class Parser(argparse.ArgumentParser):
@@ -112,6 +163,14 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=0,
+        metavar="N",
+        help="skip up to N steps whose loss or gradient norm is not finite (their update is "
+        "not applied) before stopping; 0: stop at the first",
+    )
+    p.add_argument(
         "--init-from",
         default=None,
         help="fine-tune a Hugging Face folder (gpt2, llama): its config, weights, tokenizer",
@@ -124,7 +183,25 @@ def arguments(argv=None) -> argparse.Namespace:
         help="override a model Config field (repeatable), e.g. --set d_model=128",
     )
     p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    complaint = check_ranges(args)
+    if complaint:
+        p.error(complaint)
+    return args
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that reach the command line as one line and exit status 2: ours (a
+    flag, a file, a checkpoint) and those of the file formats underneath (JSON, a
+    file that cannot be read or written); orbax's and safetensors' are turned into
+    CheckpointError where they are read (models/checkpoint.py, models/hub.py)."""
+    import json
+
+    from models.checkpoint import CheckpointError
+    from models.run import UsageError
+    from namedmesh.errors import NamedMeshError
+
+    return (UsageError, NamedMeshError, CheckpointError, json.JSONDecodeError, OSError)
 
 
 def _simulate_devices(n: int) -> None:
@@ -137,14 +214,23 @@ def _simulate_devices(n: int) -> None:
 def main(argv=None) -> int:
     args = arguments(argv)
     _simulate_devices(math.prod(args.mesh.values()))
-    from models.run import UsageError, train
+    from models.run import EXIT_DIVERGED, EXIT_USAGE, DivergedError, train
 
     try:
-        train(args)
-    except UsageError as e:
-        print(f"models.train: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return train(args)
+    except DivergedError as e:
+        return fail(e, EXIT_DIVERGED)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop, where it saves
+        return fail("interrupted before training started; nothing saved", 128 + 2)
+    except user_errors() as e:
+        return fail(e, EXIT_USAGE)
+
+
+def fail(error, status: int, prog: str = "models.train") -> int:
+    """Print `error` as one line `prog: error: ...` on stderr; return `status`."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":
