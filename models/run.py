@@ -282,7 +282,7 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
             log.write(json.dumps(rec) + "\n")
             log.flush()
             if not stats["finite"]:
-                _diverged(args, bar, rec, skipped)
+                _diverged(args, bar, rec, skipped, ckpt)
             if board is not None:
                 for k, v in rec.items():
                     if k not in ("step", "skipped"):
@@ -320,13 +320,14 @@ def _save(ckpt, step: int, state, meta: dict, wait: bool) -> None:
         ckpt.wait()
 
 
-def _diverged(args, bar, rec: dict, skipped: int) -> None:
+def _diverged(args, bar, rec: dict, skipped: int, ckpt) -> None:
     """Say that step rec["step"] was not applied; DivergedError past --skip-nonfinite."""
     what = f"step {rec['step']}: loss {rec['loss']}, gradient norm {rec['grad_norm']}"
     if skipped <= args.skip_nonfinite:
         bar.write(f"{what}: not finite, update skipped ({skipped} of --skip-nonfinite "
                   f"{args.skip_nonfinite})")  # fmt: skip
         return
+    ckpt.wait()  # the newest save finished, so it is listed
     newest = checkpoint.all_steps(args.out)[:1]
     where = f"the newest checkpoint is step {newest[0]}" if newest else "no checkpoint was saved"
     raise DivergedError(

@@ -6,9 +6,16 @@
 Prints the mesh, the layout and the lowering report, then a progress bar; writes
 `OUT/metrics.jsonl` (one JSON object per step), orbax checkpoints under
 `OUT/checkpoints`, `OUT/loss.png` and `OUT/run.json`. `--resume` continues from the
-latest checkpoint in OUT, on any mesh and layout. Bad flags exit with status 2 and a
-one-line error before anything compiles. On CPU, the mesh's devices are simulated
-(XLA's host device count is set to the mesh size unless XLA_FLAGS sets it).
+newest checkpoint in OUT that verifies, on any mesh and layout. On CPU, the mesh's
+devices are simulated (XLA's host device count is set to the mesh size unless XLA_FLAGS
+sets it). What a run promises under faults: docs/models.md.
+
+Exit statuses: 0 every step trained; 2 a bad flag, file or checkpoint, one line on
+stderr before anything compiles (or, for a checkpoint, before training); 3 a step whose
+loss or gradient norm is not finite, beyond --skip-nonfinite (not applied, not saved);
+75 stopped by SIGTERM or SIGINT after saving a checkpoint at a step boundary (run the
+same command with --resume); 130 or 143 a second signal (or none of the step ending
+within models.preempt.GRACE_S seconds), nothing saved.
 """
 
 from __future__ import annotations
@@ -91,6 +98,16 @@ class Parser(argparse.ArgumentParser):
 
 
 def arguments(argv=None) -> argparse.Namespace:
+    """The flags of `argv`, each numeric one checked against RANGES (exit 2 if not)."""
+    p = parser()
+    args = p.parse_args(argv)
+    complaint = check_ranges(args)
+    if complaint:
+        p.error(complaint)
+    return args
+
+
+def parser() -> Parser:
     p = Parser(
         prog="python -m models.train",
         description=__doc__.split("\n")[0],
@@ -183,11 +200,7 @@ def arguments(argv=None) -> argparse.Namespace:
         help="override a model Config field (repeatable), e.g. --set d_model=128",
     )
     p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events")
-    args = p.parse_args(argv)
-    complaint = check_ranges(args)
-    if complaint:
-        p.error(complaint)
-    return args
+    return p
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
