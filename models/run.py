@@ -18,6 +18,7 @@ from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
 from models import agree, checkpoint, config, data, files, hub, zoo
 from models.preempt import Preemption
+from models.train import check_ranges
 from models.trainer import Trainer, bits_per_byte, optimizer
 from namedmesh.errors import NamedMeshError
 
@@ -75,6 +76,9 @@ def setup(args):
             if k in stored:  # a run saved before a flag existed keeps its default
                 setattr(args, k, stored[k])
         args.init_from = stored.get("init_from")
+        complaint = check_ranges(args)  # a run.json edited by hand
+        if complaint:
+            raise UsageError(f"{out}/run.json: {complaint}")
     elif args.resume:
         raise UsageError(f"--resume: no run.json and checkpoint in {out} to resume from")
     elif has_checkpoint:
@@ -390,5 +394,5 @@ def plot(history: list[dict], path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.write_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)

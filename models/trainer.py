@@ -146,7 +146,7 @@ class Trainer:
         """The update, applied only when the loss, the gradients' global norm and the new
         parameters are finite; else the state stays as it was (the optimizer's too)."""
         new, loss, grads = self._apply(state, batch, key)
-        norm = optax.global_norm(grads)
+        norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(new["params"])
         kept = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, state)
         return kept, {"loss": loss, "grad_norm": norm, "finite": finite}

@@ -101,12 +101,19 @@ def test_a_signal_saves_at_the_step_boundary_and_resume_loses_nothing(
     if signum == signal.SIGINT:
         return  # the resume is the same for both
     monkeypatch.undo()
+    resume_loses_nothing(baseline, out, 6, capsys)
+
+
+def resume_loses_nothing(baseline: Path, out: Path, step: int, capsys) -> str:
+    """Resume the run in `out`: it restores `step`, and logs the losses of the run never
+    stopped, every step once. Its stderr."""
     code, stdout, err = main(*RUN, "--out", out, "--resume", capsys=capsys)
     assert code == 0, err
-    assert "resumed from step 6" in stdout
+    assert f"resumed from step {step}" in stdout
     want, got = losses(baseline), losses(out)
     assert list(got) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)
+    return err
 
 
 def command(*flags):
@@ -170,12 +177,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_one(baseline, tmp_
     assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be killed"
     newest = checkpoint.all_steps(out)[0]
     assert newest < STEPS
-    code, stdout, err = main(*RUN, "--out", out, "--resume", capsys=capsys)
-    assert code == 0, err
-    assert "resumed from step" in stdout
-    want, got = losses(baseline), losses(out)
-    assert list(got) == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)
+    resume_loses_nothing(baseline, out, newest, capsys)
 
 
 def test_a_diverging_run_skips_then_stops_and_never_saves_a_non_finite_state(tmp_path, capsys):
@@ -266,13 +268,8 @@ def test_resume_after_a_flipped_bit_and_a_torn_metrics_line_loses_nothing(
     flip_a_bit(out, 12)
     text = (out / "metrics.jsonl").read_text()
     (out / "metrics.jsonl").write_text(text[: len(text) - 30])  # step 12's line torn
-    code, stdout, err = main(*RUN, "--out", out, "--resume", capsys=capsys)
-    assert code == 0, err
+    err = resume_loses_nothing(baseline, out, 8, capsys)
     assert "dropped a torn last line" in err and "fails its checksum" in err
-    assert "resumed from step 8" in stdout
-    want, got = losses(baseline), losses(out)
-    assert list(got) == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)
 
 
 def test_a_non_finite_checkpoint_is_refused_naming_the_last_finite_one(baseline, target, tmp_path):
