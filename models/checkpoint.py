@@ -157,17 +157,41 @@ def all_steps(directory) -> list[int]:
     return sorted(_manager(directory).all_steps(), reverse=True)
 
 
-def _read(mngr, directory, step: int, item: str, args):
-    """One item of a checkpoint; DamagedCheckpointError naming the step and item when
-    orbax (or tensorstore, or json underneath) cannot read it."""
+def _read(mngr, directory, step: int, item: str, args, abstract=None):
+    """One item of a checkpoint; DamagedCheckpointError naming the step, the item and
+    (for arrays, `abstract` their target) the arrays that cannot be read, when orbax
+    (or tensorstore, or json underneath) cannot read it."""
     try:
         return mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
     except Exception as e:  # orbax and tensorstore raise many types for damaged files
         first = (str(e).strip().splitlines() or [""])[0].split(". See full")[0][:300]
+        bad = _unreadable(directory, step, item, abstract) if abstract is not None else []
+        many = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        what = f"array(s) {', '.join(bad[:3])}{many}" if bad else f"its {item}"
         raise DamagedCheckpointError(
-            f"the checkpoint at step {step} in {directory}/checkpoints is damaged: its "
-            f"{item} cannot be read ({type(e).__name__}: {first})"
+            f"the checkpoint at step {step} in {directory}/checkpoints is damaged: "
+            f"{what} cannot be read ({type(e).__name__}: {first})"
         ) from None
+
+
+def _unreadable(directory, step: int, item: str, abstract: dict) -> list[str]:
+    """The arrays of an item that cannot be read, each tried alone (orbax's partial
+    restore, with a manager of its own: the failing one has its item's handler set)."""
+    mngr, bad = _manager(directory), []
+    for path, x in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        keys = [k.key for k in path]
+        one = x
+        for k in reversed(keys):
+            one = {k: one}
+        restore_args = jax.tree_util.tree_map(
+            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), one
+        )
+        try:
+            mngr.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
+                one, restore_args=restore_args, partial_restore=True)}))  # fmt: skip
+        except Exception:  # the same many types as above
+            bad.append(f"{item}/{'/'.join(keys)}")
+    return [] if len(bad) == len(jax.tree_util.tree_leaves(abstract)) else bad  # [] : all
 
 
 def read_meta(directory, step: int | None = None) -> dict:
@@ -234,7 +258,7 @@ def restore_params(directory, target: dict, step: int | None = None):
     meta = read_meta(directory, step)
     _check_params(meta, target, directory, step)
     abstract = jax.tree_util.tree_map(_abstract, _arrays(target))
-    got = _read(mngr, directory, step, "params", ocp.args.StandardRestore(abstract))
+    got = _read(mngr, directory, step, "params", ocp.args.StandardRestore(abstract), abstract)
     params = _as_tensors(got, target)
     _verify(meta, {f"params/{p}": t.data for p, t in named(params)}, directory, step)
     return params, meta
@@ -263,7 +287,7 @@ def restore(directory, target, step: int | None = None):
             f"arrays that do not match this run's {len(want)} (another optimizer?)"
         )
     abstract = {f"{i:05d}": _abstract(x) for i, x in enumerate(leaves)}
-    got = _read(mngr, directory, step, "opt", ocp.args.StandardRestore(abstract))
+    got = _read(mngr, directory, step, "opt", ocp.args.StandardRestore(abstract), abstract)
     _verify(meta, {f"opt/{k}": v for k, v in got.items()}, directory, step)
     opt = jax.tree_util.tree_unflatten(tree, [got[f"{i:05d}"] for i in range(len(leaves))])
     return {"params": params, "opt": opt}, meta

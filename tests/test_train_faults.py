@@ -239,7 +239,7 @@ def empty_newest(out: Path, step: int) -> None:
     "damage, names",
     [
         (flip_a_bit, "step 12 .* array params/\\S+ fails its checksum"),
-        (truncate, "step 12 .* its params cannot be read"),
+        (truncate, "step 12 .* array\\(s\\) params/\\S+ .*cannot be read"),
         (empty_newest, "step 16 .* its meta cannot be read"),
     ],
 )
