@@ -1,7 +1,8 @@
 """Processes of one run compare their run before anything compiles (models/agree.py):
 two processes on 127.0.0.1 (jax.distributed) agree when started alike and both fail,
 within a bounded time and naming the part, when started with different layouts
-(before, such a pair hung forever inside the training step)."""
+(before, such a pair hung forever inside the training step). In between, a SIGTERM to
+one of them makes both stop at the same step (models/preempt.py)."""
 
 import subprocess
 import sys
@@ -27,6 +28,14 @@ from models import agree
 parts = dict(config={"d_model": 64}, mesh={"data": 2}, inputs=[[["batch"], [8]]], step=[])
 agree.check(**parts, layout="batch:data")
 print("agreed on equal parts", flush=True)
+import signal, time
+from models.preempt import Preemption
+with Preemption() as p:  # SIGTERM to process 0 alone: both stop at the same step
+    first = p.should_stop()
+    if pid == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    print(f"should stop: {first} then {p.should_stop()}", flush=True)
 try:
     agree.check(**parts, layout=layout)
 except agree.AgreementError as e:
@@ -60,6 +69,7 @@ def test_processes_with_different_layouts_fail_together_in_bounded_time(tmp_path
     for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
         assert p.returncode == 2, log
         assert "agreed on equal parts" in log, log
+        assert "should stop: False then True" in log, log
         assert f"AgreementError: process {i}:" in log, log
         assert "layout differs on process(es) [1]" in log and "config" not in log, log
 
