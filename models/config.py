@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from models.kernels import KERNELS
+from models.rope import Rope
 from namedmesh.errors import ParameterError
 
 
@@ -51,11 +53,15 @@ class Config:
     norm_eps: float = 1e-6
     norm_position: str = "pre"  # pre: h + f(norm(h)), final norm; post: norm(h + f(h)) (BERT)
     bias: bool = False  # biases on the attention and FFN projections
+    qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each head's queries and keys over d_kv (Qwen3)
+    sliding_window: int = 0  # > 0: a query sees the last `sliding_window` keys (Mistral)
+    attention_softcap: float = 0.0  # > 0: attention logits -> cap * tanh(logits / cap)
     scale_tied_logits: bool = True  # tied softmax: logits of x * d_model**-0.5
     attention_scale: bool = True  # logits q.k * d_kv**-0.5 (False: T5's unscaled)
     positions: str = "learned"  # learned (absolute, max_positions of them) | rotary | none
     max_positions: int = 0  # learned positions in the table (0: `length`)
-    rotary_theta: float = 10000.0
+    rope: Rope = Rope()  # rotary positions: theta and scaling (llama3, linear, dynamic, yarn)
     kv_heads: int = 0  # > 0: grouped-query attention, dims kv_heads and q_per_kv
     relative_buckets: int = 0  # > 0: T5's log-bucketed relative bias, one table per stack
     relative_max_distance: int = 128
@@ -69,7 +75,7 @@ class Config:
     encoder_layers: int = 0  # encoder-decoder: layers of the encoder
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
     remat: str = "none"  # the layer scan's rematerialisation: none | full | dots
-    attention: str = "full"  # full | blockwise (online softmax over key blocks) | ring
+    attention: str = "full"  # a models.kernels.KERNELS name: full | blockwise | ring
     attention_block: int = 128  # keys per block of blockwise attention
     mesh: tuple[tuple[str, int], ...] = (("batch", 1),)  # the paper's mesh shape
     layout: str = "batch:batch"
@@ -79,7 +85,7 @@ class Config:
             "norm": ("layer", "rms"),
             "norm_position": ("pre", "post"),
             "positions": ("learned", "rotary", "none"),
-            "attention": ("full", "blockwise", "ring"),
+            "attention": tuple(KERNELS),
             "remat": ("none", "full", "dots"),
         }
         for field, allowed in choices.items():
@@ -105,6 +111,11 @@ class Config:
             )
         if self.kv_heads and (self.relative_bias or self.relative_buckets):
             raise ConfigError("relative position biases are per `heads`; kv_heads must be 0")
+        if self.sliding_window < 0 or self.attention_softcap < 0:
+            raise ConfigError(
+                f"Config.sliding_window={self.sliding_window} and attention_softcap="
+                f"{self.attention_softcap} must be >= 0 (0: none)"
+            )
         if self.positions == "rotary" and self.d_kv % 2:
             raise ConfigError(f"rotary positions rotate pairs: d_kv={self.d_kv} must be even")
 
@@ -214,7 +225,7 @@ def _t5(d_model: int, heads: int, d_ff: int, layers: int, v1_1: bool = False) ->
 _TINYLLAMA = _llama(vocab=32000, d_model=2048, heads=32, kv_heads=4, d_kv=64, d_ff=5632,
                     layers=22, length=2048)
 _LLAMA3_8B = _llama(vocab=128256, d_model=4096, heads=32, kv_heads=8, d_kv=128, d_ff=14336,
-                    layers=32, length=8192, rotary_theta=500000.0)
+                    layers=32, length=8192, rope=Rope(theta=500000.0))
 # fmt: on
 
 # The architectures people bring, with their published shapes (weights come from files:
@@ -292,9 +303,11 @@ def parse_overrides(items: list[str]) -> dict:
                 value = text.lower() in ("true", "1", "yes")
             elif kind in (int, float, str):
                 value = kind(text)
+            elif dataclasses.is_dataclass(kind):  # a record (Rope): fields as a dict
+                value = kind(**ast.literal_eval(text))
             else:
                 value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError):
             raise ConfigError(
                 f"--set {item!r}: {text!r} is not a valid {getattr(kind, '__name__', kind)} "
                 f"for Config.{name}"

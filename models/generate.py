@@ -66,10 +66,11 @@ def load(run: str | Path):
 def load_hub(folder: Path):
     """(params, cfg, tokenizer) of a Hugging Face folder holding a decoder LM or a T5."""
     model = hub.load(folder)
-    if model.family not in (*hub.DECODERS, "t5"):
+    generating = [k for k, f in hub.FAMILIES.items() if f.model in ("lm", "encdec")]
+    if model.family not in generating:
         raise hub.UnsupportedModelError(
-            f"{folder} holds a {model.family} model; generation needs a decoder LM "
-            f"({', '.join(hub.DECODERS)}) or t5"
+            f"{folder} holds a {model.family} model; generation needs a decoder LM or an "
+            f"encoder-decoder ({', '.join(generating)})"
         )
     if model.tokenizer is None:
         raise hub.MissingFileError(f"{folder}: no tokenizer.json to encode the prompt with")
@@ -83,7 +84,8 @@ def decoder_start(path: str | Path) -> int | None:
     if not (path / "config.json").exists() or (path / "run.json").exists():
         return None
     family, hf = hub.read_config(path)
-    return int(hf.get("decoder_start_token_id") or 0) if family == "t5" else None
+    encdec = hub.FAMILIES[family].model == "encdec"
+    return int(hf.get("decoder_start_token_id") or 0) if encdec else None
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -106,7 +108,7 @@ def arguments(argv=None):
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="a training run's --out folder, or a Hugging Face folder (gpt2, llama, t5)",
+        help="a training run's --out folder, or a Hugging Face folder (a decoder LM or T5)",
     )
     p.add_argument("--prompt", default="The assert statement", help="the text to continue")
     p.add_argument(

@@ -1,12 +1,13 @@
-"""Checkpoints in the Hugging Face layout: load GPT-2, Llama, T5 (v1.0, v1.1) and BERT
-folders into the zoo's named parameters, run them under any layout, save them back.
+"""Checkpoints in the Hugging Face layout: load the folders of the families in
+models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, T5, BERT) into the zoo's
+named parameters, run them under any layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors
     logits = model.logits(ids)                          # Tensor (batch, length, vocab)
     model = hub.load(path, mesh=Mesh({"x": 8}), layout="heads:x;d_ff:x")
     hub.save(model, "out")                              # transformers loads it back
 
-Each family is one table (`TABLES`): a zoo parameter path, the Hugging Face tensor
+Each family's module has one table (`TABLES`): a zoo parameter path, the tensor
 name (with `{i}` for the layer of a stacked parameter), the file tensor's axes as
 groups of the zoo's named dims (`"(heads d_kv) d_model"`: a torch Linear weight, out
 before in, whose out axis is heads and d_kv merged), and for fused tensors (GPT-2's
@@ -24,7 +25,6 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -32,26 +32,23 @@ import numpy as np
 import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.layout import partition_spec
-from models import files, transformer
-from models.checkpoint import CheckpointError
+from models import transformer, zoo
 from models.config import Config
+from models.families import FAMILIES
+from models.families.common import (
+    Entry,
+    HubError,
+    MissingFileError,
+    Options,
+    UnsupportedModelError,
+    WeightShapeError,
+)
+from models.files import FileReadError, FileWriteError, read_json, replace_folder
 from namedmesh.errors import NamedMeshError
 
-
-class HubError(CheckpointError):
-    """A Hugging Face folder that cannot be loaded or a model that cannot be saved."""
-
-
-class UnsupportedModelError(HubError):
-    """A model family (config.json's model_type) or option the zoo does not implement."""
-
-
-class MissingFileError(HubError):
-    """A file (config.json, the weights) or a tensor the family needs is not there."""
-
-
-class WeightShapeError(HubError):
-    """A tensor of the weights whose shape is not the one config.json implies."""
+__all__ = ["Entry", "FAMILIES", "HubError", "MissingFileError", "UnsupportedModelError"]
+__all__ += ["WeightShapeError", "load", "save", "config_of", "tensors", "HubModel"]
+__all__ += ["DamagedFileError", "SaveError"]
 
 
 class SaveError(HubError):
@@ -63,255 +60,15 @@ class DamagedFileError(HubError):
     JSON, truncated, a key missing or of the wrong type."""
 
 
-class Entry(NamedTuple):
-    """One row of a family's table: the zoo path, the file's tensor name (`{i}`: the
-    layer), its axes as groups of zoo dims, and (axis, index, count) when the tensor
-    fuses `count` zoo parameters along `axis` (this one is part `index`)."""
-
-    path: str
-    name: str
-    axes: str
-    part: tuple[int, int, int] | None = None
-
-
-# Shorthands in the tables' axes: Q are the query head dims, KV the key/value head dims.
-def _linear(path: str, name: str, out: str, inp: str, bias: bool) -> list[Entry]:
-    """A torch Linear: weight (out, in), bias (out)."""
-    rows = [Entry(path, f"{name}.weight", f"({out}) ({inp})")]
-    return rows + ([Entry(f"{path}_bias", f"{name}.bias", f"({out})")] if bias else [])
-
-
-def _norm(path: str, name: str, layer: bool, weight: str = "weight") -> list[Entry]:
-    rows = [Entry(f"{path}/scale", f"{name}.{weight}", "d_model")]
-    return rows + ([Entry(f"{path}/bias", f"{name}.bias", "d_model")] if layer else [])
-
-
-def gpt2_table(cfg: Config, prefix: str) -> list[Entry]:
-    h = f"{prefix}h.{{i}}."
-    rows = [
-        Entry("embed", f"{prefix}wte.weight", "vocab d_model"),
-        Entry("pos", f"{prefix}wpe.weight", "length d_model"),
-        *_norm("final_norm", f"{prefix}ln_f", True),
-        *_norm("layers/attn_norm", f"{h}ln_1", True),
-        *_norm("layers/ffn_norm", f"{h}ln_2", True),
-        # Conv1D weights are (in, out); c_attn fuses q, k and v along out.
-        Entry("layers/attn/o", f"{h}attn.c_proj.weight", "(Q d_kv) d_model"),
-        Entry("layers/attn/o_bias", f"{h}attn.c_proj.bias", "d_model"),
-        Entry("layers/ffn/wi", f"{h}mlp.c_fc.weight", "d_model d_ff"),
-        Entry("layers/ffn/wi_bias", f"{h}mlp.c_fc.bias", "d_ff"),
-        Entry("layers/ffn/wo", f"{h}mlp.c_proj.weight", "d_ff d_model"),
-        Entry("layers/ffn/wo_bias", f"{h}mlp.c_proj.bias", "d_model"),
-    ]
-    for i, x in enumerate("qkv"):
-        rows.append(
-            Entry(f"layers/attn/{x}", f"{h}attn.c_attn.weight", "d_model (Q d_kv)", (1, i, 3))
-        )
-        rows.append(Entry(f"layers/attn/{x}_bias", f"{h}attn.c_attn.bias", "(Q d_kv)", (0, i, 3)))
-    return rows
-
-
-def llama_table(cfg: Config, prefix: str) -> list[Entry]:
-    layer, b = f"{prefix}layers.{{i}}.", cfg.bias
-    rows = [
-        Entry("embed", f"{prefix}embed_tokens.weight", "vocab d_model"),
-        *_norm("final_norm", f"{prefix}norm", False),
-        *_norm("layers/attn_norm", f"{layer}input_layernorm", False),
-        *_norm("layers/ffn_norm", f"{layer}post_attention_layernorm", False),
-        *_linear("layers/attn/q", f"{layer}self_attn.q_proj", "Q d_kv", "d_model", b),
-        *_linear("layers/attn/k", f"{layer}self_attn.k_proj", "KV d_kv", "d_model", b),
-        *_linear("layers/attn/v", f"{layer}self_attn.v_proj", "KV d_kv", "d_model", b),
-        *_linear("layers/attn/o", f"{layer}self_attn.o_proj", "d_model", "Q d_kv", b),
-        *_linear("layers/ffn/wi", f"{layer}mlp.gate_proj", "d_ff", "d_model", b),
-        *_linear("layers/ffn/wg", f"{layer}mlp.up_proj", "d_ff", "d_model", b),
-        *_linear("layers/ffn/wo", f"{layer}mlp.down_proj", "d_model", "d_ff", b),
-    ]
-    return rows + (
-        [] if cfg.shared_embedding else [Entry("softmax", "lm_head.weight", "vocab d_model")]
-    )
-
-
-def _t5_stack(cfg: Config, stack: str, path: str, cross: bool) -> list[Entry]:
-    blk = f"{stack}.block.{{i}}.layer."
-    ff = f"{blk}{2 if cross else 1}."
-    rows = [
-        *_norm(f"{path}/attn_norm", f"{blk}0.layer_norm", False),
-        *(
-            Entry(f"{path}/attn/{x}", f"{blk}0.SelfAttention.{x}.weight", f"({a} d_kv) d_model")
-            for x, a in (("q", "Q"), ("k", "KV"), ("v", "KV"))
-        ),
-        Entry(f"{path}/attn/o", f"{blk}0.SelfAttention.o.weight", "d_model (Q d_kv)"),
-        *_norm(f"{path}/ffn_norm", f"{ff}layer_norm", False),
-        Entry(f"{path}/ffn/wo", f"{ff}DenseReluDense.wo.weight", "d_model d_ff"),
-    ]
-    if cfg.ffn.startswith("gated_"):
-        rows.append(Entry(f"{path}/ffn/wi", f"{ff}DenseReluDense.wi_0.weight", "d_ff d_model"))
-        rows.append(Entry(f"{path}/ffn/wg", f"{ff}DenseReluDense.wi_1.weight", "d_ff d_model"))
-    else:
-        rows.append(Entry(f"{path}/ffn/wi", f"{ff}DenseReluDense.wi.weight", "d_ff d_model"))
-    if cross:
-        rows += _norm(f"{path}/cross_norm", f"{blk}1.layer_norm", False)
-        rows += [
-            Entry(f"{path}/cross/{x}", f"{blk}1.EncDecAttention.{x}.weight", "(Q d_kv) d_model")
-            for x in "qkv"
-        ]
-        rows.append(
-            Entry(f"{path}/cross/o", f"{blk}1.EncDecAttention.o.weight", "d_model (Q d_kv)")
-        )
-    return rows
-
-
-def t5_table(cfg: Config, prefix: str) -> list[Entry]:
-    rel = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    rows = [
-        Entry("embed", "shared.weight", "vocab d_model"),
-        Entry("encoder_relative", f"encoder.{rel}", "buckets heads"),
-        Entry("relative", f"decoder.{rel}", "buckets heads"),
-        *_norm("encoder_norm", "encoder.final_layer_norm", False),
-        *_norm("final_norm", "decoder.final_layer_norm", False),
-        *_t5_stack(cfg, "encoder", "encoder", cross=False),
-        *_t5_stack(cfg, "decoder", "layers", cross=True),
-    ]
-    return rows + (
-        [] if cfg.shared_embedding else [Entry("softmax", "lm_head.weight", "vocab d_model")]
-    )
-
-
-def bert_table(cfg: Config, prefix: str) -> list[Entry]:
-    e, layer = f"{prefix}embeddings.", f"{prefix}encoder.layer.{{i}}."
-    return [
-        Entry("embed", f"{e}word_embeddings.weight", "vocab d_model"),
-        Entry("pos", f"{e}position_embeddings.weight", "length d_model"),
-        Entry("type_embed", f"{e}token_type_embeddings.weight", "token_types d_model"),
-        *_norm("embed_norm", f"{e}LayerNorm", True),
-        *_linear("layers/attn/q", f"{layer}attention.self.query", "Q d_kv", "d_model", True),
-        *_linear("layers/attn/k", f"{layer}attention.self.key", "KV d_kv", "d_model", True),
-        *_linear("layers/attn/v", f"{layer}attention.self.value", "KV d_kv", "d_model", True),
-        *_linear("layers/attn/o", f"{layer}attention.output.dense", "d_model", "Q d_kv", True),
-        *_norm("layers/attn_norm", f"{layer}attention.output.LayerNorm", True),
-        *_linear("layers/ffn/wi", f"{layer}intermediate.dense", "d_ff", "d_model", True),
-        *_linear("layers/ffn/wo", f"{layer}output.dense", "d_model", "d_ff", True),
-        *_norm("layers/ffn_norm", f"{layer}output.LayerNorm", True),
-        *_linear("mlm/dense", "cls.predictions.transform.dense", "d_model_out", "d_model", False),
-        Entry("mlm/dense_bias", "cls.predictions.transform.dense.bias", "d_model"),
-        *_norm("mlm/norm", "cls.predictions.transform.LayerNorm", True),
-        Entry("mlm/vocab_bias", "cls.predictions.bias", "vocab"),
-    ]
-
-
-# --- config.json -> Config --------------------------------------------------------
-_ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact", "relu": "relu"}
-_ACT |= {"silu": "silu", "swish": "silu"}
-
-
-def _act(hf: dict, key: str) -> str:
-    name = hf.get(key, "gelu")
-    if name not in _ACT:
-        raise UnsupportedModelError(f"config.json: {key}={name!r} is not one of {sorted(_ACT)}")
-    return _ACT[name]
-
-
-def _require(hf: dict, key: str, allowed, default=None) -> None:
-    if hf.get(key, default) not in allowed:
-        raise UnsupportedModelError(
-            f"config.json: {key}={hf.get(key)!r} is not supported (supported: {allowed})"
-        )
-
-
-def gpt2_config(hf: dict, names: set[str]) -> Config:
-    _require(hf, "scale_attn_by_inverse_layer_idx", (False,), False)
-    d, h = hf["n_embd"], hf["n_head"]
-    return Config(
-        vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf.get("n_inner") or 4 * d,
-        layers=hf["n_layer"], length=hf["n_positions"], max_positions=hf["n_positions"],
-        ffn=_act(hf, "activation_function"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        bias=True, scale_tied_logits=False,
-        attention_scale=hf.get("scale_attn_weights", True),
-    )  # fmt: skip
-
-
-def llama_config(hf: dict, names: set[str]) -> Config:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise UnsupportedModelError(f"config.json: rope scaling {rope} (only 'default' rope)")
-    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        raise UnsupportedModelError("config.json: attention_bias != mlp_bias is not supported")
-    if _act(hf, "hidden_act") != "silu":
-        raise UnsupportedModelError(f"config.json: hidden_act={hf['hidden_act']!r} (Llama: silu)")
-    h = hf["num_attention_heads"]
-    return Config(
-        vocab=hf["vocab_size"], d_model=hf["hidden_size"], heads=h,
-        kv_heads=hf.get("num_key_value_heads") or h,
-        d_kv=hf.get("head_dim") or hf["hidden_size"] // h, d_ff=hf["intermediate_size"],
-        layers=hf["num_hidden_layers"], length=hf.get("max_position_embeddings", 2048),
-        ffn="gated_silu", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
-        bias=hf.get("attention_bias", False), positions="rotary",
-        rotary_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        shared_embedding="lm_head.weight" not in names, scale_tied_logits=False,
-    )  # fmt: skip
-
-
-def t5_config(hf: dict, names: set[str]) -> Config:
-    proj = hf.get("feed_forward_proj", "relu")
-    gated = proj.startswith("gated-")
-    act = _ACT.get(proj.removeprefix("gated-"))
-    act = "gelu" if proj == "gated-gelu" else act  # transformers' gated-gelu is gelu_new
-    if act is None:
-        raise UnsupportedModelError(f"config.json: feed_forward_proj={proj!r}")
-    scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
-    return Config(
-        vocab=hf["vocab_size"], d_model=hf["d_model"], heads=hf["num_heads"], d_kv=hf["d_kv"],
-        d_ff=hf["d_ff"], layers=hf.get("num_decoder_layers") or hf["num_layers"],
-        encoder_layers=hf["num_layers"], length=hf.get("n_positions", 512),
-        ffn=f"gated_{act}" if gated else act, norm="rms",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-6), attention_scale=False, positions="none",
-        relative_buckets=hf.get("relative_attention_num_buckets", 32),
-        relative_max_distance=hf.get("relative_attention_max_distance", 128),
-        shared_embedding="lm_head.weight" not in names, scale_tied_logits=scale,
-    )  # fmt: skip
-
-
-def bert_config(hf: dict, names: set[str]) -> Config:
-    _require(hf, "position_embedding_type", ("absolute",), "absolute")
-    d, h = hf["hidden_size"], hf["num_attention_heads"]
-    return Config(
-        vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf["intermediate_size"],
-        layers=hf["num_hidden_layers"], length=hf["max_position_embeddings"],
-        max_positions=hf["max_position_embeddings"], ffn=_act(hf, "hidden_act"),
-        norm_eps=hf.get("layer_norm_eps", 1e-12), norm_position="post", bias=True,
-        scale_tied_logits=False, type_vocab=hf.get("type_vocab_size", 2), embed_norm=True,
-        mlm_head=True,
-    )  # fmt: skip
-
-
-class Family(NamedTuple):
-    """How one model_type maps: its Config, its table, the zoo's shapes and the
-    name prefix its files use (tried in order; "" for none)."""
-
-    config: object
-    table: object
-    shapes: object
-    prefixes: tuple[str, ...]
-    probe: str  # a tensor name (after the prefix) every such checkpoint holds
-
-
-FAMILIES = {
-    "gpt2": Family(
-        gpt2_config, gpt2_table, transformer.lm_shapes, ("transformer.", ""), "wte.weight"
-    ),
-    "llama": Family(
-        llama_config, llama_table, transformer.lm_shapes, ("model.", ""), "embed_tokens.weight"
-    ),
-    "t5": Family(t5_config, t5_table, transformer.encdec_shapes, ("",), "shared.weight"),
-    "bert": Family(
-        bert_config,
-        bert_table,
-        transformer.lm_shapes,
-        ("bert.",),
-        "embeddings.word_embeddings.weight",
-    ),
-}
+# Families (their configs and tables) live in models/families/, one module each; the
+# errors, Entry and the registry are re-exported here for hub's callers.
 TABLES = {k: f.table for k, f in FAMILIES.items()}
-DECODERS = ("gpt2", "llama")  # the families that generate and fine-tune as LMs
+DECODERS = tuple(k for k, f in FAMILIES.items() if f.model == "lm")  # generate, fine-tune
+
+
+def shapes_of(family: str, cfg: Config) -> dict:
+    """The zoo's parameter shapes of a family's model under cfg."""
+    return zoo.MODELS[FAMILIES[family].model].shapes(cfg)
 
 
 # --- reading tensors ---------------------------------------------------------------
@@ -325,7 +82,7 @@ class Weights:
         self._open, self._files = safe_open, {}
         index = folder / "model.safetensors.index.json"
         if index.exists():
-            weight_map = files.read_json(index, "the index").get("weight_map")
+            weight_map = read_json(index, "the index").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise DamagedFileError(f"{index}: no weight_map object (tensor -> shard file)")
             self.where = {k: folder / str(v) for k, v in weight_map.items()}
@@ -487,7 +244,7 @@ def tensors(family: str, cfg: Config, prefix: str = "") -> dict[str, FileTensor]
     fam = FAMILIES[family]
     rows = {e.path: e for e in fam.table(cfg, prefix)}
     out = {}
-    for path, p in _leaves(fam.shapes(cfg)):
+    for path, p in _leaves(shapes_of(family, cfg)):
         if path not in rows:
             raise UnsupportedModelError(
                 f"the {family} table has no row for the zoo parameter {path!r} (an option the "
@@ -538,11 +295,11 @@ class HubModel:
             batch["weights"] = nm.tensor(np.asarray(_data(attention_mask), np.float32), ids.dims)
         if token_type_ids is not None:
             batch["token_types"] = _ints(token_type_ids)
-        if self.family == "t5":
-            if decoder_input_ids is None:
-                raise HubError("T5's logits need decoder_input_ids (the decoder's tokens)")
+        if decoder_input_ids is not None:
             batch["decoder_inputs"] = _ints(decoder_input_ids)
-            batch.setdefault("weights", nm.ones(ids.sizes, np.float32))
+        needs = zoo.MODELS[FAMILIES[self.family].model].needs
+        if missing := [f for f in needs if f not in batch]:
+            raise HubError(f"{self.family}'s logits need {missing} (decoder_input_ids)")
         return _program(self.config, self.family, self.mesh, self.layout)(self.params, batch)
 
 
@@ -561,23 +318,8 @@ def _program(cfg: Config, family: str, mesh: Mesh | None, layout: Layout | None)
 
 def forward(params: dict, batch: dict, cfg: Config, family: str) -> nm.Tensor:
     """The logits of a family's model for a batch of Tensors: inputs, and optionally
-    weights (padding mask), token_types, decoder_inputs (T5)."""
-    if family == "t5":
-        b = {
-            "inputs": batch["inputs"],
-            "input_weights": batch["weights"],
-            "decoder_inputs": batch["decoder_inputs"],
-        }
-        return transformer.encdec_logits(params, b, cfg)[0]
-    logits, _ = transformer.lm_forward(
-        params,
-        batch["inputs"],
-        cfg,
-        causal=family != "bert",
-        weights=batch.get("weights"),
-        token_types=batch.get("token_types"),
-    )
-    return logits
+    weights (padding mask), token_types, decoder_inputs (encoder-decoders)."""
+    return zoo.MODELS[FAMILIES[family].model].logits(params, batch, cfg)
 
 
 def _data(x):
@@ -596,8 +338,8 @@ def read_config(folder: Path) -> tuple[str, dict]:
     if not path.exists():
         raise MissingFileError(f"{folder}: no config.json (is it a Hugging Face model folder?)")
     try:
-        hf = files.read_json(path, "config.json")
-    except files.FileReadError as e:
+        hf = read_json(path, "config.json")
+    except FileReadError as e:
         raise DamagedFileError(str(e)) from None
     family = hf.get("model_type")
     if family not in FAMILIES:
@@ -614,8 +356,8 @@ def _prefix(family: str, weights: Weights) -> str:
             return p
     raise MissingFileError(
         f"the weights hold no {' or '.join(p + fam.probe for p in fam.prefixes)}: not a "
-        f"{family} checkpoint of a supported head (GPT2LMHeadModel, LlamaForCausalLM, "
-        "T5ForConditionalGeneration, BertForMaskedLM)"
+        f"{family} checkpoint of a supported head "
+        f"({', '.join(sorted({f.heads for f in FAMILIES.values()}))})"
     )
 
 
@@ -630,28 +372,56 @@ def load(path, mesh: Mesh | None = None, layout: Layout | str | None = None) -> 
     family, hf = read_config(folder)
     weights = Weights(folder)
     prefix = _prefix(family, weights)
-    cfg = _config(family, hf, weights, folder)
+    cfg = family_config(family, hf, set(weights.where), folder)
     return load_params(folder, family, cfg, hf, weights, prefix, mesh, layout)
 
 
-def config_of(path) -> tuple[str, Config]:
-    """(family, the zoo's Config) of a Hugging Face folder, reading no weights."""
-    folder = Path(path)
-    family, hf = read_config(folder)
-    return family, _config(family, hf, Weights(folder), folder)
-
-
-def _config(family: str, hf: dict, weights: Weights, folder: Path) -> Config:
-    """The family's Config of config.json; DamagedFileError for a missing key or a
-    value of the wrong type."""
+def family_config(family: str, hf: dict, names: set[str], folder="") -> Config:
+    """The family's Config of config.json `hf`; UnsupportedModelError naming every key
+    (and its value) the family did not read: an option the zoo would ignore;
+    DamagedFileError for a key missing or a value of the wrong type."""
+    options = Options(hf)
     try:
-        return FAMILIES[family].config(hf, set(weights.where))
+        cfg = FAMILIES[family].config(options, names)
     except KeyError as e:
         raise DamagedFileError(f"{folder}/config.json lacks the key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         if isinstance(e, HubError | NamedMeshError):
             raise
         raise DamagedFileError(f"{folder}/config.json: a value of the wrong type ({e})") from None
+    if unread := options.unread():
+        raise UnsupportedModelError(
+            f"config.json of a {family} model: option(s) {unread} are not implemented by "
+            f"models/families/{family}.py"
+        )
+    return cfg
+
+
+def _check_all_read(family: str, files: dict, weights: Weights) -> None:
+    """UnsupportedModelError naming the weights' tensors the family does not read (a
+    relabelled folder: Qwen2's q/k/v biases under model_type llama), besides the
+    buffers its `ignored` patterns name."""
+    read = set()
+    for t in files.values():
+        n = t.sizes["layers"] if t.stacked else 1
+        read |= {t.entry.name.format(i=i) for i in range(n)}
+    ignored = [re.compile(p) for p in FAMILIES[family].ignored]
+    unread = sorted(
+        k for k in weights.where if k not in read and not any(p.match(k) for p in ignored)
+    )
+    if unread:
+        shown = ", ".join(unread[:8]) + (f" and {len(unread) - 8} more" if len(unread) > 8 else "")
+        raise UnsupportedModelError(
+            f"the weights hold tensor(s) a {family} model does not read: {shown} (a different "
+            "family, or an option its config.json does not declare)"
+        )
+
+
+def config_of(path) -> tuple[str, Config]:
+    """(family, the zoo's Config) of a Hugging Face folder, reading no weights."""
+    folder = Path(path)
+    family, hf = read_config(folder)
+    return family, family_config(family, hf, set(Weights(folder).where), folder)
 
 
 def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubModel:
@@ -660,7 +430,9 @@ def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubMo
     if mesh is not None:
         layout = layout if isinstance(layout, Layout) else Layout(layout or "")
     params = {}
-    for p, t in tensors(family, cfg, prefix).items():
+    files = tensors(family, cfg, prefix)
+    _check_all_read(family, files, weights)
+    for p, t in files.items():
         _check_shape(t, weights, p)
         _set(params, p, nm.tensor(_place(t, weights, mesh, layout, p), t.dims))
     return HubModel(family, cfg, params, _tokenizer(folder), hf, mesh, layout)
@@ -735,6 +507,6 @@ def save(model: HubModel, path) -> None:
             model.tokenizer.save(str(folder / "tokenizer.json"))
 
     try:
-        files.replace_folder(path, write)
-    except files.FileWriteError as e:
+        replace_folder(path, write)
+    except FileWriteError as e:
         raise SaveError(str(e)) from None

@@ -14,10 +14,12 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
-from models.attention import blockwise_attend, ring_attend
 from models.config import Config, ConfigError
+from models.kernels import KERNELS, Options
+from models.rope import Rope, depends_on_length, frequencies
 
 NEG = -1e9  # the attention logit of a masked position
+DEFAULT_ROPE = Rope()
 DTYPES = ("float32", "bfloat16")
 
 
@@ -53,16 +55,16 @@ def norm_params(cfg: Config) -> dict:
     return p
 
 
-def norm(x: nm.Tensor, p: dict, kind: str, eps: float = 1e-6) -> nm.Tensor:
-    """LayerNorm (mean and variance over d_model, then scale and bias) or RMSNorm. The
+def norm(x: nm.Tensor, p: dict, kind: str, eps: float = 1e-6, dim: str = "d_model"):
+    """LayerNorm (mean and variance over `dim`, then scale and bias) or RMSNorm. The
     statistics are float32 whatever x's dtype; the result has x's dtype."""
     dtype = x.dtype
     x = nm.astype(x, np.float32) if dtype != np.float32 else x
     if kind == "rms":
-        y = x * nm.rsqrt(nm.mean(x * x, "d_model") + eps)
+        y = x * nm.rsqrt(nm.mean(x * x, dim) + eps)
     else:
-        centered = x - nm.mean(x, "d_model")
-        y = centered * nm.rsqrt(nm.mean(centered * centered, "d_model") + eps)
+        centered = x - nm.mean(x, dim)
+        y = centered * nm.rsqrt(nm.mean(centered * centered, dim) + eps)
     y = nm.astype(y, dtype) if dtype != np.float32 else y
     return y * p["scale"] if kind == "rms" else y * p["scale"] + p["bias"]
 
@@ -88,11 +90,15 @@ def attention_params(cfg: Config) -> dict:
         "v": Param({"d_model": d, **kvh, "d_kv": k}, d**-0.5),
         "o": Param({**qh, "d_kv": k, "d_model": d}, (cfg.heads * k) ** -0.5),
     }
-    if cfg.bias:
+    if cfg.bias or cfg.qkv_bias:
         p["q_bias"] = Param({**qh, "d_kv": k}, "zeros")
         p["k_bias"] = Param({**kvh, "d_kv": k}, "zeros")
         p["v_bias"] = Param({**kvh, "d_kv": k}, "zeros")
+    if cfg.bias:
         p["o_bias"] = Param({"d_model": d}, "zeros")
+    if cfg.qk_norm:
+        p["q_norm"] = {"scale": Param({"d_kv": k}, "ones")}
+        p["k_norm"] = {"scale": Param({"d_kv": k}, "ones")}
     if cfg.relative_bias:
         p["rel"] = Param({"heads": cfg.heads, "distance": 2 * cfg.relative_bias + 1}, "zeros")
     return p
@@ -111,36 +117,40 @@ def relative_bias(rel: nm.Tensor, queries, memory, max_distance: int) -> nm.Tens
     return nm.gather(rel, "distance", distance)
 
 
-def rotary(x: nm.Tensor, positions: nm.Tensor, theta: float) -> nm.Tensor:
+def rotary(x: nm.Tensor, positions: nm.Tensor, rope: Rope = DEFAULT_ROPE, seq_len: int = 0):
     """Rotary position embedding (RoFormer; Llama's "rotate half" form) of x over d_kv at
     integer `positions` (a Tensor over length or memory, or 0-d): the halves (a, b) of
-    d_kv become (a cos - b sin, b cos + a sin), angle position * theta**(-2i/d_kv). Every
-    step is on named dims, so a layout splitting length, heads or d_kv gives the same
-    values."""
-    n = x.size_of("d_kv")
-    inv = 1.0 / theta ** (np.arange(0, n, 2, dtype=np.float32) / np.float32(n))
+    d_kv become (a cos - b sin, b cos + a sin), angle position * inv_freq, inv_freq
+    rope.theta**(-2i/d_kv) scaled as `rope` says (models/rope.py; `seq_len`: the positions
+    of the pass, which dynamic scaling reads). Every step is on named dims, so a layout
+    splitting length, heads or d_kv gives the same values."""
+    inv, factor = frequencies(rope, x.size_of("d_kv"), seq_len)
     inv = nm.tensor(np.concatenate([inv, inv]).astype(np.float32), ("d_kv",))
     angle = nm.astype(positions, np.float32) * inv
+    cos, sin = nm.cos(angle), nm.sin(angle)
+    if factor != 1.0:
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
     a, b = nm.split(x, "d_kv", 2)
-    return x * nm.cos(angle) + nm.concat([-b, a], "d_kv") * nm.sin(angle)
+    return x * cos + nm.concat([-b, a], "d_kv") * sin
 
 
 def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1.0):
-    """The core of attention: softmax over `memory` of q.k * scale + bias, applied to v.
+    """The core of attention: softmax over `memory` of q.k * scale + bias, applied to v
+    (models.kernels.full). q has dims (..., length, d_kv), k and v (..., memory, d_kv);
+    their other dims (batch, heads, kv_heads, q_per_kv, ...) are matched by name, and
+    `bias` broadcasts by name over the logits."""
+    return KERNELS["full"].fn(q, k, v, Options(bias=bias, scale=scale))
 
-    q has dims (..., length, d_kv), k and v (..., memory, d_kv); their other dims
-    (batch, heads, kv_heads, q_per_kv, ...) are matched by name, and `bias` broadcasts by
-    name over the logits. The logits and softmax are float32 whatever the compute dtype;
-    the result has q's dims and v's dtype."""
-    rest = [d for d in q.dims if d not in ("length", "d_kv")]
-    rest += [d for d in k.dims if d not in rest and d not in ("memory", "d_kv")]
-    logits = nm.einsum(q, k, out=(*rest, "length", "memory"), preferred_element_type=np.float32)
-    if scale != 1.0:
-        logits = logits * scale
-    if bias is not None:
-        logits = logits + bias
-    weights = nm.astype(nm.softmax(logits, "memory"), v.dtype)
-    return nm.einsum(weights, v, out=q.dims)
+
+def kernel_for(cfg: Config, opts: Options):
+    """cfg.attention's kernel function, after checking it implements what `opts` asks
+    (ConfigError naming the kernel and the option it refuses)."""
+    kernel = KERNELS[cfg.attention]
+    asked = {"softcap": bool(opts.softcap), "cached": opts.cached}
+    for option, why in kernel.refuses.items():
+        if asked[option]:
+            raise ConfigError(f"attention={cfg.attention!r} with {option}: {why}")
+    return kernel.fn
 
 
 def _as_memory(position: nm.Tensor) -> nm.Tensor:
@@ -165,6 +175,22 @@ def write_cache(cache: dict, k: nm.Tensor, v: nm.Tensor, position: nm.Tensor):
     new_k = cache["k"] * (1.0 - at) + at * k.sum("memory")
     new_v = cache["v"] * (1.0 - at) + at * v.sum("memory")
     return new_k.transpose(*cache["k"].dims), new_v.transpose(*cache["v"].dims)
+
+
+def _rotate(q: nm.Tensor, k: nm.Tensor, cfg: Config, cache, position):
+    """q and k rotated at their positions: 0..n-1 of a pass, or the cache's `position`."""
+    n = x_len = q.size_of("length")
+    if cache is not None:
+        n = cache["k"].size_of("memory")
+        if depends_on_length(cfg.rope) and n > cfg.rope.original_positions:
+            raise ConfigError(
+                f"rope kind {cfg.rope.kind!r} with a KV cache of {n} slots "
+                f"past original_positions={cfg.rope.original_positions}: its "
+                "frequencies change with the sequence, so cached keys would be stale"
+            )
+    q_at = nm.arange("length", x_len) if cache is None else position
+    k_at = nm.arange("memory", x_len) if cache is None else _as_memory(position)
+    return rotary(q, q_at, cfg.rope, n), rotary(k, k_at, cfg.rope, n)
 
 
 def _project(x: nm.Tensor, p: dict, name: str, out: tuple) -> nm.Tensor:
@@ -210,30 +236,18 @@ def attention(
     kv = memory_kv or project_kv(src, p, cfg)
     k, v = kv["k"], kv["v"]
     cross = memory is not None or memory_kv is not None
+    if "q_norm" in p:  # Qwen3: each head's queries and keys normed over d_kv, before rotary
+        q = norm(q, p["q_norm"], "rms", cfg.norm_eps, "d_kv")
+        k = norm(k, p["k_norm"], "rms", cfg.norm_eps, "d_kv")
     if cfg.positions == "rotary" and not cross:
-        n = x.size_of("length")
-        q_at = nm.arange("length", n) if cache is None else position
-        k_at = nm.arange("memory", n) if cache is None else _as_memory(position)
-        q, k = rotary(q, q_at, cfg.rotary_theta), rotary(k, k_at, cfg.rotary_theta)
+        q, k = _rotate(q, k, cfg, cache, position)
     if cache is not None:
         k, v = write_cache(cache, k, v, position)
         cache = {"k": k, "v": v}
     scale = cfg.d_kv**-0.5 if cfg.attention_scale else 1.0
-    if cfg.attention == "blockwise":
-        o = blockwise_attend(q, k, v, bias, scale, cfg.attention_block, bias_fn)
-    elif cfg.attention == "ring" and cache is None:
-        ring = k.size_of("memory") // min(cfg.attention_block, k.size_of("memory"))
-        o = ring_attend(q, k, v, bias, scale, ring, bias_fn)
-    elif cfg.attention in ("full", "ring"):
-        # ring attention passes a sequence's keys around; a decoding step's one query per
-        # row over the KV cache has none to pass, so prefill and steps attend in full
-        slots = nm.arange("memory", k.size_of("memory"))
-        more = None if bias_fn is None else bias_fn(nm.arange("length", q.size_of("length")), slots)
-        if more is not None:
-            bias = more if bias is None else bias + more
-        o = attend(q, k, v, bias, scale)
-    else:
-        raise ConfigError(f"attention must be full, blockwise or ring, got {cfg.attention!r}")
+    cached = cache is not None
+    opts = Options(bias, bias_fn, scale, cfg.attention_softcap, cfg.attention_block, cached)
+    o = kernel_for(cfg, opts)(q, k, v, opts)
     out = _project(o, p, "o", ("batch", "length", "d_model"))
     return out if cache is None else (out, cache)
 

@@ -135,7 +135,7 @@ def setup(args):
 
 def from_hub(args):
     """(model, cfg, tokenizer) of the Hugging Face folder `args.init_from`: a decoder LM
-    (gpt2, llama) with its tokenizer.json, or the byte tokenizer when it has none."""
+    (hub.DECODERS) with its tokenizer.json, or the byte tokenizer when it has none."""
     try:
         family, cfg = hub.config_of(args.init_from)
     except hub.HubError as e:

@@ -168,8 +168,8 @@ def parser() -> Parser:
     p.add_argument(
         "--attention",
         default=None,
-        choices=["full", "blockwise", "ring"],
-        help="attention form (None: config's)",
+        choices=["full", "blockwise", "ring"],  # models.kernels.KERNELS (jax not imported yet)
+        help="attention kernel of models/kernels.py (None: config's)",
     )
     p.add_argument("--attention-block", type=int, default=None, help="keys per block")
     p.add_argument(

@@ -158,9 +158,14 @@ def layer_keys(key, n: int):
 
 def self_attention_bias(p: dict, cfg: Config, queries, memory, causal: bool, extra=None):
     """The additive self-attention bias of one layer for query and memory positions (int
-    Tensors over length and memory): causal mask, relative positions, and `extra` (a
-    padding bias)."""
+    Tensors over length and memory): causal mask, sliding window (a query sees the
+    last cfg.sliding_window positions), relative positions, and `extra` (a padding
+    bias). A function of positions, so every attention kernel and the KV cache apply it
+    block by block alike."""
     bias = nm.where(memory <= queries, 0.0, NEG) if causal else None
+    if cfg.sliding_window:
+        window = nm.where(memory > queries - cfg.sliding_window, 0.0, NEG)
+        bias = window if bias is None else bias + window
     if cfg.relative_bias:
         rel = relative_bias(p["rel"], queries, memory, cfg.relative_bias)
         bias = rel if bias is None else bias + rel
@@ -354,6 +359,19 @@ def lm_logits(params: dict, tokens: nm.Tensor, cfg: Config, key=None) -> nm.Tens
     return lm_forward(params, tokens, cfg, key)[0]
 
 
+def batch_logits(params: dict, batch: dict, cfg: Config) -> nm.Tensor:
+    """The LM's logits for a batch of inputs and, optionally, weights (padding) and
+    token_types."""
+    w, types = batch.get("weights"), batch.get("token_types")
+    return lm_forward(params, batch["inputs"], cfg, weights=w, token_types=types)[0]
+
+
+def mlm_batch_logits(params: dict, batch: dict, cfg: Config) -> nm.Tensor:
+    """BERT's masked-LM logits (bidirectional) for a batch as `batch_logits`'s."""
+    w, types = batch.get("weights"), batch.get("token_types")
+    return lm_forward(params, batch["inputs"], cfg, None, False, w, types)[0]
+
+
 def lm_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
     """Mean next-token cross-entropy (nats) over the weighted positions of `batch`
     ({"inputs", "targets", "weights"}: batch, length), plus the MoE balancing loss."""
@@ -399,6 +417,16 @@ def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
     )
     aux = aux_enc if aux is None else aux + aux_enc
     return output_logits(params, x, cfg), aux
+
+
+def encdec_batch_logits(params: dict, batch: dict, cfg: Config) -> nm.Tensor:
+    """The decoder's logits over batch["decoder_inputs"] given batch["inputs"] and its
+    padding `weights` (all ones when absent)."""
+    inputs = batch["inputs"]
+    weights = batch.get("weights")
+    weights = nm.ones(inputs.sizes, np.float32) if weights is None else weights
+    b = {"inputs": inputs, "input_weights": weights, "decoder_inputs": batch["decoder_inputs"]}
+    return encdec_logits(params, b, cfg)[0]
 
 
 def encdec_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:

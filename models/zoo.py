@@ -12,12 +12,16 @@ from models.config import Config
 class Model(NamedTuple):
     """`shapes(cfg)`: nested dict of Params; `loss(params, batch, cfg, key)`: a 0-d
     Tensor; `objective`: how batches are made from text (models/objectives.py);
-    `defaults`: config fields this model sets where the config leaves them 0."""
+    `defaults`: config fields this model sets where the config leaves them 0;
+    `logits(params, batch, cfg)`: its logits for a batch of inputs, weights (padding),
+    token_types and the fields of `needs` (what models.hub passes a loaded model)."""
 
     shapes: Callable
     loss: Callable
     objective: str
     defaults: dict = {}
+    logits: Callable = transformer.batch_logits
+    needs: tuple[str, ...] = ()
 
     def configure(self, cfg: Config) -> Config:
         return cfg.replace(**{k: v for k, v in self.defaults.items() if not getattr(cfg, k)})
@@ -26,8 +30,16 @@ class Model(NamedTuple):
 MODELS: dict[str, Model] = {
     "lm": Model(transformer.lm_shapes, transformer.lm_loss, "lm"),
     "moe": Model(transformer.lm_shapes, transformer.lm_loss, "lm", {"experts": 4}),
-    "bert": Model(transformer.lm_shapes, transformer.mlm_loss, "mlm"),
-    "encdec": Model(transformer.encdec_shapes, transformer.encdec_loss, "span"),
+    "bert": Model(
+        transformer.lm_shapes, transformer.mlm_loss, "mlm", logits=transformer.mlm_batch_logits
+    ),
+    "encdec": Model(
+        transformer.encdec_shapes,
+        transformer.encdec_loss,
+        "span",
+        logits=transformer.encdec_batch_logits,
+        needs=("decoder_inputs",),
+    ),
 }
 
 

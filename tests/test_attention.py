@@ -228,3 +228,29 @@ def test_model_options_checked_when_shaped_are_parameter_errors_too():
         transformer.lm_shapes(Config(experts=4, ffn="swiglu"))
     with pytest.raises(nm.ParameterError, match="Config.ffn must be one of"):
         transformer.lm_shapes(Config(ffn="gelu2"))
+
+
+def test_full_kernel_soft_caps_and_windows_as_numpy():
+    """kernels.full with softcap 2 and a sliding window of 3 built from positions (as
+    transformer.self_attention_bias makes it), against NumPy."""
+    from models.kernels import KERNELS, Options
+
+    q, k, v = (arr(("heads", n, "d_kv")) for n in ("length", "memory", "memory"))
+    i, j = np.arange(8)[:, None], np.arange(8)[None, :]
+    allowed = (j <= i) & (j > i - 3)
+    logits = 2.0 * np.tanh(np.einsum("hld,hmd->hlm", q, k) * 0.5 / 2.0)
+    logits = np.where(allowed, logits, -1e9)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("hlm,hmd->hld", w / w.sum(-1, keepdims=True), v)
+
+    def window(queries, slots):
+        ok = (slots <= queries) & (slots > queries - 3)
+        return nm.where(ok, 0.0, -1e9)
+
+    t = lambda x, dims: nm.tensor(x, dims)
+    opts = Options(bias_fn=window, scale=0.5, softcap=2.0)
+    got = KERNELS["full"].fn(
+        t(q, ("heads", "length", "d_kv")), t(k, ("heads", "memory", "d_kv")),
+        t(v, ("heads", "memory", "d_kv")), opts,
+    )  # fmt: skip
+    np.testing.assert_allclose(got.transpose("heads", "length", "d_kv").data, want, atol=1e-5)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from models import files, generate, hub, run, train, transformer, zoo  # noqa: F401
+from models import files, generate, hub, run, train, transformer  # noqa: F401
 
 FLAGS = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--steps", "2"]
 
@@ -96,8 +96,8 @@ HF |= {"n_positions": 16}
 
 
 def gpt2(seed: int) -> hub.HubModel:
-    cfg = hub.gpt2_config(HF, set())
-    return hub.HubModel("gpt2", cfg, transformer.init(zoo.get("lm").shapes(cfg), seed), None, HF)
+    cfg = hub.family_config("gpt2", HF, set())
+    return hub.HubModel("gpt2", cfg, transformer.init(hub.shapes_of("gpt2", cfg), seed), None, HF)
 
 
 def arrays(model: hub.HubModel) -> dict[str, np.ndarray]:

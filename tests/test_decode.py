@@ -11,6 +11,7 @@ import pytest
 import namedmesh as nm
 from lowering import Layout, Mesh
 from models import config, transformer
+from models.config import ConfigError
 from models.generate import Decoder, main, prefill_step
 from models.sampling import Sampling, choose, filter_logits
 from namedmesh.errors import ParameterError
@@ -348,14 +349,16 @@ def test_decoding_edges(model):
     np.testing.assert_array_equal(tiny, free)
 
 
-@pytest.mark.parametrize("attention,block", [("ring", 4), ("blockwise", 5)])
-def test_ring_decodes_in_full_and_blockwise_takes_any_length(model, attention, block):
-    """Ring attention decodes (prefill and steps attend over the cache in full); a block
-    size that divides neither the 16 cache slots nor the prompts pads with masked slots.
-    Both give full attention's greedy tokens."""
+def test_blockwise_decodes_any_length_and_ring_refuses_the_cache(model):
+    """A block size that divides neither the 16 cache slots nor the prompts pads with
+    masked slots and gives full attention's greedy tokens; ring attention has no keys
+    to pass around under a KV cache and says so (it never falls back to full)."""
     params, cfg, dec = model
-    other = Decoder(params, cfg.replace(attention=attention, attention_block=block))
+    other = Decoder(params, cfg.replace(attention="blockwise", attention_block=5))
     np.testing.assert_array_equal(other.decode(PROMPTS, 4), dec.decode(PROMPTS, 4))
+    ring = Decoder(params, cfg.replace(attention="ring", attention_block=4))
+    with pytest.raises(ConfigError, match="attention='ring' with cached: a KV cache"):
+        ring.decode(PROMPTS, 4)
 
 
 def test_bad_tokens_and_eos_are_parameter_errors(model):

@@ -111,7 +111,7 @@ def test_logits_equal_the_reference(folders, loaded, name):
 def test_loaded_configs_have_the_families_options(loaded):
     llama, t5, bert = loaded["llama"].config, loaded["t5"].config, loaded["bert"].config
     assert (llama.kv_heads, llama.q_per_kv, llama.d_kv, llama.positions) == (4, 2, 8, "rotary")
-    assert llama.rotary_theta == 500.0 and llama.norm_eps == 1e-5
+    assert llama.rope.theta == 500.0 and llama.norm_eps == 1e-5
     assert loaded["llama"].params["layers"]["attn"]["k"].dims == (
         "layers", "d_model", "kv_heads", "d_kv",
     )  # fmt: skip
@@ -284,8 +284,14 @@ def test_a_shape_mismatch_names_the_tensor_and_both_shapes(folders, tmp_path):
 
 def test_unsupported_options_are_named(folders, tmp_path):
     folder = copy(folders, "llama", tmp_path)
-    edit_config(folder, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(hub.UnsupportedModelError, match="rope"):
+    edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
+    with pytest.raises(hub.UnsupportedModelError, match="rope_type='longrope'"):
+        hub.load(folder)
+    edit_config(folder, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "beta": 2})
+    with pytest.raises(hub.UnsupportedModelError, match="'beta': 2.*'linear'"):
+        hub.load(folder)
+    edit_config(folder, rope_parameters=None, logit_scale=0.5)  # read by no family module
+    with pytest.raises(hub.UnsupportedModelError, match="'logit_scale': 0.5.*families/llama"):
         hub.load(folder)
 
 
@@ -340,7 +346,7 @@ def test_named_configs_are_the_published_models(name):
     assert cfg.replace(batch=named.batch) == named
     extra = hf.vocab_size * hf.d_model if name == "t5-v1_1-small" else 0
     want = sum(p.numel() for p in reference.parameters()) + extra
-    assert count(hub.FAMILIES[family].shapes(named)) == want
+    assert count(hub.shapes_of(family, named)) == want
 
 
 def test_config_options_that_contradict_are_refused():

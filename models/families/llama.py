@@ -1,0 +1,109 @@
+"""Llama 1, 2 and 3.x (LlamaForCausalLM): RMSNorm, SwiGLU, rotary positions with
+the rope scalings of models/rope.py (llama3, linear, dynamic, yarn), grouped-query
+attention, `head_dim` apart from hidden_size / heads, tied or untied embeddings.
+Mistral, Qwen2 and Qwen3 are this family plus an option each and import it."""
+
+from __future__ import annotations
+
+from models.config import Config
+from models.families.common import Entry, Family, UnsupportedModelError, act, linear, norm
+from models.rope import Rope
+
+# rope_parameters' keys each scaling kind reads (besides rope_type and rope_theta)
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+        "attention_factor", "mscale", "mscale_all_dim", "truncate",
+    ),
+}  # fmt: skip
+_ROPE_FIELDS = {"original_max_position_embeddings": "original_positions"}
+
+
+def rope_of(hf: dict) -> Rope:
+    """The Rope of config.json's rope_parameters (transformers 5) or rope_scaling
+    and rope_theta (older files); a key the scaling kind does not read is refused."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0))
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind not in ROPE_KEYS:
+        raise UnsupportedModelError(
+            f"config.json: rope_type={kind!r} is not supported (supported: {sorted(ROPE_KEYS)})"
+        )
+    if params.get("partial_rotary_factor", 1.0) == 1.0:
+        params.pop("partial_rotary_factor", None)
+    if stray := {k: v for k, v in params.items() if k not in ROPE_KEYS[kind]}:
+        raise UnsupportedModelError(
+            f"config.json: rope option(s) {stray} are not implemented for rope_type {kind!r}"
+        )
+    fields = {_ROPE_FIELDS.get(k, k): v for k, v in params.items() if v is not None}
+    max_pos = hf.get("max_position_embeddings", 2048)
+    if kind == "dynamic":
+        fields["original_positions"] = max_pos  # transformers grows the base past it
+    elif kind in ("llama3", "yarn"):
+        fields.setdefault("original_positions", max_pos)
+        if kind == "yarn" and "factor" not in fields:
+            fields["factor"] = max_pos / fields["original_positions"]
+    return Rope(theta, kind, **fields)
+
+
+def decoder_config(hf: dict, names: set[str], **options) -> Config:
+    """The Config of a Llama-shaped config.json, with a family's extra `options`."""
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise UnsupportedModelError(
+            f"config.json: attention_bias={hf.get('attention_bias')} with mlp_bias="
+            f"{hf.get('mlp_bias')} is not supported (both or neither)"
+        )
+    if act(hf, "hidden_act") != "silu":
+        raise UnsupportedModelError(f"config.json: hidden_act={hf['hidden_act']!r} (Llama: silu)")
+    hf.get("pretraining_tp")  # transformers 5 computes without it: so does the zoo
+    rope = rope_of(hf)
+    h = hf["num_attention_heads"]
+    return Config(
+        vocab=hf["vocab_size"], d_model=hf["hidden_size"], heads=h,
+        kv_heads=hf.get("num_key_value_heads") or h,
+        d_kv=hf.get("head_dim") or hf["hidden_size"] // h, d_ff=hf["intermediate_size"],
+        layers=hf["num_hidden_layers"], length=hf.get("max_position_embeddings", 2048),
+        ffn="gated_silu", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
+        bias=hf.get("attention_bias", False), positions="rotary", rope=rope,
+        shared_embedding=bool(hf.get("tie_word_embeddings", False)),
+        scale_tied_logits=False, **options,
+    )  # fmt: skip
+
+
+def config(hf: dict, names: set[str]) -> Config:
+    return decoder_config(hf, names)
+
+
+def table(cfg: Config, prefix: str) -> list[Entry]:
+    layer, b = f"{prefix}layers.{{i}}.", cfg.bias
+    qkv = cfg.bias or cfg.qkv_bias
+    a = f"{layer}self_attn."
+    rows = [
+        Entry("embed", f"{prefix}embed_tokens.weight", "vocab d_model"),
+        *norm("final_norm", f"{prefix}norm", False),
+        *norm("layers/attn_norm", f"{layer}input_layernorm", False),
+        *norm("layers/ffn_norm", f"{layer}post_attention_layernorm", False),
+        *linear("layers/attn/q", f"{a}q_proj", "Q d_kv", "d_model", qkv),
+        *linear("layers/attn/k", f"{a}k_proj", "KV d_kv", "d_model", qkv),
+        *linear("layers/attn/v", f"{a}v_proj", "KV d_kv", "d_model", qkv),
+        *linear("layers/attn/o", f"{a}o_proj", "d_model", "Q d_kv", b),
+        *linear("layers/ffn/wi", f"{layer}mlp.gate_proj", "d_ff", "d_model", b),
+        *linear("layers/ffn/wg", f"{layer}mlp.up_proj", "d_ff", "d_model", b),
+        *linear("layers/ffn/wo", f"{layer}mlp.down_proj", "d_model", "d_ff", b),
+    ]
+    if cfg.qk_norm:
+        rows += norm("layers/attn/q_norm", f"{a}q_norm", False, dim="d_kv")
+        rows += norm("layers/attn/k_norm", f"{a}k_norm", False, dim="d_kv")
+    return rows + (
+        [] if cfg.shared_embedding else [Entry("softmax", "lm_head.weight", "vocab d_model")]
+    )
+
+
+FAMILY = Family(
+    "llama", config, table, "lm", ("model.", ""), "embed_tokens.weight", "LlamaForCausalLM",
+    ignored=(r".*rotary_emb\.inv_freq$",),
+)  # fmt: skip

@@ -1,0 +1,32 @@
+"""Qwen2 and Qwen2.5 (Qwen2ForCausalLM): Llama plus biases on the q, k and v
+projections (none on o or the MLP). Sliding windows only when `use_sliding_window`
+and on the layers `layer_types` marks: the zoo implements all or none of them."""
+
+from __future__ import annotations
+
+from models.config import Config
+from models.families import llama
+from models.families.common import UnsupportedModelError
+
+
+def window(hf: dict) -> int:
+    """The sliding window every layer has (0: none); mixed layer_types are refused."""
+    kinds = set(hf.get("layer_types") or ["full_attention"])
+    hf.get("max_window_layers")  # transformers reads it only to make layer_types
+    use = hf.get("use_sliding_window", False)
+    size = hf.get("sliding_window")
+    if kinds == {"full_attention"} and not use:
+        return 0
+    if kinds == {"sliding_attention"} and use and size:
+        return size
+    raise UnsupportedModelError(
+        f"config.json: use_sliding_window={use} with layer_types {sorted(kinds)} "
+        f"(sliding_window={size}): only all-full or all-sliding layers are implemented"
+    )
+
+
+def config(hf: dict, names: set[str]) -> Config:
+    return llama.decoder_config(hf, names, qkv_bias=True, sliding_window=window(hf))
+
+
+FAMILY = llama.FAMILY._replace(name="qwen2", config=config, heads="Qwen2ForCausalLM")
