@@ -7,7 +7,8 @@ gradients of every parameter, not of x):
 - attention: multi-head self-attention of x (batch, length, d_model), no mask;
 - layer:     a pre-norm Transformer layer (LayerNorm, causal attention, residual,
              LayerNorm, GELU FFN, residual), the zoo's `transformer.block`;
-- moe:       the zoo's top-2 mixture-of-experts FFN, one group per batch row.
+- moe:       the zoo's top-2 mixture-of-experts FFN under capacity routing (one-hot
+             dispatch einsums), one group per batch row.
 
 The minimum follows the Mesh-TensorFlow paper's analysis with ring collectives
 (all-reduce 2(n-1)/n·S, all-gather and reduce-scatter (n-1)/n of the full buffer):
@@ -78,8 +79,8 @@ class Model:
         elif self.kind == "layer":
             out, _ = transformer.block(x, p, self.cfg, None, causal=True)
         else:
-            out, aux = moe.moe(x, p, self.cfg)
-            return (out * out).mean() + self.cfg.moe_loss * aux
+            out, stats, _ = moe.moe(x, p, self.cfg)
+            return (out * out).mean() + self.cfg.moe_loss * stats["balance"]
         return (out * out).mean()
 
     def inputs(self, seed: int = 0) -> tuple[dict, nm.Tensor]:
@@ -178,7 +179,7 @@ def _moe_minimum(model: Model, case: Case, params: dict) -> float:
     expert_w = 2 * cfg.experts * cfg.d_model * cfg.d_ff * F32 / n_experts  # stored shard
     tokens = s["b"] // math.prod(m[a] for a in data) * s["l"]
     if n_data > 1:
-        slots = tokens // s["l"] * cfg.experts * moe.capacity(cfg, s["l"]) * cfg.d_model * F32
+        slots = tokens // s["l"] * cfg.experts * moe.capacity(cfg) * cfg.d_model * F32
         gather = 2 * _ring("gather", n_data, expert_w * n_data)
         total += min(3 * _ring("a2a", n_data, slots), gather)
     n_other = n_experts // n_data
@@ -295,7 +296,7 @@ def models(size: str) -> list[Model]:
     out.append(Model("attention", sizes, att, pick("attention", _attention_cases())))
     out.append(Model("layer", {**sizes, "f": 4 * d}, att, pick("layer", _layer_cases())))
     e = 8
-    moe_cfg = att.replace(experts=e, ffn="relu")
+    moe_cfg = att.replace(experts=e, ffn="relu", routing="capacity")  # dispatch einsums
     moe_sizes = {"b": b, "l": n, "d": d, "f": 4 * d, "e": e}
     out.append(Model("moe", moe_sizes, moe_cfg, pick("moe", _moe_cases())))
     return out

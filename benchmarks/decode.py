@@ -1,92 +1,153 @@
-"""`python -m benchmarks.decode [--config small] [--prompt 64] [--new 32] [--repeats 5]
-[--docs docs/benchmarks.md]`: decoding speed of the zoo's LM on one device.
+"""`python -m benchmarks.decode [--positions 2048] [--prompt 64] [--new 128]
+[--batches 1,8] [--rounds 3] [--docs docs/benchmarks.md]`: greedy decoding against
+transformers' `generate`.
 
-For batch 1 and 8, interleaved in one run and after a compile: prefill tokens/s (one
-forward pass over the prompts that fills the KV cache, `Decoder.prefill`), decode
-tokens/s (greedy steps of one token per row with the cache, as `Decoder.decode` runs
-them: step, choose, the tokens back to the host), and the time of prefilling token by
-token (`Decoder.prefill_by_steps`, how decoding prefilled before) over the one-pass
-prefill. Medians of --repeats.
+A Llama built by transformers from a config (random weights, `--positions` positions,
+the shape of --layers/--d-model/--heads/--kv-heads/--vocab), saved, and loaded into the
+zoo with `models.hub.load`; then for each batch size, prompts of `--prompt` random
+tokens and `--new` greedy tokens per row: namedmesh's `Decoder.decode` (one prefill pass,
+then one cached step per token) against `model.generate(do_sample=False)` eager, and
+with a static cache and the model's forward under `torch.compile` (`--compile`,
+transformers' recipe), all single-threaded, timed by
+CPU time and alternated in one process (benchmarks/fair.py). Both decode the same
+prompts with the same weights: the share of equal tokens is printed beside the times.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+import tempfile
 
-import jax
 import numpy as np
 
-from models import config, transformer
-from models.generate import Decoder
+from benchmarks import fair, report
 
-SECTION = "## Decoding: prefill and per-token speed"
-
-
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+SECTION = "## Decoding: greedy tokens against transformers' generate"
 
 
-def measure(dec: Decoder, batch: int, prompt: int, new: int, repeats: int) -> dict:
-    """Seconds of one-pass prefill, token-by-token prefill and `new` decode steps."""
-    rows = np.random.default_rng(batch).integers(0, dec.cfg.vocab, (batch, prompt))
-    lengths = np.full(batch, prompt)
-    first = jax.random.key(0)
+def build(args, folder: str):
+    """The transformers Llama (saved to `folder`) and the zoo's Decoder of the same weights."""
+    import torch
+    import transformers
 
-    def steps():
-        logits, cache = dec.prefill_logits(rows, lengths)
-        jax.block_until_ready(logits)
-        start = time.perf_counter()
-        for i in range(new):  # what Decoder.decode does per token
-            tok = np.asarray(dec._choose(logits, jax.random.fold_in(first, i), None))
-            logits, cache = dec.step_logits(tok, np.full(batch, prompt + i), cache)
-        jax.block_until_ready(logits)
-        return time.perf_counter() - start
+    from models import hub
+    from models.generate import Decoder
 
-    steps()  # compiles prefill, step and choose
-    dec.prefill_by_steps(rows[:, :2])
-    one_pass = _median_s(lambda: dec.prefill_logits(rows, lengths)[0], repeats)
-    by_steps = _median_s(lambda: dec.prefill_by_steps(rows)[0], repeats)
-    decode = statistics.median(steps() for _ in range(repeats))
-    return {"one_pass": one_pass, "by_steps": by_steps, "decode": decode}
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        intermediate_size=args.d_ff, max_position_embeddings=args.positions,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(folder)
+    if args.compile:  # a second copy whose forward torch.compile runs (transformers'
+        # recipe for a static cache: on CPU generate does not compile by itself)
+        args.compiled = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+        args.compiled.forward = torch.compile(args.compiled.forward)
+    zoo = hub.load(folder)
+    return model, Decoder(zoo.params, zoo.config)
 
 
-def main(argv=None) -> int:
+def generate_fn(model, rows: np.ndarray, new: int, static: bool):
+    """A call of transformers' greedy `generate` on `rows`, returning the new tokens."""
+    import torch
+
+    ids = torch.tensor(rows, dtype=torch.long)
+    kw = {"cache_implementation": "static"} if static else {}
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, pad_token_id=0, **kw,
+            )  # fmt: skip
+        return out[:, ids.shape[1] :].numpy()
+
+    return run
+
+
+def measure(model, dec, batch: int, args) -> dict:
+    """CPU seconds per round of each side at one batch size, and the tokens' agreement."""
+    rows = np.random.default_rng(batch).integers(1, args.vocab, (batch, args.prompt))
+    ours = lambda: dec.decode(list(rows), args.new)
+    sides = {"namedmesh": ours, "generate": generate_fn(model, rows, args.new, False)}
+    failed = {}
+    if args.compile:
+        compiled = generate_fn(args.compiled, rows, args.new, True)
+        try:
+            compiled()
+            sides["generate, static cache, torch.compile"] = compiled
+        except Exception as e:  # no compiler on this machine: say so in the row
+            failed["generate, static cache, torch.compile"] = fair.why_not(e)
+    tokens = ours(), sides["generate"]()
+    agree = float(np.mean(tokens[0] == tokens[1]))
+    return {"times": fair.alternate(sides, args.rounds), "agree": agree, "failed": failed}
+
+
+def table(results: dict[int, dict]) -> list[str]:
+    """Markdown rows: per batch, namedmesh's seconds and each PyTorch side's with its ratio."""
+    first = next(iter(results.values()))
+    others = [n for n in first["times"] if n != "namedmesh"] + list(first["failed"])
+    head = ["batch", "namedmesh s"]
+    for name in others:
+        head += [f"{name} s", "ratio"]
+    lines = ["| " + " | ".join([*head, "equal tokens"]) + " |", "|" + "---|" * (len(head) + 1)]
+    for batch, r in results.items():
+        t = r["times"]
+        cells = [str(batch), fair.cell(t["namedmesh"], 1)]
+        for name in others:
+            if name in t:
+                cells += [fair.cell(t[name], 1), fair.ratio(t["namedmesh"], t[name])]
+            else:
+                cells += [f"not run: {r['failed'][name]}", "—"]
+        lines.append("| " + " | ".join([*cells, f"{r['agree']:.0%}"]) + " |")
+    return lines
+
+
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="small", help="the LM's config (models/config.py)")
+    p.add_argument("--positions", type=int, default=2048, help="the model's positions")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--d-ff", type=int, default=688)
+    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per row")
-    p.add_argument("--new", type=int, default=32, help="decoded tokens per row")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs; the median is shown")
+    p.add_argument("--new", type=int, default=128, help="greedy tokens per row")
     p.add_argument("--batches", default="1,8", help="batch sizes")
-    p.add_argument("--docs", default=None, help="append the table to this markdown file")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (min and median)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time generate with a static cache under torch.compile")  # fmt: skip
+    p.add_argument("--docs", default=None, help="replace this section of a markdown file")
     args = p.parse_args(argv)
-    cfg = config.get(args.config, vocab=256)
-    dec = Decoder(transformer.init(transformer.lm_shapes(cfg), 0), cfg)
-    lines = [
-        "| batch | prefill tokens/s (one pass) | decode tokens/s | token-by-token "
-        "prefill tokens/s | token-by-token / one-pass prefill time |",
-        "|---|---|---|---|---|",
-    ]
+    threads = fair.single_threaded()  # before jax's first computation
+    model, dec = build(args, tempfile.mkdtemp())
+    before = fair.load()
+    results = {}
     for batch in map(int, args.batches.split(",")):
-        t = measure(dec, batch, args.prompt, args.new, args.repeats)
-        n = batch * args.prompt
-        lines.append(
-            f"| {batch} | {n / t['one_pass']:,.0f} | {batch * args.new / t['decode']:,.0f} | "
-            f"{n / t['by_steps']:,.0f} | {t['by_steps'] / t['one_pass']:.1f} |"
-        )
-        print(lines[-1], flush=True)
+        results[batch] = measure(model, dec, batch, args)
+        print(table({batch: results[batch]})[-1], flush=True)
+    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
+                                before=before, after=fair.load())  # fmt: skip
+    text = [
+        SECTION, "",
+        f"Made by `{report.command('benchmarks.decode', argv or sys.argv[1:])}`.", "",
+        f"A Llama of {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
+        f"({args.kv_heads} key/value heads), d_ff {args.d_ff}, vocab {args.vocab}, "
+        f"{args.positions} positions (random weights); prompts of {args.prompt} tokens, "
+        f"{args.new} greedy tokens per row, seconds per whole decode (prefill included). "
+        f"{method} ({threads})", "",
+        *table(results),
+    ]  # fmt: skip
+    print("\n".join(text))
     if args.docs:
-        with open(args.docs, "a") as f:
-            f.write("\n" + "\n".join([SECTION, "", *lines]) + "\n")
-    return 0
+        report.write_section(args.docs, SECTION, "\n".join(text) + "\n")
+    return results
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

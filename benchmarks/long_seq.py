@@ -1,5 +1,6 @@
 """`python -m benchmarks.long_seq [--configs tiny,small] [--lengths 1024,2048,4096]
-[--docs docs/benchmarks.md]`: the memory of a long-sequence training step.
+[--docs docs/benchmarks.md]`: the memory of a long-sequence training step; with
+`--vs-torch 2048,8192`, its time against PyTorch's scaled dot-product attention instead.
 
 For each config, length, attention (full, blockwise), remat policy (none, full) and
 layout (one device; a 2x4 mesh splitting batch... see LAYOUTS), the LM's loss and
@@ -9,18 +10,26 @@ gradients at batch 1 are compiled and XLA's memory_analysis() peak (arguments + 
 `small` LM at 4k with blockwise attention and full remat against full attention
 without remat; the peak's growth from 1k to 4k; and trained tokens/s at 1k with remat
 against without.
+
+`--vs-torch LENGTHS`: a GPT-2 architecture of the small LM's shape (4 layers, d_model
+256, 4 heads, d_ff 1024, a 256-token vocabulary, LENGTH positions) built by transformers
+with `attn_implementation="sdpa"`, loaded into the zoo, and the loss and gradients of
+one batch-1 sequence timed for namedmesh (full attention without remat; blockwise with
+full remat) against PyTorch, single-threaded, by CPU time, alternated (benchmarks/fair.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 
 import jax
 import numpy as np
 
 import namedmesh as nm
+from benchmarks import fair
 from benchmarks.memory import peak_bytes
 from lowering import Mesh, lower
 from models import config, transformer
@@ -30,6 +39,7 @@ LAYOUTS = {
     "2x4": ({"rows": 2, "cols": 4}, "length:rows;heads:cols;d_ff:cols;vocab:cols"),
 }
 SECTION = "## Long sequences: training-step memory, estimate vs XLA"
+TORCH_SECTION = "## Long sequences: training-step time against PyTorch's SDPA"
 
 
 def _batch(cfg, length: int) -> dict:
@@ -54,12 +64,12 @@ def row(name: str, length: int, attention: str, remat: str, layout: str, run: bo
     step = jax.jit(jax.value_and_grad(lambda p, b: lowered(p, b).data))
     compiled = step.lower(params, batch).compile()
     rate = None
-    if run:
+    if run:  # CPU time, so the machine's other work does not count
         jax.block_until_ready(compiled(params, batch))
-        start, n = time.perf_counter(), 3
+        start, n = time.process_time(), 3
         for _ in range(n):
             jax.block_until_ready(compiled(params, batch))
-        rate = n * length / (time.perf_counter() - start)
+        rate = n * length / (time.process_time() - start)
     return estimate, peak_bytes(compiled), rate
 
 
@@ -70,7 +80,17 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default="one device,2x4")
     p.add_argument("--docs", default=None, help="append the table to this markdown file")
     p.add_argument("--goals", action="store_true", help="only the rows the goals need")
+    p.add_argument(
+        "--vs-torch",
+        default=None,
+        metavar="LENGTHS",
+        help="time the training step against PyTorch's SDPA at these lengths",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of --vs-torch")
     args = p.parse_args(argv)
+    threads = fair.single_threaded()  # before jax's first computation
+    if args.vs_torch:
+        return vs_torch(list(map(int, args.vs_torch.split(","))), args, threads)
     lines = ["| config | length | attention | remat | layout | estimate MiB | XLA MiB | est/XLA |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     peaks, rates = {}, {}
@@ -92,6 +112,80 @@ def main(argv=None) -> int:
         with open(args.docs, "a") as f:
             f.write("\n" + text + "\n")
     return 0
+
+
+def _gpt2(length: int, folder: str):
+    """The small LM's shape as a transformers GPT-2 with SDPA attention, saved to `folder`."""
+    import torch
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        n_embd=256, n_layer=4, n_head=4, n_inner=1024, vocab_size=256, n_positions=length,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.save_pretrained(folder)
+    return model
+
+
+# namedmesh's attention kinds timed against PyTorch: (attention, remat)
+KINDS = {"full attention": ("full", "none"), "blockwise + full remat": ("blockwise", "full")}
+
+
+def vs_torch(lengths: list[int], args, threads: str) -> int:
+    """Rows of CPU seconds per training step (loss and gradients), namedmesh against PyTorch."""
+    head = ["length", *[f"namedmesh {k} s | ratio" for k in KINDS], "PyTorch SDPA s", "loss agrees"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * (2 * len(KINDS) + 3)]
+    before = fair.load()
+    for length in lengths:
+        lines.append("| " + " | ".join(_torch_row(length, args.rounds)) + " |")
+        print(lines[-1], flush=True)
+    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
+                                before=before, after=fair.load())  # fmt: skip
+    text = "\n".join([TORCH_SECTION, "", f"{method} ({threads})", "", *lines])
+    print(text)
+    if args.docs:
+        from benchmarks import report
+
+        report.write_section(args.docs, TORCH_SECTION, text + "\n")
+    return 0
+
+
+def _torch_row(length: int, rounds: int) -> list[str]:
+    """One row's cells: each kind's seconds and ratio, PyTorch's seconds, the loss check."""
+    import torch
+
+    from models import hub
+
+    folder = tempfile.mkdtemp()
+    model = _gpt2(length, folder)
+    zoo = hub.load(folder)
+    batch = _batch(zoo.config, length)
+    ids = torch.tensor(np.asarray(batch["inputs"].data), dtype=torch.long)
+    targets = torch.tensor(np.asarray(batch["targets"].data), dtype=torch.long)
+
+    def torch_step():
+        logits = model(ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    sides, losses = {}, {}
+    for kind, (attention, remat) in KINDS.items():
+        cfg = zoo.config.replace(attention=attention, remat=remat, attention_block=min(512, length))
+        loss = lambda p, b, c=cfg: transformer.lm_loss(p, b, c).data
+        step = jax.jit(jax.value_and_grad(loss))
+        losses[kind] = float(step(zoo.params, batch)[0])
+        sides[kind] = lambda s=step: jax.block_until_ready(s(zoo.params, batch))
+    sides["PyTorch SDPA"] = torch_step
+    t = fair.alternate(sides, rounds)
+    agree = all(abs(v - torch_step()) < 1e-4 for v in losses.values())
+    cells = [str(length)]
+    for kind in KINDS:
+        cells += [fair.cell(t[kind], 1), fair.ratio(t[kind], t["PyTorch SDPA"])]
+    return [*cells, fair.cell(t["PyTorch SDPA"], 1), str(agree)]
 
 
 def _rows(args) -> list[tuple]:

@@ -1,37 +1,34 @@
 """The zoo against transformers on one CPU device: a GPT-2-architecture model loaded into
 the zoo from the folder transformers wrote, then the forward pass and a full training
-step (forward, backward, AdamW) timed for namedmesh's jitted program and for PyTorch,
-interleaved, median of repeats.
+step (forward, backward, AdamW) of namedmesh's jitted program against PyTorch's, eager
+and under `torch.compile`, all single-threaded, timed by CPU time and alternated in one
+process (benchmarks/fair.py).
 
     python -m benchmarks.zoo_vs_hf --layers 4 --d-model 256 --heads 4 --length 128 \\
         --batch 4 --repeats 7
 
-Prints one markdown table (milliseconds and the ratio zoo / PyTorch) and the first
-training loss of each, which must agree (the same weights and batch).
+Prints one markdown table (milliseconds, min / median of the rounds, and the ratios zoo /
+PyTorch) and the first training loss of each, which must agree (the same weights and
+batch).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import jax
 import numpy as np
 import optax
 
 import namedmesh as nm
+from benchmarks import fair
 from models import hub, transformer
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def torch_side(args, folder):
+    """{"PyTorch eager": (forward, step), "torch.compile": (forward, step) or the reason it
+    does not run}: the same model (and optimizer) either way, saved to `folder` first."""
     import torch
     import transformers
 
@@ -44,19 +41,30 @@ def torch_side(args, folder):
     model.save_pretrained(folder)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
-    def forward(ids):
-        with torch.no_grad():
-            return model(ids).logits
-
-    def step(ids, targets):
+    def loss_of(ids, targets):
         logits = model(ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    return forward, step
+    def pair(forward_logits, loss):
+        def forward(ids):
+            with torch.no_grad():
+                return forward_logits(ids)
+
+        def step(ids, targets):
+            value = loss(ids, targets)
+            value.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(value.detach())
+
+        return forward, step
+
+    sides = {"PyTorch eager": pair(lambda ids: model(ids).logits, loss_of)}
+    if args.compile:
+        sides["torch.compile"] = pair(
+            torch.compile(lambda ids: model(ids).logits), torch.compile(loss_of)
+        )
+    return sides
 
 
 def zoo_side(folder):
@@ -75,7 +83,7 @@ def zoo_side(folder):
     return model.params, forward, step, {"params": model.params, "opt": opt.init(model.params)}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.zoo_vs_hf", description=__doc__)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -83,12 +91,15 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time PyTorch under torch.compile")  # fmt: skip
     args = p.parse_args(argv)
+    threads = fair.single_threaded()  # before jax's first computation
     import torch
 
     folder = tempfile.mkdtemp()
-    t_forward, t_step = torch_side(args, folder)
+    t_sides = torch_side(args, folder)
     params, z_forward, z_step, state = zoo_side(folder)
 
     rng = np.random.default_rng(0)
@@ -104,32 +115,59 @@ def main(argv=None) -> None:
     # Warm up (compile) and check that both sides train the same model on the same batch.
     z_forward(params, tokens).block_until_ready()
     state, z_loss = z_step(state, batch)
-    t_loss = t_step(t_ids, t_targets)
-    t_forward(t_ids)
+    t_loss = t_sides["PyTorch eager"][1](t_ids, t_targets)
+    failed = {}
+    for name, (forward, step) in list(t_sides.items())[1:]:
+        try:
+            forward(t_ids), step(t_ids, t_targets)
+        except Exception as e:  # a compiler missing on this machine: say so in the row
+            failed[name] = fair.why_not(e)
+            del t_sides[name]
 
-    times = {k: [] for k in ("zoo forward", "torch forward", "zoo step", "torch step")}
-    for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both
-        times["zoo forward"].append(timed(lambda: z_forward(params, tokens).block_until_ready()))
-        times["torch forward"].append(timed(lambda: t_forward(t_ids)))
-        start = time.perf_counter()
+    def zoo_step():
+        nonlocal state
         state, loss = z_step(state, batch)
         loss.block_until_ready()
-        times["zoo step"].append(time.perf_counter() - start)
-        times["torch step"].append(timed(lambda: t_step(t_ids, t_targets)))
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+    before = fair.load()
+    fwd = fair.alternate(
+        {"namedmesh": lambda: z_forward(params, tokens).block_until_ready()}
+        | {name: (lambda f=f: f(t_ids)) for name, (f, _) in t_sides.items()},
+        args.repeats,
+    )
+    step = fair.alternate(
+        {"namedmesh": zoo_step}
+        | {name: (lambda s=s: s(t_ids, t_targets)) for name, (_, s) in t_sides.items()},
+        args.repeats,
+    )
+    after = fair.load()
     print(
         f"GPT-2 architecture: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
         f"vocab {args.vocab}, batch {args.batch} x {args.length} tokens; "
-        f"{jax.devices()[0].platform} ({jax.device_count()} device), torch threads "
-        f"{torch.get_num_threads()}; median of {args.repeats}"
+        f"{jax.devices()[0].platform} ({jax.device_count()} device); {threads}"
     )
+    print(fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.repeats,
+                             before=before, after=after))  # fmt: skip
     print(f"first training loss: zoo {float(z_loss):.5f}, PyTorch {t_loss:.5f}")
-    print("| | namedmesh (ms) | PyTorch (ms) | namedmesh / PyTorch |")
-    print("|---|---|---|---|")
-    for what in ("forward", "step"):
-        z, t = med[f"zoo {what}"], med[f"torch {what}"]
-        name = "forward" if what == "forward" else "training step (fwd, bwd, AdamW)"
-        print(f"| {name} | {z:.1f} | {t:.1f} | {z / t:.2f} |")
+    print(table({"forward": fwd, "training step (fwd, bwd, AdamW)": step}, failed))
+    return {"forward": fwd, "step": step, "losses": (float(z_loss), t_loss), "failed": failed}
+
+
+def table(rows: dict[str, dict[str, list[float]]], failed: dict[str, str]) -> str:
+    """Markdown: per row, namedmesh's ms, then each PyTorch side's ms and the ratio."""
+    others = list(next(iter(rows.values())))[1:]
+    head = ["", "namedmesh ms"]
+    for name in [*others, *failed]:
+        head += [f"{name} ms", f"namedmesh / {name}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for what, times in rows.items():
+        cells = [what, fair.cell(times["namedmesh"])]
+        for name in others:
+            cells += [fair.cell(times[name]), fair.ratio(times["namedmesh"], times[name])]
+        for reason in failed.values():
+            cells += [f"not run: {reason}", "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

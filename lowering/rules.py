@@ -662,6 +662,58 @@ def gather_rule(ctx, eqn, args):
     return [(ctx.psum(y, split), want)]
 
 
+@rule(P.grouped_matmul, pure=True)
+def grouped_matmul_rule(ctx, eqn, args):
+    """The rows (the groups' dims) and the weight's output dims take the output's splits,
+    contracted dims are gathered. A weight split along its group dim (`experts:<axis>`)
+    stays split: each device multiplies the rows whose group falls in its block (the
+    others are zero rows, which cost nothing), with the rows whole over those axes, and a
+    psum_scatter into the dim the output splits on the axis (else a psum) combines. (An
+    all-to-all that sends each row to its group's device alone is not done yet.)"""
+    (x, xl), (w, wl), (g, gl) = args
+    (vx, vw, vg), (out,) = eqn.inputs, eqn.outputs
+    dim = eqn.params["dim"]
+    axis = vw.dims.index(dim)
+    split = tuple(wl[axis])
+    want = ctx.wanted[out]
+    by_dim = {
+        d: tuple(a for a in lay if a not in split) for d, lay in zip(out.dims, want, strict=True)
+    }
+    w_lay = tuple(split if d == dim else by_dim.get(d, ()) for d in vw.dims)
+    w = ctx.relayout(w, wl, w_lay)
+    x = ctx.relayout(x, xl, tuple(by_dim.get(d, ()) for d in vx.dims))
+    g = ctx.relayout(g, gl, _layout_in(vg.dims, by_dim))
+    cur = _layout_in(out.dims, by_dim)
+    if not split:
+        return [(ctx.relayout(ctx.local(eqn.primitive, x, w, g, **eqn.params), cur, want), want)]
+    g = _wide(ctx, g)
+    me = ctx.axis_index(split)
+    n = w.shape[axis]
+    g = ctx.call(_minus_block, g, me, n=n, shape=g.shape, dtype=g.dtype)
+    y = ctx.local(eqn.primitive, x, w, g, **eqn.params)
+    scatter, reduce, cur = _combine(split, cur, want)  # as a contraction's partial sums
+    for a, j in scatter:
+        y = ctx.psum_scatter(y, (a,), j)
+    return [(ctx.relayout(ctx.psum(y, reduce), cur, want), want)]
+
+
+@rule(P.update_slice, pure=True)
+def update_slice_rule(ctx, eqn, args):
+    """The written dim whole on every device, every other dim split as the output wants
+    (the starts' dims as the tensor's): each device writes its own rows' windows, no
+    collective (a KV cache split over batch or heads writes per shard)."""
+    (x, xl), (start, sl), (value, vl) = args
+    (vx, vs, _), (out,) = eqn.inputs, eqn.outputs
+    axis = eqn.params["axis"]
+    want = tuple(() if i == axis else a for i, a in enumerate(ctx.wanted[out]))
+    by_dim = dict(zip(vx.dims, want, strict=True))
+    x = ctx.relayout(x, xl, want)
+    value = ctx.relayout(value, vl, want)
+    start = ctx.relayout(start, sl, _layout_in(vs.dims, by_dim))
+    y = ctx.local(eqn.primitive, x, start, value, **eqn.params)
+    return [(ctx.relayout(y, want, ctx.wanted[out]), ctx.wanted[out])]
+
+
 def _block_offsets(idx, me, n, full):
     """Indices into this device's block of n, wrapped and clipped as nm.gather does."""
     idx = jnp.clip(jnp.where(idx < 0, idx + full, idx), 0, full - 1)

@@ -69,8 +69,11 @@ class Config:
     embed_norm: bool = False  # a norm after the embeddings (BERT)
     mlm_head: bool = False  # BERT's MLM head: dense, activation, norm, then a vocab bias
     dropout: float = 0.0
-    experts: int = 0  # > 0: mixture-of-experts FFN (top-2 gating)
-    capacity_factor: float = 1.25
+    experts: int = 0  # > 0: mixture-of-experts FFN (docs/models.md, "Mixture of experts")
+    experts_per_token: int = 2  # k: the experts each token reaches
+    routing: str = "dropless"  # dropless (every choice computed) | capacity (slots, drops)
+    router: str = "topk_softmax"  # topk_softmax (chosen weights sum to 1) | softmax_topk
+    capacity_factor: float = 1.25  # capacity routing: slots per expert over an even share
     moe_loss: float = 0.01  # weight of the load-balancing loss
     encoder_layers: int = 0  # encoder-decoder: layers of the encoder
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
@@ -87,6 +90,8 @@ class Config:
             "positions": ("learned", "rotary", "none"),
             "attention": tuple(KERNELS),
             "remat": ("none", "full", "dots"),
+            "routing": ("dropless", "capacity"),
+            "router": ("topk_softmax", "softmax_topk"),
         }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
@@ -103,6 +108,11 @@ class Config:
             raise ConfigError(
                 "Config.attention_block (--attention-block) must be >= 1, "
                 f"got {self.attention_block}"
+            )
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise ConfigError(
+                f"Config.experts_per_token={self.experts_per_token} must be in "
+                f"[1, experts={self.experts}]"
             )
         if self.kv_heads and self.heads % self.kv_heads:
             raise ConfigError(

@@ -21,38 +21,24 @@ class DataError(ValueError):
     """Bad data path, empty corpus, or a corpus too short for the sequence length."""
 
 
-def load_text(path: str | None = None) -> str:
-    """The default corpus, or the text of a file, or of every file under a folder
-    (sorted by path, read as UTF-8 with undecodable bytes replaced)."""
+def load_text(path: str | None = None, flag: str = "--data", text_field: str = "text"):
+    """The default corpus (None), or what `path` holds: text (a `str`) or token ids
+    (`models.datasets.Tokens`, memory-mapped), as models/datasets.py reads each kind of
+    file; DataError naming `flag` and the file at fault."""
     if path is None:
         from pydoc_data.topics import topics
 
         return "".join(topics[k] for k in sorted(topics))
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"--data {path}: no such file or folder")
-    found = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
-    text = "".join(_text(f, path) for f in found)
-    if not text:
-        raise DataError(f"--data {path}: no text found")
-    return text
+    from models import datasets  # it imports DataError from here
+
+    return datasets.read(path, flag, text_field)
 
 
-def _text(file: Path, flag: str) -> str:
-    """A file's text; DataError for a binary file (one holding a NUL byte, as no text
-    does), naming it and the byte."""
-    raw = file.read_bytes()
-    nul = raw.find(b"\0")
-    if nul >= 0:
-        raise DataError(
-            f"--data {flag}: {file} is not text (a NUL byte at offset {nul}); "
-            "give a UTF-8 text file or a folder of them"
-        )
-    return raw.decode("utf-8", errors="replace")
-
-
-def split(text: str) -> tuple[str, str]:
-    """(train, validation): the validation split is the last tenth of the text."""
+def split(text):
+    """(train, validation): the validation split is the last tenth of the text (or of
+    the token ids, as views of their memory map)."""
+    if not isinstance(text, str):
+        return text.split(VALIDATION_FRACTION)
     cut = int(len(text) * (1 - VALIDATION_FRACTION))
     return text[:cut], text[cut:]
 
@@ -144,12 +130,15 @@ class Corpus:
     """Token ids of the train and validation splits, and the batches of an objective
     (models/objectives.py) cut from them."""
 
-    def __init__(self, text: str, tokenizer, length: int, objective: str = "lm"):
-        train, valid = split(text)
+    def __init__(self, text, tokenizer, length: int, objective: str = "lm", valid=None):
+        """`text` (and `valid`): a str, or `models.datasets.Tokens` used as they are (a
+        memory map, checked against the tokenizer's vocabulary); without `valid` the
+        validation split is the last tenth of `text`."""
+        train, held_out = split(text) if valid is None else (text, valid)
         self.tokenizer = tokenizer
-        self.train = tokenizer.encode(train)
-        self.valid = tokenizer.encode(valid)
-        self.valid_bytes = len(valid.encode("utf-8"))
+        self.train = _ids(train, tokenizer, "--data")
+        self.valid = _ids(held_out, tokenizer, "--data" if valid is None else "--val-data")
+        self.valid_bytes = byte_length(held_out, tokenizer)
         self.length, self.objective = length, objective
         self.window = objectives.window_length(objective, length)
         for name, ids in (("train", self.train), ("validation", self.valid)):
@@ -159,11 +148,13 @@ class Corpus:
                     f"{self.window}; use a longer text or a shorter --length"
                 )
 
-    def batch(self, step: int, batch: int, seed: int) -> dict[str, np.ndarray]:
-        """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone."""
+    def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:
+        """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone.
+        With `rows` (the rows this process's devices hold), only those windows are read
+        from the data; the other rows are zeros that no device of this process receives."""
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, len(self.train) - self.window, size=batch)
-        return self._examples(self.train, starts, rng)
+        return self._examples(self.train, starts, rng, rows)
 
     def validation_batches(self, batch: int, max_batches: int | None = None):
         """Consecutive windows covering the validation split (the last batch padded with
@@ -177,10 +168,34 @@ class Corpus:
             out["weights"][len(chunk) :] = 0.0
             yield out
 
-    def _examples(self, ids, starts, rng) -> dict[str, np.ndarray]:
-        windows = ids[starts[:, None] + np.arange(self.window)[None, :]].astype(np.int32)
+    def _examples(self, ids, starts, rng, rows=None) -> dict[str, np.ndarray]:
+        rows = np.arange(len(starts)) if rows is None else np.asarray(rows, dtype=np.int64)
+        windows = np.zeros((len(starts), self.window), np.int32)
+        windows[rows] = ids[starts[rows, None] + np.arange(self.window)[None, :]]
         return objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
 
     def bytes_per_token(self) -> float:
         """Validation bytes per validation token (1 for the byte tokenizer)."""
         return self.valid_bytes / max(len(self.valid), 1)
+
+
+SAMPLE_TOKENS = 1 << 20  # token ids decoded to measure the bytes per token of a token file
+
+
+def _ids(part, tokenizer, flag: str) -> np.ndarray:
+    """Token ids of a split: text encoded, token files checked and kept as they are."""
+    if isinstance(part, str):
+        return tokenizer.encode(part)
+    part.check_vocab(tokenizer.vocab_size, flag)
+    return part.ids
+
+
+def byte_length(part, tokenizer) -> float:
+    """UTF-8 bytes of a split: of the text; of a token file, its tokens times the bytes
+    per token of its first SAMPLE_TOKENS ids decoded (all of them when it is shorter)."""
+    if isinstance(part, str):
+        return len(part.encode("utf-8"))
+    sample = np.asarray(part.ids[:SAMPLE_TOKENS])
+    if not len(sample):
+        return 0
+    return len(tokenizer.decode(sample).encode("utf-8")) * len(part) / len(sample)

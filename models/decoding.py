@@ -23,12 +23,17 @@ from namedmesh.errors import ParameterError
 def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
     """Empty keys and values for every layer: (layers, batch, memory, heads, d_kv), with
     kv_heads in place of heads under grouped-query attention; `slots` positions
-    (cfg.length by default), in the config's compute dtype. Inside a lowered program
+    (cfg.length by default), in the config's compute dtype; under capacity routing,
+    "route" (layers, batch, memory, experts): the experts each position chose, whose
+    counts before a position are the expert queues it joins. Inside a lowered program
     the zeros are laid out by the layout's rules like any value."""
     heads = head_sizes(cfg, kv=True)
-    sizes = {"layers": cfg.layers, "batch": batch, "memory": slots or cfg.length, **heads}
+    sizes = {"layers": cfg.layers, "batch": batch, "memory": slots or cfg.length}
     dtype = compute_dtype(cfg)
-    return {k: nm.zeros({**sizes, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
+    cache = {k: nm.zeros({**sizes, **heads, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
+    if cfg.experts and cfg.routing == "capacity":  # each position's experts, queued
+        cache["route"] = nm.zeros({**sizes, "experts": cfg.experts}, np.float32)
+    return cache
 
 
 def encode_memory(params: dict, batch: dict, cfg: Config) -> tuple[dict, nm.Tensor]:
@@ -44,16 +49,19 @@ def encode_memory(params: dict, batch: dict, cfg: Config) -> tuple[dict, nm.Tens
 
 
 def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, encoded):
-    """(hidden states, new cache): the decoder stack over x at `position` with the cache,
-    and an encoder-decoder's `encoded` (cross keys and values, bias) of `encode_memory`."""
+    """(hidden states, keys and values of x's positions (layers, batch, memory, ...)): the
+    decoder stack over x at `position` attending over `cache` (its slots hold every
+    position x's queries see, x's own included once written there), and an
+    encoder-decoder's `encoded` (cross keys and values, bias) of `encode_memory`."""
     slots = cache["k"].size_of("memory")
     bias = None
     if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
     cross, memory_bias = (None, None) if encoded is None else encoded
-    xs = {"p": params["layers"], "k": cache["k"], "v": cache["v"]}
+    xs = {"p": params["layers"], "cache": cache}
     if cross is not None:
         xs["cross"] = cross
+    n = x.size_of("length")
 
     def body(h, x):
         h, _, new = transformer.block(
@@ -65,13 +73,21 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
             bias=bias,
             memory_bias=memory_bias,
             memory_kv=x.get("cross"),
-            cache={"k": x["k"], "v": x["v"]},
+            cache=x["cache"],
             position=position,
         )
-        return h, (new["k"], new["v"])
+        return h, {name: _written(t, position, n) for name, t in new.items()}
 
-    x, (k, v) = nm.scan(body, x, xs, "layers")
-    return x, {"k": k, "v": v}
+    return nm.scan(body, x, xs, "layers")
+
+
+def _written(t: nm.Tensor, position, n: int) -> nm.Tensor:
+    """The n slots of a layer's cache `t` that a pass at `position` wrote: a prefill's
+    first n, or a step's one slot per row (gathered, so that only those leave the scan)."""
+    if "length" in position.dims:
+        return nm.slice(t, "memory", 0, n)
+    at = nm.expand_dims(position, {"slot": 1})
+    return nm.gather(t, "memory", at).rename(slot="memory").transpose(*t.dims)
 
 
 def prefill_step(
@@ -79,33 +95,58 @@ def prefill_step(
 ) -> tuple[nm.Tensor, dict]:
     """(logits, cache) after one forward pass over the prompts `tokens` (batch, length;
     ints, right-padded) that writes their keys and values into the first `length` slots
-    of a fresh cache of `slots` positions. `last` (int Tensor over batch) is each row's
-    last real position: logits (batch, vocab) after it; None: logits (batch, length,
-    vocab) at every position. The causal mask keeps a row's padding out of its real
-    positions' attention, and the steps that follow overwrite the padded slots before any
-    query may see them, so a padded row decodes as it would alone."""
+    of a fresh cache of `slots` positions; the pass attends over those `length` slots
+    alone. `last` (int Tensor over batch) is each row's last real position: logits
+    (batch, vocab) after it; None: logits (batch, length, vocab) at every position. The
+    causal mask keeps a row's padding out of its real positions' attention, and the
+    steps that follow overwrite the padded slots before any query may see them, so a
+    padded row decodes as it would alone."""
     params = transformer.compute_params(params, cfg)
-    cache = init_cache(cfg, tokens.size_of("batch"), slots)
+    n = tokens.size_of("length")
     x = transformer.embed_inputs(params, tokens, cfg)
-    positions = nm.arange("length", tokens.size_of("length"))
-    x, cache = _run_layers(params, x, cfg, cache, positions, encoded)
+    positions = nm.arange("length", n)
+    x, kv = _run_layers(params, x, cfg, init_cache(cfg, tokens.size_of("batch"), n), positions,
+                        encoded)  # fmt: skip
+    cache = {name: nm.pad(t, {"memory": (0, slots - n)}) for name, t in kv.items()}
     if last is not None:  # the output projection only where a token is chosen
         x = nm.gather(x, "length", last)
     return transformer.output_logits(params, x, cfg), cache
 
 
-def decode_step(params: dict, tokens: nm.Tensor, position, cache: dict, cfg: Config, encoded=None):
+def bucket(filled: int, slots: int, least: int = 64) -> int:
+    """The cache slots a step attends over when its rows hold at most `filled` positions
+    (their new one included): the next power of two >= filled, at least `least`, at most
+    `slots`. A few compiled steps serve every length, each attending over at most twice
+    the filled slots."""
+    return min(slots, max(least, 1 << max(filled - 1, 0).bit_length()))
+
+
+def decode_step(
+    params: dict,
+    tokens: nm.Tensor,
+    position,
+    cache: dict,
+    cfg: Config,
+    encoded=None,
+    attend: int | None = None,
+):
     """(logits (batch, vocab), new cache): the next-token logits after `tokens` (batch,
     length=1; ints) at `position` (an int Tensor: 0-d, or over batch for rows at
-    different positions), given the cache of the positions before. An encoder-decoder's
-    decoder takes `encoded`, the (cross keys and values, padding bias) of
-    `encode_memory`, and attends to them in every layer."""
+    different positions), given the cache of the positions before. The step attends
+    over the cache's first `attend` slots (all by default; more than every row's
+    position: `bucket`) and writes the new keys and values into the cache with
+    `nm.update_slice`, in place when the cache's buffers are donated (`Decoder` does).
+    An encoder-decoder's decoder takes `encoded`, the (cross keys and values, padding
+    bias) of `encode_memory`, and attends to them in every layer."""
     params = transformer.compute_params(params, cfg)
     x = transformer.embed(tokens, params["embed"])
     if "pos" in params:
         x = x + nm.gather(params["pos"].rename(length="memory"), "memory", position)
     x = transformer.embed_extras(params, x, cfg)
-    x, cache = _run_layers(params, x, cfg, cache, position, encoded)
+    attend = attend or cache["k"].size_of("memory")
+    prefix = {name: nm.slice(t, "memory", 0, attend) for name, t in cache.items()}
+    x, new = _run_layers(params, x, cfg, prefix, position, encoded)
+    cache = {name: nm.update_slice(cache[name], "memory", position, new[name]) for name in cache}
     logits = transformer.output_logits(params, x, cfg).sum("length")
     return logits, cache
 
@@ -159,7 +200,8 @@ def _ints(x, dims) -> nm.Tensor:
 class Decoder:
     """Decoding with one model's parameters over a KV cache of `slots` positions per
     layer (cfg.length by default; the most tokens a row holds, prompt included), one
-    compiled prefill per prompt width and one compiled step. With a `mesh` and `layout`,
+    compiled prefill per prompt width and one compiled step per `bucket` of attended
+    slots, the cache donated to it (written in place). With a `mesh` and `layout`,
     prefill, step and encoder are lowered under the layout: the cache, the parameters
     and the activations are split by its rules (`batch:data;heads:model` splits the
     cache's batch and heads) and the tokens are those of one device."""
@@ -183,7 +225,13 @@ class Decoder:
         build = jax.jit if mesh is None else (lambda f: lower(f, mesh, layout))
         n = self.slots
         self._prefill = build(lambda p, t, i, e: prefill_step(p, t, i, cfg, n, e))
-        self._step = build(lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e))
+        # one compiled step per bucket of attended slots; the cache's buffers are donated,
+        # so XLA writes the new position into them in place
+        donate = jax.jit if mesh is None else (lambda f, **_: lower(f, mesh, layout))
+        self._steps = {}
+        self._step_of = lambda b: donate(
+            lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e, b), donate_argnums=3
+        )
         self._encode = build(lambda p, b: encode_memory(p, b, cfg))
         # the compute dtype's copy of the parameters, made once rather than every step
         if mesh is not None or cfg.dtype != "float32":
@@ -206,7 +254,10 @@ class Decoder:
         i = _ints(at, ("batch",) if at.ndim else ())
         t = _ints(np.asarray(tokens)[:, None], ("batch", "length"))
         self._check_encoded(len(t.data))
-        logits, cache = self._step(self.params, t, i, cache, self.encoded)
+        b = bucket(int(at.max()) + 1, self.slots)
+        if b not in self._steps:
+            self._steps[b] = self._step_of(b)
+        logits, cache = self._steps[b](self.params, t, i, cache, self.encoded)
         return logits.transpose("batch", "vocab").data, cache
 
     def prefill_logits(self, rows: np.ndarray, lengths: np.ndarray):

@@ -19,7 +19,7 @@ PROMPT = "The assert statement"
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--out", default="runs/demo")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -34,13 +34,13 @@ def main(argv=None) -> int:
     if os.path.exists(args.out):
         print(f"replacing the previous demo run in {args.out}")
         shutil.rmtree(args.out)
-    print("$ python -m models.train " + shlex.join(flags), flush=True)
-    if rc := train.main(flags):
+    print("$ namedmesh train " + shlex.join(flags), flush=True)
+    if rc := train.main(flags, prog="namedmesh train"):
         return rc
     for mode in ("greedy", "sample"):
         gen = ["--checkpoint", args.out, "--prompt", PROMPT, "--mode", mode, "--max-new", "200"]
-        print(f"\n$ python -m models.generate {shlex.join(gen)}", flush=True)
-        if rc := generate.main(gen):
+        print(f"\n$ namedmesh generate {shlex.join(gen)}", flush=True)
+        if rc := generate.main(gen, prog="namedmesh generate"):
             return rc
     return 0
 

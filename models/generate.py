@@ -53,6 +53,7 @@ def load(run: str | Path):
     else:
         cfg = model.configure(config.get(flags["config"])).replace(vocab=flags["vocab"])
     cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length", "dtype") if flags.get(k)})
+    cfg = cfg.replace(**config.parse_overrides(flags.get("set") or []))  # the run's --set
     # The parameters alone, by name: the optimizer's state stays on disk.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(  # over the Tensors' data: abstract, on one device
@@ -99,9 +100,9 @@ def read_prompts(path: Path) -> list[str]:
     return lines
 
 
-def arguments(argv=None):
+def arguments(argv=None, prog: str = "python -m models.generate"):
     p = Parser(
-        prog="python -m models.generate",
+        prog=prog,
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
     )
@@ -150,8 +151,8 @@ def arguments(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = arguments(argv)
+def main(argv=None, prog: str = "python -m models.generate") -> int:
+    args = arguments(argv, prog)
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before loading
         texts = read_prompts(args.prompts) if args.prompts else [args.prompt]
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
         start = decoder_start(args.checkpoint)
         outputs = _decode(dec, prompts, start, sampling, args)
     except (*user_errors(), KeyError) as e:
-        return fail(e, 2, "models.generate")
+        return fail(e, 2, prog.removeprefix("python -m "))
     for text, out in zip(texts, outputs, strict=True):
         print(("" if start is not None else text) + tokenizer.decode(out))
     return 0

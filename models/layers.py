@@ -164,17 +164,20 @@ def write_cache(cache: dict, k: nm.Tensor, v: nm.Tensor, position: nm.Tensor):
     position 0-d or over batch; a one-hot write, one traced program for every
     position), or the first n slots of an empty cache (position over length: prefill).
     The cache keeps its dtype (the compute dtype)."""
-    slots, dtype = cache["k"].size_of("memory"), cache["k"].dtype
-    k, v = (t if t.dtype == dtype else nm.astype(t, dtype) for t in (k, v))
+    return write_slots(cache["k"], k, position), write_slots(cache["v"], v, position)
+
+
+def write_slots(cache: nm.Tensor, new: nm.Tensor, position: nm.Tensor) -> nm.Tensor:
+    """`cache` (batch, memory=slots, ...) with `new` (batch, memory=n or length=n, ...)
+    written at `position` as `write_cache` writes keys, in the cache's dtype."""
+    slots, dtype = cache.size_of("memory"), cache.dtype
+    new = new if new.dtype == dtype else nm.astype(new, dtype)
+    new = new.rename(length="memory") if "length" in new.dims else new
     if "length" in position.dims:  # prefill: slots n.. stay empty (the causal mask hides them)
-        fill = {"memory": (0, slots - k.size_of("memory"))}
-        return nm.pad(k, fill).transpose(*cache["k"].dims), nm.pad(v, fill).transpose(
-            *cache["v"].dims
-        )
+        fill = {"memory": (0, slots - new.size_of("memory"))}
+        return nm.pad(new, fill).transpose(*cache.dims)
     at = nm.one_hot(position, "memory", slots, dtype)  # write position: 1 there
-    new_k = cache["k"] * (1.0 - at) + at * k.sum("memory")
-    new_v = cache["v"] * (1.0 - at) + at * v.sum("memory")
-    return new_k.transpose(*cache["k"].dims), new_v.transpose(*cache["v"].dims)
+    return (cache * (1.0 - at) + at * new.sum("memory")).transpose(*cache.dims)
 
 
 def _rotate(q: nm.Tensor, k: nm.Tensor, cfg: Config, cache, position):

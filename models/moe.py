@@ -1,14 +1,26 @@
-"""A mixture-of-experts FFN with top-2 gating (GShard, and Mesh-TensorFlow's `moe.py`).
+"""The mixture-of-experts FFN: a router picks each token's top-k experts
+(cfg.experts_per_token), and the token's output is their FFNs weighted by the router.
 
 `experts` is a dim like any other, so expert parallelism is the layout rule
-`experts:<axis>`. Each batch row is a group: its `length` tokens fill each expert's
-`expert_capacity` slots in order, first choices before second choices; a token past
-an expert's capacity skips that expert (the residual still carries it).
+`experts:<axis>`. Two routings (cfg.routing; docs/models.md, "Mixture of experts"):
+
+- dropless (the default): every choice is computed exactly, by grouped matmuls
+  (`nm.grouped_matmul`: rows sorted by expert), whatever the load.
+- capacity (GShard, Mesh-TensorFlow's `moe.py`; the throughput option): each batch row
+  is a group whose tokens fill each expert's `capacity` slots in position order, a
+  token's choices together, so a token's slot depends only on the tokens at or before
+  it (causal); a choice that finds its expert full is dropped (the residual still
+  carries the token). The slots are one-hot dispatch and combine einsums.
+
+The router's weights (cfg.router): topk_softmax, the softmax over the chosen experts'
+logits (Mixtral; Qwen-MoE's `norm_topk_prob`), or softmax_topk, the softmax over all
+experts' logits read at the chosen ones (Qwen-MoE without `norm_topk_prob`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,60 +31,150 @@ from models.layers import Param, activation
 
 def moe_params(cfg: Config) -> dict:
     d, f, e = cfg.d_model, cfg.d_ff, cfg.experts
-    if cfg.ffn not in ("relu", "gelu"):
-        raise ConfigError(f"the MoE FFN (experts > 0) takes ffn relu or gelu, got {cfg.ffn!r}")
-    return {
+    if cfg.bias:
+        raise ConfigError("the MoE FFN (experts > 0) has no biases: Config.bias must be False")
+    p = {
         "gate": Param({"d_model": d, "experts": e}, d**-0.5),
         "wi": Param({"experts": e, "d_model": d, "d_ff": f}, d**-0.5),
         "wo": Param({"experts": e, "d_ff": f, "d_model": d}, f**-0.5),
     }
+    if activation(cfg.ffn)[1]:
+        p["wg"] = Param({"experts": e, "d_model": d, "d_ff": f}, d**-0.5)
+    return p
 
 
-def capacity(cfg: Config, group: int) -> int:
-    """Slots per expert for a group of `group` tokens, each sent to two experts."""
-    return min(group, math.ceil(2 * cfg.capacity_factor * group / cfg.experts))
+def capacity(cfg: Config, group: int | None = None) -> int:
+    """Slots per expert for a group of `group` tokens (cfg.length: a training row,
+    whatever the input's length, so a prefix routes as it does inside the longer
+    sequence), each sent to cfg.experts_per_token experts."""
+    group = cfg.length if group is None else group
+    k = cfg.experts_per_token
+    return min(group, math.ceil(k * cfg.capacity_factor * group / cfg.experts))
 
 
-def _slots(chosen: nm.Tensor, before: nm.Tensor | float, c: int) -> tuple[nm.Tensor, nm.Tensor]:
-    """(kept, slot): `chosen` (0/1 over experts) where the token's place in its expert's
-    queue, after `before` tokens already there, is below capacity `c`; and the one-hot
-    of that place over expert_capacity."""
+class Routed(NamedTuple):
+    """The MoE's output (batch, length, d_model), its statistics (`stats`), and the
+    experts each position chose (batch, length, experts; 0/1), which a capacity
+    router's decoding cache keeps."""
+
+    out: nm.Tensor
+    stats: dict
+    chosen: nm.Tensor
+
+
+ROUTERS = {  # the top-k's weights from the softmax's top-k values (choices)
+    "topk_softmax": lambda top: top / top.sum("choices"),
+    "softmax_topk": lambda top: top,
+}
+
+
+def route(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor, nm.Tensor]:
+    """(choice (batch, length, choices) int32, weight (batch, length, choices), probs
+    (batch, length, experts)) for x (batch, length, d_model): the top-k experts of the
+    router's softmax, in float32 whatever the compute dtype."""
+    gate = nm.einsum(
+        x, p["gate"], out=("batch", "length", "experts"), preferred_element_type=np.float32
+    )
+    probs = nm.softmax(gate, "experts")
+    top, choice = nm.top_k(probs, "experts", cfg.experts_per_token, "choices")
+    return choice, ROUTERS[cfg.router](top), probs
+
+
+def expert_ffn(x: nm.Tensor, p: dict, cfg: Config, project) -> nm.Tensor:
+    """The experts' FFN (an activation, or a gated linear unit) with `project(x, w,
+    out_dim)` applying each row's expert weight."""
+    act, gated = activation(cfg.ffn)
+    h = act(project(x, p["wi"], "d_ff"))
+    if gated:
+        h = h * project(x, p["wg"], "d_ff")
+    return project(h, p["wo"], "d_model")
+
+
+def dropless(x, p, cfg, choice, weight, before):
+    """Every choice computed: grouped matmuls over the rows' chosen experts."""
+    project = lambda t, w, _: nm.grouped_matmul(t, w, choice)
+    y = expert_ffn(x, p, cfg, project)
+    out = nm.einsum(y, nm.astype(weight, y.dtype), out=("batch", "length", "d_model"))
+    return out, None  # nothing dropped
+
+
+def capacity_slots(chosen: nm.Tensor, before, c: int) -> tuple[nm.Tensor, nm.Tensor]:
+    """(kept, slot): `chosen` (0/1 over experts) where the position's place in its
+    expert's queue, after `before` choices already there (0, or per batch row and expert
+    in decoding), is below capacity `c`; and the one-hot of that place over
+    expert_capacity. The queue is in position order, so it is causal."""
     place = nm.cumsum(chosen, "length") - 1.0 + before
     kept = chosen * nm.astype(place < c, np.float32)
     slot = nm.one_hot(nm.astype(place * kept, np.int32), "expert_capacity", c)
     return kept, slot
 
 
-def gating(probs: nm.Tensor, c: int) -> tuple[nm.Tensor, nm.Tensor, nm.Tensor]:
-    """(combine, dispatch, aux) from gate probabilities (batch, length, experts):
-    combine (batch, length, experts, expert_capacity) holds each token's normalised
-    gate weight at its slot, dispatch is its 0/1 pattern, aux is the load-balancing
-    loss (1 when tokens and probability spread evenly over the experts)."""
-    e = probs.size_of("experts")
-    first = nm.one_hot(nm.argmax(probs, "experts"), "experts", e)
-    second = nm.one_hot(nm.argmax(probs * (1.0 - first), "experts"), "experts", e)
-    aux = nm.mean(nm.mean(first, "length") * nm.mean(probs, "length")) * float(e * e)
-    kept1, slot1 = _slots(first, 0.0, c)
-    kept2, slot2 = _slots(second, kept1.sum("length"), c)
-    g1, g2 = (probs * first).sum("experts"), (probs * second).sum("experts")
-    total = g1 + g2
-    d1, d2 = kept1 * slot1, kept2 * slot2
-    combine = d1 * (g1 / total) + d2 * (g2 / total)
-    return combine, d1 + d2, aux
-
-
-def moe(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor]:
-    """(out, aux) for x (batch, length, d_model): each token's output is the gated sum
-    of its top-2 experts' FFNs; aux is the load-balancing loss of this layer."""
-    c = capacity(cfg, x.size_of("length"))
-    gate = nm.einsum(
-        x, p["gate"], out=("batch", "length", "experts"), preferred_element_type=np.float32
-    )
-    combine, dispatch, aux = gating(nm.softmax(gate, "experts"), c)  # float32 statistics
+def capacity_routed(x, p, cfg, choice, weight, before):
+    """Slots by position (`capacity_slots`), one-hot dispatch and combine einsums."""
+    mask = nm.one_hot(choice, "experts", cfg.experts)
+    chosen = mask.sum("choices")  # a token's choices are distinct experts
+    kept, slot = capacity_slots(chosen, before, capacity(cfg))
+    dispatch = kept * slot
+    combine = dispatch * (mask * weight).sum("choices")
     if x.dtype != np.float32:  # the routing tensors take the activations' dtype
         combine, dispatch = nm.astype(combine, x.dtype), nm.astype(dispatch, x.dtype)
     slots = ("batch", "experts", "expert_capacity")
     expert_in = nm.einsum(dispatch, x, out=slots + ("d_model",))
-    h = activation(cfg.ffn)[0](nm.einsum(expert_in, p["wi"], out=slots + ("d_ff",)))
-    expert_out = nm.einsum(h, p["wo"], out=slots + ("d_model",))
-    return nm.einsum(combine, expert_out, out=("batch", "length", "d_model")), aux
+    project = lambda t, w, dim: nm.einsum(t, w, out=slots + (dim,))
+    expert_out = expert_ffn(expert_in, p, cfg, project)
+    out = nm.einsum(combine, expert_out, out=("batch", "length", "d_model"))
+    return out, kept
+
+
+ROUTINGS = {"dropless": dropless, "capacity": capacity_routed}
+
+
+def moe(x: nm.Tensor, p: dict, cfg: Config, before=0.0, stats: bool = False) -> Routed:
+    """The MoE FFN of x (batch, length, d_model) under cfg.routing. `before` (capacity
+    routing's decoding: batch, experts) counts the choices of earlier positions already
+    queued at each expert. The statistics hold the balancing loss, and with `stats` the
+    rest (not computed otherwise: a lowered program would count their collectives)."""
+    choice, weight, probs = route(x, p, cfg)
+    out, kept = ROUTINGS[cfg.routing](x, p, cfg, choice, weight, before)
+    chosen = nm.one_hot(choice, "experts", cfg.experts).sum("choices")
+    kept = chosen if kept is None else kept
+    balance = {"balance": balance_loss(choice, probs)}
+    return Routed(out, balance | statistics(chosen, kept) if stats else balance, chosen)
+
+
+def balance_loss(choice: nm.Tensor, probs: nm.Tensor) -> nm.Tensor:
+    """GShard's load-balancing loss, per batch row: 1 when first choices and probability
+    spread evenly over the experts."""
+    e = probs.size_of("experts")
+    first = nm.one_hot(nm.slice(choice, "choices", 0, 1).sum("choices"), "experts", e)
+    return nm.mean(nm.mean(first, "length") * nm.mean(probs, "length")) * float(e * e)
+
+
+def statistics(chosen: nm.Tensor, kept: nm.Tensor) -> dict:
+    """The router's statistics of one layer besides its balancing loss: `load`
+    (experts), the share of all choices each expert got; `dropped`, the share of choices
+    capacity routing dropped (0 dropless)."""
+    total = chosen.sum()
+    load = chosen.sum(("batch", "length")) / total
+    return {"load": load, "dropped": 1.0 - kept.sum() / total}
+
+
+def over_layers(stats: dict) -> dict:
+    """A stack's statistics from its layers' (over `layers`): the balancing losses
+    summed (the loss adds them), the loads and drops averaged."""
+    return {k: v.sum("layers") if k == "balance" else v.mean("layers") for k, v in stats.items()}
+
+
+def merged(a: dict, b: dict) -> dict:
+    """Two stacks' statistics (an encoder-decoder's): losses summed, the rest averaged."""
+    return {k: a[k] + b[k] if k == "balance" else (a[k] + b[k]) * 0.5 for k in a}
+
+
+def queued(route: nm.Tensor, position: nm.Tensor) -> nm.Tensor | float:
+    """The choices (batch, experts) of the positions before `position` in a decoding
+    cache's `route` (batch, memory, experts; 0/1): what capacity routing's queues hold
+    before it. A prefill (position over length) starts at slot 0: nothing before."""
+    if "length" in position.dims:
+        return 0.0
+    slots = nm.arange("memory", route.size_of("memory"))
+    return (route * nm.astype(slots < position, route.dtype)).sum("memory")

@@ -49,6 +49,8 @@ _RUN_FLAGS = (
     "attention",
     "attention_block",
     "grad_accum",
+    "val_data",
+    "text_field",
 )
 
 
@@ -97,13 +99,14 @@ def setup(args):
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     try:
-        text = data.load_text(args.data)
+        text = data.load_text(args.data, "--data", args.text_field)
+        valid = args.val_data and data.load_text(args.val_data, "--val-data", args.text_field)
         if args.resume:
             tokenizer = data.load_tokenizer(out)
         elif hub_tokenizer is not None:
             tokenizer = hub_tokenizer
         elif args.tokenizer == "bpe":
-            tokenizer = data.BPETokenizer.train(data.split(text)[0], args.bpe_vocab)
+            tokenizer = data.BPETokenizer.train(_bpe_text(text, valid, args.data), args.bpe_vocab)
         elif args.tokenizer == "byte":
             tokenizer = data.ByteTokenizer()
         else:
@@ -115,7 +118,7 @@ def setup(args):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
         cfg = cfg.replace(**changes, **config.parse_overrides(args.set or []))
-        corpus = data.Corpus(text, tokenizer, cfg.length, model.objective)
+        corpus = data.Corpus(text, tokenizer, cfg.length, model.objective, valid or None)
     except (data.DataError, config.ConfigError) as e:
         raise UsageError(str(e)) from None
     try:
@@ -131,6 +134,16 @@ def setup(args):
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
+
+
+def _bpe_text(text, valid, path) -> str:
+    """The text a `--tokenizer bpe` trains on: the training split of a text."""
+    if not isinstance(text, str):
+        raise data.DataError(
+            f"--tokenizer bpe trains on text, but --data {path} holds token ids: pass the "
+            "tokenizer.json they were made with (--tokenizer FILE), or byte"
+        )
+    return data.split(text)[0] if valid is None else text
 
 
 def from_hub(args):
@@ -260,7 +273,8 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
     with open(metrics_path, "a") as log:
         last = time.perf_counter()
         for step in range(start + 1, args.steps + 1):
-            state, stats = trainer.update(state, corpus.batch(step, cfg.batch, args.seed), step)
+            batch = corpus.batch(step, cfg.batch, args.seed, trainer.local_rows())
+            state, stats = trainer.update(state, batch, step)
             loss = stats["loss"]
             now = time.perf_counter()
             rec = {
@@ -269,6 +283,7 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
                 "grad_norm": stats["grad_norm"],
                 "lr": float(schedule(step - 1)),
                 "tokens_per_s": cfg.batch * cfg.length / (now - last),
+                **trainer.router_metrics(),
             }
             if not stats["finite"]:
                 skipped += 1

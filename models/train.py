@@ -26,6 +26,8 @@ import os
 import sys
 from typing import NamedTuple
 
+from models import settings
+
 
 def parse_mesh(text: str) -> dict[str, int]:
     """ "rows=2,cols=4" -> {"rows": 2, "cols": 4}."""
@@ -94,22 +96,23 @@ class Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (no usage dump), still with exit status 2."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog.split()[-1]}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)\n")
 
 
-def arguments(argv=None) -> argparse.Namespace:
-    """The flags of `argv`, each numeric one checked against RANGES (exit 2 if not)."""
-    p = parser()
-    args = p.parse_args(argv)
+def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Namespace:
+    """The flags of `argv` (over the settings of --config-file), each numeric one
+    checked against RANGES (exit 2 if not)."""
+    p = parser(prog)
+    args = settings.parse(p, argv)
     complaint = check_ranges(args)
     if complaint:
         p.error(complaint)
     return args
 
 
-def parser() -> Parser:
+def parser(prog: str = "python -m models.train") -> Parser:
     p = Parser(
-        prog="python -m models.train",
+        prog=prog,
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
     )
@@ -200,6 +203,23 @@ def parser() -> Parser:
         help="override a model Config field (repeatable), e.g. --set d_model=128",
     )
     p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events")
+    # --- data formats and config files (models/datasets.py, models/settings.py) ---
+    p.add_argument(
+        "--val-data",
+        default=None,
+        help="a validation set apart from --data, of any kind --data takes (None: the last "
+        "tenth of --data)",
+    )
+    p.add_argument(
+        "--text-field", default="text", help="the field of the documents in JSON lines/Parquet"
+    )
+    p.add_argument(
+        "--config-file",
+        default=None,
+        metavar="FILE",
+        help="start from the settings of a JSON or YAML file (a run's run.json); flags given "
+        "on the command line override it",
+    )
     return p
 
 
@@ -217,26 +237,29 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (UsageError, NamedMeshError, CheckpointError, json.JSONDecodeError, OSError)
 
 
-def _simulate_devices(n: int) -> None:
+def simulate_devices(n: int) -> None:
     """Let XLA's CPU backend offer n devices (it must be set before jax is imported)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
+    # XLA reads the flags when jax starts its backend (at the first device query), not at
+    # `import jax`: the `namedmesh` command has imported jax already.
+    if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def main(argv=None) -> int:
-    args = arguments(argv)
-    _simulate_devices(math.prod(args.mesh.values()))
+def main(argv=None, prog: str = "python -m models.train") -> int:
+    args = arguments(argv, prog)
+    simulate_devices(math.prod(args.mesh.values()))
     from models.run import EXIT_DIVERGED, EXIT_USAGE, DivergedError, train
 
+    name = prog.removeprefix("python -m ")
     try:
         return train(args)
     except DivergedError as e:
-        return fail(e, EXIT_DIVERGED)
+        return fail(e, EXIT_DIVERGED, name)
     except KeyboardInterrupt:  # Ctrl-C before the training loop, where it saves
-        return fail("interrupted before training started; nothing saved", 128 + 2)
+        return fail("interrupted before training started; nothing saved", 128 + 2, name)
     except user_errors() as e:
-        return fail(e, EXIT_USAGE)
+        return fail(e, EXIT_USAGE, name)
 
 
 def fail(error, status: int, prog: str = "models.train") -> int:

@@ -19,6 +19,7 @@ import optax
 import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.distributed import place
+from lowering.layout import partition_spec
 from models import objectives, transformer
 from models.config import Config
 from models.zoo import Model
@@ -74,6 +75,11 @@ class Trainer:
         self.shapes = model.shapes(cfg)
         self.opt = opt
         self.lowered = lower(lambda p, b, k: model.loss(p, b, cfg, k), mesh, self.layout)
+        # the training step's program: the loss with the MoE router's statistics beside it
+        self._with_stats = lower(
+            lambda p, b, k: model.loss(p, b, cfg, k, stats=True), mesh, self.layout
+        )
+        self.stats = {}  # the last step's router statistics (jax arrays; {} without experts)
         self._step = None  # jitted at the first step, with the state's shardings pinned
         self._eval = jax.jit(lambda p, b: self.lowered(p, b, None).data)
 
@@ -109,10 +115,16 @@ class Trainer:
             return None
         return nm.random.fold_in(nm.random.key(self.seed), step)
 
+    def _value(self, params, batch, key):
+        """(loss, router statistics) as jax arrays, for value_and_grad's has_aux."""
+        loss, stats = self._with_stats(params, batch, key)
+        return loss.data, {k: v.data for k, v in stats.items()}
+
     def _loss_and_grads(self, params, batch, key):
+        """((loss, router statistics), gradients)."""
         n = self.grad_accum
         if n == 1:
-            return jax.value_and_grad(lambda p: self.lowered(p, batch, key).data)(params)
+            return jax.value_and_grad(lambda p: self._value(p, batch, key), has_aux=True)(params)
         # row r of microbatch i is row r * n + i: each device's rows stay on it
         micro = {k: _rows_apart(t.data, n) for k, t in batch.items()}
         keys = None if key is None else [nm.random.fold_in(key, i).data for i in range(n)]
@@ -122,56 +134,82 @@ class Trainer:
             b, k = xs
             b = {name: nm.tensor(d, batch[name].dims) for name, d in b.items()}
             k = None if k is None else nm.tensor(k, key.dims)
-            loss, grads = jax.value_and_grad(lambda p: self.lowered(p, b, k).data)(params)
+            value, grads = jax.value_and_grad(lambda p: self._value(p, b, k), has_aux=True)(params)
             share = jnp.maximum(b["weights"].data.sum(), 1.0) / total
             add = lambda a, g: a + g * share
-            return jax.tree_util.tree_map(add, acc, (loss, grads)), None
+            return jax.tree_util.tree_map(add, acc, (value, grads)), None
 
-        zero = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
+        first = {name: nm.tensor(d[0], batch[name].dims) for name, d in micro.items()}
+        first_key = None if key is None else nm.tensor(keys[0], key.dims)
+        value = jax.eval_shape(lambda p: self._value(p, first, first_key), params)
+        zero = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), (value, params))
         xs = (micro, None if keys is None else jnp.stack(keys))
         (loss, grads), _ = jax.lax.scan(one, zero, xs)
         return loss, grads
 
     def _apply(self, state, batch, key):
-        loss, grads = self._loss_and_grads(state["params"], batch, key)
+        (loss, stats), grads = self._loss_and_grads(state["params"], batch, key)
         updates, opt_state = self.opt.update(grads, state["opt"], state["params"])
         new = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}
-        return new, loss, grads
+        return new, loss, stats, grads
 
     def _update(self, state, batch, key):
-        new, loss, _ = self._apply(state, batch, key)
-        return new, loss
+        new, loss, stats, _ = self._apply(state, batch, key)
+        return new, loss, stats
 
     def _guarded_update(self, state, batch, key):
         """The update, applied only when the loss, the gradients' global norm and the new
         parameters are finite; else the state stays as it was (the optimizer's too)."""
-        new, loss, grads = self._apply(state, batch, key)
+        new, loss, stats, grads = self._apply(state, batch, key)
         norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(new["params"])
         kept = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, state)
-        return kept, {"loss": loss, "grad_norm": norm, "finite": finite}
+        return kept, {"loss": loss, "grad_norm": norm, "finite": finite}, stats
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> dict:
         return place(batch_tensors(batch), self.mesh, self.layout)
+
+    def local_rows(self, devices=None) -> np.ndarray | None:
+        """The rows of a training batch that `devices` (this process's) hold under the
+        layout: each process reads only its share of the data. None on one process."""
+        if devices is None and jax.process_count() == 1:
+            return None
+        devices = set(jax.local_devices() if devices is None else devices)
+        shape = (self.cfg.batch, self.cfg.length)
+        lay = self.layout.of(("batch", "length"), shape, self.mesh, "the batch")
+        sharding = jax.sharding.NamedSharding(self.mesh.jax_mesh, partition_spec(lay))
+        held = [i[0] for d, i in sharding.devices_indices_map(shape).items() if d in devices]
+        return np.unique(np.concatenate([np.arange(shape[0])[s] for s in held]))
 
     def update(self, state, batch: dict[str, np.ndarray], step: int):
         """(state, stats): one update with the batch of step `step` (numbered from 1);
         stats holds the step's loss, gradient norm and whether both (and the new
         parameters) are finite, as host numbers. A step that is not finite leaves the
-        state as it was."""
+        state as it was. The MoE router's statistics go to `self.stats`."""
         if self._step is None:  # a new state keeps the old one's layout: one compile
             shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
             self._step = jax.jit(
-                self._guarded_update, donate_argnums=(0,), out_shardings=(shardings, None)
+                self._guarded_update, donate_argnums=(0,), out_shardings=(shardings, None, None)
             )
-        state, stats = self._step(state, self.place_batch(batch), self.key(step))
-        stats = jax.device_get(stats)
-        return state, {k: (bool(v) if k == "finite" else float(v)) for k, v in stats.items()}
+        state, out, self.stats = self._step(state, self.place_batch(batch), self.key(step))
+        out = jax.device_get(out)
+        return state, {k: (bool(v) if k == "finite" else float(v)) for k, v in out.items()}
 
     def step(self, state, batch: dict[str, np.ndarray], step: int):
         """(state, loss): `update` without its other stats."""
         state, stats = self.update(state, batch, step)
         return state, stats["loss"]
+
+    def router_metrics(self) -> dict[str, float]:
+        """The last step's MoE router statistics as metrics ({} without experts):
+        `moe/balance_loss` (summed over layers), `moe/dropped` (the share of choices
+        capacity routing dropped), `moe/load/<e>` (expert e's share of the choices)."""
+        if not self.stats:
+            return {}
+        out = {"moe/balance_loss": float(self.stats["balance"])}
+        out["moe/dropped"] = float(self.stats["dropped"])
+        load = np.asarray(self.stats["load"])
+        return out | {f"moe/load/{e}": float(v) for e, v in enumerate(load)}
 
     def evaluate(self, state, batches) -> tuple[float, int]:
         """(mean loss in nats per token, tokens) over weighted positions of `batches`."""

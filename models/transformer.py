@@ -33,8 +33,9 @@ from models.layers import (
     norm_params,
     padding_bias,
     relative_bias,
+    write_slots,
 )
-from models.moe import moe, moe_params
+from models.moe import merged, moe, moe_params, over_layers, queued
 
 
 def stacked(shapes, n: int):
@@ -223,14 +224,17 @@ def block(
     cache=None,
     position=None,
     memory_kv=None,
+    stats: bool = False,
 ):
     """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
     (batch, memory, d_model) when given (or over `memory_kv`, its keys and values
     already projected for this layer: `layers.project_kv`), then the FFN, each added to
-    the residual; aux is the MoE load-balancing loss (None without experts).
+    the residual; aux is the MoE router's statistics (models/moe.py `statistics`: its
+    balancing loss, and with `stats` the rest; None without experts).
 
-    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv), h holds the new position
-    `position` (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
+    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv; and "route", the experts
+    each position chose, under capacity routing), h holds the new position `position`
+    (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
     (`position` over length), and (h, aux, new_cache) is returned."""
     keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
     pre = cfg.norm_position == "pre"
@@ -242,14 +246,22 @@ def block(
     else:
         slots = nm.arange("memory", cache["k"].size_of("memory"))
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias)
-        x, cache = attention(x, p["attn"], cfg, bias=bias, cache=cache, position=position)
+        kv = {"k": cache["k"], "v": cache["v"]}
+        x, kv = attention(x, p["attn"], cfg, bias=bias, cache=kv, position=position)
+        cache = {**cache, **kv}
     h = residual(h, dropout(x, cfg.dropout, keys[0]), p["attn_norm"], cfg)
     if memory is not None or memory_kv is not None:
         x = norm(h, p["cross_norm"], cfg.norm, cfg.norm_eps) if pre else h
         x = attention(x, p["cross"], cfg, memory, memory_bias, memory_kv=memory_kv)
         h = residual(h, dropout(x, cfg.dropout, keys[1]), p["cross_norm"], cfg)
     x = norm(h, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
-    x, aux = moe(x, p["ffn"], cfg) if cfg.experts else (ffn(x, p["ffn"], cfg), None)
+    if not cfg.experts:
+        x, aux = ffn(x, p["ffn"], cfg), None
+    elif cache is None or "route" not in cache:
+        x, aux, _ = moe(x, p["ffn"], cfg, stats=stats)
+    else:  # capacity routing's decoding: queue behind the cached positions' choices
+        x, aux, chosen = moe(x, p["ffn"], cfg, queued(cache["route"], position))
+        cache = {**cache, "route": write_slots(cache["route"], chosen, position)}
     h = residual(h, dropout(x, cfg.dropout, keys[2]), p["ffn_norm"], cfg)
     return (h, aux) if cache is None else (h, aux, cache)
 
@@ -261,7 +273,7 @@ def residual(h, x, norm_p: dict, cfg: Config):
 
 def run_stack(x, layers: dict, cfg: Config, key, **block_args):
     """(x, aux): `block` for each index of the `layers` dim, in one nm.scan; aux is the
-    sum of the layers' load-balancing losses (None without experts)."""
+    router's statistics over the layers (moe.over_layers; None without experts)."""
     is_tensor = lambda t: isinstance(t, nm.Tensor)
     n = jax.tree_util.tree_leaves(layers, is_leaf=is_tensor)[0].size_of("layers")
 
@@ -270,7 +282,7 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
         return block(h, p, cfg, k, **block_args)
 
     x, aux = nm.scan(body, x, (layers, layer_keys(key, n)), "layers", remat=cfg.remat)
-    return x, None if aux is None else aux.sum("layers")
+    return x, None if aux is None else over_layers(aux)
 
 
 def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
@@ -327,8 +339,11 @@ def compute_params(params: dict, cfg: Config) -> dict:
     return cast(params, compute_dtype(cfg))
 
 
-def _with_aux(loss: nm.Tensor, aux, cfg: Config) -> nm.Tensor:
-    return loss if aux is None else loss + aux * cfg.moe_loss
+def _with_aux(loss: nm.Tensor, aux, cfg: Config, stats: bool = False):
+    """The loss plus the weighted balancing loss; with `stats`, (that, the router's
+    statistics: {} without experts)."""
+    total = loss if aux is None else loss + aux["balance"] * cfg.moe_loss
+    return (total, aux or {}) if stats else total
 
 
 def lm_forward(
@@ -339,18 +354,20 @@ def lm_forward(
     causal: bool = True,
     weights=None,
     token_types=None,
+    stats: bool = False,
 ):
     """(logits, aux): logits (batch, length, vocab) for int tokens (batch, length) after
     the stack of `params["layers"]`, causal (the LM) or bidirectional (BERT). `weights`
     (batch, length; 1 real, 0 padding) hides padded positions from attention;
-    `token_types` (ints like tokens) select token-type embeddings."""
+    `token_types` (ints like tokens) select token-type embeddings. aux: the MoE's
+    balancing loss, and with `stats` its other statistics (None without experts)."""
     params = compute_params(params, cfg)
     x = embed_inputs(params, tokens, cfg, token_types)
     bias = None if weights is None else padding_bias(weights.rename(length="memory"))
     if "relative" in params:
         rel = bucket_bias(params["relative"], cfg, tokens.size_of("length"), not causal)
         bias = rel if bias is None else rel + bias
-    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal, bias=bias)
+    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal, bias=bias, stats=stats)
     return output_logits(params, x, cfg), aux
 
 
@@ -372,21 +389,22 @@ def mlm_batch_logits(params: dict, batch: dict, cfg: Config) -> nm.Tensor:
     return lm_forward(params, batch["inputs"], cfg, None, False, w, types)[0]
 
 
-def lm_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
+def lm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """Mean next-token cross-entropy (nats) over the weighted positions of `batch`
-    ({"inputs", "targets", "weights"}: batch, length), plus the MoE balancing loss."""
-    logits, aux = lm_forward(params, batch["inputs"], cfg, key)
-    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)
+    ({"inputs", "targets", "weights"}: batch, length), plus the MoE balancing loss;
+    with `stats`, (loss, the router's statistics)."""
+    logits, aux = lm_forward(params, batch["inputs"], cfg, key, stats=stats)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 
-def mlm_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
+def mlm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """BERT's masked-LM loss: bidirectional attention over the (partly masked) inputs,
     cross-entropy against the original tokens at the positions of weight 1."""
-    logits, aux = lm_forward(params, batch["inputs"], cfg, key, causal=False)
-    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)
+    logits, aux = lm_forward(params, batch["inputs"], cfg, key, causal=False, stats=stats)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 
-def encode(params: dict, batch: dict, cfg: Config, key=None):
+def encode(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """(memory, memory_bias, aux): the encoder's output (batch, memory, d_model) over
     batch["inputs"], and the padding bias that hides its padded positions."""
     params = compute_params(params, cfg)
@@ -397,25 +415,26 @@ def encode(params: dict, batch: dict, cfg: Config, key=None):
     if "encoder_relative" in params:
         n = batch["inputs"].size_of("length")
         bias = bias + bucket_bias(params["encoder_relative"], cfg, n, bidirectional=True)
-    x, aux = run_stack(x, params["encoder"], cfg, k, causal=False, bias=bias)
+    x, aux = run_stack(x, params["encoder"], cfg, k, causal=False, bias=bias, stats=stats)
     memory = norm(x, params["encoder_norm"], cfg.norm, cfg.norm_eps).rename(length="memory")
     return memory, pad, aux
 
 
-def encdec_logits(params: dict, batch: dict, cfg: Config, key=None):
+def encdec_logits(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """(logits, aux): the decoder's next-token logits over batch["decoder_inputs"],
     attending to the encoding of batch["inputs"]."""
     params = compute_params(params, cfg)
-    memory, pad, aux_enc = encode(params, batch, cfg, key)
+    memory, pad, aux_enc = encode(params, batch, cfg, key, stats)
     x = embed_inputs(params, batch["decoder_inputs"], cfg)
     bias = None
     if "relative" in params:
         n = batch["decoder_inputs"].size_of("length")
         bias = bucket_bias(params["relative"], cfg, n, bidirectional=False)
     x, aux = run_stack(
-        x, params["layers"], cfg, key, causal=True, bias=bias, memory=memory, memory_bias=pad
-    )
-    aux = aux_enc if aux is None else aux + aux_enc
+        x, params["layers"], cfg, key, causal=True, bias=bias, memory=memory, memory_bias=pad,
+        stats=stats,
+    )  # fmt: skip
+    aux = aux_enc if aux is None else merged(aux, aux_enc)
     return output_logits(params, x, cfg), aux
 
 
@@ -429,8 +448,8 @@ def encdec_batch_logits(params: dict, batch: dict, cfg: Config) -> nm.Tensor:
     return encdec_logits(params, b, cfg)[0]
 
 
-def encdec_loss(params: dict, batch: dict, cfg: Config, key=None) -> nm.Tensor:
+def encdec_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """Span corruption: cross-entropy of the decoder's targets (the dropped spans, each
     after its sentinel) given the corrupted inputs."""
-    logits, aux = encdec_logits(params, batch, cfg, key)
-    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg)
+    logits, aux = encdec_logits(params, batch, cfg, key, stats)
+    return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)

@@ -84,6 +84,7 @@ from namedmesh.errors import (
     ShapeError,
     TracedValueError,
 )
+from namedmesh.grouped import grouped_matmul
 from namedmesh.interop import from_xarray, to_xarray
 from namedmesh.primitive import REGISTRY, Aval, Cost, Primitive, bind
 from namedmesh.random import dropout
@@ -120,5 +121,6 @@ from namedmesh.structural import (
 )
 from namedmesh.structural import slice_ as slice
 from namedmesh.trace import Eqn, Graph, evaluate, interpret, reference, trace
+from namedmesh.update import update_slice
 
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -63,9 +64,31 @@ def spec(in_dims: tuple[tuple[str, ...], ...], out: tuple[str, ...]) -> str:
     return ",".join(sub(d) for d in in_dims) + "->" + sub(out)
 
 
+class _MatmulPlan(NamedTuple):
+    """How a two-operand einsum runs as one batched `np.matmul`: sum the dims only one
+    operand has, transpose each to (batch, free, contracted), reshape to 3-d, multiply,
+    and reshape and transpose back. None or False marks a step that would not change the
+    array, so a plain matrix product is the matmul alone."""
+
+    a_sum: tuple[int, ...]
+    b_sum: tuple[int, ...]
+    a_perm: tuple[int, ...] | None
+    b_perm: tuple[int, ...] | None
+    n_batch: int
+    n_a_free: int
+    n_b_free: int
+    reshape_in: bool  # some group (free or contracted) is not exactly one dim
+    out_perm: tuple[int, ...] | None
+    plain: bool  # no step but the matmul
+
+
+def _unless_identity(perm: tuple[int, ...]) -> tuple[int, ...] | None:
+    return None if perm == tuple(range(len(perm))) else perm
+
+
 @functools.lru_cache(maxsize=4096)
-def _matmul_plan(a_dims, b_dims, out):
-    """Transposes and reshapes that turn a two-operand einsum into one batched matmul."""
+def _matmul_plan(a_dims, b_dims, out) -> _MatmulPlan:
+    """The `_MatmulPlan` of an einsum of operands with dims `a_dims`, `b_dims` to `out`."""
     batch = tuple(d for d in a_dims if d in b_dims and d in out)
     contract = tuple(d for d in a_dims if d in b_dims and d not in out)
     a_free = tuple(d for d in a_dims if d not in b_dims and d in out)
@@ -78,7 +101,11 @@ def _matmul_plan(a_dims, b_dims, out):
     b_perm = tuple(b_left.index(d) for d in batch + contract + b_free)
     mm_dims = batch + a_free + b_free
     out_perm = tuple(mm_dims.index(d) for d in out)
-    return a_sum, b_sum, a_perm, b_perm, len(batch), len(a_free), len(b_free), out_perm
+    reshape = not (len(a_free) == len(b_free) == len(contract) == 1)
+    a_perm, b_perm, out_perm = map(_unless_identity, (a_perm, b_perm, out_perm))
+    plain = not (a_sum or b_sum or reshape) and a_perm is b_perm is out_perm is None
+    return _MatmulPlan(a_sum, b_sum, a_perm, b_perm, len(batch), len(a_free), len(b_free),
+                       reshape, out_perm, plain)  # fmt: skip
 
 
 def _einsum_np(*xs, out, in_dims, preferred=None, precision=None):
@@ -87,16 +114,33 @@ def _einsum_np(*xs, out, in_dims, preferred=None, precision=None):
     if len(xs) == 1:
         return np.einsum(spec(in_dims, out), xs[0])
     a, b = xs
-    a_sum, b_sum, a_perm, b_perm, nb, na, nf, out_perm = _matmul_plan(*in_dims, out)
-    if a_sum:
-        a = a.sum(axis=a_sum)
-    if b_sum:
-        b = b.sum(axis=b_sum)
-    a, b = a.transpose(a_perm), b.transpose(b_perm)
-    bs, fa, fb = a.shape[:nb], a.shape[nb : nb + na], b.shape[b.ndim - nf :]
-    k = math.prod(a.shape[nb + na :])
-    r = np.matmul(a.reshape(bs + (math.prod(fa), k)), b.reshape(bs + (k, math.prod(fb))))
-    return r.reshape(bs + fa + fb).transpose(out_perm)
+    plan = _matmul_plan(*in_dims, out)
+    if plan.a_sum:
+        a = a.sum(axis=plan.a_sum)
+    if plan.b_sum:
+        b = b.sum(axis=plan.b_sum)
+    if plan.a_perm is not None:
+        a = a.transpose(plan.a_perm)
+    if plan.b_perm is not None:
+        b = b.transpose(plan.b_perm)
+    if not plan.reshape_in:
+        r = np.matmul(a, b)
+    else:
+        nb, na, nf = plan.n_batch, plan.n_a_free, plan.n_b_free
+        bs, fa, fb = a.shape[:nb], a.shape[nb : nb + na], b.shape[b.ndim - nf :]
+        k = math.prod(a.shape[nb + na :])
+        r = np.matmul(a.reshape(bs + (math.prod(fa), k)), b.reshape(bs + (k, math.prod(fb))))
+        r = r.reshape(bs + fa + fb)
+    return r if plan.out_perm is None else r.transpose(plan.out_perm)
+
+
+def _einsum_kernel(out, in_dims, preferred=None, precision=None):
+    """The NumPy function of an einsum's operands: `np.matmul` itself for a plain
+    (batched) matrix product, else `_einsum_np` with these params."""
+    if preferred is None and len(in_dims) == 2:
+        if _matmul_plan(*in_dims, out).plain:
+            return np.matmul
+    return functools.partial(_einsum_np, out=out, in_dims=in_dims, preferred=preferred)
 
 
 def _einsum_jax(*xs, out, in_dims, preferred=None, precision=None):
@@ -121,6 +165,7 @@ _einsum = primitive(
     matmul=True,
     backward_reads="others",
     combines_inputs=True,
+    numpy_kernel=_einsum_kernel,
 )
 
 
@@ -131,6 +176,24 @@ def _path(in_dims, out, shapes):
 
 
 _PRECISIONS = (None, "default", "high", "highest")
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(in_dims, out, preferred_element_type, precision) -> dict:
+    """The params of an einsum of operands with `in_dims` (out, in_dims, how it multiplies
+    and sums), checked; cached, so the same einsum in a loop is checked once."""
+    acc = _accumulation(preferred_element_type, precision)
+    return {"out": output_dims(in_dims, out), "in_dims": in_dims, **acc}
+
+
+def _not_tensors(operands) -> None:
+    """ArgumentError naming the first operand that is not a Tensor."""
+    for i, x in enumerate(operands):
+        if not isinstance(x, Tensor):
+            raise ArgumentError(
+                f"einsum: operand {i} is a {type(x).__name__}, not a Tensor"
+                + ("; give it dims with nm.tensor(data, dims)" if hasattr(x, "shape") else "")
+            )
 
 
 def _accumulation(preferred_element_type, precision) -> dict:
@@ -167,19 +230,19 @@ def einsum(
     their exact products (the NumPy reference multiplies in float32). `precision`
     ("default", "high", "highest") is passed to XLA's dot for float32 operands on
     accelerators that would otherwise round them (TPU, GPU TF32)."""
-    acc = _accumulation(preferred_element_type, precision)
     if not operands:
         raise ShapeError("einsum: needs at least one operand")
-    for i, x in enumerate(operands):
+    for x in operands:
         if not isinstance(x, Tensor):
-            raise ArgumentError(
-                f"einsum: operand {i} is a {type(x).__name__}, not a Tensor"
-                + ("; give it dims with nm.tensor(data, dims)" if hasattr(x, "shape") else "")
-            )
-    in_dims = tuple(x.dims for x in operands)
-    out = output_dims(in_dims, out)
+            _not_tensors(operands)
+    in_dims = tuple([x.dims for x in operands])
+    try:  # the same einsum in a loop: dims and params checked once
+        params = _signature(in_dims, out, preferred_element_type, precision)
+    except TypeError:  # out given as a list, not hashable
+        params = _signature.__wrapped__(in_dims, out, preferred_element_type, precision)
     if len(operands) <= 2:
-        return bind(_einsum, *operands, out=out, in_dims=in_dims, **acc)
+        return bind(_einsum, *operands, **params)
+    out, acc = params["out"], _accumulation(preferred_element_type, precision)
     _sizes(operands)  # one error naming the operands, before the pairwise steps
     ops = list(operands)
     shapes = tuple(x.shape for x in operands)

@@ -139,6 +139,11 @@ class Primitive:
     # `backward_reads` (jax's residuals: relu's input, where its output would do): one
     # of BACKWARD_READS, or None for `backward_reads`. The memory benchmark's ideal.
     least_reads: str | None = None
+    # Given the params, the NumPy function of the inputs alone (einsum: `np.matmul` itself
+    # when no transpose or reshape is needed), made once per eager signature, so its
+    # params must be ones whose equal values act alike (not 0.0 and -0.0); None:
+    # numpy_impl with the params of each call
+    numpy_kernel: Callable[..., Callable] | None = None
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"
@@ -206,27 +211,45 @@ def _is_jax(x) -> bool:
 
 def bind(prim: Primitive, *args, **params):
     """Apply `prim` to Tensors `args`: record under a trace, else run NumPy or jax."""
-    from namedmesh.tensor import Tensor
-
-    out = prim.shape_rule(*args, **params)
-    avals = out if prim.multiple_results else (out,)
-    if TRACE_STACK:
-        outs = TRACE_STACK[-1].record(prim, args, params, avals)
+    make = _TENSOR_MAKE or _tensor_make()
+    if not TRACE_STACK and (datas := _numpy_datas(args, key := [prim, *params.items()])):
+        # eager NumPy, the hot path of small ops: its shape rule and kernel remembered
+        key = tuple(key)
+        try:
+            avals, kernel = _EAGER[key]
+        except (KeyError, TypeError):  # TypeError: a param that is not hashable (an array)
+            avals, kernel = _remember(key, prim, args, params)
+        res = prim.numpy_impl(*datas, **params) if kernel is None else kernel(*datas)
+        if not prim.multiple_results:
+            a = avals[0]
+            if type(res) is not np.ndarray or res.dtype != a.dtype:
+                res = _coerce_numpy((res,), avals)[0]
+            return make(res, a.dims)
+        outs = _coerce_numpy(res, avals)
     else:
-        datas = [a.data for a in args]
-        for d in datas:
-            if isinstance(d, Var):
-                raise NamedMeshError(
-                    f"{prim.name}: a tensor {d!r} from a finished nm.trace was used outside it"
-                )
-        if any(_is_jax(d) for d in datas):
-            res = prim.jax_impl(*datas, **params)
-            outs = res if prim.multiple_results else (res,)
+        avals = _avals(prim, args, params)
+        if TRACE_STACK:
+            outs = TRACE_STACK[-1].record(prim, args, params, avals)
         else:
-            res = prim.numpy_impl(*datas, **params)
-            outs = _coerce_numpy(res if prim.multiple_results else (res,), avals)
-    tensors = tuple(Tensor._make(o, a.dims) for o, a in zip(outs, avals, strict=True))
-    return tensors if prim.multiple_results else tensors[0]
+            outs = _run_eager(prim, [a.data for a in args], params, avals)
+    if not prim.multiple_results:
+        return make(outs[0], avals[0].dims)
+    return tuple(make(o, a.dims) for o, a in zip(outs, avals, strict=True))
+
+
+def _run_eager(prim: Primitive, datas, params, avals) -> tuple:
+    """The outputs of `prim` on concrete data: jax where any input is a jax array, else NumPy
+    held to the shape rule's dtypes; NamedMeshError for a tensor of a finished trace."""
+    for d in datas:
+        if isinstance(d, Var):
+            raise NamedMeshError(
+                f"{prim.name}: a tensor {d!r} from a finished nm.trace was used outside it"
+            )
+    if any(_is_jax(d) for d in datas):
+        res = prim.jax_impl(*datas, **params)
+        return res if prim.multiple_results else (res,)
+    res = prim.numpy_impl(*datas, **params)
+    return _coerce_numpy(res if prim.multiple_results else (res,), avals)
 
 
 def _coerce_numpy(outs, avals):
@@ -239,3 +262,56 @@ def _coerce_numpy(outs, avals):
             o = o.astype(a.dtype)
         fixed.append(o)
     return fixed
+
+
+def _avals(prim: Primitive, args, params) -> tuple[Aval, ...]:
+    """The shape rule's output avals, always as a tuple."""
+    out = prim.shape_rule(*args, **params)
+    return out if prim.multiple_results else (out,)
+
+
+# Eager NumPy ops: the shape rule's answer and the NumPy kernel per (primitive, params,
+# input dims, shapes and dtypes). A shape rule reads nothing else, and raises rather than
+# answers on bad input, so a hit skips only work whose outcome is known; a loop of small
+# eager ops spends most of its time there otherwise. Bounded: cleared when full.
+_EAGER: dict = {}
+_EAGER_MAX = 4096
+
+
+def _numpy_datas(args, key: list) -> list | None:
+    """The inputs' data when every one is a NumPy array, else None; adds each input's
+    dims, shape and dtype to `key` (the op's `_EAGER` key)."""
+    datas = []
+    for a in args:
+        d = a.data
+        if type(d) is not np.ndarray:
+            return None
+        datas.append(d)
+        key += (a.dims, d.shape, d.dtype)
+    return datas
+
+
+def _remember(key: tuple, prim: Primitive, args, params) -> tuple[tuple[Aval, ...], Any]:
+    """(output avals, NumPy kernel of the inputs or None) of an eager op, kept under `key`."""
+    avals = _avals(prim, args, params)
+    kernel = None if prim.numpy_kernel is None else prim.numpy_kernel(**params)
+    try:
+        if len(_EAGER) >= _EAGER_MAX:
+            _EAGER.clear()
+        _EAGER[key] = avals, kernel
+    except TypeError:  # a param that is not hashable (an array): not remembered
+        pass
+    return avals, kernel
+
+
+# Tensor._make, looked up once: namedmesh.tensor imports this module, and an import
+# statement inside `bind` costs a microsecond on every eager op
+_TENSOR_MAKE = None
+
+
+def _tensor_make():
+    global _TENSOR_MAKE
+    from namedmesh.tensor import Tensor
+
+    _TENSOR_MAKE = Tensor._make
+    return _TENSOR_MAKE

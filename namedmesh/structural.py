@@ -55,6 +55,7 @@ _transpose = primitive(
 
 def transpose(x: Tensor, *dims: str | Sequence[str]) -> Tensor:
     """`x` with its axes in the order `dims`; `...` stands for the other dims in their order."""
+    dims = tuple("..." if d is Ellipsis else d for d in dims)  # x.transpose("c", ...)
     if len(dims) == 1 and not isinstance(dims[0], str) or len(dims) == 1 and " " in dims[0]:
         dims = tuple(dims[0].split()) if isinstance(dims[0], str) else tuple(dims[0])
     names_not_positions(tuple(dims), "transpose", x.dims)

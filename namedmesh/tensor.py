@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 import jax
 import numpy as np
 
+from namedmesh import habits as _habits  # needs only errors: the decorators below use it
 from namedmesh.checks import names_not_positions, require_dims
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import TRACE_STACK, Aval, Var, _fmt_aval, _is_jax
@@ -244,22 +245,27 @@ class Tensor:
         """The Tensor converted to `dtype` (same dims); see nm.astype."""
         return _ew.astype(self, dtype)
 
+    @_habits.dim_keyword
     def sum(self, dims: DimsLike | None = None) -> Tensor:
         """The sum over `dims` (names; all dims when None); the reduced dims leave."""
         return _red.sum(self, dims)
 
+    @_habits.dim_keyword
     def mean(self, dims: DimsLike | None = None) -> Tensor:
         """The mean over `dims` (names; all dims when None), in a floating dtype."""
         return _red.mean(self, dims)
 
+    @_habits.dim_keyword
     def max(self, dims: DimsLike | None = None) -> Tensor:
         """The maximum over `dims` (names; all dims when None); NaN wins, as in NumPy."""
         return _red.max(self, dims)
 
+    @_habits.dim_keyword
     def min(self, dims: DimsLike | None = None) -> Tensor:
         """The minimum over `dims` (names; all dims when None); NaN wins, as in NumPy."""
         return _red.min(self, dims)
 
+    @_habits.dim_keyword
     def prod(self, dims: DimsLike | None = None) -> Tensor:
         """The product over `dims` (names; all dims when None); the reduced dims leave."""
         return _red.prod(self, dims)
@@ -272,18 +278,22 @@ class Tensor:
         """The int32 index of the first minimum along the one dim `dim`, which leaves."""
         return _red.argmin(self, dim)
 
+    @_habits.dim_keyword
     def all(self, dims: DimsLike | None = None) -> Tensor:
         """True where every element over `dims` (all dims when None) is true; see nm.all."""
         return _red.all(self, dims)
 
+    @_habits.dim_keyword
     def any(self, dims: DimsLike | None = None) -> Tensor:
         """True where any element over `dims` (all dims when None) is true; see nm.any."""
         return _red.any(self, dims)
 
+    @_habits.dim_keyword
     def var(self, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
         """The variance over `dims` (all when None), divisor count - ddof; see nm.var."""
         return _sel.var(self, dims, ddof)
 
+    @_habits.dim_keyword
     def std(self, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
         """The standard deviation over `dims` (all when None); see nm.std."""
         return _sel.std(self, dims, ddof)
@@ -307,6 +317,27 @@ class Tensor:
     def transpose(self, *dims: str) -> Tensor:
         """The Tensor with its axes in the order `dims` (all of them; `...` for the rest)."""
         return _st.transpose(self, *dims)
+
+    @property
+    def values(self) -> np.ndarray:
+        """The data as a NumPy array (xarray's `.values`)."""
+        return np.asarray(self)
+
+    def __matmul__(self, o):
+        """`a @ b`: sum the dims a and b share (xarray.dot); see nm.einsum."""
+        return _habits.matmul(self, o)
+
+    def __rmatmul__(self, o):
+        return _habits.matmul(o, self)
+
+    def sel(self, *args, **kwargs):
+        """No labels to select by: a HabitError naming `isel` (positions by dim name)."""
+        _habits.by_label(self, "sel")
+
+    @property
+    def loc(self):
+        """No labels to select by: a HabitError naming `isel`."""
+        _habits.by_label(self, "loc")
 
     def to_xarray(self, coords=None, name=None):
         """An xarray.DataArray of the values (copied to NumPy) with these dims."""

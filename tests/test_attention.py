@@ -224,8 +224,12 @@ def test_bad_long_sequence_options_are_parameter_errors_at_the_config(field, val
 
 
 def test_model_options_checked_when_shaped_are_parameter_errors_too():
-    with pytest.raises(ConfigError, match="MoE FFN .* 'swiglu'"):
-        transformer.lm_shapes(Config(experts=4, ffn="swiglu"))
+    with pytest.raises(ConfigError, match="MoE FFN .* no biases: Config.bias"):
+        transformer.lm_shapes(Config(experts=4, bias=True))
+    with pytest.raises(ConfigError, match="experts_per_token=5 .* experts=4"):
+        Config(experts=4, experts_per_token=5)
+    with pytest.raises(ConfigError, match="Config.routing"):
+        Config(experts=4, routing="dropful")
     with pytest.raises(nm.ParameterError, match="Config.ffn must be one of"):
         transformer.lm_shapes(Config(ffn="gelu2"))
 

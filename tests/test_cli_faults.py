@@ -74,7 +74,7 @@ def test_a_mesh_axis_given_twice_is_refused(capsys):
         (["--set", "heads=0"], "Config.heads must be an int >= 1, got 0"),
         (["--set", "layers=0"], "Config.layers must be an int >= 1, got 0"),
         (["--set", "dropout=-0.5"], "Config.dropout must be >= 0"),
-        (["--data", "BINARY"], "is not text (a NUL byte at offset 3)"),
+        (["--data", "BINARY"], "a binary file, not UTF-8 text"),
     ],
 )
 def test_bad_sizes_and_binary_data_are_refused_before_compiling(

@@ -140,3 +140,26 @@ def test_random_einsums_match_numpy(case):
     spec += "->" + "".join(letters[d] for d in out_dims)
     assert got.dims == tuple(out_dims)
     np.testing.assert_allclose(got.data, np.einsum(spec, *arrays), rtol=1e-9, atol=1e-9)
+
+
+def test_eager_ops_remembered_per_signature_stay_exact():
+    """Eager NumPy ops remember their shape rule's answer and kernel per (params, dims,
+    shapes, dtypes): a repeat with other shapes, dtypes, dim orders or params, or a bad
+    size, is answered afresh, as numpy computes it."""
+    r = np.random.default_rng(0)
+    for shape, dt in [((3, 4, 5), np.float32), ((2, 4, 6), np.float32), ((3, 4, 5), np.float64)]:
+        a, b = r.standard_normal(shape[:2]).astype(dt), r.standard_normal(shape[1:]).astype(dt)
+        for _ in range(2):
+            got = nm.einsum(nm.tensor(a, "i j"), nm.tensor(b, "j k"))
+            assert got.dims == ("i", "k") and got.data.dtype == dt
+            np.testing.assert_allclose(got.data, a @ b, rtol=1e-6)
+        got = nm.einsum(nm.tensor(a, "i j"), nm.tensor(b, "j k"), out="k i")
+        np.testing.assert_allclose(got.data, (a @ b).T, rtol=1e-6)
+        got = nm.einsum(nm.tensor(a.T, "j i"), nm.tensor(b, "j k"))  # a transpose in the plan
+        np.testing.assert_allclose(got.data, a @ b, rtol=1e-6)
+    for _ in range(2):  # the size check is not skipped on a repeat
+        with pytest.raises(ShapeError, match="'j' has size 4 .* but 3"):
+            nm.einsum(nm.tensor(np.ones((2, 4)), "i j"), nm.tensor(np.ones((3, 2)), "j k"))
+    x = nm.tensor(np.ones(2, np.float32), "i")
+    for v in (0.0, -0.0):  # equal params that act differently are not mixed up
+        assert np.signbit(nm.pad(x, {"i": 1}, value=v).data[0]) == np.signbit(v)

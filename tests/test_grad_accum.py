@@ -28,7 +28,7 @@ def _update(n, mesh=None, layout=""):
     state, batch = tr.init_state(), tr.place_batch(BATCH)
     before = jax.tree.map(np.asarray, state["params"])
     compiled = jax.jit(tr._update).lower(state, batch, None).compile()
-    state, loss = compiled(state, batch, None)
+    state, loss, _ = compiled(state, batch, None)  # (the router statistics: none)
     after = jax.tree.map(np.asarray, state["params"])
     return float(loss), before, after, compiled.memory_analysis().temp_size_in_bytes
 

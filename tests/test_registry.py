@@ -26,8 +26,9 @@ def test_the_lowering_reads_flags_not_names():
     flagged = lambda flag: {n for n, p in nm.REGISTRY.items() if getattr(p, flag)}
     assert {"add", "where", "exp", "less"} <= flagged("elementwise")
     assert not {"sum", "einsum", "softmax", "convert"} & flagged("elementwise")
-    assert flagged("combines_inputs") == flagged("elementwise") | {"einsum"}
-    assert flagged("matmul") == {"einsum"}
+    contractions = {"einsum", "grouped_matmul"}
+    assert flagged("combines_inputs") == flagged("elementwise") | contractions
+    assert flagged("matmul") == contractions
     assert flagged("pins_layout") == {"constrain"}
     assert flagged("aliases_input") == {"rename", "constrain"}
     assert flagged("stops_gradient") == {"stop_gradient"}

@@ -22,8 +22,8 @@ def np_softmax(x, axis=-1):
 
 
 def np_moe(x, p, experts, c):
-    """Top-2 routing token by token: every first choice queues (in token order) before
-    any second choice; a choice past the expert's `c` slots is dropped; the output is
+    """Top-2 capacity routing token by token: positions queue in order, a token's two
+    choices together; a choice past the expert's `c` slots is dropped; the output is
     each kept expert's ReLU FFN weighted by its gate over the two gates' sum."""
     gate, wi, wo = (np.asarray(p[k].data) for k in ("gate", "wi", "wo"))
     out, aux = np.zeros_like(x), 0.0
@@ -34,17 +34,13 @@ def np_moe(x, p, experts, c):
         masked[np.arange(len(first)), first] = 0
         second = masked.argmax(-1)
         queue = np.zeros(experts, int)
-        kept = {}
-        for choice in (first, second):
-            for t, e in enumerate(choice):
-                if queue[e] < c:
-                    kept.setdefault(t, []).append(e)
-                queue[e] += 1
-        for t, es in kept.items():
+        for t in range(x.shape[1]):
             total = probs[t, first[t]] + probs[t, second[t]]
-            for e in es:
-                ffn = np.maximum(x[b, t] @ wi[e], 0) @ wo[e]
-                out[b, t] += probs[t, e] / total * ffn
+            for e in (first[t], second[t]):
+                if queue[e] < c:
+                    ffn = np.maximum(x[b, t] @ wi[e], 0) @ wo[e]
+                    out[b, t] += probs[t, e] / total * ffn
+                queue[e] += 1
         frac = np.bincount(first, minlength=experts) / len(first)
         aux += (frac * probs.mean(0)).mean() * experts**2 / x.shape[0]
     return out, aux
@@ -52,15 +48,15 @@ def np_moe(x, p, experts, c):
 
 @pytest.mark.parametrize("capacity_factor", [0.5, 2.0])
 def test_moe_equals_per_token_top2_routing(capacity_factor):
-    cfg = CFG.replace(experts=4, ffn="relu", capacity_factor=capacity_factor)
-    c = moe.capacity(cfg, cfg.length)
+    cfg = CFG.replace(experts=4, ffn="relu", capacity_factor=capacity_factor, routing="capacity")
+    c = moe.capacity(cfg)
     p = transformer.init(moe.moe_params(cfg), 3)
     p["gate"] = p["gate"] * 4.0  # sharper gates: routing is uneven, some tokens overflow
     x = R.normal(size=(cfg.batch, cfg.length, cfg.d_model)).astype(np.float32)
-    out, aux = moe.moe(nm.tensor(x, ("batch", "length", "d_model")), p, cfg)
+    out, stats, _ = moe.moe(nm.tensor(x, ("batch", "length", "d_model")), p, cfg)
     want, want_aux = np_moe(x, p, cfg.experts, c)
     np.testing.assert_allclose(np.asarray(out.data), want, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(float(aux.data), want_aux, rtol=1e-5)
+    np.testing.assert_allclose(float(stats["balance"].data), want_aux, rtol=1e-5)
     if capacity_factor < 1:  # the case that drops tokens: some rows differ from no-drop
         free, _ = np_moe(x, p, cfg.experts, cfg.length)
         assert not np.allclose(want, free)
@@ -70,6 +66,7 @@ def test_moe_capacity_counts_two_choices_per_token():
     cfg = CFG.replace(experts=4, capacity_factor=1.25)
     assert moe.capacity(cfg, 16) == 10  # ceil(2 * 1.25 * 16 / 4)
     assert moe.capacity(cfg.replace(experts=2), 4) == 4  # never more than the group
+    assert moe.capacity(cfg.replace(experts_per_token=1)) == 5  # a group of cfg.length
 
 
 @functools.cache

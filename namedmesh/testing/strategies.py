@@ -3,7 +3,8 @@
 `programs()` draws a `Program`: random input tensors over a few shared dims and a
 list of steps, each applying one kind of op (einsum chains, N-ary einsums,
 elementwise with broadcasting, reductions, softmax, top_k, reshape, concat, slice,
-pad, shift, one_hot, gather, random, dropout, scan) to tensors made by earlier steps.
+pad, shift, one_hot, gather, grouped_matmul, random, dropout, scan) to tensors made by
+earlier steps.
 A Program is data, so hypothesis shrinks it to a short one, and prints as code.
 """
 
@@ -42,6 +43,7 @@ KINDS = (
     "isel",
     "moments",
     "expand_dims",
+    "grouped",
 )
 EINSUM_KINDS = ("einsum", "einsum3", "binary")  # einsum chains: where the collectives are
 UNARY = ("tanh", "sin", "abs", "negative", "sigmoid", "relu", "square", "exp")
@@ -214,6 +216,12 @@ def _apply(pool, kind, i, j, k):
         if d in idx.dims:  # indices may not have the gathered dim
             idx = nm.mod(idx.sum(d), n)
         return nm.gather(a, d, idx)
+    if kind == "grouped":  # 2 groups of weights over d (and b's own dims); 2: zero rows
+        b = b if d in b.dims else a
+        summed = [x for x in b.dims if x in a.dims and x != d]
+        v = b.sum(summed) if summed else b
+        w = nm.stack([v, nm.tanh(v)], "group")
+        return nm.grouped_matmul(a, w, nm.mod(nm.argmax(a, d), 3), "group")
     if kind == "random":
         return a + nm.random.normal(nm.random.fold_in(7, k), a.sizes)
     if kind == "dropout":

@@ -1,0 +1,180 @@
+"""What `--data` and `--val-data` read: text or token ids, by the kind of file.
+
+- text: a UTF-8 file, or a folder of them (hidden files and folders such as `.git`
+  skipped, sorted by path); a file that is not UTF-8 text (a NUL byte, or bytes that
+  do not decode) is refused by name, never decoded with replacement characters;
+- `.bin`: uint16 token ids, nanoGPT's `train.bin`; `.npy`: a 1-D array of integer ids.
+  Both are memory-mapped: a batch reads its windows, never the whole file;
+- `.jsonl`: JSON lines, each an object whose `text_field` (default "text") is a document;
+- `.parquet`: a Parquet file's `text_field` column (pyarrow, the `data` extra);
+- a folder saved by `datasets` (`Dataset.save_to_disk`; the `data` extra): its
+  `text_field` column.
+
+A folder holds text, JSON lines and Parquet files; token files are passed one by one.
+Documents are joined with a newline. `read` returns a `str` or `Tokens`. Text of every
+kind is read whole and then tokenized; a corpus larger than memory goes in as token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from models.data import DataError
+
+CHUNK = 1 << 22  # ids per streamed pass over a token file (16 MiB of int32)
+SNIFF = 8192  # bytes read to tell a binary file from text
+
+
+class Tokens:
+    """A 1-D array of token ids (a read-only memory map of `path`) and where it came from."""
+
+    def __init__(self, ids: np.ndarray, path: Path):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise DataError(
+                f"{path}: token ids must be a 1-D integer array, got {ids.dtype} {ids.shape}"
+            )
+        self.ids, self.path = ids, path
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def split(self, fraction: float) -> tuple[Tokens, Tokens]:
+        """(first part, last `fraction`): views of the map, nothing read."""
+        cut = int(len(self.ids) * (1 - fraction))
+        return Tokens(self.ids[:cut], self.path), Tokens(self.ids[cut:], self.path)
+
+    def max(self) -> int:
+        """The largest id, in streamed chunks (memory bounded, one pass)."""
+        if not len(self.ids):
+            return -1
+        return max(int(self.ids[i : i + CHUNK].max()) for i in range(0, len(self.ids), CHUNK))
+
+    def check_vocab(self, vocab_size: int, flag: str) -> None:
+        """DataError naming the file if an id does not fit the tokenizer's vocabulary."""
+        top = self.max()
+        if top >= vocab_size:
+            raise DataError(
+                f"{flag} {self.path}: holds token id {top}, but the tokenizer has "
+                f"{vocab_size} ids; pass the --tokenizer the ids were made with"
+            )
+
+
+def _bin(path: Path, field: str) -> Tokens:
+    if path.stat().st_size % 2:
+        raise DataError(f"{path}: a .bin of uint16 ids has an even size, this has an odd one")
+    return Tokens(np.memmap(path, dtype=np.uint16, mode="r"), path)
+
+
+def _npy(path: Path, field: str) -> Tokens:
+    try:
+        return Tokens(np.load(path, mmap_mode="r", allow_pickle=False), path)
+    except ValueError as e:
+        raise DataError(f"{path}: not a .npy array of token ids ({e})") from None
+
+
+def _text(path: Path, field: str) -> str:
+    raw = path.read_bytes()
+    binary = DataError(
+        f"{path}: a binary file, not UTF-8 text; token ids go in a .bin (uint16) or .npy "
+        "file, and a folder of text must not hold other files"
+    )
+    if b"\0" in raw[:SNIFF]:
+        raise binary
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise binary from None
+
+
+def _field(path: Path, field: str, columns) -> None:
+    if field not in columns:
+        raise DataError(f"{path}: no {field!r} field (has {', '.join(map(str, columns))})")
+
+
+def _jsonl(path: Path, field: str) -> str:
+    docs = []
+    for n, line in enumerate(_text(path, field).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{n}: a JSON line must be an object with a {field!r} field")
+        _field(Path(f"{path}:{n}"), field, row)
+        docs.append(str(row[field]))
+    return "\n".join(docs)
+
+
+def _extra(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(
+            f"reading this data needs {module.split('.')[0]}: pip install 'namedmesh[data]'"
+        ) from None
+
+
+def _parquet(path: Path, field: str) -> str:
+    schema = _extra("pyarrow.parquet").read_schema(path)
+    _field(path, field, schema.names)
+    table = _extra("pyarrow.parquet").read_table(path, columns=[field])
+    return "\n".join(str(v) for v in table.column(field).to_pylist())
+
+
+def _dataset(path: Path, field: str) -> str:
+    ds = _extra("datasets").load_from_disk(str(path))
+    if not hasattr(ds, "column_names") or isinstance(ds.column_names, dict):
+        raise DataError(
+            f"{path}: a dataset of several splits ({', '.join(ds)}); pass one split's folder, "
+            f"e.g. {path / next(iter(ds))}"
+        )
+    _field(path, field, ds.column_names)
+    return "\n".join(str(v) for v in ds[field])
+
+
+# file suffix -> reader(path, text_field) -> str | Tokens
+READERS = {".bin": _bin, ".npy": _npy, ".jsonl": _jsonl, ".parquet": _parquet}
+TOKEN_SUFFIXES = (".bin", ".npy")
+DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def _visible_files(folder: Path) -> list[Path]:
+    """Files under `folder`, sorted, without hidden files or anything in a hidden folder."""
+    return sorted(
+        f
+        for f in folder.rglob("*")
+        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(folder).parts)
+    )
+
+
+def _folder(folder: Path, field: str) -> str:
+    if any((folder / m).is_file() for m in DATASET_MARKERS):
+        return _dataset(folder, field)
+    files = _visible_files(folder)
+    for f in files:
+        if f.suffix in TOKEN_SUFFIXES:
+            raise DataError(f"{f}: token files are read one at a time; pass it as --data {f}")
+    return "".join(READERS.get(f.suffix, _text)(f, field) for f in files)
+
+
+def read(path: str | Path, flag: str = "--data", text_field: str = "text") -> str | Tokens:
+    """The text or token ids at `path` (see the module's docstring); DataError naming
+    `flag` and the file for a path that is missing, empty or of the wrong kind."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{flag} {path}: no such file or folder")
+    try:
+        out = _folder(p, text_field) if p.is_dir() else READERS.get(p.suffix, _text)(p, text_field)
+    except DataError as e:
+        where = "" if str(e).startswith(str(p)) else f"{p}: "
+        raise DataError(f"{flag} {where}{e}") from None
+    if not len(out):
+        raise DataError(f"{flag} {path}: no text or token ids found")
+    return out

@@ -1,0 +1,123 @@
+"""`namedmesh eval MODEL --data FILE`: a decoder LM's loss on data, on a mesh under a layout.
+
+    namedmesh eval runs/tiny --data notes.txt --mesh rows=2,cols=4 --layout "batch:rows"
+    namedmesh eval hf/gpt2 --data val.bin --batch 4 --length 256
+
+MODEL is a training run's --out folder (its latest checkpoint and tokenizer) or a
+Hugging Face folder of a decoder LM (gpt2, llama). --data is anything `train --data`
+takes (text, .bin/.npy token ids, JSON lines, Parquet, a datasets folder). The data is
+cut into consecutive windows of --length + 1 tokens, each starting where the previous
+one's targets end (every token after the first is predicted once, from up to --length
+tokens before it); prints the mean next-token cross-entropy in nats per token, its
+perplexity (exp of it) and bits per byte (nats / ln 2 / the data's UTF-8 bytes per
+token), with a progress bar over the batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from models.train import Parser, fail, parse_mesh, simulate_devices, user_errors
+
+
+def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Namespace:
+    p = Parser(
+        prog=prog,
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", help="a training run's --out folder, or a Hugging Face folder")
+    p.add_argument("--data", required=True, help="the data: any kind `train --data` takes")
+    p.add_argument("--text-field", default="text", help="documents' field in JSON lines/Parquet")
+    p.add_argument("--mesh", type=parse_mesh, default={"data": 1}, help="e.g. rows=2,cols=4")
+    p.add_argument("--layout", default="", help='e.g. "batch:rows;heads:cols" (empty: batch split)')
+    p.add_argument("--batch", type=int, default=8, help="windows per batch")
+    p.add_argument("--length", type=int, default=None, help="tokens per window (None: model's)")
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def load(folder: str):
+    """(model, params, cfg, tokenizer) of a run or a Hugging Face decoder LM folder."""
+    from models import data, generate, hub, zoo
+
+    path = Path(folder)
+    if (path / "run.json").exists():
+        params, cfg, tokenizer = generate.load(path)
+        return zoo.get(json.loads((path / "run.json").read_text())["model"]), params, cfg, tokenizer
+    family, _ = hub.read_config(path)
+    if family not in hub.DECODERS:
+        raise hub.UnsupportedModelError(
+            f"{folder} holds a {family} model; eval measures next-token perplexity of a "
+            f"decoder LM ({', '.join(hub.DECODERS)})"
+        )
+    model = hub.load(path)  # without a tokenizer.json (an exported byte run): bytes
+    tok = data.ByteTokenizer() if model.tokenizer is None else data.BPETokenizer(model.tokenizer)
+    return zoo.get("lm"), model.params, model.config, tok
+
+
+def evaluate(args) -> dict:
+    """{"loss", "perplexity", "bits_per_byte", "tokens"} of the model on the data."""
+    from tqdm import tqdm
+
+    from lowering import Mesh
+    from lowering.distributed import place
+    from models import data
+    from models.run import UsageError, pick_layout
+    from models.trainer import Trainer, bits_per_byte
+
+    model, params, cfg, tokenizer = load(args.model)
+    for flag in ("batch", "length", "max_batches"):
+        if (v := getattr(args, flag)) is not None and v < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
+    length = args.length or cfg.length
+    if cfg.learned_positions and length > cfg.learned_positions:
+        raise UsageError(
+            f"--length {length} is longer than the {cfg.learned_positions} positions of "
+            f"{args.model}"
+        )
+    cfg = cfg.replace(batch=args.batch, length=length, dropout=0.0, moe_loss=0.0)
+    text = data.load_text(args.data, "--data", args.text_field)
+    corpus = data.Corpus(text, tokenizer, length, model.objective, valid=text)
+    mesh = Mesh(args.mesh)
+    layout = pick_layout(args.layout, model, args.model, cfg, mesh, None, 0)
+    trainer = Trainer(model, cfg, mesh, layout, opt=None)
+    state = {"params": place(params, mesh, layout)}
+    windows = max(0, -(-(len(corpus.valid) - length - 1) // length))
+    total = -(-windows // args.batch)
+    if args.max_batches is not None:
+        total = min(total, args.max_batches)
+    batches = corpus.validation_batches(args.batch, args.max_batches)
+    bar = tqdm(batches, total=total, disable=args.quiet, unit="batch", dynamic_ncols=True)
+    loss, tokens = trainer.evaluate(state, bar)
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": bits_per_byte(loss, corpus.bytes_per_token()),
+        "tokens": tokens,
+    }
+
+
+def main(argv=None, prog: str = "python -m models.evaluate") -> int:
+    args = arguments(argv, prog)
+    simulate_devices(math.prod(args.mesh.values()))
+    from models.data import DataError
+
+    try:
+        out = evaluate(args)
+    except (*user_errors(), DataError, KeyError) as e:  # one line, never a traceback
+        return fail(e, 2, prog.removeprefix("python -m "))
+    print(
+        f"loss {out['loss']:.4f} nats/token, perplexity {out['perplexity']:.3f}, "
+        f"{out['bits_per_byte']:.4f} bits/byte over {out['tokens']:,} tokens"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The benchmarks against PyTorch at tiny sizes: both sides compute the same thing (the
+zoo's first training loss is PyTorch's, greedy decoding gives generate's tokens), every
+side is timed in every round, and the sides alternate their order round by round."""
+
+import pytest
+
+from benchmarks import decode, fair, zoo_vs_hf
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _threads_kept(monkeypatch):
+    """The benchmarks make this process single-threaded; the test session stays as it is."""
+    monkeypatch.setattr(fair, "single_threaded", lambda: "threads as the tests run")
+
+
+def test_alternate_reverses_the_order_every_other_round():
+    calls = []
+    sides = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+    times = fair.alternate(sides, rounds=3)
+    assert calls == list("abc") + list("abc") + list("cba") + list("abc")  # warm-up first
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert fair.ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == "2.00 / 2.00"
+
+
+def test_zoo_vs_hf_trains_the_same_model_and_times_every_side():
+    got = zoo_vs_hf.main("--layers 1 --d-model 16 --heads 2 --vocab 48 --length 8 --batch 2 "
+                         "--repeats 2 --no-compile".split())  # fmt: skip
+    zoo, torch = got["losses"]
+    assert zoo == pytest.approx(torch, abs=1e-4)
+    for times in (got["forward"], got["step"]):
+        assert set(times) == {"namedmesh", "PyTorch eager"}
+        assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+
+
+def test_decode_gives_generates_greedy_tokens_at_every_batch():
+    flags = "--positions 32 --layers 1 --d-model 16 --heads 4 --kv-heads 2 --d-ff 24 --vocab 48"
+    got = decode.main(f"{flags} --prompt 5 --new 6 --batches 1,3 --rounds 1 --no-compile".split())
+    assert set(got) == {1, 3}
+    for r in got.values():
+        assert r["agree"] == 1.0
+        assert set(r["times"]) == {"namedmesh", "generate"} and min(r["times"]["generate"]) > 0
