@@ -80,7 +80,7 @@ def test_a_mesh_axis_given_twice_is_refused(capsys):
 def test_bad_sizes_and_binary_data_are_refused_before_compiling(
     tmp_path, flags, names, capsys, monkeypatch
 ):
-    binary = tmp_path / "data.bin"
+    binary = tmp_path / "corpus.txt"  # text by its name, binary by its bytes
     binary.write_bytes(b"abc\0\x01\x02" * 100)
     flags = [str(binary) if f == "BINARY" else f for f in flags]
     monkeypatch.setattr(jax, "jit", None)  # nothing may compile before the error (models.run
