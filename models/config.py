@@ -26,6 +26,15 @@ class ConfigError(ParameterError):
     (a ParameterError, so a NamedMeshError and a ValueError)."""
 
 
+# The smallest value of each size of a Config (0 of an option: the option is off).
+_AT_LEAST = {
+    **dict.fromkeys(("vocab", "d_model", "heads", "d_kv", "d_ff", "layers", "length"), 1),
+    **dict.fromkeys(("batch", "attention_block"), 1),
+    **dict.fromkeys(("relative_bias", "max_positions", "kv_heads", "relative_buckets"), 0),
+    **dict.fromkeys(("type_vocab", "experts", "encoder_layers"), 0),
+}
+
+
 @dataclass(frozen=True)
 class Config:
     """A Transformer's sizes and options. Dims of the named parameters and activations:
@@ -109,6 +118,12 @@ class Config:
                 raise ConfigError(
                     f"Config.{field} must be one of {allowed}, got {getattr(self, field)!r}"
                 )
+        for field, low in _AT_LEAST.items():
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"Config.{field} must be an int >= {low}, got {value!r}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"Config.dropout must be >= 0 and < 1, got {self.dropout!r}")
         if self.attention_block < 1:
             raise ConfigError(
                 "Config.attention_block (--attention-block) must be >= 1, "

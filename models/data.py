@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import objectives
+from models import files, objectives
 
 VALIDATION_FRACTION = 0.1
 
@@ -56,7 +56,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def save(self, directory: Path) -> None:
-        (Path(directory) / "tokenizer.json").write_text(json.dumps({"kind": "byte"}))
+        files.write_json(Path(directory) / "tokenizer.json", {"kind": "byte"}, indent=None)
 
 
 class BPETokenizer:
@@ -91,7 +91,7 @@ class BPETokenizer:
         return self.tok.decode([int(i) for i in ids])
 
     def save(self, directory: Path) -> None:
-        self.tok.save(str(Path(directory) / "tokenizer.json"))
+        files.write_with(Path(directory) / "tokenizer.json", self.tok.save)
 
 
 def load_tokenizer(directory: str | Path):

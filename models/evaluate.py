@@ -21,7 +21,7 @@ import math
 import sys
 from pathlib import Path
 
-from models.train import Parser, parse_mesh, simulate_devices
+from models.train import Parser, fail, parse_mesh, simulate_devices, user_errors
 
 
 def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Namespace:
@@ -106,16 +106,12 @@ def evaluate(args) -> dict:
 def main(argv=None, prog: str = "python -m models.evaluate") -> int:
     args = arguments(argv, prog)
     simulate_devices(math.prod(args.mesh.values()))
-    from models.checkpoint import CheckpointError
     from models.data import DataError
-    from models.run import UsageError
-    from namedmesh.errors import NamedMeshError
 
     try:
         out = evaluate(args)
-    except (UsageError, DataError, CheckpointError, NamedMeshError, KeyError) as e:
-        print(f"{prog.removeprefix('python -m ')}: error: {e}".splitlines()[0], file=sys.stderr)
-        return 2
+    except (*user_errors(), DataError, KeyError) as e:  # one line, never a traceback
+        return fail(e, 2, prog.removeprefix("python -m "))
     print(
         f"loss {out['loss']:.4f} nats/token, perplexity {out['perplexity']:.3f}, "
         f"{out['bits_per_byte']:.4f} bits/byte over {out['tokens']:,} tokens"

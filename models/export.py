@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from models.train import Parser
+from models.train import Parser, fail, user_errors
 
 # Config field -> the value GPT-2's architecture has (an export as GPT-2 requires it)
 GPT2_FIELDS = {
@@ -131,14 +131,11 @@ def export(run: str | Path, out: str | Path, step: int | None = None) -> Path:
 
 def main(argv=None, prog: str = "python -m models.export") -> int:
     args = arguments(argv, prog)
-    from models.checkpoint import CheckpointError
-    from namedmesh.errors import NamedMeshError
 
     try:
         folder = export(args.run, args.out, args.step)
-    except (CheckpointError, NamedMeshError, KeyError) as e:
-        print(f"{prog.removeprefix('python -m ')}: error: {e}".splitlines()[0], file=sys.stderr)
-        return 2
+    except (*user_errors(), KeyError) as e:  # one line, never a traceback
+        return fail(e, 2, prog.removeprefix("python -m "))
     print(f"wrote {folder}/config.json, model.safetensors")
     return 0
 

@@ -27,7 +27,6 @@ prompt as one user turn of it), as models/folder_tokens.py reads them.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -35,11 +34,11 @@ from pathlib import Path
 import jax
 
 from lowering import Mesh
-from models import checkpoint, config, data, folder_tokens, hub, transformer, zoo
+from models import checkpoint, config, data, files, folder_tokens, hub, transformer, zoo
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.sampling import Sampling
-from models.train import Parser, parse_mesh, simulate_devices
-from namedmesh.errors import NamedMeshError, ParameterError
+from models.train import Parser, fail, parse_mesh, simulate_devices, user_errors
+from namedmesh.errors import ParameterError
 
 __all__ = ["Decoder", "decode_step", "init_cache", "prefill_step", "load", "main"]
 
@@ -53,7 +52,7 @@ def load(run: str | Path, step: int | None = None):
         return load_hub(run)
     if not (run / "run.json").exists() or checkpoint.latest_step(run) is None:
         raise checkpoint.CheckpointError(f"{run}: no run.json and checkpoint to load")
-    flags = json.loads((run / "run.json").read_text())
+    flags = files.read_json(run / "run.json", "the run's record")
     model = zoo.get(flags["model"])
     if model.objective != "lm":
         raise checkpoint.CheckpointError(
@@ -229,9 +228,8 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         args.eos = ends[0] if ends else None
         start = decoder_start(args.checkpoint)
         outputs = [_cut(row, ends) for row in _decode(dec, prompts, start, sampling, args)]
-    except (checkpoint.CheckpointError, KeyError, NamedMeshError) as e:
-        print(f"{prog.removeprefix('python -m ')}: error: {e}", file=sys.stderr)
-        return 2
+    except (*user_errors(), KeyError) as e:
+        return fail(e, 2, prog.removeprefix("python -m "))
     for text, out in zip(texts, outputs, strict=True):
         print(("" if start is not None or args.chat else text) + tokenizer.decode(out))
     return 0

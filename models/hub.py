@@ -45,9 +45,21 @@ from models.families.common import (
     UnsupportedModelError,
     WeightShapeError,
 )
+from models.files import FileReadError, FileWriteError, read_json, replace_folder
+from namedmesh.errors import NamedMeshError
 
 __all__ = ["Entry", "FAMILIES", "HubError", "MissingFileError", "UnsupportedModelError"]
 __all__ += ["WeightShapeError", "load", "save", "config_of", "tensors", "HubModel"]
+__all__ += ["DamagedFileError", "SaveError"]
+
+
+class SaveError(HubError):
+    """An export that could not be written; the folder holds what it held before."""
+
+
+class DamagedFileError(HubError):
+    """A config.json, index or safetensors file that is not what it should be: not
+    JSON, truncated, a key missing or of the wrong type."""
 
 
 # Families (their configs and tables) live in models/families/, one module each; the
@@ -72,14 +84,16 @@ class Weights:
         self._open, self._files = safe_open, {}
         index = folder / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.where = {k: folder / v for k, v in weight_map.items()}
+            weight_map = read_json(index, "the index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise DamagedFileError(f"{index}: no weight_map object (tensor -> shard file)")
+            self.where = {k: folder / str(v) for k, v in weight_map.items()}
             missing = sorted({str(p) for p in self.where.values() if not p.exists()})
             if missing:
                 raise MissingFileError(f"{index} lists shard(s) that are missing: {missing}")
         elif (folder / "model.safetensors").exists():
             path = folder / "model.safetensors"
-            with safe_open(path, "numpy") as f:
+            with _opened(safe_open, path) as f:
                 self.where = {k: path for k in f.keys()}
         else:
             raise MissingFileError(
@@ -93,9 +107,18 @@ class Weights:
             raise MissingFileError(f"the weights have no tensor {name!r}")
         path = self.where[name]
         if path not in self._files:
-            self._files[path] = self._open(path, "numpy")
+            self._files[path] = _opened(self._open, path)
         found = self._files[path].get_slice(name)
         return _BFloat16Slice(path, name) if found.get_dtype() == "BF16" else found
+
+
+def _opened(safe_open, path: Path):
+    """safe_open(path); DamagedFileError for a file safetensors refuses (truncated,
+    a damaged header)."""
+    try:
+        return safe_open(path, "numpy")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+        raise DamagedFileError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 class _BFloat16Slice:
@@ -339,7 +362,10 @@ def read_config(folder: Path) -> tuple[str, dict]:
     path = folder / "config.json"
     if not path.exists():
         raise MissingFileError(f"{folder}: no config.json (is it a Hugging Face model folder?)")
-    hf = json.loads(path.read_text())
+    try:
+        hf = read_json(path, "config.json")
+    except FileReadError as e:
+        raise DamagedFileError(str(e)) from None
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise UnsupportedModelError(
@@ -371,15 +397,23 @@ def load(path, mesh: Mesh | None = None, layout: Layout | str | None = None) -> 
     family, hf = read_config(folder)
     weights = Weights(folder)
     prefix = _prefix(family, weights)
-    cfg = family_config(family, hf, set(weights.where))
+    cfg = family_config(family, hf, set(weights.where), folder)
     return load_params(folder, family, cfg, hf, weights, prefix, mesh, layout)
 
 
-def family_config(family: str, hf: dict, names: set[str]) -> Config:
+def family_config(family: str, hf: dict, names: set[str], folder="") -> Config:
     """The family's Config of config.json `hf`; UnsupportedModelError naming every key
-    (and its value) the family did not read: an option the zoo would ignore."""
+    (and its value) the family did not read: an option the zoo would ignore;
+    DamagedFileError for a key missing or a value of the wrong type."""
     options = Options(hf)
-    cfg = FAMILIES[family].config(options, names)
+    try:
+        cfg = FAMILIES[family].config(options, names)
+    except KeyError as e:
+        raise DamagedFileError(f"{folder}/config.json lacks the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, HubError | NamedMeshError):
+            raise
+        raise DamagedFileError(f"{folder}/config.json: a value of the wrong type ({e})") from None
     if unread := options.unread():
         raise UnsupportedModelError(
             f"config.json of a {family} model: option(s) {unread} are not implemented by "
@@ -417,7 +451,7 @@ def config_of(path) -> tuple[str, Config]:
         names = set(json.loads((folder / "tensors.json").read_text()))
     else:
         names = set(Weights(folder).where)
-    return family, family_config(family, hf, names)
+    return family, family_config(family, hf, names, folder)
 
 
 BASE = "base"  # a fine-tune's copy of its base folder, in the run's folder
@@ -431,16 +465,23 @@ BASE_FILES = (
 def copy_base(path, dest) -> str:
     """Copy a Hugging Face folder's config, tokenizer and special-token files (not its
     weights) to `dest`, with tensors.json naming its weights' tensors, so a fine-tune
-    no longer needs its base folder; returns the family."""
+    no longer needs its base folder; returns the family. The copy is made in a fresh
+    folder put in place whole (models/files.py), never half."""
     import shutil
 
-    folder, dest = Path(path), Path(dest)
+    folder = Path(path)
     family, _ = read_config(folder)
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in BASE_FILES:
-        if (folder / name).exists():
-            shutil.copyfile(folder / name, dest / name)
-    (dest / "tensors.json").write_text(json.dumps(sorted(Weights(folder).where)))
+
+    def write(new: Path) -> None:
+        for name in BASE_FILES:
+            if (folder / name).exists():
+                shutil.copyfile(folder / name, new / name)
+        (new / "tensors.json").write_text(json.dumps(sorted(Weights(folder).where)))
+
+    try:
+        replace_folder(dest, write)
+    except FileWriteError as e:
+        raise SaveError(str(e)) from None
     return family
 
 
@@ -492,11 +533,12 @@ def tokenizer_of(path):
 def save(model: HubModel, path) -> None:
     """Write `model` as a Hugging Face folder: config.json (the loaded one), the
     parameters in model.safetensors under the family's names, and tokenizer.json when
-    the model has a tokenizer. transformers' from_pretrained loads it back."""
+    the model has a tokenizer. transformers' from_pretrained loads it back. The folder
+    is written whole beside `path` and then replaces it, so nothing of an export that
+    was there survives (no stale shard or index) and a failed write (full disk,
+    read-only folder) leaves it intact: SaveError."""
     from safetensors.numpy import save_file
 
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     prefix = FAMILIES[model.family].prefixes[0]
     out: dict[str, np.ndarray] = {}
     for p, t in tensors(model.family, model.config, prefix).items():
@@ -506,11 +548,18 @@ def save(model: HubModel, path) -> None:
                 t.write(value[i], out, i)
         else:
             t.write(value, out, None)
-    save_file(
-        {k: np.ascontiguousarray(v) for k, v in out.items()},
-        folder / "model.safetensors",
-        {"format": "pt"},
-    )
-    (folder / "config.json").write_text(json.dumps(model.hf_config, indent=2))
-    if model.tokenizer is not None:
-        model.tokenizer.save(str(folder / "tokenizer.json"))
+
+    def write(folder: Path) -> None:  # a fresh folder, then put in place of the old whole
+        tensors_ = {k: np.ascontiguousarray(v) for k, v in out.items()}
+        try:
+            save_file(tensors_, folder / "model.safetensors", {"format": "pt"})
+        except Exception as e:  # safetensors' own SafetensorError wraps the OS's
+            raise e if isinstance(e, OSError) else OSError(str(e)) from None
+        (folder / "config.json").write_text(json.dumps(model.hf_config, indent=2))
+        if model.tokenizer is not None:
+            model.tokenizer.save(str(folder / "tokenizer.json"))
+
+    try:
+        replace_folder(path, write)
+    except FileWriteError as e:
+        raise SaveError(str(e)) from None

@@ -5,6 +5,7 @@ metrics, checkpoints and a loss plot (see models/train.py for the flags)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -15,9 +16,17 @@ import namedmesh as nm
 from lowering import Layout, Mesh, auto_layout
 from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
-from models import checkpoint, config, data, folder_tokens, hub, zoo
+from models import agree, checkpoint, config, data, files, folder_tokens, hub, zoo
+from models.preempt import Preemption
+from models.train import check_ranges
 from models.trainer import Trainer, bits_per_byte, optimizer
 from namedmesh.errors import NamedMeshError
+
+# The exit statuses of `python -m models.train` (docs/models.md lists them too).
+EXIT_DONE = 0  # every step trained
+EXIT_USAGE = 2  # a bad flag, file or checkpoint: nothing trained (one line on stderr)
+EXIT_DIVERGED = 3  # a non-finite step beyond --skip-nonfinite: not applied, not saved
+EXIT_PREEMPTED = 75  # SIGTERM or SIGINT: a checkpoint saved at a step boundary (EX_TEMPFAIL)
 
 # Flags that define the training itself: a resumed run takes them from run.json.
 _RUN_FLAGS = (
@@ -49,6 +58,11 @@ class UsageError(Exception):
     """A flag that cannot work; reported in one line with exit status 2."""
 
 
+class DivergedError(Exception):
+    """A step whose loss or gradient norm is not finite, one more than --skip-nonfinite
+    allows; reported in one line with exit status 3."""
+
+
 def model_dims(graph) -> set[str]:
     return {d for v in graph.values() for d in v.dims}
 
@@ -56,16 +70,25 @@ def model_dims(graph) -> set[str]:
 def setup(args):
     """(run settings, model, cfg, tokenizer, corpus, mesh, layout, trainer), all checked."""
     out = Path(args.out)
-    if args.resume:
-        if not (out / "run.json").exists() or checkpoint.latest_step(out) is None:
-            raise UsageError(f"--resume: no checkpoint in {out}/checkpoints to resume from")
-        stored = json.loads((out / "run.json").read_text())
+    has_checkpoint = bool(checkpoint.all_steps(out))
+    started = (out / "run.json").exists() or (out / "metrics.jsonl").exists()
+    if args.resume and (out / "run.json").exists():
+        stored = files.read_json(out / "run.json", "the run's record")
         for k in _RUN_FLAGS:
             if k in stored:  # a run saved before a flag existed keeps its default
                 setattr(args, k, stored[k])
         args.init_from = stored.get("init_from")
-    elif (out / "metrics.jsonl").exists():
+        complaint = check_ranges(args)  # a run.json edited by hand
+        if complaint:
+            raise UsageError(f"{out}/run.json: {complaint}")
+    elif args.resume:
+        raise UsageError(f"--resume: no run.json and checkpoint in {out} to resume from")
+    elif has_checkpoint:
         raise UsageError(f"{out} holds a run already: pass --resume, or another --out")
+    if started and not has_checkpoint:  # killed before its first save: nothing to keep
+        print(f"{out} holds a run that never reached a checkpoint: starting it again")
+        args.resume = False
+        (out / "metrics.jsonl").unlink(missing_ok=True)
     hub_tokenizer = None
     try:
         if args.init_from:
@@ -223,7 +246,9 @@ def default_layout(mesh) -> Layout:
     return Layout({"batch": axes} if axes else {})
 
 
-def train(args) -> None:
+def train(args) -> int:
+    """Train as the flags say; the exit status (EXIT_DONE, EXIT_PREEMPTED). Raises
+    UsageError, DivergedError and the typed errors of the files it reads."""
     model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule = setup(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,6 +258,14 @@ def train(args) -> None:
     print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     print("lowering report (forward and backward pass, per step, per device):")
     print("    " + str(report).replace("\n", "\n    "))
+    agree.check(
+        run={k: getattr(args, k) for k in _RUN_FLAGS},
+        config=cfg,
+        mesh=mesh.sizes,
+        layout=str(layout),
+        inputs=_shapes(trainer.abstract_inputs()),
+        step=checkpoint.all_steps(out)[:1] if args.resume else [],
+    )
     params = None
     if args.init_from and not args.resume:  # each shard read from the file onto its devices
         params = hub.load(args.init_from, mesh, layout).params
@@ -241,36 +274,53 @@ def train(args) -> None:
     metrics_path = out / "metrics.jsonl"
     start = 0
     if args.resume:
-        state, meta = checkpoint.restore(out, state)
+        state, meta = checkpoint.restore_newest(out, state, say=_warn)
         start = meta["step"]
-        _truncate(metrics_path, start)
+        history = [r for r in files.read_jsonl(metrics_path) if r["step"] <= start]
+        files.rewrite_jsonl(metrics_path, history)  # a killed run may have logged more
         print(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
     else:
         run = {k: getattr(args, k) for k in _RUN_FLAGS}
         if args.init_from:
             run["init_from"] = str(Path(args.init_from).absolute())
             run["family"] = hub.copy_base(args.init_from, out / hub.BASE)
-        (out / "run.json").write_text(json.dumps({**run, "vocab": cfg.vocab}, indent=1))
+        files.write_json(out / "run.json", {**run, "vocab": cfg.vocab})
         tokenizer.save(out)
+        history = []
     ckpt = checkpoint.Checkpointer(out)
     meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab}
-    history = _read(metrics_path)
+    try:
+        with Preemption() as preemption:
+            return _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start,
+                         preemption)  # fmt: skip
+    finally:
+        ckpt.close()
+
+
+def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start, preemption):
+    out = Path(args.out)
+    metrics_path = out / "metrics.jsonl"
     bar = _progress(args, start)
     board = _tensorboard(args)
+    skipped = 0
     with open(metrics_path, "a") as log:
         last = time.perf_counter()
         for step in range(start + 1, args.steps + 1):
             batch = corpus.batch(step, cfg.batch, args.seed, trainer.local_rows())
-            state, loss = trainer.step(state, batch, step)
-            loss = float(loss)
+            state, stats = trainer.update(state, batch, step)
+            loss = stats["loss"]
             now = time.perf_counter()
             rec = {
                 "step": step,
                 "loss": loss,
+                "grad_norm": stats["grad_norm"],
                 "lr": float(schedule(step - 1)),
                 "tokens_per_s": cfg.batch * cfg.length / (now - last),
                 **trainer.router_metrics(),
             }
+            if not stats["finite"]:
+                skipped += 1
+                rec["skipped"] = True
             if step % args.eval_every == 0 or step == args.steps:
                 val, _ = trainer.evaluate(
                     state, corpus.validation_batches(cfg.batch, args.eval_batches)
@@ -283,22 +333,65 @@ def train(args) -> None:
                 )
             log.write(json.dumps(rec) + "\n")
             log.flush()
+            if not stats["finite"]:
+                _diverged(args, bar, rec, skipped, ckpt)
             if board is not None:
                 for k, v in rec.items():
-                    if k != "step":
+                    if k not in ("step", "skipped"):
                         board.add_scalar(k, v, step)
             history.append(rec)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             bar.update(1)
-            if step % args.save_every == 0 or step == args.steps:
-                ckpt.save(step, state, meta)
+            saved = step % args.save_every == 0 or step == args.steps
+            stop = step < args.steps and preemption.should_stop()
+            if saved or stop:
+                _save(ckpt, step, state, meta, stop)
                 plot(history, out / "loss.png")
+            if stop:
+                bar.close()
+                print(
+                    f"stopped by {preemption.signal.name if preemption.signal else 'a peer'} "
+                    f"after step {step}: saved a checkpoint in {out / 'checkpoints'}; "
+                    "continue with the same command and --resume"
+                )
+                return EXIT_PREEMPTED
             last = time.perf_counter()  # evaluations and saves are not step time
     bar.close()
-    ckpt.close()
     if board is not None:
         board.close()
     print(f"wrote {metrics_path}, {out / 'loss.png'} and checkpoints in {out / 'checkpoints'}")
+    return EXIT_DONE
+
+
+def _save(ckpt, step: int, state, meta: dict, wait: bool) -> None:
+    try:
+        ckpt.save(step, state, meta)
+    except checkpoint.NonFiniteError as e:  # the step's checks passed, the state did not
+        raise DivergedError(f"{e}; the newest checkpoint is the last finite state") from None
+    if wait:
+        ckpt.wait()
+
+
+def _diverged(args, bar, rec: dict, skipped: int, ckpt) -> None:
+    """Say that step rec["step"] was not applied; DivergedError past --skip-nonfinite."""
+    what = f"step {rec['step']}: loss {rec['loss']}, gradient norm {rec['grad_norm']}"
+    if skipped <= args.skip_nonfinite:
+        bar.write(f"{what}: not finite, update skipped ({skipped} of --skip-nonfinite "
+                  f"{args.skip_nonfinite})")  # fmt: skip
+        return
+    ckpt.wait()  # the newest save finished, so it is listed
+    newest = checkpoint.all_steps(args.out)[:1]
+    where = f"the newest checkpoint is step {newest[0]}" if newest else "no checkpoint was saved"
+    raise DivergedError(
+        f"{what}: not finite; the update was not applied and the run stops ({where}; "
+        f"--skip-nonfinite N skips up to N such steps)"
+    )
+
+
+def _shapes(tree):
+    """dims and shape of every Tensor of a pytree (what processes compare)."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, nm.Tensor))
+    return [[list(t.dims), list(t.shape)] for t in leaves]
 
 
 def _count(trainer) -> int:
@@ -308,6 +401,10 @@ def _count(trainer) -> int:
             trainer.abstract_inputs()[0], is_leaf=lambda x: isinstance(x, nm.Tensor)
         )
     )
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _tensorboard(args):
@@ -328,18 +425,6 @@ def _progress(args, start):
     )
 
 
-def _read(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _truncate(path: Path, step: int) -> None:
-    """Keep the metrics of steps up to `step` (a killed run may have logged more)."""
-    kept = [r for r in _read(path) if r["step"] <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-
-
 def plot(history: list[dict], path: Path) -> None:
     """Train loss per step and validation loss where measured, in nats per token."""
     import matplotlib
@@ -357,5 +442,5 @@ def plot(history: list[dict], path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.write_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)

@@ -6,9 +6,16 @@
 Prints the mesh, the layout and the lowering report, then a progress bar; writes
 `OUT/metrics.jsonl` (one JSON object per step), orbax checkpoints under
 `OUT/checkpoints`, `OUT/loss.png` and `OUT/run.json`. `--resume` continues from the
-latest checkpoint in OUT, on any mesh and layout. Bad flags exit with status 2 and a
-one-line error before anything compiles. On CPU, the mesh's devices are simulated
-(XLA's host device count is set to the mesh size unless XLA_FLAGS sets it).
+newest checkpoint in OUT that verifies, on any mesh and layout. On CPU, the mesh's
+devices are simulated (XLA's host device count is set to the mesh size unless XLA_FLAGS
+sets it). What a run promises under faults: docs/models.md.
+
+Exit statuses: 0 every step trained; 2 a bad flag, file or checkpoint, one line on
+stderr before anything compiles (or, for a checkpoint, before training); 3 a step whose
+loss or gradient norm is not finite, beyond --skip-nonfinite (not applied, not saved);
+75 stopped by SIGTERM or SIGINT after saving a checkpoint at a step boundary (run the
+same command with --resume); 130 or 143 a second signal (or none of the step ending
+within models.preempt.GRACE_S seconds), nothing saved.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import math
 import os
 import sys
+from typing import NamedTuple
 
 from models import settings
 
@@ -30,8 +38,58 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(
                 f"--mesh {text!r}: expected axis=size pairs separated by commas, e.g. rows=2,cols=4"
             )
+        if name.strip() in out:
+            raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {name.strip()!r} given twice")
         out[name.strip()] = int(size)
     return out
+
+
+class Range(NamedTuple):
+    """The values a numeric flag takes: low <= value (low < value when `open_low`),
+    value <= high when high is given; floats must be finite."""
+
+    low: float
+    high: float | None = None
+    open_low: bool = False
+
+    def holds(self, value) -> bool:
+        if not math.isfinite(value) or (value <= self.low if self.open_low else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def __str__(self) -> str:
+        low = f"> {self.low}" if self.open_low else f">= {self.low}"
+        return low if self.high is None else f"{low} and <= {self.high}"
+
+
+# Every numeric flag's allowed values, checked before anything is read or compiled (None
+# values mean "the config's" and are not checked).
+RANGES = {
+    "steps": Range(1),
+    "batch": Range(1),
+    "length": Range(1),
+    "seed": Range(0, 2**32 - 1),
+    "bpe_vocab": Range(257),  # the 256 bytes and at least one merge
+    "lr": Range(0, open_low=True),
+    "warmup": Range(0),
+    "clip": Range(0),  # 0: no clipping
+    "dropout": Range(0, 1, open_low=False),
+    "attention_block": Range(1),
+    "grad_accum": Range(1),
+    "eval_every": Range(1),
+    "eval_batches": Range(1),
+    "save_every": Range(1),
+    "skip_nonfinite": Range(0),
+}
+
+
+def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) -> str | None:
+    """The one-line complaint about the first flag outside its range, or None."""
+    for name, allowed in ranges.items():
+        value = getattr(args, name, None)
+        if value is not None and not allowed.holds(value):
+            return f"--{name.replace('_', '-')} {value}: must be {allowed}"
+    return None
 
 
 class Parser(argparse.ArgumentParser):
@@ -42,6 +100,17 @@ class Parser(argparse.ArgumentParser):
 
 
 def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Namespace:
+    """The flags of `argv` (over the settings of --config-file), each numeric one
+    checked against RANGES (exit 2 if not)."""
+    p = parser(prog)
+    args = settings.parse(p, argv)
+    complaint = check_ranges(args)
+    if complaint:
+        p.error(complaint)
+    return args
+
+
+def parser(prog: str = "python -m models.train") -> Parser:
     p = Parser(
         prog=prog,
         description=__doc__.split("\n")[0],
@@ -117,6 +186,14 @@ def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Names
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=0,
+        metavar="N",
+        help="skip up to N steps whose loss or gradient norm is not finite (their update is "
+        "not applied) before stopping; 0: stop at the first",
+    )
+    p.add_argument(
         "--init-from",
         default=None,
         help="fine-tune a Hugging Face folder (gpt2, llama): its config, weights, tokenizer",
@@ -146,7 +223,21 @@ def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Names
         help="start from the settings of a JSON or YAML file (a run's run.json); flags given "
         "on the command line override it",
     )
-    return settings.parse(p, argv)
+    return p
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that reach the command line as one line and exit status 2: ours (a
+    flag, a file, a checkpoint) and those of the file formats underneath (JSON, a
+    file that cannot be read or written); orbax's and safetensors' are turned into
+    CheckpointError where they are read (models/checkpoint.py, models/hub.py)."""
+    import json
+
+    from models.checkpoint import CheckpointError
+    from models.run import UsageError
+    from namedmesh.errors import NamedMeshError
+
+    return (UsageError, NamedMeshError, CheckpointError, json.JSONDecodeError, OSError)
 
 
 def simulate_devices(n: int) -> None:
@@ -177,14 +268,24 @@ def main(argv=None, prog: str = "python -m models.train") -> int:
         print(list_configs())
         return 0
     simulate_devices(math.prod(args.mesh.values()))
-    from models.run import UsageError, train
+    from models.run import EXIT_DIVERGED, EXIT_USAGE, DivergedError, train
 
+    name = prog.removeprefix("python -m ")
     try:
-        train(args)
-    except UsageError as e:
-        print(f"{prog.removeprefix('python -m ')}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return train(args)
+    except DivergedError as e:
+        return fail(e, EXIT_DIVERGED, name)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop, where it saves
+        return fail("interrupted before training started; nothing saved", 128 + 2, name)
+    except user_errors() as e:
+        return fail(e, EXIT_USAGE, name)
+
+
+def fail(error, status: int, prog: str = "models.train") -> int:
+    """Print `error` as one line `prog: error: ...` on stderr; return `status`."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -147,11 +147,24 @@ class Trainer:
         (loss, grads), _ = jax.lax.scan(one, zero, xs)
         return loss, grads
 
-    def _update(self, state, batch, key):
+    def _apply(self, state, batch, key):
         (loss, stats), grads = self._loss_and_grads(state["params"], batch, key)
         updates, opt_state = self.opt.update(grads, state["opt"], state["params"])
         new = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}
+        return new, loss, stats, grads
+
+    def _update(self, state, batch, key):
+        new, loss, stats, _ = self._apply(state, batch, key)
         return new, loss, stats
+
+    def _guarded_update(self, state, batch, key):
+        """The update, applied only when the loss, the gradients' global norm and the new
+        parameters are finite; else the state stays as it was (the optimizer's too)."""
+        new, loss, stats, grads = self._apply(state, batch, key)
+        norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(new["params"])
+        kept = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, state)
+        return kept, {"loss": loss, "grad_norm": norm, "finite": finite}, stats
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> dict:
         return place(batch_tensors(batch), self.mesh, self.layout)
@@ -168,15 +181,24 @@ class Trainer:
         held = [i[0] for d, i in sharding.devices_indices_map(shape).items() if d in devices]
         return np.unique(np.concatenate([np.arange(shape[0])[s] for s in held]))
 
-    def step(self, state, batch: dict[str, np.ndarray], step: int):
-        """One update with the batch of step `step` (numbered from 1)."""
+    def update(self, state, batch: dict[str, np.ndarray], step: int):
+        """(state, stats): one update with the batch of step `step` (numbered from 1);
+        stats holds the step's loss, gradient norm and whether both (and the new
+        parameters) are finite, as host numbers. A step that is not finite leaves the
+        state as it was. The MoE router's statistics go to `self.stats`."""
         if self._step is None:  # a new state keeps the old one's layout: one compile
             shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
             self._step = jax.jit(
-                self._update, donate_argnums=(0,), out_shardings=(shardings, None, None)
+                self._guarded_update, donate_argnums=(0,), out_shardings=(shardings, None, None)
             )
-        state, loss, self.stats = self._step(state, self.place_batch(batch), self.key(step))
-        return state, loss
+        state, out, self.stats = self._step(state, self.place_batch(batch), self.key(step))
+        out = jax.device_get(out)
+        return state, {k: (bool(v) if k == "finite" else float(v)) for k, v in out.items()}
+
+    def step(self, state, batch: dict[str, np.ndarray], step: int):
+        """(state, loss): `update` without its other stats."""
+        state, stats = self.update(state, batch, step)
+        return state, stats["loss"]
 
     def router_metrics(self) -> dict[str, float]:
         """The last step's MoE router statistics as metrics ({} without experts):
@@ -197,6 +219,11 @@ class Trainer:
             total += float(self._eval(state["params"], self.place_batch(b))) * n
             tokens += n
         return total / max(tokens, 1), tokens
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every value of every array of `tree` is finite (a boolean scalar)."""
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree)]))
 
 
 def _rows_apart(x, n: int):

@@ -51,7 +51,7 @@ def losses(out: Path) -> dict[int, float]:
         (["--resume"], "resume"),  # nothing to resume from
         (["--mesh", "rows2"], "rows2"),  # malformed: argparse's own error
         (["--grad-accum", "3"], "grad_accum 3"),  # 3 does not divide the batch of 16
-        (["--attention", "blockwise", "--attention-block", "0"], "attention_block"),
+        (["--attention", "blockwise", "--attention-block", "0"], "--attention-block 0"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_fault(tmp_path, flags, names, capsys):

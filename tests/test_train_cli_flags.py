@@ -73,14 +73,14 @@ def scalars(folder: Path) -> dict[str, dict[int, float]]:
 
 
 def test_set_a_tokenizer_file_and_the_default_layout(tmp_path, capsys):
-    """Set up and planned in process, no step run (`--steps 0`); the TensorBoard events
+    """Set up and planned in process, one step run (`--steps 1`); the TensorBoard events
     of a real run are checked in test_train_cli, on its baseline run."""
     from models.train import main
 
     tok = tmp_path / "tokenizer.json"
     data.ByteTokenizer().save(tmp_path)
     out = tmp_path / "run"
-    flags = ["--mesh", "data=2", "--steps", "0", "--set", "d_model=32", "--tokenizer", str(tok)]
+    flags = ["--mesh", "data=2", "--steps", "1", "--set", "d_model=32", "--tokenizer", str(tok)]
     assert main([*SMALL, *flags, "--out", str(out)]) == 0
     stdout = capsys.readouterr().out
     assert "layout batch:data (the default: data parallel over the mesh)" in stdout

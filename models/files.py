@@ -1,0 +1,137 @@
+"""Files written so that a kill, a full disk or a read-only folder never leaves one half
+written: every write goes to a temporary name beside the target, is flushed to disk,
+then renamed over it (a rename within a folder is atomic on POSIX), and a folder is
+replaced whole. A log of JSON lines is appended; a torn last line (a kill or a full disk
+in the middle of an append) is dropped with a warning when it is read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from namedmesh.errors import NamedMeshError
+
+
+class FileWriteError(NamedMeshError, OSError):
+    """A file or folder that could not be written (full disk, read-only folder); what
+    was there before is left as it was."""
+
+
+class FileReadError(NamedMeshError, ValueError):
+    """A file that is damaged: not the JSON (lines) it should hold."""
+
+
+def _fail(path: Path, e: OSError) -> FileWriteError:
+    return FileWriteError(f"cannot write {path}: {e.strerror or e}; it is left as it was")
+
+
+def write_atomic(path, content: str | bytes) -> None:
+    """Write `content` to `path` through a temporary file and a rename."""
+    write_with(path, lambda tmp: Path(tmp).write_bytes(_bytes(content)))
+
+
+def write_json(path, value, indent: int | None = 1) -> None:
+    write_atomic(path, json.dumps(value, indent=indent))
+
+
+def write_with(path, writer: Callable[[str], object]) -> None:
+    """`writer(temporary path)` writes the file (a library's own `save(path)`), then the
+    file is renamed to `path`. FileWriteError when it cannot be written."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _fail(path, e) from None
+    os.close(fd)
+    try:
+        _as_created(Path(tmp), 0o666)
+        writer(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise _fail(path, e) from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _as_created(path: Path, mode: int) -> None:
+    """Give a temporary file or folder the permissions `open`/`mkdir` would have given
+    (tempfile makes them private to their owner)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(mode & ~umask)
+
+
+def _bytes(content: str | bytes) -> bytes:
+    return content.encode("utf-8") if isinstance(content, str) else content
+
+
+def replace_folder(path, writer: Callable[[Path], object]) -> None:
+    """`writer(temporary folder)` fills a new folder, which then replaces `path` whole:
+    nothing of the old folder survives, and if writing fails the old one is intact."""
+    path = Path(path).absolute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        _as_created(tmp, 0o777)
+    except OSError as e:
+        raise _fail(path, e) from None
+    old = path.with_name(f".{path.name}.old")
+    try:
+        writer(tmp)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)  # two renames: the new folder is complete before either
+        os.replace(tmp, path)
+    except OSError as e:
+        if old.exists() and not path.exists():
+            os.replace(old, path)
+        raise _fail(path, e) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_jsonl(path) -> list[dict]:
+    """The records of a JSON-lines file ([] when it does not exist). A last line that is
+    not JSON (torn by a kill or a full disk) is dropped with a warning on stderr; a
+    damaged line before it is a FileReadError naming the line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise FileReadError(f"{path}: line {i + 1} is not JSON: {line[:60]!r}") from None
+            print(f"warning: {path}: dropped a torn last line {line[:60]!r}", file=sys.stderr)
+    return out
+
+
+def rewrite_jsonl(path, records: list[dict]) -> None:
+    """Replace a JSON-lines file by `records`, atomically."""
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def read_json(path, what: str = "file") -> dict:
+    """A JSON object from `path`; FileReadError naming the file when it is not one."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FileReadError(f"{what} {path} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise FileReadError(f"{what} {path} holds a {type(value).__name__}, not a JSON object")
+    return value
