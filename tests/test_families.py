@@ -77,9 +77,12 @@ def cases():
         "opt": (T.OPTForCausalLM, T.OPTConfig(**opt)),
         "opt_350m": (T.OPTForCausalLM, T.OPTConfig(
             **opt, do_layer_norm_before=False, word_embed_proj_dim=16, tie_word_embeddings=False)),
+        # tied, as Gemma's checkpoints are; untied for greedy decoding, because a tiny tied
+        # Gemma (embeddings x sqrt(d_model)) repeats its last token whatever the weights
         "gemma": (T.GemmaForCausalLM, T.GemmaConfig(**llama, head_dim=12)),
-        # caps that bite (logits reach ~2), a sliding layer then a global one; untied,
-        # because a tiny tied Gemma (embeddings x sqrt(d_model)) repeats its last token
+        "gemma_untied": (T.GemmaForCausalLM, T.GemmaConfig(
+            **llama, head_dim=12, tie_word_embeddings=False)),
+        # caps that bite (logits reach ~2), a sliding layer then a global one; untied (above)
         "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config(
             **llama, head_dim=12, sliding_window=4, tie_word_embeddings=False,
             attn_logit_softcapping=1.0, final_logit_softcapping=2.0, query_pre_attn_scalar=10)),
@@ -100,16 +103,19 @@ def cases():
 # fmt: on
 
 
-# decoding (one compile each) where it differs: llama3's scaling and tied embeddings,
-# Mistral's window past its size, Qwen3's q/k norms and head_dim, Phi-3's longrope and
-# partial rotary (GPT-NeoX's too) in the cache, OPT's offset positions, post-norm and
-# projected embeddings in a decoding step, Gemma 2's caps and per-layer windows, Gemma 3's
-# per-layer rotary bases;
-# layouts where the weights' reading differs: Phi-3's unequal q/k/v parts over kv_heads,
-# GPT-NeoX's per-head q/k/v over heads, Gemma 3's per-layer constants, the encoders'
-# heads. Within the budget.
-GREEDY = ["llama3", "mistral", "qwen3", "phi3_window", "opt_350m", "gemma2", "gemma3"]
-LAYOUT = ["llama3", "qwen2", "qwen3", "phi3", "gpt_neox", "gemma3", "roberta", "distilbert"]
+# Every causal family decodes (one compile each) and every family runs under a layout,
+# choosing the case where it differs most: llama3's scaling and tied embeddings,
+# Mistral's window past its size, Qwen2's biases and yarn, Qwen3's q/k norms and head_dim,
+# Phi-3's longrope and GPT-NeoX's partial rotary and parallel residual in the cache, OPT's
+# offset positions, post-norm and projected embeddings in a decoding step, Gemma's scaled
+# embeddings and offset norms, Gemma 2's caps and per-layer windows, Gemma 3's per-layer
+# rotary bases; under a layout: Phi-3's unequal q/k/v parts over kv_heads, GPT-NeoX's
+# per-head q/k/v over heads, OPT's biases and positions, the windows and caps, Gemma 3's
+# per-layer constants, the encoders' heads.
+GREEDY = ["llama3", "mistral", "qwen2", "qwen3", "phi3_window", "gpt_neox", "opt_350m"]
+GREEDY += ["gemma_untied", "gemma2", "gemma3"]
+LAYOUT = ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "opt", "gemma", "gemma2"]
+LAYOUT += ["gemma3", "roberta", "distilbert"]
 
 
 def hf_logits(model, mask=MASK) -> np.ndarray:
