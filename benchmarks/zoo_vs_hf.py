@@ -10,6 +10,13 @@ process (benchmarks/fair.py).
 Prints one markdown table (milliseconds, min / median of the rounds, and the ratios zoo /
 PyTorch) and the first training loss of each, which must agree (the same weights and
 batch).
+
+With `--families` (all of models/families/, or a comma-separated list) it times instead
+the forward pass of each family's model, those sizes and its options
+(benchmarks/zoo_families.py), against transformers' eager PyTorch, logits checked equal:
+
+    python -m benchmarks.zoo_vs_hf --families --layers 2 --d-model 256 --heads 8 \\
+        --vocab 8192 --length 128 --batch 4 --repeats 7
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import numpy as np
 import optax
 
 import namedmesh as nm
-from benchmarks import fair
+from benchmarks import fair, zoo_families
 from models import hub, transformer
 
 
@@ -94,8 +101,15 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=7, help="timed rounds")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time PyTorch under torch.compile")  # fmt: skip
+    p.add_argument("--families", nargs="?", const="all", default=None, metavar="NAMES",
+                   help="time each family's forward pass instead (all, or a list)")  # fmt: skip
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
+    if args.families is not None:
+        names = list(hub.FAMILIES) if args.families == "all" else args.families.split(",")
+        if unknown := [n for n in names if n not in hub.FAMILIES]:
+            p.error(f"--families: unknown {unknown}; known: {', '.join(hub.FAMILIES)}")
+        return families(args, names, threads)
     import torch
 
     folder = tempfile.mkdtemp()
@@ -151,6 +165,21 @@ def main(argv=None) -> dict:
     print(f"first training loss: zoo {float(z_loss):.5f}, PyTorch {t_loss:.5f}")
     print(table({"forward": fwd, "training step (fwd, bwd, AdamW)": step}, failed))
     return {"forward": fwd, "step": step, "losses": (float(z_loss), t_loss), "failed": failed}
+
+
+def families(args, names: list[str], threads: str) -> dict:
+    before = fair.load()
+    results = zoo_families.run(args, names)
+    after = fair.load()
+    print(
+        f"Each family's forward pass: {args.layers} layers, d_model {args.d_model}, "
+        f"{args.heads} heads, vocab {args.vocab}, batch {args.batch} x {args.length} tokens; "
+        f"{jax.devices()[0].platform} ({jax.device_count()} device); {threads}"
+    )
+    print(fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.repeats,
+                             before=before, after=after))  # fmt: skip
+    print(zoo_families.table(results))
+    return results
 
 
 def table(rows: dict[str, dict[str, list[float]]], failed: dict[str, str]) -> str:

@@ -4,7 +4,7 @@ side is timed in every round, and the sides alternate their order round by round
 
 import pytest
 
-from benchmarks import decode, fair, zoo_vs_hf
+from benchmarks import decode, fair, zoo_families, zoo_vs_hf
 
 pytest.importorskip("transformers")
 
@@ -32,6 +32,24 @@ def test_zoo_vs_hf_trains_the_same_model_and_times_every_side():
     for times in (got["forward"], got["step"]):
         assert set(times) == {"namedmesh", "PyTorch eager"}
         assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+
+
+def test_zoo_vs_hf_families_checks_logits_then_times_each_family():
+    """Two families (a decoder with a window, an encoder-decoder) at the tiniest size."""
+    got = zoo_vs_hf.main("--families mistral,t5 --layers 1 --d-model 16 --heads 2 --vocab 48 "
+                         "--length 8 --batch 2 --repeats 2".split())  # fmt: skip
+    assert list(got) == ["mistral", "t5"]
+    for r in got.values():
+        assert r["error"] < zoo_families.TOLERANCE
+        assert set(r["times"]) == {"namedmesh", "PyTorch eager"}
+        assert all(len(t) == 2 and min(t) > 0 for t in r["times"].values())
+
+
+def test_zoo_vs_hf_families_refuses_an_unknown_family(capsys):
+    with pytest.raises(SystemExit) as e:
+        zoo_vs_hf.main("--families mistral,llama4 --repeats 1".split())
+    assert e.value.code == 2
+    assert "--families: unknown ['llama4']; known: gpt2, llama" in capsys.readouterr().err
 
 
 def test_decode_gives_generates_greedy_tokens_at_every_batch():
