@@ -31,12 +31,14 @@ def configs(layers: int, d: int, heads: int, vocab: int, length: int) -> dict:
     mha = {k: v for k, v in llama.items() if k != "num_key_value_heads"}
     return {
         "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(
-            vocab_size=vocab, n_embd=d, n_layer=layers, n_head=heads, n_positions=length)),
+            vocab_size=vocab, n_embd=d, n_layer=layers, n_head=heads, n_positions=length,
+            bos_token_id=0, eos_token_id=0)),
         "llama": ("LlamaForCausalLM", "LlamaConfig", llama),
         "mistral": ("MistralForCausalLM", "MistralConfig", {**llama, **window}),
         "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", llama),
         "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", llama),
-        "phi3": ("Phi3ForCausalLM", "Phi3Config", {**llama, "pad_token_id": 0}),
+        "phi3": ("Phi3ForCausalLM", "Phi3Config", {
+            **llama, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
         "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {
             **mha, "rope_parameters": {
                 "rope_type": "default", "rope_theta": 1e4, **half}}),
