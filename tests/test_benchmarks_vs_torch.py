@@ -45,6 +45,12 @@ def test_zoo_vs_hf_families_checks_logits_then_times_each_family():
         assert all(len(t) == 2 and min(t) > 0 for t in r["times"].values())
 
 
+def test_zoo_vs_hf_families_has_a_config_for_every_family():
+    from models import hub
+
+    assert set(zoo_families.configs(1, 16, 2, 48, 8)) == set(hub.FAMILIES)
+
+
 def test_zoo_vs_hf_families_refuses_an_unknown_family(capsys):
     with pytest.raises(SystemExit) as e:
         zoo_vs_hf.main("--families mistral,llama4 --repeats 1".split())

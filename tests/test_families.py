@@ -5,7 +5,7 @@ a padding mask) on one device and under a layout splitting heads, kv_heads, d_ff
 vocab; greedy tokens equal to transformers' generate; its bfloat16 folder loads; hub.save
 writes what transformers loads back. Relabelled folders and unread options are refused.
 
-Adding a family: one more entry in `cases()`, and in GREEDY / LAYOUT when it decodes."""
+Adding a family: one more entry in `cases()`, in LAYOUT, and in GREEDY when it decodes."""
 
 import json
 import shutil
