@@ -150,6 +150,10 @@ def hoisted(ctx, eqn, rest):
     if not any(dim in v.dims for v in constants):
         return eqn, rest, []
     plan_layouts(ctx, body)
+    for e in free:  # made whole on every device: no collective moves a value made from
+        for v in e.outputs:  # nothing (XLA folds a gather of a constant away; so do we)
+            ctx.wanted[v] = ((),) * len(v.dims)
+            ctx.free.discard(v)
     outer, made = ctx.step, []
     read = {v for e in free for v in e.inputs} | set(constants)
     env = {v: (_constant(ctx, c), ((),) * len(v.dims)) for v, c in body.consts.items()

@@ -37,6 +37,9 @@ FEW = settings(max_examples=max(4, settings.default.max_examples // 20))
 STACK = SS.Stack(8, 2, "residual", ("batch", "d"), ys=True, remat="dots")
 STAGE_X_DATA = Mesh({"m0": 2, "m1": 4})
 CIRCULAR = SS.Stack(8, 2, "residual", ("batch", "d"), ys=False, remat="full")  # M = 2 = S
+# a constant over batch made in the body, hoisted: made whole, never gathered (XLA folds
+# a gather of a constant away, so a plan that gathered it disagreed with the HLO)
+CONSTANT = SS.Stack(8, 2, "constant", (), ys=False, remat="none")
 
 
 def _loss(outs) -> jax.Array:
@@ -95,6 +98,7 @@ def deserved_error(stack, mesh, layout) -> str | None:
 @example((STACK, STAGE_X_DATA, Layout("layers:m0;batch:m1;microbatches=2")), 0)
 @example((STACK, STAGE_X_DATA, Layout("layers:m0;batch:m1;microbatches=4")), 0)
 @example((CIRCULAR, STAGE_X_DATA, Layout("layers:m0;batch:m1;schedule=circular")), 0)
+@example((CONSTANT, Mesh({"m0": 4}), Layout("layers:m0;batch:m0")), 0)
 def test_pipelined_stacks_equal_the_reference_values_and_gradients(case, seed):
     stack, mesh, layout = case
     xs = stack.example_inputs(seed)
