@@ -154,14 +154,7 @@ def main(argv=None) -> dict:
         | {name: (lambda s=s: s(t_ids, t_targets)) for name, (_, s) in t_sides.items()},
         args.repeats,
     )
-    after = fair.load()
-    print(
-        f"GPT-2 architecture: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
-        f"vocab {args.vocab}, batch {args.batch} x {args.length} tokens; "
-        f"{jax.devices()[0].platform} ({jax.device_count()} device); {threads}"
-    )
-    print(fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.repeats,
-                             before=before, after=after))  # fmt: skip
+    header("GPT-2 architecture", args, threads, before, fair.load())
     print(f"first training loss: zoo {float(z_loss):.5f}, PyTorch {t_loss:.5f}")
     print(table({"forward": fwd, "training step (fwd, bwd, AdamW)": step}, failed))
     return {"forward": fwd, "step": step, "losses": (float(z_loss), t_loss), "failed": failed}
@@ -170,16 +163,20 @@ def main(argv=None) -> dict:
 def families(args, names: list[str], threads: str) -> dict:
     before = fair.load()
     results = zoo_families.run(args, names)
-    after = fair.load()
+    header("Each family's forward pass", args, threads, before, fair.load())
+    print(zoo_families.table(results))
+    return results
+
+
+def header(what: str, args, threads: str, before, after) -> None:
+    """The run's sizes, devices and threads, then the timing method with the load."""
     print(
-        f"Each family's forward pass: {args.layers} layers, d_model {args.d_model}, "
-        f"{args.heads} heads, vocab {args.vocab}, batch {args.batch} x {args.length} tokens; "
+        f"{what}: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
+        f"vocab {args.vocab}, batch {args.batch} x {args.length} tokens; "
         f"{jax.devices()[0].platform} ({jax.device_count()} device); {threads}"
     )
     print(fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.repeats,
                              before=before, after=after))  # fmt: skip
-    print(zoo_families.table(results))
-    return results
 
 
 def table(rows: dict[str, dict[str, list[float]]], failed: dict[str, str]) -> str:
