@@ -251,11 +251,11 @@ def simulate_devices(n: int) -> None:
 
 def list_configs() -> str:
     """The named configs, one line each: name, layers, d_model, heads, d_ff, vocab, length."""
-    from models.config import CONFIGS
+    from models.config import configs
 
     rows = [("name", "layers", "d_model", "heads", "d_ff", "vocab", "length")]
     rows += [
-        (k, c.layers, c.d_model, c.heads, c.d_ff, c.vocab, c.length) for k, c in CONFIGS.items()
+        (k, c.layers, c.d_model, c.heads, c.d_ff, c.vocab, c.length) for k, c in configs().items()
     ]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows)

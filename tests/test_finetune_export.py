@@ -145,7 +145,7 @@ def test_config_list_names_every_config_and_a_config_too_big_is_refused_first(
 
     assert train(["--config", "list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[1:]] == list(config.CONFIGS)
+    assert [line.split()[0] for line in lines[1:]] == list(config.configs())
     assert next(x for x in lines if x.startswith("gpt2 ")).split()[1:] == [
         "12", "768", "12", "3072", "50257", "1024",
     ]  # fmt: skip

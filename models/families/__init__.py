@@ -23,23 +23,12 @@ from models.families import (
 )
 from models.families.common import Family
 
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        gpt2.FAMILY,
-        llama.FAMILY,
-        t5.FAMILY,
-        bert.FAMILY,
-        mistral.FAMILY,
-        qwen2.FAMILY,
-        qwen3.FAMILY,
-        phi3.FAMILY,
-        gpt_neox.FAMILY,
-        opt.FAMILY,
-        gemma.FAMILY,
-        gemma2.FAMILY,
-        gemma3_text.FAMILY,
-        roberta.FAMILY,
-        distilbert.FAMILY,
-    )
+_MODULES = (gpt2, llama, t5, bert, mistral, qwen2, qwen3, phi3, gpt_neox, opt, gemma, gemma2)
+_MODULES += (gemma3_text, roberta, distilbert)
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in _MODULES}
+
+# The canonical checkpoints a family module names (its NAMED: config.json keys), by name:
+# (family, keys); models.config.configs makes each what models.hub makes of that file.
+NAMED: dict[str, tuple[str, dict]] = {
+    name: (m.FAMILY.name, keys) for m in _MODULES for name, keys in getattr(m, "NAMED", {}).items()
 }

@@ -53,3 +53,11 @@ FAMILY = Family(
     # position_ids is a buffer; vocab_projector.weight is the tied word embedding
     ignored=(r".*embeddings\.position_ids$", r"^vocab_projector\.weight$"),
 )  # fmt: skip
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "distilbert-base-uncased": dict(  # DistilBertConfig's defaults
+        vocab_size=30522, dim=768, hidden_dim=3072, n_layers=6, n_heads=12,
+        max_position_embeddings=512, activation="gelu", sinusoidal_pos_embds=False,
+    ),
+}  # fmt: skip

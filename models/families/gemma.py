@@ -28,3 +28,15 @@ def config(hf: dict, names: set[str]) -> Config:
 
 
 FAMILY = llama.FAMILY._replace(name="gemma", config=config, heads="GemmaForCausalLM")
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+_GEMMA = dict(
+    vocab_size=256000, head_dim=256, max_position_embeddings=8192, hidden_act="gelu",
+    rms_norm_eps=1e-6, rope_theta=10000.0,
+)  # fmt: skip
+NAMED = {
+    "gemma-2b": dict(_GEMMA, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                     num_attention_heads=8, num_key_value_heads=1),
+    "gemma-7b": dict(_GEMMA, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=16),  # GemmaConfig's defaults
+}  # fmt: skip

@@ -65,3 +65,16 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 
 FAMILY = llama.FAMILY._replace(name="gemma2", config=config, table=table, heads="Gemma2ForCausalLM")
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+_GEMMA2 = dict(
+    vocab_size=256000, head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0, query_pre_attn_scalar=256,
+    sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+)  # fmt: skip
+NAMED = {
+    "gemma-2-2b": dict(_GEMMA2, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4),  # Gemma2Config's defaults
+    "gemma-2-9b": dict(_GEMMA2, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                       num_attention_heads=16, num_key_value_heads=8),
+}  # fmt: skip

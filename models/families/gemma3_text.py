@@ -56,3 +56,15 @@ def config(hf: dict, names: set[str]) -> Config:
 
 
 FAMILY = gemma2.FAMILY._replace(name="gemma3_text", config=config, heads="Gemma3ForCausalLM")
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "gemma-3-1b": dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        max_position_embeddings=32768, query_pre_attn_scalar=256, sliding_window=512,
+        sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=None, attn_logit_softcapping=None, rope_scaling=None,
+    ),
+}  # fmt: skip

@@ -52,3 +52,13 @@ FAMILY = Family(
     # the causal-mask buffers and rotary frequencies of older files
     ignored=(r".*attention\.(masked_)?bias$", r".*rotary_emb\.inv_freq$"),
 )  # fmt: skip
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "pythia-160m": dict(
+        vocab_size=50304, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+        num_attention_heads=12, max_position_embeddings=2048, rotary_pct=0.25,
+        rotary_emb_base=10000, use_parallel_residual=True, layer_norm_eps=1e-5,
+        hidden_act="gelu", tie_word_embeddings=False,
+    ),
+}  # fmt: skip

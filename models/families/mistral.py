@@ -13,3 +13,13 @@ def config(hf: dict, names: set[str]) -> Config:
 
 
 FAMILY = llama.FAMILY._replace(name="mistral", config=config, heads="MistralForCausalLM")
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "mistral-7b": dict(  # Mistral-7B-v0.1: MistralConfig's but 32768 positions, eps 1e-5
+        hidden_act="silu", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False,
+    ),
+}  # fmt: skip

@@ -56,3 +56,12 @@ FAMILY = Family(
     "opt", config, table, "lm", ("model.decoder.", "decoder."), "embed_tokens.weight",
     "OPTForCausalLM", ignored=(r"^lm_head\.weight$",),  # tied: the embedding again
 )  # fmt: skip
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "opt-125m": dict(  # OPTConfig's defaults
+        vocab_size=50272, hidden_size=768, ffn_dim=3072, num_hidden_layers=12,
+        num_attention_heads=12, max_position_embeddings=2048, word_embed_proj_dim=768,
+        do_layer_norm_before=True, activation_function="relu", enable_bias=True,
+    ),
+}  # fmt: skip

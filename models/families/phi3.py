@@ -39,3 +39,14 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 
 FAMILY = llama.FAMILY._replace(name="phi3", config=config, table=table, heads="Phi3ForCausalLM")
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "phi-3-mini-4k": dict(  # Phi3Config's defaults but the 2047-token window
+        hidden_act="silu", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+        sliding_window=2047, tie_word_embeddings=False,
+    ),
+}  # fmt: skip

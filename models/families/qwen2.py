@@ -35,3 +35,14 @@ FAMILY = llama.FAMILY._replace(
     heads="Qwen2ForCausalLM",
     tokens=(),  # no BOS: text alone
 )
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "qwen2.5-7b": dict(
+        hidden_act="silu", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False,
+        sliding_window=131072, max_window_layers=28, tie_word_embeddings=False,
+    ),
+}  # fmt: skip

@@ -18,3 +18,15 @@ FAMILY = llama.FAMILY._replace(
     heads="Qwen3ForCausalLM",
     tokens=(),  # no BOS: text alone
 )
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "qwen3-8b": dict(
+        hidden_act="silu", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        use_sliding_window=False, sliding_window=None, max_window_layers=36,
+        tie_word_embeddings=False,
+    ),
+}  # fmt: skip

@@ -37,3 +37,12 @@ FAMILY = Family(
     ignored=(r".*embeddings\.(position|token_type)_ids$", r"^lm_head\.decoder\.(weight|bias)$"),
     tokens=("bos", "eos"),  # <s> text </s>
 )  # fmt: skip
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "roberta-base": dict(  # RobertaConfig's defaults but its 514 positions and 1 token type
+        vocab_size=50265, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+        num_attention_heads=12, max_position_embeddings=514, type_vocab_size=1,
+        layer_norm_eps=1e-5, pad_token_id=1, hidden_act="gelu",
+    ),
+}  # fmt: skip
