@@ -28,6 +28,8 @@ class ConfigError(ParameterError):
     (a ParameterError, so a NamedMeshError and a ValueError)."""
 
 
+# The command-line flag that sets a Config field, where it has its own (else --set).
+_FLAGS = {"batch": "--batch", "length": "--length", "attention_block": "--attention-block"}
 # The smallest value of each size of a Config (0 of an option: the option is off).
 _AT_LEAST = {
     **dict.fromkeys(("vocab", "d_model", "heads", "d_kv", "d_ff", "layers", "length"), 1),
@@ -123,14 +125,10 @@ class Config:
         for field, low in _AT_LEAST.items():
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"Config.{field} must be an int >= {low}, got {value!r}")
+                flag = _FLAGS.get(field, f"--set {field}=")
+                raise ConfigError(f"Config.{field} ({flag}) must be an int >= {low}, got {value!r}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"Config.dropout must be >= 0 and < 1, got {self.dropout!r}")
-        if self.attention_block < 1:
-            raise ConfigError(
-                "Config.attention_block (--attention-block) must be >= 1, "
-                f"got {self.attention_block}"
-            )
         if self.experts and not 1 <= self.experts_per_token <= self.experts:
             raise ConfigError(
                 f"Config.experts_per_token={self.experts_per_token} must be in "

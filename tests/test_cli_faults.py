@@ -71,8 +71,8 @@ def test_a_mesh_axis_given_twice_is_refused(capsys):
 @pytest.mark.parametrize(
     "flags, names",
     [
-        (["--set", "heads=0"], "Config.heads must be an int >= 1, got 0"),
-        (["--set", "layers=0"], "Config.layers must be an int >= 1, got 0"),
+        (["--set", "heads=0"], "Config.heads (--set heads=) must be an int >= 1, got 0"),
+        (["--set", "layers=0"], "Config.layers (--set layers=) must be an int >= 1, got 0"),
         (["--set", "dropout=-0.5"], "Config.dropout must be >= 0"),
         (["--data", "BINARY"], "a binary file, not UTF-8 text"),
     ],
