@@ -12,12 +12,7 @@ def config(hf: dict, names: set[str]) -> Config:
     return llama.decoder_config(hf, names, qk_norm=True, sliding_window=qwen2.window(hf))
 
 
-FAMILY = llama.FAMILY._replace(
-    name="qwen3",
-    config=config,
-    heads="Qwen3ForCausalLM",
-    tokens=(),  # no BOS: text alone
-)
+FAMILY = qwen2.FAMILY._replace(name="qwen3", config=config, heads="Qwen3ForCausalLM")
 
 # The canonical checkpoints' config.json keys (models.config.configs names them)
 NAMED = {
