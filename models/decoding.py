@@ -7,6 +7,8 @@ one device or lowered under a mesh and layout. The command line is models/genera
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -340,7 +342,7 @@ class Decoder:
         mode: str = "greedy",
         *,
         sampling: Sampling | None = None,
-        eos: int | None = None,
+        eos: int | Sequence[int] | None = None,
         max_length: int | None = None,
         seed: int = 0,
     ) -> np.ndarray:
@@ -348,20 +350,21 @@ class Decoder:
         lengths; an encoder-decoder's decoder start after `encode`), one prefill pass
         then one step per token. mode: greedy, or sample with `sampling` (temperature,
         top_k, top_p; Sampling() by default; given with greedy, a ParameterError). A row
-        finishes at `eos` or when it holds `max_length` tokens (prompt included; <= slots,
-        default slots) and emits `eos` (0 without one) from then on; decoding ends after
-        `max_new` steps or when every row has finished, so steps <= max_new."""
+        finishes at an end id (`eos`: one id or several, as Llama 3's folders list) or when
+        it holds `max_length` tokens (prompt included; <= slots, default slots) and emits
+        the first end id (0 without one) from then on; decoding ends after `max_new` steps
+        or when every row has finished, so steps <= max_new."""
         if mode not in ("greedy", "sample"):
             raise ParameterError(f"mode (--mode) of a batch must be greedy or sample, got {mode!r}")
         if sampling is not None and mode != "sample":
             raise ParameterError(
                 f"sampling={sampling!r} is read only with mode='sample', got mode={mode!r}"
             )
-        limit = self._check(max_new, eos, max_length)
+        limit, ends = self._check(max_new, eos, max_length)
         how = (sampling or Sampling()) if mode == "sample" else None
         rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
         logits, cache = self.prefill_logits(rows, lengths)
-        key, fill = jax.random.key(seed), 0 if eos is None else eos
+        key, fill = jax.random.key(seed), ends[0] if len(ends) else 0
         count, done, out = lengths.copy(), lengths >= limit, []
         for i in range(max_new):
             if done.all():
@@ -369,7 +372,7 @@ class Decoder:
             tok = np.asarray(self._choose(logits, jax.random.fold_in(key, i), how))
             tok = np.where(done, fill, tok)
             out.append(tok)
-            done = done | (tok == eos) | (count + 1 >= limit)
+            done = done | np.isin(tok, ends) | (count + 1 >= limit)
             if i + 1 < max_new and not done.all():  # finished rows rewrite their last slot
                 logits, cache = self.step_logits(tok, np.minimum(count, limit - 1), cache)
             count = np.where(done, count, count + 1)
@@ -386,23 +389,26 @@ class Decoder:
         batch: the decoder's start tokens of an encoder-decoder after `encode`."""
         return self.decode(list(np.asarray(rows)), max_new)
 
-    def _check(self, max_new: int, eos: int | None, max_length: int | None) -> int:
-        """The max length after checking the decoding parameters (ParameterError)."""
+    def _check(self, max_new: int, eos, max_length: int | None) -> tuple[int, np.ndarray]:
+        """The max length and the end ids after checking the decoding parameters
+        (ParameterError)."""
         if not isinstance(max_new, int | np.integer) or max_new < 0:
             raise ParameterError(f"max_new (--max-new) must be an int >= 0, got {max_new!r}")
-        if eos is not None and (not isinstance(eos, int | np.integer) or isinstance(eos, bool)):
-            raise ParameterError(f"eos (--eos) must be an int token id, got {eos!r}")
-        if eos is not None and not 0 <= eos < self.cfg.vocab:
-            raise ParameterError(
-                f"eos (--eos) {eos} is outside the vocabulary [0, {self.cfg.vocab})"
-            )
+        ends = [] if eos is None else [eos] if np.ndim(eos) == 0 else list(eos)
+        for e in ends:
+            if not isinstance(e, int | np.integer) or isinstance(e, bool):
+                raise ParameterError(f"eos (--eos) must be int token ids, got {eos!r}")
+            if not 0 <= e < self.cfg.vocab:
+                raise ParameterError(
+                    f"eos (--eos) {e} is outside the vocabulary [0, {self.cfg.vocab})"
+                )
         limit = self.slots if max_length is None else max_length
         if not 1 <= limit <= self.slots:
             raise ParameterError(
                 f"max_length (--max-length) must be in [1, {self.slots}] (the cache's slots), "
                 f"got {max_length!r}"
             )
-        return limit
+        return limit, np.asarray(ends, np.int64)
 
     def generate(
         self,
@@ -414,18 +420,19 @@ class Decoder:
         temperature: float = 1.0,
         top_k: int = 0,
         top_p: float = 1.0,
-        eos: int | None = None,
+        eos: int | Sequence[int] | None = None,
         seed: int = 0,
     ) -> list[int]:
-        """One prompt's continuation: `max_new` new tokens, fewer when `eos` ends it
-        (eos included). A prompt longer than the cache is cut to its last `slots`
-        tokens; past the cache's slots, the last half of the text is written into a
-        fresh cache and decoding goes on (positions restart at 0, as in training)."""
+        """One prompt's continuation: `max_new` new tokens, fewer when an end id
+        (`eos`, one or several) ends it (the end id included). A prompt longer than the
+        cache is cut to its last `slots` tokens; past the cache's slots, the last half of
+        the text is written into a fresh cache and decoding goes on (positions restart at
+        0, as in training)."""
         if mode not in MODES:
             raise ParameterError(f"mode (--mode) must be one of {MODES}, got {mode!r}")
         if not len(prompt):
             raise ParameterError("the prompt must hold at least one token")
-        self._check(max_new, eos, None)
+        ends = self._check(max_new, eos, None)[1]
         if mode == "beam":
             return self.beam(prompt, max_new, beams)[0]
         how = Sampling(temperature, top_k, top_p) if mode == "sample" else None
@@ -435,7 +442,7 @@ class Decoder:
         out = []
         for i in range(max_new):
             out.append(int(self._choose(jnp.asarray(logp), jax.random.fold_in(key, i), how)[0]))
-            if out[-1] == eos:
+            if out[-1] in ends:
                 break
             rows = np.concatenate([rows, [[out[-1]]]], axis=1)
             logp, cache, pos = self._advance(rows, cache, pos)

@@ -225,9 +225,8 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         ends = eos_of(args.eos, tokenizer, folder)
         if args.eos is None:  # a folder's id past the vocabulary is never decoded (GPT-2's
             ends = [e for e in ends if 0 <= e < cfg.vocab]  # 50256 on a smaller vocab)
-        args.eos = ends[0] if ends else None
         start = decoder_start(args.checkpoint)
-        outputs = [_cut(row, ends) for row in _decode(dec, prompts, start, sampling, args)]
+        outputs = _decode(dec, prompts, start, sampling, ends, args)
     except (*user_errors(), KeyError) as e:
         return fail(e, 2, prog.removeprefix("python -m "))
     for text, out in zip(texts, outputs, strict=True):
@@ -236,13 +235,13 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
 
 
 def _cut(row: list[int], ends: list[int]) -> list[int]:
-    """The row up to its first end id (the decoder stops at the first of them only)."""
+    """The row up to and without its first end id."""
     at = [i for i, t in enumerate(row) if t in ends]
     return row[: at[0]] if at else row
 
 
-def _decode(dec: Decoder, prompts: list[list[int]], start, sampling, args) -> list[list[int]]:
-    """Each prompt's new tokens, up to and without the end token."""
+def _decode(dec: Decoder, prompts, start, sampling, ends: list[int], args) -> list[list[int]]:
+    """Each prompt's new tokens, up to and without its first end id (any of `ends`)."""
     if start is not None:  # an encoder-decoder: the prompts are its inputs
         dec.encode(prompts)
         prompts = [[start]] * len(prompts)
@@ -256,20 +255,20 @@ def _decode(dec: Decoder, prompts: list[list[int]], start, sampling, args) -> li
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=sampling.top_p,
-            eos=args.eos,
+            eos=ends,
             seed=args.seed,
         )
-        return [out[:-1] if out and out[-1] == args.eos else out]
+        return [_cut(out, ends)]
     out = dec.decode(
         prompts,
         args.max_new,
         args.mode,
         sampling=sampling if args.mode == "sample" else None,
-        eos=args.eos,
+        eos=ends,
         max_length=args.max_length,
         seed=args.seed,
     )
-    return [row[: list(row).index(args.eos)] if args.eos in row else row for row in out.tolist()]
+    return [_cut(row, ends) for row in out.tolist()]
 
 
 if __name__ == "__main__":

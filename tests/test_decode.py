@@ -103,6 +103,15 @@ def test_eos_and_max_length_stop_rows_one_by_one(model):
         stop = list(f).index(eos) + 1 if eos in f else len(f)
         assert list(g[:stop]) == list(f[:stop]) and set(g[stop:]) <= {eos}
     assert list(got[1, 3:]) == [eos] * (got.shape[1] - 3)
+    # several end ids (Llama 3 lists three): a row ends at the first of any, then emits
+    # the first id given
+    ends = [int(free[0, 1]), eos]
+    got = dec.decode(PROMPTS, 6, eos=ends)
+    for g, f in zip(got, free, strict=True):
+        stop = next((i + 1 for i, t in enumerate(f) if t in ends), len(f))
+        assert list(g[:stop]) == list(f[:stop]) and set(g[stop:]) <= {ends[0]}
+    one = dec.generate(PROMPTS[0], 6, eos=ends)
+    assert one == list(free[0, : next(i + 1 for i, t in enumerate(free[0]) if t in ends)])
     # a row holds max_length tokens at most, prompt included: 7 - 5, 7 - 1, 7 - 3 new
     capped = dec.decode(PROMPTS, 6, max_length=7)
     for g, f, p in zip(capped, free, PROMPTS, strict=True):
