@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 import lowering.collectives as col
 import namedmesh as nm
-from lowering import Layout, Mesh, lower, rules
+from lowering import Layout, Mesh, lower
 from lowering.plan import RuleContext
+from lowering.rules import P, einsum, reductions, selection, spatial
 from namedmesh.testing import CASES, compare
 from namedmesh.testing import strategies as S
 
@@ -117,7 +118,7 @@ def failing(check):
 
 def old_extreme(ctx, prim, x, y, axes, split):
     """max/min as the sum of the elements equal to the extreme over their count."""
-    m = (ctx.pmax if prim is rules.P.max else ctx.pmin)(y, split)
+    m = (ctx.pmax if prim is P.max else ctx.pmin)(y, split)
     hits = lambda x, m: jnp.sum(x == jnp.expand_dims(m, axes), axis=axes, dtype=x.dtype)
     total = lambda x, m: jnp.sum(jnp.where(x == jnp.expand_dims(m, axes), x, 0), axis=axes)
     count = ctx.psum(ctx.call(hits, x, m, shape=m.shape, dtype=x.dtype), split)
@@ -138,26 +139,31 @@ def old_lowest(dtype):
 
 ALL = S.DTYPES
 MUTATIONS = {  # class -> ([(module, name, old value)], ops and dtypes drawn, property)
-    "1-max-min": ([(rules, "_global_extreme", old_extreme)], ("max", "min"), ALL, V.check_values),
+    "1-max-min": (
+        [(reductions, "_global_extreme", old_extreme)],
+        ("max", "min"),
+        ALL,
+        V.check_values,
+    ),
     # argmin's class lives in the float order (-0.0, NaN): drawn there, it is found sooner
     "2-argmax-argmin": (
-        [(rules, "sort_key", old_key)],
+        [(selection, "sort_key", old_key)],
         ("argmax", "argmin"),
         S.FLOATS,
         V.check_values,
     ),
     "6-bool-einsum": (  # (as it was: jax's psum of bools, int32; see old_psum below)
         [
-            (rules, "_counts_dtype", lambda dtype, summed, sizes: np.dtype(dtype)),
+            (einsum, "_counts_dtype", lambda dtype, summed, sizes: np.dtype(dtype)),
             (col, "psum", lambda x, axes: old_psum(x, axes)),
         ],
         ("einsum",),
         ALL,
         V.check_values,
     ),
-    "8-pool-fill": ([(rules, "lowest", old_lowest)], ("pool",), ALL, V.check_values),
+    "8-pool-fill": ([(spatial, "lowest", old_lowest)], ("pool",), ALL, V.check_values),
     "9-softmax-inf": (
-        [(rules, "_SHIFT", {**rules._SHIFT, rules.P.softmax: rules.finite_shift})],
+        [(reductions, "_SHIFT", {**reductions._SHIFT, P.softmax: reductions.finite_shift})],
         ("softmax",),
         ALL,
         V.check_values,
@@ -237,8 +243,8 @@ FAST = settings(  # derandomized: the same search every run
     "item, module, name, replacement, kinds",
     [
         ("3", col, "ppermute", old_ppermute, ("shift", "conv", "pool_max", "pool_mean")),
-        ("4", rules, "_wide", lambda ctx, i: i, ("gather",)),
-        ("5", rules, "align", positional_align, ("gather",)),
+        ("4", selection, "wide_indices", lambda ctx, i: i, ("gather",)),
+        ("5", selection, "align", positional_align, ("gather",)),
         ("7", LOWER, "check_dtypes", lambda graph: None, S.ALONG_KINDS),
     ],
 )
