@@ -378,8 +378,15 @@ class _Built:
 class Lowered:
     """The callable `lower` returns; see the module docstring."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False):
-        self.fn, self.mesh, self.traced = fn, mesh, traced
+    def __init__(
+        self,
+        fn: Callable,
+        mesh: Mesh,
+        layout: Layout | str,
+        traced: bool = False,
+        check: bool = False,
+    ):
+        self.fn, self.mesh, self.traced, self.check_plan = fn, mesh, traced, check
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.layout.check(mesh)
         self._cache: dict = {}
@@ -407,7 +414,7 @@ class Lowered:
         planned = rules.plannable(graph) and not self.traced
         if planned:
             plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
-            body = functools.partial(emit, plan)
+            body = functools.partial(emit, plan, check=self.check_plan)
         else:
             body = traced_body(graph, self.mesh, self.layout, wanted, out_layouts)
             plan = body.plan
@@ -468,6 +475,18 @@ class Lowered:
         """The plan the rules log as jax traces them, whatever the planner can do: the
         oracle the Planner's plan is tested against."""
         return Lowered(self.fn, self.mesh, self.layout, traced=True).plan(*args)
+
+    def check(self, *args) -> Plan:
+        """The plan of `args`, after tracing (not compiling or running) the program the
+        emitter makes of it with its check on: PlanMismatch (lowering/emit.py) at the
+        first instruction whose jax value's shape, dtype or varying mesh axes differ from
+        the plan's. Needs a mesh with devices."""
+        self._runnable("check")
+        datas, built = self._build(args)
+        body = functools.partial(emit, built.plan, check=True)
+        jitted = _jitted(body, built.graph, self.mesh, built.wanted, built.out_layouts)
+        jax.eval_shape(jitted, *_global_inputs(datas, built, self.mesh))
+        return built.plan
 
     def compile(self, *args):
         """The jax Compiled object (`.as_text()` is the HLO, `.cost_analysis()` the flops)."""
@@ -538,9 +557,12 @@ def input_names(args) -> list[str]:
     return out
 
 
-def lower(fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False) -> Lowered:
+def lower(
+    fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False, check: bool = False
+) -> Lowered:
     """`fn` on global Tensors, run as an SPMD program on `mesh` under `layout`. Its plan
     is made by the Planner, without jax, when every op of the program has a plan rule
     (lowering/rules.py `PLAN_RULES`), else by its rules as jax traces them; `traced`
-    forces the latter (the planner's test oracle)."""
-    return Lowered(fn, require_mesh(mesh, "lower"), layout, traced)
+    forces the latter (the planner's test oracle). `check`: the emitted program holds
+    every value it makes to the plan (lowering/emit.py `check_values`) as it traces."""
+    return Lowered(fn, require_mesh(mesh, "lower"), layout, traced, check)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import namedmesh as nm
-from lowering import Layout, Mesh, caches, lower, rules
+from lowering import Layout, Mesh, PlanMismatch, caches, lower, rules
 from lowering.cost import report
 from lowering.layout import local_shape
 from lowering.lower import argument_inputs, graph_report, plan_program
@@ -72,6 +72,27 @@ def test_mlp_plan_equals_the_traced_plan_and_runs_it(layout):
     assert_plans_equal(mlp, ABSTRACT, layout, *args, wrt=(1, 2))
     got = lower(mlp, MESH, layout)(*args)
     np.testing.assert_allclose(got.data, mlp(*args).data, rtol=1e-5)
+
+
+def test_the_check_names_the_instruction_that_differs_from_the_plan():
+    """The emitter's check mode holds each value it makes to its Local: a plan whose psum
+    result is said to vary still, or whose local op's result has another dtype, fails
+    naming the step and instruction, before anything compiles."""
+    args = mlp_inputs()
+    lowered = lower(mlp, MESH, "batch:rows;d_ff:cols")
+    plan = lowered.check(*args)  # the plan as made passes
+    step = next(s for s in plan.program if any(i.op == "psum" for i in s.ops))
+    k, psum = next((k, i) for k, i in enumerate(step.ops) if i.op == "psum")
+    psum.outs[0].vma = frozenset(MESH.sizes)
+    with pytest.raises(PlanMismatch, match=rf"step 'einsum', instruction {k} \(psum\), value 0: "
+                       r"jax made float32\[8, 8\] varying over \['rows'\]"):  # fmt: skip
+        lowered.check(*args)
+    psum.outs[0].vma = frozenset({"rows"})
+    lowered.check(*args)
+    relu = next(s for s in plan.program if s.name == "relu")
+    relu.ops[-1].outs[0].dtype = np.dtype(np.float16)
+    with pytest.raises(PlanMismatch, match=r"step 'relu', .*\(local relu\).*the plan says float16"):
+        lowered.check(*args)
 
 
 def ops(x, i):
