@@ -5,12 +5,10 @@ The function is traced to a Graph; every value gets the layout the rules give it
 not divide is left unsplit on that dim; `nm.constrain` pins a value's layout),
 except that an intermediate whose dims the rules give one mesh axis twice, made
 by an einsum or an elementwise op, takes the layout its rule computes it in.
-Each equation is planned by its primitive's SPMD rule (lowering/rules.py): where
-every op has a plan rule, `plan_program` runs the rules in the `Planner` on abstract
-local shards, without jax, and the emitter (lowering/emit.py) runs the Plan inside
-shard_map; otherwise the rules run in the traced `Context` on jax arrays inside
-shard_map and log the plan as jax traces them. `.plan()` and `.report()` show the
-plan: the local ops run and the collectives issued.
+Each equation is planned by its primitive's SPMD rule (lowering/rules/): `plan_program`
+runs the rules in the `Planner` on abstract local shards, without jax, and the
+emitter (lowering/emit.py) runs the Plan inside shard_map. `.plan()` and `.report()`
+show the plan: the local ops run and the collectives issued.
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ import numpy as np
 import namedmesh as nm
 from lowering import cost, distributed, rules
 from lowering.caches import memo, per_object
-from lowering.collectives import cast_varying, varying_axes
 from lowering.cost import Report
-from lowering.emit import emit, run_op
+from lowering.emit import emit
 from lowering.layout import Layout, ValueLayout, check_axes, local_shape, partition_spec
 from lowering.mesh import Mesh, require_mesh
 from lowering.plan import (
@@ -45,24 +42,7 @@ from lowering.plan import (
 from namedmesh.errors import ArgumentError, DtypeError, MeshError, fmt_dims
 from namedmesh.tensor import Tensor
 
-__all__ = ["Collective", "Context", "Lowered", "Plan", "Planner", "Step", "lower", "plan_program"]
-
-
-class Context(RuleContext):
-    """The rules' context inside shard_map: operations run on jax arrays (lowering/emit.py
-    OPS), and the rules' logs make the traced plan."""
-
-    def vma(self, x) -> set[str]:
-        return varying_axes(x)
-
-    def _op(self, op, *xs, made=None, **params):
-        return run_op(op, *xs, **params)
-
-    def cast_varying(self, x, vma: set):
-        return cast_varying(x, vma, self.sizes)
-
-    def _loop(self, run, init, xs, length, made):
-        return jax.lax.scan(run, init, xs, length=length)
+__all__ = ["Collective", "Lowered", "Plan", "Planner", "Step", "lower", "plan_program"]
 
 
 def constraint_layout(rules_, v, mesh) -> ValueLayout:
@@ -131,6 +111,17 @@ def _values_by_shape(graph) -> tuple[dict, list]:
     return by_shape, pinned
 
 
+def rule_layouts(graph, mesh: Mesh, layout: Layout | str) -> dict:
+    """{value: layout} for the traced `graph` on `mesh` before any rule runs: its inputs'
+    (as `io_layouts` checks them) and, for each value its equations make, the layout
+    the rules of `layout` give its dims (or `nm.constrain` pins). A value whose dims
+    conflict may then be computed in another (`Lowered.layouts` gives the plan's)."""
+    layout = layout if isinstance(layout, Layout) else Layout(layout)
+    wanted, _ = io_layouts(graph, mesh, layout)
+    plan_layouts(Planner(mesh, layout, wanted), graph)
+    return wanted
+
+
 def cost_own_arithmetic(ctx: RuleContext, e, ins, outs) -> None:
     """Where a rule computed equation `e` with its own jax arithmetic, not by `ctx.local`
     (a softmax, logsumexp or top_k along a split dim, random), cost it all the same: by
@@ -149,15 +140,13 @@ def cost_own_arithmetic(ctx: RuleContext, e, ins, outs) -> None:
 
 
 def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0):
-    """Run `graph`'s equations on local shards by their SPMD rules: on jax arrays in the
-    traced `Context`, on `Local`s by their plan rules in a `Planner`. `env` maps each
-    input Var to (local value, layout) and receives every value made; each equation's
-    Step (then the Steps of a scan's body) is appended to `plan`."""
-    planned = isinstance(ctx, Planner)
-    rule_for = rules.plan_rule_for if planned else rules.rule_for
+    """Run `graph`'s equations on local shards (`Local`s) by their SPMD rules in the
+    Planner `ctx`. `env` maps each input Var to (local value, layout) and receives every
+    value made; each equation's Step (then the Steps of a scan's body) is appended to
+    `plan`."""
     note_source = ctx.note_source
     for v, c in graph.consts.items():
-        env[v] = (constant(c) if planned else jax.numpy.asarray(c), ((),) * len(v.dims))
+        env[v] = (constant(c), ((),) * len(v.dims))
     for v, (x, _) in env.items():
         note_source(x, v)
     for e in graph.eqns:
@@ -170,7 +159,7 @@ def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, d
             ctx.combined = set().union(*[ctx.vma(x) for x, _ in ins])
         elif ctx.combined:
             ctx.combined = set()
-        outs = rule_for(e.primitive)(ctx, e, ins)
+        outs = rules.rule_for(e.primitive)(ctx, e, ins)
         if len(outs) != len(e.outputs):
             raise ValueError(f"the rule of {e.primitive.name} gave {len(outs)} results for "
                              f"{len(e.outputs)}")  # fmt: skip
@@ -241,24 +230,6 @@ def _dims(graph) -> frozenset:
     return frozenset(d for v in graph.values() for d in v.dims)
 
 
-def traced_body(graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts) -> Callable:
-    """The shard_map body that runs every equation's rule on jax arrays, filling
-    `body.plan` as jax traces it (for programs with an op that has no plan rule)."""
-    ctx = Context(mesh, layout, wanted)
-    plan_layouts(ctx, graph)
-    plan = Plan()
-
-    def body(local_inputs):
-        plan.clear()
-        ctx.moved, ctx.sources = {}, {}
-        env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, local_inputs, strict=True)}
-        run_graph(ctx, graph, env, plan)
-        return relayout_outputs(ctx, graph, env, out_layouts, plan)
-
-    body.plan = plan
-    return body
-
-
 def _jitted(body, graph, mesh: Mesh, wanted: dict, out_layouts) -> Callable:
     sharded = jax.shard_map(
         lambda *xs: body(xs),
@@ -271,18 +242,12 @@ def _jitted(body, graph, mesh: Mesh, wanted: dict, out_layouts) -> Callable:
 
 def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Report:
     """The cost Report of the traced program `graph` under `layout` on `mesh` (as
-    `Lowered.report`), `wrt` the graph inputs a gradient is taken of: planned by the
-    Planner without jax where every op has a plan rule, else traced. What
-    `auto_layout` costs each candidate by, the program traced once. `names`: the
-    inputs' argument paths, for errors (`input_names`)."""
+    `Lowered.report`), `wrt` the graph inputs a gradient is taken of, planned by the
+    Planner without jax (a costing-only plan). What `auto_layout` costs each candidate
+    by, the program traced once. `names`: the inputs' argument paths, for errors
+    (`input_names`)."""
     wanted, out_layouts = io_layouts(graph, mesh, layout, names)
-    if rules.plannable(graph):
-        plan = plan_program(graph, mesh, layout, wanted, out_layouts, record=False)
-    else:
-        body = traced_body(graph, mesh, layout, wanted, out_layouts)
-        shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in graph.inputs]
-        jax.eval_shape(_jitted(body, graph, mesh, wanted, out_layouts), *shapes)
-        plan = body.plan
+    plan = plan_program(graph, mesh, layout, wanted, out_layouts, record=False)
     return plan_report(plan, graph, wanted, mesh, wrt)
 
 
@@ -336,7 +301,7 @@ def plan_program(
 ) -> Plan:
     """The Plan of `graph` on `mesh` under `layout`, in plain Python (no jax): `wanted`
     holds the inputs' layouts and receives every value's; `out_layouts` are the
-    outputs'. Every op of `graph` must have a plan rule (`rules.plannable`). `record`
+    outputs'. `record`
     False: a plan for the cost report alone, without the steps' events text, the
     emitter's instructions and `program` (the same layouts, local ops and collectives)."""
     ctx = Planner(mesh, layout, wanted, record=record)
@@ -372,7 +337,6 @@ class _Built:
     out_layouts: list
     jitted: Callable
     plan: Plan
-    planned: bool  # made by the Planner, before and without jax (else traced)
 
 
 class Lowered:
@@ -383,10 +347,9 @@ class Lowered:
         fn: Callable,
         mesh: Mesh,
         layout: Layout | str,
-        traced: bool = False,
         check: bool = False,
     ):
-        self.fn, self.mesh, self.traced, self.check_plan = fn, mesh, traced, check
+        self.fn, self.mesh, self.check_plan = fn, mesh, check
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.layout.check(mesh)
         self._cache: dict = {}
@@ -411,15 +374,10 @@ class Lowered:
     def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
         wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, input_names(args))
-        planned = rules.plannable(graph) and not self.traced
-        if planned:
-            plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
-            body = functools.partial(emit, plan, check=self.check_plan)
-        else:
-            body = traced_body(graph, self.mesh, self.layout, wanted, out_layouts)
-            plan = body.plan
+        plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
+        body = functools.partial(emit, plan, check=self.check_plan)
         jitted = _jitted(body, graph, self.mesh, wanted, out_layouts)
-        return _Built(graph, wanted, out_layouts, jitted, plan, planned)
+        return _Built(graph, wanted, out_layouts, jitted, plan)
 
     def _runnable(self, what: str) -> None:
         if self.mesh.abstract:
@@ -440,10 +398,7 @@ class Lowered:
 
     def plan(self, *args) -> Plan:
         """Per equation: layouts in and out and the collectives chosen (printable)."""
-        datas, built = self._build(args)
-        if not built.planned:  # the rules log the plan as jax traces them
-            jax.eval_shape(built.jitted, *datas)
-        return built.plan
+        return self._build(args)[1].plan
 
     def layouts(self, *args) -> tuple:
         """(graph, layouts): the traced Graph and the layout the plan gives each value its
@@ -470,11 +425,6 @@ class Lowered:
         if show:
             print(rep)
         return rep
-
-    def traced_plan(self, *args) -> Plan:
-        """The plan the rules log as jax traces them, whatever the planner can do: the
-        oracle the Planner's plan is tested against."""
-        return Lowered(self.fn, self.mesh, self.layout, traced=True).plan(*args)
 
     def check(self, *args) -> Plan:
         """The plan of `args`, after tracing (not compiling or running) the program the
@@ -557,12 +507,8 @@ def input_names(args) -> list[str]:
     return out
 
 
-def lower(
-    fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False, check: bool = False
-) -> Lowered:
-    """`fn` on global Tensors, run as an SPMD program on `mesh` under `layout`. Its plan
-    is made by the Planner, without jax, when every op of the program has a plan rule
-    (lowering/rules.py `PLAN_RULES`), else by its rules as jax traces them; `traced`
-    forces the latter (the planner's test oracle). `check`: the emitted program holds
-    every value it makes to the plan (lowering/emit.py `check_values`) as it traces."""
-    return Lowered(fn, require_mesh(mesh, "lower"), layout, traced, check)
+def lower(fn: Callable, mesh: Mesh, layout: Layout | str, check: bool = False) -> Lowered:
+    """`fn` on global Tensors, run as an SPMD program on `mesh` under `layout`, its plan
+    made by the Planner without jax. `check`: the emitted program holds every value it
+    makes to the plan (lowering/emit.py `check_values`) as it traces."""
+    return Lowered(fn, require_mesh(mesh, "lower"), layout, check)

@@ -9,7 +9,7 @@ from lowering.layout import local_shape
 from lowering.rules.registry import P, rule
 
 
-@rule(P.random, pure=True)
+@rule(P.random)
 def random_rule(ctx, eqn, args):
     """Each device draws only its own block, from the block's global offsets: the values
     equal the single-device ones under every layout, and nothing moves."""
@@ -36,7 +36,7 @@ def _random_block(key, *index, split, block, full, dist, to, params):
     return random_values(key, full, dist, to, params, xp=jnp, offsets=offsets, shape=block)
 
 
-@rule(P.full, pure=True)
+@rule(P.full)
 def full_rule(ctx, eqn, args):
     """Each device makes its block of the constant."""
     (out,) = eqn.outputs
@@ -51,7 +51,7 @@ def _full(size, value, to):
     return jnp.full(size, value, to)
 
 
-@rule(P.iota, pure=True)
+@rule(P.iota)
 def iota_rule(ctx, eqn, args):
     """Each device makes its block of the range, from the block's offset."""
     (out,) = eqn.outputs

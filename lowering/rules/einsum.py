@@ -116,7 +116,7 @@ def _einsum_traffic(ctx, eqn, args, comp, want, all_dims) -> float:
     return total + col.relayout_traffic(cur, want, size, ctx.sizes)
 
 
-@rule(P.einsum, pure=True)
+@rule(P.einsum)
 def einsum_rule(ctx, eqn, args):
     """Compute layout from the rules over all the einsum's dims (so each mesh axis splits at
     most one of them); a summed dim split on an axis leaves partial sums, combined by

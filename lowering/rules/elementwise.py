@@ -27,7 +27,7 @@ def elementwise_rule(ctx, eqn, args):
     return [(ctx.local(eqn.primitive, *xs, **eqn.params), want)]
 
 
-@rule(P.convert, P.stop_gradient, P.rename, pure=True)
+@rule(P.convert, P.stop_gradient, P.rename)
 def same_layout_rule(ctx, eqn, args):
     """Ops that act on each element alone and keep the dims' order: any layout will do."""
     ((x, lay),) = args

@@ -7,7 +7,7 @@ from lowering.rules.registry import P, layout_in, rule
 from lowering.rules.selection import minus_block, wide_indices
 
 
-@rule(P.grouped_matmul, pure=True)
+@rule(P.grouped_matmul)
 def grouped_matmul_rule(ctx, eqn, args):
     """The rows (the groups' dims) and the weight's output dims take the output's splits,
     contracted dims are gathered. A weight split along its group dim (`experts:<axis>`)

@@ -86,7 +86,7 @@ _SUMS = (P.sum, P.mean)
 _STACKED = {P.any: jnp.any, P.all: jnp.all, P.prod: jnp.prod}  # reduce gathered results
 
 
-@rule(P.sum, P.max, P.min, P.any, P.all, P.mean, P.logsumexp, P.prod, pure=True)
+@rule(P.sum, P.max, P.min, P.any, P.all, P.mean, P.logsumexp, P.prod)
 def reduction_rule(ctx, eqn, args):
     """The reduction on each shard, then combined over the axes that split reduced dims:
     psum for sum (mean divides by the shard count); any, all and prod reduce the
@@ -179,7 +179,7 @@ def _normalize(x, m, total, shift, to, log: bool):
     return shifted - jnp.log(total) if log else jnp.exp(shifted) / total
 
 
-@rule(P.softmax, P.log_softmax, pure=True)
+@rule(P.softmax, P.log_softmax)
 def softmax_rule(ctx, eqn, args):
     """Along split dims: the global max (the pmax of the per-shard maxes, without
     gradient) is subtracted (for log_softmax only where it is finite, as scipy does), the
@@ -205,7 +205,7 @@ def softmax_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, want), want)]
 
 
-@rule(P.cumsum, pure=True)
+@rule(P.cumsum)
 def cumsum_rule(ctx, eqn, args):
     """Along a split dim: the local running sum plus the totals of the shards before this
     one (after it, for `reverse`), from the gathered per-shard totals."""
@@ -236,7 +236,7 @@ def _plus_before(y, totals, me, reverse: bool):
     return y + jnp.sum(jnp.where(before, totals, 0), axis=0).astype(y.dtype)
 
 
-@rule(P.var, P.std, pure=True)
+@rule(P.var, P.std)
 def moment_rule(ctx, eqn, args):
     """Along split dims, in two passes as on one device: the global mean (psum of the
     shards' sums over the count), then the psum of the shards' sums of squared

@@ -19,39 +19,18 @@ from namedmesh.primitive import REGISTRY, Primitive
 
 SPMD_RULES: dict[Primitive, Callable] = {}
 
-
-# The rules that plan without jax: written against the context's operations alone
-# (lowering/plan.py RuleContext), they run in the Planner on abstract local values as
-# well as traced. The one place that says which rules are pure; a program every op of
-# which has one is planned by the Planner (`plannable`).
-PLAN_RULES: dict[Primitive, Callable] = {}
-
-
 # The primitives the rules of this package lower, by their registry entries (a KeyError
 # at import is a primitive that was renamed or removed).
 P = SimpleNamespace(**REGISTRY)
 
 
-def rule(*prims: Primitive, pure: bool = False):
-    """File the decorated function as the SPMD rule of `prims` in `SPMD_RULES`, and in
-    `PLAN_RULES` too when it is `pure` (uses the context's operations alone)."""
+def rule(*prims: Primitive):
+    """File the decorated function as the SPMD rule of `prims` in `SPMD_RULES`. A rule
+    uses the context's operations alone (lowering/plan.py RuleContext): the Planner runs
+    it on abstract local values, without jax."""
 
     def register(fn):
-        for p in prims:
-            SPMD_RULES[p] = fn
-            if pure:
-                PLAN_RULES[p] = fn
-        return fn
-
-    return register
-
-
-def plan_rule(*prims: Primitive):
-    """File the decorated function as the plan rule of `prims` alone, for a primitive
-    whose traced rule and plan rule differ (nm.scan's)."""
-
-    def register(fn):
-        PLAN_RULES.update((p, fn) for p in prims)
+        SPMD_RULES.update((p, fn) for p in prims)
         return fn
 
     return register

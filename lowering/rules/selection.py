@@ -15,7 +15,7 @@ from namedmesh.elementwise import align
 from namedmesh.ordering import sort_key
 
 
-@rule(P.top_k, P.argmax, P.argmin, pure=True)
+@rule(P.top_k, P.argmax, P.argmin)
 def top_k_rule(ctx, eqn, args):
     """Along a split dim: the local top_k (argmax) with global indices, the candidates of
     all shards gathered in shard order, and a final top_k (argmax) over them. Both rank by
@@ -81,7 +81,7 @@ def _best_first(vals, idx, axis, k, largest):
     return jnp.moveaxis(_best(vals, idx, axis, k, largest), axis, -1)[..., 0].astype(jnp.int32)
 
 
-@rule(P.one_hot, pure=True)
+@rule(P.one_hot)
 def one_hot_rule(ctx, eqn, args):
     """Each device builds only its block of the new dim: one_hot(index - offset, block)."""
     ((idx, lay),) = args
@@ -108,7 +108,7 @@ def minus_block(idx, me, n):
     return idx - (me * n).astype(idx.dtype)
 
 
-@rule(P.gather, pure=True)
+@rule(P.gather)
 def gather_rule(ctx, eqn, args):
     """Other dims of the table and the indices' dims take the output's splits. A table
     split along the gathered dim (vocab-parallel embeddings) stays split: each device
@@ -138,7 +138,7 @@ def gather_rule(ctx, eqn, args):
     return [(ctx.psum(y, split), want)]
 
 
-@rule(P.update_slice, pure=True)
+@rule(P.update_slice)
 def update_slice_rule(ctx, eqn, args):
     """The written dim whole on every device, every other dim split as the output wants
     (the starts' dims as the tensor's): each device writes its own rows' windows, no

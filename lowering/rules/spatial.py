@@ -64,7 +64,7 @@ def _halos(ctx, lay, shape, axes, spans, strides, pads):
     return halos
 
 
-@rule(P.conv, pure=True)
+@rule(P.conv)
 def conv_rule(ctx, eqn, args):
     """Along split spatial dims each device extends its block by its neighbours' edges
     (ppermute) and convolves it without padding; batch dims keep their splits, channel and
@@ -105,7 +105,7 @@ def conv_rule(ctx, eqn, args):
     return [(ctx.relayout(y, lay, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule(P.pool, pure=True)
+@rule(P.pool)
 def pool_rule(ctx, eqn, args):
     """Pooling along split dims: halos from the neighbours as for conv, filled with the
     identity of the reduction (-inf for max, 0 for mean) at the ends."""

@@ -12,7 +12,7 @@ from lowering.layout import local_shape
 from lowering.rules.registry import P, rule
 
 
-@rule(P.constrain, pure=True)
+@rule(P.constrain)
 def constrain_rule(ctx, eqn, args):
     """The value moved to the layout the constraint pins."""
     ((x, lay),) = args
@@ -20,7 +20,7 @@ def constrain_rule(ctx, eqn, args):
     return [(ctx.relayout(x, lay, want), want)]
 
 
-@rule(P.slice, P.pad, P.split, P.concat, pure=True)
+@rule(P.slice, P.pad, P.split, P.concat)
 def along_dims_rule(ctx, eqn, args):
     """Ops that act along some dims and are independent across the others: the acted-on
     dims are gathered, every other dim keeps its split, and outputs keep the inputs' dims
@@ -50,7 +50,7 @@ def along_dims_rule(ctx, eqn, args):
     return result
 
 
-@rule(P.transpose, pure=True)
+@rule(P.transpose)
 def transpose_rule(ctx, eqn, args):
     """The shard transposed: each dim keeps its split."""
     ((x, lay),) = args
@@ -75,7 +75,7 @@ def _changed_run(v_in, out):
     return i0, len(a) - tail, len(b) - tail
 
 
-@rule(P.reshape, pure=True)
+@rule(P.reshape)
 def reshape_rule(ctx, eqn, args):
     """Dims outside the changed run keep their split. Inside it, a split of its first input
     dim by axes of total size k passes to its first output dim when k divides that dim's
@@ -100,7 +100,7 @@ def reshape_rule(ctx, eqn, args):
     return [(ctx.relayout(y, out_lay, want), want)]
 
 
-@rule(P.stack, pure=True)
+@rule(P.stack)
 def stack_rule(ctx, eqn, args):
     """Inputs take the output's splits of their dims; the new leading dim starts whole."""
     out = eqn.outputs[0]
@@ -110,7 +110,7 @@ def stack_rule(ctx, eqn, args):
     return [(ctx.relayout(y, ((),) + want[1:], want), want)]
 
 
-@rule(P.squeeze, pure=True)
+@rule(P.squeeze)
 def squeeze_rule(ctx, eqn, args):
     """The size-1 dims leave the shard; the others keep their split (a dim of size 1 is
     never split, since no mesh axis of more than one device divides it)."""
@@ -123,7 +123,7 @@ def squeeze_rule(ctx, eqn, args):
     return [(ctx.relayout(y, kept, ctx.wanted[out]), ctx.wanted[out])]
 
 
-@rule(P.expand_dims, pure=True)
+@rule(P.expand_dims)
 def expand_dims_rule(ctx, eqn, args):
     """The old dims take the output's splits; each device repeats its values over its
     block of the new dims (their values are the same everywhere), moving nothing."""
@@ -146,7 +146,7 @@ def _ring(axes, sizes, step: int, wrap: bool):
     return pairs
 
 
-@rule(P.shift, pure=True)
+@rule(P.shift)
 def shift_rule(ctx, eqn, args):
     """Along a split dim, each device sends its edge (|offset| elements) to its neighbour
     with ppermute and shifts locally; the first device (the last, for a negative offset)
