@@ -499,7 +499,7 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, stage_loop):
     """The SPMD rule of a scan whose scanned dim the layout splits: its pipeline.
     `carry` are the local carries in `carry_lay`, `x_args` and `rest` (local value,
     layout) the scanned and captured inputs; `stage_loop` runs a stage's iterations (the
-    plain scan's loop, lowering/scan.py `plan_loop`). Written against the RuleContext's
+    plain scan's loop, lowering/rules/control.py `plan_loop`). Written against the RuleContext's
     operations alone, which the Planner plans on Locals. Returns the scan's outputs as
     (local value, layout)."""
     p = eqn.params

@@ -254,7 +254,7 @@ class RuleContext:
         self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
     ) -> None:
         c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
-        step = self.step  # a costing-only step holds () until its first (lower._step)
+        step = self.step  # a costing-only step holds () until its first (interpret._step)
         if kind == "pvary":
             if isinstance(step.casts, tuple):
                 step.casts = []
@@ -422,6 +422,16 @@ class RuleContext:
     def _loop(self, run: Callable, init: list, xs: list, length: int, made: list) -> tuple:
         """The interpreter's loop of `loop`: (final carry, stacked ys); `made` holds the
         body's Step once `run` has run."""
+        raise NotImplementedError
+
+    # --- for a rule that runs a graph of its own (nm.scan's body): lowering/interpret.py --
+    def plan_layouts(self, graph) -> None:
+        """The layout each value `graph`'s equations make should have, into `wanted`."""
+        raise NotImplementedError
+
+    def run_graph(self, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0) -> None:
+        """Run `graph`'s equations by their rules: `env` maps each input to (local value,
+        layout) and receives every value made; their Steps are appended to `plan`."""
         raise NotImplementedError
 
 

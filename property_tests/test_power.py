@@ -2,7 +2,6 @@
 counterexample and hypothesis shrinks it to a small case."""
 
 import contextlib
-import importlib
 import math
 
 import jax
@@ -12,13 +11,11 @@ from hypothesis import strategies as st
 
 import lowering.collectives as col
 import namedmesh as nm
-from lowering import Layout, Mesh, lower
+from lowering import Layout, Mesh, interpret, lower
 from lowering.plan import RuleContext
-from lowering.rules import P, einsum, reductions, selection, spatial
+from lowering.rules import P, control, einsum, reductions, selection, spatial
 from namedmesh.testing import CASES, compare
 from namedmesh.testing import strategies as S
-
-LOWER = importlib.import_module("lowering.lower")  # the module: `lowering.lower` is the function
 
 
 def wrong(case) -> bool:
@@ -169,7 +166,7 @@ MUTATIONS = {  # class -> ([(module, name, old value)], ops and dtypes drawn, pr
         V.check_values,
     ),
     "10-uncosted": (
-        [(LOWER, "cost_own_arithmetic", lambda *a: None)],
+        [(interpret, "cost_own_arithmetic", lambda *a: None)],
         ("softmax", "top_k", "logsumexp"),
         ALL,
         V.check_split_flops,
@@ -245,7 +242,7 @@ FAST = settings(  # derandomized: the same search every run
         ("3", col, "ppermute", old_ppermute, ("shift", "conv", "pool_max", "pool_mean")),
         ("4", selection, "wide_indices", lambda ctx, i: i, ("gather",)),
         ("5", selection, "align", positional_align, ("gather",)),
-        ("7", LOWER, "check_dtypes", lambda graph: None, S.ALONG_KINDS),
+        ("7", interpret, "check_dtypes", lambda graph: None, S.ALONG_KINDS),
     ],
 )
 def test_issue_13_classes_are_found_and_shrunk(item, module, name, replacement, kinds, monkeypatch):
@@ -313,7 +310,6 @@ def test_duplicate_devices_are_found(monkeypatch):
 # them (namedmesh/testing/dtype_strategies.py, stack_strategies' "unit" and "constant"
 # bodies) must find each.
 import lowering.pipeline as pipeline_module  # noqa: E402
-import lowering.scan as scan_module  # noqa: E402
 from namedmesh.primitive import REGISTRY  # noqa: E402
 from namedmesh.testing import dtype_strategies as DS  # noqa: E402
 from namedmesh.testing import stack_strategies as SS  # noqa: E402
@@ -373,7 +369,7 @@ def test_issue_26_classes_are_found(cls, monkeypatch):
             m.setattr(pipeline_module, "_bubble_masked", lambda ctx, ok, *ins: ins)
             cases, wrong_ = SS.stack_cases(bodies=("unit",)), stack_wrong
         elif cls == "4-constants":
-            m.setattr(scan_module, "hoisted", lambda ctx, eqn, rest: (eqn, rest, []))
+            m.setattr(control, "hoisted", lambda ctx, eqn, rest: (eqn, rest, []))
             cases, wrong_ = SS.stack_cases(bodies=("constant",)), stack_wrong
         elif cls == "2-integer-softmax":
             integer_impls(m)

@@ -242,7 +242,7 @@ def moment_rule(ctx, eqn, args):
     shards' sums over the count), then the psum of the shards' sums of squared
     deviations from it, over count - ddof; std is its square root. All of it is the
     rule's own arithmetic (`ctx.call`), so the step is costed by the primitive's cost
-    rule on the shards (lower.cost_own_arithmetic), as a softmax along a split dim is:
+    rule on the shards (interpret.cost_own_arithmetic), as a softmax along a split dim is:
     with the sums run as local ops, only they were costed, half the work."""
     ((x, lay),) = args
     split, kept = _reduced(eqn, lay)

@@ -26,9 +26,8 @@ import numpy as np
 
 from lowering import pipeline
 from lowering.collectives import WiderCarry, nbytes
-from lowering.lower import plan_layouts, run_graph
 from lowering.plan import Instr, Local, Step
-from lowering.rules import P, rule
+from lowering.rules.registry import P, rule
 from namedmesh.trace import Eqn, Graph
 
 
@@ -54,7 +53,7 @@ def hoisted(ctx, eqn, rest):
     constants += [v for e in free for v in e.outputs if v in used]
     if not any(dim in v.dims for v in constants):
         return eqn, rest, []
-    plan_layouts(ctx, body)
+    ctx.plan_layouts(body)
     for e in free:  # made whole on every device: no collective moves a value made from
         for v in e.outputs:  # nothing (XLA folds a gather of a constant away; so do we)
             ctx.wanted[v] = ((),) * len(v.dims)
@@ -63,7 +62,7 @@ def hoisted(ctx, eqn, rest):
     read = {v for e in free for v in e.inputs} | set(constants)
     env = {v: (_constant(ctx, c), ((),) * len(v.dims)) for v, c in body.consts.items()
            if v in read}  # fmt: skip
-    run_graph(ctx, Graph((), (), free, None, None, {}), env, made, outer.repeat, outer.depth + 1)
+    ctx.run_graph(Graph((), (), free, None, None, {}), env, made, outer.repeat, outer.depth + 1)
     ctx.step = outer
     outer.ops.extend(op for step in made for op in step.ops)
     consts = {v: c for v, c in body.consts.items() if v not in constants}
@@ -125,7 +124,7 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     body, nc = p["body"], p["n_carry"]
     in_lays = carry_lay + x_lays + [lay for _, lay in rest]
     ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
-    plan_layouts(ctx, body)
+    ctx.plan_layouts(body)
     vma = set().union(*map(ctx.vma, carry))
     while True:
         try:
@@ -165,7 +164,7 @@ def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set, length: 
     env = dict(zip(body.inputs, zip(values, in_lays, strict=True), strict=True))
     shown: list = []
     repeat, depth = outer.repeat * length, outer.depth + 1
-    run_graph(ctx, body, env, shown, repeat, depth)
+    ctx.run_graph(body, env, shown, repeat, depth)
     ctx.combined = set()
     ctx.step = Step("carry", None, [(v.dims, env[v][1]) for v in body.outputs[:nc]], [],
                     repeat=repeat, depth=depth)  # fmt: skip
