@@ -175,10 +175,10 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, lis
         if key not in known:
             # the rules of its dims decide it: kept by them for the candidates that share
             # them (one that failed its checks was not kept, and fails them again here)
-            rules = (tuple(r for r in layout.rules if r[0] in v.dims), layout.strict, *key)
-            if rules not in kept:
-                kept[rules] = nontrivial(layout.of(*key, mesh, f"{kind} {name}"), mesh)
-            known[key] = kept[rules]
+            ruled = (tuple(r for r in layout.rules if r[0] in v.dims), layout.strict, *key)
+            if ruled not in kept:
+                kept[ruled] = nontrivial(layout.of(*key, mesh, f"{kind} {name}"), mesh)
+            known[key] = kept[ruled]
         return known[key]
 
     wanted = {v: of(v, "input", names[i]) for i, v in enumerate(graph.inputs)}
@@ -224,9 +224,9 @@ def plan_program(
 ) -> Plan:
     """The Plan of `graph` on `mesh` under `layout`, in plain Python (no jax): `wanted`
     holds the inputs' layouts and receives every value's; `out_layouts` are the
-    outputs'. `record`
-    False: a plan for the cost report alone, without the steps' events text, the
-    emitter's instructions and `program` (the same layouts, local ops and collectives)."""
+    outputs'. `record` False: a plan for the cost report alone, without the steps'
+    events text, the emitter's instructions and `program` (the same layouts, local ops
+    and collectives)."""
     ctx = Interpreter(mesh, layout, wanted, record=record)
     ctx.plan_layouts(graph)
     plan = Plan()

@@ -106,13 +106,7 @@ class _Built:
 class Lowered:
     """The callable `lower` returns; see the module docstring."""
 
-    def __init__(
-        self,
-        fn: Callable,
-        mesh: Mesh,
-        layout: Layout | str,
-        check: bool = False,
-    ):
+    def __init__(self, fn: Callable, mesh: Mesh, layout: Layout | str, check: bool = False):
         self.fn, self.mesh, self.check_plan = fn, mesh, check
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.layout.check(mesh)
