@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowering import collectives as col
+from lowering.collectives import varying_axes
 
 
 def _name(axes):
@@ -105,7 +106,7 @@ def check_values(locals_, arrays, where) -> None:
     """PlanMismatch unless each array has its Local's shape, dtype and varying axes;
     `where()` names the instruction for the message."""
     for k, (x, a) in enumerate(zip(locals_, arrays, strict=True)):
-        got = (tuple(a.shape), np.dtype(a.dtype), frozenset(col.varying_axes(a)))
+        got = (tuple(a.shape), np.dtype(a.dtype), frozenset(varying_axes(a)))
         want = (tuple(x.shape), np.dtype(x.dtype), frozenset(x.vma))
         if got != want:
             fmt = lambda t: f"{t[1]}{list(t[0])} varying over {sorted(t[2]) or 'no axis'}"
