@@ -4,7 +4,8 @@ auto_layout's choices and search times against the issue's goals.
 0. Costing one candidate (`costing_rows`): as the search costs it (the Planner, plain
    Python, the program traced once), one layout from emptied caches and the mean over a
    search's candidates, against the traced costing of commit 1c2e4d2, the last before
-   the Planner, checked out in DIR (`--before`). Process time. Goal: 10x faster.
+   the Planner, checked out in DIR (`--before`; without it, no costing rows). Process
+   time. Goal: 10x faster.
 1. Paper scale, no devices: for each LM1B config (models/config.py `lm1b_*`) on its
    paper mesh (abstract, 32 to 512 cores), `auto_layout` of the training loss with the
    TPU v2 table (`rates="tpu_v2"`, memory limit its 8 GiB per core); the chosen layout's
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import namedmesh as nm
 from benchmarks import quality, report
-from lowering import Layout, Mesh, auto_layout, caches, lower, rules
+from lowering import Layout, Mesh, auto_layout, caches, lower
 from lowering.lower import argument_inputs, graph_report
 from lowering.rates import hardware
 from models import config, objectives, transformer
@@ -76,7 +77,7 @@ COSTING = (
 )
 
 
-def costing_rows(before: Path | None = None, rounds: int = 3) -> tuple[list[list[str]], str]:
+def costing_rows(before: Path, rounds: int = 3) -> tuple[list[list[str]], str]:
     """Milliseconds of process time to cost one candidate layout (plan + report, forward
     and backward) of `lm1b_1` (the paper's layout on its mesh) and of `base` x24 on
     2x2x2x2: the fixed layout with the caches that candidates leave for each other
@@ -85,16 +86,15 @@ def costing_rows(before: Path | None = None, rounds: int = 3) -> tuple[list[list
     caches (all emptied first), the least of 3. Against `before`, a checkout of
     commit 1c2e4d2 (the last before the Planner, when every candidate was traced and its
     rules traced through jax: `lower(...).report(..., wrt=0)`), timed by the same
-    calls in a process of its own; without it, against today's traced path
-    (`lower(..., traced=True)`), which has gained caches since. The two are timed in
+    calls in a process of its own. The two are timed in
     turn `rounds` times and each figure is its least: another process on the cores
     slows whichever runs beside it, and its load comes and goes."""
     cases = [_costing_case(*case) for case in COSTING]
     best: dict = {}
     for _ in range(rounds):
-        reference = _reference_ms(before) if before else {}
+        reference = _reference_ms(before)
         for case in cases:
-            ref = reference.get(case["name"]) or _min_ms(case["traced"])
+            ref = reference[case["name"]]
             now = _min_ms(case["cold"])
             mean = _search_mean_ms(case["graph"], case["mesh"], case["wrt"], case["planned"])
             old = best.get(case["name"], (math.inf,) * 3)
@@ -102,15 +102,14 @@ def costing_rows(before: Path | None = None, rounds: int = 3) -> tuple[list[list
     rows, fixed, searched = [], [], []
     for case in cases:
         ref, now, mean = best[case["name"]]
-        planned, traced = len(case["planned"]), case["traced_count"]
         rows.append([
             f"`{case['name']}`", str(case["mesh"]), f"`{case['layout']}`", f"{ref:.1f}",
-            f"{now:.1f}", f"{ref / now:.1f}", f"{mean:.1f} ({planned} planned, {traced} traced)",
+            f"{now:.1f}", f"{ref / now:.1f}", f"{mean:.1f} ({len(case['planned'])} planned)",
             f"{ref / mean:.1f}",
         ])  # fmt: skip
         fixed.append(ref / now)
         searched.append(ref / mean)
-    what = "1c2e4d2's traced costing" if before else "today's traced costing"
+    what = "1c2e4d2's traced costing"
     span = lambda r: f"{min(r):.1f}x to {max(r):.1f}x, {'met' if min(r) >= 10 else 'not met'}"
     verdict = (
         f"Goal (costing a candidate at least 10x faster than {what}): over a search's "
@@ -122,8 +121,7 @@ def costing_rows(before: Path | None = None, rounds: int = 3) -> tuple[list[list
 
 def _costing_case(name, changes, sizes, layout) -> dict:
     """What `costing_rows` times for one case: the program traced once, the fixed
-    layout's costing and traced costing, and the candidates the search plans (all
-    planned by the Planner, pipelines too: `traced_count` counts any that are not)."""
+    layout's costing, and the candidates the search plans (pipelines too)."""
     cfg = config.get(name.split()[0], **changes)
     mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
     layout = layout or cfg.layout
@@ -131,22 +129,15 @@ def _costing_case(name, changes, sizes, layout) -> dict:
     graph = nm.trace(loss, *inputs)
     wrt = argument_inputs(graph, inputs, 0)
     layouts = [c.layout for c in search(cfg, mesh)["table"]]
-    planned = layouts if rules.plannable(graph) else []
     return {
         "name": name, "mesh": mesh, "layout": layout, "graph": graph, "wrt": wrt,
-        "planned": planned, "traced_count": len(layouts) - len(planned),
-        "traced": functools.partial(_traced_report, loss, mesh, layout, inputs),
-        "cold": functools.partial(_cold_report, graph, mesh, layout, wrt),
+        "planned": layouts, "cold": functools.partial(_cold_report, graph, mesh, layout, wrt),
     }  # fmt: skip
 
 
 def _cold_report(graph, mesh, layout, wrt):
     caches.clear("layouts")
     return graph_report(graph, mesh, Layout(layout), wrt)
-
-
-def _traced_report(loss, mesh, layout, inputs):
-    return lower(loss, mesh, layout, traced=True).report(*inputs, wrt=0, show=False)
 
 
 def _min_ms(fn, repeats: int = 9) -> float:
@@ -309,17 +300,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-train", action="store_true", help="only the planning goals")
     p.add_argument("--out", type=Path, help="markdown file whose section to replace")
     p.add_argument("--before", type=Path, help="a checkout of commit 1c2e4d2 to time the "
-                   "costing against (`git worktree add DIR 1c2e4d2`)")  # fmt: skip
+                   "costing against (`git worktree add DIR 1c2e4d2`); without it, no "
+                   "costing rows")  # fmt: skip
     args = p.parse_args(argv)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     info = report.machine()
     parts = report.heading(SECTION, f"Made by `{report.command('benchmarks.auto_layout', argv)}`"
                            f" on {when}.", info)  # fmt: skip
-    costing = costing_rows(args.before)
-    parts += [
+    costing = costing_rows(args.before) if args.before else None
+    parts += [] if costing is None else [
         "Costing one candidate layout (plan, forward and backward cost), ms of process "
-        "time: `before` as every candidate was costed before the Planner (commit 1c2e4d2 "
-        "with `--before`, else today's traced path), `fixed` the layout costed by "
+        "time: `before` as every candidate was costed before the Planner (commit 1c2e4d2, "
+        "`--before`), `fixed` the layout costed by "
         "`lower.graph_report` with the caches candidates leave each other emptied (both "
         "the least of 9), `search mean` over the candidates the search plans, from cold "
         "caches:",

@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 import namedmesh as nm
-from lowering import Layout, Mesh
+from lowering import Mesh
 from lowering.layout import local_shape
-from lowering.lower import Context, nontrivial, plan_layouts
+from lowering.lower import rule_layouts
 from lowering.memory import active_values, backward_reads
 
 
@@ -42,13 +42,11 @@ def ideal_bytes(loss, params: dict, x: nm.Tensor, mesh: dict, rules: str) -> int
     jax's choice of residuals; a step can hold less only by recomputing or by putting
     activations in the gradients' buffers before writing them. Scan bodies are not
     looked into (the benchmarked models have none)."""
-    mesh_, layout = Mesh(mesh, devices="abstract"), Layout(rules)
+    mesh_ = Mesh(mesh, devices="abstract")
     graph = nm.trace(loss, params, x)
-    of = lambda v: nontrivial(layout.of(v.dims, v.shape, mesh_, "input"), mesh_)
-    ctx = Context(mesh_, layout, {v: of(v) for v in graph.inputs})
-    plan_layouts(ctx, graph)
+    layouts = rule_layouts(graph, mesh_, rules)
     replicated = lambda v: ((),) * len(v.dims)  # a constant
-    lay = lambda v: ctx.wanted.get(v) or replicated(v)
+    lay = lambda v: layouts.get(v) or replicated(v)
     local = lambda v: math.prod(local_shape(lay(v), v.shape, mesh_)) * v.dtype.itemsize
     *weights, data = graph.inputs  # x is the last input leaf
     needs_grad, kept = active_values(graph, set(weights)), set()

@@ -4,8 +4,9 @@
 callable running jit(shard_map(...)) over the mesh; see lowering/lower.py.
 """
 
-from lowering import scan as _scan_rule  # registers the rule of nm.scan
+from lowering.emit import PlanMismatch
 from lowering.layout import Layout, partition_spec
-from lowering.lower import Lowered, Plan, lower
+from lowering.lower import Lowered, lower
 from lowering.mesh import Mesh
+from lowering.plan import Plan
 from lowering.search import auto_layout

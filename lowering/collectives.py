@@ -62,21 +62,9 @@ def varying_axes(x) -> set[str]:
     return set(vma)
 
 
-def missing_axes(x, vma: set, sizes: dict[str, int]) -> tuple[str, ...]:
-    """The axes of `vma` over which `x` is not yet typed varying, in mesh order."""
-    return tuple(a for a in sizes if a in vma - varying_axes(x))
-
-
-def cast_varying(x, vma: set, sizes: dict[str, int]):
-    """`x` typed varying over every axis of `vma` (a free cast: no data moves), as a loop
-    carry must be when its body makes it vary over them."""
-    missing = missing_axes(x, vma, sizes)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 class WiderCarry(Exception):
-    """Raised from a traced loop body whose carry came out varying over more mesh axes
-    (`axes`) than it went in: the loop is traced again with the carry cast to them."""
+    """Raised from a planned loop body whose carry came out varying over more mesh axes
+    (`axes`) than it went in: the loop is planned again with the carry cast to them."""
 
     def __init__(self, axes: set):
         super().__init__(axes)

@@ -9,7 +9,7 @@ with `strict=True` such a conflict is an error instead.
 Rule order is the lowering's default, not its last word: where the rules give one
 mesh axis to two dims of an einsum, one of them held by every operand and the
 result (experts, in an expert FFN), the einsum is computed in whichever of the rule
-order and "that dim first" moves the fewest bytes (lowering/rules.py `einsum_rule`);
+order and "that dim first" moves the fewest bytes (lowering/rules/einsum.py `einsum_rule`);
 a value whose own dims conflict (`Layout.conflicts`), made by an einsum or an
 elementwise op, keeps the layout it was computed in. Inputs and outputs of a
 lowered program always take the rule order.

@@ -5,12 +5,12 @@ The function is traced to a Graph; every value gets the layout the rules give it
 not divide is left unsplit on that dim; `nm.constrain` pins a value's layout),
 except that an intermediate whose dims the rules give one mesh axis twice, made
 by an einsum or an elementwise op, takes the layout its rule computes it in.
-Each equation is planned by its primitive's SPMD rule (lowering/rules.py): where
-every op has a plan rule, `plan_program` runs the rules in the `Planner` on abstract
-local shards, without jax, and the emitter (lowering/emit.py) runs the Plan inside
-shard_map; otherwise the rules run in the traced `Context` on jax arrays inside
-shard_map and log the plan as jax traces them. `.plan()` and `.report()` show the
-plan: the local ops run and the collectives issued.
+Each equation is planned by its primitive's SPMD rule (lowering/rules/), which the
+interpreter (lowering/interpret.py) runs on abstract local shards without jax, and
+the emitter (lowering/emit.py) runs the Plan inside shard_map. This module is the
+public API: `lower`, `Lowered` (`.plan()` and `.report()` show the plan: the local ops
+run and the collectives issued) and the report helpers that auto_layout and the
+benchmarks cost a traced program by.
 """
 
 from __future__ import annotations
@@ -24,239 +24,29 @@ import jax
 import numpy as np
 
 import namedmesh as nm
-from lowering import cost, distributed, rules
-from lowering.caches import memo, per_object
-from lowering.collectives import cast_varying, varying_axes
+from lowering import cost, distributed
+from lowering.caches import memo
 from lowering.cost import Report
-from lowering.emit import emit, run_op
-from lowering.layout import Layout, ValueLayout, check_axes, local_shape, partition_spec
+from lowering.emit import emit
+from lowering.interpret import Interpreter, io_layouts, plan_program
+from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh, require_mesh
-from lowering.plan import (
-    Collective,
-    Local,
-    Plan,
-    Planner,
-    RuleContext,
-    Step,
-    constant,
-    local_avals,
-    nontrivial,
-)
-from namedmesh.errors import ArgumentError, DtypeError, MeshError, fmt_dims
+from lowering.plan import Plan
+from namedmesh.errors import ArgumentError, MeshError
 from namedmesh.tensor import Tensor
 
-__all__ = ["Collective", "Context", "Lowered", "Plan", "Planner", "Step", "lower", "plan_program"]
+__all__ = ["Lowered", "argument_inputs", "graph_report", "input_names", "lower", "rule_layouts"]
 
 
-class Context(RuleContext):
-    """The rules' context inside shard_map: operations run on jax arrays (lowering/emit.py
-    OPS), and the rules' logs make the traced plan."""
-
-    def vma(self, x) -> set[str]:
-        return varying_axes(x)
-
-    def _op(self, op, *xs, made=None, **params):
-        return run_op(op, *xs, **params)
-
-    def cast_varying(self, x, vma: set):
-        return cast_varying(x, vma, self.sizes)
-
-    def _loop(self, run, init, xs, length, made):
-        return jax.lax.scan(run, init, xs, length=length)
-
-
-def constraint_layout(rules_, v, mesh) -> ValueLayout:
-    """The layout `nm.constrain` pins: its rules alone (other dims replicated), strictly.
-    nm.constrain checked them but for the mesh: a LayoutError names the constraint and
-    its rule that names an axis `mesh` lacks."""
-    layout = Layout(rules_, strict=True)
-    check_axes(layout.rules, mesh, f"nm.constrain({fmt_dims(v.dims, v.shape)}, {str(layout)!r})")
-    return nontrivial(layout.of(v.dims, v.shape, mesh, "constrained value"), mesh)
-
-
-def check_dtypes(graph) -> None:
-    """The 64-bit policy (docs/lowering.md): with jax_enable_x64 on, 64-bit values are
-    computed in 64 bits, as nm.reference computes them; with it off, jax would compute
-    them in 32 bits and change the answer, so a DtypeError names the first such value
-    (an input, a constant, or the op that makes it) before anything compiles."""
-    _check_dtypes(graph, jax.dtypes.canonicalize_dtype(np.float64) == np.float64)
-
-
-@per_object  # once per program and 64-bit setting, for all the candidates of a search
-def _check_dtypes(graph, x64: bool) -> None:
-    made = {v: f"input {i}" for i, v in enumerate(graph.inputs)}
-    made.update((v, "a constant") for v in graph.consts)
-    for e in graph.eqns:
-        made.update((v, f"the result of {e.primitive.name}") for v in e.outputs)
-    for v in graph.values():
-        dt = np.dtype(v.dtype)
-        if dt.kind in "iufc" and jax.dtypes.canonicalize_dtype(dt) != dt:
-            what = made.get(v, "a value inside a scan")
-            raise DtypeError(
-                f"{what} {fmt_dims(v.dims, v.shape)} is {dt}, which jax computes as "
-                f"{jax.dtypes.canonicalize_dtype(dt)} while jax_enable_x64 is off; cast it "
-                f"(nm.astype(t, np.{jax.dtypes.canonicalize_dtype(dt)})) or turn 64-bit on "
-                "(jax.config.update('jax_enable_x64', True), or `with jax.enable_x64(True):`)"
-            )
-
-
-def plan_layouts(ctx: RuleContext, graph) -> None:
-    """The layout each value made by `graph`'s equations should have, into `ctx.wanted`:
-    the rules' (soft) layout, or the one `nm.constrain` pins. Values whose dims conflict
-    (two of them take one mesh axis) go into `ctx.free` too: the einsum and elementwise
-    rules replace their rule-order layout by the one they compute them in."""
-    by_shape, pinned = _values_by_shape(graph)
-    conflicts: dict = {}  # by dims: the same dims recur in many shapes
-    for (dims, shape), values in by_shape.items():
-        ctx.wanted.update(dict.fromkeys(values, ctx.soft_layout(dims, shape)))
-        if dims not in conflicts:
-            conflicts[dims] = ctx.layout.conflicts(dims, ctx.sizes)
-        if conflicts[dims]:
-            ctx.free.update(values)
-    for v, layout in pinned:
-        ctx.wanted[v] = constraint_layout(layout, v, ctx.mesh)
-        ctx.free.discard(v)
-
-
-@per_object
-def _values_by_shape(graph) -> tuple[dict, list]:
-    """({(dims, shape): the values `graph`'s equations make with them}, [(value, layout
-    it is pinned to by nm.constrain)]): what `plan_layouts` assigns per candidate, found
-    once per program (a Transformer's values share a few dims and shapes)."""
-    by_shape: dict = {}
-    for e in graph.eqns:
-        for v in e.outputs:
-            by_shape.setdefault((v.dims, v.shape), []).append(v)
-    pinned = [(e.outputs[0], e.params["layout"]) for e in graph.eqns if e.primitive.pins_layout]
-    return by_shape, pinned
-
-
-def cost_own_arithmetic(ctx: RuleContext, e, ins, outs) -> None:
-    """Where a rule computed equation `e` with its own jax arithmetic, not by `ctx.local`
-    (a softmax, logsumexp or top_k along a split dim, random), cost it all the same: by
-    the primitive's cost rule on the local shards the rule took (`ins`) and gave (`outs`).
-    A scan is costed by its body's steps. Ops with no input (full, iota: each device
-    makes its block of a constant) stay uncosted, as the benchmarks' hand counts of the
-    models' work assume."""
-    if not e.inputs or ctx.step.local or ctx.step.body:
-        return
-    arrays, results = [x for x, _ in ins], [y for y, _ in outs]
-    cost = e.primitive.cost_rule(
-        local_avals(e.inputs, arrays), local_avals(e.outputs, results), e.params
-    )
-    if cost.flops:  # a relayout alone (constrain) has no arithmetic to cost or show
-        ctx.note_local(e.primitive, e.params, arrays, results, "computed by the rule:")
-
-
-def run_graph(ctx: RuleContext, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0):
-    """Run `graph`'s equations on local shards by their SPMD rules: on jax arrays in the
-    traced `Context`, on `Local`s by their plan rules in a `Planner`. `env` maps each
-    input Var to (local value, layout) and receives every value made; each equation's
-    Step (then the Steps of a scan's body) is appended to `plan`."""
-    planned = isinstance(ctx, Planner)
-    rule_for = rules.plan_rule_for if planned else rules.rule_for
-    note_source = ctx.note_source
-    for v, c in graph.consts.items():
-        env[v] = (constant(c) if planned else jax.numpy.asarray(c), ((),) * len(v.dims))
-    for v, (x, _) in env.items():
-        note_source(x, v)
-    for e in graph.eqns:
-        ins = [env[v] for v in e.inputs]
-        ctx.step = step = _step(ctx, e, ins, repeat, depth)
-        # An op that combines its inputs makes them all vary where any does. Cast before
-        # moving, so that the backward pass sums a gathered value's gradient over those
-        # axes after the reduce-scatter, on the smaller shard.
-        if e.primitive.combines_inputs:
-            ctx.combined = set().union(*[ctx.vma(x) for x, _ in ins])
-        elif ctx.combined:
-            ctx.combined = set()
-        outs = rule_for(e.primitive)(ctx, e, ins)
-        if len(outs) != len(e.outputs):
-            raise ValueError(f"the rule of {e.primitive.name} gave {len(outs)} results for "
-                             f"{len(e.outputs)}")  # fmt: skip
-        if not step.local and not step.body:  # (most steps ran a local op: no call)
-            cost_own_arithmetic(ctx, e, ins, outs)
-        # (indexes, not zip: zip's keyword strict= alone cost a search 3% of its time)
-        step.outputs = [(v.dims, outs[i][1]) for i, v in enumerate(e.outputs)]
-        plan.append(step)
-        if step.body:
-            plan.extend(step.body)
-        for i, v in enumerate(e.outputs):
-            env[v] = outs[i]
-            note_source(outs[i][0], v)
-
-
-def _step(ctx: RuleContext, e, ins: list, repeat: int, depth: int) -> Step:
-    """The Step of equation `e`, its inputs (local value, layout) `ins`. A costing-only
-    plan's (`ctx.record` False) holds no layouts in and no events, and shares empty
-    tuples for the collectives and casts most steps do not issue (`RuleContext.log` makes
-    the list), the scans' body and the instructions (which only a scan's step records):
-    a search's candidates then make few objects each for the collector to trace."""
-    if ctx.record:
-        shown = [(v.dims, x[1]) for v, x in zip(e.inputs, ins, strict=True)]
-        return Step(e.primitive.name, e, shown, [], repeat=repeat, depth=depth)
-    ops = [] if e.primitive.loop else ()
-    return Step(e.primitive.name, e, (), (), collectives=(), casts=(), events=(), body=(),
-                ops=ops, repeat=repeat, depth=depth)  # fmt: skip
-
-
-def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, list]:
-    """(layout by input value, layouts of the outputs) of `graph` under `layout`, after
-    checking its dtypes and that the rules name its dims; LayoutError for an input or
-    output (named by `names`, the inputs' argument paths) its axes do not divide."""
-    check_dtypes(graph)
-    layout.check_dims(_dims(graph))
-    layout.check(mesh)  # (what `layout.of` checks first, which a kept layout skips)
-    names = names or [str(i) for i in range(len(graph.inputs))]
-    # by (dims, shape): a model's parameters share a few. A value's layout is found (and
-    # checked) at the first value with its dims and shape, so an error names that one
-    known: dict = {}
-    kept = _kept_layouts(mesh)
-
-    def of(v, kind: str, name) -> ValueLayout:
-        key = (v.dims, v.shape)
-        if key not in known:
-            # the rules of its dims decide it: kept by them for the candidates that share
-            # them (one that failed its checks was not kept, and fails them again here)
-            rules = (tuple(r for r in layout.rules if r[0] in v.dims), layout.strict, *key)
-            if rules not in kept:
-                kept[rules] = nontrivial(layout.of(*key, mesh, f"{kind} {name}"), mesh)
-            known[key] = kept[rules]
-        return known[key]
-
-    wanted = {v: of(v, "input", names[i]) for i, v in enumerate(graph.inputs)}
-    return wanted, [of(v, "output", i) for i, v in enumerate(graph.outputs)]
-
-
-@per_object(kind="layouts")
-def _kept_layouts(mesh: Mesh) -> dict:
-    """{(the rules of a value's dims, strict, dims, shape): its layout on `mesh`}, for
-    `io_layouts`."""
-    return {}
-
-
-@per_object
-def _dims(graph) -> frozenset:
-    """Every dim of `graph`'s values (its scans' bodies' too)."""
-    return frozenset(d for v in graph.values() for d in v.dims)
-
-
-def traced_body(graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts) -> Callable:
-    """The shard_map body that runs every equation's rule on jax arrays, filling
-    `body.plan` as jax traces it (for programs with an op that has no plan rule)."""
-    ctx = Context(mesh, layout, wanted)
-    plan_layouts(ctx, graph)
-    plan = Plan()
-
-    def body(local_inputs):
-        plan.clear()
-        ctx.moved, ctx.sources = {}, {}
-        env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, local_inputs, strict=True)}
-        run_graph(ctx, graph, env, plan)
-        return relayout_outputs(ctx, graph, env, out_layouts, plan)
-
-    body.plan = plan
-    return body
+def rule_layouts(graph, mesh: Mesh, layout: Layout | str) -> dict:
+    """{value: layout} for the traced `graph` on `mesh` before any rule runs: its inputs'
+    (as the plan checks them) and, for each value its equations make, the layout the
+    rules of `layout` give its dims (or `nm.constrain` pins). A value whose dims
+    conflict may then be computed in another (`Lowered.layouts` gives the plan's)."""
+    layout = layout if isinstance(layout, Layout) else Layout(layout)
+    wanted, _ = io_layouts(graph, mesh, layout)
+    Interpreter(mesh, layout, wanted).plan_layouts(graph)
+    return wanted
 
 
 def _jitted(body, graph, mesh: Mesh, wanted: dict, out_layouts) -> Callable:
@@ -271,18 +61,12 @@ def _jitted(body, graph, mesh: Mesh, wanted: dict, out_layouts) -> Callable:
 
 def graph_report(graph, mesh: Mesh, layout: Layout, wrt=None, names=None) -> Report:
     """The cost Report of the traced program `graph` under `layout` on `mesh` (as
-    `Lowered.report`), `wrt` the graph inputs a gradient is taken of: planned by the
-    Planner without jax where every op has a plan rule, else traced. What
-    `auto_layout` costs each candidate by, the program traced once. `names`: the
-    inputs' argument paths, for errors (`input_names`)."""
+    `Lowered.report`), `wrt` the graph inputs a gradient is taken of, planned by the
+    Planner without jax (a costing-only plan). What `auto_layout` costs each candidate
+    by, the program traced once. `names`: the inputs' argument paths, for errors
+    (`input_names`)."""
     wanted, out_layouts = io_layouts(graph, mesh, layout, names)
-    if rules.plannable(graph):
-        plan = plan_program(graph, mesh, layout, wanted, out_layouts, record=False)
-    else:
-        body = traced_body(graph, mesh, layout, wanted, out_layouts)
-        shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in graph.inputs]
-        jax.eval_shape(_jitted(body, graph, mesh, wanted, out_layouts), *shapes)
-        plan = body.plan
+    plan = plan_program(graph, mesh, layout, wanted, out_layouts, record=False)
     return plan_report(plan, graph, wanted, mesh, wrt)
 
 
@@ -310,61 +94,6 @@ def _local_bytes(layout: ValueLayout, shape: tuple, itemsize: int, sizes: tuple)
     return math.prod(split) * itemsize
 
 
-def relayout_outputs(ctx: RuleContext, graph, env: dict, out_layouts, plan: list) -> list:
-    """The program's outputs moved to their layouts, each typed invariant over the mesh
-    axes its layout does not split (a psum of device 0's copy where it still varies);
-    the step that does it joins `plan` when it issues anything."""
-    ctx.combined = set()
-    ctx.step = Step(
-        "outputs",
-        None,
-        [(v.dims, env[v][1]) for v in graph.outputs],
-        [(v.dims, lay) for v, lay in zip(graph.outputs, out_layouts, strict=True)],
-    )
-    res = []
-    for v, lay in zip(graph.outputs, out_layouts, strict=True):
-        y = ctx.relayout(*env[v], lay)
-        extra = ctx.vma(y) - {a for axes in lay for a in axes}
-        res.append(ctx.make_invarying(y, tuple(extra)))
-    if ctx.step.collectives or ctx.step.casts:
-        plan.append(ctx.step)
-    return res
-
-
-def plan_program(
-    graph, mesh: Mesh, layout: Layout, wanted: dict, out_layouts: list, record: bool = True
-) -> Plan:
-    """The Plan of `graph` on `mesh` under `layout`, in plain Python (no jax): `wanted`
-    holds the inputs' layouts and receives every value's; `out_layouts` are the
-    outputs'. Every op of `graph` must have a plan rule (`rules.plannable`). `record`
-    False: a plan for the cost report alone, without the steps' events text, the
-    emitter's instructions and `program` (the same layouts, local ops and collectives)."""
-    ctx = Planner(mesh, layout, wanted, record=record)
-    plan_layouts(ctx, graph)
-    plan = Plan()
-    plan.inputs = [Local(local_shape(wanted[v], v.shape, mesh), np.dtype(v.dtype),
-                         _axes_of(wanted[v]))
-                   for v in graph.inputs]  # fmt: skip
-    env = {v: (x, wanted[v]) for v, x in zip(graph.inputs, plan.inputs, strict=True)}
-    run_graph(ctx, graph, env, plan)
-    plan.consts = {env[v][0]: c for v, c in graph.consts.items()}
-    plan.outputs = relayout_outputs(ctx, graph, env, out_layouts, plan)
-    if not record:  # nothing emits a costing-only plan
-        return plan
-    # What the emitter runs: the top-level steps and the outputs' step, which the plan
-    # lists only when it issues a collective (it may slice locally all the same)
-    plan.program = [s for s in plan if s.depth == 0]
-    if not plan.program or plan.program[-1] is not ctx.step:
-        plan.program.append(ctx.step)
-    return plan
-
-
-@memo()  # the inputs' layouts recur in every candidate
-def _axes_of(layout: ValueLayout) -> frozenset:
-    """The mesh axes `layout` splits a value over (over which its shard varies)."""
-    return frozenset(a for axes in layout for a in axes)
-
-
 @dataclass
 class _Built:
     graph: object
@@ -372,14 +101,13 @@ class _Built:
     out_layouts: list
     jitted: Callable
     plan: Plan
-    planned: bool  # made by the Planner, before and without jax (else traced)
 
 
 class Lowered:
     """The callable `lower` returns; see the module docstring."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False):
-        self.fn, self.mesh, self.traced = fn, mesh, traced
+    def __init__(self, fn: Callable, mesh: Mesh, layout: Layout | str, check: bool = False):
+        self.fn, self.mesh, self.check_plan = fn, mesh, check
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.layout.check(mesh)
         self._cache: dict = {}
@@ -404,15 +132,10 @@ class Lowered:
     def _plan(self, args) -> _Built:
         graph = nm.trace(self.fn, *args)
         wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, input_names(args))
-        planned = rules.plannable(graph) and not self.traced
-        if planned:
-            plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
-            body = functools.partial(emit, plan)
-        else:
-            body = traced_body(graph, self.mesh, self.layout, wanted, out_layouts)
-            plan = body.plan
+        plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
+        body = functools.partial(emit, plan, check=self.check_plan)
         jitted = _jitted(body, graph, self.mesh, wanted, out_layouts)
-        return _Built(graph, wanted, out_layouts, jitted, plan, planned)
+        return _Built(graph, wanted, out_layouts, jitted, plan)
 
     def _runnable(self, what: str) -> None:
         if self.mesh.abstract:
@@ -433,10 +156,7 @@ class Lowered:
 
     def plan(self, *args) -> Plan:
         """Per equation: layouts in and out and the collectives chosen (printable)."""
-        datas, built = self._build(args)
-        if not built.planned:  # the rules log the plan as jax traces them
-            jax.eval_shape(built.jitted, *datas)
-        return built.plan
+        return self._build(args)[1].plan
 
     def layouts(self, *args) -> tuple:
         """(graph, layouts): the traced Graph and the layout the plan gives each value its
@@ -464,10 +184,17 @@ class Lowered:
             print(rep)
         return rep
 
-    def traced_plan(self, *args) -> Plan:
-        """The plan the rules log as jax traces them, whatever the planner can do: the
-        oracle the Planner's plan is tested against."""
-        return Lowered(self.fn, self.mesh, self.layout, traced=True).plan(*args)
+    def check(self, *args) -> Plan:
+        """The plan of `args`, after tracing (not compiling or running) the program the
+        emitter makes of it with its check on: PlanMismatch (lowering/emit.py) at the
+        first instruction whose jax value's shape, dtype or varying mesh axes differ from
+        the plan's. Needs a mesh with devices."""
+        self._runnable("check")
+        datas, built = self._build(args)
+        body = functools.partial(emit, built.plan, check=True)
+        jitted = _jitted(body, built.graph, self.mesh, built.wanted, built.out_layouts)
+        jax.eval_shape(jitted, *_global_inputs(datas, built, self.mesh))
+        return built.plan
 
     def compile(self, *args):
         """The jax Compiled object (`.as_text()` is the HLO, `.cost_analysis()` the flops)."""
@@ -538,9 +265,8 @@ def input_names(args) -> list[str]:
     return out
 
 
-def lower(fn: Callable, mesh: Mesh, layout: Layout | str, traced: bool = False) -> Lowered:
-    """`fn` on global Tensors, run as an SPMD program on `mesh` under `layout`. Its plan
-    is made by the Planner, without jax, when every op of the program has a plan rule
-    (lowering/rules.py `PLAN_RULES`), else by its rules as jax traces them; `traced`
-    forces the latter (the planner's test oracle)."""
-    return Lowered(fn, require_mesh(mesh, "lower"), layout, traced)
+def lower(fn: Callable, mesh: Mesh, layout: Layout | str, check: bool = False) -> Lowered:
+    """`fn` on global Tensors, run as an SPMD program on `mesh` under `layout`, its plan
+    made by the Planner without jax. `check`: the emitted program holds every value it
+    makes to the plan (lowering/emit.py `check_values`) as it traces."""
+    return Lowered(fn, require_mesh(mesh, "lower"), layout, check)

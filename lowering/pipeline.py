@@ -20,12 +20,11 @@ stage's gradients of its own layers stay on that stage.
 Two parts: `plan_pipeline` decides the schedule and its cost in plain Python (the
 `PipelinePlan`, which `report()` shows); `emit` is the scan's SPMD rule for it, written
 against the RuleContext's operations alone (relayout, casts, `collective`, `call` for
-the local arithmetic with its shapes stated, `loop` for the ticks), so that one
-implementation serves both interpreters: the Planner plans it on `Local`s without jax
-(the ticks a "scan" instruction whose body is the tick's step, the stage's own loop
-inside it), and the traced context runs it on jax arrays inside shard_map (the
-oracle, `lower(..., traced=True)`). Every collective is logged by `ctx.log` as every
-rule does, so that the plan, the report and the compiled HLO agree.
+the local arithmetic with its shapes stated, `loop` for the ticks): the Planner plans
+it on `Local`s without jax (the ticks a "scan" instruction whose body is the tick's
+step, the stage's own loop inside it), and the emitter runs that. Every collective is
+logged by `ctx.log` as every rule does, so that the plan, the report and the compiled
+HLO agree.
 
 The default M is the largest divisor of the carry's local microbatched size up to 4S
 (a bubble of at most about 20%), or 1 where the carry lacks that dim or the body is not
@@ -330,7 +329,7 @@ def _mixing(body, batched: set, dim: str) -> str | None:
     return None
 
 
-# --- local arithmetic of the pipeline, run by `ctx.call` (traced, or from the plan) ---
+# --- local arithmetic of the pipeline, run by `ctx.call` (emitted from the plan) ---
 def _to_micro(x, ax: int, m: int):
     """(M, ...): `x` cut into m microbatches along axis `ax`, microbatch first."""
     shape = x.shape[:ax] + (m, x.shape[ax] // m) + x.shape[ax + 1 :]
@@ -496,13 +495,12 @@ def _scalar(ctx, fn, *xs, **params):
     return ctx.call(fn, *xs, shape=(), dtype=np.int32, **params)
 
 
-def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
+def emit(ctx, eqn, carry, carry_lay, x_args, rest, stage_loop):
     """The SPMD rule of a scan whose scanned dim the layout splits: its pipeline.
     `carry` are the local carries in `carry_lay`, `x_args` and `rest` (local value,
-    layout) the scanned and captured inputs; `run_loop` runs a stage's iterations (the
-    plain scan's loop, lowering/scan.py: `run_loop` traced, `plan_loop` planned).
-    Written against the RuleContext's operations alone, so that the traced context runs
-    it on jax arrays and the Planner plans it on Locals. Returns the scan's outputs as
+    layout) the scanned and captured inputs; `stage_loop` runs a stage's iterations (the
+    plain scan's loop, lowering/rules/control.py `plan_loop`). Written against the RuleContext's
+    operations alone, which the Planner plans on Locals. Returns the scan's outputs as
     (local value, layout)."""
     p = eqn.params
     body, nc = p["body"], p["n_carry"]
@@ -543,7 +541,7 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
     run = _run if pplan.repeats == 1 else _run_circular
     layout, ctx.layout = ctx.layout, without_axes(ctx.layout, axes)
     try:
-        final, ys, y_lays = run(ctx, eqn, pplan, carry, inner_carry, xs, x_lays, rest, run_loop)
+        final, ys, y_lays = run(ctx, eqn, pplan, carry, inner_carry, xs, x_lays, rest, stage_loop)
     finally:
         ctx.layout = layout
     final = [ctx.relayout(c, a, b) for c, a, b in zip(final, inner_carry, carry_lay, strict=True)]
@@ -553,7 +551,7 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop):
     ]
 
 
-def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_loop):
+def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, stage_loop):
     """(final carry, ys, ys' layouts without the scanned dim): the ticks of `plan`."""
     p = eqn.params
     body, nc = p["body"], p["n_carry"]
@@ -571,7 +569,7 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_l
         r_in = [(_call(ctx, _index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
                 for r, lay, a in rest_m]  # fmt: skip
         x_in, layers, r_in = _bubble_masked(ctx, _working(ctx, t, s, m), x_in, xs, r_in)
-        final, ys, y_lays[:] = run_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
+        final, ys, y_lays[:] = stage_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
                                         plan.layers_per_stage)  # fmt: skip
         # the microbatch the last stage finishes
         filed = dict(lag=s_n - 1, lo=0, hi=m, items=m, m=m)
@@ -642,7 +640,7 @@ def _deal_circular(ctx, eqn, plan: PipelinePlan, xs):
     return out
 
 
-def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, run_loop):
+def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, stage_loop):
     """(final carry, [], []): the ticks of the circular schedule. At tick t stage s runs
     item i = t - s, microbatch i % M in round i // M, on its chunk of that round; stage
     0 reads round 0 from the carry and later rounds from `circ`, where it files what the
@@ -668,7 +666,7 @@ def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, re
         layers = [_call(ctx, _index_div, c, i, like=_entry(c), m=m) for c in chunks]
         working = _working(ctx, t, s, items)
         x_in, layers, r_in = _bubble_masked(ctx, working, x_in, layers, r_in)
-        final, _, _ = run_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
+        final, _, _ = stage_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
                                plan.layers_per_tick)  # fmt: skip
         # the item the last stage finishes: its last round is the result, the others go
         # round again from stage 0

@@ -6,13 +6,11 @@ costs), the collectives it issues (kind, mesh axes, bytes, the graph value moved
 and `ops`, the step's instructions (`Instr`) over local values, which the emitter
 (lowering/emit.py) runs inside jit(shard_map) and decides nothing about.
 
-`RuleContext` is what an SPMD rule sees. Its operations on local values (relayout,
-the collectives, local ops, casts to varying, arithmetic by `call`) are one API with
-two interpreters: `Planner` (here) works on `Local`s, abstract shards (shape, dtype,
-the mesh axes they vary over), records each operation as an `Instr`, and never
-calls jax; the traced context of lowering/lower.py runs the same operations on jax
-arrays inside shard_map. A rule written against this API alone (lowering/rules.py
-`PLAN_RULES`) plans without jax; the others run traced.
+`RuleContext` is what an SPMD rule (lowering/rules/) sees: operations on local values
+(relayout, the collectives, local ops, casts to varying, arithmetic by `call`). The
+`Planner` (here) interprets them on `Local`s, abstract shards (shape, dtype, the mesh
+axes they vary over), records each operation as an `Instr`, and never calls jax; the
+emitter runs the instructions (`emit(check=True)` holds each jax value to its Local).
 """
 
 from __future__ import annotations
@@ -127,22 +125,6 @@ class Plan(list):
             lines.append(f"{pad}{s.name}: {ins} -> {outs}{times}")
             lines.extend(pad + "    " + e for e in s.events if casts or not e.startswith("pvary"))
         return "\n".join(lines)
-
-
-def signature(plan) -> list:
-    """Everything `plan` says, per step (layouts, local ops and their local avals,
-    collectives, casts, repetitions), with graph values by dims and shape: equal for
-    two plans of one program made from two traces (the Planner's and the traced one)."""
-    src = lambda v: None if v is None else (v.dims, v.shape)
-    return [
-        (
-            s.name, s.inputs, s.outputs, s.repeat, s.depth, s.events,
-            [(op.prim.name, op.ins, op.outs) for op in s.local],
-            [(c.kind, c.axes, c.nbytes, src(c.source), c.transposes) for c in s.collectives],
-            [(c.kind, c.axes, c.nbytes, src(c.source)) for c in s.casts],
-        )
-        for s in plan
-    ]  # fmt: skip
 
 
 def _fmt_local(a) -> str:
@@ -272,7 +254,7 @@ class RuleContext:
         self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
     ) -> None:
         c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
-        step = self.step  # a costing-only step holds () until its first (lower._step)
+        step = self.step  # a costing-only step holds () until its first (interpret._step)
         if kind == "pvary":
             if isinstance(step.casts, tuple):
                 step.casts = []
@@ -324,14 +306,13 @@ class RuleContext:
         self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
 
     def missing_axes(self, x, vma: set) -> tuple[str, ...]:
-        """The axes of `vma` over which `x` is not yet typed varying, in mesh order (as
-        collectives.missing_axes says of a jax array)."""
+        """The axes of `vma` over which `x` is not yet typed varying, in mesh order."""
         missing = set(vma) - self.vma(x)
         return tuple(a for a in self.sizes if a in missing) if missing else ()
 
     def cast_varying(self, x, vma: set):
-        """`x` typed varying over every axis of `vma`, unlogged (collectives.cast_varying:
-        a loop carry's type, whose cast the loop logs once it has settled)."""
+        """`x` typed varying over every axis of `vma` (a free cast: no data moves),
+        unlogged: a loop carry's type, whose cast the loop logs once it has settled."""
         missing = self.missing_axes(x, vma)
         return self._op("pcast", x, axes=missing) if missing else x
 
@@ -422,7 +403,7 @@ class RuleContext:
         """(final carry, stacked ys, the body's Step): `body(carry, x) -> (carry, ys)` on
         lists of local values, run `length` times over the leading dim of `xs` from
         `init`, in the Step `step()` makes (its relayouts kept apart from the enclosing
-        step's). Traced, jax.lax.scan; planned, one "scan" instruction running that Step.
+        step's): one "scan" instruction running that Step (jax.lax.scan, emitted).
         The carry keeps `init`'s types: a body that widens them raises (WiderCarry)."""
         made: list = []
 
@@ -441,6 +422,16 @@ class RuleContext:
     def _loop(self, run: Callable, init: list, xs: list, length: int, made: list) -> tuple:
         """The interpreter's loop of `loop`: (final carry, stacked ys); `made` holds the
         body's Step once `run` has run."""
+        raise NotImplementedError
+
+    # --- for a rule that runs a graph of its own (nm.scan's body): lowering/interpret.py --
+    def plan_layouts(self, graph) -> None:
+        """The layout each value `graph`'s equations make should have, into `wanted`."""
+        raise NotImplementedError
+
+    def run_graph(self, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0) -> None:
+        """Run `graph`'s equations by their rules: `env` maps each input to (local value,
+        layout) and receives every value made; their Steps are appended to `plan`."""
         raise NotImplementedError
 
 

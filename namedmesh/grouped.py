@@ -10,7 +10,7 @@ matmul whatever the groups' sizes (`block_rows`). `jax.lax.ragged_dot` states th
 product but lowers on CPU to a dense product over every group (groups times the
 flops: benchmarks/moe_routing.py). A group outside
 [0, groups) gives a zero row: an expert-parallel shard passes the groups of the other
-shards that way (lowering/rules.py).
+shards that way (lowering/rules/grouped.py).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 `var` and `std`.
 
 `squeeze`, `expand_dims`, `var` and `std` are primitives (their SPMD rules are in
-lowering/rules.py). `isel` is `slice` (and `squeeze` for an integer index) by name, so
-that it lowers by their rules, halo exchange included.
+lowering/rules/structural.py and reductions.py). `isel` is `slice` (and `squeeze` for
+an integer index) by name, so that it lowers by their rules, halo exchange included.
 """
 
 from __future__ import annotations

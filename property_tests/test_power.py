@@ -2,7 +2,6 @@
 counterexample and hypothesis shrinks it to a small case."""
 
 import contextlib
-import importlib
 import math
 
 import jax
@@ -12,12 +11,11 @@ from hypothesis import strategies as st
 
 import lowering.collectives as col
 import namedmesh as nm
-from lowering import Layout, Mesh, lower, rules
+from lowering import Layout, Mesh, interpret, lower
 from lowering.plan import RuleContext
+from lowering.rules import P, control, einsum, reductions, selection, spatial
 from namedmesh.testing import CASES, compare
 from namedmesh.testing import strategies as S
-
-LOWER = importlib.import_module("lowering.lower")  # the module: `lowering.lower` is the function
 
 
 def wrong(case) -> bool:
@@ -117,7 +115,7 @@ def failing(check):
 
 def old_extreme(ctx, prim, x, y, axes, split):
     """max/min as the sum of the elements equal to the extreme over their count."""
-    m = (ctx.pmax if prim is rules.P.max else ctx.pmin)(y, split)
+    m = (ctx.pmax if prim is P.max else ctx.pmin)(y, split)
     hits = lambda x, m: jnp.sum(x == jnp.expand_dims(m, axes), axis=axes, dtype=x.dtype)
     total = lambda x, m: jnp.sum(jnp.where(x == jnp.expand_dims(m, axes), x, 0), axis=axes)
     count = ctx.psum(ctx.call(hits, x, m, shape=m.shape, dtype=x.dtype), split)
@@ -138,32 +136,37 @@ def old_lowest(dtype):
 
 ALL = S.DTYPES
 MUTATIONS = {  # class -> ([(module, name, old value)], ops and dtypes drawn, property)
-    "1-max-min": ([(rules, "_global_extreme", old_extreme)], ("max", "min"), ALL, V.check_values),
+    "1-max-min": (
+        [(reductions, "_global_extreme", old_extreme)],
+        ("max", "min"),
+        ALL,
+        V.check_values,
+    ),
     # argmin's class lives in the float order (-0.0, NaN): drawn there, it is found sooner
     "2-argmax-argmin": (
-        [(rules, "sort_key", old_key)],
+        [(selection, "sort_key", old_key)],
         ("argmax", "argmin"),
         S.FLOATS,
         V.check_values,
     ),
     "6-bool-einsum": (  # (as it was: jax's psum of bools, int32; see old_psum below)
         [
-            (rules, "_counts_dtype", lambda dtype, summed, sizes: np.dtype(dtype)),
+            (einsum, "_counts_dtype", lambda dtype, summed, sizes: np.dtype(dtype)),
             (col, "psum", lambda x, axes: old_psum(x, axes)),
         ],
         ("einsum",),
         ALL,
         V.check_values,
     ),
-    "8-pool-fill": ([(rules, "lowest", old_lowest)], ("pool",), ALL, V.check_values),
+    "8-pool-fill": ([(spatial, "lowest", old_lowest)], ("pool",), ALL, V.check_values),
     "9-softmax-inf": (
-        [(rules, "_SHIFT", {**rules._SHIFT, rules.P.softmax: rules.finite_shift})],
+        [(reductions, "_SHIFT", {**reductions._SHIFT, P.softmax: reductions.finite_shift})],
         ("softmax",),
         ALL,
         V.check_values,
     ),
     "10-uncosted": (
-        [(LOWER, "cost_own_arithmetic", lambda *a: None)],
+        [(interpret, "cost_own_arithmetic", lambda *a: None)],
         ("softmax", "top_k", "logsumexp"),
         ALL,
         V.check_split_flops,
@@ -237,9 +240,9 @@ FAST = settings(  # derandomized: the same search every run
     "item, module, name, replacement, kinds",
     [
         ("3", col, "ppermute", old_ppermute, ("shift", "conv", "pool_max", "pool_mean")),
-        ("4", rules, "_wide", lambda ctx, i: i, ("gather",)),
-        ("5", rules, "align", positional_align, ("gather",)),
-        ("7", LOWER, "check_dtypes", lambda graph: None, S.ALONG_KINDS),
+        ("4", selection, "wide_indices", lambda ctx, i: i, ("gather",)),
+        ("5", selection, "align", positional_align, ("gather",)),
+        ("7", interpret, "check_dtypes", lambda graph: None, S.ALONG_KINDS),
     ],
 )
 def test_issue_13_classes_are_found_and_shrunk(item, module, name, replacement, kinds, monkeypatch):
@@ -307,7 +310,6 @@ def test_duplicate_devices_are_found(monkeypatch):
 # them (namedmesh/testing/dtype_strategies.py, stack_strategies' "unit" and "constant"
 # bodies) must find each.
 import lowering.pipeline as pipeline_module  # noqa: E402
-import lowering.scan as scan_module  # noqa: E402
 from namedmesh.primitive import REGISTRY  # noqa: E402
 from namedmesh.testing import dtype_strategies as DS  # noqa: E402
 from namedmesh.testing import stack_strategies as SS  # noqa: E402
@@ -367,7 +369,7 @@ def test_issue_26_classes_are_found(cls, monkeypatch):
             m.setattr(pipeline_module, "_bubble_masked", lambda ctx, ok, *ins: ins)
             cases, wrong_ = SS.stack_cases(bodies=("unit",)), stack_wrong
         elif cls == "4-constants":
-            m.setattr(scan_module, "hoisted", lambda ctx, eqn, rest: (eqn, rest, []))
+            m.setattr(control, "hoisted", lambda ctx, eqn, rest: (eqn, rest, []))
             cases, wrong_ = SS.stack_cases(bodies=("constant",)), stack_wrong
         elif cls == "2-integer-softmax":
             integer_impls(m)

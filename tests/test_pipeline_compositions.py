@@ -13,7 +13,6 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from lowering.plan import signature
 from models import objectives, transformer, zoo
 from tests.test_pipeline import BATCH, CFG, PARAMS, one_device
 
@@ -46,12 +45,6 @@ def _value_and_grads(loss, params, batch):
     return jax.jit(jax.value_and_grad(lambda p: loss(p, batch).data))(params)
 
 
-def _assert_planned(lowered, params, batch):
-    """Run from the Planner's plan, which is the one the rules log as jax traces them."""
-    assert lowered._build((params, batch))[1].planned
-    assert signature(lowered.plan(params, batch)) == signature(lowered.traced_plan(params, batch))
-
-
 def _assert_equal(got, want):
     (got_loss, got_grads), (want_loss, want_grads) = got, want
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
@@ -66,9 +59,8 @@ def test_fsdp_rules_and_remat_inside_the_stages():
     per layer inside each stage), each layer rematerialised but its matmuls."""
     cfg = CFG.replace(remat="dots")  # values and gradients those of no remat
     lowered = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh({"stage": 2, "data": 4}),
-                    "layers:stage;batch:data;d_model:data;microbatches=2")  # fmt: skip
-    _assert_equal(_value_and_grads(lowered, PARAMS, BATCH), one_device())
-    _assert_planned(lowered, PARAMS, BATCH)
+                    "layers:stage;batch:data;d_model:data;microbatches=2", check=True)  # fmt: skip
+    _assert_equal(_value_and_grads(lowered, PARAMS, BATCH), one_device())  # emitted, checked
     (plan,) = lowered.report(PARAMS, BATCH, wrt=0, show=False).pipelines
     assert (plan.stages, plan.microbatches) == (2, 2)
 
@@ -82,9 +74,8 @@ def test_fsdp_rules_and_remat_inside_the_stages():
 )
 def test_moe_and_the_encoder_decoder_pipelined(name, sizes, layout, pipelines):
     loss, params, batch = case(name)
-    lowered = lower(loss, Mesh(sizes), layout)
+    lowered = lower(loss, Mesh(sizes), layout, check=True)  # emitted, checked against its plan
     _assert_equal(_value_and_grads(lowered, params, batch), _value_and_grads(loss, params, batch))
-    _assert_planned(lowered, params, batch)
     plans = lowered.report(params, batch, wrt=0, show=False).pipelines
     assert [p.stages for p in plans] == [2] * pipelines
     # the MoE's balancing loss mixes the batch: one microbatch; the stacks' bodies don't

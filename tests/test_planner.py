@@ -1,7 +1,8 @@
-"""The planner: a Plan made in plain Python, without jax, equal to the plan the rules
-log as jax traces them (`Lowered.traced_plan`, the oracle), and the emitter that runs
-it. The compiled HLO's collectives against the plan's are property 3 of
-property_tests/test_lowering_props.py, which now runs planned programs."""
+"""The planner: a Plan made in plain Python, without jax, and the emitter that runs it,
+its check mode (`Lowered.check`: every value the emitted program makes held to the
+plan's Local, its shape, dtype and varying mesh axes) the oracle, beside NumPy's
+values. The compiled HLO's collectives against the plan's are property 3 of
+property_tests/test_lowering_props.py."""
 
 import math
 
@@ -11,27 +12,20 @@ import numpy as np
 import pytest
 
 import namedmesh as nm
-from lowering import Layout, Mesh, caches, lower, rules
-from lowering.cost import report
-from lowering.layout import local_shape
-from lowering.lower import argument_inputs, graph_report, plan_program
-from lowering.plan import nontrivial, signature
+from lowering import Layout, Mesh, PlanMismatch, caches, lower
+from lowering.lower import argument_inputs, graph_report
 from models import config, objectives, transformer
 
 MESH = Mesh({"rows": 2, "cols": 4})
 ABSTRACT = Mesh({"rows": 2, "cols": 4}, devices="abstract")
 
 
-def assert_plans_equal(fn, mesh, layout, *args, wrt=None):
-    lowered = lower(fn, mesh, layout)
-    planned = lowered.plan(*args)
-    assert lowered._build(args)[1].planned, "the program should be planned without jax"
-    assert signature(planned) == signature(lowered.traced_plan(*args))
-    if wrt is not None:
-        traced = lower(fn, mesh, layout, traced=True)
-        assert lowered.report(*args, wrt=wrt, show=False) == traced.report(
-            *args, wrt=wrt, show=False
-        )
+def assert_checked(fn, layout, *args):
+    """The program emitted from the Planner's plan, traced on the 2x4 mesh with the check
+    on (PlanMismatch at the first value that is not the plan's); the plan is the one
+    the abstract mesh, which has no devices, gets."""
+    plan = lower(fn, MESH, layout).check(*args)
+    assert lower(fn, ABSTRACT, layout).plan(*args).format(casts=True) == plan.format(casts=True)
 
 
 def lm(name: str, **kw):
@@ -51,9 +45,9 @@ def lm(name: str, **kw):
         "vocab:rows,cols;length:cols",  # vocab-parallel embedding lookup (gather + psum)
     ],
 )
-def test_zoo_lm_training_plan_equals_the_traced_plan(layout):
+def test_zoo_lm_training_plan_checks_against_the_emitted_program(layout):
     loss, inputs = lm("tiny")
-    assert_plans_equal(loss, ABSTRACT, layout, *inputs, wrt=0)
+    assert_checked(loss, layout, *inputs)
 
 
 def mlp(x, w1, w2):
@@ -67,11 +61,32 @@ def mlp_inputs():
 
 
 @pytest.mark.parametrize("layout", ["batch:rows;d_ff:cols", "d:cols;d_ff:cols", "batch:rows,cols"])
-def test_mlp_plan_equals_the_traced_plan_and_runs_it(layout):
+def test_mlp_plan_checks_against_the_emitted_program_and_runs_it(layout):
     args = mlp_inputs()
-    assert_plans_equal(mlp, ABSTRACT, layout, *args, wrt=(1, 2))
+    assert_checked(mlp, layout, *args)
     got = lower(mlp, MESH, layout)(*args)
     np.testing.assert_allclose(got.data, mlp(*args).data, rtol=1e-5)
+
+
+def test_the_check_names_the_instruction_that_differs_from_the_plan():
+    """The emitter's check mode holds each value it makes to its Local: a plan whose psum
+    result is said to vary still, or whose local op's result has another dtype, fails
+    naming the step and instruction, before anything compiles."""
+    args = mlp_inputs()
+    lowered = lower(mlp, MESH, "batch:rows;d_ff:cols")
+    plan = lowered.check(*args)  # the plan as made passes
+    step = next(s for s in plan.program if any(i.op == "psum" for i in s.ops))
+    k, psum = next((k, i) for k, i in enumerate(step.ops) if i.op == "psum")
+    psum.outs[0].vma = frozenset(MESH.sizes)
+    with pytest.raises(PlanMismatch, match=rf"step 'einsum', instruction {k} \(psum\), value 0: "
+                       r"jax made float32\[8, 8\] varying over \['rows'\]"):  # fmt: skip
+        lowered.check(*args)
+    psum.outs[0].vma = frozenset({"rows"})
+    lowered.check(*args)
+    relu = next(s for s in plan.program if s.name == "relu")
+    relu.ops[-1].outs[0].dtype = np.dtype(np.float16)
+    with pytest.raises(PlanMismatch, match=r"step 'relu', .*\(local relu\).*the plan says float16"):
+        lowered.check(*args)
 
 
 def ops(x, i):
@@ -87,11 +102,11 @@ def ops(x, i):
 
 
 @pytest.mark.parametrize("layout", ["v:cols", "b:rows;v:cols", "v:rows,cols", "b:cols"])
-def test_each_ported_rule_plans_as_it_traces_and_runs_correctly(layout):
+def test_each_rule_is_emitted_as_planned_and_runs_correctly(layout):
     rng = np.random.default_rng(1)
     x = nm.tensor(rng.normal(size=(4, 8)).astype(np.float32), "b v")
     i = nm.tensor(rng.integers(-8, 8, size=(4,)).astype(np.int32), "b")
-    assert_plans_equal(ops, ABSTRACT, layout, x, i)
+    assert_checked(ops, layout, x, i)
     got = lower(ops, MESH, layout)(x, i)
     for g, w in zip(got, ops(x, i), strict=True):
         np.testing.assert_allclose(g.data, w.data, rtol=1e-5, atol=1e-6)
@@ -108,11 +123,11 @@ def more_ops(x, key):
 
 
 @pytest.mark.parametrize("layout", ["v:cols", "b:rows;v:cols", "v:rows,cols"])
-def test_rules_with_their_own_arithmetic_plan_as_they_trace(layout):
+def test_rules_with_their_own_arithmetic_are_emitted_as_planned(layout):
     rng = np.random.default_rng(2)
     x = nm.tensor(rng.normal(size=(4, 8)).astype(np.float32), "b v")
     key = nm.random.key(3)
-    assert_plans_equal(more_ops, ABSTRACT, layout, x, key)
+    assert_checked(more_ops, layout, x, key)
     got = lower(more_ops, MESH, layout)(x, key)
     for g, w in zip(got, more_ops(x, key), strict=True):
         np.testing.assert_allclose(g.data, w.data, rtol=1e-5, atol=1e-6)
@@ -127,8 +142,7 @@ def test_planning_calls_no_jax(monkeypatch, layout):
     A pipelined scan (the second layout) too."""
     loss, inputs = lm("tiny")
     graph = nm.trace(loss, *inputs)
-    layout = Layout(layout)
-    assert rules.plannable(graph)
+    wrt = argument_inputs(graph, inputs, 0)
 
     def no_jax(self, *args, **params):
         raise AssertionError(f"the planner called jax: {self}")
@@ -136,13 +150,9 @@ def test_planning_calls_no_jax(monkeypatch, layout):
     monkeypatch.setattr(jax.extend.core.Primitive, "bind", no_jax)
     with pytest.raises(AssertionError, match="called jax"):
         jax.numpy.zeros(3) + 1  # the patch bites
-    of = lambda v: nontrivial(layout.of(v.dims, v.shape, ABSTRACT), ABSTRACT)
-    wanted = {v: of(v) for v in graph.inputs}
-    plan = plan_program(graph, ABSTRACT, layout, wanted, [of(v) for v in graph.outputs])
-    local_bytes = lambda v: np.prod(local_shape(wanted.get(v, ((),) * len(v.dims)), v.shape,
-                                                ABSTRACT)) * v.dtype.itemsize  # fmt: skip
-    rep = report(plan, graph, local_bytes, ABSTRACT.sizes, wrt=graph.inputs[:-2])
+    rep = lower(loss, ABSTRACT, layout).report(*inputs, wrt=0, show=False)  # traced too
     assert rep.flops > 0 and rep.backward and rep.collectives
+    assert graph_report(graph, ABSTRACT, Layout(layout), wrt) == rep  # as a search costs
 
 
 def conv_pool(x, k):
@@ -152,14 +162,13 @@ def conv_pool(x, k):
 
 
 @pytest.mark.parametrize("layout", ["w:cols", "b:rows;w:cols"])
-def test_conv_and_pool_plan_as_they_trace_and_run_correctly(layout):
+def test_conv_and_pool_are_emitted_as_planned_and_run_correctly(layout):
     """conv's and pool's halos (ppermute of the neighbours' edges) are planned without
-    jax, as they trace, and the emitted program equals the reference."""
+    jax, emitted as planned, and the emitted program equals the reference."""
     rng = np.random.default_rng(4)
     x = nm.tensor(rng.normal(size=(2, 16, 3)).astype(np.float32), "b w c")
     k = nm.tensor(rng.normal(size=(3, 3, 4)).astype(np.float32), "kw c o")
-    assert rules.plannable(nm.trace(conv_pool, x, k))
-    assert_plans_equal(conv_pool, ABSTRACT, layout, x, k)
+    assert_checked(conv_pool, layout, x, k)
     plan = lower(conv_pool, ABSTRACT, layout).plan(x, k)
     assert [c.kind for s in plan for c in s.collectives][:2] == ["ppermute"] * 2
     for g, w in zip(lower(conv_pool, MESH, layout)(x, k), conv_pool(x, k), strict=True):
@@ -177,37 +186,31 @@ PIPELINES = {  # the tiny LM of 8 layers; name: (remat, layout)
 
 
 @pytest.mark.parametrize("name", list(PIPELINES))
-def test_a_pipelined_scan_plans_as_it_traces(name):
+def test_a_pipelined_scan_is_emitted_as_planned(name):
     """A layout that splits a scan's scanned dim makes it a pipeline (lowering/pipeline.py),
-    planned without jax like every other op: the plan (its pipeline tick and the stage's
-    loop) and the training report equal those the rules log as jax traces them."""
+    planned without jax like every other op, and emitted as planned (its pipeline tick
+    and the stage's loop)."""
     remat, layout = PIPELINES[name]
     loss, inputs = lm("tiny", layers=8, remat=remat)
-    assert rules.plannable(nm.trace(loss, *inputs))
-    assert_plans_equal(loss, ABSTRACT, layout, *inputs, wrt=0)
+    assert_checked(loss, layout, *inputs)
     (pipe,) = [s.pipeline for s in lower(loss, ABSTRACT, layout).plan(*inputs) if s.pipeline]
     assert pipe.stages == math.prod(ABSTRACT.sizes[a] for a in dict(Layout(layout).rules)["layers"])
 
 
-def test_a_pipelined_scan_with_ys_plans_as_it_traces_and_runs_from_the_plan():
-    """Per-layer results (ys) stay on their stage; the program emitted from the plan, and
-    the one its rules make as jax traces them (the oracle), equal a NumPy loop."""
+def test_a_pipelined_scan_with_ys_is_emitted_as_planned_and_runs_from_the_plan():
+    """Per-layer results (ys) stay on their stage; the program emitted from the plan, its
+    check on, equals a NumPy loop."""
     from test_scan import ARGS, WANT, scanned
 
-    layout = "layers:rows;batch:cols"
-    assert_plans_equal(scanned, ABSTRACT, layout, *ARGS, wrt=(1, 2))
-    for traced in (False, True):
-        lowered = lower(scanned, MESH, layout, traced=traced)
-        h, ys = lowered(*ARGS)
-        assert lowered._build(ARGS)[1].planned is not traced
-        np.testing.assert_allclose(np.asarray(h.data), WANT[0], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(ys.data), WANT[1], rtol=1e-4, atol=1e-5)
+    h, ys = lower(scanned, MESH, "layers:rows;batch:cols", check=True)(*ARGS)
+    np.testing.assert_allclose(np.asarray(h.data), WANT[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ys.data), WANT[1], rtol=1e-4, atol=1e-5)
 
 
 def test_a_search_costs_each_candidate_as_it_costs_it_alone():
     """The caches that candidates leave each other (lowering/caches.py) change no figure:
     layouts costed one after another by `graph_report`, as auto_layout costs them, give
-    the reports they give each from cold caches, and those of the traced plans."""
+    the reports they give each from cold caches, and those of the full plans."""
     loss, inputs = lm("tiny")
     graph = nm.trace(loss, *inputs)
     wrt = argument_inputs(graph, inputs, 0)
@@ -223,5 +226,5 @@ def test_a_search_costs_each_candidate_as_it_costs_it_alone():
     for lay, got in zip(layouts, warm, strict=True):
         caches.clear()
         assert got == graph_report(graph, ABSTRACT, Layout(lay), wrt)
-        traced = lower(loss, ABSTRACT, lay, traced=True).report(*inputs, wrt=0, show=False)
-        assert got == traced and str(got) == str(traced)
+        full = lower(loss, ABSTRACT, lay).report(*inputs, wrt=0, show=False)
+        assert got == full and str(got) == str(full)

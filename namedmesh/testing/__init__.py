@@ -33,11 +33,12 @@ def tolerance(dtype) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=256)
 def lowered(fn, mesh, layout):
-    """`lowering.lower(fn, mesh, layout)`, cached: a case hypothesis replays while it
-    shrinks (same fn, mesh and layout; Programs compare by value) is not compiled again."""
+    """`lowering.lower(fn, mesh, layout, check=True)`, cached: a case hypothesis replays
+    while it shrinks (same fn, mesh and layout; Programs compare by value) is not compiled
+    again. The emitter's check holds every value it makes to the plan as it traces."""
     from lowering import lower
 
-    return lower(fn, mesh, layout)
+    return lower(fn, mesh, layout, check=True)
 
 
 def _leaves(tree):

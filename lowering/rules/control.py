@@ -12,119 +12,23 @@ shard_map types each value as varying or not over each mesh axis and a loop carr
 must keep its type, so the carry is typed varying over every axis over which the
 initial value or the body's result varies.
 
-`scan_rule` runs traced (its loop `run_loop`); `plan_scan` plans the same loop on
-`Local`s without jax (`plan_loop`), re-planning the body until the carry's type
-settles, and records it as one "scan" instruction holding the body's steps, which the
-emitter (lowering/emit.py) runs inside jax.lax.scan. A pipelined scan (a split scanned
-dim) is one implementation for both, `pipeline.emit` on the context's operations,
-given the interpreter's loop for its stages' iterations.
+`scan_rule` plans the loop on `Local`s without jax (`plan_loop`), re-planning the
+body until the carry's type settles, and records it as one "scan" instruction holding
+the body's steps, which the emitter (lowering/emit.py) runs inside jax.lax.scan. A
+pipelined scan (a split scanned dim) is `pipeline.emit` on the context's operations,
+given `plan_loop` for its stages' iterations.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lowering import pipeline
-from lowering.collectives import WiderCarry, cast_varying, missing_axes, nbytes, varying_axes
-from lowering.lower import plan_layouts, run_graph
+from lowering.collectives import WiderCarry, nbytes
 from lowering.plan import Instr, Local, Step
-from lowering.rules import P, plan_rule, rule
-from namedmesh.control import checkpointed
+from lowering.rules.registry import P, rule
 from namedmesh.trace import Eqn, Graph
-
-
-@rule(P.scan)
-def scan_rule(ctx, eqn, args):
-    p = eqn.params
-    nc, nx = p["n_carry"], p["n_x"]
-    carry_lay = [ctx.wanted[v] for v in eqn.outputs[:nc]]
-    carry = [
-        ctx.relayout(x, lay, want) for (x, lay), want in zip(args[:nc], carry_lay, strict=True)
-    ]
-    x_args, rest = args[nc : nc + nx], args[nc + nx :]
-    if pipeline.split_axes(x_args, p["x_axes"]):  # a split scanned dim: a pipeline
-        outer = ctx.step
-        eqn, rest, made = hoisted(ctx, eqn, rest)
-        outs = pipeline.emit(ctx, eqn, carry, carry_lay, x_args, rest, run_loop)
-        outer.body[:0] = made  # (their costs; their instructions are the step's own)
-        return outs
-    xs, x_lays = [], []
-    for (x, lay), ax in zip(x_args, p["x_axes"], strict=True):
-        xs.append(jnp.moveaxis(x, ax, 0))
-        x_lays.append(lay[:ax] + lay[ax + 1 :])
-    final, ys, y_lays = run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, p["length"])
-    return [
-        *zip(final, carry_lay, strict=True),
-        *((y, ((),) + lay) for y, lay in zip(ys, y_lays, strict=True)),
-    ]
-
-
-def run_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
-    """(final carry, ys, the ys' layouts): `jax.lax.scan` of the scan equation `eqn`'s
-    body over the local `xs` (scanned dim first, layouts `x_lays` without it), `length`
-    iterations, from the local `carry` (layouts `carry_lay`), with the captured `rest`
-    [(array, layout)]. Its Steps, repeated `length` times per run of `ctx.step` (the
-    step it runs in), go into that step's `body`."""
-    p = eqn.params
-    body, nc = p["body"], p["n_carry"]
-    outer = ctx.step
-    in_lays = carry_lay + x_lays + [lay for _, lay in rest]
-    ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
-    plan_layouts(ctx, body)
-    steps, y_lays = [], []
-
-    def step(c, x):
-        saved = ctx.moved, ctx.sources
-        ctx.moved, ctx.sources = {}, {}  # this trace's values must not leak out of the loop
-        steps.clear()
-        env = dict(
-            zip(
-                body.inputs, zip([*c, *x, *(a for a, _ in rest)], in_lays, strict=True), strict=True
-            )
-        )
-        run_graph(ctx, body, env, steps, outer.repeat * length, outer.depth + 1)
-        ctx.combined = set()
-        ctx.step = Step(
-            "carry",
-            None,
-            [(v.dims, env[v][1]) for v in body.outputs[:nc]],
-            [],
-            repeat=outer.repeat * length,
-            depth=outer.depth + 1,
-        )
-        new = [
-            ctx.relayout(*env[v], lay) for v, lay in zip(body.outputs[:nc], carry_lay, strict=True)
-        ]
-        ctx.step.outputs = [
-            (v.dims, lay) for v, lay in zip(body.outputs[:nc], carry_lay, strict=True)
-        ]
-        wider = set().union(*map(varying_axes, new)) - vma
-        if wider:
-            (ctx.moved, ctx.sources), ctx.step = saved, outer
-            raise WiderCarry(wider)
-        new = [ctx.varying(y, vma) for y in new]  # logged: its transpose psums the carry
-        if ctx.step.collectives or ctx.step.casts:
-            steps.append(ctx.step)
-        (ctx.moved, ctx.sources), ctx.step = saved, outer
-        y_lays[:] = [env[v][1] for v in body.outputs[nc:]]
-        return new, [env[v][0] for v in body.outputs[nc:]]
-
-    vma = set().union(*map(varying_axes, carry))
-    while True:
-        try:
-            init = [cast_varying(c, vma, ctx.sizes) for c in carry]
-            body_fn = checkpointed(step, p.get("remat", "none"))
-            final, ys = jax.lax.scan(body_fn, init, xs, length=length)
-            break
-        except WiderCarry as e:
-            vma |= e.axes
-    for c in carry:  # logged once the carry's type is settled: its transpose psums
-        if missing := missing_axes(c, vma, ctx.sizes):
-            ctx.log("pvary", missing, nbytes(c), ctx.source(c))
-    ctx.step.body = list(steps)
-    return final, ys, y_lays
 
 
 def hoisted(ctx, eqn, rest):
@@ -149,7 +53,7 @@ def hoisted(ctx, eqn, rest):
     constants += [v for e in free for v in e.outputs if v in used]
     if not any(dim in v.dims for v in constants):
         return eqn, rest, []
-    plan_layouts(ctx, body)
+    ctx.plan_layouts(body)
     for e in free:  # made whole on every device: no collective moves a value made from
         for v in e.outputs:  # nothing (XLA folds a gather of a constant away; so do we)
             ctx.wanted[v] = ((),) * len(v.dims)
@@ -158,7 +62,7 @@ def hoisted(ctx, eqn, rest):
     read = {v for e in free for v in e.inputs} | set(constants)
     env = {v: (_constant(ctx, c), ((),) * len(v.dims)) for v, c in body.consts.items()
            if v in read}  # fmt: skip
-    run_graph(ctx, Graph((), (), free, None, None, {}), env, made, outer.repeat, outer.depth + 1)
+    ctx.run_graph(Graph((), (), free, None, None, {}), env, made, outer.repeat, outer.depth + 1)
     ctx.step = outer
     outer.ops.extend(op for step in made for op in step.ops)
     consts = {v: c for v, c in body.consts.items() if v not in constants}
@@ -179,10 +83,11 @@ def _array(value):
     return jnp.asarray(value)
 
 
-@plan_rule(P.scan)
-def plan_scan(ctx, eqn, args):
-    """`scan_rule`'s plan, on Locals: the same layouts, moves and casts; a split scanned
-    dim makes the same pipeline (pipeline.emit), its stages' loops planned."""
+@rule(P.scan)
+def scan_rule(ctx, eqn, args):
+    """The carry relaid to its layout, the scanned inputs' scanned dim made whole and
+    moved first, and the loop planned (`plan_loop`); a split scanned dim makes a
+    pipeline (pipeline.emit), its stages' loops planned alike."""
     p = eqn.params
     nc, nx = p["n_carry"], p["n_x"]
     carry_lay = [ctx.wanted[v] for v in eqn.outputs[:nc]]
@@ -211,7 +116,7 @@ def plan_scan(ctx, eqn, args):
 
 
 def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
-    """`run_loop` planned: (final carry, stacked ys, the ys' layouts) of the scan
+    """(final carry, stacked ys, the ys' layouts) of the scan
     equation `eqn`'s body over the Locals `xs`, `length` iterations, recorded into the
     current step as one "scan" instruction holding the body's steps, re-planning the body
     until the carry's type settles. The body's Steps go into the current step's `body`."""
@@ -219,7 +124,7 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     body, nc = p["body"], p["n_carry"]
     in_lays = carry_lay + x_lays + [lay for _, lay in rest]
     ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
-    plan_layouts(ctx, body)
+    ctx.plan_layouts(body)
     vma = set().union(*map(ctx.vma, carry))
     while True:
         try:
@@ -259,7 +164,7 @@ def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set, length: 
     env = dict(zip(body.inputs, zip(values, in_lays, strict=True), strict=True))
     shown: list = []
     repeat, depth = outer.repeat * length, outer.depth + 1
-    run_graph(ctx, body, env, shown, repeat, depth)
+    ctx.run_graph(body, env, shown, repeat, depth)
     ctx.combined = set()
     ctx.step = Step("carry", None, [(v.dims, env[v][1]) for v in body.outputs[:nc]], [],
                     repeat=repeat, depth=depth)  # fmt: skip
