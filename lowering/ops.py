@@ -187,6 +187,14 @@ def run_local(*xs, local_op, **params):
     return tuple(o if o.dtype == t else o.astype(t) for o, t in zip(outs, dtypes, strict=True))
 
 
+def routed(*xs, **params):
+    """lowering/expert_routes.py's rounds of all_to_all (imported on first use: it reads
+    the grouped matmul's kernel, and the planner needs none of it)."""
+    from lowering import expert_routes
+
+    return expert_routes.routed(*xs, **params)
+
+
 # --- abstract rules: (Locals, the mesh's sizes, params) -> Local(s) ------------------------
 def _vma(xs) -> frozenset:
     return xs[0].vma if len(xs) == 1 else frozenset().union(*(x.vma for x in xs))
@@ -250,6 +258,11 @@ def _moved(xs, mesh, axes, dim, to):
     (x,) = xs
     n = _span(mesh, axes)
     return Local(_scaled(_scaled(x.shape, dim, n), to, 1 / n), x.dtype, x.vma)
+
+
+def _given(xs, mesh, shape, dtype, **_):
+    """A result of the given shape and dtype, varying where its inputs do."""
+    return Local(tuple(shape), np.dtype(dtype), _vma(xs))
 
 
 def abstract_local(xs, mesh, local_op, **params) -> tuple[Local, ...]:
@@ -327,6 +340,9 @@ OPS: dict[str, Op] = {
         _moved, all_to_all, _others_share, "all-to-all", _as_is, hlo_pieces=True,
         backward=("all_to_all", _as_is), measure=lambda x, k: all_to_all(x, _ALL, 0, 0),
     ),
+    # each device's rows to their groups' devices and back, in rounds of three
+    # all_to_all (rows, their groups, results), which the rule logs
+    "routed": Op(_given, routed),
     "ppermute": Op(
         _kept, ppermute, _as_is, "collective-permute", _as_is, groups=False,
         backward=("ppermute", _as_is),

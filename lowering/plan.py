@@ -239,6 +239,11 @@ class RuleContext:
             return x
         return self.collective("make_invarying", x, axes, source, sizes=self.sizes)
 
+    def instruction(self, op: str, *xs, **params):
+        """Instruction `op` of lowering/ops.py's OPS on the local values `xs`, unlogged:
+        one that issues no collective, or whose collectives the rule logs itself."""
+        return self._op(op, *xs, **params)
+
     def collective(self, op: str, x, axes: tuple[str, ...], source=None, **params):
         """Collective `op` (an instruction of lowering/ops.py's OPS, with its params) of
         `x` over `axes`, logged as the collective its row records, moving (a part of) the
