@@ -26,7 +26,7 @@ import numpy as np
 
 from lowering.collectives import varying_axes
 from lowering.layout import local_shape
-from lowering.ops import Local
+from lowering.ops import Local, all_to_all
 from namedmesh.grouped import as_rows, grouped_rows
 
 SLACK = 1.5  # a round's slots per destination, over an even share of the rows
@@ -63,8 +63,7 @@ def routed(x, w, g, most, *, axes, devices, capacity, dim, dims, dtype, shape=No
     groups, (n, c), o = w.shape[0], x.shape, w.shape[-1]
     dest, rank = destinations(g, groups, devices)
     local = g - dest * groups  # the group's index in its device's block
-    name = axes[0] if len(axes) == 1 else tuple(axes)
-    move = lambda a: jax.lax.all_to_all(a, name, 0, 0, tiled=True)  # noqa: E731
+    move = lambda a: all_to_all(a, axes, 0, 0)  # noqa: E731 (the all_to_all row's)
     k = devices * capacity
 
     def one_round(t, out):
