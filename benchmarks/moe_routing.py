@@ -9,19 +9,30 @@ input gradient's too: 5 x 2·tokens·k·d·f).
     python -m benchmarks.moe_routing --batch 16 --length 128 --d-model 256 --d-ff 1024 \\
         --experts 8
 
-Prints one markdown table.
+and, on 8 devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8` on a CPU), the
+bytes the expert FFN's grouped matmuls send per device when `experts` and the tokens are
+split over one mesh axis (`batch:data;experts:data`): the plan's and the compiled HLO's
+all-to-all rounds (lowering/expert_routes.py), as many as this routing needs, beside the
+route that gathers every token (computed) and the least any route sends (each row that
+chose another device's expert goes there and its result comes back).
+
+Prints two markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import namedmesh as nm
+from lowering import Mesh, expert_routes, lower
+from lowering.cost import traffic
+from lowering.hlo import collectives
 from models import config, moe, transformer
 from namedmesh import grouped
 
@@ -79,6 +90,51 @@ def main(argv=None) -> None:
     for name, f in rows:
         print(f"| {name} | {f / 1e9:.2f} | {f / exact:.2f} |")
     print(f"| the exact expert matmuls | {exact / 1e9:.2f} | 1.00 |")
+    if len(jax.devices()) > 1 and a.experts % len(jax.devices()) == 0:
+        expert_parallel(cfg)
+
+
+def expert_parallel(cfg: config.Config) -> None:
+    """The bytes table of the module's docstring, on all of jax's devices as `data`."""
+    n = len(jax.devices())
+    p = transformer.init(moe.moe_params(cfg), 0)
+    dims = ("batch", "length", "d_model")
+    x = nm.tensor(np.random.default_rng(0).normal(size=(cfg.batch, cfg.length, cfg.d_model))
+                  .astype(np.float32), dims)  # fmt: skip
+    choice = jax.jit(lambda p, x: moe.route(x, p, cfg)[0])(p, x)
+    ffn = lambda p, x, c: moe.expert_ffn(x, p, cfg, lambda t, w, _: nm.grouped_matmul(t, w, c))  # noqa: E731
+    ffn = lower(ffn, Mesh({"data": n}), "batch:data;experts:data")
+    args = (p, x, choice)
+    plan_bytes = ffn.report(*args, show=False).bytes
+    hlo = collectives(ffn.compile(*args).as_text())
+    kind = {"all-to-all": "all_to_all", "all-reduce": "psum"}
+    sent = {k: 0.0 for k in kind}
+    for k, b, _ in hlo:
+        sent[k] += traffic(kind[k], ("data",), b, {"data": n})
+    # this routing's rounds: the busiest (device, expert's device) pair over a round's slots
+    g = np.asarray(choice.data).reshape(n, -1)  # each device's rows (its batch block)
+    own, per = g.shape[1], cfg.experts // n
+    pairs = np.stack([np.bincount(r // per, minlength=n) for r in g])
+    rounds = math.ceil(pairs.max() / expert_routes.capacity(own, n))
+    away = pairs.sum() - np.trace(pairs)  # rows whose expert is on another device
+    d, f, tokens = cfg.d_model, cfg.d_ff, cfg.batch * cfg.length // n
+    least = away / n * 2 * (d + f) * 4  # wi and wo: out and back, per device on average
+    k = cfg.experts_per_token
+    gather = (n - 1) * tokens * 4 * (d + k * f + k * f + k * d)  # x and h gathered, results
+    rows = [  # reduce-scattered, for wi and wo
+        ("all-to-all, one round: the plan (cost model)", plan_bytes),
+        ("all-to-all, one round: the compiled HLO", sum(sent.values())),
+        (
+            f"all-to-all, the {rounds} round(s) this routing needs",
+            sum(sent.values()) + (rounds - 1) * sent["all-to-all"],
+        ),
+        ("every token gathered, results reduce-scattered (computed)", gather),
+        ("least: each row to its expert's device and back", least),
+    ]
+    print(f"\n| expert FFN, {n} devices, `batch:data;experts:data` | bytes sent per device "
+          "| / least |\n|---|---|---|")  # fmt: skip
+    for name, b in rows:
+        print(f"| {name} | {b:,.0f} | {b / least:.2f} |")
 
 
 if __name__ == "__main__":

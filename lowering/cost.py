@@ -1,17 +1,18 @@
 """The cost report of a plan: per-device flops, collective bytes and peak memory.
 
-Collective traffic per device follows ring algorithms over n devices, with S the
-bytes each device contributes: all-reduce (psum, pmax, pmin) 2(n-1)/n S, reduce-scatter
-(psum_scatter) (n-1)/n S, all-gather (n-1) S (= (n-1)/n of the gathered output),
-all-to-all (n-1)/n S, a ppermute S.
+Collective traffic per device is each collective's row of lowering/ops.py, ring
+algorithms over n devices, with S the bytes each device contributes: all-reduce (psum,
+pmax, pmin) 2(n-1)/n S, reduce-scatter (psum_scatter) (n-1)/n S, all-gather (n-1) S (=
+(n-1)/n of the gathered output), all-to-all (n-1)/n S, a ppermute S.
 
 With `wrt` (the inputs a gradient is taken of), the report adds the backward pass as
-jax's AD transposes the forward one under shard_map's varying types: for each
-collective that moves a value the gradient flows through, psum_scatter <-> all_gather,
-all_to_all and ppermute to themselves, a cast to varying (`pvary`, free forward) to a
-psum of the gradient (the data-parallel gradient sync); a psum, and a gather whose
-result is invariant, transpose to local work. Each einsum's backward costs its flops
-once per input the gradient flows to; every other op's, its forward flops.
+jax's AD transposes the forward one under shard_map's varying types, as each row's
+`backward` says: for each collective that moves a value the gradient flows through,
+psum_scatter <-> all_gather, all_to_all and ppermute to themselves, a cast to varying
+(`pvary`, free forward) to a psum of the gradient (the data-parallel gradient sync); a
+psum, and a gather whose result is invariant, transpose to local work. Each einsum's
+backward costs its flops once per input the gradient flows to; every other op's, its
+forward flops.
 """
 
 from __future__ import annotations
@@ -21,35 +22,7 @@ from dataclasses import dataclass, field
 
 from lowering.caches import memo, per_object
 from lowering.memory import active_values, peak_memory, training_peak
-
-_TRAFFIC = {
-    "psum": lambda n, s: 2 * (n - 1) / n * s,
-    "pmax": lambda n, s: 2 * (n - 1) / n * s,
-    "pmin": lambda n, s: 2 * (n - 1) / n * s,
-    "psum_scatter": lambda n, s: (n - 1) / n * s,
-    "all_gather": lambda n, s: (n - 1) * s,
-    "all_to_all": lambda n, s: (n - 1) / n * s,
-    "ppermute": lambda n, s: s,
-}
-# The HLO op each collective becomes, and its result bytes from the bytes S put in by
-# each of n devices.
-_HLO = {
-    "psum": ("all-reduce", lambda n, s: s),
-    "pmax": ("all-reduce", lambda n, s: s),
-    "pmin": ("all-reduce", lambda n, s: s),
-    "psum_scatter": ("reduce-scatter", lambda n, s: s // n),
-    "all_gather": ("all-gather", lambda n, s: s * n),
-    "all_to_all": ("all-to-all", lambda n, s: s),
-    "ppermute": ("collective-permute", lambda n, s: s),
-}
-# The collective each one's transpose issues, and the bytes each device puts in.
-_BACKWARD = {
-    "psum_scatter": ("all_gather", lambda n, s: s // n),
-    "all_gather": ("psum_scatter", lambda n, s: s * n),
-    "all_to_all": ("all_to_all", lambda n, s: s),
-    "ppermute": ("ppermute", lambda n, s: s),
-    "pvary": ("psum", lambda n, s: s),
-}
+from lowering.ops import OPS
 
 
 def expected_hlo(plan, sizes) -> list[tuple[str, int, int]]:
@@ -59,15 +32,14 @@ def expected_hlo(plan, sizes) -> list[tuple[str, int, int]]:
     out = []
     for step in plan:
         for kind, axes, nbytes, *_ in step.collectives:
-            n = math.prod(sizes[a] for a in axes)
-            hlo, result = _HLO[kind]
-            out.append((hlo, result(n, nbytes), 0 if kind == "ppermute" else n))
+            n, op = math.prod(sizes[a] for a in axes), OPS[kind]
+            out.append((op.hlo, op.hlo_bytes(n, nbytes), n if op.groups else 0))
     return out
 
 
 def traffic(kind: str, axes: tuple[str, ...], nbytes: int, sizes: dict[str, int]) -> float:
     """Bytes one device sends for one collective (ring algorithms)."""
-    return _TRAFFIC[kind](math.prod(sizes[a] for a in axes), nbytes)
+    return OPS[kind].traffic(math.prod(sizes[a] for a in axes), nbytes)
 
 
 @dataclass
@@ -142,7 +114,7 @@ def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, n: int) -> Non
     """Into `coll`: one more `kind` over `axes` (`n` devices) of `nbytes` in per device,
     `repeat` times."""
     count, b = coll.get((kind, axes), (0, 0.0))
-    coll[(kind, axes)] = (count + repeat, b + _TRAFFIC[kind](n, nbytes) * repeat)
+    coll[(kind, axes)] = (count + repeat, b + OPS[kind].traffic(n, nbytes) * repeat)
 
 
 def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
@@ -224,12 +196,12 @@ def _add_collectives(
     the value they move, else through the step's result: `result_active`), on a mesh of
     `items` (its sizes' items)."""
     for c in (*step.collectives, *step.casts):
-        n = _span(c.axes, items)
-        if c.kind in _TRAFFIC:
+        n, op = _span(c.axes, items), OPS[c.kind]
+        if op.traffic is not None:
             _add(rep.collectives, c.kind, c.axes, c.nbytes, step.repeat, n)
         through = c.source in active if c.source is not None else result_active
-        if backward and through and c.transposes and c.kind in _BACKWARD:
-            kind, nbytes = _BACKWARD[c.kind]
+        if backward and through and c.transposes and op.backward is not None:
+            kind, nbytes = op.backward
             _add(rep.backward, kind, c.axes, nbytes(n, c.nbytes), step.repeat, n)
 
 

@@ -1,7 +1,8 @@
 """The emitter: a Plan's instructions run on local arrays inside jit(shard_map).
 
-Each `Instr` of a planned step (lowering/plan.py) names an operation of `OPS` (or is
-a function of local arrays, a rule's own arithmetic) and the local values it reads
+Each `Instr` of a planned step (lowering/plan.py) names an instruction of
+lowering/ops.py's table, whose jax implementation `OPS` holds (or is a function of
+local arrays, a rule's own arithmetic) and the local values it reads
 and makes; `run_steps` runs them in order, binding each planned `Local` to the jax
 array it stands for. The emitter decides nothing: layouts, collectives, casts and
 local ops are all the plan's. `emit(..., check=True)` (`lower(..., check=True)`)
@@ -18,48 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowering import collectives as col
+from lowering import ops
 from lowering.collectives import varying_axes
 
-
-def _name(axes):
-    return axes[0] if len(axes) == 1 else axes
-
-
-def _local(*xs, local_op, **params):
-    prim, dtypes, _ = local_op
-    out = prim.jax_impl(*xs, **params)
-    outs = out if prim.multiple_results else (out,)
-    return tuple(o if o.dtype == t else o.astype(t) for o, t in zip(outs, dtypes, strict=True))
-
-
-def _make_invarying(x, axes, sizes):
-    first = col.axis_index(axes, sizes) == 0
-    return col.psum(jnp.where(first, x, jnp.zeros_like(x)), axes)
-
-
-OPS = {
-    "local": _local,
-    "astype": lambda x, dtype: x.astype(dtype),
-    "axis_index": lambda axes, sizes: col.axis_index(axes, sizes),
-    "psum": lambda x, axes: col.psum(x, axes),  # (bool stays bool: an OR)
-    "psum_scatter": lambda x, axes, dim: col.psum_scatter(x, axes, dim),
-    "pmax": lambda x, axes: jax.lax.pmax(x, axes),
-    "pmin": lambda x, axes: jax.lax.pmin(x, axes),
-    "gather_stacked": lambda x, axes: jax.lax.all_gather(x, _name(axes), axis=0, to="invarying"),
-    "make_invarying": _make_invarying,
-    "all_to_all": lambda x, axes, dim, to: jax.lax.all_to_all(
-        x, axes[0], split_axis=to, concat_axis=dim, tiled=True
-    ),
-    "all_gather": lambda x, axes, dim: jax.lax.all_gather(x, _name(axes), axis=dim, tiled=True),
-    "slice_to": lambda x, axes, dim, sizes: col.slice_to(x, dim, axes, sizes),
-    "pcast": lambda x, axes: jax.lax.pcast(x, axes, to="varying"),
-    "ppermute": lambda x, axes, perm, sizes: col.ppermute(x, axes, perm, sizes, _unlogged),
-}
-
-
-def _unlogged(*args, **kw) -> None:
-    """The log of a collective the plan has already logged."""
+OPS = {name: op.run for name, op in ops.OPS.items()}  # each instruction's jax implementation
 
 
 def run_op(op, *xs, **params):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import re
 
-KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+from lowering.ops import HLO_KINDS as KINDS
+from lowering.ops import HLO_PIECES
+
 _LINE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
 _SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
@@ -62,7 +64,7 @@ def collectives(hlo_text: str) -> list[tuple[str, int, int]]:
         if not m or "-done" in line.split("=")[0]:
             continue
         size = _group_size(line)
-        if m.group(2) == "all-to-all":  # one piece per peer, in a tuple: one collective
+        if m.group(2) in HLO_PIECES:  # one piece per peer, in a tuple: one collective
             found.append((m.group(2), _bytes(m.group(1)), size))
             continue
         # a combined collective has a tuple result: one entry per operand

@@ -28,6 +28,7 @@ from lowering.collectives import plan_moves
 from lowering.cost import local_flops, repeated_work, whole_flops
 from lowering.layout import Layout, ValueLayout
 from lowering.mesh import Mesh
+from lowering.ops import OPS, Local, fmt_local, local_shapes, logged
 from namedmesh.primitive import Aval, Primitive
 
 
@@ -36,7 +37,7 @@ class Collective(NamedTuple):
     equation's result), which decides whether the backward pass transposes it;
     `transposes` is False for one whose transpose is local (lowering/cost.py)."""
 
-    kind: str  # psum, psum_scatter, all_gather, all_to_all, ppermute, pmax, pmin; pvary
+    kind: str  # a collective of lowering/ops.py OPS (pvary: a free cast)
     axes: tuple[str, ...]
     nbytes: int  # local input bytes per device
     source: object = None
@@ -44,8 +45,8 @@ class Collective(NamedTuple):
 
 
 class Instr(NamedTuple):
-    """One operation on local values: `op` (a name of lowering/emit.py's OPS, or a
-    function of local arrays), the values it reads and makes, and its static params."""
+    """One operation on local values: `op` (an instruction of lowering/ops.py's OPS, or
+    a function of local arrays), the values it reads and makes, and its static params."""
 
     op: str | Callable
     ins: tuple
@@ -127,10 +128,6 @@ class Plan(list):
         return "\n".join(lines)
 
 
-def _fmt_local(a) -> str:
-    return f"{a.dtype.kind}{a.dtype.itemsize * 8}[{','.join(map(str, a.shape))}]"
-
-
 def nbytes(x) -> int:
     """Bytes of the local array or `Local` `x`."""
     return math.prod(x.shape) * np.dtype(x.dtype).itemsize
@@ -195,38 +192,26 @@ class RuleContext:
         return self._op("axis_index", axes=tuple(axes), sizes=self.sizes)
 
     def psum(self, x, axes: tuple[str, ...]):
-        if not axes:
-            return x
-        self.log("psum", axes, nbytes(x))
-        return self._op("psum", x, axes=tuple(axes))
+        return self.collective("psum", x, axes) if axes else x
 
     def psum_scatter(self, x, axes: tuple[str, ...], dim: int):
-        self.log("psum_scatter", axes, nbytes(x))
-        return self._op("psum_scatter", x, axes=tuple(axes), dim=dim)
+        return self.collective("psum_scatter", x, axes, dim=dim)
 
     def pmax(self, x, axes: tuple[str, ...]):
-        if not axes:
-            return x
-        self.log("pmax", axes, nbytes(x))
-        return self._op("pmax", x, axes=tuple(axes))
+        return self.collective("pmax", x, axes) if axes else x
 
     def pmin(self, x, axes: tuple[str, ...]):
-        if not axes:
-            return x
-        self.log("pmin", axes, nbytes(x))
-        return self._op("pmin", x, axes=tuple(axes))
+        return self.collective("pmin", x, axes) if axes else x
 
     def gather_stacked(self, x, axes: tuple[str, ...]):
         """Every device's `x` along `axes`, stacked on a new leading dim; invariant, so
         its transpose is a local slice."""
-        self.log("all_gather", axes, nbytes(x), transposes=False)
-        return self._op("gather_stacked", x, axes=tuple(axes))
+        return self.collective("gather_stacked", x, axes)
 
     def ppermute(self, x, axes: tuple[str, ...], perm):
         """`x` sent along `axes` by `perm`, pairs (source, destination) numbered as
-        `axis_index(axes)` numbers positions (collectives.ppermute)."""
-        self.log("ppermute", axes, nbytes(x))
-        return self._op("ppermute", x, axes=tuple(axes), perm=tuple(perm), sizes=self.sizes)
+        `axis_index(axes)` numbers positions (ops.ppermute)."""
+        return self.collective("ppermute", x, axes, perm=tuple(perm), sizes=self.sizes)
 
     def make_invarying(self, x, axes: tuple[str, ...], source=None):
         """`x`, equal on every device along `axes` but typed varying there, as a value
@@ -234,8 +219,20 @@ class RuleContext:
         axes = tuple(a for a in self.sizes if a in axes)
         if not axes:
             return x
-        self.log("psum", axes, nbytes(x), source)
-        return self._op("make_invarying", x, axes=axes, sizes=self.sizes)
+        return self.collective("make_invarying", x, axes, source, sizes=self.sizes)
+
+    def instruction(self, op: str, *xs, **params):
+        """Instruction `op` of lowering/ops.py's OPS on the local values `xs`, unlogged:
+        one that issues no collective, or whose collectives the rule logs itself."""
+        return self._op(op, *xs, **params)
+
+    def collective(self, op: str, x, axes: tuple[str, ...], source=None, **params):
+        """Collective `op` (an instruction of lowering/ops.py's OPS, with its params) of
+        `x` over `axes`, logged as the collective its row records, moving (a part of) the
+        graph value `source`."""
+        row = OPS[op]
+        self.log(logged(op), axes, nbytes(x), source, row.transposes)
+        return self._op(op, x, axes=tuple(axes), **params)
 
     # --- the shared logic of the rules' context ------------------------------------------
     def source(self, x):
@@ -302,7 +299,7 @@ class RuleContext:
         self.step.local.append(LocalOp(prim, params, ins, outs_))
         if not self.record:
             return
-        shapes = lambda avals: ", ".join(_fmt_local(a) for a in avals)
+        shapes = lambda avals: ", ".join(fmt_local(a) for a in avals)
         self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
 
     def missing_axes(self, x, vma: set) -> tuple[str, ...]:
@@ -314,7 +311,7 @@ class RuleContext:
         """`x` typed varying over every axis of `vma` (a free cast: no data moves),
         unlogged: a loop carry's type, whose cast the loop logs once it has settled."""
         missing = self.missing_axes(x, vma)
-        return self._op("pcast", x, axes=missing) if missing else x
+        return self._op("pvary", x, axes=missing) if missing else x
 
     def varying(self, x, vma: set):
         """`x` typed varying over the axes `vma` (a free cast), once per value: left to
@@ -327,8 +324,7 @@ class RuleContext:
         done = self.moved.get(key)
         if done is None:
             source = self.source(x)
-            self.log("pvary", missing, nbytes(x), source)
-            done = self.moved[key] = (x, self._op("pcast", x, axes=missing))
+            done = self.moved[key] = (x, self.collective("pvary", x, missing, source))
             self.note_source(done[1], source)
         return done[1]
 
@@ -382,23 +378,14 @@ class RuleContext:
     def _moves(self, x, src, dst, source):
         """The moves of `collectives.plan_moves`, each logged and run."""
         for m in plan_moves(src, dst):
-            if m.kind == "all_to_all":
-                self.log("all_to_all", m.axes, nbytes(x), source)
-                x = self._op("all_to_all", x, axes=m.axes, dim=m.dim, to=m.to)
-            elif m.kind == "all_gather":
-                self.log("all_gather", m.axes, nbytes(x), source)
-                x = self._op("all_gather", x, axes=m.axes, dim=m.dim)
-            else:
+            if m.kind == "slice":
                 x = self._op("slice_to", x, axes=m.axes, dim=m.dim, sizes=self.sizes)
+            else:  # all_gather(dim) or all_to_all(dim, to)
+                to = {} if m.to is None else {"to": m.to}
+                x = self.collective(m.kind, x, m.axes, source, dim=m.dim, **to)
         return x
 
-    # --- a pipelined scan's operations (lowering/pipeline.py) ------------------------
-    def collective(self, op: str, x, axes: tuple[str, ...], source=None, **params):
-        """Collective `op` (psum, ppermute or all_to_all, as lowering/emit.py's OPS take
-        them) of `x` over `axes`, logged as moving (a part of) the graph value `source`."""
-        self.log(op, axes, nbytes(x), source)
-        return self._op(op, x, axes=tuple(axes), **params)
-
+    # --- a loop (a pipelined scan's ticks: lowering/pipeline.py) ------------------
     def loop(self, body: Callable, init: list, xs: list, length: int, step: Callable) -> tuple:
         """(final carry, stacked ys, the body's Step): `body(carry, x) -> (carry, ys)` on
         lists of local values, run `length` times over the leading dim of `xs` from
@@ -447,97 +434,29 @@ def _dividing(layout: ValueLayout, shape: tuple, sizes: tuple) -> ValueLayout:
     return tuple(tuple(a for a in axes if mesh[a] > 1) for axes in fits)
 
 
-@dataclass(eq=False, slots=True)  # many per candidate: slots make them cheaper
-class Local:
-    """A local shard as the planner sees it: its shape, dtype and the mesh axes over
-    which shard_map types it varying. Identity is the value's (hashed by id)."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    vma: frozenset = frozenset()
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __repr__(self) -> str:
-        vary = f" varying {','.join(sorted(self.vma))}" if self.vma else ""
-        return f"Local({_fmt_local(self)}{vary})"
-
-
-def _scaled(shape, dim: int, by: float) -> tuple[int, ...]:
-    return tuple(int(n * by) if i == dim else n for i, n in enumerate(shape))
-
-
 def _abstract(op, xs, sizes, made, params) -> Local | tuple[Local, ...]:
-    """The Local(s) `op` makes from the Locals `xs`: shapes, dtypes and varying axes as
-    shard_map's types give them (a psum, pmax or invariant gather leaves its axes
-    invariant; a slice by the device's index or a cast makes a value vary there)."""
-    vma = xs[0].vma if len(xs) == 1 else frozenset().union(*(x.vma for x in xs))
+    """The Local(s) `op` makes from the Locals `xs`: its row's abstract rule
+    (lowering/ops.py), or, for a rule's own arithmetic (a function), what `call` said."""
     if callable(op):
         shape, dtype, given = made
+        vma = xs[0].vma if len(xs) == 1 else frozenset().union(*(x.vma for x in xs))
         return Local(shape, dtype, frozenset(given) if given is not None else vma)
-    if op == "local":
-        return _abstract_local(xs, vma, params)
-    x = xs[0] if xs else None
-    axes = params.get("axes", ())
-    if op == "astype":
-        return Local(x.shape, np.dtype(params["dtype"]), vma)
-    if op == "axis_index":
-        return Local((), np.dtype(np.int32), frozenset(axes))
-    if op in ("psum", "pmax", "pmin", "make_invarying"):
-        return Local(x.shape, x.dtype, vma - set(axes))
-    if op == "pcast":
-        return Local(x.shape, x.dtype, vma | set(axes))
-    n = math.prod(sizes[a] for a in axes)
-    if op == "gather_stacked":
-        return Local((n, *x.shape), x.dtype, vma - set(axes))
-    if op == "psum_scatter":
-        return Local(_scaled(x.shape, params["dim"], 1 / n), x.dtype, vma)
-    if op == "all_gather":
-        return Local(_scaled(x.shape, params["dim"], n), x.dtype, vma)
-    if op == "all_to_all":
-        shape = _scaled(_scaled(x.shape, params["dim"], n), params["to"], 1 / n)
-        return Local(shape, x.dtype, vma)
-    if op == "slice_to":
-        return Local(_scaled(x.shape, params["dim"], 1 / n), x.dtype, vma | set(axes))
-    if op == "ppermute":
-        return Local(x.shape, x.dtype, vma)
-    raise KeyError(f"no abstract rule for op {op!r}")
-
-
-def _abstract_local(xs, vma, params) -> tuple[Local, ...]:
-    """A primitive on local shards: its shape rule on their local avals."""
-    prim, dtypes, in_dims = params["local_op"]
-    kw = tuple((k, v) for k, v in params.items() if k != "local_op")
-    shards = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in xs)
-    try:
-        shapes = _local_shapes(prim, in_dims, shards, kw)
-    except TypeError:  # a param that does not hash
-        shapes = _local_shapes.__wrapped__(prim, in_dims, shards, kw)
-    return tuple(Local(shape, np.dtype(t), vma) for shape, t in zip(shapes, dtypes, strict=True))
-
-
-@memo()  # the same local op on the same shards recurs in many candidate layouts
-def _local_shapes(prim, in_dims, shards, kw) -> tuple:
-    avals = [Aval(d, shape, dt) for d, (shape, dt) in zip(in_dims, shards, strict=False)]
-    out = prim.shape_rule(*avals, **dict(kw))
-    return tuple(tuple(o.shape) for o in (out if prim.multiple_results else (out,)))
+    return OPS[op].abstract(xs, sizes, **params)
 
 
 @per_object(kind="layouts")
 def _costed_local(e, prim: Primitive, shards: tuple, items: tuple, devices: int) -> tuple:
     """(result shapes, LocalOp) of `prim` run for equation `e` on local shards of these
-    (shape, dtype), with params `items`: the shapes `_abstract_local` gives, the avals
+    (shape, dtype), with params `items`: the shapes `ops.abstract_local` gives, the avals
     `note_local` records, their flops, the equation's whole flops and the work that
     other devices of a mesh of `devices` repeat, which the cost report would find again
     for each candidate. The LocalOp is shared: not to change."""
     in_dims = tuple(v.dims for v in e.inputs)
     shards = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in shards)
     try:
-        shapes = _local_shapes(prim, in_dims, shards, items)
+        shapes = local_shapes(prim, in_dims, shards, items)
     except TypeError:  # a param that does not hash
-        shapes = _local_shapes.__wrapped__(prim, in_dims, shards, items)
+        shapes = local_shapes.__wrapped__(prim, in_dims, shards, items)
     ins = [Aval(v.dims, *x) for v, x in zip(e.inputs, shards, strict=True)]
     outs = [
         Aval(v.dims, shape, np.dtype(v.dtype)) for v, shape in zip(e.outputs, shapes, strict=True)
@@ -565,7 +484,7 @@ class Planner(RuleContext):
         if self.record or prim.aliases_input:
             return super()._local(prim, arrays, params)
         # Costing only: the results' shapes and the avals that the report costs, in one
-        # lookup kept per equation and shards (what _abstract_local and note_local make)
+        # lookup kept per equation and shards (what ops.abstract_local and note_local make)
         shards = tuple([(x.shape, x.dtype) for x in arrays])
         items = tuple(params.items())
         shapes, op = _costed_local(self.step.eqn, prim, shards, items, self.devices)

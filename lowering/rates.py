@@ -27,17 +27,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowering.cost import Report, traffic
 from lowering.mesh import Mesh
+from lowering.ops import MEASURED, OPS, rate_of
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import NamedMeshError
 
-KINDS = ("psum", "psum_scatter", "all_gather", "all_to_all", "ppermute")
-_SAME_RATE = {"pmax": "psum", "pmin": "psum"}  # all-reduces too
+KINDS = MEASURED  # the collectives measured, each at its own rate (lowering/ops.py)
 
 
 class RatesError(NamedMeshError, ValueError):
@@ -89,10 +88,7 @@ class Rates:
     def comm_seconds(self, rep: Report) -> float:
         """Latency and bytes of every collective of the report, forward and backward."""
         coll = [*rep.collectives.items(), *rep.backward.items()]
-        return sum(
-            n * self.latency_s + b / self.bytes_per_s[_SAME_RATE.get(k, k)]
-            for (k, _), (n, b) in coll
-        )
+        return sum(n * self.latency_s + b / self.bytes_per_s[rate_of(k)] for (k, _), (n, b) in coll)
 
     def seconds(self, rep: Report) -> float:
         """The predicted seconds of the step `rep` reports (with its backward pass)."""
@@ -263,22 +259,15 @@ def collective_rates(
     with `n_bytes` put in by each device: the bytes per second one device sends (ring
     formulas), the time less `latency_s` per call (at most halved)."""
     k, place, run = _runner(list(jax.devices() if devices is None else devices))
-    ring = [(j, (j + 1) % k) for j in range(k)]
-    kinds = {  # each keeps the local shape, so that out_specs can be `spec`
-        "psum": lambda x: jax.lax.psum(x, "all"),
-        "psum_scatter": lambda x: jnp.tile(jax.lax.psum_scatter(x, "all", tiled=True), k),
-        "all_gather": lambda x: jax.lax.all_gather(x[: x.size // k], "all", tiled=True),
-        "all_to_all": lambda x: jax.lax.all_to_all(x, "all", 0, 0, tiled=True),
-        "ppermute": lambda x: jax.lax.ppermute(x, "all", ring),
-    }
     buf = place(np.ones((k * n_bytes // 4,), np.float32))
     out = {}
-    for kind, f in kinds.items():
+    for kind in KINDS:
         if only is not None and kind not in only:
             continue
-        put_in = n_bytes // k if kind == "all_gather" else n_bytes
+        op = OPS[kind]  # its microbenchmark keeps the local shape, for out_specs `spec`
+        put_in = op.measure_in(n_bytes, k)
         sent = max(traffic(kind, ("all",), put_in, {"all": k}), 1.0)  # one device: no traffic
-        t = _median(run(f), [buf], repeats)
+        t = _median(run(lambda x, op=op: op.measure(x, k)), [buf], repeats)
         # less the latency, but never below half the time: on a busy machine the latency
         # measured can be near the whole time, and the rate would then be absurd
         out[kind] = sent / max(t - latency_s, t / 2, 1e-9)

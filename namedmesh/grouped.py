@@ -65,9 +65,10 @@ def _grouped_rule(x, w, group, dim):
     return Aval(out, tuple(sizes[d] for d in out), result_dtype(x.dtype, w.dtype))
 
 
-def _as_rows(xp, x, w, group, dim, x_dims, w_dims, group_dims):
+def as_rows(xp, x, w, group, dim, x_dims, w_dims, group_dims):
     """(x (rows, c), w (groups, c, o), group (rows,), output shape) from the named
-    operands: x broadcast over the groups' dims it lacks."""
+    operands: x broadcast over the groups' dims it lacks (also the expert-parallel
+    rule's, lowering/expert_routes.py)."""
     contracted, outs = _roles(x_dims, w_dims, dim)
     sizes = dict(zip(w_dims, w.shape, strict=True)) | dict(
         zip(group_dims, group.shape, strict=True)
@@ -82,7 +83,7 @@ def _as_rows(xp, x, w, group, dim, x_dims, w_dims, group_dims):
 
 
 def _grouped_np(x, w, group, dim, dims):
-    x, w, g, shape = _as_rows(np, x, w, group, dim, *dims)
+    x, w, g, shape = as_rows(np, x, w, group, dim, *dims)
     inside = (g >= 0) & (g < w.shape[0])
     dtype = result_dtype(x.dtype, w.dtype)
     y = np.einsum("nc,nco->no", x, w[np.where(inside, g, 0)]).astype(dtype)
@@ -127,7 +128,7 @@ def grouped_rows(x, w, g):
 
 def _grouped_jax(x, w, group, dim, dims):
     dtype = result_dtype(x.dtype, w.dtype)
-    x, w, g, shape = _as_rows(jnp, x, w, group, dim, *dims)
+    x, w, g, shape = as_rows(jnp, x, w, group, dim, *dims)
     return grouped_rows(x.astype(dtype), w.astype(dtype), g).reshape(shape)
 
 

@@ -216,3 +216,55 @@ def test_grouped_matmul_compiles_to_about_one_rows_flops():
     )
     got = jax.jit(run).lower(x, w).compile().cost_analysis()["flops"]
     assert 2 * n * d * f <= got <= 1.15 * 2 * n * d * f
+
+
+ROUTED = "batch:data;length:expert;experts:expert"  # rows split where the experts are
+
+
+@functools.cache
+def routed_layer():
+    """(cfg, params with sharp gates, x, the MoE layer lowered under ROUTED)."""
+    cfg = CFG.replace(ffn="gated_silu")
+    p = transformer.init(moe.moe_params(cfg), 3)
+    p["gate"] = p["gate"] * 4.0  # uneven routing: some device gets more than its share
+    x = R.normal(size=(cfg.batch, cfg.length, cfg.d_model)).astype(np.float32)
+    layer = lambda p, x: moe.moe(x, p, cfg)[:2]  # (out, the balancing loss)
+    return cfg, p, nm.tensor(x, ("batch", "length", "d_model")), lower(layer, Mesh(MESH), ROUTED)
+
+
+def test_expert_parallel_dropless_sends_rows_by_all_to_all_exactly():
+    """Rows split over the experts' axis go to their experts' devices and back by
+    all_to_all: the layer equals NumPy token by token (every choice computed), its
+    gradient equals one device's, no grouped matmul gathers or sums over the experts'
+    axis, and the compiled HLO holds the plan's collectives, bytes and all."""
+    from lowering.cost import expected_hlo
+    from lowering.hlo import collectives
+
+    cfg, p, x, f = routed_layer()
+    want = np_dropless(np.asarray(x.data), p, cfg.experts_per_token, cfg.router)
+    np.testing.assert_allclose(np.asarray(f(p, x)[0].data), want, atol=2e-5)
+    plan = f.plan(p, x)
+    steps = [s for s in plan if s.name == "grouped_matmul"]
+    assert len(steps) == 3  # wi, wg, wo
+    for i, s in enumerate(steps):  # the busiest pair's count found once: the same groups
+        kinds = [c.kind for c in s.collectives if "expert" in c.axes]
+        assert kinds == ["pmax"] * (i == 0) + ["all_to_all"] * 3
+    hlo = f.compile(p, x).as_text()
+    assert sorted(collectives(hlo)) == sorted(expected_hlo(plan, MESH))
+    got = jax.grad(lambda p: (f(p, x)[0].data ** 2).sum())(p)
+    one = jax.jit(jax.grad(lambda p: (moe.moe(x, p, cfg).out.data ** 2).sum()))(p)
+    for k in ("wi", "wg", "wo"):
+        np.testing.assert_allclose(got[k].data, one[k].data, rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+def test_expert_parallel_rows_all_to_one_expert_take_more_rounds_and_stay_exact():
+    """Every row of every device chooses expert 0 (the worst load: one device receives
+    all): the rounds repeat until all are done, and the result is NumPy's."""
+    x = R.normal(size=(8, 4, 6)).astype(np.float32)
+    w = R.normal(size=(8, 6, 5)).astype(np.float32)
+    g = np.zeros((8, 4, 2), np.int32)
+    g[0, 0, 1] = 7  # and one row to the last device
+    f = lower(lambda x, w, g: nm.grouped_matmul(x, w, g), Mesh({"e": 8}), "b:e;experts:e")
+    args = (nm.tensor(x, "b l d"), nm.tensor(w, "experts d f"), nm.tensor(g, "b l k"))
+    want = np.einsum("bld,blkdf->blkf", x, w[g])
+    np.testing.assert_allclose(np.asarray(f(*args).data), want, rtol=1e-5, atol=1e-5)

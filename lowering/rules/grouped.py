@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lowering import expert_routes
 from lowering.rules.einsum import combine
 from lowering.rules.registry import P, layout_in, rule
 from lowering.rules.selection import minus_block, wide_indices
@@ -13,14 +14,18 @@ def grouped_matmul_rule(ctx, eqn, args):
     contracted dims are gathered. A weight split along its group dim (`experts:<axis>`)
     stays split: each device multiplies the rows whose group falls in its block (the
     others are zero rows, which cost nothing), with the rows whole over those axes, and a
-    psum_scatter into the dim the output splits on the axis (else a psum) combines. (An
-    all-to-all that sends each row to its group's device alone is not done yet.)"""
+    psum_scatter into the dim the output splits on the axis (else a psum) combines.
+    Where the output splits its rows over those axes too, each row goes to its group's
+    device and back by all_to_all instead (lowering/expert_routes.py)."""
     (x, xl), (w, wl), (g, gl) = args
     (vx, vw, vg), (out,) = eqn.inputs, eqn.outputs
     dim = eqn.params["dim"]
     axis = vw.dims.index(dim)
     split = tuple(wl[axis])
     want = ctx.wanted[out]
+    rows = {a for d, lay in zip(out.dims, want, strict=True) if d in vg.dims for a in lay}
+    if split and rows >= set(split):
+        return expert_routes.route(ctx, eqn, args, split)
     by_dim = {
         d: tuple(a for a in lay if a not in split) for d, lay in zip(out.dims, want, strict=True)
     }
