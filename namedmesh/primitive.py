@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -174,6 +175,35 @@ def primitive(name: str, shape_rule, numpy_impl, jax_impl, **kw) -> Primitive:
     return p
 
 
+class Step(NamedTuple):
+    """One eager NumPy bind, as an op being remembered replays it (namedmesh/eager.py)."""
+
+    kernel: Callable  # of the input arrays
+    inputs: tuple  # the Tensors bound
+    aval: Aval  # of the result
+    result: Any  # the Tensor made
+
+
+class Recording:
+    """The binds one call of an op makes in the thread `owner`: Steps, or None for a bind
+    that did not run NumPy eagerly."""
+
+    __slots__ = ("owner", "steps")
+
+    def __init__(self, owner: int):
+        self.owner, self.steps = owner, []
+
+
+RECORDINGS: list[Recording] = []  # open recordings, of any thread
+
+
+def _note(step: Step | None) -> None:
+    me = threading.get_ident()
+    for rec in RECORDINGS:
+        if rec.owner == me:
+            rec.steps.append(step)
+
+
 def bind(prim: Primitive, *args, **params):
     """Apply `prim` to Tensors `args`: record under a trace, else run NumPy or jax."""
     make = Tensor._make
@@ -189,9 +219,17 @@ def bind(prim: Primitive, *args, **params):
             a = avals[0]
             if type(res) is not np.ndarray or res.dtype != a.dtype:
                 res = coerce_numpy((res,), avals)[0]
-            return make(res, a.dims)
+            out = make(res, a.dims)
+            if RECORDINGS:
+                run = kernel or functools.partial(prim.numpy_impl, **params)
+                _note(Step(run, args, a, out))
+            return out
         outs = coerce_numpy(res, avals)
+        if RECORDINGS:
+            _note(None)
     else:
+        if RECORDINGS:
+            _note(None)
         avals = _avals(prim, args, params)
         if TRACE_STACK:
             outs = TRACE_STACK[-1].record(prim, args, params, avals)
@@ -269,6 +307,8 @@ def _remember(key: tuple, prim: Primitive, args, params) -> tuple[tuple[Aval, ..
     """(output avals, NumPy kernel of the inputs or None) of an eager op, kept under `key`."""
     avals = _avals(prim, args, params)
     kernel = None if prim.numpy_kernel is None else prim.numpy_kernel(**params)
+    if kernel is not None and prim.float_valued and not all(_is_inexact(a.dtype) for a in args):
+        kernel = in_float(kernel)  # the kernel is the op's own, without numpy_impl's casts
     try:
         if len(_EAGER) >= _EAGER_MAX:
             _EAGER.clear()
