@@ -55,13 +55,14 @@ def _sig(a, key: list, datas: list) -> None:
         for k, v in a.items():
             _sig(k, key, datas)
             _sig(v, key, datas)
+    elif type(a) is slice:
+        parts = (slice, a.start, a.stop, a.step)
+        for x in parts[1:]:
+            if x is not None and type(x) is not int:
+                raise _Unsupported
+        key += parts
     elif type(a) is type or isinstance(a, np.dtype):  # a dtype argument
         key += (type(a), a)
-    elif type(a) is slice:
-        parts = (a.start, a.stop, a.step)
-        if any(x is not None and type(x) is not int for x in parts):
-            raise _Unsupported
-        key += (slice, *parts)
     else:
         raise _Unsupported
 

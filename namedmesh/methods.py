@@ -10,8 +10,6 @@ module imports back into one that imports it, and `import namedmesh` (which any
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from namedmesh import elementwise as ew
 from namedmesh import habits, interop
 from namedmesh import reductions as red
@@ -43,6 +41,17 @@ COMPARISONS = {
     "ge": ew.greater_equal,
 }
 UNARY = {"neg": ew.negative, "abs": ew.abs, "invert": ew.logical_not}
+# `t.name(...)` -> op(t, ...): the op itself, taking the Tensor first
+OPS = {
+    "astype": ew.astype,
+    "argmax": red.argmax,
+    "argmin": red.argmin,
+    "isel": sel.isel,
+    "squeeze": sel.squeeze,
+    "expand_dims": sel.expand_dims,
+    "rename": st.rename,
+    "transpose": st.transpose,
+}
 
 
 def _reflected(op):
@@ -54,10 +63,6 @@ def _reflected(op):
 
 class Methods:
     """The named methods of Tensor, each the op of its name; bound onto Tensor by name."""
-
-    def astype(self, dtype) -> Tensor:
-        """The Tensor converted to `dtype` (same dims); see nm.astype."""
-        return ew.astype(self, dtype)
 
     @habits.dim_keyword
     def sum(self, dims: DimsLike | None = None) -> Tensor:
@@ -84,14 +89,6 @@ class Methods:
         """The product over `dims` (names; all dims when None); the reduced dims leave."""
         return red.prod(self, dims)
 
-    def argmax(self, dim: str) -> Tensor:
-        """The int32 index of the first maximum along the one dim `dim`, which leaves."""
-        return red.argmax(self, dim)
-
-    def argmin(self, dim: str) -> Tensor:
-        """The int32 index of the first minimum along the one dim `dim`, which leaves."""
-        return red.argmin(self, dim)
-
     @habits.dim_keyword
     def all(self, dims: DimsLike | None = None) -> Tensor:
         """True where every element over `dims` (all dims when None) is true; see nm.all."""
@@ -112,26 +109,6 @@ class Methods:
         """The standard deviation over `dims` (all when None); see nm.std."""
         return sel.std(self, dims, ddof)
 
-    def isel(self, indexers=None, **kw) -> Tensor:
-        """Select (an int drops the dim) or slice by dim name, as xarray; see nm.isel."""
-        return sel.isel(self, indexers, **kw)
-
-    def squeeze(self, dims: DimsLike | None = None) -> Tensor:
-        """Without the size-1 `dims` (all size-1 dims when None); see nm.squeeze."""
-        return sel.squeeze(self, dims)
-
-    def expand_dims(self, dims) -> Tensor:
-        """With new leading dims (names, or name -> size); see nm.expand_dims."""
-        return sel.expand_dims(self, dims)
-
-    def rename(self, mapping: Mapping[str, str] | None = None, **names: str) -> Tensor:
-        """The Tensor with dims renamed (`{"old": "new"}` or old="new"); data untouched."""
-        return st.rename(self, mapping, **names)
-
-    def transpose(self, *dims: str) -> Tensor:
-        """The Tensor with its axes in the order `dims` (all of them; `...` for the rest)."""
-        return st.transpose(self, *dims)
-
     def sel(self, *args, **kwargs):
         """No labels to select by: a HabitError naming `isel` (positions by dim name)."""
         habits.by_label(self, "sel")
@@ -147,13 +124,16 @@ class Methods:
 
 
 def bind_methods() -> None:
-    """Set the operators of the tables above and the methods of `Methods` on Tensor; the
-    op functions themselves, so `a + b` costs no call more than `nm.add(a, b)`."""
+    """Set the operators and ops of the tables above and the methods of `Methods` on
+    Tensor; the op functions themselves, so `a + b` costs no call more than
+    `nm.add(a, b)`."""
     for name, op in OPERATORS.items():
         setattr(Tensor, f"__{name}__", op)
         setattr(Tensor, f"__r{name}__", _reflected(op))
     for name, op in {**COMPARISONS, **UNARY}.items():
         setattr(Tensor, f"__{name}__", op)
+    for name, op in OPS.items():
+        setattr(Tensor, name, op)
     for name, member in vars(Methods).items():
         if not name.startswith("__"):
             setattr(Tensor, name, member)
