@@ -15,7 +15,7 @@ from namedmesh import habits, interop
 from namedmesh import reductions as red
 from namedmesh import selection as sel
 from namedmesh import structural as st
-from namedmesh.tensor import DimsLike, Tensor
+from namedmesh.tensor import Tensor
 
 # `a <op> b` -> op(a, b), and the reflected `b <op> a` (b not a Tensor) -> op(b, a)
 OPERATORS = {
@@ -52,6 +52,18 @@ OPS = {
     "rename": st.rename,
     "transpose": st.transpose,
 }
+# `t.sum("d")`, and xarray's `t.sum(dim="d")` (a HabitError for NumPy's `axis=`)
+REDUCTIONS = {
+    "sum": red.sum,
+    "mean": red.mean,
+    "max": red.max,
+    "min": red.min,
+    "prod": red.prod,
+    "all": red.all,
+    "any": red.any,
+    "var": sel.var,
+    "std": sel.std,
+}
 
 
 def _reflected(op):
@@ -63,51 +75,6 @@ def _reflected(op):
 
 class Methods:
     """The named methods of Tensor, each the op of its name; bound onto Tensor by name."""
-
-    @habits.dim_keyword
-    def sum(self, dims: DimsLike | None = None) -> Tensor:
-        """The sum over `dims` (names; all dims when None); the reduced dims leave."""
-        return red.sum(self, dims)
-
-    @habits.dim_keyword
-    def mean(self, dims: DimsLike | None = None) -> Tensor:
-        """The mean over `dims` (names; all dims when None), in a floating dtype."""
-        return red.mean(self, dims)
-
-    @habits.dim_keyword
-    def max(self, dims: DimsLike | None = None) -> Tensor:
-        """The maximum over `dims` (names; all dims when None); NaN wins, as in NumPy."""
-        return red.max(self, dims)
-
-    @habits.dim_keyword
-    def min(self, dims: DimsLike | None = None) -> Tensor:
-        """The minimum over `dims` (names; all dims when None); NaN wins, as in NumPy."""
-        return red.min(self, dims)
-
-    @habits.dim_keyword
-    def prod(self, dims: DimsLike | None = None) -> Tensor:
-        """The product over `dims` (names; all dims when None); the reduced dims leave."""
-        return red.prod(self, dims)
-
-    @habits.dim_keyword
-    def all(self, dims: DimsLike | None = None) -> Tensor:
-        """True where every element over `dims` (all dims when None) is true; see nm.all."""
-        return red.all(self, dims)
-
-    @habits.dim_keyword
-    def any(self, dims: DimsLike | None = None) -> Tensor:
-        """True where any element over `dims` (all dims when None) is true; see nm.any."""
-        return red.any(self, dims)
-
-    @habits.dim_keyword
-    def var(self, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
-        """The variance over `dims` (all when None), divisor count - ddof; see nm.var."""
-        return sel.var(self, dims, ddof)
-
-    @habits.dim_keyword
-    def std(self, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
-        """The standard deviation over `dims` (all when None); see nm.std."""
-        return sel.std(self, dims, ddof)
 
     def sel(self, *args, **kwargs):
         """No labels to select by: a HabitError naming `isel` (positions by dim name)."""
@@ -134,6 +101,8 @@ def bind_methods() -> None:
         setattr(Tensor, f"__{name}__", op)
     for name, op in OPS.items():
         setattr(Tensor, name, op)
+    for name, op in REDUCTIONS.items():
+        setattr(Tensor, name, habits.dim_keyword(op))
     for name, member in vars(Methods).items():
         if not name.startswith("__"):
             setattr(Tensor, name, member)
