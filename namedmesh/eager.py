@@ -185,6 +185,8 @@ def _replay(steps, args, kwargs, out):
     # values by where they come from: ("in", i) the i-th input, ("const", j) the j-th
     # Tensor the op made from its other arguments (a scalar's), ("step", k) a result
     made = {id(t): ("in", i) for i, t in enumerate(inputs)}
+    if len(made) < len(inputs):  # `x * x`: which position a step read is not known
+        return None
     consts: list = []
     for k, step in enumerate(steps):
         for t in step.inputs:

@@ -66,6 +66,15 @@ def test_equal_scalars_that_act_apart_are_not_mixed_up():
         assert (ints * True).dtype == np.int32
 
 
+def test_one_tensor_given_twice_is_not_replayed_for_two():
+    x, y = nm.tensor(A, "i j"), nm.tensor(B, "i j")
+    for _ in range(2):  # the same signature as x - y, recorded with one Tensor twice
+        np.testing.assert_array_equal((x - x).data, np.zeros_like(A))
+        np.testing.assert_allclose((x - y).data, A - B)
+        np.testing.assert_allclose(nm.concat([y, y], "i").data, np.concatenate([B, B]))
+        np.testing.assert_allclose(nm.concat([x, y], "i").data, np.concatenate([A, B]))
+
+
 def test_a_result_does_not_share_a_constant_of_the_call():
     x = nm.tensor(np.ones(3, np.float32), "i")
     first = nm.where(x > 0, 5.0, x)
