@@ -178,14 +178,14 @@ def _replay(steps, args, kwargs, out):
     records: kernel, input Tensors, result avals, result Tensor), or None where `out`
     is not the last step's result or a step is not a NumPy one."""
     inputs = _inputs(args, kwargs)
-    if not steps:
-        return next((i for i, t in enumerate(inputs) if t is out), None)
-    if any(s is None for s in steps) or steps[-1].result is not out:
-        return None
     # values by where they come from: ("in", i) the i-th input, ("const", j) the j-th
     # Tensor the op made from its other arguments (a scalar's), ("step", k) a result
     made = {id(t): ("in", i) for i, t in enumerate(inputs)}
     if len(made) < len(inputs):  # `x * x`: which position a step read is not known
+        return None
+    if not steps:
+        return next((i for i, t in enumerate(inputs) if t is out), None)
+    if any(s is None for s in steps) or steps[-1].result is not out:
         return None
     consts: list = []
     for k, step in enumerate(steps):
@@ -194,8 +194,8 @@ def _replay(steps, args, kwargs, out):
                 made[id(t)] = ("const", len(consts))
                 consts.append(t.data)
         made[id(step.result)] = ("step", k)
-    if any(out.data is c for c in consts):
-        return None
+    if any(out.data is c or type(c) is not np.ndarray or c.ndim for c in consts):
+        return None  # only a scalar's 0-d array is a constant of the call, and not returned
     # run on `inputs + consts + results so far`
     base = {"in": 0, "const": len(inputs), "step": len(inputs) + len(consts)}
     program = [
