@@ -1,11 +1,7 @@
 """namedmesh: named-axis tensors, one einsum for every contraction, and a tracer whose
 graphs the `lowering` package turns into SPMD programs on a device mesh."""
 
-# isort: off
-from namedmesh.tensor import Tensor  # first: the op modules it loads import it back
-
-# isort: on
-from namedmesh import random
+from namedmesh import methods, random  # methods: binds the ops onto Tensor as its methods
 from namedmesh.autodiff import grad, value_and_grad
 from namedmesh.checks import DimNameWarning
 from namedmesh.control import scan
@@ -120,6 +116,7 @@ from namedmesh.structural import (
     transpose,
 )
 from namedmesh.structural import slice_ as slice
+from namedmesh.tensor import Tensor
 from namedmesh.trace import Eqn, Graph, evaluate, interpret, reference, trace
 from namedmesh.update import update_slice
 

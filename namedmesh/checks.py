@@ -96,6 +96,11 @@ def agreed_sizes(op: str, operands: Sequence, labels: Sequence[str] | None = Non
     return sizes
 
 
+# How many near-miss warnings were given: an op whose call gave one is not remembered
+# (namedmesh/eager.py), so that every such call warns
+NEAR_MISSES_WARNED = [0]
+
+
 def warn_near_misses(op: str, operands: Sequence) -> None:
     """A DimNameWarning when broadcasting adds to one operand a dim that is not in the
     others but is a near-miss of one of theirs (difflib ratio >= 0.8: "class" and
@@ -105,6 +110,7 @@ def warn_near_misses(op: str, operands: Sequence) -> None:
     if len(operands) < 2:
         return
     for i, d, near in _near_misses(tuple(tuple(x.dims) for x in operands)):
+        NEAR_MISSES_WARNED[0] += 1
         warnings.warn(
             f"{op}: dim {d!r} of operand {i} {fmt_dims(operands[i].dims)} is in no other "
             f"operand and is broadcast as a new dim; did you mean {near!r}?",

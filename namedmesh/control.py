@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from namedmesh.avals import fmt_aval
 from namedmesh.checks import require_dims
 from namedmesh.errors import ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
-from namedmesh.trace import _fmt_aval, _leaves, evaluate, trace_nested
+from namedmesh.trace import evaluate, tensor_leaves, trace_nested
 
 # What a scan's backward pass keeps of each iteration: every residual jax saves ("none"),
 # only the carry, recomputing the rest ("full"), or the carry and matmul outputs ("dots").
@@ -113,8 +114,8 @@ def scan(f: Callable, init, xs, dim: str, length: int | None = None, remat: str 
         raise ParameterError(
             f"scan over {dim!r}: remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}"
         )
-    carry, carry_tree = _leaves(init, "scan's init")
-    x_leaves, x_tree = _leaves(xs, "scan's xs")
+    carry, carry_tree = tensor_leaves(init, "scan's init")
+    x_leaves, x_tree = tensor_leaves(xs, "scan's xs")
     sizes = {x.size_of(dim) if dim in x.dims else None for x in x_leaves}
     for x in x_leaves:
         require_dims("scan", [dim], x.dims, "a tensor of xs")
@@ -140,12 +141,12 @@ def scan(f: Callable, init, xs, dim: str, length: int | None = None, remat: str 
         new_carry, y = f(
             jax.tree_util.tree_unflatten(carry_tree, c), jax.tree_util.tree_unflatten(x_tree, x)
         )
-        new, tree = _leaves(new_carry, "the carry f returns")
+        new, tree = tensor_leaves(new_carry, "the carry f returns")
         if tree != carry_tree or [t.aval for t in new] != [t.aval for t in carry]:
-            got = ", ".join(_fmt_aval(t.aval) for t in new)
-            want = ", ".join(_fmt_aval(t.aval) for t in carry)
+            got = ", ".join(fmt_aval(t.aval) for t in new)
+            want = ", ".join(fmt_aval(t.aval) for t in carry)
             raise ShapeError(f"scan over {dim!r}: f returned the carry ({got}); init is ({want})")
-        ys, tree = _leaves(y, "the ys f returns")
+        ys, tree = tensor_leaves(y, "the ys f returns")
         y_tree.append(tree)
         return new + ys
 

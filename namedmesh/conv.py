@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.checks import agreed_sizes, require_dims
+from namedmesh.einsum import spec
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import lowest
 from namedmesh.primitive import Aval, Cost, bind, is_inexact, primitive, result_dtype
@@ -116,8 +117,6 @@ def _conv_rule(x, k, spatial, strides, dilations, pads, dims):
 
 
 def _conv_np(x, k, spatial, strides, dilations, pads, dims):
-    from namedmesh.einsum import spec
-
     x_dims, k_dims, out = dims
     sp = dict(spatial)
     axes = tuple(x_dims.index(d) for d in sp)

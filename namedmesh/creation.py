@@ -9,7 +9,7 @@ import numpy as np
 
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
-from namedmesh.tensor import DimsLike, Tensor, parse_dims
+from namedmesh.tensor import DimsLike, Tensor, parse_dims, parse_sizes
 
 _FLOAT32 = np.dtype(np.float32)
 
@@ -17,18 +17,6 @@ _FLOAT32 = np.dtype(np.float32)
 def tensor(data, dims: DimsLike) -> Tensor:
     """A Tensor of `data` (array-like) with axes named `dims` (tuple or "a b c")."""
     return Tensor(data, dims)
-
-
-def _check_sizes(sizes: Mapping[str, int], op: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    if isinstance(sizes, Tensor):
-        sizes = sizes.sizes
-    if not isinstance(sizes, Mapping):
-        raise ShapeError(f"{op}: sizes must be a mapping dim -> size, got {sizes!r}")
-    dims = parse_dims(tuple(sizes), op)
-    for d, s in sizes.items():
-        if not isinstance(s, int | np.integer) or s < 0:
-            raise ShapeError(f"{op}: size of dim {d!r} must be a non-negative int, got {s!r}")
-    return dims, tuple(int(s) for s in sizes.values())
 
 
 _full = primitive(
@@ -43,7 +31,7 @@ _full = primitive(
 
 def full(sizes: Mapping[str, int], value, dtype=None) -> Tensor:
     """A tensor of `sizes` (dim -> size, in order) filled with `value`."""
-    dims, shape = _check_sizes(sizes, "full")
+    dims, shape = parse_sizes(sizes, "full")
     if dtype is None:
         dtype = {bool: bool, int: np.int32, float: np.float32}.get(
             type(value), np.result_type(value)
@@ -102,5 +90,5 @@ def abstract(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
     models of any size with `jax.eval_shape`, without allocating memory."""
     import jax
 
-    dims, shape = _check_sizes(sizes, "abstract")
+    dims, shape = parse_sizes(sizes, "abstract")
     return Tensor._make(jax.ShapeDtypeStruct(shape, np.dtype(dtype)), dims)

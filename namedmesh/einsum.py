@@ -18,6 +18,7 @@ import numpy as np
 import opt_einsum
 
 from namedmesh.checks import agreed_sizes, did_you_mean
+from namedmesh.eager import remembered
 from namedmesh.errors import ArgumentError, DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
@@ -208,6 +209,7 @@ def _accumulation(preferred_element_type, precision) -> dict:
     return {"preferred": dt, "precision": precision}
 
 
+@remembered
 def einsum(
     *operands: Tensor,
     out: DimsLike | None = None,

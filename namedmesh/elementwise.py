@@ -16,6 +16,7 @@ import numpy as np
 import scipy.special
 
 from namedmesh.checks import agreed_sizes, warn_near_misses
+from namedmesh.eager import remembered
 from namedmesh.errors import ArgumentError, DtypeError, fmt_dims
 from namedmesh.primitive import (
     Aval,
@@ -117,6 +118,19 @@ def _nary(xp_fn, xp):
     return impl
 
 
+def _nary_kernel(np_fn):
+    """The NumPy function itself where every operand has the result's dims in its order
+    or none (a scalar's: align passes each through), else the aligning implementation."""
+    impl = _nary(np_fn, np)
+
+    def kernel(in_dims, out_dims):
+        if all(d == out_dims or not d for d in in_dims):
+            return np_fn
+        return functools.partial(impl, in_dims=in_dims, out_dims=out_dims)
+
+    return kernel
+
+
 def _cost(flops_per_element: int):
     def cost(in_avals, out_avals, params) -> Cost:
         c = default_cost(in_avals, out_avals, params)
@@ -162,6 +176,7 @@ def _make_nary(
         least_reads=least,
         combines_inputs=True,
         float_valued=dtype_rule is float_result,
+        numpy_kernel=_nary_kernel(np_fn),
     )
 
     def op(*xs) -> Tensor:
@@ -172,7 +187,7 @@ def _make_nary(
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"Elementwise `{name}`, broadcasting by name."
     op.primitive = prim
-    return op
+    return remembered(op)
 
 
 def _same(*dts):
@@ -365,6 +380,7 @@ _convert = primitive(
 )
 
 
+@remembered
 def astype(x: Tensor, dtype) -> Tensor:
     """`x` converted to `dtype`; `x` itself when it has that dtype (no op recorded, so
     that the memory estimate does not count a copy that jax never makes)."""
@@ -373,6 +389,7 @@ def astype(x: Tensor, dtype) -> Tensor:
     return bind(_convert, x, dtype=np.dtype(dtype))
 
 
+@remembered
 def clip(x: Tensor, lo=None, hi=None) -> Tensor:
     """`x` limited to [lo, hi]; either bound may be None or a Tensor."""
     if lo is not None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 
+from namedmesh.einsum import einsum
 from namedmesh.errors import ArgumentError, ParameterError
+from namedmesh.tensor import Tensor
 
 
 class HabitError(ArgumentError):
@@ -42,9 +44,6 @@ def dim_keyword(method):
 def matmul(a, b):
     """`a @ b`: the einsum of two Tensors summing the dims they share, the others kept in
     the order they first appear (xarray.dot's)."""
-    from namedmesh.einsum import einsum
-    from namedmesh.tensor import Tensor
-
     for x in (a, b):
         if not isinstance(x, Tensor):
             raise HabitError(

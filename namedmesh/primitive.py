@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -20,25 +21,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from namedmesh.avals import TRACE_STACK, Aval, Var, is_jax_array
 from namedmesh.errors import NamedMeshError
-
-
-class Aval(NamedTuple):
-    """Abstract value: dims, positional shape and dtype, no data."""
-
-    dims: tuple[str, ...]
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        """dim name -> size."""
-        return dict(zip(self.dims, self.shape, strict=True))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of a value with this shape and dtype."""
-        return math.prod(self.shape) * self.dtype.itemsize
+from namedmesh.tensor import Tensor
 
 
 def is_inexact(dtype) -> bool:
@@ -190,54 +175,38 @@ def primitive(name: str, shape_rule, numpy_impl, jax_impl, **kw) -> Primitive:
     return p
 
 
-class Var:
-    """The data of a Tensor under `nm.trace`: an abstract value with an identity."""
+class Step(NamedTuple):
+    """One eager NumPy bind, as an op being remembered replays it (namedmesh/eager.py)."""
 
-    __slots__ = ("dims", "shape", "dtype", "count", "const")
-    _counter = 0
-
-    def __init__(self, aval: Aval, const=None):
-        self.dims, self.shape, self.dtype = aval
-        self.const = const
-        Var._counter += 1
-        self.count = Var._counter
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def aval(self) -> Aval:
-        return Aval(self.dims, self.shape, self.dtype)
-
-    def __array__(self, dtype=None, copy=None):
-        raise NamedMeshError(
-            f"cannot read the values of a traced tensor {_fmt_aval(self.aval)} inside "
-            "nm.trace: the function must not convert its inputs to NumPy"
-        )
-
-    def __repr__(self) -> str:
-        return f"Var({_fmt_aval(self.aval)})"
+    kernel: Callable  # of the input arrays
+    inputs: tuple  # the Tensors bound
+    aval: Aval  # of the result
+    result: Any  # the Tensor made
 
 
-def _fmt_aval(a: Aval) -> str:
-    dt = np.dtype(a.dtype)
-    short = {"f": "f", "i": "i", "u": "u", "b": "bool", "c": "c"}.get(dt.kind, dt.kind)
-    name = short if dt.kind == "b" else f"{short}{dt.itemsize * 8}"
-    return name + "[" + ", ".join(f"{d}={s}" for d, s in zip(a.dims, a.shape, strict=True)) + "]"
+class Recording:
+    """The binds one call of an op makes in the thread `owner`: Steps, or None for a bind
+    that did not run NumPy eagerly."""
+
+    __slots__ = ("owner", "steps")
+
+    def __init__(self, owner: int):
+        self.owner, self.steps = owner, []
 
 
-# The trace frames of `nm.trace`, innermost last. A frame has `record(prim, args, params, avals)`.
-TRACE_STACK: list[Any] = []
+RECORDINGS: list[Recording] = []  # open recordings, of any thread
 
 
-def _is_jax(x) -> bool:
-    return not isinstance(x, np.ndarray) and isinstance(x, jax.Array)
+def _note(step: Step | None) -> None:
+    me = threading.get_ident()
+    for rec in RECORDINGS:
+        if rec.owner == me:
+            rec.steps.append(step)
 
 
 def bind(prim: Primitive, *args, **params):
     """Apply `prim` to Tensors `args`: record under a trace, else run NumPy or jax."""
-    make = _TENSOR_MAKE or _tensor_make()
+    make = Tensor._make
     if not TRACE_STACK and (datas := _numpy_datas(args, key := [prim, *params.items()])):
         # eager NumPy, the hot path of small ops: its shape rule and kernel remembered
         key = tuple(key)
@@ -249,10 +218,18 @@ def bind(prim: Primitive, *args, **params):
         if not prim.multiple_results:
             a = avals[0]
             if type(res) is not np.ndarray or res.dtype != a.dtype:
-                res = _coerce_numpy((res,), avals)[0]
-            return make(res, a.dims)
-        outs = _coerce_numpy(res, avals)
+                res = coerce_numpy((res,), avals)[0]
+            out = make(res, a.dims)
+            if RECORDINGS:
+                run = kernel or functools.partial(prim.numpy_impl, **params)
+                _note(Step(run, args, a, out))
+            return out
+        outs = coerce_numpy(res, avals)
+        if RECORDINGS:
+            _note(None)
     else:
+        if RECORDINGS:
+            _note(None)
         avals = _avals(prim, args, params)
         if TRACE_STACK:
             outs = TRACE_STACK[-1].record(prim, args, params, avals)
@@ -271,11 +248,11 @@ def _run_eager(prim: Primitive, datas, params, avals) -> tuple:
             raise NamedMeshError(
                 f"{prim.name}: a tensor {d!r} from a finished nm.trace was used outside it"
             )
-    if any(_is_jax(d) for d in datas):
+    if any(is_jax_array(d) for d in datas):
         res = prim.jax_impl(*datas, **params)
         return _coerce_jax(res if prim.multiple_results else (res,), avals)
     res = prim.numpy_impl(*datas, **params)
-    return _coerce_numpy(res if prim.multiple_results else (res,), avals)
+    return coerce_numpy(res if prim.multiple_results else (res,), avals)
 
 
 def _coerce_jax(outs, avals):
@@ -287,7 +264,7 @@ def _coerce_jax(outs, avals):
             zip(outs, avals, strict=True)]  # fmt: skip
 
 
-def _coerce_numpy(outs, avals):
+def coerce_numpy(outs, avals) -> list:
     """NumPy widens some dtypes (int32 sums become int64); hold it to the shape rule's dtype."""
     fixed = []
     for o, a in zip(outs, avals, strict=True):
@@ -330,6 +307,8 @@ def _remember(key: tuple, prim: Primitive, args, params) -> tuple[tuple[Aval, ..
     """(output avals, NumPy kernel of the inputs or None) of an eager op, kept under `key`."""
     avals = _avals(prim, args, params)
     kernel = None if prim.numpy_kernel is None else prim.numpy_kernel(**params)
+    if kernel is not None and prim.float_valued and not all(_is_inexact(a.dtype) for a in args):
+        kernel = in_float(kernel)  # the kernel is the op's own, without numpy_impl's casts
     try:
         if len(_EAGER) >= _EAGER_MAX:
             _EAGER.clear()
@@ -337,16 +316,3 @@ def _remember(key: tuple, prim: Primitive, args, params) -> tuple[tuple[Aval, ..
     except TypeError:  # a param that is not hashable (an array): not remembered
         pass
     return avals, kernel
-
-
-# Tensor._make, looked up once: namedmesh.tensor imports this module, and an import
-# statement inside `bind` costs a microsecond on every eager op
-_TENSOR_MAKE = None
-
-
-def _tensor_make():
-    global _TENSOR_MAKE
-    from namedmesh.tensor import Tensor
-
-    _TENSOR_MAKE = Tensor._make
-    return _TENSOR_MAKE

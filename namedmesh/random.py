@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh import elementwise as ew
-from namedmesh.creation import _check_sizes
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
-from namedmesh.tensor import Tensor
+from namedmesh.tensor import Tensor, parse_sizes
 
 KEY_DIM = "key"
 _U32 = np.dtype(np.uint32)
@@ -150,7 +149,7 @@ def split(k: Tensor | int, n: int = 2) -> tuple[Tensor, ...]:
 
 
 def _draw(k, sizes, dist, dtype, args):
-    dims, shape = _check_sizes(sizes, dist)
+    dims, shape = parse_sizes(sizes, dist)
     return bind(
         _random,
         _as_key(k),

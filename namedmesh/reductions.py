@@ -6,6 +6,7 @@ Reduced dims leave the result; softmax, log_softmax and cumsum keep them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 import scipy.special
 
 from namedmesh.checks import axis_of, require_dims
+from namedmesh.eager import remembered
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import sort_key
 from namedmesh.primitive import Aval, Cost, bind, default_cost, float_result, primitive
@@ -40,7 +42,12 @@ def _reduction_cost(in_avals, out_avals, params) -> Cost:
     return default_cost(in_avals, out_avals, params)._replace(flops=math.prod(in_avals[0].shape))
 
 
-def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt, reads="nothing", saves=0):
+def _make_reduction(
+    name, np_fn, jnp_fn, dtype_rule=lambda dt: dt, reads="nothing", saves=0, ufunc=None
+):
+    """A reduction primitive and its public op; `ufunc`, the one whose `reduce` `np_fn`
+    calls on an ndarray (np.sum's np.add), is the eager kernel, without np_fn's Python."""
+
     def shape_rule(x, axes):
         dims, shape = _kept(x, axes)
         return Aval(dims, shape, dtype_rule(x.dtype))
@@ -54,6 +61,9 @@ def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt, reads="nothin
         backward_reads=reads,
         backward_saves=saves,
         float_valued=dtype_rule is float_result,
+        numpy_kernel=None
+        if ufunc is None
+        else lambda axes: functools.partial(ufunc.reduce, axis=axes),
     )
 
     def op(x: Tensor, dims: DimsLike | None = None) -> Tensor:
@@ -62,7 +72,7 @@ def _make_reduction(name, np_fn, jnp_fn, dtype_rule=lambda dt: dt, reads="nothin
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"`{name}` over `dims` (all dims when None); the reduced dims leave the result."
     op.primitive = prim
-    return op
+    return remembered(op)
 
 
 def _sum_dtype(dt):
@@ -72,10 +82,10 @@ def _sum_dtype(dt):
     return np.dtype(np.uint32) if dt.kind == "u" and dt.itemsize < 4 else dt
 
 
-sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype)
-prod = _make_reduction("prod", np.prod, jnp.prod, _sum_dtype, reads="both")
-max = _make_reduction("max", np.max, jnp.max, reads="both")
-min = _make_reduction("min", np.min, jnp.min, reads="both")
+sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype, ufunc=np.add)
+prod = _make_reduction("prod", np.prod, jnp.prod, _sum_dtype, reads="both", ufunc=np.multiply)
+max = _make_reduction("max", np.max, jnp.max, reads="both", ufunc=np.maximum)
+min = _make_reduction("min", np.min, jnp.min, reads="both", ufunc=np.minimum)
 mean = _make_reduction("mean", np.mean, jnp.mean, float_result)
 any = _make_reduction("any", np.any, jnp.any, lambda dt: np.dtype(bool))
 all = _make_reduction("all", np.all, jnp.all, lambda dt: np.dtype(bool))
@@ -146,11 +156,13 @@ def log_softmax_jax(x, axes):
     return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True))
 
 
+@remembered
 def softmax(x: Tensor, dims: DimsLike) -> Tensor:
     """exp(x) / sum(exp(x)) over `dims`; the result keeps x's dims."""
     return bind(_softmax, x, axes=axes_of(x, dims, "softmax"))
 
 
+@remembered
 def log_softmax(x: Tensor, dims: DimsLike) -> Tensor:
     """x - logsumexp(x, dims); the result keeps x's dims."""
     return bind(_log_softmax, x, axes=axes_of(x, dims, "log_softmax"))
@@ -179,11 +191,13 @@ _argmin = primitive(
 )
 
 
+@remembered
 def argmax(x: Tensor, dim: str) -> Tensor:
     """Index (int32) of the largest value along `dim`, first one on ties."""
     return bind(_argmax, x, axis=axis_of(x, dim, "argmax"))
 
 
+@remembered
 def argmin(x: Tensor, dim: str) -> Tensor:
     """Index (int32) of the smallest value along `dim`, first one on ties."""
     return bind(_argmin, x, axis=axis_of(x, dim, "argmin"))
@@ -252,6 +266,7 @@ _cumsum = primitive(
 )
 
 
+@remembered
 def cumsum(x: Tensor, dim: str, reverse: bool = False) -> Tensor:
     """Running sum along `dim` (from the end when `reverse`); keeps x's dims."""
     return bind(_cumsum, x, axis=axis_of(x, dim, "cumsum"), reverse=bool(reverse))

@@ -9,12 +9,14 @@ an integer index) by name, so that it lowers by their rules, halo exchange inclu
 from __future__ import annotations
 
 import builtins
+import operator
 from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.checks import names_not_positions, require_dims
+from namedmesh.eager import remembered
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, bind, float_result, primitive, zero_flops_cost
 from namedmesh.reductions import axes_of, normalization_cost
@@ -35,9 +37,11 @@ _squeeze = primitive(
     lambda x, axes: jnp.squeeze(x, axis=axes),
     cost_rule=lambda i, o, p: zero_flops_cost(i, o, p)._replace(bytes=0),
     backward_reads="nothing",
+    numpy_kernel=lambda axes: operator.methodcaller("squeeze", axes),  # np.squeeze's call
 )
 
 
+@remembered
 def squeeze(x: Tensor, dims: DimsLike | None = None) -> Tensor:
     """`x` without the dims `dims`, each of size 1 (default: every dim of size 1), as
     xarray's `squeeze`; ShapeError naming a dim whose size is not 1."""
@@ -75,6 +79,7 @@ _expand_dims = primitive(
 )
 
 
+@remembered
 def expand_dims(x: Tensor, dims: str | DimsLike | Mapping[str, int]) -> Tensor:
     """`x` with new leading dims, as xarray's `expand_dims`: names (size 1) or a mapping
     name -> size, along which the values repeat. ShapeError for a name `x` has."""
@@ -117,18 +122,21 @@ _var = _moment("var")
 _std = _moment("std")
 
 
+@remembered
 def var(x: Tensor, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
     """The variance over `dims` (all dims when None), with `ddof` delta degrees of
     freedom (divisor: count - ddof), as xarray and NumPy; the reduced dims leave."""
     return bind(_var, x, axes=axes_of(x, dims, "var"), ddof=int(ddof))
 
 
+@remembered
 def std(x: Tensor, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
     """The standard deviation over `dims` (all dims when None), sqrt(var(x, dims, ddof))."""
     return bind(_std, x, axes=axes_of(x, dims, "std"), ddof=int(ddof))
 
 
 # --- isel ---------------------------------------------------------------------------------
+@remembered
 def isel(x: Tensor, indexers: Mapping[str, int | builtins.slice] | None = None, **kw) -> Tensor:
     """Select by dim name, as xarray's `isel`: `isel(x, batch=0)` drops `batch` (an int,
     negative from the end), `isel(x, d=slice(1, 3))` keeps it (a slice with a positive

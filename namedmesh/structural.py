@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import math
+import operator
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.checks import agreed_sizes, axis_of, did_you_mean, names_not_positions, require_dims
+from namedmesh.eager import remembered
 from namedmesh.elementwise import align
 from namedmesh.errors import LayoutError, ShapeError, fmt_dims
 from namedmesh.layout_rules import Rules, format_rules, parse_rules
@@ -35,6 +37,7 @@ _rename = primitive(
 )
 
 
+@remembered
 def rename(x: Tensor, mapping: Mapping[str, str] | None = None, **names: str) -> Tensor:
     """`x` with dims renamed, `rename(x, {"a": "b"})` or `rename(x, a="b")`; data untouched."""
     mapping = {**(mapping or {}), **names}
@@ -50,9 +53,11 @@ _transpose = primitive(
     lambda x, perm: jnp.transpose(x, perm),
     cost_rule=zero_flops_cost,
     backward_reads="nothing",
+    numpy_kernel=lambda perm: operator.methodcaller("transpose", perm),  # np.transpose's call
 )
 
 
+@remembered
 def transpose(x: Tensor, *dims: str | Sequence[str]) -> Tensor:
     """`x` with its axes in the order `dims`; `...` stands for the other dims in their order."""
     dims = tuple("..." if d is Ellipsis else d for d in dims)  # x.transpose("c", ...)
@@ -87,9 +92,11 @@ _reshape = primitive(
     lambda x, shape, dims: jnp.reshape(x, shape),
     cost_rule=zero_flops_cost,
     backward_reads="nothing",
+    numpy_kernel=lambda shape, dims: operator.methodcaller("reshape", shape),
 )
 
 
+@remembered
 def reshape(x: Tensor, new: Mapping[str, int], from_: DimsLike) -> Tensor:
     """Merge or split dims: the dims `from_` become the dims `new` (name -> size, in order),
     placed where the first of `from_` was. One size may be -1 (inferred).
@@ -147,9 +154,11 @@ _concat = primitive(
     lambda *xs, axis: jnp.concatenate(xs, axis=axis),
     cost_rule=zero_flops_cost,
     backward_reads="nothing",
+    numpy_kernel=lambda axis: lambda *xs: np.concatenate(xs, axis=axis),
 )
 
 
+@remembered
 def concat(tensors: Sequence[Tensor], dim: str) -> Tensor:
     """Join tensors along their existing dim `dim`; the other dims must agree by name."""
     if not tensors:
@@ -180,6 +189,7 @@ _stack = primitive(
 )
 
 
+@remembered
 def stack(tensors: Sequence[Tensor], dim: str) -> Tensor:
     """Stack tensors with the same dims along a new first dim `dim`."""
     if not tensors:
@@ -241,9 +251,11 @@ _slice = primitive(
     lambda x, axis, start, stop, step: x[_slicer(axis, start, stop, step)],
     cost_rule=zero_flops_cost,
     backward_reads="nothing",
+    numpy_kernel=lambda **p: operator.itemgetter(_slicer(**p)),
 )
 
 
+@remembered
 def slice_(
     x: Tensor, dim: str, start: int | None = None, stop: int | None = None, step: int = 1
 ) -> Tensor:
@@ -271,6 +283,7 @@ _pad = primitive(
 )
 
 
+@remembered
 def pad(x: Tensor, widths: Mapping[str, int | tuple[int, int]], value=0) -> Tensor:
     """Pad dims with `value`: `widths` maps a dim to (before, after) or to one int for both."""
     require_dims("pad", widths, x.dims)
@@ -314,6 +327,7 @@ _shift = primitive(
 )
 
 
+@remembered
 def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tensor:
     """Move values `offset` places along `dim` (out[i] = x[i - offset]).
 
@@ -345,6 +359,7 @@ _one_hot = primitive(
 )
 
 
+@remembered
 def one_hot(indices: Tensor, dim: str, n: int, dtype=np.float32) -> Tensor:
     """A new last dim `dim` of size `n`: 1 where its index equals `indices`, else 0 (also
     for out-of-range indices)."""
@@ -400,6 +415,7 @@ _gather = primitive(
 )
 
 
+@remembered
 def gather(x: Tensor, dim: str, indices: Tensor) -> Tensor:
     """Pick elements of `x` along `dim` at integer `indices` (xarray's vectorized `isel`).
 

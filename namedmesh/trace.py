@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from namedmesh.avals import TRACE_STACK, Aval, Var, fmt_aval
 from namedmesh.errors import ArgumentError, NamedMeshError, TracedValueError
-from namedmesh.primitive import TRACE_STACK, Aval, Primitive, Var, _coerce_numpy, _fmt_aval
+from namedmesh.primitive import Primitive, coerce_numpy
 from namedmesh.tensor import Tensor
 
 
@@ -54,7 +55,7 @@ class Graph:
         names = {v: f"c{i}" for i, v in enumerate(self.consts)}
         for v in (*self.inputs, *(o for e in self.eqns for o in e.outputs)):
             names.setdefault(v, _letters(len(names) - len(self.consts)))
-        decl = lambda v: f"{names[v]}: {_fmt_aval(v.aval)}"
+        decl = lambda v: f"{names[v]}: {fmt_aval(v.aval)}"
         lines = ["graph(" + ", ".join(decl(v) for v in self.inputs) + ") {"]
         for v, c in self.consts.items():
             lines.append(f"  {decl(v)} = const {_short(c)}")
@@ -144,7 +145,9 @@ class _Frame:
         return outs
 
 
-def _leaves(tree, what: str) -> tuple[list[Tensor], Any]:
+def tensor_leaves(tree, what: str) -> tuple[list[Tensor], Any]:
+    """The Tensors of a pytree and its treedef; an ArgumentError naming `what` for any
+    other leaf."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_tensor)
     for x in leaves:
         if not isinstance(x, Tensor):
@@ -191,14 +194,14 @@ def trace_nested(fn: Callable, *example_inputs, nested: bool = True) -> tuple[Gr
     the graph and those outer tensors' Vars, in the same order."""
     if not callable(fn):
         raise ArgumentError(f"trace: the program must be a function of Tensors, got {fn!r}")
-    leaves, in_tree = _leaves(list(example_inputs), "trace inputs")
+    leaves, in_tree = tensor_leaves(list(example_inputs), "trace inputs")
     in_vars = tuple(Var(x.aval) for x in leaves)
     frame = _Frame(in_vars, TRACE_STACK[-1] if nested and TRACE_STACK else None)
     TRACE_STACK.append(frame)
     try:
         args = jax.tree_util.tree_unflatten(in_tree, [Tensor._make(v, v.dims) for v in in_vars])
         result = _run_user_fn(fn, args)
-        out_leaves, out_tree = _leaves(result, "the traced function's results")
+        out_leaves, out_tree = tensor_leaves(result, "the traced function's results")
         outs = tuple(frame.var_of(t) for t in out_leaves)
     finally:
         TRACE_STACK.pop()
@@ -219,7 +222,7 @@ def evaluate(graph: Graph, inputs: list, impl: str = "numpy", each=None) -> list
         res = fn(*(env[v] for v in e.inputs), **e.params)
         res = res if e.primitive.multiple_results else (res,)
         if impl == "numpy":
-            res = _coerce_numpy(res, [v.aval for v in e.outputs])
+            res = coerce_numpy(res, [v.aval for v in e.outputs])
         if each is not None:
             res = [each(v, r) for v, r in zip(e.outputs, res, strict=True)]
         env.update(zip(e.outputs, res, strict=True))
@@ -242,7 +245,7 @@ def _runner(graph: Graph, impl: str, convert) -> Callable:
             x = convert(x)
             if tuple(x.shape) != v.shape:
                 raise NamedMeshError(
-                    f"input of shape {tuple(x.shape)} given for {_fmt_aval(v.aval)}"
+                    f"input of shape {tuple(x.shape)} given for {fmt_aval(v.aval)}"
                 )
             arrays.append(x)
         outs = evaluate(graph, arrays, impl)

@@ -4,8 +4,8 @@
 onto `mesh` under `layout` against `nm.reference`, its single-device NumPy run.
 `check_layouts(fn, *inputs)` draws meshes and layouts with hypothesis and, on a
 mismatch, fails with the smallest mesh and layout it found and a snippet that
-reproduces it. The `lowering` package is imported when these are called, so the
-language itself never depends on it.
+reproduces it. namedmesh.testing is the floor above `lowering`, which it imports; the
+language (every other namedmesh module) imports neither (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 import namedmesh as nm
+from lowering import Layout, lower
 from namedmesh.primitive import is_inexact
 from namedmesh.tensor import Tensor
 from namedmesh.testing import strategies
@@ -36,8 +37,6 @@ def lowered(fn, mesh, layout):
     """`lowering.lower(fn, mesh, layout, check=True)`, cached: a case hypothesis replays
     while it shrinks (same fn, mesh and layout; Programs compare by value) is not compiled
     again. The emitter's check holds every value it makes to the plan as it traces."""
-    from lowering import lower
-
     return lower(fn, mesh, layout, check=True)
 
 
@@ -71,8 +70,6 @@ def compare(got, want, rtol=None, what: str = "result") -> None:
 def assert_same_as_reference(fn, mesh, layout, *inputs, rtol: float | None = None) -> None:
     """`fn(*inputs)` lowered onto `mesh` under `layout` equals its NumPy reference (dims,
     order, dtype, and values within a tolerance fit for the dtype, or `rtol`)."""
-    from lowering import Layout
-
     layout = layout if isinstance(layout, Layout) else Layout(layout)
     want = nm.reference(nm.trace(fn, *inputs))(*inputs)
     got = lowered(fn, mesh, layout)(*inputs)
@@ -103,8 +100,6 @@ def check_layouts(
     """
     from hypothesis import HealthCheck, assume, given, settings
     from hypothesis import strategies as st
-
-    from lowering import Layout
 
     graph = nm.trace(fn, *inputs)
     dim_names = list(

@@ -17,6 +17,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import namedmesh as nm
+from lowering import Layout, Mesh
 
 ALONG_KINDS = (
     "shift",
@@ -45,8 +46,6 @@ def split_meshes(max_devices: int | None = None):
     """Meshes of 2 or 3 axes, every axis of size > 1 (2x2, 2x4, 4x2, 2x2x2 on 8 devices):
     an axis of size 1 splits nothing, so an order of axes that includes it is no order."""
     import jax
-
-    from lowering import Mesh
 
     limit = max_devices or len(jax.devices())
 
@@ -142,8 +141,6 @@ def axis_order_cases(draw, kinds=ALONG_KINDS, x_dtypes=X_DTYPES):
     """(AlongProgram, mesh, layout): "p" over 2 or 3 mesh axes in any order (every axis
     of size > 1), its size 1..4 per shard; "q" sometimes on another axis; the index
     tensor's dims in any order, shared with x's ("q") or new ("i", of q's size)."""
-    from lowering import Layout
-
     mesh = draw(split_meshes())
     axes = draw(axis_orders(mesh))
     kind = draw(st.sampled_from(kinds))

@@ -23,6 +23,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import namedmesh as nm
+from lowering import Layout, Mesh
 
 LAYERS = 4
 # the body after z = h . w (+ 0.1 g): per example along batch ("residual"); mixing the
@@ -108,8 +109,6 @@ def stack_cases(draw, bodies=STACK_BODIES):
     """(Stack, mesh, layout): see the module docstring, with a body of `bodies`.
     `microbatches` is left to the default, or set to 2, 4, 8 or 1 (which the per-stage
     batch may not divide)."""
-    from lowering import Layout, Mesh
-
     stack = Stack(
         batch=8,
         width=draw(st.sampled_from((2, 4))),

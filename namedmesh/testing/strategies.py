@@ -17,6 +17,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import namedmesh as nm
+from lowering import Layout, Mesh
 
 NAMES = ("p", "q", "r", "s")
 SIZES = (2, 4, 8, 1, 3, 6)  # mostly divisible; 3 and 6 are not, by most mesh axes
@@ -62,8 +63,6 @@ def meshes(max_devices: int | None = None, max_axes: int = 3):
     sizes 1, 2, 4 or 8."""
     import jax
 
-    from lowering import Mesh
-
     limit = max_devices or len(jax.devices())
 
     @st.composite
@@ -87,8 +86,6 @@ def layouts(dim_names, mesh, allow_strict: bool = True, sizes=None, shared: bool
     `strict` on or off; `shared` marks it as naming dims a program may lack. With
     `sizes` (dim -> size), axes that divide a dim's size are
     preferred, so that fewer layouts are invalid for the inputs."""
-    from lowering import Layout
-
     axes = list(mesh.sizes)
 
     def fits(d, chosen):
@@ -344,8 +341,6 @@ def shared_axis_cases(draw):
     on one mesh axis, mostly a summed dim then a kept one: the cases where the
     contraction is reduce-scattered onto the kept dim. `cases()` draws one about once
     in 1,500 (measured)."""
-    from lowering import Layout
-
     mesh = draw(meshes(max_axes=2))
     axis = draw(st.sampled_from(list(mesh.sizes)))
     program = draw(einsums(sizes=[n for n in (2, 4, 8) if n % mesh.sizes[axis] == 0]))
@@ -363,8 +358,6 @@ def multi_axis_cases(draw):
     mesh of two axes of size > 1, with one dim (a summed one where there is one) over
     both axes in either order: the cases where a contraction's psum runs over several
     axes at once."""
-    from lowering import Layout
-
     program = draw(einsums(sizes=(8,), max_inputs=1))
     two = lambda m: len(m.sizes) == 2 and min(m.sizes.values()) > 1
     mesh = draw(meshes(max_axes=2).filter(two))

@@ -1,0 +1,156 @@
+"""The import floors of the house, read from the source (ast), so they cannot slip back.
+
+Bottom to top: namedmesh's language (every module of `namedmesh` but `namedmesh.testing`)
+< `lowering` < `models`; `namedmesh.testing` stands above `lowering` (it lowers programs
+to check them) and below `models`. A floor imports only from the floors below it, inside
+a function too. Inside namedmesh no module imports, at module level, a module that
+imports it back (a circle that loads only in one order), and no module imports another's
+private (`_name`) helper.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("namedmesh", "lowering", "models")
+FLOORS = ("namedmesh", "lowering", "namedmesh.testing", "models")  # bottom to top
+# Imports inside a function that point up or back within namedmesh's language, and why
+# they cannot be at module level: each would close a circle.
+LATE_IMPORTS = {
+    # nm.Tensor(traced value, new dims) under nm.trace records a rename, an op above Tensor
+    ("namedmesh.tensor", "namedmesh.structural"),
+    # np.exp(t) runs the public op of the ufunc's name, from the package's namespace
+    ("namedmesh.numpy_dispatch", "namedmesh"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, ast.Module]:
+    return {
+        module_name(p): ast.parse(p.read_text(), str(p))
+        for pkg in PACKAGES
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+    }
+
+
+MODULES = modules()
+
+
+def target(node: ast.ImportFrom, importer: str) -> str:
+    """The module a `from ... import` reads, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    is_pkg = (ROOT / Path(*base) / "__init__.py").exists()
+    base = base[: len(base) - node.level + is_pkg]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(tree: ast.Module, importer: str, top_only: bool):
+    """(module imported, name or None, line, at module level) for each import in `tree`;
+    `from pkg import mod` reads the module pkg.mod where there is one."""
+    top = {id(n) for n in tree.body} | {
+        id(n) for stmt in tree.body if isinstance(stmt, ast.If | ast.Try) for n in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        at_top = id(node) in top
+        if top_only and not at_top:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, None, node.lineno, at_top
+        elif isinstance(node, ast.ImportFrom):
+            mod = target(node, importer)
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                if sub in MODULES:
+                    yield sub, None, node.lineno, at_top
+                else:
+                    yield mod, a.name, node.lineno, at_top
+
+
+def floor(module: str) -> str | None:
+    """The floor `module` belongs to: the longest of FLOORS it is in."""
+    found = [f for f in FLOORS if module == f or module.startswith(f + ".")]
+    return max(found, key=len) if found else None
+
+
+def test_each_floor_imports_only_from_the_floors_below_it():
+    wrong = []
+    for name, tree in MODULES.items():
+        here = FLOORS.index(floor(name))
+        for mod, _, line, _ in imports(tree, name, top_only=False):
+            there = floor(mod)
+            if there is not None and FLOORS.index(there) > here:
+                wrong.append(f"{name}:{line} imports {mod} ({there} is above {floor(name)})")
+    assert wrong == []
+
+
+def test_no_module_level_import_circle_inside_namedmesh():
+    graph = {
+        name: {m for m, _, _, _ in imports(tree, name, top_only=True) if m in MODULES}
+        for name, tree in MODULES.items()
+        if floor(name) in ("namedmesh", "namedmesh.testing")
+    }
+    done, path, circles = set(), [], []
+
+    def visit(m):
+        if m in path:
+            circles.append(path[path.index(m) :] + [m])
+            return
+        if m in done or m not in graph:
+            return
+        path.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    assert circles == []
+
+
+def test_late_imports_inside_the_language_are_only_the_known_ones():
+    """An import inside a function that points back within namedmesh's language hides a
+    circle; the ones that must stay are listed in LATE_IMPORTS with their reason."""
+    late = {
+        (name, mod)
+        for name, tree in MODULES.items()
+        if floor(name) == "namedmesh"
+        for mod, _, _, at_top in imports(tree, name, top_only=False)
+        if not at_top and floor(mod) == "namedmesh"
+    }
+    assert late == LATE_IMPORTS
+
+
+def test_no_private_name_is_imported_across_modules():
+    wrong = [
+        f"{name}:{line} imports {mod}.{what}"
+        for name, tree in MODULES.items()
+        for mod, what, line, _ in imports(tree, name, top_only=False)
+        if what and what.startswith("_") and not what.startswith("__") and floor(mod)
+    ]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("first", ["namedmesh.einsum"])
+def test_the_language_loads_alone_whatever_is_imported_first(first):
+    """A fresh interpreter that imports `first` before anything else gets the whole
+    language (Tensor's operators bound) and not the lowering."""
+    code = (
+        f"import {first}, sys\n"
+        "import namedmesh as nm, numpy as np\n"
+        "t = nm.tensor(np.arange(6.0).reshape(2, 3), 'a b')\n"
+        "assert ((1 - t) @ t).item() == -40.0 and (t * 2).sum('a').dims == ('b',)\n"
+        "assert 'lowering' not in sys.modules and 'models' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
