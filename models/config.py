@@ -35,7 +35,7 @@ _AT_LEAST = {
     **dict.fromkeys(("vocab", "d_model", "heads", "d_kv", "d_ff", "layers", "length"), 1),
     **dict.fromkeys(("batch", "attention_block"), 1),
     **dict.fromkeys(("relative_bias", "max_positions", "kv_heads", "relative_buckets"), 0),
-    **dict.fromkeys(("type_vocab", "experts", "encoder_layers"), 0),
+    **dict.fromkeys(("type_vocab", "experts", "encoder_layers", "shared_ff"), 0),
 }
 
 
@@ -86,6 +86,11 @@ class Config:
     router: str = "topk_softmax"  # topk_softmax (chosen weights sum to 1) | softmax_topk
     capacity_factor: float = 1.25  # capacity routing: slots per expert over an even share
     moe_loss: float = 0.01  # weight of the load-balancing loss
+    # > 0: a shared expert beside the routed ones, an FFN of this width (dim d_shared) that
+    # every token passes (Qwen2-MoE, DeepSeek); shared_gate: its output scaled by a
+    # sigmoid of a learned projection of the token (Qwen2-MoE's shared_expert_gate)
+    shared_ff: int = 0
+    shared_gate: bool = False
     encoder_layers: int = 0  # encoder-decoder: layers of the encoder
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
     remat: str = "none"  # the layer scan's rematerialisation: none | full | dots
@@ -134,6 +139,13 @@ class Config:
                 f"Config.experts_per_token={self.experts_per_token} must be in "
                 f"[1, experts={self.experts}]"
             )
+        if (self.shared_ff or self.shared_gate) and not self.experts:
+            raise ConfigError(
+                f"Config.shared_ff={self.shared_ff} and shared_gate={self.shared_gate} are a "
+                "mixture of experts' shared expert: they need experts > 0"
+            )
+        if self.shared_gate and not self.shared_ff:
+            raise ConfigError("Config.shared_gate gates the shared expert: it needs shared_ff > 0")
         if self.kv_heads and self.heads % self.kv_heads:
             raise ConfigError(
                 f"Config.kv_heads={self.kv_heads} does not divide heads={self.heads}: each "

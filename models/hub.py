@@ -151,7 +151,7 @@ def _groups(axes: str, head_dims: dict[str, str]) -> list[tuple[str, ...]]:
     """'(Q d_kv) d_model' -> [('heads', 'd_kv'), ('d_model',)], Q and KV substituted."""
     out = []
     for m in re.finditer(r"\(([^)]*)\)|(\S+)", axes):
-        words = (m.group(1) or m.group(2)).split()
+        words = (m.group(2) if m.group(1) is None else m.group(1)).split()
         out.append(tuple(d for w in words for d in head_dims.get(w, w).split()))
     return out
 
@@ -228,6 +228,10 @@ class FileTensor:
             span["*"] = (self.entry.part[1], self.entry.part[1] + 1)
         src, inner = [], []
         for axis, group in enumerate(self.groups):
+            if not group:  # "()": an axis of size 1 the zoo does not keep (a gate's Linear)
+                src.append(slice(None))
+                inner.append([(1, 0)])
+                continue
             # Read the rows covering the first dim's span, whole in the group's other dims.
             lo, hi = span[group[0]]
             step = math.prod(self.size(d) for d in group[1:])

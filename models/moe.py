@@ -12,6 +12,9 @@
   it (causal); a choice that finds its expert full is dropped (the residual still
   carries the token). The slots are one-hot dispatch and combine einsums.
 
+A shared expert (cfg.shared_ff; Qwen2-MoE, DeepSeek) is an FFN every token passes,
+added to the routed experts' output, gated by a sigmoid where cfg.shared_gate.
+
 The router's weights (cfg.router): topk_softmax, the softmax over the chosen experts'
 logits (Mixtral; Qwen-MoE's `norm_topk_prob`), or softmax_topk, the softmax over all
 experts' logits read at the chosen ones (Qwen-MoE without `norm_topk_prob`).
@@ -40,7 +43,19 @@ def moe_params(cfg: Config) -> dict:
     }
     if activation(cfg.ffn)[1]:
         p["wg"] = Param({"experts": e, "d_model": d, "d_ff": f}, d**-0.5)
-    return p
+    return p | ({"shared": shared_params(cfg)} if cfg.shared_ff else {})
+
+
+def shared_params(cfg: Config) -> dict:
+    """The shared expert (cfg.shared_ff wide: dim d_shared) and its sigmoid gate."""
+    d, f = cfg.d_model, cfg.shared_ff
+    p = {
+        "wi": Param({"d_model": d, "d_shared": f}, d**-0.5),
+        "wo": Param({"d_shared": f, "d_model": d}, f**-0.5),
+    }
+    if activation(cfg.ffn)[1]:
+        p["wg"] = Param({"d_model": d, "d_shared": f}, d**-0.5)
+    return p | ({"gate": Param({"d_model": d}, d**-0.5)} if cfg.shared_gate else {})
 
 
 def capacity(cfg: Config, group: int | None = None) -> int:
@@ -80,14 +95,24 @@ def route(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor, nm.
     return choice, ROUTERS[cfg.router](top), probs
 
 
-def expert_ffn(x: nm.Tensor, p: dict, cfg: Config, project) -> nm.Tensor:
+def expert_ffn(x: nm.Tensor, p: dict, cfg: Config, project, hidden="d_ff") -> nm.Tensor:
     """The experts' FFN (an activation, or a gated linear unit) with `project(x, w,
-    out_dim)` applying each row's expert weight."""
+    out_dim)` applying each row's expert weight; `hidden` names its inner dim."""
     act, gated = activation(cfg.ffn)
-    h = act(project(x, p["wi"], "d_ff"))
+    h = act(project(x, p["wi"], hidden))
     if gated:
-        h = h * project(x, p["wg"], "d_ff")
+        h = h * project(x, p["wg"], hidden)
     return project(h, p["wo"], "d_model")
+
+
+def shared_expert(x: nm.Tensor, p: dict, cfg: Config) -> nm.Tensor:
+    """The shared expert's FFN of every token, times sigmoid(x . gate) where it has a
+    gate (Qwen2-MoE)."""
+    project = lambda t, w, dim: nm.einsum(t, w, out=(*x.dims[:-1], dim))
+    y = expert_ffn(x, p, cfg, project, "d_shared")
+    if "gate" not in p:
+        return y
+    return y * nm.sigmoid(nm.einsum(x, p["gate"], out=x.dims[:-1]))
 
 
 def dropless(x, p, cfg, choice, weight, before):
@@ -136,6 +161,8 @@ def moe(x: nm.Tensor, p: dict, cfg: Config, before=0.0, stats: bool = False) -> 
     rest (not computed otherwise: a lowered program would count their collectives)."""
     choice, weight, probs = route(x, p, cfg)
     out, kept = ROUTINGS[cfg.routing](x, p, cfg, choice, weight, before)
+    if "shared" in p:
+        out = out + shared_expert(x, p["shared"], cfg)
     chosen = nm.one_hot(choice, "experts", cfg.experts).sum("choices")
     kept = chosen if kept is None else kept
     balance = {"balance": balance_loss(choice, probs)}

@@ -94,6 +94,17 @@ def cases():
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
                                                 "rope_theta": 500.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+        # mixtures of 4 experts, top-2: Mixtral's renormalised top-k and a window of 4;
+        # Qwen2-MoE's shared expert and its gate, top-k not renormalised; Qwen3-MoE's
+        # q/k norms, renormalised top-k; the aux loss where output_router_logits
+        "mixtral": (T.MixtralForCausalLM, T.MixtralConfig(
+            **llama, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
+        "qwen2_moe": (T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig(
+            **llama, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24)),
+        "qwen3_moe": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(
+            **llama, head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.02)),
         # masked LMs: 4 heads, so a layout splits them over 4 devices; IDS hold pad id 1
         "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(**encoder, type_vocab_size=1)),
         "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig(
@@ -113,7 +124,8 @@ def cases():
 # per-head q/k/v over heads, OPT's biases and positions, the windows and caps, Gemma 3's
 # per-layer constants, the encoders' heads.
 GREEDY = ["llama3", "mistral", "qwen2", "qwen3", "phi3_window", "gpt_neox", "opt_350m"]
-GREEDY += ["gemma_untied", "gemma2", "gemma3"]
+GREEDY += ["gemma_untied", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]  # under an expert-parallel layout
 LAYOUT = ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "opt", "gemma", "gemma2"]
 LAYOUT += ["gemma3", "roberta", "distilbert"]
 
@@ -211,6 +223,19 @@ def test_logits_under_a_layout_on_8_devices(built, name):
     k = model.params["layers"]["attn"]["k"]
     heads = k.dims.index("kv_heads" if "kv_heads" in k.dims else "heads")
     assert k.data.sharding.shard_shape(k.shape)[heads] == k.shape[heads] // 4  # over 4 devices
+    assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_logits_with_experts_split_over_a_mesh_axis(built, name):
+    """Expert parallelism: each of 4 devices holds one expert's weights (and a quarter of
+    the heads, the shared expert, the vocabulary); tokens reach the experts' devices."""
+    rules = "batch:rows;experts:cols;kv_heads:cols;d_shared:cols;vocab:cols"
+    layout = Layout(rules, shared=True)  # Mixtral and Qwen3-MoE have no shared expert
+    model = hub.load(built[name][0], mesh=Mesh({"rows": 2, "cols": 4}), layout=layout)
+    wi = model.params["layers"]["ffn"]["wi"]
+    experts = wi.dims.index("experts")
+    assert wi.data.sharding.shard_shape(wi.shape)[experts] == 1
     assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
 
 

@@ -96,7 +96,18 @@ def config(hf: dict, names: set[str]) -> Config:
     return decoder_config(hf, names)
 
 
-def table(cfg: Config, prefix: str) -> list[Entry]:
+def mlp_rows(cfg: Config, layer: str) -> list[Entry]:
+    """The rows of Llama's MLP (gate_proj: the activation's input, up_proj, down_proj)."""
+    b, m = cfg.bias, f"{layer}mlp."
+    return [
+        *linear("layers/ffn/wi", f"{m}gate_proj", "d_ff", "d_model", b),
+        *linear("layers/ffn/wg", f"{m}up_proj", "d_ff", "d_model", b),
+        *linear("layers/ffn/wo", f"{m}down_proj", "d_model", "d_ff", b),
+    ]
+
+
+def table(cfg: Config, prefix: str, ffn=mlp_rows) -> list[Entry]:
+    """Llama's weight table; `ffn(cfg, layer)` gives the FFN's rows (a MoE family's)."""
     layer, b = f"{prefix}layers.{{i}}.", cfg.bias
     qkv = cfg.bias or cfg.qkv_bias
     a = f"{layer}self_attn."
@@ -109,9 +120,7 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
         *linear("layers/attn/k", f"{a}k_proj", "KV d_kv", "d_model", qkv),
         *linear("layers/attn/v", f"{a}v_proj", "KV d_kv", "d_model", qkv),
         *linear("layers/attn/o", f"{a}o_proj", "d_model", "Q d_kv", b),
-        *linear("layers/ffn/wi", f"{layer}mlp.gate_proj", "d_ff", "d_model", b),
-        *linear("layers/ffn/wg", f"{layer}mlp.up_proj", "d_ff", "d_model", b),
-        *linear("layers/ffn/wo", f"{layer}mlp.down_proj", "d_model", "d_ff", b),
+        *ffn(cfg, layer),
     ]
     if cfg.qk_norm:
         rows += norm("layers/attn/q_norm", f"{a}q_norm", False, dim="d_kv")
