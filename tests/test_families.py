@@ -199,6 +199,17 @@ def test_configs_hold_the_families_options(loaded):
     assert g3.qk_norm and g3.sliding_layers == (True, False, True)
     ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
     assert ropes == ("linear", 4.0, 500.0, 50.0)
+    mx, q2, q3 = c["mixtral"], c["qwen2_moe"], c["qwen3_moe"]
+    assert (mx.experts, mx.experts_per_token, mx.router, mx.sliding_window) == (
+        4,
+        2,
+        "topk_softmax",
+        4,
+    )
+    assert (q2.d_ff, q2.shared_ff, q2.shared_gate, q2.router) == (16, 24, True, "softmax_topk")
+    assert q2.qkv_bias and q3.qk_norm and (q3.router, q3.shared_ff) == ("topk_softmax", 0)
+    # the balancing loss weighs in where transformers adds it (output_router_logits)
+    assert (mx.moe_loss, q2.moe_loss, q3.moe_loss) == (0.0, 0.0, 0.02)
 
 
 def test_roberta_positions_count_past_left_padding(built, loaded):
@@ -356,6 +367,30 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
 def test_options_a_family_does_not_implement_are_refused(built, tmp_path, name, changes, match):
     with pytest.raises((hub.UnsupportedModelError, ConfigError), match=match):
         hub.load(relabel(built, name, tmp_path, **changes))
+
+
+@pytest.mark.parametrize(
+    "name,changes,match",
+    [
+        ("qwen2_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\].* layer\(s\) \[1\] dense"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2.* layer\(s\) \[0\]"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ],
+)
+def test_moe_options_the_zoo_does_not_implement_are_refused(built, tmp_path, name, changes, match):
+    """Dense layers among the sparse ones (the zoo's layers are alike), the router's
+    training-time jitter."""
+    with pytest.raises(hub.UnsupportedModelError, match=match):
+        hub.load(relabel(built, name, tmp_path, **changes))
+
+
+def test_a_relabelled_mixtral_folder_is_refused_naming_its_experts(built, tmp_path):
+    """model_type mistral on Mixtral's weights, its MoE keys gone: the experts unread."""
+    moe = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    moe += ("output_router_logits", "router_jitter_noise")
+    folder = relabel(built, "mixtral", tmp_path, model_type="mistral", **dict.fromkeys(moe))
+    with pytest.raises(hub.UnsupportedModelError, match=r"does not read: .*block_sparse_moe"):
+        hub.load(folder)
 
 
 OLDER = {  # config.json as the hub's files spell it, before transformers 5's rope_parameters
