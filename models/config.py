@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass
 
 from models.kernels import KERNELS
+from models.latent import Latent
 from models.rope import Rope, rotary_dims
 from namedmesh.errors import ParameterError
 
@@ -106,6 +107,9 @@ class Config:
     logit_softcap: float = 0.0  # > 0: final logits -> cap * tanh(logits / cap)
     sliding_layers: tuple[bool, ...] = ()  # the layers sliding_window applies to (): all
     local_rope: Rope | None = None  # rotary positions of the sliding layers (None: rope)
+    # multi-head latent attention (DeepSeek; models/mla.py): queries, keys and values from
+    # low-rank latents, d_kv the rotated dims every head's key shares; None: multi-head
+    mla: Latent | None = None
 
     def __post_init__(self):
         choices = {
@@ -164,6 +168,21 @@ class Config:
             self.rope.check(rotary_dims(self.rope, self.d_kv))
         if self.parallel_residual and self.norm_position != "pre":
             raise ConfigError("Config.parallel_residual needs norm_position='pre' (GPT-NeoX's)")
+        if self.mla is not None:
+            self._check_latent()
+
+    def _check_latent(self):
+        """Latent attention has no options of multi-head attention's projections, and
+        rotates (part of) its queries and keys."""
+        refused = {"kv_heads": 0, "qk_norm": False, "bias": False, "qkv_bias": False}
+        refused |= {"relative_bias": 0, "relative_buckets": 0, "encoder_layers": 0}
+        refused |= {"positions": "rotary"}
+        for field, want in refused.items():
+            if getattr(self, field) != want:
+                raise ConfigError(
+                    f"Config.mla (latent attention) with {field}={getattr(self, field)!r}: "
+                    f"implemented only with {field}={want!r}"
+                )
 
     def _check_layer_kinds(self):
         """sliding_layers (one flag per layer) and local_rope need a window to mean
@@ -193,6 +212,11 @@ class Config:
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def attention_variant(self) -> str:
+        """The attention the blocks use (models.transformer.ATTENTIONS): mla or mha."""
+        return "mha" if self.mla is None else "mla"
 
     @property
     def q_per_kv(self) -> int:
