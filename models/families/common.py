@@ -42,6 +42,18 @@ class Entry(NamedTuple):
     part: tuple[int, int, int | tuple[int, ...]] | None = None
 
 
+# The zoo dims a tensor name may index, one file tensor per index: a parameter stacked
+# over `layers` is read from layers.{i}.*, one stacked over `experts` from per-expert
+# tensors (experts.{e}.*; Mixtral's, Qwen-MoE's), both ways (load and export).
+STACKED = {"layers": "{i}", "experts": "{e}"}
+
+
+def experts(path: str, name: str, out: str, inp: str) -> list[Entry]:
+    """The per-expert torch Linears `name` (holding `{e}`: experts.{e}.w1) as one zoo
+    parameter `path` with an `experts` dim, each expert's weight (out, in)."""
+    return linear(path, name, out, inp, False)
+
+
 def linear(path: str, name: str, out: str, inp: str, bias: bool) -> list[Entry]:
     """A torch Linear: weight (out, in), bias (out)."""
     rows = [Entry(path, f"{name}.weight", f"({out}) ({inp})")]
