@@ -58,6 +58,20 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
     bias = None
     if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
+    if "dense" in params:  # the dense stack's layers come first in the cache
+        k, n = cfg.dense_layers, cfg.layers
+        first = {name: nm.slice(t, "layers", 0, k) for name, t in cache.items()}
+        rest = {name: nm.slice(t, "layers", k, n) for name, t in cache.items()}
+        dense = {**params, "layers": params["dense"]}
+        x, kv = _run_stack(dense, x, transformer.dense_config(cfg), first, position, bias, None)
+        x, more = _run_stack(params, x, cfg, rest, position, bias, encoded)
+        return x, {name: nm.concat([kv[name], more[name]], "layers") for name in kv}
+    return _run_stack(params, x, cfg, cache, position, bias, encoded)
+
+
+def _run_stack(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, bias, encoded):
+    """`_run_layers` over the one stack params["layers"] and its `cache`."""
+    slots = transformer.slots_of(cache)
     cross, memory_bias = (None, None) if encoded is None else encoded
     xs = {"p": params["layers"], "cache": cache}
     if cross is not None:

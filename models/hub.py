@@ -182,6 +182,7 @@ class FileTensor:
     def name(self, index: tuple[int, ...]) -> str:
         """The file tensor's name at `index` (one int per dim of `stack`)."""
         keys = {STACKED[d][1:-1]: i for d, i in zip(self.stack, index, strict=True)}
+        keys["i"] = keys.get("i", 0) + self.entry.first
         return self.entry.name.format(**keys)
 
     def names(self) -> list[str]:

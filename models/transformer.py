@@ -127,8 +127,16 @@ def relative_shapes(cfg: Config) -> Param:
 
 
 def lm_shapes(cfg: Config) -> dict:
-    """The decoder-only LM's (or BERT's) parameters as a nested dict of Params."""
-    return {**embedding_shapes(cfg), "layers": stacked(layer_shapes(cfg), cfg.layers)}
+    """The decoder-only LM's (or BERT's) parameters as a nested dict of Params: the
+    `layers` stack, after a `dense` one of cfg.dense_layers layers where it has them."""
+    k = cfg.dense_layers
+    shapes = {**embedding_shapes(cfg), "layers": stacked(layer_shapes(cfg), cfg.layers - k)}
+    return {**shapes, "dense": stacked(layer_shapes(dense_config(cfg)), k)} if k else shapes
+
+
+def dense_config(cfg: Config) -> Config:
+    """The Config of the dense stack before the mixture-of-experts layers (dense_layers)."""
+    return cfg.replace(experts=0, dense_layers=0, expert_groups=1, shared_ff=0)
 
 
 def encdec_shapes(cfg: Config) -> dict:
@@ -345,6 +353,15 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
     return x, None if aux is None else over_layers(aux)
 
 
+def run_layers(x, params: dict, cfg: Config, key, **block_args):
+    """(x, aux): `run_stack` over params' dense stack (cfg.dense_layers; none for most
+    models) then its `layers`; aux is the layers' router statistics."""
+    if "dense" in params:
+        k = None if key is None else nm.random.fold_in(key, 11)
+        x, _ = run_stack(x, params["dense"], dense_config(cfg), k, **block_args)
+    return run_stack(x, params["layers"], cfg, key, **block_args)
+
+
 def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
     """Token embeddings (batch, length, d_model), plus the learned positions 0..length-1
     and the token types' embeddings (int Tensor like tokens; 0 when None) where the
@@ -456,7 +473,7 @@ def lm_forward(
     if "relative" in params:
         rel = bucket_bias(params["relative"], cfg, tokens.size_of("length"), not causal)
         bias = rel if bias is None else rel + bias
-    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal, bias=bias, stats=stats)
+    x, aux = run_layers(x, params, cfg, key, causal=causal, bias=bias, stats=stats)
     return output_logits(params, x, cfg), aux
 
 

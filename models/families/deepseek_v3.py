@@ -10,7 +10,9 @@ from __future__ import annotations
 from models.config import Config
 from models.families import llama
 from models.families.common import Entry, UnsupportedModelError, linear, norm, require
+from models.families.common import experts as experts_linear
 from models.latent import Latent
+from models.transformer import dense_config
 
 
 def latent(hf: dict) -> Latent:
@@ -44,29 +46,35 @@ def check_mtp(hf: dict, names: set[str]) -> None:
         )
 
 
-MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "n_shared_experts")
-MOE_KEYS += ("moe_intermediate_size", "routed_scaling_factor", "norm_topk_prob")
-
-
-def dense_layers(hf: dict) -> int:
-    """The dense layers: all of them (the MoE layers after first_k_dense_replace are
-    refused until the family routes them)."""
+def experts(hf: dict) -> dict:
+    """The mixture of experts' options: none when first_k_dense_replace leaves no MoE
+    layer; sigmoid scores chosen with e_score_correction_bias within the best topk_group
+    of n_group groups, their weights normed (norm_topk_prob) and scaled
+    (routed_scaling_factor); n_shared_experts shared experts as one FFN. aux_loss_alpha
+    and seq_aux weigh a training loss that transformers does not compute either: the
+    zoo's fine-tune has none (moe_loss 0)."""
     n, k = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
-    for key in MOE_KEYS + ("output_router_logits",):
+    require(hf, "scoring_func", ("sigmoid",), "sigmoid")
+    require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
+    require(hf, "moe_layer_freq", (1,), 1)
+    for key in ("output_router_logits", "aux_loss_alpha", "seq_aux", "ep_size"):
         hf.get(key)
-    if k < n:
-        raise UnsupportedModelError(
-            f"config.json: first_k_dense_replace={k} < num_hidden_layers={n}: DeepSeek's "
-            "mixture-of-experts layers are not implemented"
-        )
-    return n
+    e, width = hf.get("n_routed_experts", 256), hf.get("moe_intermediate_size", 2048)
+    fields = dict(
+        experts=e, experts_per_token=hf.get("num_experts_per_tok", 8), expert_ff=width,
+        router="sigmoid_topk_norm" if hf.get("norm_topk_prob", True) else "sigmoid_topk",
+        expert_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1,
+        router_scale=float(hf.get("routed_scaling_factor", 2.5)),
+        shared_ff=width * (hf.get("n_shared_experts") or 0), dense_layers=k, moe_loss=0.0,
+    )  # fmt: skip
+    return {} if k >= n else fields
 
 
 def config(hf: dict, names: set[str]) -> Config:
     check_heads(hf)
     check_mtp(hf, names)
-    dense_layers(hf)
-    return llama.decoder_config(hf, names, mla=latent(hf), d_kv=hf["qk_rope_head_dim"], kv_heads=0)
+    mla = dict(mla=latent(hf), d_kv=hf["qk_rope_head_dim"], kv_heads=0)
+    return llama.decoder_config(hf, names, **mla, **experts(hf))
 
 
 def attention_rows(cfg: Config, prefix: str) -> list[Entry]:
@@ -90,9 +98,38 @@ def attention_rows(cfg: Config, prefix: str) -> list[Entry]:
     ]
 
 
+def layer_rows(cfg: Config, prefix: str) -> list[Entry]:
+    """One stack's rows (paths under layers/): Llama's norms, the latent attention, and a
+    dense FFN or the experts (one tensor each: experts.{e}), their router and the shared
+    experts."""
+    rows = [e for e in llama.table(cfg, prefix) if e.path.startswith("layers/")]
+    rows = [e for e in rows if not e.path.startswith("layers/attn/")]
+    if not cfg.experts:
+        return rows + attention_rows(cfg, prefix)
+    mlp = f"{prefix}layers.{{i}}.mlp."
+    return [e for e in rows if not e.path.startswith("layers/ffn/")] + [
+        *attention_rows(cfg, prefix),
+        Entry("layers/ffn/gate", f"{mlp}gate.weight", "experts d_model"),
+        Entry("layers/ffn/gate_bias", f"{mlp}gate.e_score_correction_bias", "experts"),
+        *experts_linear("layers/ffn/wi", f"{mlp}experts.{{e}}.gate_proj", "d_ff", "d_model"),
+        *experts_linear("layers/ffn/wg", f"{mlp}experts.{{e}}.up_proj", "d_ff", "d_model"),
+        *experts_linear("layers/ffn/wo", f"{mlp}experts.{{e}}.down_proj", "d_model", "d_ff"),
+        *linear("layers/ffn/shared/wi", f"{mlp}shared_experts.gate_proj", "d_ff", "d_model", False),
+        *linear("layers/ffn/shared/wg", f"{mlp}shared_experts.up_proj", "d_ff", "d_model", False),
+        *linear("layers/ffn/shared/wo", f"{mlp}shared_experts.down_proj", "d_model", "d_ff", False),
+    ]
+
+
 def table(cfg: Config, prefix: str) -> list[Entry]:
-    rows = [e for e in llama.table(cfg, prefix) if not e.path.startswith("layers/attn/")]
-    return rows + attention_rows(cfg, prefix)
+    """The embeddings and final norm, then the dense stack's layers (`dense/`: the first
+    dense_layers) and the mixture-of-experts stack's (`layers/`, its layer 0 the file's
+    layer dense_layers)."""
+    rows = [e for e in llama.table(cfg, prefix) if not e.path.startswith("layers/")]
+    if not (k := cfg.dense_layers):
+        return rows + layer_rows(cfg, prefix)
+    dense = [e._replace(path="dense/" + e.path.removeprefix("layers/"))
+             for e in layer_rows(dense_config(cfg), prefix)]  # fmt: skip
+    return rows + dense + [e._replace(first=k) for e in layer_rows(cfg, prefix)]
 
 
 FAMILY = llama.FAMILY._replace(
