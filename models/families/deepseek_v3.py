@@ -2,8 +2,11 @@
 multi-head latent attention (models/mla.py: low-rank q with its norm, or one q
 projection; keys and values from a kv_lora_rank latent with its norm; qk_rope_head_dim
 rotated dims shared by every head's key, interleaved in pairs unless rope_interleave is
-false; YaRN's mscale_all_dim on the softmax scale), the first `first_k_dense_replace`
-layers a dense SwiGLU FFN. The cache holds the latent, not keys and values."""
+false; YaRN's mscale_all_dim on the softmax scale), whose KV cache holds the latent, not
+keys and values; and a mixture of experts (models/moe.py: sigmoid scores chosen with a
+correction bias among the best expert groups, shared experts) after the first
+`first_k_dense_replace` layers, which have a dense SwiGLU FFN (a stack of their own).
+Multi-token-prediction layers in the weights are refused by name."""
 
 from __future__ import annotations
 
@@ -135,3 +138,22 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 FAMILY = llama.FAMILY._replace(
     name="deepseek_v3", config=config, table=table, heads="DeepseekV3ForCausalLM"
 )
+
+# The canonical checkpoint's config.json keys (models.config.configs names it): those of
+# transformers' DeepseekV3Config (the file's scoring_func "sigmoid", topk_method "noaux_tc"
+# and moe_layer_freq 1 are its defaults; its quantization_config, FP8 weights, is not)
+NAMED = {
+    "deepseek-v3": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+        topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+        hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_theta=10000.0, attention_bias=False,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                      "type": "yarn"},
+        num_nextn_predict_layers=1,
+    ),
+}  # fmt: skip
