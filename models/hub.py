@@ -1,7 +1,7 @@
 """Checkpoints in the Hugging Face layout: load the folders of the families in
 models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX, OPT, Gemma 1-3,
-Mixtral, Qwen2-MoE, Qwen3-MoE, T5, BERT, RoBERTa, DistilBERT) into the zoo's named parameters, run them under any
-layout, save them back.
+Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, T5, BERT, RoBERTa, DistilBERT) into the zoo's
+named parameters, run them under any layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors
     logits = model.logits(ids)                          # Tensor (batch, length, vocab)
@@ -182,6 +182,7 @@ class FileTensor:
     def name(self, index: tuple[int, ...]) -> str:
         """The file tensor's name at `index` (one int per dim of `stack`)."""
         keys = {STACKED[d][1:-1]: i for d, i in zip(self.stack, index, strict=True)}
+        keys["i"] = keys.get("i", 0) + self.entry.first
         return self.entry.name.format(**keys)
 
     def names(self) -> list[str]:

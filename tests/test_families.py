@@ -96,7 +96,8 @@ def cases():
                              "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
         # mixtures of 4 experts, top-2: Mixtral's renormalised top-k and a window of 4;
         # Qwen2-MoE's shared expert and its gate, top-k not renormalised; Qwen3-MoE's
-        # q/k norms, renormalised top-k; the aux loss where output_router_logits
+        # q/k norms, renormalised top-k, a dense first layer (a stack of its own), the
+        # aux loss where output_router_logits
         "mixtral": (T.MixtralForCausalLM, T.MixtralConfig(
             **llama, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
         "qwen2_moe": (T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig(
@@ -104,7 +105,8 @@ def cases():
             shared_expert_intermediate_size=24)),
         "qwen3_moe": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(
             **llama, head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-            norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.02)),
+            norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.02,
+            mlp_only_layers=[0])),
         # masked LMs: 4 heads, so a layout splits them over 4 devices; IDS hold pad id 1
         "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(**encoder, type_vocab_size=1)),
         "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig(
@@ -206,8 +208,9 @@ def test_configs_hold_the_families_options(loaded):
         "topk_softmax",
         4,
     )
-    assert (q2.d_ff, q2.shared_ff, q2.shared_gate, q2.router) == (16, 24, True, "softmax_topk")
-    assert q2.qkv_bias and q3.qk_norm and (q3.router, q3.shared_ff) == ("topk_softmax", 0)
+    assert (q2.d_ff, q2.expert_ff, q2.shared_ff, q2.shared_gate) == (64, 16, 24, True)
+    assert q2.qkv_bias and q3.qk_norm and (q2.router, q3.router) == ("softmax_topk", "topk_softmax")
+    assert (q2.dense_layers, q3.dense_layers, q3.shared_ff) == (0, 1, 0)
     # the balancing loss weighs in where transformers adds it (output_router_logits)
     assert (mx.moe_loss, q2.moe_loss, q3.moe_loss) == (0.0, 0.0, 0.02)
 
@@ -240,9 +243,8 @@ def test_logits_under_a_layout_on_8_devices(built, name):
 @pytest.mark.parametrize("name", MOE)
 def test_logits_with_experts_split_over_a_mesh_axis(built, name):
     """Expert parallelism: each of 4 devices holds one expert's weights (and a quarter of
-    the heads, the shared expert, the vocabulary); tokens reach the experts' devices."""
-    rules = "batch:rows;experts:cols;kv_heads:cols;d_shared:cols;vocab:cols"
-    layout = Layout(rules, shared=True)  # Mixtral and Qwen3-MoE have no shared expert
+    the heads and of the vocabulary); tokens reach the experts' devices."""
+    layout = "batch:rows;experts:cols;kv_heads:cols;vocab:cols"
     model = hub.load(built[name][0], mesh=Mesh({"rows": 2, "cols": 4}), layout=layout)
     wi = model.params["layers"]["ffn"]["wi"]
     experts = wi.dims.index("experts")
@@ -372,16 +374,22 @@ def test_options_a_family_does_not_implement_are_refused(built, tmp_path, name, 
 @pytest.mark.parametrize(
     "name,changes,match",
     [
-        ("qwen2_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\].* layer\(s\) \[1\] dense"),
-        ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2.* layer\(s\) \[0\]"),
+        ("qwen2_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\].* layer\(s\) \[1\] of"),
+        ("qwen3_moe", {"mlp_only_layers": [0, 1]}, r"layer\(s\) \[0, 1\] of 2 dense"),
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
     ],
 )
 def test_moe_options_the_zoo_does_not_implement_are_refused(built, tmp_path, name, changes, match):
-    """Dense layers among the sparse ones (the zoo's layers are alike), the router's
-    training-time jitter."""
+    """Dense layers after a sparse one or no sparse layer (the dense ones are a stack
+    before the sparse ones), the router's training-time jitter."""
     with pytest.raises(hub.UnsupportedModelError, match=match):
         hub.load(relabel(built, name, tmp_path, **changes))
+
+
+def test_a_sparse_step_reads_as_the_dense_layers_it_makes(built, loaded, tmp_path):
+    """decoder_sparse_step 2 over 2 layers makes layer 0 dense, as mlp_only_layers [0]."""
+    folder = relabel(built, "qwen3_moe", tmp_path, decoder_sparse_step=2, mlp_only_layers=[])
+    assert hub.config_of(folder)[1] == loaded["qwen3_moe"].config
 
 
 def test_a_relabelled_mixtral_folder_is_refused_naming_its_experts(built, tmp_path):

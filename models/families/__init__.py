@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from models.families import (
     bert,
+    deepseek_v3,
     distilbert,
     gemma,
     gemma2,
@@ -27,7 +28,7 @@ from models.families import (
 from models.families.common import Family
 
 _MODULES = (gpt2, llama, t5, bert, mistral, qwen2, qwen3, phi3, gpt_neox, opt, gemma, gemma2)
-_MODULES += (gemma3_text, roberta, distilbert, mixtral, qwen2_moe, qwen3_moe)
+_MODULES += (gemma3_text, roberta, distilbert, deepseek_v3, mixtral, qwen2_moe, qwen3_moe)
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in _MODULES}
 
 # The canonical checkpoints a family module names (its NAMED: config.json keys), by name:

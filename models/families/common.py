@@ -40,6 +40,7 @@ class Entry(NamedTuple):
     name: str
     axes: str
     part: tuple[int, int, int | tuple[int, ...]] | None = None
+    first: int = 0  # the file's layer number ({i}) of the stack's layer 0 (a second stack)
 
 
 # The zoo dims a tensor name may index, one file tensor per index: a parameter stacked

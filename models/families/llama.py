@@ -8,6 +8,7 @@ from __future__ import annotations
 from models.config import Config
 from models.families.common import Entry, Family, UnsupportedModelError, act, linear, norm
 from models.rope import Rope
+from models.transformer import dense_config
 
 # rope_parameters' keys each scaling kind reads (besides rope_type and rope_theta)
 ROPE_KEYS = {
@@ -128,6 +129,21 @@ def table(cfg: Config, prefix: str, ffn=mlp_rows) -> list[Entry]:
     return rows + (
         [] if cfg.shared_embedding else [Entry("softmax", "lm_head.weight", "vocab d_model")]
     )
+
+
+def stacks(cfg: Config, prefix: str, ffn) -> list[Entry]:
+    """`table` with a MoE family's FFN rows `ffn(cfg, layer)`; where cfg.dense_layers,
+    the first layers (Llama's MLP, d_ff wide) are the dense stack's rows (`dense/...`,
+    file layers 0..k-1) and the MoE stack's (`layers/...`) start at file layer k."""
+    rows = table(cfg, prefix, ffn)
+    if not (k := cfg.dense_layers):
+        return rows
+    dense = [
+        e._replace(path="dense/" + e.path.removeprefix("layers/"))
+        for e in table(dense_config(cfg), prefix)
+        if e.path.startswith("layers/")
+    ]
+    return [e._replace(first=k) if e.path.startswith("layers/") else e for e in rows] + dense
 
 
 FAMILY = Family(

@@ -3,8 +3,9 @@ whose FFN is a mixture of num_experts experts of moe_intermediate_size, top
 num_experts_per_tok of the router's softmax (renormalised over the chosen where
 `norm_topk_prob`: the zoo's topk_softmax router, else softmax_topk), plus a shared
 expert of shared_expert_intermediate_size that every token passes, scaled by
-sigmoid(x . shared_expert_gate). Dense layers among the sparse ones (mlp_only_layers,
-decoder_sparse_step > 1) are refused: the zoo's layers are alike."""
+sigmoid(x . shared_expert_gate). Dense layers (mlp_only_layers, decoder_sparse_step > 1)
+are a stack of their own before the sparse ones (Config.dense_layers, as DeepSeek-V3's);
+dense layers after a sparse one are refused."""
 
 from __future__ import annotations
 
@@ -14,20 +15,23 @@ from models.families.common import Entry, UnsupportedModelError, linear, moe_row
 
 
 def sparse_options(hf: dict, key: str = "num_experts") -> dict:
-    """The options of a Qwen-MoE's routed experts (`key`: how config.json names their
-    number); refuses dense layers among them by the keys that make them."""
+    """The options of a Qwen-MoE's experts (`key`: how config.json names their number,
+    each moe_intermediate_size wide) and of its dense layers (mlp_only_layers, and those
+    decoder_sparse_step skips: intermediate_size wide), which the zoo runs as a stack
+    of their own before the sparse ones: dense layers after a sparse one are refused."""
     n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
-    dense = hf.get("mlp_only_layers") or []
+    only = hf.get("mlp_only_layers") or []
     experts = hf.get(key, 0)
-    if dense_layers := [i for i in range(n) if i in dense or (i + 1) % step or not experts]:
+    dense = [i for i in range(n) if i in only or (i + 1) % step or not experts]
+    if dense != list(range(len(dense))) or len(dense) == n:
         raise UnsupportedModelError(
-            f"config.json: decoder_sparse_step={step}, mlp_only_layers={dense}, {key}="
-            f"{experts} make layer(s) {dense_layers} dense among sparse ones: not implemented "
-            "(every layer a mixture of experts)"
+            f"config.json: decoder_sparse_step={step}, mlp_only_layers={only}, {key}="
+            f"{experts} make layer(s) {dense} of {n} dense: implemented only as the first "
+            "layers before at least one sparse one"
         )
-    hf.get("intermediate_size")  # the dense layers' width: there are none
     router = "topk_softmax" if hf.get("norm_topk_prob", False) else "softmax_topk"
-    return dict(mixtral.moe_options(hf, experts, router), d_ff=hf["moe_intermediate_size"])
+    moe = mixtral.moe_options(hf, experts, router)
+    return dict(moe, expert_ff=hf["moe_intermediate_size"], dense_layers=len(dense))
 
 
 def config(hf: dict, names: set[str]) -> Config:
@@ -43,15 +47,15 @@ def moe_table(cfg: Config, layer: str) -> list[Entry]:
     rows = moe_rows(layer, "mlp")
     if cfg.shared_ff:
         s, path = f"{layer}mlp.shared_expert.", "layers/ffn/shared/"
-        rows += linear(f"{path}wi", f"{s}gate_proj", "d_shared", "d_model", False)
-        rows += linear(f"{path}wg", f"{s}up_proj", "d_shared", "d_model", False)
-        rows += linear(f"{path}wo", f"{s}down_proj", "d_model", "d_shared", False)
+        rows += linear(f"{path}wi", f"{s}gate_proj", "d_ff", "d_model", False)
+        rows += linear(f"{path}wg", f"{s}up_proj", "d_ff", "d_model", False)
+        rows += linear(f"{path}wo", f"{s}down_proj", "d_model", "d_ff", False)
         rows += [Entry(f"{path}gate", f"{layer}mlp.shared_expert_gate.weight", "() d_model")]
     return rows
 
 
 def table(cfg: Config, prefix: str) -> list[Entry]:
-    return llama.table(cfg, prefix, moe_table)
+    return llama.stacks(cfg, prefix, moe_table)
 
 
 FAMILY = qwen2.FAMILY._replace(

@@ -24,7 +24,7 @@ def config(hf: dict, names: set[str]) -> Config:
 
 
 def table(cfg: Config, prefix: str) -> list[Entry]:
-    return llama.table(cfg, prefix, lambda c, layer: moe_rows(layer, "mlp"))
+    return llama.stacks(cfg, prefix, lambda c, layer: moe_rows(layer, "mlp"))
 
 
 FAMILY = qwen2_moe.FAMILY._replace(
