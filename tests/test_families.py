@@ -240,12 +240,21 @@ def test_logits_under_a_layout_on_8_devices(built, name):
     assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
 
 
-@pytest.mark.parametrize("name", MOE)
-def test_logits_with_experts_split_over_a_mesh_axis(built, name):
-    """Expert parallelism: each of 4 devices holds one expert's weights (and a quarter of
-    the heads and of the vocabulary); tokens reach the experts' devices."""
-    layout = "batch:rows;experts:cols;kv_heads:cols;vocab:cols"
-    model = hub.load(built[name][0], mesh=Mesh({"rows": 2, "cols": 4}), layout=layout)
+EXPERT_PARALLEL = {  # tokens and experts on one axis (GShard's), or on two
+    "one axis": "batch:cols;experts:cols;kv_heads:rows;vocab:rows",
+    "two axes": "batch:rows;experts:cols;kv_heads:cols;vocab:cols",
+}
+
+
+@pytest.mark.parametrize(
+    "name,layout", [(name, "one axis") for name in MOE] + [("mixtral", "two axes")]
+)
+def test_logits_with_experts_split_over_a_mesh_axis(built, name, layout):
+    """Expert parallelism: each of 4 devices holds one expert's weights (and a share of
+    the heads and of the vocabulary); tokens reach the experts' devices, from the
+    devices that hold them (one axis) or from every row of devices (two axes)."""
+    mesh = Mesh({"rows": 2, "cols": 4})
+    model = hub.load(built[name][0], mesh=mesh, layout=EXPERT_PARALLEL[layout])
     wi = model.params["layers"]["ffn"]["wi"]
     experts = wi.dims.index("experts")
     assert wi.data.sharding.shard_shape(wi.shape)[experts] == 1
