@@ -12,8 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_finetune_export import base_folder  # noqa: E402
+
 import namedmesh as nm  # noqa: E402
-from models import data, export, generate, hub  # noqa: E402
+from models import export, generate, hub  # noqa: E402
 
 IDS = np.arange(24).reshape(2, 12) * 7 % 200
 
@@ -23,18 +25,10 @@ def run(tmp_path_factory):
     from models.train import main as train
 
     root = tmp_path_factory.mktemp("moe_finetune")
-    tok = data.BPETokenizer.train(data.split(data.load_text())[0][:30_000], 200)
-    cfg = transformers.Qwen2MoeConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=24, output_router_logits=True,
-        router_aux_loss_coef=0.05,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    base = root / "base"
-    transformers.Qwen2MoeForCausalLM(cfg).save_pretrained(base)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok).save_pretrained(base)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+               shared_expert_intermediate_size=24, output_router_logits=True,
+               router_aux_loss_coef=0.05)  # fmt: skip
+    base, _ = base_folder(root, transformers.Qwen2MoeForCausalLM, **moe)
     flags = ["--init-from", str(base), "--steps", "2", "--length", "16", "--batch", "4",
              "--eval-batches", "1", "--quiet", "--mesh", "data=2,expert=4",
              "--layout", "batch:data;experts:expert", "--out", str(root / "run")]  # fmt: skip
