@@ -59,6 +59,12 @@ def configs(layers: int, d: int, heads: int, vocab: int, length: int) -> dict:
         "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig", dict(
             vocab_size=vocab, dim=d, hidden_dim=ff, n_layers=layers, n_heads=heads,
             max_position_embeddings=length)),
+        "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(  # a dense layer, MoE
+            llama, num_key_value_heads=heads, moe_intermediate_size=d // 2, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+            kv_lora_rank=d // 2, q_lora_rank=d,
+            qk_rope_head_dim=max(2, d // heads // 4 * 2), qk_nope_head_dim=d // heads,
+            v_head_dim=d // heads, num_nextn_predict_layers=0)),
     }  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass
 
 from models.kernels import KERNELS
+from models.latent import Latent
 from models.rope import Rope, rotary_dims
 from namedmesh.errors import ParameterError
 
@@ -36,6 +37,8 @@ _AT_LEAST = {
     **dict.fromkeys(("batch", "attention_block"), 1),
     **dict.fromkeys(("relative_bias", "max_positions", "kv_heads", "relative_buckets"), 0),
     **dict.fromkeys(("type_vocab", "experts", "encoder_layers"), 0),
+    **dict.fromkeys(("expert_groups", "topk_groups"), 1),
+    **dict.fromkeys(("expert_ff", "shared_ff", "dense_layers"), 0),
 }
 
 
@@ -84,6 +87,16 @@ class Config:
     experts_per_token: int = 2  # k: the experts each token reaches
     routing: str = "dropless"  # dropless (every choice computed) | capacity (slots, drops)
     router: str = "topk_softmax"  # topk_softmax (chosen weights sum to 1) | softmax_topk
+    # | sigmoid_topk (sigmoid scores, chosen by score + a learned bias: DeepSeek-V3) |
+    # sigmoid_topk_norm (the chosen scores normed to sum to 1)
+    expert_groups: int = 1  # > 1: a token's experts come from its best `topk_groups` groups
+    topk_groups: int = 1  # groups ranked by their two best scores (DeepSeek's n_group)
+    router_scale: float = 1.0  # the chosen experts' weights times this (routed_scaling_factor)
+    expert_ff: int = 0  # the experts' FFN width (0: d_ff)
+    shared_ff: int = 0  # > 0: a dense gated FFN this wide beside the experts (shared experts)
+    # the shared experts' output times sigmoid(x . a learned gate) (Qwen2-MoE's shared_expert_gate)
+    shared_gate: bool = False
+    dense_layers: int = 0  # the first layers have a dense FFN of d_ff (first_k_dense_replace)
     capacity_factor: float = 1.25  # capacity routing: slots per expert over an even share
     moe_loss: float = 0.01  # weight of the load-balancing loss
     encoder_layers: int = 0  # encoder-decoder: layers of the encoder
@@ -106,6 +119,9 @@ class Config:
     logit_softcap: float = 0.0  # > 0: final logits -> cap * tanh(logits / cap)
     sliding_layers: tuple[bool, ...] = ()  # the layers sliding_window applies to (): all
     local_rope: Rope | None = None  # rotary positions of the sliding layers (None: rope)
+    # multi-head latent attention (DeepSeek; models/mla.py): queries, keys and values from
+    # low-rank latents, d_kv the rotated dims every head's key shares; None: multi-head
+    mla: Latent | None = None
 
     def __post_init__(self):
         choices = {
@@ -115,7 +131,7 @@ class Config:
             "attention": tuple(KERNELS),
             "remat": ("none", "full", "dots"),
             "routing": ("dropless", "capacity"),
-            "router": ("topk_softmax", "softmax_topk"),
+            "router": ("topk_softmax", "softmax_topk", "sigmoid_topk", "sigmoid_topk_norm"),
         }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
@@ -164,6 +180,50 @@ class Config:
             self.rope.check(rotary_dims(self.rope, self.d_kv))
         if self.parallel_residual and self.norm_position != "pre":
             raise ConfigError("Config.parallel_residual needs norm_position='pre' (GPT-NeoX's)")
+        if self.mla is not None:
+            self._check_latent()
+        self._check_experts()
+
+    def _check_experts(self):
+        """Expert groups that divide the experts and hold what a token chooses; dense
+        layers before mixture-of-experts ones, in one decoder stack."""
+        e, g, k = self.experts, self.expert_groups, self.experts_per_token
+        if (g > 1 or self.dense_layers or self.shared_ff) and not e:
+            raise ConfigError(
+                f"Config.expert_groups={g}, dense_layers={self.dense_layers} and shared_ff="
+                f"{self.shared_ff} are options of a mixture of experts: experts is 0"
+            )
+        if self.shared_gate and not self.shared_ff:
+            raise ConfigError("Config.shared_gate gates the shared experts: it needs shared_ff > 0")
+        if g > 1 and (e % g or e // g < 2 or not self.topk_groups <= g):
+            raise ConfigError(
+                f"Config.expert_groups={g} must divide experts={e} into groups of >= 2 (each "
+                f"ranked by its two best), with topk_groups={self.topk_groups} <= {g}"
+            )
+        if g > 1 and k > self.topk_groups * (e // g):
+            raise ConfigError(
+                f"Config.experts_per_token={k} exceeds the experts of topk_groups="
+                f"{self.topk_groups} groups of {e // g}"
+            )
+        if self.dense_layers and (self.dense_layers > self.layers or self.sliding_layers
+                                  or self.encoder_layers):  # fmt: skip
+            raise ConfigError(
+                f"Config.dense_layers={self.dense_layers} must be <= layers={self.layers}, "
+                "in a decoder-only stack without per-layer windows"
+            )
+
+    def _check_latent(self):
+        """Latent attention has no options of multi-head attention's projections, and
+        rotates (part of) its queries and keys."""
+        refused = {"kv_heads": 0, "qk_norm": False, "bias": False, "qkv_bias": False}
+        refused |= {"relative_bias": 0, "relative_buckets": 0, "encoder_layers": 0}
+        refused |= {"positions": "rotary"}
+        for field, want in refused.items():
+            if getattr(self, field) != want:
+                raise ConfigError(
+                    f"Config.mla (latent attention) with {field}={getattr(self, field)!r}: "
+                    f"implemented only with {field}={want!r}"
+                )
 
     def _check_layer_kinds(self):
         """sliding_layers (one flag per layer) and local_rope need a window to mean
@@ -193,6 +253,11 @@ class Config:
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def attention_variant(self) -> str:
+        """The attention the blocks use (models.transformer.ATTENTIONS): mla or mha."""
+        return "mha" if self.mla is None else "mla"
 
     @property
     def q_per_kv(self) -> int:

@@ -17,22 +17,23 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from models import transformer
 from models.config import Config
-from models.layers import compute_dtype, head_sizes, layer_constants, project_kv
+from models.layers import compute_dtype, layer_constants, project_kv
 from models.sampling import Sampling, choose
 from namedmesh.errors import ParameterError
 
 
 def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
     """Empty keys and values for every layer: (layers, batch, memory, heads, d_kv), with
-    kv_heads in place of heads under grouped-query attention; `slots` positions
+    kv_heads in place of heads under grouped-query attention (latent attention: its
+    "latent" and "k_rope", models/mla.py); `slots` positions
     (cfg.length by default), in the config's compute dtype; under capacity routing,
     "route" (layers, batch, memory, experts): the experts each position chose, whose
     counts before a position are the expert queues it joins. Inside a lowered program
     the zeros are laid out by the layout's rules like any value."""
-    heads = head_sizes(cfg, kv=True)
     sizes = {"layers": cfg.layers, "batch": batch, "memory": slots or cfg.length}
     dtype = compute_dtype(cfg)
-    cache = {k: nm.zeros({**sizes, **heads, "d_kv": cfg.d_kv}, dtype) for k in ("k", "v")}
+    entries = transformer.ATTENTIONS[cfg.attention_variant].cache(cfg)
+    cache = {k: nm.zeros({**sizes, **more}, dtype) for k, more in entries.items()}
     if cfg.experts and cfg.routing == "capacity":  # each position's experts, queued
         cache["route"] = nm.zeros({**sizes, "experts": cfg.experts}, np.float32)
     return cache
@@ -55,10 +56,24 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
     decoder stack over x at `position` attending over `cache` (its slots hold every
     position x's queries see, x's own included once written there), and an
     encoder-decoder's `encoded` (cross keys and values, bias) of `encode_memory`."""
-    slots = cache["k"].size_of("memory")
+    slots = transformer.slots_of(cache)
     bias = None
     if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
+    if "dense" in params:  # the dense stack's layers come first in the cache
+        k, n = cfg.dense_layers, cfg.layers
+        first = {name: nm.slice(t, "layers", 0, k) for name, t in cache.items()}
+        rest = {name: nm.slice(t, "layers", k, n) for name, t in cache.items()}
+        dense = {**params, "layers": params["dense"]}
+        x, kv = _run_stack(dense, x, transformer.dense_config(cfg), first, position, bias, None)
+        x, more = _run_stack(params, x, cfg, rest, position, bias, encoded)
+        return x, {name: nm.concat([kv[name], more[name]], "layers") for name in kv}
+    return _run_stack(params, x, cfg, cache, position, bias, encoded)
+
+
+def _run_stack(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, bias, encoded):
+    """`_run_layers` over the one stack params["layers"] and its `cache`."""
+    slots = transformer.slots_of(cache)
     cross, memory_bias = (None, None) if encoded is None else encoded
     xs = {"p": params["layers"], "cache": cache}
     if cross is not None:
@@ -149,7 +164,7 @@ def decode_step(
         at = position + cfg.position_offset if cfg.position_offset else position
         x = x + nm.gather(params["pos"].rename(length="memory"), "memory", at)
     x = transformer.embed_extras(params, x, cfg)
-    attend = attend or cache["k"].size_of("memory")
+    attend = attend or transformer.slots_of(cache)
     prefix = {name: nm.slice(t, "memory", 0, attend) for name, t in cache.items()}
     x, new = _run_layers(params, x, cfg, prefix, position, encoded)
     cache = {name: nm.update_slice(cache[name], "memory", position, new[name]) for name in cache}

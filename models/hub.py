@@ -1,7 +1,7 @@
 """Checkpoints in the Hugging Face layout: load the folders of the families in
 models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX, OPT, Gemma 1-3,
-T5, BERT, RoBERTa, DistilBERT) into the zoo's named parameters, run them under any
-layout, save them back.
+Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, T5, BERT, RoBERTa, DistilBERT) into the zoo's
+named parameters, run them under any layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors
     logits = model.logits(ids)                          # Tensor (batch, length, vocab)
@@ -9,7 +9,8 @@ layout, save them back.
     hub.save(model, "out")                              # transformers loads it back
 
 Each family's module has one table (`TABLES`): a zoo parameter path, the tensor
-name (with `{i}` for the layer of a stacked parameter), the file tensor's axes as
+name (with `{i}` for the layer of a stacked parameter, `{e}` for the expert of a
+parameter stacked from per-expert tensors), the file tensor's axes as
 groups of the zoo's named dims (`"(heads d_kv) d_model"`: a torch Linear weight, out
 before in, whose out axis is heads and d_kv merged), and for fused tensors (GPT-2's
 c_attn, Phi-3's qkv_proj of unequal parts, GPT-NeoX's per-head `(heads * d_kv)`)
@@ -26,6 +27,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 
 import jax
@@ -38,6 +40,7 @@ from models import folder_tokens, transformer, zoo
 from models.config import Config
 from models.families import FAMILIES
 from models.families.common import (
+    STACKED,
     Entry,
     HubError,
     MissingFileError,
@@ -148,7 +151,7 @@ def _groups(axes: str, head_dims: dict[str, str]) -> list[tuple[str, ...]]:
     """'(Q d_kv) d_model' -> [('heads', 'd_kv'), ('d_model',)], Q and KV substituted."""
     out = []
     for m in re.finditer(r"\(([^)]*)\)|(\S+)", axes):
-        words = (m.group(1) or m.group(2)).split()
+        words = (m.group(2) if m.group(1) is None else m.group(1)).split()
         out.append(tuple(d for w in words for d in head_dims.get(w, w).split()))
     return out
 
@@ -156,7 +159,8 @@ def _groups(axes: str, head_dims: dict[str, str]) -> list[tuple[str, ...]]:
 @dataclass
 class FileTensor:
     """A zoo parameter as found in the file: its entry, its axes as groups of dims,
-    and the dims and sizes of the zoo parameter (with `layers` first when stacked)."""
+    and the dims and sizes of the zoo parameter (with `layers`, then `experts`, first
+    where the file holds one tensor per layer or expert: `stack`)."""
 
     entry: Entry
     groups: list[tuple[str, ...]]
@@ -164,8 +168,26 @@ class FileTensor:
     sizes: dict[str, int]
 
     @property
-    def stacked(self) -> bool:
-        return self.dims[0] == "layers"
+    def stack(self) -> tuple[str, ...]:
+        """The leading dims whose index is in the file tensor's name, one file tensor
+        per index: `layers` ({i}) of a stacked parameter, and `experts` ({e}) of a row
+        that stacks per-expert tensors (Mixtral's experts.{e}.w1.weight)."""
+        stack = []
+        for d in self.dims:  # leading dims only (`tensors` checks the table's names)
+            if d not in STACKED or STACKED[d] not in self.entry.name:
+                break
+            stack.append(d)
+        return tuple(stack)
+
+    def name(self, index: tuple[int, ...]) -> str:
+        """The file tensor's name at `index` (one int per dim of `stack`)."""
+        keys = {STACKED[d][1:-1]: i for d, i in zip(self.stack, index, strict=True)}
+        keys["i"] = keys.get("i", 0) + self.entry.first
+        return self.entry.name.format(**keys)
+
+    def names(self) -> list[str]:
+        """Every file tensor this parameter is read from, in `stack` order."""
+        return [self.name(ix) for ix in np.ndindex(*(self.sizes[d] for d in self.stack))]
 
     def size(self, dim: str) -> int:
         """A dim's size; `*` is the fused parts' (Entry.part's count)."""
@@ -193,20 +215,24 @@ class FileTensor:
         """The block `index` (slices over self.dims) of the zoo parameter, read slice
         by slice from the file."""
         spans = [s.indices(self.sizes[d])[:2] for s, d in zip(index, self.dims, strict=True)]
-        if not self.stacked:
-            return self._read_one(weights, self.entry.name, spans)
-        (lo, hi), rest = spans[0], spans[1:]
-        return np.stack(
-            [self._read_one(weights, self.entry.name.format(i=i), rest) for i in range(lo, hi)]
-        )
+        n = len(self.stack)
+        ranges = [range(*span) for span in spans[:n]]
+        blocks = [self._read_one(weights, self.name(ix), spans[n:]) for ix in product(*ranges)]
+        if not n:
+            return blocks[0]
+        return np.stack(blocks).reshape(*(len(r) for r in ranges), *blocks[0].shape)
 
     def _read_one(self, weights: Weights, name: str, spans) -> np.ndarray:
-        layer_dims = self.dims[1:] if self.stacked else self.dims
+        layer_dims = self.dims[len(self.stack) :]
         span = dict(zip(layer_dims, spans, strict=True))
         if self.entry.part:  # a part inside its group (`*`) is a span of one
             span["*"] = (self.entry.part[1], self.entry.part[1] + 1)
         src, inner = [], []
         for axis, group in enumerate(self.groups):
+            if not group:  # "()": an axis of size 1 the zoo does not keep (a gate's Linear)
+                src.append(slice(None))
+                inner.append([(1, 0)])
+                continue
             # Read the rows covering the first dim's span, whole in the group's other dims.
             lo, hi = span[group[0]]
             step = math.prod(self.size(d) for d in group[1:])
@@ -226,12 +252,17 @@ class FileTensor:
             flat.remove("*")
         return block.transpose([flat.index(d) for d in layer_dims])
 
-    def write(self, value: np.ndarray, out: dict[str, np.ndarray], layer: int | None) -> None:
-        """Put the (one layer's) value of the zoo parameter into the file tensors `out`."""
-        layer_dims = self.dims[1:] if self.stacked else self.dims
+    def write(self, value: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        """Put the value of the zoo parameter (dims self.dims) into the file tensors
+        `out`: one per index of its `stack` dims."""
+        n = len(self.stack)
+        for ix in np.ndindex(*value.shape[:n]):
+            self._write_one(value[ix], out, self.name(ix))
+
+    def _write_one(self, value: np.ndarray, out: dict[str, np.ndarray], name: str) -> None:
+        layer_dims = self.dims[len(self.stack) :]
         flat = [d for g in self.groups for d in g]
         block = value.transpose([layer_dims.index(d) for d in flat if d != "*"])
-        name = self.entry.name if layer is None else self.entry.name.format(i=layer)
         if not self.entry.part:
             out[name] = block.reshape(self.file_shape())
             return
@@ -275,9 +306,14 @@ def tensors(family: str, cfg: Config, prefix: str = "") -> dict[str, FileTensor]
                 f"the {family} table has no row for the zoo parameter {path!r} (an option the "
                 "family does not have)"
             )
-        out[path] = FileTensor(
-            rows[path], _groups(rows[path].axes, _head_dims(cfg)), tuple(p.sizes), p.sizes
-        )
+        groups = _groups(rows[path].axes, _head_dims(cfg))
+        t = FileTensor(rows[path], groups, tuple(p.sizes), p.sizes)
+        if unplaced := [k for d, k in STACKED.items() if k in t.entry.name and d not in t.stack]:
+            raise UnsupportedModelError(
+                f"the {family} table's row {t.entry.name!r} indexes {unplaced} but the zoo "
+                f"parameter {path!r} (dims {t.dims}) does not lead with their dims"
+            )
+        out[path] = t
     return out
 
 
@@ -426,10 +462,7 @@ def _check_all_read(family: str, files: dict, weights: Weights) -> None:
     """UnsupportedModelError naming the weights' tensors the family does not read (a
     relabelled folder: Qwen2's q/k/v biases under model_type llama), besides the
     buffers its `ignored` patterns name."""
-    read = set()
-    for t in files.values():
-        n = t.sizes["layers"] if t.stacked else 1
-        read |= {t.entry.name.format(i=i) for i in range(n)}
+    read = {name for t in files.values() for name in t.names()}
     ignored = [re.compile(p) for p in FAMILIES[family].ignored]
     unread = sorted(
         k for k in weights.where if k not in read and not any(p.match(k) for p in ignored)
@@ -500,13 +533,8 @@ def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubMo
 
 
 def _check_shape(t: FileTensor, weights: Weights, path: str) -> None:
-    names = (
-        [t.entry.name.format(i=i) for i in range(t.sizes["layers"])]
-        if t.stacked
-        else [t.entry.name]
-    )
     want = t.file_shape()
-    for name in names:
+    for name in t.names():
         got = tuple(weights.slice(name).get_shape())
         if got != want:
             raise WeightShapeError(
@@ -542,12 +570,7 @@ def save(model: HubModel, path) -> None:
     prefix = FAMILIES[model.family].prefixes[0]
     out: dict[str, np.ndarray] = {}
     for p, t in tensors(model.family, model.config, prefix).items():
-        value = np.asarray(jax.device_get(_get(model.params, p).transpose(*t.dims).data))
-        if t.stacked:
-            for i in range(value.shape[0]):
-                t.write(value[i], out, i)
-        else:
-            t.write(value, out, None)
+        t.write(np.asarray(jax.device_get(_get(model.params, p).transpose(*t.dims).data)), out)
 
     def write(folder: Path) -> None:  # a fresh folder, then put in place of the old whole
         tensors_ = {k: np.ascontiguousarray(v) for k, v in out.items()}

@@ -216,6 +216,13 @@ def _as_memory(position: nm.Tensor) -> nm.Tensor:
     return position.rename(length="memory") if "length" in position.dims else position
 
 
+def kv_cache(cfg: Config) -> dict:
+    """The sizes of one position's cached keys and values ({"k", "v"}), besides layers,
+    batch and memory: heads (or kv_heads) and d_kv."""
+    sizes = {**head_sizes(cfg, kv=True), "d_kv": cfg.d_kv}
+    return {"k": sizes, "v": sizes}
+
+
 def write_cache(cache: dict, k: nm.Tensor, v: nm.Tensor, position: nm.Tensor):
     """(keys, values) of the cache ({"k", "v"}: batch, memory=slots, ...) with the new
     k and v (batch, memory=n, ...) written at `position`: one slot per row (n = 1,
@@ -238,12 +245,13 @@ def write_slots(cache: nm.Tensor, new: nm.Tensor, position: nm.Tensor) -> nm.Ten
     return (cache * (1.0 - at) + at * new.sum("memory")).transpose(*cache.dims)
 
 
-def _rotate(q: nm.Tensor, k: nm.Tensor, cfg: Config, cache, position, layer=None):
-    """q and k rotated at their positions: 0..n-1 of a pass, or the cache's `position`;
-    by this layer's frequencies where `layer` (of `layer_constants`) has them."""
+def rotate_qk(q: nm.Tensor, k: nm.Tensor, cfg: Config, slots, position, layer=None):
+    """q and k rotated at their positions: 0..n-1 of a pass, or `position` in a cache of
+    `slots` positions (None: no cache); by this layer's frequencies where `layer` (of
+    `layer_constants`) has them."""
     n = x_len = q.size_of("length")
-    if cache is not None:
-        n = cache["k"].size_of("memory")
+    if slots is not None:
+        n = slots
         for rope in (cfg.rope, cfg.local_rope or cfg.rope):
             if depends_on_length(rope) and n > rope.original_positions:
                 raise ConfigError(
@@ -251,8 +259,8 @@ def _rotate(q: nm.Tensor, k: nm.Tensor, cfg: Config, cache, position, layer=None
                     f"past original_positions={rope.original_positions}: its "
                     "frequencies change with the sequence, so cached keys would be stale"
                 )
-    q_at = nm.arange("length", x_len) if cache is None else position
-    k_at = nm.arange("memory", x_len) if cache is None else _as_memory(position)
+    q_at = nm.arange("length", x_len) if slots is None else position
+    k_at = nm.arange("memory", x_len) if slots is None else _as_memory(position)
     if layer is not None and "inv_freq" in layer:
         inv, factor = layer["inv_freq"], layer["rope_factor"]
         return rotate(q, q_at, inv, factor), rotate(k, k_at, inv, factor)
@@ -308,7 +316,8 @@ def attention(
         q = norm(q, p["q_norm"], head_norm_kind(cfg), cfg.norm_eps, "d_kv")
         k = norm(k, p["k_norm"], head_norm_kind(cfg), cfg.norm_eps, "d_kv")
     if cfg.positions == "rotary" and not cross:
-        q, k = _rotate(q, k, cfg, cache, position, layer)
+        slots = None if cache is None else cache["k"].size_of("memory")
+        q, k = rotate_qk(q, k, cfg, slots, position, layer)
     if cache is not None:
         k, v = write_cache(cache, k, v, position)
         cache = {"k": k, "v": v}

@@ -12,6 +12,9 @@
   it (causal); a choice that finds its expert full is dropped (the residual still
   carries the token). The slots are one-hot dispatch and combine einsums.
 
+A shared expert (cfg.shared_ff; Qwen2-MoE, DeepSeek) is an FFN every token passes,
+added to the routed experts' output, gated by a sigmoid where cfg.shared_gate.
+
 The router's weights (cfg.router): topk_softmax, the softmax over the chosen experts'
 logits (Mixtral; Qwen-MoE's `norm_topk_prob`), or softmax_topk, the softmax over all
 experts' logits read at the chosen ones (Qwen-MoE without `norm_topk_prob`).
@@ -20,17 +23,20 @@ experts' logits read at the chosen ones (Qwen-MoE without `norm_topk_prob`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 import namedmesh as nm
 from models.config import Config, ConfigError
-from models.layers import Param, activation
+from models.layers import Param, activation, ffn, ffn_params
 
 
 def moe_params(cfg: Config) -> dict:
-    d, f, e = cfg.d_model, cfg.d_ff, cfg.experts
+    """The router's gate (and its choosing bias under a sigmoid router), the experts'
+    FFNs (each cfg.expert_ff wide, else d_ff), and a shared FFN (cfg.shared_ff)."""
+    d, f, e = cfg.d_model, cfg.expert_ff or cfg.d_ff, cfg.experts
     if cfg.bias:
         raise ConfigError("the MoE FFN (experts > 0) has no biases: Config.bias must be False")
     p = {
@@ -40,6 +46,12 @@ def moe_params(cfg: Config) -> dict:
     }
     if activation(cfg.ffn)[1]:
         p["wg"] = Param({"experts": e, "d_model": d, "d_ff": f}, d**-0.5)
+    if ROUTERS[cfg.router].biased:
+        p["gate_bias"] = Param({"experts": e}, "zeros")
+    if cfg.shared_ff:
+        p["shared"] = ffn_params(cfg.replace(d_ff=cfg.shared_ff))
+    if cfg.shared_gate:
+        p["shared"]["gate"] = Param({"d_model": d}, d**-0.5)
     return p
 
 
@@ -62,22 +74,57 @@ class Routed(NamedTuple):
     chosen: nm.Tensor
 
 
-ROUTERS = {  # the top-k's weights from the softmax's top-k values (choices)
-    "topk_softmax": lambda top: top / top.sum("choices"),
-    "softmax_topk": lambda top: top,
+class Router(NamedTuple):
+    """A router kind: the experts' scores of the gate's logits (over experts), whether a
+    learned bias (gate_bias) is added to them for choosing only, and the chosen experts'
+    weights from their scores (over choices)."""
+
+    score: Callable
+    biased: bool
+    weights: Callable
+
+
+_softmax = lambda gate: nm.softmax(gate, "experts")
+ROUTERS = {
+    "topk_softmax": Router(_softmax, False, lambda top: top / top.sum("choices")),
+    "softmax_topk": Router(_softmax, False, lambda top: top),
+    "sigmoid_topk": Router(nm.sigmoid, True, lambda top: top),
+    "sigmoid_topk_norm": Router(nm.sigmoid, True, lambda top: top / (top.sum("choices") + 1e-20)),
 }
 
 
 def route(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor, nm.Tensor]:
     """(choice (batch, length, choices) int32, weight (batch, length, choices), probs
     (batch, length, experts)) for x (batch, length, d_model): the top-k experts of the
-    router's softmax, in float32 whatever the compute dtype."""
+    router's scores (plus gate_bias, for choosing only; within the best groups when
+    cfg.expert_groups > 1), weighted by cfg.router's rule times cfg.router_scale, in
+    float32 whatever the compute dtype."""
     gate = nm.einsum(
         x, p["gate"], out=("batch", "length", "experts"), preferred_element_type=np.float32
     )
-    probs = nm.softmax(gate, "experts")
-    top, choice = nm.top_k(probs, "experts", cfg.experts_per_token, "choices")
-    return choice, ROUTERS[cfg.router](top), probs
+    router, k = ROUTERS[cfg.router], cfg.experts_per_token
+    probs = router.score(gate)
+    pick = probs + p["gate_bias"] if "gate_bias" in p else probs
+    if cfg.expert_groups > 1:
+        pick = within_groups(pick, cfg.expert_groups, cfg.topk_groups)
+    top, choice = nm.top_k(pick, "experts", k, "choices")
+    if pick is not probs:  # weights are the scores, not what chose
+        top = (nm.one_hot(choice, "experts", cfg.experts, np.float32) * probs).sum("experts")
+    weight = router.weights(top)
+    return choice, weight * cfg.router_scale if cfg.router_scale != 1 else weight, probs
+
+
+def within_groups(pick: nm.Tensor, groups: int, best: int) -> nm.Tensor:
+    """`pick` (.., experts) with the experts outside each token's `best` groups at -inf:
+    the experts are `groups` groups in order, each ranked by the sum of its two highest
+    scores (DeepSeek-V3's group-limited routing)."""
+    e = pick.size_of("experts")
+    grouped = nm.reshape(pick, {"groups": groups, "group_experts": e // groups}, from_="experts")
+    two, _ = nm.top_k(grouped, "group_experts", 2, "two")
+    _, chosen = nm.top_k(two.sum("two"), "groups", best, "best_groups")
+    keep = nm.one_hot(chosen, "groups", groups, np.float32).sum("best_groups")
+    masked = nm.where(keep > 0, grouped, -np.inf).transpose(*grouped.dims)
+    return nm.reshape(masked, {"experts": e}, from_="groups group_experts")
 
 
 def expert_ffn(x: nm.Tensor, p: dict, cfg: Config, project) -> nm.Tensor:
@@ -88,6 +135,15 @@ def expert_ffn(x: nm.Tensor, p: dict, cfg: Config, project) -> nm.Tensor:
     if gated:
         h = h * project(x, p["wg"], "d_ff")
     return project(h, p["wo"], "d_model")
+
+
+def shared_expert(x: nm.Tensor, p: dict, cfg: Config) -> nm.Tensor:
+    """The shared experts' FFN of every token, times sigmoid(x . gate) where they have a
+    gate (cfg.shared_gate: Qwen2-MoE's shared_expert_gate)."""
+    y = ffn(x, p, cfg)
+    if "gate" not in p:
+        return y
+    return y * nm.sigmoid(nm.einsum(x, p["gate"], out=x.dims[:-1]))
 
 
 def dropless(x, p, cfg, choice, weight, before):
@@ -136,6 +192,8 @@ def moe(x: nm.Tensor, p: dict, cfg: Config, before=0.0, stats: bool = False) -> 
     rest (not computed otherwise: a lowered program would count their collectives)."""
     choice, weight, probs = route(x, p, cfg)
     out, kept = ROUTINGS[cfg.routing](x, p, cfg, choice, weight, before)
+    if "shared" in p:  # shared experts: a dense FFN every token passes through
+        out = out + shared_expert(x, p["shared"], cfg)
     chosen = nm.one_hot(choice, "experts", cfg.experts).sum("choices")
     kept = chosen if kept is None else kept
     balance = {"balance": balance_loss(choice, probs)}

@@ -96,6 +96,15 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def softmax_mscale(rope: Rope) -> float:
+    """The factor on attention's softmax scale that YaRN's mscale_all_dim asks of latent
+    attention (DeepSeek's q.k scale times mscale squared: transformers'
+    yarn_apply_mscale); 1 otherwise."""
+    if rope.kind != "yarn" or not rope.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+
+
 def _yarn(rope: Rope, dim: int, seq_len: int):
     f, theta = rope.factor, rope.theta
     factor = rope.attention_factor

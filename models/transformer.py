@@ -11,10 +11,14 @@ is one table per stack, computed once and added in every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import numpy as np
 
 import namedmesh as nm
+from models import mla
 from models.config import Config
 from models.layers import (
     NEG,
@@ -29,6 +33,7 @@ from models.layers import (
     embed,
     ffn,
     ffn_params,
+    kv_cache,
     layer_constants,
     norm,
     norm_params,
@@ -37,6 +42,27 @@ from models.layers import (
     write_slots,
 )
 from models.moe import merged, moe, moe_params, over_layers, queued
+
+
+class Attention(NamedTuple):
+    """A self-attention variant: its parameters of a Config, the layer (models.layers.
+    attention's signature), and the sizes of one position's KV cache entries."""
+
+    params: Callable
+    attend: Callable
+    cache: Callable
+
+
+# Config.attention_variant -> its attention: multi-head, or DeepSeek's latent (models/mla.py)
+ATTENTIONS = {
+    "mha": Attention(attention_params, attention, kv_cache),
+    "mla": Attention(mla.params, mla.attention, mla.cache),
+}
+
+
+def slots_of(cache: dict) -> int:
+    """The positions a KV cache holds (the size of its entries' `memory`)."""
+    return next(t for t in cache.values()).size_of("memory")
 
 
 def stacked(shapes, n: int):
@@ -49,7 +75,7 @@ def stacked(shapes, n: int):
 def layer_shapes(cfg: Config, cross: bool = False) -> dict:
     """One block: self-attention, cross-attention over an encoder's output if `cross`,
     and the FFN (a mixture of experts when cfg.experts > 0)."""
-    shapes = {"attn_norm": norm_params(cfg), "attn": attention_params(cfg)}
+    shapes = {"attn_norm": norm_params(cfg), "attn": ATTENTIONS[cfg.attention_variant].params(cfg)}
     if cross:
         shapes["cross_norm"] = norm_params(cfg)
         shapes["cross"] = attention_params(cfg.replace(relative_bias=0))
@@ -101,8 +127,16 @@ def relative_shapes(cfg: Config) -> Param:
 
 
 def lm_shapes(cfg: Config) -> dict:
-    """The decoder-only LM's (or BERT's) parameters as a nested dict of Params."""
-    return {**embedding_shapes(cfg), "layers": stacked(layer_shapes(cfg), cfg.layers)}
+    """The decoder-only LM's (or BERT's) parameters as a nested dict of Params: the
+    `layers` stack, after a `dense` one of cfg.dense_layers layers where it has them."""
+    k = cfg.dense_layers
+    shapes = {**embedding_shapes(cfg), "layers": stacked(layer_shapes(cfg), cfg.layers - k)}
+    return {**shapes, "dense": stacked(layer_shapes(dense_config(cfg)), k)} if k else shapes
+
+
+def dense_config(cfg: Config) -> Config:
+    """The Config of the dense stack before the mixture-of-experts layers (dense_layers)."""
+    return cfg.replace(experts=0, dense_layers=0, expert_groups=1, shared_ff=0, shared_gate=False)
 
 
 def encdec_shapes(cfg: Config) -> dict:
@@ -259,17 +293,19 @@ def block(
     pre, block_input = cfg.norm_position == "pre", h
     x = norm(h, p["attn_norm"], cfg.norm, cfg.norm_eps) if pre else h
     window = None if layer is None else layer["window"]
+    variant = ATTENTIONS[cfg.attention_variant]
     if cache is None:
         # a function of the positions: blockwise attention builds it block by block
         bias_fn = lambda queries, slots: self_attention_bias(
             p["attn"], cfg, queries, slots, causal, window=window
         )
-        x = attention(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer)
+        x = variant.attend(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer)
     else:
-        slots = nm.arange("memory", cache["k"].size_of("memory"))
+        slots = nm.arange("memory", slots_of(cache))
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias, window)
-        kv = {"k": cache["k"], "v": cache["v"]}
-        x, kv = attention(x, p["attn"], cfg, bias=bias, cache=kv, position=position, layer=layer)
+        kv = {name: cache[name] for name in variant.cache(cfg)}
+        x, kv = variant.attend(x, p["attn"], cfg, bias=bias, cache=kv, position=position,
+                               layer=layer)  # fmt: skip
         cache = {**cache, **kv}
     x = post_norm(x, p, "attn_post_norm", cfg)
     h = residual(h, dropout(x, cfg.dropout, keys[0]), p["attn_norm"], cfg)
@@ -315,6 +351,15 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
     xs = (layers, layer_keys(key, n), consts)
     x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat)
     return x, None if aux is None else over_layers(aux)
+
+
+def run_layers(x, params: dict, cfg: Config, key, **block_args):
+    """(x, aux): `run_stack` over params' dense stack (cfg.dense_layers; none for most
+    models) then its `layers`; aux is the layers' router statistics."""
+    if "dense" in params:
+        k = None if key is None else nm.random.fold_in(key, 11)
+        x, _ = run_stack(x, params["dense"], dense_config(cfg), k, **block_args)
+    return run_stack(x, params["layers"], cfg, key, **block_args)
 
 
 def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
@@ -428,7 +473,7 @@ def lm_forward(
     if "relative" in params:
         rel = bucket_bias(params["relative"], cfg, tokens.size_of("length"), not causal)
         bias = rel if bias is None else rel + bias
-    x, aux = run_stack(x, params["layers"], cfg, key, causal=causal, bias=bias, stats=stats)
+    x, aux = run_layers(x, params, cfg, key, causal=causal, bias=bias, stats=stats)
     return output_logits(params, x, cfg), aux
 
 

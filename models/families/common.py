@@ -40,6 +40,33 @@ class Entry(NamedTuple):
     name: str
     axes: str
     part: tuple[int, int, int | tuple[int, ...]] | None = None
+    first: int = 0  # the file's layer number ({i}) of the stack's layer 0 (a second stack)
+
+
+# The zoo dims a tensor name may index, one file tensor per index: a parameter stacked
+# over `layers` is read from layers.{i}.*, one stacked over `experts` from per-expert
+# tensors (experts.{e}.*; Mixtral's, Qwen-MoE's), both ways (load and export).
+STACKED = {"layers": "{i}", "experts": "{e}"}
+
+
+def experts(path: str, name: str, out: str, inp: str) -> list[Entry]:
+    """The per-expert torch Linears `name` (holding `{e}`: experts.{e}.w1) as one zoo
+    parameter `path` with an `experts` dim, each expert's weight (out, in)."""
+    return linear(path, name, out, inp, False)
+
+
+def moe_rows(layer: str, moe: str, names=("gate_proj", "up_proj", "down_proj")) -> list[Entry]:
+    """A mixture of experts' rows under `{layer}{moe}.`: the router (gate.weight, experts
+    by d_model) and each expert's gated MLP (experts.{e}.<names>: the activation's input,
+    the linear half, the output projection), stacked over experts."""
+    m = f"{layer}{moe}."
+    wi, wg, wo = (f"{m}experts.{{e}}.{n}" for n in names)
+    return [
+        Entry("layers/ffn/gate", f"{m}gate.weight", "experts d_model"),
+        *experts("layers/ffn/wi", wi, "d_ff", "d_model"),
+        *experts("layers/ffn/wg", wg, "d_ff", "d_model"),
+        *experts("layers/ffn/wo", wo, "d_model", "d_ff"),
+    ]
 
 
 def linear(path: str, name: str, out: str, inp: str, bias: bool) -> list[Entry]:

@@ -1,0 +1,145 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434): an attention variant
+the shared block takes from Config.mla (models/latent.py has its sizes).
+
+Queries come from a low-rank latent (q_a, its RMSNorm, q_b) or one projection; keys and
+values from one `latent` per position (kv_a, its RMSNorm) that kv_b expands into every
+head's key without positions (`nope` dims) and value (`v` dims), beside a rotated key
+part (`k_rope`, d_kv dims) that all heads share. A head's logit is q.k over its nope and
+rotated dims, scaled by (nope + d_kv)**-0.5 times YaRN's mscale squared
+(models.rope.softmax_mscale).
+
+The KV cache holds what the keys and values are made from, the normed latent and the
+rotated shared key, (kv_rank + d_kv) numbers per position and layer, not
+heads x (nope + d_kv + v). Every attention kernel (models/kernels.py) runs on the
+expanded keys and values; values narrower than the keys are padded with zeros to the
+keys' width and the padding cut from the result, as transformers does for its fused
+kernels.
+"""
+
+from __future__ import annotations
+
+import namedmesh as nm
+from models.config import Config, ConfigError
+from models.kernels import Options
+from models.layers import Param, kernel_for, norm, rotate_qk, write_slots
+from models.rope import softmax_mscale
+
+BTH = ("batch", "length", "heads")
+
+
+def params(cfg: Config) -> dict:
+    """q (or q_a, q_a_norm, q_b), kv_a, k_rope, kv_norm, kv_b and o. The per-head dims
+    `d_qk` (nope then rotated) and `d_kvb` (the key's nope then the value) are one dim
+    each, as the files fuse them per head."""
+    m, d, h, r = cfg.mla, cfg.d_model, cfg.heads, cfg.d_kv
+    qk = {"heads": h, "d_qk": m.nope + r}
+    p = {
+        "kv_a": Param({"d_model": d, "latent": m.kv_rank}, d**-0.5),
+        "k_rope": Param({"d_model": d, "d_kv": r}, d**-0.5),
+        "kv_norm": {"scale": Param({"latent": m.kv_rank}, "ones")},
+        "kv_b": Param({"latent": m.kv_rank, "heads": h, "d_kvb": m.nope + m.v}, m.kv_rank**-0.5),
+        "o": Param({"heads": h, "d_v": m.v, "d_model": d}, (h * m.v) ** -0.5),
+    }
+    if not m.q_rank:
+        return {**p, "q": Param({"d_model": d, **qk}, d**-0.5)}
+    return {
+        **p,
+        "q_a": Param({"d_model": d, "q_latent": m.q_rank}, d**-0.5),
+        "q_a_norm": {"scale": Param({"q_latent": m.q_rank}, "ones")},
+        "q_b": Param({"q_latent": m.q_rank, **qk}, m.q_rank**-0.5),
+    }
+
+
+def cache(cfg: Config) -> dict:
+    """One position's cached sizes besides layers, batch and memory: the normed latent
+    and the rotated key all heads share."""
+    return {"latent": {"latent": cfg.mla.kv_rank}, "k_rope": {"d_kv": cfg.d_kv}}
+
+
+def scale(cfg: Config) -> float:
+    """The softmax scale: (nope + rotated dims)**-0.5, times YaRN's mscale squared."""
+    return (cfg.mla.nope + cfg.d_kv) ** -0.5 * softmax_mscale(cfg.rope)
+
+
+def queries(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor]:
+    """(q without positions (.., d_qk=nope), q to rotate (.., d_kv)) of x."""
+    if "q" in p:
+        q = nm.einsum(x, p["q"], out=(*BTH, "d_qk"))
+    else:
+        a = nm.einsum(x, p["q_a"], out=("batch", "length", "q_latent"))
+        a = norm(a, p["q_a_norm"], "rms", cfg.mla.eps, "q_latent")
+        q = nm.einsum(a, p["q_b"], out=(*BTH, "d_qk"))
+    nope, rot = nm.split(q, "d_qk", (cfg.mla.nope, cfg.d_kv))
+    return nope, rot.rename(d_qk="d_kv")
+
+
+def deinterleave(x: nm.Tensor) -> nm.Tensor:
+    """x's d_kv reordered from pairs (0, 1), (2, 3), ... to the evens then the odds, so
+    that rotating halves rotates DeepSeek's interleaved pairs; a dot product over d_kv
+    of two tensors so reordered is unchanged."""
+    n = x.size_of("d_kv")
+    pairs = nm.reshape(x, {"pair": n // 2, "two": 2}, from_="d_kv")
+    at = pairs.dims.index("pair")
+    order = (*pairs.dims[:at], "two", "pair", *pairs.dims[at + 2 :])
+    return nm.reshape(pairs.transpose(*order), {"d_kv": n}, from_="two pair")
+
+
+def latents(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor]:
+    """(normed latent (batch, memory, latent), unrotated shared key (batch, memory, d_kv))
+    of x's positions."""
+    src = x.rename(length="memory")
+    latent = nm.einsum(src, p["kv_a"], out=("batch", "memory", "latent"))
+    latent = norm(latent, p["kv_norm"], "rms", cfg.mla.eps, "latent")
+    return latent, nm.einsum(src, p["k_rope"], out=("batch", "memory", "d_kv"))
+
+
+def keys_values(latent: nm.Tensor, k_rope: nm.Tensor, p: dict, cfg: Config):
+    """(keys (batch, memory, heads, d_kv=nope+rotated), values (.., d_kv=v, padded with
+    zeros to the keys' width)) expanded from the latents."""
+    m = cfg.mla
+    kvb = nm.einsum(latent, p["kv_b"], out=("batch", "memory", "heads", "d_kvb"))
+    k_nope, v = nm.split(kvb, "d_kvb", (m.nope, m.v))
+    shared = nm.expand_dims(k_rope, {"heads": cfg.heads}).transpose(*k_nope.dims[:-1], "d_kv")
+    k = nm.concat([k_nope.rename(d_kvb="d_kv"), shared], "d_kv") if m.nope else shared
+    v = v.rename(d_kvb="d_kv")
+    if m.v < k.size_of("d_kv"):
+        v = nm.pad(v, {"d_kv": (0, k.size_of("d_kv") - m.v)})
+    return k, v
+
+
+def attention(
+    x: nm.Tensor,
+    p: dict,
+    cfg: Config,
+    memory=None,
+    bias=None,
+    cache: dict | None = None,
+    position=None,
+    bias_fn=None,
+    memory_kv=None,
+    layer=None,
+):
+    """Latent self-attention of x (batch, length, d_model) with models.layers.attention's
+    signature and contract; `cache` is {"latent", "k_rope"} (batch, memory, ...), and
+    `(out, new_cache)` is returned with it."""
+    if memory is not None or memory_kv is not None:
+        raise ConfigError("Config.mla: latent attention is self-attention (no cross-attention)")
+    q_nope, q_rot = queries(x, p, cfg)
+    latent, k_rot = latents(x, p, cfg)
+    if cfg.mla.interleave:
+        q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+    slots = None if cache is None else cache["latent"].size_of("memory")
+    q_rot, k_rot = rotate_qk(q_rot, k_rot, cfg, slots, position, layer)
+    if cache is not None:
+        latent = write_slots(cache["latent"], latent, position)
+        k_rot = write_slots(cache["k_rope"], k_rot, position)
+        cache = {"latent": latent, "k_rope": k_rot}
+    k, v = keys_values(latent, k_rot, p, cfg)
+    q = nm.concat([q_nope.rename(d_qk="d_kv"), q_rot], "d_kv") if cfg.mla.nope else q_rot
+    opts = Options(bias, bias_fn, scale(cfg), cfg.attention_softcap, cfg.attention_block,
+                   cache is not None)  # fmt: skip
+    o = kernel_for(cfg, opts)(q, k, v, opts)
+    if cfg.mla.v < o.size_of("d_kv"):
+        o = nm.slice(o, "d_kv", 0, cfg.mla.v)
+    out = nm.einsum(o.rename(d_kv="d_v"), p["o"], out=("batch", "length", "d_model"))
+    return out if cache is None else (out, cache)
