@@ -205,3 +205,20 @@ def test_multi_token_prediction_weights_are_refused_by_name(built, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(hub.UnsupportedModelError, match=r"multi-token-prediction .*layers\.3\."):
         hub.load(folder)
+
+
+def test_adamw_leaves_the_choosing_bias_alone():
+    """No gradient reaches gate_bias (it moves choices only); AdamW's weight decay alone
+    would shrink it, so it is out of the decay mask while other parameters decay."""
+    from models.trainer import optimizer
+
+    ones = nm.tensor(np.ones(4, np.float32), ("experts",))
+    params = {"layers": {"ffn": {"gate_bias": ones, "gate": ones}}}
+    opt, _ = optimizer("adamw", 1.0, 10, 0, 0)
+    state = opt.init(params)
+    zero = jax.tree.map(lambda x: x * 0, params)
+    for _ in range(3):
+        updates, state = opt.update(zero, state, params)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+    np.testing.assert_array_equal(params["layers"]["ffn"]["gate_bias"].data, 1.0)
+    assert (np.asarray(params["layers"]["ffn"]["gate"].data) < 1.0).all()
