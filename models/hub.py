@@ -1,6 +1,6 @@
 """Checkpoints in the Hugging Face layout: load the folders of the families in
 models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX, OPT, Gemma 1-3,
-T5, BERT, RoBERTa, DistilBERT) into the zoo's named parameters, run them under any
+T5, BERT, RoBERTa, DistilBERT, DeepSeek-V3) into the zoo's named parameters, run them under any
 layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors

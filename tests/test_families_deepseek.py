@@ -19,7 +19,9 @@ transformers = pytest.importorskip("transformers")
 import namedmesh as nm  # noqa: E402
 from lowering import Layout, Mesh  # noqa: E402
 from models import hub, transformer  # noqa: E402
+from models.config import Config, ConfigError  # noqa: E402
 from models.decoding import Decoder, init_cache  # noqa: E402
+from models.latent import Latent  # noqa: E402
 from tests.test_families import (  # noqa: E402
     IDS,
     MASK,
@@ -222,3 +224,20 @@ def test_adamw_leaves_the_choosing_bias_alone():
         params = jax.tree.map(lambda p, u: p + u, params, updates)
     np.testing.assert_array_equal(params["layers"]["ffn"]["gate_bias"].data, 1.0)
     assert (np.asarray(params["layers"]["ffn"]["gate"].data) < 1.0).all()
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(mla=Latent(16, 12, 10), kv_heads=2), "mla .* with kv_heads=2"),
+        (dict(mla=Latent(16, 12, 10), encoder_layers=2), "mla .* with encoder_layers=2"),
+        (dict(experts=8, expert_groups=3), "expert_groups=3 must divide experts=8"),
+        (dict(experts=8, expert_groups=4, topk_groups=1, experts_per_token=3),
+         "experts_per_token=3 exceeds"),
+        (dict(dense_layers=1), "dense_layers=1 .* experts is 0"),
+        (dict(experts=8, dense_layers=3), "dense_layers=3 must be <= layers=2"),
+    ],
+)  # fmt: skip
+def test_latent_and_router_options_that_contradict_are_config_errors(options, match):
+    with pytest.raises(ConfigError, match=match):
+        Config(layers=2, heads=4, d_kv=8, positions="rotary", **options)
