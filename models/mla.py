@@ -11,10 +11,10 @@ rotated dims, scaled by (nope + d_kv)**-0.5 times YaRN's mscale squared
 The KV cache holds what the keys and values are made from, the normed latent and the
 rotated shared key, (kv_rank + d_kv) numbers per position and layer, not
 heads x (nope + d_kv + v). A pass or a prefill runs cfg.attention's kernel
-(models/kernels.py) on the expanded keys and values (values narrower than the keys
-padded with zeros to the keys' width, the padding cut from the result, as transformers
-does for its fused kernels); a decoding step attends in the latent space (`absorbed`),
-never expanding the cache.
+(models/kernels.py) on the expanded keys and values (the narrower of queries and
+keys or values padded with zeros to the other's width, the padding cut from the
+result, as transformers does for its fused kernels); a decoding step attends in the
+latent space (`absorbed`), never expanding the cache.
 """
 
 from __future__ import annotations
@@ -98,17 +98,21 @@ def latents(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor]:
 
 
 def keys_values(latent: nm.Tensor, k_rope: nm.Tensor, p: dict, cfg: Config):
-    """(keys (batch, memory, heads, d_kv=nope+rotated), values (.., d_kv=v, padded with
-    zeros to the keys' width)) expanded from the latents."""
+    """(keys (batch, memory, heads, d_kv=nope+rotated), values (.., d_kv=v)) expanded
+    from the latents, the narrower padded with zeros to the other's width (kernels take
+    keys and values of one width; zeros change neither q.k nor the values' dims)."""
     m = cfg.mla
     kvb = nm.einsum(latent, p["kv_b"], out=("batch", "memory", "heads", "d_kvb"))
     k_nope, v = nm.split(kvb, "d_kvb", (m.nope, m.v))
     shared = nm.expand_dims(k_rope, {"heads": cfg.heads}).transpose(*k_nope.dims[:-1], "d_kv")
     k = nm.concat([k_nope.rename(d_kvb="d_kv"), shared], "d_kv")
-    v = v.rename(d_kvb="d_kv")
-    if m.v < k.size_of("d_kv"):
-        v = nm.pad(v, {"d_kv": (0, k.size_of("d_kv") - m.v)})
-    return k, v
+    return widened(k, m.v), widened(v.rename(d_kvb="d_kv"), m.nope + cfg.d_kv)
+
+
+def widened(t: nm.Tensor, width: int) -> nm.Tensor:
+    """t padded with zeros along d_kv up to `width` (t itself when as wide or wider)."""
+    extra = width - t.size_of("d_kv")
+    return nm.pad(t, {"d_kv": (0, extra)}) if extra > 0 else t
 
 
 def attention(
@@ -150,7 +154,7 @@ def expanded(q_nope, q_rot, latent, k_rot, p, cfg: Config, bias, bias_fn, cached
     """Attention (batch, length, heads, d_v) over the keys and values kv_b makes of the
     latents, by cfg.attention's kernel (a pass, or a prefill)."""
     k, v = keys_values(latent, k_rot, p, cfg)
-    q = nm.concat([q_nope.rename(d_qk="d_kv"), q_rot], "d_kv")
+    q = widened(nm.concat([q_nope.rename(d_qk="d_kv"), q_rot], "d_kv"), cfg.mla.v)
     opts = Options(bias, bias_fn, scale(cfg), cfg.attention_softcap, cfg.attention_block, cached)
     o = kernel_for(cfg, opts)(q, k, v, opts)
     if cfg.mla.v < o.size_of("d_kv"):
