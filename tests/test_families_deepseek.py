@@ -38,19 +38,21 @@ SIZES = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
     num_experts_per_tok=3, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
-    v_head_dim=10, max_position_embeddings=64, num_nextn_predict_layers=0,
+    max_position_embeddings=64, num_nextn_predict_layers=0,
 )  # fmt: skip
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "mscale": 0.8,
         "mscale_all_dim": 0.6, "original_max_position_embeddings": 16}  # fmt: skip
 CASES = {
-    # low-rank q, interleaved rotary pairs, YaRN with mscale_all_dim on the softmax scale, a
-    # dense first layer, 3 of 8 experts within the best 2 of 4 groups, normed weights x 1.5,
-    # two shared experts
-    "deepseek_v3": dict(q_lora_rank=24, rope_parameters=YARN, first_k_dense_replace=1,
-                        n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=1.5),
-    # one q projection, rotary halves, every layer MoE, unnormed weights, no groups
+    # low-rank q, interleaved rotary pairs, values narrower (10) than queries and keys, YaRN
+    # with mscale_all_dim on the softmax scale, a dense first layer, 3 of 8 experts within
+    # the best 2 of 4 groups, normed weights x 1.5, two shared experts
+    "deepseek_v3": dict(q_lora_rank=24, v_head_dim=10, rope_parameters=YARN,
+                        first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=2,
+                        routed_scaling_factor=1.5),
+    # one q projection, rotary halves, values wider (24) than queries and keys (12 + 8),
+    # every layer MoE, unnormed weights, no groups
     "deepseek_v3_plain": dict(q_lora_rank=None, rope_interleave=False, first_k_dense_replace=0,
-                              n_group=1, topk_group=1, norm_topk_prob=False),
+                              n_group=1, topk_group=1, norm_topk_prob=False, v_head_dim=24),
 }  # fmt: skip
 LAYOUT = "batch:rows;experts:cols;heads:cols;d_ff:cols;vocab:cols"
 
