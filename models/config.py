@@ -94,6 +94,8 @@ class Config:
     router_scale: float = 1.0  # the chosen experts' weights times this (routed_scaling_factor)
     expert_ff: int = 0  # the experts' FFN width (0: d_ff)
     shared_ff: int = 0  # > 0: a dense gated FFN this wide beside the experts (shared experts)
+    # the shared experts' output times sigmoid(x . a learned gate) (Qwen2-MoE's shared_expert_gate)
+    shared_gate: bool = False
     dense_layers: int = 0  # the first layers have a dense FFN of d_ff (first_k_dense_replace)
     capacity_factor: float = 1.25  # capacity routing: slots per expert over an even share
     moe_loss: float = 0.01  # weight of the load-balancing loss
@@ -191,6 +193,8 @@ class Config:
                 f"Config.expert_groups={g}, dense_layers={self.dense_layers} and shared_ff="
                 f"{self.shared_ff} are options of a mixture of experts: experts is 0"
             )
+        if self.shared_gate and not self.shared_ff:
+            raise ConfigError("Config.shared_gate gates the shared experts: it needs shared_ff > 0")
         if g > 1 and (e % g or e // g < 2 or not self.topk_groups <= g):
             raise ConfigError(
                 f"Config.expert_groups={g} must divide experts={e} into groups of >= 2 (each "

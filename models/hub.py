@@ -1,7 +1,7 @@
 """Checkpoints in the Hugging Face layout: load the folders of the families in
 models/families/ (GPT-2, Llama 1-3.x, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX, OPT, Gemma 1-3,
-T5, BERT, RoBERTa, DistilBERT, DeepSeek-V3) into the zoo's named parameters, run them under any
-layout, save them back.
+Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, T5, BERT, RoBERTa, DistilBERT) into the zoo's
+named parameters, run them under any layout, save them back.
 
     model = hub.load("path/to/gpt2")                    # config.json, *.safetensors
     logits = model.logits(ids)                          # Tensor (batch, length, vocab)
@@ -151,7 +151,7 @@ def _groups(axes: str, head_dims: dict[str, str]) -> list[tuple[str, ...]]:
     """'(Q d_kv) d_model' -> [('heads', 'd_kv'), ('d_model',)], Q and KV substituted."""
     out = []
     for m in re.finditer(r"\(([^)]*)\)|(\S+)", axes):
-        words = (m.group(1) or m.group(2)).split()
+        words = (m.group(2) if m.group(1) is None else m.group(1)).split()
         out.append(tuple(d for w in words for d in head_dims.get(w, w).split()))
     return out
 
@@ -229,6 +229,10 @@ class FileTensor:
             span["*"] = (self.entry.part[1], self.entry.part[1] + 1)
         src, inner = [], []
         for axis, group in enumerate(self.groups):
+            if not group:  # "()": an axis of size 1 the zoo does not keep (a gate's Linear)
+                src.append(slice(None))
+                inner.append([(1, 0)])
+                continue
             # Read the rows covering the first dim's span, whole in the group's other dims.
             lo, hi = span[group[0]]
             step = math.prod(self.size(d) for d in group[1:])

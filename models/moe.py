@@ -12,6 +12,9 @@
   it (causal); a choice that finds its expert full is dropped (the residual still
   carries the token). The slots are one-hot dispatch and combine einsums.
 
+A shared expert (cfg.shared_ff; Qwen2-MoE, DeepSeek) is an FFN every token passes,
+added to the routed experts' output, gated by a sigmoid where cfg.shared_gate.
+
 The router's weights (cfg.router): topk_softmax, the softmax over the chosen experts'
 logits (Mixtral; Qwen-MoE's `norm_topk_prob`), or softmax_topk, the softmax over all
 experts' logits read at the chosen ones (Qwen-MoE without `norm_topk_prob`).
@@ -47,6 +50,8 @@ def moe_params(cfg: Config) -> dict:
         p["gate_bias"] = Param({"experts": e}, "zeros")
     if cfg.shared_ff:
         p["shared"] = ffn_params(cfg.replace(d_ff=cfg.shared_ff))
+    if cfg.shared_gate:
+        p["shared"]["gate"] = Param({"d_model": d}, d**-0.5)
     return p
 
 
@@ -132,6 +137,15 @@ def expert_ffn(x: nm.Tensor, p: dict, cfg: Config, project) -> nm.Tensor:
     return project(h, p["wo"], "d_model")
 
 
+def shared_expert(x: nm.Tensor, p: dict, cfg: Config) -> nm.Tensor:
+    """The shared experts' FFN of every token, times sigmoid(x . gate) where they have a
+    gate (cfg.shared_gate: Qwen2-MoE's shared_expert_gate)."""
+    y = ffn(x, p, cfg)
+    if "gate" not in p:
+        return y
+    return y * nm.sigmoid(nm.einsum(x, p["gate"], out=x.dims[:-1]))
+
+
 def dropless(x, p, cfg, choice, weight, before):
     """Every choice computed: grouped matmuls over the rows' chosen experts."""
     project = lambda t, w, _: nm.grouped_matmul(t, w, choice)
@@ -179,7 +193,7 @@ def moe(x: nm.Tensor, p: dict, cfg: Config, before=0.0, stats: bool = False) -> 
     choice, weight, probs = route(x, p, cfg)
     out, kept = ROUTINGS[cfg.routing](x, p, cfg, choice, weight, before)
     if "shared" in p:  # shared experts: a dense FFN every token passes through
-        out = out + ffn(x, p["shared"], cfg)
+        out = out + shared_expert(x, p["shared"], cfg)
     chosen = nm.one_hot(choice, "experts", cfg.experts).sum("choices")
     kept = chosen if kept is None else kept
     balance = {"balance": balance_loss(choice, probs)}

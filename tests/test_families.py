@@ -94,6 +94,19 @@ def cases():
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
                                                 "rope_theta": 500.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+        # mixtures of 4 experts, top-2: Mixtral's renormalised top-k and a window of 4;
+        # Qwen2-MoE's shared expert and its gate, top-k not renormalised; Qwen3-MoE's
+        # q/k norms, renormalised top-k, a dense first layer (a stack of its own), the
+        # aux loss where output_router_logits
+        "mixtral": (T.MixtralForCausalLM, T.MixtralConfig(
+            **llama, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
+        "qwen2_moe": (T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig(
+            **llama, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24)),
+        "qwen3_moe": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(
+            **llama, head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.02,
+            mlp_only_layers=[0])),
         # masked LMs: 4 heads, so a layout splits them over 4 devices; IDS hold pad id 1
         "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(**encoder, type_vocab_size=1)),
         "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig(
@@ -113,7 +126,8 @@ def cases():
 # per-head q/k/v over heads, OPT's biases and positions, the windows and caps, Gemma 3's
 # per-layer constants, the encoders' heads.
 GREEDY = ["llama3", "mistral", "qwen2", "qwen3", "phi3_window", "gpt_neox", "opt_350m"]
-GREEDY += ["gemma_untied", "gemma2", "gemma3"]
+GREEDY += ["gemma_untied", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]  # under an expert-parallel layout
 LAYOUT = ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "opt", "gemma", "gemma2"]
 LAYOUT += ["gemma3", "roberta", "distilbert"]
 
@@ -187,6 +201,18 @@ def test_configs_hold_the_families_options(loaded):
     assert g3.qk_norm and g3.sliding_layers == (True, False, True)
     ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
     assert ropes == ("linear", 4.0, 500.0, 50.0)
+    mx, q2, q3 = c["mixtral"], c["qwen2_moe"], c["qwen3_moe"]
+    assert (mx.experts, mx.experts_per_token, mx.router, mx.sliding_window) == (
+        4,
+        2,
+        "topk_softmax",
+        4,
+    )
+    assert (q2.d_ff, q2.expert_ff, q2.shared_ff, q2.shared_gate) == (64, 16, 24, True)
+    assert q2.qkv_bias and q3.qk_norm and (q2.router, q3.router) == ("softmax_topk", "topk_softmax")
+    assert (q2.dense_layers, q3.dense_layers, q3.shared_ff) == (0, 1, 0)
+    # the balancing loss weighs in where transformers adds it (output_router_logits)
+    assert (mx.moe_loss, q2.moe_loss, q3.moe_loss) == (0.0, 0.0, 0.02)
 
 
 def test_roberta_positions_count_past_left_padding(built, loaded):
@@ -211,6 +237,27 @@ def test_logits_under_a_layout_on_8_devices(built, name):
     k = model.params["layers"]["attn"]["k"]
     heads = k.dims.index("kv_heads" if "kv_heads" in k.dims else "heads")
     assert k.data.sharding.shard_shape(k.shape)[heads] == k.shape[heads] // 4  # over 4 devices
+    assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
+
+
+EXPERT_PARALLEL = {  # tokens and experts on one axis (GShard's), or on two
+    "one axis": "batch:cols;experts:cols;kv_heads:rows;vocab:rows",
+    "two axes": "batch:rows;experts:cols;kv_heads:cols;vocab:cols",
+}
+
+
+@pytest.mark.parametrize(
+    "name,layout", [(name, "one axis") for name in MOE] + [("mixtral", "two axes")]
+)
+def test_logits_with_experts_split_over_a_mesh_axis(built, name, layout):
+    """Expert parallelism: each of 4 devices holds one expert's weights (and a share of
+    the heads and of the vocabulary); tokens reach the experts' devices, from the
+    devices that hold them (one axis) or from every row of devices (two axes)."""
+    mesh = Mesh({"rows": 2, "cols": 4})
+    model = hub.load(built[name][0], mesh=mesh, layout=EXPERT_PARALLEL[layout])
+    wi = model.params["layers"]["ffn"]["wi"]
+    experts = wi.dims.index("experts")
+    assert wi.data.sharding.shard_shape(wi.shape)[experts] == 1
     assert_close(as_array(model.logits(IDS, attention_mask=MASK)), built[name][2])
 
 
@@ -331,6 +378,36 @@ def test_mixed_sliding_layers_are_refused(built, tmp_path):
 def test_options_a_family_does_not_implement_are_refused(built, tmp_path, name, changes, match):
     with pytest.raises((hub.UnsupportedModelError, ConfigError), match=match):
         hub.load(relabel(built, name, tmp_path, **changes))
+
+
+@pytest.mark.parametrize(
+    "name,changes,match",
+    [
+        ("qwen2_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\].* layer\(s\) \[1\] of"),
+        ("qwen3_moe", {"mlp_only_layers": [0, 1]}, r"layer\(s\) \[0, 1\] of 2 dense"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ],
+)
+def test_moe_options_the_zoo_does_not_implement_are_refused(built, tmp_path, name, changes, match):
+    """Dense layers after a sparse one or no sparse layer (the dense ones are a stack
+    before the sparse ones), the router's training-time jitter."""
+    with pytest.raises(hub.UnsupportedModelError, match=match):
+        hub.load(relabel(built, name, tmp_path, **changes))
+
+
+def test_a_sparse_step_reads_as_the_dense_layers_it_makes(built, loaded, tmp_path):
+    """decoder_sparse_step 2 over 2 layers makes layer 0 dense, as mlp_only_layers [0]."""
+    folder = relabel(built, "qwen3_moe", tmp_path, decoder_sparse_step=2, mlp_only_layers=[])
+    assert hub.config_of(folder)[1] == loaded["qwen3_moe"].config
+
+
+def test_a_relabelled_mixtral_folder_is_refused_naming_its_experts(built, tmp_path):
+    """model_type mistral on Mixtral's weights, its MoE keys gone: the experts unread."""
+    moe = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    moe += ("output_router_logits", "router_jitter_noise")
+    folder = relabel(built, "mixtral", tmp_path, model_type="mistral", **dict.fromkeys(moe))
+    with pytest.raises(hub.UnsupportedModelError, match=r"does not read: .*block_sparse_moe"):
+        hub.load(folder)
 
 
 OLDER = {  # config.json as the hub's files spell it, before transformers 5's rope_parameters

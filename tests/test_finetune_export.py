@@ -22,22 +22,27 @@ TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_gen
 IDS = np.arange(24).reshape(2, 12) * 7 % 200
 
 
+def base_folder(root, cls, template=None, **config):
+    """(root/base, its tokenizer): a tiny random transformers `cls` (a CausalLM; its
+    `config` beside the tiny sizes) and a BPE tokenizer trained on the shipped corpus."""
+    tok = data.BPETokenizer.train(data.split(data.load_text())[0][:30_000], 200)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    base = root / "base"
+    cls(cls.config_class(vocab_size=tok.vocab_size, **sizes, **config)).save_pretrained(base)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, chat_template=template)
+    fast.save_pretrained(base)
+    return base, tok
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from models.train import main as train
 
     root = tmp_path_factory.mktemp("finetune")
-    tok = data.BPETokenizer.train(data.split(data.load_text())[0][:30_000], 200)
-    cfg = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        eos_token_id=[5, 9], bos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    base = root / "base"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(base)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, chat_template=TEMPLATE)
-    fast.save_pretrained(base)
+    llama = transformers.LlamaForCausalLM
+    base, tok = base_folder(root, llama, TEMPLATE, eos_token_id=[5, 9], bos_token_id=1)
     out = io.StringIO()
     flags = ["--init-from", str(base), "--steps", "2", "--length", "16", "--batch", "4",
              "--save-every", "1", "--eval-batches", "1", "--quiet",

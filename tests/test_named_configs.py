@@ -20,7 +20,8 @@ PUBLISHED = {
     "phi-3-mini-4k": 3_821_079_552, "pythia-160m": 162_322_944, "opt-125m": 125_239_296,
     "gemma-2b": 2_506_172_416, "gemma-7b": 8_537_680_896, "gemma-2-2b": 2_614_341_888,
     "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952, "roberta-base": 124_697_433,
-    "distilbert-base-uncased": 66_985_530,
+    "distilbert-base-uncased": 66_985_530, "mixtral-8x7b": 46_702_792_704,
+    "qwen1.5-moe-a2.7b": 14_315_784_192, "qwen3-30b-a3b": 30_532_122_624,
     # the model card's 671B (multi-token prediction's 14B apart): transformers' 671_026_404_352
     # parameters and the 58 MoE layers' 256 e_score_correction_bias values (a saved buffer)
     "deepseek-v3": 671_026_419_200,

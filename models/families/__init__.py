@@ -15,17 +15,20 @@ from models.families import (
     gpt_neox,
     llama,
     mistral,
+    mixtral,
     opt,
     phi3,
     qwen2,
+    qwen2_moe,
     qwen3,
+    qwen3_moe,
     roberta,
     t5,
 )
 from models.families.common import Family
 
 _MODULES = (gpt2, llama, t5, bert, mistral, qwen2, qwen3, phi3, gpt_neox, opt, gemma, gemma2)
-_MODULES += (gemma3_text, roberta, distilbert, deepseek_v3)
+_MODULES += (gemma3_text, roberta, distilbert, deepseek_v3, mixtral, qwen2_moe, qwen3_moe)
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in _MODULES}
 
 # The canonical checkpoints a family module names (its NAMED: config.json keys), by name:

@@ -55,6 +55,20 @@ def experts(path: str, name: str, out: str, inp: str) -> list[Entry]:
     return linear(path, name, out, inp, False)
 
 
+def moe_rows(layer: str, moe: str, names=("gate_proj", "up_proj", "down_proj")) -> list[Entry]:
+    """A mixture of experts' rows under `{layer}{moe}.`: the router (gate.weight, experts
+    by d_model) and each expert's gated MLP (experts.{e}.<names>: the activation's input,
+    the linear half, the output projection), stacked over experts."""
+    m = f"{layer}{moe}."
+    wi, wg, wo = (f"{m}experts.{{e}}.{n}" for n in names)
+    return [
+        Entry("layers/ffn/gate", f"{m}gate.weight", "experts d_model"),
+        *experts("layers/ffn/wi", wi, "d_ff", "d_model"),
+        *experts("layers/ffn/wg", wg, "d_ff", "d_model"),
+        *experts("layers/ffn/wo", wo, "d_model", "d_ff"),
+    ]
+
+
 def linear(path: str, name: str, out: str, inp: str, bias: bool) -> list[Entry]:
     """A torch Linear: weight (out, in), bias (out)."""
     rows = [Entry(path, f"{name}.weight", f"({out}) ({inp})")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from models.config import Config
 from models.families.common import Entry, Family, UnsupportedModelError, act, linear, norm
 from models.rope import Rope
+from models.transformer import dense_config
 
 # rope_parameters' keys each scaling kind reads (besides rope_type and rope_theta)
 ROPE_KEYS = {
@@ -96,7 +97,18 @@ def config(hf: dict, names: set[str]) -> Config:
     return decoder_config(hf, names)
 
 
-def table(cfg: Config, prefix: str) -> list[Entry]:
+def mlp_rows(cfg: Config, layer: str) -> list[Entry]:
+    """The rows of Llama's MLP (gate_proj: the activation's input, up_proj, down_proj)."""
+    b, m = cfg.bias, f"{layer}mlp."
+    return [
+        *linear("layers/ffn/wi", f"{m}gate_proj", "d_ff", "d_model", b),
+        *linear("layers/ffn/wg", f"{m}up_proj", "d_ff", "d_model", b),
+        *linear("layers/ffn/wo", f"{m}down_proj", "d_model", "d_ff", b),
+    ]
+
+
+def table(cfg: Config, prefix: str, ffn=mlp_rows) -> list[Entry]:
+    """Llama's weight table; `ffn(cfg, layer)` gives the FFN's rows (a MoE family's)."""
     layer, b = f"{prefix}layers.{{i}}.", cfg.bias
     qkv = cfg.bias or cfg.qkv_bias
     a = f"{layer}self_attn."
@@ -109,9 +121,7 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
         *linear("layers/attn/k", f"{a}k_proj", "KV d_kv", "d_model", qkv),
         *linear("layers/attn/v", f"{a}v_proj", "KV d_kv", "d_model", qkv),
         *linear("layers/attn/o", f"{a}o_proj", "d_model", "Q d_kv", b),
-        *linear("layers/ffn/wi", f"{layer}mlp.gate_proj", "d_ff", "d_model", b),
-        *linear("layers/ffn/wg", f"{layer}mlp.up_proj", "d_ff", "d_model", b),
-        *linear("layers/ffn/wo", f"{layer}mlp.down_proj", "d_model", "d_ff", b),
+        *ffn(cfg, layer),
     ]
     if cfg.qk_norm:
         rows += norm("layers/attn/q_norm", f"{a}q_norm", False, dim="d_kv")
@@ -119,6 +129,21 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
     return rows + (
         [] if cfg.shared_embedding else [Entry("softmax", "lm_head.weight", "vocab d_model")]
     )
+
+
+def stacks(cfg: Config, prefix: str, ffn) -> list[Entry]:
+    """`table` with a MoE family's FFN rows `ffn(cfg, layer)`; where cfg.dense_layers,
+    the first layers (Llama's MLP, d_ff wide) are the dense stack's rows (`dense/...`,
+    file layers 0..k-1) and the MoE stack's (`layers/...`) start at file layer k."""
+    rows = table(cfg, prefix, ffn)
+    if not (k := cfg.dense_layers):
+        return rows
+    dense = [
+        e._replace(path="dense/" + e.path.removeprefix("layers/"))
+        for e in table(dense_config(cfg), prefix)
+        if e.path.startswith("layers/")
+    ]
+    return [e._replace(first=k) if e.path.startswith("layers/") else e for e in rows] + dense
 
 
 FAMILY = Family(
