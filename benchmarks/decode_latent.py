@@ -20,8 +20,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks import fair, report
-from benchmarks.decode import generate_fn
+from benchmarks import decode, fair, report
 
 SECTION = "## Decoding: latent attention's cache (DeepSeek-V3)"
 
@@ -59,28 +58,13 @@ def bytes_per_token(dec, args) -> tuple[int, int]:
     return latent, full
 
 
-def measure(model, dec, batch: int, args) -> dict:
-    rows = np.random.default_rng(batch).integers(1, args.vocab, (batch, args.prompt))
-    ours = lambda: dec.decode(list(rows), args.new)
-    sides = {"namedmesh": ours, "generate": generate_fn(model, rows, args.new, False)}
-    agree = float(np.mean(ours() == sides["generate"]()))
-    return {"times": fair.alternate(sides, args.rounds), "agree": agree}
-
-
-def table(sizes: tuple[int, int], results: dict[int, dict]) -> list[str]:
+def cache_table(sizes: tuple[int, int]) -> list[str]:
     latent, full = sizes
-    lines = [
+    return [
         "| cache | bytes per token | vs full KV |", "|---|---|---|",
         f"| latent (normed kv latent + shared rotated key) | {latent} | {latent / full:.3f} |",
-        f"| full keys and values of every head | {full} | 1 |", "",
-        "| batch | namedmesh s | generate s | ratio | equal tokens |", "|---|---|---|---|---|",
+        f"| full keys and values of every head | {full} | 1 |",
     ]  # fmt: skip
-    for batch, r in results.items():
-        t = r["times"]
-        cells = [fair.cell(t["namedmesh"], 1), fair.cell(t["generate"], 1)]
-        cells += [fair.ratio(t["namedmesh"], t["generate"]), f"{r['agree']:.0%}"]
-        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def main(argv=None) -> dict:
@@ -102,14 +86,15 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (min and median)")
     p.add_argument("--docs", default=None, help="replace this section of a markdown file")
     args = p.parse_args(argv)
+    args.compile = False  # decode.measure's sides: namedmesh and eager generate
     threads = fair.single_threaded()  # before jax's first computation
     model, dec = build(args, tempfile.mkdtemp())
     sizes = bytes_per_token(dec, args)
     before = fair.load()
     results = {}
     for batch in map(int, args.batches.split(",")):
-        results[batch] = measure(model, dec, batch, args)
-        print(table(sizes, {batch: results[batch]})[-1], flush=True)
+        results[batch] = decode.measure(model, dec, batch, args)
+        print(decode.table({batch: results[batch]})[-1], flush=True)
     method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
                                 before=before, after=fair.load())  # fmt: skip
     text = [
@@ -121,7 +106,7 @@ def main(argv=None) -> dict:
         f"vocab {args.vocab} (random weights); float32 caches. Prompts of {args.prompt} "
         f"tokens, {args.new} greedy tokens per row, seconds per whole decode (prefill "
         f"included). {method} ({threads})", "",
-        *table(sizes, results),
+        *cache_table(sizes), "", *decode.table(results),
     ]  # fmt: skip
     print("\n".join(text))
     if args.docs:

@@ -26,6 +26,6 @@ class Latent:
         from models.config import ConfigError
 
         for name in ("kv_rank", "nope", "v", "q_rank"):
-            value, low = getattr(self, name), 0 if name in ("q_rank", "nope") else 1
+            value, low = getattr(self, name), 0 if name == "q_rank" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"Latent.{name} must be an int >= {low}, got {value!r}")

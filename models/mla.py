@@ -10,15 +10,19 @@ rotated dims, scaled by (nope + d_kv)**-0.5 times YaRN's mscale squared
 
 The KV cache holds what the keys and values are made from, the normed latent and the
 rotated shared key, (kv_rank + d_kv) numbers per position and layer, not
-heads x (nope + d_kv + v). Every attention kernel (models/kernels.py) runs on the
-expanded keys and values; values narrower than the keys are padded with zeros to the
-keys' width and the padding cut from the result, as transformers does for its fused
-kernels.
+heads x (nope + d_kv + v). A pass or a prefill runs cfg.attention's kernel
+(models/kernels.py) on the expanded keys and values (the narrower of queries and
+keys or values padded with zeros to the other's width, the padding cut from the
+result, as transformers does for its fused kernels); a decoding step attends in the
+latent space (`absorbed`), never expanding the cache.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 import namedmesh as nm
+from models.attention import softcap
 from models.config import Config, ConfigError
 from models.kernels import Options
 from models.layers import Param, kernel_for, norm, rotate_qk, write_slots
@@ -94,17 +98,21 @@ def latents(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor]:
 
 
 def keys_values(latent: nm.Tensor, k_rope: nm.Tensor, p: dict, cfg: Config):
-    """(keys (batch, memory, heads, d_kv=nope+rotated), values (.., d_kv=v, padded with
-    zeros to the keys' width)) expanded from the latents."""
+    """(keys (batch, memory, heads, d_kv=nope+rotated), values (.., d_kv=v)) expanded
+    from the latents, the narrower padded with zeros to the other's width (kernels take
+    keys and values of one width; zeros change neither q.k nor the values' dims)."""
     m = cfg.mla
     kvb = nm.einsum(latent, p["kv_b"], out=("batch", "memory", "heads", "d_kvb"))
     k_nope, v = nm.split(kvb, "d_kvb", (m.nope, m.v))
     shared = nm.expand_dims(k_rope, {"heads": cfg.heads}).transpose(*k_nope.dims[:-1], "d_kv")
-    k = nm.concat([k_nope.rename(d_kvb="d_kv"), shared], "d_kv") if m.nope else shared
-    v = v.rename(d_kvb="d_kv")
-    if m.v < k.size_of("d_kv"):
-        v = nm.pad(v, {"d_kv": (0, k.size_of("d_kv") - m.v)})
-    return k, v
+    k = nm.concat([k_nope.rename(d_kvb="d_kv"), shared], "d_kv")
+    return widened(k, m.v), widened(v.rename(d_kvb="d_kv"), m.nope + cfg.d_kv)
+
+
+def widened(t: nm.Tensor, width: int) -> nm.Tensor:
+    """t padded with zeros along d_kv up to `width` (t itself when as wide or wider)."""
+    extra = width - t.size_of("d_kv")
+    return nm.pad(t, {"d_kv": (0, extra)}) if extra > 0 else t
 
 
 def attention(
@@ -134,12 +142,44 @@ def attention(
         latent = write_slots(cache["latent"], latent, position)
         k_rot = write_slots(cache["k_rope"], k_rot, position)
         cache = {"latent": latent, "k_rope": k_rot}
+    if cache is not None and "length" not in position.dims:  # a step: in the latent space
+        o = absorbed(q_nope, q_rot, latent, k_rot, p, cfg, bias)
+    else:
+        o = expanded(q_nope, q_rot, latent, k_rot, p, cfg, bias, bias_fn, cache is not None)
+    out = nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
+    return out if cache is None else (out, cache)
+
+
+def expanded(q_nope, q_rot, latent, k_rot, p, cfg: Config, bias, bias_fn, cached: bool):
+    """Attention (batch, length, heads, d_v) over the keys and values kv_b makes of the
+    latents, by cfg.attention's kernel (a pass, or a prefill)."""
     k, v = keys_values(latent, k_rot, p, cfg)
-    q = nm.concat([q_nope.rename(d_qk="d_kv"), q_rot], "d_kv") if cfg.mla.nope else q_rot
-    opts = Options(bias, bias_fn, scale(cfg), cfg.attention_softcap, cfg.attention_block,
-                   cache is not None)  # fmt: skip
+    q = widened(nm.concat([q_nope.rename(d_qk="d_kv"), q_rot], "d_kv"), cfg.mla.v)
+    opts = Options(bias, bias_fn, scale(cfg), cfg.attention_softcap, cfg.attention_block, cached)
     o = kernel_for(cfg, opts)(q, k, v, opts)
     if cfg.mla.v < o.size_of("d_kv"):
         o = nm.slice(o, "d_kv", 0, cfg.mla.v)
-    out = nm.einsum(o.rename(d_kv="d_v"), p["o"], out=("batch", "length", "d_model"))
-    return out if cache is None else (out, cache)
+    return o.rename(d_kv="d_v")
+
+
+def absorbed(q_nope, q_rot, latent, k_rot, p, cfg: Config, bias):
+    """A decoding step's attention (batch, length, heads, d_v) without expanding the
+    cache: kv_b's key part is applied to the query instead of to every cached latent
+    (q_nope.k_nope = (q_nope W_k).latent), the weights average the latents, and kv_b's
+    value part is applied once to that average (DeepSeek-V2's absorbed form): per step
+    heads x (kv_rank + d_kv) per cached position, not kv_rank x heads x (nope + v).
+    Logits and softmax in float32, soft-capped as the kernels do."""
+    m = cfg.mla
+    w_k, w_v = nm.split(p["kv_b"], "d_kvb", (m.nope, m.v))
+    q_latent = nm.einsum(q_nope, w_k.rename(d_kvb="d_qk"), out=(*BTH, "latent"))
+    f32, logit_dims = np.float32, ("batch", "heads", "length", "memory")
+    logits = nm.einsum(q_latent, latent, out=logit_dims, preferred_element_type=f32)
+    logits = logits + nm.einsum(q_rot, k_rot, out=logit_dims, preferred_element_type=f32)
+    logits = logits * scale(cfg)
+    if cfg.attention_softcap:
+        logits = softcap(logits, cfg.attention_softcap)
+    if bias is not None:
+        logits = logits + bias
+    weights = nm.astype(nm.softmax(logits, "memory"), latent.dtype)
+    average = nm.einsum(weights, latent, out=(*BTH, "latent"))
+    return nm.einsum(average, w_v.rename(d_kvb="d_v"), out=(*BTH, "d_v"))

@@ -19,7 +19,9 @@ transformers = pytest.importorskip("transformers")
 import namedmesh as nm  # noqa: E402
 from lowering import Layout, Mesh  # noqa: E402
 from models import hub, transformer  # noqa: E402
+from models.config import Config, ConfigError  # noqa: E402
 from models.decoding import Decoder, init_cache  # noqa: E402
+from models.latent import Latent  # noqa: E402
 from tests.test_families import (  # noqa: E402
     IDS,
     MASK,
@@ -36,19 +38,21 @@ SIZES = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
     num_experts_per_tok=3, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
-    v_head_dim=10, max_position_embeddings=64, num_nextn_predict_layers=0,
+    max_position_embeddings=64, num_nextn_predict_layers=0,
 )  # fmt: skip
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "mscale": 0.8,
         "mscale_all_dim": 0.6, "original_max_position_embeddings": 16}  # fmt: skip
 CASES = {
-    # low-rank q, interleaved rotary pairs, YaRN with mscale_all_dim on the softmax scale, a
-    # dense first layer, 3 of 8 experts within the best 2 of 4 groups, normed weights x 1.5,
-    # two shared experts
-    "deepseek_v3": dict(q_lora_rank=24, rope_parameters=YARN, first_k_dense_replace=1,
-                        n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=1.5),
-    # one q projection, rotary halves, every layer MoE, unnormed weights, no groups
+    # low-rank q, interleaved rotary pairs, values narrower (10) than queries and keys, YaRN
+    # with mscale_all_dim on the softmax scale, a dense first layer, 3 of 8 experts within
+    # the best 2 of 4 groups, normed weights x 1.5, two shared experts
+    "deepseek_v3": dict(q_lora_rank=24, v_head_dim=10, rope_parameters=YARN,
+                        first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=2,
+                        routed_scaling_factor=1.5),
+    # one q projection, rotary halves, values wider (24) than queries and keys (12 + 8),
+    # every layer MoE, unnormed weights, no groups
     "deepseek_v3_plain": dict(q_lora_rank=None, rope_interleave=False, first_k_dense_replace=0,
-                              n_group=1, topk_group=1, norm_topk_prob=False),
+                              n_group=1, topk_group=1, norm_topk_prob=False, v_head_dim=24),
 }  # fmt: skip
 LAYOUT = "batch:rows;experts:cols;heads:cols;d_ff:cols;vocab:cols"
 
@@ -205,3 +209,37 @@ def test_multi_token_prediction_weights_are_refused_by_name(built, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(hub.UnsupportedModelError, match=r"multi-token-prediction .*layers\.3\."):
         hub.load(folder)
+
+
+def test_adamw_leaves_the_choosing_bias_alone():
+    """No gradient reaches gate_bias (it moves choices only); AdamW's weight decay alone
+    would shrink it, so it is out of the decay mask while other parameters decay."""
+    from models.trainer import optimizer
+
+    ones = nm.tensor(np.ones(4, np.float32), ("experts",))
+    params = {"layers": {"ffn": {"gate_bias": ones, "gate": ones}}}
+    opt, _ = optimizer("adamw", 1.0, 10, 0, 0)
+    state = opt.init(params)
+    zero = jax.tree.map(lambda x: x * 0, params)
+    for _ in range(3):
+        updates, state = opt.update(zero, state, params)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+    np.testing.assert_array_equal(params["layers"]["ffn"]["gate_bias"].data, 1.0)
+    assert (np.asarray(params["layers"]["ffn"]["gate"].data) < 1.0).all()
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(mla=Latent(16, 12, 10), kv_heads=2), "mla .* with kv_heads=2"),
+        (dict(mla=Latent(16, 12, 10), encoder_layers=2), "mla .* with encoder_layers=2"),
+        (dict(experts=8, expert_groups=3), "expert_groups=3 must divide experts=8"),
+        (dict(experts=8, expert_groups=4, topk_groups=1, experts_per_token=3),
+         "experts_per_token=3 exceeds"),
+        (dict(dense_layers=1), "dense_layers=1 .* experts is 0"),
+        (dict(experts=8, dense_layers=3), "dense_layers=3 must be <= layers=2"),
+    ],
+)  # fmt: skip
+def test_latent_and_router_options_that_contradict_are_config_errors(options, match):
+    with pytest.raises(ConfigError, match=match):
+        Config(layers=2, heads=4, d_kv=8, positions="rotary", **options)
