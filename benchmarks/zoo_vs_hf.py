@@ -12,8 +12,9 @@ PyTorch) and the first training loss of each, which must agree (the same weights
 batch).
 
 With `--families` (all of models/families/, or a comma-separated list) it times instead
-the forward pass of each family's model, those sizes and its options
-(benchmarks/zoo_families.py), against transformers' eager PyTorch, logits checked equal:
+each family's model at those sizes with its options (benchmarks/zoo_families.py): the
+forward pass and a training step against transformers' eager PyTorch and
+`torch.compile`, logits and first losses checked equal:
 
     python -m benchmarks.zoo_vs_hf --families --layers 2 --d-model 256 --heads 8 \\
         --vocab 8192 --length 128 --batch 4 --repeats 7
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time PyTorch under torch.compile")  # fmt: skip
     p.add_argument("--families", nargs="?", const="all", default=None, metavar="NAMES",
-                   help="time each family's forward pass instead (all, or a list)")  # fmt: skip
+                   help="time each family's model instead (all, or a list)")  # fmt: skip
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
     if args.families is not None:
@@ -163,7 +164,7 @@ def main(argv=None) -> dict:
 def families(args, names: list[str], threads: str) -> dict:
     before = fair.load()
     results = zoo_families.run(args, names)
-    header("Each family's forward pass", args, threads, before, fair.load())
+    header("Each family's forward pass and training step", args, threads, before, fair.load())
     print(zoo_families.table(results))
     return results
 
@@ -181,19 +182,7 @@ def header(what: str, args, threads: str, before, after) -> None:
 
 def table(rows: dict[str, dict[str, list[float]]], failed: dict[str, str]) -> str:
     """Markdown: per row, namedmesh's ms, then each PyTorch side's ms and the ratio."""
-    others = list(next(iter(rows.values())))[1:]
-    head = ["", "namedmesh ms"]
-    for name in [*others, *failed]:
-        head += [f"{name} ms", f"namedmesh / {name}"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for what, times in rows.items():
-        cells = [what, fair.cell(times["namedmesh"])]
-        for name in others:
-            cells += [fair.cell(times[name]), fair.ratio(times["namedmesh"], times[name])]
-        for reason in failed.values():
-            cells += [f"not run: {reason}", "—"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(fair.table(rows, failed={what: failed for what in rows}))
 
 
 if __name__ == "__main__":
