@@ -201,22 +201,31 @@ def main(argv=None) -> dict:
     for batch in map(int, args.batches.split(",")):
         results[batch] = measure(model, dec, batch, args)
         print(table({batch: results[batch]})[-1], flush=True)
-    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
-                                before=before, after=fair.load())  # fmt: skip
-    text = [
-        SECTION, "",
-        f"Made by `{report.command('benchmarks.decode', argv or sys.argv[1:])}`.", "",
+    what = (
         f"A Llama of {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
         f"({args.kv_heads} key/value heads), d_ff {args.d_ff}, vocab {args.vocab}, "
         f"{args.positions} positions (random weights); prompts of {args.prompt} tokens, "
-        f"{args.new} greedy tokens per row, seconds per whole decode (prefill included). "
-        f"{method} ({threads})", "",
-        *table(results),
+        f"{args.new} greedy tokens per row, seconds per whole decode (prefill included)."
+    )  # fmt: skip
+    section(SECTION, what, table(results), args, argv, (before, threads))
+    return results
+
+
+def section(heading: str, what: str, lines: list[str], args, argv, before_threads) -> None:
+    """Print a section (heading, command, what was run, the method with the load before
+    it and now, the table `lines`) and with --docs write it into that markdown file."""
+    before, threads = before_threads
+    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
+                                before=before, after=fair.load())  # fmt: skip
+    text = [
+        heading, "",
+        f"Made by `{report.command('benchmarks.decode', argv or sys.argv[1:])}`.", "",
+        f"{what} {method} ({threads})", "",
+        *lines,
     ]  # fmt: skip
     print("\n".join(text))
     if args.docs:
-        report.write_section(args.docs, SECTION, "\n".join(text) + "\n")
-    return results
+        report.write_section(args.docs, heading, "\n".join(text) + "\n")
 
 
 def family_section(args, names: list[str], threads: str, argv) -> dict:
@@ -227,11 +236,7 @@ def family_section(args, names: list[str], threads: str, argv) -> dict:
     args.compiled = None
     before = fair.load()
     results, lines = families(args, names)
-    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
-                                before=before, after=fair.load())  # fmt: skip
-    text = [
-        FAMILY_SECTION, "",
-        f"Made by `{report.command('benchmarks.decode', argv or sys.argv[1:])}`.", "",
+    what = (
         f"Each decoder family at {args.layers} layers, d_model {args.d_model}, {args.heads} "
         f"heads (half as many key/value heads where the family groups them), d_ff "
         f"{2 * args.d_model}, vocab {args.vocab}, {args.positions} positions, with its own "
@@ -240,12 +245,9 @@ def family_section(args, names: list[str], threads: str, argv) -> dict:
         f"from {max(1, args.prompt // 4)} to {args.prompt} tokens (\"ragged\": right-padded "
         f"for namedmesh, left-padded and masked for generate); {args.new} greedy tokens per "
         f"row, seconds per whole decode (prefill included), namedmesh's `Decoder.decode` "
-        f"against `generate(do_sample=False)` eager. {method} ({threads})", "",
-        *lines,
-    ]  # fmt: skip
-    print("\n".join(text))
-    if args.docs:
-        report.write_section(args.docs, FAMILY_SECTION, "\n".join(text) + "\n")
+        f"against `generate(do_sample=False)` eager."
+    )  # fmt: skip
+    section(FAMILY_SECTION, what, lines, args, argv, (before, threads))
     return results
 
 

@@ -83,27 +83,33 @@ def torch_sides(model, ids: np.ndarray, targets: np.ndarray, decodes: bool, comp
     def loss_of(ids, targets):
         return torch.nn.functional.cross_entropy(logits_of(ids).flatten(0, 1), targets.flatten())
 
-    def pair(logits, loss):
-        def forward():
-            with torch.no_grad():
-                return logits(t_ids)
-
-        def step():
-            value = loss(t_ids, t_targets)
-            value.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(value.detach())
-
-        return forward, step
-
-    sides = {"PyTorch eager": pair(logits_of, loss_of)}
+    sides = {"PyTorch eager": torch_pair(opt, logits_of, loss_of, t_ids, t_targets)}
     if compile:  # compiled at its first call (`family` runs it once)
         # dynamo keeps compiled code per function and, past its recompile limit (8),
         # runs it eagerly without a word: each family starts afresh
         torch._dynamo.reset()
-        sides["torch.compile"] = pair(torch.compile(logits_of), torch.compile(loss_of))
+        compiled = torch.compile(logits_of), torch.compile(loss_of)
+        sides["torch.compile"] = torch_pair(opt, *compiled, t_ids, t_targets)
     return sides
+
+
+def torch_pair(opt, logits, loss, ids, targets):
+    """(forward, step) on these tensors: `logits(ids)` without gradients, and a training
+    step of `loss(ids, targets)` (backward, `opt`), which returns the loss."""
+    import torch
+
+    def forward():
+        with torch.no_grad():
+            return logits(ids)
+
+    def step():
+        value = loss(ids, targets)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(value.detach())
+
+    return forward, step
 
 
 def zoo_sides(loaded, batch: dict, targets: np.ndarray):
