@@ -21,9 +21,10 @@ import tempfile
 
 import numpy as np
 
-from benchmarks import fair, report
+from benchmarks import fair, report, zoo_families
 
 SECTION = "## Decoding: greedy tokens against transformers' generate"
+FAMILY_SECTION = "## Decoding, every decoder family: greedy tokens against generate"
 
 
 def build(args, folder: str):
@@ -51,17 +52,21 @@ def build(args, folder: str):
     return model, Decoder(zoo.params, zoo.config)
 
 
-def generate_fn(model, rows: np.ndarray, new: int, static: bool):
-    """A call of transformers' greedy `generate` on `rows`, returning the new tokens."""
+def generate_fn(model, rows, new: int, static: bool):
+    """A call of transformers' greedy `generate` on `rows` (an array, or token lists of
+    different lengths: left-padded with 0 and masked, as generate takes a batch),
+    returning the new tokens."""
     import torch
 
-    ids = torch.tensor(rows, dtype=torch.long)
+    width = max(len(r) for r in rows)
+    ids = torch.tensor(np.stack([np.pad(r, (width - len(r), 0)) for r in rows]), dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     kw = {"cache_implementation": "static"} if static else {}
 
     def run():
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                ids, attention_mask=mask, max_new_tokens=new,
                 min_new_tokens=new, do_sample=False, pad_token_id=0, **kw,
             )  # fmt: skip
         return out[:, ids.shape[1] :].numpy()
@@ -69,10 +74,20 @@ def generate_fn(model, rows: np.ndarray, new: int, static: bool):
     return run
 
 
-def measure(model, dec, batch: int, args) -> dict:
+def prompts(batch: int, args, ragged: bool = False) -> list[np.ndarray]:
+    """`batch` prompts of random tokens: `--prompt` tokens each, or with `ragged` lengths
+    spread evenly from a quarter of that to all of it."""
+    rng = np.random.default_rng(batch)
+    if not ragged:
+        return list(rng.integers(1, args.vocab, (batch, args.prompt)))
+    lengths = np.linspace(max(1, args.prompt // 4), args.prompt, batch).astype(int)
+    return [rng.integers(1, args.vocab, n) for n in lengths]
+
+
+def measure(model, dec, batch: int, args, ragged: bool = False) -> dict:
     """CPU seconds per round of each side at one batch size, and the tokens' agreement."""
-    rows = np.random.default_rng(batch).integers(1, args.vocab, (batch, args.prompt))
-    ours = lambda: dec.decode(list(rows), args.new)
+    rows = prompts(batch, args, ragged)
+    ours = lambda: dec.decode(rows, args.new)
     sides = {"namedmesh": ours, "generate": generate_fn(model, rows, args.new, False)}
     failed = {}
     if args.compile:
@@ -85,6 +100,51 @@ def measure(model, dec, batch: int, args) -> dict:
     tokens = ours(), sides["generate"]()
     agree = float(np.mean(tokens[0] == tokens[1]))
     return {"times": fair.alternate(sides, args.rounds), "agree": agree, "failed": failed}
+
+
+def family_decoder(name: str, args, folder: str):
+    """transformers' model of a decoder family (benchmarks/zoo_families.py's config at
+    these sizes, `--positions` positions, no end token: every row decodes `--new`
+    tokens), saved to `folder`, and the zoo's Decoder of it."""
+    import torch
+    import transformers
+
+    from models import hub
+    from models.generate import Decoder
+
+    specs = zoo_families.configs(args.layers, args.d_model, args.heads, args.vocab, args.positions)
+    model_cls, config_cls, kwargs = specs[name]
+    config = getattr(transformers, config_cls)(**{**kwargs, "eos_token_id": None})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    model.save_pretrained(folder)
+    zoo = hub.load(folder)
+    return model, Decoder(zoo.params, zoo.config)
+
+
+def decoder_families() -> list[str]:
+    """The families of models/families/ that decode by themselves (no encoder)."""
+    from models import hub
+
+    return [name for name, f in hub.FAMILIES.items() if f.model == "lm"]
+
+
+def families(args, names: list[str]) -> tuple[dict, list[str]]:
+    """Each family at batch 1 and at each larger batch of `--batches` with prompts of
+    different lengths: ({label: measure's result}, markdown lines)."""
+    results = {}
+    for name in names:
+        model, dec = family_decoder(name, args, tempfile.mkdtemp(prefix=f"decode_{name}_"))
+        for batch in map(int, args.batches.split(",")):
+            label = f"{name}, batch {batch}" + (", ragged" if batch > 1 else "")
+            results[label] = measure(model, dec, batch, args, ragged=batch > 1)
+            t = results[label]["times"]
+            print(f"{label}: {fair.ratio(t['namedmesh'], t['generate'])}, load {fair.load()}",
+                  flush=True)  # fmt: skip
+    rows = {label: r["times"] for label, r in results.items()}
+    agree = {label: f"{r['agree']:.0%}" for label, r in results.items()}
+    failed = {label: r["failed"] for label, r in results.items()}
+    return results, fair.table(rows, "family, batch", failed, ("equal tokens", agree), "s")
 
 
 def table(results: dict[int, dict]) -> list[str]:
@@ -123,29 +183,71 @@ def main(argv=None) -> dict:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time generate with a static cache under torch.compile")  # fmt: skip
     p.add_argument("--docs", default=None, help="replace this section of a markdown file")
+    p.add_argument("--families", nargs="?", const="all", default=None, metavar="NAMES",
+                   help="decode each decoder family of models/families/ (all, or a list) "
+                        "instead of the Llama; batches above 1 get prompts of different "
+                        "lengths")  # fmt: skip
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
+    if args.families is not None:
+        known = decoder_families()
+        names = known if args.families == "all" else args.families.split(",")
+        if unknown := [n for n in names if n not in known]:
+            p.error(f"--families: unknown {unknown}; decoder families: {', '.join(known)}")
+        return family_section(args, names, threads, argv)
     model, dec = build(args, tempfile.mkdtemp())
     before = fair.load()
     results = {}
     for batch in map(int, args.batches.split(",")):
         results[batch] = measure(model, dec, batch, args)
         print(table({batch: results[batch]})[-1], flush=True)
-    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
-                                before=before, after=fair.load())  # fmt: skip
-    text = [
-        SECTION, "",
-        f"Made by `{report.command('benchmarks.decode', argv or sys.argv[1:])}`.", "",
+    what = (
         f"A Llama of {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
         f"({args.kv_heads} key/value heads), d_ff {args.d_ff}, vocab {args.vocab}, "
         f"{args.positions} positions (random weights); prompts of {args.prompt} tokens, "
-        f"{args.new} greedy tokens per row, seconds per whole decode (prefill included). "
-        f"{method} ({threads})", "",
-        *table(results),
+        f"{args.new} greedy tokens per row, seconds per whole decode (prefill included)."
+    )  # fmt: skip
+    section(SECTION, what, table(results), args, argv, (before, threads))
+    return results
+
+
+def section(heading: str, what: str, lines: list[str], args, argv, before_threads) -> None:
+    """Print a section (heading, command, what was run, the method with the load before
+    it and now, the table `lines`) and with --docs write it into that markdown file."""
+    before, threads = before_threads
+    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
+                                before=before, after=fair.load())  # fmt: skip
+    text = [
+        heading, "",
+        f"Made by `{report.command('benchmarks.decode', argv or sys.argv[1:])}`.", "",
+        f"{what} {method} ({threads})", "",
+        *lines,
     ]  # fmt: skip
     print("\n".join(text))
     if args.docs:
-        report.write_section(args.docs, SECTION, "\n".join(text) + "\n")
+        report.write_section(args.docs, heading, "\n".join(text) + "\n")
+
+
+def family_section(args, names: list[str], threads: str, argv) -> dict:
+    """Run `families` and print (and with --docs write) its section."""
+    if args.compile:  # each family's static-cache program compiled per batch: too long here
+        args.compile = False
+        print("--families times generate eager only (--no-compile implied)")
+    args.compiled = None
+    before = fair.load()
+    results, lines = families(args, names)
+    what = (
+        f"Each decoder family at {args.layers} layers, d_model {args.d_model}, {args.heads} "
+        f"heads (half as many key/value heads where the family groups them), d_ff "
+        f"{2 * args.d_model}, vocab {args.vocab}, {args.positions} positions, with its own "
+        f"options (benchmarks/zoo_families.py; random weights, no end token); at batch 1 a "
+        f"prompt of {args.prompt} tokens, at larger batches prompts of different lengths "
+        f"from {max(1, args.prompt // 4)} to {args.prompt} tokens (\"ragged\": right-padded "
+        f"for namedmesh, left-padded and masked for generate); {args.new} greedy tokens per "
+        f"row, seconds per whole decode (prefill included), namedmesh's `Decoder.decode` "
+        f"against `generate(do_sample=False)` eager."
+    )  # fmt: skip
+    section(FAMILY_SECTION, what, lines, args, argv, (before, threads))
     return results
 
 

@@ -107,3 +107,36 @@ METHOD = (
     "cells are min / median, ratios namedmesh over PyTorch by min / by median. Load "
     "average (1/5/15 min) before and after: {before} and {after}."
 )
+
+
+def table(
+    rows: dict[str, dict[str, list[float]]],
+    first: str = "",
+    failed: dict[str, dict[str, str]] | None = None,
+    notes: tuple[str, dict[str, str]] | None = None,
+    unit: str = "ms",
+) -> list[str]:
+    """Markdown lines: per row ({label: {side: seconds per round}}, namedmesh first)
+    namedmesh's cell, then each other side's cell and namedmesh's ratio to it. A side that
+    did not run in a row (`failed`: {label: {side: reason}}) shows its reason; `notes`
+    (column name, {label: text}) adds a last column."""
+    failed = failed or {}
+    sides = [n for r in rows.values() for n in r if n != "namedmesh"]
+    sides += [n for f in failed.values() for n in f]
+    sides = list(dict.fromkeys(sides))
+    scale = {"ms": 1e3, "s": 1.0}[unit]
+    head = [first, f"namedmesh {unit}"]
+    for name in sides:
+        head += [f"{name} {unit}", f"namedmesh / {name}"]
+    head += [notes[0]] if notes else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, times in rows.items():
+        cells = [label, cell(times["namedmesh"], scale)]
+        for name in sides:
+            if name in times:
+                cells += [cell(times[name], scale), ratio(times["namedmesh"], times[name])]
+            else:
+                cells += [f"not run: {failed.get(label, {}).get(name, 'not asked')}", "—"]
+        cells += [notes[1][label]] if notes else []
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

@@ -1,16 +1,20 @@
-"""The forward pass of every family in models/families/ against transformers' eager
-PyTorch (`python -m benchmarks.zoo_vs_hf --families`): each family's model built by
-transformers from a small config (its options as tests/test_families.py's cases set them:
-grouped-query heads, windows, caps, partial rotary...), saved, loaded with
-`models.hub.load`, its logits checked equal, then both forward passes timed by
-benchmarks/fair.py (single-threaded, CPU time, alternated)."""
+"""Every family in models/families/ against transformers, eager and under
+`torch.compile` (`python -m benchmarks.zoo_vs_hf --families`): each family's model built
+by transformers from a small config (its options as tests/test_families.py's cases set
+them: grouped-query heads, windows, caps, partial rotary...), saved, loaded with
+`models.hub.load`, its logits and first training loss checked equal, then the forward
+pass and a training step (cross-entropy against random targets, backward, AdamW) of each
+side timed by benchmarks/fair.py (single-threaded, CPU time, alternated)."""
 
 from __future__ import annotations
 
 import tempfile
 
+import jax
 import numpy as np
+import optax
 
+import namedmesh as nm
 from benchmarks import fair
 from models import hub, zoo
 
@@ -68,8 +72,83 @@ def configs(layers: int, d: int, heads: int, vocab: int, length: int) -> dict:
     }  # fmt: skip
 
 
-def both_sides(name: str, spec: tuple, ids: np.ndarray):
-    """(zoo forward, PyTorch forward, max |logit difference| relative to the largest)."""
+def torch_sides(model, ids: np.ndarray, targets: np.ndarray, decodes: bool, compile: bool):
+    """{"PyTorch eager": (forward, step), "torch.compile": (forward, step)}: transformers'
+    forward pass without gradients, and a training step (cross-entropy of the logits
+    against `targets`, backward, AdamW), the same model and optimizer either way; the
+    compiled side by inductor, which needs the machine's C++ compiler."""
+    import torch
+
+    t_ids, t_targets = torch.tensor(ids).long(), torch.tensor(targets).long()
+    extra = {"decoder_input_ids": t_ids} if decodes else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def logits_of(ids):
+        return model(input_ids=ids, **extra).logits
+
+    def loss_of(ids, targets):
+        return torch.nn.functional.cross_entropy(logits_of(ids).flatten(0, 1), targets.flatten())
+
+    sides = {"PyTorch eager": torch_pair(opt, logits_of, loss_of, t_ids, t_targets)}
+    if compile:  # compiled at its first call (`family` runs it once)
+        # dynamo keeps compiled code per function and, past its recompile limit (8),
+        # runs it eagerly without a word: each family starts afresh
+        torch._dynamo.reset()
+        compiled = torch.compile(logits_of), torch.compile(loss_of)
+        sides["torch.compile"] = torch_pair(opt, *compiled, t_ids, t_targets)
+    return sides
+
+
+def torch_pair(opt, logits, loss, ids, targets):
+    """(forward, step) on these tensors: `logits(ids)` without gradients, and a training
+    step of `loss(ids, targets)` (backward, `opt`), which returns the loss."""
+    import torch
+
+    def forward():
+        with torch.no_grad():
+            return logits(ids)
+
+    def step():
+        value = loss(ids, targets)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(value.detach())
+
+    return forward, step
+
+
+def zoo_sides(loaded, batch: dict, targets: np.ndarray):
+    """(forward, step, first loss): the zoo's jitted forward pass and training step (the
+    same loss, AdamW with PyTorch's settings), the step run once for its first loss."""
+    cfg, family = loaded.config, loaded.family
+    opt = optax.adamw(1e-4, weight_decay=0.01)
+    logits = lambda p: hub.forward(p, batch, cfg, family).transpose("batch", "length", "vocab")
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(logits(p).data,
+                                                                     targets).mean()  # fmt: skip
+
+    @jax.jit
+    def step(state):
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, value
+
+    forward = jax.jit(lambda p: logits(p).data)
+    state = {"params": loaded.params, "opt": opt.init(loaded.params)}
+    state, first = step(state)
+
+    def train():
+        nonlocal state
+        state, value = step(state)
+        value.block_until_ready()
+
+    return lambda: forward(loaded.params).block_until_ready(), train, float(first)
+
+
+def family(name: str, spec: tuple, ids: np.ndarray, targets: np.ndarray, compile: bool) -> dict:
+    """One family's sides, checked: {"sides": {side: (forward, step)}, "failed", "error"
+    (max |logit difference| relative to the largest), "losses" (zoo's and PyTorch's first
+    training loss)}."""
     import torch
     import transformers
 
@@ -82,45 +161,64 @@ def both_sides(name: str, spec: tuple, ids: np.ndarray):
     folder = tempfile.mkdtemp(prefix=f"zoo_{name}_")
     model.save_pretrained(folder)
     loaded = hub.load(folder)
-    t_ids = torch.tensor(ids).long()
     # an encoder-decoder (T5) decodes the same ids it encodes
     decodes = "decoder_inputs" in zoo.MODELS[hub.FAMILIES[name].model].needs
-    extra = {"decoder_input_ids": t_ids} if decodes else {}
-    z_extra = {"decoder_input_ids": ids} if decodes else {}
-
-    def torch_forward():
-        with torch.no_grad():
-            return model(input_ids=t_ids, **extra).logits
-
-    def zoo_forward():
-        return loaded.logits(ids, **z_extra).data.block_until_ready()
-
-    want = torch_forward().numpy()
-    got = np.asarray(loaded.logits(ids, **z_extra).transpose("batch", "length", "vocab").data)
-    return zoo_forward, torch_forward, float(np.abs(got - want).max() / np.abs(want).max())
+    batch = {"inputs": nm.tensor(ids, ("batch", "length"))}
+    if decodes:
+        batch["decoder_inputs"] = batch["inputs"]
+    t_sides, failed = torch_sides(model, ids, targets, decodes, compile), {}
+    want = t_sides["PyTorch eager"][0]().numpy()
+    got = np.asarray(loaded.logits(ids, **({"decoder_input_ids": ids} if decodes else {}))
+                     .transpose("batch", "length", "vocab").data)  # fmt: skip
+    error = float(np.abs(got - want).max() / np.abs(want).max())
+    z_forward, z_step, z_loss = zoo_sides(loaded, batch, targets)
+    t_loss = t_sides["PyTorch eager"][1]()  # the first step of each, from the same weights
+    for side, (forward, step) in list(t_sides.items())[1:]:
+        try:
+            forward(), step()
+        except Exception as e:  # noqa: BLE001 - a compiler missing: the table says why
+            failed[side] = fair.why_not(e)
+            del t_sides[side]
+    sides = {"namedmesh": (z_forward, z_step), **t_sides}
+    return {"sides": sides, "failed": failed, "error": error, "losses": (z_loss, t_loss)}
 
 
 def run(args, names: list[str]) -> dict:
-    """{family: {"times": {side: seconds per round}, "error": relative max difference}}."""
+    """{family: {"forward", "step": {side: seconds per round}, "failed", "error",
+    "losses"}}: each family's forward pass, then its training step, timed alternated."""
     specs = configs(args.layers, args.d_model, args.heads, args.vocab, args.length)
-    ids = np.random.default_rng(0).integers(2, args.vocab, (args.batch, args.length))
-    ids = ids.astype(np.int32)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, args.vocab, (args.batch, args.length)).astype(np.int32)
+    targets = rng.integers(2, args.vocab, (args.batch, args.length)).astype(np.int32)
     out = {}
     for name in names:
-        zoo_forward, torch_forward, error = both_sides(name, specs[name], ids)
-        if error > TOLERANCE:  # timing two different computations would say nothing
-            raise SystemExit(f"{name}: the zoo's logits differ from transformers' by {error:.1e}")
-        times = fair.alternate({"namedmesh": zoo_forward, "PyTorch eager": torch_forward},
-                               args.repeats)  # fmt: skip
-        out[name] = {"times": times, "error": error}
+        r = family(name, specs[name], ids, targets, args.compile)
+        z_loss, t_loss = r["losses"]
+        if r["error"] > TOLERANCE or abs(z_loss - t_loss) > TOLERANCE * max(1.0, abs(t_loss)):
+            # timing two different computations would say nothing
+            raise SystemExit(f"{name}: the zoo differs from transformers: logits by "
+                             f"{r['error']:.1e}, first loss {z_loss:.6f} against "
+                             f"{t_loss:.6f}")  # fmt: skip
+        sides = r.pop("sides")
+        for i, what in enumerate(("forward", "step")):
+            r[what] = fair.alternate({n: fns[i] for n, fns in sides.items()}, args.repeats)
+        out[name] = r
+        failed = {name: r["failed"]}
+        rows = [fair.table({name: r[w]}, failed=failed)[2] for w in ("forward", "step")]
+        print(f"{name}, load {fair.load()}: forward {rows[0]} step {rows[1]}", flush=True)
     return out
 
 
 def table(results: dict) -> str:
-    lines = ["| family | namedmesh ms | PyTorch eager ms | namedmesh / PyTorch | max logit diff |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    for name, r in results.items():
-        z, t = r["times"]["namedmesh"], r["times"]["PyTorch eager"]
-        cells = [name, fair.cell(z), fair.cell(t), fair.ratio(z, t), f"{r['error']:.1e}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """Two markdown tables, the forward pass and the training step, a row per family."""
+    failed = {name: r["failed"] for name, r in results.items()}
+    diff = {name: f"{r['error']:.1e}" for name, r in results.items()}
+    loss = {name: "{:.5f} / {:.5f}".format(*r["losses"]) for name, r in results.items()}
+    forward = {name: r["forward"] for name, r in results.items()}
+    step = {name: r["step"] for name, r in results.items()}
+    return "\n".join([
+        "Forward pass:", "",
+        *fair.table(forward, "family", failed, ("max logit diff", diff)), "",
+        "Training step (forward, backward, AdamW):", "",
+        *fair.table(step, "family", failed, ("first loss namedmesh / PyTorch", loss)),
+    ])  # fmt: skip

@@ -12,8 +12,9 @@ PyTorch) and the first training loss of each, which must agree (the same weights
 batch).
 
 With `--families` (all of models/families/, or a comma-separated list) it times instead
-the forward pass of each family's model, those sizes and its options
-(benchmarks/zoo_families.py), against transformers' eager PyTorch, logits checked equal:
+each family's model at those sizes with its options (benchmarks/zoo_families.py): the
+forward pass and a training step against transformers' eager PyTorch and
+`torch.compile`, logits and first losses checked equal:
 
     python -m benchmarks.zoo_vs_hf --families --layers 2 --d-model 256 --heads 8 \\
         --vocab 8192 --length 128 --batch 4 --repeats 7
@@ -33,9 +34,10 @@ from benchmarks import fair, zoo_families
 from models import hub, transformer
 
 
-def torch_side(args, folder):
-    """{"PyTorch eager": (forward, step), "torch.compile": (forward, step) or the reason it
-    does not run}: the same model (and optimizer) either way, saved to `folder` first."""
+def torch_side(args, folder, ids, targets):
+    """{"PyTorch eager": (forward, step), "torch.compile": (forward, step)} on the torch
+    tensors `ids` and `targets`: the same model (and optimizer) either way, saved to
+    `folder` first."""
     import torch
     import transformers
 
@@ -47,30 +49,15 @@ def torch_side(args, folder):
     model = transformers.GPT2LMHeadModel(cfg)
     model.save_pretrained(folder)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    logits = lambda ids: model(ids).logits
 
     def loss_of(ids, targets):
-        logits = model(ids).logits
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return torch.nn.functional.cross_entropy(logits(ids).flatten(0, 1), targets.flatten())
 
-    def pair(forward_logits, loss):
-        def forward(ids):
-            with torch.no_grad():
-                return forward_logits(ids)
-
-        def step(ids, targets):
-            value = loss(ids, targets)
-            value.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(value.detach())
-
-        return forward, step
-
-    sides = {"PyTorch eager": pair(lambda ids: model(ids).logits, loss_of)}
+    sides = {"PyTorch eager": zoo_families.torch_pair(opt, logits, loss_of, ids, targets)}
     if args.compile:
-        sides["torch.compile"] = pair(
-            torch.compile(lambda ids: model(ids).logits), torch.compile(loss_of)
-        )
+        compiled = torch.compile(logits), torch.compile(loss_of)
+        sides["torch.compile"] = zoo_families.torch_pair(opt, *compiled, ids, targets)
     return sides
 
 
@@ -102,7 +89,7 @@ def main(argv=None) -> dict:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time PyTorch under torch.compile")  # fmt: skip
     p.add_argument("--families", nargs="?", const="all", default=None, metavar="NAMES",
-                   help="time each family's forward pass instead (all, or a list)")  # fmt: skip
+                   help="time each family's model instead (all, or a list)")  # fmt: skip
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
     if args.families is not None:
@@ -112,14 +99,14 @@ def main(argv=None) -> dict:
         return families(args, names, threads)
     import torch
 
-    folder = tempfile.mkdtemp()
-    t_sides = torch_side(args, folder)
-    params, z_forward, z_step, state = zoo_side(folder)
-
     rng = np.random.default_rng(0)
     ids = rng.integers(0, args.vocab, (args.batch, args.length + 1)).astype(np.int32)
     inputs, targets = ids[:, :-1], ids[:, 1:]
     t_ids, t_targets = torch.tensor(inputs).long(), torch.tensor(targets).long()
+    folder = tempfile.mkdtemp()
+    t_sides = torch_side(args, folder, t_ids, t_targets)
+    params, z_forward, z_step, state = zoo_side(folder)
+
     tokens = nm.tensor(inputs, ("batch", "length"))
     batch = {
         "inputs": tokens,
@@ -129,11 +116,11 @@ def main(argv=None) -> dict:
     # Warm up (compile) and check that both sides train the same model on the same batch.
     z_forward(params, tokens).block_until_ready()
     state, z_loss = z_step(state, batch)
-    t_loss = t_sides["PyTorch eager"][1](t_ids, t_targets)
+    t_loss = t_sides["PyTorch eager"][1]()
     failed = {}
     for name, (forward, step) in list(t_sides.items())[1:]:
         try:
-            forward(t_ids), step(t_ids, t_targets)
+            forward(), step()
         except Exception as e:  # a compiler missing on this machine: say so in the row
             failed[name] = fair.why_not(e)
             del t_sides[name]
@@ -146,12 +133,11 @@ def main(argv=None) -> dict:
     before = fair.load()
     fwd = fair.alternate(
         {"namedmesh": lambda: z_forward(params, tokens).block_until_ready()}
-        | {name: (lambda f=f: f(t_ids)) for name, (f, _) in t_sides.items()},
+        | {name: f for name, (f, _) in t_sides.items()},
         args.repeats,
     )
     step = fair.alternate(
-        {"namedmesh": zoo_step}
-        | {name: (lambda s=s: s(t_ids, t_targets)) for name, (_, s) in t_sides.items()},
+        {"namedmesh": zoo_step} | {name: s for name, (_, s) in t_sides.items()},
         args.repeats,
     )
     header("GPT-2 architecture", args, threads, before, fair.load())
@@ -163,7 +149,7 @@ def main(argv=None) -> dict:
 def families(args, names: list[str], threads: str) -> dict:
     before = fair.load()
     results = zoo_families.run(args, names)
-    header("Each family's forward pass", args, threads, before, fair.load())
+    header("Each family's forward pass and training step", args, threads, before, fair.load())
     print(zoo_families.table(results))
     return results
 
@@ -181,19 +167,7 @@ def header(what: str, args, threads: str, before, after) -> None:
 
 def table(rows: dict[str, dict[str, list[float]]], failed: dict[str, str]) -> str:
     """Markdown: per row, namedmesh's ms, then each PyTorch side's ms and the ratio."""
-    others = list(next(iter(rows.values())))[1:]
-    head = ["", "namedmesh ms"]
-    for name in [*others, *failed]:
-        head += [f"{name} ms", f"namedmesh / {name}"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for what, times in rows.items():
-        cells = [what, fair.cell(times["namedmesh"])]
-        for name in others:
-            cells += [fair.cell(times[name]), fair.ratio(times["namedmesh"], times[name])]
-        for reason in failed.values():
-            cells += [f"not run: {reason}", "—"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(fair.table(rows, failed={what: failed for what in rows}))
 
 
 if __name__ == "__main__":

@@ -51,12 +51,15 @@ def encode_memory(params: dict, batch: dict, cfg: Config) -> tuple[dict, nm.Tens
     return project_kv(memory, params["layers"]["cross"], cfg, ("layers",)), bias
 
 
-def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, encoded):
+def _run_layers(
+    params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, encoded, attend=None
+):
     """(hidden states, keys and values of x's positions (layers, batch, memory, ...)): the
     decoder stack over x at `position` attending over `cache` (its slots hold every
     position x's queries see, x's own included once written there), and an
-    encoder-decoder's `encoded` (cross keys and values, bias) of `encode_memory`."""
-    slots = transformer.slots_of(cache)
+    encoder-decoder's `encoded` (cross keys and values, bias) of `encode_memory`. With
+    `attend`, each layer reads only the first `attend` slots of its cache."""
+    slots = attend or transformer.slots_of(cache)
     bias = None
     if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
@@ -65,15 +68,18 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, 
         first = {name: nm.slice(t, "layers", 0, k) for name, t in cache.items()}
         rest = {name: nm.slice(t, "layers", k, n) for name, t in cache.items()}
         dense = {**params, "layers": params["dense"]}
-        x, kv = _run_stack(dense, x, transformer.dense_config(cfg), first, position, bias, None)
-        x, more = _run_stack(params, x, cfg, rest, position, bias, encoded)
+        dense_cfg = transformer.dense_config(cfg)
+        x, kv = _run_stack(dense, x, dense_cfg, first, position, bias, None, attend)
+        x, more = _run_stack(params, x, cfg, rest, position, bias, encoded, attend)
         return x, {name: nm.concat([kv[name], more[name]], "layers") for name in kv}
-    return _run_stack(params, x, cfg, cache, position, bias, encoded)
+    return _run_stack(params, x, cfg, cache, position, bias, encoded, attend)
 
 
-def _run_stack(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, bias, encoded):
+def _run_stack(
+    params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, bias, encoded, attend
+):
     """`_run_layers` over the one stack params["layers"] and its `cache`."""
-    slots = transformer.slots_of(cache)
+    slots = attend or transformer.slots_of(cache)
     cross, memory_bias = (None, None) if encoded is None else encoded
     xs = {"p": params["layers"], "cache": cache}
     if cross is not None:
@@ -83,6 +89,8 @@ def _run_stack(params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, b
         xs["layer"] = consts  # each layer's window and rotary frequencies
 
     def body(h, x):
+        if attend:  # the layer's first `attend` slots, sliced here: one copy, not two
+            x = {**x, "cache": {n: nm.slice(t, "memory", 0, attend) for n, t in x["cache"].items()}}
         h, _, new = transformer.block(
             h,
             x["p"],
@@ -164,9 +172,7 @@ def decode_step(
         at = position + cfg.position_offset if cfg.position_offset else position
         x = x + nm.gather(params["pos"].rename(length="memory"), "memory", at)
     x = transformer.embed_extras(params, x, cfg)
-    attend = attend or transformer.slots_of(cache)
-    prefix = {name: nm.slice(t, "memory", 0, attend) for name, t in cache.items()}
-    x, new = _run_layers(params, x, cfg, prefix, position, encoded)
+    x, new = _run_layers(params, x, cfg, cache, position, encoded, attend)
     cache = {name: nm.update_slice(cache[name], "memory", position, new[name]) for name in cache}
     logits = transformer.output_logits(params, x, cfg).sum("length")
     return logits, cache

@@ -226,7 +226,7 @@ def kv_cache(cfg: Config) -> dict:
 def write_cache(cache: dict, k: nm.Tensor, v: nm.Tensor, position: nm.Tensor):
     """(keys, values) of the cache ({"k", "v"}: batch, memory=slots, ...) with the new
     k and v (batch, memory=n, ...) written at `position`: one slot per row (n = 1,
-    position 0-d or over batch; a one-hot write, one traced program for every
+    position 0-d or over batch; `nm.update_slice`, one traced program for every
     position), or the first n slots of an empty cache (position over length: prefill).
     The cache keeps its dtype (the compute dtype)."""
     return write_slots(cache["k"], k, position), write_slots(cache["v"], v, position)
@@ -241,8 +241,8 @@ def write_slots(cache: nm.Tensor, new: nm.Tensor, position: nm.Tensor) -> nm.Ten
     if "length" in position.dims:  # prefill: slots n.. stay empty (the causal mask hides them)
         fill = {"memory": (0, slots - new.size_of("memory"))}
         return nm.pad(new, fill).transpose(*cache.dims)
-    at = nm.one_hot(position, "memory", slots, dtype)  # write position: 1 there
-    return (cache * (1.0 - at) + at * new.sum("memory")).transpose(*cache.dims)
+    # a step: the one slot per row written in place (a one-hot blend rewrote every slot)
+    return nm.update_slice(cache, "memory", position, new)
 
 
 def rotate_qk(q: nm.Tensor, k: nm.Tensor, cfg: Config, slots, position, layer=None):

@@ -34,15 +34,19 @@ def test_zoo_vs_hf_trains_the_same_model_and_times_every_side():
         assert all(len(t) == 2 and min(t) > 0 for t in times.values())
 
 
-def test_zoo_vs_hf_families_checks_logits_then_times_each_family():
-    """Two families (a decoder with a window, an encoder-decoder) at the tiniest size."""
+def test_zoo_vs_hf_families_checks_logits_and_loss_then_times_each_family():
+    """Two families (a decoder with a window, an encoder-decoder) at the tiniest size:
+    the same logits and first training loss as transformers, both passes timed."""
     got = zoo_vs_hf.main("--families mistral,t5 --layers 1 --d-model 16 --heads 2 --vocab 48 "
-                         "--length 8 --batch 2 --repeats 2".split())  # fmt: skip
+                         "--length 8 --batch 2 --repeats 2 --no-compile".split())  # fmt: skip
     assert list(got) == ["mistral", "t5"]
     for r in got.values():
         assert r["error"] < zoo_families.TOLERANCE
-        assert set(r["times"]) == {"namedmesh", "PyTorch eager"}
-        assert all(len(t) == 2 and min(t) > 0 for t in r["times"].values())
+        zoo, torch = r["losses"]
+        assert zoo == pytest.approx(torch, abs=1e-4)
+        for what in ("forward", "step"):
+            assert set(r[what]) == {"namedmesh", "PyTorch eager"}
+            assert all(len(t) == 2 and min(t) > 0 for t in r[what].values())
 
 
 def test_zoo_vs_hf_families_has_a_config_for_every_family():
@@ -65,3 +69,13 @@ def test_decode_gives_generates_greedy_tokens_at_every_batch():
     for r in got.values():
         assert r["agree"] == 1.0
         assert set(r["times"]) == {"namedmesh", "generate"} and min(r["times"]["generate"]) > 0
+
+
+def test_decode_families_gives_generates_tokens_for_prompts_of_different_lengths():
+    """A family's rows of different lengths (right-padded here, left-padded for generate)
+    decode to generate's tokens."""
+    flags = "--positions 32 --layers 1 --d-model 16 --heads 4 --vocab 48 --prompt 8 --new 5"
+    got = decode.main(f"--families opt {flags} --batches 3 --rounds 1 --no-compile".split())
+    assert list(got) == ["opt, batch 3, ragged"]
+    r = got["opt, batch 3, ragged"]
+    assert r["agree"] == 1.0 and set(r["times"]) == {"namedmesh", "generate"}
