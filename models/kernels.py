@@ -32,6 +32,10 @@ class Options(NamedTuple):
     softcap: float = 0.0
     block: int = 128
     cached: bool = False  # q attends over a KV cache (prefill or a decoding step)
+    # what bias_fn's mask hides (self-attention): keys after each query, keys `window`
+    # or more before it; kernels may skip what it hides whole, never apply it twice
+    causal: bool = False
+    window: int = 0
 
 
 def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
@@ -58,8 +62,12 @@ def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
 
 
 def blockwise(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
-    """models.attention.blockwise_attend: keys in blocks of `opts.block`, online softmax."""
-    return blockwise_attend(q, k, v, opts.bias, opts.scale, opts.block, opts.bias_fn, opts.softcap)
+    """models.attention.blockwise_attend: keys in blocks of `opts.block`, online softmax;
+    under a causal mask or a window, only the key blocks each query block sees."""
+    o = opts
+    return blockwise_attend(
+        q, k, v, o.bias, o.scale, o.block, o.bias_fn, o.softcap, o.causal, o.window
+    )
 
 
 def ring(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:

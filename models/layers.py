@@ -284,6 +284,7 @@ def attention(
     bias_fn=None,
     memory_kv: dict | None = None,
     layer: dict | None = None,
+    masks: tuple[bool, int] = (False, 0),
 ):
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
     d_model; x itself when None), or over `memory_kv`, memory's keys and values already
@@ -297,7 +298,8 @@ def attention(
     `length` (0..n-1: a one-pass prefill of an empty cache), the first n positions: their
     keys and values are written into the cache there, attention runs over the whole
     cache, and `(out, new_cache)` is returned. `layer`: this layer's constants in a stack
-    whose layers differ (`layer_constants`: its rotary frequencies)."""
+    whose layers differ (`layer_constants`: its rotary frequencies). `masks`: (causal,
+    window), what `bias_fn` is known to hide (models.kernels.Options)."""
     qh = tuple(head_sizes(cfg))
     q = _project(x, p, "q", ("batch", "length", *qh, "d_kv"))
     src = x.rename(length="memory") if memory is None else memory
@@ -314,7 +316,7 @@ def attention(
         cache = {"k": k, "v": v}
     scale = (cfg.attention_scale_dim or cfg.d_kv) ** -0.5 if cfg.attention_scale else 1.0
     cached = cache is not None
-    opts = Options(bias, bias_fn, scale, cfg.attention_softcap, cfg.attention_block, cached)
+    opts = Options(bias, bias_fn, scale, cfg.attention_softcap, cfg.attention_block, cached, *masks)
     o = kernel_for(cfg, opts)(q, k, v, opts)
     out = _project(o, p, "o", ("batch", "length", "d_model"))
     return out if cache is None else (out, cache)

@@ -264,7 +264,10 @@ def block(
         bias_fn = lambda queries, slots: self_attention_bias(
             p["attn"], cfg, queries, slots, causal, window=window
         )
-        x = attention(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer)
+        # the mask's shape, static, so kernels can skip the blocks it hides whole: a
+        # window shared by every layer (per-layer windows are traced)
+        masks = (causal, 0 if cfg.sliding_layers else cfg.sliding_window or 0)
+        x = attention(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer, masks=masks)
     else:
         slots = nm.arange("memory", cache["k"].size_of("memory"))
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias, window)
