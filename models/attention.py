@@ -11,6 +11,7 @@ the backward pass recomputes each block's logits (the scan's remat="full").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -67,11 +68,12 @@ def _blocks(t: nm.Tensor, nblocks: int, block: int) -> nm.Tensor:
     return nm.reshape(t, {"kblocks": nblocks, "memory": block}, from_="memory")
 
 
-def _key_blocks(k: nm.Tensor, v: nm.Tensor, bias, block: int, slots: bool):
+def _key_blocks(k: nm.Tensor, v: nm.Tensor, bias, block: int, slots: bool, multiple: int = 0):
     """({"k", "v"; "slots": the key positions when `slots`; "bias": bias's memory part;
     "hide": the padding mask}, each split into (kblocks, memory=block), and the bias
-    with memory padded), the keys' side of a blockwise scan."""
-    k, v, bias, hide = _pad_memory(k, v, bias, block)
+    with memory padded to a multiple of `multiple` (of `block` by default, to which
+    `multiple` must be a multiple)), the keys' side of a blockwise scan."""
+    k, v, bias, hide = _pad_memory(k, v, bias, multiple or block)
     n = k.size_of("memory")
     xs = {"k": _blocks(k, n // block, block), "v": _blocks(v, n // block, block)}
     if slots:
@@ -172,34 +174,41 @@ def blockwise_attend(
     return _result(stats, v.dtype)
 
 
-def visible_blocks(i: int, block: int, nblocks: int, causal: bool, window: int) -> range:
-    """The key blocks query block i sees (queries and keys in blocks of `block`): those
-    holding a key at or before its last query (causal) and after its first query less
-    `window` (window > 0); the rest are hidden whole."""
-    lo = max(0, (i * block - window + 1) // block) if window else 0
-    hi = min(nblocks, i + 1) if causal else nblocks
+# At most this many query blocks (each one scan in the program, so compile time grows
+# with them): a long sequence's query blocks hold several key blocks each
+QUERY_BLOCKS = 8
+
+
+def visible_blocks(i: int, rows: int, block: int, nblocks: int, causal: bool, window: int):
+    """The key blocks (of `block` keys, `nblocks` of them) that query block i (of `rows`
+    queries) sees, as a range: those holding a key at or before its last query (causal)
+    and after its first query less `window` (window > 0); the rest are hidden whole."""
+    lo = max(0, (i * rows - window + 1) // block) if window else 0
+    hi = min(nblocks, ((i + 1) * rows - 1) // block + 1) if causal else nblocks
     return range(lo, hi)
 
 
 def _triangle(q, k, v, bias, scale, block, bias_fn, cap, causal, window) -> nm.Tensor:
     """blockwise_attend over the (query block, key block) pairs the mask does not hide
     whole: per query block one scan over its `visible_blocks`, so the work is the
-    triangle (or band) of the (length, memory) square, not all of it."""
+    triangle (or band) of the (length, memory) square, not all of it. Query blocks hold
+    `block` queries, or a multiple of it, so that there are at most QUERY_BLOCKS."""
     n = q.size_of("length")
-    if extra := -n % block:  # queries padded as the keys are
+    rows = block * math.ceil(math.ceil(n / block) / QUERY_BLOCKS)
+    if extra := -n % rows:  # queries padded as the keys are
         q = nm.pad(q, {"length": (0, extra)})
         if bias is not None and "length" in bias.dims:
             bias = nm.pad(bias, {"length": (0, extra)})
-    xs, bias = _key_blocks(k, v, bias, block, bias_fn is not None)
+    xs, bias = _key_blocks(k, v, bias, block, bias_fn is not None, rows)
     nblocks = xs["k"].size_of("kblocks")
     stat_dims = tuple(d for d in q.dims if d != "d_kv")
     fixed = bias if bias is not None and "memory" not in bias.dims else None
     outs = []
-    for i in range(nblocks):
-        rows = lambda t, i=i: _rows(t, i * block, (i + 1) * block)
-        seen = visible_blocks(i, block, nblocks, causal, window)
-        xi = {name: rows(nm.slice(t, "kblocks", seen.start, seen.stop)) for name, t in xs.items()}
-        qi, queries, own = rows(q), rows(nm.arange("length", nblocks * block)), rows(fixed)
+    for i in range((n + extra) // rows):
+        part = lambda t, i=i: _rows(t, i * rows, (i + 1) * rows)
+        seen = visible_blocks(i, rows, block, nblocks, causal, window)
+        xi = {name: part(nm.slice(t, "kblocks", seen.start, seen.stop)) for name, t in xs.items()}
+        qi, queries, own = part(q), part(nm.arange("length", n + extra)), part(fixed)
 
         def step(stats, x, qi=qi, queries=queries, own=own):
             more = None if bias_fn is None else bias_fn(queries, x["slots"])

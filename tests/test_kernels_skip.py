@@ -65,6 +65,7 @@ CASES = {  # name: (length, block, causal, window, softcap, bias dims)
     "causal, 7 positions in blocks of 4, per-query bias": (7, 4, True, 0, 0.0, ("length",)),
     "window alone (both sides of the query)": (8, 2, False, 3, 0.0, None),
     "one block": (5, 8, True, 0, 0.0, None),
+    "19 positions: 10 key blocks, 5 query blocks of 4 + window": (19, 2, True, 5, 0.0, None),
 }  # fmt: skip
 
 
@@ -105,15 +106,14 @@ def test_skipping_blockwise_equals_numpy_values_and_jnp_gradients(case):
 
 
 @pytest.mark.parametrize("causal, window", [(True, 0), (True, 5), (True, 8), (False, 6)])
-@pytest.mark.parametrize("block", [2, 3, 4])
-def test_visible_blocks_are_those_the_mask_does_not_hide_whole(causal, window, block):
-    n = 12 // block * block
+@pytest.mark.parametrize("rows, block", [(2, 2), (3, 3), (4, 4), (4, 2), (6, 3), (12, 4)])
+def test_visible_blocks_are_those_the_mask_does_not_hide_whole(causal, window, rows, block):
+    n, nb = 12, 12 // block
     ok = allowed(n, causal, window)
-    nb = n // block
-    for i in range(nb):
-        seen = visible_blocks(i, block, nb, causal, window)
+    for i in range(n // rows):
+        seen = visible_blocks(i, rows, block, nb, causal, window)
         for j in range(nb):
-            tile = ok[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            tile = ok[i * rows : (i + 1) * rows, j * block : (j + 1) * block]
             assert (j in seen) == bool(tile.any()), (i, j, list(seen))
 
 
