@@ -21,6 +21,7 @@ full remat) against PyTorch, single-threaded, by CPU time, alternated (benchmark
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,10 +88,22 @@ def main(argv=None) -> int:
         help="time the training step against PyTorch's SDPA at these lengths",
     )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of --vs-torch")
+    p.add_argument(
+        "--memory",
+        default=None,
+        metavar="LENGTHS",
+        help="peak memory of the training step at these lengths, namedmesh against PyTorch",
+    )
+    p.add_argument("--torch-peak", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
+    if args.torch_peak:  # one step in this fresh process: its peak resident memory
+        print(_torch_peak(args.torch_peak))
+        return 0
     if args.vs_torch:
         return vs_torch(list(map(int, args.vs_torch.split(","))), args, threads)
+    if args.memory:
+        return memory_vs_torch(list(map(int, args.memory.split(","))), args)
     lines = ["| config | length | attention | remat | layout | estimate MiB | XLA MiB | est/XLA |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     peaks, rates = {}, {}
@@ -207,6 +220,62 @@ def _torch_row(length: int, rounds: int) -> list[str]:
             continue
         cells += [fair.cell(t[kind], 1), fair.ratio(t[kind], t["PyTorch SDPA"])]
     return [*cells, fair.cell(t["PyTorch SDPA"], 1), str(agree)]
+
+
+MEMORY_SECTION = "## Long sequences: training-step memory against PyTorch's SDPA"
+
+
+def memory_vs_torch(lengths: list[int], args) -> int:
+    """Rows of the training step's peak memory: namedmesh's from XLA's memory analysis of
+    the compiled step (nothing run), PyTorch's measured in a fresh process."""
+    head = ["length", *[f"namedmesh {k} MiB" for k in KINDS], "PyTorch SDPA MiB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * (len(KINDS) + 2)]
+    from models import hub
+
+    for length in lengths:
+        folder = tempfile.mkdtemp()
+        _gpt2(length, folder)
+        zoo = hub.load(folder)
+        batch = _batch(zoo.config, length)
+        cells = [str(length)]
+        for attention, remat in KINDS.values():
+            cfg = zoo.config.replace(
+                attention=attention, remat=remat, attention_block=block_for(length)
+            )
+            loss = lambda p, b, c=cfg: transformer.lm_loss(p, b, c).data
+            compiled = jax.jit(jax.value_and_grad(loss)).lower(zoo.params, batch).compile()
+            cells.append(f"{peak_bytes(compiled) / 2**20:.0f}")
+        torch_bytes = subprocess.run(
+            [sys.executable, "-m", "benchmarks.long_seq", "--torch-peak", str(length)],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()[-1]  # fmt: skip
+        cells.append(f"{int(torch_bytes) / 2**20:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    text = "\n".join([MEMORY_SECTION, "", *lines])
+    print(text)
+    if args.docs:
+        from benchmarks import report
+
+        report.write_section(args.docs, MEMORY_SECTION, text + "\n")
+    return 0
+
+
+def _torch_peak(length: int) -> int:
+    """Bytes PyTorch's training step (loss and gradients) adds to this process's peak
+    resident memory: the peak after one step less the resident memory before it (the
+    model, its parameters and the batch already made)."""
+    import resource
+
+    import torch
+
+    model = _gpt2(length, tempfile.mkdtemp())
+    ids = torch.randint(0, 256, (1, length))
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * resource.getpagesize()
+    logits = model(ids).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
 def _rows(args) -> list[tuple]:

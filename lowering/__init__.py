@@ -4,6 +4,7 @@
 callable running jit(shard_map(...)) over the mesh; see lowering/lower.py.
 """
 
+from lowering import attention_rule as _attention_rule  # registers the fused kernel's rule
 from lowering import scan as _scan_rule  # registers the rule of nm.scan
 from lowering.layout import Layout, partition_spec
 from lowering.lower import Lowered, Plan, lower

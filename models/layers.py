@@ -204,7 +204,11 @@ def kernel_for(cfg: Config, opts: Options):
     """cfg.attention's kernel function, after checking it implements what `opts` asks
     (ConfigError naming the kernel and the option it refuses)."""
     kernel = KERNELS[cfg.attention]
-    asked = {"softcap": bool(opts.softcap), "cached": opts.cached}
+    asked = {
+        "softcap": bool(opts.softcap),
+        "cached": opts.cached,
+        "positional": opts.bias_fn is not None and not opts.masks_only,
+    }
     for option, why in kernel.refuses.items():
         if asked[option]:
             raise ConfigError(f"attention={cfg.attention!r} with {option}: {why}")
@@ -284,7 +288,7 @@ def attention(
     bias_fn=None,
     memory_kv: dict | None = None,
     layer: dict | None = None,
-    masks: tuple[bool, int] = (False, 0),
+    masks: tuple[bool, int, bool] = (False, 0, False),
 ):
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
     d_model; x itself when None), or over `memory_kv`, memory's keys and values already
@@ -299,7 +303,8 @@ def attention(
     keys and values are written into the cache there, attention runs over the whole
     cache, and `(out, new_cache)` is returned. `layer`: this layer's constants in a stack
     whose layers differ (`layer_constants`: its rotary frequencies). `masks`: (causal,
-    window), what `bias_fn` is known to hide (models.kernels.Options)."""
+    window, masks_only), what `bias_fn` is known to hide, and whether it is nothing
+    more (models.kernels.Options)."""
     qh = tuple(head_sizes(cfg))
     q = _project(x, p, "q", ("batch", "length", *qh, "d_kv"))
     src = x.rename(length="memory") if memory is None else memory

@@ -266,7 +266,12 @@ def block(
         )
         # the mask's shape, static, so kernels can skip the blocks it hides whole: a
         # window shared by every layer (per-layer windows are traced)
-        masks = (causal, 0 if cfg.sliding_layers else cfg.sliding_window or 0)
+        per_layer = bool(cfg.sliding_layers)
+        masks = (
+            causal,
+            0 if per_layer else cfg.sliding_window,
+            not (per_layer or cfg.relative_bias),
+        )
         x = attention(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer, masks=masks)
     else:
         slots = nm.arange("memory", cache["k"].size_of("memory"))

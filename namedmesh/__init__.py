@@ -6,6 +6,7 @@ from namedmesh.tensor import Tensor  # first: the op modules it loads import it 
 
 # isort: on
 from namedmesh import random
+from namedmesh.attention import dot_product_attention
 from namedmesh.autodiff import grad, value_and_grad
 from namedmesh.checks import DimNameWarning
 from namedmesh.control import scan

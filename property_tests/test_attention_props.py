@@ -1,7 +1,8 @@
 """Every attention kernel with every bias kind (issue 26): blockwise and ring attention
 equal full attention (models.layers.attend) with the same bias, whether it comes as a
 tensor over any of batch, heads, length and memory or from `bias_fn` of the positions
-(a causal mask, a relative bias); a combination a kernel refuses (a ring with a bias
+(a causal mask, a relative bias; under the causal mask blockwise attention skips the
+key blocks it hides whole); a combination a kernel refuses (a ring with a bias
 over both length and memory: T5's buckets, which Config refuses) is a ShapeError."""
 
 import jax.numpy as jnp
@@ -52,8 +53,8 @@ def test_every_kernel_with_every_bias_kind_equals_full_attention(kernel, bias, f
         full = more if full is None else full + more
     want = attend(q, k, v, full, 0.5)
     try:
-        if kernel == "blockwise":
-            got = blockwise_attend(q, k, v, b, 0.5, block, bias_fn)
+        if kernel == "blockwise":  # causal: the key blocks the mask hides are skipped
+            got = blockwise_attend(q, k, v, b, 0.5, block, bias_fn, causal=fn == "causal")
         else:
             got = ring_attend(q, k, v, b, 0.5, 8 // block if 8 % block == 0 else 2, bias_fn)
     except nm.ShapeError as e:
