@@ -1,6 +1,7 @@
 """`python -m benchmarks.long_seq [--configs tiny,small] [--lengths 1024,2048,4096]
 [--docs docs/benchmarks.md]`: the memory of a long-sequence training step; with
-`--vs-torch 2048,8192`, its time against PyTorch's scaled dot-product attention instead.
+`--vs-torch 2048,8192`, its time against PyTorch's scaled dot-product attention instead;
+with `--memory 16384,32768`, its peak memory against PyTorch's.
 
 For each config, length, attention (full, blockwise), remat policy (none, full) and
 layout (one device; a 2x4 mesh splitting batch... see LAYOUTS), the LM's loss and
@@ -14,8 +15,13 @@ against without.
 `--vs-torch LENGTHS`: a GPT-2 architecture of the small LM's shape (4 layers, d_model
 256, 4 heads, d_ff 1024, a 256-token vocabulary, LENGTH positions) built by transformers
 with `attn_implementation="sdpa"`, loaded into the zoo, and the loss and gradients of
-one batch-1 sequence timed for namedmesh (full attention without remat; blockwise with
-full remat) against PyTorch, single-threaded, by CPU time, alternated (benchmarks/fair.py).
+one batch-1 sequence timed for namedmesh (each of KINDS: full and fused attention up to
+4k tokens; blockwise, which skips the causally masked key blocks, without and with full
+remat) against PyTorch, single-threaded, by CPU time, alternated (benchmarks/fair.py).
+
+`--memory LENGTHS`: the same step's peak memory per kind, namedmesh's from XLA's memory
+analysis of the compiled step (nothing run), PyTorch's measured (one step in a fresh
+process: its peak resident memory less that before the step).
 """
 
 from __future__ import annotations
@@ -148,9 +154,12 @@ KINDS = {
     "full attention": ("full", "none"),
     "blockwise": ("blockwise", "none"),
     "blockwise + full remat": ("blockwise", "full"),
+    "fused": ("fused", "none"),  # jax.nn.dot_product_attention: XLA's on CPU
 }
-# full attention's (length, memory) matrices stop fitting the development machine here
+# full attention's (length, memory) matrices (and those of the fused kernel on CPU,
+# whose XLA implementation makes them whole) stop fitting the development machine here
 FULL_UP_TO = 4096
+QUADRATIC = ("full", "fused")
 
 
 def block_for(length: int) -> int:
@@ -201,7 +210,7 @@ def _torch_row(length: int, rounds: int) -> list[str]:
 
     sides, losses = {}, {}
     for kind, (attention, remat) in KINDS.items():
-        if attention == "full" and length > FULL_UP_TO:
+        if attention in QUADRATIC and length > FULL_UP_TO:
             continue
         cfg = zoo.config.replace(
             attention=attention, remat=remat, attention_block=block_for(length)

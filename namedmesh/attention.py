@@ -85,13 +85,11 @@ def _arrange(xp, q, k, v, bias, dims):
 
 
 def _mask(n: int, m: int, causal: bool, window: int) -> np.ndarray:
-    i, j = np.arange(n)[:, None], np.arange(m)[None, :]
+    """(n, m) bools: the keys each query sees (on or below the diagonal when causal,
+    within `window - 1` below it when window > 0)."""
     ok = np.ones((n, m), bool)
-    if causal:
-        ok &= j <= i
-    if window:
-        ok &= j > i - window
-    return ok
+    ok = np.tril(ok) if causal else ok
+    return np.triu(ok, 1 - window) if window else ok
 
 
 def _numpy(q, k, v, *bias, scale, causal, window, dims):
