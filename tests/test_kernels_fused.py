@@ -74,7 +74,7 @@ def test_fused_lm_equals_full_attention_under_layouts(layout):
     kinds = [cfg.replace(attention=a) for a in ("full", "fused")]
     both = lambda p, b: [transformer.lm_loss(p, b, c) for c in kinds]
     f = lower(both, Mesh(sizes), rules)
-    each = lambda p, b: [jax.value_and_grad(lambda p: f(p, b)[i].data)(p) for i in (0, 1)]
+    each = lambda p, b: [jax.value_and_grad(lambda p, i=i: f(p, b)[i].data)(p) for i in (0, 1)]
     (full, g_full), (fused, g_fused) = jax.jit(each)(params, batch)  # one compile
     np.testing.assert_allclose(fused, full, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_fused), strict=True):
