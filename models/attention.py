@@ -6,7 +6,9 @@ Written only in the namedmesh language: memory is reshaped into (kblocks, memory
 and scanned; the running maximum, sum and weighted values are the scan's carry, in
 float32 whatever the compute dtype. The running maximum only steadies the exponentials
 (the result does not depend on it), so it carries no gradient. As in FlashAttention,
-the backward pass recomputes each block's logits (the scan's remat="full").
+the backward pass recomputes each block's logits (the scan's remat="full"). Under a
+causal mask or a window, query blocks scan only the key blocks they see
+(`visible_blocks`), skipping those the mask hides whole.
 """
 
 from __future__ import annotations
