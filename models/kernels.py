@@ -114,7 +114,7 @@ KERNELS: dict[str, Kernel] = {
             "softcap": "jax.nn.dot_product_attention has no soft-cap of the logits; "
             "use attention='full' or 'blockwise'",
             "positional": "a bias computed from positions beyond a causal mask and one "
-            "window for every layer (a learned relative bias such as T5's buckets, "
+            "window for every layer (Config.relative_bias's learned bias of distances, "
             "per-layer windows) is not one jax.nn.dot_product_attention takes; use "
             "attention='blockwise'",
         },

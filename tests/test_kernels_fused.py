@@ -91,3 +91,26 @@ def test_fused_refuses_what_it_cannot_do_by_name(change, option):
     batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(cfg).items()}
     with pytest.raises(ConfigError, match=f"attention='fused' with {option}"):
         transformer.lm_loss(params, batch, cfg)
+
+
+def test_fused_t5_buckets_and_padding_as_bias_tensors_equal_full_attention():
+    """T5's relative buckets (a bias tensor over heads, length and memory) and the
+    encoder's padding (over batch and memory, in cross-attention too) go to the fused
+    kernel as its bias: the encoder-decoder's loss equals full attention's."""
+    cfg = CFG.replace(
+        positions="none", relative_buckets=8, relative_max_distance=16, layers=1
+    ).replace(attention_scale=False)
+    params = transformer.init(transformer.encdec_shapes(cfg), 0)
+    r = np.random.default_rng(3)
+    tok = lambda: nm.tensor(r.integers(0, cfg.vocab, (4, 8)).astype(np.int32), "batch length")
+    weights = np.ones((4, 8), np.float32)
+    weights[1, 5:] = 0  # a padded encoder row
+    batch = {"inputs": tok(), "decoder_inputs": tok(), "targets": tok()}
+    batch["input_weights"] = nm.tensor(weights, "batch length")
+    batch["weights"] = nm.tensor(np.ones((4, 8), np.float32), "batch length")
+    losses = jax.jit(
+        lambda p, b: [
+            transformer.encdec_loss(p, b, cfg.replace(attention=a)).data for a in ("full", "fused")
+        ]
+    )(params, batch)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
