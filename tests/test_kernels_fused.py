@@ -60,7 +60,7 @@ def test_fused_equals_numpy_values_and_jnp_gradients(case):
 
 
 LAYOUTS = {
-    "batch and heads split": ({"rows": 2, "cols": 4}, "batch:rows;heads:cols;d_ff:cols"),
+    "batch and heads split": ({"rows": 2, "cols": 2}, "batch:rows;heads:cols"),
     "length split": ({"rows": 2}, "length:rows"),
 }
 
