@@ -1,6 +1,7 @@
 """`python -m benchmarks.long_seq [--configs tiny,small] [--lengths 1024,2048,4096]
 [--docs docs/benchmarks.md]`: the memory of a long-sequence training step; with
-`--vs-torch 2048,8192`, its time against PyTorch's scaled dot-product attention instead.
+`--vs-torch 2048,8192`, its time against PyTorch's scaled dot-product attention instead;
+with `--memory 16384,32768`, its peak memory against PyTorch's.
 
 For each config, length, attention (full, blockwise), remat policy (none, full) and
 layout (one device; a 2x4 mesh splitting batch... see LAYOUTS), the LM's loss and
@@ -14,13 +15,19 @@ against without.
 `--vs-torch LENGTHS`: a GPT-2 architecture of the small LM's shape (4 layers, d_model
 256, 4 heads, d_ff 1024, a 256-token vocabulary, LENGTH positions) built by transformers
 with `attn_implementation="sdpa"`, loaded into the zoo, and the loss and gradients of
-one batch-1 sequence timed for namedmesh (full attention without remat; blockwise with
-full remat) against PyTorch, single-threaded, by CPU time, alternated (benchmarks/fair.py).
+one batch-1 sequence timed for namedmesh (each of KINDS: full and fused attention up to
+4k tokens; blockwise, which skips the causally masked key blocks, without and with full
+remat) against PyTorch, single-threaded, by CPU time, alternated (benchmarks/fair.py).
+
+`--memory LENGTHS`: the same step's peak memory per kind, namedmesh's from XLA's memory
+analysis of the compiled step (nothing run), PyTorch's measured (one step in a fresh
+process: its peak resident memory less that before the step).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,10 +94,22 @@ def main(argv=None) -> int:
         help="time the training step against PyTorch's SDPA at these lengths",
     )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of --vs-torch")
+    p.add_argument(
+        "--memory",
+        default=None,
+        metavar="LENGTHS",
+        help="peak memory of the training step at these lengths, namedmesh against PyTorch",
+    )
+    p.add_argument("--torch-peak", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
+    if args.torch_peak:  # one step in this fresh process: its peak resident memory
+        print(_torch_peak(args.torch_peak))
+        return 0
     if args.vs_torch:
         return vs_torch(list(map(int, args.vs_torch.split(","))), args, threads)
+    if args.memory:
+        return memory_vs_torch(list(map(int, args.memory.split(","))), args)
     lines = ["| config | length | attention | remat | layout | estimate MiB | XLA MiB | est/XLA |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     peaks, rates = {}, {}
@@ -129,8 +148,25 @@ def _gpt2(length: int, folder: str):
     return model
 
 
-# namedmesh's attention kinds timed against PyTorch: (attention, remat)
-KINDS = {"full attention": ("full", "none"), "blockwise + full remat": ("blockwise", "full")}
+# namedmesh's attention kinds timed against PyTorch: (attention, remat); blockwise
+# attention skips the key blocks the causal mask hides whole
+KINDS = {
+    "full attention": ("full", "none"),
+    "blockwise": ("blockwise", "none"),
+    "blockwise + full remat": ("blockwise", "full"),
+    "fused": ("fused", "none"),  # jax.nn.dot_product_attention: XLA's on CPU
+}
+# full attention's (length, memory) matrices (and those of the fused kernel on CPU,
+# whose XLA implementation makes them whole) stop fitting the development machine here
+FULL_UP_TO = 4096
+QUADRATIC = ("full", "fused")
+
+
+def block_for(length: int) -> int:
+    """The attention block of a length: 256 keys (the fastest single-threaded on CPU,
+    the logits of a block pair staying in cache) up to 8k, then length / 32, so the
+    number of query blocks (each one scan in the program) stays at most 32."""
+    return min(length, max(256, length // 32))
 
 
 def vs_torch(lengths: list[int], args, threads: str) -> int:
@@ -174,7 +210,11 @@ def _torch_row(length: int, rounds: int) -> list[str]:
 
     sides, losses = {}, {}
     for kind, (attention, remat) in KINDS.items():
-        cfg = zoo.config.replace(attention=attention, remat=remat, attention_block=min(512, length))
+        if attention in QUADRATIC and length > FULL_UP_TO:
+            continue
+        cfg = zoo.config.replace(
+            attention=attention, remat=remat, attention_block=block_for(length)
+        )
         loss = lambda p, b, c=cfg: transformer.lm_loss(p, b, c).data
         step = jax.jit(jax.value_and_grad(loss))
         losses[kind] = float(step(zoo.params, batch)[0])
@@ -184,8 +224,67 @@ def _torch_row(length: int, rounds: int) -> list[str]:
     agree = all(abs(v - torch_step()) < 1e-4 for v in losses.values())
     cells = [str(length)]
     for kind in KINDS:
+        if kind not in t:
+            cells += [f"not run (over {FULL_UP_TO} tokens)", "-"]
+            continue
         cells += [fair.cell(t[kind], 1), fair.ratio(t[kind], t["PyTorch SDPA"])]
     return [*cells, fair.cell(t["PyTorch SDPA"], 1), str(agree)]
+
+
+MEMORY_SECTION = "## Long sequences: training-step memory against PyTorch's SDPA"
+
+
+def memory_vs_torch(lengths: list[int], args) -> int:
+    """Rows of the training step's peak memory: namedmesh's from XLA's memory analysis of
+    the compiled step (nothing run), PyTorch's measured in a fresh process."""
+    head = ["length", *[f"namedmesh {k} MiB" for k in KINDS], "PyTorch SDPA MiB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * (len(KINDS) + 2)]
+    from models import hub
+
+    for length in lengths:
+        folder = tempfile.mkdtemp()
+        _gpt2(length, folder)
+        zoo = hub.load(folder)
+        batch = _batch(zoo.config, length)
+        cells = [str(length)]
+        for attention, remat in KINDS.values():
+            cfg = zoo.config.replace(
+                attention=attention, remat=remat, attention_block=block_for(length)
+            )
+            loss = lambda p, b, c=cfg: transformer.lm_loss(p, b, c).data
+            compiled = jax.jit(jax.value_and_grad(loss)).lower(zoo.params, batch).compile()
+            cells.append(f"{peak_bytes(compiled) / 2**20:.0f}")
+        torch_bytes = subprocess.run(
+            [sys.executable, "-m", "benchmarks.long_seq", "--torch-peak", str(length)],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()[-1]  # fmt: skip
+        cells.append(f"{int(torch_bytes) / 2**20:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    text = "\n".join([MEMORY_SECTION, "", *lines])
+    print(text)
+    if args.docs:
+        from benchmarks import report
+
+        report.write_section(args.docs, MEMORY_SECTION, text + "\n")
+    return 0
+
+
+def _torch_peak(length: int) -> int:
+    """Bytes PyTorch's training step (loss and gradients) adds to this process's peak
+    resident memory: the peak after one step less the resident memory before it (the
+    model, its parameters and the batch already made)."""
+    import resource
+
+    import torch
+
+    model = _gpt2(length, tempfile.mkdtemp())
+    ids = torch.randint(0, 256, (1, length))
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * resource.getpagesize()
+    logits = model(ids).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
 def _rows(args) -> list[tuple]:

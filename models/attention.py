@@ -6,11 +6,14 @@ Written only in the namedmesh language: memory is reshaped into (kblocks, memory
 and scanned; the running maximum, sum and weighted values are the scan's carry, in
 float32 whatever the compute dtype. The running maximum only steadies the exponentials
 (the result does not depend on it), so it carries no gradient. As in FlashAttention,
-the backward pass recomputes each block's logits (the scan's remat="full").
+the backward pass recomputes each block's logits (the scan's remat="full"). Under a
+causal mask or a window, query blocks scan only the key blocks they see
+(`visible_blocks`), skipping those the mask hides whole.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -67,6 +70,23 @@ def _blocks(t: nm.Tensor, nblocks: int, block: int) -> nm.Tensor:
     return nm.reshape(t, {"kblocks": nblocks, "memory": block}, from_="memory")
 
 
+def _key_blocks(k: nm.Tensor, v: nm.Tensor, bias, block: int, slots: bool, multiple: int = 0):
+    """({"k", "v"; "slots": the key positions when `slots`; "bias": bias's memory part;
+    "hide": the padding mask}, each split into (kblocks, memory=block), and the bias
+    with memory padded to a multiple of `multiple` (of `block` by default, to which
+    `multiple` must be a multiple)), the keys' side of a blockwise scan."""
+    k, v, bias, hide = _pad_memory(k, v, bias, multiple or block)
+    n = k.size_of("memory")
+    xs = {"k": _blocks(k, n // block, block), "v": _blocks(v, n // block, block)}
+    if slots:
+        xs["slots"] = _blocks(nm.arange("memory", n), n // block, block)
+    if bias is not None and "memory" in bias.dims:
+        xs["bias"] = _blocks(bias, n // block, block)
+    if hide is not None:
+        xs["hide"] = _blocks(hide, n // block, block)
+    return xs, bias
+
+
 def _init(q: nm.Tensor, dims: tuple[str, ...]):
     """(running maximum, running sum, weighted values) before any key, in float32."""
     sizes = {d: q.size_of(d) for d in dims}
@@ -118,6 +138,8 @@ def blockwise_attend(
     block: int = 128,
     bias_fn: BiasFn | None = None,
     cap: float = 0.0,
+    causal: bool = False,
+    window: int = 0,
 ) -> nm.Tensor:
     """softmax over memory of scale * q.k (soft-capped: `cap` > 0) + bias, times v, a
     block of `block` keys at a time (a memory that `block` does not divide is padded
@@ -128,18 +150,18 @@ def blockwise_attend(
 
     `bias_fn(queries, slots)`, given the query positions (an int Tensor over length) and
     the memory positions of one block (over memory), returns more bias for that block
-    (or None): a causal mask or relative positions, never whole either."""
+    (or None): a causal mask or relative positions, never whole either.
+
+    `causal` and `window` (self-attention: length == memory) say what `bias_fn`'s mask
+    hides, keys after the query and keys `window` or more before it: then queries are
+    cut into blocks too and each query block scans only the key blocks it can see
+    (`visible_blocks`), the lower triangle of (query block, key block) pairs or its
+    band. Skipped blocks are ones the mask hides whole, so the result is the same."""
     block = _check(q, k, v, bias, block)
-    k, v, bias, hide = _pad_memory(k, v, bias, block)
-    nblocks = k.size_of("memory") // block
-    xs = {"k": _blocks(k, nblocks, block), "v": _blocks(v, nblocks, block)}
+    if (causal or window) and q.size_of("length") == k.size_of("memory"):
+        return _triangle(q, k, v, bias, scale, block, bias_fn, cap, causal, window)
+    xs, bias = _key_blocks(k, v, bias, block, bias_fn is not None)
     queries = nm.arange("length", q.size_of("length"))
-    if bias_fn is not None:
-        xs["slots"] = _blocks(nm.arange("memory", k.size_of("memory")), nblocks, block)
-    if bias is not None and "memory" in bias.dims:
-        xs["bias"] = _blocks(bias, nblocks, block)
-    if hide is not None:
-        xs["hide"] = _blocks(hide, nblocks, block)
     fixed = bias if bias is not None and "memory" not in bias.dims else None
 
     def step(stats, x):
@@ -152,6 +174,58 @@ def blockwise_attend(
     init = _init(q, tuple(d for d in q.dims if d != "d_kv"))
     stats, _ = nm.scan(step, init, xs, "kblocks", remat="full")
     return _result(stats, v.dtype)
+
+
+# At most this many query blocks (each one scan in the program, so compile time grows
+# with them): a long sequence's query blocks hold several key blocks each
+QUERY_BLOCKS = 8
+
+
+def visible_blocks(i: int, rows: int, block: int, nblocks: int, causal: bool, window: int):
+    """The key blocks (of `block` keys, `nblocks` of them) that query block i (of `rows`
+    queries) sees, as a range: those holding a key at or before its last query (causal)
+    and after its first query less `window` (window > 0); the rest are hidden whole."""
+    lo = max(0, (i * rows - window + 1) // block) if window else 0
+    hi = min(nblocks, ((i + 1) * rows - 1) // block + 1) if causal else nblocks
+    return range(lo, hi)
+
+
+def _triangle(q, k, v, bias, scale, block, bias_fn, cap, causal, window) -> nm.Tensor:
+    """blockwise_attend over the (query block, key block) pairs the mask does not hide
+    whole: per query block one scan over its `visible_blocks`, so the work is the
+    triangle (or band) of the (length, memory) square, not all of it. Query blocks hold
+    `block` queries, or a multiple of it, so that there are at most QUERY_BLOCKS."""
+    n = q.size_of("length")
+    rows = block * math.ceil(math.ceil(n / block) / QUERY_BLOCKS)
+    if extra := -n % rows:  # queries padded as the keys are
+        q = nm.pad(q, {"length": (0, extra)})
+        if bias is not None and "length" in bias.dims:
+            bias = nm.pad(bias, {"length": (0, extra)})
+    xs, bias = _key_blocks(k, v, bias, block, bias_fn is not None, rows)
+    nblocks = xs["k"].size_of("kblocks")
+    stat_dims = tuple(d for d in q.dims if d != "d_kv")
+    fixed = bias if bias is not None and "memory" not in bias.dims else None
+    outs = []
+    for i in range((n + extra) // rows):
+        part = lambda t, i=i: _rows(t, i * rows, (i + 1) * rows)
+        seen = visible_blocks(i, rows, block, nblocks, causal, window)
+        xi = {name: part(nm.slice(t, "kblocks", seen.start, seen.stop)) for name, t in xs.items()}
+        qi, queries, own = part(q), part(nm.arange("length", n + extra)), part(fixed)
+
+        def step(stats, x, qi=qi, queries=queries, own=own):
+            more = None if bias_fn is None else bias_fn(queries, x["slots"])
+            biases = (x.get("bias"), own, more, x.get("hide"))
+            return _absorb(stats, qi, x["k"], x["v"], biases, scale, cap), None
+
+        stats, _ = nm.scan(step, _init(qi, stat_dims), xi, "kblocks", remat="full")
+        outs.append(_result(stats, v.dtype))
+    out = nm.concat(outs, "length") if len(outs) > 1 else outs[0]
+    return nm.slice(out, "length", 0, n) if extra else out
+
+
+def _rows(t, start: int, stop: int):
+    """t's queries start..stop-1 where t has length (None and others as they are)."""
+    return nm.slice(t, "length", start, stop) if t is not None and "length" in t.dims else t
 
 
 def ring_attend(

@@ -102,7 +102,7 @@ class Config:
     encoder_layers: int = 0  # encoder-decoder: layers of the encoder
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
     remat: str = "none"  # the layer scan's rematerialisation: none | full | dots
-    attention: str = "full"  # a models.kernels.KERNELS name: full | blockwise | ring
+    attention: str = "full"  # a models.kernels.KERNELS name: full | blockwise | ring | fused
     attention_block: int = 128  # keys per block of blockwise attention
     mesh: tuple[tuple[str, int], ...] = (("batch", 1),)  # the paper's mesh shape
     layout: str = "batch:batch"

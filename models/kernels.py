@@ -9,7 +9,9 @@ relative biases, built from positions block by block), the query `scale`, `softc
 (logits -> cap * tanh(logits / cap), before the bias), and grouped query heads
 (kv_heads, q_per_kv are matched by name). Running over a KV cache is declared per
 kernel.
-A fused kernel (jax.nn.dot_product_attention where the dims are local) is one more row.
+The fused kernel (jax.nn.dot_product_attention, where length, memory and d_kv are local
+to a device) applies the causal mask and window itself and refuses other positional
+biases and soft-caps.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class Options(NamedTuple):
     softcap: float = 0.0
     block: int = 128
     cached: bool = False  # q attends over a KV cache (prefill or a decoding step)
+    # what bias_fn's mask hides (self-attention): keys after each query, keys `window`
+    # or more before it; kernels may skip what it hides whole, never apply it twice
+    causal: bool = False
+    window: int = 0
+    masks_only: bool = False  # bias_fn is those masks and nothing more (no learned bias)
 
 
 def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
@@ -58,8 +65,12 @@ def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
 
 
 def blockwise(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
-    """models.attention.blockwise_attend: keys in blocks of `opts.block`, online softmax."""
-    return blockwise_attend(q, k, v, opts.bias, opts.scale, opts.block, opts.bias_fn, opts.softcap)
+    """models.attention.blockwise_attend: keys in blocks of `opts.block`, online softmax;
+    under a causal mask or a window, only the key blocks each query block sees."""
+    o = opts
+    return blockwise_attend(
+        q, k, v, o.bias, o.scale, o.block, o.bias_fn, o.softcap, o.causal, o.window
+    )
 
 
 def ring(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
@@ -67,6 +78,17 @@ def ring(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
     n = k.size_of("memory")
     steps = n // min(opts.block, n)
     return ring_attend(q, k, v, opts.bias, opts.scale, steps, opts.bias_fn, opts.softcap)
+
+
+def fused(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
+    """nm.dot_product_attention, jax.nn.dot_product_attention behind the named interface
+    (cuDNN's fused kernel on GPU, XLA's on CPU): it applies the causal mask and window
+    of `opts` itself, so bias_fn must be those masks alone (`masks_only`); the lowering
+    keeps length, memory and d_kv local to each device."""
+    o = opts
+    return nm.dot_product_attention(
+        q, k, v, o.bias, scale=o.scale, causal=o.causal, window=o.window
+    )
 
 
 class Kernel(NamedTuple):
@@ -84,6 +106,17 @@ KERNELS: dict[str, Kernel] = {
         {
             "cached": "a KV cache (decoding) has no sequence of keys to pass around the ring; "
             "decode with attention='full' or 'blockwise'",
+        },
+    ),
+    "fused": Kernel(
+        fused,
+        {
+            "softcap": "jax.nn.dot_product_attention has no soft-cap of the logits; "
+            "use attention='full' or 'blockwise'",
+            "positional": "a bias computed from positions beyond a causal mask and one "
+            "window for every layer (Config.relative_bias's learned bias of distances, "
+            "per-layer windows) is not one jax.nn.dot_product_attention takes; use "
+            "attention='blockwise'",
         },
     ),
 }

@@ -204,7 +204,11 @@ def kernel_for(cfg: Config, opts: Options):
     """cfg.attention's kernel function, after checking it implements what `opts` asks
     (ConfigError naming the kernel and the option it refuses)."""
     kernel = KERNELS[cfg.attention]
-    asked = {"softcap": bool(opts.softcap), "cached": opts.cached}
+    asked = {
+        "softcap": bool(opts.softcap),
+        "cached": opts.cached,
+        "positional": opts.bias_fn is not None and not opts.masks_only,
+    }
     for option, why in kernel.refuses.items():
         if asked[option]:
             raise ConfigError(f"attention={cfg.attention!r} with {option}: {why}")
@@ -292,6 +296,7 @@ def attention(
     bias_fn=None,
     memory_kv: dict | None = None,
     layer: dict | None = None,
+    masks: tuple[bool, int, bool] = (False, 0, False),
 ):
     """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
     d_model; x itself when None), or over `memory_kv`, memory's keys and values already
@@ -305,7 +310,9 @@ def attention(
     `length` (0..n-1: a one-pass prefill of an empty cache), the first n positions: their
     keys and values are written into the cache there, attention runs over the whole
     cache, and `(out, new_cache)` is returned. `layer`: this layer's constants in a stack
-    whose layers differ (`layer_constants`: its rotary frequencies)."""
+    whose layers differ (`layer_constants`: its rotary frequencies). `masks`: (causal,
+    window, masks_only), what `bias_fn` is known to hide, and whether it is nothing
+    more (models.kernels.Options)."""
     qh = tuple(head_sizes(cfg))
     q = _project(x, p, "q", ("batch", "length", *qh, "d_kv"))
     src = x.rename(length="memory") if memory is None else memory
@@ -323,7 +330,7 @@ def attention(
         cache = {"k": k, "v": v}
     scale = (cfg.attention_scale_dim or cfg.d_kv) ** -0.5 if cfg.attention_scale else 1.0
     cached = cache is not None
-    opts = Options(bias, bias_fn, scale, cfg.attention_softcap, cfg.attention_block, cached)
+    opts = Options(bias, bias_fn, scale, cfg.attention_softcap, cfg.attention_block, cached, *masks)
     o = kernel_for(cfg, opts)(q, k, v, opts)
     out = _project(o, p, "o", ("batch", "length", "d_model"))
     return out if cache is None else (out, cache)

@@ -126,6 +126,7 @@ def attention(
     bias_fn=None,
     memory_kv=None,
     layer=None,
+    masks: tuple[bool, int, bool] = (False, 0, False),
 ):
     """Latent self-attention of x (batch, length, d_model) with models.layers.attention's
     signature and contract; `cache` is {"latent", "k_rope"} (batch, memory, ...), and
@@ -145,17 +146,20 @@ def attention(
     if cache is not None and "length" not in position.dims:  # a step: in the latent space
         o = absorbed(q_nope, q_rot, latent, k_rot, p, cfg, bias)
     else:
-        o = expanded(q_nope, q_rot, latent, k_rot, p, cfg, bias, bias_fn, cache is not None)
+        o = expanded(q_nope, q_rot, latent, k_rot, p, cfg, bias, bias_fn, cache is not None, masks)
     out = nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
     return out if cache is None else (out, cache)
 
 
-def expanded(q_nope, q_rot, latent, k_rot, p, cfg: Config, bias, bias_fn, cached: bool):
+def expanded(q_nope, q_rot, latent, k_rot, p, cfg: Config, bias, bias_fn, cached: bool, masks):
     """Attention (batch, length, heads, d_v) over the keys and values kv_b makes of the
-    latents, by cfg.attention's kernel (a pass, or a prefill)."""
+    latents, by cfg.attention's kernel (a pass, or a prefill; `masks` as
+    models.layers.attention takes them)."""
     k, v = keys_values(latent, k_rot, p, cfg)
     q = widened(nm.concat([q_nope.rename(d_qk="d_kv"), q_rot], "d_kv"), cfg.mla.v)
-    opts = Options(bias, bias_fn, scale(cfg), cfg.attention_softcap, cfg.attention_block, cached)
+    opts = Options(
+        bias, bias_fn, scale(cfg), cfg.attention_softcap, cfg.attention_block, cached, *masks
+    )
     o = kernel_for(cfg, opts)(q, k, v, opts)
     if cfg.mla.v < o.size_of("d_kv"):
         o = nm.slice(o, "d_kv", 0, cfg.mla.v)

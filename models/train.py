@@ -174,7 +174,8 @@ def parser(prog: str = "python -m models.train") -> Parser:
     p.add_argument(
         "--attention",
         default=None,
-        choices=["full", "blockwise", "ring"],  # models.kernels.KERNELS (jax not imported yet)
+        # models.kernels.KERNELS (jax not imported yet)
+        choices=["full", "blockwise", "ring", "fused"],
         help="attention kernel of models/kernels.py (None: config's)",
     )
     p.add_argument("--attention-block", type=int, default=None, help="keys per block")

@@ -299,7 +299,15 @@ def block(
         bias_fn = lambda queries, slots: self_attention_bias(
             p["attn"], cfg, queries, slots, causal, window=window
         )
-        x = variant.attend(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer)
+        # the mask's shape, static, so kernels can skip the blocks it hides whole: a
+        # window shared by every layer (per-layer windows are traced)
+        per_layer = bool(cfg.sliding_layers)
+        masks = (
+            causal,
+            0 if per_layer else cfg.sliding_window,
+            not (per_layer or cfg.relative_bias),
+        )
+        x = variant.attend(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer, masks=masks)
     else:
         slots = nm.arange("memory", slots_of(cache))
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias, window)

@@ -2,6 +2,7 @@
 graphs the `lowering` package turns into SPMD programs on a device mesh."""
 
 from namedmesh import methods, random  # methods: binds the ops onto Tensor as its methods
+from namedmesh.attention import dot_product_attention
 from namedmesh.autodiff import grad, value_and_grad
 from namedmesh.checks import DimNameWarning
 from namedmesh.control import scan

@@ -1,16 +1,19 @@
-"""Every attention kernel with every bias kind (issue 26): blockwise and ring attention
-equal full attention (models.layers.attend) with the same bias, whether it comes as a
-tensor over any of batch, heads, length and memory or from `bias_fn` of the positions
-(a causal mask, a relative bias); a combination a kernel refuses (a ring with a bias
-over both length and memory: T5's buckets, which Config refuses) is a ShapeError."""
+"""Every attention kernel with every bias kind (issue 26): blockwise, ring and fused
+attention equal full attention (models.layers.attend) with the same bias, whether it
+comes as a tensor over any of batch, heads, length and memory or from `bias_fn` of the
+positions (a causal mask, a relative bias; under the causal mask blockwise attention
+skips the key blocks it hides whole, and the fused kernel applies it itself); a
+combination a kernel refuses (a ring with a bias over both length and memory: T5's
+buckets, which Config refuses) is a ShapeError."""
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import namedmesh as nm
 from models.attention import blockwise_attend, ring_attend
+from models.kernels import KERNELS, Options
 from models.layers import attend
 
 BUDGET = settings(max_examples=max(8, settings.default.max_examples // 20))  # eager: slow
@@ -34,13 +37,14 @@ def tensor(dims, r):
 
 @BUDGET
 @given(
-    st.sampled_from(["blockwise", "ring"]),
+    st.sampled_from(["blockwise", "ring", "fused"]),
     st.sampled_from(list(BIASES)),
     st.sampled_from(list(FUNCTIONS)),
     st.sampled_from([1, 2, 3, 4, 8]),
     st.integers(0, 2**31 - 1),
 )
 def test_every_kernel_with_every_bias_kind_equals_full_attention(kernel, bias, fn, block, seed):
+    assume(not (kernel == "fused" and fn == "relative"))  # refused: Options.masks_only
     r = np.random.default_rng(seed)
     q = tensor(("batch", "length", "heads", "d_kv"), r)
     k, v = (tensor(("batch", "memory", "heads", "d_kv"), r) for _ in range(2))
@@ -52,8 +56,12 @@ def test_every_kernel_with_every_bias_kind_equals_full_attention(kernel, bias, f
         full = more if full is None else full + more
     want = attend(q, k, v, full, 0.5)
     try:
-        if kernel == "blockwise":
-            got = blockwise_attend(q, k, v, b, 0.5, block, bias_fn)
+        if kernel == "blockwise":  # causal: the key blocks the mask hides are skipped
+            got = blockwise_attend(q, k, v, b, 0.5, block, bias_fn, causal=fn == "causal")
+        elif kernel == "fused":  # the causal mask applied by the kernel itself
+            causal = fn == "causal"
+            opts = Options(b, bias_fn, 0.5, causal=causal, masks_only=True)
+            got = KERNELS["fused"].fn(q, k, v, opts)
         else:
             got = ring_attend(q, k, v, b, 0.5, 8 // block if 8 % block == 0 else 2, bias_fn)
     except nm.ShapeError as e:

@@ -360,11 +360,14 @@ def test_decoding_edges(model):
 
 def test_blockwise_decodes_any_length_and_ring_refuses_the_cache(model):
     """A block size that divides neither the 16 cache slots nor the prompts pads with
-    masked slots and gives full attention's greedy tokens; ring attention has no keys
-    to pass around under a KV cache and says so (it never falls back to full)."""
+    masked slots and gives full attention's greedy tokens, as the fused kernel does;
+    ring attention has no keys to pass around under a KV cache and says so (it never
+    falls back to full)."""
     params, cfg, dec = model
     other = Decoder(params, cfg.replace(attention="blockwise", attention_block=5))
     np.testing.assert_array_equal(other.decode(PROMPTS, 4), dec.decode(PROMPTS, 4))
+    fused = Decoder(params, cfg.replace(attention="fused"))  # the cache's mask as a bias
+    np.testing.assert_array_equal(fused.decode(PROMPTS, 4), dec.decode(PROMPTS, 4))
     ring = Decoder(params, cfg.replace(attention="ring", attention_block=4))
     with pytest.raises(ConfigError, match="attention='ring' with cached: a KV cache"):
         ring.decode(PROMPTS, 4)

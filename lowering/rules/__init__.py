@@ -2,7 +2,7 @@
 one module per op family (mirroring namedmesh's op modules): `registry` holds the
 table keyed by primitive (`SPMD_RULES`, `@rule`) and the replicated fallback;
 elementwise, einsum, reductions, structural, selection, creation, spatial (conv, pool)
-and grouped (grouped_matmul) hold the families' rules, and control nm.scan's (a
+grouped (grouped_matmul) and attention (the fused kernel) hold the families' rules, and control nm.scan's (a
 pipeline when its scanned dim is split: lowering/pipeline.py, beside it).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lowering.rules import (
+    attention,
     control,
     creation,
     einsum,
@@ -26,7 +27,7 @@ from namedmesh.primitive import Primitive
 
 __all__ = ["P", "SPMD_RULES", "layout_in", "replicated_rule", "rule", "rule_for"]
 # (the family modules are imported for the rules they file)
-_FAMILIES = (control, creation, einsum, grouped, reductions, selection, spatial, structural)
+_FAMILIES = (attention, control, creation, einsum, grouped, reductions, selection, spatial, structural)
 
 
 def rule_for(prim: Primitive) -> Callable:

@@ -1,0 +1,156 @@
+"""`dot_product_attention`: softmax(scale * q.k + bias) v as one primitive, run by
+`jax.nn.dot_product_attention` (cuDNN's fused kernel on GPU, XLA's on CPU) with its
+causal mask and local window, so the (length, memory) logits never appear in the
+program as separate ops. Dims are matched by name: q (..., length, d_kv), k and v (...,
+memory, d_kv) whose other dims are some of q's (grouped query heads: q's dims k lacks,
+e.g. q_per_kv, share k's heads). The lowering (lowering/rules/attention.py) keeps
+length, memory and d_kv whole on each device; the other dims may be split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from namedmesh.errors import ShapeError
+from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.tensor import Tensor
+
+NEG = -1e9  # a masked logit, as models.layers.NEG
+
+
+def _groups(q_dims, k_dims, bias_dims):
+    """(q's dims shared with k, q's dims k lacks), q's heads in that order: a query
+    head's index over both is its key head's index over the shared dims times the
+    group size plus its place in the group, as jax.nn.dot_product_attention groups."""
+    shared = [d for d in q_dims if d in k_dims and d not in ("length", "d_kv")]
+    only = [d for d in q_dims if d not in k_dims and d not in ("length", "d_kv")]
+    return shared, only
+
+
+def _shape_rule(q, k, v, *bias, scale, causal, window):
+    name = "dot_product_attention"
+    for what, t, need in (("q", q, ("length", "d_kv")), ("k", k, ("memory", "d_kv"))):
+        if missing := [d for d in need if d not in t.dims]:
+            raise ShapeError(f"{name}: {what} {t.dims} lacks dim(s) {missing}")
+    if k.dims != v.dims or tuple(k.shape) != tuple(v.shape):
+        raise ShapeError(
+            f"{name}: k {k.dims}{tuple(k.shape)} and v {v.dims}{tuple(v.shape)} differ"
+        )
+    if extra := [d for d in k.dims if d not in q.dims and d != "memory"]:
+        raise ShapeError(f"{name}: k's dim(s) {extra} are not dims of q {q.dims}")
+    qs, ks = dict(zip(q.dims, q.shape, strict=True)), dict(zip(k.dims, k.shape, strict=True))
+    if bad := [d for d in ks if d in qs and ks[d] != qs[d]]:
+        raise ShapeError(f"{name}: q and k disagree on the size of {bad}")
+    if bias:
+        logits = {*q.dims, "memory"} - {"d_kv"}
+        if stray := [d for d in bias[0].dims if d not in logits]:
+            raise ShapeError(
+                f"{name}: bias dim(s) {stray} are none of the logits' {sorted(logits)}"
+            )
+    return Aval(tuple(q.dims), tuple(q.shape), np.dtype(v.dtype))
+
+
+def _arrange(xp, q, k, v, bias, dims):
+    """q, k, v as (1, length, heads, d_kv) and (1, memory, kv heads, d_kv), the bias as
+    (1, heads or 1, length or 1, memory or 1), from arrays over `dims` (q's, k's,
+    bias's); and how to put the result back over q's dims."""
+    q_dims, k_dims, b_dims = dims
+    shared, only = _groups(q_dims, k_dims, b_dims)
+    qo = [*shared, *only]
+    qa = xp.transpose(q, [q_dims.index(d) for d in ("length", *qo, "d_kv")])
+    heads = qa.shape[1 : 1 + len(qo)]
+    qa = qa.reshape(1, qa.shape[0], math.prod(heads), qa.shape[-1])
+    ka, va = (
+        xp.transpose(x, [k_dims.index(d) for d in ("memory", *shared, "d_kv")]) for x in (k, v)
+    )
+    ka, va = (x.reshape(1, x.shape[0], -1, x.shape[-1]) for x in (ka, va))
+    ba = None
+    if bias is not None:
+        have = [d for d in (*qo, "length", "memory") if d in b_dims]
+        ba = xp.transpose(bias, [b_dims.index(d) for d in have])
+        full = [heads[qo.index(d)] if d in qo else 1 for d in (*qo, "length", "memory")]
+        shape = [ba.shape[have.index(d)] if d in have else 1 for d in (*qo, "length", "memory")]
+        ba = xp.broadcast_to(ba.reshape(shape), [*full[: len(qo)], *shape[len(qo) :]])
+        ba = ba.reshape(1, math.prod(heads), *shape[len(qo) :])
+
+    def back(out):  # (1, length, heads, d_kv) -> q's dims
+        out = out.reshape(out.shape[1], *heads, out.shape[-1])
+        order = ("length", *qo, "d_kv")
+        return xp.transpose(out, [order.index(d) for d in q_dims])
+
+    return qa, ka, va, ba, back
+
+
+def _mask(n: int, m: int, causal: bool, window: int) -> np.ndarray:
+    """(n, m) bools: the keys each query sees (on or below the diagonal when causal,
+    within `window - 1` below it when window > 0)."""
+    ok = np.ones((n, m), bool)
+    ok = np.tril(ok) if causal else ok
+    return np.triu(ok, 1 - window) if window else ok
+
+
+def _numpy(q, k, v, *bias, scale, causal, window, dims):
+    qa, ka, va, ba, back = _arrange(np, q, k, v, bias[0] if bias else None, dims)
+    g = qa.shape[2] // ka.shape[2]
+    ka, va = np.repeat(ka, g, axis=2), np.repeat(va, g, axis=2)
+    s = np.einsum("bthd,bshd->bhts", qa, ka).astype(np.float32) * np.float32(scale)
+    if ba is not None:
+        s = s + ba
+    s = np.where(_mask(s.shape[2], s.shape[3], causal, window), s, np.float32(NEG))
+    w = np.exp(s - s.max(-1, keepdims=True))
+    out = np.einsum("bhts,bshd->bthd", w / w.sum(-1, keepdims=True), va)
+    return back(out.astype(v.dtype))
+
+
+def _jax(q, k, v, *bias, scale, causal, window, dims):
+    qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, bias[0] if bias else None, dims)
+    # jax's window: a query sees keys left..right of itself; ours: the last `window`
+    local = None if not window else (window - 1, 0 if causal else ka.shape[1])
+    out = jax.nn.dot_product_attention(
+        qa, ka, va, ba, scale=scale, is_causal=causal, local_window_size=local
+    )
+    return back(out)
+
+
+def _cost(in_avals, out_avals, params) -> Cost:
+    q, k = in_avals[0], in_avals[1]
+    n, m = q.sizes["length"], k.sizes["memory"]
+    heads = math.prod(q.shape) // (n * q.sizes["d_kv"])
+    pairs = n * m / (2 if params["causal"] else 1)
+    flops = 4 * pairs * heads * q.sizes["d_kv"]
+    return Cost(flops, sum(a.nbytes for a in in_avals) + sum(a.nbytes for a in out_avals))
+
+
+_attention = primitive(
+    "dot_product_attention",
+    lambda q, k, v, *bias, dims, **kw: _shape_rule(q, k, v, *bias, **kw),
+    _numpy,
+    _jax,
+    cost_rule=_cost,
+    backward_reads="both",  # q, k, v and the output (FlashAttention's backward pass)
+)
+
+
+def dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    causal: bool = False,
+    window: int = 0,
+) -> Tensor:
+    """softmax over memory of scale * q.k + bias (masked where a key is after its query
+    when `causal`, or `window` or more positions before it), times v, in one fused
+    kernel: q (..., length, d_kv), k and v (..., memory, d_kv), other dims matched by
+    name (grouped heads: q's dims k lacks); `bias` over any of the logits' dims. The
+    result has q's dims and v's dtype."""
+    args = (q, k, v) if bias is None else (q, k, v, bias)
+    dims = (tuple(q.dims), tuple(k.dims), () if bias is None else tuple(bias.dims))
+    return bind(
+        _attention, *args, scale=float(scale), causal=bool(causal), window=int(window), dims=dims
+    )

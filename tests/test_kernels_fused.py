@@ -1,0 +1,116 @@
+"""The fused kernel (attention='fused': nm.dot_product_attention, run by
+jax.nn.dot_product_attention): values against NumPy and gradients against plain
+jax.numpy with causal masks, windows, grouped heads and bias tensors; the LM's loss and
+gradients equal full attention's under layouts that split batch and heads, and one
+that splits length (relaid out whole for the kernel); what it cannot do refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from lowering import Mesh, lower
+from models import transformer
+from models.config import ConfigError
+from models.kernels import KERNELS, Options
+from tests.test_kernels_skip import KD, QD, SIZES, allowed, mask_fn, reference
+from tests.test_models import CFG, small_batch
+
+R = np.random.default_rng(9)
+CASES = {  # name: (causal, window, bias dims)
+    "causal, grouped heads": (True, 0, None),
+    "causal + window, padding bias": (True, 3, ("batch", "memory")),
+    "window alone, per-head relative bias": (False, 3, ("kv_heads", "length", "memory")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_equals_numpy_values_and_jnp_gradients(case):
+    causal, window, bias_dims = CASES[case]
+    sizes = {**SIZES, "length": 8, "memory": 8}
+    q, k, v = (R.normal(size=[sizes[d] for d in dims]).astype(np.float32) for dims in (QD, KD, KD))
+    order = ("batch", "kv_heads", "length", "memory")
+    bias, b_t = np.zeros([sizes[d] for d in order], np.float32), None
+    if bias_dims:
+        b = R.normal(size=[sizes[d] for d in bias_dims]).astype(np.float32)
+        b_t = nm.tensor(jnp.asarray(b), bias_dims)
+        shape = [sizes[d] if d in bias_dims else 1 for d in order]
+        perm = [bias_dims.index(d) for d in order if d in bias_dims]
+        bias = bias + b.transpose(perm).reshape(shape)
+    ok = allowed(8, causal, window)
+    opts = Options(b_t, mask_fn(causal, window), 0.5, causal=causal, window=window, masks_only=True)
+
+    def kernel(q, k, v):
+        t = nm.tensor
+        return KERNELS["fused"].fn(t(q, QD), t(k, KD), t(v, KD), opts).transpose(*QD).data
+
+    want = reference(q, k, v, bias, ok, 0.5, 0.0, np)
+    w = R.normal(size=want.shape).astype(np.float32)
+
+    def value_and_grads(f):
+        out, back = jax.vjp(f, q, k, v)
+        return out, back(w)
+
+    got, grads = jax.jit(lambda: value_and_grads(kernel))()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    ref = lambda q, k, v: reference(q, k, v, jnp.asarray(bias), ok, 0.5, 0.0, jnp)
+    for g, e in zip(grads, value_and_grads(ref)[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5)
+
+
+LAYOUTS = {
+    "batch and heads split": ({"rows": 2, "cols": 2}, "batch:rows;heads:cols"),
+    "length split": ({"rows": 2}, "length:rows"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_lm_equals_full_attention_under_layouts(layout):
+    sizes, rules = LAYOUTS[layout]
+    cfg = CFG.replace(layers=1, sliding_window=5)
+    params = transformer.init(transformer.lm_shapes(cfg), 0)
+    batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(cfg).items()}
+    kinds = [cfg.replace(attention=a) for a in ("full", "fused")]
+    both = lambda p, b: [transformer.lm_loss(p, b, c) for c in kinds]
+    f = lower(both, Mesh(sizes), rules)
+    each = lambda p, b: [jax.value_and_grad(lambda p, i=i: f(p, b)[i].data)(p) for i in (0, 1)]
+    (full, g_full), (fused, g_fused) = jax.jit(each)(params, batch)  # one compile
+    np.testing.assert_allclose(fused, full, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_fused), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, option",
+    [({"attention_softcap": 5.0}, "softcap"), ({"relative_bias": 4}, "positional")],
+)
+def test_fused_refuses_what_it_cannot_do_by_name(change, option):
+    cfg = CFG.replace(attention="fused", layers=1, **change)
+    params = transformer.init(transformer.lm_shapes(cfg), 0)
+    batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(cfg).items()}
+    with pytest.raises(ConfigError, match=f"attention='fused' with {option}"):
+        transformer.lm_loss(params, batch, cfg)
+
+
+def test_fused_t5_buckets_and_padding_as_bias_tensors_equal_full_attention():
+    """T5's relative buckets (a bias tensor over heads, length and memory) and the
+    encoder's padding (over batch and memory, in cross-attention too) go to the fused
+    kernel as its bias: the encoder-decoder's loss equals full attention's."""
+    cfg = CFG.replace(
+        positions="none", relative_buckets=8, relative_max_distance=16, layers=1
+    ).replace(attention_scale=False)
+    params = transformer.init(transformer.encdec_shapes(cfg), 0)
+    r = np.random.default_rng(3)
+    tok = lambda: nm.tensor(r.integers(0, cfg.vocab, (4, 8)).astype(np.int32), "batch length")
+    weights = np.ones((4, 8), np.float32)
+    weights[1, 5:] = 0  # a padded encoder row
+    batch = {"inputs": tok(), "decoder_inputs": tok(), "targets": tok()}
+    batch["input_weights"] = nm.tensor(weights, "batch length")
+    batch["weights"] = nm.tensor(np.ones((4, 8), np.float32), "batch length")
+    losses = jax.jit(
+        lambda p, b: [
+            transformer.encdec_loss(p, b, cfg.replace(attention=a)).data for a in ("full", "fused")
+        ]
+    )(params, batch)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
