@@ -1,9 +1,10 @@
 """SPMD rules: how each primitive runs on local shards, and which collectives it needs,
 one module per op family (mirroring namedmesh's op modules): `registry` holds the
 table keyed by primitive (`SPMD_RULES`, `@rule`) and the replicated fallback;
-elementwise, einsum, reductions, structural, selection, creation, spatial (conv, pool)
-grouped (grouped_matmul) and attention (the fused kernel) hold the families' rules, and control nm.scan's (a
-pipeline when its scanned dim is split: lowering/pipeline.py, beside it).
+elementwise, einsum, reductions, structural, selection, creation, spatial (conv, pool),
+grouped (grouped_matmul) and attention (the fused kernel) hold the families' rules,
+and control nm.scan's (a pipeline when its scanned dim is split: lowering/pipeline.py,
+beside it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,17 @@ from namedmesh.primitive import Primitive
 
 __all__ = ["P", "SPMD_RULES", "layout_in", "replicated_rule", "rule", "rule_for"]
 # (the family modules are imported for the rules they file)
-_FAMILIES = (attention, control, creation, einsum, grouped, reductions, selection, spatial, structural)
+_FAMILIES = (
+    attention,
+    control,
+    creation,
+    einsum,
+    grouped,
+    reductions,
+    selection,
+    spatial,
+    structural,
+)
 
 
 def rule_for(prim: Primitive) -> Callable:
