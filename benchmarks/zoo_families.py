@@ -63,6 +63,14 @@ def configs(layers: int, d: int, heads: int, vocab: int, length: int) -> dict:
         "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig", dict(
             vocab_size=vocab, dim=d, hidden_dim=ff, n_layers=layers, n_heads=heads,
             max_position_embeddings=length)),
+        "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(  # 8 experts, top-2
+            llama, num_local_experts=8, num_experts_per_tok=2)),
+        "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(  # and a shared expert
+            llama, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=d // 2,
+            shared_expert_intermediate_size=d)),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+            llama, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=d // 2,
+            norm_topk_prob=True)),
         "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(  # a dense layer, MoE
             llama, num_key_value_heads=heads, moe_intermediate_size=d // 2, n_routed_experts=8,
             num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
