@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lowering.rules import (
+from lowering.rules import (  # noqa: F401  (imported for the rules they file)
     attention,
     control,
     creation,
@@ -27,18 +27,6 @@ from lowering.rules.registry import SPMD_RULES, P, layout_in, replicated_rule, r
 from namedmesh.primitive import Primitive
 
 __all__ = ["P", "SPMD_RULES", "layout_in", "replicated_rule", "rule", "rule_for"]
-# (the family modules are imported for the rules they file)
-_FAMILIES = (
-    attention,
-    control,
-    creation,
-    einsum,
-    grouped,
-    reductions,
-    selection,
-    spatial,
-    structural,
-)
 
 
 def rule_for(prim: Primitive) -> Callable:
