@@ -86,7 +86,11 @@ def _grouped_np(x, w, group, dim, dims):
     x, w, g, shape = as_rows(np, x, w, group, dim, *dims)
     inside = (g >= 0) & (g < w.shape[0])
     dtype = result_dtype(x.dtype, w.dtype)
-    y = np.einsum("nc,nco->no", x, w[np.where(inside, g, 0)]).astype(dtype)
+    # floats summed in float32 at least: NumPy's einsum has no bfloat16/float16 loop,
+    # and einsum's reference sums their exact products there too
+    acc = np.promote_types(dtype, np.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+    rows = w[np.where(inside, g, 0)]
+    y = np.einsum("nc,nco->no", x.astype(acc), rows.astype(acc)).astype(dtype)
     return np.where(inside[:, None], y, np.zeros((), dtype)).reshape(shape)  # 0, never NaN
 
 

@@ -173,6 +173,12 @@ def test_grouped_matmul_equals_numpy_and_names_its_errors():
     jx = nm.tensor(jax.numpy.asarray(x), "b l d")  # the jax implementation: sorted blocks
     got = nm.grouped_matmul(jx, *args[1:], dim="e")
     np.testing.assert_allclose(np.asarray(got.data), want, rtol=1e-5, atol=1e-5)
+    for low in (jax.numpy.bfloat16, np.float16):  # NumPy has no einsum loop for these:
+        lx, lw = x.astype(low), w.astype(low)  # summed in float32, rounded once, as einsum
+        got = nm.grouped_matmul(nm.tensor(lx, "b l d"), nm.tensor(lw, "e d f"), args[2], dim="e")
+        exact = np.einsum("bld,blkdf->blkf", lx.astype(np.float32), lw[g % 4].astype(np.float32))
+        assert got.data.dtype == low
+        np.testing.assert_array_equal(got.data, np.where(want != 0, exact, 0).astype(low))
     with pytest.raises(nm.ShapeError, match="groups must be integers"):
         nm.grouped_matmul(args[0], args[1], nm.tensor(g * 1.0, "b l k"), dim="e")
     with pytest.raises(nm.ShapeError, match="share no dim"):
