@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from namedmesh.errors import ShapeError
-from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
 from namedmesh.tensor import Tensor
 
 NEG = -1e9  # a masked logit, as models.layers.NEG
@@ -50,7 +50,7 @@ def _shape_rule(q, k, v, *bias, scale, causal, window):
             raise ShapeError(
                 f"{name}: bias dim(s) {stray} are none of the logits' {sorted(logits)}"
             )
-    return Aval(tuple(q.dims), tuple(q.shape), np.dtype(v.dtype))
+    return Aval(tuple(q.dims), tuple(q.shape), float_result(v.dtype))  # ints: float32
 
 
 def _arrange(xp, q, k, v, bias, dims):
@@ -95,8 +95,10 @@ def _mask(n: int, m: int, causal: bool, window: int) -> np.ndarray:
 def _numpy(q, k, v, *bias, scale, causal, window, dims):
     qa, ka, va, ba, back = _arrange(np, q, k, v, bias[0] if bias else None, dims)
     g = qa.shape[2] // ka.shape[2]
-    ka, va = np.repeat(ka, g, axis=2), np.repeat(va, g, axis=2)
-    s = np.einsum("bthd,bshd->bhts", qa, ka).astype(np.float32) * np.float32(scale)
+    # summed in float32 at least (NumPy's einsum has no bfloat16 loop), rounded once
+    acc = np.promote_types(v.dtype, np.float32)
+    qa, ka, va = (np.repeat(x, r, axis=2).astype(acc) for x, r in ((qa, 1), (ka, g), (va, g)))
+    s = np.einsum("bthd,bshd->bhts", qa, ka) * np.float32(scale)
     if ba is not None:
         s = s + ba
     s = np.where(_mask(s.shape[2], s.shape[3], causal, window), s, np.float32(NEG))
@@ -109,10 +111,14 @@ def _jax(q, k, v, *bias, scale, causal, window, dims):
     qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, bias[0] if bias else None, dims)
     # jax's window: a query sees keys left..right of itself; ours: the last `window`
     local = None if not window else (window - 1, 0 if causal else ka.shape[1])
+    dtype = va.dtype
+    if dtype == np.float16 and jax.default_backend() == "cpu":  # XLA:CPU has no float16
+        qa, ka, va = (x.astype(np.float32) for x in (qa, ka, va))  # dot summed in float32
+        ba = None if ba is None else ba.astype(np.float32)
     out = jax.nn.dot_product_attention(
         qa, ka, va, ba, scale=scale, is_causal=causal, local_window_size=local
     )
-    return back(out)
+    return back(out.astype(dtype))
 
 
 def _cost(in_avals, out_avals, params) -> Cost:
@@ -131,6 +137,7 @@ _attention = primitive(
     _jax,
     cost_rule=_cost,
     backward_reads="both",  # q, k, v and the output (FlashAttention's backward pass)
+    float_valued=True,  # a softmax: integer q, k, v are computed as float32
 )
 
 

@@ -114,3 +114,24 @@ def test_fused_t5_buckets_and_padding_as_bias_tensors_equal_full_attention():
         ]
     )(params, batch)
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+def test_fused_on_numpy_low_precision_and_integers_computes_in_float():
+    """NumPy has no bfloat16 einsum and a softmax of integers is a float: bfloat16 and
+    float16 are summed in float32 and rounded once, ints and bools give float32, each
+    equal to a float32 NumPy softmax (the dtype rule float_valued ops share)."""
+    cases = ((jnp.bfloat16, jnp.bfloat16, 1e-2), (np.float16, np.float16, 1e-3),
+             (np.int32, np.float32, 1e-6), (bool, np.float32, 1e-6))  # fmt: skip
+    for dt, want_dtype, tol in cases:
+        q, k = ((R.normal(size=(2, 4, 8)) * 2).astype(dt) for _ in range(2))
+        got = nm.dot_product_attention(
+            nm.tensor(q, "heads length d_kv"), nm.tensor(k, "heads memory d_kv"),
+            nm.tensor(k, "heads memory d_kv"), scale=0.25, causal=True,
+        )  # fmt: skip
+        q32, k32 = q.astype(np.float32), k.astype(np.float32)
+        s = np.einsum("hld,hmd->hlm", q32, k32) * 0.25
+        s = np.where(np.tril(np.ones((4, 4), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("hlm,hmd->hld", p / p.sum(-1, keepdims=True), k32)
+        assert got.data.dtype == want_dtype, dt
+        np.testing.assert_allclose(np.asarray(got.data, np.float32), want, rtol=tol, atol=tol)

@@ -67,11 +67,33 @@ STRUCTURAL_OPS = {
     "stop_gradient": lambda x: nm.stop_gradient(x),
     "einsum": lambda x: nm.einsum(x, nm.rename(x, r="t"), out="r t"),
 }
+
+
+def _experts(x):
+    """x's rows [r, d] times two experts' weights made of x (experts, f, d), row i by
+    expert i % 2: grouped_matmul on x's dtype."""
+    f = nm.rename(x, r="f")
+    w = nm.stack([f, nm.shift(f, "f", 1)], "experts")
+    return nm.grouped_matmul(x, w, nm.tensor(np.arange(x.size_of("r"), dtype=np.int32) % 2, "r"))
+
+
+# The contractions that take x's dtype into a kernel of their own
+KERNEL_OPS = {
+    "grouped_matmul": _experts,
+    "dot_product_attention": lambda x: nm.dot_product_attention(
+        nm.rename(x, r="length", d="d_kv"),
+        nm.rename(x, r="memory", d="d_kv"),
+        nm.rename(x, r="memory", d="d_kv"),
+        causal=True,
+    ),
+}
+
 DTYPE_OPS = {
     **{n: _unary(n) for n in UNARY_OPS},
     **{n: _binary(n) for n in BINARY_OPS},
     **{n: _along(n) for n in ALONG_OPS},
     **STRUCTURAL_OPS,
+    **KERNEL_OPS,
 }
 
 
@@ -106,4 +128,4 @@ def dtype_cases(draw, ops=tuple(DTYPE_OPS), dtypes=DTYPES, split=(True, False)) 
     return DtypeCase(op, dtype, x, mesh, layout)
 
 
-__all__ = ["ALONG_OPS", "DTYPE_OPS", "STRUCTURAL_OPS", "DtypeCase", "dtype_cases"]
+__all__ = ["ALONG_OPS", "DTYPE_OPS", "KERNEL_OPS", "STRUCTURAL_OPS", "DtypeCase", "dtype_cases"]
