@@ -32,24 +32,33 @@ def build(args, folder: str):
     import torch
     import transformers
 
-    from models import hub
-    from models.generate import Decoder
-
     cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         intermediate_size=args.d_ff, max_position_embeddings=args.positions,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(folder)
+    model, dec = saved_pair(transformers.LlamaForCausalLM, cfg, folder)
     if args.compile:  # a second copy whose forward torch.compile runs (transformers'
         # recipe for a static cache: on CPU generate does not compile by itself)
         args.compiled = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
         args.compiled.forward = torch.compile(args.compiled.forward)
+    return model, dec
+
+
+def saved_pair(model_cls, config, folder: str, slots: int | None = None):
+    """(transformers' `model_cls(config)` with seed 0's weights, saved to `folder`, and
+    the zoo's Decoder of that folder with `slots` cache slots)."""
+    import torch
+
+    from models import hub
+    from models.generate import Decoder
+
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.save_pretrained(folder)
     zoo = hub.load(folder)
-    return model, Decoder(zoo.params, zoo.config)
+    return model, Decoder(zoo.params, zoo.config, slots=slots)
 
 
 def generate_fn(model, rows, new: int, static: bool):
@@ -106,20 +115,12 @@ def family_decoder(name: str, args, folder: str):
     """transformers' model of a decoder family (benchmarks/zoo_families.py's config at
     these sizes, `--positions` positions, no end token: every row decodes `--new`
     tokens), saved to `folder`, and the zoo's Decoder of it."""
-    import torch
     import transformers
-
-    from models import hub
-    from models.generate import Decoder
 
     specs = zoo_families.configs(args.layers, args.d_model, args.heads, args.vocab, args.positions)
     model_cls, config_cls, kwargs = specs[name]
     config = getattr(transformers, config_cls)(**{**kwargs, "eos_token_id": None})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).eval()
-    model.save_pretrained(folder)
-    zoo = hub.load(folder)
-    return model, Decoder(zoo.params, zoo.config)
+    return saved_pair(getattr(transformers, model_cls), config, folder)
 
 
 def decoder_families() -> list[str]:

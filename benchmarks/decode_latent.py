@@ -27,11 +27,7 @@ SECTION = "## Decoding: latent attention's cache (DeepSeek-V3)"
 
 def build(args, folder: str):
     """The transformers DeepSeek-V3 (saved to `folder`) and the zoo's Decoder of it."""
-    import torch
     import transformers
-
-    from models import hub
-    from models.generate import Decoder
 
     cfg = transformers.DeepseekV3Config(
         vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
@@ -41,11 +37,9 @@ def build(args, folder: str):
         qk_nope_head_dim=args.nope, v_head_dim=args.v, max_position_embeddings=args.positions,
         num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    model.save_pretrained(folder)
-    zoo = hub.load(folder)
-    return model, Decoder(zoo.params, zoo.config, slots=args.prompt + args.new)
+    return decode.saved_pair(
+        transformers.DeepseekV3ForCausalLM, cfg, folder, slots=args.prompt + args.new
+    )
 
 
 def bytes_per_token(dec, args) -> tuple[int, int]:
