@@ -44,7 +44,8 @@ def build(args, folder: str):
 
 def bytes_per_token(dec, args) -> tuple[int, int]:
     """(the latent cache's bytes per token, a full key/value cache's) over every layer."""
-    _, cache = dec.prefill_logits(np.ones((1, 8), np.int32), np.array([8]))
+    n = min(8, dec.slots)  # a prompt the cache holds, whatever --prompt and --new
+    _, cache = dec.prefill_logits(np.ones((1, n), np.int32), np.array([n]))
     slots = next(iter(cache.values())).size_of("memory")
     latent = sum(t.data.nbytes for t in cache.values()) // slots
     itemsize = next(iter(cache.values())).data.dtype.itemsize
