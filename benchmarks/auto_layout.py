@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import namedmesh as nm
-from benchmarks import quality, report
+from benchmarks import cli, quality, report
 from lowering import Layout, Mesh, auto_layout, caches, lower
 from lowering.lower import argument_inputs, graph_report
 from lowering.rates import hardware
@@ -296,7 +296,7 @@ def _ok(run: quality.Run) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.auto_layout", description=__doc__)
-    p.add_argument("--steps", type=int, default=120, help="training steps per layout (120)")
+    p.add_argument("--steps", type=cli.count, default=120, help="training steps per layout (120)")
     p.add_argument("--skip-train", action="store_true", help="only the planning goals")
     p.add_argument("--out", type=Path, help="markdown file whose section to replace")
     p.add_argument("--before", type=Path, help="a checkout of commit 1c2e4d2 to time the "
@@ -378,4 +378,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    sys.exit(main())
+    sys.exit(cli.run(main))

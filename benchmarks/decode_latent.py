@@ -20,7 +20,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks import decode, fair, report
+from benchmarks import cli, decode, fair, report
 
 SECTION = "## Decoding: latent attention's cache (DeepSeek-V3)"
 
@@ -64,21 +64,21 @@ def cache_table(sizes: tuple[int, int]) -> list[str]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--positions", type=int, default=1024, help="the model's positions")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--d-ff", type=int, default=688)
-    p.add_argument("--q-rank", type=int, default=96, help="q_lora_rank")
-    p.add_argument("--kv-rank", type=int, default=64, help="kv_lora_rank")
-    p.add_argument("--rope", type=int, default=32, help="qk_rope_head_dim")
-    p.add_argument("--nope", type=int, default=64, help="qk_nope_head_dim")
-    p.add_argument("--v", type=int, default=64, help="v_head_dim")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens per row")
-    p.add_argument("--new", type=int, default=64, help="greedy tokens per row")
-    p.add_argument("--batches", default="1,8", help="batch sizes")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (min and median)")
+    p.add_argument("--positions", type=cli.count, default=1024, help="the model's positions")
+    p.add_argument("--layers", type=cli.count, default=4)
+    p.add_argument("--d-model", type=cli.count, default=256)
+    p.add_argument("--heads", type=cli.count, default=8)
+    p.add_argument("--d-ff", type=cli.count, default=688)
+    p.add_argument("--q-rank", type=cli.count, default=96, help="q_lora_rank")
+    p.add_argument("--kv-rank", type=cli.count, default=64, help="kv_lora_rank")
+    p.add_argument("--rope", type=cli.count, default=32, help="qk_rope_head_dim")
+    p.add_argument("--nope", type=cli.count, default=64, help="qk_nope_head_dim")
+    p.add_argument("--v", type=cli.count, default=64, help="v_head_dim")
+    p.add_argument("--vocab", type=cli.count, default=4096)
+    p.add_argument("--prompt", type=cli.count, default=64, help="prompt tokens per row")
+    p.add_argument("--new", type=cli.count, default=64, help="greedy tokens per row")
+    p.add_argument("--batches", type=cli.counts, default=[1, 8], help="batch sizes")
+    p.add_argument("--rounds", type=cli.count, default=3, help="timed rounds (min and median)")
     p.add_argument("--docs", default=None, help="replace this section of a markdown file")
     args = p.parse_args(argv)
     args.compile = False  # decode.measure's sides: namedmesh and eager generate
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     sizes = bytes_per_token(dec, args)
     before = fair.load()
     results = {}
-    for batch in map(int, args.batches.split(",")):
+    for batch in args.batches:
         results[batch] = decode.measure(model, dec, batch, args)
         print(decode.table({batch: results[batch]})[-1], flush=True)
     method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
@@ -110,4 +110,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -54,7 +54,7 @@ import numpy as np
 import opt_einsum
 
 import namedmesh as nm
-from benchmarks import fair, report
+from benchmarks import cli, fair, report
 
 SECTION = "## Eager einsum vs NumPy's plain operation"
 LARGE_RATIO_GOAL = 1.05  # nm/np median ratio on large operands, at most
@@ -646,4 +646,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

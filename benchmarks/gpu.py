@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import optax
 
-from benchmarks import report
+from benchmarks import cli, report
 from lowering import Mesh
 from models import config, trainer, zoo
 
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
     ap.add_argument("--config", default="base")
-    ap.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")
+    ap.add_argument("--steps", type=cli.count, default=50, help="timed steps (default 50)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--peak-tflops", type=float, default=None,
@@ -262,4 +262,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

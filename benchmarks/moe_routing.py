@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import namedmesh as nm
+from benchmarks import cli
 from lowering import Mesh, expert_routes, lower
 from lowering.cost import traffic
 from lowering.hlo import collectives
@@ -70,8 +72,8 @@ def flops(cfg: config.Config) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for flag, default in (("batch", 16), ("length", 128), ("d-model", 256), ("d-ff", 1024)):
-        ap.add_argument(f"--{flag}", type=int, default=default)
-    ap.add_argument("--experts", type=int, default=8)
+        ap.add_argument(f"--{flag}", type=cli.count, default=default)
+    ap.add_argument("--experts", type=cli.count, default=8)
     a = ap.parse_args(argv)
     cfg = config.Config(
         d_model=a.d_model, d_ff=a.d_ff, length=a.length, batch=a.batch, experts=a.experts,
@@ -138,4 +140,4 @@ def expert_parallel(cfg: config.Config) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

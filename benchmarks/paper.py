@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 
 import namedmesh as nm
-from benchmarks import report
+from benchmarks import cli, report
 from lowering import Mesh, lower, rates
 from lowering.layout import Layout, local_shape
 from models import config, objectives, transformer
@@ -252,4 +252,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

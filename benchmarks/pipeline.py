@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from benchmarks import cli
+
 SECTION = "## Pipelines: the LM's layers over a stage axis"
 MEGATRON = "layers:stage;batch:data;heads:model;d_ff:model"
 LAYOUTS = [  # (name, mesh, layout)
@@ -236,7 +238,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pipeline",
                                 description=__doc__.split("\n")[0])  # fmt: skip
     p.add_argument("--docs", default="docs/benchmarks.md", help="'' to skip")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per layout")
+    p.add_argument("--repeats", type=cli.count, default=5, help="timed steps per layout")
     args = p.parse_args(argv)
     if "jax" not in sys.modules:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -250,4 +252,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

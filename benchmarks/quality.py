@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import report
+from benchmarks import cli, report
 
 SECTION = "## Quality: tiny LM on the default corpus"
 GOAL_BPB = 2.5  # validation bits/byte, at most
@@ -353,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.quality", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--steps", type=int, default=None, help="steps per run (4000; quick 300)")
-    p.add_argument("--eval-every", type=int, default=None, help="(250; quick 50)")
+    p.add_argument("--steps", type=cli.count, default=None, help="steps per run (4000; quick 300)")
+    p.add_argument("--eval-every", type=cli.count, default=None, help="(250; quick 50)")
     p.add_argument("--quick", action="store_true", help="~300 steps, two layouts (a smoke run)")
     p.add_argument("--layout", action="append", default=None, metavar="NAME",
                    help="run only the layout NAME (repeatable; the names of LAYOUTS)")  # fmt: skip
@@ -403,4 +403,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

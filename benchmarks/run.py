@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import report
+from benchmarks import cli, report
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Collective bytes per training step"
@@ -463,4 +463,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

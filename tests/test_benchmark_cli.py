@@ -1,0 +1,58 @@
+"""The benchmarks' command lines refuse a bad flag value in one line with exit status 2,
+before building anything, and end the project's typed errors the same way."""
+
+import importlib
+
+import pytest
+
+from benchmarks import cli
+from models.config import ConfigError
+
+BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
+    ("auto_layout", ["--steps", "0"]),
+    ("decode_latent", ["--rounds", "0"]),
+    ("decode_latent", ["--batches", "1,x"]),
+    ("gpu", ["--steps", "-3"]),
+    ("moe_routing", ["--experts", "0"]),
+    ("pipeline", ["--repeats", "0"]),
+    ("quality", ["--steps", "abc"]),
+]
+
+
+@pytest.mark.parametrize(
+    "module, argv", BAD_FLAGS, ids=lambda x: " ".join(x) if isinstance(x, list) else x
+)
+def test_a_bad_count_is_refused_by_argparse_in_one_line(module, argv, capsys):
+    main = importlib.import_module(f"benchmarks.{module}").main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert argv[0] in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "text, want", [("2048,8192", [2048, 8192]), (" 1 ,8", [1, 8]), ("0", None), ("1,,2", None)]
+)
+def test_counts_reads_positive_ints_or_refuses(text, want):
+    if want is None:
+        with pytest.raises(Exception, match="at least 1|empty"):
+            cli.counts(text)
+    else:
+        assert cli.counts(text) == want
+
+
+def test_run_ends_a_typed_user_error_in_one_line_and_keeps_a_defect(capsys):
+    def bad_config():
+        raise ConfigError("Config.length (--length) must be an int >= 1, got 0")
+
+    assert cli.run(bad_config, "prog") == 2
+    err = capsys.readouterr().err
+    assert err == "prog: error: ConfigError: Config.length (--length) must be an int >= 1, got 0\n"
+    assert cli.run(lambda: {"rows": 1}, "prog") == 0  # a result for callers is not a status
+
+    def defect():
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):  # not a user's mistake: its traceback stays
+        cli.run(defect, "prog")
