@@ -14,7 +14,8 @@ import math
 import jax
 import numpy as np
 
-from namedmesh.errors import ShapeError
+from namedmesh.checks import integer
+from namedmesh.errors import ArgumentError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
 from namedmesh.tensor import Tensor
 
@@ -156,8 +157,14 @@ def dot_product_attention(
     kernel: q (..., length, d_kv), k and v (..., memory, d_kv), other dims matched by
     name (grouped heads: q's dims k lacks); `bias` over any of the logits' dims. The
     result has q's dims and v's dtype."""
+    name = "dot_product_attention"
+    if isinstance(scale, bool) or not isinstance(scale, int | float | np.integer | np.floating):
+        raise ArgumentError(f"{name}: scale must be a number, got {scale!r}")
+    if not isinstance(causal, bool | np.bool_):
+        raise ArgumentError(f"{name}: causal must be True or False, got {causal!r}")
+    window = integer(name, "window", window, 0)
     args = (q, k, v) if bias is None else (q, k, v, bias)
     dims = (tuple(q.dims), tuple(k.dims), () if bias is None else tuple(bias.dims))
     return bind(
-        _attention, *args, scale=float(scale), causal=bool(causal), window=int(window), dims=dims
+        _attention, *args, scale=float(scale), causal=bool(causal), window=window, dims=dims
     )

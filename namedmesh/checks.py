@@ -14,7 +14,18 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from namedmesh.errors import ShapeError, fmt_dims
+from namedmesh.errors import ArgumentError, ShapeError, fmt_dims
+
+
+def integer(op: str, what: str, value, low: int | None = None) -> int:
+    """`value` as an int: an int or NumPy integer (as NumPy reads sizes and indices),
+    never a float cut to its integer part nor a bool; ArgumentError naming `what` of
+    `op` otherwise, ShapeError below `low`."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ArgumentError(f"{op}: {what} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ShapeError(f"{op}: {what} must be >= {low}, got {int(value)}")
+    return int(value)
 
 
 class DimNameWarning(UserWarning):

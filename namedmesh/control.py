@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.avals import fmt_aval
-from namedmesh.checks import require_dims
+from namedmesh.checks import integer, require_dims
 from namedmesh.errors import ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
@@ -120,7 +120,7 @@ def scan(f: Callable, init, xs, dim: str, length: int | None = None, remat: str 
     for x in x_leaves:
         require_dims("scan", [dim], x.dims, "a tensor of xs")
     if length is not None:
-        sizes.add(int(length))
+        sizes.add(integer(f"scan over {dim!r}", "length", length, 0))
     if len(sizes) != 1:
         raise ShapeError(
             f"scan over {dim!r}: sizes disagree or are unknown: xs have {sorted(sizes - {None})}"

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from namedmesh.checks import agreed_sizes, require_dims
+from namedmesh.checks import agreed_sizes, integer, require_dims
 from namedmesh.einsum import spec
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import lowest
@@ -39,15 +39,17 @@ def _per_dim(value, dims, what, default=None) -> tuple[int, ...]:
         if unknown:
             raise ShapeError(f"{what}: dim(s) {unknown} are not spatial dims {dims}")
         default = default or (1,) * len(dims)
-        vals = tuple(int(value.get(d, k)) for d, k in zip(dims, default, strict=True))
+        vals = tuple(
+            integer(what, f"dim {d!r}", value.get(d, k)) for d, k in zip(dims, default, strict=True)
+        )
         return _positive(vals, dims, what)
-    return _positive((int(value),) * len(dims), dims, what)
+    return _positive((integer(what, "the value", value),) * len(dims), dims, what)
 
 
 def _explicit_pad(p, dim) -> tuple[int, int]:
     if isinstance(p, int | str) or len(p) != 2:
         raise ShapeError(f"padding for dim {dim!r} must be a pair (lo, hi), got {p!r}")
-    lo, hi = int(p[0]), int(p[1])
+    lo, hi = (integer("padding", f"a width for dim {dim!r}", v) for v in p)
     if lo < 0 or hi < 0:
         raise ShapeError(f"padding: negative width {p!r} for dim {dim!r}")
     return lo, hi
@@ -257,7 +259,8 @@ def pool(
         raise ShapeError(f"pool: window names no dim of x {x.dims}")
     require_dims("pool window", dims, x.dims, "x")
     axes = tuple(x.dims.index(d) for d in dims)
-    windows = _positive(tuple(int(window[d]) for d in dims), dims, "pool: window size")
+    windows = tuple(integer("pool", f"the window size of {d!r}", window[d]) for d in dims)
+    windows = _positive(windows, dims, "pool: window size")
     strides = windows if stride is None else _per_dim(stride, dims, "stride", windows)
     pads = _padding(padding, dims, [x.size_of(d) for d in dims], windows, strides, (1,) * len(dims))
     return bind(_pool, x, axes=axes, windows=windows, strides=strides, pads=pads, kind=kind)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh import elementwise as ew
+from namedmesh.checks import integer
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor, parse_sizes
@@ -128,7 +129,7 @@ _fold_in_prim = primitive(
 
 def key(seed: int) -> Tensor:
     """A key from an integer seed."""
-    seed = int(seed)
+    seed = integer("key", "seed", seed)
     words = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=_U32)
     return Tensor._make(words, (KEY_DIM,))
 
@@ -139,7 +140,7 @@ def _as_key(k) -> Tensor:
 
 def fold_in(k: Tensor | int, data: int) -> Tensor:
     """A new key from `k` and an integer (a step number, a layer index)."""
-    return bind(_fold_in_prim, _as_key(k), data=int(data), stream=0)
+    return bind(_fold_in_prim, _as_key(k), data=integer("fold_in", "data", data), stream=0)
 
 
 def split(k: Tensor | int, n: int = 2) -> tuple[Tensor, ...]:
@@ -180,11 +181,12 @@ def bernoulli(k, sizes: Mapping[str, int], p=0.5) -> Tensor:
 
 def integers(k, sizes: Mapping[str, int], low: int, high: int, dtype=np.int32) -> Tensor:
     """Integers in [low, high)."""
-    if not int(high) > int(low):
+    low, high = integer("integers", "low", low), integer("integers", "high", high)
+    if not high > low:
         raise ShapeError(f"integers: high={high!r} must exceed low={low!r}")
     if int(high) - int(low) > 2**32:
         raise ShapeError(f"integers: the range [{low}, {high}) is wider than 2**32")
-    return _draw(k, sizes, "integers", dtype, (int(low), int(high)))
+    return _draw(k, sizes, "integers", dtype, (low, high))
 
 
 def dropout(x: Tensor, rate: float, k) -> Tensor:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from namedmesh.checks import names_not_positions, require_dims
+from namedmesh.checks import integer, names_not_positions, require_dims
 from namedmesh.eager import remembered
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, bind, float_result, primitive, zero_flops_cost
@@ -85,7 +85,8 @@ def expand_dims(x: Tensor, dims: str | DimsLike | Mapping[str, int]) -> Tensor:
     name -> size, along which the values repeat. ShapeError for a name `x` has."""
     if isinstance(dims, Mapping):
         names_not_positions(tuple(dims), "expand_dims")
-        new = tuple((d, int(n)) for d, n in dims.items())
+        size = lambda d, n: integer("expand_dims", f"the size of {d!r}", n, 0)
+        new = tuple((d, size(d, n)) for d, n in dims.items())
     else:
         new = tuple((d, 1) for d in parse_dims(dims, "expand_dims"))
     parse_dims(tuple(d for d, _ in new), "expand_dims")
@@ -126,13 +127,13 @@ _std = _moment("std")
 def var(x: Tensor, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
     """The variance over `dims` (all dims when None), with `ddof` delta degrees of
     freedom (divisor: count - ddof), as xarray and NumPy; the reduced dims leave."""
-    return bind(_var, x, axes=axes_of(x, dims, "var"), ddof=int(ddof))
+    return bind(_var, x, axes=axes_of(x, dims, "var"), ddof=integer("var", "ddof", ddof, 0))
 
 
 @remembered
 def std(x: Tensor, dims: DimsLike | None = None, ddof: int = 0) -> Tensor:
     """The standard deviation over `dims` (all dims when None), sqrt(var(x, dims, ddof))."""
-    return bind(_std, x, axes=axes_of(x, dims, "std"), ddof=int(ddof))
+    return bind(_std, x, axes=axes_of(x, dims, "std"), ddof=integer("std", "ddof", ddof, 0))
 
 
 # --- isel ---------------------------------------------------------------------------------

@@ -12,7 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from namedmesh.checks import agreed_sizes, axis_of, did_you_mean, names_not_positions, require_dims
+from namedmesh.checks import (
+    agreed_sizes,
+    axis_of,
+    did_you_mean,
+    integer,
+    names_not_positions,
+    require_dims,
+)
 from namedmesh.eager import remembered
 from namedmesh.elementwise import align
 from namedmesh.errors import LayoutError, ShapeError, fmt_dims
@@ -113,7 +120,7 @@ def reshape(x: Tensor, new: Mapping[str, int], from_: DimsLike) -> Tensor:
     if clash:
         raise ShapeError(f"reshape: new dim(s) {clash} already name other dims of {x.dims}")
     total = math.prod(x.size_of(d) for d in src)
-    sizes = [int(s) for s in new.values()]
+    sizes = [integer("reshape", f"the size of new dim {d!r}", s) for d, s in new.items()]
     if sizes.count(-1) == 1:
         known = math.prod(s for s in sizes if s != -1)
         sizes[sizes.index(-1)] = total // known if known and total % known == 0 else -2
@@ -228,7 +235,7 @@ def split(x: Tensor, dim: str, sizes: int | Sequence[int]) -> tuple[Tensor, ...]
         if sizes < 1 or n % sizes:
             raise ShapeError(f"split: {sizes} equal parts do not divide dim {dim!r} of size {n}")
         sizes = (n // sizes,) * sizes
-    sizes = tuple(int(s) for s in sizes)
+    sizes = tuple(integer("split", f"a part's size along {dim!r}", s) for s in sizes)
     if builtins.sum(sizes) != n or builtins.min(sizes) < 0:
         raise ShapeError(f"split: sizes {sizes} do not add up to the size {n} of dim {dim!r}")
     return bind(_split, x, axis=axis, sizes=sizes)
@@ -263,6 +270,9 @@ def slice_(
     axis = axis_of(x, dim, "slice")
     if not isinstance(step, int | np.integer) or step < 1:
         raise ShapeError(f"slice: step must be a positive int, got {step!r} for dim {dim!r}")
+    for what, v in (("start", start), ("stop", stop)):
+        if v is not None:
+            integer("slice", f"{what} along {dim!r}", v)
     start, stop, step = builtins.slice(start, stop, step).indices(x.shape[axis])
     stop = builtins.max(stop, start)
     return bind(_slice, x, axis=axis, start=start, stop=stop, step=step)
@@ -290,13 +300,13 @@ def pad(x: Tensor, widths: Mapping[str, int | tuple[int, int]], value=0) -> Tens
     pairs = []
     for d in x.dims:
         w = widths.get(d, (0, 0))
-        pair = (w, w) if isinstance(w, int) else tuple(w)
+        pair = tuple(w) if isinstance(w, tuple | list | np.ndarray) else (w, w)
         if len(pair) != 2:
             raise ShapeError(f"pad: width for dim {d!r} must be an int or (lo, hi), got {w!r}")
-        lo, hi = pair
+        lo, hi = (integer("pad", f"the width for dim {d!r}", v) for v in pair)
         if lo < 0 or hi < 0:
             raise ShapeError(f"pad: negative width {w!r} for dim {d!r}")
-        pairs.append((int(lo), int(hi)))
+        pairs.append((lo, hi))
     return bind(_pad, x, widths=tuple(pairs), value=value)
 
 
@@ -334,7 +344,8 @@ def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tenso
     Positions left empty get `fill`; with `wrap=True` values leaving one end enter the other.
     """
     axis = axis_of(x, dim, "shift")
-    return bind(_shift, x, axis=axis, offset=int(offset), wrap=bool(wrap), fill=fill)
+    offset = integer("shift", "offset", offset)
+    return bind(_shift, x, axis=axis, offset=offset, wrap=bool(wrap), fill=fill)
 
 
 # --- one_hot / gather / stop_gradient ------------------------------------------------
@@ -365,9 +376,8 @@ def one_hot(indices: Tensor, dim: str, n: int, dtype=np.float32) -> Tensor:
     for out-of-range indices)."""
     if dim in indices.dims:
         raise ShapeError(f"one_hot: new dim {dim!r} is already a dim of {indices.dims}")
-    if int(n) < 0:
-        raise ShapeError(f"one_hot: size of the new dim {dim!r} must be >= 0, got {n}")
-    return bind(_one_hot, indices, dim=dim, n=int(n), dtype=np.dtype(dtype))
+    n = integer("one_hot", f"the size of the new dim {dim!r}", n, 0)
+    return bind(_one_hot, indices, dim=dim, n=n, dtype=np.dtype(dtype))
 
 
 def _gather_dims(x, idx, axis):

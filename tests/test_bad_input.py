@@ -83,3 +83,42 @@ def test_a_layout_naming_an_axis_the_mesh_lacks_names_it_and_the_closest_axis():
         r"'rows'\? Its axes: \['rows', 'cols'\]",
     ):
         lower(lambda t: t * 2, Mesh({"rows": 2, "cols": 4}), "b:rowz").plan(X)
+
+
+Q = nm.tensor(np.ones((2, 4, 8), np.float32), "heads length d_kv")
+K = nm.tensor(np.ones((2, 4, 8), np.float32), "heads memory d_kv")
+IDX = nm.tensor(np.array([1, 0]), "i")
+INT_PARAMS = [  # (call with a float where an int is meant, what the error names)
+    (lambda n: nm.one_hot(IDX, "c", n), "one_hot: the size of the new dim 'c'"),
+    (lambda n: nm.slice(X, "s", n, 6), "slice: start along 's'"),
+    (lambda n: nm.slice(X, "s", 0, n), "slice: stop along 's'"),
+    (lambda n: nm.pad(X, {"s": (n, 0)}), "pad: the width for dim 's'"),
+    (lambda n: nm.pad(X, {"s": n}), "pad: the width for dim 's'"),
+    (lambda n: nm.reshape(X, {"p": n, "q": -1}, from_="s"), "reshape: the size of new dim 'p'"),
+    (lambda n: nm.split(X, "s", (n, 8 - n)), "split: a part's size along 's'"),
+    (lambda n: nm.shift(X, "s", n), "shift: offset"),
+    (lambda n: nm.expand_dims(X, {"e": n}), "expand_dims: the size of 'e'"),
+    (lambda n: nm.var(X, "s", ddof=n), "var: ddof"),
+    (lambda n: nm.random.key(n), "key: seed"),
+    (lambda n: nm.random.integers(0, {"i": 3}, n, 9), "integers: low"),
+    (lambda n: nm.dot_product_attention(Q, K, K, window=n), "dot_product_attention: window"),
+]
+
+
+@pytest.mark.parametrize("call, names", INT_PARAMS, ids=[n for _, n in INT_PARAMS])
+def test_an_int_parameter_refuses_a_float_rather_than_cutting_it(call, names):
+    """2.0 and 2.5 alike: int(2.5) would silently run the op with 2; NumPy refuses a
+    float size or index the same way. A NumPy integer is an int."""
+    for bad in (2.0, 2.5, True):
+        with pytest.raises(nm.ArgumentError, match=f"^{names} must be an int, got {bad!r}$"):
+            call(bad)
+    call(np.int64(2))  # accepted
+
+
+def test_attention_flags_are_checked_at_the_call():
+    with pytest.raises(nm.ShapeError, match="window must be >= 0, got -1"):
+        nm.dot_product_attention(Q, K, K, window=-1)
+    with pytest.raises(nm.ArgumentError, match="causal must be True or False, got 'yes'"):
+        nm.dot_product_attention(Q, K, K, causal="yes")
+    with pytest.raises(nm.ArgumentError, match="scale must be a number, got 'a'"):
+        nm.dot_product_attention(Q, K, K, scale="a")
