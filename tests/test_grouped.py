@@ -82,3 +82,22 @@ def test_training_step_holds_no_per_block_weight_copies():
     step = jax.jit(jax.value_and_grad(lambda x, w: (grouped_rows(x, w, g) ** 2).sum(), (0, 1)))
     temp = step.lower(x, w).compile().memory_analysis().temp_size_in_bytes
     assert temp <= 2 * 4 * (n * (d + f) + e * d * f)
+
+
+# the weight split over its groups: rows whole there (each device its groups' rows, a
+# psum combines), or split there and over another axis too (rows sent to their groups'
+# devices by all_to_all; the weight's gradient varies over both axes in the custom vjp
+# and is summed over the other)
+@pytest.mark.parametrize("layout", ["experts:e;t:d", "experts:e;t:e,d"])
+def test_gradients_with_the_weight_split_over_its_groups_equal_the_dense_product(layout):
+    from lowering import Mesh, lower
+
+    x = R.normal(size=(64, 6)).astype(np.float32)
+    w = R.normal(size=(GROUPS, 6, 5)).astype(np.float32)
+    g = skewed(64)
+    f = lower(lambda x, w, g: nm.grouped_matmul(x, w, g), Mesh({"e": 4, "d": 2}), layout)
+    named = lambda x, w: f(nm.tensor(x, "t d"), nm.tensor(w, "experts d f"), nm.tensor(g, "t"))  # noqa: E731
+    got = jax.grad(lambda x, w: jnp.sum(jnp.sin(named(x, w).data)), (0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(jnp.sin(dense(x, w, g))), (0, 1))(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
