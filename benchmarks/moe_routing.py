@@ -1,10 +1,12 @@
 """The MoE layer's routings compared by the compiled program's flops (XLA's
-cost_analysis of forward and backward, one CPU device): dropless by sorted blocks
-(`nm.grouped_matmul`), dropless by `jax.lax.ragged_dot` (which XLA's CPU backend
-lowers to a dense product over every expert), and capacity routing's one-hot
-dispatch, beside the exact expert matmuls' flops (the gradient is the parameters':
-each of wi and wo costs its forward product and its weight gradient's, and wo its
-input gradient's too: 5 x 2·tokens·k·d·f).
+cost_analysis of forward and backward, one CPU device): dropless by
+`jax.lax.ragged_dot` (which XLA's CPU backend lowers to a dense product over every
+expert) and capacity routing's one-hot dispatch, beside the exact expert matmuls'
+flops (the gradient is the parameters': each of wi and wo costs its forward product
+and its weight gradient's, and wo its input gradient's too: 5 x 2·tokens·k·d·f).
+`nm.grouped_matmul`'s kernel loops over the experts and their rows' blocks, whose trip
+counts XLA's count cannot know (it counts a loop's body once): its time against
+PyTorch's is benchmarks/grouped_kernel.py's.
 
     python -m benchmarks.moe_routing --batch 16 --length 128 --d-model 256 --d-ff 1024 \\
         --experts 8
@@ -83,7 +85,6 @@ def main(argv=None) -> None:
     with rows_by(ragged_dot_rows):
         ragged = flops(cfg)
     rows = [
-        ("dropless: nm.grouped_matmul (sorted blocks)", flops(cfg)),
         ("dropless: jax.lax.ragged_dot", ragged),
         ("capacity 1.25: one-hot dispatch einsums", flops(cfg.replace(routing="capacity"))),
     ]

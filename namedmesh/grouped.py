@@ -4,11 +4,13 @@
 out[g..., o...] = sum_c x[g..., c...] * w[group[g...], c..., o...]
 
 Its meaning names no order: the sort by group is how the jax implementation runs it
-(rows sorted by group, each group padded to whole blocks, one batched matmul of the
-blocks against their groups' weights, then unsorted), so a row costs about one row's
-matmul whatever the groups' sizes (`block_rows`). `jax.lax.ragged_dot` states the same
-product but lowers on CPU to a dense product over every group (groups times the
-flops: benchmarks/moe_routing.py). A group outside
+(rows sorted by group, then a loop over the groups, each multiplying its rows by its
+weight in blocks of up to 128 rows: the weight sliced once per group, never copied per
+block; the gradient by the same loops, a custom vjp), so a row costs about one row's matmul
+whatever the groups' sizes. `jax.lax.ragged_dot` states the same product but lowers
+on CPU to a dense product over every group (groups times the flops), and an earlier
+kernel here, one batched matmul of padded blocks against a gathered copy of each
+block's weight, ran 2-4x slower (benchmarks/grouped_kernel.py). A group outside
 [0, groups) gives a zero row: an expert-parallel shard passes the groups of the other
 shards that way (lowering/rules/grouped.py).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -94,40 +97,154 @@ def _grouped_np(x, w, group, dim, dims):
     return np.where(inside[:, None], y, np.zeros((), dtype)).reshape(shape)  # 0, never NaN
 
 
-def block_rows(rows: int, groups: int) -> int:
-    """Rows per block of the grouped matmul: a power of two in [8, 128], at most an
-    eighth of the rows a group has when they spread evenly. The blocks are sized for
-    the worst case, each group's last block part empty (groups x (block - 1) rows more
-    than `rows`: at most an eighth more, once rows >= 64 x groups), and each block
-    reads its group's weight (fewer, larger blocks read fewer)."""
-    share = max(1, rows // (8 * max(groups, 1)))
-    return min(128, max(8, 1 << (share.bit_length() - 1)))
+BLOCK = 128  # rows of the largest block: no weight is copied per block, so large ones
+
+
+def block_sizes(rows: int) -> tuple[int, ...]:
+    """Row block sizes of the grouped matmul, largest first: a power of two in [8,
+    BLOCK] at most `rows`, then its halves down to 8. A group's rows are covered by
+    whole blocks of the largest size, then at most one of each smaller size, the last
+    (8 rows) rounding up: fewer than 8 rows of a group's are computed in vain."""
+    top = min(BLOCK, max(8, 1 << (max(rows, 1).bit_length() - 1)))
+    return tuple(top >> i for i in range(top.bit_length() - 3))
+
+
+def _varying(a, *like):
+    """`a` typed varying over the mesh axes any of `like` varies over, inside shard_map
+    (a loop's carry must be, as its body's results are); as is outside."""
+
+    def vma(a):
+        aval = jax.typeof(a)
+        v = getattr(aval, "vma", None)
+        return set(aval.manual_axis_type.varying if v is None else v)
+
+    axes = tuple(set().union(*(vma(b) for b in like)) - vma(a))
+    return jax.lax.pcast(a, axes, to="varying") if axes else a
+
+
+def _sort(g, groups: int):
+    """(order: the rows sorted by group, rows of a group outside [0, groups) last;
+    each group's first sorted row; each group's row count; which rows are inside)."""
+    inside = (g >= 0) & (g < groups)
+    key = jnp.where(inside, g, groups)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros(groups + 1, jnp.int32).at[key].add(1)[:groups]
+    return order, jnp.cumsum(sizes) - sizes, sizes, inside
+
+
+def _over_blocks(sizes: tuple[int, ...], first, count, body, carry):
+    """carry through body(carry, row, rows) for the blocks covering sorted rows [first,
+    first + count) (`block_sizes`); a block may reach past them (into the next
+    group's rows, or the zero rows after the last)."""
+    done = jnp.zeros((), jnp.int32)
+    for i, size in enumerate(sizes):
+        left = count - done
+        n = (left + size - 1) // size if i == len(sizes) - 1 else left // size
+        step = lambda j, c, size=size, at=first + done: body(c, at + j * size, size)  # noqa: E731
+        carry = jax.lax.fori_loop(0, n, step, carry)
+        done = done + n * size
+    return carry
+
+
+def _rows(a, row, size):
+    return jax.lax.dynamic_slice_in_dim(a, row, size)
+
+
+def _sorted_product(xs, w, first, count, sizes, acc):
+    """ys (sorted rows, o): each group's sorted rows times its weight, group by group in
+    order, so the rows a group's last block writes past its own are written again by
+    the groups after (rows past the last group's hold garbage: the caller drops them)."""
+
+    def group(e, ys):
+        we = jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)  # one copy a group
+
+        def block(ys, row, size):
+            y = jnp.matmul(_rows(xs, row, size), we, preferred_element_type=acc)
+            return jax.lax.dynamic_update_slice_in_dim(ys, y.astype(ys.dtype), row, 0)
+
+        return _over_blocks(sizes, first[e], count[e], block, ys)
+
+    ys = _varying(jnp.zeros((xs.shape[0], w.shape[-1]), xs.dtype), xs, w, first)
+    return jax.lax.fori_loop(0, w.shape[0], group, ys)
+
+
+def _accumulator(dtype):
+    """Floats are summed in float32 at least (as the NumPy reference sums them)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.promote_types(dtype, jnp.float32)
+    return dtype
+
+
+def _padded(a, order, sizes):
+    """a's rows in `order`, then a largest block of zero rows (a block may reach past
+    the last row by less)."""
+    return jnp.pad(jnp.take(a, order, axis=0), ((0, sizes[0]), (0, 0)))
+
+
+def _forward(x, w, g):
+    n, sizes = x.shape[0], block_sizes(x.shape[0])
+    order, first, count, inside = _sort(g, w.shape[0])
+    xs = _padded(x, order, sizes)
+    ys = _sorted_product(xs, w, first, count, sizes, _accumulator(x.dtype))
+    rank = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    y = jnp.where(inside[:, None], jnp.take(ys, rank, axis=0), jnp.zeros((), ys.dtype))
+    return y, (xs, w, order, rank, first, count, inside)
+
+
+def _backward(saved, dy):
+    """dx = dy w[g]^T row by row and dw[e] = the sum of x^T dy over group e's rows, both
+    by the forward's blocks (a block's rows past its group's masked out of dw)."""
+    xs, w, order, rank, first, count, inside = saved
+    acc = _accumulator(w.dtype)
+    sizes = block_sizes(rank.shape[0])
+    dys = _padded(jnp.where(inside[:, None], dy, jnp.zeros((), dy.dtype)), order, sizes)
+
+    def group(e, carry):
+        dxs, dw = carry
+        we = jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
+        end = first[e] + count[e]
+
+        def block(carry, row, size):
+            dxs, dwe = carry
+            mine = (row + jnp.arange(size) < end)[:, None]  # both masked: 0 x inf is NaN
+            dyb, xb = (_rows(a, row, size) for a in (dys, xs))
+            dyb, xb = (jnp.where(mine, a, jnp.zeros((), a.dtype)) for a in (dyb, xb))
+            dx = jnp.matmul(dyb, we.T, preferred_element_type=acc).astype(dxs.dtype)
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx, row, 0)
+            return dxs, dwe + jnp.einsum("nc,no->co", xb, dyb, preferred_element_type=acc)
+
+        dwe = _varying(jnp.zeros(w.shape[1:], acc), xs, dys, w, first)
+        dxs, dwe = _over_blocks(sizes, first[e], count[e], block, (dxs, dwe))
+        return dxs, jax.lax.dynamic_update_index_in_dim(dw, dwe.astype(dw.dtype), e, 0)
+
+    like = (xs, dys, w, first)
+    dxs = _varying(jnp.zeros(xs.shape, xs.dtype), *like)
+    dw = _varying(jnp.zeros(w.shape, w.dtype), *like)
+    dxs, dw = jax.lax.fori_loop(0, w.shape[0], group, (dxs, dw))
+    return jnp.take(dxs, rank, axis=0), dw, None
+
+
+@jax.custom_vjp
+def _differentiable(x, w, g):
+    return _forward(x, w, g)[0]
+
+
+_differentiable.defvjp(_forward, _backward)
 
 
 def grouped_rows(x, w, g):
     """x (n, c) @ w[g] (n, c, o) row by row, as grouped matmuls: rows sorted by group,
-    each group padded to whole blocks, each block multiplied by its group's weight.
-    Rows of a group outside [0, groups) are zero and cost nothing."""
-    n, groups = x.shape[0], w.shape[0]
-    block = block_rows(n, groups)
-    inside = (g >= 0) & (g < groups)
-    key = jnp.where(inside, g, groups)  # outside rows sort last, in no block
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.zeros(groups + 1, jnp.int32).at[key].add(1)[:groups]
-    starts = jnp.cumsum(sizes) - sizes  # each group's first sorted row
-    padded = (sizes + block - 1) // block * block
-    ends = jnp.cumsum(padded)  # each group's padded end
-    rank = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    safe = jnp.where(inside, g, 0)
-    blocks = (n + groups * (block - 1)) // block  # the most any sizes need
-    dest = jnp.where(inside, ends[safe] - padded[safe] + rank - starts[safe], blocks * block)
-    src = jnp.full(blocks * block, n, jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32))
-    xb = jnp.take(x, src, axis=0, mode="fill", fill_value=0).reshape(blocks, block, -1)
-    owner = jnp.minimum(
-        jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), groups - 1
-    )
-    yb = jnp.einsum("nbc,nco->nbo", xb, w[owner], preferred_element_type=x.dtype)
-    return jnp.take(yb.reshape(blocks * block, -1), dest, axis=0, mode="fill", fill_value=0)
+    each group's rows multiplied by its weight in blocks (`block_sizes`), the weight
+    sliced once per group, never copied per block; the gradient likewise (a custom vjp: the
+    loops' trip counts are the groups' sizes). Rows of a group outside [0, groups) are
+    zero and cost nothing."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        # x and w varying wherever the product does (inside shard_map), before the custom
+        # vjp: its cotangents vary there, and jax sums them back over the axes that x or
+        # w was invariant over (the cast's transpose, a psum)
+        x, w = (_varying(a, x, w, g) for a in (x, w))
+        return _differentiable(x, w, g)
+    return _forward(x, w, g)[0]
 
 
 def _grouped_jax(x, w, group, dim, dims):

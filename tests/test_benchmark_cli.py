@@ -13,6 +13,7 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("decode_latent", ["--rounds", "0"]),
     ("decode_latent", ["--batches", "1,x"]),
     ("gpu", ["--steps", "-3"]),
+    ("grouped_kernel", ["--rows", "0"]),
     ("moe_routing", ["--experts", "0"]),
     ("pipeline", ["--repeats", "0"]),
     ("quality", ["--steps", "abc"]),
