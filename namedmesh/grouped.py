@@ -106,11 +106,16 @@ def block_rows(rows: int, groups: int) -> int:
 
 def grouped_rows(x, w, g):
     """x (n, c) @ w[g] (n, c, o) row by row, as grouped matmuls: rows sorted by group,
-    each group padded to whole blocks, each block multiplied by its group's weight.
-    Rows of a group outside [0, groups) are zero and cost nothing."""
+    each group padded to whole blocks, each block multiplied by its group's weight;
+    fewer rows than half the groups, each row by its own group's weight. Rows of a
+    group outside [0, groups) are zero and cost nothing."""
     n, groups = x.shape[0], w.shape[0]
-    block = block_rows(n, groups)
     inside = (g >= 0) & (g < groups)
+    if 2 * n <= groups:  # fewer rows than half the groups (a decoding step's few tokens):
+        # each row's own weight, n weights copied and read, not a block's per group
+        y = jnp.einsum("nc,nco->no", x, w[jnp.where(inside, g, 0)], preferred_element_type=x.dtype)
+        return jnp.where(inside[:, None], y, jnp.zeros((), y.dtype))
+    block = block_rows(n, groups)
     key = jnp.where(inside, g, groups)  # outside rows sort last, in no block
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros(groups + 1, jnp.int32).at[key].add(1)[:groups]
