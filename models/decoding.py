@@ -199,6 +199,12 @@ def decode_step(
     return logits, cache
 
 
+def _picked(step: tuple, key, how: Sampling | None) -> tuple:
+    """(the tokens `choose` picks from a step's logits, its cache)."""
+    logits, cache = step
+    return choose(logits.transpose("batch", "vocab").data, key, how), cache
+
+
 MODES = ("greedy", "sample", "beam")
 
 
@@ -286,6 +292,12 @@ class Decoder:
             lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e), donate_argnums=3
         )
         self._grow_to = lambda size: build(lambda c: grown(c, size))
+        # the step and the choice of its tokens in one program, per `how` (one device)
+        self.mesh, self._picks = mesh, {}
+        self._pick_of = lambda how: jax.jit(
+            lambda p, t, i, c, e, k: _picked(decode_step(p, t, i, c, cfg, e), k, how),
+            donate_argnums=3,
+        )
         self._split = build(layer_caches)
         self._encode = build(lambda p, b: encode_memory(p, b, cfg))
         # each layer's parameters in buffers of their own, in the compute dtype, made once
@@ -302,9 +314,26 @@ class Decoder:
 
     def step_logits(self, tokens: np.ndarray, position, cache):
         """(logits (batch, vocab) as a jax.Array, new cache): `step` without the
-        log-softmax and the copy to the host (the decoding loop's step). The cache
-        (`layer_caches`' form; `init_cache`'s is split first) grows to the `bucket` of
-        its longest row when that row reaches its end: a copy per bucket, not per step."""
+        log-softmax and the copy to the host. The cache (`layer_caches`' form;
+        `init_cache`'s is split first) grows to the `bucket` of its longest row when
+        that row reaches its end: a copy per bucket, not per step."""
+        logits, cache = self._run(self._steps, self._step_of, tokens, position, cache)
+        return logits.transpose("batch", "vocab").data, cache
+
+    def step_tokens(self, tokens: np.ndarray, position, cache, draw, how: Sampling | None):
+        """(the next tokens (batch,) as NumPy, new cache): `step_logits`, then `choose`
+        with the key `draw` (None for greedy) and `how`; on one device in the step's
+        compiled program (the decoding loop's step: one dispatch per token, not two)."""
+        if self.mesh is not None:  # choose reads the whole vocab: after the lowered step
+            logits, cache = self.step_logits(tokens, position, cache)
+            return np.asarray(self._choose(logits, draw, how)), cache
+        make = lambda: self._pick_of(how)
+        tok, cache = self._run(self._picks.setdefault(how, {}), make, tokens, position, cache, draw)
+        return np.asarray(tok), cache
+
+    def _run(self, programs: dict, make, tokens, position, cache, *more):
+        """A step's program of `programs` (one per cache size, made by `make`) on NumPy
+        tokens and positions, after growing the cache to the longest row's bucket."""
         at = np.asarray(position)
         i = _ints(at, ("batch",) if at.ndim else ())
         t = _ints(np.asarray(tokens)[:, None], ("batch", "length"))
@@ -315,11 +344,10 @@ class Decoder:
             if size not in self._grow:
                 self._grow[size] = self._grow_to(size)
             cache = self._grow[size](cache)
-        key = cache_slots(cache)
-        if key not in self._steps:
-            self._steps[key] = self._step_of()
-        logits, cache = self._steps[key](self.params, t, i, cache, self.encoded)
-        return logits.transpose("batch", "vocab").data, cache
+        size = cache_slots(cache)
+        if size not in programs:
+            programs[size] = make()
+        return programs[size](self.params, t, i, cache, self.encoded, *more)
 
     def prefill_logits(self, rows: np.ndarray, lengths: np.ndarray):
         """(logits (batch, vocab) after each row's last real token as a jax.Array, the
@@ -419,17 +447,18 @@ class Decoder:
         rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
         logits, cache = self.prefill_logits(rows, lengths)
         key, fill = jax.random.key(seed), ends[0] if len(ends) else 0
+        draw = lambda i: None if how is None else jax.random.fold_in(key, i)  # greedy: none
+        tok = np.asarray(self._choose(logits, draw(0), how))
         count, done, out = lengths.copy(), lengths >= limit, []
         for i in range(max_new):
             if done.all():
                 break
-            draw = None if how is None else jax.random.fold_in(key, i)  # greedy draws nothing
-            tok = np.asarray(self._choose(logits, draw, how))
             tok = np.where(done, fill, tok)
             out.append(tok)
             done = done | np.isin(tok, ends) | (count + 1 >= limit)
             if i + 1 < max_new and not done.all():  # finished rows rewrite their last slot
-                logits, cache = self.step_logits(tok, np.minimum(count, limit - 1), cache)
+                at = np.minimum(count, limit - 1)
+                tok, cache = self.step_tokens(tok, at, cache, draw(i + 1), how)
             count = np.where(done, count, count + 1)
         return np.stack(out, axis=1) if out else np.zeros((len(rows), 0), np.int32)
 
