@@ -306,7 +306,7 @@ class Decoder:
         self.encoded = None  # an encoder-decoder's (cross keys and values, bias): `encode`
 
     # --- the compiled pieces, on NumPy rows ------------------------------------------
-    def step(self, tokens: np.ndarray, position, cache: dict):
+    def step(self, tokens: np.ndarray, position, cache):
         """(log-probabilities (batch, vocab) as NumPy, new cache) after feeding `tokens`
         (batch,) at `position` (an int, or one per row)."""
         logits, cache = self.step_logits(tokens, position, cache)
