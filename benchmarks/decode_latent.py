@@ -46,9 +46,9 @@ def bytes_per_token(dec, args) -> tuple[int, int]:
     """(the latent cache's bytes per token, a full key/value cache's) over every layer."""
     n = min(8, dec.slots)  # a prompt the cache holds, whatever --prompt and --new
     _, cache = dec.prefill_logits(np.ones((1, n), np.int32), np.array([n]))
-    slots = next(iter(cache.values())).size_of("memory")
-    latent = sum(t.data.nbytes for t in cache.values()) // slots
-    itemsize = next(iter(cache.values())).data.dtype.itemsize
+    entries = [t for layer in cache for t in layer.values()]  # one dict per layer
+    latent = sum(t.data.nbytes for t in entries) // entries[0].size_of("memory")
+    itemsize = entries[0].data.dtype.itemsize
     full = args.layers * args.heads * (args.nope + args.rope + args.v) * itemsize
     return latent, full
 

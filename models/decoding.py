@@ -29,7 +29,8 @@ def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
     (cfg.length by default), in the config's compute dtype; under capacity routing,
     "route" (layers, batch, memory, experts): the experts each position chose, whose
     counts before a position are the expert queues it joins. Inside a lowered program
-    the zeros are laid out by the layout's rules like any value."""
+    the zeros are laid out by the layout's rules like any value. The decoding programs
+    read it split by layer (`layer_caches`)."""
     sizes = {"layers": cfg.layers, "batch": batch, "memory": slots or cfg.length}
     dtype = compute_dtype(cfg)
     entries = transformer.ATTENTIONS[cfg.attention_variant].cache(cfg)
@@ -39,106 +40,133 @@ def init_cache(cfg: Config, batch: int, slots: int | None = None) -> dict:
     return cache
 
 
-def encode_memory(params: dict, batch: dict, cfg: Config) -> tuple[dict, nm.Tensor]:
+# The decoding programs read each layer's weights and cache as buffers of their own:
+# XLA:CPU copies a slice of a stacked array before a matmul reads it, so a layer scan
+# over stacked weights and caches copied every weight matrix and the attended part of
+# every cache once per layer per step (most of a batch-8 step's time).
+STACKS = ("dense", "layers")  # a decoder's stacks of layers, in the cache's order
+
+
+def unstacked(params: dict) -> dict:
+    """`params` with each decoder stack (params["dense"], params["layers"]) as a tuple of
+    its layers' parameters, their `layers` dim dropped; params already unstacked are
+    returned as they are. `Decoder` unstacks its parameters once."""
+    out = dict(params)
+    for name in STACKS:
+        if isinstance(params.get(name), dict):
+            out[name] = _split_layers(params[name])
+    return out
+
+
+def _split_layers(tree: dict) -> tuple:
+    n = jax.tree_util.tree_leaves(tree, is_leaf=_is_tensor)[0].size_of("layers")
+    return tuple(_layer(tree, i) for i in range(n))
+
+
+def _layer(tree: dict, i: int) -> dict:
+    return jax.tree_util.tree_map(lambda t: nm.isel(t, layers=i), tree, is_leaf=_is_tensor)
+
+
+def _is_tensor(t) -> bool:
+    return isinstance(t, nm.Tensor)
+
+
+def step_layout(t: nm.Tensor) -> nm.Tensor:
+    """A layer's cache entry with `memory` just before its last dim: keys and values
+    (batch, kv_heads, memory, d_kv), each head's positions rows of one matrix, which the
+    score matmul (q.k, both minor dims contracted) and the weights' (w.v) read as they
+    lie, with no transposed copy per step; a latent (batch, memory, latent) as it is."""
+    rest = [d for d in t.dims if d != "memory"]
+    return t.transpose(*rest[:-1], "memory", rest[-1])
+
+
+def layer_caches(cache) -> tuple:
+    """A cache as the decoding programs take it, a tuple of one {name: Tensor} per layer
+    in `step_layout` (the dense stack's layers first): `init_cache`'s stacked cache split
+    by layer; a tuple of layers as it is."""
+    if not isinstance(cache, dict):
+        return tuple(cache)
+    n = next(iter(cache.values())).size_of("layers")
+    return tuple({k: step_layout(nm.isel(t, layers=i)) for k, t in cache.items()} for i in range(n))
+
+
+def cache_slots(cache: tuple) -> int:
+    """The positions a tuple of layer caches holds (its capacity)."""
+    return transformer.slots_of(cache[0])
+
+
+def grown(cache: tuple, slots: int) -> tuple:
+    """Layer caches padded with empty slots up to `slots` positions."""
+    more = {"memory": (0, slots - cache_slots(cache))}
+    return tuple({k: nm.pad(t, more) for k, t in c.items()} for c in cache)
+
+
+def encode_memory(params: dict, batch: dict, cfg: Config) -> tuple[tuple, nm.Tensor]:
     """(cross keys and values, padding bias (batch, memory)) of an encoder-decoder: the
     encoder run once over batch["inputs"] (batch["input_weights"]: 1 real, 0 padding),
-    and its output projected by every decoder layer's cross-attention, {"k", "v"}
-    (layers, batch, memory, heads or kv_heads, d_kv) in the compute dtype. Decoding
+    and its output projected by every decoder layer's cross-attention, one {"k", "v"}
+    (batch, memory, heads or kv_heads, d_kv) per layer in the compute dtype. Decoding
     steps read them beside the self-attention cache instead of projecting the memory
     again; inside a lowered program they are laid out by the layout's rules like it."""
-    params = transformer.compute_params(params, cfg)
+    params = unstacked(transformer.compute_params(params, cfg))
     memory, bias, _ = transformer.encode(params, batch, cfg)
-    return project_kv(memory, params["layers"]["cross"], cfg, ("layers",)), bias
+    return tuple(project_kv(memory, p["cross"], cfg) for p in params["layers"]), bias
 
 
-def _run_layers(
-    params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, encoded, attend=None
-):
-    """(hidden states, keys and values of x's positions (layers, batch, memory, ...)): the
-    decoder stack over x at `position` attending over `cache` (its slots hold every
-    position x's queries see, x's own included once written there), and an
-    encoder-decoder's `encoded` (cross keys and values, bias) of `encode_memory`. With
-    `attend`, each layer reads only the first `attend` slots of its cache."""
-    slots = attend or transformer.slots_of(cache)
+def _run_layers(params: dict, x: nm.Tensor, cfg: Config, caches: tuple, position, encoded):
+    """(hidden states, each layer's cache with x's keys and values written): the
+    decoder's layers one after another (unrolled; `unstacked` params) over x at
+    `position`, layer i attending over caches[i] (its slots hold every position x's
+    queries see, x's own included once written there), and an encoder-decoder's
+    `encoded` (per-layer cross keys and values, bias) of `encode_memory`."""
+    slots = cache_slots(caches)
     bias = None
     if "relative" in params:  # T5: the bias rows of these positions, shared by all layers
         bias = transformer.bucket_bias(params["relative"], cfg, slots, False, position)
-    if "dense" in params:  # the dense stack's layers come first in the cache
-        k, n = cfg.dense_layers, cfg.layers
-        first = {name: nm.slice(t, "layers", 0, k) for name, t in cache.items()}
-        rest = {name: nm.slice(t, "layers", k, n) for name, t in cache.items()}
-        dense = {**params, "layers": params["dense"]}
-        dense_cfg = transformer.dense_config(cfg)
-        x, kv = _run_stack(dense, x, dense_cfg, first, position, bias, None, attend)
-        x, more = _run_stack(params, x, cfg, rest, position, bias, encoded, attend)
-        return x, {name: nm.concat([kv[name], more[name]], "layers") for name in kv}
-    return _run_stack(params, x, cfg, cache, position, bias, encoded, attend)
-
-
-def _run_stack(
-    params: dict, x: nm.Tensor, cfg: Config, cache: dict, position, bias, encoded, attend
-):
-    """`_run_layers` over the one stack params["layers"] and its `cache`."""
-    slots = attend or transformer.slots_of(cache)
     cross, memory_bias = (None, None) if encoded is None else encoded
-    xs = {"p": params["layers"], "cache": cache}
-    if cross is not None:
-        xs["cross"] = cross
-    n = x.size_of("length")
-    if (consts := layer_constants(cfg, slots)) is not None:
-        xs["layer"] = consts  # each layer's window and rotary frequencies
-
-    def body(h, x):
-        if attend:  # the layer's first `attend` slots, sliced here: one copy, not two
-            x = {**x, "cache": {n: nm.slice(t, "memory", 0, attend) for n, t in x["cache"].items()}}
-        h, _, new = transformer.block(
-            h,
-            x["p"],
-            cfg,
-            None,
-            causal=True,
-            bias=bias,
-            memory_bias=memory_bias,
-            memory_kv=x.get("cross"),
-            cache=x["cache"],
-            position=position,
-            layer=x.get("layer"),
-        )
-        return h, {name: _written(t, position, n) for name, t in new.items()}
-
-    return nm.scan(body, x, xs, "layers")
-
-
-def _written(t: nm.Tensor, position, n: int) -> nm.Tensor:
-    """The n slots of a layer's cache `t` that a pass at `position` wrote: a prefill's
-    first n, or a step's one slot per row (gathered, so that only those leave the scan)."""
-    if "length" in position.dims:
-        return nm.slice(t, "memory", 0, n)
-    at = nm.expand_dims(position, {"slot": 1})
-    return nm.gather(t, "memory", at).rename(slot="memory").transpose(*t.dims)
+    configs = {"dense": transformer.dense_config(cfg), "layers": cfg}
+    written = []
+    for stack in (s for s in STACKS if s in params):
+        c = configs[stack]
+        consts = layer_constants(c, slots)  # each layer's window and rotary frequencies
+        for j, p in enumerate(params[stack]):
+            layer = None if consts is None else {k: nm.isel(t, layers=j) for k, t in consts.items()}
+            x, _, new = transformer.block(
+                x,
+                p,
+                c,
+                None,
+                causal=True,
+                bias=bias,
+                memory_bias=memory_bias,
+                memory_kv=None if cross is None or stack == "dense" else cross[j],
+                cache=caches[len(written)],
+                position=position,
+                layer=layer,
+            )
+            written.append(new)
+    return x, tuple(written)
 
 
 def prefill_step(
     params: dict, tokens: nm.Tensor, last, cfg: Config, slots: int, encoded=None
-) -> tuple[nm.Tensor, dict]:
+) -> tuple[nm.Tensor, tuple]:
     """(logits, cache) after one forward pass over the prompts `tokens` (batch, length;
     ints, right-padded) that writes their keys and values into the first `length` slots
-    of a fresh cache of `slots` positions; the pass attends over those `length` slots
-    alone. `last` (int Tensor over batch) is each row's last real position: logits
-    (batch, vocab) after it; None: logits (batch, length, vocab) at every position. The
-    causal mask keeps a row's padding out of its real positions' attention, and the
-    steps that follow overwrite the padded slots before any query may see them, so a
-    padded row decodes as it would alone."""
-    params = transformer.compute_params(params, cfg)
+    of a fresh cache of `slots` positions (`layer_caches`' form); the pass attends over
+    those `length` slots alone. `last` (int Tensor over batch) is each row's last real
+    position: logits (batch, vocab) after it; None: logits (batch, length, vocab) at
+    every position. The causal mask keeps a row's padding out of its real positions'
+    attention, and the steps that follow overwrite the padded slots before any query
+    may see them, so a padded row decodes as it would alone."""
+    params = unstacked(transformer.compute_params(params, cfg))
     n = tokens.size_of("length")
     x = transformer.embed_inputs(params, tokens, cfg)
-    positions = nm.arange("length", n)
-    x, kv = _run_layers(params, x, cfg, init_cache(cfg, tokens.size_of("batch"), n), positions,
-                        encoded)  # fmt: skip
-    cache = {name: nm.pad(t, {"memory": (0, slots - n)}) for name, t in kv.items()}
+    empty = layer_caches(init_cache(cfg, tokens.size_of("batch"), n))
+    x, cache = _run_layers(params, x, cfg, empty, nm.arange("length", n), encoded)
     if last is not None:  # the output projection only where a token is chosen
         x = nm.gather(x, "length", last)
-    return transformer.output_logits(params, x, cfg), cache
+    return transformer.output_logits(params, x, cfg), grown(cache, slots)
 
 
 def bucket(filled: int, slots: int, least: int = 64) -> int:
@@ -150,32 +178,31 @@ def bucket(filled: int, slots: int, least: int = 64) -> int:
 
 
 def decode_step(
-    params: dict,
-    tokens: nm.Tensor,
-    position,
-    cache: dict,
-    cfg: Config,
-    encoded=None,
-    attend: int | None = None,
-):
+    params: dict, tokens: nm.Tensor, position, cache, cfg: Config, encoded=None
+) -> tuple[nm.Tensor, tuple]:
     """(logits (batch, vocab), new cache): the next-token logits after `tokens` (batch,
     length=1; ints) at `position` (an int Tensor: 0-d, or over batch for rows at
-    different positions), given the cache of the positions before. The step attends
-    over the cache's first `attend` slots (all by default; more than every row's
-    position: `bucket`) and writes the new keys and values into the cache with
-    `nm.update_slice`, in place when the cache's buffers are donated (`Decoder` does).
-    An encoder-decoder's decoder takes `encoded`, the (cross keys and values, padding
-    bias) of `encode_memory`, and attends to them in every layer."""
-    params = transformer.compute_params(params, cfg)
+    different positions), given the cache of the positions before (`layer_caches`' form,
+    or `init_cache`'s). The step attends over every slot of the cache (`Decoder` keeps
+    it `bucket`-sized, a few slots past the longest row) and writes the new keys and
+    values with `nm.update_slice`, in place when the cache's buffers are donated
+    (`Decoder` does). An encoder-decoder's decoder takes `encoded`, the (cross keys and
+    values, padding bias) of `encode_memory`, and attends to them in every layer."""
+    params = unstacked(transformer.compute_params(params, cfg))
     x = transformer.embed_tokens(params, tokens, cfg)
     if "pos" in params:
         at = position + cfg.position_offset if cfg.position_offset else position
         x = x + nm.gather(params["pos"].rename(length="memory"), "memory", at)
     x = transformer.embed_extras(params, x, cfg)
-    x, new = _run_layers(params, x, cfg, cache, position, encoded, attend)
-    cache = {name: nm.update_slice(cache[name], "memory", position, new[name]) for name in cache}
+    x, cache = _run_layers(params, x, cfg, layer_caches(cache), position, encoded)
     logits = transformer.output_logits(params, x, cfg).sum("length")
     return logits, cache
+
+
+def _picked(step: tuple, key, how: Sampling | None) -> tuple:
+    """(the tokens `choose` picks from a step's logits, its cache)."""
+    logits, cache = step
+    return choose(logits.transpose("batch", "vocab").data, key, how), cache
 
 
 MODES = ("greedy", "sample", "beam")
@@ -221,14 +248,16 @@ def _widen(encoded, rows: int):
 
 
 def _ints(x, dims) -> nm.Tensor:
-    return nm.tensor(jnp.asarray(np.asarray(x), jnp.int32), dims)
+    return nm.tensor(jnp.asarray(np.asarray(x, np.int32)), dims)  # int32 on the host
 
 
 class Decoder:
-    """Decoding with one model's parameters over a KV cache of `slots` positions per
-    layer (cfg.length by default; the most tokens a row holds, prompt included), one
-    compiled prefill per prompt width and one compiled step per `bucket` of attended
-    slots, the cache donated to it (written in place). With a `mesh` and `layout`,
+    """Decoding with one model's parameters, each layer's in buffers of its own
+    (`unstacked`), over a KV cache of at most `slots` positions per layer (cfg.length by
+    default; the most tokens a row holds, prompt included) that holds the `bucket` of
+    its longest row and grows by buckets: one compiled prefill per prompt width, one
+    compiled step per cache size, the cache donated to it (written in place). With a
+    `mesh` and `layout`,
     prefill, step and encoder are lowered under the layout: the cache, the parameters
     and the activations are split by its rules (`batch:data;heads:model` splits the
     cache's batch and heads) and the tokens are those of one device."""
@@ -251,41 +280,74 @@ class Decoder:
             layout = Layout(layout.rules, layout.strict, shared=True)
         build = jax.jit if mesh is None else (lambda f: lower(f, mesh, layout))
         n = self.slots
-        self._prefill = build(lambda p, t, i, e: prefill_step(p, t, i, cfg, n, e))
-        # one compiled step per bucket of attended slots; the cache's buffers are donated,
-        # so XLA writes the new position into them in place
-        donate = jax.jit if mesh is None else (lambda f, **_: lower(f, mesh, layout))
-        self._steps = {}
-        self._step_of = lambda b: donate(
-            lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e, b), donate_argnums=3
+        # a prefill's cache holds the bucket past its prompts' width
+        self._prefill = build(
+            lambda p, t, i, e: prefill_step(p, t, i, cfg, bucket(t.size_of("length") + 1, n), e)
         )
+        # one compiled step per cache size (`bucket`); the cache's buffers are donated, so
+        # XLA writes the new position into them in place
+        donate = jax.jit if mesh is None else (lambda f, **_: lower(f, mesh, layout))
+        self._steps, self._grow = {}, {}
+        self._step_of = lambda: donate(
+            lambda p, t, i, c, e: decode_step(p, t, i, c, cfg, e), donate_argnums=3
+        )
+        self._grow_to = lambda size: build(lambda c: grown(c, size))
+        # the step and the choice of its tokens in one program, per `how` (one device)
+        self.mesh, self._picks = mesh, {}
+        self._pick_of = lambda how: jax.jit(
+            lambda p, t, i, c, e, k: _picked(decode_step(p, t, i, c, cfg, e), k, how),
+            donate_argnums=3,
+        )
+        self._split = build(layer_caches)
         self._encode = build(lambda p, b: encode_memory(p, b, cfg))
-        # the compute dtype's copy of the parameters, made once rather than every step
-        if mesh is not None or cfg.dtype != "float32":
-            params = build(lambda p: transformer.compute_params(p, cfg))(params)
-        self.params = params
+        # each layer's parameters in buffers of their own, in the compute dtype, made once
+        self.params = build(lambda p: unstacked(transformer.compute_params(p, cfg)))(params)
         self._choose = jax.jit(choose, static_argnums=2)
         self.encoded = None  # an encoder-decoder's (cross keys and values, bias): `encode`
 
     # --- the compiled pieces, on NumPy rows ------------------------------------------
-    def step(self, tokens: np.ndarray, position, cache: dict):
+    def step(self, tokens: np.ndarray, position, cache):
         """(log-probabilities (batch, vocab) as NumPy, new cache) after feeding `tokens`
         (batch,) at `position` (an int, or one per row)."""
         logits, cache = self.step_logits(tokens, position, cache)
         return np.asarray(jax.nn.log_softmax(logits, -1)), cache
 
-    def step_logits(self, tokens: np.ndarray, position, cache: dict):
+    def step_logits(self, tokens: np.ndarray, position, cache):
         """(logits (batch, vocab) as a jax.Array, new cache): `step` without the
-        log-softmax and the copy to the host (the decoding loop's step)."""
+        log-softmax and the copy to the host. The cache (`layer_caches`' form;
+        `init_cache`'s is split first) grows to the `bucket` of its longest row when
+        that row reaches its end: a copy per bucket, not per step."""
+        logits, cache = self._run(self._steps, self._step_of, tokens, position, cache)
+        return logits.transpose("batch", "vocab").data, cache
+
+    def step_tokens(self, tokens: np.ndarray, position, cache, draw, how: Sampling | None):
+        """(the next tokens (batch,) as NumPy, new cache): `step_logits`, then `choose`
+        with the key `draw` (None for greedy) and `how`; on one device in the step's
+        compiled program (the decoding loop's step: one dispatch per token, not two)."""
+        if self.mesh is not None:  # choose reads the whole vocab: after the lowered step
+            logits, cache = self.step_logits(tokens, position, cache)
+            return np.asarray(self._choose(logits, draw, how)), cache
+        make = lambda: self._pick_of(how)
+        tok, cache = self._run(self._picks.setdefault(how, {}), make, tokens, position, cache, draw)
+        return np.asarray(tok), cache
+
+    def _run(self, programs: dict, make, tokens, position, cache, *more):
+        """A step's program of `programs` (one per cache size, made by `make`) on NumPy
+        tokens and positions, after growing the cache to the longest row's bucket."""
         at = np.asarray(position)
         i = _ints(at, ("batch",) if at.ndim else ())
         t = _ints(np.asarray(tokens)[:, None], ("batch", "length"))
         self._check_encoded(len(t.data))
-        b = bucket(int(at.max()) + 1, self.slots)
-        if b not in self._steps:
-            self._steps[b] = self._step_of(b)
-        logits, cache = self._steps[b](self.params, t, i, cache, self.encoded)
-        return logits.transpose("batch", "vocab").data, cache
+        cache = self._split(cache) if isinstance(cache, dict) else cache
+        size = bucket(int(at.max()) + 1, self.slots)
+        if size > cache_slots(cache):
+            if size not in self._grow:
+                self._grow[size] = self._grow_to(size)
+            cache = self._grow[size](cache)
+        size = cache_slots(cache)
+        if size not in programs:
+            programs[size] = make()
+        return programs[size](self.params, t, i, cache, self.encoded, *more)
 
     def prefill_logits(self, rows: np.ndarray, lengths: np.ndarray):
         """(logits (batch, vocab) after each row's last real token as a jax.Array, the
@@ -314,8 +376,7 @@ class Decoder:
         """As `prefill` without padding, a token at a time through `step` (the way
         decoding prefilled before the one-pass prefill; the benchmark's baseline)."""
         rows = np.asarray(rows)
-        cache = init_cache(self.cfg, rows.shape[0], self.slots)
-        cache = {k: nm.tensor(jnp.asarray(v.data), v.dims) for k, v in cache.items()}
+        cache = layer_caches(init_cache(self.cfg, rows.shape[0], bucket(1, self.slots)))
         for i in range(rows.shape[1]):
             logp, cache = self.step(rows[:, i], i, cache)
         return logp, cache, rows.shape[1]
@@ -386,16 +447,18 @@ class Decoder:
         rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
         logits, cache = self.prefill_logits(rows, lengths)
         key, fill = jax.random.key(seed), ends[0] if len(ends) else 0
+        draw = lambda i: None if how is None else jax.random.fold_in(key, i)  # greedy: none
+        tok = np.asarray(self._choose(logits, draw(0), how))
         count, done, out = lengths.copy(), lengths >= limit, []
         for i in range(max_new):
             if done.all():
                 break
-            tok = np.asarray(self._choose(logits, jax.random.fold_in(key, i), how))
             tok = np.where(done, fill, tok)
             out.append(tok)
             done = done | np.isin(tok, ends) | (count + 1 >= limit)
             if i + 1 < max_new and not done.all():  # finished rows rewrite their last slot
-                logits, cache = self.step_logits(tok, np.minimum(count, limit - 1), cache)
+                at = np.minimum(count, limit - 1)
+                tok, cache = self.step_tokens(tok, at, cache, draw(i + 1), how)
             count = np.where(done, count, count + 1)
         return np.stack(out, axis=1) if out else np.zeros((len(rows), 0), np.int32)
 
@@ -491,7 +554,7 @@ class Decoder:
                 parent, tok = np.unravel_index(best, total.shape)
                 seqs = np.concatenate([seqs[parent], tok[:, None]], axis=1)
                 scores = total[parent, tok]
-                cache = {k: _rows(v, parent) for k, v in cache.items()}
+                cache = tuple({k: _rows(v, parent) for k, v in c.items()} for c in cache)
                 rows = np.concatenate([rows[np.minimum(parent, len(rows) - 1)], tok[:, None]], 1)
                 self.encoded = None if one is None else _widen(one, len(parent))
                 logp, cache, pos = self._advance(rows, cache, pos)

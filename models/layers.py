@@ -31,10 +31,12 @@ def compute_dtype(cfg: Config) -> np.dtype:
 
 
 def cast(params, dtype: np.dtype):
-    """The floating Tensors of a (nested dict of) parameters converted to `dtype`; the
-    conversion's transpose brings their gradients back in their own dtype."""
+    """The floating Tensors of a (nested dict or tuple of) parameters converted to
+    `dtype`; the conversion's transpose brings their gradients back in their own dtype."""
     if isinstance(params, dict):
         return {k: cast(v, dtype) for k, v in params.items()}
+    if isinstance(params, tuple):  # a stack's layers, unstacked (models/decoding.py)
+        return tuple(cast(v, dtype) for v in params)
     floating = np.issubdtype(params.dtype, np.floating) or params.dtype == np.dtype("bfloat16")
     return nm.astype(params, dtype) if floating and params.dtype != dtype else params
 

@@ -236,8 +236,14 @@ def grouped_rows(x, w, g):
     """x (n, c) @ w[g] (n, c, o) row by row, as grouped matmuls: rows sorted by group,
     each group's rows multiplied by its weight in blocks (`block_sizes`), the weight
     sliced once per group, never copied per block; the gradient likewise (a custom vjp: the
-    loops' trip counts are the groups' sizes). Rows of a group outside [0, groups) are
-    zero and cost nothing."""
+    loops' trip counts are the groups' sizes); fewer rows than half the groups (a decoding
+    step's few tokens), each row by its own group's weight. Rows of a group outside
+    [0, groups) are zero and cost nothing."""
+    n, groups = x.shape[0], w.shape[0]
+    if 2 * n <= groups:  # n weights read, not a loop over every group
+        inside = (g >= 0) & (g < groups)
+        y = jnp.einsum("nc,nco->no", x, w[jnp.where(inside, g, 0)], preferred_element_type=x.dtype)
+        return jnp.where(inside[:, None], y, jnp.zeros((), y.dtype))
     if jnp.issubdtype(x.dtype, jnp.inexact):
         # x and w varying wherever the product does (inside shard_map), before the custom
         # vjp: its cotangents vary there, and jax sums them back over the axes that x or

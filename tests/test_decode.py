@@ -10,7 +10,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Layout, Mesh
-from models import config, transformer
+from models import config, decoding, transformer
 from models.config import ConfigError
 from models.generate import Decoder, main, prefill_step
 from models.sampling import Sampling, choose, filter_logits
@@ -80,6 +80,28 @@ def test_prefill_then_steps_equal_the_full_forward_pass_at_every_position(model)
     for i in range(n, cfg.length):
         logits, cache = dec.step_logits(rows[:, i], i, cache)
         np.testing.assert_allclose(np.asarray(logits), want[:, i], rtol=0, atol=1e-5)
+
+
+def test_the_cache_grows_by_buckets_and_rows_at_different_positions_see_their_own():
+    """A cache of 136 slots starts at the bucket past the prompt (64 slots) and grows to
+    128 and 136 as the longest row passes each end; with one row 36 positions behind
+    the other, every step's logits of both rows are the full forward pass's at that
+    row's position, across both growths (the cache's layer-by-layer layout, its write
+    and its growth against the training forward, which has no cache)."""
+    cfg = CFG.replace(length=136, layers=1)
+    params, _, dec = make(cfg)
+    rows = np.random.default_rng(1).integers(0, cfg.vocab, size=(2, cfg.length))
+    want = full_logits(params, cfg, rows)
+    lengths = np.array([56, 20])
+    logits, cache = dec.prefill_logits(rows[:, :56], lengths)
+    sizes = {decoding.cache_slots(cache)}
+    np.testing.assert_allclose(np.asarray(logits), want[[0, 1], lengths - 1], atol=1e-5)
+    for i in range(56, cfg.length):
+        at = np.array([i, i - 36])
+        logits, cache = dec.step_logits(rows[[0, 1], at], at, cache)
+        sizes.add(decoding.cache_slots(cache))
+        np.testing.assert_allclose(np.asarray(logits), want[[0, 1], at], atol=1e-5)
+    assert sizes == {64, 128, 136}
 
 
 def test_padded_batch_decodes_each_prompt_as_alone(model):
@@ -188,7 +210,7 @@ def test_decoding_on_a_2x4_mesh_gives_one_devices_tokens(model):
         one.decode(prompts, 5, "sample", sampling=hot, seed=4),
     )
     _, cache = dec.prefill_logits(np.asarray([p + [0] * 3 for p in [[1, 2]] * 4]), np.full(4, 2))
-    k = cache["k"]  # (layers, batch, memory, heads, d_kv): batch on data, heads on model
+    k = cache[0]["k"]  # layer 0's (batch, heads, memory, d_kv): batch on data, heads on model
     local = k.data.sharding.shard_shape(k.data.shape)
     assert local[k.dims.index("batch")] == 2 and local[k.dims.index("heads")] == 1
 
@@ -199,12 +221,12 @@ def test_bfloat16_decoding_keeps_a_bfloat16_cache(model):
     dec = Decoder(params, cfg)
     rows = np.asarray([PROMPTS[0]])
     logp, cache, _ = dec.prefill(rows)
-    assert cache["k"].dtype == np.dtype("bfloat16") and cache["v"].dtype == np.dtype("bfloat16")
+    assert {t.dtype for c in cache for t in c.values()} == {np.dtype("bfloat16")}
     want = full_logits(params, cfg, rows)[0, -1].astype(np.float32)
     want = want - np.log(np.exp(want - want.max()).sum()) - want.max()
     np.testing.assert_allclose(logp[0], want, atol=0.05 * np.abs(want).max())
     _, cache = dec.step([1], 5, cache)
-    assert cache["k"].dtype == np.dtype("bfloat16")
+    assert {t.dtype for c in cache for t in c.values()} == {np.dtype("bfloat16")}
 
 
 # --- typed errors naming the flag -----------------------------------------------------------
@@ -315,10 +337,10 @@ def test_encdec_translates_as_recomputation_and_on_a_2x4_mesh_as_one_device(encd
     mesh = Mesh({"data": 2, "model": 4})
     dec = Decoder(params, ENCDEC, mesh=mesh, layout=Layout("batch:data;heads:model"))
     np.testing.assert_array_equal(dec.translate(inputs, 5), got)
-    cross = dec.encoded[0]["k"]  # (layers, batch, memory, heads, d_kv)
-    assert cross.dims == ("layers", "batch", "memory", "heads", "d_kv")
+    cross = dec.encoded[0][0]["k"]  # layer 0's
+    assert cross.dims == ("batch", "memory", "heads", "d_kv")
     local = cross.data.sharding.shard_shape(cross.data.shape)
-    assert local[1] == 2 and local[3] == 1
+    assert local[0] == 2 and local[2] == 1
 
 
 def test_encdec_beam_bfloat16_and_misuse(encdec):
@@ -332,7 +354,7 @@ def test_encdec_beam_bfloat16_and_misuse(encdec):
     assert len(one.beam([0], 4, 3)[0]) == 4 and one.encoded[1].size_of("batch") == 1
     half = Decoder(params, ENCDEC.replace(dtype="bfloat16"))
     np.testing.assert_array_equal(half.translate([[3, 1, 4]], 4), greedy)
-    assert half.encoded[0]["k"].dtype == np.dtype("bfloat16")
+    assert {c["k"].dtype for c in half.encoded[0]} == {np.dtype("bfloat16")}
     with pytest.raises(ParameterError, match="2 rows but encode was given 1 inputs"):
         one.decode([[0], [0]], 3)
     with pytest.raises(ParameterError, match="after encode"):

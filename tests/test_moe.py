@@ -173,6 +173,9 @@ def test_grouped_matmul_equals_numpy_and_names_its_errors():
     jx = nm.tensor(jax.numpy.asarray(x), "b l d")  # the jax implementation: sorted rows
     got = nm.grouped_matmul(jx, *args[1:], dim="e")
     np.testing.assert_allclose(np.asarray(got.data), want, rtol=1e-5, atol=1e-5)
+    few = nm.tensor(np.array([[[1, 4]]], np.int32), "b l k")  # 2 rows of 4 groups: by row
+    got = nm.grouped_matmul(nm.tensor(jax.numpy.asarray(x[:1, :1]), "b l d"), args[1], few, "e")
+    np.testing.assert_allclose(got.data[0, 0], [x[0, 0] @ w[1], np.zeros(7)], rtol=1e-5, atol=1e-5)
     for low in (jax.numpy.bfloat16, np.float16):  # NumPy has no einsum loop for these:
         lx, lw = x.astype(low), w.astype(low)  # summed in float32, rounded once, as einsum
         got = nm.grouped_matmul(nm.tensor(lx, "b l d"), nm.tensor(lw, "e d f"), args[2], dim="e")
