@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks import fair, report, zoo_families
+from benchmarks import cli, fair, report, zoo_families
 
 SECTION = "## Decoding: greedy tokens against transformers' generate"
 FAMILY_SECTION = "## Decoding, every decoder family: greedy tokens against generate"
@@ -136,7 +136,7 @@ def families(args, names: list[str]) -> tuple[dict, list[str]]:
     results = {}
     for name in names:
         model, dec = family_decoder(name, args, tempfile.mkdtemp(prefix=f"decode_{name}_"))
-        for batch in map(int, args.batches.split(",")):
+        for batch in args.batches:
             label = f"{name}, batch {batch}" + (", ragged" if batch > 1 else "")
             results[label] = measure(model, dec, batch, args, ragged=batch > 1)
             t = results[label]["times"]
@@ -170,17 +170,17 @@ def table(results: dict[int, dict]) -> list[str]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--positions", type=int, default=2048, help="the model's positions")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--d-ff", type=int, default=688)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens per row")
-    p.add_argument("--new", type=int, default=128, help="greedy tokens per row")
-    p.add_argument("--batches", default="1,8", help="batch sizes")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (min and median)")
+    p.add_argument("--positions", type=cli.count, default=2048, help="the model's positions")
+    p.add_argument("--layers", type=cli.count, default=4)
+    p.add_argument("--d-model", type=cli.count, default=256)
+    p.add_argument("--heads", type=cli.count, default=4)
+    p.add_argument("--kv-heads", type=cli.count, default=2)
+    p.add_argument("--d-ff", type=cli.count, default=688)
+    p.add_argument("--vocab", type=cli.count, default=4096)
+    p.add_argument("--prompt", type=cli.count, default=64, help="prompt tokens per row")
+    p.add_argument("--new", type=cli.count, default=128, help="greedy tokens per row")
+    p.add_argument("--batches", type=cli.counts, default=[1, 8], help="batch sizes")
+    p.add_argument("--rounds", type=cli.count, default=3, help="timed rounds (min and median)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time generate with a static cache under torch.compile")  # fmt: skip
     p.add_argument("--docs", default=None, help="replace this section of a markdown file")
@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
     model, dec = build(args, tempfile.mkdtemp())
     before = fair.load()
     results = {}
-    for batch in map(int, args.batches.split(",")):
+    for batch in args.batches:
         results[batch] = measure(model, dec, batch, args)
         print(table({batch: results[batch]})[-1], flush=True)
     what = (
@@ -253,4 +253,4 @@ def family_section(args, names: list[str], threads: str, argv) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

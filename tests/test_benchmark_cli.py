@@ -10,6 +10,7 @@ from models.config import ConfigError
 
 BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("auto_layout", ["--steps", "0"]),
+    ("decode", ["--new", "0"]),
     ("decode_latent", ["--rounds", "0"]),
     ("decode_latent", ["--batches", "1,x"]),
     ("gpu", ["--steps", "-3"]),
