@@ -49,53 +49,68 @@ def _blocks(n: int, m: int, block: int, causal: bool, window: int):
     return out
 
 
-def _masked(sc, s, e, k0, k1, causal, window):
-    """The logits of rows s..e over keys k0..k1 with the keys a row cannot see set to
-    NEG; only the columns where some row of the block is cut are touched (the diagonal
-    square, the window's lower edge)."""
-    spans = []
-    if causal:
-        spans.append((max(s, k0), k1))
+def _mask_table(blocks, causal: bool, window: int):
+    """Additive masks of every row block as slices of one array: what query i may see of
+    key j depends on j - i alone, so table[r, c] masks offset c - r - c0 and block
+    (s, e, k0, k1)'s mask is table[:e - s, c0 - s + k0 : c0 - s + k1] (`_block_mask`);
+    (rows, about memory) in size. Added to the logits rather than selected: XLA:CPU fuses
+    a row block's dot, add, max, exp and second dot into one kernel, which a select
+    breaks up (the mask as `where` made the forward pass 1.5x slower). None when
+    nothing is masked."""
+    if not causal and not window:
+        return None, 0
+    c0 = max(s - k0 for s, _, k0, _ in blocks)
+    rows = max(e - s for s, e, _, _ in blocks)
+    width = c0 + max(k1 - s for s, _, _, k1 in blocks)
+    r = jax.lax.broadcasted_iota(np.int32, (rows, width), 0)
+    offset = jax.lax.broadcasted_iota(np.int32, (rows, width), 1) - r - c0  # j - i
+    ok = offset <= 0 if causal else jnp.ones((rows, width), bool)
     if window:
-        spans.append((k0, min(k1, max(k0, e - window + 1))))
-    for a, b in spans:
-        if a >= b:
-            continue
-        i, j = np.arange(s, e)[:, None], np.arange(a, b)[None, :]
-        ok = np.ones((e - s, b - a), bool)
-        if causal:
-            ok &= j <= i
-        if window:
-            ok &= j > i - window
-        if ok.all():
-            continue
-        part = sc[..., a - k0 : b - k0]
-        sc = sc.at[..., a - k0 : b - k0].set(jnp.where(ok, part, NEG))
-    return sc
+        ok &= offset > -window
+    return jnp.where(ok, np.float32(0), np.float32(NEG)), c0
 
 
-def _logits(qs, k, bias, blk, causal, window):
-    """scale * q.k (+ bias), masked, of one row block: (kv_heads, group, rows, keys)."""
+def _logits(qs, k, bias, table, blk):
+    """scale * q.k (+ bias) + mask of one row block: (kv_heads, group * rows, keys), the
+    group and rows merged, so that each product is a dot with one free dim on each side
+    (two on one side made XLA:CPU copy the logits out of its fused kernel)."""
     s, e, k0, k1 = blk
-    sc = jnp.einsum("hgqd,hmd->hgqm", qs[:, :, s:e], k[:, k0:k1])
+    h, g = qs.shape[:2]
+    q = qs[:, :, s:e].reshape(h, g * (e - s), qs.shape[3])
+    sc = jnp.einsum("hqd,hmd->hqm", q, k[:, k0:k1]).reshape(h, g, e - s, k1 - k0)
     if bias is not None:
         rows = slice(s, e) if bias.shape[2] > 1 else slice(None)
         sc = sc + bias[:, :, rows, k0:k1]
-    return _masked(sc, s, e, k0, k1, causal, window)
+    if table[0] is not None:
+        mask, c0 = table
+        sc = sc + mask[: e - s, c0 - s + k0 : c0 - s + k1]
+    return sc.reshape(h, g * (e - s), k1 - k0)
+
+
+def _rows(x, g):
+    """(kv_heads, group * rows, ...) as (kv_heads, group, rows, ...)."""
+    return x.reshape(x.shape[0], g, x.shape[1] // g, *x.shape[2:])
 
 
 def _forward(q, k, v, bias, scale, causal, window, block):
-    """The output (kv_heads, group, length, d) and each row's logsumexp."""
+    """The output (kv_heads, group, length, d) and each row's sum of exp(logit - the
+    row's max logit): the logsumexp less the max, which the backward pass finds again
+    itself (exporting the max from the forward's fused kernel split it: 1.9x slower)."""
+    blocks = _blocks(q.shape[2], k.shape[1], block, causal, window)
+    table = _mask_table(blocks, causal, window)
     qs = q * scale
-    outs, lses = [], []
-    for blk in _blocks(q.shape[2], k.shape[1], block, causal, window):
-        sc = _logits(qs, k, bias, blk, causal, window)
-        mx = sc.max(-1, keepdims=True)
-        p = jnp.exp(sc - mx)
-        total = p.sum(-1, keepdims=True)
-        outs.append(jnp.einsum("hgqm,hmd->hgqd", p, v[:, blk[2] : blk[3]]) / total)
-        lses.append(mx + jnp.log(total))
-    return jnp.concatenate(outs, 2), jnp.concatenate(lses, 2)
+    g, d = q.shape[1], v.shape[2]
+    # v with a column of ones: the second product gives each row's sum of exp too,
+    # inside the same fused kernel (a separate sum reduced p again: 1.4x slower)
+    v1 = jnp.concatenate([v, jnp.ones((*v.shape[:2], 1), v.dtype)], 2)
+    outs, sums = [], []
+    for blk in blocks:
+        sc = _logits(qs, k, bias, table, blk)
+        p = jnp.exp(sc - sc.max(-1, keepdims=True))
+        o = jnp.einsum("hqm,hmd->hqd", p, v1[:, blk[2] : blk[3]])
+        outs.append(_rows(o[..., :d] / o[..., d:], g))
+        sums.append(_rows(o[..., d], g))
+    return jnp.concatenate(outs, 2), jnp.concatenate(sums, 2)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -106,34 +121,48 @@ def attention(q, k, v, bias, scale: float, causal: bool, window: int, block: int
 
 
 def _attention_fwd(q, k, v, bias, scale, causal, window, block):
-    out, lse = _forward(q, k, v, bias, scale, causal, window, block)
-    return out, (q, k, v, bias, out, lse)
+    out, sums = _forward(q, k, v, bias, scale, causal, window, block)
+    return out, (q, k, v, bias, out, sums)
 
 
 def _attention_bwd(scale, causal, window, block, res, dout):
-    q, k, v, bias, out, lse = res
+    """Row block by row block, the logits recomputed transposed, (kv_heads, keys, group
+    * rows): a product XLA cannot merge with the forward pass's (common subexpressions
+    would keep every block's logits alive from one pass to the other, memory quadratic
+    in length), and in which every product is one XLA:CPU runs fast (see the module's
+    docstring)."""
+    q, k, v, bias, out, sums = res
     qs = q * scale
-    dd = (dout * out).sum(-1, keepdims=True)
-    h, d, m = k.shape[0], k.shape[2], k.shape[1]
-    dkt = jnp.zeros((h, d, m), k.dtype)  # transposed: see the module's docstring
-    dvt = jnp.zeros((h, d, m), v.dtype)
+    h, g, n, d = q.shape
+    m = k.shape[1]
+    dd = (dout * out).sum(-1)
+    dk, dv = jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)
     dq, dbias = [], None if bias is None else jnp.zeros(bias.shape, bias.dtype)
-    for blk in _blocks(q.shape[2], m, block, causal, window):
-        s, e, k0, k1 = blk
-        p = jnp.exp(_logits(qs, k, bias, blk, causal, window) - lse[:, :, s:e])
-        do = dout[:, :, s:e]
-        dvt = dvt.at[:, :, k0:k1].add(jnp.einsum("hgqm,hgqd->hdm", p, do))
-        dp = jnp.einsum("hgqd,hmd->hgqm", do, v[:, k0:k1])
-        ds = p * (dp - dd[:, :, s:e])  # the logits' gradient
-        dq.append(jnp.einsum("hgqm,hmd->hgqd", ds, k[:, k0:k1]) * scale)
-        dkt = dkt.at[:, :, k0:k1].add(jnp.einsum("hgqm,hgqd->hdm", ds, qs[:, :, s:e]))
+    blocks = _blocks(n, m, block, causal, window)
+    mask, c0 = _mask_table(blocks, causal, window)
+    for s, e, k0, k1 in blocks:
+        r, keys = e - s, k1 - k0
+        qb, do = (x[:, :, s:e].reshape(h, g * r, d) for x in (qs, dout))
+        sc = jnp.einsum("hmd,hqd->hmq", k[:, k0:k1], qb).reshape(h, keys, g, r)
         if bias is not None:
+            rows = slice(s, e) if bias.shape[2] > 1 else slice(None)
+            sc = sc + bias[:, :, rows, k0:k1].transpose(0, 3, 1, 2)
+        if mask is not None:
+            sc = sc + mask[:r, c0 - s + k0 : c0 - s + k1].T[:, None, :]
+        sc = sc.reshape(h, keys, g * r)
+        p = jnp.exp(sc - sc.max(1, keepdims=True)) / sums[:, :, s:e].reshape(h, 1, g * r)
+        dv = dv.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", p, do))
+        dp = jnp.einsum("hmd,hqd->hmq", v[:, k0:k1], do)
+        ds = p * (dp - dd[:, :, s:e].reshape(h, 1, g * r))  # the logits' gradient
+        dk = dk.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", ds, qb))
+        dq.append(jnp.einsum("hmd,hmq->hdq", k[:, k0:k1], ds).reshape(h, d, g, r) * scale)
+        if bias is not None:
+            ds = ds.reshape(h, keys, g, r).transpose(0, 2, 3, 1)
             if bias.shape[2] > 1:
                 dbias = dbias.at[:, :, s:e, k0:k1].set(ds)
             else:
                 dbias = dbias.at[:, :, :, k0:k1].add(ds.sum(2, keepdims=True))
-    dk, dv = jnp.swapaxes(dkt, 1, 2), jnp.swapaxes(dvt, 1, 2)
-    return jnp.concatenate(dq, 2), dk, dv, dbias
+    return jnp.concatenate(dq, 3).transpose(0, 2, 3, 1), dk, dv, dbias
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
