@@ -70,20 +70,38 @@ def _mask_table(blocks, causal: bool, window: int):
     return jnp.where(ok, np.float32(0), np.float32(NEG)), c0
 
 
-def _logits(qs, k, bias, table, blk):
+def _cut(x, at, spans: dict):
+    """x[spans] ({axis: (start, end)}) as a dynamic slice whose starts are offset by
+    `at`, a block's link to the one before (`_after`: always 0)."""
+    starts, sizes = [0] * x.ndim, list(x.shape)
+    for axis, (a, b) in spans.items():
+        starts[axis], sizes[axis] = a + at, b - a
+    return jax.lax.dynamic_slice(x, starts, sizes)
+
+
+def _after(x):
+    """0 as an int32 XLA cannot know in advance ((one value of x) * 0 > 1 is false for
+    every x, NaN too), offsetting the next block's slices: each block's slices wait on
+    the block before. Without it XLA's scheduler made every block's slices of q, k, v
+    and the mask first and kept them all alive: memory quadratic in length."""
+    return (x.reshape(-1)[0] * 0 > 1).astype(np.int32)
+
+
+def _logits(qs, k, bias, table, blk, at):
     """scale * q.k (+ bias) + mask of one row block: (kv_heads, group * rows, keys), the
     group and rows merged, so that each product is a dot with one free dim on each side
     (two on one side made XLA:CPU copy the logits out of its fused kernel)."""
     s, e, k0, k1 = blk
     h, g = qs.shape[:2]
-    q = qs[:, :, s:e].reshape(h, g * (e - s), qs.shape[3])
-    sc = jnp.einsum("hqd,hmd->hqm", q, k[:, k0:k1]).reshape(h, g, e - s, k1 - k0)
+    q = _cut(qs, at, {2: (s, e)}).reshape(h, g * (e - s), qs.shape[3])
+    sc = jnp.einsum("hqd,hmd->hqm", q, _cut(k, at, {1: (k0, k1)}))
+    sc = sc.reshape(h, g, e - s, k1 - k0)
     if bias is not None:
-        rows = slice(s, e) if bias.shape[2] > 1 else slice(None)
-        sc = sc + bias[:, :, rows, k0:k1]
+        rows = {2: (s, e)} if bias.shape[2] > 1 else {}
+        sc = sc + _cut(bias, at, {**rows, 3: (k0, k1)})
     if table[0] is not None:
         mask, c0 = table
-        sc = sc + mask[: e - s, c0 - s + k0 : c0 - s + k1]
+        sc = sc + _cut(mask, at, {0: (0, e - s), 1: (c0 - s + k0, c0 - s + k1)})
     return sc.reshape(h, g * (e - s), k1 - k0)
 
 
@@ -103,11 +121,12 @@ def _forward(q, k, v, bias, scale, causal, window, block):
     # v with a column of ones: the second product gives each row's sum of exp too,
     # inside the same fused kernel (a separate sum reduced p again: 1.4x slower)
     v1 = jnp.concatenate([v, jnp.ones((*v.shape[:2], 1), v.dtype)], 2)
-    outs, sums = [], []
+    outs, sums, at = [], [], 0
     for blk in blocks:
-        sc = _logits(qs, k, bias, table, blk)
+        sc = _logits(qs, k, bias, table, blk, at)
         p = jnp.exp(sc - sc.max(-1, keepdims=True))
-        o = jnp.einsum("hqm,hmd->hqd", p, v1[:, blk[2] : blk[3]])
+        o = jnp.einsum("hqm,hmd->hqd", p, _cut(v1, at, {1: blk[2:]}))
+        at = _after(o)
         outs.append(_rows(o[..., :d] / o[..., d:], g))
         sums.append(_rows(o[..., d], g))
     return jnp.concatenate(outs, 2), jnp.concatenate(sums, 2)
@@ -140,22 +159,27 @@ def _attention_bwd(scale, causal, window, block, res, dout):
     dq, dbias = [], None if bias is None else jnp.zeros(bias.shape, bias.dtype)
     blocks = _blocks(n, m, block, causal, window)
     mask, c0 = _mask_table(blocks, causal, window)
+    at = 0  # each block's slices after the block before (`_after`)
     for s, e, k0, k1 in blocks:
         r, keys = e - s, k1 - k0
-        qb, do = (x[:, :, s:e].reshape(h, g * r, d) for x in (qs, dout))
-        sc = jnp.einsum("hmd,hqd->hmq", k[:, k0:k1], qb).reshape(h, keys, g, r)
+        qb, do = (_cut(x, at, {2: (s, e)}).reshape(h, g * r, d) for x in (qs, dout))
+        kb, vb = (_cut(x, at, {1: (k0, k1)}) for x in (k, v))
+        sc = jnp.einsum("hmd,hqd->hmq", kb, qb).reshape(h, keys, g, r)
         if bias is not None:
-            rows = slice(s, e) if bias.shape[2] > 1 else slice(None)
-            sc = sc + bias[:, :, rows, k0:k1].transpose(0, 3, 1, 2)
+            rows = {2: (s, e)} if bias.shape[2] > 1 else {}
+            sc = sc + _cut(bias, at, {**rows, 3: (k0, k1)}).transpose(0, 3, 1, 2)
         if mask is not None:
-            sc = sc + mask[:r, c0 - s + k0 : c0 - s + k1].T[:, None, :]
+            cut = _cut(mask, at, {0: (0, r), 1: (c0 - s + k0, c0 - s + k1)})
+            sc = sc + cut.T[:, None, :]
         sc = sc.reshape(h, keys, g * r)
-        p = jnp.exp(sc - sc.max(1, keepdims=True)) / sums[:, :, s:e].reshape(h, 1, g * r)
+        total = _cut(sums, at, {2: (s, e)}).reshape(h, 1, g * r)
+        p = jnp.exp(sc - sc.max(1, keepdims=True)) / total
         dv = dv.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", p, do))
-        dp = jnp.einsum("hmd,hqd->hmq", v[:, k0:k1], do)
-        ds = p * (dp - dd[:, :, s:e].reshape(h, 1, g * r))  # the logits' gradient
+        dp = jnp.einsum("hmd,hqd->hmq", vb, do)
+        ds = p * (dp - _cut(dd, at, {2: (s, e)}).reshape(h, 1, g * r))  # logits' gradient
         dk = dk.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", ds, qb))
-        dq.append(jnp.einsum("hmd,hmq->hdq", k[:, k0:k1], ds).reshape(h, d, g, r) * scale)
+        dq.append(jnp.einsum("hmd,hmq->hdq", kb, ds).reshape(h, d, g, r) * scale)
+        at = _after(dq[-1])
         if bias is not None:
             ds = ds.reshape(h, keys, g, r).transpose(0, 2, 3, 1)
             if bias.shape[2] > 1:
