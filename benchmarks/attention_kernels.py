@@ -98,9 +98,10 @@ def main(argv=None) -> int:
     what = "forward pass" if args.forward else "output and gradients of q, k, v"
     method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
                                 before=before, after=fair.load())  # fmt: skip
-    text = "\n".join([SECTION, "", f"Causal self-attention, batch 1, {args.heads} heads of "
-                      f"{args.d}, {what}; cells are seconds min / median, then the ratio "
-                      f"to PyTorch by min / by median. {method} ({threads})", "", *lines])  # fmt: skip
+    intro = (f"Causal self-attention, batch 1, {args.heads} heads of {args.d}, {what}; cells "
+             f"are seconds min / median, then the ratio to PyTorch by min / by median. "
+             f"{method} ({threads})")  # fmt: skip
+    text = "\n".join([SECTION, "", intro, "", *lines])
     print(text)
     if args.docs:
         from benchmarks import report

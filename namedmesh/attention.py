@@ -1,10 +1,14 @@
-"""`dot_product_attention`: softmax(scale * q.k + bias) v as one primitive, run by
-`jax.nn.dot_product_attention` (cuDNN's fused kernel on GPU, XLA's on CPU) with its
+"""`dot_product_attention`: softmax(scale * q.k + bias) v as one primitive, with its
 causal mask and local window, so the (length, memory) logits never appear in the
 program as separate ops. Dims are matched by name: q (..., length, d_kv), k and v (...,
 memory, d_kv) whose other dims are some of q's (grouped query heads: q's dims k lacks,
 e.g. q_per_kv, share k's heads). The lowering (lowering/rules/attention.py) keeps
 length, memory and d_kv whole on each device; the other dims may be split.
+
+Its local kernel comes from KERNELS: "xla", `jax.nn.dot_product_attention` (cuDNN's
+fused kernel on GPU; on CPU XLA's, which makes the whole logits), and "flash",
+namedmesh.flash's row blocks (memory linear in length, its own backward pass), which
+`choose_kernel` picks for long self-attention on CPU.
 """
 
 from __future__ import annotations

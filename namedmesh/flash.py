@@ -31,10 +31,11 @@ NEG = -1e30  # a hidden logit: exp(NEG - max) is 0 for any row that sees a key
 
 
 def block_for(length: int) -> int:
-    """Rows per block, measured single-threaded on CPU (benchmarks/attention_kernels.py):
-    256 up to 4k keys; beyond, fewer rows, so a (block, memory) row block stays near
-    4 MiB per head."""
-    return min(256, max(64, 2**20 // max(length, 1)))
+    """Rows per block for `length` keys: 256 (the fastest single-threaded on CPU at 1k to
+    8k, benchmarks/attention_kernels.py --blocks) until a row block's logits pass 4M
+    values per head (16k keys), then fewer, so the backward pass's few live blocks stay
+    within about 100 MiB per head."""
+    return min(256, max(64, 2**22 // max(length, 1)))
 
 
 def _blocks(n: int, m: int, block: int, causal: bool, window: int):

@@ -63,9 +63,14 @@ def test_flash_equals_full_softmax_values_and_gradients(case):
 
     want = reference(*args, causal, window, scale, np)
     w = R.normal(size=want.shape).astype(np.float32)
-    got, pull = jax.vjp(run, *args)
+
+    def value_and_grads(f):  # one compiled program: the values and w's pullback
+        out, pull = jax.vjp(f, *args)
+        return out, pull(w)
+
+    got, grads = jax.jit(lambda: value_and_grads(run))()
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    grads, ref_grads = pull(w), jax.vjp(ref, *args)[1](w)
+    ref_grads = jax.jit(lambda: value_and_grads(ref)[1])()
     for name, a, b in zip("q k v bias".split(), grads, ref_grads, strict=True):
         if b is not None:
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), 1e-4, 1e-5, err_msg=name)
@@ -117,7 +122,7 @@ def test_lm_with_flash_equals_full_attention_loss_and_gradients(monkeypatch):
     from tests.test_models import CFG, small_batch
 
     monkeypatch.setattr(attention, "FLASH_FROM", 4)
-    monkeypatch.setattr(flash, "block_for", lambda length: 3)
+    monkeypatch.setattr(flash, "block_for", lambda length: 6)
     calls, run = [], flash.attention
     monkeypatch.setattr(flash, "attention", lambda *a: calls.append(1) or run(*a))
     cfg = CFG.replace(layers=1, sliding_window=5)
@@ -136,8 +141,8 @@ def test_lm_with_flash_equals_full_attention_loss_and_gradients(monkeypatch):
 
 def test_flash_training_memory_grows_linearly_in_length():
     """XLA's memory analysis of the compiled loss and gradients: doubling the length
-    doubles flash's temporaries (row blocks of fixed size), where the whole-logits
-    kernel's grow fourfold."""
+    about doubles flash's temporaries (row blocks of fixed size; whole logits would
+    grow fourfold), and they stay under the size of one (length, memory) logits."""
 
     def temp_bytes(kernel, n):
         x = jnp.zeros((n, 2, 16), jnp.float32)
@@ -152,9 +157,9 @@ def test_flash_training_memory_grows_linearly_in_length():
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         return step.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
 
-    flash_growth = temp_bytes("flash", 2048) / temp_bytes("flash", 1024)
-    xla_growth = temp_bytes("xla", 2048) / temp_bytes("xla", 1024)
-    assert flash_growth < 2.5 and xla_growth > 3.5, (flash_growth, xla_growth)
+    small, large = temp_bytes("flash", 1024), temp_bytes("flash", 2048)
+    assert large / small < 2.5, (small, large)
+    assert large < 2 * 2048 * 2048 * 4, large  # the logits of 2 heads
 
 
 def test_auto_picks_flash_for_long_self_attention_on_cpu_only():
