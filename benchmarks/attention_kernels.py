@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     intro = (f"Causal self-attention, batch 1, {args.heads} heads of {args.d}, {what}; cells "
              f"are seconds min / median, then the ratio to PyTorch by min / by median. "
              f"{method} ({threads})")  # fmt: skip
-    text = "\n".join([SECTION, "", intro, "", *lines])
+    command = " ".join(["python -m benchmarks.attention_kernels", *(argv or sys.argv[1:])])
+    text = "\n".join([SECTION, "", "```sh", command, "```", "", intro, "", *lines])
     print(text)
     if args.docs:
         from benchmarks import report
