@@ -16,7 +16,7 @@ against without.
 256, 4 heads, d_ff 1024, a 256-token vocabulary, LENGTH positions) built by transformers
 with `attn_implementation="sdpa"`, loaded into the zoo, and the loss and gradients of
 one batch-1 sequence timed for namedmesh (each of KINDS: full attention up to 4k tokens;
-fused, nm.dot_product_attention, whose CPU kernel from 1k tokens is namedmesh.flash's
+fused, nm.dot_product_attention, whose CPU kernel from 512 tokens is namedmesh.flash's
 row blocks; blockwise, which skips the causally masked key blocks, without and with full
 remat) against PyTorch, single-threaded, by CPU time, alternated (benchmarks/fair.py).
 
@@ -158,7 +158,7 @@ KINDS = {
     "fused": ("fused", "none"),  # nm.dot_product_attention: namedmesh.flash on CPU
 }
 # full attention's (length, memory) matrices stop fitting the development machine here
-# (the fused kernel's row blocks are linear in length on CPU from 1k tokens)
+# (the fused kernel's row blocks are linear in length on CPU from 512 tokens)
 FULL_UP_TO = 4096
 QUADRATIC = ("full",)
 

@@ -146,7 +146,7 @@ def _flash(qa, ka, va, ba, *, scale, causal, window):
 
 # The local kernels `_jax` picks from (`kernel=`, or `choose_kernel` for "auto")
 KERNELS = {"xla": _xla, "flash": _flash}
-FLASH_FROM = 1024  # self-attention this long runs flash on CPU (benchmarks/attention_kernels.py)
+FLASH_FROM = 512  # self-attention this long runs flash on CPU (benchmarks/attention_kernels.py)
 
 
 def choose_kernel(length: int, memory: int, backend: str) -> str:
