@@ -7,16 +7,19 @@ all the keys any of its rows can see (under a causal mask the keys up to the blo
 end, under a window none before the band), so the (block, memory) logits are the
 largest array and memory grows linearly in length. The softmax of a row block is exact
 (no online rescaling: its keys are all there); the forward pass keeps the output and
-each row's logsumexp, the backward pass recomputes p = exp(s - lse) block by block
-(FlashAttention-2's recurrence, dd = rowsum(dO * O)), accumulating dk and dv.
+each row's sum of exp(logit - row max), the backward pass recomputes the probabilities
+block by block (FlashAttention-2's recurrence, dd = rowsum(dO * O)), accumulating dk
+and dv.
 
 Layouts: q (kv_heads, group, length, d), k and v (kv_heads, memory, d): grouped query
 heads share their k and v without repeating them. bias (kv_heads, group, length or 1,
 memory), its gradient computed too (T5's learned relative bias). Everything is float32
-(callers cast). Why the shapes of the products are as they are: XLA:CPU runs a batched
-dot that contracts the row dim of both operands ("gqm,gqd->gmd", dk's and dv's natural
-form) 2-4x slower than the same product with its output transposed ("gqm,gqd->gdm"),
-so dk and dv are accumulated transposed, (kv_heads, d, memory), and swapped once.
+(callers cast). The shapes of the products follow XLA:CPU: it fuses a row block's dot,
+max, exp and second dot into one kernel when nothing else leaves it, and runs a batched
+dot that contracts the row dim of both operands ("gqm,gqd->gmd") 2-4x slower than the
+same product with its output transposed ("gmd,gmq->gdq"), so the backward pass works
+on transposed logits (keys, rows), where dk and dv are plain products and dq the fast
+transposed one. benchmarks/attention_kernels.py times it against PyTorch's SDPA.
 """
 
 from __future__ import annotations
