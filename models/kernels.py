@@ -9,9 +9,10 @@ relative biases, built from positions block by block), the query `scale`, `softc
 (logits -> cap * tanh(logits / cap), before the bias), and grouped query heads
 (kv_heads, q_per_kv are matched by name). Running over a KV cache is declared per
 kernel.
-The fused kernel (jax.nn.dot_product_attention, where length, memory and d_kv are local
-to a device) applies the causal mask and window itself and refuses other positional
-biases and soft-caps.
+The fused kernel (nm.dot_product_attention, where length, memory and d_kv are local to a
+device: cuDNN's kernel on GPU, namedmesh.flash's row blocks for long sequences on CPU)
+applies the causal mask and window itself and refuses other positional biases and
+soft-caps.
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ def ring(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
 
 
 def fused(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
-    """nm.dot_product_attention, jax.nn.dot_product_attention behind the named interface
-    (cuDNN's fused kernel on GPU, XLA's on CPU): it applies the causal mask and window
-    of `opts` itself, so bias_fn must be those masks alone (`masks_only`); the lowering
-    keeps length, memory and d_kv local to each device."""
+    """nm.dot_product_attention (cuDNN's fused kernel on GPU; on CPU namedmesh.flash's
+    row blocks from namedmesh.attention.FLASH_FROM tokens, memory linear in length, and
+    XLA's below): it applies the causal mask and window of `opts` itself, so bias_fn
+    must be those masks alone (`masks_only`); the lowering keeps length, memory and d_kv
+    local to each device."""
     o = opts
     return nm.dot_product_attention(
         q, k, v, o.bias, scale=o.scale, causal=o.causal, window=o.window

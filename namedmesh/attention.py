@@ -1,10 +1,14 @@
-"""`dot_product_attention`: softmax(scale * q.k + bias) v as one primitive, run by
-`jax.nn.dot_product_attention` (cuDNN's fused kernel on GPU, XLA's on CPU) with its
+"""`dot_product_attention`: softmax(scale * q.k + bias) v as one primitive, with its
 causal mask and local window, so the (length, memory) logits never appear in the
 program as separate ops. Dims are matched by name: q (..., length, d_kv), k and v (...,
 memory, d_kv) whose other dims are some of q's (grouped query heads: q's dims k lacks,
 e.g. q_per_kv, share k's heads). The lowering (lowering/rules/attention.py) keeps
 length, memory and d_kv whole on each device; the other dims may be split.
+
+Its local kernel comes from KERNELS: "xla", `jax.nn.dot_product_attention` (cuDNN's
+fused kernel on GPU; on CPU XLA's, which makes the whole logits), and "flash",
+namedmesh.flash's row blocks (memory linear in length, its own backward pass), which
+`choose_kernel` picks for long self-attention on CPU.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import math
 import jax
 import numpy as np
 
+from namedmesh import flash
 from namedmesh.checks import integer
-from namedmesh.errors import ArgumentError, ShapeError
+from namedmesh.errors import ArgumentError, ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
 from namedmesh.tensor import Tensor
 
@@ -31,7 +36,7 @@ def _groups(q_dims, k_dims, bias_dims):
     return shared, only
 
 
-def _shape_rule(q, k, v, *bias, scale, causal, window):
+def _shape_rule(q, k, v, *bias, scale, causal, window, kernel):
     name = "dot_product_attention"
     for what, t, need in (("q", q, ("length", "d_kv")), ("k", k, ("memory", "d_kv"))):
         if missing := [d for d in need if d not in t.dims]:
@@ -93,7 +98,7 @@ def _mask(n: int, m: int, causal: bool, window: int) -> np.ndarray:
     return np.triu(ok, 1 - window) if window else ok
 
 
-def _numpy(q, k, v, *bias, scale, causal, window, dims):
+def _numpy(q, k, v, *bias, scale, causal, window, kernel, dims):
     qa, ka, va, ba, back = _arrange(np, q, k, v, bias[0] if bias else None, dims)
     g = qa.shape[2] // ka.shape[2]
     # summed in float32 at least (NumPy's einsum has no bfloat16 loop), rounded once
@@ -108,8 +113,9 @@ def _numpy(q, k, v, *bias, scale, causal, window, dims):
     return back(out.astype(v.dtype))
 
 
-def _jax(q, k, v, *bias, scale, causal, window, dims):
-    qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, bias[0] if bias else None, dims)
+def _xla(qa, ka, va, ba, *, scale, causal, window):
+    """jax.nn.dot_product_attention: cuDNN's fused kernel on GPU; on CPU XLA's, which
+    makes the whole (length, memory) logits."""
     # jax's window: a query sees keys left..right of itself; ours: the last `window`
     local = None if not window else (window - 1, 0 if causal else ka.shape[1])
     dtype = va.dtype
@@ -119,7 +125,47 @@ def _jax(q, k, v, *bias, scale, causal, window, dims):
     out = jax.nn.dot_product_attention(
         qa, ka, va, ba, scale=scale, is_causal=causal, local_window_size=local
     )
-    return back(out.astype(dtype))
+    return out.astype(dtype)
+
+
+def _flash(qa, ka, va, ba, *, scale, causal, window):
+    """namedmesh.flash's row-block kernel (memory linear in length), in float32: heads
+    as (kv heads, group), so grouped heads share k and v unrepeated."""
+    n, heads, d = qa.shape[1:]
+    kv = ka.shape[2]
+    f32 = np.float32
+    q = qa[0].astype(f32).reshape(n, kv, heads // kv, d).transpose(1, 2, 0, 3)
+    k, v = (x[0].astype(f32).transpose(1, 0, 2) for x in (ka, va))
+    b = None
+    if ba is not None:
+        b = ba[0].astype(f32).reshape(kv, heads // kv, *ba.shape[2:])
+        b = jax.numpy.broadcast_to(b, (*b.shape[:3], k.shape[1]))
+    block = flash.block_for(k.shape[1])
+    out = flash.attention(q, k, v, b, scale, causal, window, block)
+    return out.transpose(2, 0, 1, 3).reshape(1, n, heads, d).astype(va.dtype)
+
+
+# The local kernels `_jax` picks from (`kernel=`, or `choose_kernel` for "auto")
+KERNELS = {"xla": _xla, "flash": _flash}
+FLASH_FROM = 512  # self-attention this long runs flash on CPU (benchmarks/attention_kernels.py)
+
+
+def choose_kernel(length: int, memory: int, backend: str) -> str:
+    """The kernel "auto" runs: on CPU, flash for self-attention (length == memory) of
+    FLASH_FROM positions or more, where XLA's whole logits cost more than flash's Python
+    loop of row blocks; XLA's kernel otherwise (GPU's cuDNN, short sequences, decoding
+    steps over a cache)."""
+    if backend == "cpu" and length == memory >= FLASH_FROM:
+        return "flash"
+    return "xla"
+
+
+def _jax(q, k, v, *bias, scale, causal, window, kernel, dims):
+    qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, bias[0] if bias else None, dims)
+    if kernel == "auto":
+        kernel = choose_kernel(qa.shape[1], ka.shape[1], jax.default_backend())
+    out = KERNELS[kernel](qa, ka, va, ba, scale=scale, causal=causal, window=window)
+    return back(out)
 
 
 def _cost(in_avals, out_avals, params) -> Cost:
@@ -151,13 +197,20 @@ def dot_product_attention(
     scale: float = 1.0,
     causal: bool = False,
     window: int = 0,
+    kernel: str = "auto",
 ) -> Tensor:
     """softmax over memory of scale * q.k + bias (masked where a key is after its query
     when `causal`, or `window` or more positions before it), times v, in one fused
     kernel: q (..., length, d_kv), k and v (..., memory, d_kv), other dims matched by
     name (grouped heads: q's dims k lacks); `bias` over any of the logits' dims. The
-    result has q's dims and v's dtype."""
+    result has q's dims and v's dtype. `kernel`: the local kernel under jax, one of
+    KERNELS ("xla": jax.nn.dot_product_attention; "flash": namedmesh.flash's row
+    blocks, memory linear in length) or "auto" (`choose_kernel`: by backend and shape)."""
     name = "dot_product_attention"
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ParameterError(
+            f"{name}: kernel={kernel!r} is none of {', '.join(map(repr, ('auto', *KERNELS)))}"
+        )
     if isinstance(scale, bool) or not isinstance(scale, int | float | np.integer | np.floating):
         raise ArgumentError(f"{name}: scale must be a number, got {scale!r}")
     if not isinstance(causal, bool | np.bool_):
@@ -166,5 +219,11 @@ def dot_product_attention(
     args = (q, k, v) if bias is None else (q, k, v, bias)
     dims = (tuple(q.dims), tuple(k.dims), () if bias is None else tuple(bias.dims))
     return bind(
-        _attention, *args, scale=float(scale), causal=bool(causal), window=window, dims=dims
+        _attention,
+        *args,
+        scale=float(scale),
+        causal=bool(causal),
+        window=window,
+        kernel=kernel,
+        dims=dims,
     )

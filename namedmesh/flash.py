@@ -1,0 +1,196 @@
+"""A FlashAttention-2-style attention kernel in plain jax.numpy, with its own backward
+pass (`jax.custom_vjp`), for XLA:CPU where jax.nn.dot_product_attention's XLA
+implementation makes the whole (length, memory) logits.
+
+Queries go in row blocks of `block` (a static Python loop); each block meets at once
+all the keys any of its rows can see (under a causal mask the keys up to the block's
+end, under a window none before the band), so the (block, memory) logits are the
+largest array and memory grows linearly in length. The softmax of a row block is exact
+(no online rescaling: its keys are all there); the forward pass keeps the output and
+each row's sum of exp(logit - row max), the backward pass recomputes the probabilities
+block by block (FlashAttention-2's recurrence, dd = rowsum(dO * O)), accumulating dk
+and dv.
+
+Layouts: q (kv_heads, group, length, d), k and v (kv_heads, memory, d): grouped query
+heads share their k and v without repeating them. bias (kv_heads, group, length or 1,
+memory), its gradient computed too (T5's learned relative bias). Everything is float32
+(callers cast). The shapes of the products follow XLA:CPU: it fuses a row block's dot,
+max, exp and second dot into one kernel when nothing else leaves it, and runs a batched
+dot that contracts the row dim of both operands ("gqm,gqd->gmd") 2-4x slower than the
+same product with its output transposed ("gmd,gmq->gdq"), so the backward pass works
+on transposed logits (keys, rows), where dk and dv are plain products and dq the fast
+transposed one. benchmarks/attention_kernels.py times it against PyTorch's SDPA.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG = -1e30  # a hidden logit: exp(NEG - max) is 0 for any row that sees a key
+
+
+def block_for(length: int) -> int:
+    """Rows per block for `length` keys: 256 (the fastest single-threaded on CPU at 1k to
+    8k, benchmarks/attention_kernels.py --blocks) until a row block's logits pass 4M
+    values per head (16k keys), then fewer, so the backward pass's few live blocks stay
+    within about 100 MiB per head."""
+    return min(256, max(64, 2**22 // max(length, 1)))
+
+
+def _blocks(n: int, m: int, block: int, causal: bool, window: int):
+    """(row start, row end, key start, key end) of each row block: the keys some row of
+    it can see (query i sees keys i - window + 1 .. i when causal and windowed)."""
+    out = []
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        k0 = max(0, s - window + 1) if window else 0
+        k1 = e if causal else m
+        out.append((s, e, k0, k1))
+    return out
+
+
+def _mask_table(blocks, causal: bool, window: int):
+    """Additive masks of every row block as slices of one array: what query i may see of
+    key j depends on j - i alone, so table[r, c] masks offset c - r - c0 and block
+    (s, e, k0, k1)'s mask is table[:e - s, c0 - s + k0 : c0 - s + k1] (`_block_mask`);
+    (rows, about memory) in size. Added to the logits rather than selected: XLA:CPU fuses
+    a row block's dot, add, max, exp and second dot into one kernel, which a select
+    breaks up (the mask as `where` made the forward pass 1.5x slower). None when
+    nothing is masked."""
+    if not causal and not window:
+        return None, 0
+    c0 = max(s - k0 for s, _, k0, _ in blocks)
+    rows = max(e - s for s, e, _, _ in blocks)
+    width = c0 + max(k1 - s for s, _, _, k1 in blocks)
+    r = jax.lax.broadcasted_iota(np.int32, (rows, width), 0)
+    offset = jax.lax.broadcasted_iota(np.int32, (rows, width), 1) - r - c0  # j - i
+    ok = offset <= 0 if causal else jnp.ones((rows, width), bool)
+    if window:
+        ok &= offset > -window
+    return jnp.where(ok, np.float32(0), np.float32(NEG)), c0
+
+
+def _cut(x, at, spans: dict):
+    """x[spans] ({axis: (start, end)}) as a dynamic slice whose starts are offset by
+    `at`, a block's link to the one before (`_after`: always 0)."""
+    starts, sizes = [0] * x.ndim, list(x.shape)
+    for axis, (a, b) in spans.items():
+        starts[axis], sizes[axis] = a + at, b - a
+    return jax.lax.dynamic_slice(x, starts, sizes)
+
+
+def _after(x):
+    """0 as an int32 XLA cannot know in advance ((one value of x) * 0 > 1 is false for
+    every x, NaN too), offsetting the next block's slices: each block's slices wait on
+    the block before. Without it XLA's scheduler made every block's slices of q, k, v
+    and the mask first and kept them all alive: memory quadratic in length."""
+    return (x.reshape(-1)[0] * 0 > 1).astype(np.int32)
+
+
+def _logits(qs, k, bias, table, blk, at):
+    """scale * q.k (+ bias) + mask of one row block: (kv_heads, group * rows, keys), the
+    group and rows merged, so that each product is a dot with one free dim on each side
+    (two on one side made XLA:CPU copy the logits out of its fused kernel)."""
+    s, e, k0, k1 = blk
+    h, g = qs.shape[:2]
+    q = _cut(qs, at, {2: (s, e)}).reshape(h, g * (e - s), qs.shape[3])
+    sc = jnp.einsum("hqd,hmd->hqm", q, _cut(k, at, {1: (k0, k1)}))
+    sc = sc.reshape(h, g, e - s, k1 - k0)
+    if bias is not None:
+        rows = {2: (s, e)} if bias.shape[2] > 1 else {}
+        sc = sc + _cut(bias, at, {**rows, 3: (k0, k1)})
+    if table[0] is not None:
+        mask, c0 = table
+        sc = sc + _cut(mask, at, {0: (0, e - s), 1: (c0 - s + k0, c0 - s + k1)})
+    return sc.reshape(h, g * (e - s), k1 - k0)
+
+
+def _rows(x, g):
+    """(kv_heads, group * rows, ...) as (kv_heads, group, rows, ...)."""
+    return x.reshape(x.shape[0], g, x.shape[1] // g, *x.shape[2:])
+
+
+def _forward(q, k, v, bias, scale, causal, window, block):
+    """The output (kv_heads, group, length, d) and each row's sum of exp(logit - the
+    row's max logit): the logsumexp less the max, which the backward pass finds again
+    itself (exporting the max from the forward's fused kernel split it: 1.9x slower)."""
+    blocks = _blocks(q.shape[2], k.shape[1], block, causal, window)
+    table = _mask_table(blocks, causal, window)
+    qs = q * scale
+    g, d = q.shape[1], v.shape[2]
+    # v with a column of ones: the second product gives each row's sum of exp too,
+    # inside the same fused kernel (a separate sum reduced p again: 1.4x slower)
+    v1 = jnp.concatenate([v, jnp.ones((*v.shape[:2], 1), v.dtype)], 2)
+    outs, sums, at = [], [], 0
+    for blk in blocks:
+        sc = _logits(qs, k, bias, table, blk, at)
+        p = jnp.exp(sc - sc.max(-1, keepdims=True))
+        o = jnp.einsum("hqm,hmd->hqd", p, _cut(v1, at, {1: blk[2:]}))
+        at = _after(o)
+        outs.append(_rows(o[..., :d] / o[..., d:], g))
+        sums.append(_rows(o[..., d], g))
+    return jnp.concatenate(outs, 2), jnp.concatenate(sums, 2)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def attention(q, k, v, bias, scale: float, causal: bool, window: int, block: int):
+    """softmax(scale * q.k + bias, masked) v: q (kv_heads, group, length, d), k and v
+    (kv_heads, memory, d), bias None or (kv_heads, group, length or 1, memory); float32."""
+    return _forward(q, k, v, bias, scale, causal, window, block)[0]
+
+
+def _attention_fwd(q, k, v, bias, scale, causal, window, block):
+    out, sums = _forward(q, k, v, bias, scale, causal, window, block)
+    return out, (q, k, v, bias, out, sums)
+
+
+def _attention_bwd(scale, causal, window, block, res, dout):
+    """Row block by row block, the logits recomputed transposed, (kv_heads, keys, group
+    * rows): a product XLA cannot merge with the forward pass's (common subexpressions
+    would keep every block's logits alive from one pass to the other, memory quadratic
+    in length), and in which every product is one XLA:CPU runs fast (see the module's
+    docstring)."""
+    q, k, v, bias, out, sums = res
+    qs = q * scale
+    h, g, n, d = q.shape
+    m = k.shape[1]
+    dd = (dout * out).sum(-1)
+    dk, dv = jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)
+    dq, dbias = [], None if bias is None else jnp.zeros(bias.shape, bias.dtype)
+    blocks = _blocks(n, m, block, causal, window)
+    mask, c0 = _mask_table(blocks, causal, window)
+    at = 0  # each block's slices after the block before (`_after`)
+    for s, e, k0, k1 in blocks:
+        r, keys = e - s, k1 - k0
+        qb, do = (_cut(x, at, {2: (s, e)}).reshape(h, g * r, d) for x in (qs, dout))
+        kb, vb = (_cut(x, at, {1: (k0, k1)}) for x in (k, v))
+        sc = jnp.einsum("hmd,hqd->hmq", kb, qb).reshape(h, keys, g, r)
+        if bias is not None:
+            rows = {2: (s, e)} if bias.shape[2] > 1 else {}
+            sc = sc + _cut(bias, at, {**rows, 3: (k0, k1)}).transpose(0, 3, 1, 2)
+        if mask is not None:
+            cut = _cut(mask, at, {0: (0, r), 1: (c0 - s + k0, c0 - s + k1)})
+            sc = sc + cut.T[:, None, :]
+        sc = sc.reshape(h, keys, g * r)
+        total = _cut(sums, at, {2: (s, e)}).reshape(h, 1, g * r)
+        p = jnp.exp(sc - sc.max(1, keepdims=True)) / total
+        dv = dv.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", p, do))
+        dp = jnp.einsum("hmd,hqd->hmq", vb, do)
+        ds = p * (dp - _cut(dd, at, {2: (s, e)}).reshape(h, 1, g * r))  # logits' gradient
+        dk = dk.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", ds, qb))
+        dq.append(jnp.einsum("hmd,hmq->hdq", kb, ds).reshape(h, d, g, r) * scale)
+        at = _after(dq[-1])
+        if bias is not None:
+            ds = ds.reshape(h, keys, g, r).transpose(0, 2, 3, 1)
+            if bias.shape[2] > 1:
+                dbias = dbias.at[:, :, s:e, k0:k1].set(ds)
+            else:
+                dbias = dbias.at[:, :, :, k0:k1].add(ds.sum(2, keepdims=True))
+    return jnp.concatenate(dq, 3).transpose(0, 2, 3, 1), dk, dv, dbias
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
