@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 import namedmesh as nm
-from benchmarks import fair
+from benchmarks import cli, fair
 from namedmesh import attention, flash
 
 SECTION = "## Attention alone: namedmesh's kernels against PyTorch's SDPA"
@@ -74,19 +74,19 @@ def _sides(n: int, heads: int, d: int, blocks: list[int], forward: bool) -> dict
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", default="1024,2048,8192")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--blocks", default="", help="flash row blocks to time besides")
+    p.add_argument("--lengths", type=cli.counts, default=[1024, 2048, 8192])
+    p.add_argument("--heads", type=cli.count, default=4)
+    p.add_argument("--d", type=cli.count, default=64)
+    p.add_argument("--rounds", type=cli.count, default=5)
+    p.add_argument("--blocks", type=cli.counts, default=[], help="flash row blocks to time besides")
     p.add_argument("--forward", action="store_true", help="the forward pass alone")
     p.add_argument("--docs", default=None, help="write the table into this markdown file")
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
-    blocks = [int(b) for b in args.blocks.split(",") if b]
+    blocks = args.blocks
     before = fair.load()
     lines = []
-    for n in map(int, args.lengths.split(",")):
+    for n in args.lengths:
         t = fair.alternate(_sides(n, args.heads, args.d, blocks, args.forward), args.rounds)
         torch_t = t.pop("PyTorch SDPA")
         if not lines:
@@ -112,4 +112,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 import namedmesh as nm
-from benchmarks import fair
+from benchmarks import cli, fair
 from benchmarks.memory import peak_bytes
 from lowering import Mesh, lower
 from models import config, transformer
@@ -83,34 +83,36 @@ def row(name: str, length: int, attention: str, remat: str, layout: str, run: bo
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="tiny,small")
-    p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--layouts", default="one device,2x4")
+    p.add_argument("--configs", type=cli.names, default=["tiny", "small"])
+    p.add_argument("--lengths", type=cli.counts, default=[1024, 2048, 4096])
+    p.add_argument("--layouts", type=cli.names, default=["one device", "2x4"])
     p.add_argument("--docs", default=None, help="append the table to this markdown file")
     p.add_argument("--goals", action="store_true", help="only the rows the goals need")
     p.add_argument(
         "--vs-torch",
+        type=cli.counts,
         default=None,
         metavar="LENGTHS",
         help="time the training step against PyTorch's SDPA at these lengths",
     )
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds of --vs-torch")
+    p.add_argument("--rounds", type=cli.count, default=3, help="timed rounds of --vs-torch")
     p.add_argument(
         "--memory",
+        type=cli.counts,
         default=None,
         metavar="LENGTHS",
         help="peak memory of the training step at these lengths, namedmesh against PyTorch",
     )
-    p.add_argument("--torch-peak", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--torch-peak", type=cli.count, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
     if args.torch_peak:  # one step in this fresh process: its peak resident memory
         print(_torch_peak(args.torch_peak))
         return 0
     if args.vs_torch:
-        return vs_torch(list(map(int, args.vs_torch.split(","))), args, threads)
+        return vs_torch(args.vs_torch, args, threads)
     if args.memory:
-        return memory_vs_torch(list(map(int, args.memory.split(","))), args)
+        return memory_vs_torch(args.memory, args)
     lines = ["| config | length | attention | remat | layout | estimate MiB | XLA MiB | est/XLA |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     peaks, rates = {}, {}
@@ -300,11 +302,11 @@ def _rows(args) -> list[tuple]:
         ]
     return [
         (name, length, attention, remat, layout)
-        for name in args.configs.split(",")
-        for length in map(int, args.lengths.split(","))
+        for name in args.configs
+        for length in args.lengths
         for attention in ("full", "blockwise")
         for remat in ("none", "full")
-        for layout in args.layouts.split(",")
+        for layout in args.layouts
     ]
 
 
@@ -326,4 +328,4 @@ def _goals(peaks: dict, rates: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))
