@@ -107,3 +107,15 @@ def test_operand_invariant_over_a_mesh_axis_gets_its_gradient_summed_over_it():
     cos = np.cos(a.astype(np.float64) @ b)
     np.testing.assert_allclose(np.asarray(ga), cos @ b.T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(gb), a.T @ cos, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embedding_gradient_is_the_dot_in_the_order_chosen():
+    """An embedding's gradient [vocab, d] from x[t, d] and the cotangent [t, vocab]: the
+    dot gives [d, vocab] (x, the smaller, transposed) and the result is transposed after,
+    not folded by XLA into the dot with the [t, vocab] cotangent transposed."""
+    x = nm.tensor(np.ones((64, 32), np.float32), "length d")
+    e = nm.tensor(np.ones((1024, 32), np.float32), "vocab d")
+    loss = lambda e: jnp.sum(jnp.sin(nm.einsum(x, e, out="length vocab").data))
+    hlo = jax.jit(jax.grad(loss)).lower(e).compile().as_text()
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    assert any("f32[32,1024]" in line.split("dot(")[0] for line in dots), dots
