@@ -10,9 +10,9 @@ operand: a weight's gradient `x[t, i], g[t, o] -> w[i, o]` came out as g copied 
 [o, t] and a dot at half the speed of `x.T @ g` (the step's largest matmul, the output
 projection's, took twice its forward time). Here every contraction, a gradient's too,
 takes the operand order whose transposed copies move the fewest bytes
-(`left_first`); a result wanted in another order is transposed after an
-optimization barrier, since XLA would fold that transpose into the dot in the refused
-order.
+(`left_first`); on CPU a result wanted in another order is transposed after an
+optimization barrier, since XLA:CPU would fold that transpose into the dot in the
+refused order.
 """
 
 from __future__ import annotations
@@ -79,9 +79,12 @@ def _dot(a, b, a_dims, b_dims, out, precision):
     perm = tuple(got.index(d) for d in out)
     if perm == tuple(range(len(perm))):
         return y
-    # else XLA folds the transpose back into the dot, as the order `left_first` refused
-    # (a tied embedding's gradient [vocab, d] came out so: 33 ms, 25 ms with the barrier)
-    return jnp.transpose(jax.lax.optimization_barrier(y), perm)
+    if jax.default_backend() == "cpu":
+        # else XLA:CPU folds the transpose back into the dot, in the order `left_first`
+        # refused (a tied embedding's [vocab, d] gradient: 33 ms, 25 ms with the barrier);
+        # GPU and TPU dots read transposed operands in place, so there it may fold
+        y = jax.lax.optimization_barrier(y)
+    return jnp.transpose(y, perm)
 
 
 def contract(a, b, a_dims, b_dims, out, precision=None):
