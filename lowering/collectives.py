@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lowering.cost import traffic
 from lowering.layout import ValueLayout
+from namedmesh.contract import varying_axes as varying_axes  # re-exported: its old home
 
 
 def nbytes(x) -> int:
