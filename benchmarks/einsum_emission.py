@@ -39,25 +39,9 @@ def _zoo_step(loaded, batch, targets, impl=None):
 
 def row(name: str, spec: tuple, ids, targets, repeats: int) -> str:
     """One family's markdown row: before and after ms and ratios to PyTorch eager."""
-    import tempfile
-
-    import torch
-    import transformers
-
-    import namedmesh as nm
     from benchmarks import zoo_families
-    from models import hub, zoo
 
-    model_cls, config_cls, kwargs = spec
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
-    folder = tempfile.mkdtemp(prefix=f"emission_{name}_")
-    model.save_pretrained(folder)
-    loaded = hub.load(folder)
-    decodes = "decoder_inputs" in zoo.MODELS[hub.FAMILIES[name].model].needs
-    batch = {"inputs": nm.tensor(ids, ("batch", "length"))}
-    if decodes:
-        batch["decoder_inputs"] = batch["inputs"]
+    model, loaded, batch, decodes = zoo_families.built(name, spec, ids)
     sides = {
         "before": _zoo_step(loaded, batch, targets, _jnp_einsum),
         "after": _zoo_step(loaded, batch, targets),
