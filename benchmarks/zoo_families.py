@@ -153,10 +153,10 @@ def zoo_sides(loaded, batch: dict, targets: np.ndarray):
     return lambda: forward(loaded.params).block_until_ready(), train, float(first)
 
 
-def family(name: str, spec: tuple, ids: np.ndarray, targets: np.ndarray, compile: bool) -> dict:
-    """One family's sides, checked: {"sides": {side: (forward, step)}, "failed", "error"
-    (max |logit difference| relative to the largest), "losses" (zoo's and PyTorch's first
-    training loss)}."""
+def built(name: str, spec: tuple, ids: np.ndarray):
+    """(transformers model, the zoo's model loaded from its saved folder, the zoo's batch
+    of `ids`, whether it decodes): the family's model built from `spec` (configs's),
+    every weight perturbed."""
     import torch
     import transformers
 
@@ -174,6 +174,14 @@ def family(name: str, spec: tuple, ids: np.ndarray, targets: np.ndarray, compile
     batch = {"inputs": nm.tensor(ids, ("batch", "length"))}
     if decodes:
         batch["decoder_inputs"] = batch["inputs"]
+    return model, loaded, batch, decodes
+
+
+def family(name: str, spec: tuple, ids: np.ndarray, targets: np.ndarray, compile: bool) -> dict:
+    """One family's sides, checked: {"sides": {side: (forward, step)}, "failed", "error"
+    (max |logit difference| relative to the largest), "losses" (zoo's and PyTorch's first
+    training loss)}."""
+    model, loaded, batch, decodes = built(name, spec, ids)
     t_sides, failed = torch_sides(model, ids, targets, decodes, compile), {}
     want = t_sides["PyTorch eager"][0]().numpy()
     got = np.asarray(loaded.logits(ids, **({"decoder_input_ids": ids} if decodes else {}))

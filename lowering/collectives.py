@@ -11,24 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import jax
-
 from lowering.cost import traffic
 from lowering.layout import ValueLayout
+from namedmesh.contract import varying_axes as varying_axes  # re-exported: its old home
 
 
 def nbytes(x) -> int:
     """Bytes of the local array `x`."""
     return math.prod(x.shape) * x.dtype.itemsize
-
-
-def varying_axes(x) -> set[str]:
-    """The mesh axes over which shard_map types `x` as varying (its `vma`)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:  # jax 0.10 keeps it in the aval's manual axis type
-        vma = aval.manual_axis_type.varying
-    return set(vma)
 
 
 class WiderCarry(Exception):

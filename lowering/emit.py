@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowering import ops
-from lowering.collectives import varying_axes
+from namedmesh.contract import varying_axes
 
 OPS = {name: op.run for name, op in ops.OPS.items()}  # each instruction's jax implementation
 

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowering.collectives import varying_axes
 from lowering.layout import local_shape
 from lowering.ops import Local, all_to_all
+from namedmesh.contract import varying_axes
 from namedmesh.grouped import as_rows, grouped_rows
 
 SLACK = 1.5  # a round's slots per destination, over an even share of the rows

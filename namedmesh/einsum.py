@@ -18,6 +18,7 @@ import numpy as np
 import opt_einsum
 
 from namedmesh.checks import agreed_sizes, did_you_mean
+from namedmesh.contract import contract
 from namedmesh.eager import remembered
 from namedmesh.errors import ArgumentError, DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
@@ -145,9 +146,33 @@ def _einsum_kernel(out, in_dims, preferred=None, precision=None):
 
 
 def _einsum_jax(*xs, out, in_dims, preferred=None, precision=None):
+    if len(xs) == 2 and _one_float(xs, preferred):
+        return _contract_jax(*xs, out=out, in_dims=in_dims, precision=precision)
     return jnp.einsum(
         spec(in_dims, out), *xs, preferred_element_type=preferred, precision=precision
     )
+
+
+def _one_float(xs, preferred) -> bool:
+    """Whether `contract` runs this einsum: operands of one floating dtype, summed in it."""
+    dt = xs[0].dtype
+    return (
+        jnp.issubdtype(dt, jnp.floating)
+        and xs[1].dtype == dt
+        and (preferred is None or np.dtype(preferred) == dt)
+    )
+
+
+def _contract_jax(a, b, out, in_dims, precision):
+    """A two-operand einsum by `contract.contract` (XLA:CPU's fastest dot_general and
+    gradients), a dim that only one operand has and `out` lacks summed first."""
+    a_dims, b_dims = in_dims
+    plan = _matmul_plan(a_dims, b_dims, out)
+    if plan.a_sum:
+        a, a_dims = a.sum(plan.a_sum), tuple(d for d in a_dims if d in b_dims or d in out)
+    if plan.b_sum:
+        b, b_dims = b.sum(plan.b_sum), tuple(d for d in b_dims if d in a_dims or d in out)
+    return contract(a, b, a_dims, b_dims, out, precision)
 
 
 def _einsum_cost(in_avals, out_avals, params) -> Cost:

@@ -1,0 +1,121 @@
+"""The two-operand einsum as one `jax.lax.dot_general`, in the operand order XLA:CPU runs
+fastest, with a reverse-mode rule that writes each operand's gradient the same way.
+
+XLA:CPU multiplies [batch, M, K] x [batch, K, N] (the right operand's K and N in either
+order); a left operand whose summed dims are not its last ones is copied transposed
+first, and so is a result whose dims the einsum wants in another order. jax's own
+gradient of a dot_general is a dot_general of the cotangent and the other operand
+followed by a transpose, which XLA:CPU runs with a transposed copy of the larger
+operand: a weight's gradient `x[t, i], g[t, o] -> w[i, o]` came out as g copied to
+[o, t] and a dot at half the speed of `x.T @ g` (the step's largest matmul, the output
+projection's, took twice its forward time). Here every contraction, a gradient's too,
+takes the operand order whose transposed copies move the fewest bytes
+(`left_first`); on CPU a result wanted in another order is transposed after an
+optimization barrier, since XLA:CPU would fold that transpose into the dot in the
+refused order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def varying_axes(x) -> set[str]:
+    """The mesh axes over which shard_map types `x` as varying (its `vma`; none outside
+    shard_map)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:  # jax 0.10 keeps it in the aval's manual axis type
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return set(vma)
+
+
+def _copied(lhs, rhs, out, sizes) -> int:
+    """Elements XLA:CPU copies to run `lhs x rhs -> out` (dims tuples) as one dot_general
+    with `lhs` on the left: the left operand unless its dims run batch, free, summed;
+    the right unless they run batch then summed and free in either order; the result
+    unless batch, left free, right free is its order."""
+    batch = [d for d in lhs if d in rhs and d in out]
+    summed = [d for d in lhs if d in rhs and d not in out]
+    l_free = [d for d in lhs if d not in rhs]
+    r_free = [d for d in rhs if d not in lhs]
+    size = lambda dims: math.prod(sizes[d] for d in dims)
+    n = 0
+    if list(lhs) != batch + l_free + summed:
+        n += size(lhs)
+    if list(rhs) not in (batch + summed + r_free, batch + r_free + summed):
+        n += size(rhs)
+    if list(out) != batch + l_free + r_free:
+        n += size(out)
+    return n
+
+
+@functools.lru_cache(maxsize=4096)
+def left_first(a_dims, b_dims, out, sizes) -> bool:
+    """Whether operand a goes on the left of the dot_general: unless b there copies
+    fewer elements (ties keep the einsum's order)."""
+    sizes = dict(sizes)
+    return _copied(a_dims, b_dims, out, sizes) <= _copied(b_dims, a_dims, out, sizes)
+
+
+def _dot(a, b, a_dims, b_dims, out, precision):
+    """`a x b -> out` as one dot_general (every dim of a and b is in the other or in
+    `out`), the operands in `left_first`'s order, then transposed to `out`."""
+    sizes = tuple(sorted(dict(zip(a_dims + b_dims, a.shape + b.shape, strict=True)).items()))
+    if not left_first(a_dims, b_dims, out, sizes):
+        a, b, a_dims, b_dims = b, a, b_dims, a_dims
+    batch = [d for d in a_dims if d in b_dims and d in out]
+    summed = [d for d in a_dims if d in b_dims and d not in out]
+    numbers = (
+        ([a_dims.index(d) for d in summed], [b_dims.index(d) for d in summed]),
+        ([a_dims.index(d) for d in batch], [b_dims.index(d) for d in batch]),
+    )
+    y = jax.lax.dot_general(a, b, numbers, precision=precision)
+    got = batch + [d for d in a_dims if d not in b_dims] + [d for d in b_dims if d not in a_dims]
+    perm = tuple(got.index(d) for d in out)
+    if perm == tuple(range(len(perm))):
+        return y
+    if jax.default_backend() == "cpu":
+        # else XLA:CPU folds the transpose back into the dot, in the order `left_first`
+        # refused (a tied embedding's [vocab, d] gradient: 33 ms, 25 ms with the barrier);
+        # GPU and TPU dots read transposed operands in place, so there it may fold
+        y = jax.lax.optimization_barrier(y)
+    return jnp.transpose(y, perm)
+
+
+def contract(a, b, a_dims, b_dims, out, precision=None):
+    """`a x b -> out` by dim names (tuples): one dot_general in XLA:CPU's fastest operand
+    order, its gradients the same. a and b have one floating dtype, and every dim of
+    each is in the other or in `out` (sum one-sided dims first). Inside shard_map an
+    operand invariant over a mesh axis the other varies over is cast varying first, as
+    dot_general does, so that its gradient is summed over that axis (the cast's
+    transpose, a psum)."""
+    va, vb = varying_axes(a), varying_axes(b)
+    if va != vb:
+        a = jax.lax.pcast(a, tuple(sorted(vb - va)), to="varying") if vb - va else a
+        b = jax.lax.pcast(b, tuple(sorted(va - vb)), to="varying") if va - vb else b
+    return _contract(a, b, a_dims, b_dims, out, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _contract(a, b, a_dims, b_dims, out, precision=None):
+    return _dot(a, b, a_dims, b_dims, out, precision)
+
+
+def _forward(a, b, a_dims, b_dims, out, precision):
+    return _dot(a, b, a_dims, b_dims, out, precision), (a, b)
+
+
+def _backward(a_dims, b_dims, out, precision, saved, g):
+    a, b = saved
+    return (
+        _contract(g, b, out, b_dims, a_dims, precision),
+        _contract(a, g, a_dims, out, b_dims, precision),
+    )
+
+
+_contract.defvjp(_forward, _backward)
