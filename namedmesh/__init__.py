@@ -5,6 +5,7 @@ from namedmesh import methods, random  # methods: binds the ops onto Tensor as i
 from namedmesh.attention import dot_product_attention
 from namedmesh.autodiff import grad, value_and_grad
 from namedmesh.checks import DimNameWarning
+from namedmesh.contract import jax_gradients
 from namedmesh.control import scan
 from namedmesh.conv import conv, pool
 from namedmesh.creation import (

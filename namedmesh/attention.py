@@ -20,6 +20,7 @@ import numpy as np
 
 from namedmesh import flash
 from namedmesh.checks import integer
+from namedmesh.contract import custom_gradients
 from namedmesh.errors import ArgumentError, ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
 from namedmesh.tensor import Tensor
@@ -154,8 +155,9 @@ def choose_kernel(length: int, memory: int, backend: str) -> str:
     """The kernel "auto" runs: on CPU, flash for self-attention (length == memory) of
     FLASH_FROM positions or more, where XLA's whole logits cost more than flash's Python
     loop of row blocks; XLA's kernel otherwise (GPU's cuDNN, short sequences, decoding
-    steps over a cache)."""
-    if backend == "cpu" and length == memory >= FLASH_FROM:
+    steps over a cache, and inside `jax_gradients()`: flash's custom vjp has no forward
+    mode)."""
+    if backend == "cpu" and length == memory >= FLASH_FROM and custom_gradients():
         return "flash"
     return "xla"
 

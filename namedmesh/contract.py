@@ -13,15 +13,45 @@ takes the operand order whose transposed copies move the fewest bytes
 (`left_first`); on CPU a result wanted in another order is transposed after an
 optimization barrier, since XLA:CPU would fold that transpose into the dot in the
 refused order.
+
+A custom vjp has no forward mode: inside `jax_gradients()` (a context for tracing)
+einsums, and dot_product_attention's "auto" kernel, are left to jax's own rules, for
+`jax.jvp`, `jax.jacfwd` and `jax.hessian`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
+
+_JAX_RULES = threading.local()
+
+
+@contextlib.contextmanager
+def jax_gradients():
+    """Within this context (while a program is traced: jax.jit caches what it traced
+    before), namedmesh's ops are differentiated by jax's own rules, forward mode
+    included, not by the custom vjps that make reverse mode fast on XLA:CPU:
+
+        with nm.jax_gradients():
+            h = jax.hessian(loss)(w)
+    """
+    before = getattr(_JAX_RULES, "on", False)
+    _JAX_RULES.on = True
+    try:
+        yield
+    finally:
+        _JAX_RULES.on = before
+
+
+def custom_gradients() -> bool:
+    """Whether ops may use their custom vjps now (not inside `jax_gradients()`)."""
+    return not getattr(_JAX_RULES, "on", False)
 
 
 def varying_axes(x) -> set[str]:

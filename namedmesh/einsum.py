@@ -18,7 +18,7 @@ import numpy as np
 import opt_einsum
 
 from namedmesh.checks import agreed_sizes, did_you_mean
-from namedmesh.contract import contract
+from namedmesh.contract import contract, custom_gradients
 from namedmesh.eager import remembered
 from namedmesh.errors import ArgumentError, DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
@@ -146,7 +146,7 @@ def _einsum_kernel(out, in_dims, preferred=None, precision=None):
 
 
 def _einsum_jax(*xs, out, in_dims, preferred=None, precision=None):
-    if len(xs) == 2 and _one_float(xs, preferred):
+    if len(xs) == 2 and _one_float(xs, preferred) and custom_gradients():
         return _contract_jax(*xs, out=out, in_dims=in_dims, precision=precision)
     return jnp.einsum(
         spec(in_dims, out), *xs, preferred_element_type=preferred, precision=precision

@@ -119,3 +119,21 @@ def test_tied_embedding_gradient_is_the_dot_in_the_order_chosen():
     hlo = jax.jit(jax.grad(loss)).lower(e).compile().as_text()
     dots = [line for line in hlo.splitlines() if " dot(" in line]
     assert any("f32[32,1024]" in line.split("dot(")[0] for line in dots), dots
+
+
+def test_forward_mode_runs_inside_jax_gradients():
+    """contract's custom vjp has no forward mode: jax.jvp of an nm.einsum fails outside
+    nm.jax_gradients() and, inside it, jax.hessian equals the NumPy oracle (the Hessian
+    of sum((x w)^2) in w is 2 x^T x per output column)."""
+    x = _data("t i", 9)
+    w0 = _data("i o", 10)
+    loss = lambda w: jnp.sum(nm.einsum(nm.tensor(x, "t i"), nm.tensor(w, "i o")).data ** 2)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(loss, (w0,), (w0,))
+    with nm.jax_gradients():
+        h = np.asarray(jax.hessian(loss)(w0))
+        _, tangent = jax.jvp(loss, (w0,), (w0,))
+    gram = 2 * x.astype(np.float64).T @ x
+    want = np.einsum("ij,ok->iojk", gram, np.eye(w0.shape[1]))
+    np.testing.assert_allclose(h, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(float(tangent), 2 * np.sum((x @ w0) * (x @ w0)), rtol=1e-4)
