@@ -12,7 +12,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import fair
+from benchmarks import cli, fair
 
 
 def _jnp_einsum(*xs, out, in_dims, preferred=None, precision=None):
@@ -58,7 +58,7 @@ def row(name: str, spec: tuple, ids, targets, repeats: int) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default=None, help="comma-separated (default: all)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=cli.count, default=5)
     args = p.parse_args(argv)
     threads = fair.single_threaded()
     from benchmarks import zoo_families
@@ -81,4 +81,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -23,6 +23,7 @@ forward pass and a training step against transformers' eager PyTorch and
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 import optax
 
 import namedmesh as nm
-from benchmarks import fair, zoo_families
+from benchmarks import cli, fair, zoo_families
 from models import hub, transformer
 
 
@@ -79,13 +80,13 @@ def zoo_side(folder):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.zoo_vs_hf", description=__doc__)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--length", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=7, help="timed rounds")
+    p.add_argument("--layers", type=cli.count, default=4)
+    p.add_argument("--d-model", type=cli.count, default=256)
+    p.add_argument("--heads", type=cli.count, default=4)
+    p.add_argument("--vocab", type=cli.count, default=50257)
+    p.add_argument("--length", type=cli.count, default=128)
+    p.add_argument("--batch", type=cli.count, default=4)
+    p.add_argument("--repeats", type=cli.count, default=7, help="timed rounds")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time PyTorch under torch.compile")  # fmt: skip
     p.add_argument("--families", nargs="?", const="all", default=None, metavar="NAMES",
@@ -171,4 +172,4 @@ def table(rows: dict[str, dict[str, list[float]]], failed: dict[str, str]) -> st
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -14,6 +14,8 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("decode_latent", ["--rounds", "0"]),
     ("decode_latent", ["--batches", "1,x"]),
     ("gpu", ["--steps", "-3"]),
+    ("zoo_vs_hf", ["--repeats", "0"]),
+    ("einsum_emission", ["--repeats", "x"]),
     ("grouped_kernel", ["--rows", "0"]),
     ("moe_routing", ["--experts", "0"]),
     ("pipeline", ["--repeats", "0"]),
