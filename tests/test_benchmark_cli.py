@@ -1,6 +1,7 @@
 """The benchmarks' command lines refuse a bad flag value in one line with exit status 2,
 before building anything, and end the project's typed errors the same way."""
 
+import argparse
 import importlib
 
 import pytest
@@ -40,7 +41,7 @@ def test_a_bad_count_is_refused_by_argparse_in_one_line(module, argv, capsys):
 )
 def test_counts_reads_positive_ints_or_refuses(text, want):
     if want is None:
-        with pytest.raises(Exception, match="at least 1|empty"):
+        with pytest.raises(argparse.ArgumentTypeError, match="at least 1|empty"):
             cli.counts(text)
     else:
         assert cli.counts(text) == want
