@@ -118,8 +118,12 @@ def test_dead_peer_stops_survivor(workers, dead):
     log = workers.log(survivor)
     assert "running the MLP over both processes" in log, workers.logs()
     assert "matches NumPy" not in log, workers.logs()
-    assert "JAX distributed service detected fatal errors" in log, workers.logs()
-    assert "another task died" in log, workers.logs()
+    # Either jax's service aborts the survivor, or a collective fails first (the dead
+    # coordinator's socket closed) and the worker prints that as one line; both are a
+    # clear stop, which is what is checked (see distributed_worker.py's docstring).
+    aborted = "JAX distributed service detected fatal errors" in log and "another task died" in log
+    failed = "a peer process is probably lost: JaxRuntimeError" in log and code == 1
+    assert aborted or failed, workers.logs()
     print(f"survivor exited with {code} after {elapsed:.1f} s")
 
 
