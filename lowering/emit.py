@@ -107,5 +107,5 @@ def _scan(ins, env: dict, check: bool = False):
         return [inner[v] for v in p["carry_out"]], [inner[v] for v in p["ys"]]
 
     body = checkpointed(step, p["remat"])
-    final, ys = jax.lax.scan(body, init, xs, length=p["length"])
+    final, ys = jax.lax.scan(body, init, xs, length=p["length"], unroll=p.get("unroll", False))
     return (*final, *ys)

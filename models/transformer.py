@@ -357,7 +357,7 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
         return block(h, p, cfg, k, layer=c, **block_args)
 
     xs = (layers, layer_keys(key, n), consts)
-    x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat)
+    x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat, unroll=not cfg.scan_layers)
     return x, None if aux is None else over_layers(aux)
 
 

@@ -159,6 +159,19 @@ def test_blockwise_lm_gradients_with_remat_equal_full_attention():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
+def test_unrolled_layers_keep_the_lm_values_and_gradients():
+    """Config.scan_layers=False (the layers unrolled, not one loop) under a layout: the
+    scanned stack's loss and gradients (the scanned stack equals transformers' models in
+    tests/test_hub.py)."""
+    mesh, layout = Mesh(LAYOUTS["model"][0]), LAYOUTS["model"][1]
+    cfg = LM_CFG.replace(layers=2)
+    want, g_scan = _lm_value_and_grads(cfg, mesh, layout)
+    got, g_unrolled = _lm_value_and_grads(cfg.replace(scan_layers=False), mesh, layout)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_unrolled), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
 RING = Mesh({"rows": 4})
 RING_LAYOUT = "ring:rows;length:rows;memory:rows"
 
@@ -215,7 +228,7 @@ def test_ring_errors_name_the_fault():
 @pytest.mark.parametrize(
     "field,value,named",
     [("attention", "flash", "Config.attention"), ("attention_block", 0, "--attention-block"),
-     ("remat", "some", "Config.remat")],
+     ("remat", "some", "Config.remat"), ("scan_layers", "no", "Config.scan_layers")],
 )  # fmt: skip
 def test_bad_long_sequence_options_are_parameter_errors_at_the_config(field, value, named):
     with pytest.raises(nm.ParameterError, match=named) as caught:

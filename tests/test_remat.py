@@ -22,13 +22,13 @@ def t(shape, dims):
 X, W1, W2 = t((B, D), "batch d"), t((L, D, E), "layers d e"), t((L, E, D), "layers e d")
 
 
-def program(remat):
+def program(remat, unroll=False):
     def f(x, w1, w2):
         def body(h, ws):
             y = nm.tanh(nm.einsum(h, ws[0], out="batch e"))
             return h + nm.einsum(y, ws[1], out="batch d"), None
 
-        h, _ = nm.scan(body, x, (w1, w2), "layers", remat=remat)
+        h, _ = nm.scan(body, x, (w1, w2), "layers", remat=remat, unroll=unroll)
         return (h * h).sum()
 
     return f
@@ -66,6 +66,28 @@ def test_remat_keeps_values_and_gradients(remat, layout):
 
 
 MESH = Mesh({"rows": 2, "cols": 2})
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("layout", [None, "batch:rows;e:cols"])
+def test_unrolled_scan_keeps_values_and_gradients_without_a_loop(remat, layout):
+    """unroll=True: the same values and gradients as the jax.numpy loop, and the
+    compiled program (jit or the lowering's) has no while loop left."""
+    f = program(remat, unroll=True)
+    fn = f if layout is None else lower(f, MESH, layout)
+    value, grads = _grads(fn)
+    np.testing.assert_allclose(value, WANT_VALUE, rtol=1e-5)
+    for g, w in zip(grads, WANT_GRADS, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(lambda *a: fn(*a).data, argnums=(1, 2)))
+    assert " while(" not in g.lower(*ARGS).compile().as_text()
+    looped = jax.jit(jax.grad(lambda *a: program(remat)(*a).data, argnums=(1, 2)))
+    assert " while(" in looped.lower(*ARGS).compile().as_text()  # the check can fail
+
+
+def test_unroll_must_be_a_bool():
+    with pytest.raises(nm.ParameterError, match="unroll must be True or False, got 2"):
+        program("none", unroll=2)(*ARGS)
 
 
 def test_full_remat_compiles_a_smaller_backward_pass():
