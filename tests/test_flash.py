@@ -43,7 +43,12 @@ CASES = {  # name: (length, memory, group, block, causal, window, bias rows (0: 
     "causal + window wider than a block, padding bias": (13, 13, 1, 3, True, 7, 1),
     "window alone (keys after the query too)": (10, 10, 2, 4, False, 4, 0),
     "cross-attention: 6 queries over 9 keys, bias": (6, 9, 1, 4, False, 0, 6),
+    # key 6 sees every later row's logit over 88 above the row's own: those blocks'
+    # sums overflow when shifted by the own logit, and are computed again by the max
+    "causal, key 6 far above the rows' own logits": (11, 11, 1, 4, True, 0, 0),
+    "same, window 5 and a per-row bias": (11, 11, 2, 4, True, 5, 11),
 }
+LOUD_KEY = {"causal, key 6 far above the rows' own logits", "same, window 5 and a per-row bias"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -53,6 +58,9 @@ def test_flash_equals_full_softmax_values_and_gradients(case):
     q = R.normal(size=(h, g, n, d)).astype(np.float32)
     k, v = (R.normal(size=(h, m, d)).astype(np.float32) for _ in range(2))
     bias = R.normal(size=(h, g, bias_rows, m)).astype(np.float32) if bias_rows else None
+    if case in LOUD_KEY:
+        q = np.abs(q) + 1
+        k[:, 6] = 60.0  # scale * q . k[6] >= 0.6 * 4 * 60 = 144 for every row
     args = (q, k, v, bias)
 
     def run(q, k, v, bias):
