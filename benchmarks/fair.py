@@ -17,16 +17,28 @@ import sys
 import time
 from collections.abc import Callable
 
-# One thread for XLA:CPU's Eigen pool and intra-op work; read when jax's CPU backend
-# starts (its first computation), so `single_threaded` sets it before that
-XLA_SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# XLA:CPU's Eigen pool off: read when jax's CPU backend starts (its first computation),
+# so `single_threaded` sets it before that. (`intra_op_parallelism_threads=1`, which this
+# line also held until 2026-12, is not an XLA flag and did nothing.)
+XLA_SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
-def single_threaded() -> str:
+def single_threaded(keep_memory: bool = True) -> str:
     """Make XLA, PyTorch and NumPy's BLAS use one thread each; returns what was set, for
-    the method line of a report. Call it before jax's first computation (XLA reads its
-    flags when its CPU backend starts; a benchmark's `main` does)."""
+    the method line of a report. Call it before jax's first computation and before
+    torch is imported (a benchmark's `main` does).
+
+    No XLA flag makes XLA:CPU single-threaded: its client runs a program's independent
+    ops on a pool sized by the CPUs the process may use (a long-sequence step took 0.63 s
+    of wall time and 1.18 s of CPU time on 2 CPUs), so the process is pinned to one CPU.
+    With `keep_memory`, glibc keeps freed memory for reuse (`keep_freed_memory`)."""
     notes = []
+    if keep_memory and (kept := keep_freed_memory()):
+        notes.append(kept)
+    if hasattr(os, "sched_setaffinity"):
+        cpu = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})
+        notes.append(f"process pinned to CPU {cpu}")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_multi_thread_eigen" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {XLA_SINGLE_THREAD}".strip()
@@ -44,6 +56,42 @@ def single_threaded() -> str:
     except ImportError:
         notes.append("BLAS threads as the library starts (threadpoolctl missing)")
     return "; ".join(notes)
+
+
+# glibc's malloc keeping freed memory for reuse: one arena, no mmap, no trimming
+KEEP_MEMORY = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": "1099511627776",
+}
+
+
+def keep_freed_memory() -> str:
+    """Make glibc's malloc keep freed memory for the next allocation (`KEEP_MEMORY`, as
+    environment variables). XLA:CPU allocates each run's temporaries as one block (267 MB
+    for the 2048-token step of benchmarks/long_seq.py), which glibc maps anew and the
+    kernel faults in page by page every run: 0.14 s of system time in a 1.1 s step;
+    PyTorch's smaller tensors come from the heap either way. It applies to both sides of
+    a comparison (one process). glibc reads the variables when a process starts (mallopt
+    later does not reach the arenas of threads already running), so a benchmark started
+    as `python -m benchmarks.NAME` without them starts itself again with them; "" where
+    glibc is not the allocator or the process was started otherwise."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return ""
+    if all(os.environ.get(k) == v for k, v in KEEP_MEMORY.items()):
+        return (
+            "glibc malloc keeps freed memory ("
+            + " ".join(f"{k}={v}" for k, v in KEEP_MEMORY.items())
+            + ")"
+        )
+    argv = getattr(sys, "orig_argv", [])
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    if module.startswith("benchmarks."):
+        sys.stdout.flush()
+        os.execve(sys.executable, argv, {**os.environ, **KEEP_MEMORY})
+    return ""
 
 
 def _importable(name: str) -> bool:

@@ -17,8 +17,9 @@ against without.
 with `attn_implementation="sdpa"`, loaded into the zoo, and the loss and gradients of
 one batch-1 sequence timed for namedmesh (each of KINDS: full attention up to 4k tokens;
 fused, nm.dot_product_attention, whose CPU kernel from 512 tokens is namedmesh.flash's
-row blocks; blockwise, which skips the causally masked key blocks, without and with full
-remat) against PyTorch, single-threaded, by CPU time, alternated (benchmarks/fair.py).
+row blocks, with the layers in one loop and unrolled; blockwise, which skips the
+causally masked key blocks, without and with full remat) against PyTorch,
+single-threaded, by CPU time, alternated (benchmarks/fair.py).
 
 `--memory LENGTHS`: the same step's peak memory per kind, namedmesh's from XLA's memory
 analysis of the compiled step (nothing run), PyTorch's measured (one step in a fresh
@@ -151,13 +152,16 @@ def _gpt2(length: int, folder: str):
     return model
 
 
-# namedmesh's attention kinds timed against PyTorch: (attention, remat); blockwise
-# attention skips the key blocks the causal mask hides whole
+# namedmesh's kinds timed against PyTorch: Config overrides; blockwise attention skips
+# the key blocks the causal mask hides whole; "unrolled" runs the 4 layers unrolled
+# rather than as one loop (Config.scan_layers=False; on XLA:CPU the loop keeps XLA from
+# fusing and scheduling across layers)
 KINDS = {
-    "full attention": ("full", "none"),
-    "blockwise": ("blockwise", "none"),
-    "blockwise + full remat": ("blockwise", "full"),
-    "fused": ("fused", "none"),  # nm.dot_product_attention: namedmesh.flash on CPU
+    "full attention": {"attention": "full"},
+    "blockwise": {"attention": "blockwise"},
+    "blockwise + full remat": {"attention": "blockwise", "remat": "full"},
+    "fused": {"attention": "fused"},  # nm.dot_product_attention: namedmesh.flash on CPU
+    "fused, unrolled": {"attention": "fused", "scan_layers": False},
 }
 # full attention's (length, memory) matrices stop fitting the development machine here
 # (the fused kernel's row blocks are linear in length on CPU from 512 tokens)
@@ -212,12 +216,10 @@ def _torch_row(length: int, rounds: int) -> list[str]:
         return float(loss.detach())
 
     sides, losses = {}, {}
-    for kind, (attention, remat) in KINDS.items():
-        if attention in QUADRATIC and length > FULL_UP_TO:
+    for kind, overrides in KINDS.items():
+        if overrides["attention"] in QUADRATIC and length > FULL_UP_TO:
             continue
-        cfg = zoo.config.replace(
-            attention=attention, remat=remat, attention_block=block_for(length)
-        )
+        cfg = zoo.config.replace(**overrides, attention_block=block_for(length))
         loss = lambda p, b, c=cfg: transformer.lm_loss(p, b, c).data
         step = jax.jit(jax.value_and_grad(loss))
         losses[kind] = float(step(zoo.params, batch)[0])
@@ -250,10 +252,8 @@ def memory_vs_torch(lengths: list[int], args) -> int:
         zoo = hub.load(folder)
         batch = _batch(zoo.config, length)
         cells = [str(length)]
-        for attention, remat in KINDS.values():
-            cfg = zoo.config.replace(
-                attention=attention, remat=remat, attention_block=block_for(length)
-            )
+        for overrides in KINDS.values():
+            cfg = zoo.config.replace(**overrides, attention_block=block_for(length))
             loss = lambda p, b, c=cfg: transformer.lm_loss(p, b, c).data
             compiled = jax.jit(jax.value_and_grad(loss)).lower(zoo.params, batch).compile()
             cells.append(f"{peak_bytes(compiled) / 2**20:.0f}")
