@@ -53,6 +53,33 @@ def _blocks(n: int, m: int, block: int, causal: bool, window: int):
     return out
 
 
+# Logits per tile (kv_heads x group x rows x keys) at most: 2 MB of float32, 512 keys
+# for a row block of 256 queries and 4 heads, the fastest of 1-16 MB on CPU at 2k and
+# 8k tokens (the whole row of 8k keys, 32 MB, ran XLA:CPU's dots at about a third of
+# the matmul rate); and at most MAX_TILES tiles per row block, so that the program
+# stays small at 16k-32k tokens.
+TILE = 2**19
+MAX_TILES = 16
+
+
+def _tiles(blk, heads: int, causal: bool, window: int):
+    """A row block's keys in tiles of at most TILE logits or 1 / MAX_TILES of the row
+    (a multiple of its rows either way), each with whether the mask hides any of it:
+    ((row start, row end, key start, key end), masked). Under a causal mask each row's
+    shift is known before its keys are seen (`_forward`), so tiles just add up: no
+    rescaling as in FlashAttention's online softmax."""
+    s, e, k0, k1 = blk
+    r = e - s
+    width = max(r, TILE // (heads * r) // r * r, -(-(k1 - k0) // MAX_TILES // r) * r)
+    out = []
+    for a in range(k0, k1, width):
+        b = min(k1, a + width)
+        hidden = causal and b - 1 > s  # a key after the block's first row
+        hidden |= bool(window) and a <= e - 1 - window  # a key before the last row's window
+        out.append(((s, e, a, b), hidden))
+    return out
+
+
 def _mask_table(blocks, causal: bool, window: int):
     """Additive masks of every row block as slices of one array: what query i may see of
     key j depends on j - i alone, so table[r, c] masks offset c - r - c0 and block
@@ -149,14 +176,17 @@ def _forward(q, k, v, bias, scale, causal, window, block):
     own = _own_logits(qs, k, bias) if causal and q.shape[2] <= k.shape[1] else None
     outs, lses, at = [], [], 0
     for blk in blocks:
-        vb = _cut(v1, at, {1: blk[2:]})
-        exact = lambda blk=blk, vb=vb, at=at: _shifted_by_max(qs, k, bias, table, blk, at, vb)
+        exact = lambda blk=blk, at=at: _shifted_by_max(qs, k, bias, table, blk, at, v1)
         if own is None:
             o, c = exact()
         else:
-            sc = _logits(qs, k, bias, table, blk, at)
-            c = _cut(own, at, {2: blk[:2]}).reshape(sc.shape[0], -1, 1)
-            o = jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), vb)
+            c = _cut(own, at, {2: blk[:2]}).reshape(q.shape[0], -1, 1)
+            o = None
+            for tile, hidden in _tiles(blk, g * q.shape[0], causal, window):
+                sc = _logits(qs, k, bias, table if hidden else (None, 0), tile, at)
+                t = jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), _cut(v1, at, {1: tile[2:]}))
+                o = t if o is None else o + t
+                at = _after(t)
             o, c = jax.lax.cond(jnp.isfinite(o[..., d:]).all(), lambda o=o, c=c: (o, c), exact)
         at = _after(o)
         outs.append(_rows(o[..., :d] / o[..., d:], g))
@@ -166,11 +196,10 @@ def _forward(q, k, v, bias, scale, causal, window, block):
 
 def _shifted_by_max(qs, k, bias, table, blk, at, v1):
     """One row block's (p @ [v, 1], shift) with each row's softmax shifted by its max
-    logit: exact for any logits. The logits are made here again rather than passed in,
-    so that the causal path's fused kernel need not keep them (`_forward`)."""
+    logit, all its keys at once: exact for any logits."""
     sc = _logits(qs, k, bias, table, blk, at)
     c = sc.max(-1, keepdims=True)
-    return jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), v1), c
+    return jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), _cut(v1, at, {1: blk[2:]})), c
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -201,32 +230,39 @@ def _attention_bwd(scale, causal, window, block, res, dout):
     blocks = _blocks(n, m, block, causal, window)
     mask, c0 = _mask_table(blocks, causal, window)
     at = 0  # each block's slices after the block before (`_after`)
-    for s, e, k0, k1 in blocks:
-        r, keys = e - s, k1 - k0
+    for blk in blocks:
+        s, e = blk[:2]
+        r = e - s
         qb, do = (_cut(x, at, {2: (s, e)}).reshape(h, g * r, d) for x in (qs, dout))
-        kb, vb = (_cut(x, at, {1: (k0, k1)}) for x in (k, v))
-        sc = jnp.einsum("hmd,hqd->hmq", kb, qb).reshape(h, keys, g, r)
-        if bias is not None:
-            rows = {2: (s, e)} if bias.shape[2] > 1 else {}
-            sc = sc + _cut(bias, at, {**rows, 3: (k0, k1)}).transpose(0, 3, 1, 2)
-        if mask is not None:
-            cut = _cut(mask, at, {0: (0, r), 1: (c0 - s + k0, c0 - s + k1)})
-            sc = sc + cut.T[:, None, :]
-        sc = sc.reshape(h, keys, g * r)
         lse = _cut(lses, at, {2: (s, e)}).reshape(h, 1, g * r)
-        p = jnp.exp(sc - lse)  # no max over the keys again: the forward's log-sum-exp
-        dv = dv.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", p, do))
-        dp = jnp.einsum("hmd,hqd->hmq", vb, do)
-        ds = p * (dp - _cut(dd, at, {2: (s, e)}).reshape(h, 1, g * r))  # logits' gradient
-        dk = dk.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", ds, qb))
-        dq.append(jnp.einsum("hmd,hmq->hdq", kb, ds).reshape(h, d, g, r) * scale)
-        at = _after(dq[-1])
-        if bias is not None:
-            ds = ds.reshape(h, keys, g, r).transpose(0, 2, 3, 1)
-            if bias.shape[2] > 1:
-                dbias = dbias.at[:, :, s:e, k0:k1].set(ds)
-            else:
-                dbias = dbias.at[:, :, :, k0:k1].add(ds.sum(2, keepdims=True))
+        ddb = _cut(dd, at, {2: (s, e)}).reshape(h, 1, g * r)
+        dq_rows = None
+        for (_, _, k0, k1), hidden in _tiles(blk, h * g, causal, window):
+            keys = k1 - k0
+            kb, vb = (_cut(x, at, {1: (k0, k1)}) for x in (k, v))
+            sc = jnp.einsum("hmd,hqd->hmq", kb, qb).reshape(h, keys, g, r)
+            if bias is not None:
+                rows = {2: (s, e)} if bias.shape[2] > 1 else {}
+                sc = sc + _cut(bias, at, {**rows, 3: (k0, k1)}).transpose(0, 3, 1, 2)
+            if mask is not None and hidden:
+                cut = _cut(mask, at, {0: (0, r), 1: (c0 - s + k0, c0 - s + k1)})
+                sc = sc + cut.T[:, None, :]
+            # no max over the keys again: the forward's log-sum-exp
+            p = jnp.exp(sc.reshape(h, keys, g * r) - lse)
+            dv = dv.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", p, do))
+            dp = jnp.einsum("hmd,hqd->hmq", vb, do)
+            ds = p * (dp - ddb)  # the logits' gradient
+            dk = dk.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", ds, qb))
+            t = jnp.einsum("hmd,hmq->hdq", kb, ds)
+            dq_rows = t if dq_rows is None else dq_rows + t
+            at = _after(t)
+            if bias is not None:
+                ds = ds.reshape(h, keys, g, r).transpose(0, 2, 3, 1)
+                if bias.shape[2] > 1:
+                    dbias = dbias.at[:, :, s:e, k0:k1].set(ds)
+                else:
+                    dbias = dbias.at[:, :, :, k0:k1].add(ds.sum(2, keepdims=True))
+        dq.append(dq_rows.reshape(h, d, g, r) * scale)
     return jnp.concatenate(dq, 3).transpose(0, 2, 3, 1), dk, dv, dbias
 
 

@@ -51,8 +51,11 @@ CASES = {  # name: (length, memory, group, block, causal, window, bias rows (0: 
 LOUD_KEY = {"causal, key 6 far above the rows' own logits", "same, window 5 and a per-row bias"}
 
 
+@pytest.mark.parametrize("tiles", ["whole rows", "a block of keys per tile"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_flash_equals_full_softmax_values_and_gradients(case):
+def test_flash_equals_full_softmax_values_and_gradients(case, tiles, monkeypatch):
+    if tiles != "whole rows":  # causal rows' keys in tiles of `block` (flash._tiles)
+        monkeypatch.setattr(flash, "TILE", 1)
     n, m, g, block, causal, window, bias_rows = CASES[case]
     h, d, scale = 2, 4, 0.6
     q = R.normal(size=(h, g, n, d)).astype(np.float32)
@@ -79,9 +82,12 @@ def test_flash_equals_full_softmax_values_and_gradients(case):
     got, grads = jax.jit(lambda: value_and_grads(run))()
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     ref_grads = jax.jit(lambda: value_and_grads(ref)[1])()
+    # the backward pass's probabilities are exp(logit - log-sum-exp): logits of 150 are
+    # float32's to about 1.5e-5, which the loud key's gradients (k of 60) show
+    atol = 1e-4 if case in LOUD_KEY else 1e-5
     for name, a, b in zip("q k v bias".split(), grads, ref_grads, strict=True):
         if b is not None:
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), 1e-4, 1e-5, err_msg=name)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), 1e-4, atol, err_msg=name)
 
 
 def test_flash_bfloat16_and_float16_through_dot_product_attention():
