@@ -148,8 +148,9 @@ def ratio(ours: list[float], theirs: list[float]) -> str:
 
 
 METHOD = (
-    "Both sides single-threaded (XLA_FLAGS `{flags}`, `torch.set_num_threads(1)`, NumPy's "
-    "BLAS limited to one thread), each timed by `time.process_time()` (the process's CPU "
+    "Both sides single-threaded (the process pinned to one CPU, XLA_FLAGS `{flags}`, "
+    "`torch.set_num_threads(1)`, NumPy's BLAS limited to one thread; what was set is "
+    "in parentheses below), each timed by `time.process_time()` (the process's CPU "
     "time: a loaded machine slows the wall clock, not the work), alternated in one process "
     "(the order reversed every other round) over {rounds} rounds after an untimed warm-up; "
     "cells are min / median, ratios namedmesh over PyTorch by min / by median. Load "
