@@ -56,21 +56,23 @@ def _blocks(n: int, m: int, block: int, causal: bool, window: int):
 # Logits per tile (kv_heads x group x rows x keys) at most: 2 MB of float32, 512 keys
 # for a row block of 256 queries and 4 heads, the fastest of 1-16 MB on CPU at 2k and
 # 8k tokens (the whole row of 8k keys, 32 MB, ran XLA:CPU's dots at about a third of
-# the matmul rate); and at most MAX_TILES tiles per row block, so that the program
-# stays small at 16k-32k tokens.
+# the matmul rate); and at most TILE_BUDGET tiles per call, so that the program stays
+# small at 16k-32k tokens (wider tiles there: 8 per row block at 16k, 2 at 32k).
 TILE = 2**19
-MAX_TILES = 16
+TILE_BUDGET = 512
 
 
-def _tiles(blk, heads: int, causal: bool, window: int):
-    """A row block's keys in tiles of at most TILE logits or 1 / MAX_TILES of the row
-    (a multiple of its rows either way), each with whether the mask hides any of it:
-    ((row start, row end, key start, key end), masked). Under a causal mask each row's
+def _tiles(blk, heads: int, causal: bool, window: int, blocks: int):
+    """A row block's keys in tiles of at most TILE logits, and no more tiles than the
+    call's TILE_BUDGET shared by its `blocks` row blocks allows (a multiple of its rows
+    wide), each with whether the mask hides any of it: ((row start, row end, key
+    start, key end), masked). Under a causal mask each row's
     shift is known before its keys are seen (`_forward`), so tiles just add up: no
     rescaling as in FlashAttention's online softmax."""
     s, e, k0, k1 = blk
     r = e - s
-    width = max(r, TILE // (heads * r) // r * r, -(-(k1 - k0) // MAX_TILES // r) * r)
+    most = max(1, TILE_BUDGET // blocks)
+    width = max(r, TILE // (heads * r) // r * r, -(-(k1 - k0) // most // r) * r)
     out = []
     for a in range(k0, k1, width):
         b = min(k1, a + width)
@@ -182,7 +184,7 @@ def _forward(q, k, v, bias, scale, causal, window, block):
         else:
             c = _cut(own, at, {2: blk[:2]}).reshape(q.shape[0], -1, 1)
             o = None
-            for tile, hidden in _tiles(blk, g * q.shape[0], causal, window):
+            for tile, hidden in _tiles(blk, g * q.shape[0], causal, window, len(blocks)):
                 sc = _logits(qs, k, bias, table if hidden else (None, 0), tile, at)
                 t = jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), _cut(v1, at, {1: tile[2:]}))
                 o = t if o is None else o + t
@@ -237,7 +239,7 @@ def _attention_bwd(scale, causal, window, block, res, dout):
         lse = _cut(lses, at, {2: (s, e)}).reshape(h, 1, g * r)
         ddb = _cut(dd, at, {2: (s, e)}).reshape(h, 1, g * r)
         dq_rows = None
-        for (_, _, k0, k1), hidden in _tiles(blk, h * g, causal, window):
+        for (_, _, k0, k1), hidden in _tiles(blk, h * g, causal, window, len(blocks)):
             keys = k1 - k0
             kb, vb = (_cut(x, at, {1: (k0, k1)}) for x in (k, v))
             sc = jnp.einsum("hmd,hqd->hmq", kb, qb).reshape(h, keys, g, r)
