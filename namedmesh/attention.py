@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from namedmesh import flash
-from namedmesh.checks import integer
+from namedmesh.checks import boolean, integer
 from namedmesh.contract import custom_gradients
 from namedmesh.errors import ArgumentError, ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
@@ -215,8 +215,7 @@ def dot_product_attention(
         )
     if isinstance(scale, bool) or not isinstance(scale, int | float | np.integer | np.floating):
         raise ArgumentError(f"{name}: scale must be a number, got {scale!r}")
-    if not isinstance(causal, bool | np.bool_):
-        raise ArgumentError(f"{name}: causal must be True or False, got {causal!r}")
+    causal = boolean(name, "causal", causal)
     window = integer(name, "window", window, 0)
     args = (q, k, v) if bias is None else (q, k, v, bias)
     dims = (tuple(q.dims), tuple(k.dims), () if bias is None else tuple(bias.dims))
@@ -224,7 +223,7 @@ def dot_product_attention(
         _attention,
         *args,
         scale=float(scale),
-        causal=bool(causal),
+        causal=causal,
         window=window,
         kernel=kernel,
         dims=dims,

@@ -28,6 +28,14 @@ def integer(op: str, what: str, value, low: int | None = None) -> int:
     return int(value)
 
 
+def boolean(op: str, what: str, value) -> bool:
+    """`value` as a bool: True or False (NumPy's too), never a truthy 1, "yes" or None;
+    ArgumentError naming `what` of `op` otherwise."""
+    if not isinstance(value, bool | np.bool_):
+        raise ArgumentError(f"{op}: {what} must be True or False, got {value!r}")
+    return bool(value)
+
+
 class DimNameWarning(UserWarning):
     """A broadcast that adds a dim whose name is one letter or two away from a dim the
     other operand has: most often a typo ("class" for "classes")."""

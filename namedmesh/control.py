@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.avals import fmt_aval
-from namedmesh.checks import integer, require_dims
+from namedmesh.checks import boolean, integer, require_dims
 from namedmesh.errors import ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
@@ -129,8 +129,7 @@ def scan(
         raise ParameterError(
             f"scan over {dim!r}: remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}"
         )
-    if not isinstance(unroll, bool):
-        raise ParameterError(f"scan over {dim!r}: unroll must be True or False, got {unroll!r}")
+    unroll = boolean(f"scan over {dim!r}", "unroll", unroll)
     carry, carry_tree = tensor_leaves(init, "scan's init")
     x_leaves, x_tree = tensor_leaves(xs, "scan's xs")
     sizes = {x.size_of(dim) if dim in x.dims else None for x in x_leaves}

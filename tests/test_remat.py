@@ -86,7 +86,9 @@ def test_unrolled_scan_keeps_values_and_gradients_without_a_loop(remat, layout):
 
 
 def test_unroll_must_be_a_bool():
-    with pytest.raises(nm.ParameterError, match="unroll must be True or False, got 2"):
+    with pytest.raises(
+        nm.ArgumentError, match="scan over 'layers': unroll must be True or False, got 2"
+    ):
         program("none", unroll=2)(*ARGS)
 
 
