@@ -2,14 +2,15 @@
 pass (`jax.custom_vjp`), for XLA:CPU where jax.nn.dot_product_attention's XLA
 implementation makes the whole (length, memory) logits.
 
-Queries go in row blocks of `block` (a static Python loop); each block meets at once
-all the keys any of its rows can see (under a causal mask the keys up to the block's
-end, under a window none before the band), so the (block, memory) logits are the
-largest array and memory grows linearly in length. The softmax of a row block is exact
-(no online rescaling: its keys are all there); the forward pass keeps the output and
-each row's log-sum-exp, the backward pass recomputes the probabilities block by block
-as exp(logit - lse) (FlashAttention-2's recurrence, dd = rowsum(dO * O)), accumulating
-dk and dv.
+Queries go in row blocks of `block` (a static Python loop), each against the keys any
+of its rows can see (under a causal mask the keys up to the block's end, under a window
+none before the band), so memory grows linearly in length. Under a causal mask a row's
+softmax is shifted by its logit against its own key, known before the keys are seen,
+so a block's keys go in tiles (`_tiles`) whose sums just add up; without one, a block
+meets all its keys at once, shifted by each row's max. Either way the softmax is exact
+(no online rescaling); the forward pass keeps the output and each row's log-sum-exp,
+the backward pass recomputes the probabilities tile by tile as exp(logit - lse)
+(FlashAttention-2's recurrence, dd = rowsum(dO * O)), accumulating dk and dv.
 
 Layouts: q (kv_heads, group, length, d), k and v (kv_heads, memory, d): grouped query
 heads share their k and v without repeating them. bias (kv_heads, group, length or 1,
@@ -66,9 +67,9 @@ def _tiles(blk, heads: int, causal: bool, window: int, blocks: int):
     """A row block's keys in tiles of at most TILE logits, and no more tiles than the
     call's TILE_BUDGET shared by its `blocks` row blocks allows (a multiple of its rows
     wide), each with whether the mask hides any of it: ((row start, row end, key
-    start, key end), masked). Under a causal mask each row's
-    shift is known before its keys are seen (`_forward`), so tiles just add up: no
-    rescaling as in FlashAttention's online softmax."""
+    start, key end), masked). Under a causal mask each row's shift is known before its
+    keys are seen (`_forward`), so tiles just add up: no rescaling as in
+    FlashAttention's online softmax."""
     s, e, k0, k1 = blk
     r = e - s
     most = max(1, TILE_BUDGET // blocks)
