@@ -1,13 +1,16 @@
 """Abstract values: what a Tensor's data is when it is not an array.
 
 `Aval` is a value's dims, shape and dtype without data; `Var` is the data of a Tensor
-under `nm.trace` (an Aval with an identity); `TRACE_STACK` holds the open traces.
+under `nm.trace` (an Aval with an identity); `TRACES.frames` holds this thread's open
+traces.
 `namedmesh.tensor` and `namedmesh.primitive` both read these, so they live below both.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -38,13 +41,12 @@ class Var:
     """The data of a Tensor under `nm.trace`: an abstract value with an identity."""
 
     __slots__ = ("dims", "shape", "dtype", "count", "const")
-    _counter = 0
+    _counter = itertools.count(1)  # (next() is atomic: two threads tracing get distinct counts)
 
     def __init__(self, aval: Aval, const=None):
         self.dims, self.shape, self.dtype = aval
         self.const = const
-        Var._counter += 1
-        self.count = Var._counter
+        self.count = next(Var._counter)
 
     @property
     def ndim(self) -> int:
@@ -72,8 +74,17 @@ def fmt_aval(a: Aval) -> str:
     return name + "[" + ", ".join(f"{d}={s}" for d, s in zip(a.dims, a.shape, strict=True)) + "]"
 
 
-# The trace frames of `nm.trace`, innermost last. A frame has `record(prim, args, params, avals)`.
-TRACE_STACK: list[Any] = []
+class _Traces(threading.local):
+    """The trace frames of `nm.trace` open in this thread, innermost last (`frames`; a
+    frame has `record(prim, args, params, avals)`). Per thread, as jax's own trace state:
+    a thread's eager ops run eagerly while another thread traces, and two threads trace
+    at once, each into its own graph."""
+
+    def __init__(self):
+        self.frames: list[Any] = []
+
+
+TRACES = _Traces()
 
 
 def is_jax_array(x) -> bool:

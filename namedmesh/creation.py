@@ -9,7 +9,7 @@ import numpy as np
 
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
-from namedmesh.tensor import DimsLike, Tensor, parse_dims, parse_sizes
+from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims, parse_sizes
 
 _FLOAT32 = np.dtype(np.float32)
 
@@ -36,7 +36,7 @@ def full(sizes: Mapping[str, int], value, dtype=None) -> Tensor:
         dtype = {bool: bool, int: np.int32, float: np.float32}.get(
             type(value), np.result_type(value)
         )
-    return bind(_full, dims=dims, shape=shape, value=value, dtype=np.dtype(dtype))
+    return bind(_full, dims=dims, shape=shape, value=value, dtype=native_dtype(dtype))
 
 
 def zeros(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
@@ -81,7 +81,7 @@ def arange(dim: str, n: int, start=0, step=1, dtype=None) -> Tensor:
         raise ShapeError(f"arange: size of dim {dim!r} must be a non-negative int, got {n!r}")
     if dtype is None:
         dtype = np.float32 if isinstance(start, float) or isinstance(step, float) else np.int32
-    return bind(_iota, dim=dim, start=start, step=step, n=int(n), dtype=np.dtype(dtype))
+    return bind(_iota, dim=dim, start=start, step=step, n=int(n), dtype=native_dtype(dtype))
 
 
 def abstract(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
@@ -91,4 +91,4 @@ def abstract(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
     import jax
 
     dims, shape = parse_sizes(sizes, "abstract")
-    return Tensor._make(jax.ShapeDtypeStruct(shape, np.dtype(dtype)), dims)
+    return Tensor._make(jax.ShapeDtypeStruct(shape, native_dtype(dtype)), dims)

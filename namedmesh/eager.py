@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from namedmesh import checks
-from namedmesh.avals import TRACE_STACK
+from namedmesh.avals import TRACES
 from namedmesh.primitive import RECORDINGS, Recording, coerce_numpy
 from namedmesh.tensor import Tensor
 
@@ -93,7 +93,7 @@ def remembered(op):
 
     @functools.wraps(op)
     def run(*args, **kwargs):
-        if TRACE_STACK or RECORDINGS:
+        if TRACES.frames or RECORDINGS:
             return op(*args, **kwargs)
         if (  # two Tensors, as `x + y`: the signature's key built inline
             len(args) == 2

@@ -28,7 +28,7 @@ from namedmesh.primitive import (
     primitive,
     result_dtype,
 )
-from namedmesh.tensor import Tensor
+from namedmesh.tensor import Tensor, native_dtype
 
 _FLOAT32 = np.dtype(np.float32)
 _BOOL = np.dtype(bool)
@@ -223,16 +223,52 @@ def _silu_np(x):
     return x * scipy.special.expit(x)
 
 
-def _power_np(x, y):
-    """np.power, and integers to negative powers as jax gives them (1/x**-y truncated: 1
-    for 1, +-1 for -1, else 0), which NumPy refuses with a ValueError."""
-    if np.dtype(y.dtype).kind not in "iu" or np.all(y >= 0):
-        return np.power(x, y)
-    x, y = np.broadcast_arrays(x, y)
-    whole = np.power(x, np.abs(y))  # (the integers' modular power where y >= 0)
-    odd = (np.abs(y) % 2).astype(bool)
-    inverse = np.where(x == 1, 1, np.where(x == -1, np.where(odd, -1, 1), 0))
-    return np.where(y >= 0, whole, inverse).astype(whole.dtype)
+def _integer_power(xp, x, y, bits: int):
+    """x ** y in the integers' dtype: the exact power wrapped to the dtype for y >= 0 (as
+    repeated multiplication wraps), and 1 / x**-y truncated for y < 0 (1 for 1, +-1 for
+    -1, else 0; 0 for 0 too, which has no integer answer)."""
+    signed = np.dtype(x.dtype).kind == "i"
+    e = xp.where(y < 0, xp.zeros((), y.dtype), y) if signed else y
+    if xp is np:
+        whole = np.power(x, e)  # (NumPy's loop covers every bit of e)
+    else:  # jnp.power squares only six times: exponents of 64 and more came out wrong
+        whole = jax.lax.fori_loop(0, bits, _square_and_multiply, (xp.ones_like(x), x, e))[0]
+    if not signed:
+        return whole
+    one = xp.ones((), x.dtype)
+    odd = (y & 1) == 1
+    inverse = xp.where(x == 1, one, xp.where(x == -1, xp.where(odd, -one, one), 0 * one))
+    return xp.where(y < 0, inverse, whole)
+
+
+def _square_and_multiply(_, state):
+    """One bit of the exponent `e`, lowest first: `whole` times `base` where it is set."""
+    whole, base, e = state
+    return jnp.where((e & 1) == 1, whole * base, whole), base * base, e >> 1
+
+
+def _power(xp):
+    """power with one meaning on NumPy and jax: both operands in the result's dtype
+    (`result_dtype`, jax's promotion); a float result is the float power of the operands
+    converted to it (an integer exponent too, as jax converts it: float16 has no 100001),
+    an integer one `_integer_power`'s. NumPy's own rules differ (float32 ** int32 is
+    float64; an integer to a negative power raises), and so does jnp.power of integer
+    arrays (exponents of 64 and more, negative ones)."""
+
+    def impl(x, y):
+        dt = result_dtype(x.dtype, y.dtype)
+        if dt == _BOOL:
+            return xp.power(x, y)
+        if is_inexact(dt):  # (jax keeps an int exponent int: its gradient at x = 0)
+            keep = xp is not np and np.dtype(y.dtype).kind in "iub"
+            return xp.power(x.astype(dt), y if keep else y.astype(dt))
+        return _integer_power(xp, x.astype(dt), y.astype(dt), 8 * dt.itemsize)
+
+    return impl
+
+
+_power_np = _power(np)
+_power_jax = _power(jnp)
 
 
 def _round_jax(x):
@@ -296,7 +332,7 @@ multiply = _make_nary("multiply", np.multiply, jnp.multiply, _same, reads="other
 divide = _make_nary("divide", np.true_divide, jnp.true_divide, float_result)
 floor_divide = _make_nary("floor_divide", np.floor_divide, jnp.floor_divide, _same, reads="nothing")
 mod = _make_nary("mod", np.mod, jnp.mod, _same, reads="nothing")
-power = _make_nary("power", _power_np, jnp.power, _same, reads="both")
+power = _make_nary("power", _power_np, _power_jax, _same, reads="both")
 maximum = _make_nary("maximum", np.maximum, jnp.maximum, _same)
 minimum = _make_nary("minimum", np.minimum, jnp.minimum, _same)
 arctan2 = _make_nary("arctan2", np.arctan2, jnp.arctan2, float_result)
@@ -384,9 +420,9 @@ _convert = primitive(
 def astype(x: Tensor, dtype) -> Tensor:
     """`x` converted to `dtype`; `x` itself when it has that dtype (no op recorded, so
     that the memory estimate does not count a copy that jax never makes)."""
-    if x.dtype == np.dtype(dtype):
+    if x.dtype == native_dtype(dtype):
         return x
-    return bind(_convert, x, dtype=np.dtype(dtype))
+    return bind(_convert, x, dtype=native_dtype(dtype))
 
 
 @remembered

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from namedmesh.avals import TRACE_STACK, Aval, Var, is_jax_array
+from namedmesh.avals import TRACES, Aval, Var, is_jax_array
 from namedmesh.errors import NamedMeshError
 from namedmesh.tensor import Tensor
 
@@ -207,7 +207,7 @@ def _note(step: Step | None) -> None:
 def bind(prim: Primitive, *args, **params):
     """Apply `prim` to Tensors `args`: record under a trace, else run NumPy or jax."""
     make = Tensor._make
-    if not TRACE_STACK and (datas := _numpy_datas(args, key := [prim, *params.items()])):
+    if not TRACES.frames and (datas := _numpy_datas(args, key := [prim, *params.items()])):
         # eager NumPy, the hot path of small ops: its shape rule and kernel remembered
         key = tuple(key)
         try:
@@ -231,8 +231,8 @@ def bind(prim: Primitive, *args, **params):
         if RECORDINGS:
             _note(None)
         avals = _avals(prim, args, params)
-        if TRACE_STACK:
-            outs = TRACE_STACK[-1].record(prim, args, params, avals)
+        if frames := TRACES.frames:
+            outs = frames[-1].record(prim, args, params, avals)
         else:
             outs = _run_eager(prim, [a.data for a in args], params, avals)
     if not prim.multiple_results:

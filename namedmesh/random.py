@@ -19,7 +19,7 @@ from namedmesh import elementwise as ew
 from namedmesh.checks import integer
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
-from namedmesh.tensor import Tensor, parse_sizes
+from namedmesh.tensor import Tensor, native_dtype, parse_sizes
 
 KEY_DIM = "key"
 _U32 = np.dtype(np.uint32)
@@ -157,7 +157,7 @@ def _draw(k, sizes, dist, dtype, args):
         dims=dims,
         shape=shape,
         dist=dist,
-        dtype=np.dtype(dtype),
+        dtype=native_dtype(dtype),
         args=tuple(args),
     )
 

@@ -25,7 +25,7 @@ from namedmesh.elementwise import align
 from namedmesh.errors import LayoutError, ShapeError, fmt_dims
 from namedmesh.layout_rules import Rules, format_rules, parse_rules
 from namedmesh.primitive import Aval, bind, primitive, result_dtype, zero_flops_cost
-from namedmesh.tensor import DimsLike, Tensor, parse_dims
+from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims
 
 
 def _identity(x, **_):
@@ -377,7 +377,7 @@ def one_hot(indices: Tensor, dim: str, n: int, dtype=np.float32) -> Tensor:
     if dim in indices.dims:
         raise ShapeError(f"one_hot: new dim {dim!r} is already a dim of {indices.dims}")
     n = integer("one_hot", f"the size of the new dim {dim!r}", n, 0)
-    return bind(_one_hot, indices, dim=dim, n=n, dtype=np.dtype(dtype))
+    return bind(_one_hot, indices, dim=dim, n=n, dtype=native_dtype(dtype))
 
 
 def _gather_dims(x, idx, axis):

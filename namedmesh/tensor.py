@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from namedmesh import numpy_dispatch
-from namedmesh.avals import TRACE_STACK, Aval, Var, fmt_aval, is_jax_array
+from namedmesh.avals import TRACES, Aval, Var, fmt_aval, is_jax_array
 from namedmesh.checks import names_not_positions, require_dims
 from namedmesh.errors import ShapeError
 
@@ -49,6 +49,22 @@ def parse_sizes(sizes: Mapping[str, int], op: str) -> tuple[tuple[str, ...], tup
     return dims, tuple(int(s) for s in sizes.values())
 
 
+def native_order(array: np.ndarray) -> np.ndarray:
+    """`array` in the machine's byte order: a big-endian array ('>f4', as some files and
+    network formats give) converted, so that no op meets a byte order jax refuses (its
+    type promotion and arrays take native dtypes only) or a dtype that compares unequal
+    to the shape rule's ('>f4' != '<f4')."""
+    dt = array.dtype
+    return array if dt.isnative else array.astype(dt.newbyteorder("="))
+
+
+def native_dtype(dtype) -> np.dtype:
+    """np.dtype(dtype) in the machine's byte order: a dtype argument of '>f4' makes the
+    native float32, as `native_order` makes its arrays."""
+    dt = np.dtype(dtype)
+    return dt if dt.isnative else dt.newbyteorder("=")
+
+
 class Tensor:
     """An array plus `.dims`, a tuple of unique names, one per axis.
 
@@ -65,13 +81,15 @@ class Tensor:
         dims = parse_dims(dims, "nm.tensor(data, dims)")
         if not isinstance(data, np.ndarray | Var | jax.ShapeDtypeStruct) and not is_jax_array(data):
             data = np.asarray(data)
+        if isinstance(data, np.ndarray):
+            data = native_order(data)
         if data.ndim != len(dims):
             raise ShapeError(
                 f"data of shape {tuple(data.shape)} has {data.ndim} axes but {len(dims)} "
                 f"dims were named: {dims}"
             )
         if isinstance(data, Var) and data.dims != dims:
-            if TRACE_STACK:  # re-wrapping a traced value under new names is a rename
+            if TRACES.frames:  # re-wrapping a traced value under new names is a rename
                 from namedmesh.structural import rename
 
                 data = rename(

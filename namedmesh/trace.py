@@ -9,10 +9,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from namedmesh.avals import TRACE_STACK, Aval, Var, fmt_aval
+from namedmesh.avals import TRACES, Aval, Var, fmt_aval
 from namedmesh.errors import ArgumentError, NamedMeshError, TracedValueError
 from namedmesh.primitive import Primitive, coerce_numpy
-from namedmesh.tensor import Tensor
+from namedmesh.tensor import Tensor, native_order
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,15 +196,16 @@ def trace_nested(fn: Callable, *example_inputs, nested: bool = True) -> tuple[Gr
         raise ArgumentError(f"trace: the program must be a function of Tensors, got {fn!r}")
     leaves, in_tree = tensor_leaves(list(example_inputs), "trace inputs")
     in_vars = tuple(Var(x.aval) for x in leaves)
-    frame = _Frame(in_vars, TRACE_STACK[-1] if nested and TRACE_STACK else None)
-    TRACE_STACK.append(frame)
+    stack = TRACES.frames  # this thread's
+    frame = _Frame(in_vars, stack[-1] if nested and stack else None)
+    stack.append(frame)
     try:
         args = jax.tree_util.tree_unflatten(in_tree, [Tensor._make(v, v.dims) for v in in_vars])
         result = _run_user_fn(fn, args)
         out_leaves, out_tree = tensor_leaves(result, "the traced function's results")
         outs = tuple(frame.var_of(t) for t in out_leaves)
     finally:
-        TRACE_STACK.pop()
+        stack.pop()
     inputs = in_vars + tuple(frame.captured.values())
     graph = Graph(inputs, outs, frame.eqns, in_tree, out_tree, frame.consts)
     return graph, list(frame.captured)
@@ -258,11 +259,12 @@ def _runner(graph: Graph, impl: str, convert) -> Callable:
 def reference(graph: Graph) -> Callable:
     """A function that runs `graph` with NumPy only: the oracle of correctness tests.
     It takes the traced function's arguments (Tensors, or arrays in their place)."""
-    return _runner(graph, "numpy", np.asarray)
+    return _runner(graph, "numpy", lambda x: native_order(np.asarray(x)))
 
 
 def interpret(graph: Graph) -> Callable:
     """A function that runs `graph` with each primitive's jax.numpy implementation."""
     import jax.numpy as jnp
 
-    return _runner(graph, "jax", jnp.asarray)
+    native = lambda x: native_order(x) if isinstance(x, np.ndarray) else x
+    return _runner(graph, "jax", lambda x: jnp.asarray(native(x)))

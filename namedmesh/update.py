@@ -51,12 +51,28 @@ def _starts_axes(x_dims, start_dims) -> tuple[int, ...]:
     return tuple(x_dims.index(d) for d in start_dims)
 
 
+def window_starts(xp, start, size: int, n: int):
+    """Where windows of `n` along a dim of `size` begin, as int32, for integer `start`s
+    of any dtype: a negative start counts from the end (start + size, as a gather's
+    index and Python's), then the window is clamped to fit ([0, size - n]), as
+    `jax.lax.dynamic_update_slice` does. The same arithmetic on NumPy and jax, so that
+    every path writes the same window: start is first limited to [-size, size] in its
+    own dtype (wide enough), where the int32 cast cannot wrap."""
+    if np.dtype(start.dtype).itemsize < 4:
+        start = start.astype(np.int32)
+    low = -size if np.dtype(start.dtype).kind == "i" else 0
+    start = xp.clip(start, low, size).astype(np.int32)
+    start = xp.where(start < 0, start + np.int32(size), start)
+    return xp.clip(start, 0, size - n)
+
+
 def _update_np(x, start, value, axis, dims):
     out = x.copy()
     batch = _starts_axes(*dims)
     n = value.shape[axis]
+    starts = window_starts(np, np.asarray(start), x.shape[axis], n)
     for idx in np.ndindex(*start.shape):
-        at = min(max(int(start[idx]), 0), x.shape[axis] - n)  # clamped, as jax's
+        at = int(starts[idx])
         where = [slice(None)] * x.ndim
         for a, i in zip(batch, idx, strict=True):
             where[a] = i
@@ -68,14 +84,14 @@ def _update_np(x, start, value, axis, dims):
 
 def _update_jax(x, start, value, axis, dims):
     x_dims, start_dims = dims
-    start = jnp.asarray(start, jnp.int32)
+    n = value.shape[axis]
+    start = window_starts(jnp, jnp.asarray(start), x.shape[axis], n)
     if not start_dims:
         return jax.lax.dynamic_update_slice_in_dim(x, value, start, axis)
     # One start per element of start's dims: a scatter of value's elements at index
     # arrays shaped like value. (A vmapped dynamic_update_slice moves the mapped axes of
     # x to the front: two transposes of the whole tensor, where this writes the window.)
-    n = value.shape[axis]
-    first = align(jnp.clip(start, 0, x.shape[axis] - n), start_dims, x_dims, jnp)
+    first = align(start, start_dims, x_dims, jnp)
     index = []
     for a, size in enumerate(value.shape):
         shape = [1] * x.ndim
@@ -104,8 +120,10 @@ def update_slice(x: Tensor, dim: str, start: Tensor, value: Tensor) -> Tensor:
     """`x` with `value` written along `dim` from `start`: value has x's dims (in any order)
     with `dim` at most as long; `start` is an int Tensor, 0-d or over other dims of x
     (one start per element of those: a KV cache's write position per batch row).
-    Starts are clamped so the window fits, as `jax.lax.dynamic_update_slice` does; the
-    dtypes must be equal (DtypeError). Under `jax.jit` with x donated, XLA writes the
+    A negative start counts from the end (as a gather's index: -1 is the last position),
+    then the window is clamped to fit, as `jax.lax.dynamic_update_slice` does: one
+    meaning eagerly, under jit and lowered (`window_starts`). The dtypes must be equal
+    (DtypeError). Under `jax.jit` with x donated, XLA writes the
     window in place."""
     axis = axis_of(x, dim, "update_slice")
     if set(value.dims) == set(x.dims) and value.dims != x.dims:

@@ -132,3 +132,41 @@ def test_cost_rules_give_flops_and_bytes():
     cost = e.primitive.cost_rule([v.aval for v in e.inputs], [v.aval for v in e.outputs], e.params)
     assert cost.flops == 2 * 4 * 8 * 16
     assert cost.bytes == 4 * (4 * 8 + 8 * 16 + 4 * 16)
+
+
+def test_tracing_is_per_thread():
+    """Issue 38 class 5: while one thread is inside nm.trace, another thread's eager op
+    returns numbers (not a Var recorded into the first thread's graph), and a second
+    thread tracing at once records its own graph; a barrier holds both traces open
+    together."""
+    import threading
+
+    barrier = threading.Barrier(3, timeout=30)
+    results = {}
+
+    def traced(which):
+        def fn(x):
+            y = nm.exp(x) if which == "a" else nm.relu(x)
+            barrier.wait()  # both traces open, and the eager thread runs now
+            barrier.wait()  # ... until it is done
+            return y * 2.0
+
+        results[which] = nm.trace(fn, X)
+
+    def eager():
+        barrier.wait()
+        results["eager"] = nm.exp(X) + 1.0
+        barrier.wait()
+
+    threads = [threading.Thread(target=t, args=a) for t, a in
+               ((traced, ("a",)), (traced, ("b",)), (eager, ()))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    np.testing.assert_allclose(results["eager"].data, np.exp(X.data) + 1.0, rtol=1e-6)
+    oracles = {"a": ("exp", np.exp(X.data)), "b": ("relu", np.maximum(X.data, 0))}
+    for which, (first, oracle) in oracles.items():
+        g = results[which]
+        assert [e.primitive.name for e in g.eqns] == [first, "multiply"], g
+        np.testing.assert_allclose(nm.reference(g)(X).data, 2 * oracle, rtol=1e-6)
