@@ -458,15 +458,26 @@ def family_config(family: str, hf: dict, names: set[str], folder="") -> Config:
     return cfg
 
 
-def _check_all_read(family: str, files: dict, weights: Weights) -> None:
+def _check_all_read(family: str, files: dict, weights: Weights, cfg: Config) -> None:
     """UnsupportedModelError naming the weights' tensors the family does not read (a
     relabelled folder: Qwen2's q/k/v biases under model_type llama), besides the
-    buffers its `ignored` patterns name."""
+    buffers its `ignored` patterns name and those its `unused(cfg)` name (a
+    WeightShapeError for one of those that should be empty and is not)."""
     read = {name for t in files.values() for name in t.names()}
     ignored = [re.compile(p) for p in FAMILIES[family].ignored]
-    unread = sorted(
-        k for k in weights.where if k not in read and not any(p.match(k) for p in ignored)
-    )
+    unused = [(re.compile(p), empty) for p, empty in FAMILIES[family].unused(cfg)]
+    unread = []
+    for k in sorted(set(weights.where) - read):
+        if any(p.match(k) for p in ignored):
+            continue
+        hit = [empty for p, empty in unused if p.match(k)]
+        if not hit:
+            unread.append(k)
+        elif hit[0] and math.prod(shape := weights.slice(k).get_shape()):
+            raise WeightShapeError(
+                f"tensor {k!r} has shape {tuple(shape)} in the weights, but config.json "
+                "implies it is empty (a width of 0)"
+            )
     if unread:
         shown = ", ".join(unread[:8]) + (f" and {len(unread) - 8} more" if len(unread) > 8 else "")
         raise UnsupportedModelError(
@@ -525,7 +536,7 @@ def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubMo
         layout = layout if isinstance(layout, Layout) else Layout(layout or "")
     params = {}
     files = tensors(family, cfg, prefix)
-    _check_all_read(family, files, weights)
+    _check_all_read(family, files, weights, cfg)
     for p, t in files.items():
         _check_shape(t, weights, p)
         _set(params, p, nm.tensor(_place(t, weights, mesh, layout, p), t.dims))

@@ -410,6 +410,31 @@ def test_a_relabelled_mixtral_folder_is_refused_naming_its_experts(built, tmp_pa
         hub.load(folder)
 
 
+def test_a_qwen2_moe_without_a_shared_expert_equals_transformers(built, tmp_path):
+    """shared_expert_intermediate_size 0 (issue 38): transformers saves the shared
+    expert's weights empty, and its gate, which scales that 0; the folder loads, equals
+    transformers and saves what transformers loads back. The same 0 over a shared
+    expert that holds weights contradicts the folder: a WeightShapeError naming one."""
+    T = transformers
+    cls, cfg = cases()["qwen2_moe"]
+    cfg = T.Qwen2MoeConfig(**{**cfg.to_dict(), "shared_expert_intermediate_size": 0})
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    want = hf_logits(model)
+    zoo = hub.load(tmp_path / "hf")
+    assert (zoo.config.shared_ff, zoo.config.shared_gate) == (0, False)
+    assert_close(as_array(zoo.logits(IDS, attention_mask=MASK)), want)
+    hub.save(zoo, tmp_path / "out")
+    assert_close(hf_logits(cls.from_pretrained(tmp_path / "out").eval()), want)
+    folder = relabel(built, "qwen2_moe", tmp_path / "bad", shared_expert_intermediate_size=0)
+    with pytest.raises(hub.WeightShapeError, match=r"shared_expert\..*\((32, 24|24, 32)\).*empty"):
+        hub.load(folder)
+
+
 OLDER = {  # config.json as the hub's files spell it, before transformers 5's rope_parameters
     "gpt_neox": dict(rope_parameters=None, rotary_pct=0.5, rotary_emb_base=500.0),
     "phi3": dict(rope_parameters=None, rope_theta=500.0, partial_rotary_factor=0.75, rope_scaling={

@@ -91,7 +91,11 @@ class Family(NamedTuple):
     nothing (buffers like rotary_emb.inv_freq); `heads` names the transformers class;
     `tokens` the special tokens ("bos", "eos") its tokenizer puts around a text, which
     a tokenizer made from vocab.json + merges.txt or tokenizer.model is given
-    (models/folder_tokens.py; a tokenizer.json says so itself)."""
+    (models/folder_tokens.py; a tokenizer.json says so itself); `unused(cfg)` are
+    (regex, empty) pairs of tensors that a Config makes carry nothing (Qwen2-MoE's
+    shared expert of width 0: transformers still saves its zero-size weights and its
+    gate), not read, where `empty` says the tensor must hold no elements (else a
+    WeightShapeError: the folder contradicts its config.json)."""
 
     name: str
     config: Callable
@@ -102,6 +106,7 @@ class Family(NamedTuple):
     heads: str
     ignored: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()
+    unused: Callable = lambda cfg: ()
 
 
 # config.json keys that change nothing the zoo computes at inference: bookkeeping,

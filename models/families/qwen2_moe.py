@@ -3,9 +3,10 @@ whose FFN is a mixture of num_experts experts of moe_intermediate_size, top
 num_experts_per_tok of the router's softmax (renormalised over the chosen where
 `norm_topk_prob`: the zoo's topk_softmax router, else softmax_topk), plus a shared
 expert of shared_expert_intermediate_size that every token passes, scaled by
-sigmoid(x . shared_expert_gate). Dense layers (mlp_only_layers, decoder_sparse_step > 1)
-are a stack of their own before the sparse ones (Config.dense_layers, as DeepSeek-V3's);
-dense layers after a sparse one are refused."""
+sigmoid(x . shared_expert_gate) (none where that size is 0). Dense layers
+(mlp_only_layers, decoder_sparse_step > 1) are a stack of their own before the sparse
+ones (Config.dense_layers, as DeepSeek-V3's); dense layers after a sparse one are
+refused."""
 
 from __future__ import annotations
 
@@ -58,8 +59,18 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
     return llama.stacks(cfg, prefix, moe_table)
 
 
+def unused(cfg: Config) -> tuple[tuple[str, bool], ...]:
+    """A shared expert of width 0 (shared_expert_intermediate_size 0) adds exactly 0:
+    transformers still saves its weights, empty, and its gate, which scales that 0;
+    none is read (Family.unused)."""
+    if cfg.shared_ff:
+        return ()
+    return ((r".*mlp\.shared_expert\.(gate|up|down)_proj\.weight$", True),
+            (r".*mlp\.shared_expert_gate\.weight$", False))  # fmt: skip
+
+
 FAMILY = qwen2.FAMILY._replace(
-    name="qwen2_moe", config=config, table=table, heads="Qwen2MoeForCausalLM"
+    name="qwen2_moe", config=config, table=table, heads="Qwen2MoeForCausalLM", unused=unused
 )
 
 # The canonical checkpoints' config.json keys (models.config.configs names them)

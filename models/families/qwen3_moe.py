@@ -28,7 +28,11 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 
 FAMILY = qwen2_moe.FAMILY._replace(
-    name="qwen3_moe", config=config, table=table, heads="Qwen3MoeForCausalLM"
+    name="qwen3_moe",
+    config=config,
+    table=table,
+    heads="Qwen3MoeForCausalLM",
+    unused=lambda cfg: (),  # no shared expert: a folder holding one is refused
 )
 
 # The canonical checkpoints' config.json keys (models.config.configs names them)
