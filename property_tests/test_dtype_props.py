@@ -16,7 +16,14 @@ import namedmesh as nm
 from lowering import Layout, Mesh
 from namedmesh.testing import CASES, compare
 from namedmesh.testing import lowered as cached_lower
-from namedmesh.testing.dtype_strategies import ALONG_OPS, DTYPE_OPS, STRUCTURAL_OPS, dtype_cases
+from namedmesh.testing.dtype_strategies import (
+    ALONG_OPS,
+    DTYPE_OPS,
+    STRUCTURAL_OPS,
+    dtype_cases,
+    power_cases,
+)
+from namedmesh.testing.oracles import power_oracle
 
 # A case compiles one small program: a fifth of the profile's examples each
 BUDGET = settings(max_examples=max(8, settings.default.max_examples // 5))
@@ -42,21 +49,28 @@ def outcome(run):
         return type(e)
 
 
+def native(x: np.ndarray) -> np.ndarray:
+    """x in native byte order, for jax's own entry points (jnp.asarray, jit's arguments),
+    which refuse big-endian arrays themselves; namedmesh's take x as it is."""
+    return x.astype(x.dtype.newbyteorder("="))
+
+
 def check_dtypes(case) -> None:
     fn, x = DTYPE_OPS[case.op], case.x
     graph = outcome(lambda: nm.trace(fn, nm.tensor(x, "r d")))
+    x_jax = jnp.asarray(native(x))
     if isinstance(graph, type):  # the op refuses the dtype: every path must, alike
-        for path in (lambda: fn(nm.tensor(jnp.asarray(x), "r d")), lambda: jitted(case.op)(x)):
+        for path in (lambda: fn(nm.tensor(x_jax, "r d")), lambda: jitted(case.op)(x_jax)):
             assert outcome(path) is graph, (case, graph)
         return
     (want,) = graph.outputs
     ref = nm.reference(graph)(nm.tensor(x, "r d"))
-    eager = fn(nm.tensor(jnp.asarray(x), "r d"))
+    eager = fn(nm.tensor(x_jax, "r d"))
     lowered = cached_lower(fn, mesh_of(tuple(case.mesh.items())), Layout(case.layout))
     got = lowered(nm.tensor(x, "r d"))
     CASES["lowered"] += 1
     dtypes = {"shape rule": want.dtype, "NumPy": ref.dtype, "jax": eager.dtype,
-              "jit": jitted(case.op)(jnp.asarray(x)).dtype, "lowered": got.dtype}  # fmt: skip
+              "jit": jitted(case.op)(x_jax).dtype, "lowered": got.dtype}  # fmt: skip
     assert len(set(map(np.dtype, dtypes.values()))) == 1, (case, dtypes)
     if case.op in VALUED:
         compare(got, ref, rtol=0.0 if case.op in STRUCTURAL_OPS else None, what=repr(case))
@@ -72,3 +86,35 @@ def test_every_op_gives_one_devices_dtype_for_every_input_dtype(case):
 @given(dtype_cases(ops=tuple(STRUCTURAL_OPS), dtypes=("bool",), split=(True,)))
 def test_bool_stays_bool_through_every_structural_op_along_a_split_dim(case):
     check_dtypes(case)
+
+
+POWER_MESH = mesh_of((("m0", 4),))
+power_program = lambda x, y: nm.power(x, y)  # one function: lowered programs cached by signature
+power_jitted = jax.jit(lambda x, y: nm.power(nm.tensor(x, "r d"), nm.tensor(y, "r d")).data)
+
+
+def check_power(case) -> None:
+    """power of every dtype pair equals `power_oracle` on every path: eager NumPy,
+    nm.reference, jit and lowered (issue 38 classes 3 and 6)."""
+    x, y = nm.tensor(case.x, "r d"), nm.tensor(case.y, "r d")
+    want = nm.tensor(power_oracle(native(case.x), native(case.y)), "r d")
+    xj, yj = jnp.asarray(native(case.x)), jnp.asarray(native(case.y))
+    paths = {
+        "eager NumPy": nm.power(x, y),
+        "nm.reference": nm.reference(nm.trace(power_program, x, y))(x, y),
+        "jit": nm.tensor(power_jitted(xj, yj), "r d"),
+        "lowered": cached_lower(power_program, POWER_MESH, Layout(case.layout))(x, y),
+    }
+    CASES["lowered"] += 1
+    exact = want.dtype.kind in "iub"
+    for path, got in paths.items():
+        got = nm.tensor(np.asarray(got.data), "r d")
+        compare(got, want, rtol=0.0 if exact else None, what=f"{path} of {case!r}")
+
+
+# Each case compiles one power per path for its pair of dtypes: tests/test_one_meaning.py
+# holds every pair on fixed values, eagerly in jax too; this draws a few more.
+@settings(max_examples=max(6, settings.default.max_examples // 40))
+@given(power_cases())
+def test_power_of_every_dtype_pair_equals_the_oracle_on_every_path(case):
+    check_power(case)

@@ -388,3 +388,98 @@ def test_issue_26_classes_are_found(cls, monkeypatch):
         print(f"\nissue 26 class {cls} reinstated: found {case!r}")
     clear_issue_26_caches()  # nor what the wrong code compiled
     assert not wrong_(case)  # right again once restored
+
+
+# Issue 38's classes 3 to 6, each reinstated as it was: the strategies that now draw what
+# found them (power of every dtype pair with negative and large exponents, big-endian
+# inputs, update_slice's negative starts, a second thread) must find each.
+import importlib  # noqa: E402
+
+from namedmesh import elementwise  # noqa: E402
+
+# (by import_module: nm.tensor, nm.trace, nm.update_slice... are functions of the package)
+avals_module, eager_module, primitive_module, tensor_module, trace_module, update_module = (
+    importlib.import_module(f"namedmesh.{name}")
+    for name in ("avals", "eager", "primitive", "tensor", "trace", "update")
+)
+from property_tests import test_language_props as LP  # noqa: E402
+from property_tests import test_lowering_props as LW  # noqa: E402
+
+
+def old_power_np(x, y):
+    """Class 3 as it was: NumPy's power, an integer exponent's negative entries taken as
+    integers' (1/x**-y truncated) whatever the base, a float's too."""
+    if np.dtype(y.dtype).kind not in "iu" or np.all(y >= 0):
+        return np.power(x, y)
+    x, y = np.broadcast_arrays(x, y)
+    whole = np.power(x, np.abs(y))
+    odd = (np.abs(y) % 2).astype(bool)
+    inverse = np.where(x == 1, 1, np.where(x == -1, np.where(odd, -1, 1), 0))
+    return np.where(y >= 0, whole, inverse).astype(whole.dtype)
+
+
+def old_update_np(x, start, value, axis, dims):
+    """Class 4 as it was: NumPy clamped a negative start to 0 (jax's 0-d path wraps it)."""
+    out = x.copy()
+    batch = tuple(dims[0].index(d) for d in dims[1])
+    n = value.shape[axis]
+    for idx in np.ndindex(*start.shape):
+        at = min(max(int(start[idx]), 0), x.shape[axis] - n)
+        where = [slice(None)] * x.ndim
+        for a, i in zip(batch, idx, strict=True):
+            where[a] = i
+        window = list(where)
+        where[axis] = slice(at, at + n)
+        out[tuple(where)] = value[tuple(window)]
+    return out
+
+
+class _ProcessTraces:
+    """Class 5 as it was: one trace stack for the whole process."""
+
+    frames: list = []
+
+
+def reinstate(m, cls: str):
+    """Patch `m` (a monkeypatch context) with class `cls` as it was; the strategy that
+    must find it and the predicate of a wrong answer."""
+    prim = elementwise.power.primitive
+    if cls == "3-power-numpy":
+        m.setattr(prim, "numpy_impl", elementwise._nary(old_power_np, np))
+        m.setattr(prim, "numpy_kernel", elementwise._nary_kernel(old_power_np))
+        return DS.power_cases(), failing(D.check_power)
+    if cls == "3-power-jax":  # jnp.power: six squarings, negative exponents as inverses mod 2^k
+        m.setattr(prim, "jax_impl", elementwise._nary(jnp.power, jnp))
+        return DS.power_cases(dtypes=("int8", "uint8", "int32")), failing(D.check_power)
+    if cls == "4-negative-start":
+        m.setattr(update_module._update, "numpy_impl", old_update_np)
+        return S.cases(max_steps=3, kinds=("update",)), failing(LW.check_case)
+    if cls == "5-process-trace-stack":
+        for module in (avals_module, primitive_module, trace_module, tensor_module, eager_module):
+            m.setattr(module, "TRACES", _ProcessTraces())
+        return S.programs(max_steps=2), failing(LP.check_second_thread)
+    # 6: byte order kept: jax's type promotion refuses '>f4'
+    for module in (tensor_module, trace_module):
+        m.setattr(module, "native_order", lambda array: array)
+    return DS.dtype_cases(dtypes=("int32", "float16", "float32")), failing(D.check_dtypes)
+
+
+ISSUE_38 = ["3-power-numpy", "3-power-jax", "4-negative-start", "5-process-trace-stack"]
+
+
+@pytest.mark.parametrize("cls", [*ISSUE_38, "6-big-endian"])
+def test_issue_38_classes_are_found(cls, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(primitive_module, "_EAGER", {})  # no kernel remembered from the right code
+        m.setattr(eager_module, "_CALLS", {})
+        cases, wrong_ = reinstate(m, cls)
+        clear_issue_38_caches()
+        case = find(cases, wrong_, settings=ISSUE_26)
+        print(f"\nissue 38 class {cls} reinstated: found {case!r}")
+    clear_issue_38_caches()
+    assert not wrong_(case)  # right again once restored
+
+
+def clear_issue_38_caches() -> None:
+    clear_issue_26_caches()
+    D.power_jitted.clear_cache()  # (jax's cache of it does not see a patched primitive)

@@ -1,14 +1,15 @@
-"""isel, var/std and expand_dims/squeeze in random programs, on random meshes and
-layouts: the lowered result equals the NumPy reference (or the layout deserves its
-LayoutError), as for every other op. A focused draw: the general suite draws these
-kinds too, but rarely next to each other."""
+"""isel, var/std, expand_dims/squeeze, update_slice and gather (starts and indices
+negative and beyond either end) in random programs, on random meshes and layouts: the
+lowered result equals the NumPy reference (or the layout deserves its LayoutError), as
+for every other op. A focused draw: the general suite draws most of these kinds too,
+but rarely next to each other, and update_slice only here."""
 
 from hypothesis import given, settings
 from test_lowering_props import check_case
 
 from namedmesh.testing import strategies as S
 
-KINDS = ("isel", "moments", "expand_dims", "einsum", "binary", "reduce")
+KINDS = ("isel", "moments", "expand_dims", "einsum", "binary", "reduce", "update", "gather")
 
 
 @settings(max_examples=40)  # the general suite covers them too; this adds a focused 40

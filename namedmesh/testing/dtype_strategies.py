@@ -12,7 +12,13 @@ import numpy as np
 from hypothesis import strategies as st
 
 import namedmesh as nm
-from namedmesh.testing.strategies import DTYPES, VALUE_MESHES, value_arrays
+from namedmesh.testing.strategies import (
+    DTYPES,
+    VALUE_MESHES,
+    np_dtype,
+    special_values,
+    value_arrays,
+)
 
 _IDX = np.array([3, 0, -1, 2], np.int32)  # gathered positions: one from each end
 
@@ -99,7 +105,8 @@ DTYPE_OPS = {
 
 @dataclass(frozen=True, eq=False)
 class DtypeCase:
-    """Op `op` of DTYPE_OPS on x[r, d] of `dtype`, under `layout` on `mesh`."""
+    """Op `op` of DTYPE_OPS on x[r, d] of `dtype`, under `layout` on `mesh`; x may be
+    big-endian (`x.dtype.isnative` false), as some files and network formats give."""
 
     op: str
     dtype: str
@@ -108,14 +115,30 @@ class DtypeCase:
     layout: str
 
     def __repr__(self) -> str:
+        order = "" if self.x.dtype.isnative else f", byte order {self.x.dtype.byteorder!r}"
         return (f"DtypeCase({self.op}, {self.dtype}, x={self.x.tolist()!r}, mesh={self.mesh}, "
-                f"layout={self.layout!r})")  # fmt: skip
+                f"layout={self.layout!r}{order})")  # fmt: skip
+
+
+def swappable(dtype: str) -> bool:
+    """Whether `dtype` has a byte order (bool has none; ml_dtypes' bfloat16 only its own)."""
+    return dtype not in ("bool", "int8", "uint8", "bfloat16")
+
+
+def byte_orders(dtype: str):
+    """'=' (native, the shrunk case) or '>' (big-endian) where `dtype` has an order."""
+    return st.sampled_from(("=", ">") if swappable(dtype) else ("=",))
+
+
+def in_order(x: np.ndarray, order: str) -> np.ndarray:
+    return x if order == "=" else x.astype(x.dtype.newbyteorder(order))
 
 
 @st.composite
 def dtype_cases(draw, ops=tuple(DTYPE_OPS), dtypes=DTYPES, split=(True, False)) -> DtypeCase:
-    """A DtypeCase: any op, any dtype, values drawn from the dtype's special values, `d`
-    split over one or two mesh axes (in either order) or `r` split instead."""
+    """A DtypeCase: any op, any dtype, values drawn from the dtype's special values, in
+    either byte order, `d` split over one or two mesh axes (in either order) or `r`
+    split instead."""
     op = draw(st.sampled_from(ops))
     dtype = draw(st.sampled_from(dtypes))
     mesh = draw(st.sampled_from(VALUE_MESHES))
@@ -125,7 +148,54 @@ def dtype_cases(draw, ops=tuple(DTYPE_OPS), dtypes=DTYPES, split=(True, False)) 
     along = draw(st.sampled_from(split))
     layout = ("d:" if along else "r:") + ",".join(axes[:n_d] if along else axes[:1])
     x = draw(value_arrays((2 * mesh[axes[0]], n), dtype))
-    return DtypeCase(op, dtype, x, mesh, layout)
+    return DtypeCase(op, dtype, in_order(x, draw(byte_orders(dtype))), mesh, layout)
 
 
-__all__ = ["ALONG_OPS", "DTYPE_OPS", "KERNEL_OPS", "STRUCTURAL_OPS", "DtypeCase", "dtype_cases"]
+@dataclass(frozen=True, eq=False)
+class PowerCase:
+    """power(x, y) of x[r, d] and y[r, d] of any two dtypes (either byte order), under
+    `layout` on a mesh of 4 devices."""
+
+    x: np.ndarray
+    y: np.ndarray
+    layout: str
+
+    def __repr__(self) -> str:
+        return (f"PowerCase(x={self.x.tolist()!r} {self.x.dtype.str}, "
+                f"y={self.y.tolist()!r} {self.y.dtype.str}, layout={self.layout!r})")  # fmt: skip
+
+
+# Exponents beyond the special values: negative ones, and 64 and more (jnp.power of
+# integers squares six times)
+EXPONENTS = [-3, -2, -1, 2, 3, 7, 64, 65, 127]
+
+
+def _exponents(dtype: str):
+    if dtype in ("bool", "uint8"):
+        return value_arrays((4, 8), dtype)
+    pool = special_values(dtype) + EXPONENTS
+    return st.lists(st.sampled_from(pool), min_size=32, max_size=32).map(
+        lambda v: np.array(v).astype(np_dtype(dtype)).reshape(4, 8)
+    )
+
+
+@st.composite
+def power_cases(draw, dtypes=DTYPES) -> PowerCase:
+    """A PowerCase: every pair of dtypes, bases from the special values, exponents from
+    them and `EXPONENTS` (negative integers, 64 and more), each in either byte order."""
+    a, b = draw(st.sampled_from(dtypes)), draw(st.sampled_from(dtypes))
+    x = in_order(draw(value_arrays((4, 8), a)), draw(byte_orders(a)))
+    y = in_order(draw(_exponents(b)), draw(byte_orders(b)))
+    return PowerCase(x, y, draw(st.sampled_from(("d:m0", "r:m0"))))
+
+
+__all__ = [
+    "ALONG_OPS",
+    "DTYPE_OPS",
+    "KERNEL_OPS",
+    "STRUCTURAL_OPS",
+    "DtypeCase",
+    "PowerCase",
+    "dtype_cases",
+    "power_cases",
+]

@@ -212,7 +212,7 @@ def _apply(pool, kind, i, j, k):
         idx = nm.mod(nm.argmax(b, b.dims[k % len(b.dims)]), n) if b.dims else nm.argmax(a, d)
         if d in idx.dims:  # indices may not have the gathered dim
             idx = nm.mod(idx.sum(d), n)
-        return nm.gather(a, d, idx)
+        return nm.gather(a, d, idx - n if j % 2 else idx)  # -n..-1: counted from the end
     if kind == "grouped":  # 2 groups of weights over d (and b's own dims); 2: zero rows
         b = b if d in b.dims else a
         summed = [x for x in b.dims if x in a.dims and x != d]
@@ -236,7 +236,9 @@ def _apply(pool, kind, i, j, k):
 
 
 def _apply_selection(a, b, kind, i, j, k, d, n):
-    """The steps of the xarray-style ops: isel, var/std, expand_dims then squeeze."""
+    """The steps of the xarray-style ops: isel, var/std, expand_dims then squeeze; and
+    update_slice, with starts negative and beyond either end ("update", which only the
+    selection suite draws)."""
     if kind == "isel":
         return nm.isel(a, {d: k % n - (n if j % 2 else 0)} if i % 2 else {d: slice(k % n, None)})
     if kind == "moments":
@@ -248,6 +250,13 @@ def _apply_selection(a, b, kind, i, j, k, d, n):
         if new is None:
             return nm.squeeze(nm.expand_dims(nm.tanh(a), "unit"), "unit")
         return nm.expand_dims(nm.tanh(a), {new: b.size_of(new)}) * b
+    if kind == "update":  # a window of a's own end written from starts in [-2n, n)
+        w = 1 + k % n
+        start = nm.argmax(a, d)
+        if not i % 2 and start.dims:
+            start = nm.max(start, start.dims)  # one start (0-d), else one per element
+        start = start - (j % (2 * n + 1))
+        return nm.update_slice(a, d, start, nm.tanh(nm.slice(a, d, n - w, n)) * 0.5)
     return -a
 
 
