@@ -104,8 +104,10 @@ def decoder_start(path: str | Path) -> int | None:
     if not (path / "config.json").exists() or (path / "run.json").exists():
         return None
     family, hf = hub.read_config(path)
-    encdec = hub.FAMILIES[family].model == "encdec"
-    return int(hf.get("decoder_start_token_id") or 0) if encdec else None
+    if hub.FAMILIES[family].model != "encdec":
+        return None
+    where = f"{path}/config.json: decoder_start_token_id"
+    return folder_tokens.token_ids(hf.get("decoder_start_token_id") or 0, where)[0]
 
 
 def read_prompts(path: Path) -> list[str]:
