@@ -100,7 +100,7 @@ def _wordpiece(folder: Path):
     tokenizer_config.json's do_lower_case is false."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    lower = option(folder, "do_lower_case", True)
+    lower = _option(folder, "do_lower_case", True)
     tok = Tokenizer(models.WordPiece.from_file(str(folder / "vocab.txt"), unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=lower)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -133,7 +133,7 @@ def _sentencepiece(folder: Path):
     vocab = (
         {p: i for i, (p, _) in enumerate(pieces)} if proto.trainer_spec.model_type == 2 else pieces
     )
-    legacy = option(folder, "legacy", True)
+    legacy = _option(folder, "legacy", True)
     tok = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=legacy)
     if tok is None:
         raise MissingFileError(
@@ -147,7 +147,7 @@ def _sentencepiece(folder: Path):
     return tok, {k: proto.pieces[i].piece for k, i in ids.items() if 0 <= i < n}
 
 
-def json_file(path: Path) -> dict:
+def _json_file(path: Path) -> dict:
     """The JSON object of a folder's file ({} when it does not exist); DamagedFileError
     naming it when it is not one (not JSON, a list)."""
     if not path.exists():
@@ -159,10 +159,10 @@ def json_file(path: Path) -> dict:
 
 
 def _tokenizer_config(folder: Path) -> dict:
-    return json_file(Path(folder) / "tokenizer_config.json")
+    return _json_file(Path(folder) / "tokenizer_config.json")
 
 
-def option(folder, key: str, default: bool) -> bool:
+def _option(folder, key: str, default: bool) -> bool:
     """tokenizer_config.json's true/false `key`; DamagedFileError when it is not one."""
     value = _tokenizer_config(folder).get(key, default)
     if not isinstance(value, bool):
@@ -185,7 +185,7 @@ def special_token(folder, name: str) -> str | None:
     """The text of tokenizer_config.json's (or special_tokens_map.json's) `name`
     ("bos_token", "eos_token"), which may be stored as {"content": text}."""
     for file in ("tokenizer_config.json", "special_tokens_map.json"):
-        value = json_file(Path(folder) / file).get(name)
+        value = _json_file(Path(folder) / file).get(name)
         if isinstance(value, dict):
             value = value.get("content")
         if value is not None and not isinstance(value, str):
@@ -207,7 +207,7 @@ def _add_specials(tok, folder: Path, wants: tuple[str, ...], named: dict):
         return tok
     ids = {}
     for kind in wants:
-        if not option(folder, f"add_{kind}_token", True):
+        if not _option(folder, f"add_{kind}_token", True):
             continue
         text = special_token(folder, f"{kind}_token") or named.get(kind)
         if text is None or tok.token_to_id(text) is None:
@@ -228,7 +228,7 @@ def eos_ids(folder) -> list[int]:
     """The end-of-sequence ids of generation_config.json, else config.json (an int or a
     list in either); [] when neither names one."""
     for file in ("generation_config.json", "config.json"):
-        value = json_file(Path(folder) / file).get("eos_token_id")
+        value = _json_file(Path(folder) / file).get("eos_token_id")
         if value is not None:
             return token_ids(value, f"{folder}/{file}: eos_token_id")
     return []
