@@ -280,3 +280,76 @@ def test_malformed_tokenizer_config_and_prompt_files_are_one_line_and_exit_2(
         if got != "refused":
             broken.append(f"--prompts {name}: {got}")
     assert not broken, "\n".join(broken)
+
+
+# --- damaged Hugging Face folders ------------------------------------------------------
+FC = "transformer.h.0.mlp.c_fc.weight"
+
+
+def _weights_as(dtype):
+    def damage(path):
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(path / "model.safetensors")
+        tensors[FC] = tensors[FC].astype(dtype)
+        save_file(tensors, path / "model.safetensors", {"format": "pt"})
+
+    return damage
+
+
+def _json(name, value):
+    return lambda path: (path / name).write_text(json.dumps(value))
+
+
+def _text(name, text):
+    return lambda path: (path / name).write_text(text)
+
+
+def _edit(name, **changes):
+    def damage(path):
+        (path / name).write_text(json.dumps(json.loads((path / name).read_text()) | changes))
+
+    return damage
+
+
+def _truncate(name):
+    return lambda path: (path / name).write_bytes((path / name).read_bytes()[:300])
+
+
+# damage -> what the one line names (the file, and the tensor and dtype of a weight)
+DAMAGES = {
+    "tokenizer.json not JSON": (_truncate("tokenizer.json"), "tokenizer.json"),
+    "tokenizer.json a list": (_json("tokenizer.json", [1, 2]), "tokenizer.json"),
+    "eos_token_id text": (_edit("config.json", eos_token_id="abc"), "config.json: eos_token_id"),
+    "eos_token_id bool": (_edit("config.json", eos_token_id=True), "config.json: eos_token_id"),
+    "eos_token_id float": (_json("generation_config.json", {"eos_token_id": 1.5}), "generation"),
+    "eos_token_id list": (_edit("config.json", eos_token_id=[1, None]), "eos_token_id"),
+    "tokenizer_config.json a list": (_json("tokenizer_config.json", []), "tokenizer_config"),
+    "eos_token a number": (_json("tokenizer_config.json", {"eos_token": 5}), "eos_token"),
+    "chat template fails": (_text("chat_template.jinja", "{{ 1/0 }}"), "chat_template.jinja"),
+    "chat template unbounded": (_text("chat_template.jinja", "{{ 'x' * 10**10 }}"), "jinja"),
+    "int weights": (_weights_as(np.int32), f"{FC!r} of model.safetensors is I32"),
+    "bool weights": (_weights_as(bool), f"{FC!r} of model.safetensors is BOOL"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_hugging_face_folder_is_one_line_naming_the_file(
+    damage, folder, tmp_path, no_compiling, capsys
+):
+    import shutil
+
+    path = tmp_path / "hf"
+    shutil.copytree(folder, path)
+    write, names = DAMAGES[damage]
+    write(path)
+    argv = ["--checkpoint", str(path), "--max-new", "2", "--eos", "none", "--prompt", "ab"]
+    if "eos_token_id" in damage or "generation" in names:
+        argv.remove("--eos"), argv.remove("none")  # the folder's ids are read without --eos
+    if "tokenizer_config" in names or names in ("eos_token", "jinja", "chat_template.jinja"):
+        if not (path / "chat_template.jinja").exists():  # read for a chat template
+            (path / "chat_template.jinja").write_text("{{ eos_token }}")
+        argv.append("--chat")
+    assert outcome(generate.main, argv, capsys) == "refused"
+    generate.main(argv)
+    assert names in capsys.readouterr().err
