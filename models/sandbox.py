@@ -135,7 +135,7 @@ class Bounded(ImmutableSandboxedEnvironment):
                     f"{name}() given {shown}; the sandbox allows at most {self.max_size:,}"
                 )
         grow = _GROWTH.get(name)
-        if grow is not None and args:
+        if grow is not None and (args or kwargs):
             self.fits(grow(*args, **kwargs), f"{name}()")
 
     # --- the hooks jinja2's sandbox calls -----------------------------------------
@@ -271,6 +271,11 @@ def _sum(items, *args, **kwargs) -> int:
     return sum(size(x) for x in items) if ok else 0
 
 
+def _lipsum(n=5, html=True, min=20, max=100, *args, **kwargs) -> int:
+    # paragraphs of at most `max` words of at most a dozen characters
+    return n * max * 12 if isinstance(n, int) and isinstance(max, int) else 0
+
+
 def _format(fmt, *args, **kwargs) -> int:
     return _formatted(fmt, (args, kwargs)) if isinstance(fmt, str) else 0
 
@@ -286,6 +291,7 @@ _GROWTH = {
     "expandtabs": _expandtabs,
     "|sum": _sum,
     "|format": _format,
+    "generate_lorem_ipsum": _lipsum,  # the lipsum() global
 }
 
 
