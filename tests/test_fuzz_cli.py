@@ -318,6 +318,8 @@ def _truncate(name):
 
 # damage -> what the one line names (the file, and the tensor and dtype of a weight)
 DAMAGES = {
+    "config.json a list": (_json("config.json", [1]), "config.json"),
+    "config.json n_embd text": (_edit("config.json", n_embd="16"), "config.json"),
     "tokenizer.json not JSON": (_truncate("tokenizer.json"), "tokenizer.json"),
     "tokenizer.json a list": (_json("tokenizer.json", [1, 2]), "tokenizer.json"),
     "eos_token_id text": (_edit("config.json", eos_token_id="abc"), "config.json: eos_token_id"),
@@ -353,3 +355,9 @@ def test_a_damaged_hugging_face_folder_is_one_line_naming_the_file(
     assert outcome(generate.main, argv, capsys) == "refused"
     generate.main(argv)
     assert names in capsys.readouterr().err
+    if "--chat" not in argv and "eos" not in damage:  # what eval reads too
+        (tmp_path / "data.txt").write_text(TEXT)
+        argv = [str(path), "--data", str(tmp_path / "data.txt"), "--length", "8", "--quiet"]
+        assert outcome(evaluate.main, argv, capsys) == "refused"
+        evaluate.main(argv)
+        assert names in capsys.readouterr().err
