@@ -136,14 +136,13 @@ def read_prompts(path: Path) -> list[str]:
 
 
 # Every numeric flag's allowed values, checked before the model is read (models/train.py's
-# Range); temperature, top-k and top-p are models.sampling.Sampling's to check.
+# Range); temperature and top-p are models.sampling.Sampling's to check.
 RANGES = {
     "max_new": Range(0, COUNT),
     "max_length": Range(1, COUNT),
     "beams": Range(1, 1 << 16),
     "seed": Range(0, 2**32 - 1),
     "top_k": Range(0, COUNT),
-    "temperature": Range(0, open_low=True),  # finite: an infinite one samples uniformly
 }
 
 
@@ -213,7 +212,7 @@ def eos_of(text: str | None, tokenizer, folder: Path | None) -> list[int]:
         return folder_tokens.eos_ids(folder) if folder is not None else []
     if text == "none":
         return []
-    if text.lstrip("-").isdigit():
+    if text.isascii() and text.lstrip("-").isdigit():
         return [int(text)]
     found = tokenizer.tok.token_to_id(text) if isinstance(tokenizer, data.BPETokenizer) else None
     if found is None:
@@ -251,6 +250,11 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         ends = eos_of(args.eos, tokenizer, folder)
         if args.eos is None:  # a folder's id past the vocabulary is never decoded (GPT-2's
             ends = [e for e in ends if 0 <= e < cfg.vocab]  # 50256 on a smaller vocab)
+        elif outside := [e for e in ends if not 0 <= e < cfg.vocab]:  # would never end a row
+            raise ParameterError(
+                f"--eos {args.eos}: id {outside[0]} is not in the model's vocabulary (0 to "
+                f"{cfg.vocab - 1})"
+            )
         start = decoder_start(args.checkpoint)
         mesh = Mesh(args.mesh) if args.mesh else None
         if mesh is not None:  # on the host, for the lowered programs to lay out

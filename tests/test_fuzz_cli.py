@@ -126,6 +126,8 @@ def malformed(action) -> tuple[list[str], bool]:
         return ["nope", "", "ü"], True
     if action.dest == "set":
         return SETS, True
+    if action.dest == "eos":  # ids outside the vocabulary (300 ids) would never end a row
+        return ["1" + "0" * 30, "-1", "300"], True
     return TEXTS, False  # a path or text: some of these may be fine
 
 
@@ -167,7 +169,7 @@ def test_every_numeric_flag_of_every_command_has_a_declared_range():
     model is read, as train's are (temperature, top-k, top-p by Sampling as well)."""
     for module in (generate, evaluate):
         numeric = {a.dest for a in parser_of(module)._actions if a.type in (int, float)}
-        assert numeric - set(module.RANGES) <= {"top_p"}, module
+        assert numeric - set(module.RANGES) <= {"top_p", "temperature"}, module
 
 
 # --- every kind of file ----------------------------------------------------------------
