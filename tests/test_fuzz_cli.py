@@ -12,6 +12,8 @@ import sys
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import namedmesh as nm
 from models import evaluate, export, generate, hub, run, train  # noqa: F401
@@ -363,3 +365,29 @@ def test_a_damaged_hugging_face_folder_is_one_line_naming_the_file(
         assert outcome(evaluate.main, argv, capsys) == "refused"
         evaluate.main(argv)
         assert names in capsys.readouterr().err
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data())
+def test_any_text_for_any_flag_keeps_the_promise(data, folder, tmp_path_factory, capsys):
+    """Beyond the hand-picked values: any text (control characters, other scripts,
+    numbers in words) for any flag of train or generate is refused in one line or
+    accepted, never a traceback."""
+    tmp = tmp_path_factory.mktemp("any")
+    (tmp / "data.txt").write_text(TEXT)
+    module, base = data.draw(
+        st.sampled_from([
+            (train, ["--config", "tiny", "--length", "8", "--batch", "2", "--steps", "2",
+                     "--quiet", "--data", str(tmp / "data.txt"), "--out", str(tmp / "run")]),
+            (generate, ["--checkpoint", str(folder), "--max-new", "2", "--prompt", "ab"]),
+        ])
+    )  # fmt: skip
+    actions = [a for a in parser_of(module)._actions if a.option_strings and a.nargs != 0]
+    flag = data.draw(st.sampled_from([a.option_strings[-1] for a in actions]))
+    value = data.draw(st.text(max_size=12).filter(lambda v: "\x00" not in v))
+    jax.jit, saved = compiling, jax.jit  # hypothesis' examples share the function's fixtures
+    try:
+        got = outcome(module.main, [*base, flag, value], capsys)
+    finally:
+        jax.jit = saved
+    assert got in ("refused", "compiles"), (flag, value, got)
