@@ -23,10 +23,12 @@ class Mesh:
         if not isinstance(sizes, Mapping) or not sizes:
             raise MeshError(f"a mesh needs a mapping axis -> size, got {sizes!r}")
         for name, n in sizes.items():
-            if not isinstance(name, str) or not name or any(c in name for c in ":;, "):
+            # an identifier: the layout syntax's separators (":;, ") are not in one, and
+            # XLA aborts the process on a name that is not ASCII
+            if not isinstance(name, str) or not (name.isascii() and name.isidentifier()):
                 raise MeshError(
-                    f"mesh axis names must be non-empty strings without ':', ';', ',' or "
-                    f"spaces (the layout syntax), got {name!r}"
+                    f"mesh axis names must be ASCII identifiers (letters, digits and _, not "
+                    f"starting with a digit; no ':', ';', ',' or spaces), got {name!r}"
                 )
             if not isinstance(n, int | np.integer) or n < 1:
                 raise MeshError(f"mesh axis {name!r} must have a positive int size, got {n!r}")

@@ -40,6 +40,8 @@ _AT_LEAST = {
     **dict.fromkeys(("expert_groups", "topk_groups"), 1),
     **dict.fromkeys(("expert_ff", "shared_ff", "dense_layers"), 0),
 }
+AT_MOST = 10**9  # every size of a Config: beyond any model (and jax's int32 shapes' reach)
+DTYPES = ("float32", "bfloat16")  # the compute dtypes (parameters stay float32)
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class Config:
             "remat": ("none", "full", "dots"),
             "routing": ("dropless", "capacity"),
             "router": ("topk_softmax", "softmax_topk", "sigmoid_topk", "sigmoid_topk_norm"),
+            "dtype": DTYPES,
         }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
@@ -146,6 +149,9 @@ class Config:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 flag = _FLAGS.get(field, f"--set {field}=")
                 raise ConfigError(f"Config.{field} ({flag}) must be an int >= {low}, got {value!r}")
+            if value > AT_MOST:
+                flag = _FLAGS.get(field, f"--set {field}=")
+                raise ConfigError(f"Config.{field} ({flag}) must be <= {AT_MOST:,}, got {value:,}")
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"Config.scan_layers must be True or False, got {self.scan_layers!r}")
         if not 0 <= self.dropout < 1:

@@ -110,6 +110,8 @@ def load_tokenizer_file(path: str | Path):
         spec = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"tokenizer file {path} is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise DataError(f"tokenizer file {path} holds a {type(spec).__name__}, not a tokenizer")
     if spec.get("kind") == "byte":
         return ByteTokenizer()
     from tokenizers import Tokenizer

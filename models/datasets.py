@@ -46,25 +46,36 @@ class Tokens:
         cut = int(len(self.ids) * (1 - fraction))
         return Tokens(self.ids[:cut], self.path), Tokens(self.ids[cut:], self.path)
 
-    def max(self) -> int:
-        """The largest id, in streamed chunks (memory bounded, one pass)."""
+    def extremes(self) -> tuple[int, int]:
+        """The smallest and largest id, in streamed chunks (memory bounded, one pass)."""
         if not len(self.ids):
-            return -1
-        return max(int(self.ids[i : i + CHUNK].max()) for i in range(0, len(self.ids), CHUNK))
+            return 0, -1
+        chunks = [self.ids[i : i + CHUNK] for i in range(0, len(self.ids), CHUNK)]
+        return min(int(c.min()) for c in chunks), max(int(c.max()) for c in chunks)
+
+    def max(self) -> int:
+        """The largest id (-1 for no ids)."""
+        return self.extremes()[1]
 
     def check_vocab(self, vocab_size: int, flag: str) -> None:
-        """DataError naming the file if an id does not fit the tokenizer's vocabulary."""
-        top = self.max()
-        if top >= vocab_size:
-            raise DataError(
-                f"{flag} {self.path}: holds token id {top}, but the tokenizer has "
-                f"{vocab_size} ids; pass the --tokenizer the ids were made with"
-            )
+        """DataError naming the file if an id does not fit the tokenizer's vocabulary:
+        one past its end, or a negative one (an id of no token, read as one from the
+        end by NumPy's indexing)."""
+        low, top = self.extremes()
+        for bad, why in ((low, low < 0), (top, top >= vocab_size)):
+            if why:
+                raise DataError(
+                    f"{flag} {self.path}: holds token id {bad}, but the tokenizer has "
+                    f"{vocab_size} ids (0 to {vocab_size - 1}); pass the --tokenizer the ids "
+                    "were made with"
+                )
 
 
 def _bin(path: Path, field: str) -> Tokens:
     if path.stat().st_size % 2:
         raise DataError(f"{path}: a .bin of uint16 ids has an even size, this has an odd one")
+    if not path.stat().st_size:  # np.memmap cannot map an empty file
+        raise DataError(f"{path}: an empty .bin, no token ids")
     return Tokens(np.memmap(path, dtype=np.uint16, mode="r"), path)
 
 
@@ -76,6 +87,12 @@ def _npy(path: Path, field: str) -> Tokens:
 
 
 def _text(path: Path, field: str) -> str:
+    return text_file(path)
+
+
+def text_file(path: Path) -> str:
+    """The text of a UTF-8 file; DataError naming it when it is binary (a NUL byte, or
+    bytes that do not decode), never decoded with replacement characters."""
     raw = path.read_bytes()
     binary = DataError(
         f"{path}: a binary file, not UTF-8 text; token ids go in a .bin (uint16) or .npy "
@@ -94,6 +111,20 @@ def _field(path: Path, field: str, columns) -> None:
         raise DataError(f"{path}: no {field!r} field (has {', '.join(map(str, columns))})")
 
 
+def _document(value, where: str, field: str) -> str:
+    """A document's text; DataError naming `where` when the field holds no text (a
+    null is not the text "None", nor a number its digits)."""
+    if not isinstance(value, str):
+        kind = "null" if value is None else f"a {type(value).__name__}"
+        raise DataError(f"{where}: the {field!r} field is {kind}, not text")
+    return value
+
+
+def _documents(values, where: str, field: str) -> str:
+    """The documents of a column joined by newlines, each checked by `_document`."""
+    return "\n".join(_document(v, f"{where} row {n}", field) for n, v in enumerate(values, 1))
+
+
 def _jsonl(path: Path, field: str) -> str:
     docs = []
     for n, line in enumerate(_text(path, field).splitlines(), 1):
@@ -106,7 +137,7 @@ def _jsonl(path: Path, field: str) -> str:
         if not isinstance(row, dict):
             raise DataError(f"{path}:{n}: a JSON line must be an object with a {field!r} field")
         _field(Path(f"{path}:{n}"), field, row)
-        docs.append(str(row[field]))
+        docs.append(_document(row[field], f"{path}:{n}", field))
     return "\n".join(docs)
 
 
@@ -122,10 +153,14 @@ def _extra(module: str):
 
 
 def _parquet(path: Path, field: str) -> str:
-    schema = _extra("pyarrow.parquet").read_schema(path)
-    _field(path, field, schema.names)
-    table = _extra("pyarrow.parquet").read_table(path, columns=[field])
-    return "\n".join(str(v) for v in table.column(field).to_pylist())
+    pq = _extra("pyarrow.parquet")
+    try:
+        schema = pq.read_schema(path)
+        _field(path, field, schema.names)
+        table = pq.read_table(path, columns=[field])
+    except (_extra("pyarrow").ArrowException, OSError) as e:  # ArrowInvalid: not Parquet
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    return _documents(table.column(field).to_pylist(), str(path), field)
 
 
 def _dataset(path: Path, field: str) -> str:
@@ -136,7 +171,7 @@ def _dataset(path: Path, field: str) -> str:
             f"e.g. {path / next(iter(ds))}"
         )
     _field(path, field, ds.column_names)
-    return "\n".join(str(v) for v in ds[field])
+    return _documents(ds[field], str(path), field)
 
 
 # file suffix -> reader(path, text_field) -> str | Tokens

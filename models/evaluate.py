@@ -21,7 +21,19 @@ import math
 import sys
 from pathlib import Path
 
-from models.train import Parser, fail, parse_mesh, simulate_devices, user_errors
+from models.train import (
+    COUNT,
+    Parser,
+    Range,
+    check_ranges,
+    fail,
+    parse_mesh,
+    simulate_devices,
+    user_errors,
+)
+
+# Every numeric flag's allowed values, checked before the model is read (models/train.py)
+RANGES = {"batch": Range(1, COUNT), "length": Range(1, COUNT), "max_batches": Range(1, COUNT)}
 
 
 def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Namespace:
@@ -71,10 +83,9 @@ def evaluate(args) -> dict:
     from models.run import UsageError, pick_layout
     from models.trainer import Trainer, bits_per_byte
 
+    if complaint := check_ranges(args, RANGES):
+        raise UsageError(complaint)
     model, params, cfg, tokenizer = load(args.model)
-    for flag in ("batch", "length", "max_batches"):
-        if (v := getattr(args, flag)) is not None and v < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
     length = args.length or cfg.length
     if cfg.learned_positions and length > cfg.learned_positions:
         raise UsageError(

@@ -13,15 +13,25 @@ tokenizer.model gets that post-processor; tokenizer.json carries its own.
 
 EOS ids come from generation_config.json, else config.json; the chat template from
 chat_template.jinja or tokenizer_config.json's `chat_template`, rendered with jinja2's
-sandbox as transformers renders it."""
+sandbox as transformers renders it, within bounds of work and memory (models/sandbox.py).
+
+A damaged file (a tokenizer that `tokenizers` cannot read, JSON that is not an object,
+an option or id of the wrong type) is a `DamagedFileError` naming it, a template that
+fails or exceeds its bounds a `ChatTemplateError` naming its file: never a traceback."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from models import files
 from models.families import FAMILIES
-from models.families.common import MissingFileError, UnsupportedModelError
+from models.families.common import (
+    ChatTemplateError,
+    DamagedFileError,
+    HubError,
+    MissingFileError,
+    UnsupportedModelError,
+)
 
 # the files a tokenizer is read from, in the order they are tried (for error messages)
 FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model", "vocab.txt")
@@ -29,8 +39,25 @@ FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model", "vocab.
 
 def read(folder, family: str | None = None):
     """The folder's tokenizer as a `tokenizers.Tokenizer`, or None when it has none of
-    FILES (callers that need one use `required`)."""
+    FILES (callers that need one use `required`); DamagedFileError naming the file
+    when it cannot be read."""
     folder = Path(folder)
+    try:
+        return _read(folder, family)
+    except HubError:
+        raise
+    except Exception as e:  # tokenizers' and protobuf's own exception types
+        raise DamagedFileError(
+            f"{folder}/{source(folder)}: not a tokenizer that can be read ({_first_line(e)})"
+        ) from None
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return (lines[0][:200] if lines else "") or type(e).__name__
+
+
+def _read(folder: Path, family: str | None):
     if (folder / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
@@ -73,7 +100,7 @@ def _wordpiece(folder: Path):
     tokenizer_config.json's do_lower_case is false."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    lower = _tokenizer_config(folder).get("do_lower_case", True)
+    lower = _option(folder, "do_lower_case", True)
     tok = Tokenizer(models.WordPiece.from_file(str(folder / "vocab.txt"), unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=lower)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -106,7 +133,7 @@ def _sentencepiece(folder: Path):
     vocab = (
         {p: i for i, (p, _) in enumerate(pieces)} if proto.trainer_spec.model_type == 2 else pieces
     )
-    legacy = _tokenizer_config(folder).get("legacy", True)
+    legacy = _option(folder, "legacy", True)
     tok = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=legacy)
     if tok is None:
         raise MissingFileError(
@@ -120,19 +147,52 @@ def _sentencepiece(folder: Path):
     return tok, {k: proto.pieces[i].piece for k, i in ids.items() if 0 <= i < n}
 
 
+def _json_file(path: Path) -> dict:
+    """The JSON object of a folder's file ({} when it does not exist); DamagedFileError
+    naming it when it is not one (not JSON, a list)."""
+    if not path.exists():
+        return {}
+    try:
+        return files.read_json(path, path.name)
+    except files.FileReadError as e:
+        raise DamagedFileError(str(e)) from None
+
+
 def _tokenizer_config(folder: Path) -> dict:
-    path = Path(folder) / "tokenizer_config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return _json_file(Path(folder) / "tokenizer_config.json")
+
+
+def _option(folder, key: str, default: bool) -> bool:
+    """tokenizer_config.json's true/false `key`; DamagedFileError when it is not one."""
+    value = _tokenizer_config(folder).get(key, default)
+    if not isinstance(value, bool):
+        raise DamagedFileError(
+            f"{folder}/tokenizer_config.json: {key} must be true or false, got {value!r:.60}"
+        )
+    return value
+
+
+def token_ids(value, where: str) -> list[int]:
+    """An id or a list of ids of a config file (ints, never bools or text);
+    DamagedFileError naming `where` otherwise."""
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise DamagedFileError(f"{where}: expected a token id or a list of ids, got {value!r:.60}")
+    return items
 
 
 def special_token(folder, name: str) -> str | None:
     """The text of tokenizer_config.json's (or special_tokens_map.json's) `name`
     ("bos_token", "eos_token"), which may be stored as {"content": text}."""
     for file in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = Path(folder) / file
-        value = json.loads(path.read_text()).get(name) if path.exists() else None
+        value = _json_file(Path(folder) / file).get(name)
         if isinstance(value, dict):
             value = value.get("content")
+        if value is not None and not isinstance(value, str):
+            raise DamagedFileError(
+                f'{folder}/{file}: {name} must be a token\'s text or {{"content": text}}, got '
+                f"{value!r:.60}"
+            )
         if value:
             return value
     return None
@@ -145,10 +205,9 @@ def _add_specials(tok, folder: Path, wants: tuple[str, ...], named: dict):
 
     if not wants:
         return tok
-    config = _tokenizer_config(folder)
     ids = {}
     for kind in wants:
-        if config.get(f"add_{kind}_token") is False:
+        if not _option(folder, f"add_{kind}_token", True):
             continue
         text = special_token(folder, f"{kind}_token") or named.get(kind)
         if text is None or tok.token_to_id(text) is None:
@@ -169,52 +228,60 @@ def eos_ids(folder) -> list[int]:
     """The end-of-sequence ids of generation_config.json, else config.json (an int or a
     list in either); [] when neither names one."""
     for file in ("generation_config.json", "config.json"):
-        path = Path(folder) / file
-        value = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+        value = _json_file(Path(folder) / file).get("eos_token_id")
         if value is not None:
-            return [int(v) for v in (value if isinstance(value, list) else [value])]
+            return token_ids(value, f"{folder}/{file}: eos_token_id")
     return []
 
 
 def chat_template(folder) -> str | None:
     """The folder's chat template: chat_template.jinja, else tokenizer_config.json's
     `chat_template` (a string, or a list of {name, template} whose "default" is used)."""
-    path = Path(folder) / "chat_template.jinja"
+    return _template(Path(folder))[0]
+
+
+def _template(folder: Path) -> tuple[str | None, str]:
+    """(the chat template, the file it is read from, for messages)."""
+    path = folder / "chat_template.jinja"
     if path.exists():
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError:
+            raise DamagedFileError(f"{path}: not UTF-8 text") from None
+    where = f"{folder}/tokenizer_config.json's chat_template"
     template = _tokenizer_config(folder).get("chat_template")
     if isinstance(template, list):
+        if not all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in template):
+            raise DamagedFileError(f"{where}: a list must hold {{name, template}} objects")
         template = {t["name"]: t["template"] for t in template}.get("default")
-    return template
+    if template is not None and not isinstance(template, str):
+        raise DamagedFileError(f"{where}: must be a template's text, got {template!r:.60}")
+    return template, where
 
 
 def apply_chat(folder, prompt: str, flag: str = "--chat") -> str:
     """The prompt as the folder's chat template renders one user message followed by
-    the assistant's turn (add_generation_prompt), in jinja2's immutable sandbox."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    the assistant's turn (add_generation_prompt), in a jinja2 sandbox with bounded work
+    and memory (models/sandbox.py); ChatTemplateError naming the template's file for
+    any failure, MissingFileError for a folder without a template."""
+    from models import sandbox  # jinja2, imported when a template is rendered
 
-    template = chat_template(folder)
+    template, where = _template(Path(folder))
     if template is None:
         raise MissingFileError(
             f"{flag}: {folder} has no chat template (chat_template.jinja or tokenizer_config."
             "json's chat_template): it is not an instruct model's folder"
         )
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(
+        return sandbox.render(
+            template,
             messages=[{"role": "user", "content": prompt}],
             add_generation_prompt=True,
             bos_token=special_token(folder, "bos_token") or "",
             eos_token=special_token(folder, "eos_token") or "",
         )
-    except TemplateError as e:
-        raise MissingFileError(f"{flag}: {folder}'s chat template fails: {e}") from None
+    except sandbox.TemplateFailure as e:
+        raise ChatTemplateError(f"{flag}: the chat template {where} fails: {e}") from None
 
 
 def source(folder) -> str:

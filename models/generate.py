@@ -37,7 +37,16 @@ from lowering import Mesh
 from models import checkpoint, config, data, files, folder_tokens, hub, transformer, zoo
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.sampling import Sampling
-from models.train import Parser, fail, parse_mesh, simulate_devices, user_errors
+from models.train import (
+    COUNT,
+    Parser,
+    Range,
+    check_ranges,
+    fail,
+    parse_mesh,
+    simulate_devices,
+    user_errors,
+)
 from namedmesh.errors import ParameterError
 
 __all__ = ["Decoder", "decode_step", "init_cache", "prefill_step", "load", "main"]
@@ -104,19 +113,37 @@ def decoder_start(path: str | Path) -> int | None:
     if not (path / "config.json").exists() or (path / "run.json").exists():
         return None
     family, hf = hub.read_config(path)
-    encdec = hub.FAMILIES[family].model == "encdec"
-    return int(hf.get("decoder_start_token_id") or 0) if encdec else None
+    if hub.FAMILIES[family].model != "encdec":
+        return None
+    where = f"{path}/config.json: decoder_start_token_id"
+    return folder_tokens.token_ids(hf.get("decoder_start_token_id") or 0, where)[0]
 
 
 def read_prompts(path: Path) -> list[str]:
-    """The non-empty lines of a --prompts file (ParameterError naming the flag)."""
+    """The non-empty lines of a --prompts file (ParameterError naming the flag, for a
+    file that cannot be read or is not UTF-8 text)."""
+    from models.datasets import text_file
+
     try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in text_file(path).splitlines() if line.strip()]
     except OSError as e:
         raise ParameterError(f"--prompts {path}: cannot read it ({e.strerror})") from None
+    except data.DataError as e:
+        raise ParameterError(f"--prompts {e}") from None
     if not lines:
         raise ParameterError(f"--prompts {path}: the file holds no prompt (one per line)")
     return lines
+
+
+# Every numeric flag's allowed values, checked before the model is read (models/train.py's
+# Range); temperature and top-p are models.sampling.Sampling's to check.
+RANGES = {
+    "max_new": Range(0, COUNT),
+    "max_length": Range(1, COUNT),
+    "beams": Range(1, 1 << 16),
+    "seed": Range(0, 2**32 - 1),
+    "top_k": Range(0, COUNT),
+}
 
 
 def arguments(argv=None, prog: str = "python -m models.generate"):
@@ -185,7 +212,7 @@ def eos_of(text: str | None, tokenizer, folder: Path | None) -> list[int]:
         return folder_tokens.eos_ids(folder) if folder is not None else []
     if text == "none":
         return []
-    if text.lstrip("-").isdigit():
+    if text.isascii() and text.lstrip("-").isdigit():
         return [int(text)]
     found = tokenizer.tok.token_to_id(text) if isinstance(tokenizer, data.BPETokenizer) else None
     if found is None:
@@ -209,6 +236,8 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
     if args.mesh:
         simulate_devices(math.prod(args.mesh.values()))
     try:
+        if complaint := check_ranges(args, RANGES):
+            raise ParameterError(complaint)
         sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before loading
         texts = read_prompts(args.prompts) if args.prompts else [args.prompt]
         if args.mode == "beam" and len(texts) > 1:
@@ -216,16 +245,21 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         if args.layout and not args.mesh:
             raise ParameterError("--layout places the model on a --mesh; pass --mesh too")
         params, cfg, tokenizer = load(args.checkpoint)
-        mesh = Mesh(args.mesh) if args.mesh else None
-        if mesh is not None:  # on the host, for the lowered programs to lay out
-            params = jax.device_get(params)
-        dec = Decoder(params, cfg, slots=args.max_length, mesh=mesh, layout=args.layout)
-        folder = base_folder(args.checkpoint)
+        folder = base_folder(args.checkpoint)  # its template and ids, read before compiling
         prompts = encode_prompts(texts, tokenizer, folder, args.chat)
         ends = eos_of(args.eos, tokenizer, folder)
         if args.eos is None:  # a folder's id past the vocabulary is never decoded (GPT-2's
             ends = [e for e in ends if 0 <= e < cfg.vocab]  # 50256 on a smaller vocab)
+        elif outside := [e for e in ends if not 0 <= e < cfg.vocab]:  # would never end a row
+            raise ParameterError(
+                f"--eos {args.eos}: id {outside[0]} is not in the model's vocabulary (0 to "
+                f"{cfg.vocab - 1})"
+            )
         start = decoder_start(args.checkpoint)
+        mesh = Mesh(args.mesh) if args.mesh else None
+        if mesh is not None:  # on the host, for the lowered programs to lay out
+            params = jax.device_get(params)
+        dec = Decoder(params, cfg, slots=args.max_length, mesh=mesh, layout=args.layout)
         outputs = _decode(dec, prompts, start, sampling, ends, args)
     except (*user_errors(), KeyError) as e:
         return fail(e, 2, prog.removeprefix("python -m "))

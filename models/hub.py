@@ -41,11 +41,13 @@ from models.config import Config
 from models.families import FAMILIES
 from models.families.common import (
     STACKED,
+    DamagedFileError,
     Entry,
     HubError,
     MissingFileError,
     Options,
     UnsupportedModelError,
+    WeightDtypeError,
     WeightShapeError,
 )
 from models.files import FileReadError, FileWriteError, read_json, replace_folder
@@ -53,16 +55,11 @@ from namedmesh.errors import NamedMeshError
 
 __all__ = ["Entry", "FAMILIES", "HubError", "MissingFileError", "UnsupportedModelError"]
 __all__ += ["WeightShapeError", "load", "save", "config_of", "tensors", "HubModel"]
-__all__ += ["DamagedFileError", "SaveError"]
+__all__ += ["DamagedFileError", "SaveError", "WeightDtypeError"]
 
 
 class SaveError(HubError):
     """An export that could not be written; the folder holds what it held before."""
-
-
-class DamagedFileError(HubError):
-    """A config.json, index or safetensors file that is not what it should be: not
-    JSON, truncated, a key missing or of the wrong type."""
 
 
 # Families (their configs and tables) live in models/families/, one module each; the
@@ -543,14 +540,28 @@ def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubMo
     return HubModel(family, cfg, params, folder_tokens.read(folder, family), hf, mesh, layout)
 
 
+# safetensors' dtypes a weight is read from (NumPy's float dtypes, and bfloat16)
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
 def _check_shape(t: FileTensor, weights: Weights, path: str) -> None:
+    """WeightShapeError or WeightDtypeError for a file tensor of the parameter that is
+    not of the shape config.json implies or not floating point (an int or bool tensor
+    would be read as weights, silently)."""
     want = t.file_shape()
     for name in t.names():
-        got = tuple(weights.slice(name).get_shape())
+        found = weights.slice(name)
+        got = tuple(found.get_shape())
         if got != want:
             raise WeightShapeError(
                 f"tensor {name!r} has shape {got} in the weights, but config.json implies "
                 f"{want} (zoo parameter {path!r}, dims {t.dims})"
+            )
+        dtype = "BF16" if isinstance(found, _BFloat16Slice) else found.get_dtype()
+        if dtype not in FLOAT_DTYPES:
+            raise WeightDtypeError(
+                f"tensor {name!r} of {weights.where[name].name} is {dtype}, not a floating-point "
+                f"weight ({', '.join(FLOAT_DTYPES)}; zoo parameter {path!r})"
             )
 
 

@@ -14,13 +14,12 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
-from models.config import Config, ConfigError
+from models.config import DTYPES, Config, ConfigError
 from models.kernels import KERNELS, Options
 from models.rope import Rope, depends_on_length, frequencies, rotary_dims
 
 NEG = -1e9  # the attention logit of a masked position
 DEFAULT_ROPE = Rope()
-DTYPES = ("float32", "bfloat16")
 
 
 def compute_dtype(cfg: Config) -> np.dtype:

@@ -8,6 +8,7 @@ top-p, the nucleus measured on the top-k's renormalised distribution), as in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -28,9 +29,9 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0:  # also refuses NaN
+        if not 0 < self.temperature < math.inf:  # also refuses NaN; inf samples uniformly
             raise ParameterError(
-                f"temperature (--temperature) must be > 0, got {self.temperature!r}"
+                f"temperature (--temperature) must be > 0 and finite, got {self.temperature!r}"
             )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ParameterError(

@@ -2,9 +2,10 @@
 `run.json` is one), the flags given on the command line overriding them.
 
 Keys are flag names, with `_` or `-` (`bpe_vocab`, `grad-accum`); values are what the
-flag takes (`mesh: rows=2,cols=4` or `{rows: 2, cols: 4}`). A key that is no flag of
-the command is refused by name; the keys a run records about itself (`vocab`) are
-skipped.
+flag takes (`mesh: rows=2,cols=4` or `{rows: 2, cols: 4}`), checked as the command
+line checks them (the flag's type and choices; true/false for a switch, a list for a
+repeatable flag). A key that is no flag of the command is refused by name; the keys a
+run records about itself (`vocab`) are skipped.
 """
 
 from __future__ import annotations
@@ -45,15 +46,42 @@ def defaults(parser: argparse.ArgumentParser, path: str) -> dict:
         stored = read(path)
     except ValueError as e:
         parser.error(f"--config-file {path}: {str(e).splitlines()[0]}")
-    flags = vars(parser.parse_args([]))
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
     out = {}
     for key, value in stored.items():
         dest = str(key).lstrip("-").replace("-", "_")
         if dest in RECORDED:
             continue
-        if dest not in flags or dest == "config_file":
+        if dest not in actions or dest in ("config_file", "help"):
             parser.error(f"--config-file {path}: {key!r} is not a flag of {parser.prog}")
-        out[dest] = list(value) if isinstance(value, list) else value  # append copies
+        try:
+            out[dest] = value if value is None else checked(actions[dest], value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            parser.error(f"--config-file {path}: {key}: {e}")
+    return out
+
+
+def checked(action: argparse.Action, value):
+    """A file's `value` for a flag, as the command line would take it: a switch's
+    true/false, a repeatable flag's list of texts, else the flag's type of the value's
+    text (a mapping as `k=v,...`), within its choices."""
+    if action.nargs == 0:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r:.60}")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"expected a list of texts, got {value!r:.60}")
+        return list(value)  # a copy: append adds to it
+    if isinstance(value, dict):
+        text = ",".join(f"{k}={v}" for k, v in value.items())
+    elif isinstance(value, list | bool):
+        raise ValueError(f"expected one value, got {value!r:.60}")
+    else:
+        text = str(value)
+    out = action.type(text) if callable(action.type) else text
+    if action.choices is not None and out not in action.choices:
+        raise ValueError(f"{out!r} is not one of {', '.join(map(str, action.choices))}")
     return out
 
 

@@ -28,19 +28,31 @@ from typing import NamedTuple
 
 from models import settings
 
+MAX_DEVICES = 1 << 16  # devices of a mesh, at most: more than any machine holds
+
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """ "rows=2,cols=4" -> {"rows": 2, "cols": 4}."""
+    """ "rows=2,cols=4" -> {"rows": 2, "cols": 4}. An axis is named by an ASCII
+    identifier (XLA aborts the process on other names) and sized 1 to MAX_DEVICES."""
     out = {}
     for part in text.split(","):
-        name, eq, size = part.partition("=")
-        if not eq or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+        name, eq, size = (s.strip() for s in part.partition("="))
+        if not eq or not name or not (size.isascii() and size.isdigit()) or int(size) < 1:
             raise argparse.ArgumentTypeError(
                 f"--mesh {text!r}: expected axis=size pairs separated by commas, e.g. rows=2,cols=4"
             )
-        if name.strip() in out:
-            raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {name.strip()!r} given twice")
-        out[name.strip()] = int(size)
+        if not (name.isascii() and name.isidentifier()):
+            raise argparse.ArgumentTypeError(
+                f"--mesh {text!r}: axis name {name!r} is not an identifier (ASCII letters, "
+                "digits and _, not starting with a digit)"
+            )
+        if name in out:
+            raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {name!r} given twice")
+        out[name] = int(size)
+    if math.prod(out.values()) > MAX_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"--mesh {text!r}: {math.prod(out.values()):,} devices, more than {MAX_DEVICES:,}"
+        )
     return out
 
 
@@ -62,33 +74,49 @@ class Range(NamedTuple):
         return low if self.high is None else f"{low} and <= {self.high}"
 
 
+# A count (of steps, tokens, ids...) at most: the step counter is an int32 and optax's
+# schedule counts to warmup + 1 in one, and no tokenizer, batch or sequence is larger.
+COUNT = 10**9
+
 # Every numeric flag's allowed values, checked before anything is read or compiled (None
 # values mean "the config's" and are not checked).
 RANGES = {
-    "steps": Range(1),
-    "batch": Range(1),
-    "length": Range(1),
+    "steps": Range(1, COUNT),
+    "batch": Range(1, COUNT),
+    "length": Range(1, COUNT),
     "seed": Range(0, 2**32 - 1),
-    "bpe_vocab": Range(257),  # the 256 bytes and at least one merge
+    "bpe_vocab": Range(257, COUNT),  # the 256 bytes and at least one merge
     "lr": Range(0, open_low=True),
-    "warmup": Range(0),
+    "warmup": Range(0, COUNT),
     "clip": Range(0),  # 0: no clipping
     "dropout": Range(0, 1, open_low=False),
-    "attention_block": Range(1),
-    "grad_accum": Range(1),
-    "eval_every": Range(1),
-    "eval_batches": Range(1),
-    "save_every": Range(1),
-    "skip_nonfinite": Range(0),
+    "attention_block": Range(1, COUNT),
+    "grad_accum": Range(1, COUNT),
+    "eval_every": Range(1, COUNT),
+    "eval_batches": Range(1, COUNT),
+    "save_every": Range(1, COUNT),
+    "skip_nonfinite": Range(0, COUNT),
 }
+
+# Config fields that a flag sets: `--set FIELD=` beside the flag is refused (which
+# would win?), and `vocab` is always the tokenizer's (padded; models/data.py).
+SET_BY_FLAGS = ("batch", "length", "dropout", "dtype", "remat", "attention", "attention_block")
 
 
 def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) -> str | None:
-    """The one-line complaint about the first flag outside its range, or None."""
+    """The one-line complaint about the first flag outside its range, or about a
+    `--set` of a field that a flag or the tokenizer sets; None when all hold."""
     for name, allowed in ranges.items():
         value = getattr(args, name, None)
         if value is not None and not allowed.holds(value):
             return f"--{name.replace('_', '-')} {value}: must be {allowed}"
+    for item in getattr(args, "set", None) or []:
+        field = item.partition("=")[0].strip()
+        if field == "vocab":
+            return f"--set {item}: the vocabulary is the tokenizer's (--tokenizer, --bpe-vocab)"
+        if field in SET_BY_FLAGS and getattr(args, field, None) is not None:
+            flag = f"--{field.replace('_', '-')}"
+            return f"--set {item}: {flag} {getattr(args, field)} sets it too; give one of them"
     return None
 
 
@@ -241,8 +269,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (UsageError, NamedMeshError, CheckpointError, json.JSONDecodeError, OSError)
 
 
+SIMULATED = 4096  # CPU devices XLA is asked to simulate, at most (each costs memory)
+
+
 def simulate_devices(n: int) -> None:
-    """Let XLA's CPU backend offer n devices (it must be set before jax is imported)."""
+    """Let XLA's CPU backend offer n devices (it must be set before jax is imported);
+    a mesh larger than SIMULATED is left to real devices (Mesh says if they are too few)."""
+    if n > SIMULATED:
+        return
     flags = os.environ.get("XLA_FLAGS", "")
     # XLA reads the flags when jax starts its backend (at the first device query), not at
     # `import jax`: the `namedmesh` command has imported jax already.

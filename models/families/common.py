@@ -26,6 +26,21 @@ class WeightShapeError(HubError):
     """A tensor of the weights whose shape is not the one config.json implies."""
 
 
+class WeightDtypeError(HubError):
+    """A tensor of the weights that is not floating point (an int or bool tensor where a
+    weight is read): never used as a weight."""
+
+
+class DamagedFileError(HubError):
+    """A config.json, index, safetensors or tokenizer file that is not what it should
+    be: not JSON, truncated, a key missing or of the wrong type."""
+
+
+class ChatTemplateError(HubError):
+    """A chat template that fails to render or exceeds the sandbox's bounds
+    (models/sandbox.py); the message names the template's file."""
+
+
 class Entry(NamedTuple):
     """One row of a family's table: the zoo path, the file's tensor name (`{i}`: the
     layer), its axes as groups of zoo dims, and (axis, index, count) when the tensor
