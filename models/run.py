@@ -426,8 +426,7 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
                     f"step {step}: loss {loss:.3f}, validation {val:.3f} nats/token, "
                     f"{rec['val_bits_per_byte']:.3f} bits/byte"
                 )
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            _disk(metrics_path, step, _append, log, rec)
             if not stats["finite"]:
                 _diverged(args, bar, rec, skipped, ckpt)
             if board is not None:
@@ -437,12 +436,12 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
             history.append(rec)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             bar.update(1)
-            ckpt.check()  # a background save that failed stops the run here
+            _check_saves(ckpt, step)  # a background save that failed stops the run here
             saved = step % args.save_every == 0 or step == args.steps
             stop = step < args.steps and preemption.should_stop()
             if saved or stop:
                 _save(ckpt, step, state, {**meta, "skipped": skipped}, stop)
-                plot(history, out / "loss.png")
+                _disk(out / "loss.png", step, plot, history, out / "loss.png")
             if stop:
                 bar.close()
                 print(
@@ -459,13 +458,41 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
     return EXIT_DONE
 
 
-def _save(ckpt, step: int, state, meta: dict, wait: bool) -> None:
+def _append(log, rec: dict) -> None:
+    log.write(json.dumps(rec) + "\n")
+    log.flush()
+
+
+def _disk(path: Path, step: int, write, *args) -> None:
+    """`write(*args)`, which writes `path`; a full or read-only disk stops the run as a
+    failed save does."""
     try:
+        write(*args)
+    except OSError as e:
+        raise checkpoint.SaveFailedError(
+            f"{path} could not be written ({e.strerror or e}); the run stopped after step {step}"
+        ) from None
+
+
+def _check_saves(ckpt, step: int) -> None:
+    _save(ckpt, step, None, None, wait=False)
+
+
+def _save(ckpt, step: int, state, meta: dict | None, wait: bool) -> None:
+    """Save `state` at `step` (None: only check that the background saves went well),
+    and wait for it; a failed save, of this step or an earlier one, says where the run
+    stopped."""
+    try:
+        if state is None:
+            ckpt.check()
+            return
         ckpt.save(step, state, meta)
+        if wait:
+            ckpt.wait()
     except checkpoint.NonFiniteError as e:  # the step's checks passed, the state did not
         raise DivergedError(f"{e}; the newest checkpoint is the last finite state") from None
-    if wait:
-        ckpt.wait()
+    except checkpoint.SaveFailedError as e:
+        raise checkpoint.SaveFailedError(f"{e}; the run stopped after step {step}") from None
 
 
 def _diverged(args, bar, rec: dict, skipped: int, ckpt) -> None:

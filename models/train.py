@@ -291,8 +291,8 @@ def _main(argv, prog: str, name: str) -> int:
     except DivergedError as e:
         return fail(e, EXIT_DIVERGED, name)
     except SaveFailedError as e:
-        return fail(f"{e}; the run stops, saving nothing more: free space and run the same "
-                    "command with --resume", EXIT_SAVE_FAILED, name)  # fmt: skip
+        return fail(f"{e}, saving nothing more: free space and run the same command with "
+                    "--resume", EXIT_SAVE_FAILED, name)  # fmt: skip
     except user_errors() as e:
         return fail(e, EXIT_USAGE, name)
 
