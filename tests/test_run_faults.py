@@ -93,6 +93,36 @@ def test_a_restart_with_nothing_to_resume_starts_and_a_lost_record_is_exit_2(run
     assert checkpoint.all_steps(out) == [4, 2]
 
 
+@pytest.mark.parametrize(
+    "key, to, digest, names",
+    [
+        ('"d_model"', '"d_modem"', True, "fails its SHA-256"),
+        ('"opt_leaves"', '"opt_leaveq"', False, "no list of the optimizer's arrays"),
+        ('"shape": [256', '"shape": ["256"', False, "describes parameter 'embed'"),
+    ],
+)
+def test_a_record_damaged_yet_json_is_a_damaged_checkpoint(run, tmp_path, key, to, digest, names):
+    """With its digest (a flipped bit anywhere) or without (a checkpoint written before
+    digests: its structure checked), never another model's record."""
+    out = copy(run, tmp_path)
+    meta = out / "checkpoints" / "4" / "meta" / "metadata"
+    assert key in meta.read_text()
+    meta.write_text(meta.read_text().replace(key, to, 1))
+    if not digest:
+        shutil.rmtree(out / "checkpoints" / "4" / "digest")
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=f"step 4 .*{names}"):
+        checkpoint.read_meta(out, 4)
+    assert checkpoint.read_meta(out, 2)["step"] == 2
+
+
+def test_a_run_json_value_of_the_wrong_type_is_one_line_naming_it(run, tmp_path):
+    out = copy(run, tmp_path)
+    stored = json.loads((out / "run.json").read_text())
+    files.write_json(out / "run.json", {**stored, "batch": "8"})
+    code, _, err = main(*RUN, "--out", out, "--resume")
+    assert code == 2 and "run.json: 'batch' holds '8', not a value of --batch" in one_line(err)
+
+
 def test_run_json_records_the_data_by_absolute_path_with_its_size_and_hash(run):
     stored = json.loads((run / "run" / "run.json").read_text())
     data = run / "here" / "corpus.txt"
