@@ -164,7 +164,7 @@ def resume_flags(args, stored: dict, out: Path) -> None:
         if given[k] is not None:
             same = recorded is not None and Path(given[k]).absolute() == Path(recorded)
             if not same or (k in prints and _fingerprint(given[k], flag) != prints[k]):
-                was = recorded or "the default corpus"
+                was = recorded or ("the default corpus" if k == "data" else "a tenth of --data")
                 print(f"{flag} {given[k]}: not the data this run started on ({was}, recorded "
                       f"in {out}/run.json): training on it as asked")  # fmt: skip
                 args.data_changed = True

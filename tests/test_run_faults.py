@@ -132,6 +132,8 @@ def test_run_json_records_the_data_by_absolute_path_with_its_size_and_hash(run):
         "bytes": len(raw),
         "sha256": hashlib.sha256(raw).hexdigest(),
     }
+    args = train.arguments(["--config-file", str(run / "run" / "run.json")])  # a settings file
+    assert (args.data, args.batch) == (str(data), 8)
 
 
 def test_a_resume_elsewhere_past_a_damaged_record_and_log_loses_nothing(run, tmp_path):
@@ -285,3 +287,27 @@ def test_export_replaces_only_its_own_folder_and_never_loses_what_was_there(
     assert code == 2 and "No space left on device" in one_line(err)
     assert listing(hf) == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf", "notes.txt"]
+
+
+def test_the_fingerprint_of_a_large_file_and_of_a_folder(tmp_path):
+    big = tmp_path / "big.bin"
+    raw = os.urandom(3 << 20)
+    big.write_bytes(raw)
+    mib = 1 << 20
+    want = hashlib.sha256(raw[:mib] + raw[-mib:]).hexdigest()  # its two ends
+    assert files.fingerprint(big) == {"bytes": len(raw), "sha256": want}
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / ".git").mkdir()
+    (folder / "a.txt").write_text("one")
+    (folder / "sub" / "b.txt").write_text("two")
+    (folder / ".git" / "x").write_text("hidden")
+    first = files.fingerprint(folder)
+    assert first["bytes"] == 6
+    (folder / ".git" / "x").write_text("skipped, as the readers skip it")
+    assert files.fingerprint(folder) == first
+    (folder / "sub" / "b.txt").write_text("tw0")
+    assert files.fingerprint(folder)["sha256"] != first["sha256"]
+    (folder / "sub" / "b.txt").write_text("two")
+    (folder / "a.txt").rename(folder / "c.txt")
+    assert files.fingerprint(folder)["sha256"] != first["sha256"]
