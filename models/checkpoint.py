@@ -56,7 +56,7 @@ class SaveFailedError(CheckpointError, OSError):
     not saved; the checkpoints saved before it are intact."""
 
 
-def record_digest(record: dict) -> str:
+def _record_digest(record: dict) -> str:
     """The SHA-256 of a checkpoint's JSON record (its keys sorted): stored beside it."""
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
@@ -152,7 +152,7 @@ class Checkpointer:
             params=ocp.args.StandardSave(_arrays(state["params"])),
             opt=ocp.args.StandardSave({f"{i:05d}": x for i, x in enumerate(opt)}),
             meta=ocp.args.JsonSave(record),
-            digest=ocp.args.JsonSave({"sha256": record_digest(record)}),
+            digest=ocp.args.JsonSave({"sha256": _record_digest(record)}),
         )
         self.wait()  # orbax waits for the previous save anyway: its failure is named first
         self._guard(lambda: self.manager.save(step, args=args), step)
@@ -264,7 +264,7 @@ def read_meta(directory, step: int | None = None) -> dict:
         raise damaged("is not the one written with it")
     if (Path(directory) / "checkpoints" / str(step) / "digest").exists():
         digest = _read(mngr, directory, step, "digest", ocp.args.JsonRestore())
-        if not isinstance(digest, dict) or digest.get("sha256") != record_digest(meta):
+        if not isinstance(digest, dict) or digest.get("sha256") != _record_digest(meta):
             raise damaged("fails its SHA-256 (a flipped bit in it, or in the digest)")
     why = _record_fault(meta)
     if why:

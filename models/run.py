@@ -74,7 +74,7 @@ def setup(args):
     has_checkpoint = bool(checkpoint.all_steps(out))
     started = (out / "run.json").exists() or (out / "metrics.jsonl").exists()
     if args.resume and (out / "run.json").exists():
-        resume_flags(args, files.read_json(out / "run.json", "the run's record"), out)
+        _resume_flags(args, files.read_json(out / "run.json", "the run's record"), out)
     elif has_checkpoint and args.resume:
         raise UsageError(
             f"--resume: {out} holds checkpoints but no run.json (the run's record, written "
@@ -141,13 +141,13 @@ DATA_FLAGS = ("data", "val_data")  # paths run.json records absolute, with finge
 LIST_FLAGS = ("set",)  # flags given again and again, recorded as lists
 
 
-def resume_flags(args, stored: dict, out: Path) -> None:
+def _resume_flags(args, stored: dict, out: Path) -> None:
     """Set the flags of a resumed run from its record `stored` (run.json), checked:
     a value of the wrong type or range, or data that is not what the run started on,
     is a UsageError. A --data or --val-data given on the command line wins, said in
     one line (and `args.data_changed` set, so that the record is updated)."""
     given = {k: getattr(args, k) for k in DATA_FLAGS}  # None: not given
-    complaint = record_fault(stored)
+    complaint = _record_fault(stored)
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
     for k in _RUN_FLAGS:
@@ -186,7 +186,7 @@ def _fingerprint(path, flag: str) -> dict:
         raise UsageError(f"{flag} {path}: cannot be read ({e.strerror or e})") from None
 
 
-def record_fault(stored: dict) -> str | None:
+def _record_fault(stored: dict) -> str | None:
     """What is wrong with the flags a run's record holds, or None: each recorded flag
     must have the type its parser gives it (a number, one of its choices, text, a list
     of text) or be null."""
@@ -347,14 +347,14 @@ def train(args) -> int:
     if args.resume:
         state, meta = checkpoint.restore_newest(out, state, say=_warn)
         start, skipped = meta["step"], meta.get("skipped", 0)
-        history = [r for r in files.read_jsonl(metrics_path, is_step_record) if r["step"] <= start]
+        history = [r for r in files.read_jsonl(metrics_path, _is_step_record) if r["step"] <= start]
         files.rewrite_jsonl(metrics_path, history)  # a killed run may have logged more
         if getattr(args, "data_changed", False):  # --data given anew: the record follows it
             stored = files.read_json(out / "run.json", "the run's record")
-            files.write_json(out / "run.json", {**stored, **data_record(args)})
+            files.write_json(out / "run.json", {**stored, **_data_record(args)})
         print(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
     else:
-        run = {k: getattr(args, k) for k in _RUN_FLAGS} | data_record(args)
+        run = {k: getattr(args, k) for k in _RUN_FLAGS} | _data_record(args)
         if args.init_from:
             run["init_from"] = str(Path(args.init_from).absolute())
             run["family"] = hub.copy_base(args.init_from, out / hub.BASE)
@@ -371,7 +371,7 @@ def train(args) -> int:
         ckpt.close()
 
 
-def data_record(args) -> dict:
+def _data_record(args) -> dict:
     """What run.json records of the data: --data and --val-data as absolute paths (a
     resume from another folder reads the same files) and their fingerprints
     (files.fingerprint: a resume that would read other data stops)."""
@@ -382,7 +382,7 @@ def data_record(args) -> dict:
     return out | {"fingerprints": {k: files.fingerprint(v) for k, v in paths.items() if v}}
 
 
-def is_step_record(r) -> bool:
+def _is_step_record(r) -> bool:
     """Whether a line of metrics.jsonl is what the loop writes: an object of numbers
     (and flags), its step a positive int and its loss a number."""
     number = lambda v: type(v) in (int, float)
