@@ -13,11 +13,11 @@ sets it). What a run promises under faults: docs/models.md.
 Exit statuses: 0 every step trained; 2 a bad flag, file or checkpoint, one line on
 stderr before anything compiles (or, for a checkpoint, before training); 3 a step whose
 loss or gradient norm is not finite, beyond --skip-nonfinite (not applied, not saved);
-74 a checkpoint could not be written (a full disk): the run stops at the step that
-noticed, the older checkpoints kept; 75 stopped by SIGTERM or SIGINT after saving a
-checkpoint at a step boundary (run the same command with --resume); 130 or 143 a signal
-before the training loop (while importing, loading or compiling), a second signal, or
-none of the step ending within models.preempt.GRACE_S seconds: nothing saved.
+74 a checkpoint or the run's log could not be written (a full disk): the run stops at
+the step that noticed, the older checkpoints kept; 75 stopped by SIGTERM or SIGINT after
+saving a checkpoint at a step boundary (run the same command with --resume); 130 or
+143 a signal before the training loop (while importing, loading or compiling), a second
+signal, or none of the step ending within models.preempt.GRACE_S seconds: nothing saved.
 """
 
 from __future__ import annotations
