@@ -11,12 +11,22 @@ atomic: a run killed while saving leaves the previous checkpoint as the latest.
 Integrity: the record holds a checksum of every saved array (parameters and optimizer
 state), computed on the devices over the global value (so any mesh and layout gives the
 same sums), and restore recomputes it: a flipped bit, a truncated or zeroed file, an
-empty or partial step is a DamagedCheckpointError naming the step and the array. A
+empty or partial step is a DamagedCheckpointError naming the step and the array. The
+record itself is covered by its SHA-256, stored as an item of its own (`digest`), and
+its structure is checked on read: a record damaged yet still JSON (a key or a dims name
+with a flipped bit) is a DamagedCheckpointError too, never taken for another model's. A
 state holding a non-finite value is never saved (NonFiniteError); `restore_newest`
-falls back past damaged steps to the newest that verifies."""
+falls back past damaged steps to the newest that verifies.
+
+A save runs in the background; one that fails (a full disk) is a SaveFailedError at the
+next `check` (each step: it does not wait for a save in progress), `save`, `wait` or
+`close`, naming the step whose save failed; that step is not listed, the older ones
+are kept."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -39,6 +49,16 @@ class DamagedCheckpointError(CheckpointError):
 
 class NonFiniteError(CheckpointError):
     """A state holding NaN or infinity, refused for saving (or found on restore)."""
+
+
+class SaveFailedError(CheckpointError, OSError):
+    """A checkpoint that could not be written (a full or read-only disk): that step is
+    not saved; the checkpoints saved before it are intact."""
+
+
+def _record_digest(record: dict) -> str:
+    """The SHA-256 of a checkpoint's JSON record (its keys sorted): stored beside it."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def _words(x):
@@ -109,6 +129,7 @@ class Checkpointer:
 
     def __init__(self, directory, max_to_keep: int = 3):
         self.manager = _manager(directory, max_to_keep)
+        self.directory, self.saving = Path(directory), None  # the step of the newest save
 
     def save(self, step: int, state, meta: dict) -> None:
         """Save `state` at `step` (in the background; `wait` for it); NonFiniteError,
@@ -127,21 +148,43 @@ class Checkpointer:
             "opt_leaves": [[list(x.shape), str(x.dtype)] for x in opt],
             "checksums": sums,
         }
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(_arrays(state["params"])),
-                opt=ocp.args.StandardSave({f"{i:05d}": x for i, x in enumerate(opt)}),
-                meta=ocp.args.JsonSave(record),
-            ),
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(_arrays(state["params"])),
+            opt=ocp.args.StandardSave({f"{i:05d}": x for i, x in enumerate(opt)}),
+            meta=ocp.args.JsonSave(record),
+            digest=ocp.args.JsonSave({"sha256": _record_digest(record)}),
         )
+        self.wait()  # orbax waits for the previous save anyway: its failure is named first
+        self._guard(lambda: self.manager.save(step, args=args), step)
+        self.saving = step
+
+    def check(self) -> None:
+        """SaveFailedError if a background save has failed; cheap (it never waits for a
+        save in progress), so a run calls it every step."""
+        if self.saving is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the background save; SaveFailedError if it failed."""
+        self._guard(self.manager.wait_until_finished, self.saving)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        self.wait()
+        self._guard(self.manager.close, self.saving)
+
+    def _guard(self, call, step) -> None:
+        """`call()`; what orbax raises for a write that failed, as a SaveFailedError."""
+        try:
+            call()
+        except Exception as e:  # OSError, or what orbax or tensorstore wrap it in
+            self.saving = None  # said once: the failed step is not listed any more
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            steps = sorted(self.manager.all_steps(), reverse=True)
+            kept = f"the newest checkpoint is step {steps[0]}" if steps else "no checkpoint kept"
+            raise SaveFailedError(
+                f"the checkpoint of step {step} could not be written in "
+                f"{self.directory}/checkpoints ({first}); {kept}"
+            ) from None
 
 
 def latest_step(directory) -> int | None:
@@ -206,18 +249,67 @@ def _unreadable(directory, step: int, item: str, abstract: dict) -> list[str]:
 
 
 def read_meta(directory, step: int | None = None) -> dict:
-    """The JSON record of a checkpoint (the latest by default)."""
+    """The JSON record of a checkpoint (the latest by default), checked against its
+    digest (checkpoints written before digests: its structure alone)."""
     mngr = _manager(directory)
     step = mngr.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"no checkpoint in {directory}/checkpoints")
     meta = _read(mngr, directory, step, "meta", ocp.args.JsonRestore())
+    damaged = lambda why: DamagedCheckpointError(
+        f"the checkpoint at step {step} in {directory}/checkpoints is damaged: its "
+        f"record (meta) {why}"
+    )
     if not isinstance(meta, dict) or meta.get("step") != step:
-        raise DamagedCheckpointError(
-            f"the checkpoint at step {step} in {directory}/checkpoints is damaged: its "
-            "record (meta) is not the one written with it"
-        )
+        raise damaged("is not the one written with it")
+    if (Path(directory) / "checkpoints" / str(step) / "digest").exists():
+        digest = _read(mngr, directory, step, "digest", ocp.args.JsonRestore())
+        if not isinstance(digest, dict) or digest.get("sha256") != _record_digest(meta):
+            raise damaged("fails its SHA-256 (a flipped bit in it, or in the digest)")
+    why = _record_fault(meta)
+    if why:
+        raise damaged(why)
     return meta
+
+
+_PARAM_KEYS = {"dims": str, "shape": int}
+
+
+def _record_fault(meta: dict) -> str | None:
+    """What is wrong with the structure of a checkpoint's record, or None: each part a
+    restore reads, of the type it is written with."""
+    params, leaves = meta.get("params"), meta.get("opt_leaves")
+    if params is None:  # the older positional format, refused by name (_check_params)
+        return None
+    if not isinstance(params, dict):
+        return "has params that are not a mapping"
+    for path, d in params.items():
+        ok = isinstance(d, dict) and isinstance(d.get("dtype"), str)
+        ok = ok and all(
+            isinstance(d.get(k), list) and all(type(v) is t for v in d[k])
+            for k, t in _PARAM_KEYS.items()
+        )
+        if not ok:
+            return f"describes parameter {path!r} as {d!r}"[:200]
+    if not (isinstance(leaves, list) and all(_leaf(x) for x in leaves)):
+        return "has no list of the optimizer's arrays (opt_leaves)"
+    sums = meta.get("checksums", {})  # absent: a checkpoint written before checksums
+    if not isinstance(sums, dict) or not all(
+        isinstance(v, list) and len(v) == 2 and all(type(w) is int for w in v)
+        for v in sums.values()
+    ):
+        return "has checksums that are not pairs of integers"
+    skipped = meta.get("skipped", 0)
+    if type(skipped) is not int or skipped < 0:
+        return f"has a count of skipped steps {skipped!r}"
+    return None
+
+
+def _leaf(x) -> bool:
+    return (
+        isinstance(x, list) and len(x) == 2 and isinstance(x[1], str)
+        and isinstance(x[0], list) and all(type(v) is int for v in x[0])
+    )  # fmt: skip
 
 
 def _verify(meta: dict, arrays: dict[str, jax.Array], directory, step: int) -> None:

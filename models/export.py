@@ -11,6 +11,13 @@ positions, tied embeddings and d_kv * heads == d_model: its missing biases are z
 and the tied softmax's d_model**-0.5 is folded into the final norm. Other models are
 refused by name. A byte-tokenizer run writes no tokenizer.json (it has no `tokenizers`
 form); `namedmesh eval` reads such a folder with the byte tokenizer.
+
+`--out` is a new folder, an empty one, or an earlier export (its marker file
+`.namedmesh-export` lists what it wrote, and nothing else is there): never the run's
+folder, a folder above it or above the current folder, a folder holding anything
+else, nor a file (DestinationError, naming the folder). The export is written whole
+in a folder beside `--out` and renamed into place, so a killed or failed export
+leaves what was there as it was.
 """
 
 from __future__ import annotations
@@ -22,6 +29,14 @@ import sys
 from pathlib import Path
 
 from models.train import Parser, fail, user_errors
+from namedmesh.errors import NamedMeshError
+
+MARKER = ".namedmesh-export"  # what an export writes into its folder: the files it wrote
+
+
+class DestinationError(NamedMeshError, ValueError):
+    """An `--out` that export must not replace: it holds the run, or files not its own."""
+
 
 # Config field -> the value GPT-2's architecture has (an export as GPT-2 requires it)
 GPT2_FIELDS = {
@@ -104,12 +119,47 @@ def as_gpt2(params: dict, cfg):
     return out, cfg2
 
 
+def check_destination(out: str | Path, run: str | Path) -> None:
+    """DestinationError unless `out` is a folder export may replace whole: none yet, an
+    empty one, or an earlier export holding only what its marker lists."""
+    out, run = Path(out), Path(run)
+    where, held = out.resolve(), run.resolve()
+    refuse = lambda why: DestinationError(
+        f"--out {out}: {why}; export writes only into a new folder, an empty one, or an "
+        f"earlier export (marked by {MARKER}): pass another --out"
+    )
+    if where.exists() and not where.is_dir():
+        raise refuse("is a file, not a folder")
+    if where == held or where in held.parents:
+        raise refuse(f"holds the run {run} (its folder or one above it)")
+    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
+        raise refuse("is the current folder or one above it")
+    if not where.is_dir():
+        return
+    ours = set(_marked(where)) | {MARKER} if (where / MARKER).is_file() else set()
+    foreign = sorted(p.name for p in where.iterdir() if p.name not in ours)
+    if foreign:
+        many = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise refuse(f"holds {', '.join(foreign[:3])}{many}, not written by an export")
+
+
+def _marked(folder: Path) -> list[str]:
+    """The files an earlier export's marker lists ([] for a damaged marker)."""
+    try:
+        names = json.loads((folder / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):  # not JSON, or JSON of another shape
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
 def export(run: str | Path, out: str | Path, step: int | None = None) -> Path:
     """Write the run's checkpoint at `step` (the latest by default) to `out` as a
-    Hugging Face folder."""
-    from models import data, generate, hub
+    Hugging Face folder (DestinationError, before anything is read, for an `out` that
+    `check_destination` refuses)."""
+    from models import data, files, generate, hub
 
     run = Path(run)
+    check_destination(out, run)
     params, cfg, tokenizer = generate.load(run, step)  # refuses runs that are not decoder LMs
     if (run / "config.json").exists() and not (run / "run.json").exists():
         raise hub.HubError(f"{run} is a Hugging Face folder already; export reads a run")
@@ -121,11 +171,18 @@ def export(run: str | Path, out: str | Path, step: int | None = None) -> Path:
         family, hf = "gpt2", gpt2_config(cfg)
         params, cfg = as_gpt2(params, cfg)
     tok = tokenizer.tok if isinstance(tokenizer, data.BPETokenizer) else None
-    hub.save(hub.HubModel(family, cfg, params, tok, hf), out)
-    for name in ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "chat_template.jinja"):  # fmt: skip
-        if base is not None and (base / name).exists():
-            shutil.copyfile(base / name, Path(out) / name)
+    write_model = hub.writer(hub.HubModel(family, cfg, params, tok, hf))
+
+    def write(folder: Path) -> None:  # the whole export, then renamed into place
+        write_model(folder)
+        for name in ("generation_config.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "chat_template.jinja"):  # fmt: skip
+            if base is not None and (base / name).exists():
+                shutil.copyfile(base / name, folder / name)
+        names = sorted(p.name for p in folder.iterdir())
+        (folder / MARKER).write_text(json.dumps({"run": str(run.resolve()), "files": names}))
+
+    files.replace_folder(out, write)
     return Path(out)
 
 

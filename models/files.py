@@ -6,6 +6,7 @@ in the middle of an append) is dropped with a warning when it is read."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -99,24 +100,38 @@ def replace_folder(path, writer: Callable[[Path], object]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read_jsonl(path) -> list[dict]:
+def read_jsonl(path, valid: Callable[[object], bool] | None = None) -> list[dict]:
     """The records of a JSON-lines file ([] when it does not exist). A last line that is
-    not JSON (torn by a kill or a full disk) is dropped with a warning on stderr; a
-    damaged line before it is a FileReadError naming the line."""
+    not JSON (torn by a kill or a full disk) is dropped with a warning on stderr. A
+    damaged line before it is a FileReadError naming the line; with `valid` (what a
+    record must satisfy), damaged lines, and records that are not `valid`, are dropped
+    instead, with one warning on stderr naming the file and the lines."""
     path = Path(path)
     if not path.exists():
         return []
     lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
-    out = []
+    out, dropped = [], []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            if i < len(lines) - 1:
+            if i == len(lines) - 1:
+                print(f"warning: {path}: dropped a torn last line {line[:60]!r}", file=sys.stderr)
+            elif valid is None:
                 raise FileReadError(f"{path}: line {i + 1} is not JSON: {line[:60]!r}") from None
-            print(f"warning: {path}: dropped a torn last line {line[:60]!r}", file=sys.stderr)
+            else:
+                dropped.append(i + 1)
+            continue
+        if valid is None or valid(record):
+            out.append(record)
+        else:
+            dropped.append(i + 1)
+    if dropped:
+        many = f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+        print(f"warning: {path}: dropped damaged line(s) {', '.join(map(str, dropped[:5]))}"
+              f"{many} (not a record of the expected form)", file=sys.stderr)  # fmt: skip
     return out
 
 
@@ -135,3 +150,37 @@ def read_json(path, what: str = "file") -> dict:
     if not isinstance(value, dict):
         raise FileReadError(f"{what} {path} holds a {type(value).__name__}, not a JSON object")
     return value
+
+
+EDGE = 1 << 20  # bytes of each end of a large file that its fingerprint reads
+
+
+def fingerprint(path) -> dict:
+    """{"bytes": size, "sha256": hex} of a file, or of a folder's files (hidden ones
+    skipped, as the data readers skip them). The SHA-256 of a file up to 2 MiB is that
+    of its bytes; a larger file's is that of its first and last MiB (cheap for any
+    size; with "bytes", a change that keeps the size and both ends is not seen). A
+    folder's hashes each file's relative path, size and hash in turn."""
+    path = Path(path)
+    if path.is_file():
+        return {"bytes": path.stat().st_size, "sha256": _ends_hash(path)}
+    found = sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and not any(q.startswith(".") for q in p.relative_to(path).parts)
+    )  # fmt: skip
+    h = hashlib.sha256()
+    for f in found:
+        h.update(f"{f.relative_to(path)}\0{f.stat().st_size}\0{_ends_hash(f)}\n".encode())
+    return {"bytes": sum(f.stat().st_size for f in found), "sha256": h.hexdigest()}
+
+
+def _ends_hash(path: Path) -> str:
+    size, h = path.stat().st_size, hashlib.sha256()
+    with open(path, "rb") as r:
+        if size <= 2 * EDGE:
+            h.update(r.read())
+        else:
+            h.update(r.read(EDGE))
+            r.seek(size - EDGE)
+            h.update(r.read(EDGE))
+    return h.hexdigest()

@@ -55,7 +55,7 @@ from namedmesh.errors import NamedMeshError
 
 __all__ = ["Entry", "FAMILIES", "HubError", "MissingFileError", "UnsupportedModelError"]
 __all__ += ["WeightShapeError", "load", "save", "config_of", "tensors", "HubModel"]
-__all__ += ["DamagedFileError", "SaveError", "WeightDtypeError"]
+__all__ += ["DamagedFileError", "SaveError", "WeightDtypeError", "writer"]
 
 
 class SaveError(HubError):
@@ -587,6 +587,16 @@ def save(model: HubModel, path) -> None:
     is written whole beside `path` and then replaces it, so nothing of an export that
     was there survives (no stale shard or index) and a failed write (full disk,
     read-only folder) leaves it intact: SaveError."""
+    try:
+        replace_folder(path, writer(model))
+    except FileWriteError as e:
+        raise SaveError(str(e)) from None
+
+
+def writer(model: HubModel):
+    """The function that writes `model`'s files (what `save` writes) into a folder it
+    is given: for a caller that adds files of its own before the folder is put in
+    place (models/export.py)."""
     from safetensors.numpy import save_file
 
     prefix = FAMILIES[model.family].prefixes[0]
@@ -594,7 +604,7 @@ def save(model: HubModel, path) -> None:
     for p, t in tensors(model.family, model.config, prefix).items():
         t.write(np.asarray(jax.device_get(_get(model.params, p).transpose(*t.dims).data)), out)
 
-    def write(folder: Path) -> None:  # a fresh folder, then put in place of the old whole
+    def write(folder: Path) -> None:
         tensors_ = {k: np.ascontiguousarray(v) for k, v in out.items()}
         try:
             save_file(tensors_, folder / "model.safetensors", {"format": "pt"})
@@ -604,7 +614,4 @@ def save(model: HubModel, path) -> None:
         if model.tokenizer is not None:
             model.tokenizer.save(str(folder / "tokenizer.json"))
 
-    try:
-        replace_folder(path, write)
-    except FileWriteError as e:
-        raise SaveError(str(e)) from None
+    return write

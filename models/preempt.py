@@ -25,6 +25,22 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GRACE_S = 120.0  # after the first signal, the most a step and a save may take
 
 
+def exit_at_once(prog: str):
+    """Make SIGTERM and SIGINT end this process at once (128 + the signal's number) with
+    one line on stderr, never a traceback and never swallowed by a library's `except`;
+    the function that puts the previous handlers back. Outside the main thread: no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        line = f"{prog}: error: stopped by {signal.Signals(signum).name}; nothing saved since "
+        os.write(2, (line + "the last checkpoint (if any)\n").encode())
+        os._exit(128 + signum)
+
+    old = {s: signal.signal(s, handler) for s in SIGNALS}
+    return lambda: [signal.signal(s, h) for s, h in old.items()] and None
+
+
 class Preemption:
     """`with Preemption() as p:` ... `if p.should_stop(): save; exit`; the signal that
     asked is `p.signal` (None before any). Outside the main thread it does nothing."""

@@ -26,6 +26,7 @@ from namedmesh.errors import NamedMeshError
 EXIT_DONE = 0  # every step trained
 EXIT_USAGE = 2  # a bad flag, file or checkpoint: nothing trained (one line on stderr)
 EXIT_DIVERGED = 3  # a non-finite step beyond --skip-nonfinite: not applied, not saved
+EXIT_SAVE_FAILED = 74  # a checkpoint could not be written (full disk): the older ones kept
 EXIT_PREEMPTED = 75  # SIGTERM or SIGINT: a checkpoint saved at a step boundary (EX_TEMPFAIL)
 
 # Flags that define the training itself: a resumed run takes them from run.json.
@@ -73,20 +74,17 @@ def setup(args):
     has_checkpoint = bool(checkpoint.all_steps(out))
     started = (out / "run.json").exists() or (out / "metrics.jsonl").exists()
     if args.resume and (out / "run.json").exists():
-        stored = files.read_json(out / "run.json", "the run's record")
-        for k in _RUN_FLAGS:
-            if k in stored:  # a run saved before a flag existed keeps its default
-                setattr(args, k, stored[k])
-        args.init_from = stored.get("init_from")
-        complaint = check_ranges(args)  # a run.json edited by hand
-        if complaint:
-            raise UsageError(f"{out}/run.json: {complaint}")
-    elif args.resume:
-        raise UsageError(f"--resume: no run.json and checkpoint in {out} to resume from")
+        _resume_flags(args, files.read_json(out / "run.json", "the run's record"), out)
+    elif has_checkpoint and args.resume:
+        raise UsageError(
+            f"--resume: {out} holds checkpoints but no run.json (the run's record, written "
+            "before any checkpoint): it cannot be resumed without it"
+        )
     elif has_checkpoint:
         raise UsageError(f"{out} holds a run already: pass --resume, or another --out")
-    if started and not has_checkpoint:  # killed before its first save: nothing to keep
-        print(f"{out} holds a run that never reached a checkpoint: starting it again")
+    if not has_checkpoint and (started or args.resume):  # a retried command goes on
+        said = "a run that never reached a checkpoint" if started else "no run to resume"
+        print(f"{out} holds {said}: starting it afresh")
         args.resume = False
         (out / "metrics.jsonl").unlink(missing_ok=True)
     hub_tokenizer = None
@@ -137,6 +135,78 @@ def setup(args):
     state = _count(trainer) * 4 * (2 if args.optimizer == "adamw" else 1)
     check_memory(report.peak_memory + state, mesh, f"--config {args.config}")
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
+
+
+DATA_FLAGS = ("data", "val_data")  # paths run.json records absolute, with fingerprints
+LIST_FLAGS = ("set",)  # flags given again and again, recorded as lists
+
+
+def _resume_flags(args, stored: dict, out: Path) -> None:
+    """Set the flags of a resumed run from its record `stored` (run.json), checked:
+    a value of the wrong type or range, or data that is not what the run started on,
+    is a UsageError. A --data or --val-data given on the command line wins, said in
+    one line (and `args.data_changed` set, so that the record is updated)."""
+    given = {k: getattr(args, k) for k in DATA_FLAGS}  # None: not given
+    complaint = _record_fault(stored)
+    if complaint:
+        raise UsageError(f"{out}/run.json: {complaint}")
+    for k in _RUN_FLAGS:
+        if k in stored and not (k in DATA_FLAGS and given[k] is not None):
+            setattr(args, k, stored[k])  # a run saved before a flag existed keeps its default
+    args.init_from = stored.get("init_from")
+    complaint = check_ranges(args)  # a run.json edited by hand
+    if complaint:
+        raise UsageError(f"{out}/run.json: {complaint}")
+    args.data_changed = False
+    prints = stored.get("fingerprints") or {}
+    for k in DATA_FLAGS:
+        flag, recorded = f"--{k.replace('_', '-')}", stored.get(k)
+        if given[k] is not None:
+            same = recorded is not None and Path(given[k]).absolute() == Path(recorded)
+            if not same or (k in prints and _fingerprint(given[k], flag) != prints[k]):
+                was = recorded or ("the default corpus" if k == "data" else "a tenth of --data")
+                print(f"{flag} {given[k]}: not the data this run started on ({was}, recorded "
+                      f"in {out}/run.json): training on it as asked")  # fmt: skip
+                args.data_changed = True
+        elif recorded is not None and k in prints:
+            now = _fingerprint(recorded, flag)
+            if now != prints[k]:
+                raise UsageError(
+                    f"--resume: {flag} {recorded} is not the data this run started on "
+                    f"({prints[k]['bytes']} bytes, sha256 {prints[k]['sha256'][:12]}... in "
+                    f"{out}/run.json; now {now['bytes']} bytes, {now['sha256'][:12]}...): pass "
+                    f"{flag} {recorded} to go on with it as it is now"
+                )
+
+
+def _fingerprint(path, flag: str) -> dict:
+    try:
+        return files.fingerprint(path)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot be read ({e.strerror or e})") from None
+
+
+def _record_fault(stored: dict) -> str | None:
+    """What is wrong with the flags a run's record holds, or None: each recorded flag
+    must have the type its parser gives it (a number, one of its choices, text, a list
+    of text) or be null."""
+    from models.train import parser
+
+    for action in parser()._actions:  # argparse's list of a parser's flags
+        k, v = action.dest, stored.get(action.dest)
+        if k not in _RUN_FLAGS or v is None:
+            continue
+        if action.type in (int, float):
+            ok = type(v) is int or (action.type is float and type(v) is float)
+        elif action.choices:
+            ok = v in action.choices
+        elif k in LIST_FLAGS:
+            ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
+        else:
+            ok = isinstance(v, str)
+        if not ok:
+            return f"{k!r} holds {v!r}, not a value of --{k.replace('_', '-')}"
+    return None
 
 
 def check_memory(per_device: int, mesh, what: str) -> None:
@@ -273,14 +343,18 @@ def train(args) -> int:
     state = trainer.init_state(params)
     metrics_path = out / "metrics.jsonl"
     start = 0
+    skipped = 0
     if args.resume:
         state, meta = checkpoint.restore_newest(out, state, say=_warn)
-        start = meta["step"]
-        history = [r for r in files.read_jsonl(metrics_path) if r["step"] <= start]
+        start, skipped = meta["step"], meta.get("skipped", 0)
+        history = [r for r in files.read_jsonl(metrics_path, _is_step_record) if r["step"] <= start]
         files.rewrite_jsonl(metrics_path, history)  # a killed run may have logged more
+        if getattr(args, "data_changed", False):  # --data given anew: the record follows it
+            stored = files.read_json(out / "run.json", "the run's record")
+            files.write_json(out / "run.json", {**stored, **_data_record(args)})
         print(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
     else:
-        run = {k: getattr(args, k) for k in _RUN_FLAGS}
+        run = {k: getattr(args, k) for k in _RUN_FLAGS} | _data_record(args)
         if args.init_from:
             run["init_from"] = str(Path(args.init_from).absolute())
             run["family"] = hub.copy_base(args.init_from, out / hub.BASE)
@@ -288,7 +362,7 @@ def train(args) -> int:
         tokenizer.save(out)
         history = []
     ckpt = checkpoint.Checkpointer(out)
-    meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab}
+    meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab, "skipped": skipped}
     try:
         with Preemption() as preemption:
             return _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start,
@@ -297,12 +371,33 @@ def train(args) -> int:
         ckpt.close()
 
 
+def _data_record(args) -> dict:
+    """What run.json records of the data: --data and --val-data as absolute paths (a
+    resume from another folder reads the same files) and their fingerprints
+    (files.fingerprint: a resume that would read other data stops)."""
+    paths = {k: getattr(args, k) for k in DATA_FLAGS}
+    out = {k: v and str(Path(v).absolute()) for k, v in paths.items()}
+    if args.tokenizer not in ("byte", "bpe") and Path(args.tokenizer).is_file():
+        out["tokenizer"] = str(Path(args.tokenizer).absolute())
+    return out | {"fingerprints": {k: files.fingerprint(v) for k, v in paths.items() if v}}
+
+
+def _is_step_record(r) -> bool:
+    """Whether a line of metrics.jsonl is what the loop writes: an object of numbers
+    (and flags), its step a positive int and its loss a number."""
+    number = lambda v: type(v) in (int, float)
+    return (
+        isinstance(r, dict) and type(r.get("step")) is int and r["step"] >= 1
+        and number(r.get("loss")) and all(number(v) or type(v) is bool for v in r.values())
+    )  # fmt: skip
+
+
 def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start, preemption):
     out = Path(args.out)
     metrics_path = out / "metrics.jsonl"
     bar = _progress(args, start)
     board = _tensorboard(args)
-    skipped = 0
+    skipped = meta["skipped"]  # --skip-nonfinite's budget spans resumes
     with open(metrics_path, "a") as log:
         last = time.perf_counter()
         for step in range(start + 1, args.steps + 1):
@@ -331,8 +426,7 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
                     f"step {step}: loss {loss:.3f}, validation {val:.3f} nats/token, "
                     f"{rec['val_bits_per_byte']:.3f} bits/byte"
                 )
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            _disk(metrics_path, step, _append, log, rec)
             if not stats["finite"]:
                 _diverged(args, bar, rec, skipped, ckpt)
             if board is not None:
@@ -342,11 +436,12 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
             history.append(rec)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             bar.update(1)
+            _check_saves(ckpt, step)  # a background save that failed stops the run here
             saved = step % args.save_every == 0 or step == args.steps
             stop = step < args.steps and preemption.should_stop()
             if saved or stop:
-                _save(ckpt, step, state, meta, stop)
-                plot(history, out / "loss.png")
+                _save(ckpt, step, state, {**meta, "skipped": skipped}, stop)
+                _disk(out / "loss.png", step, plot, history, out / "loss.png")
             if stop:
                 bar.close()
                 print(
@@ -363,13 +458,41 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
     return EXIT_DONE
 
 
-def _save(ckpt, step: int, state, meta: dict, wait: bool) -> None:
+def _append(log, rec: dict) -> None:
+    log.write(json.dumps(rec) + "\n")
+    log.flush()
+
+
+def _disk(path: Path, step: int, write, *args) -> None:
+    """`write(*args)`, which writes `path`; a full or read-only disk stops the run as a
+    failed save does."""
     try:
+        write(*args)
+    except OSError as e:
+        raise checkpoint.SaveFailedError(
+            f"{path} could not be written ({e.strerror or e}); the run stopped after step {step}"
+        ) from None
+
+
+def _check_saves(ckpt, step: int) -> None:
+    _save(ckpt, step, None, None, wait=False)
+
+
+def _save(ckpt, step: int, state, meta: dict | None, wait: bool) -> None:
+    """Save `state` at `step` (None: only check that the background saves went well),
+    and wait for it; a failed save, of this step or an earlier one, says where the run
+    stopped."""
+    try:
+        if state is None:
+            ckpt.check()
+            return
         ckpt.save(step, state, meta)
+        if wait:
+            ckpt.wait()
     except checkpoint.NonFiniteError as e:  # the step's checks passed, the state did not
         raise DivergedError(f"{e}; the newest checkpoint is the last finite state") from None
-    if wait:
-        ckpt.wait()
+    except checkpoint.SaveFailedError as e:
+        raise checkpoint.SaveFailedError(f"{e}; the run stopped after step {step}") from None
 
 
 def _diverged(args, bar, rec: dict, skipped: int, ckpt) -> None:

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-RECORDED = ("vocab",)  # what run.json records that is no flag
+RECORDED = ("vocab", "family", "fingerprints")  # what run.json records that is no flag
 
 
 def read(path: str) -> dict:

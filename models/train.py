@@ -13,9 +13,11 @@ sets it). What a run promises under faults: docs/models.md.
 Exit statuses: 0 every step trained; 2 a bad flag, file or checkpoint, one line on
 stderr before anything compiles (or, for a checkpoint, before training); 3 a step whose
 loss or gradient norm is not finite, beyond --skip-nonfinite (not applied, not saved);
-75 stopped by SIGTERM or SIGINT after saving a checkpoint at a step boundary (run the
-same command with --resume); 130 or 143 a second signal (or none of the step ending
-within models.preempt.GRACE_S seconds), nothing saved.
+74 a checkpoint or the run's log could not be written (a full disk): the run stops at
+the step that noticed, the older checkpoints kept; 75 stopped by SIGTERM or SIGINT after
+saving a checkpoint at a step boundary (run the same command with --resume); 130 or
+143 a signal before the training loop (while importing, loading or compiling), a second
+signal, or none of the step ending within models.preempt.GRACE_S seconds: nothing saved.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 from typing import NamedTuple
 
 from models import settings
+from models.preempt import exit_at_once
 
 MAX_DEVICES = 1 << 16  # devices of a mesh, at most: more than any machine holds
 
@@ -298,20 +301,32 @@ def list_configs() -> str:
 
 
 def main(argv=None, prog: str = "python -m models.train") -> int:
+    name = prog.removeprefix("python -m ")
+    # Ctrl-C or SIGTERM before the training loop (which saves first) ends the run at
+    # once, in one line: installed before jax and the rest are imported
+    restore = exit_at_once(name)
+    try:
+        return _main(argv, prog, name)
+    finally:
+        restore()
+
+
+def _main(argv, prog: str, name: str) -> int:
     args = arguments(argv, prog)
     if args.config == "list":
         print(list_configs())
         return 0
     simulate_devices(math.prod(args.mesh.values()))
-    from models.run import EXIT_DIVERGED, EXIT_USAGE, DivergedError, train
+    from models.checkpoint import SaveFailedError
+    from models.run import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE, DivergedError, train
 
-    name = prog.removeprefix("python -m ")
     try:
         return train(args)
     except DivergedError as e:
         return fail(e, EXIT_DIVERGED, name)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop, where it saves
-        return fail("interrupted before training started; nothing saved", 128 + 2, name)
+    except SaveFailedError as e:
+        return fail(f"{e}, saving nothing more: free space and run the same command with "
+                    "--resume", EXIT_SAVE_FAILED, name)  # fmt: skip
     except user_errors() as e:
         return fail(e, EXIT_USAGE, name)
 

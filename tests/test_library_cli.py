@@ -74,7 +74,9 @@ def run(tmp_path_factory):
 
 def test_the_command_trains_on_token_files_from_a_folder_with_its_own_models_py(run):
     stored = json.loads((run / "run" / "run.json").read_text())
-    assert stored["lr"] == 0.01 and stored["batch"] == 8 and stored["val_data"] == "val.npy"
+    assert (
+        stored["lr"] == 0.01 and stored["batch"] == 8 and stored["val_data"] == str(run / "val.npy")
+    )
     assert stored["set"] == ["d_model=32", "d_ff=64", "d_kv=8"]  # from the YAML file
     steps = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]  # --steps 4 overrode the file's 100

@@ -48,7 +48,6 @@ def losses(out: Path) -> dict[int, float]:
         (["--mesh", "data=3", "--layout", "batch:data"], "batch"),  # 3 does not divide 8
         (["--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
         (["--model", "gpt9"], "gpt9"),
-        (["--resume"], "resume"),  # nothing to resume from
         (["--mesh", "rows2"], "rows2"),  # malformed: argparse's own error
         (["--grad-accum", "3"], "grad_accum 3"),  # 3 does not divide the batch of 16
         (["--attention", "blockwise", "--attention-block", "0"], "--attention-block 0"),
