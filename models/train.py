@@ -26,7 +26,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from models import settings
+from models import cluster, settings
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -80,6 +80,7 @@ RANGES = {
     "eval_batches": Range(1),
     "save_every": Range(1),
     "skip_nonfinite": Range(0),
+    "step_timeout": Range(0, open_low=True),
 }
 
 
@@ -187,6 +188,14 @@ def parser(prog: str = "python -m models.train") -> Parser:
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="several processes: a step (or validation, save) not ended in S seconds means a "
+        "lost or hung peer: exit 75 (None: 20 x the slowest step, >= 10 s)",
+    )
+    p.add_argument(
         "--skip-nonfinite",
         type=int,
         default=0,
@@ -224,6 +233,7 @@ def parser(prog: str = "python -m models.train") -> Parser:
         help="start from the settings of a JSON or YAML file (a run's run.json); flags given "
         "on the command line override it",
     )
+    cluster.add_flags(p)
     return p
 
 
@@ -268,18 +278,24 @@ def main(argv=None, prog: str = "python -m models.train") -> int:
     if args.config == "list":
         print(list_configs())
         return 0
-    simulate_devices(math.prod(args.mesh.values()))
+    name = prog.removeprefix("python -m ")
+    try:
+        several = cluster.join(args, math.prod(args.mesh.values()))
+    except cluster.ClusterError as e:
+        return fail(e, 2, name)
     from models.run import EXIT_DIVERGED, EXIT_USAGE, DivergedError, train
 
-    name = prog.removeprefix("python -m ")
     try:
         return train(args)
     except DivergedError as e:
-        return fail(e, EXIT_DIVERGED, name)
+        return cluster.ended(fail(e, EXIT_DIVERGED, name), several)
     except KeyboardInterrupt:  # Ctrl-C before the training loop, where it saves
-        return fail("interrupted before training started; nothing saved", 128 + 2, name)
+        status = fail("interrupted before training started; nothing saved", 128 + 2, name)
+        return cluster.ended(status, several)
     except user_errors() as e:
-        return fail(e, EXIT_USAGE, name)
+        return cluster.ended(fail(e, EXIT_USAGE, name), several)
+    except cluster.lost_peer_errors() as e:
+        return cluster.ended(fail(cluster.lost(e), cluster.EXIT_LOST, name), several)
 
 
 def fail(error, status: int, prog: str = "models.train") -> int:
