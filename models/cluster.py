@@ -136,9 +136,14 @@ def say(text: str) -> None:
 
 
 def flags(args) -> dict:
-    """Every flag of the parsed `args` the processes of a run must share (all but
-    PER_PROCESS): what they agree on (models/agree.py)."""
-    return {k: v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS}
+    """Every flag of the parsed `args` the processes of a run must share (all of the
+    parser's but PER_PROCESS), by its name (`--save-every`): what they agree on, each a
+    part of its own so that a difference names the flag (models/agree.py)."""
+    return {
+        "--" + k.replace("_", "-"): v
+        for k, v in sorted(vars(args).items())
+        if k not in PER_PROCESS
+    }
 
 
 EXIT_LOST = 75  # models.watchdog.EXIT_LOST: a peer lost, resume from the last checkpoint
@@ -175,7 +180,7 @@ def check_flags(args, **parts) -> None:
     never comes is jax's to time out (its heartbeat) or the watchdog's."""
     from models import agree
 
-    agree.check(flags=flags(args), **parts)
+    agree.check(**flags(args), **parts)
 
 
 def rank(args) -> int:

@@ -157,6 +157,7 @@ class Launch:
                 preexec_fn=_die_with_parent,
             )
             self.procs.append(proc)
+            print(f"launch: process {i} is pid {proc.pid}", file=sys.stderr, flush=True)
             prefix = f"[{i}] ".encode()
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                 t = threading.Thread(target=pump, args=(stream, out, prefix), daemon=True)

@@ -277,7 +277,7 @@ def _train(args, dog) -> int:
     say("    " + str(report).replace("\n", "\n    "))
     dog.expect(COMPILE_S, "the processes' agreement and the checkpoint's restore")
     agree.check(
-        flags=cluster.flags(args),  # every flag of the parser (issue 41: not a hand list)
+        **cluster.flags(args),  # every flag of the parser, each by name
         config=cfg,
         mesh=mesh.sizes,
         layout=str(layout),
@@ -365,6 +365,7 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
             log.write(json.dumps(rec) + "\n")
             log.flush()
             if not stats["finite"]:
+                dog.expect(SAVE_S, f"step {step}'s newest save")  # _diverged may wait for it
                 _diverged(args, bar, rec, skipped, ckpt)
             if board is not None:
                 for k, v in rec.items():
@@ -374,7 +375,7 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             bar.update(1)
             saved = step % args.save_every == 0 or step == args.steps
-            dog.expect(dog.step_limit() + SAVE_S, f"step {step}'s save")
+            dog.expect(dog.step_limit() + SAVE_S * saved, f"step {step}'s save")
             stop = step < args.steps and preemption.should_stop()
             if saved or stop:
                 _save(ckpt, step, state, meta, stop)

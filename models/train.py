@@ -193,7 +193,7 @@ def parser(prog: str = "python -m models.train") -> Parser:
         default=None,
         metavar="S",
         help="several processes: a step (or validation, save) not ended in S seconds means a "
-        "lost or hung peer: exit 75 (None: 20 x the slowest step, >= 10 s)",
+        "lost or hung peer: exit 75 (None: 10 x the slowest step, >= 10 s)",
     )
     p.add_argument(
         "--skip-nonfinite",

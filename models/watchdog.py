@@ -20,7 +20,7 @@ import time
 
 EXIT_LOST = 75  # a peer lost: the same status as preemption (resume from the checkpoint)
 FLOOR_S = 10.0  # no measured limit is shorter (scheduling noise on a busy host)
-FACTOR = 20.0  # a step may take this many times the slowest step measured so far
+FACTOR = 10.0  # a step may take this many times the slowest step measured so far
 COMPILE_S = 900.0  # a compile (the first step, the first validation) or the agreement
 SAVE_S = 300.0  # a checkpoint's save barrier
 
