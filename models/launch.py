@@ -116,7 +116,7 @@ def pump(stream, out, prefix: bytes) -> None:
             if not cuts:
                 break
             i = min(cuts)
-            out.write(prefix + buf[: i + 1])
+            out.write((prefix if i else b"") + buf[: i + 1])  # tqdm's bare \r: no prefix
             buf = buf[i + 1 :]
         out.flush()
     if buf:

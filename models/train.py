@@ -14,7 +14,8 @@ Exit statuses: 0 every step trained; 2 a bad flag, file or checkpoint, one line 
 stderr before anything compiles (or, for a checkpoint, before training); 3 a step whose
 loss or gradient norm is not finite, beyond --skip-nonfinite (not applied, not saved);
 75 stopped by SIGTERM or SIGINT after saving a checkpoint at a step boundary (run the
-same command with --resume); 130 or 143 a second signal (or none of the step ending
+same command with --resume), or, with several processes, a peer lost or hung (the step
+watchdog, --step-timeout; the last checkpoint kept); 130 or 143 a second signal (or none of the step ending
 within models.preempt.GRACE_S seconds), nothing saved.
 """
 
@@ -81,6 +82,8 @@ RANGES = {
     "save_every": Range(1),
     "skip_nonfinite": Range(0),
     "step_timeout": Range(0, open_low=True),
+    "num_processes": Range(1),
+    "process_id": Range(0),  # below --num-processes: models/cluster.py
 }
 
 
