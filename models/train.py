@@ -15,8 +15,8 @@ stderr before anything compiles (or, for a checkpoint, before training); 3 a ste
 loss or gradient norm is not finite, beyond --skip-nonfinite (not applied, not saved);
 75 stopped by SIGTERM or SIGINT after saving a checkpoint at a step boundary (run the
 same command with --resume), or, with several processes, a peer lost or hung (the step
-watchdog, --step-timeout; the last checkpoint kept); 130 or 143 a second signal (or none of the step ending
-within models.preempt.GRACE_S seconds), nothing saved.
+watchdog, --step-timeout; the last checkpoint kept); 130 or 143 a second signal (or
+none of the step ending within models.preempt.GRACE_S seconds), nothing saved.
 """
 
 from __future__ import annotations
