@@ -212,6 +212,8 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         several = cluster.join(args, math.prod(args.mesh.values()) if args.mesh else None, True)
     except cluster.ClusterError as e:
         return fail(e, 2, name)
+    if several:
+        cluster.say(cluster.describe())
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before loading
         texts = read_prompts(args.prompts) if args.prompts else [args.prompt]

@@ -42,7 +42,15 @@ def arguments(argv: list[str], prog: str) -> tuple[argparse.Namespace, list[str]
     """(launch's flags, the command after `--`)."""
     from models.train import Parser
 
-    p = Parser(prog=prog, description=__doc__.split("\n")[0])
+    p = Parser(
+        prog=prog,
+        usage="%(prog)s -n N [--devices-per-process K] [--grace S] -- COMMAND [flags]",
+        description="Run COMMAND (train, eval, generate, export) as N processes of one run "
+        "on this machine; each output line is prefixed with its process's rank.",
+        epilog="exit status: 0 every process ended with 0; 75 a process was lost (killed by "
+        "a signal, or ended 75: the watchdog, preemption): run again with --resume; else the "
+        "first non-zero status; 2 a bad flag of launch",
+    )
     p.add_argument("-n", "--processes", type=int, required=True, help="processes to start")
     p.add_argument(
         "--devices-per-process",
@@ -55,9 +63,11 @@ def arguments(argv: list[str], prog: str) -> tuple[argparse.Namespace, list[str]
         "--grace",
         type=float,
         default=GRACE_S,
+        metavar="S",
         help="seconds the others may take to end after one process ended badly",
     )
     if "--" not in argv:
+        p.parse_args(argv)  # --help, or -n missing
         p.error(f"put the command after --, e.g. {prog} -n 2 -- train --mesh data=2")
     cut = argv.index("--")
     args, command = p.parse_args(argv[:cut]), argv[cut + 1 :]
