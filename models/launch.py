@@ -67,7 +67,8 @@ def arguments(argv: list[str], prog: str) -> tuple[argparse.Namespace, list[str]
         help="seconds the others may take to end after one process ended badly",
     )
     if "--" not in argv:
-        p.parse_args(argv)  # --help, or -n missing
+        if {"-h", "--help"} & set(argv):
+            p.parse_args(argv)
         p.error(f"put the command after --, e.g. {prog} -n 2 -- train --mesh data=2")
     cut = argv.index("--")
     args, command = p.parse_args(argv[:cut]), argv[cut + 1 :]
