@@ -88,12 +88,15 @@ def arguments(argv: list[str], prog: str) -> tuple[argparse.Namespace, list[str]
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the coordinator's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def environment(devices: int | None) -> dict[str, str]:
+    """The processes' environment: this one's, unbuffered, without proxy settings, with
+    `devices` simulated CPU devices each when given."""
     # the coordinator is local: a proxy setting could only hang jax's connection to it
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env["PYTHONUNBUFFERED"] = "1"
@@ -147,6 +150,8 @@ def outcome(ends: list[tuple[int, int]]) -> int:
 
 
 class Launch:
+    """N processes of one command: `start()`, then `wait()` for the run's status."""
+
     def __init__(self, n: int, devices: int | None, command: list[str], grace: float):
         self.n, self.grace, self.port = n, grace, free_port()
         self.env, self.command = environment(devices), command
@@ -154,6 +159,7 @@ class Launch:
         self.pumps: list[threading.Thread] = []
 
     def start(self) -> None:
+        """Start every process, each with its threads copying its output, prefixed."""
         for i in range(self.n):
             argv = [sys.executable, "-m", "namedmesh", *self.command]
             argv += ["--coordinator", f"127.0.0.1:{self.port}"]
@@ -176,6 +182,7 @@ class Launch:
                 self.pumps.append(t)
 
     def forward(self, signum, frame) -> None:
+        """The launcher's handler of SIGINT and SIGTERM: the signal to every process."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -207,6 +214,7 @@ class Launch:
 
 
 def main(argv=None, prog: str = "python -m models.launch") -> int:
+    """`namedmesh launch`: the run's exit status (module docstring)."""
     args, command = arguments(list(sys.argv[1:] if argv is None else argv), prog)
     launch = Launch(args.processes, args.devices_per_process, command, args.grace)
     old = {s: signal.signal(s, launch.forward) for s in (signal.SIGINT, signal.SIGTERM)}
