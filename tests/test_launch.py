@@ -109,7 +109,7 @@ def test_four_processes_equal_one_write_once_and_a_frozen_peer_ends_them_75(refe
     """4 processes x 1 device; process 1 frozen (SIGSTOP): the others' watchdog."""
     board = tmp_path / "tb"
     code, elapsed, log, out = run_and_stop(
-        tmp_path, 4, signal.SIGSTOP, "--step-timeout", "3", "--tensorboard", str(board)
+        tmp_path, 4, signal.SIGSTOP, "--step-timeout", "6", "--tensorboard", str(board)
     )
     assert code == 75, log[-4000:]
     assert elapsed < FAULT_S, f"{elapsed:.1f} s\n{log[-3000:]}"
