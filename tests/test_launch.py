@@ -259,3 +259,23 @@ def test_watchdog_exits_75_with_one_line():
     assert r.returncode == 75, r.stderr
     assert r.stderr.startswith("watchdog: step 7 did not end in time"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize(
+    "command, argv",
+    [
+        ("models.train", []),
+        ("models.evaluate", ["runs/x", "--data", "x.txt"]),
+        ("models.generate", ["--checkpoint", "runs/x"]),
+        ("models.export", ["runs/x", "--out", "hf/x"]),
+    ],
+)
+def test_every_subcommand_takes_the_joining_flags(command, argv, capsys):
+    """A half-given set is one line and status 2, before anything is read or joined."""
+    import importlib
+
+    main = importlib.import_module(command).main
+    assert main([*argv, "--num-processes", "2", "--process-id", "1"], prog="namedmesh x") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("namedmesh x: error: --coordinator, --num-processes and --process-id")
+    assert "--coordinator missing" in err and len(err.strip().splitlines()) == 1, err
