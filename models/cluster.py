@@ -114,7 +114,10 @@ def join(args, mesh_size: int | None = None, whole: bool = False) -> bool:
     try:
         distributed.initialize(*how, timeout_s=JOIN_TIMEOUT_S, heartbeat_timeout_s=HEARTBEAT_S)
     except NamedMeshError as e:
-        raise ClusterError(str(e).replace("coordinator must", "--coordinator must")) from None
+        text = str(e).replace("coordinator must", "--coordinator must")
+        if how[0] is None:  # jax read (or failed to read) the environment
+            text = f"--coordinator auto: jax found no cluster in the environment ({e})"
+        raise ClusterError(text) from None
     return True
 
 
@@ -140,9 +143,7 @@ def flags(args) -> dict:
     parser's but PER_PROCESS), by its name (`--save-every`): what they agree on, each a
     part of its own so that a difference names the flag (models/agree.py)."""
     return {
-        "--" + k.replace("_", "-"): v
-        for k, v in sorted(vars(args).items())
-        if k not in PER_PROCESS
+        "--" + k.replace("_", "-"): v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS
     }
 
 
