@@ -6,7 +6,7 @@ i.e. `jax.distributed.initialize`) before jax starts its backend.
     namedmesh train --coordinator auto ...   # SLURM, Open MPI, a TPU VM slice, Kubernetes
 
 Without the flags a process joins only where the environment names a cluster of more
-than one process (JAX_COORDINATOR_ADDRESS, srun's SLURM_NTASKS, mpirun's
+than one process (JAX_COORDINATOR_ADDRESS, srun's SLURM_STEP_NUM_TASKS, mpirun's
 OMPI_COMM_WORLD_SIZE): jax then reads the three values from it, as
 `jax.distributed.initialize()` does. Otherwise the run is one process. See
 docs/distributed.md.
@@ -58,9 +58,9 @@ def from_environment() -> bool:
     def many(name: str) -> bool:
         return env.get(name, "").isdigit() and int(env[name]) > 1
 
-    return bool(env.get("JAX_COORDINATOR_ADDRESS")) or many("SLURM_NTASKS") and (
-        "SLURM_PROCID" in env
-    ) or many("OMPI_COMM_WORLD_SIZE")  # fmt: skip
+    # a job step of srun's, not the batch script (which has SLURM_NTASKS of the whole job)
+    slurm = many("SLURM_STEP_NUM_TASKS") and "SLURM_PROCID" in env
+    return bool(env.get("JAX_COORDINATOR_ADDRESS")) or slurm or many("OMPI_COMM_WORLD_SIZE")
 
 
 def plan(args) -> tuple[str | None, int | None, int | None] | None:

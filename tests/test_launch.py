@@ -226,12 +226,15 @@ def test_cluster_flags_that_do_not_go_together(argv, names):
 
 
 def test_cluster_flags_and_environment(monkeypatch):
-    for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
     assert cluster.plan(parser().parse_args([])) is None  # one process
     flags = ["--coordinator", "10.0.0.1:1234", "--num-processes", "4", "--process-id", "3"]
     assert cluster.plan(parser().parse_args(flags)) == ("10.0.0.1:1234", 4, 3)
-    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # a batch script's: still one process
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert cluster.plan(parser().parse_args([])) is None
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # srun's job step of 4 tasks
     monkeypatch.setenv("SLURM_PROCID", "2")
     assert cluster.plan(parser().parse_args([])) == (None, None, None)  # jax reads it
     assert cluster.rank(parser().parse_args([])) == 2
