@@ -113,7 +113,8 @@ def test_four_processes_equal_one_write_once_and_a_frozen_peer_ends_them_75(refe
     )
     assert code == 75, log[-4000:]
     assert elapsed < FAULT_S, f"{elapsed:.1f} s\n{log[-3000:]}"
-    assert re.search(r"\[0\] watchdog: step \d+('s \w+)? did not end in time", log), log[-3000:]
+    # a survivor's watchdog (whichever comes first: the launcher then ends the others)
+    assert re.search(r"\[[023]\] watchdog: step \d+('s \w+)? did not end in time", log), log[-3000:]
     assert "launch: process 1 did not end within --grace" in log, log[-3000:]
     logged = records(out)
     assert len(logged) >= STOP_AT
