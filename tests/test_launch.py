@@ -87,8 +87,8 @@ def run_and_stop(tmp_path: Path, n: int, signum: int, *flags: str):
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
             logged = (out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""
-            if logged.count("\n") >= STOP_AT:
-                break
+            if logged.count("\n") >= STOP_AT and (out / "checkpoints" / "3").is_dir():
+                break  # step 3's checkpoint complete (orbax renames it when it is)
             time.sleep(0.01)
         text = "".join(lines)
         assert proc.poll() is None, f"the run ended before the signal\n{text[-3000:]}"
