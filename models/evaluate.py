@@ -21,6 +21,7 @@ import math
 import sys
 from pathlib import Path
 
+from models import cluster
 from models.train import (
     COUNT,
     Parser,
@@ -28,7 +29,6 @@ from models.train import (
     check_ranges,
     fail,
     parse_mesh,
-    simulate_devices,
     user_errors,
 )
 
@@ -51,6 +51,7 @@ def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Na
     p.add_argument("--length", type=int, default=None, help="tokens per window (None: model's)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    cluster.add_flags(p)
     return p.parse_args(argv)
 
 
@@ -73,8 +74,10 @@ def load(folder: str):
     return zoo.get("lm"), model.params, model.config, tok
 
 
-def evaluate(args) -> dict:
-    """{"loss", "perplexity", "bits_per_byte", "tokens"} of the model on the data."""
+def evaluate(args, dog=None) -> dict:
+    """{"loss", "perplexity", "bits_per_byte", "tokens"} of the model on the data; with
+    several processes, every wait on the others bounded by `dog` (models/watchdog.py)."""
+    import jax
     from tqdm import tqdm
 
     from lowering import Mesh
@@ -82,7 +85,11 @@ def evaluate(args) -> dict:
     from models import data
     from models.run import UsageError, pick_layout
     from models.trainer import Trainer, bits_per_byte
+    from models.watchdog import COMPILE_S, Watchdog, paced
 
+    dog = dog or Watchdog(enabled=False)
+    dog.expect(COMPILE_S, "the processes' agreement and the model's load")
+    cluster.check_flags(args)
     if complaint := check_ranges(args, RANGES):
         raise UsageError(complaint)
     model, params, cfg, tokenizer = load(args.model)
@@ -96,6 +103,8 @@ def evaluate(args) -> dict:
     text = data.load_text(args.data, "--data", args.text_field)
     corpus = data.Corpus(text, tokenizer, length, model.objective, valid=text)
     mesh = Mesh(args.mesh)
+    if jax.process_count() > 1:  # one global program over every process's devices
+        cluster.say(cluster.describe(mesh))
     layout = pick_layout(args.layout, model, args.model, cfg, mesh, None, 0)
     trainer = Trainer(model, cfg, mesh, layout, opt=None)
     state = {"params": place(params, mesh, layout)}
@@ -104,8 +113,9 @@ def evaluate(args) -> dict:
     if args.max_batches is not None:
         total = min(total, args.max_batches)
     batches = corpus.validation_batches(args.batch, args.max_batches)
-    bar = tqdm(batches, total=total, disable=args.quiet, unit="batch", dynamic_ncols=True)
-    loss, tokens = trainer.evaluate(state, bar)
+    quiet = args.quiet or jax.process_index() != 0
+    bar = tqdm(batches, total=total, disable=quiet, unit="batch", dynamic_ncols=True)
+    loss, tokens = trainer.evaluate(state, paced(bar, dog, "batch"))
     return {
         "loss": loss,
         "perplexity": math.exp(loss),
@@ -116,14 +126,22 @@ def evaluate(args) -> dict:
 
 def main(argv=None, prog: str = "python -m models.evaluate") -> int:
     args = arguments(argv, prog)
-    simulate_devices(math.prod(args.mesh.values()))
+    name = prog.removeprefix("python -m ")
+    try:
+        several = cluster.join(args, math.prod(args.mesh.values()))
+    except cluster.ClusterError as e:
+        return fail(e, 2, name)
     from models.data import DataError
+    from models.watchdog import Watchdog
 
     try:
-        out = evaluate(args)
+        with Watchdog(enabled=several) as dog:
+            out = evaluate(args, dog)
     except (*user_errors(), DataError, KeyError) as e:  # one line, never a traceback
-        return fail(e, 2, prog.removeprefix("python -m "))
-    print(
+        return cluster.ended(fail(e, 2, name), several)
+    except cluster.lost_peer_errors() as e:
+        return cluster.ended(fail(cluster.lost(e), cluster.EXIT_LOST, name), several)
+    cluster.say(
         f"loss {out['loss']:.4f} nats/token, perplexity {out['perplexity']:.3f}, "
         f"{out['bits_per_byte']:.4f} bits/byte over {out['tokens']:,} tokens"
     )

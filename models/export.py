@@ -28,6 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from models import cluster
 from models.train import Parser, fail, user_errors
 from namedmesh.errors import NamedMeshError
 
@@ -63,6 +64,7 @@ def arguments(argv=None, prog: str = "python -m models.export") -> argparse.Name
     p.add_argument("run", help="a training run's --out folder")
     p.add_argument("--out", required=True, help="the Hugging Face folder to write")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (the latest)")
+    cluster.add_flags(p)
     return p.parse_args(argv)
 
 
@@ -188,7 +190,11 @@ def export(run: str | Path, out: str | Path, step: int | None = None) -> Path:
 
 def main(argv=None, prog: str = "python -m models.export") -> int:
     args = arguments(argv, prog)
-
+    try:  # one process's work: process 0 writes the folder alone, the others end at once
+        if cluster.rank(args) != 0:
+            return 0
+    except cluster.ClusterError as e:
+        return fail(e, 2, prog.removeprefix("python -m "))
     try:
         folder = export(args.run, args.out, args.step)
     except (*user_errors(), KeyError) as e:  # one line, never a traceback

@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 
 from lowering import Mesh
-from models import checkpoint, config, data, files, folder_tokens, hub, transformer, zoo
+from models import checkpoint, cluster, config, data, files, folder_tokens, hub, transformer, zoo
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.sampling import Sampling
 from models.train import (
@@ -44,7 +44,6 @@ from models.train import (
     check_ranges,
     fail,
     parse_mesh,
-    simulate_devices,
     user_errors,
 )
 from namedmesh.errors import ParameterError
@@ -75,7 +74,7 @@ def load(run: str | Path, step: int | None = None):
     cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length", "dtype") if flags.get(k)})
     cfg = cfg.replace(**config.parse_overrides(flags.get("set") or []))  # the run's --set
     # The parameters alone, by name: the optimizer's state stays on disk.
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's
     target = jax.tree_util.tree_map(  # over the Tensors' data: abstract, on one device
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         transformer.abstract(model.shapes(cfg)),
@@ -203,6 +202,7 @@ def arguments(argv=None, prog: str = "python -m models.generate"):
     p.add_argument("--layout", default="", help='rules like "heads:model;d_ff:model" (with --mesh)')
     p.add_argument("--beams", type=int, default=4, help="beam: the beam's width")
     p.add_argument("--seed", type=int, default=0, help="sample: the random seed")
+    cluster.add_flags(p)
     return p.parse_args(argv)
 
 
@@ -233,8 +233,13 @@ def encode_prompts(texts, tokenizer, folder: Path | None, chat: bool) -> list[li
 
 def main(argv=None, prog: str = "python -m models.generate") -> int:
     args = arguments(argv, prog)
-    if args.mesh:
-        simulate_devices(math.prod(args.mesh.values()))
+    name = prog.removeprefix("python -m ")
+    try:  # several processes: each decodes alike on its own devices, process 0 prints
+        several = cluster.join(args, math.prod(args.mesh.values()) if args.mesh else None, True)
+    except cluster.ClusterError as e:
+        return fail(e, 2, name)
+    if several:
+        cluster.say(cluster.describe())
     try:
         if complaint := check_ranges(args, RANGES):
             raise ParameterError(complaint)
@@ -256,15 +261,15 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
                 f"{cfg.vocab - 1})"
             )
         start = decoder_start(args.checkpoint)
-        mesh = Mesh(args.mesh) if args.mesh else None
+        mesh = Mesh(args.mesh, devices=jax.local_devices()) if args.mesh else None
         if mesh is not None:  # on the host, for the lowered programs to lay out
             params = jax.device_get(params)
         dec = Decoder(params, cfg, slots=args.max_length, mesh=mesh, layout=args.layout)
         outputs = _decode(dec, prompts, start, sampling, ends, args)
     except (*user_errors(), KeyError) as e:
-        return fail(e, 2, prog.removeprefix("python -m "))
+        return cluster.ended(fail(e, 2, name), several)
     for text, out in zip(texts, outputs, strict=True):
-        print(("" if start is not None or args.chat else text) + tokenizer.decode(out))
+        cluster.say(("" if start is not None or args.chat else text) + tokenizer.decode(out))
     return 0
 
 

@@ -16,10 +16,11 @@ import namedmesh as nm
 from lowering import Layout, Mesh, auto_layout
 from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
-from models import agree, checkpoint, config, data, files, folder_tokens, hub, zoo
+from models import agree, checkpoint, cluster, config, data, files, folder_tokens, hub, zoo
 from models.preempt import Preemption
 from models.train import check_ranges
 from models.trainer import Trainer, bits_per_byte, optimizer
+from models.watchdog import COMPILE_S, SAVE_S, Watchdog
 from namedmesh.errors import NamedMeshError
 
 # The exit statuses of `python -m models.train` (docs/models.md lists them too).
@@ -64,6 +65,12 @@ class DivergedError(Exception):
     allows; reported in one line with exit status 3."""
 
 
+def writer() -> bool:
+    """Whether this process writes the run's files (metrics, run.json, plot, TensorBoard)
+    and draws its progress: process 0 alone. Checkpoints are every process's (orbax)."""
+    return jax.process_index() == 0
+
+
 def model_dims(graph) -> set[str]:
     return {d for v in graph.values() for d in v.dims}
 
@@ -84,9 +91,10 @@ def setup(args):
         raise UsageError(f"{out} holds a run already: pass --resume, or another --out")
     if not has_checkpoint and (started or args.resume):  # a retried command goes on
         said = "a run that never reached a checkpoint" if started else "no run to resume"
-        print(f"{out} holds {said}: starting it afresh")
+        cluster.say(f"{out} holds {said}: starting it afresh")
         args.resume = False
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        if writer():
+            (out / "metrics.jsonl").unlink(missing_ok=True)
     hub_tokenizer = None
     try:
         if args.init_from:
@@ -319,17 +327,27 @@ def default_layout(mesh) -> Layout:
 def train(args) -> int:
     """Train as the flags say; the exit status (EXIT_DONE, EXIT_PREEMPTED). Raises
     UsageError, DivergedError and the typed errors of the files it reads."""
+    # several processes: a lost or hung peer ends this one (exit 75) at the next bound
+    with Watchdog(args.step_timeout, enabled=jax.process_count() > 1) as dog:
+        return _train(args, dog)
+
+
+def _train(args, dog) -> int:
     model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule = setup(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"model {args.model} ({args.config}): {_count(trainer):,} parameters; tokenizer "
-          f"{args.tokenizer}, {tokenizer.vocab_size} ids")  # fmt: skip
+    say = cluster.say
+    if jax.process_count() > 1:
+        say(cluster.describe(mesh))
+    say(f"model {args.model} ({args.config}): {_count(trainer):,} parameters; tokenizer "
+        f"{args.tokenizer}, {tokenizer.vocab_size} ids")  # fmt: skip
     how = "" if args.layout else " (the default: data parallel over the mesh)"
-    print(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
-    print("lowering report (forward and backward pass, per step, per device):")
-    print("    " + str(report).replace("\n", "\n    "))
+    say(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
+    say("lowering report (forward and backward pass, per step, per device):")
+    say("    " + str(report).replace("\n", "\n    "))
+    dog.expect(COMPILE_S, "the processes' agreement and the checkpoint's restore")
     agree.check(
-        run={k: getattr(args, k) for k in _RUN_FLAGS},
+        **cluster.flags(args),  # every flag of the parser, each by name
         config=cfg,
         mesh=mesh.sizes,
         layout=str(layout),
@@ -348,12 +366,13 @@ def train(args) -> int:
         state, meta = checkpoint.restore_newest(out, state, say=_warn)
         start, skipped = meta["step"], meta.get("skipped", 0)
         history = [r for r in files.read_jsonl(metrics_path, _is_step_record) if r["step"] <= start]
-        files.rewrite_jsonl(metrics_path, history)  # a killed run may have logged more
-        if getattr(args, "data_changed", False):  # --data given anew: the record follows it
-            stored = files.read_json(out / "run.json", "the run's record")
-            files.write_json(out / "run.json", {**stored, **_data_record(args)})
-        print(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
-    else:
+        if writer():
+            files.rewrite_jsonl(metrics_path, history)  # a killed run may have logged more
+            if getattr(args, "data_changed", False):  # --data given anew: the record follows
+                stored = files.read_json(out / "run.json", "the run's record")
+                files.write_json(out / "run.json", {**stored, **_data_record(args)})
+        say(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
+    elif writer():
         run = {k: getattr(args, k) for k in _RUN_FLAGS} | _data_record(args)
         if args.init_from:
             run["init_from"] = str(Path(args.init_from).absolute())
@@ -361,13 +380,16 @@ def train(args) -> int:
         files.write_json(out / "run.json", {**run, "vocab": cfg.vocab})
         tokenizer.save(out)
         history = []
+    else:
+        history = []
     ckpt = checkpoint.Checkpointer(out)
     meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab, "skipped": skipped}
     try:
         with Preemption() as preemption:
             return _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start,
-                         preemption)  # fmt: skip
+                         preemption, dog)  # fmt: skip
     finally:
+        dog.expect(SAVE_S, "the last checkpoint's save")
         ckpt.close()
 
 
@@ -392,19 +414,22 @@ def _is_step_record(r) -> bool:
     )  # fmt: skip
 
 
-def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start, preemption):
+def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start, preemption, dog):
     out = Path(args.out)
     metrics_path = out / "metrics.jsonl"
     bar = _progress(args, start)
-    board = _tensorboard(args)
+    board = _tensorboard(args) if writer() else None
     skipped = meta["skipped"]  # --skip-nonfinite's budget spans resumes
-    with open(metrics_path, "a") as log:
+    evaluated = False  # the first validation compiles its program
+    with open(metrics_path, "a") if writer() else _Discard() as log:
         last = time.perf_counter()
         for step in range(start + 1, args.steps + 1):
+            dog.expect(dog.step_limit(), f"step {step}")
             batch = corpus.batch(step, cfg.batch, args.seed, trainer.local_rows())
             state, stats = trainer.update(state, batch, step)
             loss = stats["loss"]
             now = time.perf_counter()
+            dog.step_done(now - last, compiled=step == start + 1)
             rec = {
                 "step": step,
                 "loss": loss,
@@ -417,17 +442,24 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
                 skipped += 1
                 rec["skipped"] = True
             if step % args.eval_every == 0 or step == args.steps:
+                limit = dog.step_limit() * (args.eval_batches + 1)
+                dog.expect(
+                    limit if evaluated else max(limit, COMPILE_S), f"step {step}'s validation"
+                )
+                evaluated = True
                 val, _ = trainer.evaluate(
                     state, corpus.validation_batches(cfg.batch, args.eval_batches)
                 )
                 rec["val_loss"] = val
                 rec["val_bits_per_byte"] = bits_per_byte(val, corpus.bytes_per_token())
-                bar.write(
+                _note(
+                    bar,
                     f"step {step}: loss {loss:.3f}, validation {val:.3f} nats/token, "
-                    f"{rec['val_bits_per_byte']:.3f} bits/byte"
+                    f"{rec['val_bits_per_byte']:.3f} bits/byte",
                 )
             _disk(metrics_path, step, _append, log, rec)
             if not stats["finite"]:
+                dog.expect(SAVE_S, f"step {step}'s newest save")  # _diverged may wait for it
                 _diverged(args, bar, rec, skipped, ckpt)
             if board is not None:
                 for k, v in rec.items():
@@ -438,13 +470,15 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
             bar.update(1)
             _check_saves(ckpt, step)  # a background save that failed stops the run here
             saved = step % args.save_every == 0 or step == args.steps
+            dog.expect(dog.step_limit() + SAVE_S * saved, f"step {step}'s save")
             stop = step < args.steps and preemption.should_stop()
             if saved or stop:
                 _save(ckpt, step, state, {**meta, "skipped": skipped}, stop)
-                _disk(out / "loss.png", step, plot, history, out / "loss.png")
+                if writer():
+                    _disk(out / "loss.png", step, plot, history, out / "loss.png")
             if stop:
                 bar.close()
-                print(
+                cluster.say(
                     f"stopped by {preemption.signal.name if preemption.signal else 'a peer'} "
                     f"after step {step}: saved a checkpoint in {out / 'checkpoints'}; "
                     "continue with the same command and --resume"
@@ -454,7 +488,9 @@ def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, star
     bar.close()
     if board is not None:
         board.close()
-    print(f"wrote {metrics_path}, {out / 'loss.png'} and checkpoints in {out / 'checkpoints'}")
+    cluster.say(
+        f"wrote {metrics_path}, {out / 'loss.png'} and checkpoints in {out / 'checkpoints'}"
+    )
     return EXIT_DONE
 
 
@@ -499,7 +535,7 @@ def _diverged(args, bar, rec: dict, skipped: int, ckpt) -> None:
     """Say that step rec["step"] was not applied; DivergedError past --skip-nonfinite."""
     what = f"step {rec['step']}: loss {rec['loss']}, gradient norm {rec['grad_norm']}"
     if skipped <= args.skip_nonfinite:
-        bar.write(f"{what}: not finite, update skipped ({skipped} of --skip-nonfinite "
+        _note(bar, f"{what}: not finite, update skipped ({skipped} of --skip-nonfinite "
                   f"{args.skip_nonfinite})")  # fmt: skip
         return
     ckpt.wait()  # the newest save finished, so it is listed
@@ -544,8 +580,34 @@ def _progress(args, start):
     from tqdm import tqdm
 
     return tqdm(
-        total=args.steps, initial=start, disable=args.quiet, unit="step", dynamic_ncols=True
+        total=args.steps,
+        initial=start,
+        disable=args.quiet or not writer(),
+        unit="step",
+        dynamic_ncols=True,
     )
+
+
+def _note(bar, text: str) -> None:
+    """A line above the progress bar, from process 0 alone."""
+    if writer():
+        bar.write(text)
+
+
+class _Discard:
+    """The metrics log of a process that does not write it (all but process 0)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
 
 def plot(history: list[dict], path: Path) -> None:

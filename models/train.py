@@ -15,9 +15,11 @@ stderr before anything compiles (or, for a checkpoint, before training); 3 a ste
 loss or gradient norm is not finite, beyond --skip-nonfinite (not applied, not saved);
 74 a checkpoint or the run's log could not be written (a full disk): the run stops at
 the step that noticed, the older checkpoints kept; 75 stopped by SIGTERM or SIGINT after
-saving a checkpoint at a step boundary (run the same command with --resume); 130 or
-143 a signal before the training loop (while importing, loading or compiling), a second
-signal, or none of the step ending within models.preempt.GRACE_S seconds: nothing saved.
+saving a checkpoint at a step boundary (run the same command with --resume), or, with
+several processes, a peer lost or hung (the step watchdog, --step-timeout; the last
+checkpoint kept); 130 or 143 a signal before the training loop (while importing, loading
+or compiling), a second signal, or none of the step ending within
+models.preempt.GRACE_S seconds: nothing saved.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from models import settings
+from models import cluster, settings
 from models.preempt import exit_at_once
 
 MAX_DEVICES = 1 << 16  # devices of a mesh, at most: more than any machine holds
@@ -99,6 +101,9 @@ RANGES = {
     "eval_batches": Range(1, COUNT),
     "save_every": Range(1, COUNT),
     "skip_nonfinite": Range(0, COUNT),
+    "step_timeout": Range(0, open_low=True),
+    "num_processes": Range(1, MAX_DEVICES),
+    "process_id": Range(0, MAX_DEVICES),  # below --num-processes: models/cluster.py
 }
 
 # Config fields that a flag sets: `--set FIELD=` beside the flag is refused (which
@@ -218,6 +223,14 @@ def parser(prog: str = "python -m models.train") -> Parser:
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="several processes: a step (or validation, save) not ended in S seconds means a "
+        "lost or hung peer: exit 75 (None: 10 x the slowest step, >= 10 s)",
+    )
+    p.add_argument(
         "--skip-nonfinite",
         type=int,
         default=0,
@@ -255,6 +268,7 @@ def parser(prog: str = "python -m models.train") -> Parser:
         help="start from the settings of a JSON or YAML file (a run's run.json); flags given "
         "on the command line override it",
     )
+    cluster.add_flags(p)
     return p
 
 
@@ -316,19 +330,24 @@ def _main(argv, prog: str, name: str) -> int:
     if args.config == "list":
         print(list_configs())
         return 0
-    simulate_devices(math.prod(args.mesh.values()))
+    try:
+        several = cluster.join(args, math.prod(args.mesh.values()))
+    except cluster.ClusterError as e:
+        return fail(e, 2, name)
     from models.checkpoint import SaveFailedError
     from models.run import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE, DivergedError, train
 
     try:
         return train(args)
     except DivergedError as e:
-        return fail(e, EXIT_DIVERGED, name)
+        return cluster.ended(fail(e, EXIT_DIVERGED, name), several)
     except SaveFailedError as e:
-        return fail(f"{e}, saving nothing more: free space and run the same command with "
-                    "--resume", EXIT_SAVE_FAILED, name)  # fmt: skip
+        message = f"{e}, saving nothing more: free space and run the same command with --resume"
+        return cluster.ended(fail(message, EXIT_SAVE_FAILED, name), several)
     except user_errors() as e:
-        return fail(e, EXIT_USAGE, name)
+        return cluster.ended(fail(e, EXIT_USAGE, name), several)
+    except cluster.lost_peer_errors() as e:
+        return cluster.ended(fail(cluster.lost(e), cluster.EXIT_LOST, name), several)
 
 
 def fail(error, status: int, prog: str = "models.train") -> int:

@@ -4,6 +4,7 @@
     namedmesh generate --checkpoint runs/tiny --prompt "The assert statement"
     namedmesh eval runs/tiny --data notes.txt --mesh data=2
     namedmesh export runs/tiny --out hf/tiny
+    namedmesh launch -n 2 -- train --mesh data=2 --out runs/two
     namedmesh bench run --quick
 
 Each subcommand is the `main` of a module, imported only when it is asked for (so the
@@ -28,6 +29,7 @@ COMMANDS = {
     "generate": ("models.generate", "continue prompts with a run or a Hugging Face folder"),
     "eval": ("models.evaluate", "loss, perplexity and bits per byte of a model on data"),
     "export": ("models.export", "write a run's checkpoint as a Hugging Face folder"),
+    "launch": ("models.launch", "run a command as N processes of one run on this machine"),
     "bench": ("benchmarks", "run a benchmark of the source checkout (default: run)"),
 }
 PROG = "namedmesh"
