@@ -303,8 +303,16 @@ def _attention_bwd(scale, causal, window, block, res, dout):
         s, e = blk[:2]
         r = e - s
         qb, do = (_cut(x, at, {2: (s, e)}).reshape(h, g * r, d) for x in (qs, dout))
-        shift, logsum = (_cut(x, at, {2: (s, e)}).reshape(h, 1, g * r) for x in (shifts, logsums))
-        ddb = _cut(dd, at, {2: (s, e)}).reshape(h, 1, g * r)
+        shift, logsum, ddb = (
+            _cut(x, at, {2: (s, e)}).reshape(h, 1, g * r) for x in (shifts, logsums, dd)
+        )
+        # exp(logit - lse) with lse = shift + log-sum rounded, times what the rounding
+        # took (exp(lse - shift - log-sum), 1 but for far larger shifts: a row whose
+        # keys are all masked, about -1e30 + log(keys)) is exact: that factor, one per
+        # row, goes into dout and dd rather than a second subtraction into every logit
+        lse = shift + logsum
+        fix = jnp.exp(lse - shift - logsum)
+        do, ddb = do * fix.reshape(h, g * r, 1), ddb * fix
         dq_rows = None
         for (_, _, k0, k1), hidden in _tiles(blk, h * g, causal, window, len(blocks)):
             keys = k1 - k0
@@ -317,10 +325,14 @@ def _attention_bwd(scale, causal, window, block, res, dout):
                 cut = _cut(mask, at, {0: (0, r), 1: (c0 - s + k0, c0 - s + k1)})
                 sc = sc + cut.T[:, None, :]
             # no max over the keys again: the forward's shift and log-sum
-            p = jnp.exp(sc.reshape(h, keys, g * r) - shift - logsum)
+            p = jnp.exp(sc.reshape(h, keys, g * r) - lse)
             dv = dv.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", p, do))
             dp = jnp.einsum("hmd,hqd->hmq", vb, do)
             ds = p * (dp - ddb)  # the logits' gradient
+            if window and e - window >= m:
+                # rows that see no key are uniform whatever their logits (as XLA's and
+                # NumPy's masks, which replace the logits): none of the gradient
+                ds = ds * np.tile(np.arange(s, e) - window + 1 < m, g).astype(np.float32)
             dk = dk.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", ds, qb))
             t = jnp.einsum("hmd,hmq->hdq", kb, ds)
             dq_rows = t if dq_rows is None else dq_rows + t
