@@ -8,9 +8,12 @@ none before the band), so memory grows linearly in length. Under a causal mask a
 softmax is shifted by its logit against its own key, known before the keys are seen,
 so a block's keys go in tiles (`_tiles`) whose sums just add up; without one, a block
 meets all its keys at once, shifted by each row's max. Either way the softmax is exact
-(no online rescaling); the forward pass keeps the output and each row's log-sum-exp,
-the backward pass recomputes the probabilities tile by tile as exp(logit - lse)
-(FlashAttention-2's recurrence, dd = rowsum(dO * O)), accumulating dk and dv.
+(no online rescaling): a block whose sums or products the shift may have spoiled
+(`_trusted`, with its proof) is computed again, normalized as XLA's softmax. The
+forward pass keeps the output and each row's shift and log-sum, the backward pass
+recomputes the probabilities tile by tile as exp(logit - lse) (FlashAttention-2's
+recurrence, dd = rowsum(dO * O)), accumulating dk and dv. Masks are aligned at the
+first query and key when length != memory, as jax's are.
 
 Layouts: q (kv_heads, group, length, d), k and v (kv_heads, memory, d): grouped query
 heads share their k and v without repeating them. bias (kv_heads, group, length or 1,
