@@ -120,9 +120,13 @@ def _xla(qa, ka, va, ba, *, scale, causal, window):
     # jax's window: a query sees keys left..right of itself; ours: the last `window`
     local = None if not window else (window - 1, 0 if causal else ka.shape[1])
     dtype = va.dtype
-    if dtype == np.float16 and jax.default_backend() == "cpu":  # XLA:CPU has no float16
-        qa, ka, va = (x.astype(np.float32) for x in (qa, ka, va))  # dot summed in float32
-        ba = None if ba is None else ba.astype(np.float32)
+    # one dtype for q, k and v, as jax's kernel takes them (rotary q and k are float32
+    # beside bfloat16 values in the zoo): their promotion, float32 for float16 on CPU
+    common = jax.numpy.result_type(qa, ka, va)
+    if common == np.float16 and jax.default_backend() == "cpu":  # XLA:CPU has no float16
+        common = np.dtype(np.float32)  # dot summed in float32
+        ba = None if ba is None else ba.astype(common)
+    qa, ka, va = (x.astype(common) for x in (qa, ka, va))
     out = jax.nn.dot_product_attention(
         qa, ka, va, ba, scale=scale, is_causal=causal, local_window_size=local
     )

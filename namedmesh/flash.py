@@ -8,9 +8,12 @@ none before the band), so memory grows linearly in length. Under a causal mask a
 softmax is shifted by its logit against its own key, known before the keys are seen,
 so a block's keys go in tiles (`_tiles`) whose sums just add up; without one, a block
 meets all its keys at once, shifted by each row's max. Either way the softmax is exact
-(no online rescaling); the forward pass keeps the output and each row's log-sum-exp,
-the backward pass recomputes the probabilities tile by tile as exp(logit - lse)
-(FlashAttention-2's recurrence, dd = rowsum(dO * O)), accumulating dk and dv.
+(no online rescaling): a block whose sums or products the shift may have spoiled
+(`_trusted`, with its proof) is computed again, normalized as XLA's softmax. The
+forward pass keeps the output and each row's shift and log-sum, the backward pass
+recomputes the probabilities tile by tile as exp(logit - lse) (FlashAttention-2's
+recurrence, dd = rowsum(dO * O)), accumulating dk and dv. Masks are aligned at the
+first query and key when length != memory, as jax's are.
 
 Layouts: q (kv_heads, group, length, d), k and v (kv_heads, memory, d): grouped query
 heads share their k and v without repeating them. bias (kv_heads, group, length or 1,
@@ -44,14 +47,26 @@ def block_for(length: int) -> int:
 
 def _blocks(n: int, m: int, block: int, causal: bool, window: int):
     """(row start, row end, key start, key end) of each row block: the keys some row of
-    it can see (query i sees keys i - window + 1 .. i when causal and windowed)."""
+    it can see (query i sees keys i - window + 1 .. i when causal and windowed; the
+    mask is top-left aligned, as jax's, when length != memory). A block with a row that
+    sees no key (more queries than keys, past memory + window - 1) meets every key,
+    all masked: such a row's softmax is uniform, as XLA's and NumPy's are."""
     out = []
     for s in range(0, n, block):
         e = min(n, s + block)
+        if window and e - window >= m:
+            out.append((s, e, 0, m))
+            continue
         k0 = max(0, s - window + 1) if window else 0
-        k1 = e if causal else m
+        k1 = min(e, m) if causal else m
         out.append((s, e, k0, k1))
     return out
+
+
+def _anchored(blk, m: int, causal: bool, window: int) -> bool:
+    """Whether every row of a block sees its anchor key (`_own_logits`: its own, or the
+    last key for rows past memory), the key a causal row's softmax is shifted by."""
+    return causal and not (window and blk[1] - window >= m)
 
 
 # Logits per tile (kv_heads x group x rows x keys) at most: 2 MB of float32, 512 keys
@@ -145,44 +160,78 @@ def _rows(x, g):
 
 
 def _own_logits(qs, k, bias):
-    """Each row's logit against its own key, (kv_heads, group, length): the shift of a
-    causal row's softmax (`_forward`). Rows see their own key under a causal mask and
-    any window; the kernel's rows and keys both start at position 0."""
-    n = qs.shape[2]
-    own = jnp.einsum("hgnd,hnd->hgn", qs, k[:, :n])
+    """Each row's logit against its anchor key, (kv_heads, group, length): the shift of
+    a causal row's softmax (`_forward`). The anchor is the row's own key, or the last
+    key for rows past memory (more queries than keys): a key every causal row sees
+    (`_anchored` says which blocks' rows may not, under a window)."""
+    n, m = qs.shape[2], k.shape[1]
+    if n <= m:
+        own = jnp.einsum("hgnd,hnd->hgn", qs, k[:, :n])
+        if bias is None:
+            return own
+        if bias.shape[2] == 1:  # one row of bias for every query
+            return own + bias[:, :, 0, :n]
+        return own + jnp.diagonal(bias[:, :, :, :n], axis1=2, axis2=3)
+    anchor = np.minimum(np.arange(n), m - 1)
+    own = jnp.einsum("hgnd,hnd->hgn", qs, k[:, anchor])
     if bias is None:
         return own
-    if bias.shape[2] == 1:  # one row of bias for every query
-        return own + bias[:, :, 0, :n]
-    return own + jnp.diagonal(bias[:, :, :, :n], axis1=2, axis2=3)
+    rows = np.zeros(n, int) if bias.shape[2] == 1 else np.arange(n)
+    return own + bias[:, :, rows, anchor]
+
+
+# The largest sum of a row's shifted terms its shift is trusted with (`_trusted`): far
+# below float32's overflow (2**128), and its reciprocal 2**-100 far above the smallest
+# normal float (2**-126), which XLA's x / y as x * (1 / y) would flush to zero.
+SUM_MAX = 2.0**100
+
+
+def _trusted(o, d: int):
+    """Whether a row block's products with its rows' own-key shift, o = exp(logits -
+    shift) @ [v, 1], are exact (else it is computed again, `_normalized`). Proof:
+    the terms exp(x) are >= 0 and the last column sums them with weight 1, and a
+    float sum of non-negative terms is at least each of them; so a sum in [1/2,
+    SUM_MAX] means no term overflowed or reached the top of exp's range (an overflow
+    is inf, and inf never turns finite again under + and *), and the largest term is at
+    least 1 / (2 * keys), so the terms that matter are normal floats, as under a max
+    shift; the products with v are finite when every column is (an overflow or inf * 0
+    leaves inf or NaN there); dividing by the sum multiplies by a normal 1 / sum. The
+    backward pass's probabilities exp(logit - shift - log(sum)) are at most about 1
+    whatever the shift. A sum that is not in range (a row's key more than about 69
+    above its own) is no error, only a block computed twice. The test of the sums
+    alone missed the band where they were finite but above 2**126 (a zero reciprocal,
+    rows of zeros) or the products infinite (issue 38)."""
+    sums = o[..., d]
+    return jnp.isfinite(o[..., :d]).all() & ((sums >= 0.5) & (sums <= SUM_MAX)).all()
 
 
 def _forward(q, k, v, bias, scale, causal, window, block):
-    """The output (kv_heads, group, length, d) and each row's log-sum-exp of its logits,
-    which the backward pass's probabilities are exp(logit - lse) of.
+    """The output (kv_heads, group, length, d) and each row's shift and log of its sum
+    of exp(logit - shift), which the backward pass's probabilities are exp(logit -
+    shift - log-sum) of (kept apart: a row whose keys are all masked has a shift of
+    about -1e30, which its log-sum would not change in float32).
 
     Under a causal mask each row's softmax is shifted by the row's logit against its own
     key (`_own_logits`, outside the fused kernel) rather than by its max: the row's sum
     is then at least 1 (its own key's term), so nothing underflows, and the kernel is a
     dot, exp and dot with no reduction in it, which XLA:CPU runs 5-10% faster, and the
     log-sum-exp follows without exporting a max from the kernel (which split it in
-    two). A block where some row's logit exceeds its own by more than float32's exp can
-    take (about 88), its sums infinite, is computed again with each row's max
-    (`_shifted_by_max`), as is every block without a causal mask."""
+    two). A block whose sums `_trusted` does not trust (some row's logit far above its
+    own) is computed again with each row's max, normalized before the product with v
+    (`_normalized`); every block without a causal mask is shifted by its max
+    (`_shifted_by_max`), and computed again so only when its products overflow."""
     blocks = _blocks(q.shape[2], k.shape[1], block, causal, window)
     table = _mask_table(blocks, causal, window)
     qs = q * scale
-    g, d = q.shape[1], v.shape[2]
+    g, d, m = q.shape[1], v.shape[2], k.shape[1]
     # v with a column of ones: the second product gives each row's sum of exp too,
     # inside the same fused kernel (a separate sum reduced p again: 1.4x slower)
     v1 = jnp.concatenate([v, jnp.ones((*v.shape[:2], 1), v.dtype)], 2)
-    own = _own_logits(qs, k, bias) if causal and q.shape[2] <= k.shape[1] else None
-    outs, lses, at = [], [], 0
+    own = _own_logits(qs, k, bias) if causal else None
+    outs, shifts, logsums, at = [], [], [], 0
     for blk in blocks:
-        exact = lambda blk=blk, at=at: _shifted_by_max(qs, k, bias, table, blk, at, v1)
-        if own is None:
-            o, c = exact()
-        else:
+        exact = lambda blk=blk, at=at: _normalized(qs, k, bias, table, blk, at, v1)
+        if _anchored(blk, m, causal, window):
             c = _cut(own, at, {2: blk[:2]}).reshape(q.shape[0], -1, 1)
             o = None
             for tile, hidden in _tiles(blk, g * q.shape[0], causal, window, len(blocks)):
@@ -190,19 +239,39 @@ def _forward(q, k, v, bias, scale, causal, window, block):
                 t = jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), _cut(v1, at, {1: tile[2:]}))
                 o = t if o is None else o + t
                 at = _after(t)
-            o, c = jax.lax.cond(jnp.isfinite(o[..., d:]).all(), lambda o=o, c=c: (o, c), exact)
+            ok = _trusted(o, d)
+        else:
+            o, c = _shifted_by_max(qs, k, bias, table, blk, at, v1)
+            ok = jnp.isfinite(o).all()  # the max's term is 1: the sums are in [1, keys]
+        kept = lambda o=o, c=c: (o[..., :d] / o[..., d:], c, jnp.log(o[..., d:]))
+        o, c, ls = jax.lax.cond(ok, kept, exact)
         at = _after(o)
-        outs.append(_rows(o[..., :d] / o[..., d:], g))
-        lses.append(_rows(c[..., 0] + jnp.log(o[..., d]), g))
-    return jnp.concatenate(outs, 2), jnp.concatenate(lses, 2)
+        outs.append(_rows(o, g))
+        shifts.append(_rows(c[..., 0], g))
+        logsums.append(_rows(ls[..., 0], g))
+    return tuple(jnp.concatenate(x, 2) for x in (outs, shifts, logsums))
 
 
 def _shifted_by_max(qs, k, bias, table, blk, at, v1):
     """One row block's (p @ [v, 1], shift) with each row's softmax shifted by its max
-    logit, all its keys at once: exact for any logits."""
+    logit, all its keys at once: exact unless the products with v overflow."""
     sc = _logits(qs, k, bias, table, blk, at)
     c = sc.max(-1, keepdims=True)
     return jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), _cut(v1, at, {1: blk[2:]})), c
+
+
+def _normalized(qs, k, bias, table, blk, at, v1):
+    """One row block's (output, shift, log-sum) with each row's softmax shifted by its
+    max and divided by its sum before the product with v, as XLA's softmax: exact for
+    any finite logits and values (the weights are in [0, 1] and sum to 1, so no partial
+    sum of the product exceeds the largest |v|)."""
+    sc = _logits(qs, k, bias, table, blk, at)
+    c = sc.max(-1, keepdims=True)
+    p = jnp.exp(sc - c)
+    sums = p.sum(-1, keepdims=True)
+    d = v1.shape[2] - 1
+    out = jnp.einsum("hqm,hmd->hqd", p / sums, _cut(v1, at, {1: blk[2:]})[..., :d])
+    return out, c, jnp.log(sums)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -213,8 +282,8 @@ def attention(q, k, v, bias, scale: float, causal: bool, window: int, block: int
 
 
 def _attention_fwd(q, k, v, bias, scale, causal, window, block):
-    out, lses = _forward(q, k, v, bias, scale, causal, window, block)
-    return out, (q, k, v, bias, out, lses)
+    out, shifts, logsums = _forward(q, k, v, bias, scale, causal, window, block)
+    return out, (q, k, v, bias, out, shifts, logsums)
 
 
 def _attention_bwd(scale, causal, window, block, res, dout):
@@ -223,7 +292,7 @@ def _attention_bwd(scale, causal, window, block, res, dout):
     would keep every block's logits alive from one pass to the other, memory quadratic
     in length), and in which every product is one XLA:CPU runs fast (see the module's
     docstring)."""
-    q, k, v, bias, out, lses = res
+    q, k, v, bias, out, shifts, logsums = res
     qs = q * scale
     h, g, n, d = q.shape
     m = k.shape[1]
@@ -237,8 +306,16 @@ def _attention_bwd(scale, causal, window, block, res, dout):
         s, e = blk[:2]
         r = e - s
         qb, do = (_cut(x, at, {2: (s, e)}).reshape(h, g * r, d) for x in (qs, dout))
-        lse = _cut(lses, at, {2: (s, e)}).reshape(h, 1, g * r)
-        ddb = _cut(dd, at, {2: (s, e)}).reshape(h, 1, g * r)
+        shift, logsum, ddb = (
+            _cut(x, at, {2: (s, e)}).reshape(h, 1, g * r) for x in (shifts, logsums, dd)
+        )
+        # exp(logit - lse) with lse = shift + log-sum rounded, times what the rounding
+        # took (exp(lse - shift - log-sum), 1 but for far larger shifts: a row whose
+        # keys are all masked, about -1e30 + log(keys)) is exact: that factor, one per
+        # row, goes into dout and dd rather than a second subtraction into every logit
+        lse = shift + logsum
+        fix = jnp.exp(lse - shift - logsum)
+        do, ddb = do * fix.reshape(h, g * r, 1), ddb * fix
         dq_rows = None
         for (_, _, k0, k1), hidden in _tiles(blk, h * g, causal, window, len(blocks)):
             keys = k1 - k0
@@ -250,11 +327,15 @@ def _attention_bwd(scale, causal, window, block, res, dout):
             if mask is not None and hidden:
                 cut = _cut(mask, at, {0: (0, r), 1: (c0 - s + k0, c0 - s + k1)})
                 sc = sc + cut.T[:, None, :]
-            # no max over the keys again: the forward's log-sum-exp
+            # no max over the keys again: the forward's shift and log-sum
             p = jnp.exp(sc.reshape(h, keys, g * r) - lse)
             dv = dv.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", p, do))
             dp = jnp.einsum("hmd,hqd->hmq", vb, do)
             ds = p * (dp - ddb)  # the logits' gradient
+            if window and e - window >= m:
+                # rows that see no key are uniform whatever their logits (as XLA's and
+                # NumPy's masks, which replace the logits): none of the gradient
+                ds = ds * np.tile(np.arange(s, e) - window + 1 < m, g).astype(np.float32)
             dk = dk.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", ds, qb))
             t = jnp.einsum("hmd,hmq->hdq", kb, ds)
             dq_rows = t if dq_rows is None else dq_rows + t

@@ -1,9 +1,10 @@
 """namedmesh.flash, the row-block attention kernel nm.dot_product_attention runs on CPU
 for long self-attention: values against NumPy's full softmax and gradients (q, k, v and
 the bias) against jax's autodiff of the same full softmax, for causal masks, windows,
-grouped heads, lengths the row block does not divide and both kinds of bias; bfloat16
-through nm.dot_product_attention; under layouts that split heads; memory linear in
-length; which kernel "auto" picks, and an unknown kernel refused by name."""
+grouped heads, lengths the row block does not divide, more queries than keys and both
+kinds of bias; a row whose keys a bias masks all, against XLA's kernel; bfloat16 through
+nm.dot_product_attention; under layouts that split heads; memory linear in length; which
+kernel "auto" picks, and an unknown kernel refused by name."""
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ NEG = -1e9
 
 def reference(q, k, v, bias, causal, window, scale, xp):
     """Full softmax attention on q (h, g, n, d), k and v (h, m, d), bias (h, g, n|1, m),
-    written apart from the kernel: the whole (n, m) logits, masked by position."""
+    written apart from the kernel: the whole (n, m) logits, masked by position (the
+    mask replaces logits, as XLA's: a row that sees no key is uniform)."""
     n, m = q.shape[2], k.shape[1]
     i, j = np.arange(n)[:, None], np.arange(m)[None, :]
     ok = np.ones((n, m), bool)
@@ -30,9 +32,10 @@ def reference(q, k, v, bias, causal, window, scale, xp):
         ok &= j <= i
     if window:
         ok &= j > i - window
-    s = xp.einsum("hgnd,hmd->hgnm", q, k) * scale + xp.where(ok, 0.0, NEG)
+    s = xp.einsum("hgnd,hmd->hgnm", q, k) * scale
     if bias is not None:
         s = s + bias
+    s = xp.where(ok, s, NEG)
     w = xp.exp(s - s.max(-1, keepdims=True))
     return xp.einsum("hgnm,hmd->hgnd", w / w.sum(-1, keepdims=True), v)
 
@@ -43,6 +46,8 @@ CASES = {  # name: (length, memory, group, block, causal, window, bias rows (0: 
     "causal + window wider than a block, padding bias": (13, 13, 1, 3, True, 7, 1),
     "window alone (keys after the query too)": (10, 10, 2, 4, False, 4, 0),
     "cross-attention: 6 queries over 9 keys, bias": (6, 9, 1, 4, False, 0, 6),
+    # rows 4.. past memory shift by the last key; rows 6.. see no key (uniform)
+    "causal + window 3, 9 queries over 4 keys, per-row bias": (9, 4, 2, 3, True, 3, 9),
     # key 6 sees every later row's logit over 88 above the row's own: those blocks'
     # sums overflow when shifted by the own logit, and are computed again by the max
     "causal, key 6 far above the rows' own logits": (11, 11, 1, 4, True, 0, 0),
@@ -88,6 +93,28 @@ def test_flash_equals_full_softmax_values_and_gradients(case, tiles, monkeypatch
     for name, a, b in zip("q k v bias".split(), grads, ref_grads, strict=True):
         if b is not None:
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), 1e-4, atol, err_msg=name)
+
+
+def test_a_row_masked_whole_by_its_bias_equals_xlas_kernel():
+    """A query whose every key a padding bias of -1e9 hides: its logits round to one
+    value, so XLA's softmax is uniform. Its shift (about -1e9) rounds log(keys) away in
+    a log-sum-exp, which made each of its probabilities 1, not 1/keys, in the backward
+    pass: values and gradients equal XLA's (jax.nn.dot_product_attention's autodiff)."""
+    q, k, v = (R.normal(size=(1, 6, 2, 4)).astype(np.float32) for _ in range(3))
+    bias = np.zeros((1, 2, 6, 6), np.float32)
+    bias[:, :, 3] = NEG  # query 3 sees no key
+    w = R.normal(size=q.shape).astype(np.float32)
+
+    def value_and_grads(kernel):
+        run = lambda *x: attention.KERNELS[kernel](*x, scale=0.5, causal=True, window=0)
+        out, pull = jax.vjp(run, q, k, v, bias)
+        return out, pull(w)
+
+    both = jax.jit(lambda: [value_and_grads(name) for name in ("flash", "xla")])()
+    (got, grads), (want, xla_grads) = both
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for name, a, b in zip("q k v bias".split(), grads, xla_grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_flash_bfloat16_and_float16_through_dot_product_attention():

@@ -135,3 +135,50 @@ def test_fused_on_numpy_low_precision_and_integers_computes_in_float():
         want = np.einsum("hlm,hmd->hld", p / p.sum(-1, keepdims=True), k32)
         assert got.data.dtype == want_dtype, dt
         np.testing.assert_allclose(np.asarray(got.data, np.float32), want, rtol=tol, atol=tol)
+
+
+def cli_choices(flag: str) -> tuple:
+    """The values `namedmesh train` offers for `flag`."""
+    from models import train
+
+    (action,) = [a for a in train.parser()._actions if flag in a.option_strings]
+    return tuple(action.choices)
+
+
+def test_every_cli_dtype_works_with_every_attention_kernel(monkeypatch):
+    """Issue 38: each --dtype with each --attention (the fused kernel both ways on CPU:
+    XLA's below attention.FLASH_FROM tokens, flash from it), rotary positions (q and k
+    rotated in float32 beside bfloat16 values: the fused kernel's traceback) and a
+    sliding window: the LM's loss and gradients equal float32 full attention's to the
+    dtype's rounding, or Config refuses the pair naming both."""
+    from namedmesh import attention
+
+    base = CFG.replace(layers=1, positions="rotary", sliding_window=5)
+    params = transformer.init(transformer.lm_shapes(base), 0)
+    batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(base).items()}
+    runs = [(base, attention.FLASH_FROM)]  # float32 full attention: the oracle
+    for dtype in cli_choices("--dtype"):
+        for kernel in cli_choices("--attention"):
+            try:
+                cfg = base.replace(dtype=dtype, attention=kernel)
+            except ConfigError as e:  # refused: by name
+                assert dtype in str(e) and kernel in str(e), e
+                continue
+            runs += [(cfg, 4), (cfg, attention.FLASH_FROM)] if kernel == "fused" else [(cfg, 0)]
+
+    def each(p, b):
+        out = []
+        for cfg, flash_from in runs:  # "auto" reads FLASH_FROM as each loss is traced
+            monkeypatch.setattr(attention, "FLASH_FROM", flash_from)
+            out.append(jax.value_and_grad(lambda p, c=cfg: transformer.lm_loss(p, b, c).data)(p))
+        return out
+
+    (want, g_want), *got = jax.jit(each)(params, batch)  # one compile
+    assert len(got) == len(cli_choices("--dtype")) * (len(cli_choices("--attention")) + 1)
+    for (cfg, flash_from), (loss, grads) in zip(runs[1:], got, strict=True):
+        tol = 1e-5 if cfg.dtype == "float32" else 2e-2
+        what = f"{cfg.dtype} {cfg.attention} {flash_from}"
+        np.testing.assert_allclose(loss, want, rtol=tol, err_msg=what)
+        for a, b in zip(jax.tree.leaves(g_want), jax.tree.leaves(grads), strict=True):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(b, a, atol=30 * tol * np.abs(a).max(), err_msg=what)
