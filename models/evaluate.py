@@ -23,6 +23,7 @@ from pathlib import Path
 
 from models import cluster
 from models.train import (
+    CLUSTER_RANGES,
     COUNT,
     Parser,
     Range,
@@ -33,7 +34,12 @@ from models.train import (
 )
 
 # Every numeric flag's allowed values, checked before the model is read (models/train.py)
-RANGES = {"batch": Range(1, COUNT), "length": Range(1, COUNT), "max_batches": Range(1, COUNT)}
+RANGES = {
+    "batch": Range(1, COUNT),
+    "length": Range(1, COUNT),
+    "max_batches": Range(1, COUNT),
+    **CLUSTER_RANGES,
+}
 
 
 def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Namespace:

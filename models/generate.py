@@ -38,6 +38,7 @@ from models import checkpoint, cluster, config, data, files, folder_tokens, hub,
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.sampling import Sampling
 from models.train import (
+    CLUSTER_RANGES,
     COUNT,
     Parser,
     Range,
@@ -142,6 +143,7 @@ RANGES = {
     "beams": Range(1, 1 << 16),
     "seed": Range(0, 2**32 - 1),
     "top_k": Range(0, COUNT),
+    **CLUSTER_RANGES,
 }
 
 

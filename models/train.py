@@ -83,6 +83,10 @@ class Range(NamedTuple):
 # schedule counts to warmup + 1 in one, and no tokenizer, batch or sequence is larger.
 COUNT = 10**9
 
+# The joining flags every subcommand takes (models/cluster.py checks the id against the
+# count)
+CLUSTER_RANGES = {"num_processes": Range(1, MAX_DEVICES), "process_id": Range(0, MAX_DEVICES)}
+
 # Every numeric flag's allowed values, checked before anything is read or compiled (None
 # values mean "the config's" and are not checked).
 RANGES = {
@@ -102,8 +106,7 @@ RANGES = {
     "save_every": Range(1, COUNT),
     "skip_nonfinite": Range(0, COUNT),
     "step_timeout": Range(0, open_low=True),
-    "num_processes": Range(1, MAX_DEVICES),
-    "process_id": Range(0, MAX_DEVICES),  # below --num-processes: models/cluster.py
+    **CLUSTER_RANGES,
 }
 
 # Config fields that a flag sets: `--set FIELD=` beside the flag is refused (which
