@@ -88,13 +88,17 @@ class Model:
         top_k: int = 0,
         stop: str | Sequence[str] | None = None,
         seed: int = 0,
-    ) -> str | list[str]:
+        details: bool = False,
+    ) -> str | list[str] | dict | list[dict]:
         """The continuation of each prompt (without the prompt): a str for a str, a list
         for a list, decoded as one batch. temperature 0 is greedy; above 0, tokens are
         drawn from softmax(logits / temperature) within the top_k likeliest (0: all) and
         the top_p nucleus, by `seed`. A row ends at an end id (`.eos`), at the first
         occurrence of a `stop` string (cut from its text), after `max_new_tokens` or when
-        it fills the model's length (`config.length`, prompt included)."""
+        it fills the model's length (`config.length`, prompt included). ParameterError
+        for top_k or top_p with temperature 0, where they would be ignored. With
+        `details`, each prompt's `--jsonl` object instead of its text: prompt, text, tokens
+        (the new ids, without an end id), finish_reason ("stop", "eos" or "length")."""
         one = isinstance(prompts, str)
         texts = [prompts] if one else list(prompts)
         if not all(isinstance(t, str) for t in texts):
@@ -102,6 +106,11 @@ class Model:
         if not isinstance(temperature, int | float) or temperature < 0:
             raise ParameterError(f"temperature must be a number >= 0, got {temperature!r}")
         mode = "greedy" if temperature == 0 else "sample"
+        if mode == "greedy" and (top_k, top_p) != (0, 1.0):  # else ignored without a word
+            raise ParameterError(
+                f"top_k={top_k!r}, top_p={top_p!r} filter a sample: give temperature > 0 "
+                "(temperature 0 is greedy)"
+            )
         sampling = Sampling(temperature, top_k, top_p) if mode == "sample" else None
         cont = Continuations(self.tokenizer, len(texts), self.eos, check_stops(stop))
         dec = self.decoder()
@@ -110,7 +119,8 @@ class Model:
             dec, ids, cont, start=self.start, mode=mode, max_new=max_new_tokens,
             max_length=dec.slots, sampling=sampling, seed=seed,
         )  # fmt: skip
-        return cont.texts[0] if one else cont.texts
+        out = [generate.record(t, cont, i) for i, t in enumerate(texts)] if details else cont.texts
+        return out[0] if one else out
 
     def decoder(self) -> Decoder:
         """The `Decoder` of these parameters (made once: its compiled steps are kept)."""

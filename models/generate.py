@@ -6,6 +6,8 @@
         --temperature 0.8 --top-k 40 --top-p 0.9 --eos 10 --max-length 64
     python -m models.generate --checkpoint path/to/instruct --chat --prompt "Hi" \\
         --mesh data=1,model=4 --layout "heads:model;d_ff:model"
+    python -m models.generate --checkpoint runs/tiny --prompt "The" --stream --stop $'\\n\\n'
+    python -m models.generate --checkpoint runs/tiny --prompts prompts.txt --jsonl --stop "."
 
 The prompts (one per line of --prompts) decode as one batch: one forward pass over
 the right-padded prompts fills a KV cache of --max-length slots per layer (prefill),
@@ -17,6 +19,13 @@ draws from softmax(logits / T) restricted to the --top-k likeliest tokens and th
 --top-p nucleus; beam (one prompt) keeps the --beams likeliest continuations. A T5
 folder encodes each prompt once and decodes from its decoder start token,
 cross-attending to the encoding.
+
+Output: each prompt and its continuation, a blank line between continuations; --stop
+TEXT (repeatable) ends a row at the first occurrence of any, cut from its text; --jsonl
+prints one object per prompt (prompt, text, tokens, finish_reason: stop, eos or
+length); --stream prints one prompt's text as it is decoded (models/continuations.py
+holds back what is not final). `continue_prompts` is the decoding both this command
+and `models.load(...).generate` (models/api.py) run.
 
 A Hugging Face folder (or a run fine-tuned from one, which keeps the base's files in
 OUT/base) brings its tokenizer, its EOS ids (generation_config.json, config.json: the
@@ -302,10 +311,10 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         # the prompt itself is printed before a decoder LM's continuation (not a T5's
         # output or a chat reply)
         shown = ["" if start is not None or args.chat else t for t in texts]
-        stream = None
-        if args.stream:
-            show(shown[0])
-            stream = lambda row, piece: show(piece)  # noqa: E731
+        pending = [shown[0]] if args.stream else []  # the prompt, shown with the first piece
+        stream = (lambda row, piece: show((pending.pop() if pending else "") + piece)) if (
+            args.stream
+        ) else None  # fmt: skip
         cont = Continuations(tokenizer, len(prompts), ends, stops, on_text=stream)
         continue_prompts(
             dec, prompts, cont, start=start, mode=args.mode, max_new=args.max_new,
@@ -314,7 +323,7 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
     except (*user_errors(), KeyError) as e:
         return cluster.ended(fail(e, 2, name), several)
     if args.stream:
-        show("\n")
+        show((pending.pop() if pending else "") + "\n")
     elif args.jsonl:
         for i, text in enumerate(texts):
             cluster.say(json.dumps(record(text, cont, i), ensure_ascii=False))

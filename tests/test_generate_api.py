@@ -57,6 +57,9 @@ def wants(hf):
 def test_load_generates_and_scores_as_transformers(hf, wants):
     path, model, tok, loaded = hf
     assert loaded.generate(PROMPTS, max_new_tokens=12) == [tok.decode(w) for w in wants]
+    records = loaded.generate(PROMPTS, max_new_tokens=12, details=True)
+    assert [r["tokens"] for r in records] == wants
+    assert [r["finish_reason"] for r in records] == ["length", "length"]
     assert loaded.generate(PROMPTS[1], max_new_tokens=12) == tok.decode(wants[1])  # str: str
     # sampling from the single likeliest token is greedy
     one = loaded.generate(PROMPTS, max_new_tokens=12, temperature=0.7, top_k=1, seed=3)
@@ -159,3 +162,4 @@ def test_streamed_pieces_are_whole_characters_and_never_a_pending_stop_string():
             assert ended == len(text[: first[0]].encode())
         else:
             assert ended is None
+
