@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import models  # noqa: E402
+from lowering import Mesh  # noqa: E402
 from models import data  # noqa: E402
 from models import generate as gen  # noqa: E402
 from models.api import LoadError  # noqa: E402
@@ -77,6 +78,16 @@ def test_load_generates_and_scores_as_transformers(hf, wants):
         models.load(path.parent / "nothing")
 
 
+def test_load_on_a_mesh_generates_and_scores_as_one_device(hf, wants):
+    path, model, tok, loaded = hf
+    megatron = models.load(path, mesh=Mesh({"model": 2}), layout="heads:model;d_ff:model")
+    assert megatron.generate(PROMPTS, max_new_tokens=12) == [tok.decode(w) for w in wants]
+    ids = tok.encode(PROMPTS[0]).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits.numpy()[0]
+    np.testing.assert_allclose(megatron.logits(ids), want, atol=1e-4)
+
+
 @pytest.fixture
 def shared(hf, monkeypatch):
     """The command line's Decoder is the loaded model's, with its compiled programs (the
@@ -96,6 +107,9 @@ def test_jsonl_stop_and_eos_against_the_full_greedy_text(hf, wants, tmp_path, ca
     (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
     flags = ["--checkpoint", str(path), "--prompts", str(tmp_path / "p.txt"),
              "--max-new", "12", "--max-length", "64"]  # fmt: skip
+    for bad, named in ((["--stop", ""], "--stop"), (["--stream", "--jsonl"], "--stream")):
+        assert gen.main([*flags, *bad]) == 2  # refused in one line before loading
+        assert named in capsys.readouterr().err
     full = jsonl(capsys, *flags)
     assert [r["prompt"] for r in full] == PROMPTS
     assert [r["tokens"] for r in full] == wants
@@ -162,4 +176,3 @@ def test_streamed_pieces_are_whole_characters_and_never_a_pending_stop_string():
             assert ended == len(text[: first[0]].encode())
         else:
             assert ended is None
-
