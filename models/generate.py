@@ -311,10 +311,7 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         # the prompt itself is printed before a decoder LM's continuation (not a T5's
         # output or a chat reply)
         shown = ["" if start is not None or args.chat else t for t in texts]
-        pending = [shown[0]] if args.stream else []  # the prompt, shown with the first piece
-        stream = (lambda row, piece: show((pending.pop() if pending else "") + piece)) if (
-            args.stream
-        ) else None  # fmt: skip
+        stream, end_stream = streamer(shown[0]) if args.stream else (None, None)
         cont = Continuations(tokenizer, len(prompts), ends, stops, on_text=stream)
         continue_prompts(
             dec, prompts, cont, start=start, mode=args.mode, max_new=args.max_new,
@@ -323,7 +320,7 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
     except (*user_errors(), KeyError) as e:
         return cluster.ended(fail(e, 2, name), several)
     if args.stream:
-        show((pending.pop() if pending else "") + "\n")
+        end_stream()
     elif args.jsonl:
         for i, text in enumerate(texts):
             cluster.say(json.dumps(record(text, cont, i), ensure_ascii=False))
@@ -344,6 +341,18 @@ def check_output(args, prompts: int) -> None:
         raise ParameterError(
             f"--stream prints one prompt's tokens as they are chosen; {what} (use --jsonl)"
         )
+
+
+def streamer(prompt: str):
+    """(on_text, end) of --stream: on_text(row, piece) prints a piece of the text, the
+    prompt before the first (so that a prompt decoding refuses prints nothing); end()
+    prints the newline (and the prompt, if no piece came)."""
+    pending = [prompt]
+
+    def on_text(row: int, piece: str) -> None:
+        show((pending.pop() if pending else "") + piece)
+
+    return on_text, lambda: on_text(0, "\n")
 
 
 def show(text: str) -> None:
