@@ -7,7 +7,7 @@ one device or lowered under a mesh and layout. The command line is models/genera
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -427,6 +427,7 @@ class Decoder:
         eos: int | Sequence[int] | None = None,
         max_length: int | None = None,
         seed: int = 0,
+        on_step: Callable[[np.ndarray, np.ndarray], np.ndarray | None] | None = None,
     ) -> np.ndarray:
         """New tokens (batch, steps) after a batch of prompts (token lists of any
         lengths; an encoder-decoder's decoder start after `encode`), one prefill pass
@@ -435,7 +436,11 @@ class Decoder:
         finishes at an end id (`eos`: one id or several, as Llama 3's folders list) or when
         it holds `max_length` tokens (prompt included; <= slots, default slots) and emits
         the first end id (0 without one) from then on; decoding ends after `max_new` steps
-        or when every row has finished, so steps <= max_new."""
+        or when every row has finished, so steps <= max_new. `on_step(tokens, live)`, if
+        given, sees each step's tokens (batch,) as they are chosen, `live` marking the
+        rows whose token is new (not a finished row's filler), and may return a boolean
+        mask of rows to finish there (a stop string: models/continuations.py); the
+        compiled programs are the same with or without it."""
         if mode not in ("greedy", "sample"):
             raise ParameterError(f"mode (--mode) of a batch must be greedy or sample, got {mode!r}")
         if sampling is not None and mode != "sample":
@@ -455,7 +460,10 @@ class Decoder:
                 break
             tok = np.where(done, fill, tok)
             out.append(tok)
+            live = ~done
             done = done | np.isin(tok, ends) | (count + 1 >= limit)
+            if on_step is not None and (ended := on_step(tok, live)) is not None:
+                done = done | ended
             if i + 1 < max_new and not done.all():  # finished rows rewrite their last slot
                 at = np.minimum(count, limit - 1)
                 tok, cache = self.step_tokens(tok, at, cache, draw(i + 1), how)
@@ -506,9 +514,11 @@ class Decoder:
         top_p: float = 1.0,
         eos: int | Sequence[int] | None = None,
         seed: int = 0,
+        on_step: Callable[[np.ndarray, np.ndarray], np.ndarray | None] | None = None,
     ) -> list[int]:
         """One prompt's continuation: `max_new` new tokens, fewer when an end id
-        (`eos`, one or several) ends it (the end id included). A prompt longer than the
+        (`eos`, one or several) ends it (the end id included) or `on_step` (as in
+        `decode`, on one row; not with beam) returns a true mask. A prompt longer than the
         cache is cut to its last `slots` tokens; past the cache's slots, the last half of
         the text is written into a fresh cache and decoding goes on (positions restart at
         0, as in training)."""
@@ -526,7 +536,8 @@ class Decoder:
         out = []
         for i in range(max_new):
             out.append(int(self._choose(jnp.asarray(logp), jax.random.fold_in(key, i), how)[0]))
-            if out[-1] in ends:
+            ended = None if on_step is None else on_step(np.asarray(out[-1:]), np.ones(1, bool))
+            if out[-1] in ends or (ended is not None and ended[0]):
                 break
             rows = np.concatenate([rows, [[out[-1]]]], axis=1)
             logp, cache, pos = self._advance(rows, cache, pos)

@@ -6,6 +6,8 @@
         --temperature 0.8 --top-k 40 --top-p 0.9 --eos 10 --max-length 64
     python -m models.generate --checkpoint path/to/instruct --chat --prompt "Hi" \\
         --mesh data=1,model=4 --layout "heads:model;d_ff:model"
+    python -m models.generate --checkpoint runs/tiny --prompt "The" --stream --stop $'\\n\\n'
+    python -m models.generate --checkpoint runs/tiny --prompts prompts.txt --jsonl --stop "."
 
 The prompts (one per line of --prompts) decode as one batch: one forward pass over
 the right-padded prompts fills a KV cache of --max-length slots per layer (prefill),
@@ -18,6 +20,13 @@ draws from softmax(logits / T) restricted to the --top-k likeliest tokens and th
 folder encodes each prompt once and decodes from its decoder start token,
 cross-attending to the encoding.
 
+Output: each prompt and its continuation, a blank line between continuations; --stop
+TEXT (repeatable) ends a row at the first occurrence of any, cut from its text; --jsonl
+prints one object per prompt (prompt, text, tokens, finish_reason: stop, eos or
+length); --stream prints one prompt's text as it is decoded (models/continuations.py
+holds back what is not final). `continue_prompts` is the decoding both this command
+and `models.load(...).generate` (models/api.py) run.
+
 A Hugging Face folder (or a run fine-tuned from one, which keeps the base's files in
 OUT/base) brings its tokenizer, its EOS ids (generation_config.json, config.json: the
 default --eos; a row ends at any of them) and its chat template (--chat renders the
@@ -27,6 +36,7 @@ prompt as one user turn of it), as models/folder_tokens.py reads them.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -35,6 +45,7 @@ import jax
 
 from lowering import Mesh
 from models import checkpoint, cluster, config, data, files, folder_tokens, hub, transformer, zoo
+from models.continuations import Continuations, check_stops
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.sampling import Sampling
 from models.train import (
@@ -49,7 +60,16 @@ from models.train import (
 )
 from namedmesh.errors import ParameterError
 
-__all__ = ["Decoder", "decode_step", "init_cache", "prefill_step", "load", "main"]
+__all__ = [
+    "Decoder",
+    "decode_step",
+    "init_cache",
+    "prefill_step",
+    "load",
+    "continue_prompts",
+    "end_ids",
+    "main",
+]
 
 
 def load(run: str | Path, step: int | None = None):
@@ -204,6 +224,22 @@ def arguments(argv=None, prog: str = "python -m models.generate"):
     p.add_argument("--layout", default="", help='rules like "heads:model;d_ff:model" (with --mesh)')
     p.add_argument("--beams", type=int, default=4, help="beam: the beam's width")
     p.add_argument("--seed", type=int, default=0, help="sample: the random seed")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end a row at the first occurrence of TEXT, cut from its text (repeatable: any)",
+    )
+    p.add_argument(
+        "--stream", action="store_true", help="print the text as it is decoded (one prompt)"
+    )
+    p.add_argument(
+        "--jsonl",
+        action="store_true",
+        help="print one JSON object per prompt: prompt, text, tokens, finish_reason "
+        "(stop, eos or length)",
+    )
     cluster.add_flags(p)
     return p.parse_args(argv)
 
@@ -233,6 +269,20 @@ def encode_prompts(texts, tokenizer, folder: Path | None, chat: bool) -> list[li
     return [tokenizer.tok.encode(t, add_special_tokens=False).ids for t in rendered]
 
 
+def end_ids(eos: str | None, tokenizer, folder: Path | None, vocab: int) -> list[int]:
+    """The ids that end a row: --eos's (`eos_of`; ParameterError for one outside the
+    vocabulary, which would never end a row), or by default the folder's within it (a
+    folder's id past the vocabulary is never decoded: GPT-2's 50256 on a smaller one)."""
+    ends = eos_of(eos, tokenizer, folder)
+    if eos is None:
+        return [e for e in ends if 0 <= e < vocab]
+    if outside := [e for e in ends if not 0 <= e < vocab]:
+        raise ParameterError(
+            f"--eos {eos}: id {outside[0]} is not in the model's vocabulary (0 to {vocab - 1})"
+        )
+    return ends
+
+
 def main(argv=None, prog: str = "python -m models.generate") -> int:
     args = arguments(argv, prog)
     name = prog.removeprefix("python -m ")
@@ -246,70 +296,121 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         if complaint := check_ranges(args, RANGES):
             raise ParameterError(complaint)
         sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before loading
+        stops = check_stops(args.stop, "--stop")
         texts = read_prompts(args.prompts) if args.prompts else [args.prompt]
-        if args.mode == "beam" and len(texts) > 1:
-            raise ParameterError("--mode beam decodes one prompt; --prompts gave several")
+        check_output(args, len(texts))
         if args.layout and not args.mesh:
             raise ParameterError("--layout places the model on a --mesh; pass --mesh too")
         params, cfg, tokenizer = load(args.checkpoint)
         folder = base_folder(args.checkpoint)  # its template and ids, read before compiling
         prompts = encode_prompts(texts, tokenizer, folder, args.chat)
-        ends = eos_of(args.eos, tokenizer, folder)
-        if args.eos is None:  # a folder's id past the vocabulary is never decoded (GPT-2's
-            ends = [e for e in ends if 0 <= e < cfg.vocab]  # 50256 on a smaller vocab)
-        elif outside := [e for e in ends if not 0 <= e < cfg.vocab]:  # would never end a row
-            raise ParameterError(
-                f"--eos {args.eos}: id {outside[0]} is not in the model's vocabulary (0 to "
-                f"{cfg.vocab - 1})"
-            )
+        ends = end_ids(args.eos, tokenizer, folder, cfg.vocab)
         start = decoder_start(args.checkpoint)
         mesh = Mesh(args.mesh, devices=jax.local_devices()) if args.mesh else None
         if mesh is not None:  # on the host, for the lowered programs to lay out
             params = jax.device_get(params)
         dec = Decoder(params, cfg, slots=args.max_length, mesh=mesh, layout=args.layout)
-        outputs = _decode(dec, prompts, start, sampling, ends, args)
+        # the prompt itself is printed before a decoder LM's continuation (not a T5's
+        # output or a chat reply)
+        shown = ["" if start is not None or args.chat else t for t in texts]
+        stream, end_stream = streamer(shown[0]) if args.stream else (None, None)
+        cont = Continuations(tokenizer, len(prompts), ends, stops, on_text=stream)
+        continue_prompts(
+            dec, prompts, cont, start=start, mode=args.mode, max_new=args.max_new,
+            max_length=args.max_length, sampling=sampling, beams=args.beams, seed=args.seed,
+        )  # fmt: skip
     except (*user_errors(), KeyError) as e:
         return cluster.ended(fail(e, 2, name), several)
-    for text, out in zip(texts, outputs, strict=True):
-        cluster.say(("" if start is not None or args.chat else text) + tokenizer.decode(out))
+    if args.stream:
+        end_stream()
+    elif args.jsonl:
+        for i, text in enumerate(texts):
+            cluster.say(json.dumps(record(text, cont, i), ensure_ascii=False))
+    else:  # a blank line between continuations: one that holds a newline stays apart
+        cluster.say("\n\n".join(s + t for s, t in zip(shown, cont.texts, strict=True)))
     return 0
 
 
-def _cut(row: list[int], ends: list[int]) -> list[int]:
-    """The row up to and without its first end id."""
-    at = [i for i, t in enumerate(row) if t in ends]
-    return row[: at[0]] if at else row
+def check_output(args, prompts: int) -> None:
+    """ParameterError for output flags that do not go together: --stream prints one
+    row's tokens (one prompt, not beam, not --jsonl)."""
+    if args.mode == "beam" and prompts > 1:
+        raise ParameterError("--mode beam decodes one prompt; --prompts gave several")
+    if args.stream and args.jsonl:
+        raise ParameterError("--stream prints text as it decodes; --jsonl prints objects: one")
+    if args.stream and (prompts > 1 or args.mode == "beam"):
+        what = "--mode beam" if args.mode == "beam" else f"--prompts gave {prompts}"
+        raise ParameterError(
+            f"--stream prints one prompt's tokens as they are chosen; {what} (use --jsonl)"
+        )
 
 
-def _decode(dec: Decoder, prompts, start, sampling, ends: list[int], args) -> list[list[int]]:
-    """Each prompt's new tokens, up to and without its first end id (any of `ends`)."""
+def streamer(prompt: str):
+    """(on_text, end) of --stream: on_text(row, piece) prints a piece of the text, the
+    prompt before the first (so that a prompt decoding refuses prints nothing); end()
+    prints the newline (and the prompt, if no piece came)."""
+    pending = [prompt]
+
+    def on_text(row: int, piece: str) -> None:
+        show((pending.pop() if pending else "") + piece)
+
+    return on_text, lambda: on_text(0, "\n")
+
+
+def show(text: str) -> None:
+    """Print `text` as it is, at once, on process 0 (a streamed piece)."""
+    if jax.process_index() == 0:
+        print(text, end="", flush=True)
+
+
+def record(prompt: str, cont: Continuations, i: int) -> dict:
+    """The --jsonl object of prompt i: its text, new tokens and finish reason."""
+    return {
+        "prompt": prompt,
+        "text": cont.texts[i],
+        "tokens": cont.tokens[i],
+        "finish_reason": cont.reasons[i],
+    }
+
+
+def continue_prompts(
+    dec: Decoder,
+    prompts: list[list[int]],
+    cont: Continuations,
+    *,
+    start: int | None = None,
+    mode: str = "greedy",
+    max_new: int,
+    max_length: int | None = None,
+    sampling: Sampling | None = None,
+    beams: int = 4,
+    seed: int = 0,
+) -> Continuations:
+    """Decode `prompts` (token lists) into `cont` (their ends, stop strings, streaming),
+    finished; an encoder-decoder's prompts are its inputs, decoded from `start`. A
+    single prompt without `max_length` (and beam) takes `Decoder.generate`'s sliding
+    window past the cache; otherwise the batch decodes in `Decoder.decode`."""
+    ends = sorted(cont.ends)
     if start is not None:  # an encoder-decoder: the prompts are its inputs
         dec.encode(prompts)
         prompts = [[start]] * len(prompts)
-    if len(prompts) == 1 and (args.mode == "beam" or args.max_length is None):
-        # one prompt without --max-length: past the cache, a sliding window (as before)
-        out = dec.generate(
-            prompts[0],
-            args.max_new,
-            args.mode,
-            beams=args.beams,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            eos=ends,
-            seed=args.seed,
-        )
-        return [_cut(out, ends)]
-    out = dec.decode(
-        prompts,
-        args.max_new,
-        args.mode,
-        sampling=sampling if args.mode == "sample" else None,
-        eos=ends,
-        max_length=args.max_length,
-        seed=args.seed,
-    )
-    return [_cut(row, ends) for row in out.tolist()]
+    sampling = sampling or Sampling()
+    if mode == "beam":  # the best beam, then its ends and stop strings
+        out = dec.generate(prompts[0], max_new, mode, beams=beams, eos=ends)
+        for t in out:
+            if cont.push([t])[0]:
+                break
+    elif len(prompts) == 1 and max_length is None:
+        dec.generate(
+            prompts[0], max_new, mode, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p, eos=ends, seed=seed, on_step=cont.push,
+        )  # fmt: skip
+    else:
+        dec.decode(
+            prompts, max_new, mode, sampling=sampling if mode == "sample" else None, eos=ends,
+            max_length=max_length, seed=seed, on_step=cont.push,
+        )  # fmt: skip
+    return cont.finish()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Decoding: the KV cache gives the logits of recomputing the whole prefix, beam search
 finds the best continuation where it can be checked exhaustively, and the
-`models.generate` command line decodes from a training run's checkpoint."""
+`models.generate` command line and `models.load` decode from a training run's checkpoint."""
 
 import itertools
 import os
@@ -11,8 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import models
 from models import config, transformer
+from models.api import LoadError
 from models.generate import Decoder
+from namedmesh.errors import ParameterError
 from tests.test_decode import full_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,3 +115,15 @@ def test_generate_command_decodes_from_a_training_run(tmp_path):
     missing = run("-m", "models.generate", "--checkpoint", str(tmp_path / "nothing"))
     assert missing.returncode == 2
     assert "models.generate: error:" in missing.stderr and "nothing" in missing.stderr
+    # models.load of the run: each token of greedy generation with the KV cache is the
+    # argmax of the full forward pass's logits over the text before it
+    loaded = models.load(out)
+    got = loaded.generate("The ", max_new_tokens=6, details=True)
+    assert got["finish_reason"] == "length" and got["prompt"] == "The "
+    assert got["text"] == loaded.tokenizer.decode(got["tokens"])
+    ids = [*loaded.tokenizer.encode("The "), *got["tokens"]]
+    assert len(ids) == 10 and (loaded.logits(ids)[3:-1].argmax(-1) == ids[4:]).all()
+    with pytest.raises(LoadError, match="run"):
+        models.load(out, step=99)
+    with pytest.raises(ParameterError, match="temperature"):
+        loaded.generate("The ", top_p=0.5)

@@ -118,7 +118,7 @@ def hf_generate(model, ids, **kw) -> np.ndarray:
 
 
 def test_generate_decodes_a_prompts_file_as_one_batch(folder, tmp_path, capsys):
-    """Two prompts of different lengths, one line each: each continuation is what
+    """Two prompts of different lengths, a blank line between: each continuation is what
     transformers writes for that prompt alone; --eos stops a row at that token."""
     from models.generate import main
 
@@ -132,12 +132,12 @@ def test_generate_decodes_a_prompts_file_as_one_batch(folder, tmp_path, capsys):
     flags = ["--checkpoint", str(path), "--prompts", str(tmp_path / "prompts.txt"),
              "--max-new", "8", "--max-length", "48"]  # fmt: skip
     assert main(flags) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.removesuffix("\n").split("\n\n")  # a blank line between
     assert lines == [t + tok.decode(w) for t, w in zip(texts, wants, strict=True)]
     eos = int(wants[0][3])  # the first prompt's fourth new token ends its row
     assert main([*flags, "--eos", str(eos)]) == 0
     first = list(wants[0])
-    assert capsys.readouterr().out.splitlines()[0] == texts[0] + tok.decode(
+    assert capsys.readouterr().out.split("\n\n")[0] == texts[0] + tok.decode(
         first[: first.index(eos)]
     )
 
@@ -171,4 +171,5 @@ def test_generate_decodes_a_t5_folder_as_transformers_does(folder, tmp_path, cap
     )[:, 1:]  # fmt: skip
     assert main(["--checkpoint", str(tmp_path / "t5"), "--prompts", str(tmp_path / "inputs.txt"),
                  "--max-new", "10", "--max-length", "11"]) == 0  # fmt: skip
-    assert capsys.readouterr().out.splitlines() == [tok.decode(w) for w in want]
+    outputs = capsys.readouterr().out.removesuffix("\n").split("\n\n")  # a blank line between
+    assert outputs == [tok.decode(w) for w in want]
