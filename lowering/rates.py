@@ -83,7 +83,8 @@ class Rates:
             raise RatesError(f"Rates {self.name!r}: " + "; ".join(faults))
 
     def compute_seconds(self, rep: Report) -> float:
-        return (rep.flops + rep.backward_flops) / self.flops_per_s
+        """Flops of the forward and backward passes and remat's recomputation."""
+        return (rep.flops + rep.backward_flops + rep.recompute_flops) / self.flops_per_s
 
     def comm_seconds(self, rep: Report) -> float:
         """Latency and bytes of every collective of the report, forward and backward."""
