@@ -66,6 +66,7 @@ class Report:
     # splitting it)
     memory_parts: dict = field(default_factory=dict)
     parameter_shards: tuple = ()
+    mesh: tuple = ()  # the mesh's (axis, size) items, major to minor
 
     @property
     def bytes(self) -> float:
@@ -138,7 +139,8 @@ def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None) -> Report:
         peak = max(peak, int(sum(parts.values())))
         axes = axes_of or (lambda v: frozenset())
         shards = tuple((local_bytes(v), v.dtype.itemsize, axes(v)) for v in wrt)
-    rep = Report(0.0, peak_memory=peak, memory_parts=parts, parameter_shards=shards)
+    rep = Report(0.0, peak_memory=peak, memory_parts=parts, parameter_shards=shards,
+                 mesh=tuple(sizes.items()))  # fmt: skip
     devices, items = math.prod(sizes.values()), tuple(sizes.items())
     rep.recompute_flops = recompute_flops(plan)
     for step in plan:

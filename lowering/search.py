@@ -186,7 +186,8 @@ class _Costing:
             tuple(dict.fromkeys(d for v in (*e.inputs, *e.outputs) for d in v.dims))
             for e in self.graph.eqns
         }
-        self.renamings = _renamings(mesh)
+        # axes of one size cost alike only where every axis talks at one rate
+        self.renamings = _renamings(mesh) if rates.node is None else [{a: a for a in mesh.sizes}]
         self.renamed: list[dict] = [{} for _ in self.renamings]  # a value's axes, renamed
         self.seen: dict = {}  # canonical form -> Candidate
         self.keys: dict = {}  # form -> canonical form (the least renamed)
@@ -261,7 +262,7 @@ class _Costing:
         cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
         cand.compute = self.rates.compute_seconds(rep)
         cand.comm = self.rates.comm_seconds(rep)
-        cand.time = cand.planned = self.rates.overhead_s + cand.compute + cand.comm
+        cand.time = cand.planned = self.rates.step_seconds(cand.compute, cand.comm)
         if self.limit is not None and cand.memory > self.limit:
             cand.note, cand.time = "over the memory limit", math.inf
         return cand
