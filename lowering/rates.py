@@ -342,8 +342,10 @@ def parse(text: str) -> Rates:
         raise RatesError(f"rates {text!r}: {', '.join(twice)} given more than once")
     if "node" in given and "slice" in given:
         raise RatesError(f"rates {text!r}: node= and slice= name one thing; give one")
-    if ("node" in given or "slice" in given) and "outer" not in given and not fields.get(
-        "outer_bytes_per_s"
+    if (
+        ("node" in given or "slice" in given)
+        and "outer" not in given
+        and not fields.get("outer_bytes_per_s")
     ):
         raise RatesError(
             f"rates {text!r}: node=/slice= needs the rate across nodes: outer=BYTES_PER_S "
