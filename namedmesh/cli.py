@@ -4,6 +4,7 @@
     namedmesh generate --checkpoint runs/tiny --prompt "The assert statement"
     namedmesh eval runs/tiny --data notes.txt --mesh data=2
     namedmesh export runs/tiny --out hf/tiny
+    namedmesh plan --config llama3-70b --mesh data=256,model=8 --rates h100,node=8 ...
     namedmesh bench run --quick
 
 Each subcommand is the `main` of a module, imported only when it is asked for (so the
@@ -28,6 +29,7 @@ COMMANDS = {
     "generate": ("models.generate", "continue prompts with a run or a Hugging Face folder"),
     "eval": ("models.evaluate", "loss, perplexity and bits per byte of a model on data"),
     "export": ("models.export", "write a run's checkpoint as a Hugging Face folder"),
+    "plan": ("models.plan", "plan a training step on a cluster (abstract meshes, no devices)"),
     "bench": ("benchmarks", "run a benchmark of the source checkout (default: run)"),
 }
 PROG = "namedmesh"
