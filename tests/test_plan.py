@@ -75,3 +75,30 @@ def test_a_bad_flag_is_one_line_and_status_2(capsys, flags, match):
     status = main([x for kv in base.items() for x in kv], prog="namedmesh plan")
     err = capsys.readouterr().err.strip()
     assert status == 2 and "\n" not in err and match in err, err
+
+
+def test_compare_and_devices_on_a_tiny_lm(capsys):
+    """--devices 8 searches the mesh's shape; --compare weighs a layout of yours under the
+    chosen settings, its memory the step's as lowering.train_step counts it for that
+    layout's own report."""
+    from lowering import lower
+    from lowering.train_step import Training, step_memory
+    from models import objectives, transformer
+
+    mine = "batch:data,model"
+    status, got = _plan(capsys, "--config", "tiny", "--devices", "8", "--rates", "h100",
+                        "--batch", "16", "--length", "64", "--compare", mine)  # fmt: skip
+    assert status == 0 and got["fits"]
+    sizes = got["mesh"]
+    assert sorted(sizes) == ["data", "model"] and sizes["data"] * sizes["model"] == 8
+    s = got["settings"]
+    cfg = config.get("tiny", remat=s["remat"], dtype=s["dtype"], attention=s["attention"],
+                     batch=16 // s["grad_accum"], length=64)  # fmt: skip
+    params = transformer.abstract(transformer.lm_shapes(cfg))
+    batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
+    rep = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh(sizes, devices="abstract"),
+                mine).report(params, batch, wrt=0, show=False)  # fmt: skip
+    want = step_memory(rep, sizes, ("data", "model"), Training(grad_accum=s["grad_accum"]))
+    (theirs,) = got["compare"]
+    assert theirs["layout"] == mine and theirs["memory"] == want.as_dict()
+    assert theirs["step_seconds"] >= got["step_seconds"] * (1 - 1e-9)  # the chosen is best
