@@ -57,6 +57,7 @@ class Settings:
         )
 
     def as_dict(self) -> dict:
+        """The settings by name (what --json prints)."""
         return {"remat": self.remat, "dtype": self.dtype, "attention": self.attention,
                 "grad_accum": self.grad_accum}  # fmt: skip
 
@@ -75,30 +76,37 @@ class Choice:
 
     @property
     def layout(self) -> Layout:
+        """The layout chosen for this mesh and these settings."""
         return self.candidate.layout
 
     @property
     def memory(self) -> StepMemory:
+        """The whole step's memory per device, by part."""
         return self.candidate.step
 
     @property
     def fits(self) -> bool:
+        """Valid, and its step within the memory limit."""
         return self.candidate.memory <= self.limit and not self.candidate.note.startswith("inv")
 
     @property
     def compute_seconds(self) -> float:
+        """Compute of every microbatch, with remat's recompute."""
         return self.candidate.compute * self.settings.grad_accum
 
     @property
     def comm_seconds(self) -> float:
+        """Communication of every microbatch."""
         return self.candidate.comm * self.settings.grad_accum
 
     @property
     def step_seconds(self) -> float:
+        """The step's predicted seconds: every microbatch's."""
         return self.candidate.planned * self.settings.grad_accum
 
     @property
     def stages(self) -> int:
+        """Pipeline stages of its layout (1: none)."""
         return max((p.stages for p in self.candidate.pipelines), default=1)
 
     @property
@@ -113,6 +121,7 @@ class Choice:
         return self.model_flops / (self.mesh.size * rates.flops_per_s * self.step_seconds)
 
     def tokens_per_second_per_device(self, tokens: int) -> float:
+        """`tokens` per step over the step time and the devices."""
         return tokens / self.step_seconds / self.mesh.size
 
 
@@ -132,6 +141,7 @@ class Joint:
 
     @property
     def best(self) -> Choice:
+        """The chosen plan."""
         return self.choices[0]
 
     def next_best(self) -> Choice | None:
@@ -249,6 +259,7 @@ class _WholeCosts:
         self.build, self.training, self.reports = build, training, {}
 
     def report(self, settings: Settings):
+        """The gradient report of the settings' program on one device."""
         if settings not in self.reports:
             fn, inputs = self.build(settings)
             one = Mesh({"whole": 1}, devices="abstract")
@@ -256,6 +267,7 @@ class _WholeCosts:
         return self.reports[settings]
 
     def model_flops(self, settings: Settings) -> float:
+        """Forward and backward flops of every microbatch, run whole."""
         rep = self.report(settings)
         return (rep.flops + rep.backward_flops) * settings.grad_accum
 
@@ -265,6 +277,7 @@ class _WholeCosts:
         return self.step_flops(settings) / (mesh.size * rates.flops_per_s * rates.efficiency)
 
     def step_flops(self, settings: Settings) -> float:
+        """`model_flops` and remat's recompute."""
         again = self.report(settings).recompute_flops * settings.grad_accum
         return self.model_flops(settings) + again
 
@@ -279,10 +292,12 @@ class _WholeCosts:
 
 
 def gib(n: float) -> str:
+    """Bytes as GiB, 3 figures."""
     return f"{n / 2**30:.3g} GiB"
 
 
 def parts_text(m: StepMemory) -> str:
+    """A StepMemory's parts in words."""
     return (
         f"parameters {gib(m.parameters)}, gradients {gib(m.gradients)}, optimizer "
         f"{gib(m.optimizer)}, activations {gib(m.activations)}, other {gib(m.other)}"
@@ -294,7 +309,7 @@ def refusal(joint: Joint, whole: _WholeCosts) -> str:
     bring it under the limit (ZeRO-1, bfloat16 moments, more devices)."""
     limit = joint.limit
     if not joint.choices:
-        settings = min(joint_space_settings(joint, whole), key=whole.state_bytes, default=None)
+        settings = min(_evaluated(whole), key=whole.state_bytes, default=None)
         need = whole.state_bytes(settings) if settings else math.inf
         return (
             f"no plan fits {gib(limit)} per device: the parameters, gradients and optimizer "
@@ -325,7 +340,8 @@ def refusal(joint: Joint, whole: _WholeCosts) -> str:
     )
 
 
-def joint_space_settings(joint: Joint, whole: _WholeCosts) -> list[Settings]:
+def _evaluated(whole: _WholeCosts) -> list[Settings]:
+    """The settings whose whole-program costs were found."""
     return list(whole.reports)
 
 

@@ -63,6 +63,7 @@ class Training:
 
     @property
     def moment_bytes(self) -> int:
+        """Bytes of one moment element."""
         import jax.numpy as jnp  # bfloat16 is jax's dtype
 
         return jnp.dtype(self.moment_dtype).itemsize
@@ -80,9 +81,11 @@ class StepMemory:
 
     @property
     def total(self) -> int:
+        """Every part's bytes."""
         return self.parameters + self.gradients + self.optimizer + self.activations + self.other
 
     def as_dict(self) -> dict[str, int]:
+        """The parts and the total by name (what `namedmesh plan --json` prints)."""
         return {"total": self.total, "parameters": self.parameters,
                 "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "other": self.other}  # fmt: skip

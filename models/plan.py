@@ -46,8 +46,12 @@ def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namesp
     p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
                    help="a layout to weigh beside the chosen one (repeatable)")  # fmt: skip
     p.add_argument("--remat", choices=REMATS, help="fix remat (default: searched)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="the compute dtype (parameters stay float32)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the compute dtype (parameters stay float32)",
+    )
     p.add_argument("--attention", choices=KERNELS, help="fix the kernel (default: searched)")
     p.add_argument("--grad-accum", type=int, help="fix the microbatches (default: searched)")
     p.add_argument("--optimizer", default="adamw", help="adamw, momentum or sgd")

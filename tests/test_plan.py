@@ -87,7 +87,8 @@ def test_compare_and_devices_on_a_tiny_lm(capsys):
 
     mine = "batch:data,model"
     status, got = _plan(capsys, "--config", "tiny", "--devices", "8", "--rates", "h100",
-                        "--batch", "16", "--length", "64", "--compare", mine)  # fmt: skip
+                        "--batch", "16", "--length", "64", "--compare", mine,
+                        "--attention", "full", "--grad-accum", "1")  # fmt: skip
     assert status == 0 and got["fits"]
     sizes = got["mesh"]
     assert sorted(sizes) == ["data", "model"] and sizes["data"] * sizes["model"] == 8
