@@ -45,6 +45,9 @@ def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namesp
     p.add_argument("--length", type=int, required=True, help="tokens per sequence")
     p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
                    help="a layout to weigh beside the chosen one (repeatable)")  # fmt: skip
+    p.add_argument("--stages", type=int, action="append", default=[], metavar="S",
+                   help="--devices: also weigh meshes with a pipeline axis stage=S "
+                   "outermost (repeatable; S must divide the layers)")  # fmt: skip
     p.add_argument("--remat", choices=REMATS, help="fix remat (default: searched)")
     p.add_argument(
         "--dtype",
@@ -73,21 +76,33 @@ def load_config(text: str):
 
 def _meshes(args, layers: int) -> list:
     """The meshes searched: --mesh, or every (data, model) shape of --devices with the
-    model axis a power of two up to a node (the rates' node, else 8) innermost."""
+    model axis a power of two up to a node (the rates' node, else 8) innermost, and with
+    each --stages S, those shapes of devices / S beside a stage axis outermost (pipeline
+    stages cross nodes: their traffic is one activation per microbatch)."""
     from lowering import Mesh
     from models.run import UsageError
 
     if args.mesh is not None:
+        if args.stages:
+            raise UsageError("--stages shapes the meshes of --devices; with --mesh name a "
+                             "stage axis in it")  # fmt: skip
         return [Mesh(args.mesh, devices="abstract")]
     n = args.devices
     if n < 1:
         raise UsageError(f"--devices {n}: must be >= 1")
+    for s in args.stages:
+        if s < 2 or n % s or layers % s:
+            raise UsageError(f"--stages {s}: must be >= 2 and divide --devices {n} and the "
+                             f"{layers} layers")  # fmt: skip
     node = args.rates_parsed.node or 8
-    shapes, m = [], 1
-    while m <= min(n, node):
-        if n % m == 0:
-            shapes.append({"data": n // m, "model": m})
-        m *= 2
+    shapes = []
+    for s in [1, *args.stages]:
+        m = 1
+        while m <= min(n // s, node):
+            if (n // s) % m == 0:
+                shape = {"data": n // s // m, "model": m}
+                shapes.append(shape if s == 1 else {"stage": s, **shape})
+            m *= 2
     return [Mesh(s, devices="abstract") for s in shapes]
 
 

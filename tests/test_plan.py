@@ -66,7 +66,8 @@ def test_llama3_8b_at_8k_tokens_per_chip_fits_choosing_remat_and_a_refusal_names
 @pytest.mark.parametrize(
     "flags, match",
     [(["--rates", "h100,node=0"], "--rates"), (["--batch", "0"], "--batch 0"),
-     (["--config", "llama9"], "llama9"), (["--grad-accum", "3"], "--grad-accum 3")],
+     (["--config", "llama9"], "llama9"), (["--grad-accum", "3"], "--grad-accum 3"),
+     (["--stages", "2"], "--stages")],
 )  # fmt: skip
 def test_a_bad_flag_is_one_line_and_status_2(capsys, flags, match):
     base = {"--config": "tiny", "--mesh": "data=2", "--batch": "8", "--length": "64"}
@@ -103,3 +104,11 @@ def test_compare_and_devices_on_a_tiny_lm(capsys):
     (theirs,) = got["compare"]
     assert theirs["layout"] == mine and theirs["memory"] == want.as_dict()
     assert theirs["step_seconds"] >= got["step_seconds"] * (1 - 1e-9)  # the chosen is best
+    # --stages 2 adds the shapes of 4 devices beside a stage axis: 4 + 3 meshes, 3 remats
+    status, staged = _plan(capsys, "--config", "tiny", "--devices", "8", "--stages", "2",
+                           "--rates", "h100", "--batch", "16", "--length", "64",
+                           "--attention", "full", "--grad-accum", "1")  # fmt: skip
+    assert status == 0 and staged["searched"] + sum(staged["pruned"].values()) == 7 * 3
+    status = main(["--config", "tiny", "--devices", "8", "--stages", "3", "--batch", "16",
+                   "--length", "64"], prog="namedmesh plan")  # fmt: skip
+    assert status == 2 and "--stages 3" in capsys.readouterr().err
