@@ -59,3 +59,28 @@ def test_a_bad_training_setting_is_a_parameter_error():
         Training("adamax")
     with pytest.raises(ParameterError, match="grad_accum"):
         Training(grad_accum=0)
+
+
+def test_auto_layout_holds_the_whole_step_to_the_memory_limit():
+    """With `training=`, a candidate's memory is its step's total (optimizer state too),
+    and no layout over the limit by that measure is chosen, though its gradient alone fits."""
+    import math
+
+    from lowering import auto_layout
+
+    cfg = config.get("tiny")
+    params = transformer.abstract(transformer.lm_shapes(cfg))
+    batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
+    loss = lambda p, b: transformer.lm_loss(p, b, cfg)
+    mesh = Mesh({"data": 8}, devices="abstract")
+    run = lambda limit, training: auto_layout(loss, mesh, params, batch, grad_argnums=(0,),
+                                              rates="h100,flops=1e9", memory_limit=limit,
+                                              training=training)  # fmt: skip
+    free, table = run(math.inf, Training())
+    best = table[0]
+    assert best.memory == best.step.total > _report(cfg, {"data": 8}, free).peak_memory
+    limit = (best.memory + _report(cfg, {"data": 8}, free).peak_memory) / 2
+    _, without = run(limit, None)  # the gradient's memory alone: the free choice fits
+    assert str(without[0].layout) == str(free)
+    _, held = run(limit, Training())
+    assert held[0].memory <= limit and str(held[0].layout) != str(free)
