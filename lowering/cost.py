@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from lowering.caches import memo, per_object
-from lowering.memory import active_values, peak_memory, training_peak
+from lowering.memory import active_values, peak_memory, training_parts
 from lowering.ops import OPS
 
 
@@ -58,6 +58,15 @@ class Report:
     # along those axes repeat, because no dim of the op is split over them
     repeated: dict = field(default_factory=dict)
     pipelines: list = field(default_factory=list)  # each pipelined scan's PipelinePlan
+    # forward flops a remat'd scan runs again in the backward pass (full: its body's;
+    # dots: all but its matmuls'), per device
+    recompute_flops: float = 0.0
+    # with `wrt`: the training peak's terms (lowering.memory.training_parts), and per
+    # input a gradient is taken of, (bytes per device, bytes per element, the mesh axes
+    # splitting it)
+    memory_parts: dict = field(default_factory=dict)
+    parameter_shards: tuple = ()
+    mesh: tuple = ()  # the mesh's (axis, size) items, major to minor
 
     @property
     def bytes(self) -> float:
@@ -117,16 +126,23 @@ def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, n: int) -> Non
     coll[(kind, axes)] = (count + repeat, b + OPS[kind].traffic(n, nbytes) * repeat)
 
 
-def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
+def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None) -> Report:
     """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value;
-    `wrt`, the graph inputs a gradient is taken of, adds the backward pass."""
+    `wrt`, the graph inputs a gradient is taken of, adds the backward pass; `axes_of(v)`,
+    the mesh axes splitting a value, fills `parameter_shards`."""
     active, flow = _gradient_flow(graph, None if wrt is None else frozenset(wrt))
     peak = peak_memory(graph, local_bytes)
+    parts, shards = {}, ()
     if wrt is not None:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
-        peak = max(peak, training_peak(graph, local_bytes, active, wrt, shares))
-    rep = Report(0.0, peak_memory=peak)
+        parts = training_parts(graph, local_bytes, active, wrt, shares)
+        peak = max(peak, int(sum(parts.values())))
+        axes = axes_of or (lambda v: frozenset())
+        shards = tuple((local_bytes(v), v.dtype.itemsize, axes(v)) for v in wrt)
+    rep = Report(0.0, peak_memory=peak, memory_parts=parts, parameter_shards=shards,
+                 mesh=tuple(sizes.items()))  # fmt: skip
     devices, items = math.prod(sizes.values()), tuple(sizes.items())
+    rep.recompute_flops = recompute_flops(plan)
     for step in plan:
         if step.pipeline is not None:
             rep.pipelines.append(step.pipeline)
@@ -136,6 +152,29 @@ def report(plan, graph, local_bytes, sizes, wrt=None) -> Report:
         if step.collectives or step.casts:
             _add_collectives(rep, step, active, result_active, wrt is not None, items)
     return rep
+
+
+def recompute_flops(plan) -> float:
+    """Forward flops per device that remat runs again in the backward pass: of every
+    step inside a scan whose `remat` is full, and of the steps that are not matmuls
+    inside one whose remat is dots (their outputs are saved). A plan lists a scan's
+    body steps after it, one level deeper."""
+    total, policy = 0.0, []  # (depth of the scan, its remat) of the scans we are inside
+    for step in plan:
+        while policy and step.depth <= policy[-1][0]:
+            policy.pop()
+        remat = policy[-1][1] if policy else "none"
+        if remat != "none":
+            for op in step.local:
+                if remat == "full" or not op.prim.matmul:
+                    flops = op.flops
+                    if flops is None:
+                        flops = local_flops(op.prim, op.ins, op.outs, op.params)
+                    total += flops * step.repeat
+        if step.body and step.eqn is not None:
+            own = step.eqn.params.get("remat", "none")
+            policy.append((step.depth, own if own != "none" else remat))
+    return total
 
 
 def _flow(e, active) -> tuple[int, bool]:

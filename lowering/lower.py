@@ -82,7 +82,10 @@ def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report
             layout = ((),) * len(v.dims)
         return _local_bytes(layout, v.shape, v.dtype.itemsize, sizes)
 
-    return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt)
+    def axes_of(v) -> frozenset:
+        return frozenset(a for axes in wanted.get(v, ()) for a in axes)
+
+    return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt, axes_of=axes_of)
 
 
 @memo()  # the same (layout, shape) recurs in many candidate layouts

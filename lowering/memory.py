@@ -114,11 +114,19 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
     outputs, and under remat one iteration's recomputed values. `shares` {scan Eqn:
     float} scales what a scan saves: a pipelined one's device keeps that share
     (`PipelinePlan.activation_share`)."""
+    return int(sum(training_parts(graph, local_bytes, active, wrt, shares).values()))
+
+
+def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = None) -> dict:
+    """`training_peak`'s terms apart, in bytes per device: `inputs` (the parameters and
+    the batch, held throughout), `gradients` (of `wrt`), `saved` (what the backward pass
+    reads) and `working` (its largest working set, with remat's recomputed iteration)."""
     held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
     terms = _saved_terms(graph, frozenset(active), held, True)
     saved, working = _saved(terms, local_bytes, shares or {})
-    return int(base + sum(local_bytes(v) for v in wrt) + saved + working)
+    grads = sum(local_bytes(v) for v in wrt)
+    return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates

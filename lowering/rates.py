@@ -5,13 +5,19 @@ per collective, memory per device; measured on a mesh's devices or from a hardwa
 
     overhead + flops / flop rate + collectives * latency + sum over kinds of bytes / rate
 
-a roofline: no overlap of compute with communication, no memory traffic of elementwise
-ops, rates that do not change with a buffer's size. `measure(mesh)` times
+a roofline: no memory traffic of elementwise ops, rates that do not change with a
+buffer's size; compute at `efficiency` of the peak (1 unless given), and communication
+added to compute unless `overlap` says it hides under it (then a step is the larger).
+A hardware spec may have two levels (`h100,node=8`: the mesh's innermost axes, up to 8
+devices, on NVLink, the rest over InfiniBand; `tpu_v5p,slice=4096`: ICI inside a slice,
+DCN across): a collective over axes of both levels is costed hierarchically
+(`Rates.collective_seconds`). `measure(mesh)` times
 microbenchmarks on the mesh's own devices (a float32 matmul run by every device at
 once; each collective kind with 4 MiB per device over all of them; an all-reduce of
 one float for the latency; a step that does nothing), once per device kind and mesh
 shape in memory, and, given `cache_dir`, in a JSON file there. `HARDWARE` holds the
-published figures of TPU v2/v3/v4/v5e, A100 and H100, each with its source.
+published figures of TPU v2/v3/v4/v5e/v5p/v6e, A100, H100, H200 and B200, each with its
+source, and `ACROSS` the second level of those that have one.
 """
 
 from __future__ import annotations
@@ -56,8 +62,19 @@ class Rates:
     memory_bytes: int | None = None  # per device (HBM); None: unknown
     overhead_s: float = 0.0  # a step that does nothing (dispatch)
     source: str = field(default="", compare=False)
+    # Levels: the innermost `node` devices of a mesh (its last axes, up to `node`
+    # devices) talk over `bytes_per_s` (NVLink, a slice's ICI); the rest across nodes or
+    # slices at `outer_bytes_per_s` (InfiniBand, DCN) with `outer_latency_s` more per
+    # collective. None: every device on the first level.
+    node: int | None = None
+    outer_bytes_per_s: float | None = None
+    outer_latency_s: float = 0.0
+    level_names: tuple[str, str] = ("in node", "across nodes")
+    efficiency: float = 1.0  # the share of peak flop/s the step's compute reaches
+    overlap: bool = False  # communication hidden under compute: a step is their max
 
     def __post_init__(self):
+        object.__setattr__(self, "level_names", tuple(self.level_names))  # JSON gives a list
         faults = [
             *_fault("flops_per_s", self.flops_per_s, "> 0"),
             *_fault("latency_s", self.latency_s, ">= 0"),
@@ -65,6 +82,17 @@ class Rates:
         ]
         if self.memory_bytes is not None:
             faults += _fault("memory_bytes", self.memory_bytes, "> 0")
+        bad = _fault("efficiency", self.efficiency, "> 0")
+        if bad or self.efficiency > 1:
+            faults.append(f"efficiency must be a number in (0, 1], got {self.efficiency!r}")
+        if self.node is not None:
+            if not isinstance(self.node, int) or isinstance(self.node, bool) or self.node < 1:
+                faults.append(f"node must be a positive int (devices per node), got {self.node!r}")
+            if self.outer_bytes_per_s is None:
+                faults.append("node= needs outer_bytes_per_s (the rate across nodes)")
+            else:
+                faults += _fault("outer_bytes_per_s", self.outer_bytes_per_s, "> 0")
+            faults += _fault("outer_latency_s", self.outer_latency_s, ">= 0")
         if not isinstance(self.bytes_per_s, Mapping):
             faults.append(
                 f"bytes_per_s must map each of {KINDS} to bytes/s, got {self.bytes_per_s!r}"
@@ -83,16 +111,61 @@ class Rates:
             raise RatesError(f"Rates {self.name!r}: " + "; ".join(faults))
 
     def compute_seconds(self, rep: Report) -> float:
-        return (rep.flops + rep.backward_flops) / self.flops_per_s
+        """Flops of the forward and backward passes and remat's recomputation, at
+        `efficiency` of the peak rate."""
+        flops = rep.flops + rep.backward_flops + rep.recompute_flops
+        return flops / (self.flops_per_s * self.efficiency)
 
     def comm_seconds(self, rep: Report) -> float:
-        """Latency and bytes of every collective of the report, forward and backward."""
+        """Latency and bytes of every collective of the report, forward and backward;
+        with levels (`node`), each costed hierarchically (`collective_seconds`)."""
         coll = [*rep.collectives.items(), *rep.backward.items()]
-        return sum(n * self.latency_s + b / self.bytes_per_s[rate_of(k)] for (k, _), (n, b) in coll)
+        if self.node is None or not rep.mesh:
+            return sum(
+                n * self.latency_s + b / self.bytes_per_s[rate_of(k)] for (k, _), (n, b) in coll
+            )
+        split = levels(rep.mesh, self.node)
+        return sum(self.collective_seconds(k, axes, n, b, split) for (k, axes), (n, b) in coll)
+
+    def collective_seconds(self, kind: str, axes, count: int, sent: float, split: dict) -> float:
+        """Seconds of `count` collectives of `kind` over mesh `axes` that send `sent`
+        bytes per device in all (the ring formulas over every device), on two levels:
+        `split` gives each axis's (devices in a node, nodes). Hierarchically: an
+        all-reduce reduce-scatters in the node, all-reduces the 1/n_in piece across
+        nodes and all-gathers in the node; a reduce-scatter and an all-gather likewise
+        in one direction; an all-to-all sends (n_in-1)/n of its bytes in the node and
+        (n-n_in)/n across, on both links at once; a ppermute that crosses nodes crosses
+        at the slower rate."""
+        inner = math.prod(split[a][0] for a in axes)
+        outer = math.prod(split[a][1] for a in axes)
+        rate = rate_of(kind)
+        fast, slow = self.bytes_per_s[rate], self.outer_bytes_per_s
+        if outer == 1:
+            return count * self.latency_s + sent / fast
+        if inner == 1:
+            return count * (self.latency_s + self.outer_latency_s) + sent / slow
+        n = inner * outer
+        put = sent / OPS[kind].traffic(n, 1.0)  # bytes put in per device, all calls
+        if rate == "psum":
+            t = 2 * (inner - 1) / inner * put / fast + 2 * (outer - 1) / outer * put / inner / slow
+        elif rate == "psum_scatter":
+            t = (inner - 1) / inner * put / fast + (outer - 1) / outer * put / inner / slow
+        elif rate == "all_gather":
+            t = (inner - 1) * outer * put / fast + (outer - 1) * put / slow
+        elif rate == "all_to_all":
+            t = max((inner - 1) / n * put / fast, (n - inner) / n * put / slow)
+        else:  # ppermute: a ring that crosses nodes waits on its slowest link
+            t = sent / slow
+        return count * (self.latency_s + self.outer_latency_s) + t
+
+    def step_seconds(self, compute: float, comm: float) -> float:
+        """A step's seconds from its compute and communication: their sum, or (with
+        `overlap`) the larger, plus the empty step's overhead."""
+        return self.overhead_s + (max(compute, comm) if self.overlap else compute + comm)
 
     def seconds(self, rep: Report) -> float:
         """The predicted seconds of the step `rep` reports (with its backward pass)."""
-        return self.overhead_s + self.compute_seconds(rep) + self.comm_seconds(rep)
+        return self.step_seconds(self.compute_seconds(rep), self.comm_seconds(rep))
 
     def __str__(self) -> str:
         bw = self.bytes_per_s
@@ -101,11 +174,33 @@ class Rates:
         else:
             links = "GB/s sent per device: " + ", ".join(f"{k} {bw[k] / 1e9:.3g}" for k in KINDS)
         mem = f"{self.memory_bytes / 2**30:.3g} GiB per device" if self.memory_bytes else "memory ?"
+        if self.node is not None:
+            inside, across = self.level_names
+            links = (
+                f"{inside} (up to {self.node} devices): {links}; {across}: "
+                f"{self.outer_bytes_per_s / 1e9:.3g} GB/s, +{self.outer_latency_s * 1e6:.3g} µs"
+            )
+        eff = f" at {self.efficiency:.0%} of peak" if self.efficiency != 1 else ""
         return (
-            f"{self.name}: {self.flops_per_s / 1e12:.4g} TFLOP/s per device; {links}; "
-            f"{self.latency_s * 1e6:.3g} µs per collective; {mem}"
+            f"{self.name}: {self.flops_per_s / 1e12:.4g} TFLOP/s per device{eff}; {links}; "
+            f"{self.latency_s * 1e6:.3g} µs per collective; {mem}; communication "
+            + ("overlaps compute" if self.overlap else "does not overlap compute")
             + (f"; {self.overhead_s * 1e3:.3g} ms per empty step" if self.overhead_s else "")
         )
+
+
+def levels(mesh: tuple[tuple[str, int], ...], node: int) -> dict[str, tuple[int, int]]:
+    """Each mesh axis's (devices inside a node, nodes it spans), for a mesh given as its
+    (axis, size) items major to minor and `node` devices per node: the innermost axes
+    fill a node first (devices are numbered with the last axis fastest, as a node's
+    GPUs or a slice's chips are); an axis that does not fit the node's remaining room
+    whole keeps the part of it that divides that room inside."""
+    room, out = node, {}
+    for axis, n in reversed(mesh):
+        inside = math.gcd(n, room)
+        out[axis] = (inside, n // inside)
+        room = room // inside if inside == n else 1  # a split axis: the rest is across
+    return out
 
 
 def _fault(name: str, value, bound: str) -> list[str]:
@@ -148,6 +243,41 @@ HARDWARE: dict[str, Rates] = {
     "h100": uniform("h100", 989e12, 450e9, 15e-6, 80 * 10**9,
         "H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3, NVLink 900 GB/s bidirectional = "
         "450 GB/s each way (NVIDIA H100 datasheet); within one node"),
+    "h200": uniform("h200", 989e12, 450e9, 15e-6, 141 * 10**9,
+        "H200 SXM: 989 TFLOP/s dense bf16 (1,979 with sparsity), 141 GB HBM3e, NVLink 900 "
+        "GB/s bidirectional = 450 GB/s each way (NVIDIA H200 datasheet); within one node"),
+    "b200": uniform("b200", 2.25e15, 900e9, 15e-6, 180 * 10**9,
+        "B200 in HGX/DGX B200: 2.25 PFLOP/s dense bf16 (4.5 dense FP8), 180 GB HBM3e (1,440 "
+        "GB per 8 GPUs), NVLink 5 1.8 TB/s bidirectional = 900 GB/s each way (NVIDIA DGX "
+        "B200 and Blackwell datasheets); within one node"),
+    "tpu_v5p": uniform("tpu_v5p", 459e12, 1200e9 / 2 / 6, 10e-6, 95 * _GIB,
+        "one chip: 459 TFLOP/s bf16, 95 GiB HBM2e, 1200 GB/s bidirectional ICI over 6 ports "
+        "of a 3-D torus = 100 GB/s per port each way (cloud.google.com/tpu/docs/v5p)"),
+    "tpu_v6e": uniform("tpu_v6e", 918e12, 800e9 / 2 / 4, 10e-6, 32 * 10**9,
+        "one chip (Trillium): 918 TFLOP/s bf16, 32 GB HBM, 800 GB/s bidirectional ICI over "
+        "4 ports of a 2-D torus = 100 GB/s per port each way (cloud.google.com/tpu/docs/v6e)"),
+}  # fmt: skip
+
+# The second level of each hardware that has one: (names of the levels, bytes/s one
+# device sends across nodes or slices, latency added per collective that crosses), for
+# `node=` / `slice=` specs (`h100,node=8`). Latency: an order of magnitude (a network
+# hop, ~10 µs over InfiniBand, ~50 µs over the data-center network).
+_NVLINK_IB = ("NVLink", "InfiniBand")
+_ICI_DCN = ("ICI", "DCN")
+ACROSS: dict[str, tuple[tuple[str, str], float, float, str]] = {
+    "a100": (_NVLINK_IB, 200e9 / 8, 10e-6, "DGX A100: one 200 Gb/s HDR InfiniBand port per GPU"),
+    "h100": (_NVLINK_IB, 400e9 / 8, 10e-6,
+             "DGX H100: one 400 Gb/s NDR ConnectX-7 port per GPU"),
+    "h200": (_NVLINK_IB, 400e9 / 8, 10e-6,
+             "DGX H200: one 400 Gb/s NDR ConnectX-7 port per GPU"),
+    "b200": (_NVLINK_IB, 400e9 / 8, 10e-6,
+             "DGX B200: eight 400 Gb/s ConnectX-7 ports, one per GPU"),
+    "tpu_v5e": (_ICI_DCN, 2 * 100e9 / 8 / 8, 50e-6,
+                "v5e: 2 x 100 Gbps NICs per host of 8 chips (cloud.google.com/tpu/docs/v5e)"),
+    "tpu_v5p": (_ICI_DCN, 50e9 / 8, 50e-6,
+                "v5p: 50 Gbps of data-center network per chip (cloud.google.com/tpu/docs/v5p)"),
+    "tpu_v6e": (_ICI_DCN, 4 * 200e9 / 8 / 8, 50e-6,
+                "v6e: 4 x 200 Gbps NICs per host of 8 chips (cloud.google.com/tpu/docs/v6e)"),
 }  # fmt: skip
 
 
@@ -169,6 +299,12 @@ _KEYS = {
     "overhead": "overhead_s",
     "bandwidth": "bytes_per_s",
     **dict.fromkeys(KINDS, "bytes_per_s"),
+    "node": "node",
+    "slice": "node",
+    "outer": "outer_bytes_per_s",
+    "outer_latency": "outer_latency_s",
+    "efficiency": "efficiency",
+    "overlap": "overlap",
 }
 
 
@@ -179,8 +315,12 @@ def parse(text: str) -> Rates:
     latency=1e-5`). Keys: flops (flop/s per device), bandwidth (bytes/s a device sends,
     every collective kind) or one kind's rate (psum, psum_scatter, all_gather,
     all_to_all, ppermute), latency (s per collective), memory (bytes per device),
-    overhead (s per step). `bandwidth` and then one kind's key set that kind apart; a key
-    given twice is an error. RatesError names the part at fault."""
+    overhead (s per step); node (or slice: devices inside a node or a TPU slice, the
+    mesh's innermost axes; past them collectives cross at the hardware's second level,
+    `ACROSS`), outer (bytes/s a device sends across), outer_latency (s added per crossing
+    collective), efficiency (the share of peak flop/s reached, (0, 1]), overlap (1:
+    communication overlaps compute). `bandwidth` and then one kind's key set that kind
+    apart; a key given twice is an error. RatesError names the part at fault."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise RatesError(
@@ -189,14 +329,38 @@ def parse(text: str) -> Rates:
     fields: dict = {"name": text, "bytes_per_s": {}, "source": "given"}
     if "=" not in parts[0]:
         fields = {**_stored(hardware(parts[0])), "name": text}
+        key = parts[0].lower().replace("-", "_").replace(" ", "_")
+        if key in ACROSS:  # its second level, used when node= / slice= is given
+            names, rate, latency, source = ACROSS[key]
+            fields.update(level_names=names, outer_bytes_per_s=rate, outer_latency_s=latency,
+                          source=f"{fields['source']}; across: {source}")  # fmt: skip
         parts = parts[1:]
     pairs = [_pair(text, part) for part in parts]
     given = [key for key, _ in pairs]
     twice = sorted({k for k in given if given.count(k) > 1})
     if twice:
         raise RatesError(f"rates {text!r}: {', '.join(twice)} given more than once")
+    if "node" in given and "slice" in given:
+        raise RatesError(f"rates {text!r}: node= and slice= name one thing; give one")
+    if (
+        ("node" in given or "slice" in given)
+        and "outer" not in given
+        and not fields.get("outer_bytes_per_s")
+    ):
+        raise RatesError(
+            f"rates {text!r}: node=/slice= needs the rate across nodes: outer=BYTES_PER_S "
+            f"(or a hardware with a second level: {', '.join(ACROSS)})"
+        )
     for key, value in pairs:
-        if _KEYS[key] != "bytes_per_s":
+        if key in ("node", "slice", "overlap"):
+            bad = value not in (0, 1) if key == "overlap" else value != int(value) or value < 1
+            if bad:
+                raise RatesError(
+                    f"rates {text!r}: {key}={value:g} must be "
+                    + ("0 or 1" if key == "overlap" else "a whole number of devices >= 1")
+                )
+            fields[_KEYS[key]] = bool(value) if key == "overlap" else int(value)
+        elif _KEYS[key] != "bytes_per_s":
             whole = key == "memory" and math.isfinite(value)  # bytes: an int
             fields[_KEYS[key]] = int(value) if whole else value
         else:
@@ -350,7 +514,7 @@ def _read_cache(path: Path) -> dict[str, Rates]:
 
 
 def _stored(r: Rates) -> dict:
-    return {**asdict(r), "bytes_per_s": dict(r.bytes_per_s)}
+    return {**asdict(r), "bytes_per_s": dict(r.bytes_per_s), "level_names": tuple(r.level_names)}
 
 
 def _write_cache(path: Path, table: dict[str, Rates]) -> None:

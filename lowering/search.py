@@ -57,6 +57,7 @@ from lowering.layout import Layout, check_axes
 from lowering.lower import argnum_tuple, argument_inputs, graph_report, input_names
 from lowering.mesh import Mesh, require_mesh
 from lowering.rates import Rates, resolve
+from lowering.train_step import StepMemory, Training, step_memory
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
 
@@ -78,6 +79,8 @@ class Candidate:
     comm: float = math.nan
     collectives: int = 0
     note: str = ""
+    step: StepMemory | None = None  # the training step's memory by part (`training=`)
+    pipelines: tuple = ()  # each pipelined scan's PipelinePlan (stages, microbatches)
 
     @property
     def valid(self) -> bool:
@@ -174,9 +177,9 @@ def to_layout(pairs: Pairs, mesh: Mesh) -> Layout:
 class _Costing:
     """Plans and costs candidates exactly, once per canonical form."""
 
-    def __init__(self, fn, mesh, inputs, wrt, rates, limit):
+    def __init__(self, fn, mesh, inputs, wrt, rates, limit, training=None):
         self.fn, self.mesh, self.inputs, self.wrt = fn, mesh, inputs, wrt
-        self.rates, self.limit = rates, limit
+        self.rates, self.limit, self.training = rates, limit, training
         self.graph = nm.trace(fn, *inputs)  # once: every candidate plans this graph
         self.names = input_names(inputs)
         where = "auto_layout(grad_argnums=...)"
@@ -186,7 +189,8 @@ class _Costing:
             tuple(dict.fromkeys(d for v in (*e.inputs, *e.outputs) for d in v.dims))
             for e in self.graph.eqns
         }
-        self.renamings = _renamings(mesh)
+        # axes of one size cost alike only where every axis talks at one rate
+        self.renamings = _renamings(mesh) if rates.node is None else [{a: a for a in mesh.sizes}]
         self.renamed: list[dict] = [{} for _ in self.renamings]  # a value's axes, renamed
         self.seen: dict = {}  # canonical form -> Candidate
         self.keys: dict = {}  # form -> canonical form (the least renamed)
@@ -258,10 +262,15 @@ class _Costing:
             return cand
         cand.flops = rep.flops + rep.backward_flops
         cand.bytes, cand.memory = rep.bytes + rep.backward_bytes, rep.peak_memory
+        cand.pipelines = tuple(rep.pipelines)
+        if self.training is not None:  # the whole step: the optimizer's state too
+            data = layout.assign(("batch",))[0]
+            cand.step = step_memory(rep, self.mesh.sizes, data, self.training)
+            cand.memory = cand.step.total
         cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
         cand.compute = self.rates.compute_seconds(rep)
         cand.comm = self.rates.comm_seconds(rep)
-        cand.time = cand.planned = self.rates.overhead_s + cand.compute + cand.comm
+        cand.time = cand.planned = self.rates.step_seconds(cand.compute, cand.comm)
         if self.limit is not None and cand.memory > self.limit:
             cand.note, cand.time = "over the memory limit", math.inf
         return cand
@@ -324,6 +333,7 @@ def auto_layout(
     beam: int = 3,
     cache_dir=None,
     candidates: Sequence[Layout | str] = (),
+    training: Training | None = None,
 ) -> tuple[Layout, Search]:
     """The Layout with the least predicted step time of `fn(*inputs)` on `mesh` among those
     within `memory_limit` bytes per device, and the Search (candidates best first, and the
@@ -336,8 +346,12 @@ def auto_layout(
     the backward pass are costed). `candidates`: layouts of the caller's (a paper's rules,
     the layout in use) weighed beside the search's, chosen if best; the printout says of
     each why it was or was not chosen (`Search.compare` says it of any layout afterwards).
-    LayoutError when no candidate is valid and fits, or when one of `candidates` names a
-    mesh axis `mesh` lacks or a dim the program lacks."""
+    `training` (a lowering.train_step.Training): the memory held against the limit is
+    the whole training step's (optimizer state, accumulator: `step_memory`), not the
+    gradient's alone; each candidate's parts are its `step`.
+    LayoutError when no candidate is valid and fits (its `search` holds the candidates
+    weighed), or when one of `candidates` names a mesh axis `mesh` lacks or a dim the
+    program lacks."""
     start = time.perf_counter()
     mesh = require_mesh(mesh, "auto_layout")
     _check_parameters(memory_limit, beam)
@@ -349,7 +363,9 @@ def auto_layout(
     theirs = [c if isinstance(c, Layout) else Layout(c) for c in candidates]
     for layout in theirs:
         check_axes(layout.rules, mesh, f"auto_layout: candidate layout {layout}")
-    cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit)
+    if training is not None and not wrt:
+        raise ParameterError("auto_layout: training= plans a training step; give grad_argnums")
+    cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit, training)
     dims = _dims(cost.graph)
     for layout in theirs:
         _check_dims(layout, dims, "candidate")
@@ -360,10 +376,12 @@ def auto_layout(
     table.rates, table.memory_limit, table.mesh = rates, limit, mesh
     table.seconds = time.perf_counter() - start
     if not table[0].valid:
-        raise LayoutError(
+        error = LayoutError(
             f"auto_layout: no layout on {mesh} is valid and fits memory_limit={limit} "
             f"(of {len(table)} planned: {dict(table.invalid())})"
         )
+        error.search = table
+        raise error
     table[0].note = "chosen: least predicted time"
     table.why = explain(table)
     return table[0].layout, table

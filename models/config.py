@@ -3,7 +3,7 @@ LM1B language models `lm1b_m1` ... `lm1b_5` (tensor2tensor's `mtf_transformer_pa
 d_model 1024, d_kv 256, 6 layers, heads 8·2^k, d_ff 8192·2^k, unshared embeddings,
 a 32768-token vocabulary; 0.14B to 4.90B parameters), each with the paper's mesh and
 layout; and the shapes of the checkpoints people bring (`gpt2`, `gpt2-medium`,
-`tinyllama-1.1b`, `llama3-8b`, `t5-small`, `t5-base`, `t5-v1_1-small`,
+`tinyllama-1.1b`, `llama3-8b`, `llama3-70b`, `llama3-405b`, `t5-small`, `t5-base`, `t5-v1_1-small`,
 `bert-base-uncased`; see models/hub.py); `configs()` adds the newer families' canonical
 checkpoints (`mistral-7b`, `qwen3-8b`, `gemma-2-9b`, ...: each family module's NAMED)."""
 
@@ -375,6 +375,13 @@ _TINYLLAMA = _llama(vocab=32000, d_model=2048, heads=32, kv_heads=4, d_kv=64, d_
                     layers=22, length=2048)
 _LLAMA3_8B = _llama(vocab=128256, d_model=4096, heads=32, kv_heads=8, d_kv=128, d_ff=14336,
                     layers=32, length=8192, rope=Rope(theta=500000.0))
+_LLAMA3_70B = _llama(vocab=128256, d_model=8192, heads=64, kv_heads=8, d_kv=128, d_ff=28672,
+                     layers=80, length=8192, rope=Rope(theta=500000.0))
+# Llama 3.1 405B (there is no Llama 3 405B): its long-context rope scaling
+_LLAMA3_405B = _llama(vocab=128256, d_model=16384, heads=128, kv_heads=8, d_kv=128,
+                      d_ff=53248, layers=126, length=131072,
+                      rope=Rope(theta=500000.0, kind="llama3", factor=8.0,
+                                original_positions=8192))
 # fmt: on
 
 # The architectures people bring, with their published shapes (weights come from files:
@@ -384,6 +391,8 @@ ECOSYSTEM: dict[str, Config] = {
     "gpt2-medium": _gpt2(1024, 16, 24),
     "tinyllama-1.1b": _TINYLLAMA,
     "llama3-8b": _LLAMA3_8B,
+    "llama3-70b": _LLAMA3_70B,
+    "llama3-405b": _LLAMA3_405B,
     "t5-small": _t5(512, 8, 2048, 6),
     "t5-base": _t5(768, 12, 3072, 12),
     "t5-v1_1-small": _t5(512, 6, 1024, 8, v1_1=True),

@@ -5,6 +5,7 @@
     namedmesh eval runs/tiny --data notes.txt --mesh data=2
     namedmesh export runs/tiny --out hf/tiny
     namedmesh launch -n 2 -- train --mesh data=2 --out runs/two
+    namedmesh plan --config llama3-70b --mesh data=256,model=8 --rates h100,node=8 ...
     namedmesh bench run --quick
 
 Each subcommand is the `main` of a module, imported only when it is asked for (so the
@@ -30,6 +31,7 @@ COMMANDS = {
     "eval": ("models.evaluate", "loss, perplexity and bits per byte of a model on data"),
     "export": ("models.export", "write a run's checkpoint as a Hugging Face folder"),
     "launch": ("models.launch", "run a command as N processes of one run on this machine"),
+    "plan": ("models.plan", "plan a training step on a cluster (abstract meshes, no devices)"),
     "bench": ("benchmarks", "run a benchmark of the source checkout (default: run)"),
 }
 PROG = "namedmesh"

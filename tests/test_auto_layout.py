@@ -167,7 +167,8 @@ def test_printout_states_assumptions_top_ten_and_why():
 def test_hardware_table_rates_and_seconds():
     v2 = hardware("TPU-v2")
     assert v2.flops_per_s == 22.5e12 and v2.memory_bytes == 8 * 2**30 and v2.source
-    assert set(rates_mod.HARDWARE) == {"tpu_v2", "tpu_v3", "tpu_v4", "tpu_v5e", "a100", "h100"}
+    assert set(rates_mod.HARDWARE) == {"tpu_v2", "tpu_v3", "tpu_v4", "tpu_v5e", "tpu_v5p",
+                                       "tpu_v6e", "a100", "h100", "h200", "b200"}  # fmt: skip
     rep = Report(
         4.5e12, {("psum", ("x",)): (3, 6.2e9)}, 0, 4.5e12, {("all_gather", ("y",)): (1, 3.1e9)}
     )

@@ -1,0 +1,373 @@
+"""`joint_search`: the training step's plan over layout x settings x mesh shape.
+
+A plan is a mesh (one of the shapes a device count factors into), the run's settings
+(remat, compute dtype, attention kernel, gradient accumulation's microbatches) and a
+layout (lowering/search.py `auto_layout`, whose layout rules include pipeline stages: a
+rule `layers:stage`). Each (mesh, settings) pair is a program of its own (the caller's
+`build(settings)` traces it), laid out by `auto_layout` against the whole step's memory
+(lowering/train_step.py: parameters, gradients, optimizer state, accumulator,
+activations). A step with N microbatches runs the microbatch's step N times (the
+trainer's accumulation loop, each microbatch's gradient synchronised as it is made).
+
+Pruning, memory first: a pair whose parameters, gradients and optimizer state alone,
+split over every device, exceed the limit is not searched. Then time: pairs are taken
+in order of their least possible step time (the step's flops with remat's recompute
+over every device at the flop rate, no communication) and a pair whose least time is
+no less than the best plan's that fits is not searched. Microbatches: of one setting's
+counts of microbatches only the fewest that fit is searched (more run the same flops and
+synchronise the gradients once per microbatch: never faster in this model). Each pair's
+layout search keeps a beam of 1 (`auto_layout`'s `beam`): a plan is found in seconds,
+and tests/test_plan.py holds its Llama 3 70B plan against every pair searched unpruned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from lowering.layout import Layout
+from lowering.lower import lower
+from lowering.mesh import Mesh
+from lowering.rates import Rates
+from lowering.search import Candidate, auto_layout
+from lowering.train_step import OPTIMIZERS, StepMemory, Training
+from namedmesh.errors import LayoutError, ParameterError
+
+REMATS = ("none", "dots", "full")
+
+
+class PlanError(LayoutError):
+    """No plan fits: names the closest one's memory and what would make it fit."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's settings a plan chooses beside the layout."""
+
+    remat: str = "none"
+    dtype: str = "bfloat16"
+    attention: str = "full"
+    grad_accum: int = 1
+
+    def __str__(self) -> str:
+        return (
+            f"remat={self.remat}, dtype={self.dtype}, attention={self.attention}, "
+            f"grad_accum={self.grad_accum}"
+        )
+
+    def as_dict(self) -> dict:
+        """The settings by name (what --json prints)."""
+        return {"remat": self.remat, "dtype": self.dtype, "attention": self.attention,
+                "grad_accum": self.grad_accum}  # fmt: skip
+
+
+@dataclass
+class Choice:
+    """One plan weighed: its mesh, settings, layout, the layout's Candidate (of one
+    microbatch), the whole step's memory and seconds."""
+
+    mesh: Mesh
+    settings: Settings
+    candidate: Candidate
+    model_flops: float  # the step's flops run whole on one device: forward and backward
+    limit: float
+    note: str = ""
+
+    @property
+    def layout(self) -> Layout:
+        """The layout chosen for this mesh and these settings."""
+        return self.candidate.layout
+
+    @property
+    def memory(self) -> StepMemory:
+        """The whole step's memory per device, by part."""
+        return self.candidate.step
+
+    @property
+    def fits(self) -> bool:
+        """Valid, and its step within the memory limit."""
+        return self.candidate.memory <= self.limit and not self.candidate.note.startswith("inv")
+
+    @property
+    def compute_seconds(self) -> float:
+        """Compute of every microbatch, with remat's recompute."""
+        return self.candidate.compute * self.settings.grad_accum
+
+    @property
+    def comm_seconds(self) -> float:
+        """Communication of every microbatch."""
+        return self.candidate.comm * self.settings.grad_accum
+
+    @property
+    def step_seconds(self) -> float:
+        """The step's predicted seconds: every microbatch's."""
+        return self.candidate.planned * self.settings.grad_accum
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages of its layout (1: none)."""
+        return max((p.stages for p in self.candidate.pipelines), default=1)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per step: of gradient accumulation times a pipeline's."""
+        pipe = max((p.microbatches for p in self.candidate.pipelines), default=1)
+        return self.settings.grad_accum * pipe
+
+    def mfu(self, rates: Rates) -> float:
+        """Model flops utilisation: the step's flops (run whole: no recompute, no work
+        repeated across devices) over the devices' peak flop/s for the step's time."""
+        return self.model_flops / (self.mesh.size * rates.flops_per_s * self.step_seconds)
+
+    def tokens_per_second_per_device(self, tokens: int) -> float:
+        """`tokens` per step over the step time and the devices."""
+        return tokens / self.step_seconds / self.mesh.size
+
+
+@dataclass
+class Joint:
+    """The plans weighed, best first (those that fit by step time, then the rest by
+    memory), the pairs not searched and why, and the assumptions."""
+
+    choices: list[Choice]
+    rates: Rates
+    training: Training
+    limit: float
+    tokens: int
+    pruned: dict = field(default_factory=dict)  # reason -> count of (mesh, settings) pairs
+    searched: int = 0
+    cache: dict = field(default_factory=dict, repr=False)  # (pair, ...) -> its Search
+
+    @property
+    def best(self) -> Choice:
+        """The chosen plan."""
+        return self.choices[0]
+
+    def next_best(self) -> Choice | None:
+        """The best plan that fits and differs from the chosen one in mesh or settings,
+        else in layout."""
+        best = self.best
+        fitting = [c for c in self.choices[1:] if c.fits]
+        same = (best.mesh.sizes, best.settings)
+        other = [c for c in fitting if (c.mesh.sizes, c.settings) != same]
+        return (other or fitting or [None])[0]
+
+
+def joint_search(
+    build,
+    meshes: list[Mesh],
+    rates: Rates,
+    space: list[Settings],
+    training: Training | None = None,
+    memory_limit: float | None = None,
+    tokens: int = 0,
+    beam: int = 1,
+    exhaustive: bool = False,
+    cache: dict | None = None,
+) -> Joint:
+    """The plans of `build(settings) -> (loss, inputs)` (the loss of one microbatch:
+    batch / grad_accum rows, its parameters the first input) on each of `meshes` under
+    each of `space`, at `rates`, held to `memory_limit` bytes per device (default: the
+    rates' memory) with the optimizer of `training`; `tokens` per step (for tokens/s).
+    PlanError when none fits, naming the closest plan's memory and what would make it
+    fit. `exhaustive`: every pair searched, none pruned (what the pruning is tested
+    against). `cache`: a dict that keeps each pair's layout search for later calls with
+    the same `build`, rates, limit and optimizer (keyed by mesh, settings and beam)."""
+    training = Training() if training is None else training
+    limit = rates.memory_bytes if memory_limit is None else memory_limit
+    if not limit:
+        raise ParameterError("joint_search: no memory limit: the rates give no memory; pass one")
+    if not space or not meshes:
+        raise ParameterError("joint_search: no settings or no meshes to search")
+    whole = _WholeCosts(build, training)
+    joint = Joint([], rates, training, limit, tokens)
+    joint.cache = {} if cache is None else cache
+    best_fit = [math.inf]
+    chains: dict = {}  # (mesh, settings but grad_accum) -> its settings, fewest microbatches first
+    for mesh, settings in itertools.product(meshes, space):
+        key = (id(mesh), settings.remat, settings.dtype, settings.attention)
+        chains.setdefault(key, (mesh, []))[1].append(settings)
+    order = sorted(chains.values(), key=lambda c: whole.least(c[1][0], c[0], rates))
+    for mesh, chain in order:
+        for i, settings in enumerate(sorted(chain, key=lambda s: s.grad_accum)):
+            why = "" if exhaustive else _pruned(whole, settings, mesh, rates, limit, best_fit[0])
+            if why:
+                _count(joint.pruned, why)
+                continue
+            fits = _search_pair(joint, whole, build, mesh, settings, beam, best_fit)
+            if fits and not exhaustive:
+                _count(joint.pruned, "more microbatches than the fewest that fit",
+                       len(chain) - i - 1)  # fmt: skip
+                break
+    joint.choices.sort(key=lambda c: (0, c.step_seconds) if c.fits else (1, c.candidate.memory))
+    if not joint.choices or not joint.best.fits:
+        raise PlanError(refusal(joint, whole))
+    return joint
+
+
+def _count(d: dict, reason: str, n: int = 1) -> None:
+    if reason and n:
+        d[reason] = d.get(reason, 0) + n
+
+
+def _pruned(whole, settings, mesh, rates, limit, best: float) -> str:
+    """Why the pair is not searched ("" if it is): memory first, then time."""
+    if whole.state_bytes(settings) / mesh.size > limit:
+        return "parameters, gradients and optimizer state alone over the limit"
+    if whole.least(settings, mesh, rates) >= best:
+        return "least possible step time no better than the best that fits"
+    return ""
+
+
+def _search_pair(joint, whole, build, mesh, settings, beam, best_fit: list) -> bool:
+    """auto_layout of one (mesh, settings) pair into `joint`: its best candidates, and
+    its closest when none fits. Whether one fits."""
+    joint.searched += 1
+    t = joint.training
+    key = (tuple(mesh.sizes.items()), settings, beam, joint.limit, repr(joint.rates), t)
+    if key not in joint.cache:
+        fn, inputs = build(settings)
+        run = Training(t.optimizer, t.moment_dtype, t.zero1, settings.grad_accum)
+        try:
+            _, joint.cache[key] = auto_layout(fn, mesh, *inputs, grad_argnums=(0,),
+                                              rates=joint.rates, memory_limit=joint.limit,
+                                              training=run, beam=beam)  # fmt: skip
+        except LayoutError as e:
+            if getattr(e, "search", None) is None:
+                raise
+            joint.cache[key] = e.search
+    table = joint.cache[key]
+    flops = whole.model_flops(settings)
+    costed = [c for c in table if c.step is not None]
+    kept = [c for c in costed if c.valid][:3]
+    kept += sorted((c for c in costed if not c.valid), key=lambda c: c.memory)[:1]
+    fits = False
+    for c in kept:
+        joint.choices.append(Choice(mesh, settings, c, flops, joint.limit))
+        if joint.choices[-1].fits:
+            fits = True
+            best_fit[0] = min(best_fit[0], joint.choices[-1].step_seconds)
+    return fits
+
+
+class _WholeCosts:
+    """Per settings, the program's costs run whole on one device (memoised): its
+    parameters' bytes and the step's flops (forward, backward, remat's recompute)."""
+
+    def __init__(self, build, training: Training):
+        self.build, self.training, self.reports = build, training, {}
+
+    def report(self, settings: Settings):
+        """The gradient report of the settings' program on one device."""
+        if settings not in self.reports:
+            fn, inputs = self.build(settings)
+            one = Mesh({"whole": 1}, devices="abstract")
+            self.reports[settings] = lower(fn, one, "").report(*inputs, wrt=0, show=False)
+        return self.reports[settings]
+
+    def model_flops(self, settings: Settings) -> float:
+        """Forward and backward flops of every microbatch, run whole."""
+        rep = self.report(settings)
+        return (rep.flops + rep.backward_flops) * settings.grad_accum
+
+    def least(self, settings: Settings, mesh: Mesh, rates: Rates) -> float:
+        """The least step time a pair could plan at: its flops (with recompute) shared
+        by every device at the flop rate, no communication."""
+        return self.step_flops(settings) / (mesh.size * rates.flops_per_s * rates.efficiency)
+
+    def step_flops(self, settings: Settings) -> float:
+        """`model_flops` and remat's recompute."""
+        again = self.report(settings).recompute_flops * settings.grad_accum
+        return self.model_flops(settings) + again
+
+    def state_bytes(self, settings: Settings) -> float:
+        """Parameters, gradients (and the accumulator) and optimizer state, whole."""
+        rep = self.report(settings)
+        params = sum(b for b, _, _ in rep.parameter_shards)
+        elements = sum(b / size for b, size, _ in rep.parameter_shards)
+        moments = OPTIMIZERS[self.training.optimizer] * elements * self.training.moment_bytes
+        grads = params * (2 if settings.grad_accum > 1 else 1)
+        return params + grads + moments
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB, 3 figures."""
+    return f"{n / 2**30:.3g} GiB"
+
+
+def parts_text(m: StepMemory) -> str:
+    """A StepMemory's parts in words."""
+    return (
+        f"parameters {gib(m.parameters)}, gradients {gib(m.gradients)}, optimizer "
+        f"{gib(m.optimizer)}, activations {gib(m.activations)}, other {gib(m.other)}"
+    )
+
+
+def refusal(joint: Joint, whole: _WholeCosts) -> str:
+    """Why nothing fits: the closest plan's memory by part, and the changes that would
+    bring it under the limit (ZeRO-1, bfloat16 moments, more devices)."""
+    limit = joint.limit
+    if not joint.choices:
+        settings = min(_evaluated(whole), key=whole.state_bytes, default=None)
+        need = whole.state_bytes(settings) if settings else math.inf
+        return (
+            f"no plan fits {gib(limit)} per device: the parameters, gradients and optimizer "
+            f"state alone take {gib(need)}, so at least {math.ceil(need / limit)} devices are "
+            f"needed however they are split"
+        )
+    close = min(joint.choices, key=lambda c: c.candidate.memory)
+    m = close.memory
+    fixes = []
+    t = joint.training
+    if not t.zero1 and m.optimizer:
+        data = close.layout.assign(("batch",))[0]
+        ways = math.prod(close.mesh.sizes[a] for a in data)
+        saved = m.optimizer - m.optimizer / max(ways, 1)
+        if m.total - saved <= limit:
+            fixes.append(f"ZeRO-1 (optimizer state split over the {ways} data-parallel "
+                         f"devices too) brings it to {gib(m.total - saved)}")  # fmt: skip
+    if t.moment_bytes > 2 and m.optimizer and m.total - m.optimizer / 2 <= limit:
+        fixes.append(f"bfloat16 moments bring it to {gib(m.total - m.optimizer / 2)}")
+    ways = math.ceil(m.total / limit)
+    fixes.append(f"about {ways}x the devices (its memory split {ways} ways further)")
+    return (
+        f"no plan fits {gib(limit)} per device ({len(joint.choices)} weighed). The closest: "
+        f"{close.layout or '(replicated)'} on {close.mesh} with {close.settings} needs "
+        f"{gib(m.total)} ({parts_text(m)}), {gib(m.total - limit)} over. To fit: "
+        + "; or ".join(fixes)
+        + "."
+    )
+
+
+def _evaluated(whole: _WholeCosts) -> list[Settings]:
+    """The settings whose whole-program costs were found."""
+    return list(whole.reports)
+
+
+def why_not(best: Choice, other: Choice) -> str:
+    """One sentence: how `other` differs from `best` and what it costs."""
+    diffs = []
+    if other.mesh.sizes != best.mesh.sizes:
+        diffs.append(f"mesh {other.mesh}")
+    a, b = best.settings.as_dict(), other.settings.as_dict()
+    diffs += [f"{k}={b[k]}" for k in a if a[k] != b[k]]
+    if other.layout.rules != best.layout.rules or not diffs:
+        diffs.append(f"layout {other.layout or '(replicated)'}")
+    ratio = other.step_seconds / best.step_seconds
+    dc = other.compute_seconds - best.compute_seconds
+    dm = other.comm_seconds - best.comm_seconds
+    if dc >= dm:
+        cause = (f"{_s(dc, '+')} of compute ({_s(other.compute_seconds)} against "
+                 f"{_s(best.compute_seconds)})")  # fmt: skip
+    else:
+        cause = (f"{_s(dm, '+')} of communication ({_s(other.comm_seconds)} against "
+                 f"{_s(best.comm_seconds)})")  # fmt: skip
+    return f"{', '.join(diffs)}: {ratio:.3g}x the step time, {cause}"
+
+
+def _s(seconds: float, sign: str = "") -> str:
+    """Seconds in words: ms below one second."""
+    if abs(seconds) < 1:
+        return f"{seconds * 1e3:{sign}.4g} ms"
+    return f"{seconds:{sign}.4g} s"

@@ -1,0 +1,118 @@
+"""The memory of a whole training step, in parts: what `namedmesh plan` and the joint
+search (lowering/joint.py) hold against a device's memory.
+
+A cost Report of the loss's gradient (`report(..., wrt=...)`) holds the parameters, their
+gradients and the activations the backward pass reads (lowering/memory.py); a step also
+holds the optimizer's state and, with gradient accumulation, an accumulator:
+
+    parameters  each parameter's shard, in its dtype
+    gradients   as the parameters; twice with grad_accum > 1 (the running sum and the
+                microbatch's own, live at once in the accumulation loop)
+    optimizer   AdamW: two moments per parameter element in `moment_dtype`, split as the
+                parameters, or (ZeRO-1) also over the data axes that do not split the
+                parameter; momentum: one; sgd: none
+    activations what the backward pass reads and its largest working set (remat's
+                recomputed iteration included), of one microbatch
+    other       the batch and any other input, and the update's new parameters: the
+                trainer (models/trainer.py) keeps them beside the old ones until it has
+                checked that they are finite, and only then writes them over the old
+
+The rest of the update runs in place (the trainer donates the state) and fuses
+elementwise, so it adds no other state-sized buffer; docs/benchmarks.md holds the total
+against XLA's `memory_analysis` of the trainer's compiled step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lowering.cost import Report
+from namedmesh.errors import ParameterError
+
+# moments per parameter element
+OPTIMIZERS = {"adamw": 2, "adam": 2, "momentum": 1, "sgd": 0}
+
+
+@dataclass(frozen=True)
+class Training:
+    """How a step trains, beyond the loss: the optimizer and its state's dtype, ZeRO-1
+    (the state split over the data axes too), gradient accumulation's microbatches."""
+
+    optimizer: str = "adamw"
+    moment_dtype: str = "float32"
+    zero1: bool = False
+    grad_accum: int = 1
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ParameterError(
+                f"Training: optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}"
+            )
+        try:
+            np.dtype(self.moment_dtype)
+        except TypeError:
+            raise ParameterError(
+                f"Training: moment_dtype {self.moment_dtype!r} is not a dtype (float32, bfloat16)"
+            ) from None
+        g = self.grad_accum
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+            raise ParameterError(f"Training: grad_accum must be an int >= 1, got {g!r}")
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes of one moment element."""
+        import jax.numpy as jnp  # bfloat16 is jax's dtype
+
+        return jnp.dtype(self.moment_dtype).itemsize
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes per device of one training step, by part (the module docstring)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        """Every part's bytes."""
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.other
+
+    def as_dict(self) -> dict[str, int]:
+        """The parts and the total by name (what `namedmesh plan --json` prints)."""
+        return {"total": self.total, "parameters": self.parameters,
+                "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "other": self.other}  # fmt: skip
+
+
+def step_memory(
+    rep: Report, sizes: dict[str, int], data_axes=(), training: Training = Training()
+) -> StepMemory:
+    """The StepMemory of the step whose gradient report is `rep` (made with `wrt`) on a
+    mesh of `sizes`; `data_axes` are the mesh axes that split the batch (ZeRO-1 splits the
+    optimizer's state over those of them that do not split a parameter already)."""
+    if not rep.memory_parts:
+        raise ParameterError(
+            "step_memory: the report has no training terms; make it with wrt= (the parameters)"
+        )
+    parts = rep.memory_parts
+    params = sum(b for b, _, _ in rep.parameter_shards)
+    moments = OPTIMIZERS[training.optimizer]
+    optimizer = 0.0
+    for nbytes, itemsize, axes in rep.parameter_shards:
+        split = math.prod(sizes[a] for a in data_axes if a not in axes) if training.zero1 else 1
+        optimizer += moments * nbytes / itemsize * training.moment_bytes / split
+    grads = parts["gradients"] * (2 if training.grad_accum > 1 else 1)
+    return StepMemory(
+        parameters=int(params),
+        gradients=int(grads),
+        optimizer=int(optimizer),
+        activations=int(parts["saved"] + parts["working"]),
+        other=int(parts["inputs"]),  # the batch, and the new parameters (as many bytes)
+    )

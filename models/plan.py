@@ -1,0 +1,268 @@
+"""`namedmesh plan`: the training step's plan for a cluster, on abstract meshes (no devices).
+
+    namedmesh plan --config llama3-70b --mesh data=256,model=8 --rates h100,node=8 \\
+        --batch 2048 --length 8192
+    namedmesh plan --config llama3-8b --devices 256 --rates h100,node=8 --batch 256 \\
+        --length 8192 --json
+
+Searches layout x remat x compute dtype x attention kernel x gradient accumulation x the
+mesh's shape (lowering/joint.py; a flag given fixes its setting) and prints the chosen
+plan, its memory per device by part (parameters, gradients, optimizer, activations,
+other), its step time split into compute and communication, tokens/s per device and MFU,
+and the next best plan with why it lost. `--compare LAYOUT` weighs a layout of yours
+(under the chosen settings) beside it. `--json`: one JSON object instead. Exit status 2
+with one line on stderr for a bad flag, and 1 when no plan fits (the line names the
+closest plan's memory and what would make it fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from models.train import Parser, fail, parse_mesh, user_errors
+
+REMATS = ("none", "dots", "full")
+KERNELS = ("full", "blockwise")
+EXIT_NO_PLAN = 1
+
+
+def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namespace:
+    p = Parser(prog=prog, description=__doc__.split("\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--config", required=True,
+                   help="a named config (llama3-70b, ...) or a Hugging Face folder")  # fmt: skip
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mesh", type=parse_mesh, help="the mesh, e.g. data=256,model=8")
+    where.add_argument("--devices", type=int, help="a device count: the search shapes the mesh")
+    p.add_argument("--rates", default="h100",
+                   help="hardware and levels, e.g. h100,node=8 or tpu_v5p,slice=4096 "
+                   "(lowering/rates.py parse: efficiency=, overlap=, memory= ...)")  # fmt: skip
+    p.add_argument("--batch", type=int, required=True, help="sequences per step (global)")
+    p.add_argument("--length", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
+                   help="a layout to weigh beside the chosen one (repeatable)")  # fmt: skip
+    p.add_argument("--stages", type=int, action="append", default=[], metavar="S",
+                   help="--devices: also weigh meshes with a pipeline axis stage=S "
+                   "outermost (repeatable; S must divide the layers)")  # fmt: skip
+    p.add_argument("--remat", choices=REMATS, help="fix remat (default: searched)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the compute dtype (parameters stay float32)",
+    )
+    p.add_argument("--attention", choices=KERNELS, help="fix the kernel (default: searched)")
+    p.add_argument("--grad-accum", type=int, help="fix the microbatches (default: searched)")
+    p.add_argument("--optimizer", default="adamw", help="adamw, momentum or sgd")
+    p.add_argument("--moment-dtype", default="float32", help="the optimizer state's dtype")
+    p.add_argument("--zero1", action="store_true", help="optimizer state split over data too")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def load_config(text: str):
+    """The Config named `text`, or what the hub makes of a folder's config.json."""
+    from models import config, hub
+
+    if Path(text).is_dir():
+        family, hf = hub.read_config(Path(text))
+        return hub.family_config(family, hf, set(), text)
+    return config.get(text)
+
+
+def _meshes(args, layers: int) -> list:
+    """The meshes searched: --mesh, or every (data, model) shape of --devices with the
+    model axis a power of two up to a node (the rates' node, else 8) innermost, and with
+    each --stages S, those shapes of devices / S beside a stage axis outermost (pipeline
+    stages cross nodes: their traffic is one activation per microbatch)."""
+    from lowering import Mesh
+    from models.run import UsageError
+
+    if args.mesh is not None:
+        if args.stages:
+            raise UsageError("--stages shapes the meshes of --devices; with --mesh name a "
+                             "stage axis in it")  # fmt: skip
+        return [Mesh(args.mesh, devices="abstract")]
+    n = args.devices
+    if n < 1:
+        raise UsageError(f"--devices {n}: must be >= 1")
+    for s in args.stages:
+        if s < 2 or n % s or layers % s:
+            raise UsageError(f"--stages {s}: must be >= 2 and divide --devices {n} and the "
+                             f"{layers} layers")  # fmt: skip
+    node = args.rates_parsed.node or 8
+    shapes = []
+    for s in [1, *args.stages]:
+        m = 1
+        while m <= min(n // s, node):
+            if (n // s) % m == 0:
+                shape = {"data": n // s // m, "model": m}
+                shapes.append(shape if s == 1 else {"stage": s, **shape})
+            m *= 2
+    return [Mesh(s, devices="abstract") for s in shapes]
+
+
+def _space(args, cfg) -> list:
+    from lowering.joint import Settings
+
+    accums = [args.grad_accum] if args.grad_accum else [g for g in (1, 2, 4, 8)
+                                                       if args.batch % g == 0]  # fmt: skip
+    return [
+        Settings(r, d, a, g)
+        for r in ([args.remat] if args.remat else REMATS)
+        for d in [args.dtype]
+        for a in ([args.attention] if args.attention else KERNELS)
+        for g in accums
+    ]
+
+
+def builder(cfg, batch: int, length: int):
+    """`build(settings) -> (loss, (params, batch))` of the decoder LM of `cfg`: the loss
+    of one microbatch (batch / grad_accum rows of `length` tokens) under the settings,
+    on abstract inputs (lowering/joint.py `joint_search`)."""
+    from models import objectives, transformer, zoo
+
+    model = zoo.get("lm")
+
+    def build(settings):
+        c = cfg.replace(batch=batch // settings.grad_accum, length=length,
+                        remat=settings.remat, dtype=settings.dtype, attention=settings.attention,
+                        dropout=0.0)  # fmt: skip
+        params = transformer.abstract(model.shapes(c))
+        rows = objectives.abstract_batch(model.objective, c.batch, c.length)
+        return (lambda p, b: model.loss(p, b, c, None)), (params, rows)
+
+    return build
+
+
+def plan(args, cache: dict | None = None) -> dict:
+    """The plan as a dict (what --json prints), with the printout under "text".
+    `cache`: lowering.joint.joint_search's, kept between calls."""
+    from lowering import Layout
+    from lowering.joint import joint_search, parts_text, why_not
+    from lowering.rates import RatesError, parse
+    from lowering.train_step import Training
+    from models.run import UsageError
+
+    for flag in ("batch", "length"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if args.grad_accum is not None and (args.grad_accum < 1 or args.batch % args.grad_accum):
+        raise UsageError(f"--grad-accum {args.grad_accum}: must be >= 1 and divide --batch")
+    try:
+        args.rates_parsed = rates = parse(args.rates)
+    except RatesError as e:
+        raise UsageError(f"--rates: {e}") from None
+    try:
+        training = Training(args.optimizer, args.moment_dtype, args.zero1)
+    except ValueError as e:
+        raise UsageError(f"--optimizer/--moment-dtype: {e}") from None
+    cfg = load_config(args.config)
+    build = builder(cfg, args.batch, args.length)
+    tokens = args.batch * args.length
+    joint = joint_search(build, _meshes(args, cfg.layers), rates, _space(args, cfg), training,
+                         tokens=tokens, cache=cache)  # fmt: skip
+    best, nxt = joint.best, joint.next_best()
+    out = {
+        "config": args.config,
+        "mesh": dict(best.mesh.sizes),
+        "layout": str(best.layout),
+        "settings": {**best.settings.as_dict(), "stages": best.stages,
+                     "microbatches": best.microbatches},  # fmt: skip
+        "memory": best.memory.as_dict(),
+        "memory_limit": joint.limit,
+        "fits": best.fits,
+        "step_seconds": best.step_seconds,
+        "compute_seconds": best.compute_seconds,
+        "communication_seconds": best.comm_seconds,
+        "tokens_per_second_per_device": best.tokens_per_second_per_device(tokens),
+        "mfu": best.mfu(rates),
+        "rates": str(rates),
+        "searched": joint.searched,
+        "pruned": joint.pruned,
+        "next_best": None if nxt is None else {
+            "mesh": dict(nxt.mesh.sizes), "layout": str(nxt.layout),
+            "settings": nxt.settings.as_dict(), "step_seconds": nxt.step_seconds,
+            "why": why_not(best, nxt)},
+    }  # fmt: skip
+    lines = [
+        f"plan for {args.config}: {args.batch} x {args.length} tokens per step on {best.mesh}",
+        f"rates: {rates}",
+        f"searched {joint.searched} (mesh, settings) pairs"
+        + "".join(f"; {n} not: {why}" for why, n in joint.pruned.items()),
+        f"layout:   {best.layout or '(replicated)'}",
+        f"settings: {best.settings}, stages={best.stages}, microbatches={best.microbatches}",
+        f"memory:   {_gib(best.memory.total)} of {_gib(joint.limit)} per device "
+        f"({parts_text(best.memory)})",
+        f"step:     {best.step_seconds:.4g} s = compute {best.compute_seconds:.4g} s + "
+        f"communication {best.comm_seconds:.4g} s"
+        + (" (overlapped: the larger)" if rates.overlap else ""),
+        f"speed:    {out['tokens_per_second_per_device']:,.0f} tokens/s per device, "
+        f"MFU {out['mfu']:.1%}",
+    ]
+    if nxt is not None:
+        lines.append(f"next best: {why_not(best, nxt)}")
+    out["compare"] = []
+    for text in args.compare:
+        line = _compare(build, best, rates, training, joint.limit, Layout(text))
+        out["compare"].append({"layout": text, **line})
+        lines.append(f"yours: {text}: {line['verdict']}")
+    out["text"] = "\n".join(lines)
+    return out
+
+
+def _compare(build, best, rates, training, limit, layout) -> dict:
+    """`layout` under the chosen plan's mesh and settings: its memory, time, verdict."""
+    from lowering.joint import Choice, parts_text, why_not
+    from lowering.search import auto_layout
+    from lowering.train_step import Training
+
+    fn, inputs = build(best.settings)
+    run = Training(training.optimizer, training.moment_dtype, training.zero1,
+                   best.settings.grad_accum)  # fmt: skip
+    _, table = auto_layout(fn, best.mesh, *inputs, grad_argnums=(0,), rates=rates,
+                           memory_limit=math.inf, training=run, candidates=[layout],
+                           beam=1)  # fmt: skip
+    cand = table.theirs[0]
+    if cand.note.startswith("invalid"):
+        return {"fits": False, "verdict": f"not valid on {best.mesh} ({cand.note})"}
+    mine = Choice(best.mesh, best.settings, cand, best.model_flops, limit)
+    fits = mine.fits
+    verdict = (
+        f"{_gib(mine.memory.total)} per device ({parts_text(mine.memory)}), "
+        + ("fits" if fits else f"over the {_gib(limit)} limit")
+        + f"; {why_not(best, mine)}"
+    )
+    return {"fits": fits, "memory": mine.memory.as_dict(), "step_seconds": mine.step_seconds,
+            "verdict": verdict}  # fmt: skip
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def main(argv=None, prog: str = "python -m models.plan") -> int:
+    args = arguments(argv, prog)
+    from lowering.joint import PlanError
+
+    name = prog.removeprefix("python -m ")
+    try:
+        out = plan(args)
+    except PlanError as e:
+        return fail(e, EXIT_NO_PLAN, name)
+    except (*user_errors(), KeyError) as e:  # one line, never a traceback
+        return fail(e, 2, name)
+    if args.json:
+        out.pop("text")
+        print(json.dumps(out, indent=1))
+    else:
+        print(out["text"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The memory of a whole training step (lowering/train_step.py) against XLA's compiled
+trainer step and against the parameter count; remat's recompute flops against a layer's
+flops counted by hand."""
+
+import pytest
+
+from lowering import Mesh, lower
+from lowering.train_step import Training, step_memory
+from models import config, objectives, transformer
+from models.layers import count
+from namedmesh.errors import ParameterError
+
+
+def _report(cfg, sizes, rules):
+    params = transformer.abstract(transformer.lm_shapes(cfg))
+    batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
+    loss = lambda p, b: transformer.lm_loss(p, b, cfg)
+    return lower(loss, Mesh(sizes, devices="abstract"), rules).report(params, batch, wrt=0,
+                                                                       show=False)  # fmt: skip
+
+
+def test_the_step_estimate_is_within_15_percent_of_xla_compiled_trainer_step():
+    from benchmarks.step_memory import measure
+
+    est, xla = measure("batch:data;heads:model;d_ff:model;vocab:model", "none", 2, "tiny")
+    assert 0.85 <= est / xla <= 1.15, (est, xla)
+
+
+def test_adamw_moments_are_two_per_parameter_and_zero1_splits_them_over_data():
+    cfg = config.get("tiny")
+    rep = _report(cfg, {"data": 8}, "batch:data")  # parameters replicated
+    n = count(transformer.lm_shapes(cfg))  # float32 parameters
+    plain = step_memory(rep, {"data": 8}, ("data",), Training("adamw"))
+    assert plain.parameters == plain.gradients == 4 * n
+    assert plain.optimizer == 2 * 4 * n
+    zero = step_memory(rep, {"data": 8}, ("data",), Training("adamw", zero1=True))
+    assert zero.optimizer == 2 * 4 * n // 8
+    half = step_memory(rep, {"data": 8}, ("data",), Training("adamw", moment_dtype="bfloat16"))
+    assert half.optimizer == 2 * 2 * n
+    accum = step_memory(rep, {"data": 8}, ("data",), Training("adamw", grad_accum=4))
+    assert accum.gradients == 2 * 4 * n  # the running sum beside one microbatch's
+    assert step_memory(rep, {"data": 8}, (), Training("sgd")).optimizer == 0
+
+
+def test_remat_recompute_flops_are_a_layers_forward_flops():
+    cfg = config.get("tiny")  # d_model 64, 4 heads of 16, d_ff 256, 2 layers, 16 x 64 tokens
+    reps = {r: _report(cfg.replace(remat=r), {"one": 1}, "") for r in ("none", "dots", "full")}
+    one = _report(cfg.replace(layers=1), {"one": 1}, "")
+    layer = reps["none"].flops - one.flops  # one layer's forward flops
+    assert reps["none"].recompute_flops == 0
+    assert reps["full"].recompute_flops == pytest.approx(2 * layer)
+    tokens, d, hd, f, t = 16 * 64, 64, 4 * 16, 256, 64
+    matmuls = 2 * tokens * (4 * d * hd + 2 * d * f) + 2 * 2 * tokens * t * hd
+    assert reps["dots"].recompute_flops == pytest.approx(2 * (layer - matmuls))
+
+
+def test_a_bad_training_setting_is_a_parameter_error():
+    with pytest.raises(ParameterError, match="optimizer 'adamax'"):
+        Training("adamax")
+    with pytest.raises(ParameterError, match="grad_accum"):
+        Training(grad_accum=0)
+
+
+def test_auto_layout_holds_the_whole_step_to_the_memory_limit():
+    """With `training=`, a candidate's memory is its step's total (optimizer state too),
+    and no layout over the limit by that measure is chosen, though its gradient alone fits."""
+    import math
+
+    from lowering import auto_layout
+
+    cfg = config.get("tiny")
+    params = transformer.abstract(transformer.lm_shapes(cfg))
+    batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
+    loss = lambda p, b: transformer.lm_loss(p, b, cfg)
+    mesh = Mesh({"data": 8}, devices="abstract")
+    run = lambda limit, training: auto_layout(loss, mesh, params, batch, grad_argnums=(0,),
+                                              rates="h100,flops=1e9", memory_limit=limit,
+                                              training=training)  # fmt: skip
+    free, table = run(math.inf, Training())
+    best = table[0]
+    assert best.memory == best.step.total > _report(cfg, {"data": 8}, free).peak_memory
+    limit = (best.memory + _report(cfg, {"data": 8}, free).peak_memory) / 2
+    _, without = run(limit, None)  # the gradient's memory alone: the free choice fits
+    assert str(without[0].layout) == str(free)
+    _, held = run(limit, Training())
+    assert held[0].memory <= limit and str(held[0].layout) != str(free)
