@@ -25,7 +25,7 @@ from namedmesh.elementwise import align
 from namedmesh.errors import LayoutError, ShapeError, fmt_dims
 from namedmesh.layout_rules import Rules, format_rules, parse_rules
 from namedmesh.primitive import Aval, bind, primitive, result_dtype, zero_flops_cost
-from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims
+from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims, renames_with
 
 
 def _identity(x, **_):
@@ -51,6 +51,9 @@ def rename(x: Tensor, mapping: Mapping[str, str] | None = None, **names: str) ->
     require_dims("rename", mapping, x.dims)
     dims = parse_dims(tuple(mapping.get(d, d) for d in x.dims), f"rename {mapping}")
     return bind(_rename, x, dims=dims)
+
+
+renames_with(rename)  # what Tensor(traced value, new dims) records
 
 
 _transpose = primitive(
