@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowering.layout import local_shape
-from lowering.ops import Local, all_to_all
+from lowering.shards import Local, all_to_all
 from namedmesh.contract import varying_axes
 from namedmesh.grouped import as_rows, grouped_rows
 

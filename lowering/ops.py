@@ -37,30 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowering.caches import memo
+from lowering.expert_routes import routed
+from lowering.shards import Local, all_to_all, axis_name
+from lowering.shards import fmt_local as fmt_local  # re-exported: its old home
 from namedmesh.primitive import Aval
-
-
-@dataclass(eq=False, slots=True)  # many per candidate: slots make them cheaper
-class Local:
-    """A local shard as the planner sees it: its shape, dtype and the mesh axes over
-    which shard_map types it varying. Identity is the value's (hashed by id)."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    vma: frozenset = frozenset()
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __repr__(self) -> str:
-        vary = f" varying {','.join(sorted(self.vma))}" if self.vma else ""
-        return f"Local({fmt_local(self)}{vary})"
-
-
-def fmt_local(a) -> str:
-    """`f32[4,8]`: the dtype and shape of a local value or aval."""
-    return f"{a.dtype.kind}{a.dtype.itemsize * 8}[{','.join(map(str, a.shape))}]"
 
 
 @dataclass(frozen=True)
@@ -83,11 +63,6 @@ class Op:
 
 
 # --- jax implementations -------------------------------------------------------------
-def axis_name(axes: tuple[str, ...]):
-    """The axis name jax.lax takes for the mesh axes `axes`."""
-    return axes[0] if len(axes) == 1 else tuple(axes)
-
-
 def axis_index(axes: tuple[str, ...], sizes: dict[str, int]):
     """This device's position along the mesh axes `axes`, major to minor."""
     idx = 0
@@ -159,12 +134,6 @@ def ppermute(x, axes: tuple[str, ...], perm, sizes: dict[str, int]):
     return jax.lax.ppermute(x, axis_name(in_mesh), [(at(s), at(d)) for s, d in perm])
 
 
-def all_to_all(x, axes: tuple[str, ...], dim: int, to: int):
-    """The split of dim `to` by `axes` moved to dim `dim`: each device sends its `to`
-    blocks to their devices and concatenates what it receives along `dim`."""
-    return jax.lax.all_to_all(x, axis_name(axes), split_axis=to, concat_axis=dim, tiled=True)
-
-
 def all_gather(x, axes: tuple[str, ...], dim: int):
     """Undo the split of dim `dim` by `axes` (the minor-most axes of its split). The
     result stays varying over `axes`, so that its transpose is a reduce-scatter (FSDP's
@@ -185,14 +154,6 @@ def run_local(*xs, local_op, **params):
     out = prim.jax_impl(*xs, **params)
     outs = out if prim.multiple_results else (out,)
     return tuple(o if o.dtype == t else o.astype(t) for o, t in zip(outs, dtypes, strict=True))
-
-
-def routed(*xs, **params):
-    """lowering/expert_routes.py's rounds of all_to_all (imported on first use: it reads
-    the grouped matmul's kernel, and the planner needs none of it)."""
-    from lowering import expert_routes
-
-    return expert_routes.routed(*xs, **params)
 
 
 # --- abstract rules: (Locals, the mesh's sizes, params) -> Local(s) ------------------------

@@ -19,7 +19,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -148,12 +148,46 @@ def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
     return tuple(tuple(a for a in axes if mesh.sizes[a] > 1) for axes in layout)
 
 
+@runtime_checkable
+class Hooks(Protocol):
+    """What runs a rules' context: the operations of `RuleContext` are written on these
+    alone. The Planner (below: on Locals, recording Instrs, no jax) implements the
+    first three, the Interpreter (lowering/interpret.py: the Planner that runs graphs)
+    all five."""
+
+    def vma(self, x) -> set[str]:
+        """The mesh axes over which the local value `x` is typed varying."""
+        ...
+
+    def run_op(self, op: str | Callable, *xs, made: tuple | None = None, **params):
+        """Run (or record) operation `op` (an instruction of lowering/ops.py's OPS, or a
+        function: a rule's own arithmetic, whose result `made` describes) on the local
+        values `xs`; "local" gives a tuple of the primitive's outputs."""
+        ...
+
+    def run_loop(self, run: Callable, init: list, xs: list, length: int, made: list) -> tuple:
+        """`RuleContext.loop`'s loop: (final carry, stacked ys); `made` holds the body's
+        Step once `run` has run."""
+        ...
+
+    def plan_layouts(self, graph) -> None:
+        """The layout each value `graph`'s equations make should have, into `wanted`
+        (for a rule that runs a graph of its own: nm.scan's body)."""
+        ...
+
+    def run_graph(self, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0) -> None:
+        """Run `graph`'s equations by their rules: `env` maps each input to (local value,
+        layout) and receives every value made; their Steps are appended to `plan`."""
+        ...
+
+
 @dataclass
 class RuleContext:
     """What a rule sees: the mesh, the rules, the layouts the planner wants, and the
     current plan step, to which `log` and `local` report. A rule that makes a value in
-    `free` may give it another layout than `wanted`'s, and records it there. Subclasses
-    interpret the operations on local values: `vma` and `_op`."""
+    `free` may give it another layout than `wanted`'s, and records it there. Its
+    operations are written on the `Hooks` alone, which a subclass implements (Planner,
+    Interpreter)."""
 
     mesh: Mesh
     layout: Layout
@@ -168,28 +202,39 @@ class RuleContext:
     record: bool = True
     soft_layouts: dict = field(default_factory=dict, repr=False)  # kept by soft_layout
 
-    # --- the interpreter: what a subclass defines ---------------------------------------
-    def vma(self, x) -> set[str]:
-        """The mesh axes over which the local value `x` is typed varying."""
-        raise NotImplementedError
-
-    def _op(self, op: str | Callable, *xs, made: tuple | None = None, **params):
-        """Run (or record) operation `op` on the local values `xs`; "local" gives a
-        tuple of the primitive's outputs."""
-        raise NotImplementedError
-
     # --- operations on local values -------------------------------------------------
-    def call(self, fn: Callable, *xs, shape, dtype, vma: set | None = None, **params):
-        """`fn(*xs, **params)`, local arithmetic with no collective, giving one array of
-        `shape` and `dtype` that varies where its inputs do (or over `vma`, if given)."""
-        return self._op(fn, *xs, made=(tuple(shape), np.dtype(dtype), vma), **params)
+    def call(self, fn: Callable, *xs, shape=None, dtype=None, vma: set | None = None, of=None,
+             output: int = 0, **params):  # fmt: skip
+        """`fn(*xs, **params)`, local arithmetic with no collective, giving one array that
+        varies where its inputs do (or over `vma`, if given). Its shape and dtype are by
+        default the current equation's output `output` as its primitive's shape rule
+        makes it from local shards `of` of the equation's inputs (default: the first of
+        `xs`); `shape` and `dtype` are for the rule's intermediate values."""
+        if shape is None or dtype is None:
+            got_shape, got_dtype = self.result_of(xs if of is None else of, output)
+            shape = got_shape if shape is None else shape
+            dtype = got_dtype if dtype is None else dtype
+        return self.run_op(fn, *xs, made=(tuple(shape), np.dtype(dtype), vma), **params)
+
+    def result_of(self, shards, output: int = 0) -> tuple[tuple[int, ...], np.dtype]:
+        """(shape, dtype) of the current equation's output `output` as its primitive's
+        shape rule makes it from local shards `shards` of the equation's inputs."""
+        e = self.step.eqn
+        in_dims = tuple(v.dims for v in e.inputs)
+        shards = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in shards[: len(in_dims)])
+        items = tuple(e.params.items())
+        try:
+            shapes = local_shapes(e.primitive, in_dims, shards, items)
+        except TypeError:  # a param that does not hash
+            shapes = local_shapes.__wrapped__(e.primitive, in_dims, shards, items)
+        return shapes[output], np.dtype(e.outputs[output].dtype)
 
     def astype(self, x, dtype):
-        return x if np.dtype(x.dtype) == np.dtype(dtype) else self._op("astype", x, dtype=dtype)
+        return x if np.dtype(x.dtype) == np.dtype(dtype) else self.run_op("astype", x, dtype=dtype)
 
     def axis_index(self, axes: tuple[str, ...]):
         """This device's position along the mesh axes `axes`, major to minor (int32)."""
-        return self._op("axis_index", axes=tuple(axes), sizes=self.sizes)
+        return self.run_op("axis_index", axes=tuple(axes), sizes=self.sizes)
 
     def psum(self, x, axes: tuple[str, ...]):
         return self.collective("psum", x, axes) if axes else x
@@ -224,7 +269,7 @@ class RuleContext:
     def instruction(self, op: str, *xs, **params):
         """Instruction `op` of lowering/ops.py's OPS on the local values `xs`, unlogged:
         one that issues no collective, or whose collectives the rule logs itself."""
-        return self._op(op, *xs, **params)
+        return self.run_op(op, *xs, **params)
 
     def collective(self, op: str, x, axes: tuple[str, ...], source=None, **params):
         """Collective `op` (an instruction of lowering/ops.py's OPS, with its params) of
@@ -232,7 +277,7 @@ class RuleContext:
         graph value `source`."""
         row = OPS[op]
         self.log(logged(op), axes, nbytes(x), source, row.transposes)
-        return self._op(op, x, axes=tuple(axes), **params)
+        return self.run_op(op, x, axes=tuple(axes), **params)
 
     # --- the shared logic of the rules' context ------------------------------------------
     def source(self, x):
@@ -287,7 +332,7 @@ class RuleContext:
         e = self.step.eqn
         # (prim, its results' dtypes, its inputs' dims): one param, apart from the op's own
         what = (prim, tuple(v.dtype for v in e.outputs), tuple(v.dims for v in e.inputs))
-        outs = self._op("local", *arrays, local_op=what, **params)
+        outs = self.run_op("local", *arrays, local_op=what, **params)
         self.note_local(prim, params, arrays, outs)
         return outs
 
@@ -311,7 +356,7 @@ class RuleContext:
         """`x` typed varying over every axis of `vma` (a free cast: no data moves),
         unlogged: a loop carry's type, whose cast the loop logs once it has settled."""
         missing = self.missing_axes(x, vma)
-        return self._op("pvary", x, axes=missing) if missing else x
+        return self.run_op("pvary", x, axes=missing) if missing else x
 
     def varying(self, x, vma: set):
         """`x` typed varying over the axes `vma` (a free cast), once per value: left to
@@ -379,7 +424,7 @@ class RuleContext:
         """The moves of `collectives.plan_moves`, each logged and run."""
         for m in plan_moves(src, dst):
             if m.kind == "slice":
-                x = self._op("slice_to", x, axes=m.axes, dim=m.dim, sizes=self.sizes)
+                x = self.run_op("slice_to", x, axes=m.axes, dim=m.dim, sizes=self.sizes)
             else:  # all_gather(dim) or all_to_all(dim, to)
                 to = {} if m.to is None else {"to": m.to}
                 x = self.collective(m.kind, x, m.axes, source, dim=m.dim, **to)
@@ -403,23 +448,8 @@ class RuleContext:
             finally:
                 self.moved, self.sources, self.step = saved
 
-        final, ys = self._loop(run, list(init), list(xs), length, made)
+        final, ys = self.run_loop(run, list(init), list(xs), length, made)
         return list(final), list(ys), made[0]
-
-    def _loop(self, run: Callable, init: list, xs: list, length: int, made: list) -> tuple:
-        """The interpreter's loop of `loop`: (final carry, stacked ys); `made` holds the
-        body's Step once `run` has run."""
-        raise NotImplementedError
-
-    # --- for a rule that runs a graph of its own (nm.scan's body): lowering/interpret.py --
-    def plan_layouts(self, graph) -> None:
-        """The layout each value `graph`'s equations make should have, into `wanted`."""
-        raise NotImplementedError
-
-    def run_graph(self, graph, env: dict, plan: list, repeat: int = 1, depth: int = 0) -> None:
-        """Run `graph`'s equations by their rules: `env` maps each input to (local value,
-        layout) and receives every value made; their Steps are appended to `plan`."""
-        raise NotImplementedError
 
 
 @memo()  # the same assigned layout and shape recur in many candidate layouts
@@ -494,7 +524,7 @@ class Planner(RuleContext):
         outs = op.outs  # one aval per shape (indexes: zip's strict= costs more than this)
         return tuple([Local(s, outs[i].dtype, vma) for i, s in enumerate(shapes)])
 
-    def _op(self, op, *xs, made=None, **params):
+    def run_op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:
             return (xs[0],)  # the same local value, as jax returns the same array
         res = _abstract(op, xs, self.sizes, made, params)
@@ -503,7 +533,7 @@ class Planner(RuleContext):
             self.step.ops.append(Instr(op, xs, outs, params))
         return res
 
-    def _loop(self, run, init, xs, length, made):
+    def run_loop(self, run, init, xs, length, made):
         carry_in = [Local(c.shape, c.dtype, c.vma) for c in init]
         x_in = [Local(x.shape[1:], x.dtype, x.vma) for x in xs]
         new, ys = run(carry_in, x_in)

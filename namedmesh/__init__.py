@@ -1,7 +1,9 @@
 """namedmesh: named-axis tensors, one einsum for every contraction, and a tracer whose
 graphs the `lowering` package turns into SPMD programs on a device mesh."""
 
-from namedmesh import methods, random  # methods: binds the ops onto Tensor as its methods
+import sys
+
+from namedmesh import methods, numpy_dispatch, random  # methods: binds the ops onto Tensor
 from namedmesh.attention import dot_product_attention
 from namedmesh.autodiff import grad, value_and_grad
 from namedmesh.checks import DimNameWarning
@@ -123,3 +125,6 @@ from namedmesh.trace import Eqn, Graph, evaluate, interpret, reference, trace
 from namedmesh.update import update_slice
 
 __version__ = "0.1.0"
+
+# np.exp(t) runs the op of the ufunc's name from this namespace (namedmesh/numpy_dispatch.py)
+numpy_dispatch.use_namespace(sys.modules[__name__])

@@ -184,3 +184,19 @@ def scan(
     )
     final = jax.tree_util.tree_unflatten(carry_tree, list(outs[: len(carry)]))
     return final, jax.tree_util.tree_unflatten(y_tree[0], list(outs[len(carry) :]))
+
+
+def _scan_example(a, b, d, k):
+    """The property strategies' scan (Primitive.example): a loop over d whose body
+    contracts with b (used by every step)."""
+    extra = [x for x in b.dims if x not in a.dims or x == d]
+
+    def body(c, x):
+        mixed = (x * b).sum(extra) if extra else x * b
+        c = (c + x) * 0.5 + 0.1 * mixed
+        return c, c * 0.5
+
+    return scan(body, a.sum(d) * 0.1, a, d)[1]
+
+
+_scan.example = _scan_example

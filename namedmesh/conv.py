@@ -264,3 +264,21 @@ def pool(
     strides = windows if stride is None else _per_dim(stride, dims, "stride", windows)
     pads = _padding(padding, dims, [x.size_of(d) for d in dims], windows, strides, (1,) * len(dims))
     return bind(_pool, x, axes=axes, windows=windows, strides=strides, pads=pads, kind=kind)
+
+
+# How the property strategies' random programs apply these (Primitive.example): windows
+# of 1 to 3 along d, padded to keep its size (so a layout may split it)
+def _conv_example(a, b, d, k):
+    w = 1 + k % min(3, a.size_of(d))
+    return conv(a, _full_window(d + "_w", w), {d: d + "_w"}, padding="SAME")
+
+
+def _full_window(dim: str, w: int) -> Tensor:
+    """A [dim: w] kernel of weights 1/w..1 (not all equal: an order mistake shows)."""
+    return Tensor._make(np.arange(1, w + 1, dtype=np.float32) / w, (dim,))
+
+
+_conv.example = _conv_example
+_pool.example = lambda a, b, d, k: pool(
+    a, {d: 1 + k % min(3, a.size_of(d))}, stride=1, padding="SAME", kind=("max", "mean")[k % 2]
+)

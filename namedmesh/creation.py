@@ -92,3 +92,8 @@ def abstract(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
 
     dims, shape = parse_sizes(sizes, "abstract")
     return Tensor._make(jax.ShapeDtypeStruct(shape, native_dtype(dtype)), dims)
+
+
+# How the property strategies' random programs apply these (Primitive.example)
+_full.example = lambda a, b, d, k: a + full({d: a.size_of(d)}, 0.25 * (k % 4))
+_iota.example = lambda a, b, d, k: a * arange(d, a.size_of(d), start=k % 3)

@@ -297,3 +297,14 @@ def dot(*operands: Tensor, over: DimsLike) -> Tensor:
             + did_you_mean(missing[0], seen)
         )
     return einsum(*operands, out=tuple(d for d in seen if d not in over))
+
+
+def _einsum_example(a, b, d, k):
+    """The property strategies' einsum (Primitive.example): of two operands, or three (b
+    again) for k >= 32, keeping the dims of their union that k's low bits pick."""
+    ops = (a, b, b) if k >= 32 else (a, b)
+    union = list(dict.fromkeys(d for t in ops for d in t.dims))
+    return einsum(*ops, out=[u for n, u in enumerate(union) if (k >> n) & 1])
+
+
+_einsum.example = _einsum_example

@@ -433,3 +433,9 @@ def clip(x: Tensor, lo=None, hi=None) -> Tensor:
     if hi is not None:
         x = minimum(x, hi)
     return x
+
+
+# How the property strategies' random programs apply these (Primitive.example): the other
+# elementwise ops are derived from their flags
+where.primitive.example = lambda a, b, d, k: where(a > 0, a, b)
+_convert.example = lambda a, b, d, k: astype(a * 4, np.int32 if k % 2 else jnp.bfloat16)

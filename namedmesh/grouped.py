@@ -289,3 +289,16 @@ def grouped_matmul(x: Tensor, w: Tensor, group: Tensor, dim: str = "experts") ->
     d_model, d_ff), choice (batch, length, k) is (batch, length, k, d_ff)."""
     dims = (x.dims, w.dims, group.dims)
     return bind(_grouped, x, w, group, dim=dim, dims=dims)
+
+
+def _grouped_example(a, b, d, k):
+    """The property strategies' grouped_matmul (Primitive.example): 2 groups of weights
+    over d (and b's own dims), rows by a's argmax mod 3 (group 2: zero rows)."""
+    b = b if d in b.dims else a
+    summed = [x for x in b.dims if x in a.dims and x != d]
+    v = b.sum(summed) if summed else b
+    w = v.expand_dims({"group": 2}) * Tensor._make(np.array([1.0, -0.5], np.float32), ("group",))
+    return grouped_matmul(a, w, a.argmax(d) % 3, "group")
+
+
+_grouped.example = _grouped_example

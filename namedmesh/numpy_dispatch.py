@@ -66,10 +66,19 @@ _VALUE_LEVEL = {
 }
 
 
-def _nm():
-    import namedmesh
+# The package's namespace (`namedmesh`), where each NumPy name's op is found: the
+# package registers it when it has loaded (namedmesh/__init__.py), so that this module,
+# below every op, imports none of them (nor the package, which would close a circle)
+_NAMESPACE: list = []
 
-    return namedmesh
+
+def use_namespace(namespace) -> None:
+    """Find the ops NumPy's names dispatch to in `namespace` (the `namedmesh` package)."""
+    _NAMESPACE[:] = [namespace]
+
+
+def _nm():
+    return _NAMESPACE[0]
 
 
 def apply_ufunc(ufunc, method: str, inputs, kwargs):

@@ -153,6 +153,12 @@ class Primitive:
     # its result is a float whatever its inputs' dtype (`float_result`), computed from the
     # inputs cast to that dtype (`in_float`): NumPy, jax and the lowering's local code alike
     float_valued: bool = False
+    # How the property strategies' random programs (namedmesh/testing/strategies.py) apply
+    # it: `example(a, b, d, k) -> Tensor | None`, with a and b float tensors whose shared
+    # dims agree in size, d one of a's dims and k a choice in 0..50 (None: not for these
+    # tensors); or a str saying why random programs never draw it and what tests it;
+    # None: derived from the flags (an elementwise op, through its public op)
+    example: Callable[..., Any] | str | None = None
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"

@@ -200,3 +200,9 @@ def dropout(x: Tensor, rate: float, k) -> Tensor:
         return x
     keep = 1.0 - float(rate)
     return ew.where(bernoulli(k, x.sizes, keep), x / keep, 0)
+
+
+# How the property strategies' random programs apply these (Primitive.example): noise and
+# dropout's mask, each from a key folded from the choice
+_random.example = lambda a, b, d, k: a + normal(fold_in(7, k), a.sizes) * 0.5
+_fold_in_prim.example = lambda a, b, d, k: dropout(a, 0.5, fold_in(key(k), k + 1))

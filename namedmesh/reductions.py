@@ -270,3 +270,29 @@ _cumsum = primitive(
 def cumsum(x: Tensor, dim: str, reverse: bool = False) -> Tensor:
     """Running sum along `dim` (from the end when `reverse`); keeps x's dims."""
     return bind(_cumsum, x, axis=axis_of(x, dim, "cumsum"), reverse=bool(reverse))
+
+
+# How the property strategies' random programs apply these (Primitive.example)
+def _reduced(op, of=lambda a: a):
+    def example(a, b, d, k):
+        return op(of(a), [x for m, x in enumerate(a.dims) if (k >> m) & 1] or [d])
+
+    return example
+
+
+def _top_k_example(a, b, d, k):
+    vals, idx = top_k(a, d, 1 + k % a.size_of(d))
+    return vals * 0.5 + idx.astype(np.float32) if k % 2 else vals
+
+
+for _op in (sum, prod, max, min, mean, logsumexp):
+    _op.primitive.example = _reduced(_op)
+for _op in (any, all):
+    _op.primitive.example = _reduced(_op, lambda a: a > 0)
+_softmax.example = lambda a, b, d, k: softmax(a, d)
+_log_softmax.example = lambda a, b, d, k: log_softmax(a, d)
+_argmax.example = lambda a, b, d, k: argmax(a, d)
+_argmin.example = lambda a, b, d, k: argmin(a, d)
+_top_k.example = _top_k_example
+_cumsum.example = lambda a, b, d, k: cumsum(a, d, reverse=bool(k % 2))
+del _op

@@ -163,3 +163,27 @@ def isel(x: Tensor, indexers: Mapping[str, int | builtins.slice] | None = None, 
                 "nm.gather(t, dim, indices) to select by a Tensor of indices)"
             )
     return squeeze(x, tuple(drop)) if drop else x
+
+
+# How the property strategies' random programs apply these (Primitive.example)
+def _expanded(a, b, d, k):
+    """A dim of b that a lacks (so a layout may split it), else a new one squeezed away."""
+    new = next((e for e in b.dims if e not in a.dims), None)
+    if new is None:
+        return squeeze(expand_dims(a * 0.5, "unit"), "unit")
+    return expand_dims(a * 0.5, {new: b.size_of(new)}) * b
+
+
+def _moments(op):
+    def example(a, b, d, k):
+        red = [x for m, x in enumerate(a.dims) if (k >> m) & 1] or [d]
+        many = np.prod([a.size_of(x) for x in red]) > 1
+        return op(a, red, ddof=k // 8 % 2 if many else 0)
+
+    return example
+
+
+_squeeze.example = lambda a, b, d, k: squeeze(expand_dims(a * 0.5, "unit"), "unit")
+_expand_dims.example = _expanded
+_var.example = _moments(var)
+_std.example = _moments(std)

@@ -25,7 +25,7 @@ from namedmesh.elementwise import align
 from namedmesh.errors import LayoutError, ShapeError, fmt_dims
 from namedmesh.layout_rules import Rules, format_rules, parse_rules
 from namedmesh.primitive import Aval, bind, primitive, result_dtype, zero_flops_cost
-from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims
+from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims, renames_with
 
 
 def _identity(x, **_):
@@ -51,6 +51,9 @@ def rename(x: Tensor, mapping: Mapping[str, str] | None = None, **names: str) ->
     require_dims("rename", mapping, x.dims)
     dims = parse_dims(tuple(mapping.get(d, d) for d in x.dims), f"rename {mapping}")
     return bind(_rename, x, dims=dims)
+
+
+renames_with(rename)  # what Tensor(traced value, new dims) records
 
 
 _transpose = primitive(
@@ -502,3 +505,48 @@ def constrain(x: Tensor, layout) -> Tensor:
     if not isinstance(layout, str | Mapping | Sequence):
         raise ShapeError(f"constrain: layout must be a rule string, dict or list, got {layout!r}")
     return bind(_constrain, x, layout=_constraint_rules(x, layout))
+
+
+# How the property strategies' random programs apply these (Primitive.example; the
+# signature is there): each keeps the tensor's dims, so later steps can use it.
+def _reshaped(a, b, d, k):
+    n = a.size_of(d)
+    if n % 2 or n <= 2:
+        return None
+    split_ = reshape(a, {d + "_hi": 2, d + "_lo": n // 2}, from_=d)
+    return reshape(split_ * 0.5, {d: n}, from_=(d + "_hi", d + "_lo"))
+
+
+def _gathered(a, b, d, k):
+    n = a.size_of(d)
+    idx = b.argmax(b.dims[k % len(b.dims)]) % n if b.dims else a.argmax(d)
+    if d in idx.dims:  # indices may not have the gathered dim
+        idx = idx.sum(d) % n
+    return gather(a, d, idx - n if k % 2 else idx)  # -n..-1: counted from the end
+
+
+def _split_and_joined(a, b, d, k):
+    n = a.size_of(d)
+    return None if n < 2 else concat(split(a, d, [1 + k % (n - 1), n - 1 - k % (n - 1)])[::-1], d)
+
+
+_rename.example = lambda a, b, d, k: rename(rename(a, {d: d + "_r"}) * 0.5, {d + "_r": d})
+_transpose.example = lambda a, b, d, k: transpose(a, *reversed(a.dims))
+_reshape.example = _reshaped
+_concat.example = lambda a, b, d, k: concat(
+    [a, b * 0.5] if d in b.dims and set(b.dims) == set(a.dims) else [a, a * 0.5], d
+)
+_stack.example = lambda a, b, d, k: stack([a, a * 0.5], d + "_s").sum(d + "_s")
+_split.example = _split_and_joined
+_slice.example = lambda a, b, d, k: slice_(
+    a, d, k % a.size_of(d), None if k % 2 else max(k % a.size_of(d) + 1, a.size_of(d) - 1),
+    1 + k // 2 % 2,
+)  # fmt: skip
+_pad.example = lambda a, b, d, k: pad(a, {d: (k % 3, k // 3 % 2)}, value=0.25)
+_shift.example = lambda a, b, d, k: shift(
+    a, d, k % (2 * a.size_of(d) + 1) - a.size_of(d), wrap=bool(k % 2), fill=0.5
+)
+_one_hot.example = lambda a, b, d, k: one_hot(a.argmax(d), d, a.size_of(d)) * a
+_gather.example = _gathered
+_stop_gradient.example = lambda a, b, d, k: stop_gradient(a) * b
+_constrain.example = "drawn as Program.constraints (strategies.constraints): a layout per mesh"

@@ -65,6 +65,17 @@ def native_dtype(dtype) -> np.dtype:
     return dt if dt.isnative else dt.newbyteorder("=")
 
 
+# nm.rename, which Tensor(traced value, new dims) records: namedmesh/structural.py,
+# which defines it above Tensor (it binds a primitive), registers it on import, so that
+# Tensor imports nothing above it (that import would close a circle through eager.py)
+_RENAME: list = []
+
+
+def renames_with(rename) -> None:
+    """Record a traced value re-wrapped under new dims as `rename(tensor, mapping)`."""
+    _RENAME[:] = [rename]
+
+
 class Tensor:
     """An array plus `.dims`, a tuple of unique names, one per axis.
 
@@ -90,9 +101,7 @@ class Tensor:
             )
         if isinstance(data, Var) and data.dims != dims:
             if TRACES.frames:  # re-wrapping a traced value under new names is a rename
-                from namedmesh.structural import rename
-
-                data = rename(
+                data = _RENAME[0](
                     Tensor._make(data, data.dims), dict(zip(data.dims, dims, strict=True))
                 ).data
         self.data = data

@@ -130,3 +130,18 @@ def update_slice(x: Tensor, dim: str, start: Tensor, value: Tensor) -> Tensor:
         value = value.transpose(*x.dims)
     start = start if isinstance(start, Tensor) else Tensor(np.asarray(start), ())
     return bind(_update, x, start, value, axis=axis, dims=(x.dims, start.dims))
+
+
+def _update_example(a, b, d, k):
+    """The property strategies' update_slice (Primitive.example): a window of a's own
+    end written from starts in [-2n, n), one start (0-d) or one per element."""
+    n = a.size_of(d)
+    w = 1 + k % n
+    start = a.argmax(d)
+    if not k % 2 and start.dims:
+        start = start.max(start.dims)
+    start = start - (k // 2 % (2 * n + 1))
+    return update_slice(a, d, start, a.isel({d: slice(n - w, n)}) * 0.5)
+
+
+_update.example = _update_example

@@ -142,7 +142,7 @@ def test_reduce_scatters_and_psums_over_several_axes_equal_the_reference(case):
 @example(  # tanh(x) twice: XLA gathers it once
     (
         S.Program(
-            (("p", 2), ("q", 2)), (("p", "q"),), (("unary", 0, 0, 0),) * 2, 0, ((0, ""), (1, ""))
+            (("p", 2), ("q", 2)), (("p", "q"),), (("tanh", 0, 0, 0),) * 2, 0, ((0, ""), (1, ""))
         ),
         Mesh({"m0": 2}),
         Layout("q:m0"),
@@ -162,7 +162,7 @@ def test_reduce_scatters_and_psums_over_several_axes_equal_the_reference(case):
         S.Program(
             (("p", 2), ("q", 2), ("r", 2), ("s", 2)),
             (("p",),),
-            (("unary", 0, 0, 0), ("softmax", 0, 0, 0), ("softmax", 33, 0, 0)),
+            (("tanh", 0, 0, 0), ("softmax", 0, 0, 0), ("log_softmax", 33, 0, 0)),
             0,
         ),
         Mesh({"m0": 2}),
@@ -171,7 +171,7 @@ def test_reduce_scatters_and_psums_over_several_axes_equal_the_reference(case):
 )
 @example(  # the indices of this top_k are dead: XLA drops their gather
     (
-        S.Program((("p", 2), ("s", 4)), (("s",), ("p",)), (("top_k", 0, 0, 1),), 0),
+        S.Program((("p", 2), ("s", 4)), (("s",), ("p",)), (("top_k", 0, 0, 2),), 0),
         Mesh({"m0": 2}),
         Layout("s:m0"),
     )

@@ -3,9 +3,9 @@
 Bottom to top: namedmesh's language (every module of `namedmesh` but `namedmesh.testing`)
 < `lowering` < `models`; `namedmesh.testing` stands above `lowering` (it lowers programs
 to check them) and below `models`. A floor imports only from the floors below it, inside
-a function too. Inside namedmesh no module imports, at module level, a module that
-imports it back (a circle that loads only in one order), and no module imports another's
-private (`_name`) helper.
+a function too. Inside a package no module imports a module that imports it back, at
+module level or inside a function (a circle loads only in one order; models/ is the
+known exception, issue 42), and no module imports another's private (`_name`) helper.
 """
 
 import ast
@@ -18,14 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("namedmesh", "lowering", "models")
 FLOORS = ("namedmesh", "lowering", "namedmesh.testing", "models")  # bottom to top
-# Imports inside a function that point up or back within namedmesh's language, and why
-# they cannot be at module level: each would close a circle.
-LATE_IMPORTS = {
-    # nm.Tensor(traced value, new dims) under nm.trace records a rename, an op above Tensor
-    ("namedmesh.tensor", "namedmesh.structural"),
-    # np.exp(t) runs the public op of the ufunc's name, from the package's namespace
-    ("namedmesh.numpy_dispatch", "namedmesh"),
-}
+
 
 
 def module_name(path: Path) -> str:
@@ -94,42 +87,63 @@ def test_each_floor_imports_only_from_the_floors_below_it():
     assert wrong == []
 
 
-def test_no_module_level_import_circle_inside_namedmesh():
+def circles(package: str) -> list[list[str]]:
+    """The import circles among `package`'s modules (the package itself included), each a
+    strongly connected set of two or more, counting imports inside functions too: a
+    circle loads in one order only, and one closed inside a function hides it."""
     graph = {
-        name: {m for m, _, _, _ in imports(tree, name, top_only=True) if m in MODULES}
+        name: {m for m, _, _, _ in imports(tree, name, top_only=False) if m in inside}
+        for inside in [{n for n in MODULES if n == package or n.startswith(package + ".")}]
         for name, tree in MODULES.items()
-        if floor(name) in ("namedmesh", "namedmesh.testing")
+        if name in inside
     }
-    done, path, circles = set(), [], []
+    index, low, stack, found = {}, {}, [], []
 
-    def visit(m):
-        if m in path:
-            circles.append(path[path.index(m) :] + [m])
-            return
-        if m in done or m not in graph:
-            return
-        path.append(m)
+    def visit(m):  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
         for n in sorted(graph[m]):
-            visit(n)
-        path.pop()
-        done.add(m)
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            part = stack[stack.index(m) :]
+            del stack[stack.index(m) :]
+            if len(part) > 1:
+                found.append(sorted(part))
 
     for m in sorted(graph):
-        visit(m)
-    assert circles == []
+        if m not in index:
+            visit(m)
+    return found
 
 
-def test_late_imports_inside_the_language_are_only_the_known_ones():
-    """An import inside a function that points back within namedmesh's language hides a
-    circle; the ones that must stay are listed in LATE_IMPORTS with their reason."""
-    late = {
-        (name, mod)
-        for name, tree in MODULES.items()
-        if floor(name) == "namedmesh"
-        for mod, _, _, at_top in imports(tree, name, top_only=False)
-        if not at_top and floor(mod) == "namedmesh"
-    }
-    assert late == LATE_IMPORTS
+@pytest.mark.parametrize(
+    "package",
+    [
+        "namedmesh",
+        "lowering",
+        # issue 42: models/ has a 30-file circle (config.configs() imports families and
+        # hub inside a function; run <-> train, data <-> datasets); its restructuring
+        # into folders removes them, and this mark with them
+        pytest.param("models", marks=pytest.mark.xfail(reason="issue 42: models/ circles")),
+    ],
+)
+def test_no_import_circle_including_imports_inside_functions(package):
+    assert circles(package) == []
+
+
+def test_the_circle_check_sees_imports_inside_functions(monkeypatch):
+    """A circle closed only inside a function (as tensor.py's import of structural
+    once closed one through eager.py) is found."""
+    code = "def f():\n    from namedmesh import structural\n"
+    tree = ast.parse(code)
+    monkeypatch.setitem(MODULES, "namedmesh.tensor", ast.Module(
+        MODULES["namedmesh.tensor"].body + tree.body, []))  # fmt: skip
+    assert any("namedmesh.tensor" in c and "namedmesh.structural" in c
+               for c in circles("namedmesh"))  # fmt: skip
 
 
 def test_no_private_name_is_imported_across_modules():

@@ -228,3 +228,42 @@ def test_a_search_costs_each_candidate_as_it_costs_it_alone():
         assert got == graph_report(graph, ABSTRACT, Layout(lay), wrt)
         full = lower(loss, ABSTRACT, lay).report(*inputs, wrt=0, show=False)
         assert got == full and str(got) == str(full)
+
+
+def test_the_context_is_run_by_one_protocol_of_hooks():
+    """RuleContext's operations are written on `Hooks` alone: it declares none of them
+    (no stubs to drift from the implementations), the Planner implements the three it
+    needs and the Interpreter all five."""
+    import inspect
+
+    from lowering.interpret import Interpreter
+    from lowering.plan import Hooks, Planner, RuleContext
+
+    hooks = {n for n, v in vars(Hooks).items() if inspect.isfunction(v) and n[0] != "_"}
+    assert hooks == {"vma", "run_op", "run_loop", "plan_layouts", "run_graph"}
+    assert not hooks & set(vars(RuleContext))
+    assert {n for n in hooks if n in vars(Planner)} == {"vma", "run_op", "run_loop"}
+    ctx = Interpreter(Mesh({"a": 2}), Layout(""), {})
+    assert isinstance(ctx, Hooks) and not isinstance(object(), Hooks)
+    for name in hooks:  # each implementation takes the protocol's parameters
+        want = list(inspect.signature(getattr(Hooks, name)).parameters)
+        assert list(inspect.signature(getattr(Interpreter, name)).parameters) == want, name
+
+
+@pytest.mark.parametrize(
+    ("op", "layout", "local"),
+    [  # (global [a: 4, b: 8]; m splits a dim in 2): the result's local shape, by hand
+        (lambda t: nm.softmax(t, "b"), "b:m", (4, 4)),  # rule's own arithmetic: x's shard
+        (lambda t: nm.var(t, "b"), "b:m", (4,)),  # reduced over b
+        (lambda t: nm.cumsum(t, "a"), "a:m", (2, 8)),  # the shards' totals added
+    ],
+)
+def test_a_rules_own_arithmetic_takes_the_shape_rules_result(op, layout, local):
+    """A rule's last `ctx.call`, given no shape, makes the equation's result as the
+    primitive's shape rule makes it from the local shards (not restated by the rule)."""
+    x = nm.tensor(np.arange(32.0, dtype=np.float32).reshape(4, 8), "a b")
+    lowered = lower(op, Mesh({"m": 2}), layout, check=True)
+    calls = [i for step in lowered.plan(x) for i in step.ops if callable(i.op)]
+    assert calls and tuple(calls[-1].outs[0].shape) == local
+    assert calls[-1].outs[0].dtype == np.float32
+    np.testing.assert_allclose(np.asarray(lowered(x).data), op(x).data, rtol=1e-5)  # eager

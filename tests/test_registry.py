@@ -1,12 +1,13 @@
 """Every primitive declares all its rules in one place, and every public op is documented."""
 
-import re
-from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+from hypothesis import HealthCheck, given, settings
 
 import namedmesh as nm
-from namedmesh.primitive import Aval, Cost
+from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.testing import strategies as S
 
 
 def test_every_primitive_declares_its_rules():
@@ -48,19 +49,59 @@ def test_aval_sizes_and_bytes():
     assert a.sizes == {"a": 2, "b": 3} and a.nbytes == 24
 
 
-def test_each_primitive_is_exercised_by_the_tests():
-    """A primitive no test file names is an untested primitive."""
-    text = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
-    text += "".join(
-        p.read_text() for p in (Path(__file__).parent.parent / "property_tests").glob("test_*.py")
-    )
-    public = {
-        "random": "random.normal",
-        "random_fold_in": "fold_in",
-        "full": "zeros",
-        "iota": "arange",
-        "convert": "astype",
-        "slice": "nm.slice",
+def primitives_bound(program) -> set[str]:
+    """The primitives `program`'s trace binds, those of loop bodies too."""
+    names, graphs = set(), [nm.trace(program, *program.example_inputs())]
+    while graphs:
+        for e in graphs.pop().eqns:
+            names.add(e.primitive.name)
+            graphs += [v for v in e.params.values() if isinstance(v, nm.Graph)]
+    return names
+
+
+def test_every_primitive_is_drawn_by_the_strategies_or_says_why_not():
+    """From the registry, not from the test files' text: each primitive's step (its
+    `example`, or derived from its flags) binds it in a program of it alone, and a
+    primitive that random programs do not draw declares why."""
+    assert S.not_drawn() == {
+        "constrain": nm.REGISTRY["constrain"].example,
+        # attention.py is being reworked (issue 42 item 4): its example goes beside it then
+        "dot_product_attention": "no example and no flag to derive one",
     }
-    missing = [n for n in nm.REGISTRY if not re.search(re.escape(public.get(n, n)), text)]
-    assert not missing
+    sizes = (("p", 4), ("q", 2), ("r", 6), ("s", 8))
+    for kind in S.drawn_kinds():
+        steps = tuple((kind, 0, 1, k) for k in (0, 5, 34))
+        program = S.Program(sizes, (("p", "q"), ("q", "r", "p")), steps, 0)
+        assert kind in primitives_bound(program), kind
+
+
+def test_random_programs_draw_the_registry_evenly():
+    """400 random programs draw nearly every drawn primitive (measured: 78 to 83 of 87: hypothesis
+    repeats choices across examples, so not all), the one-in-four einsum chains aside."""
+    seen = set()
+
+    @settings(max_examples=400, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(S.programs())
+    def draw(program):
+        seen.update(kind for kind, *_ in program.steps)
+
+    draw()
+    assert seen <= set(S.drawn_kinds())
+    assert len(seen) >= 0.85 * len(S.drawn_kinds())  # 78 of 87 here (and the old lists: 23)
+
+
+def test_a_new_primitive_is_drawn_with_no_list_edited():
+    """docs/lowering.md's `flip`, registered with an example: random programs draw it
+    and it binds; registered with neither an example nor a flag, it is reported."""
+    flip = primitive("flip_probe", lambda x, axis: x, lambda x, axis: np.flip(x, axis),
+                     lambda x, axis: jnp.flip(x, axis))  # fmt: skip
+    try:
+        assert S.not_drawn()["flip_probe"] == "no example and no flag to derive one"
+        flip.example = lambda a, b, d, k: bind(flip, a, axis=a.dims.index(d))
+        assert "flip_probe" in S.drawn_kinds() and "flip_probe" not in S.not_drawn()
+        program = S.Program((("p", 3),), (("p",),), (("flip_probe", 0, 0, 0),), 0)
+        np.testing.assert_array_equal(program(*program.example_inputs()).data,
+                                      program.example_inputs()[0].data[::-1])  # fmt: skip
+    finally:
+        del nm.REGISTRY["flip_probe"]

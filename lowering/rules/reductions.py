@@ -48,8 +48,7 @@ def _global_extreme(ctx, prim, x, y, axes: tuple[int, ...], split):
     counts = ctx.call(_ties_and_nans, x, m, axes=axes, shape=(2, *m.shape), dtype=np.int32)
     counts = ctx.psum(counts, split)
     vma = ctx.vma(m) | ctx.vma(counts)  # the extreme's, not x's: its gradient is custom
-    return ctx.call(_extreme_with_ties, x, m, counts, axes=axes, split=split, shape=m.shape,
-                    dtype=m.dtype, vma=vma)  # fmt: skip
+    return ctx.call(_extreme_with_ties, x, m, counts, axes=axes, split=split, vma=vma)
 
 
 def _ties_and_nans(x, m, axes):
@@ -105,11 +104,10 @@ def reduction_rule(ctx, eqn, args):
         y = ctx.psum(y, split)
         if prim is P.mean and split:
             k = math.prod(ctx.sizes[a] for a in split)
-            y = ctx.call(_divide, y, by=k, to=out.dtype, shape=y.shape, dtype=out.dtype)
+            y = ctx.call(_divide, y, by=k, to=out.dtype, of=(x,))
     elif prim in _STACKED and split:
         g = ctx.gather_stacked(y, split)
-        y = ctx.call(_reduce_stacked, g, reduce=_STACKED[prim], to=out.dtype, shape=y.shape,
-                     dtype=out.dtype)  # fmt: skip
+        y = ctx.call(_reduce_stacked, g, reduce=_STACKED[prim], to=out.dtype, of=(x,))
     elif prim in (P.max, P.min) and split:
         y = _global_extreme(ctx, prim, x, y, eqn.params["axes"], split)
     return [(ctx.relayout(ctx.astype(y, out.dtype), kept, want), want)]
@@ -148,7 +146,7 @@ def _split_logsumexp(ctx, x, axes, split, dtype):
     shape = tuple(n for i, n in enumerate(x.shape) if i not in axes)
     part = ctx.call(_sum_exp, x, m, axes=axes, to=dtype, shape=shape, dtype=dtype)
     total = ctx.psum(part, split)
-    return ctx.call(_log_total, m, total, axes=axes, shape=shape, dtype=dtype)
+    return ctx.call(_log_total, m, total, axes=axes, of=(x,))
 
 
 def _finite(m, axes):
@@ -200,8 +198,7 @@ def softmax_rule(ctx, eqn, args):
     total = ctx.call(_sum_shifted_exp, x, m, axes=axes, shift=shift, to=dt, shape=shape, dtype=dt)
     total = ctx.psum(total, split)
     total = ctx.varying(total, ctx.vma(x))  # logged: the backward psums its gradient
-    y = ctx.call(_normalize, x, m, total, shift=shift, to=dt, log=eqn.primitive is P.log_softmax,
-                 shape=x.shape, dtype=dt)  # fmt: skip
+    y = ctx.call(_normalize, x, m, total, shift=shift, to=dt, log=eqn.primitive is P.log_softmax)
     return [(ctx.relayout(y, lay, want), want)]
 
 
@@ -220,7 +217,7 @@ def cumsum_rule(ctx, eqn, args):
     totals = ctx.gather_stacked(totals, axes)
     totals = ctx.varying(totals, ctx.vma(y))  # logged: the backward psums its gradient
     me = ctx.axis_index(axes)
-    y = ctx.call(_plus_before, y, totals, me, reverse=p["reverse"], shape=y.shape, dtype=y.dtype)
+    y = ctx.call(_plus_before, y, totals, me, reverse=p["reverse"])
     want = ctx.wanted[eqn.outputs[0]]
     return [(ctx.relayout(y, lay, want), want)]
 
@@ -262,7 +259,7 @@ def moment_rule(ctx, eqn, args):
     squares = ctx.call(_squared_deviations, x, mean, axes=axes, shape=reduced, dtype=dt)
     squares = ctx.psum(squares, split)
     root = eqn.primitive is P.std
-    y = ctx.call(_moment, squares, n=count - ddof, root=root, to=dt, shape=squares.shape, dtype=dt)
+    y = ctx.call(_moment, squares, n=count - ddof, root=root, to=dt, of=(x,))
     return [(ctx.relayout(y, kept, want), want)]
 
 

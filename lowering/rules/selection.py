@@ -133,8 +133,7 @@ def gather_rule(ctx, eqn, args):
     local = ctx.call(_block_indices, idx, me, n=n, full=full, shape=idx.shape, dtype=idx.dtype)
     inside = ctx.call(_in_block, idx, me, n=n, full=full, shape=idx.shape, dtype=bool)
     y = ctx.local(eqn.primitive, x, local, **eqn.params)
-    y = ctx.call(_zero_outside, y, inside, dims=vi.dims, out_dims=out.dims, shape=y.shape,
-                 dtype=y.dtype)  # fmt: skip
+    y = ctx.call(_zero_outside, y, inside, dims=vi.dims, out_dims=out.dims, of=(x, local))
     return [(ctx.psum(y, split), want)]
 
 

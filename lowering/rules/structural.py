@@ -158,7 +158,7 @@ def shift_rule(ctx, eqn, args):
     n = x.shape[axis]
     want = ctx.wanted[eqn.outputs[0]]
     if not p["wrap"] and abs(off) >= eqn.inputs[0].shape[axis]:  # nothing is left but fill
-        filled = ctx.call(_filled, x, fill=p["fill"], shape=x.shape, dtype=x.dtype)
+        filled = ctx.call(_filled, x, fill=p["fill"])
         return [(ctx.relayout(filled, lay, want), want)]
     if not axes or abs(off) > n or off == 0:
         return along_dims_rule(ctx, eqn, args)
