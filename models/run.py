@@ -18,7 +18,7 @@ from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
 from models import agree, checkpoint, cluster, config, data, files, folder_tokens, hub, zoo
 from models.preempt import Preemption
-from models.train import check_ranges
+from models.train import check_ranges, parse_betas
 from models.trainer import Trainer, bits_per_byte, optimizer
 from models.watchdog import COMPILE_S, SAVE_S, Watchdog
 from namedmesh.errors import NamedMeshError
@@ -41,7 +41,12 @@ _RUN_FLAGS = (
     "length",
     "optimizer",
     "lr",
+    "schedule",
     "warmup",
+    "min_lr",
+    "weight_decay",
+    "betas",
+    "eps",
     "clip",
     "dropout",
     "seed",
@@ -129,7 +134,7 @@ def setup(args):
         raise UsageError(str(e)) from None
     try:
         mesh = Mesh(args.mesh)
-        opt, schedule = optimizer(args.optimizer, args.lr, args.steps, args.warmup, args.clip)
+        opt, schedule = run_optimizer(args)
         name = f"{args.model} ({args.config})"
         layout = pick_layout(
             args.layout, model, name, cfg, mesh, opt, args.seed, getattr(args, "rates", None),
@@ -139,10 +144,21 @@ def setup(args):
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    # the optimizer's state besides: adamw's two moments per parameter, on every device
-    state = _count(trainer) * 4 * (2 if args.optimizer == "adamw" else 1)
+    # the optimizer's state besides: adamw's two moments per parameter, lion's one, sgd's
+    # momentum (if any) and adafactor's factored ones (counted as one), on every device
+    moments = {"adamw": 2, "lion": 1, "adafactor": 1, "sgd": int(any(args.betas or ()))}
+    state = _count(trainer) * 4 * moments[args.optimizer]
     check_memory(report.peak_memory + state, mesh, f"--config {args.config}")
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
+
+
+def run_optimizer(args):
+    """(optax transformation, schedule) of the run's optimizer flags."""
+    return optimizer(
+        args.optimizer, args.lr, args.steps, args.warmup, args.clip,
+        schedule_name=args.schedule, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        betas=args.betas, eps=args.eps,
+    )  # fmt: skip
 
 
 DATA_FLAGS = ("data", "val_data")  # paths run.json records absolute, with fingerprints
@@ -161,6 +177,8 @@ def _resume_flags(args, stored: dict, out: Path) -> None:
     for k in _RUN_FLAGS:
         if k in stored and not (k in DATA_FLAGS and given[k] is not None):
             setattr(args, k, stored[k])  # a run saved before a flag existed keeps its default
+    if isinstance(args.betas, str):
+        args.betas = parse_betas(args.betas)
     args.init_from = stored.get("init_from")
     complaint = check_ranges(args)  # a run.json edited by hand
     if complaint:
@@ -374,6 +392,7 @@ def _train(args, dog) -> int:
         say(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
     elif writer():
         run = {k: getattr(args, k) for k in _RUN_FLAGS} | _data_record(args)
+        run["betas"] = args.betas and ",".join(map(str, args.betas))  # as --betas takes it
         if args.init_from:
             run["init_from"] = str(Path(args.init_from).absolute())
             run["family"] = hub.copy_base(args.init_from, out / hub.BASE)
