@@ -146,9 +146,16 @@ RANGES = {
 SET_BY_FLAGS = ("batch", "length", "dropout", "dtype", "remat", "attention", "attention_block")
 
 
+# Config fields a fine-tune (--init-from) may `--set`: how it trains, not what the
+# folder's weights are (every other field is the folder's architecture)
+FINETUNE_FIELDS = ("length", "batch", "dropout", "dtype", "remat", "attention",
+                   "attention_block", "scan_layers", "capacity_factor", "moe_loss")  # fmt: skip
+
+
 def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) -> str | None:
     """The one-line complaint about the first flag outside its range, or about a
-    `--set` of a field that a flag or the tokenizer sets; None when all hold."""
+    `--set` of a field that a flag or the tokenizer sets, or, with --init-from, of the
+    folder's architecture; None when all hold."""
     for name, allowed in ranges.items():
         value = getattr(args, name, None)
         if value is not None and not allowed.holds(value):
@@ -157,6 +164,12 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) ->
         field = item.partition("=")[0].strip()
         if field == "vocab":
             return f"--set {item}: the vocabulary is the tokenizer's (--tokenizer, --bpe-vocab)"
+        if getattr(args, "init_from", None) and field not in FINETUNE_FIELDS:
+            return (
+                f"--set {item}: {field} is the architecture of --init-from "
+                f"{args.init_from}, whose weights a fine-tune keeps; a fine-tune may set "
+                f"{', '.join(FINETUNE_FIELDS)}"
+            )
         if field in SET_BY_FLAGS and getattr(args, field, None) is not None:
             flag = f"--{field.replace('_', '-')}"
             return f"--set {item}: {flag} {getattr(args, field)} sets it too; give one of them"
@@ -187,11 +200,21 @@ def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Names
     checked against RANGES (exit 2 if not)."""
     p = parser(prog)
     args = settings.parse(p, argv)
+    args.given = tuple(sorted(explicit(parser(prog), argv)))
     training_defaults(args)
     complaint = check_ranges(args) or optimizer_fault(args)
     if complaint:
         p.error(complaint)
     return args
+
+
+def explicit(p: argparse.ArgumentParser, argv=None) -> set[str]:
+    """The flags (their `dest`s) given on the command line `argv` itself, not left at
+    their defaults nor read from --config-file: `p` parses argv with every default
+    suppressed (`p` is changed: pass a fresh one; argv is known to parse)."""
+    for action in p._actions:  # argparse's list of the parser's flags
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_known_args(sys.argv[1:] if argv is None else argv)[0]))
 
 
 def parser(prog: str = "python -m models.train") -> Parser:

@@ -225,3 +225,39 @@ def test_a_bad_export_dtype_or_shard_size_is_one_line(tmp_path, flags, names, ca
         export.main([str(tmp_path), "--out", str(tmp_path / "hf"), *flags])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and names in err, err
+
+
+def test_config_file_of_a_fine_tunes_run_json_repeats_it(run, tmp_path, capsys):
+    """`train --config-file RUN/run.json` repeats a fine-tune (its base back in place):
+    the same losses; a --tokenizer beside it is taken when it is the folder's own
+    vocabulary, refused when another; --set of the architecture is refused by name."""
+    from models.train import main as train
+
+    folder, _ = run
+    root = folder.parent
+    stored = json.loads((folder / "run.json").read_text())
+    base = root / "moved"
+    shutil.copytree(base, stored["init_from"])
+    try:
+        again = tmp_path / "again"
+        flags = ["--config-file", str(folder / "run.json"), "--out", str(again)]
+        assert train([*flags, "--tokenizer", str(base / "tokenizer.json")]) == 0
+        (tmp_path / "byte").mkdir()
+        data.ByteTokenizer().save(tmp_path / "byte")
+        for extra, says in [
+            (["--tokenizer", str(tmp_path / "byte" / "tokenizer.json")], "is another vocabulary"),
+            (["--tokenizer", "bpe"], "--tokenizer bpe: a fine-tune of --init-from"),
+            (["--set", "d_model=128"], "--set d_model=128: d_model is the architecture of"),
+        ]:
+            capsys.readouterr()
+            try:
+                code = train([*flags[:-1], str(tmp_path / "x"), *extra])
+            except SystemExit as e:
+                code = e.code
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1 and says in err, err
+    finally:
+        shutil.rmtree(stored["init_from"])
+    losses = lambda f: [json.loads(x)["loss"] for x in (f / "metrics.jsonl").open()]
+    assert losses(again) == losses(folder)
+    assert json.loads((again / "run.json").read_text())["lr"] == 1e-4
