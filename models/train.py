@@ -189,9 +189,15 @@ def optimizer_fault(args: argparse.Namespace) -> str | None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage dump), still with exit status 2."""
+    """argparse whose errors are one line (no usage dump), still with exit status 2; an
+    unknown flag gets a did-you-mean (models/hints.py: by spelling, or transformers'
+    name for it: --learning-rate -> --lr)."""
 
     def error(self, message: str):
+        from models.hints import explained
+
+        flags = [s for a in self._actions for s in a.option_strings]  # argparse's list
+        message = explained(message, flags)
         self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)\n")
 
 
