@@ -40,6 +40,14 @@ def test_an_unknown_flag_gets_the_command_own_flag_for_it(main, flags, says, cap
     assert e.value.code == 2 and err.count("\n") == 1 and says in err, err
 
 
+def test_an_unknown_command_gets_the_closest_one(capsys):
+    from namedmesh import cli
+
+    assert cli.main(["trian", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown command 'trian'; did you mean 'train'?" in err, err
+
+
 def test_bench_asks_for_its_devices_after_jax_is_imported_and_keeps_the_docs():
     """As the `namedmesh` command runs it: jax imported first, no XLA_FLAGS."""
     from benchmarks import run
