@@ -1,5 +1,6 @@
 """`python -m benchmarks.run [--quick]`: the distributed benchmarks, written to
-benchmarks/results/<date>.json and to docs/benchmarks.md.
+benchmarks/results/<date>.json and to docs/benchmarks.md (`--quick`: to
+benchmarks/results/<date>-quick.json and .md, never the published page).
 
 Runs on 8 simulated CPU devices: collective bytes per device per training step of an
 MLP, multi-head attention, a Transformer layer and a MoE layer under data-parallel,
@@ -400,6 +401,28 @@ def plot_compile(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+DEVICES = 8  # the meshes' devices (2x4): simulated on CPU
+
+
+def docs_path(docs: str | None, quick: bool, results: str) -> str:
+    """The markdown a run writes ('' for none): `docs` when given, else the published
+    docs/benchmarks.md for a full run and RESULTS/<date>-quick.md for a quick one."""
+    if docs is not None:
+        return docs
+    if quick:
+        return str(Path(results) / f"{datetime.date.today().isoformat()}-quick.md")
+    return str(ROOT / "docs" / "benchmarks.md")
+
+
+def simulate(n: int) -> None:
+    """Ask XLA's CPU backend for n devices unless XLA_FLAGS sets a count: it reads the
+    flags when jax starts its backend (the first device query), not at `import jax`, so
+    this works in the `namedmesh` command, which has imported jax already."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -407,10 +430,24 @@ def main(argv=None) -> int:
         help="the smallest sizes and about half the layouts (cases.QUICK_CASES)",
     )  # fmt: skip
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"), help="'' to skip")
+    p.add_argument(
+        "--docs",
+        default=None,
+        help="the markdown to write the tables into; '' to skip (default: docs/benchmarks.md "
+        "for a full run, a file of its own beside the results for --quick, so a quick run "
+        "never rewrites the published page)",
+    )
     args = p.parse_args(argv)
-    if "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    args.docs = docs_path(args.docs, args.quick, args.results)
+    simulate(DEVICES)
+    import jax
+
+    if jax.device_count() < DEVICES:
+        p.error(
+            f"the benchmarks run on {DEVICES} devices; jax has {jax.device_count()} (its "
+            f"backend started before XLA_FLAGS could ask for {DEVICES} host devices): run "
+            "`python -m benchmarks.run` in a fresh process"
+        )
     from tqdm import tqdm
 
     from benchmarks import collectives, paper, pipeline, roofline, scaling
@@ -444,6 +481,9 @@ def main(argv=None) -> int:
     if args.docs:
         command = "python -m benchmarks.run" + (" --quick" if args.quick else "")
         docs = Path(args.docs)
+        if not docs.exists():  # a quick run's own page
+            docs.parent.mkdir(parents=True, exist_ok=True)
+            docs.write_text(f"# Benchmarks ({command}, {datetime.date.today().isoformat()})\n")
         write_docs(docs, bytes_rows, command, info)
         write_step_docs(docs, rows, command)
         write_cost_docs(docs, rows, command)

@@ -127,6 +127,9 @@ def evaluate(args, dog=None) -> dict:
         "perplexity": math.exp(loss),
         "bits_per_byte": bits_per_byte(loss, corpus.bytes_per_token()),
         "tokens": tokens,
+        "length": length,  # the window: tokens scored per window, each after its previous
+        "windows": min(windows, total * args.batch),
+        "length_from": "--length" if args.length else "the model's training length",
     }
 
 
@@ -149,7 +152,8 @@ def main(argv=None, prog: str = "python -m models.evaluate") -> int:
         return cluster.ended(fail(cluster.lost(e), cluster.EXIT_LOST, name), several)
     cluster.say(
         f"loss {out['loss']:.4f} nats/token, perplexity {out['perplexity']:.3f}, "
-        f"{out['bits_per_byte']:.4f} bits/byte over {out['tokens']:,} tokens"
+        f"{out['bits_per_byte']:.4f} bits/byte over {out['tokens']:,} tokens in "
+        f"{out['windows']:,} windows of {out['length']} ({out['length_from']})"
     )
     return 0
 

@@ -1,6 +1,6 @@
-"""`namedmesh export RUN --out DIR [--step N]`: a training run's checkpoint (the latest by
-default) as a Hugging Face folder (config.json, model.safetensors, tokenizer.json) that
-transformers loads.
+"""`namedmesh export RUN --out DIR [--step N] [--dtype D] [--max-shard-size S]`: a
+training run's checkpoint (the latest by default) as a Hugging Face folder (config.json,
+model.safetensors or its shards with an index, tokenizer.json) that transformers loads.
 
 A run fine-tuned from a Hugging Face folder (`train --init-from`) goes back out as its
 base's family with the base's config.json, generation_config.json, tokenizer_config.json
@@ -64,8 +64,33 @@ def arguments(argv=None, prog: str = "python -m models.export") -> argparse.Name
     p.add_argument("run", help="a training run's --out folder")
     p.add_argument("--out", required=True, help="the Hugging Face folder to write")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (the latest)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="of the weights written (training keeps float32)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=_size,
+        metavar="SIZE",
+        help="above it the weights go in shards with model.safetensors.index.json, as "
+        "transformers' save_pretrained (5GB, 200MB, 1GiB or bytes)",
+    )
     cluster.add_flags(p)
     return p.parse_args(argv)
+
+
+def _size(text: str) -> str:
+    """--max-shard-size's text, checked (the size itself is models.shards.parse_size's)."""
+    from models.shards import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).partition(": ")[2]) from None
+    return text
 
 
 def gpt2_config(cfg) -> dict:
@@ -154,9 +179,16 @@ def _marked(folder: Path) -> list[str]:
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
-def export(run: str | Path, out: str | Path, step: int | None = None) -> Path:
+def export(
+    run: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    dtype: str = "float32",
+    max_shard_size: str | int | None = None,
+) -> Path:
     """Write the run's checkpoint at `step` (the latest by default) to `out` as a
-    Hugging Face folder (DestinationError, before anything is read, for an `out` that
+    Hugging Face folder, its weights in `dtype`, sharded above `max_shard_size` (as
+    models.hub.save; DestinationError, before anything is read, for an `out` that
     `check_destination` refuses)."""
     from models import data, files, generate, hub
 
@@ -173,7 +205,7 @@ def export(run: str | Path, out: str | Path, step: int | None = None) -> Path:
         family, hf = "gpt2", gpt2_config(cfg)
         params, cfg = as_gpt2(params, cfg)
     tok = tokenizer.tok if isinstance(tokenizer, data.BPETokenizer) else None
-    write_model = hub.writer(hub.HubModel(family, cfg, params, tok, hf))
+    write_model = hub.writer(hub.HubModel(family, cfg, params, tok, hf), dtype, max_shard_size)
 
     def write(folder: Path) -> None:  # the whole export, then renamed into place
         write_model(folder)
@@ -196,10 +228,12 @@ def main(argv=None, prog: str = "python -m models.export") -> int:
     except cluster.ClusterError as e:
         return fail(e, 2, prog.removeprefix("python -m "))
     try:
-        folder = export(args.run, args.out, args.step)
+        folder = export(args.run, args.out, args.step, args.dtype, args.max_shard_size)
     except (*user_errors(), KeyError) as e:  # one line, never a traceback
         return fail(e, 2, prog.removeprefix("python -m "))
-    print(f"wrote {folder}/config.json, model.safetensors")
+    weights = sorted(p.name for p in folder.iterdir() if p.suffix == ".safetensors")
+    shards = f"{len(weights)} shards and model.safetensors.index.json" if len(weights) > 1 else ""
+    print(f"wrote {folder}/config.json, {shards or weights[0]} ({args.dtype})")
     return 0
 
 

@@ -580,37 +580,48 @@ def tokenizer_of(path):
     return folder_tokens.read(path, read_config(Path(path))[0])
 
 
-def save(model: HubModel, path) -> None:
+def save(model: HubModel, path, dtype: str = "float32", max_shard_size=None) -> None:
     """Write `model` as a Hugging Face folder: config.json (the loaded one), the
-    parameters in model.safetensors under the family's names, and tokenizer.json when
-    the model has a tokenizer. transformers' from_pretrained loads it back. The folder
-    is written whole beside `path` and then replaces it, so nothing of an export that
-    was there survives (no stale shard or index) and a failed write (full disk,
-    read-only folder) leaves it intact: SaveError."""
+    parameters under the family's names in `dtype` (float32, bfloat16, float16), in
+    model.safetensors or, above `max_shard_size` ("5GB", "200MB", bytes; None:
+    shards.DEFAULT_MAX_SHARD), in shards listed by model.safetensors.index.json, as
+    save_pretrained writes them; and tokenizer.json when the model has a tokenizer.
+    transformers' from_pretrained loads it back. The folder is written whole beside
+    `path` and then replaces it, so nothing of an export that was there survives (no
+    stale shard or index) and a failed write (full disk, read-only folder) leaves it
+    intact: SaveError."""
     try:
-        replace_folder(path, writer(model))
+        replace_folder(path, writer(model, dtype, max_shard_size))
     except FileWriteError as e:
         raise SaveError(str(e)) from None
 
 
-def writer(model: HubModel):
+def writer(model: HubModel, dtype: str = "float32", max_shard_size=None):
     """The function that writes `model`'s files (what `save` writes) into a folder it
     is given: for a caller that adds files of its own before the folder is put in
-    place (models/export.py)."""
+    place (models/export.py). ValueError for a dtype or size `save` does not take."""
     from safetensors.numpy import save_file
 
+    from models import shards
+
+    limit = shards.parse_size(max_shard_size or shards.DEFAULT_MAX_SHARD)
     prefix = FAMILIES[model.family].prefixes[0]
     out: dict[str, np.ndarray] = {}
     for p, t in tensors(model.family, model.config, prefix).items():
         t.write(np.asarray(jax.device_get(_get(model.params, p).transpose(*t.dims).data)), out)
+    out = shards.cast(out, dtype)
+    parts = shards.plan(out, limit)
+    config = {k: v for k, v in model.hf_config.items() if k != "torch_dtype"} | {"dtype": dtype}
 
     def write(folder: Path) -> None:
-        tensors_ = {k: np.ascontiguousarray(v) for k, v in out.items()}
-        try:
-            save_file(tensors_, folder / "model.safetensors", {"format": "pt"})
-        except Exception as e:  # safetensors' own SafetensorError wraps the OS's
-            raise e if isinstance(e, OSError) else OSError(str(e)) from None
-        (folder / "config.json").write_text(json.dumps(model.hf_config, indent=2))
+        for name, part in zip(shards.file_names(len(parts)), parts, strict=True):
+            try:
+                save_file({k: out[k] for k in part}, folder / name, {"format": "pt"})
+            except Exception as e:  # safetensors' own SafetensorError wraps the OS's
+                raise e if isinstance(e, OSError) else OSError(str(e)) from None
+        if len(parts) > 1:
+            (folder / shards.INDEX).write_text(json.dumps(shards.index(out, parts), indent=2))
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
         if model.tokenizer is not None:
             model.tokenizer.save(str(folder / "tokenizer.json"))
 

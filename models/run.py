@@ -4,6 +4,7 @@ metrics, checkpoints and a loss plot (see models/train.py for the flags)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -16,9 +17,20 @@ import namedmesh as nm
 from lowering import Layout, Mesh, auto_layout
 from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
-from models import agree, checkpoint, cluster, config, data, files, folder_tokens, hub, zoo
+from models import (
+    agree,
+    checkpoint,
+    cluster,
+    config,
+    data,
+    files,
+    folder_tokens,
+    hub,
+    settings,
+    zoo,
+)
 from models.preempt import Preemption
-from models.train import check_ranges
+from models.train import check_ranges, optimizer_fault
 from models.trainer import Trainer, bits_per_byte, optimizer
 from models.watchdog import COMPILE_S, SAVE_S, Watchdog
 from namedmesh.errors import NamedMeshError
@@ -30,30 +42,18 @@ EXIT_DIVERGED = 3  # a non-finite step beyond --skip-nonfinite: not applied, not
 EXIT_SAVE_FAILED = 74  # a checkpoint could not be written (full disk): the older ones kept
 EXIT_PREEMPTED = 75  # SIGTERM or SIGINT: a checkpoint saved at a step boundary (EX_TEMPFAIL)
 
-# Flags that define the training itself: a resumed run takes them from run.json.
-_RUN_FLAGS = (
-    "model",
-    "config",
-    "data",
-    "tokenizer",
-    "bpe_vocab",
-    "batch",
-    "length",
-    "optimizer",
-    "lr",
-    "warmup",
-    "clip",
-    "dropout",
-    "seed",
-    "set",
-    "dtype",
-    "remat",
-    "attention",
-    "attention_block",
-    "grad_accum",
-    "val_data",
-    "text_field",
-)
+# Flags of a training command that are this invocation's, not the run's: run.json records
+# every other flag of the parser (models/train.py), and a --resume reads them back.
+PER_INVOCATION = ("help", "resume", "out", "config_file", "coordinator", "num_processes",
+                  "process_id", "quiet", "step_timeout", "tensorboard")  # fmt: skip
+# Recorded flags that a --resume given them anew applies (saying so in one line): how
+# far the run goes, on what data, how often it validates and saves, and how its steps
+# are laid out and computed (the same updates of the same state). Any other flag that
+# contradicts the record is refused, naming both values.
+CHANGEABLE = ("steps", "data", "val_data", "eval_every", "eval_batches", "save_every",
+              "skip_nonfinite", "mesh", "layout", "rates", "grad_accum", "remat",
+              "attention", "attention_block")  # fmt: skip
+PATH_FLAGS = ("data", "val_data", "init_from", "tokenizer")  # compared as absolute paths
 
 
 class UsageError(Exception):
@@ -129,7 +129,7 @@ def setup(args):
         raise UsageError(str(e)) from None
     try:
         mesh = Mesh(args.mesh)
-        opt, schedule = optimizer(args.optimizer, args.lr, args.steps, args.warmup, args.clip)
+        opt, schedule = run_optimizer(args)
         name = f"{args.model} ({args.config})"
         layout = pick_layout(
             args.layout, model, name, cfg, mesh, opt, args.seed, getattr(args, "rates", None),
@@ -139,42 +139,85 @@ def setup(args):
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    # the optimizer's state besides: adamw's two moments per parameter, on every device
-    state = _count(trainer) * 4 * (2 if args.optimizer == "adamw" else 1)
+    # the optimizer's state besides: adamw's two moments per parameter, lion's one, sgd's
+    # momentum (if any) and adafactor's factored ones (counted as one), on every device
+    moments = {"adamw": 2, "lion": 1, "adafactor": 1, "sgd": int(any(args.betas or ()))}
+    state = _count(trainer) * 4 * moments[args.optimizer]
     check_memory(report.peak_memory + state, mesh, f"--config {args.config}")
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
+
+
+def run_optimizer(args):
+    """(optax transformation, schedule) of the run's optimizer flags."""
+    return optimizer(
+        args.optimizer, args.lr, args.steps, args.warmup, args.clip,
+        schedule_name=args.schedule, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        betas=args.betas, eps=args.eps,
+    )  # fmt: skip
 
 
 DATA_FLAGS = ("data", "val_data")  # paths run.json records absolute, with fingerprints
 LIST_FLAGS = ("set",)  # flags given again and again, recorded as lists
 
 
+def recorded_actions() -> dict:
+    """dest -> argparse action of every flag run.json records (all but PER_INVOCATION)."""
+    from models.train import parser
+
+    return {a.dest: a for a in parser()._actions if a.dest not in PER_INVOCATION}
+
+
+def record_of(args) -> dict:
+    """Every recorded flag's value as run.json holds it: as the flag takes it in a
+    --config-file (a tuple as its text, `0.9,0.98`; a mesh as a mapping)."""
+    values = {k: getattr(args, k, None) for k in recorded_actions()}
+    return {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
 def _resume_flags(args, stored: dict, out: Path) -> None:
     """Set the flags of a resumed run from its record `stored` (run.json), checked:
     a value of the wrong type or range, or data that is not what the run started on,
-    is a UsageError. A --data or --val-data given on the command line wins, said in
-    one line (and `args.data_changed` set, so that the record is updated)."""
-    given = {k: getattr(args, k) for k in DATA_FLAGS}  # None: not given
+    is a UsageError. A flag given on the command line (`args.given`) that contradicts
+    the record is a UsageError naming both values, unless it is CHANGEABLE: then it
+    wins, said in one line (and kept in `args.record_changes`, so that the record
+    follows). A --data or --val-data given anew sets `args.data_changed`."""
+    given_data = {k: getattr(args, k) for k in DATA_FLAGS}  # None: not given
     complaint = _record_fault(stored)
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
-    for k in _RUN_FLAGS:
-        if k in stored and not (k in DATA_FLAGS and given[k] is not None):
-            setattr(args, k, stored[k])  # a run saved before a flag existed keeps its default
-    args.init_from = stored.get("init_from")
-    complaint = check_ranges(args)  # a run.json edited by hand
+    given = set(getattr(args, "given", ()))
+    args.record_changes = {}
+    for k, action in recorded_actions().items():
+        if k not in stored or (k in DATA_FLAGS and given_data[k] is not None):
+            continue  # a run saved before a flag existed keeps its default
+        was = stored[k] if stored[k] is None else settings.checked(action, stored[k])
+        now = getattr(args, k, None)
+        if k not in given or _same(k, now, was):
+            setattr(args, k, was)
+            continue
+        flag = f"--{k.replace('_', '-')} {_shown(now)}"
+        if k not in CHANGEABLE:
+            raise UsageError(
+                f"{flag} contradicts the run in {out}, which recorded {_shown(was)} "
+                f"(run.json): drop the flag to resume the run as it was, or start another "
+                f"run with another --out"
+            )
+        print(f"{flag}: the run in {out} recorded {_shown(was)}; going on with {_shown(now)} "
+              "as asked")  # fmt: skip
+        args.record_changes[k] = record_of(args)[k]
+    complaint = check_ranges(args) or optimizer_fault(args)  # a run.json edited by hand
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
     args.data_changed = False
     prints = stored.get("fingerprints") or {}
     for k in DATA_FLAGS:
         flag, recorded = f"--{k.replace('_', '-')}", stored.get(k)
-        if given[k] is not None:
-            same = recorded is not None and Path(given[k]).absolute() == Path(recorded)
-            if not same or (k in prints and _fingerprint(given[k], flag) != prints[k]):
+        if given_data[k] is not None:
+            same = recorded is not None and Path(given_data[k]).absolute() == Path(recorded)
+            if not same or (k in prints and _fingerprint(given_data[k], flag) != prints[k]):
                 was = recorded or ("the default corpus" if k == "data" else "a tenth of --data")
-                print(f"{flag} {given[k]}: not the data this run started on ({was}, recorded "
-                      f"in {out}/run.json): training on it as asked")  # fmt: skip
+                print(f"{flag} {given_data[k]}: not the data this run started on ({was}, "
+                      f"recorded in {out}/run.json): training on it as asked")  # fmt: skip
                 args.data_changed = True
         elif recorded is not None and k in prints:
             now = _fingerprint(recorded, flag)
@@ -185,6 +228,22 @@ def _resume_flags(args, stored: dict, out: Path) -> None:
                     f"{out}/run.json; now {now['bytes']} bytes, {now['sha256'][:12]}...): pass "
                     f"{flag} {recorded} to go on with it as it is now"
                 )
+
+
+def _same(k: str, a, b) -> bool:
+    """Whether a flag's given value `a` is the recorded `b` (paths as absolute paths)."""
+    if k in PATH_FLAGS and isinstance(a, str) and isinstance(b, str):
+        return a == b or Path(a).absolute() == Path(b).absolute()
+    return a == b
+
+
+def _shown(value) -> str:
+    """A flag's value as the command line writes it."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, tuple | list):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def _fingerprint(path, flag: str) -> dict:
@@ -198,23 +257,33 @@ def _record_fault(stored: dict) -> str | None:
     """What is wrong with the flags a run's record holds, or None: each recorded flag
     must have the type its parser gives it (a number, one of its choices, text, a list
     of text) or be null."""
-    from models.train import parser
-
-    for action in parser()._actions:  # argparse's list of a parser's flags
-        k, v = action.dest, stored.get(action.dest)
-        if k not in _RUN_FLAGS or v is None:
+    for k, action in recorded_actions().items():
+        v = stored.get(k)
+        if v is None:
             continue
-        if action.type in (int, float):
+        if action.nargs == 0:  # a switch
+            ok = type(v) is bool
+        elif action.type in (int, float):
             ok = type(v) is int or (action.type is float and type(v) is float)
         elif action.choices:
             ok = v in action.choices
         elif k in LIST_FLAGS:
             ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
+        elif callable(action.type):  # --mesh's, --betas': as a --config-file gives them
+            ok = _parses(action, v)
         else:
             ok = isinstance(v, str)
         if not ok:
             return f"{k!r} holds {v!r}, not a value of --{k.replace('_', '-')}"
     return None
+
+
+def _parses(action, value) -> bool:
+    try:
+        settings.checked(action, value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        return False
+    return True
 
 
 def check_memory(per_device: int, mesh, what: str) -> None:
@@ -267,9 +336,11 @@ def from_hub(args):
         tokenizer = folder_tokens.required(folder, family, "--init-from")
     except hub.HubError as e:
         raise UsageError(f"--init-from: {e}" if "--init-from" not in str(e) else str(e)) from None
+    tokenizer = data.BPETokenizer(tokenizer)
+    if "tokenizer" in getattr(args, "given", ()) and not args.resume:
+        _check_same_vocabulary(args.tokenizer, tokenizer, args.init_from)
     args.model, args.config = "lm", family
     args.tokenizer = f"{folder_tokens.source(folder)} of --init-from"
-    tokenizer = data.BPETokenizer(tokenizer)
     if tokenizer.vocab_size > cfg.vocab:
         raise UsageError(
             f"--init-from: the tokenizer has {tokenizer.vocab_size} ids, the model's embedding "
@@ -281,6 +352,26 @@ def from_hub(args):
             f"{args.init_from}"
         )
     return zoo.get("lm"), cfg, tokenizer
+
+
+def _check_same_vocabulary(given: str, folder_tokenizer, folder) -> None:
+    """UsageError unless the --tokenizer given beside --init-from maps every token to the
+    id the folder's does (the embedding's rows are the folder's ids)."""
+    why = f"--tokenizer {given}: a fine-tune of --init-from {folder} reads its tokenizer"
+    if given in ("byte", "bpe"):
+        raise UsageError(f"{why}; {given} is not its vocabulary: drop --tokenizer")
+    try:
+        theirs = data.load_tokenizer_file(given)
+    except data.DataError as e:
+        raise UsageError(str(e)) from None
+    vocab = lambda t: t.tok.get_vocab() if hasattr(t, "tok") else None
+    mine, other = vocab(folder_tokenizer), vocab(theirs)
+    if other != mine:
+        differ = "" if other is None else f" ({len(other)} tokens, the folder's {len(mine)})"
+        raise UsageError(
+            f"{why}; {given} is another vocabulary{differ}: drop --tokenizer, or pass "
+            "the folder's tokenizer.json"
+        )
 
 
 def pick_layout(
@@ -368,12 +459,15 @@ def _train(args, dog) -> int:
         history = [r for r in files.read_jsonl(metrics_path, _is_step_record) if r["step"] <= start]
         if writer():
             files.rewrite_jsonl(metrics_path, history)  # a killed run may have logged more
+            changes = dict(getattr(args, "record_changes", {}))  # flags given anew
             if getattr(args, "data_changed", False):  # --data given anew: the record follows
+                changes |= _data_record(args)
+            if changes:
                 stored = files.read_json(out / "run.json", "the run's record")
-                files.write_json(out / "run.json", {**stored, **_data_record(args)})
+                files.write_json(out / "run.json", {**stored, **changes})
         say(f"resumed from step {start} (checkpoint in {out}/checkpoints)")
     elif writer():
-        run = {k: getattr(args, k) for k in _RUN_FLAGS} | _data_record(args)
+        run = record_of(args) | _data_record(args)
         if args.init_from:
             run["init_from"] = str(Path(args.init_from).absolute())
             run["family"] = hub.copy_base(args.init_from, out / hub.BASE)

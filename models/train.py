@@ -61,6 +61,38 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
+def parse_betas(text: str) -> tuple[float, ...]:
+    """ "0.9,0.98" -> (0.9, 0.98): one or two decays, each 0 <= b < 1."""
+    try:
+        out = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or len(out) > 2 or not all(0 <= b < 1 for b in out):
+        raise argparse.ArgumentTypeError(
+            f"--betas {text!r}: expected one or two numbers 0 <= b < 1, e.g. 0.9,0.98"
+        )
+    return out
+
+
+# The schedule of a run from scratch, and of a fine-tune (--init-from): transformers'
+# Trainer's (lr 5e-5, linear decay to 0, no warmup, no weight decay, Adam's betas), as
+# a fine-tune starts from a trained minimum that a from-scratch lr (3e-3) throws away.
+SCRATCH = {"lr": 3e-3, "schedule": "cosine", "warmup": 50}
+FINETUNE = {"lr": 5e-5, "schedule": "linear", "warmup": 0, "min_lr": 0.0, "weight_decay": 0.0}
+FINETUNE_ADAMW_BETAS = (0.9, 0.999)
+
+
+def training_defaults(args: argparse.Namespace) -> None:
+    """Fill the optimizer flags left None with a run's (SCRATCH) or a fine-tune's
+    (FINETUNE) defaults; the optimizer's own (models/optim.py) fill the rest."""
+    fine = bool(getattr(args, "init_from", None))
+    for k, v in (FINETUNE if fine else SCRATCH).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if fine and args.optimizer == "adamw" and args.betas is None:
+        args.betas = FINETUNE_ADAMW_BETAS
+
+
 class Range(NamedTuple):
     """The values a numeric flag takes: low <= value (low < value when `open_low`),
     value <= high when high is given; floats must be finite."""
@@ -97,6 +129,9 @@ RANGES = {
     "bpe_vocab": Range(257, COUNT),  # the 256 bytes and at least one merge
     "lr": Range(0, open_low=True),
     "warmup": Range(0, COUNT),
+    "min_lr": Range(0),
+    "weight_decay": Range(0),
+    "eps": Range(0, open_low=True),
     "clip": Range(0),  # 0: no clipping
     "dropout": Range(0, 1, open_low=False),
     "attention_block": Range(1, COUNT),
@@ -114,9 +149,16 @@ RANGES = {
 SET_BY_FLAGS = ("batch", "length", "dropout", "dtype", "remat", "attention", "attention_block")
 
 
+# Config fields a fine-tune (--init-from) may `--set`: how it trains, not what the
+# folder's weights are (every other field is the folder's architecture)
+FINETUNE_FIELDS = ("length", "batch", "dropout", "dtype", "remat", "attention",
+                   "attention_block", "scan_layers", "capacity_factor", "moe_loss")  # fmt: skip
+
+
 def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) -> str | None:
     """The one-line complaint about the first flag outside its range, or about a
-    `--set` of a field that a flag or the tokenizer sets; None when all hold."""
+    `--set` of a field that a flag or the tokenizer sets, or, with --init-from, of the
+    folder's architecture; None when all hold."""
     for name, allowed in ranges.items():
         value = getattr(args, name, None)
         if value is not None and not allowed.holds(value):
@@ -125,16 +167,40 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) ->
         field = item.partition("=")[0].strip()
         if field == "vocab":
             return f"--set {item}: the vocabulary is the tokenizer's (--tokenizer, --bpe-vocab)"
+        if getattr(args, "init_from", None) and field not in FINETUNE_FIELDS:
+            return (
+                f"--set {item}: {field} is the architecture of --init-from "
+                f"{args.init_from}, whose weights a fine-tune keeps; a fine-tune may set "
+                f"{', '.join(FINETUNE_FIELDS)}"
+            )
         if field in SET_BY_FLAGS and getattr(args, field, None) is not None:
             flag = f"--{field.replace('_', '-')}"
             return f"--set {item}: {flag} {getattr(args, field)} sets it too; give one of them"
     return None
 
 
+def optimizer_fault(args: argparse.Namespace) -> str | None:
+    """The one-line complaint about an optimizer flag the optimizer takes no use of
+    (--betas or --eps of one without them), or None."""
+    from models.optim import settings as optimizer_settings
+
+    try:
+        optimizer_settings(args.optimizer, args.weight_decay, args.betas, args.eps)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage dump), still with exit status 2."""
+    """argparse whose errors are one line (no usage dump), still with exit status 2; an
+    unknown flag gets a did-you-mean (models/hints.py: by spelling, or transformers'
+    name for it: --learning-rate -> --lr)."""
 
     def error(self, message: str):
+        from models.hints import explained
+
+        flags = [s for a in self._actions for s in a.option_strings]  # argparse's list
+        message = explained(message, flags)
         self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)\n")
 
 
@@ -143,10 +209,21 @@ def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Names
     checked against RANGES (exit 2 if not)."""
     p = parser(prog)
     args = settings.parse(p, argv)
-    complaint = check_ranges(args)
+    args.given = tuple(sorted(explicit(parser(prog), argv)))
+    training_defaults(args)
+    complaint = check_ranges(args) or optimizer_fault(args)
     if complaint:
         p.error(complaint)
     return args
+
+
+def explicit(p: argparse.ArgumentParser, argv=None) -> set[str]:
+    """The flags (their `dest`s) given on the command line `argv` itself, not left at
+    their defaults nor read from --config-file: `p` parses argv with every default
+    suppressed (`p` is changed: pass a fresh one; argv is known to parse)."""
+    for action in p._actions:  # argparse's list of the parser's flags
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_known_args(sys.argv[1:] if argv is None else argv)[0]))
 
 
 def parser(prog: str = "python -m models.train") -> Parser:
@@ -192,9 +269,37 @@ def parser(prog: str = "python -m models.train") -> Parser:
     p.add_argument("--bpe-vocab", type=int, default=1024, help="vocabulary of a trained bpe")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (None: config's)")
     p.add_argument("--length", type=int, default=None, help="tokens per sequence (None: config's)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"], help="optax")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=50, help="steps of linear warmup")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "adafactor", "lion", "sgd"],
+        help="optax's",
+    )
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (None: see below)")
+    p.add_argument(
+        "--schedule",
+        default=None,
+        choices=["cosine", "linear", "constant", "wsd"],
+        help="after the warmup: decay to --min-lr (cosine, linear; wsd: over the last fifth "
+        "of the steps) or none (constant)",
+    )
+    p.add_argument("--warmup", type=int, default=None, help="steps of linear warmup from 0")
+    p.add_argument("--min-lr", type=float, default=None, help="the last step's (None: lr/10)")
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="decoupled (adamw, lion, adafactor) or L2 (sgd); None: adamw 0.01, lion 0.1, else 0",
+    )
+    p.add_argument(
+        "--betas",
+        type=parse_betas,
+        default=None,
+        metavar="B1,B2",
+        help="adamw's and lion's moment decays, sgd's momentum (one); None: adamw 0.9,0.98, "
+        "lion 0.9,0.99, sgd 0",
+    )
+    p.add_argument("--eps", type=float, default=None, help="adamw's epsilon (None: 1e-8)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--dropout", type=float, default=None, help="rate (None: config's)")
     p.add_argument("--seed", type=int, default=0, help="of parameters, data order, dropout")

@@ -22,35 +22,9 @@ from lowering.distributed import place
 from lowering.layout import partition_spec
 from models import objectives, transformer
 from models.config import Config
+from models.optim import UNDECAYED, decayed, optimizer  # noqa: F401 (their home was here)
 from models.zoo import Model
 from namedmesh.errors import ParameterError
-
-
-def optimizer(name: str, lr: float, steps: int, warmup: int, clip: float):
-    """Adafactor (the paper's) or AdamW, with linear warmup then cosine decay to lr/10,
-    after clipping gradients to global norm `clip` (0: no clipping)."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lr, max(warmup, 1), max(steps, warmup + 1), end_value=lr / 10
-    )
-    if name == "adafactor":
-        opt = optax.adafactor(learning_rate=schedule)
-    elif name == "adamw":
-        opt = optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.01, mask=decayed)
-    else:
-        raise ValueError(f"unknown optimizer {name!r}: adafactor or adamw")
-    return (optax.chain(optax.clip_by_global_norm(clip), opt) if clip else opt), schedule
-
-
-# Parameters no gradient reaches, which weight decay alone would move: a sigmoid router's
-# choosing bias (DeepSeek-V3's e_score_correction_bias; transformers keeps it as a buffer)
-UNDECAYED = frozenset({"gate_bias"})
-
-
-def decayed(params):
-    """AdamW's weight-decay mask of a (nested dict of) parameters: all but UNDECAYED."""
-    if not isinstance(params, dict):
-        return True
-    return {k: k not in UNDECAYED and decayed(v) for k, v in params.items()}
 
 
 def batch_tensors(batch: dict[str, np.ndarray]) -> dict[str, nm.Tensor]:

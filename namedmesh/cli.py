@@ -18,6 +18,7 @@ package was installed from (`pip install -e .`) or from the current folder.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import runpy
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     installed_first()
     try:
         if name not in COMMANDS:
-            raise CommandError(f"unknown command {name!r}; one of {', '.join(COMMANDS)}")
+            close = difflib.get_close_matches(name, COMMANDS, n=1)
+            mean = f"did you mean {close[0]!r}? " if close else ""
+            raise CommandError(f"unknown command {name!r}; {mean}one of {', '.join(COMMANDS)}")
         if name == "bench":
             return bench(rest)
         module = importlib.import_module(COMMANDS[name][0])

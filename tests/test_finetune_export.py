@@ -9,6 +9,7 @@ import io
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -45,7 +46,7 @@ def run(tmp_path_factory):
     base, tok = base_folder(root, llama, TEMPLATE, eos_token_id=[5, 9], bos_token_id=1)
     out = io.StringIO()
     flags = ["--init-from", str(base), "--steps", "2", "--length", "16", "--batch", "4",
-             "--save-every", "1", "--eval-batches", "1", "--quiet",
+             "--save-every", "1", "--eval-batches", "1", "--quiet", "--lr", "1e-4",
              "--out", str(root / "run")]  # fmt: skip
     with contextlib.redirect_stdout(out):
         assert train(flags) == 0
@@ -161,3 +162,102 @@ def test_config_list_names_every_config_and_a_config_too_big_is_refused_first(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--config base needs an estimated" in err
     assert "the host has 1.0 GiB available" in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("dtype, size", [("bfloat16", "20KB"), ("float16", None)])
+def test_an_export_in_a_dtype_and_shards_loads_with_the_rounded_weights_logits(
+    run, tmp_path, dtype, size
+):
+    """`export --dtype D --max-shard-size S`: every weight stored in D, in shards of at
+    most S bytes each (as save_pretrained: a tensor larger than S alone) listed by the
+    index; transformers' logits from it (upcast to float32) equal the zoo's from its
+    weights rounded to D, and the dtype is in config.json."""
+    import ml_dtypes
+    from safetensors import safe_open
+
+    folder, _ = run
+    flags = [str(folder), "--out", str(tmp_path / "hf"), "--dtype", dtype]
+    assert export.main(flags + (["--max-shard-size", size] if size else [])) == 0
+    out = tmp_path / "hf"
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    names = []
+    for name in files:
+        with safe_open(out / name, "flax" if dtype == "bfloat16" else "np") as f:
+            arrays = [np.asarray(f.get_tensor(k)) for k in f.keys()]
+            names += [(k, name) for k in f.keys()]
+        assert all(a.dtype == kind for a in arrays)
+        nbytes = sum(a.nbytes for a in arrays)
+        assert len(arrays) == 1 or nbytes <= (20_000 if size else 5 * 10**9), (name, nbytes)
+    if size:
+        assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert index["weight_map"] == dict(sorted(names))
+    else:
+        assert (
+            files == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+        )
+    assert json.loads((out / "config.json").read_text())["dtype"] == dtype
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = back(torch.tensor(IDS)).logits.numpy()
+    params, cfg, _ = generate.load(folder, 2)
+    leaf = lambda x: isinstance(x, nm.Tensor)
+    rounded = lambda t: nm.tensor(np.asarray(t.data).astype(kind).astype(np.float32), t.dims)
+    params = jax.tree.map(rounded, params, is_leaf=leaf)
+    inputs = nm.tensor(IDS.astype(np.int32), ("batch", "length"))
+    want = hub.forward(params, {"inputs": inputs}, cfg, "llama")
+    want = np.asarray(want.transpose("batch", "length", "vocab").data)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert np.abs(got - zoo_logits(folder, 2)).max() > 0  # rounded: not the float32 logits
+
+
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        (["--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+        (["--max-shard-size", "5XB"], "--max-shard-size: expected a size such as 5GB"),
+        (["--max-shard-size", "0"], "--max-shard-size: must be at least 1 byte"),
+    ],
+)
+def test_a_bad_export_dtype_or_shard_size_is_one_line(tmp_path, flags, names, capsys):
+    with pytest.raises(SystemExit) as e:
+        export.main([str(tmp_path), "--out", str(tmp_path / "hf"), *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and names in err, err
+
+
+def test_config_file_of_a_fine_tunes_run_json_repeats_it(run, tmp_path, capsys):
+    """`train --config-file RUN/run.json` repeats a fine-tune (its base back in place):
+    the same losses; a --tokenizer beside it is taken when it is the folder's own
+    vocabulary, refused when another; --set of the architecture is refused by name."""
+    from models.train import main as train
+
+    folder, _ = run
+    root = folder.parent
+    stored = json.loads((folder / "run.json").read_text())
+    base = root / "moved"
+    shutil.copytree(base, stored["init_from"])
+    try:
+        again = tmp_path / "again"
+        flags = ["--config-file", str(folder / "run.json"), "--out", str(again)]
+        assert train([*flags, "--tokenizer", str(base / "tokenizer.json")]) == 0
+        (tmp_path / "byte").mkdir()
+        data.ByteTokenizer().save(tmp_path / "byte")
+        for extra, says in [
+            (["--tokenizer", str(tmp_path / "byte" / "tokenizer.json")], "is another vocabulary"),
+            (["--tokenizer", "bpe"], "--tokenizer bpe: a fine-tune of --init-from"),
+            (["--set", "d_model=128"], "--set d_model=128: d_model is the architecture of"),
+        ]:
+            capsys.readouterr()
+            try:
+                code = train([*flags[:-1], str(tmp_path / "x"), *extra])
+            except SystemExit as e:
+                code = e.code
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1 and says in err, err
+    finally:
+        shutil.rmtree(stored["init_from"])
+    losses = lambda f: [json.loads(x)["loss"] for x in (f / "metrics.jsonl").open()]
+    assert losses(again) == losses(folder)
+    assert json.loads((again / "run.json").read_text())["lr"] == 1e-4

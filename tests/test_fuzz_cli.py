@@ -268,7 +268,7 @@ def test_malformed_tokenizer_config_and_prompt_files_are_one_line_and_exit_2(
             if got != "refused":
                 broken.append(f"{flag} {name}: {got}")
     settings = {"warmup": "many", "nope": 1, "mesh": "dätä=1", "seed": -1, "set": 5}
-    settings |= {"quiet": "yes", "optimizer": "sgd", "clip": [1], "length": {"a": 0}}
+    settings |= {"quiet": "yes", "optimizer": "rmsprop", "clip": [1], "length": {"a": 0}}
     for key, value in settings.items():
         path = tmp_path / f"settings-{key}.json"
         path.write_text(json.dumps({key: value}))

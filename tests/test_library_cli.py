@@ -133,6 +133,9 @@ def test_eval_equals_the_perplexity_numpy_computes_from_the_logits(run, mesh, ca
     assert loss == pytest.approx(expect, abs=1e-4)
     assert ppl == pytest.approx(math.exp(expect), rel=1e-3)
     assert bpb == pytest.approx(expect / math.log(2), abs=1e-3)  # byte tokenizer: 1 byte
+    windows = len(np.arange(0, len(ids) - 17, 16))  # numpy_loss's windows of 16 + 1 ids
+    said = f"over {windows * 16:,} tokens in {windows:,} windows of 16 (the model's training"
+    assert said in out.out  # its window, as it must be told to compare scores
 
 
 def test_eval_shows_a_progress_bar_and_refuses_bad_input_in_one_line(run, capsys):

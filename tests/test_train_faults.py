@@ -182,12 +182,12 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_one(baseline, tmp_
 
 
 def test_a_diverging_run_skips_then_stops_and_never_saves_a_non_finite_state(tmp_path, capsys):
-    """lr 1e30: the update of step 2 is finite but huge, every later loss NaN. With
-    --skip-nonfinite 2, steps 3 and 4 are skipped (their updates not applied: the
-    checkpoints of steps 2, 3 and 4 hold the same state), step 5 stops the run, and
-    stops it again when resumed (the budget is stored with each checkpoint)."""
+    """lr 1e30 after one step of warmup (lr 0): the update of step 2 is finite but huge,
+    every later loss NaN. With --skip-nonfinite 2, steps 3 and 4 are skipped (their
+    updates not applied: the checkpoints of steps 2, 3 and 4 hold the same state), step
+    5 stops the run, and stops it again when resumed (the budget is stored with each checkpoint)."""
     out = tmp_path / "run"
-    code, _, err = main(*FLAGS, "--steps", "10", "--lr", "1e30", "--warmup", "0",
+    code, _, err = main(*FLAGS, "--steps", "10", "--lr", "1e30", "--warmup", "1",
                         "--save-every", "1", "--skip-nonfinite", "2", "--out", out,
                         capsys=capsys)  # fmt: skip
     assert code == run.EXIT_DIVERGED == 3
@@ -198,7 +198,7 @@ def test_a_diverging_run_skips_then_stops_and_never_saves_a_non_finite_state(tmp
     assert all(np.isfinite(r["loss"]) for r in records[:2])
     assert checkpoint.all_steps(out) == [4, 3, 2]  # the last finite ones, all kept
     # --resume keeps the budget: 2 used, so step 5 (not finite again) stops it at once
-    code, _, err = main(*FLAGS, "--steps", "10", "--lr", "1e30", "--warmup", "0",
+    code, _, err = main(*FLAGS, "--steps", "10", "--lr", "1e30", "--warmup", "1",
                         "--save-every", "1", "--skip-nonfinite", "2", "--out", out, "--resume",
                         capsys=capsys)  # fmt: skip
     assert code == run.EXIT_DIVERGED and "step 5: loss nan" in one_line_error(err).lower()
