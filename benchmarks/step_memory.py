@@ -29,25 +29,6 @@ def xla_bytes(compiled) -> int:
             - m.alias_size_in_bytes)  # fmt: skip
 
 
-def moments_like_parameters(state: dict) -> dict:
-    """`state` with each optimizer leaf that mirrors a parameter (AdamW's moments) laid
-    out as that parameter. The trainer's `jit(opt.init)` leaves them replicated under a
-    layout that splits parameters (found here: a model-parallel step held 3x the
-    moments it should), which the planner's optimizer term does not assume."""
-    import jax
-
-    key = jax.tree_util.keystr
-    params = {key(p): x for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
-
-    def place(path, x):
-        for name, p in params.items():
-            if key(path).endswith(name) and p.shape == x.shape:
-                return jax.device_put(x, p.sharding)
-        return x
-
-    return {**state, "opt": jax.tree_util.tree_map_with_path(place, state["opt"])}
-
-
 def measure(layout: str, remat: str, grad_accum: int, config_name: str = "small",
             **changes) -> tuple[int, int]:  # fmt: skip
     """(the estimate, XLA's bytes) per device of one training step of the LM."""
@@ -63,7 +44,7 @@ def measure(layout: str, remat: str, grad_accum: int, config_name: str = "small"
     tr = trainer.Trainer(zoo.get("lm"), cfg, mesh, layout, opt, 0, grad_accum)
     data_axes = dict(tr.layout.rules).get("batch", ())
     est = step_memory(tr.report(), mesh.sizes, data_axes, Training("adamw", grad_accum=grad_accum))
-    state = moments_like_parameters(tr.init_state())
+    state = tr.init_state()  # the moments laid out as their parameters
     rows = {k: __import__("numpy").zeros((cfg.batch, cfg.length), "int32")
             for k in ("inputs", "targets")}  # fmt: skip
     rows["weights"] = rows["inputs"].astype("float32")

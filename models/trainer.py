@@ -75,14 +75,13 @@ class Trainer:
         if params is None:
             params = transformer.init(self.shapes, self.seed)
         params = place(params, self.mesh, self.layout)
-        opt_state = jax.jit(self.opt.init)(params)
-        # leaves not made from a parameter (step counts) land on one device: replicate them.
+        # XLA gives zeros_like no input's sharding: without out_shardings every moment
+        # would come out replicated, the whole model's optimizer state on each device
+        shardings = _opt_state_shardings(jax.eval_shape(self.opt.init, params), params, self.mesh)
+        opt_state = jax.jit(self.opt.init, out_shardings=shardings)(params)
         # Every leaf is put (committed) where it lies: on a one-device mesh jit's outputs are
         # uncommitted, and the step's committed outputs would compile the step a second time.
-        everywhere = jax.sharding.NamedSharding(self.mesh.jax_mesh, jax.sharding.PartitionSpec())
-        devices = set(self.mesh.jax_mesh.devices.flat)
-        on_mesh = lambda x: x.sharding if x.sharding.device_set == devices else everywhere
-        opt_state = jax.tree_util.tree_map(lambda x: jax.device_put(x, on_mesh(x)), opt_state)
+        opt_state = jax.tree_util.tree_map(jax.device_put, opt_state, shardings)
         return {"params": params, "opt": opt_state}
 
     def abstract_inputs(self):
@@ -205,6 +204,47 @@ class Trainer:
             total += float(self._eval(state["params"], self.place_batch(b))) * n
             tokens += n
         return total / max(tokens, 1), tokens
+
+
+def _opt_state_shardings(abstract_state, params, mesh: Mesh):
+    """The shardings of an optimizer state (`abstract_state`, from `jax.eval_shape` of
+    its init) for `params` laid out on `mesh`: a leaf that mirrors a parameter (its key
+    path ends with the parameter's: AdamW's and Lion's moments, SGD's momentum) takes the
+    parameter's sharding, of the same shape or, as Adafactor's factored second moments,
+    with one of its dims left out; other leaves (step counts) are replicated."""
+    everywhere = jax.sharding.NamedSharding(mesh.jax_mesh, jax.sharding.PartitionSpec())
+    keys = lambda path: tuple(jax.tree_util.keystr((k,)) for k in path)
+    flat = [(keys(path), p) for path, p in jax.tree_util.tree_leaves_with_path(params)]
+    flat.sort(key=lambda kp: -len(kp[0]))  # the longest matching path is the parameter
+
+    def pick(path, leaf):
+        path = keys(path)
+        for name, p in flat:
+            if path[len(path) - len(name) :] == name:
+                return _mirrored(leaf.shape, p, everywhere)
+        return everywhere
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_state)
+
+
+def _mirrored(shape: tuple, param, everywhere):
+    """The sharding of an optimizer leaf of `shape` that mirrors `param`: the parameter's
+    own for its shape, its spec less the dim left out for a shape with one dim left out
+    (replicated where which dim is ambiguous), else replicated."""
+    sharding = param.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return everywhere
+    if tuple(shape) == param.shape:
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
+    kept = {
+        spec[:i] + spec[i + 1 :]
+        for i in range(param.ndim)
+        if param.shape[:i] + param.shape[i + 1 :] == tuple(shape)
+    }
+    if len(kept) != 1:
+        return everywhere
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept.pop()))
 
 
 def all_finite(tree) -> jax.Array:
