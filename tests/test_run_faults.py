@@ -216,20 +216,31 @@ def train_status(name: str) -> int:
 
 IMPORTING = """
 import builtins, os, signal, sys
-from models import train
+{before}
 real = builtins.__import__
 def hook(name, *args, **kwargs):
     if name == "jax":  # Ctrl-C while jax imports
         os.kill(os.getpid(), signal.SIGINT)
     return real(name, *args, **kwargs)
 builtins.__import__ = hook
-sys.exit(train.main(["--steps", "1", "--out", sys.argv[1]]))
+{start}
 """
+# (imported before the signal, the start): the console command (pyproject's entry; jax
+# and namedmesh not imported yet) and `python -m models.train` (the command's modules
+# import jax)
+STARTS = {
+    "namedmesh": ("import namedmesh_command", "sys.argv[1:] = ['train', '--steps', '1', "
+                  "'--out', sys.argv[1]]; sys.exit(namedmesh_command.main())"),
+    "models.train": ("from models import train",
+                     "sys.exit(train.main(['--steps', '1', '--out', sys.argv[1]]))"),
+}  # fmt: skip
 
 
-def test_ctrl_c_while_jax_imports_is_one_line_and_130(tmp_path):
+@pytest.mark.parametrize("start", STARTS)
+def test_ctrl_c_while_jax_imports_is_one_line_and_130(tmp_path, start):
     proc = subprocess.run(
-        [sys.executable, "-c", IMPORTING, str(tmp_path / "run")],
+        [sys.executable, "-c", IMPORTING.format(before=STARTS[start][0], start=STARTS[start][1]),
+         str(tmp_path / "run")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr
