@@ -282,7 +282,7 @@ def plan(args, cache: dict | None = None) -> dict:
     for text in args.compare:
         layout, _, where = text.partition("@")
         line = _compare(build, best, rates, training, joint.limit, Layout(layout),
-                        where and _on_mesh(where, best), staged)  # fmt: skip
+                        where and _on_mesh(where, best), staged, joint)  # fmt: skip
         out["compare"].append({"layout": text, **line})
         lines.append(f"yours: {text}: {line['verdict']}")
     out["text"] = "\n".join(lines)
@@ -304,9 +304,11 @@ def _on_mesh(text: str, best):
     return mesh
 
 
-def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None) -> dict:
+def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None,
+             joint=None) -> dict:  # fmt: skip
     """`layout` under the chosen plan's settings, on its mesh or `mesh`: its memory,
-    time, verdict."""
+    time, verdict. On a mesh with a stage axis: under the settings of the best pipelined
+    plan weighed (its microbatches), beside the chosen plan."""
     from lowering.joint import Choice
     from lowering.search import auto_layout
     from lowering.stages import STAGE_AXIS
@@ -315,10 +317,12 @@ def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None
 
     mesh = mesh or best.mesh
     if STAGE_AXIS in mesh.sizes:
-        if staged is None or not hasattr(best, "assignment"):
-            raise UsageError(f"--compare on {mesh}: a stage axis is weighed beside a "
-                             f"pipelined plan (--stages) only")  # fmt: skip
-        mine = staged[0](mesh, best.settings, best.model_flops, layout=layout)
+        piped = [c for c in joint.choices if hasattr(c, "assignment")] if joint else []
+        if staged is None or not piped:
+            raise UsageError(f"--compare on {mesh}: a stage axis is weighed beside the "
+                             f"pipelined plans of --stages only")  # fmt: skip
+        like = piped[0]  # the best pipelined plan weighed (choices are best first)
+        mine = staged[0](mesh, like.settings, like.model_flops, layout=layout)
         if not mine.candidate.valid and not mine.candidate.note.startswith("over"):
             return {"fits": False, "verdict": f"not valid on {mesh} ({mine.candidate.note})"}
         return _verdict(mine, best, limit, mesh)
