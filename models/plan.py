@@ -276,6 +276,17 @@ def plan(args, cache: dict | None = None) -> dict:
         lines[3:3] = [f"stages:   {best.stages} over {', '.join(map(str, stacks(cfg)))} layers "
                       f"({best.stages_text()}), bubble {best.bubble:.1%} (1F1B)",
                       f"runtime:  {best.runtime}"]  # fmt: skip
+    piped = [c for c in joint.choices if hasattr(c, "assignment")]
+    if piped and piped[0] is not best:  # --stages weighed, a plan without them chosen
+        p = piped[0]
+        out["pipelined"] = {"mesh": dict(p.mesh.sizes), "layout": str(p.layout),
+                            "settings": p.settings.as_dict(), "fits": p.fits,
+                            "memory": p.memory.as_dict(), "step_seconds": p.step_seconds,
+                            "stages": p.as_dict(), "why": why_not(best, p)}  # fmt: skip
+        lines.append(f"pipelined: {p.stages} stages ({p.stages_text()}), bubble "
+                     f"{p.bubble:.1%}, {_gib(p.memory.total)} per device "
+                     + ("(fits)" if p.fits else "(over the limit)")
+                     + f"; {why_not(best, p)}; runtime: {p.runtime}")  # fmt: skip
     if nxt is not None:
         lines.append(f"next best: {why_not(best, nxt)}")
     out["compare"] = []
