@@ -22,7 +22,6 @@ and tests/test_plan.py holds its Llama 3 70B plan against every pair searched un
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ from lowering.lower import lower
 from lowering.mesh import Mesh
 from lowering.rates import Rates
 from lowering.search import Candidate, auto_layout
+from lowering.stages import STAGE_AXIS
 from lowering.train_step import OPTIMIZERS, StepMemory, Training
 from namedmesh.errors import LayoutError, ParameterError
 
@@ -165,6 +165,7 @@ def joint_search(
     beam: int = 1,
     exhaustive: bool = False,
     cache: dict | None = None,
+    staged=None,
 ) -> Joint:
     """The plans of `build(settings) -> (loss, inputs)` (the loss of one microbatch:
     batch / grad_accum rows, its parameters the first input) on each of `meshes` under
@@ -173,7 +174,11 @@ def joint_search(
     PlanError when none fits, naming the closest plan's memory and what would make it
     fit. `exhaustive`: every pair searched, none pruned (what the pruning is tested
     against). `cache`: a dict that keeps each pair's layout search for later calls with
-    the same `build`, rates, limit and optimizer (keyed by mesh, settings and beam)."""
+    the same `build`, rates, limit and optimizer (keyed by mesh, settings and beam).
+    `staged`: (evaluate, space) for the meshes with a `stage` axis: each is weighed under
+    `space` (its settings' grad_accum the pipeline's microbatches) by
+    `evaluate(mesh, settings, model_flops)` -> a lowering.stages.StagedChoice, every
+    count of microbatches searched (more shrink the bubble)."""
     training = Training() if training is None else training
     limit = rates.memory_bytes if memory_limit is None else memory_limit
     if not limit:
@@ -185,9 +190,10 @@ def joint_search(
     joint.cache = {} if cache is None else cache
     best_fit = [math.inf]
     chains: dict = {}  # (mesh, settings but grad_accum) -> its settings, fewest microbatches first
-    for mesh, settings in itertools.product(meshes, space):
-        key = (id(mesh), settings.remat, settings.dtype, settings.attention)
-        chains.setdefault(key, (mesh, []))[1].append(settings)
+    for mesh in meshes:
+        for settings in _space_of(mesh, space, staged):
+            key = (id(mesh), settings.remat, settings.dtype, settings.attention)
+            chains.setdefault(key, (mesh, []))[1].append(settings)
     order = sorted(chains.values(), key=lambda c: whole.least(c[1][0], c[0], rates))
     for mesh, chain in order:
         for i, settings in enumerate(sorted(chain, key=lambda s: s.grad_accum)):
@@ -195,15 +201,39 @@ def joint_search(
             if why:
                 _count(joint.pruned, why)
                 continue
+            if _staged(mesh, staged):
+                _search_staged(joint, whole, staged[0], mesh, settings, best_fit)
+                continue
             fits = _search_pair(joint, whole, build, mesh, settings, beam, best_fit)
             if fits and not exhaustive:
                 _count(joint.pruned, "more microbatches than the fewest that fit",
                        len(chain) - i - 1)  # fmt: skip
                 break
-    joint.choices.sort(key=lambda c: (0, c.step_seconds) if c.fits else (1, c.candidate.memory))
+    joint.choices.sort(key=lambda c: (0, c.step_seconds) if c.fits else (1, c.memory.total))
     if not joint.choices or not joint.best.fits:
         raise PlanError(refusal(joint, whole))
     return joint
+
+
+def _staged(mesh: Mesh, staged) -> bool:
+    return staged is not None and STAGE_AXIS in mesh.sizes
+
+
+def _space_of(mesh: Mesh, space: list, staged) -> list:
+    return staged[1] if _staged(mesh, staged) else space
+
+
+def _search_staged(joint, whole, evaluate, mesh, settings, best_fit: list) -> None:
+    """A pipelined pair (lowering/stages.py) into `joint`."""
+    joint.searched += 1
+    key = ("staged", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates),
+           joint.training)  # fmt: skip
+    if key not in joint.cache:
+        joint.cache[key] = evaluate(mesh, settings, whole.model_flops(settings))
+    choice = joint.cache[key]
+    joint.choices.append(choice)
+    if choice.fits:
+        best_fit[0] = min(best_fit[0], choice.step_seconds)
 
 
 def _count(d: dict, reason: str, n: int = 1) -> None:
@@ -316,7 +346,7 @@ def refusal(joint: Joint, whole: _WholeCosts) -> str:
             f"state alone take {gib(need)}, so at least {math.ceil(need / limit)} devices are "
             f"needed however they are split"
         )
-    close = min(joint.choices, key=lambda c: c.candidate.memory)
+    close = min(joint.choices, key=lambda c: c.memory.total)
     m = close.memory
     fixes = []
     t = joint.training

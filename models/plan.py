@@ -43,11 +43,14 @@ def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namesp
                    "(lowering/rates.py parse: efficiency=, overlap=, memory= ...)")  # fmt: skip
     p.add_argument("--batch", type=int, required=True, help="sequences per step (global)")
     p.add_argument("--length", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
-                   help="a layout to weigh beside the chosen one (repeatable)")  # fmt: skip
+    p.add_argument("--compare", action="append", default=[], metavar="LAYOUT[@MESH]",
+                   help="a layout to weigh beside the chosen one (repeatable), on the "
+                   "chosen mesh or on MESH (e.g. @stage=16,data=2,expert=64: the same "
+                   "devices)")  # fmt: skip
     p.add_argument("--stages", type=int, action="append", default=[], metavar="S",
                    help="--devices: also weigh meshes with a pipeline axis stage=S "
-                   "outermost (repeatable; S must divide the layers)")  # fmt: skip
+                   "outermost (repeatable; S must divide the devices; the layers are "
+                   "dealt out as evenly as they go, uneven stages included)")  # fmt: skip
     p.add_argument("--remat", choices=REMATS, help="fix remat (default: searched)")
     p.add_argument(
         "--dtype",
@@ -86,14 +89,16 @@ def _meshes(args, layers: int) -> list:
         if args.stages:
             raise UsageError("--stages shapes the meshes of --devices; with --mesh name a "
                              "stage axis in it")  # fmt: skip
+        if "stage" in args.mesh:  # a pipeline of the mesh's own (lowering/stages.py)
+            args.stages = [args.mesh["stage"]]
         return [Mesh(args.mesh, devices="abstract")]
     n = args.devices
     if n < 1:
         raise UsageError(f"--devices {n}: must be >= 1")
     for s in args.stages:
-        if s < 2 or n % s or layers % s:
-            raise UsageError(f"--stages {s}: must be >= 2 and divide --devices {n} and the "
-                             f"{layers} layers")  # fmt: skip
+        if s < 2 or n % s or layers < s:
+            raise UsageError(f"--stages {s}: must be >= 2, divide --devices {n} and be at "
+                             f"most the {layers} layers")  # fmt: skip
     node = args.rates_parsed.node or 8
     shapes = []
     for s in [1, *args.stages]:
@@ -139,6 +144,64 @@ def builder(cfg, batch: int, length: int):
     return build
 
 
+def stacks(cfg) -> list[int]:
+    """The decoder's layer stacks in order: [dense, mixture-of-experts] where it has dense
+    layers first (DeepSeek-V3's 3 and 58), else [layers]."""
+    k = cfg.dense_layers
+    return [k, cfg.layers - k] if k else [cfg.layers]
+
+
+def stage_builder(cfg, batch: int, length: int):
+    """`build(settings, counts) -> (loss, (params, batch))`: `builder`'s program of one
+    pipeline stage holding `counts` layers of each of `stacks(cfg)` (with the embedding
+    and the loss head) on one microbatch of batch / settings.grad_accum rows; its
+    routing (a MoE stack) is the microbatch's own (lowering/stages.py)."""
+    from models.transformer import dense_config
+
+    def build(settings, counts):
+        if len(counts) == 2 and counts[0] and counts[1]:
+            c = cfg.replace(dense_layers=counts[0], layers=sum(counts))
+        elif len(counts) == 2 and counts[0]:
+            c = dense_config(cfg).replace(layers=counts[0])
+        else:
+            c = cfg.replace(dense_layers=0, layers=counts[-1])
+        return builder(c, batch, length)(settings)
+
+    return build
+
+
+def _staged(args, cfg, rates, training):
+    """joint_search's `staged`: (evaluate, space) for the stage meshes, or None when every
+    stack divides each --stages and the model has no experts (then a layers:stage
+    layout is searched and run as lowering.pipeline runs it)."""
+    from lowering.joint import Settings
+    from lowering.stages import staged_choice
+
+    parts = stacks(cfg)
+    if not args.stages or (not cfg.experts and all(n % s == 0 for s in args.stages
+                                                    for n in parts)):  # fmt: skip
+        return None
+    build = stage_builder(cfg, args.batch, args.length)
+    if args.grad_accum:
+        counts = [args.grad_accum]
+    else:
+        s = max(args.stages)
+        counts = [m for m in (1, s, 2 * s, 4 * s) if args.batch % m == 0]
+    space = [Settings(r, args.dtype, a, m)
+             for r in ([args.remat] if args.remat else REMATS)
+             for a in ([args.attention] if args.attention else KERNELS)
+             for m in counts]  # fmt: skip
+
+    def evaluate(mesh, settings, flops, layout=None):
+        itemsize = 2 if settings.dtype == "bfloat16" else 4
+        boundary = args.batch // settings.grad_accum * args.length * cfg.d_model * itemsize
+        return staged_choice(build, mesh, settings, parts, rates, training,
+                             rates.memory_bytes, flops, boundary, bool(cfg.experts),
+                             layout=layout)  # fmt: skip
+
+    return evaluate, space
+
+
 def plan(args, cache: dict | None = None) -> dict:
     """The plan as a dict (what --json prints), with the printout under "text".
     `cache`: lowering.joint.joint_search's, kept between calls."""
@@ -164,8 +227,10 @@ def plan(args, cache: dict | None = None) -> dict:
     cfg = load_config(args.config)
     build = builder(cfg, args.batch, args.length)
     tokens = args.batch * args.length
-    joint = joint_search(build, _meshes(args, cfg.layers), rates, _space(args, cfg), training,
-                         tokens=tokens, cache=cache)  # fmt: skip
+    meshes = _meshes(args, cfg.layers)
+    staged = _staged(args, cfg, rates, training)
+    joint = joint_search(build, meshes, rates, _space(args, cfg), training,
+                         tokens=tokens, cache=cache, staged=staged)  # fmt: skip
     best, nxt = joint.best, joint.next_best()
     out = {
         "config": args.config,
@@ -204,33 +269,93 @@ def plan(args, cache: dict | None = None) -> dict:
         f"speed:    {out['tokens_per_second_per_device']:,.0f} tokens/s per device, "
         f"MFU {out['mfu']:.1%}",
     ]
+    if hasattr(best, "assignment"):  # a pipelined plan (lowering/stages.py)
+        out["settings"]["stages_uneven"] = best.uneven
+        out["settings"]["runtime"] = best.runtime
+        out["stages"] = best.as_dict()
+        lines[3:3] = [f"stages:   {best.stages} over {', '.join(map(str, stacks(cfg)))} layers "
+                      f"({best.stages_text()}), bubble {best.bubble:.1%} (1F1B)",
+                      f"runtime:  {best.runtime}"]  # fmt: skip
+    piped = [c for c in joint.choices if hasattr(c, "assignment")]
+    if piped and piped[0] is not best:  # --stages weighed, a plan without them chosen
+        p = piped[0]
+        out["pipelined"] = {"mesh": dict(p.mesh.sizes), "layout": str(p.layout),
+                            "settings": p.settings.as_dict(), "fits": p.fits,
+                            "memory": p.memory.as_dict(), "step_seconds": p.step_seconds,
+                            "stages": p.as_dict(), "why": why_not(best, p)}  # fmt: skip
+        lines.append(f"pipelined: {p.stages} stages ({p.stages_text()}), bubble "
+                     f"{p.bubble:.1%}, {_gib(p.memory.total)} per device "
+                     + ("(fits)" if p.fits else "(over the limit)")
+                     + f"; {why_not(best, p)}; runtime: {p.runtime}")  # fmt: skip
     if nxt is not None:
         lines.append(f"next best: {why_not(best, nxt)}")
     out["compare"] = []
     for text in args.compare:
-        line = _compare(build, best, rates, training, joint.limit, Layout(text))
+        layout, _, where = text.partition("@")
+        line = _compare(build, best, rates, training, joint.limit, Layout(layout),
+                        where and _on_mesh(where, best), staged, joint)  # fmt: skip
         out["compare"].append({"layout": text, **line})
         lines.append(f"yours: {text}: {line['verdict']}")
     out["text"] = "\n".join(lines)
     return out
 
 
-def _compare(build, best, rates, training, limit, layout) -> dict:
-    """`layout` under the chosen plan's mesh and settings: its memory, time, verdict."""
-    from lowering.joint import Choice, parts_text, why_not
-    from lowering.search import auto_layout
-    from lowering.train_step import Training
+def _on_mesh(text: str, best):
+    """--compare's @MESH: a mesh of the chosen plan's devices."""
+    from lowering import Mesh
+    from models.run import UsageError
 
+    try:
+        mesh = Mesh(parse_mesh(text), devices="abstract")
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"--compare ...@{text}: {e}") from None
+    if mesh.size != best.mesh.size:
+        raise UsageError(f"--compare ...@{text}: {mesh.size} devices, the plan's mesh has "
+                         f"{best.mesh.size}")  # fmt: skip
+    return mesh
+
+
+def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None,
+             joint=None) -> dict:  # fmt: skip
+    """`layout` under the chosen plan's settings, on its mesh or `mesh`: its memory,
+    time, verdict. On a mesh with a stage axis: under the settings of the best pipelined
+    plan weighed (its microbatches), beside the chosen plan."""
+    from lowering.joint import Choice
+    from lowering.search import auto_layout
+    from lowering.stages import STAGE_AXIS
+    from lowering.train_step import Training
+    from models.run import UsageError
+
+    mesh = mesh or best.mesh
+    if STAGE_AXIS in mesh.sizes:
+        piped = [c for c in joint.choices if hasattr(c, "assignment")] if joint else []
+        if staged is None or not piped:
+            raise UsageError(f"--compare on {mesh}: a stage axis is weighed beside the "
+                             f"pipelined plans of --stages only")  # fmt: skip
+        like = piped[0]  # the best pipelined plan weighed (choices are best first)
+        mine = staged[0](mesh, like.settings, like.model_flops, layout=layout)
+        if not mine.candidate.valid and not mine.candidate.note.startswith("over"):
+            return {"fits": False, "verdict": f"not valid on {mesh} ({mine.candidate.note})"}
+        return _verdict(mine, best, limit, mesh)
+    if mesh is not best.mesh and hasattr(best, "assignment"):
+        raise UsageError(f"--compare on {mesh}: the chosen plan is pipelined; name its "
+                         f"stage axis")  # fmt: skip
     fn, inputs = build(best.settings)
     run = Training(training.optimizer, training.moment_dtype, training.zero1,
                    best.settings.grad_accum)  # fmt: skip
-    _, table = auto_layout(fn, best.mesh, *inputs, grad_argnums=(0,), rates=rates,
+    _, table = auto_layout(fn, mesh, *inputs, grad_argnums=(0,), rates=rates,
                            memory_limit=math.inf, training=run, candidates=[layout],
                            beam=1)  # fmt: skip
     cand = table.theirs[0]
     if cand.note.startswith("invalid"):
-        return {"fits": False, "verdict": f"not valid on {best.mesh} ({cand.note})"}
-    mine = Choice(best.mesh, best.settings, cand, best.model_flops, limit)
+        return {"fits": False, "verdict": f"not valid on {mesh} ({cand.note})"}
+    return _verdict(Choice(mesh, best.settings, cand, best.model_flops, limit), best, limit,
+                    mesh)  # fmt: skip
+
+
+def _verdict(mine, best, limit, mesh) -> dict:
+    from lowering.joint import parts_text, why_not
+
     fits = mine.fits
     verdict = (
         f"{_gib(mine.memory.total)} per device ({parts_text(mine.memory)}), "
