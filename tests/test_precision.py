@@ -9,7 +9,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import config, layers, objectives, transformer, zoo
+from models import config, objectives, transformer, zoo
 from tests.test_models import CFG, np_lm_logits, small_batch
 
 BF16 = np.dtype(jnp.bfloat16)
@@ -156,6 +156,6 @@ def test_bfloat16_training_step_is_float32_within_rounding():
             assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.98
 
 
-def test_unknown_compute_dtype_is_a_dtype_error():
-    with pytest.raises(nm.DtypeError, match="float16"):
-        layers.compute_dtype(config.get("tiny", dtype="float16"))
+def test_unknown_compute_dtype_is_refused_by_config_naming_it():
+    with pytest.raises(config.ConfigError, match="Config.dtype .*'float16'"):
+        config.get("tiny", dtype="float16")
