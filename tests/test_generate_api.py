@@ -16,6 +16,7 @@ from models import data  # noqa: E402
 from models import generate as gen  # noqa: E402
 from models.api import LoadError  # noqa: E402
 from models.continuations import Continuations  # noqa: E402
+from tests.test_hub_cli import tiny_gpt2  # noqa: E402
 
 PROMPTS = ["The assert statement", "A list"]
 
@@ -24,18 +25,7 @@ PROMPTS = ["The assert statement", "A list"]
 def hf(tmp_path_factory):
     """A small GPT-2 folder with a BPE tokenizer, its transformers model, and models.load
     of it (one load: its compiled programs serve every test)."""
-    tok = data.BPETokenizer.train(data.split(data.load_text())[0][:60_000], 320)
-    cfg = transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=tok.vocab_size, n_positions=64
-    )
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    out = tmp_path_factory.mktemp("gpt2")
-    model.save_pretrained(out)
-    tok.save(out)
+    out, model, tok = tiny_gpt2(tmp_path_factory.mktemp("gpt2"), 0.3)
     return out, model, tok, models.load(out)
 
 

@@ -29,9 +29,10 @@ def run(*args):
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A small GPT-2 with a BPE tokenizer trained on the default corpus."""
+def tiny_gpt2(out, noise: float):
+    """A small GPT-2 folder in `out` with a BPE tokenizer trained on the default corpus,
+    its weights moved by `noise` x N(0, 1) from their init (so its tokens vary);
+    (out, the transformers model, the tokenizer)."""
     tok = data.BPETokenizer.train(data.split(data.load_text())[0][:60_000], 320)
     cfg = transformers.GPT2Config(
         n_embd=32, n_layer=2, n_head=4, vocab_size=tok.vocab_size, n_positions=64
@@ -40,11 +41,15 @@ def folder(tmp_path_factory):
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    out = tmp_path_factory.mktemp("gpt2")
+            p.add_(noise * torch.randn_like(p))
     model.save_pretrained(out)
     tok.save(out)
     return out, model, tok
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_gpt2(tmp_path_factory.mktemp("gpt2"), 0.1)
 
 
 def test_generate_decodes_a_hub_folder_as_transformers_does(folder):
