@@ -11,6 +11,16 @@ import numpy as np
 from namedmesh.errors import MeshError
 
 
+def check_axis_name(name) -> None:
+    """A MeshError unless `name` is an ASCII identifier: the layout syntax's separators
+    (":;, ") are not in one, and XLA aborts the process on a name that is not ASCII."""
+    if not isinstance(name, str) or not (name.isascii() and name.isidentifier()):
+        raise MeshError(
+            f"mesh axis names must be ASCII identifiers (letters, digits and _, not "
+            f"starting with a digit; no ':', ';', ',' or spaces), got {name!r}"
+        )
+
+
 class Mesh:
     """Named mesh axes, `Mesh({"rows": 2, "cols": 4})`, over the first prod(sizes) of
     `jax.devices()` or over the given devices, in row-major order.
@@ -23,13 +33,7 @@ class Mesh:
         if not isinstance(sizes, Mapping) or not sizes:
             raise MeshError(f"a mesh needs a mapping axis -> size, got {sizes!r}")
         for name, n in sizes.items():
-            # an identifier: the layout syntax's separators (":;, ") are not in one, and
-            # XLA aborts the process on a name that is not ASCII
-            if not isinstance(name, str) or not (name.isascii() and name.isidentifier()):
-                raise MeshError(
-                    f"mesh axis names must be ASCII identifiers (letters, digits and _, not "
-                    f"starting with a digit; no ':', ';', ',' or spaces), got {name!r}"
-                )
+            check_axis_name(name)
             if not isinstance(n, int | np.integer) or n < 1:
                 raise MeshError(f"mesh axis {name!r} must have a positive int size, got {n!r}")
         self.sizes: dict[str, int] = {k: int(v) for k, v in sizes.items()}

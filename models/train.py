@@ -38,7 +38,10 @@ MAX_DEVICES = 1 << 16  # devices of a mesh, at most: more than any machine holds
 
 def parse_mesh(text: str) -> dict[str, int]:
     """ "rows=2,cols=4" -> {"rows": 2, "cols": 4}. An axis is named by an ASCII
-    identifier (XLA aborts the process on other names) and sized 1 to MAX_DEVICES."""
+    identifier (lowering.mesh.check_axis_name, as Mesh holds it) and sized 1 to MAX_DEVICES."""
+    from lowering.mesh import check_axis_name  # (jax: imported once the flags are read)
+    from namedmesh.errors import MeshError
+
     out = {}
     for part in text.split(","):
         name, eq, size = (s.strip() for s in part.partition("="))
@@ -46,11 +49,10 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(
                 f"--mesh {text!r}: expected axis=size pairs separated by commas, e.g. rows=2,cols=4"
             )
-        if not (name.isascii() and name.isidentifier()):
-            raise argparse.ArgumentTypeError(
-                f"--mesh {text!r}: axis name {name!r} is not an identifier (ASCII letters, "
-                "digits and _, not starting with a digit)"
-            )
+        try:
+            check_axis_name(name)
+        except MeshError as e:
+            raise argparse.ArgumentTypeError(f"--mesh {text!r}: {e}") from None
         if name in out:
             raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {name!r} given twice")
         out[name] = int(size)
