@@ -2,14 +2,21 @@
 written: every write goes to a temporary name beside the target, is flushed to disk,
 then renamed over it (a rename within a folder is atomic on POSIX), and a folder is
 replaced whole. A log of JSON lines is appended; a torn last line (a kill or a full disk
-in the middle of an append) is dropped with a warning when it is read."""
+in the middle of an append) is dropped with a warning when it is read.
+
+A kill leaves at most a temporary beside the target, named for the host and process
+that wrote it (`.NAME.HOST-PID.XXXX.tmp`), and, between replace_folder's two renames,
+the previous folder as `.NAME.old`. The next write of NAME sweeps both: this host's
+temporaries whose process is gone are removed, and a lone `.NAME.old` is put back."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -44,8 +51,9 @@ def write_with(path, writer: Callable[[str], object]) -> None:
     """`writer(temporary path)` writes the file (a library's own `save(path)`), then the
     file is renamed to `path`. FileWriteError when it cannot be written."""
     path = Path(path)
+    sweep(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path), suffix=".tmp")
     except OSError as e:
         raise _fail(path, e) from None
     os.close(fd)
@@ -60,6 +68,53 @@ def write_with(path, writer: Callable[[str], object]) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _prefix(path: Path) -> str:
+    """The name of `path`'s temporaries up to their random part: the host and process
+    writing, so that a later write can tell a killed writer's leftovers from a live one's."""
+    return f".{path.name}.{socket.gethostname()}-{os.getpid()}."
+
+
+def _dead_writer(leftover: Path, target: Path) -> bool:
+    """Whether `leftover` is a temporary of `target` written on this host by a process
+    that no longer runs (one written elsewhere, or by an older version, is left alone)."""
+    middle = leftover.name[len(target.name) + 2 : -len(".tmp")]
+    writer = middle.rpartition(".")[0]
+    host, _, pid = writer.rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def sweep(path) -> None:
+    """Clear what a killed write of `path` left beside it: this host's temporaries whose
+    writer is gone, and the previous folder `.NAME.old` when NAME itself is missing (a
+    kill between replace_folder's two renames), which is put back with a line on
+    stderr. Nothing else is touched."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        if not _dead_writer(leftover, path):
+            continue
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+    old = path.with_name(f".{path.name}.old")
+    if old.is_dir() and not path.exists():
+        os.replace(old, path)
+        print(f"{path}: put back its previous contents, left as {old.name} by a write that "
+              "was killed", file=sys.stderr)  # fmt: skip
+    elif old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _as_created(path: Path, mode: int) -> None:
@@ -80,7 +135,8 @@ def replace_folder(path, writer: Callable[[Path], object]) -> None:
     path = Path(path).absolute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        sweep(path)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_prefix(path), suffix=".tmp"))
         _as_created(tmp, 0o777)
     except OSError as e:
         raise _fail(path, e) from None

@@ -50,7 +50,7 @@ from models.families.common import (
     WeightDtypeError,
     WeightShapeError,
 )
-from models.files import FileReadError, FileWriteError, read_json, replace_folder
+from models.files import FileReadError, FileWriteError, read_json, replace_folder, sweep
 from namedmesh.errors import NamedMeshError
 
 __all__ = ["Entry", "FAMILIES", "HubError", "MissingFileError", "UnsupportedModelError"]
@@ -393,6 +393,8 @@ def _ints(x) -> nm.Tensor:
 def read_config(folder: Path) -> tuple[str, dict]:
     """(family, config.json as a dict); typed errors for a missing file or family."""
     path = folder / "config.json"
+    if not path.exists():
+        sweep(folder)  # a write of the folder killed between its renames: put it back
     if not path.exists():
         raise MissingFileError(f"{folder}: no config.json (is it a Hugging Face model folder?)")
     try:
