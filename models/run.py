@@ -456,8 +456,10 @@ def _train(args, dog) -> int:
     if args.resume:
         state, meta = checkpoint.restore_newest(out, state, say=_warn)
         start, skipped = meta["step"], meta.get("skipped", 0)
-        history = [r for r in files.read_jsonl(metrics_path, _is_step_record) if r["step"] <= start]
-        if writer():
+        history = []
+        if writer():  # the log is process 0's alone: the others neither read nor warn
+            logged = files.read_jsonl(metrics_path, _is_step_record)
+            history = [r for r in logged if r["step"] <= start]
             files.rewrite_jsonl(metrics_path, history)  # a killed run may have logged more
             changes = dict(getattr(args, "record_changes", {}))  # flags given anew
             if getattr(args, "data_changed", False):  # --data given anew: the record follows
@@ -657,7 +659,10 @@ def _count(trainer) -> int:
 
 
 def _warn(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A warning on stderr from process 0 only (every process restores the same
+    checkpoint and would say the same)."""
+    if writer():
+        print(message, file=sys.stderr, flush=True)
 
 
 def _tensorboard(args):

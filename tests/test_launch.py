@@ -125,6 +125,20 @@ def test_four_processes_equal_one_write_once_and_a_frozen_peer_ends_them_75(refe
     assert "[0] 4 processes x 1 cpu devices; global mesh Mesh(data=4)" in log
     said = [line for line in log.splitlines() if "lowering report" in line or "model lm" in line]
     assert {line[:4] for line in said} == {"[0] "}, log[-3000:]
+    # resumed by 2 processes x 2 devices past a torn log line: exact, and warned of once
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 99, "lo')
+    r = subprocess.run(
+        [sys.executable, "-m", "namedmesh", "launch", "-n", "2", "--devices-per-process", "2",
+         "--", *TRAIN, "--out", str(out), "--resume"],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    both = r.stdout + r.stderr
+    warned = [line for line in both.splitlines() if "dropped a torn last line" in line]
+    assert len(warned) == 1 and warned[0].startswith("[0] "), both[-3000:]
+    assert_losses_equal(records(out), reference, both)
+    assert len(records(out)) == STEPS
 
 
 def test_a_killed_peer_ends_the_run_75_and_one_process_resumes_exactly(reference, tmp_path):
