@@ -230,12 +230,15 @@ def adapted(model, lora: Lora | None, cfg):
 def completed(params: dict, shapes: dict, seed: int) -> dict:
     """`params` (a base model's, as loaded from a folder) with the adapters of `shapes`
     they lack, initialised as a fresh run's are (each from the seed and its path)."""
+    import jax
+
     from models import transformer
 
     missing = _missing(params, shapes)
     if not missing:
         return params
-    return join(params, transformer.init(missing, seed))
+    # one program for them all (eagerly, each draw compiles its own), the same values
+    return join(params, jax.jit(lambda: transformer.init(missing, seed))())
 
 
 def _missing(params: dict, shapes: dict) -> dict:
