@@ -80,17 +80,28 @@ def test_the_header_counts_trainable_and_total_parameters(run, base):
     assert f"{total:,} parameters, {adapter_count(frozen=False):,} trainable" in header
 
 
-def fresh_adapters(base, cfg, spec) -> dict:
-    """The folder's weights with the adapters a run of seed 0 starts from."""
+@pytest.fixture(scope="module")
+def loaded(run, base):
+    """The run's last parameters (adapters apart), config, LoRA, the folder's weights and
+    those with the adapters a run of seed 0 starts from."""
+    params, cfg, _ = generate.load(run[0], merge=False)
+    spec = lora.of_flags(json.loads((run[0] / "run.json").read_text()))
+    plain = hub.load(base).params
     shapes = lora.adapter_shapes(hub.shapes_of("llama", cfg), cfg, spec)
-    return lora.completed(hub.load(base).params, shapes, seed=0)
+    return params, cfg, spec, plain, lora.completed(plain, shapes, seed=0)
 
 
-def test_only_adapters_not_frozen_train_and_hold_optimizer_state(run, base):
+@pytest.fixture(scope="module")
+def merged(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "merged"
+    assert export.main([str(run[0]), "--out", str(out)]) == 0
+    return out
+
+
+def test_only_adapters_not_frozen_train_and_hold_optimizer_state(run, loaded):
     folder, _ = run
-    params, cfg, _ = generate.load(folder, merge=False)
-    spec = lora.of_flags(json.loads((folder / "run.json").read_text()))
-    start = dict(checkpoint.named(fresh_adapters(base, cfg, spec)))
+    params, _, _, _, fresh = loaded
+    start = dict(checkpoint.named(fresh))
     got = dict(checkpoint.named(params))
     assert set(got) == set(start)
     frozen = [p for p in got if not lora.is_adapter(p) or "wo_lora" in p]
@@ -111,16 +122,12 @@ def zoo_logits(params, cfg) -> np.ndarray:
     return np.asarray(logits.transpose("batch", "length", "vocab").data)
 
 
-def test_adapters_start_at_the_base_and_export_merged_as_the_adapted_model(run, base, tmp_path):
-    folder, _ = run
-    params, cfg, _ = generate.load(folder, merge=False)
-    spec = lora.of_flags(json.loads((folder / "run.json").read_text()))
+def test_adapters_start_at_the_base_and_export_merged_as_the_adapted_model(loaded, merged):
+    params, cfg, spec, plain, fresh = loaded
     assert spec == lora.Lora(RANK, ALPHA, 0.1, tuple(TARGETS.split(",")))
-    plain = zoo_logits(hub.load(base).params, cfg)
-    start = lora.bind(fresh_adapters(base, cfg, spec), spec)
-    np.testing.assert_array_equal(zoo_logits(start, cfg), plain)  # B = 0: the base
-    assert export.main([str(folder), "--out", str(tmp_path / "merged")]) == 0
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    plain = zoo_logits(plain, cfg)
+    np.testing.assert_array_equal(zoo_logits(lora.bind(fresh, spec), cfg), plain)  # B = 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():
         got = back(torch.tensor(IDS)).logits.numpy()
     want = zoo_logits(lora.bind(params, spec), cfg)  # x W + s (x A) B, unmerged
@@ -128,11 +135,12 @@ def test_adapters_start_at_the_base_and_export_merged_as_the_adapted_model(run, 
     assert np.abs(want - plain).max() > 1e-3
 
 
-def test_adapter_only_export_is_peft_layout_whose_update_is_the_merged_one(run, base, tmp_path):
+def test_adapter_only_export_is_peft_layout_whose_update_is_the_merged_one(
+    run, base, merged, tmp_path
+):
     from safetensors.numpy import load_file
 
     folder, _ = run
-    assert export.main([str(folder), "--out", str(tmp_path / "merged")]) == 0
     assert export.main([str(folder), "--out", str(tmp_path / "a"), "--adapter-only"]) == 0
     conf = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert (conf["peft_type"], conf["task_type"], conf["r"], conf["lora_alpha"]) == (
@@ -140,7 +148,7 @@ def test_adapter_only_export_is_peft_layout_whose_update_is_the_merged_one(run, 
     assert conf["lora_dropout"] == 0.1 and sorted(conf["target_modules"]) == sorted(MODULES)
     assert conf["base_model_name_or_path"] == str(base.absolute())
     ada = load_file(tmp_path / "a" / "adapter_model.safetensors")
-    merged, plain = (load_file(p / "model.safetensors") for p in (tmp_path / "merged", base))
+    merged, plain = (load_file(p / "model.safetensors") for p in (merged, base))
     names = set()
     for i in range(SIZES["num_hidden_layers"]):
         for m in MODULES:
@@ -164,7 +172,7 @@ def test_adapter_only_export_is_peft_layout_whose_update_is_the_merged_one(run, 
                                            tmp_path / "a").eval()  # fmt: skip
     with torch.no_grad():
         lora_logits = model(torch.tensor(IDS)).logits.numpy()
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():
         np.testing.assert_allclose(lora_logits, back(torch.tensor(IDS)).logits.numpy(), atol=1e-4)
 
