@@ -44,20 +44,10 @@ from pathlib import Path
 import jax
 
 from lowering import Mesh
-from models import (
-    checkpoint,
-    cluster,
-    config,
-    data,
-    files,
-    folder_tokens,
-    hub,
-    lora,
-    transformer,
-    zoo,
-)
+from models import checkpoint, cluster, config, data, files, folder_tokens, hub, transformer, zoo
 from models.continuations import Continuations, check_stops
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
+from models.lora import adapted, merged, of_flags
 from models.sampling import Sampling
 from models.train import (
     CLUSTER_RANGES,
@@ -108,15 +98,15 @@ def load(run: str | Path, step: int | None = None, merge: bool = True):
     cfg = cfg.replace(**config.parse_overrides(flags.get("set") or []))  # the run's --set
     # The parameters alone, by name: the optimizer's state stays on disk.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's
-    adapters = lora.of_flags(flags)
-    model = lora.adapted(model, adapters, cfg)
+    adapters = of_flags(flags)  # a LoRA run's: its checkpoint holds them
+    model = adapted(model, adapters, cfg)
     target = jax.tree_util.tree_map(  # over the Tensors' data: abstract, on one device
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         transformer.abstract(model.shapes(cfg)),
     )
     params, _ = checkpoint.restore_params(run, target, checkpoint.check_step(run, step))
     if adapters is not None and merge:
-        params = lora.merged(params, adapters)
+        params = merged(params, adapters)
     return params, cfg, data.load_tokenizer(run)
 
 
