@@ -210,3 +210,24 @@ def test_freeze_patterns_are_globs_or_regular_expressions_on_paths():
 def test_a_bad_lora_or_freeze_flag_is_one_line(flags, says, tmp_path):
     status, _, err = quiet(train, [*flags, "--steps", "1", "--quiet", "--out", str(tmp_path)])
     assert status == 2 and err.count("\n") == 1 and says in err, err
+
+
+def test_adapter_dropout_zeroes_inputs_and_scales_the_rest_as_peft():
+    """dropout(x) A B with A, B identities and x ones: each entry 0 or 1 / (1 - p), each
+    layer's mask its own; without a key, x A B = x."""
+    spec = lora.Lora(rank=8, alpha=8.0, dropout=0.5)
+    eye = np.broadcast_to(np.eye(8, dtype=np.float32), (2, 8, 8))
+    p = {"q": nm.zeros({"layers": 2, "d_model": 8, "d_out": 8}),
+         "q_lora_a": nm.tensor(eye, ("layers", "d_model", "lora")),
+         "q_lora_b": nm.tensor(eye, ("layers", "lora", "d_out"))}  # fmt: skip
+    x = nm.ones({"batch": 4, "length": 8, "d_model": 8})
+
+    def layer(tree, i):  # the update in layer i, as the layers' scan computes it
+        one = {k: nm.isel(v, layers=i) for k, v in tree.items()}
+        return np.asarray(lora.update(x, one, "q", ("batch", "length", "d_out")).data)
+
+    got = [layer(lora.bind(p, spec, nm.random.key(0)), i) for i in (0, 1)]
+    for g in got:
+        assert set(np.unique(g)) == {0.0, 2.0} and 0.3 < (g == 0).mean() < 0.7
+    assert not np.array_equal(got[0], got[1])
+    assert np.array_equal(layer(lora.bind(p, spec), 0), np.ones((4, 8, 8)))
