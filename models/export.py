@@ -78,6 +78,12 @@ def arguments(argv=None, prog: str = "python -m models.export") -> argparse.Name
         help="above it the weights go in shards with model.safetensors.index.json, as "
         "transformers' save_pretrained (5GB, 200MB, 1GiB or bytes)",
     )
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run's adapters alone, as PEFT writes them (adapter_config.json, "
+        "adapter_model.safetensors); without it a LoRA run exports merged (W + alpha/r A B)",
+    )
     cluster.add_flags(p)
     return p.parse_args(argv)
 
@@ -228,6 +234,12 @@ def main(argv=None, prog: str = "python -m models.export") -> int:
     except cluster.ClusterError as e:
         return fail(e, 2, prog.removeprefix("python -m "))
     try:
+        if args.adapter_only:
+            from models.adapter_export import export_adapters
+
+            folder = export_adapters(args.run, args.out, args.step, args.dtype)
+            print(f"wrote {folder}/adapter_config.json, adapter_model.safetensors ({args.dtype})")
+            return 0
         folder = export(args.run, args.out, args.step, args.dtype, args.max_shard_size)
     except (*user_errors(), KeyError) as e:  # one line, never a traceback
         return fail(e, 2, prog.removeprefix("python -m "))

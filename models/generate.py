@@ -47,6 +47,7 @@ from lowering import Mesh
 from models import checkpoint, cluster, config, data, files, folder_tokens, hub, transformer, zoo
 from models.continuations import Continuations, check_stops
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
+from models.lora import adapted, merged, of_flags
 from models.sampling import Sampling
 from models.train import (
     CLUSTER_RANGES,
@@ -72,10 +73,11 @@ __all__ = [
 ]
 
 
-def load(run: str | Path, step: int | None = None):
+def load(run: str | Path, step: int | None = None, merge: bool = True):
     """(params, cfg, tokenizer) of a training run's checkpoint at `step` (the latest by
     default), or of a Hugging Face folder (config.json, safetensors, a tokenizer) of a
-    decoder LM."""
+    decoder LM. A LoRA run's adapters are merged into its weights (models/lora.py),
+    unless `merge` is False: then they are there beside them."""
     run = Path(run)
     if (run / "config.json").exists() and not (run / "run.json").exists():
         return load_hub(run)
@@ -96,11 +98,15 @@ def load(run: str | Path, step: int | None = None):
     cfg = cfg.replace(**config.parse_overrides(flags.get("set") or []))  # the run's --set
     # The parameters alone, by name: the optimizer's state stays on disk.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's
+    adapters = of_flags(flags)  # a LoRA run's: its checkpoint holds them
+    model = adapted(model, adapters, cfg)
     target = jax.tree_util.tree_map(  # over the Tensors' data: abstract, on one device
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         transformer.abstract(model.shapes(cfg)),
     )
     params, _ = checkpoint.restore_params(run, target, checkpoint.check_step(run, step))
+    if adapters is not None and merge:
+        params = merged(params, adapters)
     return params, cfg, data.load_tokenizer(run)
 
 

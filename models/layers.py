@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
+from models import lora
 from models.config import Config, ConfigError
 from models.kernels import KERNELS, Options
 from models.rope import Rope, depends_on_length, frequencies, rotary_dims
@@ -273,6 +274,8 @@ def rotate_qk(q: nm.Tensor, k: nm.Tensor, cfg: Config, slots, position, layer=No
 
 def _project(x: nm.Tensor, p: dict, name: str, out: tuple) -> nm.Tensor:
     y = nm.einsum(x, p[name], out=out)
+    if name + "_lora_a" in p:  # a LoRA adapter beside the weight (models/lora.py)
+        y = y + lora.update(x, p, name, out)
     return y + p[name + "_bias"] if name + "_bias" in p else y
 
 

@@ -26,7 +26,9 @@ from models import (
     files,
     folder_tokens,
     hub,
+    lora,
     settings,
+    trainable,
     zoo,
 )
 from models.preempt import Preemption
@@ -128,6 +130,11 @@ def setup(args):
     except (data.DataError, config.ConfigError) as e:
         raise UsageError(str(e)) from None
     try:
+        model = lora.adapted(model, lora.of_flags(args), cfg)
+        trained = trainable.chooser(
+            trainable.paths(model.shapes(cfg)), args.freeze or (),
+            lora.is_adapter if args.lora_rank else None,
+        )  # fmt: skip
         mesh = Mesh(args.mesh)
         opt, schedule = run_optimizer(args)
         name = f"{args.model} ({args.config})"
@@ -135,14 +142,15 @@ def setup(args):
             args.layout, model, name, cfg, mesh, opt, args.seed, getattr(args, "rates", None),
             grad_accum=args.grad_accum,
         )  # fmt: skip
-        trainer = Trainer(model, cfg, mesh, layout, opt, args.seed, args.grad_accum)
+        trainer = Trainer(model, cfg, mesh, layout, opt, args.seed, args.grad_accum, trained,
+                          keyed=bool(args.lora_rank and args.lora_dropout))  # fmt: skip
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     # the optimizer's state besides: adamw's two moments per parameter, lion's one, sgd's
     # momentum (if any) and adafactor's factored ones (counted as one), on every device
     moments = {"adamw": 2, "lion": 1, "adafactor": 1, "sgd": int(any(args.betas or ()))}
-    state = _count(trainer) * 4 * moments[args.optimizer]
+    state = _count(trainer, trained=True) * 4 * moments[args.optimizer]
     check_memory(report.peak_memory + state, mesh, f"--config {args.config}")
     return model, cfg, tokenizer, corpus, mesh, layout, trainer, report, schedule
 
@@ -157,7 +165,7 @@ def run_optimizer(args):
 
 
 DATA_FLAGS = ("data", "val_data")  # paths run.json records absolute, with fingerprints
-LIST_FLAGS = ("set",)  # flags given again and again, recorded as lists
+LIST_FLAGS = ("set", "freeze")  # flags given again and again, recorded as lists
 
 
 def recorded_actions() -> dict:
@@ -430,8 +438,10 @@ def _train(args, dog) -> int:
     say = cluster.say
     if jax.process_count() > 1:
         say(cluster.describe(mesh))
-    say(f"model {args.model} ({args.config}): {_count(trainer):,} parameters; tokenizer "
-        f"{args.tokenizer}, {tokenizer.vocab_size} ids")  # fmt: skip
+    total, trained = _count(trainer), _count(trainer, trained=True)
+    say(f"model {args.model} ({args.config}): {total:,} parameters, {trained:,} trainable "
+        f"({100 * trained / total:.2f}%); tokenizer {args.tokenizer}, "
+        f"{tokenizer.vocab_size} ids")  # fmt: skip
     how = "" if args.layout else " (the default: data parallel over the mesh)"
     say(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     say("lowering report (forward and backward pass, per step, per device):")
@@ -448,6 +458,7 @@ def _train(args, dog) -> int:
     params = None
     if args.init_from and not args.resume:  # each shard read from the file onto its devices
         params = hub.load(args.init_from, mesh, layout).params
+        params = lora.completed(params, trainer.shapes, args.seed)  # + fresh adapters
         print(f"initialised from {args.init_from}")
     state = trainer.init_state(params)
     metrics_path = out / "metrics.jsonl"
@@ -649,13 +660,13 @@ def _shapes(tree):
     return [[list(t.dims), list(t.shape)] for t in leaves]
 
 
-def _count(trainer) -> int:
-    return sum(
-        int(np.prod(t.shape))
-        for t in jax.tree_util.tree_leaves(
-            trainer.abstract_inputs()[0], is_leaf=lambda x: isinstance(x, nm.Tensor)
-        )
-    )
+def _count(trainer, trained: bool = False) -> int:
+    """The model's parameters; with `trained`, those the run trains."""
+    params = trainer.abstract_inputs()[0]
+    if trained:
+        params = trainable.split(params, trainer.trained)[0]
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, nm.Tensor))
+    return sum(int(np.prod(t.shape)) for t in leaves)
 
 
 def _warn(message: str) -> None:

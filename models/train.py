@@ -82,12 +82,18 @@ def parse_betas(text: str) -> tuple[float, ...]:
 SCRATCH = {"lr": 3e-3, "schedule": "cosine", "warmup": 50}
 FINETUNE = {"lr": 5e-5, "schedule": "linear", "warmup": 0, "min_lr": 0.0, "weight_decay": 0.0}
 FINETUNE_ADAMW_BETAS = (0.9, 0.999)
+# A LoRA run's peak learning rate: its adapters start at zero and train alone (QLoRA's and
+# torchtune's LoRA recipes use 1e-4 to 3e-4), far above a full fine-tune's 5e-5.
+LORA_LR = 2e-4
+LORA_FLAGS = ("lora_alpha", "lora_dropout", "lora_targets")  # they need --lora-rank
 
 
 def training_defaults(args: argparse.Namespace) -> None:
     """Fill the optimizer flags left None with a run's (SCRATCH) or a fine-tune's
     (FINETUNE) defaults; the optimizer's own (models/optim.py) fill the rest."""
     fine = bool(getattr(args, "init_from", None))
+    if getattr(args, "lora_rank", None) and args.lr is None:
+        args.lr = LORA_LR
     for k, v in (FINETUNE if fine else SCRATCH).items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -143,6 +149,9 @@ RANGES = {
     "save_every": Range(1, COUNT),
     "skip_nonfinite": Range(0, COUNT),
     "step_timeout": Range(0, open_low=True),
+    "lora_rank": Range(1, COUNT),
+    "lora_alpha": Range(0, open_low=True),
+    "lora_dropout": Range(0, 0.99),
     **CLUSTER_RANGES,
 }
 
@@ -165,6 +174,11 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) ->
         value = getattr(args, name, None)
         if value is not None and not allowed.holds(value):
             return f"--{name.replace('_', '-')} {value}: must be {allowed}"
+    if not getattr(args, "lora_rank", None):
+        for name in LORA_FLAGS:
+            if getattr(args, name, None) is not None:
+                flag = f"--{name.replace('_', '-')} {getattr(args, name)}"
+                return f"{flag}: a LoRA flag, with no --lora-rank R to turn LoRA on"
     for item in getattr(args, "set", None) or []:
         field = item.partition("=")[0].strip()
         if field == "vocab":
@@ -354,6 +368,41 @@ def parser(prog: str = "python -m models.train") -> Parser:
         help="fine-tune a Hugging Face folder (gpt2, llama): its config, weights, tokenizer",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    # --- LoRA and frozen weights (models/lora.py, models/trainable.py; docs/lora.md) ---
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="train LoRA adapters of rank R (a named dim `lora`) instead of the weights, "
+        "which stay frozen; lr defaults to 2e-4",
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        help="the adapters' update is scaled by alpha / R, as PEFT's (None: 8, PEFT's default)",
+    )
+    p.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=None,
+        help="dropout on the adapters' input while training (None: 0)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help="the projections adapted, of q,k,v,o (attention) and gate,up,down (the FFN) "
+        "(None: q,v, PEFT's default for Llama)",
+    )
+    p.add_argument(
+        "--freeze",
+        action="append",
+        metavar="PATTERN",
+        help="leave the parameters whose path (layers/attn/q, embed) matches this glob or "
+        "regular expression untrained (repeatable)",
+    )
     p.add_argument(
         "--set",
         action="append",

@@ -20,7 +20,7 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.distributed import place
 from lowering.layout import partition_spec
-from models import objectives, transformer
+from models import objectives, trainable, transformer
 from models.config import Config
 from models.optim import UNDECAYED, decayed, optimizer  # noqa: F401 (their home was here)
 from models.zoo import Model
@@ -38,7 +38,12 @@ class Trainer:
     and gradients are summed, weighted by their target weights, in a loop inside the
     jitted step: the update of one batch N times a microbatch, the activation memory
     of one microbatch (a MoE's balancing loss is then the weighted mean of the
-    microbatches' own)."""
+    microbatches' own).
+
+    `trained`: a predicate on parameter paths (`layers/attn/q`; models/trainable.py):
+    only those parameters are differentiated and have optimizer state, the others stay
+    as they are (frozen); None trains them all. `keyed`: the loss takes a random key
+    each step even where cfg has no dropout (LoRA's adapters' own, models/lora.py)."""
 
     def __init__(
         self,
@@ -49,6 +54,8 @@ class Trainer:
         opt,
         seed: int = 0,
         grad_accum: int = 1,
+        trained=None,
+        keyed: bool = False,
     ):
         if not isinstance(grad_accum, int) or grad_accum < 1 or cfg.batch % grad_accum:
             raise ParameterError(
@@ -56,7 +63,8 @@ class Trainer:
                 f"the batch {cfg.batch} (--batch): each microbatch holds batch/grad_accum rows"
             )
         self.model, self.cfg, self.mesh, self.seed = model, cfg, mesh, seed
-        self.grad_accum = grad_accum
+        self.grad_accum, self.trained = grad_accum, trained
+        self.keyed = keyed or bool(cfg.dropout)  # a random key per step (dropout)
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.shapes = model.shapes(cfg)
         self.opt = opt
@@ -75,10 +83,11 @@ class Trainer:
         if params is None:
             params = transformer.init(self.shapes, self.seed)
         params = place(params, self.mesh, self.layout)
+        train = trainable.split(params, self.trained)[0]  # frozen ones have no state
         # XLA gives zeros_like no input's sharding: without out_shardings every moment
         # would come out replicated, the whole model's optimizer state on each device
-        shardings = _opt_state_shardings(jax.eval_shape(self.opt.init, params), params, self.mesh)
-        opt_state = jax.jit(self.opt.init, out_shardings=shardings)(params)
+        shardings = _opt_state_shardings(jax.eval_shape(self.opt.init, train), train, self.mesh)
+        opt_state = jax.jit(self.opt.init, out_shardings=shardings)(train)
         # Every leaf is put (committed) where it lies: on a one-device mesh jit's outputs are
         # uncommitted, and the step's committed outputs would compile the step a second time.
         opt_state = jax.tree_util.tree_map(jax.device_put, opt_state, shardings)
@@ -96,7 +105,7 @@ class Trainer:
         return self.lowered.report(params, batch, self.key(1), wrt=0, show=False)
 
     def key(self, step: int):
-        if not self.cfg.dropout:
+        if not self.keyed:
             return None
         return nm.random.fold_in(nm.random.key(self.seed), step)
 
@@ -106,10 +115,12 @@ class Trainer:
         return loss.data, {k: v.data for k, v in stats.items()}
 
     def _loss_and_grads(self, params, batch, key):
-        """((loss, router statistics), gradients)."""
+        """((loss, router statistics), gradients of the trained parameters)."""
+        params, frozen = trainable.split(params, self.trained)
+        value = lambda p, b, k: self._value(trainable.join(p, frozen), b, k)
         n = self.grad_accum
         if n == 1:
-            return jax.value_and_grad(lambda p: self._value(p, batch, key), has_aux=True)(params)
+            return jax.value_and_grad(lambda p: value(p, batch, key), has_aux=True)(params)
         # row r of microbatch i is row r * n + i: each device's rows stay on it
         micro = {k: _rows_apart(t.data, n) for k, t in batch.items()}
         keys = None if key is None else [nm.random.fold_in(key, i).data for i in range(n)]
@@ -119,23 +130,25 @@ class Trainer:
             b, k = xs
             b = {name: nm.tensor(d, batch[name].dims) for name, d in b.items()}
             k = None if k is None else nm.tensor(k, key.dims)
-            value, grads = jax.value_and_grad(lambda p: self._value(p, b, k), has_aux=True)(params)
+            out, grads = jax.value_and_grad(lambda p: value(p, b, k), has_aux=True)(params)
             share = jnp.maximum(b["weights"].data.sum(), 1.0) / total
             add = lambda a, g: a + g * share
-            return jax.tree_util.tree_map(add, acc, (value, grads)), None
+            return jax.tree_util.tree_map(add, acc, (out, grads)), None
 
         first = {name: nm.tensor(d[0], batch[name].dims) for name, d in micro.items()}
         first_key = None if key is None else nm.tensor(keys[0], key.dims)
-        value = jax.eval_shape(lambda p: self._value(p, first, first_key), params)
-        zero = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), (value, params))
+        shape = jax.eval_shape(lambda p: value(p, first, first_key), params)
+        zero = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), (shape, params))
         xs = (micro, None if keys is None else jnp.stack(keys))
         (loss, grads), _ = jax.lax.scan(one, zero, xs)
         return loss, grads
 
     def _apply(self, state, batch, key):
         (loss, stats), grads = self._loss_and_grads(state["params"], batch, key)
-        updates, opt_state = self.opt.update(grads, state["opt"], state["params"])
-        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}
+        params, frozen = trainable.split(state["params"], self.trained)
+        updates, opt_state = self.opt.update(grads, state["opt"], params)
+        params = trainable.join(optax.apply_updates(params, updates), frozen)
+        new = {"params": params, "opt": opt_state}
         return new, loss, stats, grads
 
     def _update(self, state, batch, key):

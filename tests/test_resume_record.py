@@ -58,6 +58,8 @@ def test_run_json_holds_every_setting_but_the_invocations(first):
         (["--length", "32"], "--length 32 contradicts the run in {out}, which recorded 16"),
         (["--set", "d_model=32"], "--set d_model=32 contradicts the run in {out}, which "
                                   "recorded None"),
+        (["--lora-rank", "4"], "--lora-rank 4 contradicts the run in {out}, which recorded "
+                               "None"),
     ],
 )  # fmt: skip
 def test_a_flag_that_contradicts_the_record_is_refused_naming_both(first, flags, names, capsys):

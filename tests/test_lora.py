@@ -1,0 +1,233 @@
+"""LoRA and frozen weights (models/lora.py, models/trainable.py): a LoRA fine-tune of a
+tiny Llama folder trains its adapters alone (the base weights as the folder holds them,
+optimizer state for the adapters only), starts equal to its base, lowers its loss, and
+exports merged (transformers' logits equal the zoo's of the adapted model) or as PEFT's
+adapter files, whose update B A, scaled, is what the merged export added; --freeze
+leaves the weights it names as they were; bad flags are one line each."""
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import namedmesh as nm  # noqa: E402
+from models import checkpoint, config, data, export, generate, hub, lora, trainable, zoo  # noqa: E402
+from models.train import main as train  # noqa: E402
+
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+RANK, ALPHA = 4, 16.0
+TARGETS = "q,k,v,o,gate,up,down"
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+IDS = np.arange(24).reshape(2, 12) * 7 % 200
+
+
+def quiet(call, *args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = call(*args)
+        except SystemExit as e:  # argparse's
+            status = e.code
+    return status, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny random Llama folder with a byte-level BPE tokenizer."""
+    root = tmp_path_factory.mktemp("lora")
+    tok = data.BPETokenizer.train(data.split(data.load_text())[0][:5_000], 200)
+    torch.manual_seed(0)
+    cls = transformers.LlamaForCausalLM
+    cls(cls.config_class(vocab_size=tok.vocab_size, **SIZES)).save_pretrained(root / "base")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok).save_pretrained(root / "base")
+    return root / "base"
+
+
+@pytest.fixture(scope="module")
+def run(base):
+    out = base.parent / "run"
+    flags = ["--init-from", str(base), "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+             "--lora-targets", TARGETS, "--lora-dropout", "0.1", "--steps", "6", "--lr", "3e-2",
+             "--schedule", "constant",
+             "--freeze", "layers/ffn/wo_lora_*",
+             "--length", "16", "--batch", "4", "--eval-batches", "1", "--quiet",
+             "--out", str(out)]  # fmt: skip
+    status, header, err = quiet(train, flags)
+    assert status == 0, err
+    return out, header
+
+
+def adapter_count(frozen: bool = True) -> int:
+    """r (in + out) per adapted module and layer, from the HF sizes (less down_proj's,
+    which --freeze holds, unless `frozen`)."""
+    d, f, h, kv = 32, 64, 4, 2
+    k = d // h
+    shapes = [(d, h * k), (d, kv * k), (d, kv * k), (h * k, d), (d, f), (d, f)]
+    shapes += [(f, d)] if frozen else []
+    return SIZES["num_hidden_layers"] * sum(RANK * (i + o) for i, o in shapes)
+
+
+def test_the_header_counts_trainable_and_total_parameters(run, base):
+    _, header = run
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base)
+    total = sum(p.numel() for p in hf.parameters()) + adapter_count()
+    assert f"{total:,} parameters, {adapter_count(frozen=False):,} trainable" in header
+
+
+@pytest.fixture(scope="module")
+def loaded(run, base):
+    """The run's last parameters (adapters apart), config, LoRA, the folder's weights and
+    those with the adapters a run of seed 0 starts from."""
+    params, cfg, _ = generate.load(run[0], merge=False)
+    spec = lora.of_flags(json.loads((run[0] / "run.json").read_text()))
+    plain = hub.load(base).params
+    shapes = lora.adapter_shapes(hub.shapes_of("llama", cfg), cfg, spec)
+    return params, cfg, spec, plain, lora.completed(plain, shapes, seed=0)
+
+
+@pytest.fixture(scope="module")
+def merged(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "merged"
+    assert export.main([str(run[0]), "--out", str(out)]) == 0
+    return out
+
+
+def test_only_adapters_not_frozen_train_and_hold_optimizer_state(run, loaded):
+    folder, _ = run
+    params, _, _, _, fresh = loaded
+    start = dict(checkpoint.named(fresh))
+    got = dict(checkpoint.named(params))
+    assert set(got) == set(start)
+    frozen = [p for p in got if not lora.is_adapter(p) or "wo_lora" in p]
+    assert len(got) - len(frozen) == 2 * (len(MODULES) - 1)
+    for path in got:  # the base weights and the frozen adapters are bit for bit as they were
+        same = np.array_equal(np.asarray(got[path].data), np.asarray(start[path].data))
+        assert same == (path in frozen), path
+    leaves = checkpoint.read_meta(folder)["opt_leaves"]  # AdamW: two moments per adapter
+    moments = sum(int(np.prod(shape)) for shape, _ in leaves if shape)
+    assert moments == 2 * adapter_count(frozen=False)
+    losses = [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").open()]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.05
+
+
+def zoo_logits(params, cfg) -> np.ndarray:
+    inputs = nm.tensor(IDS.astype(np.int32), ("batch", "length"))
+    logits = hub.forward(params, {"inputs": inputs}, cfg, "llama")
+    return np.asarray(logits.transpose("batch", "length", "vocab").data)
+
+
+def test_adapters_start_at_the_base_and_export_merged_as_the_adapted_model(loaded, merged):
+    params, cfg, spec, plain, fresh = loaded
+    assert spec == lora.Lora(RANK, ALPHA, 0.1, tuple(TARGETS.split(",")))
+    plain = zoo_logits(plain, cfg)
+    np.testing.assert_array_equal(zoo_logits(lora.bind(fresh, spec), cfg), plain)  # B = 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+    with torch.no_grad():
+        got = back(torch.tensor(IDS)).logits.numpy()
+    want = zoo_logits(lora.bind(params, spec), cfg)  # x W + s (x A) B, unmerged
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert np.abs(want - plain).max() > 1e-3
+
+
+def test_adapter_only_export_is_peft_layout_whose_update_is_the_merged_one(
+    run, base, merged, tmp_path
+):
+    from safetensors.numpy import load_file
+
+    folder, _ = run
+    assert export.main([str(folder), "--out", str(tmp_path / "a"), "--adapter-only"]) == 0
+    conf = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert (conf["peft_type"], conf["task_type"], conf["r"], conf["lora_alpha"]) == (
+        "LORA", "CAUSAL_LM", RANK, ALPHA)  # fmt: skip
+    assert conf["lora_dropout"] == 0.1 and sorted(conf["target_modules"]) == sorted(MODULES)
+    assert conf["base_model_name_or_path"] == str(base.absolute())
+    ada = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    merged, plain = (load_file(p / "model.safetensors") for p in (merged, base))
+    names = set()
+    for i in range(SIZES["num_hidden_layers"]):
+        for m in MODULES:
+            where = "self_attn" if m[0] in "qkvo" else "mlp"
+            module = f"model.layers.{i}.{where}.{m}"
+            a = ada[f"base_model.model.{module}.lora_A.weight"]
+            b = ada[f"base_model.model.{module}.lora_B.weight"]
+            w = plain[f"{module}.weight"]  # torch's Linear: (out, in)
+            assert a.shape == (RANK, w.shape[1]) and b.shape == (w.shape[0], RANK)
+            # PEFT's merge: W + lora_alpha / r * B @ A
+            np.testing.assert_allclose(
+                merged[f"{module}.weight"], w + ALPHA / RANK * b @ a, rtol=0, atol=1e-6
+            )
+            names |= {f"base_model.model.{module}.lora_{x}.weight" for x in "AB"}
+    assert set(ada) == names
+    try:
+        import peft
+    except ImportError:
+        return
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                           tmp_path / "a").eval()  # fmt: skip
+    with torch.no_grad():
+        lora_logits = model(torch.tensor(IDS)).logits.numpy()
+    back = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(lora_logits, back(torch.tensor(IDS)).logits.numpy(), atol=1e-4)
+
+
+def test_freeze_patterns_are_globs_or_regular_expressions_on_paths():
+    paths = trainable.paths(zoo.get("lm").shapes(config.get("tiny")))
+    trained = trainable.chooser(paths, ["layers/attn/*", "emb.*"])
+    frozen = {p for p in paths if not trained(p)}
+    assert frozen == {p for p in paths if p.startswith("layers/attn/") or p == "embed"}
+    assert trainable.chooser(paths) is None  # all train
+    on, off = trainable.split(dict(a={"b": 1, "c": 2}, d=3), lambda p: p == "a/b")
+    assert (on, off) == ({"a": {"b": 1}}, {"a": {"c": 2}, "d": 3})
+    assert trainable.join(on, off) == dict(a={"b": 1, "c": 2}, d=3)
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--lora-rank", "0"], "--lora-rank 0: must be >= 1 and <= 1000000000"),
+        (["--lora-alpha", "4"], "--lora-alpha 4.0: a LoRA flag, with no --lora-rank"),
+        (
+            ["--lora-rank", "2", "--lora-targets", "q,query"],
+            "--lora-targets q,query: unknown projection 'query'; the valid names are q, k, v, o, "
+            "gate, up, down",
+        ),  # fmt: skip
+        (["--lora-rank", "2", "--lora-targets", "gate"], "the model has no gate projection"),
+        (
+            ["--model", "moe", "--lora-rank", "2", "--lora-targets", "q,down"],
+            "the model has no down projection",
+        ),  # fmt: skip
+        (["--freeze", "layers/atn/*"], "--freeze layers/atn/*: matches no parameter"),
+        (["--freeze", ".*"], "--freeze .*: leaves no parameter to train"),
+    ],
+)
+def test_a_bad_lora_or_freeze_flag_is_one_line(flags, says, tmp_path):
+    status, _, err = quiet(train, [*flags, "--steps", "1", "--quiet", "--out", str(tmp_path)])
+    assert status == 2 and err.count("\n") == 1 and says in err, err
+
+
+def test_adapter_dropout_zeroes_inputs_and_scales_the_rest_as_peft():
+    """dropout(x) A B with A, B identities and x ones: each entry 0 or 1 / (1 - p), each
+    layer's mask its own; without a key, x A B = x."""
+    spec = lora.Lora(rank=8, alpha=8.0, dropout=0.5)
+    eye = np.broadcast_to(np.eye(8, dtype=np.float32), (2, 8, 8))
+    p = {"q": nm.zeros({"layers": 2, "d_model": 8, "d_out": 8}),
+         "q_lora_a": nm.tensor(eye, ("layers", "d_model", "lora")),
+         "q_lora_b": nm.tensor(eye, ("layers", "lora", "d_out"))}  # fmt: skip
+    x = nm.ones({"batch": 4, "length": 8, "d_model": 8})
+
+    def layer(tree, i):  # the update in layer i, as the layers' scan computes it
+        one = {k: nm.isel(v, layers=i) for k, v in tree.items()}
+        return np.asarray(lora.update(x, one, "q", ("batch", "length", "d_out")).data)
+
+    got = [layer(lora.bind(p, spec, nm.random.key(0)), i) for i in (0, 1)]
+    for g in got:
+        assert set(np.unique(g)) == {0.0, 2.0} and 0.3 < (g == 0).mean() < 0.7
+    assert not np.array_equal(got[0], got[1])
+    assert np.array_equal(layer(lora.bind(p, spec), 0), np.ones((4, 8, 8)))
