@@ -8,7 +8,7 @@ Prints the mesh, the layout and the lowering report, then a progress bar; writes
 `OUT/checkpoints`, `OUT/loss.png` and `OUT/run.json`. `--resume` continues from the
 newest checkpoint in OUT that verifies, on any mesh and layout. On CPU, the mesh's
 devices are simulated (XLA's host device count is set to the mesh size unless XLA_FLAGS
-sets it). What a run promises under faults: docs/models.md.
+sets it). What a run promises under faults: docs/faults.md.
 
 Exit statuses: 0 every step trained; 2 a bad flag, file or checkpoint, one line on
 stderr before anything compiles (or, for a checkpoint, before training); 3 a step whose
