@@ -41,6 +41,7 @@ RANGES = {
     "batch": Range(1, COUNT),
     "length": Range(1, COUNT),
     "max_batches": Range(1, COUNT),
+    "step": Range(0, COUNT),
     **CLUSTER_RANGES,
 }
 

@@ -173,6 +173,7 @@ RANGES = {
     "beams": Range(1, 1 << 16),
     "seed": Range(0, 2**32 - 1),
     "top_k": Range(0, COUNT),
+    "step": Range(0, COUNT),
     **CLUSTER_RANGES,
 }
 

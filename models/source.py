@@ -51,5 +51,6 @@ def resolve(p: argparse.ArgumentParser, args: argparse.Namespace, old: tuple[str
         )
         args.source = given
     if args.source is None:
-        p.error(f"{SOURCE} is missing: {WHAT} (e.g. `{name} runs/tiny ...`)")
+        what = next(a.help for a in p._actions if a.metavar == SOURCE)  # argparse's list
+        p.error(f"{SOURCE} is missing: {what} (e.g. `{name} runs/tiny ...`)")
     return args

@@ -68,6 +68,13 @@ def test_transformers_name_of_the_same_setting_is_an_alias(parse, theirs, ours):
     assert vars(parse(theirs)) == vars(parse(ours))
 
 
+def test_a_config_file_takes_their_names_too(tmp_path):
+    """A YAML of transformers' names (and `--config_file` itself) sets our flags."""
+    (tmp_path / "hf.yaml").write_text("learning_rate: 0.001\nmax_steps: 7\nwarmup-steps: 2\n")
+    args = train.arguments(["--config_file", str(tmp_path / "hf.yaml"), "--max_steps", "9"])
+    assert (args.lr, args.steps, args.warmup) == (0.001, 9, 2)  # the command line wins
+
+
 def test_underscores_stop_at_the_double_dash():
     from models.hints import dashed
 

@@ -100,11 +100,19 @@ def oracle(run):
     return out
 
 
-@pytest.mark.parametrize("step", [1, 3])
-def test_generate_and_eval_read_the_step_they_are_given(run, oracle, step, tmp_path, capsys):
+@pytest.mark.parametrize("step, source", [(1, []), (3, ["--checkpoint"])])
+def test_generate_and_eval_read_the_step_they_are_given(run, oracle, step, source, tmp_path,
+                                                        capsys):  # fmt: skip
+    """Step 3 by the older spelling, `--checkpoint RUN`: the same, and a one-line note."""
     flags = ["--prompt", PROMPT, "--max-new", str(NEW), "--eos", "none", "--jsonl"]
-    assert generate.main([str(run), "--step", str(step), *flags]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] == oracle[step][0]
+    assert generate.main([*source, str(run), "--step", str(step), *flags]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["tokens"] == oracle[step][0]
+    if source:
+        assert out.err.count("\n") == 1 and "--checkpoint is deprecated" in out.err, out.err
+        assert f"generate {run} ..." in out.err
+    else:
+        assert out.err == ""
     (tmp_path / "val.txt").write_text(TEXT)
     got = evaluate.evaluate(evaluate.arguments(
         [str(run), "--step", str(step), "--data", str(tmp_path / "val.txt"), "--batch", "2",
@@ -123,15 +131,6 @@ def test_export_reads_the_step_and_transformers_gives_its_logits(run, tmp_path):
         got = back(torch.tensor([ids])).logits.numpy()[0]
     want = direct(run, (1,))[1](ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-
-
-def test_the_older_checkpoint_flag_still_reads_the_run_with_a_note(run, oracle, capsys):
-    flags = ["--prompt", PROMPT, "--max-new", str(NEW), "--eos", "none", "--jsonl"]
-    assert generate.main(["--checkpoint", str(run), "--step", "1", *flags]) == 0
-    out = capsys.readouterr()
-    assert json.loads(out.out)["tokens"] == oracle[1][0]
-    assert out.err.count("\n") == 1 and "--checkpoint is deprecated" in out.err, out.err
-    assert f"generate {run} ..." in out.err
 
 
 def one_line_error(main, argv, capsys) -> str:
