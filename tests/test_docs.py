@@ -17,8 +17,18 @@ from namedmesh.primitive import REGISTRY
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 DOC = DOCS / "language.md"
 # Pages whose python blocks run in order, each in a fresh namespace.
-RUNNABLE = ["language.md", "layouts.md", "lowering.md", "testing.md", "models.md",
-            "finetune.md", "generate.md", "export.md", "zoo.md", "faults.md"]
+RUNNABLE = [
+    "language.md",
+    "layouts.md",
+    "lowering.md",
+    "testing.md",
+    "models.md",
+    "finetune.md",
+    "generate.md",
+    "export.md",
+    "zoo.md",
+    "faults.md",
+]
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 
