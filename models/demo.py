@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     if rc := train.main(flags, prog="namedmesh train"):
         return rc
     for mode in ("greedy", "sample"):
-        gen = ["--checkpoint", args.out, "--prompt", PROMPT, "--mode", mode, "--max-new", "200"]
+        gen = [args.out, "--prompt", PROMPT, "--mode", mode, "--max-new", "200"]
         print(f"\n$ namedmesh generate {shlex.join(gen)}", flush=True)
         if rc := generate.main(gen, prog="namedmesh generate"):
             return rc

@@ -1,10 +1,12 @@
-"""`namedmesh eval MODEL --data FILE`: a decoder LM's loss on data, on a mesh under a layout.
+"""`namedmesh eval SOURCE --data FILE`: a decoder LM's loss on data, on a mesh under a layout.
 
     namedmesh eval runs/tiny --data notes.txt --mesh rows=2,cols=4 --layout "batch:rows"
+    namedmesh eval runs/tiny --step 200 --data notes.txt
     namedmesh eval hf/gpt2 --data val.bin --batch 4 --length 256
 
-MODEL is a training run's --out folder (its latest checkpoint and tokenizer) or a
-Hugging Face folder of a decoder LM (gpt2, llama). --data is anything `train --data`
+SOURCE is a training run's --out folder (its latest checkpoint, or --step's, and its
+tokenizer) or a Hugging Face folder of a decoder LM (gpt2, llama), as every subcommand
+takes it (models/source.py). --data is anything `train --data`
 takes (text, .bin/.npy token ids, JSON lines, Parquet, a datasets folder). The data is
 cut into consecutive windows of --length + 1 tokens, each starting where the previous
 one's targets end (every token after the first is predicted once, from up to --length
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 
 from models import cluster
+from models.source import add_source, resolve
 from models.train import (
     CLUSTER_RANGES,
     COUNT,
@@ -38,6 +41,7 @@ RANGES = {
     "batch": Range(1, COUNT),
     "length": Range(1, COUNT),
     "max_batches": Range(1, COUNT),
+    "step": Range(0, COUNT),
     **CLUSTER_RANGES,
 }
 
@@ -48,7 +52,7 @@ def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Na
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", help="a training run's --out folder, or a Hugging Face folder")
+    add_source(p)
     p.add_argument("--data", required=True, help="the data: any kind `train --data` takes")
     p.add_argument("--text-field", default="text", help="documents' field in JSON lines/Parquet")
     p.add_argument("--mesh", type=parse_mesh, default={"data": 1}, help="e.g. rows=2,cols=4")
@@ -58,16 +62,17 @@ def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Na
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     cluster.add_flags(p)
-    return p.parse_args(argv)
+    return resolve(p, p.parse_args(argv))
 
 
-def load(folder: str):
-    """(model, params, cfg, tokenizer) of a run or a Hugging Face decoder LM folder."""
+def load(folder: str, step: int | None = None):
+    """(model, params, cfg, tokenizer) of a run (its checkpoint at `step`, the latest by
+    default) or a Hugging Face decoder LM folder (ParameterError for a `step`)."""
     from models import data, generate, hub, zoo
 
     path = Path(folder)
-    if (path / "run.json").exists():
-        params, cfg, tokenizer = generate.load(path)
+    if (path / "run.json").exists() or step is not None:  # generate.load says what is wrong
+        params, cfg, tokenizer = generate.load(path, step)
         return zoo.get(json.loads((path / "run.json").read_text())["model"]), params, cfg, tokenizer
     family, _ = hub.read_config(path)
     if family not in hub.DECODERS:
@@ -98,12 +103,12 @@ def evaluate(args, dog=None) -> dict:
     cluster.check_flags(args)
     if complaint := check_ranges(args, RANGES):
         raise UsageError(complaint)
-    model, params, cfg, tokenizer = load(args.model)
+    model, params, cfg, tokenizer = load(args.source, args.step)
     length = args.length or cfg.length
     if cfg.learned_positions and length > cfg.learned_positions:
         raise UsageError(
             f"--length {length} is longer than the {cfg.learned_positions} positions of "
-            f"{args.model}"
+            f"{args.source}"
         )
     cfg = cfg.replace(batch=args.batch, length=length, dropout=0.0, moe_loss=0.0)
     text = data.load_text(args.data, "--data", args.text_field)
@@ -111,7 +116,7 @@ def evaluate(args, dog=None) -> dict:
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))
-    layout = pick_layout(args.layout, model, args.model, cfg, mesh, None, 0)
+    layout = pick_layout(args.layout, model, args.source, cfg, mesh, None, 0)
     trainer = Trainer(model, cfg, mesh, layout, opt=None)
     state = {"params": place(params, mesh, layout)}
     windows = max(0, -(-(len(corpus.valid) - length - 1) // length))

@@ -1,6 +1,9 @@
-"""`namedmesh export RUN --out DIR [--step N] [--dtype D] [--max-shard-size S]`: a
+"""`namedmesh export SOURCE --out DIR [--step N] [--dtype D] [--max-shard-size S]`: a
 training run's checkpoint (the latest by default) as a Hugging Face folder (config.json,
 model.safetensors or its shards with an index, tokenizer.json) that transformers loads.
+
+SOURCE is the run's --out folder, and --step its checkpoint, as every subcommand takes
+them (models/source.py).
 
 A run fine-tuned from a Hugging Face folder (`train --init-from`) goes back out as its
 base's family with the base's config.json, generation_config.json, tokenizer_config.json
@@ -29,6 +32,7 @@ import sys
 from pathlib import Path
 
 from models import cluster
+from models.source import add_source, resolve
 from models.train import Parser, fail, user_errors
 from namedmesh.errors import NamedMeshError
 
@@ -61,9 +65,8 @@ GPT2_FIELDS = {
 
 def arguments(argv=None, prog: str = "python -m models.export") -> argparse.Namespace:
     p = Parser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("run", help="a training run's --out folder")
+    add_source(p, "a training run's --out folder")
     p.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (the latest)")
     p.add_argument(
         "--dtype",
         default="float32",
@@ -85,7 +88,7 @@ def arguments(argv=None, prog: str = "python -m models.export") -> argparse.Name
         "adapter_model.safetensors); without it a LoRA run exports merged (W + alpha/r A B)",
     )
     cluster.add_flags(p)
-    return p.parse_args(argv)
+    return resolve(p, p.parse_args(argv))
 
 
 def _size(text: str) -> str:
@@ -200,9 +203,9 @@ def export(
 
     run = Path(run)
     check_destination(out, run)
-    params, cfg, tokenizer = generate.load(run, step)  # refuses runs that are not decoder LMs
     if (run / "config.json").exists() and not (run / "run.json").exists():
         raise hub.HubError(f"{run} is a Hugging Face folder already; export reads a run")
+    params, cfg, tokenizer = generate.load(run, step)  # refuses runs that are not decoder LMs
     flags = json.loads((run / "run.json").read_text())
     base = generate.base_folder(run)  # a fine-tune's copy of its base's files
     if flags.get("init_from"):
@@ -237,10 +240,10 @@ def main(argv=None, prog: str = "python -m models.export") -> int:
         if args.adapter_only:
             from models.adapter_export import export_adapters
 
-            folder = export_adapters(args.run, args.out, args.step, args.dtype)
+            folder = export_adapters(args.source, args.out, args.step, args.dtype)
             print(f"wrote {folder}/adapter_config.json, adapter_model.safetensors ({args.dtype})")
             return 0
-        folder = export(args.run, args.out, args.step, args.dtype, args.max_shard_size)
+        folder = export(args.source, args.out, args.step, args.dtype, args.max_shard_size)
     except (*user_errors(), KeyError) as e:  # one line, never a traceback
         return fail(e, 2, prog.removeprefix("python -m "))
     weights = sorted(p.name for p in folder.iterdir() if p.suffix == ".safetensors")

@@ -1,13 +1,17 @@
-"""`python -m models.generate`: continue prompts with a decoder LM, or decode T5 inputs.
+"""`namedmesh generate SOURCE`: continue prompts with a decoder LM, or decode T5 inputs.
 
-    python -m models.generate --checkpoint runs/tiny --prompt "The assert statement" \\
+    namedmesh generate runs/tiny --prompt "The assert statement" \\
         --mode greedy|sample|beam --max-new 200
-    python -m models.generate --checkpoint runs/tiny --prompts prompts.txt --mode sample \\
+    namedmesh generate runs/tiny --step 200 --prompts prompts.txt --mode sample \\
         --temperature 0.8 --top-k 40 --top-p 0.9 --eos 10 --max-length 64
-    python -m models.generate --checkpoint path/to/instruct --chat --prompt "Hi" \\
+    namedmesh generate path/to/instruct --chat --prompt "Hi" \\
         --mesh data=1,model=4 --layout "heads:model;d_ff:model"
-    python -m models.generate --checkpoint runs/tiny --prompt "The" --stream --stop $'\\n\\n'
-    python -m models.generate --checkpoint runs/tiny --prompts prompts.txt --jsonl --stop "."
+    namedmesh generate runs/tiny --prompt "The" --stream --stop $'\\n\\n'
+    namedmesh generate runs/tiny --prompts prompts.txt --jsonl --stop "."
+
+SOURCE is a training run's --out folder (its latest checkpoint, or --step's) or a
+Hugging Face folder, as every subcommand takes it (models/source.py; `--checkpoint
+SOURCE` is the older spelling, still read).
 
 The prompts (one per line of --prompts) decode as one batch: one forward pass over
 the right-padded prompts fills a KV cache of --max-length slots per layer (prefill),
@@ -49,6 +53,7 @@ from models.continuations import Continuations, check_stops
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.lora import adapted, merged, of_flags
 from models.sampling import Sampling
+from models.source import add_source, resolve
 from models.train import (
     CLUSTER_RANGES,
     COUNT,
@@ -80,6 +85,11 @@ def load(run: str | Path, step: int | None = None, merge: bool = True):
     unless `merge` is False: then they are there beside them."""
     run = Path(run)
     if (run / "config.json").exists() and not (run / "run.json").exists():
+        if step is not None:
+            raise ParameterError(
+                f"--step {step}: {run} is a Hugging Face folder, which has no steps; "
+                "--step picks a training run's checkpoint"
+            )
         return load_hub(run)
     if not (run / "run.json").exists() or checkpoint.latest_step(run) is None:
         raise checkpoint.CheckpointError(f"{run}: no run.json and checkpoint to load")
@@ -128,7 +138,7 @@ def load_hub(folder: Path):
             f"{folder} holds a {model.family} model; generation needs a decoder LM or an "
             f"encoder-decoder ({', '.join(generating)})"
         )
-    tokenizer = folder_tokens.required(folder, model.family, "--checkpoint")
+    tokenizer = folder_tokens.required(folder, model.family, "SOURCE")
     return model.params, model.config, data.BPETokenizer(tokenizer)
 
 
@@ -169,8 +179,12 @@ RANGES = {
     "beams": Range(1, 1 << 16),
     "seed": Range(0, 2**32 - 1),
     "top_k": Range(0, COUNT),
+    "step": Range(0, COUNT),
     **CLUSTER_RANGES,
 }
+
+
+OLD = ("--checkpoint",)  # SOURCE's earlier spelling, still read (models/source.py)
 
 
 def arguments(argv=None, prog: str = "python -m models.generate"):
@@ -179,11 +193,8 @@ def arguments(argv=None, prog: str = "python -m models.generate"):
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
     )
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        help="a training run's --out folder, or a Hugging Face folder (a decoder LM or T5)",
-    )
+    add_source(p, "a training run's --out folder, or a Hugging Face folder (a decoder LM or "
+               "T5)", OLD)  # fmt: skip
     p.add_argument("--prompt", default="The assert statement", help="the text to continue")
     p.add_argument(
         "--prompts",
@@ -247,7 +258,7 @@ def arguments(argv=None, prog: str = "python -m models.generate"):
         "(stop, eos or length)",
     )
     cluster.add_flags(p)
-    return p.parse_args(argv)
+    return resolve(p, p.parse_args(argv), OLD)
 
 
 def eos_of(text: str | None, tokenizer, folder: Path | None) -> list[int]:
@@ -307,11 +318,11 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         check_output(args, len(texts))
         if args.layout and not args.mesh:
             raise ParameterError("--layout places the model on a --mesh; pass --mesh too")
-        params, cfg, tokenizer = load(args.checkpoint)
-        folder = base_folder(args.checkpoint)  # its template and ids, read before compiling
+        params, cfg, tokenizer = load(args.source, args.step)
+        folder = base_folder(args.source)  # its template and ids, read before compiling
         prompts = encode_prompts(texts, tokenizer, folder, args.chat)
         ends = end_ids(args.eos, tokenizer, folder, cfg.vocab)
-        start = decoder_start(args.checkpoint)
+        start = decoder_start(args.source)
         mesh = Mesh(args.mesh, devices=jax.local_devices()) if args.mesh else None
         if mesh is not None:  # on the host, for the lowered programs to lay out
             params = jax.device_get(params)

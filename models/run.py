@@ -37,7 +37,7 @@ from models.trainer import Trainer, bits_per_byte, optimizer
 from models.watchdog import COMPILE_S, SAVE_S, Watchdog
 from namedmesh.errors import NamedMeshError
 
-# The exit statuses of `python -m models.train` (docs/models.md lists them too).
+# The exit statuses of `python -m models.train` (docs/faults.md lists them too).
 EXIT_DONE = 0  # every step trained
 EXIT_USAGE = 2  # a bad flag, file or checkpoint: nothing trained (one line on stderr)
 EXIT_DIVERGED = 3  # a non-finite step beyond --skip-nonfinite: not applied, not saved

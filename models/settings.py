@@ -1,7 +1,8 @@
 """`--config-file FILE`: a command's flags read from a JSON or YAML file (a run's
 `run.json` is one), the flags given on the command line overriding them.
 
-Keys are flag names, with `_` or `-` (`bpe_vocab`, `grad-accum`); values are what the
+Keys are flag names, with `_` or `-` (`bpe_vocab`, `grad-accum`), transformers' names
+of the same setting included (`learning_rate`: models/hints.py); values are what the
 flag takes (`mesh: rows=2,cols=4` or `{rows: 2, cols: 4}`), checked as the command
 line checks them (the flag's type and choices; true/false for a switch, a list for a
 repeatable flag). A key that is no flag of the command is refused by name; the keys a
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 RECORDED = ("vocab", "family", "fingerprints")  # what run.json records that is no flag
@@ -46,16 +48,19 @@ def defaults(parser: argparse.ArgumentParser, path: str) -> dict:
         stored = read(path)
     except ValueError as e:
         parser.error(f"--config-file {path}: {str(e).splitlines()[0]}")
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    # by every name of a flag: its own, transformers' (models/hints.py), `_` for `-`
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    actions |= {a.dest: a for a in parser._actions if a.option_strings}  # and its dest
     out = {}
     for key, value in stored.items():
         dest = str(key).lstrip("-").replace("-", "_")
         if dest in RECORDED:
             continue
-        if dest not in actions or dest in ("config_file", "help"):
+        action = actions.get(dest) or actions.get("--" + dest.replace("_", "-"))
+        if action is None or action.dest in ("config_file", "help"):
             parser.error(f"--config-file {path}: {key!r} is not a flag of {parser.prog}")
         try:
-            out[dest] = value if value is None else checked(actions[dest], value)
+            out[action.dest] = value if value is None else checked(action, value)
         except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
             parser.error(f"--config-file {path}: {key}: {e}")
     return out
@@ -88,9 +93,12 @@ def checked(action: argparse.Action, value):
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, its defaults first taken from `--config-file` when
     argv names one."""
+    from models.hints import dashed
+
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # not --config
     pre.add_argument("--config-file", default=None)
-    known, _ = pre.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    known, _ = pre.parse_known_args(dashed(argv, {"--config-file"}))  # --config_file too
     if known.config_file is not None:
         parser.set_defaults(**defaults(parser, known.config_file))
     return parser.parse_args(argv)

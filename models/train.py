@@ -8,7 +8,7 @@ Prints the mesh, the layout and the lowering report, then a progress bar; writes
 `OUT/checkpoints`, `OUT/loss.png` and `OUT/run.json`. `--resume` continues from the
 newest checkpoint in OUT that verifies, on any mesh and layout. On CPU, the mesh's
 devices are simulated (XLA's host device count is set to the mesh size unless XLA_FLAGS
-sets it). What a run promises under faults: docs/models.md.
+sets it). What a run promises under faults: docs/faults.md.
 
 Exit statuses: 0 every step trained; 2 a bad flag, file or checkpoint, one line on
 stderr before anything compiles (or, for a checkpoint, before training); 3 a step whose
@@ -208,15 +208,27 @@ def optimizer_fault(args: argparse.Namespace) -> str | None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage dump), still with exit status 2; an
-    unknown flag gets a did-you-mean (models/hints.py: by spelling, or transformers'
-    name for it: --learning-rate -> --lr)."""
+    """argparse whose errors are one line (no usage dump), still with exit status 2; a
+    flag also answers to transformers' name of the same setting (--learning-rate for
+    --lr) and to underscores for dashes (--max_new); an unknown flag gets a did-you-mean
+    (models/hints.py: by spelling, or transformers' name of a setting that differs)."""
+
+    def add_argument(self, *names, **kwargs):
+        from models.hints import aliases
+
+        return super().add_argument(*names, *aliases(names), **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        from models.hints import dashed
+
+        flags = {s for a in self._actions for s in a.option_strings}  # argparse's list
+        argv = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(dashed(argv, flags), namespace)
 
     def error(self, message: str):
-        from models.hints import explained
+        from models.hints import explained, offered
 
-        flags = [s for a in self._actions for s in a.option_strings]  # argparse's list
-        message = explained(message, flags)
+        message = explained(message, offered(self._actions))  # argparse's list of flags
         self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)\n")
 
 

@@ -1,7 +1,7 @@
 """`namedmesh`: the console command `pip install` puts on the PATH.
 
     namedmesh train --model lm --config tiny --mesh rows=2,cols=4 --out runs/tiny
-    namedmesh generate --checkpoint runs/tiny --prompt "The assert statement"
+    namedmesh generate runs/tiny --prompt "The assert statement"
     namedmesh eval runs/tiny --data notes.txt --mesh data=2
     namedmesh export runs/tiny --out hf/tiny
     namedmesh launch -n 2 -- train --mesh data=2 --out runs/two

@@ -202,7 +202,7 @@ def test_a_damaged_hub_folder_is_one_line_and_exit_2(export, tmp_path, damage, n
     damage(folder)
     with pytest.raises(hub.HubError, match=names.replace("(", r"\(")):
         hub.load(folder)
-    assert generate.main(["--checkpoint", str(folder), "--max-new", "2"]) == 2
+    assert generate.main([str(folder), "--max-new", "2"]) == 2
     assert names in one_line(capsys.readouterr().err)
     out = tmp_path / "run"
     assert train.main([*FLAGS, "--init-from", str(folder), "--out", str(out)]) == 2

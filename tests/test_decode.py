@@ -273,7 +273,7 @@ def test_bad_decoding_parameters_name_the_flag(model):
     ],
 )
 def test_the_command_line_reports_bad_flags_before_loading(flags, message, capsys):
-    assert main(["--checkpoint", "/nonexistent", *flags]) == 2
+    assert main(["/nonexistent", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("models.generate: error:") and message in err
 

@@ -17,7 +17,19 @@ from namedmesh.primitive import REGISTRY
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 DOC = DOCS / "language.md"
 # Pages whose python blocks run in order, each in a fresh namespace.
-RUNNABLE = ["language.md", "layouts.md", "lowering.md", "testing.md", "models.md", "lora.md"]
+RUNNABLE = [
+    "language.md",
+    "layouts.md",
+    "lowering.md",
+    "testing.md",
+    "models.md",
+    "finetune.md",
+    "generate.md",
+    "export.md",
+    "zoo.md",
+    "faults.md",
+    "lora.md",
+]
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 
@@ -153,3 +165,31 @@ def test_printouts_are_output_blocks(page):
     assert not stale, f"{page}: printouts in non-output blocks at lines {stale}"
     if page not in RUNNABLE:
         assert "```output" not in text, f"{page} has output blocks but its code is not run"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but - and _ dropped,
+    spaces as dashes."""
+    heads = re.findall(r"^#+ (.+)$", FENCE.sub("", text), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("page", [*sorted(p.name for p in DOCS.glob("*.md")), "../README.md"])
+def test_links_between_pages_reach_a_page_and_heading(page):
+    """Every relative link of a page (README.md included) names a file that exists and,
+    after `#`, a heading of it."""
+    doc = DOCS / page
+    broken = []
+    for target in LINK.findall(FENCE.sub("", doc.read_text(encoding="utf-8"))):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        if not linked.exists() or (
+            anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text())
+        ):
+            broken.append(target)
+    assert not broken, f"{page}: links to nothing: {broken}"

@@ -125,7 +125,7 @@ def test_generate_on_a_mesh_decodes_as_transformers_and_stops_at_the_runs_eos(
     new = new[: new.index(eos)]
     assert len(new) <= 3
     (tmp_path / "p.txt").write_text(prompt + "\n")
-    flags = ["--checkpoint", str(folder), "--prompts", str(tmp_path / "p.txt"),
+    flags = [str(folder), "--prompts", str(tmp_path / "p.txt"),
              "--max-new", "10", "--max-length", "32", "--mesh", "data=1,model=2",
              "--layout", "heads:model;d_ff:model"]  # fmt: skip
     capsys.readouterr()

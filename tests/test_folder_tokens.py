@@ -128,7 +128,7 @@ def test_a_folder_without_a_tokenizer_is_refused_by_generate_and_init_from(tmp_p
     )  # fmt: skip
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
     files = "no tokenizer (tokenizer.json, vocab.json + merges.txt, tokenizer.model, vocab.txt)"
-    assert generate.main(["--checkpoint", str(tmp_path / "llama"), "--max-new", "2"]) == 2
+    assert generate.main([str(tmp_path / "llama"), "--max-new", "2"]) == 2
     assert files in capsys.readouterr().err
     flags = ["--init-from", str(tmp_path / "llama"), "--steps", "1", "--out", str(tmp_path / "o")]
     assert train(flags) == 2

@@ -139,7 +139,7 @@ def test_every_flag_of_every_command_is_refused_in_one_line(tmp_path, folder, no
     bases = {  # a command line that is fine: each case changes one flag of it
         train: ["--config", "tiny", "--length", "8", "--batch", "2", "--steps", "2"]
         + ["--quiet", "--data", str(data), "--out", str(tmp_path / "run")],
-        generate: ["--checkpoint", str(folder), "--max-new", "2", "--prompt", "ab"],
+        generate: [str(folder), "--max-new", "2", "--prompt", "ab"],
         evaluate: [str(folder), "--data", str(data), "--length", "8", "--batch", "2", "--quiet"],
         export: [str(tmp_path / "no-run"), "--out", str(tmp_path / "exported")],
     }
@@ -279,7 +279,7 @@ def test_malformed_tokenizer_config_and_prompt_files_are_one_line_and_exit_2(
     for name, content in prompts.items():
         path = tmp_path / f"prompts-{name}"
         path.write_bytes(content)
-        argv = ["--checkpoint", str(folder), "--prompts", str(path), "--max-new", "2"]
+        argv = [str(folder), "--prompts", str(path), "--max-new", "2"]
         got = outcome(generate.main, argv, capsys)
         if got != "refused":
             broken.append(f"--prompts {name}: {got}")
@@ -349,7 +349,7 @@ def test_a_damaged_hugging_face_folder_is_one_line_naming_the_file(
     shutil.copytree(folder, path)
     write, names = DAMAGES[damage]
     write(path)
-    argv = ["--checkpoint", str(path), "--max-new", "2", "--eos", "none", "--prompt", "ab"]
+    argv = [str(path), "--max-new", "2", "--eos", "none", "--prompt", "ab"]
     if "eos_token_id" in damage or "generation" in names:
         argv.remove("--eos"), argv.remove("none")  # the folder's ids are read without --eos
     if "tokenizer_config" in names or names in ("eos_token", "jinja", "chat_template.jinja"):
@@ -379,7 +379,7 @@ def test_any_text_for_any_flag_keeps_the_promise(data, folder, tmp_path_factory,
         st.sampled_from([
             (train, ["--config", "tiny", "--length", "8", "--batch", "2", "--steps", "2",
                      "--quiet", "--data", str(tmp / "data.txt"), "--out", str(tmp / "run")]),
-            (generate, ["--checkpoint", str(folder), "--max-new", "2", "--prompt", "ab"]),
+            (generate, [str(folder), "--max-new", "2", "--prompt", "ab"]),
         ])
     )  # fmt: skip
     actions = [a for a in parser_of(module)._actions if a.option_strings and a.nargs != 0]

@@ -108,11 +108,11 @@ def test_generate_command_decodes_from_a_training_run(tmp_path):
                 "batch:data", "--steps", "3", "--length", "16", "--batch", "4", "--out",
                 str(out), "--quiet", "--eval-batches", "1")  # fmt: skip
     assert train.returncode == 0, train.stderr
-    gen = run("-m", "models.generate", "--checkpoint", str(out), "--prompt", "The assert",
+    gen = run("-m", "models.generate", str(out), "--prompt", "The assert",
               "--mode", "beam", "--max-new", "20")  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("The assert") and len(gen.stdout.strip()) > len("The assert")
-    missing = run("-m", "models.generate", "--checkpoint", str(tmp_path / "nothing"))
+    missing = run("-m", "models.generate", str(tmp_path / "nothing"))
     assert missing.returncode == 2
     assert "models.generate: error:" in missing.stderr and "nothing" in missing.stderr
     # models.load of the run: each token of greedy generation with the KV cache is the

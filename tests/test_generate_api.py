@@ -95,7 +95,7 @@ def jsonl(capsys, *flags) -> list[dict]:
 def test_jsonl_stop_and_eos_against_the_full_greedy_text(hf, wants, tmp_path, capsys, shared):
     path, _, tok, _ = hf
     (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
-    flags = ["--checkpoint", str(path), "--prompts", str(tmp_path / "p.txt"),
+    flags = [str(path), "--prompts", str(tmp_path / "p.txt"),
              "--max-new", "12", "--max-length", "64"]  # fmt: skip
     for bad, named in ((["--stop", ""], "--stop"), (["--stream", "--jsonl"], "--stream")):
         assert gen.main([*flags, *bad]) == 2  # refused in one line before loading
@@ -133,7 +133,7 @@ def test_jsonl_stop_and_eos_against_the_full_greedy_text(hf, wants, tmp_path, ca
 def test_stream_prints_the_text_of_the_plain_output_in_pieces(hf, capsys, monkeypatch, shared):
     path, show = hf[0], gen.show
     for stop in ([], ["--stop", "e"]):
-        flags = ["--checkpoint", str(path), "--prompt", PROMPTS[0], "--max-new", "12", *stop]
+        flags = [str(path), "--prompt", PROMPTS[0], "--max-new", "12", *stop]
         capsys.readouterr()
         assert gen.main(flags) == 0
         plain = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The command lines on a Hugging Face folder: `models.generate --checkpoint FOLDER`
+"""The command lines on a Hugging Face folder: `models.generate FOLDER`
 decodes what transformers decodes; `models.train --init-from FOLDER` starts from the
 folder's weights (its first loss is transformers' loss on the same batch), the loss
 falls, and the run resumes and decodes."""
@@ -58,7 +58,7 @@ def test_generate_decodes_a_hub_folder_as_transformers_does(folder):
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    gen = run("models.generate", "--checkpoint", str(path), "--prompt", PROMPT, "--max-new", "12",
+    gen = run("models.generate", str(path), "--prompt", PROMPT, "--max-new", "12",
               "--mode", "greedy")  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.rstrip("\n") == PROMPT + tok.decode(want[0, ids.shape[1] :].numpy())
@@ -98,7 +98,7 @@ def test_fine_tuning_starts_from_the_folder_falls_resumes_and_decodes(folder, tm
     with pytest.raises(checkpoint.CheckpointError, match="'layers/ffn/wi'.*128.*64"):
         checkpoint.restore_params(out, other)
     capsys.readouterr()
-    assert generate(["--checkpoint", str(out), "--prompt", PROMPT, "--max-new", "5"]) == 0
+    assert generate([str(out), "--prompt", PROMPT, "--max-new", "5"]) == 0
     assert capsys.readouterr().out.startswith(PROMPT)
 
 
@@ -134,7 +134,7 @@ def test_generate_decodes_a_prompts_file_as_one_batch(folder, tmp_path, capsys):
     for text in texts:
         ids = tok.encode(text).tolist()
         wants.append(hf_generate(model, [ids], max_new_tokens=8)[0, len(ids) :])
-    flags = ["--checkpoint", str(path), "--prompts", str(tmp_path / "prompts.txt"),
+    flags = [str(path), "--prompts", str(tmp_path / "prompts.txt"),
              "--max-new", "8", "--max-length", "48"]  # fmt: skip
     assert main(flags) == 0
     lines = capsys.readouterr().out.removesuffix("\n").split("\n\n")  # a blank line between
@@ -174,7 +174,7 @@ def test_generate_decodes_a_t5_folder_as_transformers_does(folder, tmp_path, cap
         model, padded, attention_mask=torch.tensor(mask), max_new_tokens=10,
         decoder_start_token_id=0,
     )[:, 1:]  # fmt: skip
-    assert main(["--checkpoint", str(tmp_path / "t5"), "--prompts", str(tmp_path / "inputs.txt"),
+    assert main([str(tmp_path / "t5"), "--prompts", str(tmp_path / "inputs.txt"),
                  "--max-new", "10", "--max-length", "11"]) == 0  # fmt: skip
     outputs = capsys.readouterr().out.removesuffix("\n").split("\n\n")  # a blank line between
     assert outputs == [tok.decode(w) for w in want]

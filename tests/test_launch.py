@@ -284,7 +284,7 @@ def test_watchdog_exits_75_with_one_line():
     [
         ("models.train", []),
         ("models.evaluate", ["runs/x", "--data", "x.txt"]),
-        ("models.generate", ["--checkpoint", "runs/x"]),
+        ("models.generate", ["runs/x"]),
         ("models.export", ["runs/x", "--out", "hf/x"]),
     ],
 )
