@@ -21,16 +21,27 @@ class DataError(ValueError):
     """Bad data path, empty corpus, or a corpus too short for the sequence length."""
 
 
-def load_text(path: str | None = None, flag: str = "--data", text_field: str = "text"):
+FORMATS = ("auto", "text", "chat")  # --data-format: auto is chat for JSON lines of messages
+
+
+def load_text(
+    path: str | None = None, flag: str = "--data", text_field: str = "text", fmt: str = "auto"
+):
     """The default corpus (None), or what `path` holds: text (a `str`) or token ids
     (`models.datasets.Tokens`, memory-mapped), as models/datasets.py reads each kind of
-    file; DataError naming `flag` and the file at fault."""
+    file, or conversations (`models.chat.Conversations`) of a JSON lines file of
+    `messages` (`fmt` "chat", or "auto" and its first line has that field and no
+    `text_field`); DataError naming `flag` and the file at fault."""
+    from models import chat, datasets  # they import DataError from here
+
     if path is None:
+        if fmt == "chat":
+            raise DataError(f"--data-format chat: pass the conversations as {flag} FILE.jsonl")
         from pydoc_data.topics import topics
 
         return "".join(topics[k] for k in sorted(topics))
-    from models import datasets  # it imports DataError from here
-
+    if fmt == "chat" or (fmt == "auto" and chat.is_chat(Path(path), text_field)):
+        return chat.read(path, flag)
     return datasets.read(path, flag, text_field)
 
 
@@ -49,7 +60,8 @@ class ByteTokenizer:
     kind = "byte"
     vocab_size = 256
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, specials: bool = True) -> np.ndarray:
+        """The text's bytes (`specials`: as BPETokenizer's; bytes have none)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids) -> str:
@@ -84,8 +96,11 @@ class BPETokenizer:
         tok.train_from_iterator(chunks, trainer=trainer)
         return cls(tok)
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text).ids, dtype=np.int32)
+    def encode(self, text: str, specials: bool = True) -> np.ndarray:
+        """The text's ids; with `specials`, inside the special tokens the tokenizer's
+        post-processor adds (a Llama folder's <s>); without, as a chat template's text
+        is tokenized (the template writes them)."""
+        return np.asarray(self.tok.encode(text, add_special_tokens=specials).ids, dtype=np.int32)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -176,9 +191,24 @@ class Corpus:
         windows[rows] = ids[starts[rows, None] + np.arange(self.window)[None, :]]
         return objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
 
+    def validation_windows(self) -> int:
+        """The windows `validation_batches` covers: one per --length tokens."""
+        return len(range(0, len(self.valid) - self.window, self.length))
+
     def bytes_per_token(self) -> float:
         """Validation bytes per validation token (1 for the byte tokenizer)."""
         return self.valid_bytes / max(len(self.valid), 1)
+
+
+def corpus(text, tokenizer, length: int, objective: str = "lm", valid=None, folder=None):
+    """A Corpus of `text` (and `valid`), or of conversations (`load_text`'s for chat
+    data) a models.chat.ChatCorpus, rendered with `folder`'s chat template (a
+    tokenizer's folder; None or one without a template: the default template)."""
+    from models import chat
+
+    if any(isinstance(t, chat.Conversations) for t in (text, valid)):
+        return chat.ChatCorpus(text, tokenizer, length, objective, valid, chat.template(folder))
+    return Corpus(text, tokenizer, length, objective, valid)
 
 
 SAMPLE_TOKENS = 1 << 20  # token ids decoded to measure the bytes per token of a token file
