@@ -9,10 +9,12 @@ rows without attending across them (docs/chat.md).
   without the tokenizer's own special tokens (the template writes them). Without a
   template (the byte tokenizer, a fresh BPE), DEFAULT_TEMPLATE, ChatML's layout.
 - Masking, incrementally as TRL and torchtune do: the text up to each assistant
-  message with the generation prompt, then up to the end of that message; the tokens
-  between the two (the message's content and what the template closes its turn with,
-  e.g. `<|im_end|>\\n`) have weight 1, every other token 0. A token that straddles a
-  boundary is the assistant's.
+  message with the generation prompt, then up to the end of that message (to its
+  last end-of-turn text: the folder's eos token, `<|im_end|>` of the default
+  template, where the message's text holds one); the tokens between the two (the
+  message's content and its end-of-turn token) have weight 1, every other token 0
+  (transformers' `{% generation %}` mask around content and end token). A token that
+  straddles a boundary is the assistant's.
 - Packing: examples go into rows of --length positions in file order, a new row when
   the next does not fit; each row carries `segments` (1, 2, ... per example, 0 for the
   padding after them) and `positions` (each example's from 0). models/transformer.py
@@ -131,13 +133,15 @@ def check(line: str, where: str) -> list[dict]:
 
 
 class Template(NamedTuple):
-    """A chat template, where it is read from (for messages) and the special tokens'
-    text it renders with."""
+    """A chat template, where it is read from (for messages), the special tokens' text
+    it renders with, and the text that ends an assistant's turn (the eos token's: what
+    the template writes after it, a newline before the next turn, is not learnt)."""
 
     source: str
     where: str
     bos: str = ""
     eos: str = ""
+    end: str = ""
 
 
 def template(folder) -> Template:
@@ -147,8 +151,8 @@ def template(folder) -> Template:
 
     if folder is not None and (text := folder_tokens.chat_template(folder)) is not None:
         bos, eos = (folder_tokens.special_token(folder, f"{k}_token") or "" for k in ("bos", "eos"))
-        return Template(text, f"{folder}'s chat template", bos, eos)
-    return Template(DEFAULT_TEMPLATE, "the default chat template (docs/chat.md)")
+        return Template(text, f"{folder}'s chat template", bos, eos, eos)
+    return Template(DEFAULT_TEMPLATE, "the default chat template (docs/chat.md)", end="<|im_end|>")
 
 
 def render(t: Template, messages: list[dict], generation: bool, where: str) -> str:
@@ -190,6 +194,8 @@ def encode(messages: list[dict], t: Template, tokenizer, where: str):
                 "than after the messages before it, so its tokens cannot be told apart"
             )
         start = _common(tokens(before), ids)
+        if t.end and (k := upto.rfind(t.end)) >= len(before):  # up to the end of the turn
+            upto = upto[: k + len(t.end)]
         last = tokens(upto)
         end = _common(last, ids)
         weights[start : end + (end < len(last))] = 1.0  # a straddling token: the assistant's
