@@ -17,7 +17,7 @@ from namedmesh.primitive import REGISTRY
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 DOC = DOCS / "language.md"
 # Pages whose python blocks run in order, each in a fresh namespace.
-RUNNABLE = ["language.md", "layouts.md", "lowering.md", "testing.md", "models.md"]
+RUNNABLE = ["language.md", "layouts.md", "lowering.md", "testing.md", "models.md", "chat.md"]
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 
