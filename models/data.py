@@ -21,27 +21,16 @@ class DataError(ValueError):
     """Bad data path, empty corpus, or a corpus too short for the sequence length."""
 
 
-FORMATS = ("auto", "text", "chat")  # --data-format: auto is chat for JSON lines of messages
-
-
-def load_text(
-    path: str | None = None, flag: str = "--data", text_field: str = "text", fmt: str = "auto"
-):
+def load_text(path: str | None = None, flag: str = "--data", text_field: str = "text"):
     """The default corpus (None), or what `path` holds: text (a `str`) or token ids
     (`models.datasets.Tokens`, memory-mapped), as models/datasets.py reads each kind of
-    file, or conversations (`models.chat.Conversations`) of a JSON lines file of
-    `messages` (`fmt` "chat", or "auto" and its first line has that field and no
-    `text_field`); DataError naming `flag` and the file at fault."""
-    from models import chat, datasets  # they import DataError from here
-
+    file; DataError naming `flag` and the file at fault. (Chat data: models/corpora.py.)"""
     if path is None:
-        if fmt == "chat":
-            raise DataError(f"--data-format chat: pass the conversations as {flag} FILE.jsonl")
         from pydoc_data.topics import topics
 
         return "".join(topics[k] for k in sorted(topics))
-    if fmt == "chat" or (fmt == "auto" and chat.is_chat(Path(path), text_field)):
-        return chat.read(path, flag)
+    from models import datasets  # it imports DataError from here
+
     return datasets.read(path, flag, text_field)
 
 
@@ -198,17 +187,6 @@ class Corpus:
     def bytes_per_token(self) -> float:
         """Validation bytes per validation token (1 for the byte tokenizer)."""
         return self.valid_bytes / max(len(self.valid), 1)
-
-
-def corpus(text, tokenizer, length: int, objective: str = "lm", valid=None, folder=None):
-    """A Corpus of `text` (and `valid`), or of conversations (`load_text`'s for chat
-    data) a models.chat.ChatCorpus, rendered with `folder`'s chat template (a
-    tokenizer's folder; None or one without a template: the default template)."""
-    from models import chat
-
-    if any(isinstance(t, chat.Conversations) for t in (text, valid)):
-        return chat.ChatCorpus(text, tokenizer, length, objective, valid, chat.template(folder))
-    return Corpus(text, tokenizer, length, objective, valid)
 
 
 SAMPLE_TOKENS = 1 << 20  # token ids decoded to measure the bytes per token of a token file

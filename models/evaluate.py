@@ -109,7 +109,7 @@ def evaluate(args, dog=None) -> dict:
 
     from lowering import Mesh
     from lowering.distributed import place
-    from models import data
+    from models import corpora
     from models.run import UsageError, pick_layout
     from models.trainer import Trainer, bits_per_byte
     from models.watchdog import COMPILE_S, Watchdog, paced
@@ -127,9 +127,9 @@ def evaluate(args, dog=None) -> dict:
             f"{args.model}"
         )
     cfg = cfg.replace(batch=args.batch, length=length, dropout=0.0, moe_loss=0.0)
-    text = data.load_text(args.data, "--data", args.text_field, args.data_format)
+    text = corpora.load(args.data, "--data", args.text_field, args.data_format)
     folder = template_folder(args.model)
-    corpus = data.corpus(text, tokenizer, length, model.objective, text, folder)
+    corpus = corpora.make(text, tokenizer, length, model.objective, text, folder)
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))

@@ -22,6 +22,7 @@ from models import (
     checkpoint,
     cluster,
     config,
+    corpora,
     data,
     files,
     folder_tokens,
@@ -106,8 +107,8 @@ def setup(args):
         raise UsageError(e.args[0]) from None
     try:
         fmt = getattr(args, "data_format", "auto")
-        text = data.load_text(args.data, "--data", args.text_field, fmt)
-        valid = args.val_data and data.load_text(args.val_data, "--val-data", args.text_field, fmt)
+        text = corpora.load(args.data, "--data", args.text_field, fmt)
+        valid = args.val_data and corpora.load(args.val_data, "--val-data", args.text_field, fmt)
         if args.resume:
             tokenizer = data.load_tokenizer(out)
         elif hub_tokenizer is not None:
@@ -125,8 +126,8 @@ def setup(args):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
         cfg = cfg.replace(**changes, **config.parse_overrides(args.set or []))
-        corpus = data.corpus(text, tokenizer, cfg.length, model.objective, valid or None,
-                             template_folder(args))  # fmt: skip
+        folder = template_folder(args)
+        corpus = corpora.make(text, tokenizer, cfg.length, model.objective, valid or None, folder)
     except (data.DataError, config.ConfigError) as e:
         raise UsageError(str(e)) from None
     try:

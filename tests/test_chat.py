@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import namedmesh as nm  # noqa: E402
-from models import chat, data, folder_tokens, transformer  # noqa: E402
+from models import chat, corpora, data, folder_tokens, transformer  # noqa: E402
 from models.config import Config, ConfigError  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -122,7 +122,7 @@ def test_eval_of_chat_data_is_the_masked_loss_of_transformers_logits(folder, tmp
     out = evaluate.evaluate(args)
     assert out["tokens"] == count
     assert out["loss"] == pytest.approx(nll / count, rel=2e-5)
-    rows = data.corpus(chat.read(file), data.BPETokenizer(folder_tokens.read(path)), 96,
+    rows = corpora.make(chat.read(file), data.BPETokenizer(folder_tokens.read(path)), 96,
                        valid=chat.read(file), folder=path).valid  # fmt: skip
     assert out["windows"] == len(rows["inputs"]) < len(lines)  # packed: fewer rows than examples
 
@@ -187,7 +187,7 @@ def test_a_bad_line_is_a_data_error_naming_file_and_line(tmp_path, line, message
     good = json.dumps({"messages": CHATS[2]})
     file.write_text(f"{good}\n\n{line}\n")
     with pytest.raises(data.DataError, match=f"--data {file}:3: {message}"):
-        data.load_text(str(file), fmt="chat")
+        corpora.load(str(file), fmt="chat")
 
 
 def test_the_command_line_says_a_bad_line_and_a_failing_template_in_one_line(
@@ -205,7 +205,7 @@ def test_the_command_line_says_a_bad_line_and_a_failing_template_in_one_line(
     file.write_text(f"{json.dumps({'messages': CHATS[0]})}\n{json.dumps({'messages': late})}\n")
     tok = data.BPETokenizer(folder_tokens.read(folder[0]))
     with pytest.raises(data.DataError, match=f"{file}:2: .*chat template fails.*comes first"):
-        data.corpus(chat.read(file), tok, 40, folder=folder[0])
+        corpora.make(chat.read(file), tok, 40, folder=folder[0])
 
 
 def test_long_examples_are_cut_and_the_validation_split_is_the_last_tenth(tmp_path, capsys):
@@ -217,7 +217,7 @@ def test_long_examples_are_cut_and_the_validation_split_is_the_last_tenth(tmp_pa
     file = tmp_path / "chat.jsonl"
     file.write_text("\n".join(json.dumps({"messages": m}) for m in chats))
     tok = data.ByteTokenizer()
-    corpus = data.corpus(data.load_text(str(file)), tok, 128)
+    corpus = corpora.make(corpora.load(str(file)), tok, 128)
     said = capsys.readouterr().out
     assert "2 conversation(s) longer than --length 128 + 1 tokens cut to it (lines 1, 2)" in said
     assert "1 kept no assistant token" in said
