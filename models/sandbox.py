@@ -29,6 +29,7 @@ import functools
 import re
 
 from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
@@ -295,12 +296,24 @@ _GROWTH = {
 }
 
 
+class Generation(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks an assistant's
+    text for its mask (`return_assistant_tokens_mask`): rendered as its body (the
+    masks of chat data are found by rendering incrementally, models/chat.py)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def render(source: str, max_size: int = MAX_SIZE, **context) -> str:
     """`source` rendered with `context` in a `Bounded` sandbox (trim_blocks and
     lstrip_blocks, as transformers renders chat templates); TemplateFailure (one
     line) for any failure. Values may be as large as max_size, or 4x the context's."""
     limit = max(max_size, 4 * _deep_size(context))
-    env = Bounded(limit, trim_blocks=True, lstrip_blocks=True)
+    env = Bounded(limit, trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
     env.globals["raise_exception"] = _raise
     try:
         out, n = [], 0

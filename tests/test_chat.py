@@ -1,5 +1,6 @@
 """Chat data (models/chat.py): the tokens of a folder's chat template are transformers'
-`apply_chat_template`'s and the weights its assistant mask; `eval` of chat data is the
+`apply_chat_template`'s and the weights its assistant mask (of the template's
+`{% generation %}` tags, which our rendering ignores); `eval` of chat data is the
 masked loss computed in NumPy from transformers' logits (packed rows: GPT-2's learned
 positions restart per example); a packed row's logits are its examples' run alone under
 every kernel that takes the mask (ring refuses it by name); bad lines are DataErrors
@@ -49,11 +50,6 @@ CHATS = [
 ]  # fmt: skip
 
 
-def plain(template: str) -> str:
-    """The template without transformers' {% generation %} tags (the same text)."""
-    return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tokenizer folder (a byte-level BPE with ChatML's special tokens, ChatML's
@@ -62,7 +58,7 @@ def folder(tmp_path_factory):
     tok = data.BPETokenizer.train(data.split(data.load_text())[0][:20_000], 300).tok
     tok.add_special_tokens(SPECIALS)
     tok.save(str(out / "tokenizer.json"))
-    config = {"chat_template": plain(CHATML), "bos_token": "<|endoftext|>",
+    config = {"chat_template": CHATML, "bos_token": "<|endoftext|>",
               "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128,
@@ -88,7 +84,7 @@ def theirs(tf_tok, messages, template):
 @pytest.mark.parametrize("template", [CHATML, ZEPHYR], ids=["chatml", "zephyr"])
 def test_tokens_and_weights_are_apply_chat_templates(folder, template):
     path, tf_tok, _ = folder
-    ours = chat.template(path)._replace(source=plain(template))
+    ours = chat.template(path)._replace(source=template)  # its {% generation %} tags ignored
     tok = data.BPETokenizer(folder_tokens.read(path))
     for messages in CHATS:
         ids, weights = chat.encode(messages, ours, tok, "x.jsonl:1")
