@@ -230,3 +230,33 @@ def test_long_examples_are_cut_and_the_validation_split_is_the_last_tenth(tmp_pa
     rows = len(corpus.train["inputs"])
     seen = np.concatenate([corpus.batch(s, 1, 0)["inputs"] for s in range(rows)])
     assert sorted(r.tobytes() for r in seen) == sorted(r.tobytes() for r in corpus.train["inputs"])
+
+
+def test_the_template_is_the_fine_tunes_base_or_the_tokenizers_folder(folder, tmp_path):
+    """train: --init-from's folder (a resume's copy of it, OUT/base), a --tokenizer
+    FILE's folder, none for byte and bpe (the default template); eval: the same of a
+    run, a Hugging Face folder itself."""
+    from types import SimpleNamespace
+
+    from models import evaluate, run
+
+    path = folder[0]
+    out = tmp_path / "run"
+    (out / "base").mkdir(parents=True)
+    (out / "base" / "config.json").write_text("{}")
+    args = lambda **kw: SimpleNamespace(**{"init_from": None, "out": str(out), "resume": False,
+                                           "tokenizer": "byte"} | kw)  # fmt: skip
+    assert run.template_folder(args(init_from=str(path))) == path
+    assert run.template_folder(args(init_from=str(path), resume=True)) == out / "base"
+    assert run.template_folder(args(tokenizer=str(path / "tokenizer.json"))) == path
+    assert (
+        run.template_folder(args()) is None and run.template_folder(args(tokenizer="bpe")) is None
+    )
+    assert evaluate.template_folder(str(path)) == path
+    (out / "run.json").write_text(json.dumps({"tokenizer": str(path / "tokenizer.json")}))
+    assert evaluate.template_folder(str(out)) == out / "base"
+    (out / "base" / "config.json").unlink()
+    assert evaluate.template_folder(str(out)) == path
+    assert chat.template(path).end == "<|im_end|>" and chat.template(tmp_path).where.startswith(
+        "the default"
+    )
