@@ -90,7 +90,8 @@ class _Counting(NodeTransformer):
 
 class Bounded(ImmutableSandboxedEnvironment):
     """ImmutableSandboxedEnvironment with budgets of operations, characters handled,
-    value sizes and output (see the module's docstring); one per render."""
+    value sizes and output (see the module's docstring); one per template (`_compiled`),
+    its budgets set afresh by each `render`."""
 
     intercepted_binops = frozenset({"+", "-", "*", "/", "//", "%", "**"})
     intercepted_unops = frozenset({"+", "-"})
@@ -308,16 +309,25 @@ class Generation(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str):
+    """(its Bounded environment, the template compiled in it, loops counted): compiling
+    takes most of a render's time, and chat data renders one template thousands of
+    times (models/chat.py)."""
+    env = Bounded(MAX_SIZE, trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
+    env.globals["raise_exception"] = _raise
+    return env, env.from_string(_Counting().visit(env.parse(source)))
+
+
 def render(source: str, max_size: int = MAX_SIZE, **context) -> str:
     """`source` rendered with `context` in a `Bounded` sandbox (trim_blocks and
     lstrip_blocks, as transformers renders chat templates); TemplateFailure (one
     line) for any failure. Values may be as large as max_size, or 4x the context's."""
-    limit = max(max_size, 4 * _deep_size(context))
-    env = Bounded(limit, trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
-    env.globals["raise_exception"] = _raise
     try:
+        env, template = _compiled(source)
+        # the budgets start afresh for every render (the compiled template is reused)
+        env.max_size, env.ops, env.chars = max(max_size, 4 * _deep_size(context)), 0, 0
         out, n = [], 0
-        template = env.from_string(_Counting().visit(env.parse(source)))
         for piece in template.generate(**context):
             n += len(piece)
             env.fits(n, "the rendered text")
