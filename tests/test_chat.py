@@ -230,6 +230,8 @@ def test_long_examples_are_cut_and_the_validation_split_is_the_last_tenth(tmp_pa
     rows = len(corpus.train["inputs"])
     seen = np.concatenate([corpus.batch(s, 1, 0)["inputs"] for s in range(rows)])
     assert sorted(r.tobytes() for r in seen) == sorted(r.tobytes() for r in corpus.train["inputs"])
+    with pytest.raises(data.DataError, match="chat data trains decoder LMs.*not the 'mlm'"):
+        corpora.make(corpora.load(str(file)), tok, 128, "mlm")
 
 
 def test_the_template_is_the_fine_tunes_base_or_the_tokenizers_folder(folder, tmp_path):
