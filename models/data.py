@@ -24,7 +24,7 @@ class DataError(ValueError):
 def load_text(path: str | None = None, flag: str = "--data", text_field: str = "text"):
     """The default corpus (None), or what `path` holds: text (a `str`) or token ids
     (`models.datasets.Tokens`, memory-mapped), as models/datasets.py reads each kind of
-    file; DataError naming `flag` and the file at fault."""
+    file; DataError naming `flag` and the file at fault. (Chat data: models/corpora.py.)"""
     if path is None:
         from pydoc_data.topics import topics
 
@@ -49,7 +49,8 @@ class ByteTokenizer:
     kind = "byte"
     vocab_size = 256
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, specials: bool = True) -> np.ndarray:
+        """The text's bytes (`specials`: as BPETokenizer's; bytes have none)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids) -> str:
@@ -84,8 +85,11 @@ class BPETokenizer:
         tok.train_from_iterator(chunks, trainer=trainer)
         return cls(tok)
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text).ids, dtype=np.int32)
+    def encode(self, text: str, specials: bool = True) -> np.ndarray:
+        """The text's ids; with `specials`, inside the special tokens the tokenizer's
+        post-processor adds (a Llama folder's <s>); without, as a chat template's text
+        is tokenized (the template writes them)."""
+        return np.asarray(self.tok.encode(text, add_special_tokens=specials).ids, dtype=np.int32)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -175,6 +179,10 @@ class Corpus:
         windows = np.zeros((len(starts), self.window), np.int32)
         windows[rows] = ids[starts[rows, None] + np.arange(self.window)[None, :]]
         return objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
+
+    def validation_windows(self) -> int:
+        """The windows `validation_batches` covers: one per --length tokens."""
+        return len(range(0, len(self.valid) - self.window, self.length))
 
     def bytes_per_token(self) -> float:
         """Validation bytes per validation token (1 for the byte tokenizer)."""

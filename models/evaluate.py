@@ -12,7 +12,9 @@ cut into consecutive windows of --length + 1 tokens, each starting where the pre
 one's targets end (every token after the first is predicted once, from up to --length
 tokens before it); prints the mean next-token cross-entropy in nats per token, its
 perplexity (exp of it) and bits per byte (nats / ln 2 / the data's UTF-8 bytes per
-token), with a progress bar over the batches.
+token), with a progress bar over the batches. Chat data (JSON lines of `messages`,
+docs/chat.md) is rendered with the model's chat template and packed into rows of
+--length: the loss is over the assistant's tokens alone.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Na
     add_source(p)
     p.add_argument("--data", required=True, help="the data: any kind `train --data` takes")
     p.add_argument("--text-field", default="text", help="documents' field in JSON lines/Parquet")
+    p.add_argument(
+        "--data-format",
+        default="auto",
+        choices=["auto", "text", "chat"],
+        help="chat: conversations, the loss on the assistant's tokens (docs/chat.md)",
+    )
     p.add_argument("--mesh", type=parse_mesh, default={"data": 1}, help="e.g. rows=2,cols=4")
     p.add_argument("--layout", default="", help='e.g. "batch:rows;heads:cols" (empty: batch split)')
     p.add_argument("--batch", type=int, default=8, help="windows per batch")
@@ -85,6 +93,19 @@ def load(folder: str, step: int | None = None):
     return zoo.get("lm"), model.params, model.config, tok
 
 
+def template_folder(model: str) -> Path | None:
+    """The folder whose chat template renders chat data for `model` (models/chat.py):
+    a Hugging Face folder, a fine-tune's base, else the folder of the run's
+    --tokenizer FILE; None (the default template) otherwise."""
+    from models import generate
+
+    if (folder := generate.base_folder(model)) is not None:
+        return folder
+    run = Path(model) / "run.json"
+    given = json.loads(run.read_text()).get("tokenizer") if run.exists() else None
+    return Path(given).parent if given and Path(given).is_file() else None
+
+
 def evaluate(args, dog=None) -> dict:
     """{"loss", "perplexity", "bits_per_byte", "tokens"} of the model on the data; with
     several processes, every wait on the others bounded by `dog` (models/watchdog.py)."""
@@ -93,7 +114,7 @@ def evaluate(args, dog=None) -> dict:
 
     from lowering import Mesh
     from lowering.distributed import place
-    from models import data
+    from models import corpora
     from models.run import UsageError, pick_layout
     from models.trainer import Trainer, bits_per_byte
     from models.watchdog import COMPILE_S, Watchdog, paced
@@ -111,15 +132,16 @@ def evaluate(args, dog=None) -> dict:
             f"{args.source}"
         )
     cfg = cfg.replace(batch=args.batch, length=length, dropout=0.0, moe_loss=0.0)
-    text = data.load_text(args.data, "--data", args.text_field)
-    corpus = data.Corpus(text, tokenizer, length, model.objective, valid=text)
+    text = corpora.load(args.data, "--data", args.text_field, args.data_format)
+    folder = template_folder(args.model)
+    corpus = corpora.make(text, tokenizer, length, model.objective, text, folder)
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))
     layout = pick_layout(args.layout, model, args.source, cfg, mesh, None, 0)
     trainer = Trainer(model, cfg, mesh, layout, opt=None)
     state = {"params": place(params, mesh, layout)}
-    windows = max(0, -(-(len(corpus.valid) - length - 1) // length))
+    windows = corpus.validation_windows()
     total = -(-windows // args.batch)
     if args.max_batches is not None:
         total = min(total, args.max_batches)

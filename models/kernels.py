@@ -4,7 +4,8 @@ function `kernel(q, k, v, opts) -> out` with one signature, and the options of
 (models.layers.kernel_for), never a fallback to another kernel.
 
 What every kernel honours through `opts`: an additive `bias` (padding masks, T5's
-relative bias), `bias_fn(queries, slots)` (causal masks, sliding windows and learned
+relative bias; ring attention refuses one over both length and memory, the mask of
+packed examples), `bias_fn(queries, slots)` (causal masks, sliding windows and learned
 relative biases, built from positions block by block), the query `scale`, `softcap`
 (logits -> cap * tanh(logits / cap), before the bias), and grouped query heads
 (kv_heads, q_per_kv are matched by name). Running over a KV cache is declared per
@@ -111,6 +112,9 @@ KERNELS: dict[str, Kernel] = {
         {
             "cached": "a KV cache (decoding) has no sequence of keys to pass around the ring; "
             "decode with attention='full' or 'blockwise'",
+            "pairwise": "the ring passes each key block around with its memory bias alone, not "
+            "a bias over queries and keys (packed examples' mask, models/chat.py); use "
+            "attention='full', 'blockwise' or 'fused'",
         },
     ),
     "fused": Kernel(

@@ -126,6 +126,13 @@ def padding_bias(memory_weights: nm.Tensor) -> nm.Tensor:
     return (1.0 - memory_weights) * NEG
 
 
+def segment_bias(segments: nm.Tensor) -> nm.Tensor:
+    """0 where a query's and a key's segment ids (int, batch, length: the examples packed
+    into a row) agree, NEG elsewhere: dims batch, length, memory. A dense bias, so every
+    attention kernel honours it as it honours padding (models/kernels.py)."""
+    return nm.where(segments == segments.rename(length="memory"), 0.0, NEG)
+
+
 def relative_bias(rel: nm.Tensor, queries, memory, max_distance: int) -> nm.Tensor:
     """The learned bias of each head for (memory - query) position, clipped to
     +-max_distance: dims heads, length, memory. `queries` and `memory` are the
@@ -209,6 +216,8 @@ def kernel_for(cfg: Config, opts: Options):
         "softcap": bool(opts.softcap),
         "cached": opts.cached,
         "positional": opts.bias_fn is not None and not opts.masks_only,
+        # a bias that differs by query and key (packed examples' segment_bias)
+        "pairwise": opts.bias is not None and {"length", "memory"} <= set(opts.bias.dims),
     }
     for option, why in kernel.refuses.items():
         if asked[option]:
@@ -251,7 +260,8 @@ def write_slots(cache: nm.Tensor, new: nm.Tensor, position: nm.Tensor) -> nm.Ten
 
 
 def rotate_qk(q: nm.Tensor, k: nm.Tensor, cfg: Config, slots, position, layer=None):
-    """q and k rotated at their positions: 0..n-1 of a pass, or `position` in a cache of
+    """q and k rotated at their positions: 0..n-1 of a pass (or `position` over batch and
+    length: the positions of packed examples, each from 0), or `position` in a cache of
     `slots` positions (None: no cache); by this layer's frequencies where `layer` (of
     `layer_constants`) has them."""
     n = x_len = q.size_of("length")
@@ -264,8 +274,11 @@ def rotate_qk(q: nm.Tensor, k: nm.Tensor, cfg: Config, slots, position, layer=No
                     f"past original_positions={rope.original_positions}: its "
                     "frequencies change with the sequence, so cached keys would be stale"
                 )
-    q_at = nm.arange("length", x_len) if slots is None else position
-    k_at = nm.arange("memory", x_len) if slots is None else _as_memory(position)
+    if slots is None:  # a pass: 0..n-1, or each packed example's own (position over length)
+        q_at = nm.arange("length", x_len) if position is None else position
+        k_at = _as_memory(q_at)
+    else:
+        q_at, k_at = position, _as_memory(position)
     if layer is not None and "inv_freq" in layer:
         inv, factor = layer["inv_freq"], layer["rope_factor"]
         return rotate(q, q_at, inv, factor), rotate(k, k_at, inv, factor)

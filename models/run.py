@@ -22,6 +22,7 @@ from models import (
     checkpoint,
     cluster,
     config,
+    corpora,
     data,
     files,
     folder_tokens,
@@ -52,8 +53,8 @@ PER_INVOCATION = ("help", "resume", "out", "config_file", "coordinator", "num_pr
 # far the run goes, on what data, how often it validates and saves, and how its steps
 # are laid out and computed (the same updates of the same state). Any other flag that
 # contradicts the record is refused, naming both values.
-CHANGEABLE = ("steps", "data", "val_data", "eval_every", "eval_batches", "save_every",
-              "skip_nonfinite", "mesh", "layout", "rates", "grad_accum", "remat",
+CHANGEABLE = ("steps", "data", "val_data", "data_format", "eval_every", "eval_batches",
+              "save_every", "skip_nonfinite", "mesh", "layout", "rates", "grad_accum", "remat",
               "attention", "attention_block")  # fmt: skip
 PATH_FLAGS = ("data", "val_data", "init_from", "tokenizer")  # compared as absolute paths
 
@@ -107,8 +108,9 @@ def setup(args):
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     try:
-        text = data.load_text(args.data, "--data", args.text_field)
-        valid = args.val_data and data.load_text(args.val_data, "--val-data", args.text_field)
+        fmt = getattr(args, "data_format", "auto")
+        text = corpora.load(args.data, "--data", args.text_field, fmt)
+        valid = args.val_data and corpora.load(args.val_data, "--val-data", args.text_field, fmt)
         if args.resume:
             tokenizer = data.load_tokenizer(out)
         elif hub_tokenizer is not None:
@@ -126,7 +128,8 @@ def setup(args):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
         cfg = cfg.replace(**changes, **config.parse_overrides(args.set or []))
-        corpus = data.Corpus(text, tokenizer, cfg.length, model.objective, valid or None)
+        folder = template_folder(args)
+        corpus = corpora.make(text, tokenizer, cfg.length, model.objective, valid or None, folder)
     except (data.DataError, config.ConfigError) as e:
         raise UsageError(str(e)) from None
     try:
@@ -318,8 +321,24 @@ def check_memory(per_device: int, mesh, what: str) -> None:
         )
 
 
+def template_folder(args) -> Path | None:
+    """The folder whose chat template renders chat data (models/chat.py): a fine-tune's
+    base, else the folder of a --tokenizer FILE; None (the default template) for the
+    byte and a fresh BPE tokenizer."""
+    if args.init_from:
+        base = Path(args.out) / hub.BASE
+        return base if args.resume and (base / "config.json").exists() else Path(args.init_from)
+    given = Path(args.tokenizer)
+    return given.parent if args.tokenizer not in ("byte", "bpe") and given.is_file() else None
+
+
 def _bpe_text(text, valid, path) -> str:
-    """The text a `--tokenizer bpe` trains on: the training split of a text."""
+    """The text a `--tokenizer bpe` trains on: the training split of a text (of chat
+    data, the messages' contents)."""
+    from models.chat import Conversations
+
+    if isinstance(text, Conversations):
+        return text.text() if valid is not None else text.split(data.VALIDATION_FRACTION)[0].text()
     if not isinstance(text, str):
         raise data.DataError(
             f"--tokenizer bpe trains on text, but --data {path} holds token ids: pass the "

@@ -29,6 +29,7 @@ import functools
 import re
 
 from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
@@ -89,7 +90,8 @@ class _Counting(NodeTransformer):
 
 class Bounded(ImmutableSandboxedEnvironment):
     """ImmutableSandboxedEnvironment with budgets of operations, characters handled,
-    value sizes and output (see the module's docstring); one per render."""
+    value sizes and output (see the module's docstring); one per template (`_compiled`),
+    its budgets set afresh by each `render`."""
 
     intercepted_binops = frozenset({"+", "-", "*", "/", "//", "%", "**"})
     intercepted_unops = frozenset({"+", "-"})
@@ -295,16 +297,37 @@ _GROWTH = {
 }
 
 
+class Generation(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks an assistant's
+    text for its mask (`return_assistant_tokens_mask`): rendered as its body (the
+    masks of chat data are found by rendering incrementally, models/chat.py)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str):
+    """(its Bounded environment, the template compiled in it, loops counted): compiling
+    takes most of a render's time, and chat data renders one template thousands of
+    times (models/chat.py)."""
+    env = Bounded(MAX_SIZE, trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
+    env.globals["raise_exception"] = _raise
+    return env, env.from_string(_Counting().visit(env.parse(source)))
+
+
 def render(source: str, max_size: int = MAX_SIZE, **context) -> str:
     """`source` rendered with `context` in a `Bounded` sandbox (trim_blocks and
     lstrip_blocks, as transformers renders chat templates); TemplateFailure (one
     line) for any failure. Values may be as large as max_size, or 4x the context's."""
-    limit = max(max_size, 4 * _deep_size(context))
-    env = Bounded(limit, trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
     try:
+        env, template = _compiled(source)
+        # the budgets start afresh for every render (the compiled template is reused)
+        env.max_size, env.ops, env.chars = max(max_size, 4 * _deep_size(context)), 0, 0
         out, n = [], 0
-        template = env.from_string(_Counting().visit(env.parse(source)))
         for piece in template.generate(**context):
             n += len(piece)
             env.fits(n, "the rendered text")

@@ -433,6 +433,13 @@ def parser(prog: str = "python -m models.train") -> Parser:
         "--text-field", default="text", help="the field of the documents in JSON lines/Parquet"
     )
     p.add_argument(
+        "--data-format",
+        default="auto",
+        choices=["auto", "text", "chat"],  # models.data.FORMATS (jax not imported yet)
+        help="chat: JSON lines of messages, the loss on the assistant's tokens, "
+        "packed (docs/chat.md); auto: chat when the first line has `messages`",
+    )
+    p.add_argument(
         "--config-file",
         default=None,
         metavar="FILE",

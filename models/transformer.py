@@ -39,6 +39,7 @@ from models.layers import (
     norm_params,
     padding_bias,
     relative_bias,
+    segment_bias,
     write_slots,
 )
 from models.moe import merged, moe, moe_params, over_layers, queued
@@ -307,7 +308,8 @@ def block(
             0 if per_layer else cfg.sliding_window,
             not (per_layer or cfg.relative_bias),
         )
-        x = variant.attend(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer, masks=masks)
+        x = variant.attend(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer, masks=masks,
+                           position=position)  # fmt: skip
     else:
         slots = nm.arange("memory", slots_of(cache))
         bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias, window)
@@ -370,12 +372,18 @@ def run_layers(x, params: dict, cfg: Config, key, **block_args):
     return run_stack(x, params["layers"], cfg, key, **block_args)
 
 
-def embed_inputs(params: dict, tokens: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
+def embed_inputs(
+    params: dict, tokens: nm.Tensor, cfg: Config, token_types=None, positions=None
+) -> nm.Tensor:
     """Token embeddings (batch, length, d_model), plus the learned positions 0..length-1
-    and the token types' embeddings (int Tensor like tokens; 0 when None) where the
-    model has them, then the embedding norm (BERT)."""
+    (or `positions`, ints like tokens: packed examples' own) and the token types'
+    embeddings (int Tensor like tokens; 0 when None) where the model has them, then the
+    embedding norm (BERT)."""
     x = embed_tokens(params, tokens, cfg)
-    if "pos" in params and cfg.position_pad >= 0:
+    if "pos" in params and positions is not None:
+        rows = positions + cfg.position_offset
+        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", rows)
+    elif "pos" in params and cfg.position_pad >= 0:
         x = x + counted_positions(params["pos"], tokens, cfg.position_pad)
     elif "pos" in params:
         n, at = tokens.size_of("length"), cfg.position_offset
@@ -469,19 +477,27 @@ def lm_forward(
     weights=None,
     token_types=None,
     stats: bool = False,
+    segments=None,
+    positions=None,
 ):
     """(logits, aux): logits (batch, length, vocab) for int tokens (batch, length) after
     the stack of `params["layers"]`, causal (the LM) or bidirectional (BERT). `weights`
     (batch, length; 1 real, 0 padding) hides padded positions from attention;
-    `token_types` (ints like tokens) select token-type embeddings. aux: the MoE's
+    `token_types` (ints like tokens) select token-type embeddings. Packed rows
+    (models/chat.py): `segments` (ints like tokens) hides the keys of other examples,
+    `positions` (ints like tokens) are each example's, from 0. aux: the MoE's
     balancing loss, and with `stats` its other statistics (None without experts)."""
     params = compute_params(params, cfg)
-    x = embed_inputs(params, tokens, cfg, token_types)
+    x = embed_inputs(params, tokens, cfg, token_types, positions)
     bias = None if weights is None else padding_bias(weights.rename(length="memory"))
+    if segments is not None:
+        bias = segment_bias(segments) if bias is None else bias + segment_bias(segments)
     if "relative" in params:
         rel = bucket_bias(params["relative"], cfg, tokens.size_of("length"), not causal)
         bias = rel if bias is None else rel + bias
-    x, aux = run_layers(x, params, cfg, key, causal=causal, bias=bias, stats=stats)
+    x, aux = run_layers(
+        x, params, cfg, key, causal=causal, bias=bias, position=positions, stats=stats
+    )
     return output_logits(params, x, cfg), aux
 
 
@@ -505,9 +521,11 @@ def mlm_batch_logits(params: dict, batch: dict, cfg: Config) -> nm.Tensor:
 
 def lm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """Mean next-token cross-entropy (nats) over the weighted positions of `batch`
-    ({"inputs", "targets", "weights"}: batch, length), plus the MoE balancing loss;
-    with `stats`, (loss, the router's statistics)."""
-    logits, aux = lm_forward(params, batch["inputs"], cfg, key, stats=stats)
+    ({"inputs", "targets", "weights"}: batch, length; packed rows add "segments" and
+    "positions"), plus the MoE balancing loss; with `stats`, (loss, the router's
+    statistics)."""
+    packed = {k: batch.get(k) for k in ("segments", "positions")}
+    logits, aux = lm_forward(params, batch["inputs"], cfg, key, stats=stats, **packed)
     return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 

@@ -29,6 +29,7 @@ RUNNABLE = [
     "zoo.md",
     "faults.md",
     "lora.md",
+    "chat.md",
 ]
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
