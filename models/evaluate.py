@@ -133,7 +133,7 @@ def evaluate(args, dog=None) -> dict:
         )
     cfg = cfg.replace(batch=args.batch, length=length, dropout=0.0, moe_loss=0.0)
     text = corpora.load(args.data, "--data", args.text_field, args.data_format)
-    folder = template_folder(args.model)
+    folder = template_folder(args.source)
     corpus = corpora.make(text, tokenizer, length, model.objective, text, folder)
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
