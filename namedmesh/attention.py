@@ -128,17 +128,22 @@ def _mask(n: int, m: int, causal: bool, window: int) -> np.ndarray:
 
 def _numpy(q, k, v, *bias, scale, causal, window, kernel, dims, names):
     qa, ka, va, ba, back = _arrange(np, q, k, v, bias[0] if bias else None, dims, names)
-    g = qa.shape[2] // ka.shape[2]
     # summed in float32 at least (NumPy's einsum has no bfloat16 loop), rounded once
     acc = np.promote_types(v.dtype, np.float32)
-    qa, ka, va = (np.repeat(x, r, axis=2).astype(acc) for x, r in ((qa, 1), (ka, g), (va, g)))
-    s = np.einsum("bthd,bshd->bhts", qa, ka) * np.float32(scale)
+    return back(_plain(np, qa, ka, va, ba, scale, causal, window, acc).astype(v.dtype))
+
+
+def _plain(xp, qa, ka, va, ba, scale, causal, window, acc):
+    """softmax(scale * q.k + bias, masked) v in `acc`, the whole logits made: NumPy's
+    reference, and jax's float64 (jax.nn.dot_product_attention's softmax is float32)."""
+    g = qa.shape[2] // ka.shape[2]
+    qa, ka, va = (xp.repeat(x, r, axis=2).astype(acc) for x, r in ((qa, 1), (ka, g), (va, g)))
+    s = xp.einsum("bthd,bshd->bhts", qa, ka) * acc.type(scale)
     if ba is not None:
         s = s + ba
-    s = np.where(_mask(s.shape[2], s.shape[3], causal, window), s, np.float32(NEG))
-    w = np.exp(s - s.max(-1, keepdims=True))
-    out = np.einsum("bhts,bshd->bthd", w / w.sum(-1, keepdims=True), va)
-    return back(out.astype(v.dtype))
+    s = xp.where(_mask(s.shape[2], s.shape[3], causal, window), s, acc.type(NEG))
+    w = xp.exp(s - s.max(-1, keepdims=True))
+    return xp.einsum("bhts,bshd->bthd", w / w.sum(-1, keepdims=True), va)
 
 
 def _xla(qa, ka, va, ba, *, scale, causal, window):
@@ -153,6 +158,8 @@ def _xla(qa, ka, va, ba, *, scale, causal, window):
     if common == np.float16 and jax.default_backend() == "cpu":  # XLA:CPU has no float16
         common = np.dtype(np.float32)  # dot summed in float32
         ba = None if ba is None else ba.astype(common)
+    if common == np.float64:  # jax's kernel would round its softmax to float32
+        return _plain(jax.numpy, qa, ka, va, ba, scale, causal, window, common).astype(dtype)
     qa, ka, va = (x.astype(common) for x in (qa, ka, va))
     out = jax.nn.dot_product_attention(
         qa, ka, va, ba, scale=scale, is_causal=causal, local_window_size=local
@@ -195,8 +202,9 @@ def choose_kernel(length: int, memory: int, backend: str) -> str:
 
 def _jax(q, k, v, *bias, scale, causal, window, kernel, dims, names):
     qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, bias[0] if bias else None, dims, names)
-    if kernel == "auto":
-        kernel = choose_kernel(qa.shape[1], ka.shape[1], jax.default_backend())
+    if kernel == "auto":  # float64 (x64): the xla kernel's exact path, flash's is float32
+        wide = np.float64 in (qa.dtype, ka.dtype, va.dtype)
+        kernel = "xla" if wide else choose_kernel(qa.shape[1], ka.shape[1], jax.default_backend())
     out = KERNELS[kernel](qa, ka, va, ba, scale=scale, causal=causal, window=window)
     return back(out)
 

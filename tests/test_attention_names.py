@@ -120,3 +120,18 @@ def test_names_that_are_not_three_distinct_dim_names_are_refused():
         nm.dot_product_attention(q, k, v, length="pos", memory="pos")
     with pytest.raises(nm.ArgumentError, match="features= must be a dim name.*got 3"):
         nm.dot_product_attention(q, k, v, features=3)
+
+
+def test_float64_is_computed_in_float64():
+    """Under jax_enable_x64, float64 q, k, v give the float64 oracle to 1e-12, eagerly,
+    under jit and lowered (jax.nn.dot_product_attention's softmax is float32: 1e-7)."""
+    with jax.enable_x64(True):
+        xs = [x.astype(np.float64) for x in (Q, K, V, B)]
+        loss = attention(OTHER)
+        eager = loss(*tensors(OTHER, *[jax.numpy.asarray(x) for x in xs])).data
+        jitted = jax.jit(lambda *a: loss(*tensors(OTHER, *a)).data)(*xs)
+        f = lower(loss, Mesh({"m0": 2}), Layout("heads:m0"))
+        lowered = f(*tensors(OTHER, *xs)).data
+        for got in (eager, jitted, lowered):
+            assert got.dtype == np.float64
+            np.testing.assert_allclose(float(got), numpy_oracle(), rtol=1e-12)
