@@ -33,7 +33,6 @@ NEG = -1e9  # a masked logit, as models.layers.NEG
 
 
 NAMES = ("length", "memory", "features")  # the keyword parameters naming the dims
-DEFAULT_NAMES = ("length", "memory", "d_kv")  # the zoo's (models/)
 
 
 def _groups(q_dims, k_dims, names):
