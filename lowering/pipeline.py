@@ -385,7 +385,7 @@ def _bubble_masked(ctx, working, x_in, layers, rest):
     def mask(x):  # (integers and bools have no gradient)
         if not is_inexact(x.dtype):
             return x
-        return _call(ctx, _gradient_where, ctx.varying(x, vma), working, like=x)
+        return ctx.call(_gradient_where, ctx.varying(x, vma), working, like=x)
 
     return ([mask(x) for x in x_in], [mask(x) for x in layers],
             [(mask(r), lay) for r, lay in rest])  # fmt: skip
@@ -485,11 +485,6 @@ def _joined(ctx, x, ax: int):
     return ctx.call(_from_micro, x, ax=ax, shape=_joined_shape(x.shape, ax), dtype=x.dtype)
 
 
-def _call(ctx, fn, *xs, like, **params):
-    """`fn(*xs)` giving a value of the shape and dtype of `like`."""
-    return ctx.call(fn, *xs, shape=like.shape, dtype=like.dtype, **params)
-
-
 def _scalar(ctx, fn, *xs, **params):
     """`fn(*xs)` giving an int32 scalar (a tick or microbatch number)."""
     return ctx.call(fn, *xs, shape=(), dtype=np.int32, **params)
@@ -564,16 +559,16 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, stage
     def tick(micro, vma, state, t):
         inbox, outbuf = state[:nc], state[nc:]
         k = _scalar(ctx, _clipped, t, s, hi=m - 1)  # the microbatch this stage works on
-        x_in = [_call(ctx, _entering, s, t, mc, i, like=i, last=m - 1)
+        x_in = [ctx.call(_entering, s, t, mc, i, like=i, last=m - 1)
                 for mc, i in zip(micro, inbox, strict=True)]  # fmt: skip
-        r_in = [(_call(ctx, _index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
+        r_in = [(ctx.call(_index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
                 for r, lay, a in rest_m]  # fmt: skip
         x_in, layers, r_in = _bubble_masked(ctx, _working(ctx, t, s, m), x_in, xs, r_in)
         final, ys, y_lays[:] = stage_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
                                         plan.layers_per_stage)  # fmt: skip
         # the microbatch the last stage finishes
         filed = dict(lag=s_n - 1, lo=0, hi=m, items=m, m=m)
-        outbuf = [_call(ctx, _file, o, y, t, like=o, **filed)
+        outbuf = [ctx.call(_file, o, y, t, like=o, **filed)
                   for o, y in zip(outbuf, final, strict=True)]  # fmt: skip
         inbox = [ctx.collective("ppermute", y, axes, v, perm=perm, sizes=ctx.sizes)
                  for y, v in zip(final, eqn.outputs[:nc], strict=True)]  # fmt: skip
@@ -583,15 +578,15 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, stage
     state, ys = _ticks(ctx, tick, micro, carry, carry_lay, plan, 1)
     final = _result(ctx, eqn, plan, state[nc:], c_ax, s)
     # stage s ran microbatch k at tick s + k: its ys are ticks s .. s+M-1
-    ys = [_call(ctx, _slice_from, y, s, like=_Shape((m, *y.shape[1:]), y.dtype), size=m)
+    ys = [ctx.call(_slice_from, y, s, like=_Shape((m, *y.shape[1:]), y.dtype), size=m)
           for y in ys]  # fmt: skip
-    ys = [_joined(ctx, y, 1 + v.dims.index(dim)) if dim else _call(ctx, _first, y, like=_entry(y))
+    ys = [_joined(ctx, y, 1 + v.dims.index(dim)) if dim else ctx.call(_first, y, like=_entry(y))
           for y, v in zip(ys, body.outputs[nc:], strict=True)]  # fmt: skip
     return final, ys, list(y_lays)
 
 
 class _Shape(NamedTuple):
-    """A shape and dtype, as `_call`'s `like` takes them."""
+    """A shape and dtype, as `ctx.call`'s `like` takes them."""
 
     shape: tuple
     dtype: object
@@ -633,10 +628,10 @@ def _deal_circular(ctx, eqn, plan: PipelinePlan, xs):
     nc = eqn.params["n_carry"]
     for x, source in zip(xs, eqn.inputs[nc : nc + eqn.params["n_x"]], strict=True):
         to = (r // s, s, v, *x.shape[1:])
-        x = _call(ctx, _reshaped, x, like=_Shape(to, x.dtype), to=to)
+        x = ctx.call(_reshaped, x, like=_Shape(to, x.dtype), to=to)
         x = ctx.collective("all_to_all", x, plan.axes, source, dim=1, to=1)
         to = (r, v, *x.shape[3:])
-        out.append(_call(ctx, _dealt, x, like=_Shape(to, x.dtype), to=to))
+        out.append(ctx.call(_dealt, x, like=_Shape(to, x.dtype), to=to))
     return out
 
 
@@ -657,13 +652,13 @@ def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, re
         inbox, circ, outbuf = state[:nc], state[nc : 2 * nc], state[2 * nc :]
         i = _scalar(ctx, _clipped, t, s, hi=items - 1)
         k = _scalar(ctx, _mod, i, m=m)
-        first = [_call(ctx, _round_input, i, k, mc, cb, like=_entry(cb), m=m)
+        first = [ctx.call(_round_input, i, k, mc, cb, like=_entry(cb), m=m)
                  for mc, cb in zip(micro, circ, strict=True)]  # fmt: skip
-        x_in = [_call(ctx, _first_stage, s, f, b, like=b)
+        x_in = [ctx.call(_first_stage, s, f, b, like=b)
                 for f, b in zip(first, inbox, strict=True)]  # fmt: skip
-        r_in = [(_call(ctx, _index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
+        r_in = [(ctx.call(_index, r, k, like=_entry(r)) if a is not None and dim else r, lay)
                 for r, lay, a in rest_m]  # fmt: skip
-        layers = [_call(ctx, _index_div, c, i, like=_entry(c), m=m) for c in chunks]
+        layers = [ctx.call(_index_div, c, i, like=_entry(c), m=m) for c in chunks]
         working = _working(ctx, t, s, items)
         x_in, layers, r_in = _bubble_masked(ctx, working, x_in, layers, r_in)
         final, _, _ = stage_loop(ctx, eqn, x_in, carry_lay, layers, x_lays, r_in,
@@ -671,11 +666,11 @@ def _run_circular(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, re
         # the item the last stage finishes: its last round is the result, the others go
         # round again from stage 0
         filed = dict(lag=s_n - 1, items=items, m=m)
-        outbuf = [_call(ctx, _file, o, y, t, like=o, lo=items - m, hi=items, **filed)
+        outbuf = [ctx.call(_file, o, y, t, like=o, lo=items - m, hi=items, **filed)
                   for o, y in zip(outbuf, final, strict=True)]  # fmt: skip
         inbox = [ctx.collective("ppermute", y, axes, v, perm=ring, sizes=ctx.sizes)
                  for y, v in zip(final, eqn.outputs[:nc], strict=True)]  # fmt: skip
-        circ = [_call(ctx, _file, cb, y, t, like=cb, lo=0, hi=items - m, **filed)
+        circ = [ctx.call(_file, cb, y, t, like=cb, lo=0, hi=items - m, **filed)
                 for cb, y in zip(circ, inbox, strict=True)]  # fmt: skip
         _check_type([*inbox, *circ, *outbuf], ctx, vma)
         return [*inbox, *circ, *outbuf], []
@@ -690,7 +685,7 @@ def _cut(ctx, eqn, plan: PipelinePlan, carry, rest):
     p = eqn.params
     body, nc, m, dim = p["body"], p["n_carry"], plan.microbatches, plan.dim
     c_ax = [v.dims.index(dim) if dim else 0 for v in body.inputs[:nc]]
-    lead = lambda c: _call(ctx, _lead, c, like=_Shape((1, *c.shape), c.dtype))
+    lead = lambda c: ctx.call(_lead, c, like=_Shape((1, *c.shape), c.dtype))
     micro = [_micro(ctx, c, a, m) if dim else lead(c) for c, a in zip(carry, c_ax, strict=True)]
     r_ax = [v.dims.index(dim) if dim in v.dims else None for v in body.inputs[nc + p["n_x"] :]]
     rest_m = [(_micro(ctx, r, a, m) if a is not None and dim else r, lay, a)
@@ -715,8 +710,8 @@ def _ticks(ctx, tick, micro, carry, carry_lay, plan: PipelinePlan, buffers: int)
     while True:
         try:
             ms = [ctx.cast_varying(mc, vma) for mc in micro]
-            init = [_call(ctx, _zeros_entry, mc, like=_entry(mc)) for mc in ms]
-            init += [_call(ctx, jnp.zeros_like, mc, like=mc) for _ in range(buffers) for mc in ms]
+            init = [ctx.call(_zeros_entry, mc, like=_entry(mc)) for mc in ms]
+            init += [ctx.call(jnp.zeros_like, mc, like=mc) for _ in range(buffers) for mc in ms]
             t = ctx.call(_ticks_range, n=plan.ticks, shape=(plan.ticks,), dtype=np.int32, vma=set())
             step = lambda c, x, ms=ms, vma=frozenset(vma): tick(ms, vma, c, x[0])
             state, ys, made = ctx.loop(step, init, [t], plan.ticks, new_step)
@@ -737,7 +732,7 @@ def _result(ctx, eqn, plan: PipelinePlan, outbuf, c_ax, s):
     """The scan's final carries on every stage: the last stage's `outbuf` all-reduced."""
     final = []
     for o, a, v in zip(outbuf, c_ax, eqn.outputs[: eqn.params["n_carry"]], strict=True):
-        o = _call(ctx, _last_stage, o, s, like=o, last=plan.stages - 1)
+        o = ctx.call(_last_stage, o, s, like=o, last=plan.stages - 1)
         o = ctx.collective("psum", o, plan.axes, v)
-        final.append(_joined(ctx, o, a) if plan.dim else _call(ctx, _first, o, like=_entry(o)))
+        final.append(_joined(ctx, o, a) if plan.dim else ctx.call(_first, o, like=_entry(o)))
     return final

@@ -151,9 +151,9 @@ def nontrivial(layout: ValueLayout, mesh) -> ValueLayout:
 @runtime_checkable
 class Hooks(Protocol):
     """What runs a rules' context: the operations of `RuleContext` are written on these
-    alone. The Planner (below: on Locals, recording Instrs, no jax) implements the
-    first three, the Interpreter (lowering/interpret.py: the Planner that runs graphs)
-    all five."""
+    alone. The Planner (below: on Locals, recording Instrs and the step's local ops
+    and collectives, no jax) implements the first six, the Interpreter
+    (lowering/interpret.py: the Planner that runs graphs) all eight."""
 
     def vma(self, x) -> set[str]:
         """The mesh axes over which the local value `x` is typed varying."""
@@ -170,6 +170,24 @@ class Hooks(Protocol):
         Step once `run` has run."""
         ...
 
+    def run_local(self, prim: Primitive, arrays, params: dict) -> tuple:
+        """Run (or record) `prim`'s jax implementation on local shards `arrays` of the
+        current equation's inputs (cast alike by `RuleContext.local`), noting it for the
+        cost report: its results, a tuple."""
+        ...
+
+    def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
+        """Record in the current step that `prim` ran on the local arrays `arrays`,
+        giving `outs` (a rule's own arithmetic costed as the primitive: `how`)."""
+        ...
+
+    def log(
+        self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
+    ) -> None:
+        """Record in the current step a collective (or a free cast, "pvary") of `kind`
+        over `axes`, moving `nbytes` per device of the graph value `source`."""
+        ...
+
     def plan_layouts(self, graph) -> None:
         """The layout each value `graph`'s equations make should have, into `wanted`
         (for a rule that runs a graph of its own: nm.scan's body)."""
@@ -184,10 +202,10 @@ class Hooks(Protocol):
 @dataclass
 class RuleContext:
     """What a rule sees: the mesh, the rules, the layouts the planner wants, and the
-    current plan step, to which `log` and `local` report. A rule that makes a value in
-    `free` may give it another layout than `wanted`'s, and records it there. Its
-    operations are written on the `Hooks` alone, which a subclass implements (Planner,
-    Interpreter)."""
+    current plan step, in which the hooks `log` and `note_local` record its collectives
+    and local ops. A rule that makes a value in `free` may give it another layout than
+    `wanted`'s, and records it there. Its operations are written on the `Hooks` alone,
+    which a subclass implements (Planner, Interpreter)."""
 
     mesh: Mesh
     layout: Layout
@@ -204,12 +222,16 @@ class RuleContext:
 
     # --- operations on local values -------------------------------------------------
     def call(self, fn: Callable, *xs, shape=None, dtype=None, vma: set | None = None, of=None,
-             output: int = 0, **params):  # fmt: skip
+             output: int = 0, like=None, **params):  # fmt: skip
         """`fn(*xs, **params)`, local arithmetic with no collective, giving one array that
         varies where its inputs do (or over `vma`, if given). Its shape and dtype are by
         default the current equation's output `output` as its primitive's shape rule
         makes it from local shards `of` of the equation's inputs (default: the first of
-        `xs`); `shape` and `dtype` are for the rule's intermediate values."""
+        `xs`), or those of `like` (a value of the shape and dtype it gives: a mask, a
+        halo filled); `shape` and `dtype` are for the rule's other intermediate values."""
+        if like is not None:
+            shape = like.shape if shape is None else shape
+            dtype = like.dtype if dtype is None else dtype
         if shape is None or dtype is None:
             got_shape, got_dtype = self.result_of(xs if of is None else of, output)
             shape = got_shape if shape is None else shape
@@ -292,24 +314,6 @@ class RuleContext:
     def sizes(self) -> dict[str, int]:
         return self.mesh.sizes
 
-    def log(
-        self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
-    ) -> None:
-        c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
-        step = self.step  # a costing-only step holds () until its first (interpret._step)
-        if kind == "pvary":
-            if isinstance(step.casts, tuple):
-                step.casts = []
-            step.casts.append(c)
-        else:
-            if isinstance(step.collectives, tuple):
-                step.collectives = []
-            step.collectives.append(c)
-        if not self.record:
-            return
-        what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
-        self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device{what}")
-
     def local(self, prim: Primitive, *arrays, **params):
         """Run `prim`'s jax implementation on local shards of the current equation's inputs,
         noting the local avals for the cost report. Results are held to the shape rule's
@@ -324,28 +328,8 @@ class RuleContext:
                     a if len(vmas[i]) == len(vma) else self.varying(a, vma)
                     for i, a in enumerate(arrays)
                 ]
-        outs = self._local(prim, arrays, params)
+        outs = self.run_local(prim, arrays, params)
         return outs if prim.multiple_results else outs[0]
-
-    def _local(self, prim: Primitive, arrays, params: dict) -> tuple:
-        """`prim` run (or recorded) on the local arrays and noted: its results."""
-        e = self.step.eqn
-        # (prim, its results' dtypes, its inputs' dims): one param, apart from the op's own
-        what = (prim, tuple(v.dtype for v in e.outputs), tuple(v.dims for v in e.inputs))
-        outs = self.run_op("local", *arrays, local_op=what, **params)
-        self.note_local(prim, params, arrays, outs)
-        return outs
-
-    def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
-        """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
-        report costs it by the primitive's cost rule on their shapes."""
-        e = self.step.eqn
-        ins, outs_ = local_avals(e.inputs, arrays), local_avals(e.outputs, outs)
-        self.step.local.append(LocalOp(prim, params, ins, outs_))
-        if not self.record:
-            return
-        shapes = lambda avals: ", ".join(fmt_local(a) for a in avals)
-        self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
 
     def missing_axes(self, x, vma: set) -> tuple[str, ...]:
         """The axes of `vma` over which `x` is not yet typed varying, in mesh order."""
@@ -510,9 +494,14 @@ class Planner(RuleContext):
         """The number of devices of the mesh."""
         return math.prod(self.sizes.values())
 
-    def _local(self, prim: Primitive, arrays, params: dict) -> tuple:
+    def run_local(self, prim: Primitive, arrays, params: dict) -> tuple:
         if self.record or prim.aliases_input:
-            return super()._local(prim, arrays, params)
+            e = self.step.eqn
+            # (prim, its results' dtypes, its inputs' dims): one param, apart from the op's own
+            what = (prim, tuple(v.dtype for v in e.outputs), tuple(v.dims for v in e.inputs))
+            outs = self.run_op("local", *arrays, local_op=what, **params)
+            self.note_local(prim, params, arrays, outs)
+            return outs
         # Costing only: the results' shapes and the avals that the report costs, in one
         # lookup kept per equation and shards (what ops.abstract_local and note_local make)
         shards = tuple([(x.shape, x.dtype) for x in arrays])
@@ -523,6 +512,35 @@ class Planner(RuleContext):
         vma = arrays[0].vma if arrays else frozenset()
         outs = op.outs  # one aval per shape (indexes: zip's strict= costs more than this)
         return tuple([Local(s, outs[i].dtype, vma) for i, s in enumerate(shapes)])
+
+    def note_local(self, prim, params, arrays, outs, how: str = "local") -> None:
+        """Record that `prim` ran on the local arrays `arrays`, giving `outs`: the cost
+        report costs it by the primitive's cost rule on their shapes."""
+        e = self.step.eqn
+        ins, outs_ = local_avals(e.inputs, arrays), local_avals(e.outputs, outs)
+        self.step.local.append(LocalOp(prim, params, ins, outs_))
+        if not self.record:
+            return
+        shapes = lambda avals: ", ".join(fmt_local(a) for a in avals)
+        self.step.events.append(f"{how} {prim.name}({shapes(ins)}) -> {shapes(outs_)}")
+
+    def log(
+        self, kind: str, axes: tuple[str, ...], nbytes: int, source=None, transposes: bool = True
+    ) -> None:
+        c = Collective(kind, tuple(axes), int(nbytes), source, transposes)
+        step = self.step  # a costing-only step holds () until its first (interpret._step)
+        if kind == "pvary":
+            if isinstance(step.casts, tuple):
+                step.casts = []
+            step.casts.append(c)
+        else:
+            if isinstance(step.collectives, tuple):
+                step.collectives = []
+            step.collectives.append(c)
+        if not self.record:
+            return
+        what = " (a free cast; the backward pass psums its gradient)" if kind == "pvary" else ""
+        self.step.events.append(f"{kind} over {','.join(axes)}: {nbytes} bytes in per device{what}")
 
     def run_op(self, op, *xs, made=None, **params):
         if op == "local" and params["local_op"][0].aliases_input:

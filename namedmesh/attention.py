@@ -2,8 +2,11 @@
 causal mask and local window, so the (length, memory) logits never appear in the
 program as separate ops. Dims are matched by name: q (..., length, d_kv), k and v (...,
 memory, d_kv) whose other dims are some of q's (grouped query heads: q's dims k lacks,
-e.g. q_per_kv, share k's heads). The lowering (lowering/rules/attention.py) keeps
-length, memory and d_kv whole on each device; the other dims may be split.
+e.g. q_per_kv, share k's heads). The three names are the caller's (`length=`,
+`memory=`, `features=`, the zoo's by default) and travel in the primitive's `names`
+param, which the local kernels, the cost rule and the lowering read: no other code
+knows them. The lowering (lowering/rules/attention.py) keeps those three whole on each
+device; the other dims (batch, heads, any) may be split.
 
 Its local kernel comes from KERNELS: "xla", `jax.nn.dot_product_attention` (cuDNN's
 fused kernel on GPU; on CPU XLA's, which makes the whole logits), and "flash",
@@ -23,36 +26,56 @@ from namedmesh.checks import boolean, integer
 from namedmesh.contract import custom_gradients
 from namedmesh.errors import ArgumentError, ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
+from namedmesh.structural import rename
 from namedmesh.tensor import Tensor
 
 NEG = -1e9  # a masked logit, as models.layers.NEG
 
 
-def _groups(q_dims, k_dims, bias_dims):
+NAMES = ("length", "memory", "features")  # the keyword parameters naming the dims
+
+
+def _groups(q_dims, k_dims, names):
     """(q's dims shared with k, q's dims k lacks), q's heads in that order: a query
     head's index over both is its key head's index over the shared dims times the
     group size plus its place in the group, as jax.nn.dot_product_attention groups."""
-    shared = [d for d in q_dims if d in k_dims and d not in ("length", "d_kv")]
-    only = [d for d in q_dims if d not in k_dims and d not in ("length", "d_kv")]
+    length, _, features = names
+    shared = [d for d in q_dims if d in k_dims and d not in (length, features)]
+    only = [d for d in q_dims if d not in k_dims and d not in (length, features)]
     return shared, only
 
 
-def _shape_rule(q, k, v, *bias, scale, causal, window, kernel):
+def _check_dims(q, k, v, names) -> None:
+    """Each of q, k and v has the dims `names` says it must (the parameter that named a
+    missing one said too)."""
+    length, memory, features = names
+    need = {"q": (q, (length, features)), "k": (k, (memory, features))}
+    need["v"] = (v, (memory, features))
+    for what, (t, dims) in need.items():
+        for d in dims:
+            if d not in t.dims:
+                param = NAMES[names.index(d)]
+                raise ShapeError(
+                    f"dot_product_attention: {what} {tuple(t.dims)} has no dim {d!r} "
+                    f"(named by {param}={d!r})"
+                )
+
+
+def _shape_rule(q, k, v, *bias, scale, causal, window, kernel, names):
     name = "dot_product_attention"
-    for what, t, need in (("q", q, ("length", "d_kv")), ("k", k, ("memory", "d_kv"))):
-        if missing := [d for d in need if d not in t.dims]:
-            raise ShapeError(f"{name}: {what} {t.dims} lacks dim(s) {missing}")
+    _check_dims(q, k, v, names)
+    _, memory, features = names
     if k.dims != v.dims or tuple(k.shape) != tuple(v.shape):
         raise ShapeError(
             f"{name}: k {k.dims}{tuple(k.shape)} and v {v.dims}{tuple(v.shape)} differ"
         )
-    if extra := [d for d in k.dims if d not in q.dims and d != "memory"]:
+    if extra := [d for d in k.dims if d not in q.dims and d != memory]:
         raise ShapeError(f"{name}: k's dim(s) {extra} are not dims of q {q.dims}")
     qs, ks = dict(zip(q.dims, q.shape, strict=True)), dict(zip(k.dims, k.shape, strict=True))
     if bad := [d for d in ks if d in qs and ks[d] != qs[d]]:
         raise ShapeError(f"{name}: q and k disagree on the size of {bad}")
     if bias:
-        logits = {*q.dims, "memory"} - {"d_kv"}
+        logits = {*q.dims, memory} - {features}
         if stray := [d for d in bias[0].dims if d not in logits]:
             raise ShapeError(
                 f"{name}: bias dim(s) {stray} are none of the logits' {sorted(logits)}"
@@ -60,32 +83,35 @@ def _shape_rule(q, k, v, *bias, scale, causal, window, kernel):
     return Aval(tuple(q.dims), tuple(q.shape), float_result(v.dtype))  # ints: float32
 
 
-def _arrange(xp, q, k, v, bias, dims):
+def _arrange(xp, q, k, v, bias, dims, names):
     """q, k, v as (1, length, heads, d_kv) and (1, memory, kv heads, d_kv), the bias as
     (1, heads or 1, length or 1, memory or 1), from arrays over `dims` (q's, k's,
-    bias's); and how to put the result back over q's dims."""
+    bias's), the three dims named by `names`, every other dim of q one of the heads;
+    and how to put the result back over q's dims."""
     q_dims, k_dims, b_dims = dims
-    shared, only = _groups(q_dims, k_dims, b_dims)
+    length, memory, features = names
+    shared, only = _groups(q_dims, k_dims, names)
     qo = [*shared, *only]
-    qa = xp.transpose(q, [q_dims.index(d) for d in ("length", *qo, "d_kv")])
+    qa = xp.transpose(q, [q_dims.index(d) for d in (length, *qo, features)])
     heads = qa.shape[1 : 1 + len(qo)]
     qa = qa.reshape(1, qa.shape[0], math.prod(heads), qa.shape[-1])
     ka, va = (
-        xp.transpose(x, [k_dims.index(d) for d in ("memory", *shared, "d_kv")]) for x in (k, v)
+        xp.transpose(x, [k_dims.index(d) for d in (memory, *shared, features)]) for x in (k, v)
     )
     ka, va = (x.reshape(1, x.shape[0], -1, x.shape[-1]) for x in (ka, va))
     ba = None
     if bias is not None:
-        have = [d for d in (*qo, "length", "memory") if d in b_dims]
+        axes = (*qo, length, memory)
+        have = [d for d in axes if d in b_dims]
         ba = xp.transpose(bias, [b_dims.index(d) for d in have])
-        full = [heads[qo.index(d)] if d in qo else 1 for d in (*qo, "length", "memory")]
-        shape = [ba.shape[have.index(d)] if d in have else 1 for d in (*qo, "length", "memory")]
+        full = [heads[qo.index(d)] if d in qo else 1 for d in axes]
+        shape = [ba.shape[have.index(d)] if d in have else 1 for d in axes]
         ba = xp.broadcast_to(ba.reshape(shape), [*full[: len(qo)], *shape[len(qo) :]])
         ba = ba.reshape(1, math.prod(heads), *shape[len(qo) :])
 
     def back(out):  # (1, length, heads, d_kv) -> q's dims
         out = out.reshape(out.shape[1], *heads, out.shape[-1])
-        order = ("length", *qo, "d_kv")
+        order = (length, *qo, features)
         return xp.transpose(out, [order.index(d) for d in q_dims])
 
     return qa, ka, va, ba, back
@@ -99,19 +125,24 @@ def _mask(n: int, m: int, causal: bool, window: int) -> np.ndarray:
     return np.triu(ok, 1 - window) if window else ok
 
 
-def _numpy(q, k, v, *bias, scale, causal, window, kernel, dims):
-    qa, ka, va, ba, back = _arrange(np, q, k, v, bias[0] if bias else None, dims)
-    g = qa.shape[2] // ka.shape[2]
+def _numpy(q, k, v, *bias, scale, causal, window, kernel, dims, names):
+    qa, ka, va, ba, back = _arrange(np, q, k, v, bias[0] if bias else None, dims, names)
     # summed in float32 at least (NumPy's einsum has no bfloat16 loop), rounded once
     acc = np.promote_types(v.dtype, np.float32)
-    qa, ka, va = (np.repeat(x, r, axis=2).astype(acc) for x, r in ((qa, 1), (ka, g), (va, g)))
-    s = np.einsum("bthd,bshd->bhts", qa, ka) * np.float32(scale)
+    return back(_plain(np, qa, ka, va, ba, scale, causal, window, acc).astype(v.dtype))
+
+
+def _plain(xp, qa, ka, va, ba, scale, causal, window, acc):
+    """softmax(scale * q.k + bias, masked) v in `acc`, the whole logits made: NumPy's
+    reference, and jax's float64 (jax.nn.dot_product_attention's softmax is float32)."""
+    g = qa.shape[2] // ka.shape[2]
+    qa, ka, va = (xp.repeat(x, r, axis=2).astype(acc) for x, r in ((qa, 1), (ka, g), (va, g)))
+    s = xp.einsum("bthd,bshd->bhts", qa, ka) * acc.type(scale)
     if ba is not None:
         s = s + ba
-    s = np.where(_mask(s.shape[2], s.shape[3], causal, window), s, np.float32(NEG))
-    w = np.exp(s - s.max(-1, keepdims=True))
-    out = np.einsum("bhts,bshd->bthd", w / w.sum(-1, keepdims=True), va)
-    return back(out.astype(v.dtype))
+    s = xp.where(_mask(s.shape[2], s.shape[3], causal, window), s, acc.type(NEG))
+    w = xp.exp(s - s.max(-1, keepdims=True))
+    return xp.einsum("bhts,bshd->bthd", w / w.sum(-1, keepdims=True), va)
 
 
 def _xla(qa, ka, va, ba, *, scale, causal, window):
@@ -126,6 +157,8 @@ def _xla(qa, ka, va, ba, *, scale, causal, window):
     if common == np.float16 and jax.default_backend() == "cpu":  # XLA:CPU has no float16
         common = np.dtype(np.float32)  # dot summed in float32
         ba = None if ba is None else ba.astype(common)
+    if common == np.float64:  # jax's kernel would round its softmax to float32
+        return _plain(jax.numpy, qa, ka, va, ba, scale, causal, window, common).astype(dtype)
     qa, ka, va = (x.astype(common) for x in (qa, ka, va))
     out = jax.nn.dot_product_attention(
         qa, ka, va, ba, scale=scale, is_causal=causal, local_window_size=local
@@ -166,20 +199,22 @@ def choose_kernel(length: int, memory: int, backend: str) -> str:
     return "xla"
 
 
-def _jax(q, k, v, *bias, scale, causal, window, kernel, dims):
-    qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, bias[0] if bias else None, dims)
-    if kernel == "auto":
-        kernel = choose_kernel(qa.shape[1], ka.shape[1], jax.default_backend())
+def _jax(q, k, v, *bias, scale, causal, window, kernel, dims, names):
+    qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, bias[0] if bias else None, dims, names)
+    if kernel == "auto":  # float64 (x64): the xla kernel's exact path, flash's is float32
+        wide = np.float64 in (qa.dtype, ka.dtype, va.dtype)
+        kernel = "xla" if wide else choose_kernel(qa.shape[1], ka.shape[1], jax.default_backend())
     out = KERNELS[kernel](qa, ka, va, ba, scale=scale, causal=causal, window=window)
     return back(out)
 
 
 def _cost(in_avals, out_avals, params) -> Cost:
     q, k = in_avals[0], in_avals[1]
-    n, m = q.sizes["length"], k.sizes["memory"]
-    heads = math.prod(q.shape) // (n * q.sizes["d_kv"])
+    length, memory, features = params["names"]
+    n, m, d = q.sizes[length], k.sizes[memory], q.sizes[features]
+    heads = math.prod(q.shape) // (n * d)
     pairs = n * m / (2 if params["causal"] else 1)
-    flops = 4 * pairs * heads * q.sizes["d_kv"]
+    flops = 4 * pairs * heads * d
     return Cost(flops, sum(a.nbytes for a in in_avals) + sum(a.nbytes for a in out_avals))
 
 
@@ -204,14 +239,19 @@ def dot_product_attention(
     causal: bool = False,
     window: int = 0,
     kernel: str = "auto",
+    length: str = "length",
+    memory: str = "memory",
+    features: str = "d_kv",
 ) -> Tensor:
     """softmax over memory of scale * q.k + bias (masked where a key is after its query
     when `causal`, or `window` or more positions before it), times v, in one fused
-    kernel: q (..., length, d_kv), k and v (..., memory, d_kv), other dims matched by
-    name (grouped heads: q's dims k lacks); `bias` over any of the logits' dims. The
-    result has q's dims and v's dtype. `kernel`: the local kernel under jax, one of
-    KERNELS ("xla": jax.nn.dot_product_attention; "flash": namedmesh.flash's row
-    blocks, memory linear in length) or "auto" (`choose_kernel`: by backend and shape)."""
+    kernel: q (..., length, features), k and v (..., memory, features), other dims
+    matched by name (grouped heads: q's dims k lacks); `bias` over any of the logits'
+    dims. `length`, `memory` and `features` name those three dims (the zoo's names by
+    default); every other dim is a batch of heads. The result has q's dims and v's
+    dtype. `kernel`: the local kernel under jax, one of KERNELS ("xla":
+    jax.nn.dot_product_attention; "flash": namedmesh.flash's row blocks, memory linear
+    in length) or "auto" (`choose_kernel`: by backend and shape)."""
     name = "dot_product_attention"
     if kernel != "auto" and kernel not in KERNELS:
         raise ParameterError(
@@ -221,6 +261,7 @@ def dot_product_attention(
         raise ArgumentError(f"{name}: scale must be a number, got {scale!r}")
     causal = boolean(name, "causal", causal)
     window = integer(name, "window", window, 0)
+    names = _names(length, memory, features)
     args = (q, k, v) if bias is None else (q, k, v, bias)
     dims = (tuple(q.dims), tuple(k.dims), () if bias is None else tuple(bias.dims))
     return bind(
@@ -231,4 +272,48 @@ def dot_product_attention(
         window=window,
         kernel=kernel,
         dims=dims,
+        names=names,
     )
+
+
+def _names(*names) -> tuple[str, str, str]:
+    """(length, memory, features) as given, each a dim name and no two alike."""
+    for param, d in zip(NAMES, names, strict=True):
+        if not isinstance(d, str) or not d:
+            raise ArgumentError(
+                f"dot_product_attention: {param}= must be a dim name (a non-empty str), "
+                f"got {d!r}"
+            )
+    for i, a in enumerate(names):
+        for j in range(i + 1, len(names)):
+            if names[j] == a:
+                raise ParameterError(
+                    f"dot_product_attention: {NAMES[i]}= and {NAMES[j]}= both name dim "
+                    f"{a!r}; the three dims must differ"
+                )
+    return tuple(names)
+
+
+def _example(a, b, d, k):
+    """Random programs' step (namedmesh/testing/strategies.py): self-attention over a's
+    dims whatever their names: `d` the queries' positions, another of a's dims (by k)
+    the features, every other dim a head; the keys a's values with `d` renamed (their
+    positions), by k with one head fewer (grouped heads), a bias over heads and keys,
+    causal, a window."""
+    others = [x for x in a.dims if x != d]
+    if not others:
+        return None
+    features = others[k % len(others)]
+    heads = [x for x in others if x != features]
+    memory = d + "_m"
+    keys = rename(a * 0.5, {d: memory})
+    if heads and k % 5 == 0:
+        keys = keys.sum(heads[0])
+    bias = rename(a.sum(features), {d: memory}) if k % 3 == 0 else None
+    return dot_product_attention(
+        a, keys, keys + 0.25, bias, scale=0.5, causal=bool(k % 2), window=k % 4,
+        length=d, memory=memory, features=features,
+    )
+
+
+_attention.example = _example

@@ -143,6 +143,10 @@ def _conv_jax(x, k, spatial, strides, dilations, pads, dims):
     lhs = lhs.reshape((n_b, n_c) + tuple(xs[d] for d in sp))
     rhs = jnp.transpose(k, [k_dims.index(d) for d in feats + shared + tuple(sp.values())])
     rhs = rhs.reshape((n_o, n_c) + tuple(ks[w] for w in sp.values()))
+    # XLA's conv takes one dtype: both in the shape rule's (an int or bool x with a
+    # float kernel raised jax's TypeError where NumPy's einsum promotes)
+    dt = result_dtype(x.dtype, k.dtype)
+    lhs, rhs = lhs.astype(dt), rhs.astype(dt)
     y = jax.lax.conv_general_dilated(lhs, rhs, strides, pads, rhs_dilation=dilations)
     y = y.reshape(tuple(xs[d] for d in batch) + tuple(ks[d] for d in feats) + y.shape[2:])
     y_dims = batch + feats + tuple(sp)

@@ -1,15 +1,18 @@
 """Properties over the cases `programs()` drew too rarely to find issue 13's items 3, 4,
 5, 7 and 11 (namedmesh/testing/axis_strategies.py): one op along a dim split over 2 or
-3 mesh axes in any order, index tensors of any int dtype with dims in any order, 64-bit
+3 mesh axes in any order (a hand-written kind, or any other registered primitive by
+its example), index tensors of any int dtype with dims in any order, 64-bit
 inputs with jax_enable_x64 off and on, layout rules of any value.
 
 1. The lowered result equals nm.reference (exactly for integers), or a DtypeError when
-   the program holds a 64-bit value and x64 is off; gradients equal single-device ones.
+   the program holds a 64-bit value and x64 is off, or a LayoutError when an output's
+   size is one the layout's axes do not divide; gradients equal single-device ones.
 2. A layout rule of any value builds a Layout or raises a LayoutError, never another
    error; a mesh over any list of things builds only over distinct jax devices.
 """
 
 import contextlib
+import math
 
 import jax
 import numpy as np
@@ -41,9 +44,22 @@ def check_along(case, x64: bool = False) -> None:
             with pytest.raises(nm.DtypeError):
                 lowered(*xs)
             return
-        out = lowered(*xs)
+        try:
+            out = lowered(*xs)
+        except nm.LayoutError as e:  # a registry kind may change "p"'s size (pad, slice)
+            assert indivisible_output(graph, mesh, layout), f"undeserved LayoutError: {e}"
+            return
         CASES["lowered"] += 1
         compare(out, nm.reference(graph)(*xs))
+
+
+def indivisible_output(graph, mesh, layout) -> bool:
+    """Whether some output's dim has a size its rule's mesh axes do not divide."""
+    for v in graph.outputs:
+        for d, axes in layout.rules:
+            if d in v.dims and v.shape[v.dims.index(d)] % math.prod(mesh.sizes[a] for a in axes):
+                return True
+    return False
 
 
 @SOME

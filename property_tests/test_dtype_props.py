@@ -1,9 +1,9 @@
 """Every op's result dtype equals one device's, for every input dtype (issue 26): each op
-of `DTYPE_OPS` on x[r, d] of every dtype, with `d` split or not, gives the shape rule's
-dtype eagerly in NumPy, eagerly in jax, under jit and lowered, or all of them refuse it
-with the same NamedMeshError. The structural ops and the reductions and normalisations
-(bool moved along a split dim; softmax of integers) also equal the NumPy reference in
-value."""
+of `dtype_ops()` (every registered primitive, issue 42) on x[r, d] of every dtype, with
+`d` split or not, gives the shape rule's dtype eagerly in NumPy, eagerly in jax, under
+jit and lowered, or all of them refuse it with the same NamedMeshError. Every op but the
+elementwise ones (bool moved along a split dim; softmax of integers; the kernels) also
+equals the NumPy reference in value."""
 
 import functools
 
@@ -14,20 +14,38 @@ from hypothesis import given, settings
 
 import namedmesh as nm
 from lowering import Layout, Mesh
+from namedmesh.primitive import is_inexact
 from namedmesh.testing import CASES, compare
 from namedmesh.testing import lowered as cached_lower
 from namedmesh.testing.dtype_strategies import (
-    ALONG_OPS,
-    DTYPE_OPS,
     STRUCTURAL_OPS,
     dtype_cases,
+    dtype_ops,
+    elementwise_ops,
     power_cases,
 )
 from namedmesh.testing.oracles import power_oracle
 
 # A case compiles one small program: a fifth of the profile's examples each
 BUDGET = settings(max_examples=max(8, settings.default.max_examples // 5))
-VALUED = (*STRUCTURAL_OPS, *ALONG_OPS)  # values compared too (float ops: dtypes alone)
+FLOAT_ROUNDED = elementwise_ops()  # dtypes compared alone; every other op's values too
+
+
+def values_compared(case, ref) -> bool:
+    """Whether `case`'s values are held to the reference, besides its dtype: a structural
+    op's always (exactly); an elementwise op's never (NumPy's and XLA's floats differ by
+    ulps on special values); any other op's where its result is an integer or bool, or
+    x is finite and at most 2**16 in magnitude: the registry's examples compose float
+    arithmetic whose overflows depend on the order of a sum, and which XLA simplifies
+    (a product with a one-hot becomes a select: 0 where NumPy's inf * 0 is NaN).
+    tests/test_value_props.py holds reductions on special values."""
+    if case.op in STRUCTURAL_OPS:
+        return True
+    if case.op in FLOAT_ROUNDED:
+        return False
+    x = case.x.astype(case.x.dtype.newbyteorder("="))
+    tame = not is_inexact(x.dtype) or bool(np.all(np.abs(x.astype(np.float64)) <= 2**16))
+    return tame or not is_inexact(ref.dtype)
 
 
 @functools.cache
@@ -37,7 +55,7 @@ def mesh_of(sizes: tuple) -> Mesh:
 
 @functools.cache
 def jitted(op: str):
-    fn = DTYPE_OPS[op]
+    fn = dtype_ops()[op]
     return jax.jit(lambda a: fn(nm.tensor(a, "r d")).data)
 
 
@@ -56,7 +74,7 @@ def native(x: np.ndarray) -> np.ndarray:
 
 
 def check_dtypes(case) -> None:
-    fn, x = DTYPE_OPS[case.op], case.x
+    fn, x = dtype_ops()[case.op], case.x
     graph = outcome(lambda: nm.trace(fn, nm.tensor(x, "r d")))
     x_jax = jnp.asarray(native(x))
     if isinstance(graph, type):  # the op refuses the dtype: every path must, alike
@@ -72,7 +90,7 @@ def check_dtypes(case) -> None:
     dtypes = {"shape rule": want.dtype, "NumPy": ref.dtype, "jax": eager.dtype,
               "jit": jitted(case.op)(x_jax).dtype, "lowered": got.dtype}  # fmt: skip
     assert len(set(map(np.dtype, dtypes.values()))) == 1, (case, dtypes)
-    if case.op in VALUED:
+    if values_compared(case, ref):
         compare(got, ref, rtol=0.0 if case.op in STRUCTURAL_OPS else None, what=repr(case))
 
 

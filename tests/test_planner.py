@@ -232,17 +232,18 @@ def test_a_search_costs_each_candidate_as_it_costs_it_alone():
 
 def test_the_context_is_run_by_one_protocol_of_hooks():
     """RuleContext's operations are written on `Hooks` alone: it declares none of them
-    (no stubs to drift from the implementations), the Planner implements the three it
-    needs and the Interpreter all five."""
+    (no stubs to drift from the implementations), the Planner implements the six that
+    run ops and record the step, and the Interpreter all eight."""
     import inspect
 
     from lowering.interpret import Interpreter
     from lowering.plan import Hooks, Planner, RuleContext
 
     hooks = {n for n, v in vars(Hooks).items() if inspect.isfunction(v) and n[0] != "_"}
-    assert hooks == {"vma", "run_op", "run_loop", "plan_layouts", "run_graph"}
+    records = {"run_local", "note_local", "log"}  # the step's local ops and collectives
+    assert hooks == {"vma", "run_op", "run_loop", "plan_layouts", "run_graph", *records}
     assert not hooks & set(vars(RuleContext))
-    assert {n for n in hooks if n in vars(Planner)} == {"vma", "run_op", "run_loop"}
+    assert {n for n in hooks if n in vars(Planner)} == {"vma", "run_op", "run_loop", *records}
     ctx = Interpreter(Mesh({"a": 2}), Layout(""), {})
     assert isinstance(ctx, Hooks) and not isinstance(object(), Hooks)
     for name in hooks:  # each implementation takes the protocol's parameters

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 
 import namedmesh as nm
 from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.testing import dtype_strategies as DS
 from namedmesh.testing import strategies as S
 
 
@@ -51,23 +52,14 @@ def test_aval_sizes_and_bytes():
 
 def primitives_bound(program) -> set[str]:
     """The primitives `program`'s trace binds, those of loop bodies too."""
-    names, graphs = set(), [nm.trace(program, *program.example_inputs())]
-    while graphs:
-        for e in graphs.pop().eqns:
-            names.add(e.primitive.name)
-            graphs += [v for v in e.params.values() if isinstance(v, nm.Graph)]
-    return names
+    return S.bound_by(program, *program.example_inputs())
 
 
 def test_every_primitive_is_drawn_by_the_strategies_or_says_why_not():
     """From the registry, not from the test files' text: each primitive's step (its
     `example`, or derived from its flags) binds it in a program of it alone, and a
     primitive that random programs do not draw declares why."""
-    assert S.not_drawn() == {
-        "constrain": nm.REGISTRY["constrain"].example,
-        # attention.py is being reworked (issue 42 item 4): its example goes beside it then
-        "dot_product_attention": "no example and no flag to derive one",
-    }
+    assert S.not_drawn() == {"constrain": nm.REGISTRY["constrain"].example}
     sizes = (("p", 4), ("q", 2), ("r", 6), ("s", 8))
     for kind in S.drawn_kinds():
         steps = tuple((kind, 0, 1, k) for k in (0, 5, 34))
@@ -92,16 +84,31 @@ def test_random_programs_draw_the_registry_evenly():
 
 
 def test_a_new_primitive_is_drawn_with_no_list_edited():
-    """docs/lowering.md's `flip`, registered with an example: random programs draw it
-    and it binds; registered with neither an example nor a flag, it is reported."""
+    """docs/lowering.md's `flip`, registered with an example: random programs and the
+    dtype cases draw it and it binds; registered with neither an example nor a flag, it
+    is reported and drawn by neither."""
     flip = primitive("flip_probe", lambda x, axis: x, lambda x, axis: np.flip(x, axis),
                      lambda x, axis: jnp.flip(x, axis))  # fmt: skip
     try:
         assert S.not_drawn()["flip_probe"] == "no example and no flag to derive one"
+        assert "flip_probe" not in DS.dtype_ops()
         flip.example = lambda a, b, d, k: bind(flip, a, axis=a.dims.index(d))
         assert "flip_probe" in S.drawn_kinds() and "flip_probe" not in S.not_drawn()
+        x = nm.tensor(np.arange(8, dtype=np.int8).reshape(2, 4), "r d")
+        np.testing.assert_array_equal(DS.dtype_ops()["flip_probe"](x).data, x.data[:, ::-1])
         program = S.Program((("p", 3),), (("p",),), (("flip_probe", 0, 0, 0),), 0)
         np.testing.assert_array_equal(program(*program.example_inputs()).data,
                                       program.example_inputs()[0].data[::-1])  # fmt: skip
     finally:
         del nm.REGISTRY["flip_probe"]
+
+
+def test_the_dtype_cases_apply_every_drawn_primitive():
+    """dtype_ops() (property_tests/test_dtype_props.py's ops) binds every primitive the
+    random programs draw, each op on x[r, d] of its own (from the registry, no list)."""
+    x = nm.tensor(np.ones((2, 8), np.float32), "r d")
+    ops = DS.dtype_ops()
+    bound = set().union(*(S.bound_by(fn, x) for fn in ops.values()))
+    assert set(S.drawn_kinds()) <= bound
+    for name in DS.elementwise_ops():
+        assert name in S.bound_by(ops[name], x), name

@@ -1,8 +1,9 @@
 """The SPMD rule of namedmesh.attention.dot_product_attention: the fused kernel needs
-each query's whole sequence of keys and each head's whole d_kv on one device, so
-length, memory and d_kv are made local (relaid out where a layout splits them) and
-the other dims (batch, heads) keep the output's layout, each device running the kernel
-on its own heads and rows with no collective."""
+each query's whole sequence of keys and each head's whole features on one device, so
+the three dims its `names` param names (length, memory, features: the caller's names)
+are made local (relaid out where a layout splits them) and the other dims (batch,
+heads) keep the output's layout, each device running the kernel on its own heads and
+rows with no collective."""
 
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ from lowering.rules.registry import rule
 from namedmesh.attention import dot_product_attention  # noqa: F401  (registers it)
 from namedmesh.primitive import REGISTRY
 
-LOCAL = ("length", "memory", "d_kv")
-
 
 @rule(REGISTRY["dot_product_attention"])
 def attention_rule(ctx, eqn, args):
-    """Inputs relaid to the output's layout of their dims, with length, memory and d_kv
-    whole; the kernel runs on each device's shard."""
+    """Inputs relaid to the output's layout of their dims, with the length, memory and
+    features dims whole; the kernel runs on each device's shard."""
     (out,) = eqn.outputs
+    local = eqn.params["names"]
     want = ctx.wanted[out]
-    by_dim = {d: () if d in LOCAL else tuple(w) for d, w in zip(out.dims, want, strict=True)}
+    by_dim = {d: () if d in local else tuple(w) for d, w in zip(out.dims, want, strict=True)}
     xs = []
     for (x, lay), v in zip(args, eqn.inputs, strict=True):
         dst = tuple(by_dim.get(d, ()) for d in v.dims)

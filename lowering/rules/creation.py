@@ -38,17 +38,12 @@ def _random_block(key, *index, split, block, full, dist, to, params):
 
 @rule(P.full)
 def full_rule(ctx, eqn, args):
-    """Each device makes its block of the constant."""
+    """Each device makes its block of the constant: the primitive itself, over the
+    block's shape (its shape rule gives the result's)."""
     (out,) = eqn.outputs
     want = ctx.wanted[out]
-    p = eqn.params
-    shape = local_shape(want, out.shape, ctx.mesh)
-    y = ctx.call(_full, size=shape, value=p["value"], to=p["dtype"], shape=shape, dtype=out.dtype)
-    return [(y, want)]
-
-
-def _full(size, value, to):
-    return jnp.full(size, value, to)
+    block = local_shape(want, out.shape, ctx.mesh)
+    return [(ctx.local(eqn.primitive, **{**eqn.params, "shape": block}), want)]
 
 
 @rule(P.iota)

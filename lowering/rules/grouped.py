@@ -39,7 +39,7 @@ def grouped_matmul_rule(ctx, eqn, args):
     g = wide_indices(ctx, g)
     me = ctx.axis_index(split)
     n = w.shape[axis]
-    g = ctx.call(minus_block, g, me, n=n, shape=g.shape, dtype=g.dtype)
+    g = ctx.call(minus_block, g, me, n=n, like=g)
     y = ctx.local(eqn.primitive, x, w, g, **eqn.params)
     scatter, reduce, cur = combine(split, cur, want)  # as a contraction's partial sums
     for a, j in scatter:

@@ -41,7 +41,7 @@ def _global_extreme(ctx, prim, x, y, axes: tuple[int, ...], split):
     through a sum or a float), NaN wherever a shard holds one (XLA's all-reduce max may
     drop a NaN on CPU), and for floats jax's tie gradient. One psum carries the count of
     NaNs (the value needs it) and of elements equal to the extreme (the gradient does)."""
-    y = ctx.call(jax.lax.stop_gradient, y, shape=y.shape, dtype=y.dtype)
+    y = ctx.call(jax.lax.stop_gradient, y, like=y)
     m = (ctx.pmax if prim is P.max else ctx.pmin)(y, split)
     if not is_inexact(x.dtype):
         return m
@@ -143,8 +143,7 @@ def _split_logsumexp(ctx, x, axes, split, dtype):
     sums of exp(x - m). A shard's NaN or inf reaches the psum through exp; an element at
     -inf gets a zero gradient (a per-shard logsumexp would give an all -inf shard NaN)."""
     m = _global_max(ctx, x, axes, split, dtype)
-    shape = tuple(n for i, n in enumerate(x.shape) if i not in axes)
-    part = ctx.call(_sum_exp, x, m, axes=axes, to=dtype, shape=shape, dtype=dtype)
+    part = ctx.call(_sum_exp, x, m, axes=axes, to=dtype, dtype=dtype)  # the result's shape
     total = ctx.psum(part, split)
     return ctx.call(_log_total, m, total, axes=axes, of=(x,))
 
@@ -251,12 +250,11 @@ def moment_rule(ctx, eqn, args):
     axes, ddof, dt = eqn.params["axes"], eqn.params["ddof"], out.dtype
     count = math.prod(v.shape[i] for i in axes)
     x = ctx.astype(x, dt)
-    reduced = tuple(n for i, n in enumerate(x.shape) if i not in axes)
-    total = ctx.psum(ctx.call(_sum, x, axes=axes, shape=reduced, dtype=dt), split)
+    total = ctx.psum(ctx.call(_sum, x, axes=axes), split)  # the result's shape and dtype
     shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
     mean = ctx.call(_expanded_mean, total, count=count, axes=axes, shape=shape, dtype=dt)
     mean = ctx.varying(mean, ctx.vma(x))
-    squares = ctx.call(_squared_deviations, x, mean, axes=axes, shape=reduced, dtype=dt)
+    squares = ctx.call(_squared_deviations, x, mean, axes=axes)
     squares = ctx.psum(squares, split)
     root = eqn.primitive is P.std
     y = ctx.call(_moment, squares, n=count - ddof, root=root, to=dt, of=(x,))

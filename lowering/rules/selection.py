@@ -37,17 +37,16 @@ def top_k_rule(ctx, eqn, args):
     vals = ctx.gather_stacked(vals, axes)  # [shards, ..., k]
     idx = ctx.gather_stacked(idx, axes)
     kept = tuple(() if i == axis else a for i, a in enumerate(lay))
-    best = x.shape[:axis] + (k,) + x.shape[axis + 1 :]
     if eqn.primitive is P.top_k:
-        outs = [ctx.call(_best, vals, vals, **kw, shape=best, dtype=x.dtype),
-                ctx.call(_best, vals, idx, **kw, shape=best, dtype=np.int32)]  # fmt: skip
+        outs = [ctx.call(_best, vals, got, **kw, of=(x,), output=n)  # the shape rule's
+                for n, got in enumerate((vals, idx))]  # fmt: skip
         return [
             (ctx.relayout(o, kept, ctx.wanted[v]), ctx.wanted[v])
             for o, v in zip(outs, eqn.outputs, strict=True)
         ]
     lay_out = tuple(a for i, a in enumerate(lay) if i != axis)
     want = ctx.wanted[eqn.outputs[0]]
-    first = ctx.call(_best_first, vals, idx, **kw, shape=shape[:-1], dtype=np.int32)
+    first = ctx.call(_best_first, vals, idx, **kw, of=(x,))
     return [(ctx.relayout(first, lay_out, want), want)]
 
 
@@ -92,7 +91,7 @@ def one_hot_rule(ctx, eqn, args):
     if want[-1]:
         idx = wide_indices(ctx, idx)
         me = ctx.axis_index(want[-1])
-        idx = ctx.call(minus_block, idx, me, n=n, shape=idx.shape, dtype=idx.dtype)
+        idx = ctx.call(minus_block, idx, me, n=n, like=idx)
     p = eqn.params
     return [(ctx.local(eqn.primitive, idx, dim=p["dim"], n=n, dtype=p["dtype"]), want)]
 
@@ -130,8 +129,8 @@ def gather_rule(ctx, eqn, args):
     full = vx.shape[axis]
     idx = wide_indices(ctx, idx)  # an int8 index + 256 would wrap
     me = ctx.axis_index(split)
-    local = ctx.call(_block_indices, idx, me, n=n, full=full, shape=idx.shape, dtype=idx.dtype)
-    inside = ctx.call(_in_block, idx, me, n=n, full=full, shape=idx.shape, dtype=bool)
+    local = ctx.call(_block_indices, idx, me, n=n, full=full, like=idx)
+    inside = ctx.call(_in_block, idx, me, n=n, full=full, like=idx, dtype=bool)
     y = ctx.local(eqn.primitive, x, local, **eqn.params)
     y = ctx.call(_zero_outside, y, inside, dims=vi.dims, out_dims=out.dims, of=(x, local))
     return [(ctx.psum(y, split), want)]

@@ -32,13 +32,11 @@ def _halo_extend(ctx, x, axis: int, axes, left: int, right: int, fill):
     parts = []
     if left:
         halo = ctx.ppermute(edge(n - left, n), axes, [(j, j + 1) for j in range(k - 1)])
-        parts.append(ctx.call(fill_at, halo, me, end=0, fill=fill, shape=halo.shape,
-                              dtype=halo.dtype))  # fmt: skip
+        parts.append(ctx.call(fill_at, halo, me, end=0, fill=fill, like=halo))
     parts.append(x)
     if right:
         halo = ctx.ppermute(edge(0, right), axes, [(j + 1, j) for j in range(k - 1)])
-        parts.append(ctx.call(fill_at, halo, me, end=k - 1, fill=fill, shape=halo.shape,
-                              dtype=halo.dtype))  # fmt: skip
+        parts.append(ctx.call(fill_at, halo, me, end=k - 1, fill=fill, like=halo))
     shape = x.shape[:axis] + (n + left + right,) + x.shape[axis + 1 :]
     return ctx.call(_concat, *parts, axis=axis, shape=shape, dtype=x.dtype)
 

@@ -171,10 +171,8 @@ def shift_rule(ctx, eqn, args):
     if not p["wrap"]:
         me = ctx.axis_index(axes)
         end = 0 if off > 0 else math.prod(ctx.sizes[a] for a in axes) - 1
-        halo = ctx.call(fill_at, halo, me, end=end, fill=p["fill"], shape=halo.shape,
-                        dtype=halo.dtype)  # fmt: skip
-    y = ctx.call(_shifted, x, halo, k=k, axis=axis, forward=off > 0, shape=x.shape,
-                 dtype=x.dtype)  # fmt: skip
+        halo = ctx.call(fill_at, halo, me, end=end, fill=p["fill"], like=halo)
+    y = ctx.call(_shifted, x, halo, k=k, axis=axis, forward=off > 0)
     return [(ctx.relayout(y, lay, want), want)]
 
 

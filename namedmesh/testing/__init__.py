@@ -57,7 +57,8 @@ def compare(got, want, rtol=None, what: str = "result") -> None:
             raise AssertionError(f"{what} {n} {w.dims}: dtype {g.dtype}, reference {w.dtype}")
         r, a = tolerance(w.dtype) if rtol is None else (rtol, rtol)
         gv, wv = np.asarray(g.data), np.asarray(w.data)
-        finite = wv[np.isfinite(wv)] if is_inexact(wv.dtype) else wv[:0]  # NaN, inf: equal
+        # NaN, inf: equal (flattened: a 0-d int or bool result has no [:0])
+        finite = wv[np.isfinite(wv)] if is_inexact(wv.dtype) else wv.reshape(-1)[:0]
         scale = float(np.max(np.abs(finite), initial=0.0))
         if not np.allclose(gv, wv, rtol=r, atol=a * max(scale, 1.0), equal_nan=True):
             diff = np.max(np.abs(gv.astype(np.float64) - wv.astype(np.float64)))

@@ -6,11 +6,15 @@ inputs; and layout rules of any value.
 
 `axis_order_cases()` draws `(AlongProgram, mesh, layout)`: one op along dim "p" of
 x[p, q], "p" split by a permutation of 2 or 3 mesh axes. An AlongProgram is data, so
-hypothesis shrinks it and it prints as code.
+hypothesis shrinks it and it prints as code. Its kinds are ALONG_KINDS, written here
+(index tensors, integer inputs, parameters), and half the time one of the registry's
+other primitives (`registry_kinds()`: those no kind of ALONG_KINDS binds), applied by
+its `Primitive.example` along "p": a primitive registered later is drawn too.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +22,8 @@ from hypothesis import strategies as st
 
 import namedmesh as nm
 from lowering import Layout, Mesh
+from namedmesh.primitive import REGISTRY
+from namedmesh.testing.registry_steps import not_bound_by, step_of
 
 ALONG_KINDS = (
     "shift",
@@ -133,16 +139,37 @@ class AlongProgram:
             return nm.reshape(split, {"p": n}, from_=("p_hi", "p_lo"))
         if self.kind == "relayout":
             return nm.constrain(x * 2, {"q": "m0"} if k % 2 else {})
+        if self.kind not in ALONG_KINDS and self.kind in REGISTRY:  # registry_kinds()
+            out = step_of(self.kind)(x, x, "p", k)
+            return x if out is None else out
         return x
 
 
+def registry_kinds() -> tuple[str, ...]:
+    """The drawn primitives (`strategies.drawn_kinds`) that no kind of ALONG_KINDS binds,
+    but the elementwise ones (each element alone: nothing along "p"), read from the
+    registry at each call: AlongProgram applies them by their example."""
+    return _registry_kinds(tuple((name, p.example) for name, p in REGISTRY.items()))
+
+
+@functools.cache  # per registry state: its primitives and their examples
+def _registry_kinds(registered: tuple) -> tuple[str, ...]:
+    probes = [AlongProgram(kind, 4, 2, 1, False) for kind in ALONG_KINDS]
+    kinds = not_bound_by(probes, *probes[0].example_inputs())
+    return tuple(k for k in kinds if not REGISTRY[k].elementwise)
+
+
 @st.composite
-def axis_order_cases(draw, kinds=ALONG_KINDS, x_dtypes=X_DTYPES):
+def axis_order_cases(draw, kinds=None, x_dtypes=X_DTYPES):
     """(AlongProgram, mesh, layout): "p" over 2 or 3 mesh axes in any order (every axis
     of size > 1), its size 1..4 per shard; "q" sometimes on another axis; the index
-    tensor's dims in any order, shared with x's ("q") or new ("i", of q's size)."""
+    tensor's dims in any order, shared with x's ("q") or new ("i", of q's size). The
+    kind is one of `kinds`, by default ALONG_KINDS or (half the time, shrinking to the
+    former) `registry_kinds()`, float x only (their examples are made for floats)."""
     mesh = draw(split_meshes())
     axes = draw(axis_orders(mesh))
+    if kinds is None:
+        kinds = registry_kinds() if draw(st.booleans()) else ALONG_KINDS
     kind = draw(st.sampled_from(kinds))
     per = int(np.prod([mesh.sizes[a] for a in axes]))
     p = per * draw(st.sampled_from([2, 1, 3, 4, 40]))  # 40: past an int8 index's range
@@ -150,6 +177,7 @@ def axis_order_cases(draw, kinds=ALONG_KINDS, x_dtypes=X_DTYPES):
     if kind == "relayout":  # its constraint puts q on m0, whose size must divide it
         q = max(q, mesh.sizes["m0"])
     dtypes = [d for d in x_dtypes if kind in INT_KINDS or d.startswith("float")]
+    dtypes = dtypes or ["float32"]
     if kind == "random":  # drawn in float32 (NumPy's and XLA's log/cos differ by an ulp)
         dtypes = ["float32"]
     idx_dims = tuple(draw(st.permutations(["i", "q"]))[: draw(st.integers(1, 2))])
@@ -192,6 +220,7 @@ def rule_values():
 
 __all__ = [
     "ALONG_KINDS",
+    "registry_kinds",
     "AlongProgram",
     "axis_order_cases",
     "axis_orders",

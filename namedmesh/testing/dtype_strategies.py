@@ -1,17 +1,26 @@
-"""Every op in every dtype (issue 26): `DTYPE_OPS` applies each op of the language to
-x[r, d] (two of them for the binary ops), and `dtype_cases()` draws one with x of any
-dtype of `DTYPES`, `d` split or not, so that a property can hold the result's dtype and
-values to one device's: a float-valued op of integers or bools computes in its float
-result's dtype, and a bool moved along a split dim stays bool."""
+"""Every op in every dtype (issue 26): `dtype_ops()` applies each registered primitive
+to x[r, d] (two of them for the binary ops), and `dtype_cases()` draws one with x of
+any dtype of `DTYPES`, `d` split or not, so that a property can hold the result's dtype
+and values to one device's: a float-valued op of integers or bools computes in its float
+result's dtype, and a bool moved along a split dim stays bool.
+
+The ops are read from the registry (issue 42): the structural ops and the kernels are
+written here (they keep x's dtype where a primitive's `example`, made for float
+programs, scales by 0.5), and every other primitive is derived: an elementwise op of
+its arity on x, x shifted along d and x again, any other by its `example` along d. A
+primitive registered later is drawn with no list to edit."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 from hypothesis import strategies as st
 
 import namedmesh as nm
+from namedmesh.primitive import REGISTRY
+from namedmesh.testing.registry_steps import arity, drawn_kinds, not_bound_by, public_op, step_of
 from namedmesh.testing.strategies import (
     DTYPES,
     VALUE_MESHES,
@@ -27,27 +36,10 @@ def _q(x) -> int:
     return x.sizes["d"] // 4
 
 
-def _unary(name):
-    return lambda x: getattr(nm, name)(x)
+def _shifted(x):
+    return nm.shift(x, "d", 1, wrap=True)
 
 
-def _binary(name):
-    return lambda x: getattr(nm, name)(x, nm.shift(x, "d", 1, wrap=True))
-
-
-def _along(name):
-    return lambda x: getattr(nm, name)(x, "d")
-
-
-UNARY_OPS = ("abs", "negative", "sign", "square", "reciprocal", "exp", "log", "log1p",
-             "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf", "sigmoid",
-             "relu", "gelu", "silu", "floor", "ceil", "round", "logical_not", "isnan",
-             "isfinite")  # fmt: skip
-BINARY_OPS = ("add", "subtract", "multiply", "divide", "floor_divide", "mod", "power",
-              "maximum", "minimum", "arctan2", "equal", "not_equal", "less", "less_equal",
-              "greater", "greater_equal", "logical_and", "logical_or", "logical_xor")  # fmt: skip
-ALONG_OPS = ("sum", "prod", "max", "min", "mean", "any", "all", "logsumexp", "softmax",
-             "log_softmax", "var", "std", "argmax", "argmin", "cumsum")  # fmt: skip
 # The structural ops, each moving x's values along d (split or not) without arithmetic
 STRUCTURAL_OPS = {
     "gather": lambda x: nm.gather(x, "d", nm.tensor(_IDX, "i")),
@@ -87,25 +79,60 @@ def _experts(x):
 KERNEL_OPS = {
     "grouped_matmul": _experts,
     "dot_product_attention": lambda x: nm.dot_product_attention(
-        nm.rename(x, r="length", d="d_kv"),
-        nm.rename(x, r="memory", d="d_kv"),
-        nm.rename(x, r="memory", d="d_kv"),
-        causal=True,
-    ),
+        x, nm.rename(x, r="m"), nm.rename(x, r="m"), causal=True,
+        length="r", memory="m", features="d",
+    ),  # fmt: skip
 }
 
-DTYPE_OPS = {
-    **{n: _unary(n) for n in UNARY_OPS},
-    **{n: _binary(n) for n in BINARY_OPS},
-    **{n: _along(n) for n in ALONG_OPS},
-    **STRUCTURAL_OPS,
-    **KERNEL_OPS,
-}
+
+def _derived(name: str):
+    """Primitive `name` on x[r, d]: an elementwise op (its `example` unset) of its arity
+    on x, x shifted along d and x again; any other by its `example` along d (k = 2: a
+    reduction's example reduces the dims k's bits pick, d's), x itself where the
+    example has none for x's shape."""
+    prim = REGISTRY[name]
+    if prim.example is None and prim.elementwise:
+        op, n = public_op(prim), arity(prim)
+        return lambda x: op(*[x, _shifted(x), x][:n])
+    example = step_of(name)
+
+    def apply(x):
+        out = example(x, _shifted(x), "d", 2)
+        return x if out is None else out
+
+    return apply
+
+
+def dtype_ops() -> dict:
+    """op -> its function of x[r, d], for every drawn primitive of the registry (read at
+    each call): STRUCTURAL_OPS and KERNEL_OPS, then under its own name each elementwise
+    primitive and each other primitive none of them binds, derived (`_derived`)."""
+    return dict(_dtype_ops(tuple((name, p.example) for name, p in REGISTRY.items())))
+
+
+@functools.cache  # per registry state: its primitives and their examples
+def _dtype_ops(registered: tuple) -> tuple:
+    hand = {**STRUCTURAL_OPS, **KERNEL_OPS}
+    x = nm.tensor(np.ones((2, 8), np.float32), "r d")
+    uncovered = set(not_bound_by(hand.values(), x))
+    derived = {
+        name: _derived(name)
+        for name in drawn_kinds()
+        if name not in hand and (REGISTRY[name].elementwise or name in uncovered)
+    }
+    return tuple({**hand, **derived}.items())
+
+
+def elementwise_ops() -> tuple[str, ...]:
+    """The ops of `dtype_ops()` derived from an elementwise primitive: their values on
+    special floats differ by ulps between NumPy and XLA (their dtypes are compared)."""
+    hand = {**STRUCTURAL_OPS, **KERNEL_OPS}
+    return tuple(n for n in dtype_ops() if n not in hand and REGISTRY[n].elementwise)
 
 
 @dataclass(frozen=True, eq=False)
 class DtypeCase:
-    """Op `op` of DTYPE_OPS on x[r, d] of `dtype`, under `layout` on `mesh`; x may be
+    """Op `op` of `dtype_ops()` on x[r, d] of `dtype`, under `layout` on `mesh`; x may be
     big-endian (`x.dtype.isnative` false), as some files and network formats give."""
 
     op: str
@@ -135,11 +162,11 @@ def in_order(x: np.ndarray, order: str) -> np.ndarray:
 
 
 @st.composite
-def dtype_cases(draw, ops=tuple(DTYPE_OPS), dtypes=DTYPES, split=(True, False)) -> DtypeCase:
-    """A DtypeCase: any op, any dtype, values drawn from the dtype's special values, in
-    either byte order, `d` split over one or two mesh axes (in either order) or `r`
-    split instead."""
-    op = draw(st.sampled_from(ops))
+def dtype_cases(draw, ops=None, dtypes=DTYPES, split=(True, False)) -> DtypeCase:
+    """A DtypeCase: any op of `ops` (default: every one of `dtype_ops()`), any dtype,
+    values drawn from the dtype's special values, in either byte order, `d` split over
+    one or two mesh axes (in either order) or `r` split instead."""
+    op = draw(st.sampled_from(tuple(dtype_ops()) if ops is None else ops))
     dtype = draw(st.sampled_from(dtypes))
     mesh = draw(st.sampled_from(VALUE_MESHES))
     axes = draw(st.permutations(list(mesh)))
@@ -190,8 +217,8 @@ def power_cases(draw, dtypes=DTYPES) -> PowerCase:
 
 
 __all__ = [
-    "ALONG_OPS",
-    "DTYPE_OPS",
+    "dtype_ops",
+    "elementwise_ops",
     "KERNEL_OPS",
     "STRUCTURAL_OPS",
     "DtypeCase",

@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 
 import namedmesh as nm
 from lowering import Layout, Mesh
-from namedmesh.primitive import REGISTRY
+from namedmesh.testing.registry_steps import (
+    arity,
+    bound_by,
+    drawn_kinds,
+    not_bound_by,
+    not_drawn,
+    public_op,
+    step_of,
+)
 
 NAMES = ("p", "q", "r", "s")
 SIZES = (2, 4, 8, 1, 3, 6)  # mostly divisible; 3 and 6 are not, by most mesh axes
@@ -145,66 +153,6 @@ def _apply(pool, kind, i, j, k):
     if out is None:  # a 0-d tensor, or a dim the op has no example for
         return -a
     return out if out.dtype == np.float32 else nm.astype(out, np.float32)
-
-
-def drawn_kinds() -> tuple[str, ...]:
-    """The registered primitives random programs draw: every one whose `example` is a
-    function or derived from its flags (`step_of`), read from the registry at each call,
-    so a primitive registered later is drawn too."""
-    return tuple(name for name in REGISTRY if step_of(name) is not None)
-
-
-def not_drawn() -> dict[str, str]:
-    """{primitive: why random programs do not draw it} for the registered primitives that
-    are not drawn: each declares its reason as its `example` (a str), or is named here
-    with "no example" (a primitive to give one)."""
-    return {
-        name: p.example if isinstance(p.example, str) else "no example and no flag to derive one"
-        for name, p in REGISTRY.items()
-        if step_of(name) is None
-    }
-
-
-def step_of(name: str):
-    """How a random program applies primitive `name`: its `example`, or for an elementwise
-    op without one, its public op on positive inputs (in [0.5, 1.5]: every op's domain)
-    with as many operands as it takes; None where neither applies."""
-    prim = REGISTRY[name]
-    if callable(prim.example):
-        return prim.example
-    if prim.example is None and prim.elementwise and (arity := _arity(prim)):
-        op = _public_op(prim)
-
-        def elementwise(a, b, d, k):
-            ins = [a, b, a][:arity]
-            return op(*(abs(x) * 0.25 + 0.5 for x in ins))
-
-        return elementwise
-    return None
-
-
-@functools.cache
-def _public_op(prim):
-    """The public function of `nm` (or `nm.random`) that binds `prim`, or None."""
-    for space in (nm, nm.random):
-        for name in dir(space):
-            if getattr(getattr(space, name), "primitive", None) is prim:
-                return getattr(space, name)
-    return None
-
-
-@functools.cache
-def _arity(prim) -> int | None:
-    """How many operands `prim`'s public op takes (1 to 3): the first count it accepts."""
-    op = _public_op(prim)
-    x = nm.ones({"p": 2})
-    for n in (1, 2, 3):
-        try:
-            op(*[x] * n)
-        except (TypeError, nm.NamedMeshError):
-            continue
-        return n
-    return None
 
 
 @st.composite
@@ -459,6 +407,10 @@ __all__ = [
     "drawn_kinds",
     "not_drawn",
     "step_of",
+    "public_op",
+    "arity",
+    "bound_by",
+    "not_bound_by",
     "dims",
     "meshes",
     "layouts",
