@@ -9,7 +9,7 @@ from lowering.ops import HLO_KINDS as KINDS
 from lowering.ops import HLO_PIECES
 
 _LINE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
-_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")  # f8e4m3fn[2,3] too
 _GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")  # [groups,size]<=[devices]
 # replica_groups=mesh['a'=8,'b'=1] {'a'}: groups over the named axes of a mesh
@@ -28,6 +28,9 @@ def _group_size(line: str) -> int:
     return 0
 
 
+# XLA's 8- and 4-bit floats, and 2- and 4-bit ints: a byte an element, as XLA:CPU keeps them
+_FLOAT8 = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz", "f8e3m4",
+           "f8e8m0fnu", "f4e2m1fn")  # fmt: skip
 _ITEMSIZE = {
     "pred": 1,
     "s8": 1,
@@ -44,6 +47,8 @@ _ITEMSIZE = {
     "f64": 8,
     "c64": 8,
     "c128": 16,
+    **{f"{k}{n}": 1 for k in "su" for n in (2, 4)},
+    **dict.fromkeys(_FLOAT8, 1),
 }
 
 

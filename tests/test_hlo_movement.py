@@ -61,3 +61,15 @@ def test_movement_counts_a_hand_made_module_by_kind_and_iteration():
         "transpose": (1, 96),
         "copy": (0, 0),
     }
+
+
+def test_movement_sizes_narrow_dtypes_by_their_bytes():
+    """An 8-bit float's name holds digits and letters (f8e4m3fn): a byte an element."""
+    text = """HloModule n
+
+ENTRY %main (x: f8e4m3fn[2,3]) -> f8e4m3fn[3,2] {
+  %x = f8e4m3fn[2,3]{1,0} parameter(0)
+  ROOT %t = f8e4m3fn[3,2]{1,0} transpose(%x), dimensions={1,0}
+}
+"""
+    assert movement(text)["transpose"] == (1, 6)
