@@ -1,7 +1,8 @@
 """Where a zoo family's training step moves data: the compiled step (forward, backward,
 AdamW: benchmarks/zoo_families.py's) read by `lowering.hlo.movement`, per setting
-(`SETTINGS`: the layer stack as one loop or unrolled; XLA:CPU's dots by its default
-YNNPACK kernels or by Eigen, a compile option), with the compile time:
+(`SETTINGS`: the layer stack as one loop or unrolled, keeping every residual or only
+the matmuls' outputs; XLA:CPU's dots by its default YNNPACK kernels or by Eigen, a
+compile option), with the compile time:
 
     python -m benchmarks.step_movement --family llama --layers 4 --d-model 512 \\
         --heads 8 --vocab 8192 --length 512 --batch 4 --time 7
@@ -35,6 +36,9 @@ SETTINGS = {
     "layer loop": ({"scan_layers": True}, {}),
     "unrolled layers": ({"scan_layers": False}, {}),
     "layer loop, Eigen dots": ({"scan_layers": True}, EIGEN_DOTS),
+    # the backward pass recomputes what is not a matmul's output (nm.scan's remat)
+    "layer loop, remat dots": ({"scan_layers": True, "remat": "dots"}, {}),
+    "unrolled, remat dots": ({"scan_layers": False, "remat": "dots"}, {}),
 }
 
 
