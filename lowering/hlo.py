@@ -9,7 +9,7 @@ from lowering.ops import HLO_KINDS as KINDS
 from lowering.ops import HLO_PIECES
 
 _LINE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
-_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")  # f8e4m3fn[2,3] too
 _GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")  # [groups,size]<=[devices]
 # replica_groups=mesh['a'=8,'b'=1] {'a'}: groups over the named axes of a mesh
@@ -28,6 +28,9 @@ def _group_size(line: str) -> int:
     return 0
 
 
+# XLA's 8- and 4-bit floats, and 2- and 4-bit ints: a byte an element, as XLA:CPU keeps them
+_FLOAT8 = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz", "f8e3m4",
+           "f8e8m0fnu", "f4e2m1fn")  # fmt: skip
 _ITEMSIZE = {
     "pred": 1,
     "s8": 1,
@@ -44,6 +47,8 @@ _ITEMSIZE = {
     "f64": 8,
     "c64": 8,
     "c128": 16,
+    **{f"{k}{n}": 1 for k in "su" for n in (2, 4)},
+    **dict.fromkeys(_FLOAT8, 1),
 }
 
 
@@ -71,3 +76,94 @@ def collectives(hlo_text: str) -> list[tuple[str, int, int]]:
         for shape in _SHAPE.finditer(m.group(1)):
             found.append((m.group(2), _bytes(shape.group(0)), size))
     return found
+
+
+# Data movement in compiled HLO (`movement`): what XLA materialises besides the arithmetic.
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\((.*)$")
+_CALLS = re.compile(r"(?:calls|body|to_apply|condition|branch_computations)=\{?%?([\w.\-]+)")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COMPUTE = {"dot", "convolution", "custom-call", "reduce", "reduce-window", "scatter", "gather",
+            "sort", "fft"}  # fmt: skip
+_MOVES = ("dynamic-update-slice", "dynamic-slice", "transpose", "copy", "concatenate", "pad",
+          "slice")  # fmt: skip
+MOVEMENT_KINDS = ("fill", "stack", "unstack", "transpose", "copy")
+
+
+def _computations(hlo_text: str) -> dict[str, list[tuple[str, str, str, str]]]:
+    """{computation: [(name, shape, opcode, operands and attributes)]} of HLO text."""
+    comps: dict[str, list] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and (m := _COMP.match(line)):
+            current = comps.setdefault(m.group(1), [])
+        elif current is not None and (m := _INSTR.match(line)):
+            current.append(m.groups())
+    return comps
+
+
+def _kind(comps: dict, instr: tuple) -> tuple[str, int] | None:
+    """(movement kind, bytes moved) of one instruction of a computation that is not
+    fused (a fusion read through its fused computation), or None for arithmetic."""
+    name, shape, op, rest = instr
+    body = [instr]
+    if op == "fusion":
+        body = comps.get(_CALLS.search(rest).group(1), [])
+    ops = {i[2] for i in body}
+    if ops & _COMPUTE or op in _COMPUTE | {"while", "call", "conditional", "tuple"}:
+        return None
+    shapes = {i[0]: i[1] for i in body}
+    if "dynamic-update-slice" in ops:  # the update written into a (loop's) stacked buffer
+        dus = next(i for i in body if i[2] == "dynamic-update-slice")
+        update = re.findall(r"%([\w.\-]+)", dus[3])[1]
+        return "stack", _bytes(shapes.get(update, shape))
+    if "dynamic-slice" in ops:
+        return "unstack", _bytes(shape)
+    if ops <= {"broadcast", "constant", "parameter", "bitcast"} and "broadcast" in ops:
+        return "fill", _bytes(shape)
+    if "transpose" in ops:
+        return "transpose", _bytes(shape)
+    if ops & set(_MOVES):
+        return "copy", _bytes(shape)
+    return None
+
+
+def movement(hlo_text: str) -> dict[str, tuple[int, int]]:
+    """{kind: (instructions, bytes written)} of the data movement XLA runs in compiled
+    HLO text (`jitted.lower(...).compile().as_text()`), each instruction inside a loop
+    counted once per iteration (XLA's known trip count): "fill" a buffer filled with one
+    value (a loop's stacked outputs are zero-filled first), "stack" a value written into
+    a stacked buffer (dynamic-update-slice; its update's bytes), "unstack" a slice read
+    out of one (dynamic-slice), "transpose" a value whose dims XLA reorders in memory,
+    "copy" any other copy, slice, pad or concatenation (a copy of a fill is a fill).
+    An instruction that also does arithmetic (a dot, a reduction) is not counted."""
+    comps = _computations(hlo_text)
+    fills: set[str] = set()
+    found = {k: [0, 0] for k in MOVEMENT_KINDS}
+
+    def walk(comp: str, times: int) -> None:
+        for instr in comps.get(comp, []):
+            name, _, op, rest = instr
+            if op == "while":  # its body, once per iteration (a condition moves nothing)
+                n = int(m.group(1)) if (m := _TRIPS.search(rest)) else 1
+                walk(_BODY.search(rest).group(1), times * n)
+                continue
+            if op in ("call", "conditional"):
+                for callee in _CALLS.findall(rest):
+                    walk(callee, times)
+                continue
+            got = _kind(comps, instr)
+            if got is None:
+                continue
+            kind, nbytes_ = got
+            if kind == "copy" and op == "copy" and rest.split(")")[0].lstrip("%") in fills:
+                kind = "fill"
+            if kind == "fill":
+                fills.add(name)
+            found[kind][0] += times
+            found[kind][1] += times * nbytes_
+
+    walk(_ENTRY.search(hlo_text).group(1), 1)
+    return {k: (n, b) for k, (n, b) in found.items()}

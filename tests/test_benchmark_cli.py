@@ -21,6 +21,7 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("moe_routing", ["--experts", "0"]),
     ("pipeline", ["--repeats", "0"]),
     ("quality", ["--steps", "abc"]),
+    ("step_movement", ["--layers", "0"]),
 ]
 
 

@@ -1,0 +1,75 @@
+"""lowering.hlo.movement: the data movement of compiled HLO, counted against a hand-made
+module whose every byte is worked out by hand. (docs/lowering.md's example holds it to
+nm.scan's loop, whose stacked residuals unrolling removes.)"""
+
+from lowering.hlo import movement
+
+# A loop of 3 iterations over a zero-filled f32[3,8] buffer (96 bytes): each iteration
+# reads a row (32 bytes) and writes the negated row (32 bytes) in a fusion; after it a
+# transpose of the buffer and a dot, which is arithmetic and not counted.
+HAND = """HloModule m
+
+%cond (c: (s32[], f32[3,8], f32[1,8])) -> pred[] {
+  %c = (s32[], f32[3,8]{1,0}, f32[1,8]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%ci, %three), direction=LT
+}
+
+%fused_update (a: f32[3,8], b: f32[1,8], i: s32[]) -> f32[3,8] {
+  %a = f32[3,8]{1,0} parameter(0)
+  %b = f32[1,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %neg = f32[1,8]{1,0} negate(%b)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[3,8]{1,0} dynamic-update-slice(%a, %neg, %i, %zero)
+}
+
+%body (p: (s32[], f32[3,8], f32[1,8])) -> (s32[], f32[3,8], f32[1,8]) {
+  %p = (s32[], f32[3,8]{1,0}, f32[1,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %buf = f32[3,8]{1,0} get-tuple-element(%p), index=1
+  %row = f32[1,8]{1,0} get-tuple-element(%p), index=2
+  %z = s32[] constant(0)
+  %read = f32[1,8]{1,0} dynamic-slice(%buf, %i, %z), dynamic_slice_sizes={1,8}
+  %new = f32[3,8]{1,0} fusion(%buf, %row, %i), kind=kLoop, calls=%fused_update
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[3,8]{1,0}, f32[1,8]{1,0}) tuple(%next, %new, %read)
+}
+
+ENTRY %main (x: f32[1,8]) -> f32[8,3] {
+  %x = f32[1,8]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %fill = f32[3,8]{1,0} broadcast(%zero), dimensions={}
+  %fill2 = f32[3,8]{1,0} copy(%fill)
+  %start = s32[] constant(0)
+  %init = (s32[], f32[3,8]{1,0}, f32[1,8]{1,0}) tuple(%start, %fill2, %x)
+  %loop = (s32[], f32[3,8]{1,0}, f32[1,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = f32[3,8]{1,0} get-tuple-element(%loop), index=1
+  %dot = f32[3,3]{1,0} dot(%out, %out), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %tr = f32[8,3]{0,1} transpose(%out), dimensions={1,0}
+}
+"""  # noqa: E501
+
+
+def test_movement_counts_a_hand_made_module_by_kind_and_iteration():
+    assert movement(HAND) == {
+        "fill": (2, 2 * 96),  # the broadcast and its copy
+        "stack": (3, 3 * 32),  # the row written, once per iteration
+        "unstack": (3, 3 * 32),  # the row read, once per iteration
+        "transpose": (1, 96),
+        "copy": (0, 0),
+    }
+
+
+def test_movement_sizes_narrow_dtypes_by_their_bytes():
+    """An 8-bit float's name holds digits and letters (f8e4m3fn): a byte an element."""
+    text = """HloModule n
+
+ENTRY %main (x: f8e4m3fn[2,3]) -> f8e4m3fn[3,2] {
+  %x = f8e4m3fn[2,3]{1,0} parameter(0)
+  ROOT %t = f8e4m3fn[3,2]{1,0} transpose(%x), dimensions={1,0}
+}
+"""
+    assert movement(text)["transpose"] == (1, 6)
