@@ -12,10 +12,14 @@ holds the optimizer's state and, with gradient accumulation, an accumulator:
                 parameters, or (ZeRO-1) also over the data axes that do not split the
                 parameter; momentum: one; sgd: none
     activations what the backward pass reads and its largest working set (remat's
-                recomputed iteration included), of one microbatch
+                recomputed iteration included), of one microbatch; a pipeline stage
+                holds `in_flight` microbatches' saved activations at once (1F1B: those
+                it has run forward and not yet backward) beside one working set
     other       the batch and any other input, and the update's new parameters: the
                 trainer (models/trainer.py) keeps them beside the old ones until it has
-                checked that they are finite, and only then writes them over the old
+                checked that they are finite, and only then writes them over the old;
+                a stage keeps each in-flight microbatch's input (its batch, or the
+                activation the previous stage sent) for its backward pass
 
 The rest of the update runs in place (the trainer donates the state) and fuses
 elementwise, so it adds no other state-sized buffer; docs/benchmarks.md holds the total
@@ -39,12 +43,14 @@ OPTIMIZERS = {"adamw": 2, "adam": 2, "momentum": 1, "sgd": 0}
 @dataclass(frozen=True)
 class Training:
     """How a step trains, beyond the loss: the optimizer and its state's dtype, ZeRO-1
-    (the state split over the data axes too), gradient accumulation's microbatches."""
+    (the state split over the data axes too), gradient accumulation's microbatches, and
+    (a pipeline stage) how many microbatches' activations are in flight at once."""
 
     optimizer: str = "adamw"
     moment_dtype: str = "float32"
     zero1: bool = False
     grad_accum: int = 1
+    in_flight: int = 1
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -57,9 +63,10 @@ class Training:
             raise ParameterError(
                 f"Training: moment_dtype {self.moment_dtype!r} is not a dtype (float32, bfloat16)"
             ) from None
-        g = self.grad_accum
-        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-            raise ParameterError(f"Training: grad_accum must be an int >= 1, got {g!r}")
+        for name in ("grad_accum", "in_flight"):
+            g = getattr(self, name)
+            if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+                raise ParameterError(f"Training: {name} must be an int >= 1, got {g!r}")
 
     @property
     def moment_bytes(self) -> int:
@@ -109,10 +116,13 @@ def step_memory(
         split = math.prod(sizes[a] for a in data_axes if a not in axes) if training.zero1 else 1
         optimizer += moments * nbytes / itemsize * training.moment_bytes / split
     grads = parts["gradients"] * (2 if training.grad_accum > 1 else 1)
+    more = training.in_flight - 1  # microbatches in flight beside the one running
+    batch = max(parts["inputs"] - params, 0)  # the inputs that are not parameters
     return StepMemory(
         parameters=int(params),
         gradients=int(grads),
         optimizer=int(optimizer),
-        activations=int(parts["saved"] + parts["working"]),
-        other=int(parts["inputs"]),  # the batch, and the new parameters (as many bytes)
+        activations=int(parts["saved"] * training.in_flight + parts["working"]),
+        # the batch, and the new parameters (as many bytes); each in-flight microbatch's
+        other=int(parts["inputs"] + more * batch),
     )

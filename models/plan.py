@@ -144,28 +144,18 @@ def builder(cfg, batch: int, length: int):
     return build
 
 
-def stacks(cfg) -> list[int]:
-    """The decoder's layer stacks in order: [dense, mixture-of-experts] where it has dense
-    layers first (DeepSeek-V3's 3 and 58), else [layers]."""
-    k = cfg.dense_layers
-    return [k, cfg.layers - k] if k else [cfg.layers]
-
-
 def stage_builder(cfg, batch: int, length: int):
-    """`build(settings, counts) -> (loss, (params, batch))`: `builder`'s program of one
-    pipeline stage holding `counts` layers of each of `stacks(cfg)` (with the embedding
-    and the loss head) on one microbatch of batch / settings.grad_accum rows; its
-    routing (a MoE stack) is the microbatch's own (lowering/stages.py)."""
-    from models.transformer import dense_config
+    """`build(settings, counts, first, last) -> (loss, (params, inputs))`: one pipeline
+    stage of `cfg` holding `counts` layers of each of `stacks(cfg)` (the first with the
+    embedding, the last with the loss head: models/stage_programs.py) on one microbatch
+    of batch / settings.grad_accum rows; its routing (a MoE stack) is the microbatch's
+    own (lowering/stages.py)."""
+    from models.stage_programs import stage_program
 
-    def build(settings, counts):
-        if len(counts) == 2 and counts[0] and counts[1]:
-            c = cfg.replace(dense_layers=counts[0], layers=sum(counts))
-        elif len(counts) == 2 and counts[0]:
-            c = dense_config(cfg).replace(layers=counts[0])
-        else:
-            c = cfg.replace(dense_layers=0, layers=counts[-1])
-        return builder(c, batch, length)(settings)
+    def build(settings, counts, first, last):
+        c = cfg.replace(remat=settings.remat, dtype=settings.dtype,
+                        attention=settings.attention, dropout=0.0)  # fmt: skip
+        return stage_program(c, counts, first, last, batch // settings.grad_accum, length)
 
     return build
 
@@ -176,6 +166,7 @@ def _staged(args, cfg, rates, training):
     layout is searched and run as lowering.pipeline runs it)."""
     from lowering.joint import Settings
     from lowering.stages import staged_choice
+    from models.stage_programs import stacks
 
     parts = stacks(cfg)
     if not args.stages or (not cfg.experts and all(n % s == 0 for s in args.stages
@@ -270,6 +261,8 @@ def plan(args, cache: dict | None = None) -> dict:
         f"MFU {out['mfu']:.1%}",
     ]
     if hasattr(best, "assignment"):  # a pipelined plan (lowering/stages.py)
+        from models.stage_programs import stacks
+
         out["settings"]["stages_uneven"] = best.uneven
         out["settings"]["runtime"] = best.runtime
         out["stages"] = best.as_dict()
