@@ -31,7 +31,7 @@ from lowering.mesh import Mesh
 from lowering.rates import Rates
 from lowering.search import Candidate, auto_layout
 from lowering.stages import STAGE_AXIS
-from lowering.train_step import OPTIMIZERS, StepMemory, Training
+from lowering.train_step import StepMemory, Training, optimizer_bytes
 from namedmesh.errors import LayoutError, ParameterError
 
 REMATS = ("none", "dots", "full")
@@ -315,8 +315,7 @@ class _WholeCosts:
         """Parameters, gradients (and the accumulator) and optimizer state, whole."""
         rep = self.report(settings)
         params = sum(b for b, _, _ in rep.parameter_shards)
-        elements = sum(b / size for b, size, _ in rep.parameter_shards)
-        moments = OPTIMIZERS[self.training.optimizer] * elements * self.training.moment_bytes
+        moments = optimizer_bytes(rep, {"whole": 1}, (), self.training)
         grads = params * (2 if settings.grad_accum > 1 else 1)
         return params + grads + moments
 
