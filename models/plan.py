@@ -287,7 +287,8 @@ def plan(args, cache: dict | None = None) -> dict:
     for text in args.compare:
         layout, _, where = text.partition("@")
         line = _compare(build, best, rates, training, joint.limit, Layout(layout),
-                        where and _on_mesh(where, best), staged, joint)  # fmt: skip
+                        where and _on_mesh(where, best), staged, joint,
+                        args.batch)  # fmt: skip
         out["compare"].append({"layout": text, **line})
         lines.append(f"yours: {text}: {line['verdict']}")
     out["text"] = "\n".join(lines)
@@ -310,10 +311,11 @@ def _on_mesh(text: str, best):
 
 
 def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None,
-             joint=None) -> dict:  # fmt: skip
+             joint=None, batch: int = 0) -> dict:  # fmt: skip
     """`layout` under the chosen plan's settings, on its mesh or `mesh`: its memory,
     time, verdict. On a mesh with a stage axis: under the settings of the best pipelined
-    plan weighed (its microbatches), beside the chosen plan."""
+    plan weighed (its microbatches, or the layout's option `microbatches=M`), beside the
+    chosen plan."""
     from lowering.joint import Choice
     from lowering.search import auto_layout
     from lowering.stages import STAGE_AXIS
@@ -327,7 +329,8 @@ def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None
             raise UsageError(f"--compare on {mesh}: a stage axis is weighed beside the "
                              f"pipelined plans of --stages only")  # fmt: skip
         like = piped[0]  # the best pipelined plan weighed (choices are best first)
-        mine = staged[0](mesh, like.settings, like.model_flops, layout=layout)
+        settings, layout = _microbatches_of(layout, like.settings, batch)
+        mine = staged[0](mesh, settings, like.model_flops, layout=layout)
         if not mine.candidate.valid and not mine.candidate.note.startswith("over"):
             return {"fits": False, "verdict": f"not valid on {mesh} ({mine.candidate.note})"}
         return _verdict(mine, best, limit, mesh)
@@ -345,6 +348,24 @@ def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None
         return {"fits": False, "verdict": f"not valid on {mesh} ({cand.note})"}
     return _verdict(Choice(mesh, best.settings, cand, best.model_flops, limit), best, limit,
                     mesh)  # fmt: skip
+
+
+def _microbatches_of(layout, settings, batch: int):
+    """(settings, layout): a compared pipelined layout's own `microbatches=M` option as the
+    settings' microbatches (else the best pipelined plan's), the option taken out."""
+    from dataclasses import replace
+
+    from lowering import Layout
+    from models.run import UsageError
+
+    m = layout.options.get("microbatches")
+    if m is None:
+        return settings, layout
+    if not isinstance(m, int) or m < 1 or batch % m:
+        raise UsageError(f"--compare {layout}: microbatches={m} must be an int >= 1 that "
+                         f"divides --batch")  # fmt: skip
+    rest = {k: v for k, v in layout.options.items() if k != "microbatches"}
+    return replace(settings, grad_accum=m), Layout(layout.rules, options=rest)
 
 
 def _verdict(mine, best, limit, mesh) -> dict:
