@@ -160,3 +160,27 @@ def _leaves(shapes):
     if isinstance(shapes, dict):
         return [leaf for v in shapes.values() for leaf in _leaves(v)]
     return [shapes]
+
+
+def test_pruning_pipelined_pairs_by_their_bubble_keeps_the_best_plan():
+    """joint_search's least time of a pipelined pair is its flops over every device times
+    (M + S - 1) / M: at a slow flop rate (compute dominates) it prunes the pipelined
+    pairs with few microbatches, and the plan is the one every pair searched finds."""
+    from lowering.joint import joint_search
+
+    slow = parse("flops=1e6,bandwidth=1e10,latency=1e-5,memory=8e9")
+    whole = lambda settings: toy_build(settings, (5,), True, True)
+
+    def evaluate(mesh, settings, flops):
+        boundary = B // settings.grad_accum * D * F32
+        return staged_choice(toy_build, mesh, settings, [5], slow, Training(), 8e9, flops,
+                             boundary, False)  # fmt: skip
+
+    meshes = [Mesh({"data": 4}, devices="abstract"),
+              Mesh({"stage": 2, "data": 2}, devices="abstract")]  # fmt: skip
+    staged = (evaluate, [Settings(grad_accum=m) for m in (1, 2, 4, 8)])
+    plans = [joint_search(whole, meshes, slow, [Settings()], tokens=B, staged=staged,
+                          exhaustive=e) for e in (True, False)]  # fmt: skip
+    assert plans[1].pruned.get("least possible step time no better than the best that fits")
+    assert plans[1].searched < plans[0].searched
+    assert plans[1].best.step_seconds == pytest.approx(plans[0].best.step_seconds)
