@@ -66,6 +66,8 @@ class Report:
     # splitting it)
     memory_parts: dict = field(default_factory=dict)
     parameter_shards: tuple = ()
+    # per input a gradient is taken of, (its whole shape, the devices splitting each dim)
+    parameter_layouts: tuple = ()
     mesh: tuple = ()  # the mesh's (axis, size) items, major to minor
 
     @property
@@ -126,10 +128,11 @@ def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, n: int) -> Non
     coll[(kind, axes)] = (count + repeat, b + OPS[kind].traffic(n, nbytes) * repeat)
 
 
-def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None) -> Report:
+def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None, split_of=None) -> Report:
     """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value;
     `wrt`, the graph inputs a gradient is taken of, adds the backward pass; `axes_of(v)`,
-    the mesh axes splitting a value, fills `parameter_shards`."""
+    the mesh axes splitting a value, fills `parameter_shards`; `split_of(v)`, the devices
+    splitting each of its dims, `parameter_layouts`."""
     active, flow = _gradient_flow(graph, None if wrt is None else frozenset(wrt))
     peak = peak_memory(graph, local_bytes)
     parts, shards = {}, ()
@@ -139,8 +142,12 @@ def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None) -> Report:
         peak = max(peak, int(sum(parts.values())))
         axes = axes_of or (lambda v: frozenset())
         shards = tuple((local_bytes(v), v.dtype.itemsize, axes(v)) for v in wrt)
+        split = split_of or (lambda v: (1,) * len(v.shape))
+        layouts = tuple((tuple(v.shape), tuple(split(v))) for v in wrt)
     rep = Report(0.0, peak_memory=peak, memory_parts=parts, parameter_shards=shards,
                  mesh=tuple(sizes.items()))  # fmt: skip
+    if wrt is not None:
+        rep.parameter_layouts = layouts
     devices, items = math.prod(sizes.values()), tuple(sizes.items())
     rep.recompute_flops = recompute_flops(plan)
     for step in plan:

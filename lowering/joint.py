@@ -12,11 +12,13 @@ trainer's accumulation loop, each microbatch's gradient synchronised as it is ma
 Pruning, memory first: a pair whose parameters, gradients and optimizer state alone,
 split over every device, exceed the limit is not searched. Then time: pairs are taken
 in order of their least possible step time (the step's flops with remat's recompute
-over every device at the flop rate, no communication) and a pair whose least time is
-no less than the best plan's that fits is not searched. Microbatches: of one setting's
-counts of microbatches only the fewest that fit is searched (more run the same flops and
-synchronise the gradients once per microbatch: never faster in this model). Each pair's
-layout search keeps a beam of 1 (`auto_layout`'s `beam`): a plan is found in seconds,
+over every device at the flop rate, no communication; a pipelined pair's times its
+ticks over its microbatches, (M + S - 1) / M, as no stage idles less than the bubble)
+and a pair whose least time is no less than the best plan's that fits is not searched.
+Microbatches: of one setting's counts of microbatches only the fewest that fit is
+searched (more run the same flops and synchronise the gradients once per microbatch:
+never faster in this model; a pipeline's every count is searched). Each pair's layout
+search keeps a beam of 1 (`auto_layout`'s `beam`): a plan is found in seconds,
 and tests/test_plan.py holds its Llama 3 70B plan against every pair searched unpruned.
 """
 
@@ -31,7 +33,7 @@ from lowering.mesh import Mesh
 from lowering.rates import Rates
 from lowering.search import Candidate, auto_layout
 from lowering.stages import STAGE_AXIS
-from lowering.train_step import OPTIMIZERS, StepMemory, Training
+from lowering.train_step import StepMemory, Training, optimizer_bytes
 from namedmesh.errors import LayoutError, ParameterError
 
 REMATS = ("none", "dots", "full")
@@ -194,6 +196,7 @@ def joint_search(
         for settings in _space_of(mesh, space, staged):
             key = (id(mesh), settings.remat, settings.dtype, settings.attention)
             chains.setdefault(key, (mesh, []))[1].append(settings)
+    whole.staged = staged is not None
     order = sorted(chains.values(), key=lambda c: whole.least(c[1][0], c[0], rates))
     for mesh, chain in order:
         for i, settings in enumerate(sorted(chain, key=lambda s: s.grad_accum)):
@@ -301,10 +304,18 @@ class _WholeCosts:
         rep = self.report(settings)
         return (rep.flops + rep.backward_flops) * settings.grad_accum
 
+    staged = False  # whether meshes with a stage axis are pipelined (lowering/stages.py)
+
     def least(self, settings: Settings, mesh: Mesh, rates: Rates) -> float:
         """The least step time a pair could plan at: its flops (with recompute) shared
-        by every device at the flop rate, no communication."""
-        return self.step_flops(settings) / (mesh.size * rates.flops_per_s * rates.efficiency)
+        by every device at the flop rate, no communication; a pipelined pair's times its
+        ticks over its microbatches, (M + S - 1) / M (its slowest stage does at least the
+        average share of each microbatch, once a tick)."""
+        t = self.step_flops(settings) / (mesh.size * rates.flops_per_s * rates.efficiency)
+        if self.staged and STAGE_AXIS in mesh.sizes:
+            m = settings.grad_accum
+            t *= (m + mesh.sizes[STAGE_AXIS] - 1) / m
+        return t
 
     def step_flops(self, settings: Settings) -> float:
         """`model_flops` and remat's recompute."""
@@ -315,8 +326,7 @@ class _WholeCosts:
         """Parameters, gradients (and the accumulator) and optimizer state, whole."""
         rep = self.report(settings)
         params = sum(b for b, _, _ in rep.parameter_shards)
-        elements = sum(b / size for b, size, _ in rep.parameter_shards)
-        moments = OPTIMIZERS[self.training.optimizer] * elements * self.training.moment_bytes
+        moments = optimizer_bytes(rep, {"whole": 1}, (), self.training)
         grads = params * (2 if settings.grad_accum > 1 else 1)
         return params + grads + moments
 

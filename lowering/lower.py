@@ -85,7 +85,12 @@ def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report
     def axes_of(v) -> frozenset:
         return frozenset(a for axes in wanted.get(v, ()) for a in axes)
 
-    return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt, axes_of=axes_of)
+    def split_of(v) -> tuple:
+        dims = wanted.get(v, ((),) * len(v.dims))
+        return tuple(math.prod(mesh.sizes[a] for a in axes) for axes in dims)
+
+    return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt, axes_of=axes_of,
+                       split_of=split_of)  # fmt: skip
 
 
 @memo()  # the same (layout, shape) recurs in many candidate layouts

@@ -127,6 +127,26 @@ class Rates:
         split = levels(rep.mesh, self.node)
         return sum(self.collective_seconds(k, axes, n, b, split) for (k, axes), (n, b) in coll)
 
+    def sync_seconds(self, rep: Report, data_axes) -> float:
+        """The part of `comm_seconds` that is the data-parallel gradient all-reduce: the
+        backward pass's psums over mesh axes that split the batch only. A psum there is
+        the transpose of a cast to varying over them, and a value not varying over the
+        batch's axes is made of parameters alone, so its cotangent is a gradient's
+        partial sum: the sync that gradient accumulation (and a pipeline's microbatches)
+        runs once per step, summing locally between. FSDP's reduce-scatters (the
+        transposes of its parameters' all-gathers) are not in it: they run per
+        microbatch, the gathered gradient never held whole."""
+        data = set(data_axes)
+        sync = {k: v for k, v in rep.backward.items() if k[0] == "psum" and set(k[1]) <= data}
+        if not sync or not data:
+            return 0.0
+        if self.node is None or not rep.mesh:
+            return sum(n * self.latency_s + b / self.bytes_per_s[rate_of(k)]
+                       for (k, _), (n, b) in sync.items())  # fmt: skip
+        split = levels(rep.mesh, self.node)
+        return sum(self.collective_seconds(k, axes, n, b, split)
+                   for (k, axes), (n, b) in sync.items())  # fmt: skip
+
     def collective_seconds(self, kind: str, axes, count: int, sent: float, split: dict) -> float:
         """Seconds of `count` collectives of `kind` over mesh `axes` that send `sent`
         bytes per device in all (the ring formulas over every device), on two levels:

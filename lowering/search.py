@@ -80,6 +80,7 @@ class Candidate:
     collectives: int = 0
     note: str = ""
     step: StepMemory | None = None  # the training step's memory by part (`training=`)
+    sync: float = 0.0  # of `comm`, the data-parallel gradient sync (Rates.sync_seconds)
     pipelines: tuple = ()  # each pipelined scan's PipelinePlan (stages, microbatches)
 
     @property
@@ -270,6 +271,8 @@ class _Costing:
         cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
         cand.compute = self.rates.compute_seconds(rep)
         cand.comm = self.rates.comm_seconds(rep)
+        if self.wrt is not None:
+            cand.sync = self.rates.sync_seconds(rep, layout.assign(("batch",))[0])
         cand.time = cand.planned = self.rates.step_seconds(cand.compute, cand.comm)
         if self.limit is not None and cand.memory > self.limit:
             cand.note, cand.time = "over the memory limit", math.inf
@@ -385,6 +388,33 @@ def auto_layout(
     table[0].note = "chosen: least predicted time"
     table.why = explain(table)
     return table[0].layout, table
+
+
+def cost_layout(
+    fn,
+    mesh: Mesh,
+    *inputs,
+    layout: Layout | str,
+    grad_argnums=(),
+    rates: Rates | str | None = None,
+    memory_limit: float | None = None,
+    training: Training | None = None,
+) -> Candidate:
+    """The Candidate of `layout` alone, costed as `auto_layout` costs its candidates (the
+    same arguments), with no search: its time, memory (`step` under `training`) and,
+    when it is not valid or over `memory_limit`, why in its `note`."""
+    mesh = require_mesh(mesh, "cost_layout")
+    _check_parameters(memory_limit, 1)
+    wrt = argnum_tuple(grad_argnums, "cost_layout(grad_argnums=...)")
+    rates = resolve(rates, mesh, None)
+    layout = layout if isinstance(layout, Layout) else Layout(layout)
+    check_axes(layout.rules, mesh, f"cost_layout: layout {layout}")
+    if training is not None and not wrt:
+        raise ParameterError("cost_layout: training= plans a training step; give grad_argnums")
+    limit = rates.memory_bytes if memory_limit is None else memory_limit
+    cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit, training)
+    _check_dims(layout, _dims(cost.graph), "cost_layout's")
+    return cost.of(layout, record=False)
 
 
 def _check_parameters(memory_limit, beam) -> None:

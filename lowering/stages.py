@@ -4,22 +4,28 @@ evenly as possible, and the step costed by its slowest stage.
 
 `assign_stages([3, 58], 16)`: 61 layers in order, 13 stages of 4 then 3 of 3 (stage 0
 holds the 3 dense layers and the first MoE layer). Each distinct stage (its layers per
-stack) is a program of its own, traced by the caller's `build(settings, counts)` with
-the embedding and the loss head (only the first and last stages hold them: an upper
-bound of a few percent for a large model) on one microbatch of batch / M rows, and
-laid out by `auto_layout` on the mesh without the stage axis: the largest stage's
-layout is searched and the others are costed under it. A mixture-of-experts stage
-routes each microbatch on its own (capacity per microbatch): a microbatch is a routing
-group, so M > 1 is planned for MoE stacks too.
+stack, and whether it is the first, which embeds the tokens, or the last, which holds
+the loss head) is a program of its own, traced by the caller's `build(settings, counts,
+first, last)` on one microbatch of batch / M rows (a middle stage's input is the
+previous stage's activation, its loss the dot of its output with the gradient sent
+back), and laid out by `auto_layout` on the mesh without the stage axis, its memory
+held to the limit with the microbatches in flight there: one layout for every stage,
+searched on the first stage (the most in flight) and searched again on the stage that
+does not fit under it, if one does not. A mixture-of-experts stage routes each
+microbatch on its own (capacity per microbatch): a microbatch is a routing group, so
+M > 1 is planned for MoE stacks too.
 
 The step, under a 1F1B schedule (GPipe's ticks, 1F1B's memory):
 
     time        (M + S - 1) ticks of the slowest stage's microbatch (forward, backward
-                and its gradient sync), plus the boundary's activation sent to the next
-                stage and its gradient back, per tick (the stage axis crosses nodes)
+                and their collectives but the gradient sync), plus the boundary's
+                activation sent to the next stage and its gradient back, per tick (the
+                stage axis crosses nodes), plus the data-parallel gradient sync once
+                per step (the gradients accumulate locally over the microbatches; the
+                slowest stage's sync: Rates.sync_seconds)
     memory      the largest of the stages': its parameters, gradients (and their
                 accumulator), optimizer state, and min(M, S - s) microbatches'
-                activations in flight at stage s
+                saved activations and inputs in flight at stage s (one working set)
 
 Runtime: lowering/pipeline.py pipelines each nm.scan on its own over the stage axis, so
 every stack must divide by S and a MoE body runs one microbatch (its routing mixes the
@@ -32,10 +38,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import namedmesh as nm
+from lowering.layout import Layout
 from lowering.mesh import Mesh
 from lowering.rates import Rates, levels
-from lowering.search import Candidate, auto_layout
+from lowering.search import Candidate, auto_layout, cost_layout
 from lowering.train_step import StepMemory, Training
+from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, ParameterError
 
 STAGE_AXIS = "stage"
@@ -77,11 +86,14 @@ def inner_mesh(mesh: Mesh) -> Mesh:
 
 @dataclass
 class StageCost:
-    """One distinct stage: its layers per stack, its positions, its candidate."""
+    """One distinct stage: its layers per stack, whether first and last, its positions
+    and its candidate (its memory with the most microbatches in flight of them)."""
 
     counts: tuple[int, ...]
     positions: list[int]
     candidate: Candidate
+    first: bool = False
+    last: bool = False
 
 
 @dataclass
@@ -114,9 +126,17 @@ class StagedChoice:
         """(S-1)/(M+S-1) of the ticks idle."""
         return (self.stages - 1) / (self.microbatches + self.stages - 1)
 
+    def tick_seconds(self, cost: StageCost) -> float:
+        """A stage's microbatch, forward and backward, but its gradient sync."""
+        c = cost.candidate
+        if c.step is None:  # its layout is not valid on this stage
+            return math.inf
+        return self.rates.step_seconds(c.compute, c.comm - c.sync)
+
     @property
     def slowest(self) -> StageCost:
-        return max(self.costs, key=lambda c: c.candidate.planned)
+        """The stage whose microbatch takes longest (the pipeline's tick)."""
+        return max(self.costs, key=self.tick_seconds)
 
     @property
     def candidate(self) -> Candidate:
@@ -128,24 +148,16 @@ class StagedChoice:
         """The layout of every stage (searched on the largest), on the stage's devices."""
         return self.costs[0].candidate.layout
 
-    def stage_memory(self, cost: StageCost, position: int) -> StepMemory:
-        """Stage `position`'s step memory: its candidate's, activations times the
-        microbatches in flight there (1F1B: min(M, S - s))."""
-        m = cost.candidate.step
-        flight = min(self.microbatches, self.stages - position)
-        return StepMemory(m.parameters, m.gradients, m.optimizer, m.activations * flight,
-                          m.other)  # fmt: skip
-
     @property
     def memory(self) -> StepMemory:
-        """The largest stage's memory."""
-        every = [self.stage_memory(c, s) for c in self.costs for s in c.positions]
-        return max(every, key=lambda m: m.total)
+        """The largest stage's memory (each distinct stage's at its first position, the
+        most microbatches in flight)."""
+        steps = [c.candidate.step for c in self.costs if c.candidate.step is not None]
+        return max(steps, key=lambda m: m.total, default=StepMemory(0, 0, 0, 0, 0))
 
     @property
     def fits(self) -> bool:
-        valid = all(c.candidate.valid or c.candidate.note.startswith("over")
-                    for c in self.costs)  # fmt: skip
+        valid = all(c.candidate.step is not None for c in self.costs)
         return valid and self.memory.total <= self.limit
 
     @property
@@ -168,8 +180,16 @@ class StagedChoice:
         return self.ticks * self.slowest.candidate.compute
 
     @property
+    def sync_seconds(self) -> float:
+        """The gradient sync, once per step: the slowest stage's."""
+        return max(c.candidate.sync for c in self.costs)
+
+    @property
     def comm_seconds(self) -> float:
-        return self.ticks * (self.slowest.candidate.comm + self.send_seconds)
+        """Per tick, the slowest stage's collectives but its gradient sync, and the
+        boundary's sends; the sync once."""
+        tick = self.slowest.candidate.comm - self.slowest.candidate.sync + self.send_seconds
+        return self.ticks * tick + self.sync_seconds
 
     @property
     def step_seconds(self) -> float:
@@ -214,6 +234,12 @@ class StagedChoice:
                 "stages_uneven": self.uneven, "runtime": self.runtime}  # fmt: skip
 
 
+def in_flight(position: int, stages: int, microbatches: int) -> int:
+    """Microbatches whose activations stage `position` holds at once under 1F1B: those
+    it runs forward before its first backward, min(M, S - s)."""
+    return min(microbatches, stages - position)
+
+
 def staged_choice(
     build,
     mesh: Mesh,
@@ -229,49 +255,102 @@ def staged_choice(
     beam: int = 1,
 ) -> StagedChoice:
     """The pipelined plan of `mesh` (its stage axis S) under `settings` (M =
-    settings.grad_accum microbatches): `build(settings, counts)` traces one stage of
-    `counts` layers per stack, one microbatch's loss; `stacks` the layers per stack;
-    `boundary_bytes` one microbatch's activation between stages, whole (split over the
-    stage's devices that split it); `layout`: the layout to cost (default: searched on
-    the largest stage). LayoutError (its `search`) when no layout is valid."""
+    settings.grad_accum microbatches): `build(settings, counts, first, last)` traces one
+    stage of `counts` layers per stack (the first embeds the tokens, the last holds the
+    loss head), one microbatch's loss; `stacks` the layers per stack; `boundary_bytes`
+    one microbatch's activation between stages, whole (split over the stage's devices
+    that split it); `layout`: the layout to cost (default: searched). LayoutError (its
+    `search`) when no layout is valid."""
     if STAGE_AXIS not in mesh.sizes:
         raise ParameterError(f"staged_choice: {mesh} has no {STAGE_AXIS!r} axis")
     s = mesh.sizes[STAGE_AXIS]
     assignment = assign_stages(stacks, s)
-    inner = inner_mesh(mesh)
-    run = Training(training.optimizer, training.moment_dtype, training.zero1,
-                   settings.grad_accum)  # fmt: skip
     distinct: dict[tuple, list[int]] = {}
     for pos, counts in enumerate(assignment):
-        distinct.setdefault(counts, []).append(pos)
-    order = sorted(distinct, key=lambda c: -sum(c))
-    costs = []
-    for counts in order:
-        fn, inputs = build(settings, counts)
-        kw = dict(grad_argnums=(0,), rates=rates, memory_limit=limit, training=run, beam=beam)
-        if layout is None:
-            try:
-                _, table = auto_layout(fn, inner, *inputs, **kw)
-                cand = table[0]
-            except LayoutError as e:
-                if getattr(e, "search", None) is None:
-                    raise
-                costed = [c for c in e.search if c.step is not None]
-                if not costed:
-                    raise
-                cand = min(costed, key=lambda c: c.memory)
-            layout = cand.layout
-        else:
-            _, table = auto_layout(fn, inner, *inputs, candidates=[layout],
-                                   **{**kw, "memory_limit": math.inf})  # fmt: skip
-            cand = table.theirs[0]
-        costs.append(StageCost(counts, distinct[counts], cand))
-    shards = math.prod(inner.sizes[a] for a in _act_axes(layout))
+        distinct.setdefault((counts, pos == 0, pos == s - 1), []).append(pos)
+    run = _Stages(build, inner_mesh(mesh), settings, rates, training, limit, beam, distinct)
+    if layout is None:
+        layout = run.search(next(iter(distinct)))
+        over = [k for k, c in run.cost_all(layout).items() if _total(c) > limit]
+        if over:  # the layout of the first stage does not fit another: search that one's
+            other = run.search(max(over, key=lambda k: _total(run.costs[k])))
+            if all(_total(c) <= limit for c in run.cost_all(other).values()):
+                layout = other
+    costs = [StageCost(k[0], distinct[k], c, k[1], k[2]) for k, c in run.cost_all(layout).items()]
+    shards = math.prod(run.inner.sizes[a] for a in _act_axes(layout))
     return StagedChoice(
         mesh, settings, assignment, costs, boundary_bytes / shards, rates, model_flops,
         limit, uneven=any(n % s for n in stacks if n), moe_microbatches=moe and
         settings.grad_accum > 1,
     )  # fmt: skip
+
+
+class _Stages:
+    """The distinct stages of one pipelined (mesh, settings) pair: each traced once, its
+    layouts searched and costed with its microbatches in flight."""
+
+    def __init__(self, build, inner, settings, rates, training, limit, beam, distinct):
+        self.build, self.inner, self.settings = build, inner, settings
+        self.rates, self.training, self.limit, self.beam = rates, training, limit, beam
+        self.distinct, self.programs, self.costs = distinct, {}, {}
+        self.stages = sum(len(p) for p in distinct.values())
+
+    def kw(self, key) -> dict:
+        t, m = self.training, self.settings.grad_accum
+        flight = in_flight(min(self.distinct[key]), self.stages, m)
+        run = Training(t.optimizer, t.moment_dtype, t.zero1, m, flight)
+        return dict(grad_argnums=(0,), rates=self.rates, training=run, beam=self.beam)
+
+    def program(self, key):
+        if key not in self.programs:
+            self.programs[key] = self.build(self.settings, *key)
+        return self.programs[key]
+
+    def search(self, key):
+        """The best layout of stage `key` on its own, or its closest to fitting."""
+        fn, inputs = self.program(key)
+        try:
+            _, table = auto_layout(fn, self.inner, *inputs, memory_limit=self.limit,
+                                   **self.kw(key))  # fmt: skip
+            return table[0].layout
+        except LayoutError as e:
+            costed = [c for c in (getattr(e, "search", None) or []) if c.step is not None]
+            if not costed:
+                raise
+            return min(costed, key=lambda c: c.memory).layout
+
+    def cost_all(self, layout) -> dict:
+        """Every distinct stage's Candidate under `layout` (a rule may name a dim that
+        one stage lacks, the embedding's `vocab` in a middle stage, not one that all do)."""
+        self.check_dims(layout)
+        layout = Layout(str(layout) if layout.rules or layout.options else "", shared=True)
+        self.costs = {}
+        for key in self.distinct:
+            fn, inputs = self.program(key)
+            kw = {k: v for k, v in self.kw(key).items() if k != "beam"}
+            self.costs[key] = cost_layout(fn, self.inner, *inputs, layout=layout,
+                                          memory_limit=math.inf, **kw)  # fmt: skip
+        return self.costs
+
+    def check_dims(self, layout) -> None:
+        """LayoutError naming a rule of `layout` whose dim no stage's program has."""
+        if not hasattr(self, "dims"):
+            self.dims = set()
+            for key in self.distinct:
+                fn, inputs = self.program(key)
+                self.dims.update(d for v in nm.trace(fn, *inputs).values() for d in v.dims)
+        dims = self.dims
+        for d, axes in layout.rules:
+            if d not in dims:
+                raise LayoutError(
+                    f"staged_choice: layout {layout}: rule {d}:{','.join(axes)} names dim "
+                    f"{d!r}, which no stage's program has{did_you_mean(d, dims) or '.'}"
+                )
+
+
+def _total(c: Candidate) -> float:
+    """A stage candidate's step memory, inf where its layout is not valid there."""
+    return c.step.total if c.step is not None else math.inf
 
 
 def _act_axes(layout) -> set:

@@ -12,10 +12,14 @@ holds the optimizer's state and, with gradient accumulation, an accumulator:
                 parameters, or (ZeRO-1) also over the data axes that do not split the
                 parameter; momentum: one; sgd: none
     activations what the backward pass reads and its largest working set (remat's
-                recomputed iteration included), of one microbatch
+                recomputed iteration included), of one microbatch; a pipeline stage
+                holds `in_flight` microbatches' saved activations at once (1F1B: those
+                it has run forward and not yet backward) beside one working set
     other       the batch and any other input, and the update's new parameters: the
                 trainer (models/trainer.py) keeps them beside the old ones until it has
-                checked that they are finite, and only then writes them over the old
+                checked that they are finite, and only then writes them over the old;
+                a stage keeps each in-flight microbatch's input (its batch, or the
+                activation the previous stage sent) for its backward pass
 
 The rest of the update runs in place (the trainer donates the state) and fuses
 elementwise, so it adds no other state-sized buffer; docs/benchmarks.md holds the total
@@ -32,19 +36,41 @@ import numpy as np
 from lowering.cost import Report
 from namedmesh.errors import ParameterError
 
-# moments per parameter element
-OPTIMIZERS = {"adamw": 2, "adam": 2, "momentum": 1, "sgd": 0}
+# moments per parameter element; Adafactor's (None) are factored (`state_elements`)
+OPTIMIZERS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0, "adafactor": None}
+FACTOR_MIN = 128  # optax.adafactor's min_dim_size_to_factor: both factored dims at least
+
+
+def state_elements(shape, split, optimizer: str) -> float:
+    """Elements per device of one parameter's optimizer state: `shape` its whole shape,
+    `split` the devices splitting each dim (the state is laid out as the parameter).
+    Adafactor (optax.adafactor, no momentum) keeps a factored second moment where the
+    two largest dims are both >= FACTOR_MIN: the row and column sums, the parameter's
+    shape less its largest dim and less its second largest (plus a 1-element
+    placeholder for the full moment); else the full moment (and 2 placeholders)."""
+    local = [n / k for n, k in zip(shape, split, strict=True)]
+    moments = OPTIMIZERS[optimizer]
+    if moments is not None:
+        return moments * math.prod(local)
+    order = np.argsort(shape)  # as optax orders them, ties included
+    if len(shape) < 2 or shape[order[-2]] < FACTOR_MIN:
+        return math.prod(local) + 2
+    small, large = int(order[-2]), int(order[-1])
+    without = lambda d: math.prod(n for i, n in enumerate(local) if i != d)
+    return without(large) + without(small) + 1
 
 
 @dataclass(frozen=True)
 class Training:
     """How a step trains, beyond the loss: the optimizer and its state's dtype, ZeRO-1
-    (the state split over the data axes too), gradient accumulation's microbatches."""
+    (the state split over the data axes too), gradient accumulation's microbatches, and
+    (a pipeline stage) how many microbatches' activations are in flight at once."""
 
     optimizer: str = "adamw"
     moment_dtype: str = "float32"
     zero1: bool = False
     grad_accum: int = 1
+    in_flight: int = 1
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -57,9 +83,10 @@ class Training:
             raise ParameterError(
                 f"Training: moment_dtype {self.moment_dtype!r} is not a dtype (float32, bfloat16)"
             ) from None
-        g = self.grad_accum
-        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-            raise ParameterError(f"Training: grad_accum must be an int >= 1, got {g!r}")
+        for name in ("grad_accum", "in_flight"):
+            g = getattr(self, name)
+            if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+                raise ParameterError(f"Training: {name} must be an int >= 1, got {g!r}")
 
     @property
     def moment_bytes(self) -> int:
@@ -103,16 +130,28 @@ def step_memory(
         )
     parts = rep.memory_parts
     params = sum(b for b, _, _ in rep.parameter_shards)
-    moments = OPTIMIZERS[training.optimizer]
-    optimizer = 0.0
-    for nbytes, itemsize, axes in rep.parameter_shards:
-        split = math.prod(sizes[a] for a in data_axes if a not in axes) if training.zero1 else 1
-        optimizer += moments * nbytes / itemsize * training.moment_bytes / split
+    optimizer = optimizer_bytes(rep, sizes, data_axes, training)
     grads = parts["gradients"] * (2 if training.grad_accum > 1 else 1)
+    more = training.in_flight - 1  # microbatches in flight beside the one running
+    batch = max(parts["inputs"] - params, 0)  # the inputs that are not parameters
     return StepMemory(
         parameters=int(params),
         gradients=int(grads),
         optimizer=int(optimizer),
-        activations=int(parts["saved"] + parts["working"]),
-        other=int(parts["inputs"]),  # the batch, and the new parameters (as many bytes)
+        activations=int(parts["saved"] * training.in_flight + parts["working"]),
+        # the batch, and the new parameters (as many bytes); each in-flight microbatch's
+        other=int(parts["inputs"] + more * batch),
     )
+
+
+def optimizer_bytes(rep: Report, sizes: dict[str, int], data_axes=(), training=Training()):
+    """Bytes per device of the optimizer state of the parameters of `rep` (a report
+    made with `wrt`) on a mesh of `sizes`: `state_elements` of each in `moment_dtype`,
+    split further (ZeRO-1) over the `data_axes` that do not split it."""
+    total = 0.0
+    layouts = rep.parameter_layouts or [((b / i,), (1,)) for b, i, _ in rep.parameter_shards]
+    for (_, _, axes), (shape, split) in zip(rep.parameter_shards, layouts, strict=True):
+        zero1 = math.prod(sizes[a] for a in data_axes if a not in axes) if training.zero1 else 1
+        elements = state_elements(shape, split, training.optimizer)
+        total += elements * training.moment_bytes / zero1
+    return total

@@ -60,7 +60,8 @@ def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namesp
     )
     p.add_argument("--attention", choices=KERNELS, help="fix the kernel (default: searched)")
     p.add_argument("--grad-accum", type=int, help="fix the microbatches (default: searched)")
-    p.add_argument("--optimizer", default="adamw", help="adamw, momentum or sgd")
+    p.add_argument("--optimizer", default="adamw",
+                   help="adamw, adafactor (factored moments), lion, momentum or sgd")
     p.add_argument("--moment-dtype", default="float32", help="the optimizer state's dtype")
     p.add_argument("--zero1", action="store_true", help="optimizer state split over data too")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -144,28 +145,18 @@ def builder(cfg, batch: int, length: int):
     return build
 
 
-def stacks(cfg) -> list[int]:
-    """The decoder's layer stacks in order: [dense, mixture-of-experts] where it has dense
-    layers first (DeepSeek-V3's 3 and 58), else [layers]."""
-    k = cfg.dense_layers
-    return [k, cfg.layers - k] if k else [cfg.layers]
-
-
 def stage_builder(cfg, batch: int, length: int):
-    """`build(settings, counts) -> (loss, (params, batch))`: `builder`'s program of one
-    pipeline stage holding `counts` layers of each of `stacks(cfg)` (with the embedding
-    and the loss head) on one microbatch of batch / settings.grad_accum rows; its
-    routing (a MoE stack) is the microbatch's own (lowering/stages.py)."""
-    from models.transformer import dense_config
+    """`build(settings, counts, first, last) -> (loss, (params, inputs))`: one pipeline
+    stage of `cfg` holding `counts` layers of each of `stacks(cfg)` (the first with the
+    embedding, the last with the loss head: models/stage_programs.py) on one microbatch
+    of batch / settings.grad_accum rows; its routing (a MoE stack) is the microbatch's
+    own (lowering/stages.py)."""
+    from models.stage_programs import stage_program
 
-    def build(settings, counts):
-        if len(counts) == 2 and counts[0] and counts[1]:
-            c = cfg.replace(dense_layers=counts[0], layers=sum(counts))
-        elif len(counts) == 2 and counts[0]:
-            c = dense_config(cfg).replace(layers=counts[0])
-        else:
-            c = cfg.replace(dense_layers=0, layers=counts[-1])
-        return builder(c, batch, length)(settings)
+    def build(settings, counts, first, last):
+        c = cfg.replace(remat=settings.remat, dtype=settings.dtype,
+                        attention=settings.attention, dropout=0.0)  # fmt: skip
+        return stage_program(c, counts, first, last, batch // settings.grad_accum, length)
 
     return build
 
@@ -176,6 +167,7 @@ def _staged(args, cfg, rates, training):
     layout is searched and run as lowering.pipeline runs it)."""
     from lowering.joint import Settings
     from lowering.stages import staged_choice
+    from models.stage_programs import stacks
 
     parts = stacks(cfg)
     if not args.stages or (not cfg.experts and all(n % s == 0 for s in args.stages
@@ -270,6 +262,8 @@ def plan(args, cache: dict | None = None) -> dict:
         f"MFU {out['mfu']:.1%}",
     ]
     if hasattr(best, "assignment"):  # a pipelined plan (lowering/stages.py)
+        from models.stage_programs import stacks
+
         out["settings"]["stages_uneven"] = best.uneven
         out["settings"]["runtime"] = best.runtime
         out["stages"] = best.as_dict()
@@ -293,7 +287,8 @@ def plan(args, cache: dict | None = None) -> dict:
     for text in args.compare:
         layout, _, where = text.partition("@")
         line = _compare(build, best, rates, training, joint.limit, Layout(layout),
-                        where and _on_mesh(where, best), staged, joint)  # fmt: skip
+                        where and _on_mesh(where, best), staged, joint,
+                        args.batch)  # fmt: skip
         out["compare"].append({"layout": text, **line})
         lines.append(f"yours: {text}: {line['verdict']}")
     out["text"] = "\n".join(lines)
@@ -316,10 +311,11 @@ def _on_mesh(text: str, best):
 
 
 def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None,
-             joint=None) -> dict:  # fmt: skip
+             joint=None, batch: int = 0) -> dict:  # fmt: skip
     """`layout` under the chosen plan's settings, on its mesh or `mesh`: its memory,
     time, verdict. On a mesh with a stage axis: under the settings of the best pipelined
-    plan weighed (its microbatches), beside the chosen plan."""
+    plan weighed (its microbatches, or the layout's option `microbatches=M`), beside the
+    chosen plan."""
     from lowering.joint import Choice
     from lowering.search import auto_layout
     from lowering.stages import STAGE_AXIS
@@ -333,7 +329,8 @@ def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None
             raise UsageError(f"--compare on {mesh}: a stage axis is weighed beside the "
                              f"pipelined plans of --stages only")  # fmt: skip
         like = piped[0]  # the best pipelined plan weighed (choices are best first)
-        mine = staged[0](mesh, like.settings, like.model_flops, layout=layout)
+        settings, layout = _microbatches_of(layout, like.settings, batch)
+        mine = staged[0](mesh, settings, like.model_flops, layout=layout)
         if not mine.candidate.valid and not mine.candidate.note.startswith("over"):
             return {"fits": False, "verdict": f"not valid on {mesh} ({mine.candidate.note})"}
         return _verdict(mine, best, limit, mesh)
@@ -351,6 +348,24 @@ def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None
         return {"fits": False, "verdict": f"not valid on {mesh} ({cand.note})"}
     return _verdict(Choice(mesh, best.settings, cand, best.model_flops, limit), best, limit,
                     mesh)  # fmt: skip
+
+
+def _microbatches_of(layout, settings, batch: int):
+    """(settings, layout): a compared pipelined layout's own `microbatches=M` option as the
+    settings' microbatches (else the best pipelined plan's), the option taken out."""
+    from dataclasses import replace
+
+    from lowering import Layout
+    from models.run import UsageError
+
+    m = layout.options.get("microbatches")
+    if m is None:
+        return settings, layout
+    if not isinstance(m, int) or m < 1 or batch % m:
+        raise UsageError(f"--compare {layout}: microbatches={m} must be an int >= 1 that "
+                         f"divides --batch")  # fmt: skip
+    rest = {k: v for k, v in layout.options.items() if k != "microbatches"}
+    return replace(settings, grad_accum=m), Layout(layout.rules, options=rest)
 
 
 def _verdict(mine, best, limit, mesh) -> dict:

@@ -59,3 +59,21 @@ def test_plan_16_uneven_stages_of_a_moe_with_microbatches(capsys, monkeypatch, m
     assert st["bubble"] == pytest.approx(15 / (m + 15))
     assert got["settings"]["stages_uneven"] is True
     assert "not supported by lowering.pipeline" in got["settings"]["runtime"]
+
+
+def test_compare_takes_a_pipelined_layouts_own_microbatches(capsys, monkeypatch, moe61):
+    monkeypatch.setattr(plan_cli, "load_config", lambda text: moe61)
+    flags = ["--config", "moe61", "--mesh", "stage=16,data=2", "--rates", "h100,node=8",
+             "--batch", "512", "--length", "256", "--remat", "full", "--attention", "full",
+             "--grad-accum", "16"]  # fmt: skip
+    mine = "batch:data;experts:data;microbatches=32@stage=16,data=2"
+    status = plan_cli.main([*flags, "--compare", mine, "--json"], prog="namedmesh plan")
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    got = json.loads(out)
+    assert got["settings"]["microbatches"] == 16
+    (compared,) = got["compare"]
+    assert "grad_accum=32" in compared["verdict"]  # its own 32, not the plan's 16
+    status = plan_cli.main([*flags, "--compare", mine.replace("32", "7")], prog="namedmesh plan")
+    err = capsys.readouterr().err
+    assert status == 2 and "microbatches=7 must be an int >= 1 that divides --batch" in err

@@ -2,6 +2,7 @@
 trainer step and against the parameter count; remat's recompute flops against a layer's
 flops counted by hand."""
 
+import jax
 import pytest
 
 from lowering import Mesh, lower
@@ -84,3 +85,29 @@ def test_auto_layout_holds_the_whole_step_to_the_memory_limit():
     assert str(without[0].layout) == str(free)
     _, held = run(limit, Training())
     assert held[0].memory <= limit and str(held[0].layout) != str(free)
+
+
+def test_adafactor_state_is_its_factored_moments_as_optax_keeps_them():
+    """optax.adafactor's own state (its float leaves: row and column sums where the two
+    largest dims are >= 128, else the full moment, and their placeholders) against the
+    estimate, on one device and with a factored dim split 2 ways."""
+    import jax.numpy as jnp
+    import optax
+
+    import namedmesh as nm
+
+    shapes = {"w": {"a": 256, "b": 512}, "narrow": {"a": 256, "c": 64}, "v": {"b": 512},
+              "t": {"c": 64, "a": 256, "d": 192}}  # fmt: skip
+    loss = lambda p: sum(nm.sum(x) for x in p.values())
+    params = {k: nm.abstract(s) for k, s in shapes.items()}
+    state = optax.adafactor(1e-3).init({k: jnp.zeros(tuple(s.values())) for k, s in shapes.items()})
+    floats = [x for x in jax.tree_util.tree_leaves(state) if x.dtype == jnp.float32]
+    whole = sum(x.size * 4 for x in floats)
+    rep = lower(loss, Mesh({"one": 1}, devices="abstract"), "").report(params, wrt=0, show=False)
+    assert step_memory(rep, {"one": 1}, (), Training("adafactor")).optimizer == whole
+    assert whole < 2 * 4 * sum(x.size for x in jax.tree_util.tree_leaves(params))  # < AdamW's
+    # `a` split 2 ways: the leaves that keep `a` (256 of it) are halved on each device
+    two = lower(loss, Mesh({"data": 2}, devices="abstract"), "a:data")
+    rep = two.report(params, wrt=0, show=False)
+    halved = sum(x.size * 4 // (2 if 256 in x.shape else 1) for x in floats)
+    assert step_memory(rep, {"data": 2}, (), Training("adafactor")).optimizer == halved
