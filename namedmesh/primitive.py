@@ -119,6 +119,9 @@ class Primitive:
     # flops once per input the gradient flows to (one product per operand's gradient),
     # other ops' backward passes cost their forward flops once
     matmul: bool = False
+    # its backward pass's flops as a multiple of its forward's where not the above (a
+    # fused op of several products: each product's two gradients, 2.0); None: the above
+    backward_flops: float | None = None
     # What the lowering must know about the op (lowering keeps its SPMD rules in its own
     # table, keyed by the primitive object):
     # acts on each element alone, broadcasting by name: lowered on the output's layout
