@@ -1,12 +1,14 @@
 """Expert parallelism by all-to-all: each row goes to the device holding its group's
 weight and back, exactly (dropless), in buffers of static size.
 
-Under a layout that splits a grouped matmul's weight along its group dim (`experts:e`)
-and its rows (the groups' dims) over the same mesh axes, each device holds its own
-rows and its block of the groups. A round sends each device's next `capacity` rows
-per destination by one all_to_all (and their groups' local ids by a second), multiplies
-the rows it receives by its own groups' weights (`grouped_rows`), and returns the
-results by a third all_to_all. Rounds repeat until every row is done: how many the
+Under a layout that splits a grouped matmul's weight (or a grouped FFN's weights) along
+its group dim (`experts:e`) and its rows (the groups' dims) over the same mesh axes,
+each device holds its own rows and its block of the groups. A round sends each device's
+next `capacity` rows per destination by one all_to_all (and their groups' local ids by
+a second), runs the rows it receives through its own groups' weights (`grouped_rows`;
+a grouped FFN's every product and its activation, so the hidden layer never moves),
+and returns the results by a third all_to_all; the backward pass's transposes send the
+results' and the rows' cotangents (2 more; the ids have none). Rounds repeat until every row is done: how many the
 busiest (source, destination) pair needs, agreed by a pmax of each device's largest
 count, so buffers keep a static size and nothing is dropped whatever the load. A
 balanced load takes one round, whose bytes are `slack` times the least that moving
