@@ -127,6 +127,18 @@ def _ffn_cost(in_avals, out_avals, params) -> Cost:
     return Cost(flops, sum(a.nbytes for a in in_avals) + out.nbytes)
 
 
+def _hidden_saves(ins, params) -> float:
+    """What jax's autodiff of the kernel saves besides the inputs, in x's sizes: each row's
+    hidden layer (a row per group element: a token's k choices) as the activation's
+    input, the gate's product (gated), wo's input, and what the activation saves (its
+    primitive's count; gelu_exact's erf term, 1)."""
+    x, wi, _, group, *wg = ins
+    f = math.prod(wi.shape[wi.dims.index(d)] for d in roles(x.dims, wi.dims, params["dim"])[1])
+    act = params["activation"]
+    per_row = 2 + len(wg) + (REGISTRY[act].backward_saves if act in REGISTRY else 1)
+    return math.prod(group.shape) * f * per_row / max(math.prod(x.shape), 1)
+
+
 _grouped_ffn = primitive(
     "grouped_ffn",
     _ffn_rule,
@@ -135,10 +147,9 @@ _grouped_ffn = primitive(
     cost_rule=_ffn_cost,
     matmul=True,
     combines_inputs=True,
-    # its backward pass reads its inputs and saves its hidden layer (its products, the
-    # activation's input; counted in rows of x's size where the hidden is x's width)
+    # its backward pass reads its inputs and saves its hidden layers (`_hidden_saves`)
     backward_reads="inputs",
-    backward_saves=2,
+    backward_saves=lambda ins, params: _hidden_saves(ins, params),
     # the products' gradients: each product's input's and its weight's, twice the forward
     backward_flops=2.0,
 )
