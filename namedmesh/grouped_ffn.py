@@ -19,7 +19,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from namedmesh.errors import DtypeError, ParameterError, ShapeError
+from namedmesh.errors import DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.grouped import as_groups, as_rows, grouped_aval, grouped_rows, grouped_rows_np, roles
 from namedmesh.primitive import REGISTRY, Aval, Cost, bind, is_inexact, primitive, result_dtype
 from namedmesh.tensor import Tensor
@@ -63,15 +63,11 @@ def _ffn_rule(x, wi, wo, group, *wg, dim, dims, activation):
     for g in wg:
         if dict(zip(g.dims, g.shape, strict=True)) != dict(zip(wi.dims, wi.shape, strict=True)):
             raise ShapeError(
-                f"{op}: the gate's weight wg {_sized(g)} must have the dims and sizes of wi "
-                f"{_sized(wi)}"
+                f"{op}: the gate's weight wg {fmt_dims(g.dims, g.shape)} must have the dims "
+                f"and sizes of wi {fmt_dims(wi.dims, wi.shape)}"
             )
     out = grouped_aval(h, wo, group, dim, op)
     return Aval(out.dims, out.shape, result_dtype(*(t.dtype for t in (x, wi, wo, *wg))))
-
-
-def _sized(t) -> str:
-    return "(" + ", ".join(f"{d}: {n}" for d, n in zip(t.dims, t.shape, strict=True)) + ")"
 
 
 def ffn_rows(product, act, x, g, wi, wo, wg=None):
