@@ -3,7 +3,7 @@ compiled HLO of the zoo's dropless MoE layer (gated SiLU experts: wi, wg, wo) lo
 8 CPU devices with the tokens and the experts split over one axis
 (`batch:data;experts:data`), its forward alone and its training step (jax.value_and_grad
 of the lowered layer under jit, by its parameters and its input, as a layer's inside a
-model), with their min and median times.
+model), with XLA's temporaries (`memory_analysis`) and their min and median times.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.expert_ffn_routes
 
@@ -53,11 +53,13 @@ def main(argv=None) -> int:
     forward = jax.jit(lambda p, x: layer(p, x)[0].data)
     step = jax.jit(jax.value_and_grad(loss, (0, 1)))  # x's too, as a layer's in a model
     print(f"| MoE layer, {n} devices, `batch:data;experts:data` | all-to-all ops | all-reduce "
-          "ops | min / median ms |\n|---|---|---|---|")  # fmt: skip
+          "ops | XLA temporaries MB | min / median ms |\n|---|---|---|---|---|")  # fmt: skip
     for name, fn in (("forward", forward), ("training step", step)):
-        kinds = Counter(k for k, _, _ in collectives(fn.lower(p, x).compile().as_text()))
+        compiled = fn.lower(p, x).compile()
+        kinds = Counter(k for k, _, _ in collectives(compiled.as_text()))
+        temp = compiled.memory_analysis().temp_size_in_bytes / 1e6
         fast, mid = _times_ms(fn, (p, x), a.repeats)
-        counts = f"{kinds['all-to-all']} | {kinds['all-reduce']}"
+        counts = f"{kinds['all-to-all']} | {kinds['all-reduce']} | {temp:.2f}"
         print(f"| {name} | {counts} | {fast:.2f} / {mid:.2f} |")
     return 0
 
