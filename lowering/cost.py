@@ -230,7 +230,8 @@ def _add_local_ops(rep: Report, step, flowing: int, sizes, devices: int) -> None
         if work is not None:
             _repeats(rep.repeated, step, op.prim.name, work, sizes)
         if flowing:
-            backward += f * (flowing if op.prim.matmul else 1)
+            times = op.prim.backward_flops
+            backward += f * (times or (flowing if op.prim.matmul else 1))
     rep.flops, rep.backward_flops = flops, backward
 
 

@@ -1,14 +1,17 @@
 """Expert parallelism by all-to-all: each row goes to the device holding its group's
 weight and back, exactly (dropless), in buffers of static size.
 
-Under a layout that splits a grouped matmul's weight along its group dim (`experts:e`)
-and its rows (the groups' dims) over the same mesh axes, each device holds its own
-rows and its block of the groups. A round sends each device's next `capacity` rows
-per destination by one all_to_all (and their groups' local ids by a second), multiplies
-the rows it receives by its own groups' weights (`grouped_rows`), and returns the
-results by a third all_to_all. Rounds repeat until every row is done: how many the
-busiest (source, destination) pair needs, agreed by a pmax of each device's largest
-count, so buffers keep a static size and nothing is dropped whatever the load. A
+Under a layout that splits a grouped matmul's weight (or a grouped FFN's weights) along
+its group dim (`experts:e`) and its rows (the groups' dims) over the same mesh axes,
+each device holds its own rows and its block of the groups. A round sends each device's
+next `capacity` rows per destination by one all_to_all (and their groups' local ids by
+a second), runs the rows it receives through its own groups' weights (`grouped_rows`;
+a grouped FFN's every product and its activation, so the hidden layer never moves),
+and returns the results by a third all_to_all; the backward pass's transposes send the
+results' and the rows' cotangents (2 more; the ids have none). Rounds repeat until
+every row is done: how many the busiest (source, destination) pair needs, agreed by a
+pmax of each device's largest count, so buffers keep a static size and nothing is
+dropped whatever the load. A
 balanced load takes one round, whose bytes are `slack` times the least that moving
 each row to its expert and back can send; the worst (every row to one device) takes
 ceil(rows / capacity) rounds. (`jax.lax.ragged_all_to_all` sends exact counts in one
@@ -18,6 +21,7 @@ supported by XLA:CPU ThunkEmitter", jax 0.10.)
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,6 +32,7 @@ from lowering.layout import local_shape
 from lowering.shards import Local, all_to_all
 from namedmesh.contract import varying_axes
 from namedmesh.grouped import as_rows, grouped_rows
+from namedmesh.grouped_ffn import ACTIVATIONS, as_ffn_rows, ffn_rows
 
 SLACK = 1.5  # a round's slots per destination, over an even share of the rows
 
@@ -53,14 +58,18 @@ def busiest(g, groups: int, devices: int):
     return jnp.max(jnp.zeros(devices + 1, jnp.int32).at[dest].add(1)[:devices])
 
 
-def routed(x, w, g, most, *, axes, devices, capacity, dim, dims, dtype, shape=None):
-    """The grouped matmul of this device's rows `x` (`dims`: x's, w's and g's dims) with
-    the devices' blocks of groups along mesh `axes` (`w` this device's), by rounds of
-    all_to_all; `most` is the busiest pair's count over all devices (invariant).
-    `shape`: the result's, which the planner reads (lowering/ops.py)."""
-    x, w, g, shape = as_rows(jnp, x, w, g, dim, *dims)
-    x, w = x.astype(dtype), w.astype(dtype)
-    groups, (n, c), o = w.shape[0], x.shape, w.shape[-1]
+def routed(most, *arrays, prepare, kernel, axes, devices, capacity, dtype, shape):
+    """A grouped product of this device's rows with the devices' blocks of groups along
+    mesh `axes`, by rounds of all_to_all: `prepare(*arrays)` gives (rows x (n, c), their
+    groups g (n,), this device's weights), `kernel(rows, ids, *weights)` the products of
+    rows that arrived (ids: their groups' index in this device's block, -1 for an empty
+    slot, whose row must come out zero); `most` is the busiest pair's count over all
+    devices (invariant). `shape`: the result's, which the planner reads
+    (lowering/ops.py)."""
+    x, g, weights = prepare(*arrays)
+    x = x.astype(dtype)
+    groups, (n, c) = weights[0].shape[0], x.shape
+    o = math.prod(shape) // max(n, 1)
     dest, rank = destinations(g, groups, devices)
     local = g - dest * groups  # the group's index in its device's block
     move = lambda a: all_to_all(a, axes, 0, 0)  # noqa: E731 (the all_to_all row's)
@@ -72,13 +81,13 @@ def routed(x, w, g, most, *, axes, devices, capacity, dim, dims, dtype, shape=No
         slot = jnp.where(sent, dest * capacity + rank - first, k)  # k: not this round
         rows = move(jnp.zeros((k, c), dtype).at[slot].set(x, mode="drop"))
         ids = move(jnp.full((k,), -1, jnp.int32).at[slot].set(local, mode="drop"))
-        back = move(grouped_rows(rows, w, ids))
+        back = move(kernel(rows, ids, *weights))
         got = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)
         return out + jnp.where(sent[:, None], got, jnp.zeros((), dtype))
 
     rounds = (most + capacity - 1) // capacity
     out = jnp.zeros((n, o), dtype)  # the carry varies as every round's result does
-    vary = tuple(set().union(*(varying_axes(a) for a in (x, w, g))))
+    vary = tuple(set().union(*(varying_axes(a) for a in (x, g, *weights))))
     out = jax.lax.pcast(out, vary, to="varying") if vary else out
 
     def body(out, t):
@@ -88,12 +97,42 @@ def routed(x, w, g, most, *, axes, devices, capacity, dim, dims, dtype, shape=No
     return out.reshape(shape)
 
 
+def matmul_rows(x, w, g, *, dim, dims, dtype):
+    """`routed`'s `prepare` of a grouped matmul: (rows, groups, (weight,))."""
+    x, w, g, _ = as_rows(jnp, x, w, g, dim, *dims)
+    return x, g, (w.astype(dtype),)
+
+
+def matmul_kernel(rows, ids, w):
+    """`routed`'s `kernel` of a grouped matmul: the rows that arrived times their groups'
+    weights."""
+    return grouped_rows(rows, w, ids)
+
+
+def ffn_prepare(x, wi, wo, g, *wg, dim, dims, activation):
+    """`routed`'s `prepare` of a grouped FFN: (rows, groups, (wi, wo[, wg]))."""
+    del activation  # (the kernel's)
+    x, g, wi, wo, wg, _ = as_ffn_rows(jnp, x, wi, wo, g, *wg or [None], dim, dims)
+    return x, g, (wi, wo) if wg is None else (wi, wo, wg)
+
+
+def ffn_kernel(rows, ids, wi, wo, wg=None, *, activation):
+    """`routed`'s `kernel` of a grouped FFN: the whole FFN of the rows that arrived,
+    its hidden layers recomputed in the backward pass (jax.checkpoint) rather than saved:
+    reverse mode stacks a round loop's residuals for every round it may run, so saved
+    they held the hidden layers that many times (the MoE layer's training step of
+    benchmarks/expert_ffn_routes.py: 7.4 MB of XLA temporaries saved, 2.6 MB
+    recomputed, 4.2 MB for three routed grouped matmuls). Only local work is
+    recomputed: the all_to_alls are outside it."""
+    act = ACTIVATIONS[activation][1]
+    run = lambda rows, ids, *ws: ffn_rows(grouped_rows, act, rows, ids, *ws)  # noqa: E731
+    return jax.checkpoint(run)(rows, ids, wi, wo, *([] if wg is None else [wg]))
+
+
 def route(ctx, eqn, args, split: tuple[str, ...]):
     """The grouped matmul rule's expert-parallel route (lowering/rules/grouped.py): rows stay
     split as the result wants them, over the weight's group split `split` too, and
-    travel to their groups' devices by `routed`. Planned: the busiest pair's count
-    (pmax), three all_to_all per round (logged for one round, the balanced load's), and
-    one round's grouped matmul (its flops)."""
+    travel to their groups' devices by `routed`."""
     (x, xl), (w, wl), (g, gl) = args
     (vx, vw, vg), (out,) = eqn.inputs, eqn.outputs
     dim, want = eqn.params["dim"], ctx.wanted[out]
@@ -102,25 +141,37 @@ def route(ctx, eqn, args, split: tuple[str, ...]):
     w, x, g = (
         ctx.relayout(a, src, lay(v.dims)) for a, src, v in ((w, wl, vw), (x, xl, vx), (g, gl, vg))
     )
-    devices = math.prod(ctx.sizes[a] for a in split)
-    groups, rows = w.shape[vw.dims.index(dim)], math.prod(g.shape)
-    cap = capacity(rows, devices)
-    most = _busiest(ctx, g, groups, devices)
     local = dict(zip(vw.dims, w.shape, strict=True))
     c = math.prod(local[d] for d in vw.dims if d in vx.dims)
     o = math.prod(local[d] for d in vw.dims if d != dim and d not in vx.dims)
-    k, size = devices * cap, np.dtype(out.dtype).itemsize
+    prepare = functools.partial(matmul_rows, dim=dim, dims=eqn.params["dims"], dtype=out.dtype)
+    y = send(ctx, eqn, split, (x, w, g), g, w.shape[vw.dims.index(dim)], (c, o), prepare,
+             matmul_kernel)  # fmt: skip
+    return [(y, want)]
+
+
+def send(ctx, eqn, split, arrays, g, groups: int, widths, prepare, kernel):
+    """The "routed" instruction of local `arrays` (rows, weights and groups `g`, laid out
+    for it) and its plan: the busiest pair's count (pmax), three all_to_all per round
+    (logged for one round, the balanced load's: rows `widths[0]` wide out, their ids,
+    results `widths[1]` wide back), and one round's local op (its flops)."""
+    (out,) = eqn.outputs
+    devices = math.prod(ctx.sizes[a] for a in split)
+    cap = capacity(math.prod(g.shape), devices)
+    most = _busiest(ctx, g, groups, devices)
+    (c, o), k, size = widths, devices * cap, np.dtype(out.dtype).itemsize
     for nbytes, transposes in ((k * c * size, True), (k * 4, False), (k * o * size, True)):
         ctx.log("all_to_all", split, nbytes, transposes=transposes)
-    shape = local_shape(want, out.shape, ctx.mesh)
-    p = eqn.params
-    y = ctx.instruction("routed", x, w, g, most, axes=split, devices=devices, capacity=cap,
-                        dim=dim, dims=p["dims"], dtype=out.dtype, shape=shape)  # fmt: skip
-    one = [Local(_flat(len(v.dims), k, n), a.dtype) for v, a, n in ((vx, x, c), (vg, g, 1))]
-    ctx.note_local(
-        eqn.primitive, p, [one[0], w, one[1]], [Local(_flat(len(out.dims), k, o), y.dtype)]
-    )
-    return [(y, want)]
+    shape = local_shape(ctx.wanted[out], out.shape, ctx.mesh)
+    y = ctx.instruction("routed", most, *arrays, prepare=prepare, kernel=kernel, axes=split,
+                        devices=devices, capacity=cap, dtype=out.dtype, shape=shape)  # fmt: skip
+    # one round's local op: the rows and their groups a round's buffer, the weights own
+    one = [
+        Local(_flat(len(v.dims), k, c if i == 0 else 1), a.dtype) if i == 0 or a is g else a
+        for i, (v, a) in enumerate(zip(eqn.inputs, arrays, strict=True))
+    ]
+    ctx.note_local(eqn.primitive, eqn.params, one, [Local(_flat(len(out.dims), k, o), y.dtype)])
+    return y
 
 
 def _busiest(ctx, g, groups: int, devices: int):

@@ -148,7 +148,9 @@ def _saved_terms(graph, active: frozenset, held: frozenset, intermediates: bool)
         kept |= backward_reads(e, active)
         stored = intermediates or not e.primitive.elementwise
         if stored and e.primitive.backward_saves and any(v in active for v in e.inputs):
-            adds.append(("save", e.primitive.backward_saves, e.inputs[0]))
+            saves = e.primitive.backward_saves
+            saves = saves(e.inputs, e.params) if callable(saves) else saves
+            adds.append(("save", saves, e.inputs[0]))
         working.append(tuple(v for v in (*e.inputs, *e.outputs) if v in active))
     return tuple(adds), tuple(kept - held), tuple(working)
 
@@ -165,7 +167,7 @@ def _saved(terms, local_bytes, shares: dict) -> tuple[int, int]:
             scan_kept *= shares.get(add[1], 1.0)
             saved, working = saved + scan_kept, max(working, work)
         else:
-            saved += add[1] * local_bytes(add[2])
+            saved += round(add[1] * local_bytes(add[2]))  # (a factor may be a fraction)
     for values in cotangents:
         working = max(working, sum(map(local_bytes, values)))
     return saved + sum(map(local_bytes, kept)), working

@@ -368,12 +368,18 @@ def activation(ffn_kind: str):
     """(the activation function, whether the FFN is gated) of an `ffn` config value:
     relu, gelu (tanh approximation), gelu_exact, silu, or gated_<one of them> (a gated
     linear unit: act(x wi) * (x wg)); swiglu and geglu name gated_silu and gated_gelu."""
+    name, gated = activation_name(ffn_kind)
+    return _ACTIVATIONS[name], gated
+
+
+def activation_name(ffn_kind: str) -> tuple[str, bool]:
+    """(the activation's name, as `nm.grouped_ffn` takes it, whether the FFN is gated)
+    of an `ffn` config value (`activation`)."""
     kind = _ALIASES.get(ffn_kind, ffn_kind)
-    gated = kind.startswith("gated_")
     name = kind.removeprefix("gated_")
     if name not in _ACTIVATIONS:
         raise ConfigError(f"Config.ffn must be one of {', '.join(FFN_KINDS)}, got {ffn_kind!r}")
-    return _ACTIVATIONS[name], gated
+    return name, kind.startswith("gated_")
 
 
 def ffn_params(cfg: Config) -> dict:

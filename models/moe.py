@@ -5,7 +5,8 @@
 `experts:<axis>`. Two routings (cfg.routing; docs/models.md, "Mixture of experts"):
 
 - dropless (the default): every choice is computed exactly, by grouped matmuls
-  (`nm.grouped_matmul`: rows sorted by expert), whatever the load.
+  (`nm.grouped_ffn`: rows sorted by expert, the whole expert FFN one op), whatever the
+  load.
 - capacity (GShard, Mesh-TensorFlow's `moe.py`; the throughput option): each batch row
   is a group whose tokens fill each expert's `capacity` slots in position order, a
   token's choices together, so a token's slot depends only on the tokens at or before
@@ -30,7 +31,7 @@ import numpy as np
 
 import namedmesh as nm
 from models.config import Config, ConfigError
-from models.layers import Param, activation, ffn, ffn_params
+from models.layers import Param, activation, activation_name, ffn, ffn_params
 
 
 def moe_params(cfg: Config) -> dict:
@@ -147,9 +148,12 @@ def shared_expert(x: nm.Tensor, p: dict, cfg: Config) -> nm.Tensor:
 
 
 def dropless(x, p, cfg, choice, weight, before):
-    """Every choice computed: grouped matmuls over the rows' chosen experts."""
-    project = lambda t, w, _: nm.grouped_matmul(t, w, choice)
-    y = expert_ffn(x, p, cfg, project)
+    """Every choice computed: the experts' FFN of each row's chosen expert as one op
+    (`nm.grouped_ffn`, grouped matmuls: under expert parallelism its rows go to their
+    experts' devices once for the whole FFN)."""
+    act, gated = activation_name(cfg.ffn)
+    wg = p["wg"] if gated else None
+    y = nm.grouped_ffn(x, p["wi"], p["wo"], choice, wg, activation=act)
     out = nm.einsum(y, nm.astype(weight, y.dtype), out=("batch", "length", "d_model"))
     return out, None  # nothing dropped
 

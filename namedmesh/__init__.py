@@ -85,6 +85,7 @@ from namedmesh.errors import (
     TracedValueError,
 )
 from namedmesh.grouped import grouped_matmul
+from namedmesh.grouped_ffn import grouped_ffn
 from namedmesh.interop import from_xarray, to_xarray
 from namedmesh.primitive import REGISTRY, Aval, Cost, Primitive, bind
 from namedmesh.random import dropout

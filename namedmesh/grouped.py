@@ -31,24 +31,26 @@ from namedmesh.structural import wide_indices
 from namedmesh.tensor import Tensor
 
 
-def _roles(x_dims, w_dims, dim) -> tuple[tuple, tuple]:
-    """(contracted dims: w's shared with x, output dims: w's others), in w's order."""
+def roles(x_dims, w_dims, dim) -> tuple[tuple, tuple]:
+    """(contracted dims: w's shared with x, output dims: w's others, besides the group
+    dim `dim`), in w's order."""
     contracted = tuple(d for d in w_dims if d != dim and d in x_dims)
     return contracted, tuple(d for d in w_dims if d != dim and d not in x_dims)
 
 
 def _out_dims(group_dims, w_dims, x_dims, dim) -> tuple:
-    return tuple(group_dims) + _roles(x_dims, w_dims, dim)[1]
+    return tuple(group_dims) + roles(x_dims, w_dims, dim)[1]
 
 
-def _grouped_rule(x, w, group, dim):
-    op = "grouped_matmul"
+def grouped_aval(x, w, group, dim, op="grouped_matmul"):
+    """The result's aval, or a ShapeError naming `op` (also nm.grouped_ffn's, for each of
+    its products)."""
     axis_of(w, dim, op)
     if group.dtype.kind not in "iu":
         raise ShapeError(f"{op}: the groups must be integers, got {group.dtype} {group.dims}")
     if dim in x.dims or dim in group.dims:
         raise ShapeError(f"{op}: the group dim {dim!r} must be a dim of the weight alone")
-    contracted, outs = _roles(x.dims, w.dims, dim)
+    contracted, outs = roles(x.dims, w.dims, dim)
     if not contracted:
         raise ShapeError(f"{op}: x {x.dims} and the weight {w.dims} share no dim to contract")
     stray = [d for d in x.dims if d not in contracted and d not in group.dims]
@@ -72,21 +74,36 @@ def as_rows(xp, x, w, group, dim, x_dims, w_dims, group_dims):
     """(x (rows, c), w (groups, c, o), group (rows,), output shape) from the named
     operands: x broadcast over the groups' dims it lacks (also the expert-parallel
     rule's, lowering/expert_routes.py)."""
-    contracted, outs = _roles(x_dims, w_dims, dim)
+    contracted, outs = roles(x_dims, w_dims, dim)
     sizes = dict(zip(w_dims, w.shape, strict=True)) | dict(
         zip(group_dims, group.shape, strict=True)
     )
     x = align(x, x_dims, tuple(group_dims) + contracted, xp)
     x = xp.broadcast_to(x, tuple(sizes[d] for d in group_dims + contracted))
+    w = as_groups(xp, w, w_dims, dim, contracted)
+    out_shape = tuple(sizes[d] for d in group_dims + outs)
+    return x.reshape(-1, w.shape[1]), w, wide_indices(group).reshape(-1), out_shape
+
+
+def as_groups(xp, w, w_dims, dim, contracted, outs=None) -> object:
+    """The weight `w` as (groups, c, o): its group dim `dim`, its `contracted` dims
+    flattened in that order, then its others (`outs`, default: in its own order)."""
+    if outs is None:
+        outs = tuple(d for d in w_dims if d != dim and d not in contracted)
+    sizes = dict(zip(w_dims, w.shape, strict=True))
     order = [w_dims.index(d) for d in (dim, *contracted, *outs)]
     c, o = math.prod(sizes[d] for d in contracted), math.prod(sizes[d] for d in outs)
-    w = xp.transpose(w, order).reshape(sizes[dim], c, o)
-    out_shape = tuple(sizes[d] for d in group_dims + outs)
-    return x.reshape(-1, c), w, wide_indices(group).reshape(-1), out_shape
+    return xp.transpose(w, order).reshape(sizes[dim], c, o)
 
 
 def _grouped_np(x, w, group, dim, dims):
     x, w, g, shape = as_rows(np, x, w, group, dim, *dims)
+    return grouped_rows_np(x, w, g).reshape(shape)
+
+
+def grouped_rows_np(x, w, g):
+    """The NumPy reference of `grouped_rows`: x (n, c) @ w[g] (n, c, o) row by row, in
+    their promoted dtype; a row of a group outside [0, groups) is zero."""
     inside = (g >= 0) & (g < w.shape[0])
     dtype = result_dtype(x.dtype, w.dtype)
     # floats summed in float32 at least: NumPy's einsum has no bfloat16/float16 loop,
@@ -94,7 +111,7 @@ def _grouped_np(x, w, group, dim, dims):
     acc = np.promote_types(dtype, np.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
     rows = w[np.where(inside, g, 0)]
     y = np.einsum("nc,nco->no", x.astype(acc), rows.astype(acc)).astype(dtype)
-    return np.where(inside[:, None], y, np.zeros((), dtype)).reshape(shape)  # 0, never NaN
+    return np.where(inside[:, None], y, np.zeros((), dtype))  # 0, never NaN
 
 
 BLOCK = 128  # rows of the largest block: no weight is copied per block, so large ones
@@ -262,7 +279,7 @@ def _grouped_jax(x, w, group, dim, dims):
 def _grouped_cost(in_avals, out_avals, params) -> Cost:
     """A row's matmul per row: 2 flops per output element and contracted element."""
     x, w, _ = in_avals
-    contracted, _ = _roles(x.dims, w.dims, params["dim"])
+    contracted, _ = roles(x.dims, w.dims, params["dim"])
     c = math.prod(w.shape[w.dims.index(d)] for d in contracted)
     flops = 2 * math.prod(out_avals[0].shape) * c
     return Cost(flops, sum(a.nbytes for a in in_avals) + out_avals[0].nbytes)
@@ -270,7 +287,7 @@ def _grouped_cost(in_avals, out_avals, params) -> Cost:
 
 _grouped = primitive(
     "grouped_matmul",
-    lambda x, w, group, dim, dims: _grouped_rule(x, w, group, dim),
+    lambda x, w, group, dim, dims: grouped_aval(x, w, group, dim),
     _grouped_np,
     _grouped_jax,
     cost_rule=_grouped_cost,

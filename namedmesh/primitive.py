@@ -119,6 +119,9 @@ class Primitive:
     # flops once per input the gradient flows to (one product per operand's gradient),
     # other ops' backward passes cost their forward flops once
     matmul: bool = False
+    # its backward pass's flops as a multiple of its forward's where not the above (a
+    # fused op of several products: each product's two gradients, 2.0); None: the above
+    backward_flops: float | None = None
     # What the lowering must know about the op (lowering keeps its SPMD rules in its own
     # table, keyed by the primitive object):
     # acts on each element alone, broadcasting by name: lowered on the output's layout
@@ -139,8 +142,10 @@ class Primitive:
     # What its backward pass reads of the forward values: one of BACKWARD_READS
     backward_reads: str = READS_INPUTS
     # and how many values of its first input's size, made inside its jax implementation,
-    # jax's autodiff saves besides (softmax's exponentials, gelu's tanh and products)
-    backward_saves: int = 0
+    # jax's autodiff saves besides (softmax's exponentials, gelu's tanh and products); or
+    # a function of the inputs (objects with .dims, .shape) and params giving that
+    # number, where it depends on their shapes (a fused FFN's hidden layers)
+    backward_saves: float | Callable = 0
     # What textbook reverse mode must read at the least, where that is not
     # `backward_reads` (jax's residuals: relu's input, where its output would do): one
     # of BACKWARD_READS, or None for `backward_reads`. The memory benchmark's ideal.

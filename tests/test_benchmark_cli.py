@@ -19,6 +19,7 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("einsum_emission", ["--repeats", "x"]),
     ("grouped_kernel", ["--rows", "0"]),
     ("moe_routing", ["--experts", "0"]),
+    ("expert_ffn_routes", ["--experts", "0"]),
     ("pipeline", ["--repeats", "0"]),
     ("quality", ["--steps", "abc"]),
     ("step_movement", ["--layers", "0"]),

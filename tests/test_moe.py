@@ -136,17 +136,17 @@ def test_capacity_routing_drops_and_reports_it():
 
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_experts_split_over_a_mesh_axis_give_one_devices_logits(routing):
-    """`experts:expert` keeps each device's expert weights; dropless routing's grouped
-    matmuls psum (or psum_scatter) their rows over the experts' axis, the bytes of the
-    local result (the cost model's count)."""
+    """`experts:expert` keeps each device's expert weights; dropless routing's expert
+    FFN (one grouped_ffn) psums (or psum_scatters) its rows over the experts' axis once,
+    the bytes of the local result (the cost model's count)."""
     cfg, params, logits = model(routing)
     f = lower(lambda p, t: lm_logits(p, t, cfg), Mesh(MESH), EXPERTS_SPLIT)
     tokens = as_tokens(TOKENS)
     np.testing.assert_allclose(np.asarray(f(params, tokens).data), logits(TOKENS), atol=2e-5)
     if routing != "dropless":
         return
-    steps = [s for s in _steps(f.plan(params, tokens)) if s.name == "grouped_matmul"]
-    assert len({id(s.eqn) for s in steps}) == 2  # wi and wo, in the layer scan's body
+    steps = [s for s in _steps(f.plan(params, tokens)) if s.name == "grouped_ffn"]
+    assert len({id(s.eqn) for s in steps}) == 1  # wi, relu and wo, in the layer scan's body
     for s in steps:
         (out,) = s.local[0].outs
         moved = [c for c in s.collectives if c.axes == ("expert",)]
@@ -228,10 +228,13 @@ def routed_layer():
 
 
 def test_expert_parallel_dropless_sends_rows_by_all_to_all_exactly():
-    """Rows split over the experts' axis go to their experts' devices and back by
-    all_to_all: the layer equals NumPy token by token (every choice computed), its
-    gradient equals one device's, no grouped matmul gathers or sums over the experts'
-    axis, and the compiled HLO holds the plan's collectives, bytes and all."""
+    """Rows split over the experts' axis go to their experts' devices, through the whole
+    expert FFN (wi, wg, silu, wo) there, and back, once: the layer equals NumPy token by
+    token (every choice computed), its gradients (parameters' and input's) equal one
+    device's, the compiled HLO holds the plan's collectives, bytes and all, and the
+    training step compiles to 5 all-to-alls: the rows, their experts' ids and the
+    results forward, the transposes of the rows' and results' backward (3 grouped
+    matmuls took 15)."""
     from lowering.cost import expected_hlo
     from lowering.hlo import collectives
 
@@ -239,17 +242,19 @@ def test_expert_parallel_dropless_sends_rows_by_all_to_all_exactly():
     want = np_dropless(np.asarray(x.data), p, cfg.experts_per_token, cfg.router)
     np.testing.assert_allclose(np.asarray(f(p, x)[0].data), want, atol=2e-5)
     plan = f.plan(p, x)
-    steps = [s for s in plan if s.name == "grouped_matmul"]
-    assert len(steps) == 3  # wi, wg, wo
-    for i, s in enumerate(steps):  # the busiest pair's count found once: the same groups
-        kinds = [c.kind for c in s.collectives if "expert" in c.axes]
-        assert kinds == ["pmax"] * (i == 0) + ["all_to_all"] * 3
+    (step,) = [s for s in plan if s.name == "grouped_ffn"]
+    kinds = [c.kind for c in step.collectives if "expert" in c.axes]
+    assert kinds == ["pmax"] + ["all_to_all"] * 3  # the busiest pair's count, one round
     hlo = f.compile(p, x).as_text()
     assert sorted(collectives(hlo)) == sorted(expected_hlo(plan, MESH))
-    got = jax.grad(lambda p: (f(p, x)[0].data ** 2).sum())(p)
-    one = jax.jit(jax.grad(lambda p: (moe.moe(x, p, cfg).out.data ** 2).sum()))(p)
-    for k in ("wi", "wg", "wo"):
-        np.testing.assert_allclose(got[k].data, one[k].data, rtol=1e-4, atol=1e-4, err_msg=k)
+    loss = lambda f: lambda p, x: (f(p, x).data ** 2).sum()  # noqa: E731
+    grad = jax.jit(jax.grad(loss(lambda p, x: f(p, x)[0]), (0, 1))).lower(p, x).compile()
+    assert [k for k, _, _ in collectives(grad.as_text())].count("all-to-all") == 5
+    got = grad(p, x)
+    one = jax.jit(jax.grad(loss(lambda p, x: moe.moe(x, p, cfg).out), (0, 1)))(p, x)
+    for k in ("wi", "wg", "wo", "gate"):
+        np.testing.assert_allclose(got[0][k].data, one[0][k].data, rtol=1e-4, atol=1e-4, err_msg=k)
+    np.testing.assert_allclose(got[1].data, one[1].data, rtol=1e-4, atol=1e-4)
 
 
 def test_expert_parallel_rows_all_to_one_expert_take_more_rounds_and_stay_exact():

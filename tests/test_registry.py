@@ -28,7 +28,7 @@ def test_the_lowering_reads_flags_not_names():
     flagged = lambda flag: {n for n, p in nm.REGISTRY.items() if getattr(p, flag)}
     assert {"add", "where", "exp", "less"} <= flagged("elementwise")
     assert not {"sum", "einsum", "softmax", "convert"} & flagged("elementwise")
-    contractions = {"einsum", "grouped_matmul"}
+    contractions = {"einsum", "grouped_matmul", "grouped_ffn"}
     assert flagged("combines_inputs") == flagged("elementwise") | contractions
     assert flagged("matmul") == contractions
     assert flagged("pins_layout") == {"constrain"}

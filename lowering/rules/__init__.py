@@ -2,7 +2,7 @@
 one module per op family (mirroring namedmesh's op modules): `registry` holds the
 table keyed by primitive (`SPMD_RULES`, `@rule`) and the replicated fallback;
 elementwise, einsum, reductions, structural, selection, creation, spatial (conv, pool),
-grouped (grouped_matmul) and attention (the fused kernel) hold the families' rules,
+grouped (grouped_matmul, grouped_ffn) and attention (the fused kernel) hold the families' rules,
 and control nm.scan's (a pipeline when its scanned dim is split: lowering/pipeline.py,
 beside it).
 """

@@ -1,0 +1,192 @@
+"""`grouped_ffn`: a mixture of experts' whole expert FFN as one op, each row's weights
+picked by its integer group:
+
+    h = act(x @ wi[g]) (* (x @ wg[g]), gated), out = h @ wo[g]
+
+the composition of `grouped_matmul`s it states, as one primitive so that a lowering
+moves each row to its group's device once for the whole FFN (its hidden layer never
+leaves that device: lowering/rules/grouped.py), where three grouped matmuls would move
+it there and back three times. Computed by the grouped matmul's row kernel
+(`grouped_rows`), sorted by group, each product in the promoted dtype as the
+composition computes it; the gradient is jax's of that kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from namedmesh.errors import DtypeError, ParameterError, ShapeError, fmt_dims
+from namedmesh.grouped import as_groups, as_rows, grouped_aval, grouped_rows, grouped_rows_np, roles
+from namedmesh.primitive import REGISTRY, Aval, Cost, bind, is_inexact, primitive, result_dtype
+from namedmesh.tensor import Tensor
+
+
+def _elementwise(name: str) -> tuple:
+    """(NumPy, jax) of the registered elementwise op `name` on the hidden rows (n, f):
+    the fused FFN applies the very functions nm.relu, nm.gelu and nm.silu apply."""
+    p, rows = REGISTRY[name], ("rows", "hidden")
+    return tuple(
+        functools.partial(impl, in_dims=(rows,), out_dims=rows)
+        for impl in (p.numpy_impl, p.jax_impl)
+    )
+
+
+def _gelu_exact(erf):
+    """x * Phi(x), the exact normal CDF (BERT's "gelu"), as models/layers.py states it."""
+    return lambda x: x * (0.5 + 0.5 * erf(x * np.asarray(0.5**0.5, x.dtype)))
+
+
+# activation name -> (NumPy, jax): the activations of the zoo's FFNs (Config.ffn)
+ACTIVATIONS = {
+    "relu": _elementwise("relu"),
+    "gelu": _elementwise("gelu"),  # the tanh approximation (GPT-2's "gelu_new")
+    "gelu_exact": tuple(_gelu_exact(erf) for erf in _elementwise("erf")),
+    "silu": _elementwise("silu"),
+}
+
+
+def _ffn_rule(x, wi, wo, group, *wg, dim, dims, activation):
+    op = "grouped_ffn"
+    if activation not in ACTIVATIONS:
+        raise ParameterError(
+            f"{op}: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"
+        )
+    names = ("x", "wi", "wo", "wg")
+    for name, t in zip(names, (x, wi, wo, *wg), strict=False):
+        if not is_inexact(t.dtype):
+            raise DtypeError(f"{op}: {name} {t.dims} must be a float tensor, got {t.dtype}")
+    h = grouped_aval(x, wi, group, dim, op)
+    for g in wg:
+        if dict(zip(g.dims, g.shape, strict=True)) != dict(zip(wi.dims, wi.shape, strict=True)):
+            raise ShapeError(
+                f"{op}: the gate's weight wg {fmt_dims(g.dims, g.shape)} must have the dims "
+                f"and sizes of wi {fmt_dims(wi.dims, wi.shape)}"
+            )
+    out = grouped_aval(h, wo, group, dim, op)
+    return Aval(out.dims, out.shape, result_dtype(*(t.dtype for t in (x, wi, wo, *wg))))
+
+
+def ffn_rows(product, act, x, g, wi, wo, wg=None):
+    """The FFN of rows x (n, c) with weights (groups, c, f) and wo (groups, f, o), each
+    row's picked by g (n,), by `product(x, w, g)` (a grouped matmul of rows) and the
+    activation `act`: each product's result in the operands' dtype, as the composition
+    of grouped matmuls makes it."""
+    h = act(product(x, wi, g))
+    if wg is not None:
+        h = h * product(x, wg, g)
+    return product(h, wo, g)
+
+
+def as_ffn_rows(xp, x, wi, wo, group, wg, dim, dims):
+    """(x (rows, c), g (rows,), wi, wo, wg (or None) as (groups, in, out), the output
+    shape) from the named operands, all in their promoted dtype (also the
+    expert-parallel rule's, lowering/expert_routes.py)."""
+    x_dims, wi_dims, wo_dims, group_dims, *wg_dims = dims
+    dtype = result_dtype(*(t.dtype for t in (x, wi, wo, *([] if wg is None else [wg]))))
+    contracted, hidden = roles(x_dims, wi_dims, dim)
+    outs = roles(tuple(group_dims) + hidden, wo_dims, dim)[1]
+    sizes = dict(zip(wo_dims, wo.shape, strict=True)) | dict(
+        zip(group_dims, group.shape, strict=True)
+    )
+    x, wi, g, _ = as_rows(xp, x.astype(dtype), wi.astype(dtype), group, dim, x_dims, wi_dims,
+                          group_dims)  # fmt: skip
+    if wg is not None:
+        wg = as_groups(xp, wg.astype(dtype), wg_dims[0], dim, contracted, hidden)
+    wo = as_groups(xp, wo.astype(dtype), wo_dims, dim, hidden, outs)
+    return x, g, wi, wo, wg, tuple(sizes[d] for d in (*group_dims, *outs))
+
+
+def _ffn_np(x, wi, wo, group, *wg, dim, dims, activation):
+    x, g, wi, wo, wg, shape = as_ffn_rows(np, x, wi, wo, group, *wg or [None], dim, dims)
+    return ffn_rows(grouped_rows_np, ACTIVATIONS[activation][0], x, g, wi, wo, wg).reshape(shape)
+
+
+def _ffn_jax(x, wi, wo, group, *wg, dim, dims, activation):
+    x, g, wi, wo, wg, shape = as_ffn_rows(jnp, x, wi, wo, group, *wg or [None], dim, dims)
+    return ffn_rows(grouped_rows, ACTIVATIONS[activation][1], x, g, wi, wo, wg).reshape(shape)
+
+
+def _ffn_cost(in_avals, out_avals, params) -> Cost:
+    """Each row's products (2 flops per multiply-add) and its activation (and gate)."""
+    x, wi = in_avals[:2]
+    contracted, hidden = roles(x.dims, wi.dims, params["dim"])
+    c, f = (math.prod(wi.shape[wi.dims.index(d)] for d in ds) for ds in (contracted, hidden))
+    out = out_avals[0]
+    group = in_avals[3]
+    rows, o = math.prod(group.shape), math.prod(out.shape) // max(math.prod(group.shape), 1)
+    gated = len(in_avals) == 5
+    flops = rows * (2 * c * f * (1 + gated) + 2 * f * o + f * (1 + gated))
+    return Cost(flops, sum(a.nbytes for a in in_avals) + out.nbytes)
+
+
+def _hidden_saves(ins, params) -> float:
+    """What jax's autodiff of the kernel saves besides the inputs, in x's sizes: each row's
+    hidden layer (a row per group element: a token's k choices) as the activation's
+    input, the gate's product (gated), wo's input, and what the activation saves (its
+    primitive's count; gelu_exact's erf term, 1)."""
+    x, wi, _, group, *wg = ins
+    f = math.prod(wi.shape[wi.dims.index(d)] for d in roles(x.dims, wi.dims, params["dim"])[1])
+    act = params["activation"]
+    per_row = 2 + len(wg) + (REGISTRY[act].backward_saves if act in REGISTRY else 1)
+    return math.prod(group.shape) * f * per_row / max(math.prod(x.shape), 1)
+
+
+_grouped_ffn = primitive(
+    "grouped_ffn",
+    _ffn_rule,
+    _ffn_np,
+    _ffn_jax,
+    cost_rule=_ffn_cost,
+    matmul=True,
+    combines_inputs=True,
+    # its backward pass reads its inputs and saves its hidden layers (`_hidden_saves`)
+    backward_reads="inputs",
+    backward_saves=lambda ins, params: _hidden_saves(ins, params),
+    # the products' gradients: each product's input's and its weight's, twice the forward
+    backward_flops=2.0,
+)
+
+
+def grouped_ffn(
+    x: Tensor,
+    wi: Tensor,
+    wo: Tensor,
+    group: Tensor,
+    wg: Tensor | None = None,
+    *,
+    activation: str = "relu",
+    dim: str = "experts",
+) -> Tensor:
+    """The expert FFN `grouped_matmul(act(grouped_matmul(x, wi, group)) [*
+    grouped_matmul(x, wg, group)], wo, group)` as one op: wi (and the gate's wg, of wi's
+    dims) contract x's dims they share, their other dims besides `dim` (the hidden
+    layer) are contracted by wo, whose other dims follow the groups' dims in the
+    result. `activation`: relu, gelu (the tanh approximation), gelu_exact or silu.
+    Lowered with `dim` split over a mesh axis where the rows are too, each row goes to
+    its group's device and back once for the whole FFN."""
+    ws = (x, wi, wo, group) + (() if wg is None else (wg,))
+    dims = tuple(t.dims for t in ws)
+    return bind(_grouped_ffn, *ws, dim=dim, dims=dims, activation=activation)
+
+
+def _grouped_ffn_example(a, b, d, k):
+    """The property strategies' grouped_ffn (Primitive.example): 2 groups of weights
+    over d (and b's own dims) into a hidden dim of 3, back to d's size as `out`; rows by
+    a's argmax mod 3 (group 2: zero rows); the activation and whether gated by k."""
+    b = b if d in b.dims else a
+    summed = [x for x in b.dims if x in a.dims and x != d]
+    v = b.sum(summed) if summed else b
+    scale = Tensor._make(np.array([[1.0, 0.5, -1.0], [-0.5, 2.0, 0.25]], np.float32),
+                         ("group", "hidden"))  # fmt: skip
+    wi = v * scale
+    wo = wi.rename(**{d: "out"})
+    wg = wi * 0.5 if k % 2 else None
+    act = tuple(ACTIVATIONS)[k % len(ACTIVATIONS)]
+    return grouped_ffn(a, wi, wo, a.argmax(d) % 3, wg, activation=act, dim="group")
+
+
+_grouped_ffn.example = _grouped_ffn_example

@@ -1,0 +1,124 @@
+"""`nm.grouped_ffn`, a mixture of experts' whole expert FFN as one op, equals a float64
+NumPy statement of it row by row (every activation, gated or not, groups outside the
+range giving zero rows), in NumPy, jax and bfloat16; names its errors; and lowered on 8
+devices, with the experts split where the rows are (each row routed to its expert's
+device once) or not, and the hidden layer split, gives NumPy's values and the
+gradients of a dense one-hot statement."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from lowering import Mesh, lower
+
+R = np.random.default_rng(0)
+E = 4
+X = R.normal(size=(8, 3, 5)).astype(np.float32)  # (t, s, d): 24 tokens
+WI = R.normal(size=(E, 5, 8)).astype(np.float32) * 0.5  # (experts, d, f)
+WG = R.normal(size=(E, 8, 5)).astype(np.float32) * 0.5  # (experts, f, d): wi's dims reordered
+WO = R.normal(size=(E, 8, 3)).astype(np.float32) * 0.5  # (experts, f, o)
+G = R.integers(-1, E + 1, size=(8, 3, 2)).astype(np.int32)  # (t, s, k); -1 and E: zero rows
+ACTS = {
+    "relu": lambda a: np.maximum(a, 0),
+    "gelu": lambda a: 0.5 * a * (1 + np.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3))),
+    "gelu_exact": lambda a: a * 0.5 * (1 + np.vectorize(math.erf)(a / math.sqrt(2))),
+    "silu": lambda a: a / (1 + np.exp(-a)),
+}
+
+
+def oracle(x, g, act, gated):
+    """Row by row in float64: act(x wi[e]) (* x wg[e]^T) wo[e], zero outside [0, E)."""
+    out = np.zeros(g.shape + (WO.shape[-1],))
+    for i in np.ndindex(g.shape):
+        e = g[i]
+        if 0 <= e < E:
+            row = x[i[:-1]].astype(np.float64)
+            h = ACTS[act](row @ WI[e]) * ((row @ WG[e].T) if gated else 1.0)
+            out[i] = h @ WO[e]
+    return out
+
+
+DIMS = ("t s d", "experts d f", "experts f o", "t s k", "experts f d")
+
+
+def named(x, wi, wo, g, wg=None, act="silu"):
+    """nm.grouped_ffn of arrays, named as DIMS."""
+    x, wi, wo, g, *wg = (nm.tensor(a, d) for a, d in zip((x, wi, wo, g, wg), DIMS, strict=True)
+                         if a is not None)  # fmt: skip
+    return nm.grouped_ffn(x, wi, wo, g, *wg, activation=act)
+
+
+def test_equals_a_float64_statement_row_by_row():
+    """Every activation, gated (wg given) or not, by NumPy's implementation and jax's
+    kernel (one jit of the four)."""
+    cases = [("relu", False), ("gelu", True), ("gelu_exact", False), ("silu", True)]
+    wgs = [WG if gated else None for _, gated in cases]
+    kernels = jax.jit(lambda x, wg: [named(x, WI, WO, G, wg if gated else None, act).data
+                                     for act, gated in cases])  # fmt: skip
+    for (act, gated), wg, jax_got in zip(cases, wgs, kernels(X, WG), strict=True):
+        want = oracle(X, G, act, gated)
+        got = named(X, WI, WO, G, wg, act)
+        assert got.dims == ("t", "s", "k", "o") and got.dtype == np.float32
+        np.testing.assert_allclose(got.data, want, rtol=2e-5, atol=2e-5, err_msg=act)
+        np.testing.assert_allclose(jax_got, want, rtol=2e-5, atol=2e-5, err_msg=act)
+        assert not got.data[(G < 0) | (G >= E)].any()
+
+
+def test_bfloat16_is_the_grouped_matmuls_it_states():
+    """In bfloat16 each product is summed in float32 and rounded, as the grouped matmuls
+    and the activation it stands for compute it: equal to their composition, bit for bit."""
+
+    def both(x, wi, wo, wg):
+        got = named(x, wi, wo, G, wg)
+        x, wi, wo, g, wg = (nm.tensor(a, d) for a, d in zip((x, wi, wo, G, wg), DIMS, strict=True))
+        h = nm.silu(nm.grouped_matmul(x, wi, g)) * nm.grouped_matmul(x, wg, g)
+        return got.data, nm.grouped_matmul(h, wo, g).data
+
+    got, want = jax.jit(both)(*(jnp.asarray(a, jnp.bfloat16) for a in (X, WI, WO, WG)))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_names_its_errors():
+    with pytest.raises(nm.ParameterError, match="grouped_ffn: activation must be one of"):
+        named(X, WI, WO, G, act="tanh")
+    with pytest.raises(nm.DtypeError, match=r"grouped_ffn: x \('t', 's', 'd'\) must be a float"):
+        named(X.astype(np.int32), WI, WO, G)
+    with pytest.raises(nm.ShapeError, match="wg .* must have the dims and sizes of wi"):
+        named(X, WI, WO, G, WG[:, :4])
+    with pytest.raises(nm.ShapeError, match="grouped_ffn: dim 'f' has size 8"):
+        named(X, WI, WO[:, :7], G)
+
+
+def dense_loss(x, wi, wo, wg, g):
+    """The one-hot statement (every row times every expert's weights, masked), for its
+    gradients: sum(sin(out))."""
+    onehot = jax.nn.one_hot(g, E, dtype=x.dtype)  # (t, s, k, experts); zero outside
+    a = jnp.einsum("tsd,edf->tsef", x, wi)
+    h = jax.nn.silu(a) * jnp.einsum("tsd,efd->tsef", x, wg)
+    return jnp.sum(jnp.sin(jnp.einsum("tske,tsef,efo->tsko", onehot, h, wo)))
+
+
+@functools.cache
+def dense_grads():
+    return jax.jit(jax.grad(dense_loss, (0, 1, 2, 3)))(X, WI, WO, WG, G)
+
+
+# experts split where the tokens are (routed: t over e; the hidden layer split over d,
+# summed over d), or not (each device its experts' rows, summed over e); routed with the
+# hidden whole: tests/test_moe.py
+@pytest.mark.parametrize("layout", ["experts:e;f:d;t:e", "experts:e;t:d"])
+def test_lowered_values_and_gradients(layout):
+    ffn = lambda x, wi, wo, g, wg: nm.grouped_ffn(x, wi, wo, g, wg, activation="silu")  # noqa: E731
+    f = lower(ffn, Mesh({"e": 4, "d": 2}), layout)
+    run = lambda *a: f(*(nm.tensor(v, d) for v, d in zip(a, DIMS, strict=True))).data  # noqa: E731
+    loss = lambda x, wi, wo, wg: jnp.sum(jnp.sin(run(x, wi, wo, G, wg)))  # noqa: E731
+    value, grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(X, WI, WO, WG)
+    np.testing.assert_allclose(value, np.sin(oracle(X, G, "silu", True)).sum(), rtol=1e-5)
+    for name, a, b in zip(("x", "wi", "wo", "wg"), grads, dense_grads(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
