@@ -16,6 +16,9 @@ models.config and models.families, whose records and canonical configs are count
   expression, comprehension `if` and `and`/`or` operand that reads `<name>.<field>` of
   a Config field or property, where <name> is cfg, c or config (one per test; the
   distinct fields are listed too).
+- Branches in the block: the same count over the functions that make one block, its
+  parts aside (BLOCK_FUNCTIONS, in the shared files, and every function of
+  models/residual.py, the compositions): the family branches the issue asks to be 0.
 - "Parameter present" checks: in the same files, each `in`/`not in` comparison whose
   right side is a name among p, params, m, layer, shapes or cache and whose left side
   is a string (a literal, an f-string or a `+` of them).
@@ -35,6 +38,7 @@ from pathlib import Path
 SHARED = ("transformer.py", "layers.py", "decoding.py", "mla.py", "moe.py", "blocks.py",
           "parts.py", "attention.py", "kernels.py", "rope.py")  # fmt: skip
 CFG_NAMES = {"cfg", "c", "config"}
+BLOCK_FUNCTIONS = {"block", "decode_block", "_compose", "post_norm", "residual"}
 PARAM_DICTS = {"p", "params", "m", "layer", "shapes", "cache"}
 
 
@@ -90,10 +94,27 @@ def tests_of(tree: ast.AST):
             yield from node.values
 
 
-def branches(root: Path, names: set[str]) -> tuple[int, collections.Counter]:
+def block_trees(root: Path) -> list[ast.AST]:
+    """The functions that make one block (BLOCK_FUNCTIONS; all of models/residual.py)."""
+    out = []
+    for path in [*shared_files(root), root / "models" / "residual.py"]:
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text())
+        whole = path.name == "residual.py"
+        out += [
+            n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+            and (whole or n.name in BLOCK_FUNCTIONS)
+        ]  # fmt: skip
+    return out
+
+
+def branches(root: Path, names: set[str], trees=None) -> tuple[int, collections.Counter]:
     count, fields, seen = 0, collections.Counter(), set()
-    for path in shared_files(root):
-        for test in tests_of(ast.parse(path.read_text())):
+    if trees is None:
+        trees = [ast.parse(path.read_text()) for path in shared_files(root)]
+    for tree in trees:
+        for test in tests_of(tree):
             if id(test) in seen or not (read := reads_config(test, names)):
                 continue
             seen.update(id(n) for n in ast.walk(test))  # an and/or inside an if: once
@@ -168,6 +189,8 @@ def main(argv=None) -> None:
     n, fields = branches(root, config_names(root))
     print(f"branches on Config in the shared forward pass: {n} on {len(fields)} fields")
     print("  " + ", ".join(f"{k} {v}" for k, v in fields.most_common()))
+    n, fields = branches(root, config_names(root), block_trees(root))
+    print(f"  of them in the block itself (block, its composition): {n} {dict(fields)}")
     print(f"parameter-present checks in the shared forward pass: {presence_checks(root)}")
     lists = parameter_lists(root)
     print(f"functions in models/ with > 6 parameters: {sum(n > 6 for n, _ in lists)}")

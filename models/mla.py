@@ -115,15 +115,22 @@ def widened(t: nm.Tensor, width: int) -> nm.Tensor:
     return nm.pad(t, {"d_kv": (0, extra)}) if extra > 0 else t
 
 
+def projected(x: nm.Tensor, p: dict, cfg: Config) -> tuple:
+    """(q without positions, q to rotate, normed latent, shared key to rotate) of x, the
+    rotated parts' pairs de-interleaved where the checkpoint interleaves them."""
+    q_nope, q_rot = queries(x, p, cfg)
+    latent, k_rot = latents(x, p, cfg)
+    if cfg.mla.interleave:
+        q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+    return q_nope, q_rot, latent, k_rot
+
+
 def attention(x: nm.Tensor, p: dict, cfg: Config, bias=None, how=PLAIN, source=None):
     """Latent self-attention of x (batch, length, d_model) with models.layers.attention's
     signature and contract (no cross-attention: `source` must be None)."""
     if source is not None:
         raise ConfigError("Config.mla: latent attention is self-attention (no cross-attention)")
-    q_nope, q_rot = queries(x, p, cfg)
-    latent, k_rot = latents(x, p, cfg)
-    if cfg.mla.interleave:
-        q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+    q_nope, q_rot, latent, k_rot = projected(x, p, cfg)
     q_rot, k_rot = rotate_qk(q_rot, k_rot, cfg, None, None, how.layer)
     o = expanded((q_nope, q_rot), (latent, k_rot), p, cfg, options(cfg, bias, how, False))
     return nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
@@ -133,10 +140,7 @@ def cached_attention(x: nm.Tensor, p: dict, cfg: Config, bias, how, cache: dict)
     """(out, {"latent", "k_rope"}): models.layers.cached_attention's contract, the cache
     holding each position's normed latent and rotated shared key (batch, memory, ...).
     A step attends in the latent space (`absorbed`); a prefill expands the keys."""
-    q_nope, q_rot = queries(x, p, cfg)
-    latent, k_rot = latents(x, p, cfg)
-    if cfg.mla.interleave:
-        q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+    q_nope, q_rot, latent, k_rot = projected(x, p, cfg)
     slots, position = cache["latent"].size_of("memory"), how.position
     q_rot, k_rot = rotate_qk(q_rot, k_rot, cfg, slots, position, how.layer)
     latent = write_slots(cache["latent"], latent, position)
