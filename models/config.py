@@ -18,6 +18,8 @@ from models.kernels import KERNELS
 from models.latent import Latent
 from models.residual import COMPOSITIONS
 from models.rope import Rope, rotary_dims
+from models.run_settings import FIELDS as RUN_FIELDS
+from models.run_settings import Run
 from namedmesh.errors import ParameterError
 
 # layer: LayerNorm; rms: RMSNorm; rms_offset: RMSNorm scaled by 1 + its weight (Gemma)
@@ -106,15 +108,9 @@ class Config:
     capacity_factor: float = 1.25  # capacity routing: slots per expert over an even share
     moe_loss: float = 0.01  # weight of the load-balancing loss
     encoder_layers: int = 0  # encoder-decoder: layers of the encoder
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
-    remat: str = "none"  # the layer scan's rematerialisation: none | full | dots
-    # False: the layers unrolled in the compiled program (nm.scan's unroll) rather than
-    # one loop, which compiles longer and on XLA:CPU trains faster (MaxText's scan_layers)
-    scan_layers: bool = True
-    attention: str = "full"  # a models.kernels.KERNELS name: full | blockwise | ring | fused
-    attention_block: int = 128  # keys per block of blockwise attention
-    mesh: tuple[tuple[str, int], ...] = (("batch", 1),)  # the paper's mesh shape
-    layout: str = "batch:batch"
+    # the run's settings (models/run_settings.py: dtype, remat, scan_layers, attention,
+    # attention_block, mesh, layout), not the architecture's; read as cfg.dtype, ...
+    run: Run = Run()
     position_offset: int = 0  # learned positions: position p reads row p + offset (OPT: 2)
     # > 0: token embeddings of this width (dim d_embed), projected in to d_model before the
     # stack and out of it after (OPT's word_embed_proj_dim: project_in, project_out)
@@ -268,7 +264,20 @@ class Config:
             )
 
     def replace(self, **changes) -> Config:
+        """This config with `changes`, the run's settings among them (dtype=...)."""
+        settings = {k: changes.pop(k) for k in RUN_FIELDS if k in changes}
+        if settings:
+            changes["run"] = dataclasses.replace(changes.get("run", self.run), **settings)
         return dataclasses.replace(self, **changes)
+
+    # The run's settings, read where they were Config fields (models/run_settings.py)
+    dtype = property(lambda self: self.run.dtype)
+    remat = property(lambda self: self.run.remat)
+    scan_layers = property(lambda self: self.run.scan_layers)
+    attention = property(lambda self: self.run.attention)
+    attention_block = property(lambda self: self.run.attention_block)
+    mesh = property(lambda self: self.run.mesh)
+    layout = property(lambda self: self.run.layout)
 
     @property
     def attention_variant(self) -> str:
@@ -327,8 +336,10 @@ def _paper_lm(k: int) -> Config:
         batch=256,
         ffn="relu",
         shared_embedding=False,
-        mesh=_PAPER_MESHES[k],
-        layout=_PAPER_LAYOUT if k > 0 else "batch:batch",  # the smallest: data-parallel
+        run=Run(
+            mesh=_PAPER_MESHES[k],
+            layout=_PAPER_LAYOUT if k > 0 else "batch:batch",  # the smallest: data-parallel
+        ),
     )
 
 
@@ -498,7 +509,8 @@ def parse_overrides(items: list[str]) -> dict:
     import ast
     import difflib
 
-    hints = typing.get_type_hints(Config)
+    hints = typing.get_type_hints(Config) | typing.get_type_hints(Run)
+    del hints["run"]  # its fields are set by name
     out = {}
     for item in items:
         name, eq, text = item.partition("=")

@@ -1,8 +1,9 @@
 """Blocks built from parts (issue 42): the residual compositions against their formulas
 in NumPy, a family's block named by Config.block (its norms' parameters as the
-composition names them), and the --set names Config.block replaced still read, so a
-run recorded with them resumes."""
+composition names them), the --set names Config.block replaced still read, and the run
+settings are Config.run's, so a run recorded with either loads."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from models import generate, train, transformer
 from models.config import Config, ConfigError, parse_overrides
 from models.residual import COMPOSITIONS, Sublayer
+from models.run_settings import Run
 
 RNG = np.random.default_rng(0)
 H = RNG.normal(size=(3, 5))
@@ -82,16 +84,30 @@ def test_a_bad_value_of_a_replaced_set_name_is_refused_naming_it():
         Config(**parse_overrides(["norm_position=middle"]))
 
 
-def test_a_run_recorded_with_a_replaced_set_name_loads(tmp_path):
+def test_a_run_recorded_with_replaced_set_names_loads(tmp_path):
     """A run whose run.json records `--set post_norms=true` (as runs before Config.block
-    did) loads: its config is the sandwich and its checkpoint restores into the
-    sandwich's parameters (post norms included) by name."""
+    did) and run settings that were Config fields (`--set remat=dots`, `scan_layers`,
+    `attention_block`: now Config.run's) loads: its config is the sandwich with those
+    settings, and its checkpoint restores into the sandwich's parameters (post norms
+    included) by name."""
     out = tmp_path / "old"
+    old = ["post_norms=true", "layers=1", "remat=dots", "scan_layers=false", "attention_block=4"]
     flags = ["--config", "tiny", "--length", "8", "--batch", "2", "--quiet", "--eval-batches",
-             "1", "--steps", "1", "--set", "post_norms=true", "--set", "layers=1"]  # fmt: skip
+             "1", "--steps", "1", *(x for item in old for x in ("--set", item))]  # fmt: skip
     assert train.main([*flags, "--out", str(out)]) == 0
-    assert json.loads((out / "run.json").read_text())["set"] == ["post_norms=true", "layers=1"]
+    assert json.loads((out / "run.json").read_text())["set"] == old
     params, cfg, _ = generate.load(out)
     assert (cfg.block, cfg.layers) == ("sandwich", 1)
+    assert cfg.run == Run(remat="dots", scan_layers=False, attention_block=4)
+    assert (cfg.remat, cfg.scan_layers, cfg.attention_block) == ("dots", False, 4)
     post = params["layers"]["ffn_post_norm"]["scale"]
     assert post.dims == ("layers", "d_model") and np.isfinite(np.asarray(post.data)).all()
+
+
+def test_run_settings_are_the_run_records_and_replace_by_name():
+    cfg = Config().replace(dtype="bfloat16", attention="blockwise", d_model=32)
+    assert cfg.run == Run(dtype="bfloat16", attention="blockwise") and cfg.d_model == 32
+    assert cfg.replace(run=Run(), remat="full").run == Run(remat="full")
+    assert "dtype" not in {f.name for f in dataclasses.fields(Config)}
+    with pytest.raises(ConfigError, match="Config.remat must be one of .*'some'"):
+        Config().replace(remat="some")
