@@ -265,9 +265,6 @@ class Config:
 
     def replace(self, **changes) -> Config:
         """This config with `changes`, the run's settings among them (dtype=...)."""
-        settings = {k: changes.pop(k) for k in RUN_FIELDS if k in changes}
-        if settings:
-            changes["run"] = dataclasses.replace(changes.get("run", self.run), **settings)
         return dataclasses.replace(self, **changes)
 
     # The run's settings, read where they were Config fields (models/run_settings.py)
@@ -308,6 +305,25 @@ class Config:
             return 0
         return self.max_positions or self.length
 
+
+def _taking_run_settings_by_name(cls):
+    """`cls` whose constructor (and so dataclasses.replace) also takes the run's settings
+    by name, as when they were Config fields: Config(dtype="bfloat16") is Config(run=
+    Run(dtype="bfloat16")), applied over `run` when both are given."""
+    made = cls.__init__
+
+    @functools.wraps(made)
+    def __init__(self, *args, **fields):
+        settings = {k: fields.pop(k) for k in RUN_FIELDS if k in fields}
+        if settings:
+            fields["run"] = dataclasses.replace(fields.get("run", Run()), **settings)
+        made(self, *args, **fields)
+
+    cls.__init__ = __init__
+    return cls
+
+
+Config = _taking_run_settings_by_name(Config)
 
 _PAPER_LAYOUT = "batch:batch;vocab:model;d_ff:model;heads:model"
 _PAPER_MESHES = {

@@ -104,10 +104,11 @@ def test_a_run_recorded_with_replaced_set_names_loads(tmp_path):
     assert post.dims == ("layers", "d_model") and np.isfinite(np.asarray(post.data)).all()
 
 
-def test_run_settings_are_the_run_records_and_replace_by_name():
+def test_run_settings_are_the_run_records_and_made_and_replaced_by_name():
     cfg = Config().replace(dtype="bfloat16", attention="blockwise", d_model=32)
     assert cfg.run == Run(dtype="bfloat16", attention="blockwise") and cfg.d_model == 32
     assert cfg.replace(run=Run(), remat="full").run == Run(remat="full")
+    assert Config(dtype="bfloat16", layers=3).run == Run(dtype="bfloat16")  # made as before
     assert "dtype" not in {f.name for f in dataclasses.fields(Config)}
     with pytest.raises(ConfigError, match="Config.remat must be one of .*'some'"):
         Config().replace(remat="some")
