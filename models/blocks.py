@@ -79,8 +79,10 @@ class Context(NamedTuple):
     whether attention is causal, an additive attention `bias` (padding, T5's relative
     bias, packing; any of batch, heads, length, memory), the layer's dropout `key`
     (None: no dropout), its constants where the layers of a stack differ
-    (models.layers.layer_constants: its window and rotary frequencies), and whether the
-    router reports all its statistics (`stats`) or its balancing loss alone."""
+    (models.layers.layer_constants: its window and rotary frequencies), whether the
+    router reports all its statistics (`stats`) or its balancing loss alone, and, over
+    whole sequences, the positions that rotary attention rotates by (`position`: ints
+    over batch and length, packed examples' own, each from 0; None: 0..n-1)."""
 
     cfg: Config
     causal: bool = True
@@ -88,6 +90,7 @@ class Context(NamedTuple):
     key: Any = None
     layer: dict | None = None
     stats: bool = False
+    position: Any = None
 
 
 class Cross(NamedTuple):
@@ -142,7 +145,7 @@ def self_attention(x, p: dict, ctx: Context):
     bias_fn = lambda queries, slots: self_attention_bias(p, cfg, queries, slots, ctx.causal, window)
     shared_window = cfg.sliding_window if window is None else 0
     masks = (ctx.causal, shared_window, window is None and not cfg.relative_bias)
-    how = Attend(bias_fn, ctx.layer, masks)
+    how = Attend(bias_fn, ctx.layer, masks, ctx.position)
     return ATTENTIONS[cfg.attention_variant].attend(x, p, cfg, ctx.bias, how)
 
 

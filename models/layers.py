@@ -292,9 +292,10 @@ class Attend(NamedTuple):
     length and memory), which kernels build block by block; `layer`, this layer's
     constants in a stack whose layers differ (`layer_constants`: its rotary
     frequencies); `masks` (causal, window, masks_only), what `bias_fn` is known to hide
-    and whether it is nothing more (models.kernels.Options); `position`, a cached call's
-    query positions (an int Tensor: 0-d or over batch for one new position per row, or
-    0..n-1 over length for a prefill of an empty cache)."""
+    and whether it is nothing more (models.kernels.Options); `position`, the query
+    positions: a cached call's (an int Tensor: 0-d or over batch for one new position
+    per row, or 0..n-1 over length for a prefill of an empty cache), or a pass's
+    rotary positions where they are not 0..n-1 (None: they are)."""
 
     bias_fn: Callable | None = None
     layer: dict | None = None
@@ -347,7 +348,7 @@ def attention(
     (by `how.layer`'s frequencies where it has them)."""
     q, k, v = queries_keys_values(x, p, cfg, source)
     if cfg.positions == "rotary" and source is None:
-        q, k = rotate_qk(q, k, cfg, None, None, how.layer)
+        q, k = rotate_qk(q, k, cfg, None, how.position, how.layer)
     return attend_kernel((q, k, v), p, cfg, options(cfg, bias, how, False))
 
 

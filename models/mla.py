@@ -131,7 +131,7 @@ def attention(x: nm.Tensor, p: dict, cfg: Config, bias=None, how=PLAIN, source=N
     if source is not None:
         raise ConfigError("Config.mla: latent attention is self-attention (no cross-attention)")
     q_nope, q_rot, latent, k_rot = projected(x, p, cfg)
-    q_rot, k_rot = rotate_qk(q_rot, k_rot, cfg, None, None, how.layer)
+    q_rot, k_rot = rotate_qk(q_rot, k_rot, cfg, None, how.position, how.layer)
     o = expanded((q_nope, q_rot), (latent, k_rot), p, cfg, options(cfg, bias, how, False))
     return nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
 
