@@ -77,7 +77,7 @@ class Model:
         elif self.kind == "attention":
             out = layers.attention(x, p, self.cfg)
         elif self.kind == "layer":
-            out, _ = transformer.block(x, p, self.cfg, None, causal=True)
+            out, _ = transformer.block(x, p, transformer.Context(self.cfg))
         else:
             out, stats, _ = moe.moe(x, p, self.cfg)
             return (out * out).mean() + self.cfg.moe_loss * stats["balance"]

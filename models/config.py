@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 from models.kernels import KERNELS
 from models.latent import Latent
+from models.residual import COMPOSITIONS
 from models.rope import Rope, rotary_dims
+from models.run_settings import FIELDS as RUN_FIELDS
+from models.run_settings import Run
 from namedmesh.errors import ParameterError
 
 # layer: LayerNorm; rms: RMSNorm; rms_offset: RMSNorm scaled by 1 + its weight (Gemma)
@@ -64,7 +67,10 @@ class Config:
     relative_bias: int = 0  # > 0: a learned bias per head for relative distances up to it
     # --- options of the architectures people bring (models/hub.py); defaults keep the zoo's
     norm_eps: float = 1e-6
-    norm_position: str = "pre"  # pre: h + f(norm(h)), final norm; post: norm(h + f(h)) (BERT)
+    # how a block puts attention and the FFN on the residual (models/residual.py): pre
+    # h + f(norm(h)), final norm; post: norm(h + f(h)) (BERT); sandwich: h + norm'(f(norm(h)))
+    # (Gemma 2, 3); parallel: h + attn(norm(h)) + ffn(norm'(h)) (GPT-NeoX)
+    block: str = "pre"
     bias: bool = False  # biases on the attention and FFN projections
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys over d_kv (Qwen3)
@@ -102,24 +108,15 @@ class Config:
     capacity_factor: float = 1.25  # capacity routing: slots per expert over an even share
     moe_loss: float = 0.01  # weight of the load-balancing loss
     encoder_layers: int = 0  # encoder-decoder: layers of the encoder
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
-    remat: str = "none"  # the layer scan's rematerialisation: none | full | dots
-    # False: the layers unrolled in the compiled program (nm.scan's unroll) rather than
-    # one loop, which compiles longer and on XLA:CPU trains faster (MaxText's scan_layers)
-    scan_layers: bool = True
-    attention: str = "full"  # a models.kernels.KERNELS name: full | blockwise | ring | fused
-    attention_block: int = 128  # keys per block of blockwise attention
-    mesh: tuple[tuple[str, int], ...] = (("batch", 1),)  # the paper's mesh shape
-    layout: str = "batch:batch"
-    # attention and FFN both read the block's input: h + attn(norm(h)) + ffn(norm'(h)) (GPT-NeoX)
-    parallel_residual: bool = False
+    # the run's settings (models/run_settings.py: dtype, remat, scan_layers, attention,
+    # attention_block, mesh, layout), not the architecture's; read as cfg.dtype, ...
+    run: Run = Run()
     position_offset: int = 0  # learned positions: position p reads row p + offset (OPT: 2)
     # > 0: token embeddings of this width (dim d_embed), projected in to d_model before the
     # stack and out of it after (OPT's word_embed_proj_dim: project_in, project_out)
     embed_dim: int = 0
     # --- Gemma 1-3's options (models/families/gemma*.py); defaults keep the zoo's
     embed_scale: bool = False  # token embeddings x sqrt(d_model), rounded to the compute dtype
-    post_norms: bool = False  # a norm on attention's and the FFN's outputs too (Gemma 2, 3)
     attention_scale_dim: float = 0.0  # > 0: logits q.k * attention_scale_dim**-0.5, not d_kv's
     logit_softcap: float = 0.0  # > 0: final logits -> cap * tanh(logits / cap)
     sliding_layers: tuple[bool, ...] = ()  # the layers sliding_window applies to (): all
@@ -131,7 +128,7 @@ class Config:
     def __post_init__(self):
         choices = {
             "norm": NORMS,
-            "norm_position": ("pre", "post"),
+            "block": tuple(COMPOSITIONS),
             "positions": ("learned", "rotary", "none"),
             "attention": tuple(KERNELS),
             "remat": ("none", "full", "dots"),
@@ -189,8 +186,12 @@ class Config:
             )
         if self.positions == "rotary":
             self.rope.check(rotary_dims(self.rope, self.d_kv))
-        if self.parallel_residual and self.norm_position != "pre":
-            raise ConfigError("Config.parallel_residual needs norm_position='pre' (GPT-NeoX's)")
+        if self.block == "parallel" and self.encoder_layers:
+            raise ConfigError(
+                f"Config.block='parallel' with encoder_layers={self.encoder_layers}: the "
+                "parallel residual is implemented for decoder-only and encoder-only stacks "
+                "(a cross-attention has no place beside attention and the FFN)"
+            )
         if self.mla is not None:
             self._check_latent()
         self._check_experts()
@@ -263,12 +264,33 @@ class Config:
             )
 
     def replace(self, **changes) -> Config:
+        """This config with `changes`, the run's settings among them (dtype=...)."""
         return dataclasses.replace(self, **changes)
+
+    # The run's settings, read where they were Config fields (models/run_settings.py)
+    dtype = property(lambda self: self.run.dtype)
+    remat = property(lambda self: self.run.remat)
+    scan_layers = property(lambda self: self.run.scan_layers)
+    attention = property(lambda self: self.run.attention)
+    attention_block = property(lambda self: self.run.attention_block)
+    mesh = property(lambda self: self.run.mesh)
+    layout = property(lambda self: self.run.layout)
 
     @property
     def attention_variant(self) -> str:
         """The attention the blocks use (models.transformer.ATTENTIONS): mla or mha."""
         return "mha" if self.mla is None else "mla"
+
+    @property
+    def mlp_variant(self) -> str:
+        """The MLP the blocks use (models.blocks.MLPS): moe (experts > 0) or dense."""
+        return "moe" if self.experts else "dense"
+
+    @property
+    def attention_factor(self) -> float:
+        """The attention logits' factor: d_kv**-0.5 (attention_scale_dim**-0.5 where set;
+        1 where attention_scale is False: T5's unscaled logits)."""
+        return (self.attention_scale_dim or self.d_kv) ** -0.5 if self.attention_scale else 1.0
 
     @property
     def q_per_kv(self) -> int:
@@ -283,6 +305,25 @@ class Config:
             return 0
         return self.max_positions or self.length
 
+
+def _taking_run_settings_by_name(cls):
+    """`cls` whose constructor (and so dataclasses.replace) also takes the run's settings
+    by name, as when they were Config fields: Config(dtype="bfloat16") is Config(run=
+    Run(dtype="bfloat16")), applied over `run` when both are given."""
+    made = cls.__init__
+
+    @functools.wraps(made)
+    def __init__(self, *args, **fields):
+        settings = {k: fields.pop(k) for k in RUN_FIELDS if k in fields}
+        if settings:
+            fields["run"] = dataclasses.replace(fields.get("run", Run()), **settings)
+        made(self, *args, **fields)
+
+    cls.__init__ = __init__
+    return cls
+
+
+Config = _taking_run_settings_by_name(Config)
 
 _PAPER_LAYOUT = "batch:batch;vocab:model;d_ff:model;heads:model"
 _PAPER_MESHES = {
@@ -311,8 +352,10 @@ def _paper_lm(k: int) -> Config:
         batch=256,
         ffn="relu",
         shared_embedding=False,
-        mesh=_PAPER_MESHES[k],
-        layout=_PAPER_LAYOUT if k > 0 else "batch:batch",  # the smallest: data-parallel
+        run=Run(
+            mesh=_PAPER_MESHES[k],
+            layout=_PAPER_LAYOUT if k > 0 else "batch:batch",  # the smallest: data-parallel
+        ),
     )
 
 
@@ -408,7 +451,7 @@ ECOSYSTEM: dict[str, Config] = {
         batch=8,
         ffn="gelu_exact",
         norm_eps=1e-12,
-        norm_position="post",
+        block="post",
         bias=True,
         scale_tied_logits=False,
         type_vocab=2,
@@ -446,6 +489,28 @@ def get(name: str, **changes) -> Config:
     return known[name].replace(**changes)
 
 
+def _legacy_flag(field: str, value: str):
+    """The --set item a legacy boolean field's item means (`true`: block=value)."""
+
+    def item(text: str) -> str | None:
+        if text.lower() in ("false", "0", "no"):
+            return None  # the option off: the block as the rest of the config says
+        if text.lower() in ("true", "1", "yes"):
+            return f"block={value}"
+        raise ConfigError(f"--set {field}={text!r}: expected true or false (now block={value})")
+
+    return item
+
+
+# --set names of fields that became Config.block's values (a run.json records its --set,
+# so runs made before still resume and load): norm_position=post -> block=post, ...
+LEGACY = {
+    "norm_position": lambda text: f"block={text}",
+    "parallel_residual": _legacy_flag("parallel_residual", "parallel"),
+    "post_norms": _legacy_flag("post_norms", "sandwich"),
+}
+
+
 def _record_of(hint):
     """A field's type, or the record of an optional record (`Rope | None`: Rope)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -460,11 +525,17 @@ def parse_overrides(items: list[str]) -> dict:
     import ast
     import difflib
 
-    hints = typing.get_type_hints(Config)
+    hints = typing.get_type_hints(Config) | typing.get_type_hints(Run)
+    del hints["run"]  # its fields are set by name
     out = {}
     for item in items:
         name, eq, text = item.partition("=")
         name = name.strip()
+        if eq and name in LEGACY:  # a field that became a value of another (old run.json)
+            item = LEGACY[name](text.strip())
+            if item is None:
+                continue
+            name, eq, text = item.partition("=")
         if not eq or not name:
             raise ConfigError(f"--set {item!r}: expected field=value, e.g. d_model=128")
         if name not in hints:

@@ -131,19 +131,10 @@ def _run_layers(params: dict, x: nm.Tensor, cfg: Config, caches: tuple, position
         consts = layer_constants(c, slots)  # each layer's window and rotary frequencies
         for j, p in enumerate(params[stack]):
             layer = None if consts is None else {k: nm.isel(t, layers=j) for k, t in consts.items()}
-            x, _, new = transformer.block(
-                x,
-                p,
-                c,
-                None,
-                causal=True,
-                bias=bias,
-                memory_bias=memory_bias,
-                memory_kv=None if cross is None or stack == "dense" else cross[j],
-                cache=caches[len(written)],
-                position=position,
-                layer=layer,
-            )
+            ctx = transformer.Context(c, bias=bias, layer=layer)
+            kv = None if cross is None or stack == "dense" else cross[j]
+            memory = None if kv is None else transformer.Cross(kv, memory_bias)
+            x, _, new = transformer.decode_block(x, p, ctx, caches[len(written)], position, memory)
             written.append(new)
     return x, tuple(written)
 

@@ -46,7 +46,7 @@ class DestinationError(NamedMeshError, ValueError):
 # Config field -> the value GPT-2's architecture has (an export as GPT-2 requires it)
 GPT2_FIELDS = {
     "norm": "layer",
-    "norm_position": "pre",
+    "block": "pre",
     "ffn": "gelu",
     "positions": "learned",
     "shared_embedding": True,

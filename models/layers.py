@@ -9,6 +9,7 @@ d_model, heads, d_kv, d_ff, vocab: a layout maps any of them to mesh axes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -301,55 +302,82 @@ def project_kv(src: nm.Tensor, p: dict, cfg: Config, lead: tuple = ()) -> dict:
     return {name: _project(src, p, name, out) for name in ("k", "v")}
 
 
-def attention(
-    x: nm.Tensor,
-    p: dict,
-    cfg: Config,
-    memory: nm.Tensor | None = None,
-    bias=None,
-    cache: dict | None = None,
-    position=None,
-    bias_fn=None,
-    memory_kv: dict | None = None,
-    layer: dict | None = None,
-    masks: tuple[bool, int, bool] = (False, 0, False),
-):
-    """Multi-head attention of x (batch, length, d_model) over `memory` (batch, memory,
-    d_model; x itself when None), or over `memory_kv`, memory's keys and values already
-    projected by `project_kv` (cross-attention during decoding), plus `bias` (any of
-    batch, heads, length, memory) and `bias_fn(queries, slots)`, the bias for query and
-    memory positions (int Tensors over length and memory). Self-attention of a rotary
-    config rotates queries and keys by their positions.
+class Attend(NamedTuple):
+    """How one attention call attends, beside its input, parameters, config and bias:
+    `bias_fn(queries, slots)`, the bias for query and memory positions (int Tensors over
+    length and memory), which kernels build block by block; `layer`, this layer's
+    constants in a stack whose layers differ (`layer_constants`: its rotary
+    frequencies); `masks` (causal, window, masks_only), what `bias_fn` is known to hide
+    and whether it is nothing more (models.kernels.Options); `position`, the query
+    positions: a cached call's (an int Tensor: 0-d or over batch for one new position
+    per row, or 0..n-1 over length for a prefill of an empty cache), or a pass's
+    rotary positions where they are not 0..n-1 (None: they are)."""
 
-    With `cache` ({"k", "v"}: batch, memory, heads, d_kv), x holds one new position per
-    row at `position` (an int Tensor, 0-d or over batch), or, when `position` is over
-    `length` (0..n-1: a one-pass prefill of an empty cache), the first n positions: their
-    keys and values are written into the cache there, attention runs over the whole
-    cache, and `(out, new_cache)` is returned. `layer`: this layer's constants in a stack
-    whose layers differ (`layer_constants`: its rotary frequencies). `masks`: (causal,
-    window, masks_only), what `bias_fn` is known to hide, and whether it is nothing
-    more (models.kernels.Options)."""
-    qh = tuple(head_sizes(cfg))
-    q = _project(x, p, "q", ("batch", "length", *qh, "d_kv"))
-    src = x.rename(length="memory") if memory is None else memory
-    kv = memory_kv or project_kv(src, p, cfg)
+    bias_fn: Callable | None = None
+    layer: dict | None = None
+    masks: tuple[bool, int, bool] = (False, 0, False)
+    position: nm.Tensor | None = None
+
+
+PLAIN = Attend()
+
+
+def queries_keys_values(x: nm.Tensor, p: dict, cfg: Config, source=None) -> tuple:
+    """(q, k, v) of x (batch, length, d_model): keys and values of x itself (source None),
+    of an encoder's output `source` (batch, memory, d_model), or `source` itself when it
+    holds them already projected (`project_kv`'s {"k", "v"}); each head's queries and
+    keys normed over d_kv where p has q/k norms (Qwen3)."""
+    q = _project(x, p, "q", ("batch", "length", *head_sizes(cfg), "d_kv"))
+    if isinstance(source, dict):
+        kv = source
+    else:
+        kv = project_kv(x.rename(length="memory") if source is None else source, p, cfg)
     k, v = kv["k"], kv["v"]
-    cross = memory is not None or memory_kv is not None
     if "q_norm" in p:  # Qwen3: each head's queries and keys normed over d_kv, before rotary
         q = norm(q, p["q_norm"], head_norm_kind(cfg), cfg.norm_eps, "d_kv")
         k = norm(k, p["k_norm"], head_norm_kind(cfg), cfg.norm_eps, "d_kv")
-    if cfg.positions == "rotary" and not cross:
-        slots = None if cache is None else cache["k"].size_of("memory")
-        q, k = rotate_qk(q, k, cfg, slots, position, layer)
-    if cache is not None:
-        k, v = write_cache(cache, k, v, position)
-        cache = {"k": k, "v": v}
-    scale = (cfg.attention_scale_dim or cfg.d_kv) ** -0.5 if cfg.attention_scale else 1.0
-    cached = cache is not None
-    opts = Options(bias, bias_fn, scale, cfg.attention_softcap, cfg.attention_block, cached, *masks)
-    o = kernel_for(cfg, opts)(q, k, v, opts)
-    out = _project(o, p, "o", ("batch", "length", "d_model"))
-    return out if cache is None else (out, cache)
+    return q, k, v
+
+
+def attend_kernel(qkv: tuple, p: dict, cfg: Config, opts: Options) -> nm.Tensor:
+    """cfg.attention's kernel over (q, k, v) with `opts`, projected out to d_model."""
+    o = kernel_for(cfg, opts)(*qkv, opts)
+    return _project(o, p, "o", ("batch", "length", "d_model"))
+
+
+def options(cfg: Config, bias, how: Attend, cached: bool) -> Options:
+    """The kernel options of one attention call of cfg's."""
+    return Options(
+        bias, how.bias_fn, cfg.attention_factor, cfg.attention_softcap, cfg.attention_block,
+        cached, *how.masks,
+    )  # fmt: skip
+
+
+def attention(
+    x: nm.Tensor, p: dict, cfg: Config, bias=None, how: Attend = PLAIN, source=None
+) -> nm.Tensor:
+    """Multi-head attention of x (batch, length, d_model) over x itself, or over an
+    encoder's `source` (cross-attention: its output (batch, memory, d_model), or its
+    keys and values already projected by `project_kv`, as decoding keeps them), plus
+    `bias` (any of batch, heads, length, memory) and `how`'s bias_fn and masks.
+    Self-attention of a rotary config rotates queries and keys by their positions 0..n-1
+    (by `how.layer`'s frequencies where it has them)."""
+    q, k, v = queries_keys_values(x, p, cfg, source)
+    if cfg.positions == "rotary" and source is None:
+        q, k = rotate_qk(q, k, cfg, None, how.position, how.layer)
+    return attend_kernel((q, k, v), p, cfg, options(cfg, bias, how, False))
+
+
+def cached_attention(x: nm.Tensor, p: dict, cfg: Config, bias, how: Attend, cache: dict):
+    """(out, {"k", "v"}): self-attention of x's positions `how.position` (`Attend`) over
+    the KV cache ({"k", "v"}: batch, memory, heads or kv_heads, d_kv) after their keys
+    and values are written into it there: attention runs over the whole cache."""
+    q, k, v = queries_keys_values(x, p, cfg)
+    if cfg.positions == "rotary":
+        slots = cache["k"].size_of("memory")
+        q, k = rotate_qk(q, k, cfg, slots, how.position, how.layer)
+    k, v = write_cache(cache, k, v, how.position)
+    return attend_kernel((q, k, v), p, cfg, options(cfg, bias, how, True)), {"k": k, "v": v}
 
 
 # --- feed-forward ------------------------------------------------------------------

@@ -25,7 +25,7 @@ import namedmesh as nm
 from models.attention import softcap
 from models.config import Config, ConfigError
 from models.kernels import Options
-from models.layers import Param, kernel_for, norm, rotate_qk, write_slots
+from models.layers import PLAIN, Param, kernel_for, norm, options, rotate_qk, write_slots
 from models.rope import softmax_mscale
 
 BTH = ("batch", "length", "heads")
@@ -115,65 +115,66 @@ def widened(t: nm.Tensor, width: int) -> nm.Tensor:
     return nm.pad(t, {"d_kv": (0, extra)}) if extra > 0 else t
 
 
-def attention(
-    x: nm.Tensor,
-    p: dict,
-    cfg: Config,
-    memory=None,
-    bias=None,
-    cache: dict | None = None,
-    position=None,
-    bias_fn=None,
-    memory_kv=None,
-    layer=None,
-    masks: tuple[bool, int, bool] = (False, 0, False),
-):
-    """Latent self-attention of x (batch, length, d_model) with models.layers.attention's
-    signature and contract; `cache` is {"latent", "k_rope"} (batch, memory, ...), and
-    `(out, new_cache)` is returned with it."""
-    if memory is not None or memory_kv is not None:
-        raise ConfigError("Config.mla: latent attention is self-attention (no cross-attention)")
+def projected(x: nm.Tensor, p: dict, cfg: Config) -> tuple:
+    """(q without positions, q to rotate, normed latent, shared key to rotate) of x, the
+    rotated parts' pairs de-interleaved where the checkpoint interleaves them."""
     q_nope, q_rot = queries(x, p, cfg)
     latent, k_rot = latents(x, p, cfg)
     if cfg.mla.interleave:
         q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
-    slots = None if cache is None else cache["latent"].size_of("memory")
-    q_rot, k_rot = rotate_qk(q_rot, k_rot, cfg, slots, position, layer)
-    if cache is not None:
-        latent = write_slots(cache["latent"], latent, position)
-        k_rot = write_slots(cache["k_rope"], k_rot, position)
-        cache = {"latent": latent, "k_rope": k_rot}
-    if cache is not None and "length" not in position.dims:  # a step: in the latent space
-        o = absorbed(q_nope, q_rot, latent, k_rot, p, cfg, bias)
+    return q_nope, q_rot, latent, k_rot
+
+
+def attention(x: nm.Tensor, p: dict, cfg: Config, bias=None, how=PLAIN, source=None):
+    """Latent self-attention of x (batch, length, d_model) with models.layers.attention's
+    signature and contract (no cross-attention: `source` must be None)."""
+    if source is not None:
+        raise ConfigError("Config.mla: latent attention is self-attention (no cross-attention)")
+    q_nope, q_rot, latent, k_rot = projected(x, p, cfg)
+    q_rot, k_rot = rotate_qk(q_rot, k_rot, cfg, None, how.position, how.layer)
+    o = expanded((q_nope, q_rot), (latent, k_rot), p, cfg, options(cfg, bias, how, False))
+    return nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
+
+
+def cached_attention(x: nm.Tensor, p: dict, cfg: Config, bias, how, cache: dict):
+    """(out, {"latent", "k_rope"}): models.layers.cached_attention's contract, the cache
+    holding each position's normed latent and rotated shared key (batch, memory, ...).
+    A step attends in the latent space (`absorbed`); a prefill expands the keys."""
+    q_nope, q_rot, latent, k_rot = projected(x, p, cfg)
+    slots, position = cache["latent"].size_of("memory"), how.position
+    q_rot, k_rot = rotate_qk(q_rot, k_rot, cfg, slots, position, how.layer)
+    latent = write_slots(cache["latent"], latent, position)
+    k_rot = write_slots(cache["k_rope"], k_rot, position)
+    if "length" not in position.dims:  # a step: in the latent space
+        o = absorbed((q_nope, q_rot), (latent, k_rot), p, cfg, bias)
     else:
-        o = expanded(q_nope, q_rot, latent, k_rot, p, cfg, bias, bias_fn, cache is not None, masks)
+        o = expanded((q_nope, q_rot), (latent, k_rot), p, cfg, options(cfg, bias, how, True))
     out = nm.einsum(o, p["o"], out=("batch", "length", "d_model"))
-    return out if cache is None else (out, cache)
+    return out, {"latent": latent, "k_rope": k_rot}
 
 
-def expanded(q_nope, q_rot, latent, k_rot, p, cfg: Config, bias, bias_fn, cached: bool, masks):
-    """Attention (batch, length, heads, d_v) over the keys and values kv_b makes of the
-    latents, by cfg.attention's kernel (a pass, or a prefill; `masks` as
-    models.layers.attention takes them)."""
+def expanded(q: tuple, kv: tuple, p: dict, cfg: Config, opts: Options):
+    """Attention (batch, length, heads, d_v) of the queries (without positions, rotated)
+    over the keys and values kv_b makes of the (latents, rotated shared keys), by
+    cfg.attention's kernel (a pass, or a prefill) with `opts`."""
+    (q_nope, q_rot), (latent, k_rot) = q, kv
     k, v = keys_values(latent, k_rot, p, cfg)
     q = widened(nm.concat([q_nope.rename(d_qk="d_kv"), q_rot], "d_kv"), cfg.mla.v)
-    opts = Options(
-        bias, bias_fn, scale(cfg), cfg.attention_softcap, cfg.attention_block, cached, *masks
-    )
+    opts = opts._replace(scale=scale(cfg))
     o = kernel_for(cfg, opts)(q, k, v, opts)
     if cfg.mla.v < o.size_of("d_kv"):
         o = nm.slice(o, "d_kv", 0, cfg.mla.v)
     return o.rename(d_kv="d_v")
 
 
-def absorbed(q_nope, q_rot, latent, k_rot, p, cfg: Config, bias):
+def absorbed(q: tuple, kv: tuple, p: dict, cfg: Config, bias):
     """A decoding step's attention (batch, length, heads, d_v) without expanding the
     cache: kv_b's key part is applied to the query instead of to every cached latent
     (q_nope.k_nope = (q_nope W_k).latent), the weights average the latents, and kv_b's
     value part is applied once to that average (DeepSeek-V2's absorbed form): per step
     heads x (kv_rank + d_kv) per cached position, not kv_rank x heads x (nope + v).
     Logits and softmax in float32, soft-capped as the kernels do."""
-    m = cfg.mla
+    m, (q_nope, q_rot), (latent, k_rot) = cfg.mla, q, kv
     w_k, w_v = nm.split(p["kv_b"], "d_kvb", (m.nope, m.v))
     q_latent = nm.einsum(q_nope, w_k.rename(d_kvb="d_qk"), out=(*BTH, "latent"))
     f32, logit_dims = np.float32, ("batch", "heads", "length", "memory")

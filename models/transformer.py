@@ -2,63 +2,40 @@
 shapes, initial values, logits and losses.
 
 Layers are stacked along a `layers` dim and run with `nm.scan`, so the traced program
-(and the compile time) does not grow with depth. Pre-norm residual blocks:
-h += attention(norm(h)); [h += cross_attention(norm(h), encoder)]; h += ffn(norm(h)),
-where the FFN is a top-2 mixture of experts when the config has experts; or post-norm
-(BERT): h = norm(h + attention(h)); h = norm(h + ffn(h)). T5's bucketed relative bias
-is one table per stack, computed once and added in every layer.
+(and the compile time) does not grow with depth. Each layer is a block built from
+parts (models/blocks.py: attention, cross-attention over an encoder, the MLP or a
+mixture of experts) composed as the config's `block` says (models/residual.py:
+pre-norm, post-norm, sandwich, parallel). T5's bucketed relative bias is one table per
+stack, computed once and added in every layer.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import numpy as np
 
 import namedmesh as nm
-from models import mla
+from models.blocks import ATTENTIONS as ATTENTIONS  # re-exported: their home was here
+from models.blocks import Attention as Attention
+from models.blocks import Context, Cross, block, layer_shapes
+from models.blocks import decode_block as decode_block
+from models.blocks import self_attention_bias as self_attention_bias
 from models.config import Config
 from models.layers import (
-    NEG,
     Param,
     activation,
-    attention,
-    attention_params,
     cast,
     compute_dtype,
     cross_entropy,
-    dropout,
     embed,
-    ffn,
-    ffn_params,
-    kv_cache,
     layer_constants,
     norm,
     norm_params,
     padding_bias,
-    relative_bias,
     segment_bias,
-    write_slots,
 )
-from models.moe import merged, moe, moe_params, over_layers, queued
-
-
-class Attention(NamedTuple):
-    """A self-attention variant: its parameters of a Config, the layer (models.layers.
-    attention's signature), and the sizes of one position's KV cache entries."""
-
-    params: Callable
-    attend: Callable
-    cache: Callable
-
-
-# Config.attention_variant -> its attention: multi-head, or DeepSeek's latent (models/mla.py)
-ATTENTIONS = {
-    "mha": Attention(attention_params, attention, kv_cache),
-    "mla": Attention(mla.params, mla.attention, mla.cache),
-}
+from models.moe import merged, over_layers
+from models.residual import COMPOSITIONS
 
 
 def slots_of(cache: dict) -> int:
@@ -73,21 +50,6 @@ def stacked(shapes, n: int):
     return {k: stacked(v, n) for k, v in shapes.items()}
 
 
-def layer_shapes(cfg: Config, cross: bool = False) -> dict:
-    """One block: self-attention, cross-attention over an encoder's output if `cross`,
-    and the FFN (a mixture of experts when cfg.experts > 0)."""
-    shapes = {"attn_norm": norm_params(cfg), "attn": ATTENTIONS[cfg.attention_variant].params(cfg)}
-    if cross:
-        shapes["cross_norm"] = norm_params(cfg)
-        shapes["cross"] = attention_params(cfg.replace(relative_bias=0))
-    shapes["ffn_norm"] = norm_params(cfg)
-    shapes["ffn"] = moe_params(cfg) if cfg.experts else ffn_params(cfg)
-    if cfg.post_norms:
-        shapes["attn_post_norm"] = norm_params(cfg)
-        shapes["ffn_post_norm"] = norm_params(cfg)
-    return shapes
-
-
 def embedding_shapes(cfg: Config) -> dict:
     """Input embeddings (tokens, learned positions, token types, their norm), the final
     norm of a pre-norm stack, T5's relative bias table of the decoder (or LM) stack, and
@@ -98,7 +60,7 @@ def embedding_shapes(cfg: Config) -> dict:
         shapes["embed"] = Param({"vocab": v, "d_embed": e}, 1.0)
         shapes["project_in"] = Param({"d_embed": e, "d_model": d}, e**-0.5)
         shapes["project_out"] = Param({"d_model": d, "d_embed": e}, d**-0.5)
-    if cfg.norm_position == "pre":
+    if COMPOSITIONS[cfg.block].final_norm:
         shapes["final_norm"] = norm_params(cfg)
     if cfg.learned_positions:
         rows = cfg.learned_positions + cfg.position_offset
@@ -202,28 +164,6 @@ def layer_keys(key, n: int):
     return nm.stack([nm.random.fold_in(key, i) for i in range(n)], "layers")
 
 
-def self_attention_bias(
-    p: dict, cfg: Config, queries, memory, causal: bool, extra=None, window=None
-):
-    """The additive self-attention bias of one layer for query and memory positions (int
-    Tensors over length and memory): causal mask, sliding window (a query sees the
-    last `window` positions: cfg.sliding_window, or this layer's of
-    `layers.layer_constants`, a 0-d Tensor), relative positions, and `extra` (a padding
-    bias). A function of positions, so every attention kernel and the KV cache apply it
-    block by block alike."""
-    bias = nm.where(memory <= queries, 0.0, NEG) if causal else None
-    if cfg.sliding_window:
-        size = cfg.sliding_window if window is None else window
-        window = nm.where(memory > queries - size, 0.0, NEG)
-        bias = window if bias is None else bias + window
-    if cfg.relative_bias:
-        rel = relative_bias(p["rel"], queries, memory, cfg.relative_bias)
-        bias = rel if bias is None else bias + rel
-    if extra is not None:
-        bias = extra if bias is None else bias + extra
-    return bias
-
-
 def relative_buckets(queries, memory, bidirectional: bool, buckets: int, max_distance: int):
     """T5's bucket (an int array of shape (queries, memory)) of each relative position
     memory - query: exact distances below buckets/2 (per direction when bidirectional),
@@ -261,102 +201,20 @@ def bucket_bias(table: nm.Tensor, cfg: Config, n: int, bidirectional: bool, posi
     return nm.gather(table, "buckets", index)
 
 
-def block(
-    h,
-    p,
-    cfg: Config,
-    key,
-    causal: bool,
-    bias=None,
-    memory=None,
-    memory_bias=None,
-    cache=None,
-    position=None,
-    memory_kv=None,
-    stats: bool = False,
-    layer=None,
-):
-    """(h, aux) after one pre-norm block: self-attention, cross-attention over `memory`
-    (batch, memory, d_model) when given (or over `memory_kv`, its keys and values
-    already projected for this layer: `layers.project_kv`), then the FFN, each added to
-    the residual (cfg.parallel_residual: the FFN reads the block's input, not the
-    attention's output); aux is the MoE router's statistics (models/moe.py `statistics`:
-    its balancing loss, and with `stats` the rest; None without experts).
-
-    With a KV `cache` ({"k", "v"}: batch, memory, heads, d_kv; and "route", the experts
-    each position chose, under capacity routing), h holds the new position `position`
-    (an int Tensor, 0-d or one per batch row), or a prefill's positions 0..n-1
-    (`position` over length), and (h, aux, new_cache) is returned. `layer` holds this
-    layer's constants where the layers differ (`layers.layer_constants`: its window and
-    rotary frequencies); with cfg.post_norms, attention's and the FFN's outputs are
-    normed before they are added (Gemma 2's sandwich)."""
-    keys = [None] * 3 if key is None else [nm.random.fold_in(key, i) for i in (1, 2, 3)]
-    pre, block_input = cfg.norm_position == "pre", h
-    x = norm(h, p["attn_norm"], cfg.norm, cfg.norm_eps) if pre else h
-    window = None if layer is None else layer["window"]
-    variant = ATTENTIONS[cfg.attention_variant]
-    if cache is None:
-        # a function of the positions: blockwise attention builds it block by block
-        bias_fn = lambda queries, slots: self_attention_bias(
-            p["attn"], cfg, queries, slots, causal, window=window
-        )
-        # the mask's shape, static, so kernels can skip the blocks it hides whole: a
-        # window shared by every layer (per-layer windows are traced)
-        per_layer = bool(cfg.sliding_layers)
-        masks = (
-            causal,
-            0 if per_layer else cfg.sliding_window,
-            not (per_layer or cfg.relative_bias),
-        )
-        x = variant.attend(x, p["attn"], cfg, bias=bias, bias_fn=bias_fn, layer=layer, masks=masks,
-                           position=position)  # fmt: skip
-    else:
-        slots = nm.arange("memory", slots_of(cache))
-        bias = self_attention_bias(p["attn"], cfg, position, slots, causal, bias, window)
-        kv = {name: cache[name] for name in variant.cache(cfg)}
-        x, kv = variant.attend(x, p["attn"], cfg, bias=bias, cache=kv, position=position,
-                               layer=layer)  # fmt: skip
-        cache = {**cache, **kv}
-    x = post_norm(x, p, "attn_post_norm", cfg)
-    h = residual(h, dropout(x, cfg.dropout, keys[0]), p["attn_norm"], cfg)
-    if memory is not None or memory_kv is not None:
-        x = norm(h, p["cross_norm"], cfg.norm, cfg.norm_eps) if pre else h
-        x = attention(x, p["cross"], cfg, memory, memory_bias, memory_kv=memory_kv)
-        h = residual(h, dropout(x, cfg.dropout, keys[1]), p["cross_norm"], cfg)
-    ffn_input = block_input if cfg.parallel_residual else h  # GPT-NeoX: h + attn + ffn
-    x = norm(ffn_input, p["ffn_norm"], cfg.norm, cfg.norm_eps) if pre else h
-    if not cfg.experts:
-        x, aux = ffn(x, p["ffn"], cfg), None
-    elif cache is None or "route" not in cache:
-        x, aux, _ = moe(x, p["ffn"], cfg, stats=stats)
-    else:  # capacity routing's decoding: queue behind the cached positions' choices
-        x, aux, chosen = moe(x, p["ffn"], cfg, queued(cache["route"], position))
-        cache = {**cache, "route": write_slots(cache["route"], chosen, position)}
-    x = post_norm(x, p, "ffn_post_norm", cfg)
-    h = residual(h, dropout(x, cfg.dropout, keys[2]), p["ffn_norm"], cfg)
-    return (h, aux) if cache is None else (h, aux, cache)
-
-
-def post_norm(x, p: dict, name: str, cfg: Config):
-    """A sublayer's output normed by the block's norm `name` (cfg.post_norms), else x."""
-    return norm(x, p[name], cfg.norm, cfg.norm_eps) if cfg.post_norms else x
-
-
-def residual(h, x, norm_p: dict, cfg: Config):
-    """h + x (pre-norm: the sublayer's input was normed), or norm(h + x) (post-norm)."""
-    return h + x if cfg.norm_position == "pre" else norm(h + x, norm_p, cfg.norm, cfg.norm_eps)
-
-
 def run_stack(x, layers: dict, cfg: Config, key, **block_args):
     """(x, aux): `block` for each index of the `layers` dim, in one nm.scan; aux is the
-    router's statistics over the layers (moe.over_layers; None without experts)."""
+    router's statistics over the layers (moe.over_layers; None without experts).
+    `block_args`: Context's causal, bias and stats, and `memory` with its `memory_bias`
+    (an encoder's output for cross-attention)."""
     is_tensor = lambda t: isinstance(t, nm.Tensor)
     n = jax.tree_util.tree_leaves(layers, is_leaf=is_tensor)[0].size_of("layers")
     consts = layer_constants(cfg, x.size_of("length"))
+    memory, memory_bias = block_args.pop("memory", None), block_args.pop("memory_bias", None)
+    cross = None if memory is None else Cross(memory, memory_bias)
 
     def body(h, xs):
         p, k, c = xs
-        return block(h, p, cfg, k, layer=c, **block_args)
+        return block(h, p, Context(cfg, key=k, layer=c, **block_args), cross)
 
     xs = (layers, layer_keys(key, n), consts)
     x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat, unroll=not cfg.scan_layers)

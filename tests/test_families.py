@@ -187,17 +187,17 @@ def test_configs_hold_the_families_options(loaded):
     assert (phi3.factor, phi3.long_factor, window.original_positions) == (4, (2, 3, 5), 32)
     assert (c["phi3_window"].sliding_window, c["phi3"].kv_heads) == (5, 4)
     neox = c["gpt_neox"]
-    assert neox.parallel_residual and neox.rope.fraction == 0.5 and not neox.shared_embedding
+    assert neox.block == "parallel" and neox.rope.fraction == 0.5 and not neox.shared_embedding
     assert (c["opt"].position_offset, c["opt"].ffn, c["opt"].bias) == (2, "relu", True)
     opt, opt_350m = c["opt"], c["opt_350m"]
-    assert (opt.norm_position, opt_350m.norm_position) == ("pre", "post")
+    assert (opt.block, opt_350m.block) == ("pre", "post")
     assert (opt.embed_dim, opt_350m.embed_dim, opt_350m.shared_embedding) == (0, 16, False)
     assert c["gemma"].norm == "rms_offset" and c["gemma"].embed_scale
     assert c["gemma"].shared_embedding and not c["gemma2"].shared_embedding
-    assert c["gemma"].ffn == "gated_gelu" and not c["gemma"].post_norms
+    assert c["gemma"].ffn == "gated_gelu" and c["gemma"].block == "pre"
     g2, g3 = c["gemma2"], c["gemma3"]
     assert (g2.attention_softcap, g2.logit_softcap, g2.attention_scale_dim) == (1.0, 2.0, 10.0)
-    assert g2.post_norms and (g2.sliding_window, g2.sliding_layers) == (4, (True, False))
+    assert g2.block == "sandwich" and (g2.sliding_window, g2.sliding_layers) == (4, (True, False))
     assert g3.qk_norm and g3.sliding_layers == (True, False, True)
     ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
     assert ropes == ("linear", 4.0, 500.0, 50.0)

@@ -120,7 +120,7 @@ def test_loaded_configs_have_the_families_options(loaded):
     )  # fmt: skip
     assert not t5.attention_scale and t5.scale_tied_logits
     assert not loaded["t5_v1_1"].config.scale_tied_logits
-    assert (bert.norm_position, bert.type_vocab, bert.ffn, bert.norm_eps) == (
+    assert (bert.block, bert.type_vocab, bert.ffn, bert.norm_eps) == (
         "post", 3, "gelu_exact", 1e-12,
     )  # fmt: skip
 
@@ -354,7 +354,7 @@ def test_config_options_that_contradict_are_refused():
 
     with pytest.raises(ConfigError, match="kv_heads=3 does not divide heads=4"):
         Config(heads=4, kv_heads=3)
-    with pytest.raises(ConfigError, match="norm_position"):
-        Config(norm_position="middle")
+    with pytest.raises(ConfigError, match="Config.block must be one of .*'middle'"):
+        Config(block="middle")
     with pytest.raises(ValueError, match="ffn must be one of"):
         transformer.lm_shapes(Config(ffn="gated_tanh"))

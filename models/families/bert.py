@@ -20,7 +20,7 @@ def encoder_config(hf: dict, **options) -> Config:
         vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf["intermediate_size"],
         layers=hf["num_hidden_layers"], length=options.pop("length", n), max_positions=n,
         ffn=act(hf, "hidden_act"), norm_eps=hf.get("layer_norm_eps", 1e-12),
-        norm_position="post", bias=True, scale_tied_logits=False,
+        block="post", bias=True, scale_tied_logits=False,
         type_vocab=hf.get("type_vocab_size", 2), embed_norm=True, mlm_head=True, **options,
     )  # fmt: skip
 

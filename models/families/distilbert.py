@@ -23,7 +23,7 @@ def config(hf: dict, names: set[str]) -> Config:
     return Config(
         vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf["hidden_dim"],
         layers=hf["n_layers"], length=n, max_positions=n, ffn=act(hf, "activation"),
-        norm_eps=EPS, norm_position="post", bias=True, scale_tied_logits=False,
+        norm_eps=EPS, block="post", bias=True, scale_tied_logits=False,
         embed_norm=True, mlm_head=True,
     )  # fmt: skip
 

@@ -42,7 +42,7 @@ def options(hf: dict) -> dict:
     hf.get("hidden_act")  # transformers' Gemma 2 and 3 read hidden_activation only
     hf.get("cache_implementation")  # how transformers caches sliding layers: same values
     return dict(
-        gemma.options(hf, act(hf, "hidden_activation")), post_norms=True,
+        gemma.options(hf, act(hf, "hidden_activation")), block="sandwich",
         attention_scale_dim=float(hf.get("query_pre_attn_scalar") or 0.0),
         attention_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
         logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),

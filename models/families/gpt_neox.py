@@ -23,7 +23,8 @@ def config(hf: dict, names: set[str]) -> Config:
         layers=hf["num_hidden_layers"], length=hf.get("max_position_embeddings", 2048),
         ffn=act(hf, "hidden_act"), norm_eps=hf.get("layer_norm_eps", 1e-5), bias=True,
         positions="rotary", rope=rope, shared_embedding=bool(hf.get("tie_word_embeddings", False)),
-        scale_tied_logits=False, parallel_residual=bool(hf.get("use_parallel_residual", True)),
+        scale_tied_logits=False,
+        block="parallel" if hf.get("use_parallel_residual", True) else "pre",
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ def config(hf: dict, names: set[str]) -> Config:
         vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf["ffn_dim"],
         layers=hf["num_hidden_layers"], length=n, max_positions=n, position_offset=OFFSET,
         ffn=act(hf, "activation_function"), norm_eps=1e-5, bias=hf.get("enable_bias", True),
-        norm_position="pre" if hf.get("do_layer_norm_before", True) else "post",
+        block="pre" if hf.get("do_layer_norm_before", True) else "post",
         shared_embedding=bool(hf.get("tie_word_embeddings", True)), scale_tied_logits=False,
         embed_dim=e if e != d else 0,
     )  # fmt: skip
@@ -43,7 +43,7 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
         *linear("layers/ffn/wi", f"{layer}fc1", "d_ff", "d_model", b),
         *linear("layers/ffn/wo", f"{layer}fc2", "d_model", "d_ff", b),
     ]
-    if cfg.norm_position == "pre":
+    if cfg.block == "pre":
         rows += norm("final_norm", f"{prefix}final_layer_norm", True)
     if cfg.embed_dim:  # torch Linear weights: (out, in)
         rows.append(Entry("project_in", f"{prefix}project_in.weight", "d_model d_embed"))
