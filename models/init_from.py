@@ -19,15 +19,15 @@ from pathlib import Path
 
 from models import checkpoint, data, files, hub, zoo
 from models.source import hub_base, is_run, no_steps, read_run, run_config
+from namedmesh.errors import ParameterError
 
 
-def model(args, out: Path):
+def model(args, out: Path, from_hub):
     """(model, cfg, tokenizer) that a fine-tune (args.init_from) trains, args.model,
     .config and .tokenizer set to the source's and args.step to the step read (its
-    latest when None). A resumed fine-tune reads its own OUT/base, not the source (and
-    no tokenizer: the run's own is read)."""
-    from models.run import from_hub
-
+    latest when None); `from_hub(args, folder=None)` reads a Hugging Face folder's
+    (models/run.py). A resumed fine-tune reads its own OUT/base, not the source (and no
+    tokenizer: the run's own is read)."""
     base = out / hub.BASE
     if args.resume and (base / "config.json").exists():
         return from_hub(args)
@@ -49,20 +49,16 @@ def from_zoo_run(args, record: Path, tokenizer):
     """(model, cfg, tokenizer) of a model of the zoo's, as the run in `record` (a
     run's folder or a fine-tune's copy of its record, OUT/base) made it; its learned
     position table keeps its rows, so --length may only shorten it."""
-    from models.run import UsageError, check_same_vocabulary
-
     flags = files.read_json(record / "run.json", f"{record}/run.json")
     cfg = run_config(record, flags)
     cfg = cfg.replace(max_positions=cfg.learned_positions)
     if tokenizer is not None:  # a fresh fine-tune (a resumed one has its own)
-        if "tokenizer" in getattr(args, "given", ()):
-            check_same_vocabulary(args.tokenizer, tokenizer, args.init_from)
         stored = flags.get("tokenizer")  # a tokenizer.json's folder holds its chat template
         given = stored not in ("byte", "bpe") and stored and Path(stored).is_file()
         args.tokenizer = stored if given else f"{stored} of --init-from"
     args.model, args.config = flags["model"], flags["config"]
     if cfg.learned_positions and (args.length or cfg.length) > cfg.learned_positions:
-        raise UsageError(
+        raise ParameterError(
             f"--length {args.length} is longer than the {cfg.learned_positions} positions of "
             f"--init-from {args.init_from}"
         )

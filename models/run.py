@@ -34,6 +34,7 @@ from models import (
     zoo,
 )
 from models.preempt import Preemption
+from models.source import template_folder as of_model
 from models.train import check_ranges, init_fault, optimizer_fault
 from models.trainer import Trainer, bits_per_byte, optimizer
 from models.watchdog import COMPILE_S, SAVE_S, Watchdog
@@ -102,7 +103,10 @@ def setup(args):
     hub_tokenizer = None
     try:
         if args.init_from:
-            model, cfg, hub_tokenizer = init_from.model(args, out)
+            given = args.tokenizer  # the source's replaces it
+            model, cfg, hub_tokenizer = init_from.model(args, out, from_hub)
+            if "tokenizer" in getattr(args, "given", ()) and not args.resume:
+                check_same_vocabulary(given, hub_tokenizer, args.init_from)
         else:
             model = zoo.get(args.model)
             cfg = model.configure(config.get(args.config))
@@ -335,8 +339,6 @@ def template_folder(args) -> Path | None:
     base, else the folder of a --tokenizer FILE; None (the default template) for the
     byte and a fresh BPE tokenizer."""
     if args.init_from:  # as eval finds a model's: its base, a run's tokenizer's folder
-        from models.evaluate import template_folder as of_model
-
         resumed = args.resume and (Path(args.out) / hub.BASE).exists()
         return of_model(args.out if resumed else args.init_from)
     given = Path(args.tokenizer)
@@ -377,8 +379,6 @@ def from_hub(args, folder=None):
     except hub.HubError as e:
         raise UsageError(f"--init-from: {e}" if "--init-from" not in str(e) else str(e)) from None
     tokenizer = data.BPETokenizer(tokenizer)
-    if "tokenizer" in getattr(args, "given", ()) and not args.resume:
-        check_same_vocabulary(args.tokenizer, tokenizer, args.init_from)
     args.model, args.config = "lm", family
     args.tokenizer = f"{folder_tokens.source(folder)} of --init-from"
     if tokenizer.vocab_size > cfg.vocab:

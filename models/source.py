@@ -141,3 +141,20 @@ def read_run(run, step: int | None = None, merge: bool = True):
     if adapters is not None and merge:
         params = merged(params, adapters)
     return model, params, cfg, data.load_tokenizer(run)
+
+
+def template_folder(model) -> Path | None:
+    """The folder whose chat template renders chat data for `model` (models/chat.py):
+    a Hugging Face folder, a fine-tune's base, else the folder of the run's
+    --tokenizer FILE; None (the default template) otherwise."""
+    import json
+
+    from models import hub
+
+    path = Path(model)
+    if (path / "config.json").exists() and not is_run(path):
+        return path
+    if (path / hub.BASE / "config.json").exists():
+        return path / hub.BASE
+    given = json.loads((path / "run.json").read_text()).get("tokenizer") if is_run(path) else None
+    return Path(given).parent if given and Path(given).is_file() else None
