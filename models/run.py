@@ -133,6 +133,11 @@ def setup(args):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
         cfg = cfg.replace(**changes, **config.parse_overrides(args.set or []))
+        if args.init_from and cfg.length > (cfg.learned_positions or cfg.length):  # --set's
+            raise UsageError(
+                f"--set length={cfg.length} is longer than the {cfg.learned_positions} "
+                f"positions of --init-from {args.init_from}"
+            )
         folder = template_folder(args)
         corpus = corpora.make(text, tokenizer, cfg.length, model.objective, valid or None, folder)
     except (data.DataError, config.ConfigError) as e:

@@ -253,7 +253,8 @@ def init_fault(args: argparse.Namespace) -> str | None:
         return None
     return (
         f"--step {args.step}: picks the checkpoint of the run --init-from RUN starts from, "
-        "and there is no --init-from (--resume continues a run from its own newest)"
+        "and there is no --init-from (--steps N: how many steps to train; --resume "
+        "continues a run from its own newest checkpoint)"
     )
 
 
