@@ -22,6 +22,7 @@ import numpy as np
 
 from models import lora
 from models.lora import LoraError
+from models.source import hub_base
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM's prefix to the model's names
@@ -44,7 +45,7 @@ def export_adapters(
         raise LoraError(f"--adapter-only: {run} is not a LoRA run (its run.json has no lora_rank)")
     params, cfg, _ = generate.load(run, step, merge=False)
     family = flags.get("family") or "gpt2"
-    if not flags.get("init_from"):  # a zoo lm goes out as GPT-2: its table's config
+    if hub_base(run) is None:  # a zoo lm goes out as GPT-2: its table's config
         cfg = export.as_gpt2(lora.merged(params, spec), cfg)[1]
     rows = hub.tensors(family, cfg, hub.FAMILIES[family].prefixes[0])
     tensors, modules, transposed = {}, set(), False

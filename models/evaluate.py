@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from models import cluster
-from models.source import add_source, resolve
+from models.source import add_source, resolve, template_folder
 from models.train import (
     CLUSTER_RANGES,
     COUNT,
@@ -91,19 +91,6 @@ def load(folder: str, step: int | None = None):
     model = hub.load(path)  # without a tokenizer.json (an exported byte run): bytes
     tok = data.ByteTokenizer() if model.tokenizer is None else data.BPETokenizer(model.tokenizer)
     return zoo.get("lm"), model.params, model.config, tok
-
-
-def template_folder(model: str) -> Path | None:
-    """The folder whose chat template renders chat data for `model` (models/chat.py):
-    a Hugging Face folder, a fine-tune's base, else the folder of the run's
-    --tokenizer FILE; None (the default template) otherwise."""
-    from models import generate
-
-    if (folder := generate.base_folder(model)) is not None:
-        return folder
-    run = Path(model) / "run.json"
-    given = json.loads(run.read_text()).get("tokenizer") if run.exists() else None
-    return Path(given).parent if given and Path(given).is_file() else None
 
 
 def evaluate(args, dog=None) -> dict:

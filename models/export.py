@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from models import cluster
-from models.source import add_source, resolve
+from models.source import add_source, hub_base, resolve
 from models.train import Parser, fail, user_errors
 from namedmesh.errors import NamedMeshError
 
@@ -206,10 +206,9 @@ def export(
     if (run / "config.json").exists() and not (run / "run.json").exists():
         raise hub.HubError(f"{run} is a Hugging Face folder already; export reads a run")
     params, cfg, tokenizer = generate.load(run, step)  # refuses runs that are not decoder LMs
-    flags = json.loads((run / "run.json").read_text())
     base = generate.base_folder(run)  # a fine-tune's copy of its base's files
-    if flags.get("init_from"):
-        family, hf = hub.read_config(base or Path(flags["init_from"]))
+    if (folder := hub_base(run)) is not None:  # a model of a Hugging Face folder's
+        family, hf = hub.read_config(folder)
     else:
         family, hf = "gpt2", gpt2_config(cfg)
         params, cfg = as_gpt2(params, cfg)

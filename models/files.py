@@ -99,7 +99,7 @@ def sweep(path) -> None:
     kill between replace_folder's two renames), which is put back with a line on
     stderr. Nothing else is touched."""
     path = Path(path)
-    if not path.parent.is_dir():
+    if not path.name or not path.parent.is_dir():  # "" and "/" are no write's folder
         return
     for leftover in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         if not _dead_writer(leftover, path):

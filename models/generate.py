@@ -48,12 +48,11 @@ from pathlib import Path
 import jax
 
 from lowering import Mesh
-from models import checkpoint, cluster, config, data, files, folder_tokens, hub, transformer, zoo
+from models import checkpoint, cluster, data, files, folder_tokens, hub, zoo
 from models.continuations import Continuations, check_stops
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
-from models.lora import adapted, merged, of_flags
 from models.sampling import Sampling
-from models.source import add_source, resolve
+from models.source import add_source, is_run, no_steps, read_run, resolve
 from models.train import (
     CLUSTER_RANGES,
     COUNT,
@@ -84,40 +83,18 @@ def load(run: str | Path, step: int | None = None, merge: bool = True):
     decoder LM. A LoRA run's adapters are merged into its weights (models/lora.py),
     unless `merge` is False: then they are there beside them."""
     run = Path(run)
-    if (run / "config.json").exists() and not (run / "run.json").exists():
+    if (run / "config.json").exists() and not is_run(run):
         if step is not None:
-            raise ParameterError(
-                f"--step {step}: {run} is a Hugging Face folder, which has no steps; "
-                "--step picks a training run's checkpoint"
-            )
+            raise no_steps(run, step)
         return load_hub(run)
-    if not (run / "run.json").exists() or checkpoint.latest_step(run) is None:
+    if not is_run(run) or checkpoint.latest_step(run) is None:
         raise checkpoint.CheckpointError(f"{run}: no run.json and checkpoint to load")
     flags = files.read_json(run / "run.json", "the run's record")
-    model = zoo.get(flags["model"])
-    if model.objective != "lm":
+    if zoo.get(flags["model"]).objective != "lm":
         raise checkpoint.CheckpointError(
             f"{run} holds a {flags['model']!r} model; generation needs a decoder LM (lm, moe)"
         )
-    if flags.get("init_from"):  # fine-tuned from a Hugging Face folder: its config
-        base = run / hub.BASE  # the run's copy (runs before it existed: the base folder)
-        cfg = hub.config_of(base if (base / "config.json").exists() else flags["init_from"])[1]
-    else:
-        cfg = model.configure(config.get(flags["config"])).replace(vocab=flags["vocab"])
-    cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length", "dtype") if flags.get(k)})
-    cfg = cfg.replace(**config.parse_overrides(flags.get("set") or []))  # the run's --set
-    # The parameters alone, by name: the optimizer's state stays on disk.
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's
-    adapters = of_flags(flags)  # a LoRA run's: its checkpoint holds them
-    model = adapted(model, adapters, cfg)
-    target = jax.tree_util.tree_map(  # over the Tensors' data: abstract, on one device
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-        transformer.abstract(model.shapes(cfg)),
-    )
-    params, _ = checkpoint.restore_params(run, target, checkpoint.check_step(run, step))
-    if adapters is not None and merge:
-        params = merged(params, adapters)
-    return params, cfg, data.load_tokenizer(run)
+    return read_run(run, step, merge)[1:]
 
 
 def base_folder(run: str | Path) -> Path | None:

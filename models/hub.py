@@ -508,8 +508,9 @@ BASE_FILES = (
 def copy_base(path, dest) -> str:
     """Copy a Hugging Face folder's config, tokenizer and special-token files (not its
     weights) to `dest`, with tensors.json naming its weights' tensors, so a fine-tune
-    no longer needs its base folder; returns the family. The copy is made in a fresh
-    folder put in place whole (models/files.py), never half."""
+    no longer needs its base folder (a run's copy of one is copied as it is); returns
+    the family. The copy is made in a fresh folder put in place whole
+    (models/files.py), never half."""
     import shutil
 
     folder = Path(path)
@@ -519,7 +520,10 @@ def copy_base(path, dest) -> str:
         for name in BASE_FILES:
             if (folder / name).exists():
                 shutil.copyfile(folder / name, new / name)
-        (new / "tensors.json").write_text(json.dumps(sorted(Weights(folder).where)))
+        if (folder / "tensors.json").exists():  # a run's copy: no weights, their names
+            shutil.copyfile(folder / "tensors.json", new / "tensors.json")
+        else:
+            (new / "tensors.json").write_text(json.dumps(sorted(Weights(folder).where)))
 
     try:
         replace_folder(dest, write)

@@ -27,13 +27,15 @@ from models import (
     files,
     folder_tokens,
     hub,
+    init_from,
     lora,
     settings,
     trainable,
     zoo,
 )
 from models.preempt import Preemption
-from models.train import check_ranges, optimizer_fault
+from models.source import template_folder as of_model
+from models.train import check_ranges, init_fault, optimizer_fault
 from models.trainer import Trainer, bits_per_byte, optimizer
 from models.watchdog import COMPILE_S, SAVE_S, Watchdog
 from namedmesh.errors import NamedMeshError
@@ -101,7 +103,10 @@ def setup(args):
     hub_tokenizer = None
     try:
         if args.init_from:
-            model, cfg, hub_tokenizer = from_hub(args)
+            given = args.tokenizer  # the source's replaces it
+            model, cfg, hub_tokenizer = init_from.model(args, out, from_hub)
+            if "tokenizer" in getattr(args, "given", ()) and not args.resume:
+                check_same_vocabulary(given, hub_tokenizer, args.init_from)
         else:
             model = zoo.get(args.model)
             cfg = model.configure(config.get(args.config))
@@ -128,6 +133,11 @@ def setup(args):
             if getattr(args, k) is not None:
                 changes[k] = getattr(args, k)
         cfg = cfg.replace(**changes, **config.parse_overrides(args.set or []))
+        if args.init_from and cfg.length > (cfg.learned_positions or cfg.length):  # --set's
+            raise UsageError(
+                f"--set length={cfg.length} is longer than the {cfg.learned_positions} "
+                f"positions of --init-from {args.init_from}"
+            )
         folder = template_folder(args)
         corpus = corpora.make(text, tokenizer, cfg.length, model.objective, valid or None, folder)
     except (data.DataError, config.ConfigError) as e:
@@ -197,6 +207,14 @@ def _resume_flags(args, stored: dict, out: Path) -> None:
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
     given = set(getattr(args, "given", ()))
+    if "step" in given and args.step != stored.get("step"):  # the same command is no change
+        began = stored.get("init_from")
+        began = f"--init-from {began} at step {stored.get('step')}" if began else "scratch"
+        raise UsageError(
+            f"--step {args.step}: --resume continues the run in {out} from its own newest "
+            f"checkpoint, not from a step of --init-from (it started from {began}, run.json): "
+            "drop --step, or fine-tune from that step with another --out"
+        )
     args.record_changes = {}
     for k, action in recorded_actions().items():
         if k not in stored or (k in DATA_FLAGS and given_data[k] is not None):
@@ -216,7 +234,7 @@ def _resume_flags(args, stored: dict, out: Path) -> None:
         print(f"{flag}: the run in {out} recorded {_shown(was)}; going on with {_shown(now)} "
               "as asked")  # fmt: skip
         args.record_changes[k] = record_of(args)[k]
-    complaint = check_ranges(args) or optimizer_fault(args)  # a run.json edited by hand
+    complaint = check_ranges(args) or optimizer_fault(args) or init_fault(args)  # by hand
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
     args.data_changed = False
@@ -325,9 +343,9 @@ def template_folder(args) -> Path | None:
     """The folder whose chat template renders chat data (models/chat.py): a fine-tune's
     base, else the folder of a --tokenizer FILE; None (the default template) for the
     byte and a fresh BPE tokenizer."""
-    if args.init_from:
-        base = Path(args.out) / hub.BASE
-        return base if args.resume and (base / "config.json").exists() else Path(args.init_from)
+    if args.init_from:  # as eval finds a model's: its base, a run's tokenizer's folder
+        resumed = args.resume and (Path(args.out) / hub.BASE).exists()
+        return of_model(args.out if resumed else args.init_from)
     given = Path(args.tokenizer)
     return given.parent if args.tokenizer not in ("byte", "bpe") and given.is_file() else None
 
@@ -347,12 +365,14 @@ def _bpe_text(text, valid, path) -> str:
     return data.split(text)[0] if valid is None else text
 
 
-def from_hub(args):
-    """(model, cfg, tokenizer) of the Hugging Face folder `args.init_from`: a decoder LM
-    (hub.DECODERS) with its tokenizer (models/folder_tokens.py; a folder without one is
-    refused, never given the byte tokenizer). args.config becomes the family's name."""
+def from_hub(args, folder=None):
+    """(model, cfg, tokenizer) of the Hugging Face folder `args.init_from` (or `folder`:
+    a run's copy of its own): a decoder LM (hub.DECODERS) with its tokenizer
+    (models/folder_tokens.py; a folder without one is refused, never given the byte
+    tokenizer). args.config becomes the family's name."""
     base = Path(args.out) / hub.BASE  # a resumed fine-tune's copy of its base
-    folder = base if args.resume and (base / "config.json").exists() else args.init_from
+    if folder is None:
+        folder = base if args.resume and (base / "config.json").exists() else args.init_from
     try:
         family, cfg = hub.config_of(folder)
         if family not in hub.DECODERS:
@@ -364,8 +384,6 @@ def from_hub(args):
     except hub.HubError as e:
         raise UsageError(f"--init-from: {e}" if "--init-from" not in str(e) else str(e)) from None
     tokenizer = data.BPETokenizer(tokenizer)
-    if "tokenizer" in getattr(args, "given", ()) and not args.resume:
-        _check_same_vocabulary(args.tokenizer, tokenizer, args.init_from)
     args.model, args.config = "lm", family
     args.tokenizer = f"{folder_tokens.source(folder)} of --init-from"
     if tokenizer.vocab_size > cfg.vocab:
@@ -381,10 +399,12 @@ def from_hub(args):
     return zoo.get("lm"), cfg, tokenizer
 
 
-def _check_same_vocabulary(given: str, folder_tokenizer, folder) -> None:
+def check_same_vocabulary(given: str, folder_tokenizer, folder) -> None:
     """UsageError unless the --tokenizer given beside --init-from maps every token to the
-    id the folder's does (the embedding's rows are the folder's ids)."""
+    id the folder's (or run's) does (the embedding's rows are its ids)."""
     why = f"--tokenizer {given}: a fine-tune of --init-from {folder} reads its tokenizer"
+    if given == "byte" and isinstance(folder_tokenizer, data.ByteTokenizer):
+        return
     if given in ("byte", "bpe"):
         raise UsageError(f"{why}; {given} is not its vocabulary: drop --tokenizer")
     try:
@@ -475,10 +495,10 @@ def _train(args, dog) -> int:
         step=checkpoint.all_steps(out)[:1] if args.resume else [],
     )
     params = None
-    if args.init_from and not args.resume:  # each shard read from the file onto its devices
-        params = hub.load(args.init_from, mesh, layout).params
+    if args.init_from and not args.resume:
+        params, what = init_from.weights(args, mesh, layout)
         params = lora.completed(params, trainer.shapes, args.seed)  # + fresh adapters
-        print(f"initialised from {args.init_from}")
+        print(f"initialised from {what}")
     state = trainer.init_state(params)
     metrics_path = out / "metrics.jsonl"
     start = 0
@@ -502,7 +522,8 @@ def _train(args, dog) -> int:
         run = record_of(args) | _data_record(args)
         if args.init_from:
             run["init_from"] = str(Path(args.init_from).absolute())
-            run["family"] = hub.copy_base(args.init_from, out / hub.BASE)
+            if family := init_from.copy_base(args.init_from, out / hub.BASE):
+                run["family"] = family
         files.write_json(out / "run.json", {**run, "vocab": cfg.vocab})
         tokenizer.save(out)
         history = []

@@ -152,6 +152,7 @@ RANGES = {
     "lora_rank": Range(1, COUNT),
     "lora_alpha": Range(0, open_low=True),
     "lora_dropout": Range(0, 0.99),
+    "step": Range(0, COUNT),
     **CLUSTER_RANGES,
 }
 
@@ -239,10 +240,22 @@ def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Names
     args = settings.parse(p, argv)
     args.given = tuple(sorted(explicit(parser(prog), argv)))
     training_defaults(args)
-    complaint = check_ranges(args) or optimizer_fault(args)
+    complaint = check_ranges(args) or optimizer_fault(args) or init_fault(args)
     if complaint:
         p.error(complaint)
     return args
+
+
+def init_fault(args: argparse.Namespace) -> str | None:
+    """The one-line complaint about --step without --init-from (a --resume's is checked
+    against its record, models/run.py), or None."""
+    if args.step is None or args.init_from or args.resume:
+        return None
+    return (
+        f"--step {args.step}: picks the checkpoint of the run --init-from RUN starts from, "
+        "and there is no --init-from (--steps N: how many steps to train; --resume "
+        "continues a run from its own newest checkpoint)"
+    )
 
 
 def explicit(p: argparse.ArgumentParser, argv=None) -> set[str]:
@@ -377,7 +390,15 @@ def parser(prog: str = "python -m models.train") -> Parser:
     p.add_argument(
         "--init-from",
         default=None,
-        help="fine-tune a Hugging Face folder (gpt2, llama): its config, weights, tokenizer",
+        metavar="SOURCE",
+        help="fine-tune a Hugging Face folder (gpt2, llama) or a training run's --out folder: "
+        "its config, weights, tokenizer",
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="--init-from a run: its checkpoint at this step (None: its latest)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     # --- LoRA and frozen weights (models/lora.py, models/trainable.py; docs/lora.md) ---
