@@ -12,7 +12,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from lowering.stages import assign_stages
+from lowering.stages import StagedChoice, assign_stages
 from models import transformer
 from namedmesh.errors import LayoutError
 from namedmesh.uneven import deal
@@ -105,3 +105,20 @@ def test_the_deal_is_the_planners(layers, stages):
     got = deal(layers, stages)
     assert [n for _, n in got] == [c for (c,) in assign_stages([layers], stages)]
     assert [a for a, _ in got] == list(np.cumsum([0] + [n for _, n in got])[:-1])
+
+
+@pytest.mark.parametrize(
+    "stacks,stages,moe,said",
+    [
+        ([61], 16, False, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
+        ([16], 4, False, "runs as a layers:stage layout (lowering.pipeline)"),
+        ([3, 58], 16, False, "a stack of 3 layers on 16 stages: not supported"),
+        ([61], 16, True, "MoE stacks with more than one microbatch: not supported"),
+    ],
+)
+def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
+    deal_ = assign_stages(stacks, stages)
+    uneven = any(n % stages for n in stacks)
+    choice = StagedChoice(None, None, deal_, [], 0.0, None, 0.0, 0.0, uneven, moe)
+    assert choice.runtime.startswith(said)
+    assert choice.runtime.endswith("stages") == (uneven and not moe and min(stacks) >= stages)
