@@ -19,9 +19,13 @@ import contextlib
 import contextvars
 import math
 
+import jax
 import numpy as np
 
+from namedmesh.creation import tensor
+from namedmesh.elementwise import where
 from namedmesh.errors import LayoutError
+from namedmesh.structural import gather, rename
 from namedmesh.tensor import Tensor
 
 # ({dim: (mesh axes, stages)} of the scans being traced, the dims padded so far); empty
@@ -72,8 +76,6 @@ def deal(length: int, stages: int) -> list[tuple[int, int]]:
 def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
     """`scan(f, init, xs, dim, **kw)` run as `stages` equal blocks of ceil(L/S)
     iterations, the padded ones the identity (this module's docstring)."""
-    import namedmesh as nm  # (the package's ops; this module is imported by it)
-
     k = math.ceil(length / stages)
     blocks = deal(length, stages)
     real = np.array([j < n for _, n in blocks for j in range(k)])
@@ -85,11 +87,11 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
     def body(carry, x):
         inner, flag = x
         new, y = f(carry, inner)
-        kept = jax_tree_map(lambda a, b: nm.where(flag, a, b), new, carry)
+        kept = jax_tree_map(lambda a, b: where(flag, a, b), new, carry)
         return kept, y
 
     padded = jax_tree_map(lambda x: _taken(x, dim, src), xs)
-    flags = nm.tensor(real, (dim,))
+    flags = tensor(real, (dim,))
     carry, ys = scan(body, init, (padded, flags), dim, **kw)
     return carry, jax_tree_map(lambda y: _taken(y, dim, at), ys)
 
@@ -97,14 +99,10 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
 def _taken(x: Tensor, dim: str, index: np.ndarray) -> Tensor:
     """`x` at the positions `index` along `dim`: one gather, so that no part of it is
     laid out over the stages before the whole (a concat of slices would be gathered)."""
-    import namedmesh as nm
-
     other = f"{dim}~"  # (a gather's indices must not have the gathered dim)
-    return nm.gather(nm.rename(x, {dim: other}), other, nm.tensor(index, (dim,)))
+    return gather(rename(x, {dim: other}), other, tensor(index, (dim,)))
 
 
 def jax_tree_map(fn, *trees):
     """`jax.tree_util.tree_map` over Tensor leaves."""
-    import jax
-
     return jax.tree_util.tree_map(fn, *trees, is_leaf=lambda x: isinstance(x, Tensor))
