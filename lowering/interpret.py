@@ -11,14 +11,12 @@ theirs. Rules that run a graph of their own (nm.scan's body) call the context's
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 
 from lowering import rules
 from lowering.caches import memo, per_object
-from lowering.layout import Layout, ValueLayout, check_axes, check_divisible, local_shape
+from lowering.layout import Layout, ValueLayout, check_axes, local_shape
 from lowering.mesh import Mesh
 from lowering.plan import Local, Plan, Planner, RuleContext, Step, constant, local_avals, nontrivial
 from namedmesh.errors import DtypeError, fmt_dims
@@ -176,7 +174,7 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None, padded=()) -> tupl
 
     def of(v, kind: str, name) -> ValueLayout:
         if any(d in padded for d in v.dims):
-            return _uneven_layout(layout, v, mesh, padded, f"{kind} {name}")
+            return nontrivial(layout.of(v.dims, v.shape, mesh, f"{kind} {name}", padded), mesh)
         key = (v.dims, v.shape)
         if key not in known:
             # the rules of its dims decide it: kept by them for the candidates that share
@@ -189,19 +187,6 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None, padded=()) -> tupl
 
     wanted = {v: of(v, "input", names[i]) for i, v in enumerate(graph.inputs)}
     return wanted, [of(v, "output", i) for i, v in enumerate(graph.outputs)]
-
-
-def _uneven_layout(layout: Layout, v, mesh: Mesh, padded, what: str) -> ValueLayout:
-    """The layout of `v` with its dims of `padded` unsplit where their axes do not
-    divide them (the program pads them to a multiple first)."""
-    lay = layout.assign(v.dims, v.shape, what)
-    sizes = mesh.sizes
-    lay = tuple(
-        () if d in padded and n % math.prod(sizes[a] for a in axes) else axes
-        for d, n, axes in zip(v.dims, v.shape, lay, strict=True)
-    )
-    check_divisible(lay, v.dims, v.shape, mesh, what, layout)
-    return nontrivial(lay, mesh)
 
 
 @per_object(kind="layouts")
