@@ -122,3 +122,18 @@ def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
     choice = StagedChoice(None, None, deal_, [], 0.0, None, 0.0, 0.0, uneven, moe)
     assert choice.runtime.startswith(said)
     assert choice.runtime.endswith("stages") == (uneven and not moe and min(stacks) >= stages)
+
+
+def test_the_cli_trains_5_layers_on_2_stages_as_without_them(tmp_path):
+    """The trainer places the stack whole (lowering.distributed.place(padded=)) and the
+    pipelined run logs the losses of a run without a stage axis."""
+    from test_train_cli import losses, train
+
+    flags = ["--set", "layers=5", "--steps", "2", "--eval-every", "2"]
+    runs = {}
+    for name, mesh in (("piped", ["--mesh", "stage=2", "--layout", "layers:stage"]), ("one", [])):
+        r = train(*flags, *mesh, "--out", tmp_path / name)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = losses(tmp_path / name)
+    assert list(runs["piped"]) == [1, 2]
+    np.testing.assert_allclose(list(runs["piped"].values()), list(runs["one"].values()), rtol=1e-5)
