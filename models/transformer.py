@@ -55,6 +55,10 @@ class Attention(NamedTuple):
 
 
 # Config.attention_variant -> its attention: multi-head, or DeepSeek's latent (models/mla.py)
+# The dim every layer stack scans over (`run_stack`): a `layers:stage` layout pipelines it,
+# in uneven stages too, where the stack is placed whole (lowering.distributed.place).
+STACK_DIMS = ("layers",)
+
 ATTENTIONS = {
     "mha": Attention(attention_params, attention, kv_cache),
     "mla": Attention(mla.params, mla.attention, mla.cache),
