@@ -87,13 +87,13 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
     def body(carry, x):
         inner, flag = x
         new, y = f(carry, inner)
-        kept = jax_tree_map(lambda a, b: where(flag, a, b), new, carry)
+        kept = _tree_map(lambda a, b: where(flag, a, b), new, carry)
         return kept, y
 
-    padded = jax_tree_map(lambda x: _taken(x, dim, src), xs)
+    padded = _tree_map(lambda x: _taken(x, dim, src), xs)
     flags = tensor(real, (dim,))
     carry, ys = scan(body, init, (padded, flags), dim, **kw)
-    return carry, jax_tree_map(lambda y: _taken(y, dim, at), ys)
+    return carry, _tree_map(lambda y: _taken(y, dim, at), ys)
 
 
 def _taken(x: Tensor, dim: str, index: np.ndarray) -> Tensor:
@@ -103,6 +103,6 @@ def _taken(x: Tensor, dim: str, index: np.ndarray) -> Tensor:
     return gather(rename(x, {dim: other}), other, tensor(index, (dim,)))
 
 
-def jax_tree_map(fn, *trees):
+def _tree_map(fn, *trees):
     """`jax.tree_util.tree_map` over Tensor leaves."""
     return jax.tree_util.tree_map(fn, *trees, is_leaf=lambda x: isinstance(x, Tensor))
