@@ -109,11 +109,13 @@ def to_numpy(array) -> np.ndarray:
     return np.asarray(data)
 
 
-def place(tree, mesh: Mesh, layout) -> object:
+def place(tree, mesh: Mesh, layout, padded=()) -> object:
     """`tree` with every Tensor's data a global jax.Array laid out on `mesh` as `layout`
     (a Layout or its string) gives it: the layout a lowered function expects of its
     inputs, so calling it moves nothing. A jax.Array is moved (`jax.device_put`); host
-    data becomes a global array (`global_array`), also across processes."""
+    data becomes a global array (`global_array`), also across processes. `padded`: the
+    dims of layer stacks a pipeline may split into uneven stages (the lowered program
+    pads them: namedmesh/uneven.py), left unsplit where their mesh axes do not divide."""
     from lowering.layout import Layout
     from namedmesh.tensor import Tensor
 
@@ -122,7 +124,7 @@ def place(tree, mesh: Mesh, layout) -> object:
     def put(t):
         if not isinstance(t, Tensor):
             return t
-        lay = layout.of(t.dims, t.shape, mesh, f"tensor {t.dims}")
+        lay = layout.of(t.dims, t.shape, mesh, f"tensor {t.dims}", padded)
         lay = tuple(tuple(a for a in axes if mesh.sizes[a] > 1) for axes in lay)
         if isinstance(t.data, jax.Array) and jax.process_count() == 1:
             sharding = jax.sharding.NamedSharding(mesh.jax_mesh, partition_spec(lay))

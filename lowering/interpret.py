@@ -157,10 +157,12 @@ def _step(ctx: RuleContext, e, ins: list, repeat: int, depth: int) -> Step:
                 ops=ops, repeat=repeat, depth=depth)  # fmt: skip
 
 
-def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, list]:
+def io_layouts(graph, mesh: Mesh, layout: Layout, names=None, padded=()) -> tuple[dict, list]:
     """(layout by input value, layouts of the outputs) of `graph` under `layout`, after
     checking its dtypes and that the rules name its dims; LayoutError for an input or
-    output (named by `names`, the inputs' argument paths) its axes do not divide."""
+    output (named by `names`, the inputs' argument paths) its axes do not divide, but
+    for a dim of `padded` (a stack of uneven pipeline stages, padded inside the program:
+    namedmesh/uneven.py), which is left unsplit where they do not."""
     check_dtypes(graph)
     layout.check_dims(_dims(graph))
     layout.check(mesh)  # (what `layout.of` checks first, which a kept layout skips)
@@ -171,6 +173,8 @@ def io_layouts(graph, mesh: Mesh, layout: Layout, names=None) -> tuple[dict, lis
     kept = _kept_layouts(mesh)
 
     def of(v, kind: str, name) -> ValueLayout:
+        if any(d in padded for d in v.dims):
+            return nontrivial(layout.of(v.dims, v.shape, mesh, f"{kind} {name}", padded), mesh)
         key = (v.dims, v.shape)
         if key not in known:
             # the rules of its dims decide it: kept by them for the candidates that share

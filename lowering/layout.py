@@ -99,12 +99,20 @@ class Layout:
             check_axes(self.rules, mesh, f"layout {self}")  # the message, only when needed
 
     def of(
-        self, dims: Sequence[str], shape: Sequence[int], mesh, what: str = "tensor"
+        self, dims: Sequence[str], shape: Sequence[int], mesh, what: str = "tensor", padded=()
     ) -> ValueLayout:
         """The layout of a value with `dims` and `shape` under these rules on `mesh`;
-        LayoutError when a dim's size is not divisible by its mesh axes."""
+        LayoutError when a dim's size is not divisible by its mesh axes, but for a dim of
+        `padded` (the stack of uneven pipeline stages, which the program pads itself:
+        namedmesh/uneven.py), left unsplit then."""
         self.check(mesh)
         layout = self.assign(dims, shape, what)
+        if padded:
+            sizes = mesh.sizes
+            layout = tuple(
+                () if d in padded and n % math.prod(sizes[a] for a in axes) else axes
+                for d, n, axes in zip(dims, shape, layout, strict=True)
+            )
         check_divisible(layout, dims, shape, mesh, what, self)
         return layout
 

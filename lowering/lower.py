@@ -34,6 +34,7 @@ from lowering.mesh import Mesh, require_mesh
 from lowering.plan import Plan
 from namedmesh.errors import ArgumentError, MeshError
 from namedmesh.tensor import Tensor
+from namedmesh.uneven import scan_stages
 
 __all__ = ["Lowered", "argument_inputs", "graph_report", "input_names", "lower", "rule_layouts"]
 
@@ -138,12 +139,20 @@ class Lowered:
         return [x.data for x in leaves], self._cache[key]
 
     def _plan(self, args) -> _Built:
-        graph = nm.trace(self.fn, *args)
-        wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, input_names(args))
+        with scan_stages(self._stages()) as padded:  # uneven stages: namedmesh/uneven.py
+            graph = nm.trace(self.fn, *args)
+        names = input_names(args)
+        wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, names, padded)
         plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
         body = functools.partial(emit, plan, check=self.check_plan)
         jitted = _jitted(body, graph, self.mesh, wanted, out_layouts)
         return _Built(graph, wanted, out_layouts, jitted, plan)
+
+    def _stages(self) -> dict:
+        """{dim: (mesh axes, their size)} of the layout's rules that split a dim: a scan
+        over one is a pipeline, padded where its stages are uneven."""
+        sizes = self.mesh.sizes
+        return {d: (axes, math.prod(sizes[a] for a in axes)) for d, axes in self.layout.rules}
 
     def _runnable(self, what: str) -> None:
         if self.mesh.abstract:

@@ -27,10 +27,12 @@ The step, under a 1F1B schedule (GPipe's ticks, 1F1B's memory):
                 accumulator), optimizer state, and min(M, S - s) microbatches'
                 saved activations and inputs in flight at stage s (one working set)
 
-Runtime: lowering/pipeline.py pipelines each nm.scan on its own over the stage axis, so
-every stack must divide by S and a MoE body runs one microbatch (its routing mixes the
-batch: `mixing_op`). A plan that needs uneven stages or MoE microbatches says so
-(`StagedChoice.runtime`): the plan is a cost model, the runtime does not run it yet.
+Runtime: lowering/pipeline.py pipelines each nm.scan on its own over the stage axis, a
+stack that S does not divide padded to S equal stages of ceil(L/S) layers, dealt as
+here, the pads the identity (namedmesh/uneven.py); a stack of fewer layers than stages
+and a MoE body with more than one microbatch (its routing mixes the batch: `mixing_op`)
+do not run. A plan that needs them says so (`StagedChoice.runtime`): the plan is a cost
+model, the runtime does not run it yet.
 """
 
 from __future__ import annotations
@@ -203,15 +205,18 @@ class StagedChoice:
 
     @property
     def runtime(self) -> str:
-        """Whether lowering.pipeline runs this plan, in words."""
-        why = []
-        if self.uneven:
-            why.append("uneven stages")
+        """Whether lowering.pipeline runs this plan, in words. It pipelines each stack (an
+        nm.scan) on its own, one padded to S equal stages where S does not divide it
+        (namedmesh/uneven.py), so a stack of fewer layers than stages does not run."""
+        stacks = [sum(col) for col in zip(*self.assignment, strict=True)]
+        s = self.stages
+        why = [f"a stack of {n} layers on {s} stages" for n in stacks if 0 < n < s]
         if self.moe_microbatches:
             why.append("MoE stacks with more than one microbatch")
-        if not why:
-            return "runs as a layers:stage layout (lowering.pipeline)"
-        return f"{' and '.join(why)}: {UNSUPPORTED}"
+        if why:
+            return f"{' and '.join(why)}: {UNSUPPORTED}"
+        ran = "runs as a layers:stage layout (lowering.pipeline)"
+        return ran + (f", each stack padded to {s} equal stages" if self.uneven else "")
 
     def stages_text(self) -> str:
         """The assignment in words: runs of equal stages."""

@@ -25,7 +25,7 @@ import math
 import sys
 from pathlib import Path
 
-from models import cluster
+from models import cluster, transformer
 from models.source import add_source, resolve, template_folder
 from models.train import (
     CLUSTER_RANGES,
@@ -127,7 +127,7 @@ def evaluate(args, dog=None) -> dict:
         cluster.say(cluster.describe(mesh))
     layout = pick_layout(args.layout, model, args.source, cfg, mesh, None, 0)
     trainer = Trainer(model, cfg, mesh, layout, opt=None)
-    state = {"params": place(params, mesh, layout)}
+    state = {"params": place(params, mesh, layout, padded=transformer.STACK_DIMS)}
     windows = corpus.validation_windows()
     total = -(-windows // args.batch)
     if args.max_batches is not None:

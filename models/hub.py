@@ -575,7 +575,7 @@ def _place(t: FileTensor, weights: Weights, mesh, layout, path: str) -> jax.Arra
     shape = tuple(t.sizes[d] for d in t.dims)
     if mesh is None:
         return jax.numpy.asarray(t.read(weights, tuple(slice(None) for _ in shape)))
-    lay = layout.of(t.dims, shape, mesh, f"parameter {path!r}")
+    lay = layout.of(t.dims, shape, mesh, f"parameter {path!r}", transformer.STACK_DIMS)
     sharding = jax.sharding.NamedSharding(mesh.jax_mesh, partition_spec(lay))
     return jax.make_array_from_callback(shape, sharding, lambda index: t.read(weights, index))
 

@@ -60,8 +60,11 @@ def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namesp
     )
     p.add_argument("--attention", choices=KERNELS, help="fix the kernel (default: searched)")
     p.add_argument("--grad-accum", type=int, help="fix the microbatches (default: searched)")
-    p.add_argument("--optimizer", default="adamw",
-                   help="adamw, adafactor (factored moments), lion, momentum or sgd")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="adamw, adafactor (factored moments), lion, momentum or sgd",
+    )
     p.add_argument("--moment-dtype", default="float32", help="the optimizer state's dtype")
     p.add_argument("--zero1", action="store_true", help="optimizer state split over data too")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -82,7 +82,7 @@ class Trainer:
         the optimizer's state for them."""
         if params is None:
             params = transformer.init(self.shapes, self.seed)
-        params = place(params, self.mesh, self.layout)
+        params = place(params, self.mesh, self.layout, padded=transformer.STACK_DIMS)
         train = trainable.split(params, self.trained)[0]  # frozen ones have no state
         # XLA gives zeros_like no input's sharding: without out_shardings every moment
         # would come out replicated, the whole model's optimizer state on each device

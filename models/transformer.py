@@ -37,6 +37,10 @@ from models.layers import (
 from models.moe import merged, over_layers
 from models.residual import COMPOSITIONS
 
+# The dim every layer stack scans over (`run_stack`): a `layers:stage` layout pipelines it,
+# in uneven stages too, where the stack is placed whole (lowering.distributed.place).
+STACK_DIMS = ("layers",)
+
 
 def slots_of(cache: dict) -> int:
     """The positions a KV cache holds (the size of its entries' `memory`)."""

@@ -281,8 +281,7 @@ def _names(*names) -> tuple[str, str, str]:
     for param, d in zip(NAMES, names, strict=True):
         if not isinstance(d, str) or not d:
             raise ArgumentError(
-                f"dot_product_attention: {param}= must be a dim name (a non-empty str), "
-                f"got {d!r}"
+                f"dot_product_attention: {param}= must be a dim name (a non-empty str), got {d!r}"
             )
     for i, a in enumerate(names):
         for j in range(i + 1, len(names)):
@@ -311,8 +310,16 @@ def _example(a, b, d, k):
         keys = keys.sum(heads[0])
     bias = rename(a.sum(features), {d: memory}) if k % 3 == 0 else None
     return dot_product_attention(
-        a, keys, keys + 0.25, bias, scale=0.5, causal=bool(k % 2), window=k % 4,
-        length=d, memory=memory, features=features,
+        a,
+        keys,
+        keys + 0.25,
+        bias,
+        scale=0.5,
+        causal=bool(k % 2),
+        window=k % 4,
+        length=d,
+        memory=memory,
+        features=features,
     )
 
 

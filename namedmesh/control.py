@@ -15,6 +15,7 @@ from namedmesh.errors import ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
 from namedmesh.trace import evaluate, tensor_leaves, trace_nested
+from namedmesh.uneven import padded_scan, uneven_stages
 
 # What a scan's backward pass keeps of each iteration: every residual jax saves ("none"),
 # only the carry, recomputing the rest ("full"), or the carry and matmul outputs ("dots").
@@ -144,6 +145,8 @@ def scan(
             + ("" if x_leaves or length is not None else " (pass length= when xs is empty)")
         )
     (n,) = sizes
+    if x_leaves and (stages := uneven_stages(dim, n)):  # uneven pipeline stages: padded
+        return padded_scan(scan, f, init, xs, dim, n, stages, remat=remat, unroll=unroll)
     x_axes = tuple(x.dims.index(dim) for x in x_leaves)
     slice_of = lambda x, ax: Tensor._make(
         jax.ShapeDtypeStruct(x.shape[:ax] + x.shape[ax + 1 :], x.dtype),

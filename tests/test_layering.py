@@ -20,7 +20,6 @@ PACKAGES = ("namedmesh", "lowering", "models")
 FLOORS = ("namedmesh", "lowering", "namedmesh.testing", "models")  # bottom to top
 
 
-
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -1,6 +1,5 @@
 """Every primitive declares all its rules in one place, and every public op is documented."""
 
-
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings

@@ -271,17 +271,27 @@ def test_a_fine_tune_of_a_fine_tune_of_a_folder_starts_from_its_step(logits, tun
     "flags, says",
     [
         (["--step", "2"], "--step 2: picks the checkpoint of the run --init-from RUN starts"),
-        (["--init-from", "{hf}", "--step", "2"], "--step 2: {hf} is a Hugging Face folder, "
-                                                 "which has no steps"),  # fmt: skip
-        (["--init-from", "{run}", "--step", "7"], "--step 7: {run} has checkpoints at steps "
-                                                  "[1, 3]"),  # fmt: skip
+        (
+            ["--init-from", "{hf}", "--step", "2"],
+            "--step 2: {hf} is a Hugging Face folder, which has no steps",
+        ),  # fmt: skip
+        (
+            ["--init-from", "{run}", "--step", "7"],
+            "--step 7: {run} has checkpoints at steps [1, 3]",
+        ),  # fmt: skip
         (["--init-from", "{run}", "--set", "d_model=64"], "d_model is the architecture of"),
-        (["--init-from", "{run}", "--length", "32"], "--length 32 is longer than the 16 "
-                                                     "positions"),  # fmt: skip
-        (["--init-from", "{run}", "--set", "length=32"], "--set length=32 is longer than the "
-                                                         "16 positions"),  # fmt: skip
-        (["--out", "{tuned}", "--resume", "--step", "3"], "--step 3: --resume continues the run "
-                                                          "in {tuned} from its own newest"),
+        (
+            ["--init-from", "{run}", "--length", "32"],
+            "--length 32 is longer than the 16 positions",
+        ),  # fmt: skip
+        (
+            ["--init-from", "{run}", "--set", "length=32"],
+            "--set length=32 is longer than the 16 positions",
+        ),  # fmt: skip
+        (
+            ["--out", "{tuned}", "--resume", "--step", "3"],
+            "--step 3: --resume continues the run in {tuned} from its own newest",
+        ),
     ],
 )
 def test_train_refuses_a_step_it_cannot_start_from(run, hf, tune, flags, says, tmp_path, capsys):

@@ -139,8 +139,9 @@ def test_the_stages_of_a_model_hold_its_parameters_once():
     """3 stages of a tiny MoE with a dense layer first (its layers 1 dense + 4 MoE: 2, 2
     and 1 a stage) on one device each: their parameters add up to the model's (its tied
     embedding on the first and the last stage both)."""
-    cfg = config.get("tiny").replace(experts=4, experts_per_token=2, dense_layers=1, layers=5,
-                                     length=16)  # its learned positions: 16
+    cfg = config.get("tiny").replace(
+        experts=4, experts_per_token=2, dense_layers=1, layers=5, length=16
+    )  # its learned positions: 16
     build = plan_cli.stage_builder(cfg, batch=8, length=16)
     mesh = Mesh({"stage": 3, "one": 1}, devices="abstract")
     got = staged_choice(build, mesh, Settings(grad_accum=2), [1, 4], RATES, Training(), 8e9,

@@ -79,8 +79,13 @@ def _experts(x):
 KERNEL_OPS = {
     "grouped_matmul": _experts,
     "dot_product_attention": lambda x: nm.dot_product_attention(
-        x, nm.rename(x, r="m"), nm.rename(x, r="m"), causal=True,
-        length="r", memory="m", features="d",
+        x,
+        nm.rename(x, r="m"),
+        nm.rename(x, r="m"),
+        causal=True,
+        length="r",
+        memory="m",
+        features="d",
     ),  # fmt: skip
 }
 

@@ -1,0 +1,139 @@
+"""Uneven pipeline stages (issue 37): a `layers:stage` layout whose S stages do not divide
+the L layers pads the stack inside the program (namedmesh/uneven.py) and runs as on one
+device: the LM's loss and gradients against the model run by jax unlowered, a scan's
+per-layer results (ys) and final carry against NumPy in float64; fewer layers than
+stages is a LayoutError naming the dim, its size and the mesh axis."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from lowering import Mesh, lower
+from lowering.stages import StagedChoice, assign_stages
+from models import transformer
+from namedmesh.errors import LayoutError
+from namedmesh.uneven import deal
+from tests.test_pipeline import BATCH, CFG
+
+
+def grads_of(loss, params, batch):
+    value, grads = jax.jit(jax.value_and_grad(lambda p: loss(p, batch).data))(params)
+    return float(value), jax.tree_util.tree_leaves(grads)
+
+
+def assert_same(got, want):
+    assert len(got[1]) == len(want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_an_lm_of_5_layers_on_2_stages_trains_as_on_one_device():
+    cfg = CFG.replace(layers=5)
+    params = transformer.init(transformer.lm_shapes(cfg), 0)
+    loss = functools.partial(transformer.lm_loss, cfg=cfg)
+    lowered = lower(loss, Mesh({"stage": 2}), "layers:stage;microbatches=4", check=True)
+    assert_same(grads_of(lowered, params, BATCH), grads_of(loss, params, BATCH))
+    # it ran as a pipeline of 2 equal stages of 3 layers, one of them a pad
+    (plan,) = lowered.report(params, BATCH, show=False).pipelines
+    assert (plan.stages, plan.length, plan.microbatches) == (2, 6, 4)
+
+
+def _layers_program(w, x):
+    """A scan over 'layers' with per-layer results: (final carry, ys)."""
+
+    def body(c, wl):
+        c = nm.tanh(c * wl) + c
+        return c, (c * c).sum("d")
+
+    return nm.scan(body, x, w, "layers")
+
+
+def _numpy_layers(w, x):
+    ys = []
+    for wl in w:
+        x = np.tanh(x * wl) + x
+        ys.append((x * x).sum(-1))
+    return x, np.stack(ys)
+
+
+def test_per_layer_results_and_carry_equal_numpy():
+    r = np.random.default_rng(3)
+    w, x = r.normal(size=(7, 3)), r.normal(size=(8, 3))
+    wt, xt = (
+        nm.tensor(w.astype(np.float32), ("layers", "d")),
+        nm.tensor(x.astype(np.float32), ("batch", "d")),
+    )
+    lowered = lower(_layers_program, Mesh({"stage": 4}), "layers:stage;microbatches=2")
+    carry, ys = lowered(wt, xt)
+    want_carry, want_ys = _numpy_layers(w, x)
+    assert ys.dims == ("layers", "batch") and ys.shape == (7, 8)
+    np.testing.assert_allclose(np.asarray(carry.data), want_carry, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ys.data), want_ys, rtol=1e-5, atol=1e-5)
+
+
+def _layers_loss(params, batch):
+    carry, ys = _layers_program(params["w"], batch)
+    return (carry * carry).sum() + ys.sum()
+
+
+def test_7_layers_on_4_stages_beside_data_give_the_gradients_of_one_device():
+    r = np.random.default_rng(4)
+    params = {"w": nm.tensor(r.normal(size=(7, 3)).astype(np.float32), ("layers", "d"))}
+    x = nm.tensor(r.normal(size=(8, 3)).astype(np.float32), ("batch", "d"))
+    layout = "layers:stage;batch:data;microbatches=2"
+    lowered = lower(_layers_loss, Mesh({"stage": 4, "data": 2}), layout, check=True)
+    assert_same(grads_of(lowered, params, x), grads_of(_layers_loss, params, x))
+
+
+def test_fewer_layers_than_stages_is_a_layout_error():
+    w = nm.tensor(np.ones((3, 2), np.float32), ("layers", "d"))
+    x = nm.tensor(np.ones((4, 2), np.float32), ("batch", "d"))
+    lowered = lower(_layers_program, Mesh({"stage": 4}), "layers:stage")
+    with pytest.raises(
+        LayoutError, match=r"'layers' of size 3 .* 4 stages of mesh axes \('stage',\)"
+    ):
+        lowered(w, x)
+
+
+@pytest.mark.parametrize("layers,stages", [(5, 2), (7, 4), (61, 16), (9, 3), (10, 4)])
+def test_the_deal_is_the_planners(layers, stages):
+    """The runtime's stages hold the layers the planner deals them (lowering/stages.py)."""
+    got = deal(layers, stages)
+    assert [n for _, n in got] == [c for (c,) in assign_stages([layers], stages)]
+    assert [a for a, _ in got] == list(np.cumsum([0] + [n for _, n in got])[:-1])
+
+
+@pytest.mark.parametrize(
+    "stacks,stages,moe,said",
+    [
+        ([61], 16, False, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
+        ([16], 4, False, "runs as a layers:stage layout (lowering.pipeline)"),
+        ([3, 58], 16, False, "a stack of 3 layers on 16 stages: not supported"),
+        ([61], 16, True, "MoE stacks with more than one microbatch: not supported"),
+    ],
+)
+def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
+    deal_ = assign_stages(stacks, stages)
+    uneven = any(n % stages for n in stacks)
+    choice = StagedChoice(None, None, deal_, [], 0.0, None, 0.0, 0.0, uneven, moe)
+    assert choice.runtime.startswith(said)
+    assert choice.runtime.endswith("stages") == (uneven and not moe and min(stacks) >= stages)
+
+
+def test_the_cli_trains_5_layers_on_2_stages_as_without_them(tmp_path):
+    """The trainer places the stack whole (lowering.distributed.place(padded=)) and the
+    pipelined run logs the losses of a run without a stage axis."""
+    from test_train_cli import losses, train
+
+    flags = ["--set", "layers=5", "--steps", "2", "--eval-every", "2"]
+    runs = {}
+    for name, mesh in (("piped", ["--mesh", "stage=2", "--layout", "layers:stage"]), ("one", [])):
+        r = train(*flags, *mesh, "--out", tmp_path / name)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = losses(tmp_path / name)
+    assert list(runs["piped"]) == [1, 2]
+    np.testing.assert_allclose(list(runs["piped"].values()), list(runs["one"].values()), rtol=1e-5)
