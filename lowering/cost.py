@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from lowering.caches import memo, per_object
-from lowering.memory import active_values, peak_memory, training_parts
+from lowering.memory import active_values, live_values, peak_memory, training_parts
 from lowering.ops import OPS
 
 
@@ -199,7 +199,12 @@ def _gradient_flow(graph, wrt: frozenset | None) -> tuple[frozenset, dict]:
     `wrt`), {equation of `graph` or of its scans' bodies: (how many of its inputs the
     gradient flows to, whether it flows through one of its results)}), which the report
     asks of every step of every candidate."""
-    active = frozenset() if wrt is None else frozenset(active_values(graph, set(wrt)))
+    active = frozenset()
+    if wrt is not None:  # computed from wrt, and reaching the outputs differentiably: a
+        # value only a comparison reads has no backward (jax's cotangent is a symbolic 0)
+        live, made = live_values(graph), {v for e in graph.eqns for v in e.outputs}
+        made |= set(graph.inputs)
+        active = frozenset(v for v in active_values(graph, set(wrt)) if v in live or v not in made)
     flow: dict = {}
     stack = [graph]
     while stack:

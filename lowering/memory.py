@@ -26,6 +26,18 @@ def active_values(graph, active: set) -> set:
     return set(_active_values(graph, frozenset(active)))
 
 
+def live_values(graph) -> set:
+    """The values of `graph` a gradient of its outputs reaches: back from its inexact
+    outputs through every equation but stop_gradient, to inexact inputs only (a
+    comparison's or a cast's integer or bool input ends the path; a scan is passed
+    whole: all its inexact inputs once any of its outputs is reached)."""
+    live = {v for v in graph.outputs if is_inexact(v.dtype)}
+    for e in reversed(graph.eqns):
+        if not e.primitive.stops_gradient and any(v in live for v in e.outputs):
+            live |= {v for v in e.inputs if is_inexact(v.dtype)}
+    return live
+
+
 @per_object  # of the program alone, not of the layout: once for all candidates
 def _active_values(graph, active: frozenset) -> set:
     active = set(active)

@@ -210,3 +210,19 @@ def test_an_op_along_a_split_dim_costs_its_work_on_every_device(op, layout):
     split = lower(REDUCING[op], mesh, layout).report(x, show=False).flops
     whole = lower(REDUCING[op], mesh, "").report(x, show=False).flops
     assert whole > 0 and split * 4 >= whole, (split, whole)
+
+
+def test_no_backward_is_charged_where_only_a_comparison_reads_the_gradients_path():
+    """A loss that reads the weights' products only through a comparison has a zero
+    gradient, which jax leaves out (a symbolic zero): XLA runs no backward collective,
+    and the report charges none (it charged the Megatron MLP's gradient psums)."""
+
+    def gated(x, w1, w2):
+        h = nm.einsum(nm.einsum(x, w1, out="batch d_ff"), w2, out="batch d_model")
+        return nm.astype(nm.greater(h, x), np.float32).sum() + (x**2).sum()
+
+    lowered = lower(gated, MESH, "batch:rows;d_ff:cols")
+    rep = lowered.report(X, W1, W2, wrt=(1, 2), show=False)
+    assert rep.backward_bytes == 0 and rep.backward_flops == 0
+    training = _training_hlo(lowered, (1, 2), X, W1, W2)
+    assert rep.bytes + rep.backward_bytes == pytest.approx(training)
