@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -88,7 +87,7 @@ def _scan(ins, env: dict, check: bool = False):
     """A planned loop (a scan's, or a pipeline's ticks: RuleContext.loop): jax.lax.scan
     whose body runs the body's planned steps; values of the enclosing program the body
     reads are closed over."""
-    from namedmesh.control import checkpointed
+    from namedmesh.control import loop
 
     p = ins.params
     nc, nx = p["n_carry"], p["n_x"]
@@ -106,6 +105,5 @@ def _scan(ins, env: dict, check: bool = False):
         run_steps(p["steps"], inner, check)
         return [inner[v] for v in p["carry_out"]], [inner[v] for v in p["ys"]]
 
-    body = checkpointed(step, p["remat"])
-    final, ys = jax.lax.scan(body, init, xs, length=p["length"], unroll=p.get("unroll", False))
+    final, ys = loop(step, init, xs, p["length"], p["remat"], p.get("unroll", False))
     return (*final, *ys)

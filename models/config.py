@@ -149,8 +149,10 @@ class Config:
             if value > AT_MOST:
                 flag = _FLAGS.get(field, f"--set {field}=")
                 raise ConfigError(f"Config.{field} ({flag}) must be <= {AT_MOST:,}, got {value:,}")
-        if not isinstance(self.scan_layers, bool):
-            raise ConfigError(f"Config.scan_layers must be True or False, got {self.scan_layers!r}")
+        if not isinstance(self.scan_layers, bool) and self.scan_layers != "auto":
+            raise ConfigError(
+                f"Config.scan_layers must be True, False or 'auto', got {self.scan_layers!r}"
+            )
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"Config.dropout must be >= 0 and < 1, got {self.dropout!r}")
         if self.experts and not 1 <= self.experts_per_token <= self.experts:
@@ -544,7 +546,9 @@ def parse_overrides(items: list[str]) -> dict:
             raise ConfigError(f"--set {item!r}: Config has no field {name!r}{hint}")
         kind = _record_of(hints[name])
         try:
-            if kind is bool:
+            if kind == bool | str and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                value = text  # a flag or a word (scan_layers=auto)
+            elif kind in (bool, bool | str):
                 if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError(text)
                 value = text.lower() in ("true", "1", "yes")

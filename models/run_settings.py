@@ -15,15 +15,18 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Run:
     """dtype: the compute dtype (float32 | bfloat16; parameters stay float32); remat:
-    the layer scan's rematerialisation (none | full | dots); scan_layers: False unrolls
-    the layers in the compiled program (nm.scan's unroll: compiles longer and on XLA:CPU
-    trains faster; MaxText's scan_layers); attention: a models.kernels.KERNELS name
+    the layer scan's rematerialisation (none | full | dots); scan_layers: True keeps the
+    layers one loop, False unrolls them in the compiled program (nm.scan's unroll:
+    compiles longer and on XLA:CPU trains faster; MaxText's scan_layers), "auto" (the
+    default) unrolls where that measured faster at about the loop's compile time
+    (nm.scan's unroll="auto": no remat, a program within namedmesh.control.UNROLL_BUDGET);
+    attention: a models.kernels.KERNELS name
     (full | blockwise | ring | fused); attention_block: keys per block of blockwise
     attention; mesh and layout: the paper's mesh shape and layout rules."""
 
     dtype: str = "float32"
     remat: str = "none"
-    scan_layers: bool = True
+    scan_layers: bool | str = "auto"
     attention: str = "full"
     attention_block: int = 128
     mesh: tuple[tuple[str, int], ...] = (("batch", 1),)

@@ -221,7 +221,8 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
         return block(h, p, Context(cfg, key=k, layer=c, **block_args), cross)
 
     xs = (layers, layer_keys(key, n), consts)
-    x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat, unroll=not cfg.scan_layers)
+    unroll = "auto" if cfg.scan_layers == "auto" else not cfg.scan_layers
+    x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat, unroll=unroll)
     return x, None if aux is None else over_layers(aux)
 
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh.avals import fmt_aval
-from namedmesh.checks import boolean, integer, require_dims
-from namedmesh.errors import ParameterError, ShapeError
+from namedmesh.checks import integer, require_dims
+from namedmesh.errors import ArgumentError, ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
 from namedmesh.trace import evaluate, tensor_leaves, trace_nested
@@ -35,6 +35,51 @@ def checkpointed(step: Callable, remat: str, prevent_cse: bool = False) -> Calla
     if remat == "none":
         return step
     return jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+# unroll="auto" unrolls a scan whose iterations together trace to at most this many jax
+# equations (the body's, counted into its sub-programs, times the length), and keeps a
+# loop above it: on XLA:CPU an unrolled stack ran 0.86-0.93 of the loop's time at every
+# size measured, and compiled in about the loop's time up to about this size, far
+# longer past it (docs/benchmarks.md, "The layer loop: unrolled where it measures
+# faster", benchmarks/layer_loop.py).
+UNROLL_BUDGET = 20_000
+
+
+def equations(jaxpr) -> int:
+    """The equations of a (closed) jaxpr, each sub-program's (a cond's branches, a
+    loop's body, a custom_vjp's forward, a pjit's) counted into it: a proxy for what
+    XLA compiles."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    n = 0
+    for eqn in inner.eqns:
+        n += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    n += equations(sub)
+    return n
+
+
+def unrolls(step: Callable, carry, xs, length: int, unroll, remat: str = "none") -> bool:
+    """Whether `scan`'s lax.scan of `step` over `xs` unrolls: `unroll` itself when a
+    bool; for "auto", when no remat is asked for (unrolled, XLA merges the recomputation
+    with the forward pass and the memory remat saves is lost) and the unrolled program
+    stays within UNROLL_BUDGET equations (compile time grows with it)."""
+    if unroll != "auto":
+        return unroll
+    if remat != "none" or length <= 1:
+        return length <= 1
+    # the first slices, typed as the loop's (in a shard_map, varying as they vary)
+    body = jax.make_jaxpr(step)(list(carry), [x[0] for x in xs])
+    return length * equations(body) <= UNROLL_BUDGET
+
+
+def loop(step: Callable, carry, xs, length: int, remat: str, unroll):
+    """jax.lax.scan of `step` (c, x) -> (c, y) under the remat policy `remat`, unrolled
+    or not as `unrolls` decides: `scan`'s jax implementation, eager and lowered."""
+    whole = unrolls(step, carry, xs, length, unroll, remat)
+    return jax.lax.scan(checkpointed(step, remat), carry, xs, length=length, unroll=whole)
 
 
 def _slices(xs, axes, i, take):
@@ -75,7 +120,7 @@ def _scan_jax(*arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="no
         outs = evaluate(body, [*c, *x, *rest], "jax")
         return list(outs[:n_carry]), list(outs[n_carry:])
 
-    carry, ys = jax.lax.scan(checkpointed(step, remat), carry, xs, length=length, unroll=unroll)
+    carry, ys = loop(step, carry, xs, length, remat, unroll)
     return (*carry, *ys)
 
 
@@ -109,7 +154,7 @@ def scan(
     dim: str,
     length: int | None = None,
     remat: str = "none",
-    unroll: bool = False,
+    unroll: bool | str = False,
 ):
     """`carry, y = f(carry, x)` for each index of `dim`, in order, where `x` is `xs`
     (a pytree of Tensors that all have `dim`) at that index. Returns the last carry and
@@ -125,12 +170,19 @@ def scan(
     `unroll=True` runs the iterations one after another in the compiled program instead
     of as one loop: the program grows with `length` and takes longer to compile, and XLA
     can fuse across iterations and schedule them together (on XLA:CPU a 4-layer GPT's
-    training step ran 10-20% faster unrolled, benchmarks/long_seq.py)."""
+    training step ran 10-20% faster unrolled, benchmarks/long_seq.py). `unroll="auto"`
+    unrolls where that measured faster at a compile time like the loop's: when `remat` is
+    "none" and the iterations together trace to at most `UNROLL_BUDGET` jax equations
+    (`unrolls`)."""
     if remat not in REMAT_POLICIES:
         raise ParameterError(
             f"scan over {dim!r}: remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}"
         )
-    unroll = boolean(f"scan over {dim!r}", "unroll", unroll)
+    if unroll != "auto" and not isinstance(unroll, bool | np.bool_):
+        raise ArgumentError(
+            f"scan over {dim!r}: unroll must be True, False or 'auto', got {unroll!r}"
+        )
+    unroll = unroll if unroll == "auto" else bool(unroll)
     carry, carry_tree = tensor_leaves(init, "scan's init")
     x_leaves, x_tree = tensor_leaves(xs, "scan's xs")
     sizes = {x.size_of(dim) if dim in x.dims else None for x in x_leaves}

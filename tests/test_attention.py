@@ -123,11 +123,14 @@ def test_blockwise_errors_name_the_fault():
         blockwise_attend(q, k, k, nm.tensor(np.zeros(3, np.float32), "other"))
 
 
-def _lm_value_and_grads(cfg, mesh, layout):
+def _lm_value_and_grads(cfg, mesh, layout, hlo=False):
+    """The LM's loss and gradients under `layout`; with `hlo`, also the compiled step's
+    text (the same compile)."""
     params = transformer.init(transformer.lm_shapes(cfg), 0)
     batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(cfg).items()}
     f = lower(lambda p, b: transformer.lm_loss(p, b, cfg), mesh, layout)
-    return jax.jit(jax.value_and_grad(lambda p, b: f(p, b).data))(params, batch)
+    step = jax.jit(jax.value_and_grad(lambda p, b: f(p, b).data)).lower(params, batch).compile()
+    return (*step(params, batch), step.as_text()) if hlo else step(params, batch)
 
 
 LM_CFG = CFG.replace(relative_bias=4, attention_block=4, layers=1, batch=8)
@@ -160,13 +163,16 @@ def test_blockwise_lm_gradients_with_remat_equal_full_attention():
 
 
 def test_unrolled_layers_keep_the_lm_values_and_gradients():
-    """Config.scan_layers=False (the layers unrolled, not one loop) under a layout: the
-    scanned stack's loss and gradients (the scanned stack equals transformers' models in
-    tests/test_hub.py)."""
+    """Config.scan_layers's default, "auto", unrolls a 2-layer LM (no while loop left in
+    the compiled step; nm.scan's unroll="auto" rule, tests/test_remat.py) with the loss
+    and gradients of the layers as one loop (scan_layers=True, which equals
+    transformers' models in tests/test_hub.py), under a layout."""
     mesh, layout = Mesh(LAYOUTS["model"][0]), LAYOUTS["model"][1]
     cfg = LM_CFG.replace(layers=2)
-    want, g_scan = _lm_value_and_grads(cfg, mesh, layout)
-    got, g_unrolled = _lm_value_and_grads(cfg.replace(scan_layers=False), mesh, layout)
+    assert cfg.scan_layers == "auto"
+    want, g_scan, looped = _lm_value_and_grads(cfg.replace(scan_layers=True), mesh, layout, True)
+    got, g_unrolled, unrolled = _lm_value_and_grads(cfg, mesh, layout, hlo=True)
+    assert " while(" in looped and " while(" not in unrolled
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_unrolled), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)

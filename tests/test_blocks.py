@@ -112,3 +112,9 @@ def test_run_settings_are_the_run_records_and_made_and_replaced_by_name():
     assert "dtype" not in {f.name for f in dataclasses.fields(Config)}
     with pytest.raises(ConfigError, match="Config.remat must be one of .*'some'"):
         Config().replace(remat="some")
+    # the layer loop's setting: "auto" by default, a word or a flag from --set
+    assert Run().scan_layers == "auto"
+    for text, want in (("auto", "auto"), ("false", False), ("True", True)):
+        assert parse_overrides([f"scan_layers={text}"]) == {"scan_layers": want}
+    with pytest.raises(ConfigError, match="scan_layers must be True, False or 'auto', got 'al'"):
+        Config().replace(**parse_overrides(["scan_layers=al"]))

@@ -9,6 +9,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
+from namedmesh import control
 from namedmesh.control import checkpointed
 
 R = np.random.default_rng(5)
@@ -85,11 +86,35 @@ def test_unrolled_scan_keeps_values_and_gradients_without_a_loop(remat, layout):
     assert " while(" in looped.lower(*ARGS).compile().as_text()  # the check can fail
 
 
-def test_unroll_must_be_a_bool():
+def test_unroll_must_be_a_bool_or_auto():
     with pytest.raises(
-        nm.ArgumentError, match="scan over 'layers': unroll must be True or False, got 2"
+        nm.ArgumentError, match="scan over 'layers': unroll must be True, False or 'auto', got 2"
     ):
         program("none", unroll=2)(*ARGS)
+
+
+def _while(f, *args) -> bool:
+    return " while(" in jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_auto_unrolls_a_small_stack_and_keeps_the_loop_past_the_budget_or_under_remat():
+    """unroll="auto": a 6-layer stack without remat unrolls, with the values and
+    gradients of the jax.numpy loop; under remat, or past UNROLL_BUDGET equations (a
+    one-equation body over more layers than that), it stays one loop."""
+    value, grads = _grads(program("none", unroll="auto"))
+    np.testing.assert_allclose(value, WANT_VALUE, rtol=1e-5)
+    for g, w in zip(grads, WANT_GRADS, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda *a: f(*a).data
+    assert not _while(jax.grad(loss(program("none", unroll="auto"))), *ARGS)
+    assert _while(jax.grad(loss(program("full", unroll="auto"))), *ARGS)
+    n = control.UNROLL_BUDGET + 1
+    deep = nm.tensor(np.full((n, 2), 1.0, np.float32), "layers d")
+    scanned = lambda w: nm.scan(lambda h, w: (h * w, None), w.sum("layers"), w, "layers",
+                                unroll="auto")[0]  # fmt: skip
+    assert _while(lambda w: scanned(w).data, deep)
+    # the carry starts as n ones summed and is multiplied by 1 n times
+    np.testing.assert_array_equal(scanned(deep).data, np.full(2, float(n)))
 
 
 def test_full_remat_compiles_a_smaller_backward_pass():
