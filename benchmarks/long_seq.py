@@ -97,6 +97,8 @@ def main(argv=None) -> int:
         help="time the training step against PyTorch's SDPA at these lengths",
     )
     p.add_argument("--rounds", type=cli.count, default=3, help="timed rounds of --vs-torch")
+    p.add_argument("--kinds", type=lambda text: [k.strip() for k in text.split(";")],
+                   default=list(KINDS), help="--vs-torch's kinds, ';' between (KINDS)")  # fmt: skip
     p.add_argument(
         "--memory",
         type=cli.counts,
@@ -183,11 +185,15 @@ def block_for(length: int) -> int:
 
 def vs_torch(lengths: list[int], args, threads: str) -> int:
     """Rows of CPU seconds per training step (loss and gradients), namedmesh against PyTorch."""
-    head = ["length", *[f"namedmesh {k} s | ratio" for k in KINDS], "PyTorch SDPA s", "loss agrees"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * (2 * len(KINDS) + 3)]
+    if unknown := sorted(set(args.kinds) - set(KINDS)):
+        raise SystemExit(f"--kinds: unknown {unknown}; known: {'; '.join(KINDS)}")
+    kinds = [k for k in KINDS if k in args.kinds]
+    head = ["length", *[f"namedmesh {k} s (compile s) | ratio" for k in kinds],
+            "PyTorch SDPA s", "loss agrees"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * (2 * len(kinds) + 3)]
     before = fair.load()
     for length in lengths:
-        lines.append("| " + " | ".join(_torch_row(length, args.rounds)) + " |")
+        lines.append("| " + " | ".join(_torch_row(length, args.rounds, kinds)) + " |")
         print(lines[-1], flush=True)
     method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
                                 before=before, after=fair.load())  # fmt: skip
@@ -200,7 +206,7 @@ def vs_torch(lengths: list[int], args, threads: str) -> int:
     return 0
 
 
-def _torch_row(length: int, rounds: int) -> list[str]:
+def _torch_row(length: int, rounds: int, kinds: list[str]) -> list[str]:
     """One row's cells: each kind's seconds and ratio, PyTorch's seconds, the loss check."""
     import torch
 
@@ -220,27 +226,31 @@ def _torch_row(length: int, rounds: int) -> list[str]:
         model.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    sides, losses = {}, {}
-    for kind, overrides in KINDS.items():
+    sides, losses, compiled = {}, {}, {}
+    for kind in kinds:
+        overrides = KINDS[kind]
         if overrides["attention"] in QUADRATIC and length > FULL_UP_TO:
             continue
         if overrides.get("scan_layers") is False and length > UNROLLED_UP_TO:
             continue
         cfg = zoo.config.replace(**overrides, attention_block=block_for(length))
         loss = lambda p, b, c=cfg: transformer.lm_loss(p, b, c).data
-        step = jax.jit(jax.value_and_grad(loss))
+        start = time.process_time()  # trace, lower and compile: CPU seconds
+        step = jax.jit(jax.value_and_grad(loss)).lower(zoo.params, batch).compile()
+        compiled[kind] = time.process_time() - start
         losses[kind] = float(step(zoo.params, batch)[0])
         sides[kind] = lambda s=step: jax.block_until_ready(s(zoo.params, batch))
     sides["PyTorch SDPA"] = torch_step
     t = fair.alternate(sides, rounds)
     agree = all(abs(v - torch_step()) < 1e-4 for v in losses.values())
     cells = [str(length)]
-    for kind in KINDS:
+    for kind in kinds:
         if kind not in t:
             up_to = FULL_UP_TO if KINDS[kind]["attention"] in QUADRATIC else UNROLLED_UP_TO
             cells += [f"not run (over {up_to} tokens)", "-"]
             continue
-        cells += [fair.cell(t[kind], 1), fair.ratio(t[kind], t["PyTorch SDPA"])]
+        cells += [f"{fair.cell(t[kind], 1)} (compile {compiled[kind]:.0f})",
+                  fair.ratio(t[kind], t["PyTorch SDPA"])]  # fmt: skip
     return [*cells, fair.cell(t["PyTorch SDPA"], 1), str(agree)]
 
 

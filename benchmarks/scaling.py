@@ -23,7 +23,9 @@ def _abstract_inputs(cfg):
 
 def compile_seconds(layers: int, cfg_name: str = "tiny") -> float:
     """Seconds to compile jax.grad of the lowered LM loss on the 2x4 mesh."""
-    cfg = config.get(cfg_name, layers=layers)
+    # the layers as one loop (Config.scan_layers's "auto" unrolls small stacks, whose
+    # compile time then grows with depth: benchmarks/layer_loop.py)
+    cfg = config.get(cfg_name, layers=layers, scan_layers=True)
     f = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh(MESH), LAYOUT)
     params, batch = _abstract_inputs(cfg)
     step = jax.jit(jax.grad(lambda p, b: f(p, b).data))
