@@ -17,9 +17,11 @@ against without.
 with `attn_implementation="sdpa"`, loaded into the zoo, and the loss and gradients of
 one batch-1 sequence timed for namedmesh (each of KINDS: full attention up to 4k tokens;
 fused, nm.dot_product_attention, whose CPU kernel from 512 tokens is namedmesh.flash's
-row blocks, with the layers in one loop and unrolled; blockwise, which skips the
-causally masked key blocks, without and with full remat) against PyTorch,
-single-threaded, by CPU time, alternated (benchmarks/fair.py).
+row blocks, with the layers as Config.scan_layers's default "auto" picks, in one loop
+and unrolled; blockwise, which skips the causally masked key blocks, without and with
+full remat; `--kinds` picks some, ';' between) against PyTorch, single-threaded, by CPU
+time, alternated (benchmarks/fair.py), each cell with the CPU seconds its step took to
+trace, lower and compile.
 
 `--memory LENGTHS`: the same step's peak memory per kind, namedmesh's from XLA's memory
 analysis of the compiled step (nothing run), PyTorch's measured (one step in a fresh
