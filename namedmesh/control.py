@@ -43,7 +43,7 @@ def checkpointed(step: Callable, remat: str, prevent_cse: bool = False) -> Calla
 # size measured, and compiled in about the loop's time up to about this size, far
 # longer past it (docs/benchmarks.md, "The layer loop: unrolled where it measures
 # faster", benchmarks/layer_loop.py).
-UNROLL_BUDGET = 4096
+UNROLL_BUDGET = 8192
 
 
 def equations(jaxpr) -> int:
