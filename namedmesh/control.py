@@ -39,10 +39,11 @@ def checkpointed(step: Callable, remat: str, prevent_cse: bool = False) -> Calla
 
 # unroll="auto" unrolls a scan whose iterations together trace to at most this many jax
 # equations (the body's, counted into its sub-programs, times the length), and keeps a
-# loop above it: on XLA:CPU an unrolled stack ran 0.86-0.93 of the loop's time at every
-# size measured, and compiled in about the loop's time up to about this size, far
-# longer past it (docs/benchmarks.md, "The layer loop: unrolled where it measures
-# faster", benchmarks/layer_loop.py).
+# loop above it: on XLA:CPU an unrolled layer stack's training step ran 0.87-0.94 of the
+# loop's time at every size measured, and its compile grew about 0.5 s of CPU per 100
+# equations up to 3,264 (a loop's stays flat), far steeper past this budget (the fused
+# kernel's 8k-token stack, 42,524 equations: 518 s against 40 s looped; docs/benchmarks.md,
+# "The layer loop: unrolled where it measures faster", benchmarks/layer_loop.py).
 UNROLL_BUDGET = 8192
 
 
@@ -68,8 +69,8 @@ def unrolls(step: Callable, carry, xs, length: int, unroll, remat: str = "none")
     stays within UNROLL_BUDGET equations (compile time grows with it)."""
     if unroll != "auto":
         return unroll
-    if remat != "none" or length <= 1:
-        return length <= 1
+    if remat != "none" or length <= 1:  # XLA drops a loop of one trip itself
+        return False
     # the first slices, typed as the loop's (in a shard_map, varying as they vary)
     body = jax.make_jaxpr(step)(list(carry), [x[0] for x in xs])
     return length * equations(body) <= UNROLL_BUDGET
