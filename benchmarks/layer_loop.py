@@ -87,9 +87,8 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=cli.counts, default=[2, 4, 8, 16])
     p.add_argument("--rounds", type=cli.count, default=3)
     args = p.parse_args(argv)
-    for size in args.sizes:
-        if size not in SIZES:
-            raise SystemExit(f"--sizes: unknown size {size!r}; known: {', '.join(SIZES)}")
+    if unknown := sorted(set(args.sizes) - set(SIZES)):
+        p.error(f"--sizes: unknown {unknown}; known: {', '.join(SIZES)}")
     threads = fair.single_threaded()
     before = fair.load()
     head = ["size", "layers", "unrolled eqns", "auto picks", "loop compile s",

@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--torch-peak", type=cli.count, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if unknown := sorted(set(args.kinds) - set(KINDS)):
+        p.error(f"--kinds: unknown {unknown}; known: {'; '.join(KINDS)}")
     threads = fair.single_threaded()  # before jax's first computation
     if args.torch_peak:  # one step in this fresh process: its peak resident memory
         print(_torch_peak(args.torch_peak))
@@ -187,8 +189,6 @@ def block_for(length: int) -> int:
 
 def vs_torch(lengths: list[int], args, threads: str) -> int:
     """Rows of CPU seconds per training step (loss and gradients), namedmesh against PyTorch."""
-    if unknown := sorted(set(args.kinds) - set(KINDS)):
-        raise SystemExit(f"--kinds: unknown {unknown}; known: {'; '.join(KINDS)}")
     kinds = [k for k in KINDS if k in args.kinds]
     head = ["length", *[f"namedmesh {k} s (compile s) | ratio" for k in kinds],
             "PyTorch SDPA s", "loss agrees"]  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 from benchmarks import cli
 from models.config import ConfigError
 
-BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
+BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unknown name
     ("auto_layout", ["--steps", "0"]),
     ("decode", ["--new", "0"]),
     ("decode_latent", ["--rounds", "0"]),
@@ -23,6 +23,8 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("pipeline", ["--repeats", "0"]),
     ("quality", ["--steps", "abc"]),
     ("step_movement", ["--layers", "0"]),
+    ("layer_loop", ["--sizes", "huge"]),
+    ("long_seq", ["--kinds", "fused;flash"]),
 ]
 
 
