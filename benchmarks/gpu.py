@@ -70,8 +70,8 @@ def measure(cfg_name: str, steps: int, warmup: int, dtype: str, max_seconds: flo
     start = time.perf_counter()
     model = zoo.get("lm")
     cfg = model.configure(config.get(cfg_name))
-    opt, _ = trainer.optimizer("adafactor", 1e-3, steps + warmup, 0, 0.0)
-    tr = trainer.Trainer(model, cfg, Mesh({"batch": 1}), "batch:batch", opt)
+    opt, _ = trainer.optimizer(trainer.OptimizerSpec("adafactor", 1e-3, steps + warmup, 0, 0.0))
+    tr = trainer.Trainer(model, cfg, Mesh({"batch": 1}), "batch:batch", trainer.TrainSpec(opt))
     state = tr.init_state()
 
     def update(state, batch):

@@ -99,7 +99,7 @@ def evaluate(args, dog=None) -> dict:
     import jax
     from tqdm import tqdm
 
-    from lowering import Mesh
+    from lowering import Layout, Mesh
     from lowering.distributed import place
     from models import corpora
     from models.run import UsageError, pick_layout
@@ -125,8 +125,8 @@ def evaluate(args, dog=None) -> dict:
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))
-    layout = pick_layout(args.layout, model, args.source, cfg, mesh, None, 0)
-    trainer = Trainer(model, cfg, mesh, layout, opt=None)
+    layout = pick_layout(args.layout, Trainer(model, cfg, mesh, Layout()), args.source)
+    trainer = Trainer(model, cfg, mesh, layout)
     state = {"params": place(params, mesh, layout, padded=transformer.STACK_DIMS)}
     windows = corpus.validation_windows()
     total = -(-windows // args.batch)
