@@ -30,6 +30,7 @@ from models.source import add_source, resolve, template_folder
 from models.train import (
     CLUSTER_RANGES,
     COUNT,
+    Defaults,
     Parser,
     Range,
     check_ranges,
@@ -52,7 +53,7 @@ def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Na
     p = Parser(
         prog=prog,
         description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=Defaults,
     )
     add_source(p)
     p.add_argument("--data", required=True, help="the data: any kind `train --data` takes")

@@ -39,7 +39,6 @@ prompt as one user turn of it), as models/folder_tokens.py reads them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -56,6 +55,7 @@ from models.source import add_source, is_run, no_steps, read_run, resolve
 from models.train import (
     CLUSTER_RANGES,
     COUNT,
+    Defaults,
     Parser,
     Range,
     check_ranges,
@@ -168,7 +168,7 @@ def arguments(argv=None, prog: str = "python -m models.generate"):
     p = Parser(
         prog=prog,
         description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
+        formatter_class=Defaults,  # every flag shows its default
     )
     add_source(p, "a training run's --out folder, or a Hugging Face folder (a decoder LM or "
                "T5)", OLD)  # fmt: skip
