@@ -15,6 +15,7 @@ import models
 from models import config, transformer
 from models.api import LoadError
 from models.generate import Decoder
+from models.sampling import Sampling
 from namedmesh.errors import ParameterError
 from tests.test_decode import full_logits
 
@@ -52,7 +53,7 @@ def test_greedy_past_the_cache_refills_it_with_the_last_half(model):
     """The documented policy: a full cache is rebuilt from the last length/2 tokens."""
     params, cfg, dec = model
     prompt, n = [3, 1, 4], 14
-    got = dec.generate(prompt, n, "greedy")
+    got = dec.generate(prompt, n)
     toks, start = list(prompt), 0
     for _ in range(n):
         if len(toks) - start > cfg.length:  # the window the cache holds after a refill
@@ -66,7 +67,7 @@ def test_beam_of_one_is_greedy_and_scores_are_log_probabilities(model):
     params, cfg, dec = model
     prompt = [5, 6]
     seq, score = dec.beam(prompt, 4, beams=1)
-    assert seq == dec.generate(prompt, 4, "greedy")
+    assert seq == dec.generate(prompt, 4)
     toks, want = list(prompt), 0.0
     for t in seq:
         want += recompute_logp(params, cfg, [toks])[0][t]
@@ -90,11 +91,11 @@ def test_a_beam_as_wide_as_the_vocabulary_finds_the_best_two_tokens(model):
 
 def test_sampling_is_seeded_and_cold_sampling_is_greedy(model):
     _, _, dec = model
-    greedy = dec.generate([1, 2], 6, "greedy")
-    assert dec.generate([1, 2], 6, "sample", temperature=1e-3, seed=1) == greedy
-    a = dec.generate([1, 2], 6, "sample", temperature=2.0, seed=1)
-    assert a == dec.generate([1, 2], 6, "sample", temperature=2.0, seed=1)
-    draws = {tuple(dec.generate([1, 2], 6, "sample", temperature=2.0, seed=s)) for s in range(4)}
+    greedy = dec.generate([1, 2], 6)
+    assert dec.generate([1, 2], 6, sampling=Sampling(1e-3, seed=1)) == greedy
+    a = dec.generate([1, 2], 6, sampling=Sampling(2.0, seed=1))
+    assert a == dec.generate([1, 2], 6, sampling=Sampling(2.0, seed=1))
+    draws = {tuple(dec.generate([1, 2], 6, sampling=Sampling(2.0, seed=s))) for s in range(4)}
     assert len(draws) > 1
 
 
@@ -125,5 +126,5 @@ def test_generate_command_decodes_from_a_training_run(tmp_path):
     assert len(ids) == 10 and (loaded.logits(ids)[3:-1].argmax(-1) == ids[4:]).all()
     with pytest.raises(LoadError, match="run"):
         models.load(out, step=99)
-    with pytest.raises(ParameterError, match="temperature"):
-        loaded.generate("The ", top_p=0.5)
+    with pytest.raises(ParameterError, match="sampling must be a models.Sampling"):
+        loaded.generate("The ", sampling={"top_p": 0.5})
