@@ -221,7 +221,7 @@ def _precision(dtype: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
+    ap = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     ap.add_argument("--config", default="base")
     ap.add_argument("--steps", type=cli.count, default=50, help="timed steps (default 50)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")

@@ -11,6 +11,8 @@ import argparse
 
 import numpy as np
 
+from benchmarks import cli
+
 TARGETS = ("q", "k", "v", "o", "up", "down")  # every projection of the zoo's (ungated) LM
 
 
@@ -64,7 +66,7 @@ def table(config_name: str, rank: int) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n")[0])
     p.add_argument("--config", default="small")
     p.add_argument("--rank", type=int, default=8)
     args = p.parse_args(argv)
