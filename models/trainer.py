@@ -115,9 +115,17 @@ class Trainer:
         return transformer.abstract(self.shapes), batch
 
     def report(self):
-        """The cost report of one training step: the loss and its parameters' gradients."""
+        """The cost report of one training step: the loss and the gradients of the
+        trained parameters (all, or the `trained` subtree: a LoRA step's frozen weights
+        have no gradient and no optimizer state, lowering.train_step.optimizer_bytes)."""
         params, batch = self.abstract_inputs()
-        return self.lowered.report(params, batch, self.key(1), wrt=0, show=False)
+        if self.trained is None:
+            return self.lowered.report(params, batch, self.key(1), wrt=0, show=False)
+        train, frozen = trainable.split(params, self.trained)
+        model, cfg = self.model, self.cfg
+        loss = lambda t, f, b, k: model.loss(trainable.join(t, f), b, cfg, k)  # noqa: E731
+        lowered = lower(loss, self.mesh, self.layout)
+        return lowered.report(train, frozen, batch, self.key(1), wrt=0, show=False)
 
     def key(self, step: int):
         if not self.keyed:

@@ -177,6 +177,29 @@ def test_adapter_only_export_is_peft_layout_whose_update_is_the_merged_one(
         np.testing.assert_allclose(lora_logits, back(torch.tensor(IDS)).logits.numpy(), atol=1e-4)
 
 
+def test_a_lora_steps_report_costs_the_adapters_gradients_and_optimizer_state_alone():
+    """Trainer.report of a LoRA step: gradients and AdamW's moments of the trained
+    subtree only, as optax's init of that subtree holds them (the frozen weights none)."""
+    import jax
+    import optax
+
+    from lowering import Mesh
+    from lowering.train_step import Training, optimizer_bytes
+    from models.trainer import Trainer, TrainSpec
+
+    cfg = config.get("tiny").replace(length=16, batch=2)
+    model = lora.adapted(zoo.get("lm"), lora.Lora(RANK, ALPHA, 0.0, ("q", "v")), cfg)
+    trained = trainable.chooser(trainable.paths(model.shapes(cfg)), (), lora.is_adapter)
+    opt = optax.adamw(1e-3)
+    tr = Trainer(model, cfg, Mesh({"data": 1}), "", TrainSpec(opt, trained=trained))
+    rep = tr.report()
+    train = trainable.split(tr.abstract_inputs()[0], trained)[0]
+    moments = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(opt.init, train)) if x.ndim]
+    want = sum(x.size * x.dtype.itemsize for x in moments)  # mu and nu, not the count
+    assert optimizer_bytes(rep, {"data": 1}, (), Training("adamw")) == want
+    assert rep.memory_parts["gradients"] == want // 2  # one float32 per trained element
+
+
 def test_freeze_patterns_are_globs_or_regular_expressions_on_paths():
     paths = trainable.paths(zoo.get("lm").shapes(config.get("tiny")))
     trained = trainable.chooser(paths, ["layers/attn/*", "emb.*"])
