@@ -20,14 +20,21 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
-from namedmesh.errors import ShapeError
+from namedmesh.errors import ParameterError, ShapeError
 
 _FLOOR = -1e30  # the running maximum before any key: exp(_FLOOR - m) is 0 for finite m
 _MASK = -1e9  # the logit of a padded key slot, as models.layers.NEG masks positions
 
 
-def _check(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias, block: int) -> int:
-    """The key block size (at most the memory), after checking dims and sizes."""
+def _check(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts) -> int:
+    """The key block size (opts.block, at most the memory), after checking opts, dims and
+    sizes."""
+    if not isinstance(opts, Options):
+        raise ParameterError(
+            f"attention's opts must be models.attention.Options(bias, bias_fn, scale, ...), "
+            f"got {type(opts).__name__}"
+        )
+    bias, block = opts.bias, opts.block
     for name, t, need in (("q", q, ("length", "d_kv")), ("k", k, ("memory", "d_kv"))):
         if missing := [d for d in need if d not in t.dims]:
             raise ShapeError(f"blockwise_attend: {name} {t.dims} lacks dim(s) {missing}")
@@ -165,8 +172,8 @@ def blockwise_attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) ->
     cut into blocks too and each query block scans only the key blocks it can see
     (`visible_blocks`), the lower triangle of (query block, key block) pairs or its
     band. Skipped blocks are ones the mask hides whole, so the result is the same."""
+    block = _check(q, k, v, opts)
     bias, bias_fn = opts.bias, opts.bias_fn
-    block = _check(q, k, v, bias, opts.block)
     if (opts.causal or opts.window) and q.size_of("length") == k.size_of("memory"):
         return _triangle(q, k, v, opts, block)
     xs, bias = _key_blocks(k, v, bias, block, bias_fn is not None)
@@ -250,8 +257,9 @@ def ring_attend(
     ppermute per step: (ring-1)/ring of them per device, never all of them at once.
     Same contract and result as `blockwise_attend` (`opts.block` aside: the blocks are
     the ring's); `opts.bias` must not hold both length and memory (pass `bias_fn`)."""
+    # the ring's blocks are its own (`ring`): opts.block is not read here
+    _check(q, k, v, opts if not isinstance(opts, Options) else opts._replace(block=1))
     bias, bias_fn = opts.bias, opts.bias_fn
-    _check(q, k, v, bias, k.size_of("memory"))
     n_q, n_k = q.size_of("length"), k.size_of("memory")
     if ring < 1 or n_q % ring or n_k % ring:
         raise ShapeError(

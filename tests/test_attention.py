@@ -218,10 +218,13 @@ def test_ring_attention_sends_keys_and_values_around_the_ring():
 def test_ring_errors_name_the_fault():
     q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
     with pytest.raises(nm.ShapeError, match="ring 3 must divide length=8.*--attention-block"):
-        ring_attend(q, k, k, None, 1.0, 3)
+        ring_attend(q, k, k, Options(), 3)
     whole = nm.tensor(np.zeros((8, 8), np.float32), "length memory")
     with pytest.raises(nm.ShapeError, match="bias_fn"):
-        ring_attend(q, k, k, whole, 1.0, 2)
+        ring_attend(q, k, k, Options(whole), 2)
+    for attend in (ring_attend, blockwise_attend):  # the bias where Options go (the old call)
+        with pytest.raises(nm.ParameterError, match=r"opts must be models.attention.Options"):
+            attend(q, k, k, whole)
 
 
 @pytest.mark.parametrize(
