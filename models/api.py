@@ -4,7 +4,7 @@ generates text and scores it, on the command line's functions (models/generate.p
     import models
     model = models.load("runs/tiny")             # or a Hugging Face folder
     model.generate("The assert", max_new_tokens=20, stop=["\\n"])   # -> str
-    model.generate(["A", "B"], sampling=Sampling(0.8, top_p=0.9, seed=1))  # -> list of str
+    model.generate(["A", "B"], sampling=models.Sampling(0.8, top_p=0.9, seed=1))  # list of str
     model.logits("The assert")                   # -> (length, vocab) float32 array
 """
 
