@@ -6,7 +6,8 @@ imports nothing heavy, and nothing of ours (a user's models.py cannot shadow it)
 makes those signals end the command at once in one line (status 130 or 143, as
 models.preempt.exit_at_once does later) while the packages load, then runs
 `namedmesh.cli.main` with the handlers put back; its commands take the signals over.
-`python -m namedmesh` imports the package before anything of this can run."""
+`python -m namedmesh` imports the package before its __main__ can run: the package's
+__init__ calls `guard()` first thing then (sys.argv[0] is "-m" while runpy imports it)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,17 @@ def _stop(signum, frame) -> None:
     os._exit(128 + signum)
 
 
-def main() -> int:
+def guard():
+    """Make SIGINT and SIGTERM end the process at once in one line while the packages
+    load; the function that puts the previous handlers back."""
     old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(s, handler) for s, handler in old.items()] and None
+
+
+def main() -> int:
+    unguard = guard()
     try:
         from namedmesh.cli import main as run
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        unguard()
     return run()

@@ -73,7 +73,7 @@ def _sides(n: int, heads: int, d: int, blocks: list[int], forward: bool) -> dict
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=cli.counts, default=[1024, 2048, 8192])
     p.add_argument("--heads", type=cli.count, default=4)
     p.add_argument("--d", type=cli.count, default=64)

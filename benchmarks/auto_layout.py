@@ -295,7 +295,7 @@ def _ok(run: quality.Run) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.auto_layout", description=__doc__)
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     p.add_argument("--steps", type=cli.count, default=120, help="training steps per layout (120)")
     p.add_argument("--skip-train", action="store_true", help="only the planning goals")
     p.add_argument("--out", type=Path, help="markdown file whose section to replace")

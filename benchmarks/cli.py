@@ -49,7 +49,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (NamedMeshError, CheckpointError, DataError)
 
 
-def _prog() -> str:
+def prog_name() -> str:
     """The command as the user typed it: `python -m benchmarks.NAME` or, under
     `namedmesh bench`, the argv[0] it sets."""
     first = sys.argv[0]
@@ -61,7 +61,7 @@ def _prog() -> str:
 def run(main: Callable[[], int | None], prog: str | None = None) -> int:
     """main()'s exit status (0 where it returns no int: a result for callers); a user
     error it raises printed as one line, status 2."""
-    prog = prog or _prog()
+    prog = prog or prog_name()
     try:
         status = main()
         return status if isinstance(status, int) else 0

@@ -169,7 +169,7 @@ def table(results: dict[int, dict]) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
     p.add_argument("--positions", type=cli.count, default=2048, help="the model's positions")
     p.add_argument("--layers", type=cli.count, default=4)
     p.add_argument("--d-model", type=cli.count, default=256)

@@ -63,7 +63,7 @@ def cache_table(sizes: tuple[int, int]) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
     p.add_argument("--positions", type=cli.count, default=1024, help="the model's positions")
     p.add_argument("--layers", type=cli.count, default=4)
     p.add_argument("--d-model", type=cli.count, default=256)

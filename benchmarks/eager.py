@@ -612,9 +612,7 @@ def write_doc(path: Path, new: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.eager", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     p.add_argument("--out", type=Path, help="markdown file whose einsum section to replace")
     args = p.parse_args(argv)

@@ -56,7 +56,7 @@ def row(name: str, spec: tuple, ids, targets, repeats: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default=None, help="comma-separated (default: all)")
     p.add_argument("--repeats", type=cli.count, default=5)
     args = p.parse_args(argv)

@@ -30,7 +30,7 @@ from models import config, moe, transformer
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog=cli._prog(), description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=cli.count, default=16)
     ap.add_argument("--length", type=cli.count, default=32)
     ap.add_argument("--d-model", type=cli.count, default=64)

@@ -70,8 +70,8 @@ def measure(cfg_name: str, steps: int, warmup: int, dtype: str, max_seconds: flo
     start = time.perf_counter()
     model = zoo.get("lm")
     cfg = model.configure(config.get(cfg_name))
-    opt, _ = trainer.optimizer("adafactor", 1e-3, steps + warmup, 0, 0.0)
-    tr = trainer.Trainer(model, cfg, Mesh({"batch": 1}), "batch:batch", opt)
+    opt, _ = trainer.optimizer(trainer.OptimizerSpec("adafactor", 1e-3, steps + warmup, 0, 0.0))
+    tr = trainer.Trainer(model, cfg, Mesh({"batch": 1}), "batch:batch", trainer.TrainSpec(opt))
     state = tr.init_state()
 
     def update(state, batch):
@@ -221,7 +221,7 @@ def _precision(dtype: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
+    ap = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     ap.add_argument("--config", default="base")
     ap.add_argument("--steps", type=cli.count, default=50, help="timed steps (default 50)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")

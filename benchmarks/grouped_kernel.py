@@ -94,7 +94,7 @@ def sides(x, w, g, backward: bool) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
     for flag, default in (("rows", 1024), ("d-in", 256), ("d-out", 1024), ("experts", 8)):
         ap.add_argument(f"--{flag}", type=cli.count, default=default)
     ap.add_argument("--rounds", type=cli.count, default=7)

@@ -85,7 +85,7 @@ def row(name: str, length: int, attention: str, remat: str, layout: str, run: bo
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", type=cli.names, default=["tiny", "small"])
     p.add_argument("--lengths", type=cli.counts, default=[1024, 2048, 4096])
     p.add_argument("--layouts", type=cli.names, default=["one device", "2x4"])

@@ -11,6 +11,8 @@ import argparse
 
 import numpy as np
 
+from benchmarks import cli
+
 TARGETS = ("q", "k", "v", "o", "up", "down")  # every projection of the zoo's (ungated) LM
 
 
@@ -27,8 +29,8 @@ def measure(config_name: str, rank: int | None) -> dict:
     if rank:
         model = lora.adapted(model, lora.Lora(rank, 2.0 * rank, 0.0, TARGETS), cfg)
         trained = trainable.chooser(trainable.paths(model.shapes(cfg)), (), lora.is_adapter)
-    opt, _ = trainer.optimizer("adamw", 1e-4, 10, 0, 1.0)
-    tr = trainer.Trainer(model, cfg, Mesh({"data": 1}), "", opt, 0, 1, trained)
+    opt, _ = trainer.optimizer(trainer.OptimizerSpec("adamw", 1e-4, 10, 0, 1.0))
+    tr = trainer.Trainer(model, cfg, Mesh({"data": 1}), "", trainer.TrainSpec(opt, 0, 1, trained))
     state = tr.init_state()
     count = lambda tree: sum(x.size for x in jax.tree_util.tree_leaves(tree))
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
@@ -64,7 +66,7 @@ def table(config_name: str, rank: int) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n")[0])
     p.add_argument("--config", default="small")
     p.add_argument("--rank", type=int, default=8)
     args = p.parse_args(argv)

@@ -72,7 +72,7 @@ def flops(cfg: config.Config) -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
     for flag, default in (("batch", 16), ("length", 128), ("d-model", 256), ("d-ff", 1024)):
         ap.add_argument(f"--{flag}", type=cli.count, default=default)
     ap.add_argument("--experts", type=cli.count, default=8)

@@ -239,7 +239,7 @@ TPUv2 pod (256 chips) or a quarter of a TPUv3 pod (1024 chips).
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.paper", description=__doc__)
+    ap = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     ap.add_argument("--docs", type=Path, help="write the section into this markdown file")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)

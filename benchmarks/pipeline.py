@@ -235,8 +235,7 @@ layers per stage x what one iteration on a microbatch keeps, remat "none").
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.pipeline",
-                                description=__doc__.split("\n")[0])  # fmt: skip
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n")[0])
     p.add_argument("--docs", default="docs/benchmarks.md", help="'' to skip")
     p.add_argument("--repeats", type=cli.count, default=5, help="timed steps per layout")
     args = p.parse_args(argv)

@@ -350,9 +350,7 @@ def section(runs, argv, when, info, steps, eval_every, plot_link) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.quality", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=cli.count, default=None, help="steps per run (4000; quick 300)")
     p.add_argument("--eval-every", type=cli.count, default=None, help="(250; quick 50)")
     p.add_argument("--quick", action="store_true", help="~300 steps, two layouts (a smoke run)")

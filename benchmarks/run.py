@@ -424,7 +424,7 @@ def simulate(n: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n")[0])
     p.add_argument(
         "--quick", action="store_true",
         help="the smallest sizes and about half the layouts (cases.QUICK_CASES)",

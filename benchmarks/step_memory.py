@@ -40,8 +40,8 @@ def measure(layout: str, remat: str, grad_accum: int, config_name: str = "small"
 
     cfg = config.get(config_name, remat=remat, **changes)
     mesh = Mesh(SIZES)
-    opt, _ = trainer.optimizer("adamw", 1e-3, 10, 1, 1.0)
-    tr = trainer.Trainer(zoo.get("lm"), cfg, mesh, layout, opt, 0, grad_accum)
+    opt, _ = trainer.optimizer(trainer.OptimizerSpec("adamw", 1e-3, 10, 1, 1.0))
+    tr = trainer.Trainer(zoo.get("lm"), cfg, mesh, layout, trainer.TrainSpec(opt, 0, grad_accum))
     data_axes = dict(tr.layout.rules).get("batch", ())
     est = step_memory(tr.report(), mesh.sizes, data_axes, Training("adamw", grad_accum=grad_accum))
     state = tr.init_state()  # the moments laid out as their parameters

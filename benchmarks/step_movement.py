@@ -87,7 +87,7 @@ def table(rows: dict[str, tuple[dict, float]]) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.step_movement", description=__doc__)
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     p.add_argument("--family", default="llama", choices=sorted(hub.FAMILIES))
     p.add_argument("--layers", type=cli.count, default=4)
     p.add_argument("--d-model", type=cli.count, default=512)

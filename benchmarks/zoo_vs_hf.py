@@ -79,7 +79,7 @@ def zoo_side(folder):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.zoo_vs_hf", description=__doc__)
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     p.add_argument("--layers", type=cli.count, default=4)
     p.add_argument("--d-model", type=cli.count, default=256)
     p.add_argument("--heads", type=cli.count, default=4)

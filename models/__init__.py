@@ -1,10 +1,11 @@
 """models: the Transformer zoo written in namedmesh (issue 6).
 
 `models.load(path, mesh=None, layout=None)` (models/api.py) loads a Hugging Face folder
-or a training run as a model that generates and scores text; it is imported on first
-use, so that `import models.config` stays light."""
+or a training run as a model that generates and scores text, `models.Sampling` how its
+`.generate` draws tokens; each is imported on first use, so that `import models.config`
+stays light."""
 
-__all__ = ["load"]
+__all__ = ["Sampling", "load"]
 
 
 def __getattr__(name: str):
@@ -12,4 +13,8 @@ def __getattr__(name: str):
         from models.api import load
 
         return load
+    if name == "Sampling":
+        from models.sampling import Sampling
+
+        return Sampling
     raise AttributeError(f"module 'models' has no attribute {name!r}")

@@ -7,14 +7,24 @@ target_modules by the Hugging Face module names, base_model_name_or_path: the ru
 of shape (r, in_features) and `...lora_B.weight` of shape (out_features, r), in
 float32 (or export's --dtype). The module names come from the family's weight table
 (models/hub.py), so a Llama run's q adapter of layer 0 is
-`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`. A weight the family
-stores fused with others (GPT-2's c_attn holds q, k and v) has no module of its own
-for PEFT to adapt: such an export is refused, naming it (export it merged).
+`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
+
+A weight the family stores fused with others (GPT-2's c_attn holds q, k and v; Phi-3's
+qkv_proj; GPT-NeoX's query_key_value, per head) is one module to PEFT, with one A and
+one B. The adapters of its n adapted parts, each of rank r, are that module's adapter of
+rank n r exactly: A stacks the parts' A (n r, in), and B (out, n r) holds each part's B
+in its own rows of the fused output and its own r columns, zero elsewhere (block
+diagonal): B A is each part's update in its place. adapter_config.json gives the module
+that rank in `rank_pattern` and alpha n times the run's in `alpha_pattern`, so that
+alpha / r, the scale, is the run's. Parts fused along their input, or whose inputs
+differ, would need one A per part: such an export is refused, naming the tensor (export
+the run merged).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -48,24 +58,16 @@ def export_adapters(
     if hub_base(run) is None:  # a zoo lm goes out as GPT-2: its table's config
         cfg = export.as_gpt2(lora.merged(params, spec), cfg)[1]
     rows = hub.tensors(family, cfg, hub.FAMILIES[family].prefixes[0])
-    tensors, modules, transposed = {}, set(), False
-    for path, a, b in _adapter_pairs(params):
-        t = rows[path]
-        names, conv = _peft_tensors(t, np.asarray(jax.device_get(a.data)), a.dims,
-                                    np.asarray(jax.device_get(b.data)), b.dims)  # fmt: skip
-        tensors |= names
-        transposed |= conv
-        modules |= {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in names}
+    tensors, fields = peft_adapters(params, rows, spec)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": sorted(modules),
+        **fields,
         "base_model_name_or_path": flags.get("init_from"),
         "bias": "none",
-        "fan_in_fan_out": transposed,  # GPT-2's Conv1D stores (in, out)
         "inference_mode": True,
         "init_lora_weights": True,
         "modules_to_save": None,
@@ -94,23 +96,89 @@ def _adapter_pairs(params: dict, prefix: str = ""):
             yield f"{prefix}/{name}" if prefix else name, v, params[name + "_lora_b"]
 
 
-def _peft_tensors(t, a: np.ndarray, a_dims, b: np.ndarray, b_dims):
-    """({PEFT name: array} of one weight's adapters for every index of its stack,
-    whether the file stores the weight (in, out)); LoraError for a fused weight."""
-    if t.entry.part or len(t.groups) != 2:
-        raise LoraError(
-            f"--adapter-only: {t.entry.name} holds this weight fused with others; PEFT adapts "
-            "whole modules: export the run merged (without --adapter-only)"
+def peft_adapters(params: dict, rows: dict, spec: lora.Lora) -> tuple[dict, dict]:
+    """({PEFT tensor name: array} of every adapter in `params`, the adapter_config.json
+    fields they set: target_modules, fan_in_fan_out, rank_pattern and alpha_pattern);
+    `rows` is hub.tensors' table of the family (where each weight sits in the files)."""
+    host = lambda t: np.asarray(jax.device_get(t.data))  # noqa: E731
+    fused = {}  # a fused tensor's name -> its adapted parts (FileTensor, A, A dims, B, B dims)
+    for path, a, b in _adapter_pairs(params):
+        fused.setdefault(rows[path].entry.name, []).append(
+            (rows[path], host(a), a.dims, host(b), b.dims)
         )
-    ins = next(i for i, g in enumerate(t.groups) if g and set(g) <= set(a_dims))
-    in_group, out_group = t.groups[ins], t.groups[1 - ins]
+    tensors, ranks, transposed = {}, {}, False
+    for parts in fused.values():
+        names, conv = _peft_tensors(parts)
+        tensors |= names
+        transposed |= conv
+        for k, v in names.items():
+            if k.endswith(".lora_A.weight"):
+                ranks[k.removesuffix(".lora_A.weight").rsplit(".", 1)[-1]] = v.shape[0]
+    wider = {m: r for m, r in sorted(ranks.items()) if r != spec.rank}
+    return tensors, {
+        "target_modules": sorted(ranks),
+        "fan_in_fan_out": transposed,  # GPT-2's Conv1D stores (in, out)
+        "rank_pattern": wider,
+        "alpha_pattern": {m: spec.alpha * r / spec.rank for m, r in wider.items()},
+    }
+
+
+def _peft_tensors(parts: list) -> tuple[dict, bool]:
+    """({PEFT name: array} of one file tensor's adapters for every index of its stack,
+    whether the file stores the weight (in, out)); the adapted `parts` of a fused tensor
+    as one adapter of their ranks summed (the module docstring); LoraError where that
+    cannot be."""
+    t = parts[0][0]
+    if len(t.groups) != 2:
+        raise LoraError(f"--adapter-only: {t.entry.name} is not a matrix; export the run merged")
+    ins = next(i for i, g in enumerate(t.groups) if g and set(g) <= set(parts[0][2]))
     stack = t.stack
-    a = a.transpose([a_dims.index(d) for d in (*stack, "lora", *in_group)])
-    b = b.transpose([b_dims.index(d) for d in (*stack, *out_group, "lora")])
+    As, Bs = [], []
+    for p, a, a_dims, b, b_dims in sorted(parts, key=lambda x: x[0].entry.part or ()):
+        if p.entry.part and p.entry.part[0] == ins or p.groups[ins] != t.groups[ins]:
+            raise LoraError(
+                f"--adapter-only: {t.entry.name} fuses {p.entry.path} with others along its "
+                "input: PEFT's one lora_A cannot hold each part's; export the run merged"
+            )
+        a = a.transpose([a_dims.index(d) for d in (*stack, "lora", *p.groups[ins])])
+        b = b.transpose([b_dims.index(d) for d in (*stack, *_zoo(p.groups[1 - ins]), "lora")])
+        As.append(a.reshape(*a.shape[: len(stack) + 1], -1))
+        Bs.append((_rows_of(p, ins), b.reshape(*b.shape[: len(stack)], -1, b.shape[-1])))
+    width = t.file_shape()[1 - ins]
     out = {}
-    for ix in np.ndindex(*a.shape[: len(stack)]):
+    for ix in np.ndindex(*As[0].shape[: len(stack)]):
         module = PEFT_PREFIX + t.name(ix).removesuffix(".weight")
-        rank = a.shape[len(stack)]
-        out[f"{module}.lora_A.weight"] = np.ascontiguousarray(a[ix].reshape(rank, -1))
-        out[f"{module}.lora_B.weight"] = np.ascontiguousarray(b[ix].reshape(-1, b.shape[-1]))
+        a = np.concatenate([x[ix] for x in As])
+        b = np.zeros((width, a.shape[0]), a.dtype)
+        col = 0
+        for (rows, src), part in Bs:
+            r = part.shape[-1]
+            b[rows, col : col + r] = part[ix][src]
+            col += r
+        out[f"{module}.lora_A.weight"] = np.ascontiguousarray(a)
+        out[f"{module}.lora_B.weight"] = b
     return out, ins == 0
+
+
+def _rows_of(t, ins: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the rows of the file tensor's output axis that zoo parameter `t` fills, the
+    index of each in `t`'s output dims flattened in their group's order): every row
+    for a tensor of its own, its part's rows (contiguous, or per head) for a fused one."""
+    layer = t.dims[len(t.stack) :]
+    outs = _zoo(t.groups[1 - ins])
+    shape = [t.sizes[d] for d in outs]
+    index = np.arange(1, math.prod(shape) + 1).reshape(shape)  # 0: another part's row
+    value = np.zeros([t.sizes[d] for d in layer], np.int64)
+    value = value + index.transpose(np.argsort([layer.index(d) for d in outs])).reshape(
+        [t.sizes[d] if d in outs else 1 for d in layer]
+    )
+    found = {}
+    t.write(value.reshape((1,) * len(t.stack) + value.shape), found)
+    line = np.take(found[t.name((0,) * len(t.stack))], 0, axis=ins)
+    rows = np.flatnonzero(line)
+    return rows, line[rows] - 1
+
+
+def _zoo(group: tuple[str, ...]) -> tuple[str, ...]:
+    """A file axis' zoo dims, without the fused parts' `*`."""
+    return tuple(d for d in group if d != "*")

@@ -4,13 +4,14 @@ generates text and scores it, on the command line's functions (models/generate.p
     import models
     model = models.load("runs/tiny")             # or a Hugging Face folder
     model.generate("The assert", max_new_tokens=20, stop=["\\n"])   # -> str
-    model.generate(["A", "B"], temperature=0.8, top_p=0.9, seed=1)  # -> list of str
+    model.generate(["A", "B"], sampling=models.Sampling(0.8, top_p=0.9, seed=1))  # list of str
     model.logits("The assert")                   # -> (length, vocab) float32 array
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -53,7 +54,7 @@ def load(
         raise LoadError(message if str(path) in message else f"{path}: {message}") from e
     if mesh is not None:  # on the host, for the lowered programs to lay out
         params = jax.device_get(params)
-    return Model(params, cfg, tokenizer, name, ends, start, mesh, layout)
+    return Model(params, cfg, Tokens(tokenizer, ends, start), name, mesh, layout)
 
 
 def model_name(path: Path) -> str:
@@ -64,14 +65,25 @@ def model_name(path: Path) -> str:
     return hub.FAMILIES[hub.read_config(path)[0]].model
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """What a run or folder says of its tokens: its tokenizer, the end ids a row stops
+    at (generation_config.json's) and an encoder-decoder's decoder start id (None for
+    a decoder)."""
+
+    tokenizer: object
+    ends: Sequence[int]
+    start: int | None
+
+
 class Model:
     """A loaded model: `.generate` (text), `.logits` (scores), `.tokenizer` (the run's or
     folder's: `.encode(text)`, `.decode(ids)`), `.config` (the zoo's Config), `.params`
     and `.eos` (the end ids a row stops at: the folder's generation_config.json's)."""
 
-    def __init__(self, params, cfg, tokenizer, name, ends, start, mesh, layout):
-        self.params, self.config, self.tokenizer = params, cfg, tokenizer
-        self.name, self.eos, self.start = name, list(ends), start
+    def __init__(self, params, cfg, tokens: Tokens, name: str, mesh, layout):
+        self.params, self.config, self.tokenizer = params, cfg, tokens.tokenizer
+        self.name, self.eos, self.start = name, list(tokens.ends), tokens.start
         self.mesh, self.layout = mesh, layout
         self._decoder: Decoder | None = None
         self._forward = None
@@ -83,42 +95,33 @@ class Model:
         self,
         prompts: str | Sequence[str],
         max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        sampling: Sampling | None = None,
         stop: str | Sequence[str] | None = None,
-        seed: int = 0,
         details: bool = False,
     ) -> str | list[str] | dict | list[dict]:
         """The continuation of each prompt (without the prompt): a str for a str, a list
-        for a list, decoded as one batch. temperature 0 is greedy; above 0, tokens are
-        drawn from softmax(logits / temperature) within the top_k likeliest (0: all) and
-        the top_p nucleus, by `seed`. A row ends at an end id (`.eos`), at the first
+        for a list, decoded as one batch. Greedy, or drawn as `sampling`
+        (models.Sampling: temperature, top_k, top_p, seed) says: from
+        softmax(logits / temperature) within the top_k likeliest (0: all) and the top_p
+        nucleus, by its seed. A row ends at an end id (`.eos`), at the first
         occurrence of a `stop` string (cut from its text), after `max_new_tokens` or when
-        it fills the model's length (`config.length`, prompt included). ParameterError
-        for top_k or top_p with temperature 0, where they would be ignored. With
-        `details`, each prompt's `--jsonl` object instead of its text: prompt, text, tokens
-        (the new ids, without an end id), finish_reason ("stop", "eos" or "length")."""
+        it fills the model's length (`config.length`, prompt included). With `details`,
+        each prompt's `--jsonl` object instead of its text: prompt, text, tokens (the new
+        ids, without an end id), finish_reason ("stop", "eos" or "length")."""
         one = isinstance(prompts, str)
         texts = [prompts] if one else list(prompts)
         if not all(isinstance(t, str) for t in texts):
             raise ParameterError(f"prompts must be a str or a list of str, got {prompts!r}")
-        if not isinstance(temperature, int | float) or temperature < 0:
-            raise ParameterError(f"temperature must be a number >= 0, got {temperature!r}")
-        mode = "greedy" if temperature == 0 else "sample"
-        if mode == "greedy" and (top_k, top_p) != (0, 1.0):  # else ignored without a word
+        if sampling is not None and not isinstance(sampling, Sampling):
             raise ParameterError(
-                f"top_k={top_k!r}, top_p={top_p!r} filter a sample: give temperature > 0 "
-                "(temperature 0 is greedy)"
+                f"sampling must be a models.Sampling(temperature, top_k, top_p, seed) or None "
+                f"(greedy), got {sampling!r}"
             )
-        sampling = Sampling(temperature, top_k, top_p) if mode == "sample" else None
         cont = Continuations(self.tokenizer, len(texts), self.eos, check_stops(stop))
         dec = self.decoder()
         ids = generate.encode_prompts(texts, self.tokenizer, None, False)
-        generate.continue_prompts(
-            dec, ids, cont, start=self.start, mode=mode, max_new=max_new_tokens,
-            max_length=dec.slots, sampling=sampling, seed=seed,
-        )  # fmt: skip
+        request = generate.Request(max_new_tokens, sampling, max_length=dec.slots)
+        generate.continue_prompts(dec, ids, cont, request, self.start)
         out = [generate.record(t, cont, i) for i, t in enumerate(texts)] if details else cont.texts
         return out[0] if one else out
 

@@ -15,18 +15,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 import namedmesh as nm
-from namedmesh.errors import ShapeError
+from namedmesh.errors import ParameterError, ShapeError
 
 _FLOOR = -1e30  # the running maximum before any key: exp(_FLOOR - m) is 0 for finite m
 _MASK = -1e9  # the logit of a padded key slot, as models.layers.NEG masks positions
 
 
-def _check(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias, block: int) -> int:
-    """The key block size (at most the memory), after checking dims and sizes."""
+def _check(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts) -> int:
+    """The key block size (opts.block, at most the memory), after checking opts, dims and
+    sizes."""
+    if not isinstance(opts, Options):
+        raise ParameterError(
+            f"attention's opts must be models.attention.Options(bias, bias_fn, scale, ...), "
+            f"got {type(opts).__name__}"
+        )
+    bias, block = opts.bias, opts.block
     for name, t, need in (("q", q, ("length", "d_kv")), ("k", k, ("memory", "d_kv"))):
         if missing := [d for d in need if d not in t.dims]:
             raise ShapeError(f"blockwise_attend: {name} {t.dims} lacks dim(s) {missing}")
@@ -97,11 +105,13 @@ def _init(q: nm.Tensor, dims: tuple[str, ...]):
     )
 
 
-def _absorb(stats, q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, biases, scale: float, cap=0.0):
-    """The online softmax's statistics after the keys k and values v of one block, with
-    the additive `biases` (Tensors or None) of that block; logits soft-capped to
-    cap * tanh(logits / cap) before the biases when `cap` > 0."""
+def _absorb(stats, q: nm.Tensor, kv: dict, biases, opts: Options):
+    """The online softmax's statistics after the keys kv["k"] and values kv["v"] of one
+    block, with the additive `biases` (Tensors or None) of that block; logits scaled by
+    opts.scale and soft-capped to cap * tanh(logits / cap) before the biases when
+    opts.softcap > 0."""
     m, total, acc = stats
+    k, v, scale, cap = kv["k"], kv["v"], opts.scale, opts.softcap
     logit_dims = tuple(d for d in q.dims if d != "d_kv") + ("memory",)
     s = nm.einsum(q, k, out=logit_dims, preferred_element_type=np.float32) * scale
     if cap:
@@ -129,24 +139,29 @@ def _result(stats, dtype) -> nm.Tensor:
 BiasFn = Callable[[nm.Tensor, nm.Tensor], "nm.Tensor | None"]
 
 
-def blockwise_attend(
-    q: nm.Tensor,
-    k: nm.Tensor,
-    v: nm.Tensor,
-    bias=None,
-    scale: float = 1.0,
-    block: int = 128,
-    bias_fn: BiasFn | None = None,
-    cap: float = 0.0,
-    causal: bool = False,
-    window: int = 0,
-) -> nm.Tensor:
-    """softmax over memory of scale * q.k (soft-capped: `cap` > 0) + bias, times v, a
-    block of `block` keys at a time (a memory that `block` does not divide is padded
-    with masked slots): q (..., length, d_kv), k and v (..., memory, d_kv), other dims
-    matched by name; `bias` has any of the logits' dims (q's other dims, length,
-    memory). Equal to full attention (models.layers.attend); the result has q's dims
-    and v's dtype.
+class Options(NamedTuple):
+    """What one attention call asks of its kernel (models/kernels.py)."""
+
+    bias: nm.Tensor | None = None
+    bias_fn: BiasFn | None = None
+    scale: float = 1.0
+    softcap: float = 0.0
+    block: int = 128
+    cached: bool = False  # q attends over a KV cache (prefill or a decoding step)
+    # what bias_fn's mask hides (self-attention): keys after each query, keys `window`
+    # or more before it; kernels may skip what it hides whole, never apply it twice
+    causal: bool = False
+    window: int = 0
+    masks_only: bool = False  # bias_fn is those masks and nothing more (no learned bias)
+
+
+def blockwise_attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
+    """softmax over memory of scale * q.k (soft-capped: `opts.softcap` > 0) + bias, times
+    v, a block of `opts.block` keys at a time (a memory that the block does not divide
+    is padded with masked slots): q (..., length, d_kv), k and v (..., memory, d_kv),
+    other dims matched by name; `opts.bias` has any of the logits' dims (q's other dims,
+    length, memory). Equal to full attention (models.layers.attend); the result has q's
+    dims and v's dtype.
 
     `bias_fn(queries, slots)`, given the query positions (an int Tensor over length) and
     the memory positions of one block (over memory), returns more bias for that block
@@ -157,9 +172,10 @@ def blockwise_attend(
     cut into blocks too and each query block scans only the key blocks it can see
     (`visible_blocks`), the lower triangle of (query block, key block) pairs or its
     band. Skipped blocks are ones the mask hides whole, so the result is the same."""
-    block = _check(q, k, v, bias, block)
-    if (causal or window) and q.size_of("length") == k.size_of("memory"):
-        return _triangle(q, k, v, bias, scale, block, bias_fn, cap, causal, window)
+    block = _check(q, k, v, opts)
+    bias, bias_fn = opts.bias, opts.bias_fn
+    if (opts.causal or opts.window) and q.size_of("length") == k.size_of("memory"):
+        return _triangle(q, k, v, opts, block)
     xs, bias = _key_blocks(k, v, bias, block, bias_fn is not None)
     queries = nm.arange("length", q.size_of("length"))
     fixed = bias if bias is not None and "memory" not in bias.dims else None
@@ -167,7 +183,7 @@ def blockwise_attend(
     def step(stats, x):
         more = None if bias_fn is None else bias_fn(queries, x["slots"])
         biases = (x.get("bias"), fixed, more, x.get("hide"))
-        return _absorb(stats, q, x["k"], x["v"], biases, scale, cap), None
+        return _absorb(stats, q, x, biases, opts), None
 
     # each block's logits are recomputed in the backward pass, not kept: else the
     # backward pass would hold all of them, the (length, memory) matrix again
@@ -190,11 +206,12 @@ def visible_blocks(i: int, rows: int, block: int, nblocks: int, causal: bool, wi
     return range(lo, hi)
 
 
-def _triangle(q, k, v, bias, scale, block, bias_fn, cap, causal, window) -> nm.Tensor:
+def _triangle(q, k, v, opts: Options, block: int) -> nm.Tensor:
     """blockwise_attend over the (query block, key block) pairs the mask does not hide
     whole: per query block one scan over its `visible_blocks`, so the work is the
     triangle (or band) of the (length, memory) square, not all of it. Query blocks hold
     `block` queries, or a multiple of it, so that there are at most QUERY_BLOCKS."""
+    bias, bias_fn, causal, window = opts.bias, opts.bias_fn, opts.causal, opts.window
     n = q.size_of("length")
     rows = block * math.ceil(math.ceil(n / block) / QUERY_BLOCKS)
     if extra := -n % rows:  # queries padded as the keys are
@@ -215,7 +232,7 @@ def _triangle(q, k, v, bias, scale, block, bias_fn, cap, causal, window) -> nm.T
         def step(stats, x, qi=qi, queries=queries, own=own):
             more = None if bias_fn is None else bias_fn(queries, x["slots"])
             biases = (x.get("bias"), own, more, x.get("hide"))
-            return _absorb(stats, qi, x["k"], x["v"], biases, scale, cap), None
+            return _absorb(stats, qi, x, biases, opts), None
 
         stats, _ = nm.scan(step, _init(qi, stat_dims), xi, "kblocks", remat="full")
         outs.append(_result(stats, v.dtype))
@@ -229,14 +246,7 @@ def _rows(t, start: int, stop: int):
 
 
 def ring_attend(
-    q: nm.Tensor,
-    k: nm.Tensor,
-    v: nm.Tensor,
-    bias=None,
-    scale: float = 1.0,
-    ring: int = 2,
-    bias_fn: BiasFn | None = None,
-    cap: float = 0.0,
+    q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options, ring: int = 2
 ) -> nm.Tensor:
     """Blockwise attention whose key/value blocks travel: q's length and k's and v's
     memory are cut into `ring` blocks along a new dim `ring`; at each of `ring` steps
@@ -245,9 +255,11 @@ def ring_attend(
     over a mesh axis of `ring` devices (`"ring:rows;length:rows;memory:rows"`) keeps
     each device's queries and sends its keys and values to the next device by one
     ppermute per step: (ring-1)/ring of them per device, never all of them at once.
-    Same contract and result as `blockwise_attend`; `bias` must not hold both length
-    and memory (pass `bias_fn`)."""
-    _check(q, k, v, bias, k.size_of("memory"))
+    Same contract and result as `blockwise_attend` (`opts.block` aside: the blocks are
+    the ring's); `opts.bias` must not hold both length and memory (pass `bias_fn`)."""
+    # the ring's blocks are its own (`ring`): opts.block is not read here
+    _check(q, k, v, opts if not isinstance(opts, Options) else opts._replace(block=1))
+    bias, bias_fn = opts.bias, opts.bias_fn
     n_q, n_k = q.size_of("length"), k.size_of("memory")
     if ring < 1 or n_q % ring or n_k % ring:
         raise ShapeError(
@@ -273,7 +285,7 @@ def ring_attend(
     def absorb(stats, kv):
         more = None if bias_fn is None else bias_fn(queries, kv["slots"])
         biases = (kv.get("bias"), fixed, more)
-        return _absorb(stats, qr, kv["k"], kv["v"], biases, scale, cap)
+        return _absorb(stats, qr, kv, biases, opts)
 
     def step(carry, _):
         stats, kv = carry

@@ -412,37 +412,29 @@ class Decoder:
         self,
         prompts,
         max_new: int,
-        mode: str = "greedy",
         *,
         sampling: Sampling | None = None,
         eos: int | Sequence[int] | None = None,
         max_length: int | None = None,
-        seed: int = 0,
         on_step: Callable[[np.ndarray, np.ndarray], np.ndarray | None] | None = None,
     ) -> np.ndarray:
         """New tokens (batch, steps) after a batch of prompts (token lists of any
         lengths; an encoder-decoder's decoder start after `encode`), one prefill pass
-        then one step per token. mode: greedy, or sample with `sampling` (temperature,
-        top_k, top_p; Sampling() by default; given with greedy, a ParameterError). A row
-        finishes at an end id (`eos`: one id or several, as Llama 3's folders list) or when
-        it holds `max_length` tokens (prompt included; <= slots, default slots) and emits
-        the first end id (0 without one) from then on; decoding ends after `max_new` steps
+        then one step per token: the likeliest (greedy), or drawn as `sampling` says
+        (temperature, top_k, top_p, seed: `Sampling(...)`). A row finishes at an end id
+        (`eos`: one id or several, as Llama 3's folders list) or when it holds
+        `max_length` tokens (prompt included; <= slots, default slots) and emits the
+        first end id (0 without one) from then on; decoding ends after `max_new` steps
         or when every row has finished, so steps <= max_new. `on_step(tokens, live)`, if
         given, sees each step's tokens (batch,) as they are chosen, `live` marking the
         rows whose token is new (not a finished row's filler), and may return a boolean
         mask of rows to finish there (a stop string: models/continuations.py); the
         compiled programs are the same with or without it."""
-        if mode not in ("greedy", "sample"):
-            raise ParameterError(f"mode (--mode) of a batch must be greedy or sample, got {mode!r}")
-        if sampling is not None and mode != "sample":
-            raise ParameterError(
-                f"sampling={sampling!r} is read only with mode='sample', got mode={mode!r}"
-            )
+        how = _sampling(sampling)
         limit, ends = self._check(max_new, eos, max_length)
-        how = (sampling or Sampling()) if mode == "sample" else None
         rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
         logits, cache = self.prefill_logits(rows, lengths)
-        key, fill = jax.random.key(seed), ends[0] if len(ends) else 0
+        key, fill = jax.random.key(how.seed if how else 0), ends[0] if len(ends) else 0
         draw = lambda i: None if how is None else jax.random.fold_in(key, i)  # greedy: none
         tok = np.asarray(self._choose(logits, draw(0), how))
         count, done, out = lengths.copy(), lengths >= limit, []
@@ -497,31 +489,31 @@ class Decoder:
         self,
         prompt: list[int],
         max_new: int,
-        mode: str = "greedy",
         *,
-        beams: int = 4,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        sampling: Sampling | None = None,
+        beams: int | None = None,
         eos: int | Sequence[int] | None = None,
-        seed: int = 0,
         on_step: Callable[[np.ndarray, np.ndarray], np.ndarray | None] | None = None,
     ) -> list[int]:
-        """One prompt's continuation: `max_new` new tokens, fewer when an end id
-        (`eos`, one or several) ends it (the end id included) or `on_step` (as in
-        `decode`, on one row; not with beam) returns a true mask. A prompt longer than the
-        cache is cut to its last `slots` tokens; past the cache's slots, the last half of
-        the text is written into a fresh cache and decoding goes on (positions restart at
-        0, as in training)."""
-        if mode not in MODES:
-            raise ParameterError(f"mode (--mode) must be one of {MODES}, got {mode!r}")
+        """One prompt's continuation: `max_new` new tokens, the likeliest (greedy), drawn
+        as `sampling` says, or the best of a beam search of width `beams`; fewer when an
+        end id (`eos`, one or several) ends it (the end id included) or `on_step` (as in
+        `decode`, on one row; not with beams) returns a true mask. A prompt longer than
+        the cache is cut to its last `slots` tokens; past the cache's slots, the last half
+        of the text is written into a fresh cache and decoding goes on (positions restart
+        at 0, as in training)."""
+        how = _sampling(sampling)
+        if beams is not None and (how is not None or on_step is not None):
+            raise ParameterError(
+                f"beams={beams!r} search the likeliest continuations, whole: sampling (a "
+                "draw) and on_step (a stop per token) do not go with them"
+            )
         if not len(prompt):
             raise ParameterError("the prompt must hold at least one token")
         ends = self._check(max_new, eos, None)[1]
-        if mode == "beam":
+        if beams is not None:
             return self.beam(prompt, max_new, beams)[0]
-        how = Sampling(temperature, top_k, top_p) if mode == "sample" else None
-        key = jax.random.key(seed)
+        key = jax.random.key(how.seed if how else 0)
         rows = np.asarray([prompt[-self.slots :]])
         logp, cache, pos = self.prefill(rows)
         out = []
@@ -563,6 +555,16 @@ class Decoder:
         finally:
             self.encoded = one
         return [int(t) for t in seqs[0]], float(scores[0])
+
+
+def _sampling(sampling) -> Sampling | None:
+    """`sampling` checked: a Sampling, or None for greedy; ParameterError for anything
+    else (the mode string that decode and generate once took before it)."""
+    if sampling is None or isinstance(sampling, Sampling):
+        return sampling
+    raise ParameterError(
+        f"sampling must be a models.sampling.Sampling (or None: greedy), got {sampling!r}"
+    )
 
 
 def _rows(t: nm.Tensor, index: np.ndarray) -> nm.Tensor:

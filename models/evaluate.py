@@ -30,6 +30,7 @@ from models.source import add_source, resolve, template_folder
 from models.train import (
     CLUSTER_RANGES,
     COUNT,
+    Defaults,
     Parser,
     Range,
     check_ranges,
@@ -52,7 +53,7 @@ def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Na
     p = Parser(
         prog=prog,
         description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=Defaults,
     )
     add_source(p)
     p.add_argument("--data", required=True, help="the data: any kind `train --data` takes")
@@ -99,7 +100,7 @@ def evaluate(args, dog=None) -> dict:
     import jax
     from tqdm import tqdm
 
-    from lowering import Mesh
+    from lowering import Layout, Mesh
     from lowering.distributed import place
     from models import corpora
     from models.run import UsageError, pick_layout
@@ -125,8 +126,8 @@ def evaluate(args, dog=None) -> dict:
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))
-    layout = pick_layout(args.layout, model, args.source, cfg, mesh, None, 0)
-    trainer = Trainer(model, cfg, mesh, layout, opt=None)
+    layout = pick_layout(args.layout, Trainer(model, cfg, mesh, Layout()), args.source)
+    trainer = Trainer(model, cfg, mesh, layout)
     state = {"params": place(params, mesh, layout, padded=transformer.STACK_DIMS)}
     windows = corpus.validation_windows()
     total = -(-windows // args.batch)

@@ -39,7 +39,7 @@ prompt as one user turn of it), as models/folder_tokens.py reads them.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -56,6 +56,7 @@ from models.source import add_source, is_run, no_steps, read_run, resolve
 from models.train import (
     CLUSTER_RANGES,
     COUNT,
+    Defaults,
     Parser,
     Range,
     check_ranges,
@@ -168,7 +169,7 @@ def arguments(argv=None, prog: str = "python -m models.generate"):
     p = Parser(
         prog=prog,
         description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
+        formatter_class=Defaults,  # every flag shows its default
     )
     add_source(p, "a training run's --out folder, or a Hugging Face folder (a decoder LM or "
                "T5)", OLD)  # fmt: skip
@@ -289,7 +290,8 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
     try:
         if complaint := check_ranges(args, RANGES):
             raise ParameterError(complaint)
-        sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checked before loading
+        # checked before loading
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         stops = check_stops(args.stop, "--stop")
         texts = read_prompts(args.prompts) if args.prompts else [args.prompt]
         check_output(args, len(texts))
@@ -309,10 +311,7 @@ def main(argv=None, prog: str = "python -m models.generate") -> int:
         shown = ["" if start is not None or args.chat else t for t in texts]
         stream, end_stream = streamer(shown[0]) if args.stream else (None, None)
         cont = Continuations(tokenizer, len(prompts), ends, stops, on_text=stream)
-        continue_prompts(
-            dec, prompts, cont, start=start, mode=args.mode, max_new=args.max_new,
-            max_length=args.max_length, sampling=sampling, beams=args.beams, seed=args.seed,
-        )  # fmt: skip
+        continue_prompts(dec, prompts, cont, Request.of_flags(args, sampling), start)
     except (*user_errors(), KeyError) as e:
         return cluster.ended(fail(e, 2, name), several)
     if args.stream:
@@ -367,42 +366,52 @@ def record(prompt: str, cont: Continuations, i: int) -> dict:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """How to continue a batch of prompts (generate's flags): at most `max_new` new
+    tokens each; the likeliest (greedy), drawn as `sampling` says, or by a beam search of
+    width `beams` (one prompt); a row also ends when it holds `max_length` tokens (None:
+    a single prompt slides past the cache, `Decoder.generate`)."""
+
+    max_new: int
+    sampling: Sampling | None = None
+    beams: int | None = None
+    max_length: int | None = None
+
+    @classmethod
+    def of_flags(cls, args, sampling: Sampling) -> Request:
+        """The request of --mode, --max-new, --max-length, --beams and `sampling` (of
+        --temperature, --top-k, --top-p, --seed), read only with --mode sample."""
+        return cls(
+            args.max_new, sampling if args.mode == "sample" else None,
+            args.beams if args.mode == "beam" else None, args.max_length,
+        )  # fmt: skip
+
+
 def continue_prompts(
-    dec: Decoder,
-    prompts: list[list[int]],
-    cont: Continuations,
-    *,
-    start: int | None = None,
-    mode: str = "greedy",
-    max_new: int,
-    max_length: int | None = None,
-    sampling: Sampling | None = None,
-    beams: int = 4,
-    seed: int = 0,
+    dec: Decoder, prompts: list[list[int]], cont: Continuations, request: Request, start=None
 ) -> Continuations:
     """Decode `prompts` (token lists) into `cont` (their ends, stop strings, streaming),
-    finished; an encoder-decoder's prompts are its inputs, decoded from `start`. A
-    single prompt without `max_length` (and beam) takes `Decoder.generate`'s sliding
-    window past the cache; otherwise the batch decodes in `Decoder.decode`."""
+    finished, as `request` says; an encoder-decoder's prompts are its inputs, decoded
+    from `start`. A single prompt without `max_length` (and beam) takes
+    `Decoder.generate`'s sliding window past the cache; otherwise the batch decodes in
+    `Decoder.decode`."""
     ends = sorted(cont.ends)
     if start is not None:  # an encoder-decoder: the prompts are its inputs
         dec.encode(prompts)
         prompts = [[start]] * len(prompts)
-    sampling = sampling or Sampling()
-    if mode == "beam":  # the best beam, then its ends and stop strings
-        out = dec.generate(prompts[0], max_new, mode, beams=beams, eos=ends)
+    r = request
+    if r.beams is not None:  # the best beam, then its ends and stop strings
+        out = dec.generate(prompts[0], r.max_new, beams=r.beams, eos=ends)
         for t in out:
             if cont.push([t])[0]:
                 break
-    elif len(prompts) == 1 and max_length is None:
-        dec.generate(
-            prompts[0], max_new, mode, temperature=sampling.temperature, top_k=sampling.top_k,
-            top_p=sampling.top_p, eos=ends, seed=seed, on_step=cont.push,
-        )  # fmt: skip
+    elif len(prompts) == 1 and r.max_length is None:
+        dec.generate(prompts[0], r.max_new, sampling=r.sampling, eos=ends, on_step=cont.push)
     else:
         dec.decode(
-            prompts, max_new, mode, sampling=sampling if mode == "sample" else None, eos=ends,
-            max_length=max_length, seed=seed, on_step=cont.push,
+            prompts, r.max_new, sampling=r.sampling, eos=ends, max_length=r.max_length,
+            on_step=cont.push,
         )  # fmt: skip
     return cont.finish()
 

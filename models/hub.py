@@ -431,9 +431,9 @@ def load(path, mesh: Mesh | None = None, layout: Layout | str | None = None) -> 
     folder = Path(path)
     family, hf = read_config(folder)
     weights = Weights(folder)
-    prefix = _prefix(family, weights)
+    source = Source(folder, family, hf, weights, _prefix(family, weights))
     cfg = family_config(family, hf, set(weights.where), folder)
-    return load_params(folder, family, cfg, hf, weights, prefix, mesh, layout)
+    return load_params(source, cfg, mesh, layout)
 
 
 def family_config(family: str, hf: dict, names: set[str], folder="") -> Config:
@@ -532,18 +532,32 @@ def copy_base(path, dest) -> str:
     return family
 
 
-def load_params(folder, family, cfg, hf, weights, prefix, mesh, layout) -> HubModel:
+@dataclass(frozen=True)
+class Source:
+    """A Hugging Face folder as `load` reads it: its path, family (config.json's
+    model_type), config.json, weights and the prefix of its head's weight names."""
+
+    folder: Path
+    family: str
+    hf: dict
+    weights: Weights
+    prefix: str
+
+
+def load_params(source: Source, cfg: Config, mesh: Mesh | None, layout) -> HubModel:
     """`load` once the family and Config are known: cfg may differ from the folder's
     in what does not change a parameter's shape (length, batch, dropout)."""
+    family, weights = source.family, source.weights
     if mesh is not None:
         layout = layout if isinstance(layout, Layout) else Layout(layout or "")
     params = {}
-    files = tensors(family, cfg, prefix)
+    files = tensors(family, cfg, source.prefix)
     _check_all_read(family, files, weights, cfg)
     for p, t in files.items():
         _check_shape(t, weights, p)
         _set(params, p, nm.tensor(_place(t, weights, mesh, layout, p), t.dims))
-    return HubModel(family, cfg, params, folder_tokens.read(folder, family), hf, mesh, layout)
+    tokens = folder_tokens.read(source.folder, family)
+    return HubModel(family, cfg, params, tokens, source.hf, mesh, layout)
 
 
 # safetensors' dtypes a weight is read from (NumPy's float dtypes, and bfloat16)

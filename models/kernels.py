@@ -24,23 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
-from models.attention import blockwise_attend, ring_attend, softcap
-
-
-class Options(NamedTuple):
-    """What one attention call asks of its kernel."""
-
-    bias: nm.Tensor | None = None
-    bias_fn: Callable | None = None
-    scale: float = 1.0
-    softcap: float = 0.0
-    block: int = 128
-    cached: bool = False  # q attends over a KV cache (prefill or a decoding step)
-    # what bias_fn's mask hides (self-attention): keys after each query, keys `window`
-    # or more before it; kernels may skip what it hides whole, never apply it twice
-    causal: bool = False
-    window: int = 0
-    masks_only: bool = False  # bias_fn is those masks and nothing more (no learned bias)
+from models.attention import Options, blockwise_attend, ring_attend, softcap
 
 
 def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
@@ -72,17 +56,14 @@ def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
 def blockwise(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
     """models.attention.blockwise_attend: keys in blocks of `opts.block`, online softmax;
     under a causal mask or a window, only the key blocks each query block sees."""
-    o = opts
-    return blockwise_attend(
-        q, k, v, o.bias, o.scale, o.block, o.bias_fn, o.softcap, o.causal, o.window
-    )
+    return blockwise_attend(q, k, v, opts)
 
 
 def ring(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
     """models.attention.ring_attend over memory // block ring steps."""
     n = k.size_of("memory")
     steps = n // min(opts.block, n)
-    return ring_attend(q, k, v, opts.bias, opts.scale, steps, opts.bias_fn, opts.softcap)
+    return ring_attend(q, k, v, opts, steps)
 
 
 def fused(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:

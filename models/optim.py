@@ -9,13 +9,15 @@ to the peak over `warmup` updates, then
 - wsd (warmup, stable, decay): the peak until the last WSD_DECAY share of the steps,
   then linear decay to `min_lr` (optax.join_schedules of the three).
 
-`optimizer(...)` is AdamW, Adafactor, Lion or SGD on that schedule, after clipping the
-gradients to a global norm. Settings left None take the optimizer's defaults
+`optimizer(OptimizerSpec(...))` is AdamW, Adafactor, Lion or SGD on that schedule, after
+clipping the gradients to a global norm. Settings left None take the optimizer's defaults
 (OPTIMIZER_DEFAULTS); a setting the optimizer has no use for is refused (ValueError
 naming the flag), never ignored.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
@@ -94,26 +96,44 @@ def _text(betas) -> str:
     return ",".join(str(b) for b in betas)
 
 
-def optimizer(
-    name: str,
-    lr: float,
-    steps: int,
-    warmup: int,
-    clip: float,
-    *,
-    schedule_name: str = "cosine",
-    min_lr: float | None = None,
-    weight_decay: float | None = None,
-    betas: tuple[float, ...] | None = None,
-    eps: float | None = None,
-):
-    """(optax transformation, schedule): `name` on `schedule(schedule_name, ...)` after
-    clipping gradients to global norm `clip` (0: no clipping); weight decay skips
-    UNDECAYED parameters."""
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer as the run's flags give it: `name` (--optimizer) at peak `lr` on
+    `schedule(schedule_name, lr, steps, warmup, min_lr)`, gradients clipped to global
+    norm `clip` (0: no clipping); weight_decay, betas, eps None: the optimizer's
+    defaults (OPTIMIZER_DEFAULTS)."""
+
+    name: str
+    lr: float
+    steps: int
+    warmup: int
+    clip: float
+    schedule_name: str = "cosine"
+    min_lr: float | None = None
+    weight_decay: float | None = None
+    betas: tuple[float, ...] | None = None
+    eps: float | None = None
+
+    @classmethod
+    def of_flags(cls, args) -> OptimizerSpec:
+        """The spec of train's flags (--optimizer, --lr, --steps, --warmup, --clip,
+        --schedule, --min-lr, --weight-decay, --betas, --eps)."""
+        return cls(
+            args.optimizer, args.lr, args.steps, args.warmup, args.clip,
+            schedule_name=args.schedule, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            betas=args.betas, eps=args.eps,
+        )  # fmt: skip
+
+
+def optimizer(spec: OptimizerSpec):
+    """(optax transformation, schedule): `spec.name` on its schedule after clipping
+    gradients to global norm `spec.clip` (0: no clipping); weight decay skips UNDECAYED
+    parameters."""
     import optax
 
-    sched = schedule(schedule_name, lr, steps, warmup, min_lr)
-    s = settings(name, weight_decay, betas, eps)
+    name, clip = spec.name, spec.clip
+    sched = schedule(spec.schedule_name, spec.lr, spec.steps, spec.warmup, spec.min_lr)
+    s = settings(name, spec.weight_decay, spec.betas, spec.eps)
     wd = s["weight_decay"]
     if name == "adamw":
         b1, b2 = s["betas"]

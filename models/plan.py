@@ -18,12 +18,14 @@ closest plan's memory and what would make it fit).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from models.train import Parser, fail, parse_mesh, user_errors
+from models.train import Defaults, Parser, fail, parse_mesh, user_errors
 
 REMATS = ("none", "dots", "full")
 KERNELS = ("full", "blockwise")
@@ -32,7 +34,7 @@ EXIT_NO_PLAN = 1
 
 def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namespace:
     p = Parser(prog=prog, description=__doc__.split("\n")[0],
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+               formatter_class=Defaults)  # fmt: skip
     p.add_argument("--config", required=True,
                    help="a named config (llama3-70b, ...) or a Hugging Face folder")  # fmt: skip
     where = p.add_mutually_exclusive_group(required=True)
@@ -287,11 +289,10 @@ def plan(args, cache: dict | None = None) -> dict:
     if nxt is not None:
         lines.append(f"next best: {why_not(best, nxt)}")
     out["compare"] = []
+    searched = Searched(build, rates, training, staged, joint, args.batch)
     for text in args.compare:
         layout, _, where = text.partition("@")
-        line = _compare(build, best, rates, training, joint.limit, Layout(layout),
-                        where and _on_mesh(where, best), staged, joint,
-                        args.batch)  # fmt: skip
+        line = _compare(searched, Layout(layout), where and _on_mesh(where, best))
         out["compare"].append({"layout": text, **line})
         lines.append(f"yours: {text}: {line['verdict']}")
     out["text"] = "\n".join(lines)
@@ -313,8 +314,22 @@ def _on_mesh(text: str, best):
     return mesh
 
 
-def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None,
-             joint=None, batch: int = 0) -> dict:  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Searched:
+    """What the plan's search weighed, as --compare weighs a layout again: the program
+    builder, the rates, the training state's spec, the pipelined planners of --stages
+    (None without), the joint search's result (its best plan, its memory limit) and
+    --batch."""
+
+    build: Callable
+    rates: object
+    training: object
+    staged: object
+    joint: object
+    batch: int
+
+
+def _compare(searched: Searched, layout, mesh=None) -> dict:
     """`layout` under the chosen plan's settings, on its mesh or `mesh`: its memory,
     time, verdict. On a mesh with a stage axis: under the settings of the best pipelined
     plan weighed (its microbatches, or the layout's option `microbatches=M`), beside the
@@ -325,6 +340,8 @@ def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None
     from lowering.train_step import Training
     from models.run import UsageError
 
+    joint, staged = searched.joint, searched.staged
+    best, limit = joint.best, joint.limit
     mesh = mesh or best.mesh
     if STAGE_AXIS in mesh.sizes:
         piped = [c for c in joint.choices if hasattr(c, "assignment")] if joint else []
@@ -332,7 +349,7 @@ def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None
             raise UsageError(f"--compare on {mesh}: a stage axis is weighed beside the "
                              f"pipelined plans of --stages only")  # fmt: skip
         like = piped[0]  # the best pipelined plan weighed (choices are best first)
-        settings, layout = _microbatches_of(layout, like.settings, batch)
+        settings, layout = _microbatches_of(layout, like.settings, searched.batch)
         mine = staged[0](mesh, settings, like.model_flops, layout=layout)
         if not mine.candidate.valid and not mine.candidate.note.startswith("over"):
             return {"fits": False, "verdict": f"not valid on {mesh} ({mine.candidate.note})"}
@@ -340,7 +357,8 @@ def _compare(build, best, rates, training, limit, layout, mesh=None, staged=None
     if mesh is not best.mesh and hasattr(best, "assignment"):
         raise UsageError(f"--compare on {mesh}: the chosen plan is pipelined; name its "
                          f"stage axis")  # fmt: skip
-    fn, inputs = build(best.settings)
+    fn, inputs = searched.build(best.settings)
+    training, rates = searched.training, searched.rates
     run = Training(training.optimizer, training.moment_dtype, training.zero1,
                    best.settings.grad_accum)  # fmt: skip
     _, table = auto_layout(fn, mesh, *inputs, grad_argnums=(0,), rates=rates,

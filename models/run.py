@@ -5,6 +5,7 @@ metrics, checkpoints and a loss plot (see models/train.py for the flags)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,7 +37,7 @@ from models import (
 from models.preempt import Preemption
 from models.source import template_folder as of_model
 from models.train import check_ranges, init_fault, optimizer_fault
-from models.trainer import Trainer, bits_per_byte, optimizer
+from models.trainer import OptimizerSpec, Trainer, TrainSpec, bits_per_byte, optimizer
 from models.watchdog import COMPILE_S, SAVE_S, Watchdog
 from namedmesh.errors import NamedMeshError
 
@@ -151,12 +152,11 @@ def setup(args):
         mesh = Mesh(args.mesh)
         opt, schedule = run_optimizer(args)
         name = f"{args.model} ({args.config})"
-        layout = pick_layout(
-            args.layout, model, name, cfg, mesh, opt, args.seed, getattr(args, "rates", None),
-            grad_accum=args.grad_accum,
-        )  # fmt: skip
-        trainer = Trainer(model, cfg, mesh, layout, opt, args.seed, args.grad_accum, trained,
-                          keyed=bool(args.lora_rank and args.lora_dropout))  # fmt: skip
+        spec = TrainSpec(opt, args.seed, args.grad_accum, trained,
+                         keyed=bool(args.lora_rank and args.lora_dropout))  # fmt: skip
+        probe = Trainer(model, cfg, mesh, Layout(), spec)
+        layout = pick_layout(args.layout, probe, name, getattr(args, "rates", None))
+        trainer = Trainer(model, cfg, mesh, layout, spec)
         report = trainer.report()  # plans every value: a layout that cannot work fails here
     except (NamedMeshError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
@@ -170,11 +170,7 @@ def setup(args):
 
 def run_optimizer(args):
     """(optax transformation, schedule) of the run's optimizer flags."""
-    return optimizer(
-        args.optimizer, args.lr, args.steps, args.warmup, args.clip,
-        schedule_name=args.schedule, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        betas=args.betas, eps=args.eps,
-    )  # fmt: skip
+    return optimizer(OptimizerSpec.of_flags(args))
 
 
 DATA_FLAGS = ("data", "val_data")  # paths run.json records absolute, with fingerprints
@@ -421,14 +417,14 @@ def check_same_vocabulary(given: str, folder_tokenizer, folder) -> None:
         )
 
 
-def pick_layout(
-    text: str, model, name: str, cfg, mesh, opt, seed, rates=None, grad_accum: int = 1
-) -> Layout:
-    """The layout `--layout` names, checked against the model; `auto`: auto_layout's
+def pick_layout(text: str, probe: Trainer, name: str, rates=None) -> Layout:
+    """The layout `--layout` names, checked against `probe`'s model (a Trainer of the
+    run's model, config, mesh and TrainSpec, under any layout); `auto`: auto_layout's
     choice for the training loss, weighed at `rates` (`--rates`' text: a hardware name of
     lowering.rates.HARDWARE and/or key=value figures, `lowering.rates.parse`; None:
     measured on the mesh, cached in the user cache dir), its printout shown. The search
-    plans the step the run takes: with `grad_accum` N, on microbatches of batch/N rows."""
+    plans the step the run takes: with the spec's `grad_accum` N, on microbatches of
+    batch/N rows."""
     if rates is not None and text != "auto":
         raise UsageError("--rates weighs the candidates of --layout auto; pass --layout auto")
     if rates is not None:
@@ -436,7 +432,7 @@ def pick_layout(
             rates = parse_rates(rates)
         except RatesError as e:
             raise UsageError(f"--rates: {e}") from None
-    probe = Trainer(model, cfg, mesh, Layout(), opt, seed, grad_accum)
+    model, cfg, mesh = probe.model, probe.cfg, probe.mesh
     params, batch = probe.abstract_inputs()
     key = probe.key(1)
     loss = lambda p, b, k: model.loss(p, b, cfg, k)
@@ -533,8 +529,8 @@ def _train(args, dog) -> int:
     meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab, "skipped": skipped}
     try:
         with Preemption() as preemption:
-            return _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start,
-                         preemption, dog)  # fmt: skip
+            at = Standing(state, start, history, meta)
+            return _loop(args, corpus, trainer, schedule, at, Guards(ckpt, preemption, dog))
     finally:
         dog.expect(SAVE_S, "the last checkpoint's save")
         ckpt.close()
@@ -561,7 +557,30 @@ def _is_step_record(r) -> bool:
     )  # fmt: skip
 
 
-def _loop(args, cfg, corpus, trainer, schedule, state, ckpt, meta, history, start, preemption, dog):
+@dataclasses.dataclass
+class Standing:
+    """Where a run stands as its loop begins: the train state, the last step done (0 on
+    a fresh run), the metrics logged so far and the checkpoints' metadata."""
+
+    state: dict
+    start: int
+    history: list
+    meta: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Guards:
+    """What stops or saves the loop: the checkpointer, the preemption signal and the
+    watchdog that bounds each step of a multi-process run."""
+
+    ckpt: checkpoint.Checkpointer
+    preemption: Preemption
+    dog: Watchdog
+
+
+def _loop(args, corpus, trainer, schedule, at: Standing, guards: Guards):
+    cfg, state, start, history = trainer.cfg, at.state, at.start, at.history
+    ckpt, preemption, dog, meta = guards.ckpt, guards.preemption, guards.dog, at.meta
     out = Path(args.out)
     metrics_path = out / "metrics.jsonl"
     bar = _progress(args, start)

@@ -9,7 +9,7 @@ top-p, the nucleus measured on the top-k's renormalised distribution), as in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +21,15 @@ from namedmesh.errors import ParameterError
 class Sampling:
     """How a token is drawn: `temperature` > 0 divides the logits; `top_k` >= 0 keeps
     the k likeliest tokens (0: all; ties with the k-th are kept); `top_p` in (0, 1]
-    keeps the nucleus (1: all). A bad value raises ParameterError naming the parameter
-    and its command-line flag."""
+    keeps the nucleus (1: all); `seed` seeds the draws (the same seed, the same tokens).
+    A bad value raises ParameterError naming the parameter and its command-line flag.
+    Two Samplings that differ in their seed alone are equal (and hash alike): a
+    decoder's compiled programs are kept per Sampling, and the seed is their input."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    seed: int = field(default=0, compare=False)
 
     def __post_init__(self):
         if not 0 < self.temperature < math.inf:  # also refuses NaN; inf samples uniformly
@@ -39,6 +42,8 @@ class Sampling:
             )
         if not 0 < self.top_p <= 1:
             raise ParameterError(f"top_p (--top-p) must be in (0, 1] (1: off), got {self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ParameterError(f"seed (--seed) must be an int, got {self.seed!r}")
 
 
 def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:

@@ -208,6 +208,16 @@ def optimizer_fault(args: argparse.Namespace) -> str | None:
     return None
 
 
+class Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with every flag's default, but one whose help already says its
+    default in words (`(default: searched)`) shows that alone, not `(default: None)`
+    after it."""
+
+    def _get_help_string(self, action):  # argparse's documented hook for this formatter
+        text = action.help or ""
+        return text if "(default: " in text else super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (no usage dump), still with exit status 2; a
     flag also answers to transformers' name of the same setting (--learning-rate for
@@ -271,7 +281,7 @@ def parser(prog: str = "python -m models.train") -> Parser:
     p = Parser(
         prog=prog,
         description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag shows its default
+        formatter_class=Defaults,  # every flag shows its default
     )
     p.add_argument("--model", default="lm", help="the model: lm, moe, bert or encdec")
     p.add_argument(

@@ -9,7 +9,9 @@ them onto any mesh and layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +24,30 @@ from lowering.distributed import place
 from lowering.layout import partition_spec
 from models import objectives, trainable, transformer
 from models.config import Config
-from models.optim import UNDECAYED, decayed, optimizer  # noqa: F401 (their home was here)
+from models.optim import UNDECAYED, OptimizerSpec, decayed, optimizer  # noqa: F401 (their home was here)
 from models.zoo import Model
 from namedmesh.errors import ParameterError
 
 
 def batch_tensors(batch: dict[str, np.ndarray]) -> dict[str, nm.Tensor]:
     return {k: nm.tensor(v, ("batch", "length")) for k, v in batch.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """How a Trainer's step trains (the run's optimizer flags, --seed, --grad-accum,
+    --freeze/--lora): `opt` the optax transformation (None: evaluation only), `seed` of
+    the fresh parameters and of the per-step keys, `grad_accum` microbatches per step,
+    `trained` a predicate on parameter paths (`layers/attn/q`; models/trainable.py):
+    only those are differentiated and have optimizer state, the others stay as they are
+    (frozen); None trains them all. `keyed`: the loss takes a random key each step even
+    where cfg has no dropout (LoRA's adapters' own, models/lora.py)."""
+
+    opt: optax.GradientTransformation | None = None
+    seed: int = 0
+    grad_accum: int = 1
+    trained: Callable[[str], bool] | None = None
+    keyed: bool = False
 
 
 class Trainer:
@@ -38,12 +57,9 @@ class Trainer:
     and gradients are summed, weighted by their target weights, in a loop inside the
     jitted step: the update of one batch N times a microbatch, the activation memory
     of one microbatch (a MoE's balancing loss is then the weighted mean of the
-    microbatches' own).
-
-    `trained`: a predicate on parameter paths (`layers/attn/q`; models/trainable.py):
-    only those parameters are differentiated and have optimizer state, the others stay
-    as they are (frozen); None trains them all. `keyed`: the loss takes a random key
-    each step even where cfg has no dropout (LoRA's adapters' own, models/lora.py)."""
+    microbatches' own). `spec` (TrainSpec) holds the optimizer, seed, grad_accum, the
+    trained parameters and whether each step takes a key; None: TrainSpec(), evaluation
+    only."""
 
     def __init__(
         self,
@@ -51,12 +67,11 @@ class Trainer:
         cfg: Config,
         mesh: Mesh,
         layout: Layout | str,
-        opt,
-        seed: int = 0,
-        grad_accum: int = 1,
-        trained=None,
-        keyed: bool = False,
+        spec: TrainSpec | None = None,
     ):
+        spec = spec or TrainSpec()
+        opt, seed, grad_accum = spec.opt, spec.seed, spec.grad_accum
+        trained, keyed = spec.trained, spec.keyed
         if not isinstance(grad_accum, int) or grad_accum < 1 or cfg.batch % grad_accum:
             raise ParameterError(
                 f"grad_accum {grad_accum!r} (--grad-accum) must be an int >= 1 that divides "
@@ -100,9 +115,17 @@ class Trainer:
         return transformer.abstract(self.shapes), batch
 
     def report(self):
-        """The cost report of one training step: the loss and its parameters' gradients."""
+        """The cost report of one training step: the loss and the gradients of the
+        trained parameters (all, or the `trained` subtree: a LoRA step's frozen weights
+        have no gradient and no optimizer state, lowering.train_step.optimizer_bytes)."""
         params, batch = self.abstract_inputs()
-        return self.lowered.report(params, batch, self.key(1), wrt=0, show=False)
+        if self.trained is None:
+            return self.lowered.report(params, batch, self.key(1), wrt=0, show=False)
+        train, frozen = trainable.split(params, self.trained)
+        model, cfg = self.model, self.cfg
+        loss = lambda t, f, b, k: model.loss(trainable.join(t, f), b, cfg, k)  # noqa: E731
+        lowered = lower(loss, self.mesh, self.layout)
+        return lowered.report(train, frozen, batch, self.key(1), wrt=0, show=False)
 
     def key(self, step: int):
         if not self.keyed:

@@ -3,6 +3,9 @@ graphs the `lowering` package turns into SPMD programs on a device mesh."""
 
 import sys
 
+from namedmesh import startup  # first: Ctrl-C under `python -m namedmesh` (its docstring)
+
+# isort: split
 from namedmesh import methods, numpy_dispatch, random  # methods: binds the ops onto Tensor
 from namedmesh.attention import dot_product_attention
 from namedmesh.autodiff import grad, value_and_grad
@@ -129,3 +132,5 @@ __version__ = "0.1.0"
 
 # np.exp(t) runs the op of the ufunc's name from this namespace (namedmesh/numpy_dispatch.py)
 numpy_dispatch.use_namespace(sys.modules[__name__])
+
+startup.unguard()  # the package is imported: its commands take the signals over

@@ -12,7 +12,7 @@ import namedmesh as nm
 from lowering import Mesh, lower
 from lowering.hlo import collectives
 from models import transformer
-from models.attention import blockwise_attend, ring_attend
+from models.attention import Options, blockwise_attend, ring_attend
 from models.config import Config, ConfigError
 from tests.test_models import CFG, LAYOUTS, small_batch
 
@@ -83,9 +83,8 @@ def test_blockwise_equals_full_attention_values_and_gradients(bias_dims, block):
 
     def ours(q, k, v, b):
         bt = None if b is None else nm.tensor(b, bias_dims)
-        out = blockwise_attend(
-            nm.tensor(q, QD), nm.tensor(k, KD), nm.tensor(v, KD), bt, scale, block
-        )
+        opts = Options(bt, scale=scale, block=block)
+        out = blockwise_attend(nm.tensor(q, QD), nm.tensor(k, KD), nm.tensor(v, KD), opts)
         return out.transpose(*QD).data
 
     def oracle(q, k, v, b):
@@ -106,7 +105,7 @@ def test_blockwise_matches_grouped_heads_by_name():
     q = nm.tensor(R.normal(size=(2, 8, 2, 3, 4)).astype(np.float32), "batch length kv q d_kv")
     k = nm.tensor(R.normal(size=(2, 8, 2, 4)).astype(np.float32), "batch memory kv d_kv")
     v = nm.tensor(R.normal(size=(2, 8, 2, 4)).astype(np.float32), "batch memory kv d_kv")
-    got = blockwise_attend(q, k, v, None, 1.0, 4).transpose(*q.dims).data
+    got = blockwise_attend(q, k, v, Options(block=4)).transpose(*q.dims).data
     logits = np.einsum("blgqk,bmgk->bgqlm", q.data, k.data)
     w = np.exp(logits - logits.max(-1, keepdims=True))
     want = np.einsum("bgqlm,bmgk->blgqk", w / w.sum(-1, keepdims=True), v.data)
@@ -116,11 +115,11 @@ def test_blockwise_matches_grouped_heads_by_name():
 def test_blockwise_errors_name_the_fault():
     q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
     with pytest.raises(nm.ShapeError, match="block 0 must be positive .*--attention-block"):
-        blockwise_attend(q, k, k, None, 1.0, 0)
+        blockwise_attend(q, k, k, Options(block=0))
     with pytest.raises(nm.ShapeError, match="lacks"):
-        blockwise_attend(q.rename(length="l"), k, k)
+        blockwise_attend(q.rename(length="l"), k, k, Options())
     with pytest.raises(nm.ShapeError, match="bias dim"):
-        blockwise_attend(q, k, k, nm.tensor(np.zeros(3, np.float32), "other"))
+        blockwise_attend(q, k, k, Options(nm.tensor(np.zeros(3, np.float32), "other")))
 
 
 def _lm_value_and_grads(cfg, mesh, layout, hlo=False):
@@ -191,7 +190,7 @@ def test_ring_attention_sends_keys_and_values_around_the_ring():
     causal = lambda queries, slots: nm.where(slots <= queries, 0.0, -1e9)
 
     def ours(q, k, v, pad):
-        out = ring_attend(q, k, v, pad, 0.5, 4, causal)
+        out = ring_attend(q, k, v, Options(pad, causal, 0.5), 4)
         return out.transpose(*QD)
 
     lowered = lower(ours, RING, RING_LAYOUT)
@@ -225,10 +224,13 @@ def test_ring_attention_sends_keys_and_values_around_the_ring():
 def test_ring_errors_name_the_fault():
     q, k = nm.tensor(arr(QD), QD), nm.tensor(arr(KD), KD)
     with pytest.raises(nm.ShapeError, match="ring 3 must divide length=8.*--attention-block"):
-        ring_attend(q, k, k, None, 1.0, 3)
+        ring_attend(q, k, k, Options(), 3)
     whole = nm.tensor(np.zeros((8, 8), np.float32), "length memory")
     with pytest.raises(nm.ShapeError, match="bias_fn"):
-        ring_attend(q, k, k, whole, 1.0, 2)
+        ring_attend(q, k, k, Options(whole), 2)
+    for attend in (ring_attend, blockwise_attend):  # the bias where Options go (the old call)
+        with pytest.raises(nm.ParameterError, match=r"opts must be models.attention.Options"):
+            attend(q, k, k, whole)
 
 
 @pytest.mark.parametrize(

@@ -206,12 +206,13 @@ def test_cli_layout_auto_prints_the_search(capsys):
     """`--layout auto --rates tpu_v2`'s path (models/run.py pick_layout): the printout."""
     from models import config, zoo
     from models.run import pick_layout
-    from models.trainer import optimizer
+    from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
     model = zoo.get("lm")
     cfg = model.configure(config.get("tiny")).replace(length=16, batch=8)
-    opt, _ = optimizer("adamw", 3e-3, 10, 1, 1.0)
-    layout = pick_layout("auto", model, "lm", cfg, Mesh({"data": 2}), opt, 0, "tpu_v2")
+    opt, _ = optimizer(OptimizerSpec("adamw", 3e-3, 10, 1, 1.0))
+    layout = pick_layout("auto", Trainer(model, cfg, Mesh({"data": 2}), "", TrainSpec(opt)), "lm",
+                         "tpu_v2")  # fmt: skip
     text = capsys.readouterr().out
     assert "rates: tpu_v2: 22.5 TFLOP/s" in text
     assert f"chosen: {str(layout) or '(replicated)'}. It " in text
@@ -222,17 +223,18 @@ def test_cli_layout_auto_plans_the_microbatch_that_grad_accum_trains(capsys):
     batch chose `batch` over all 4 devices, which 2-row microbatches cannot take."""
     from models import config, zoo
     from models.run import pick_layout
-    from models.trainer import Trainer, optimizer
+    from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
     model = zoo.get("lm")
     cfg = model.configure(config.get("tiny")).replace(length=16, batch=8)
-    opt, _ = optimizer("adamw", 3e-3, 10, 1, 1.0)
+    opt, _ = optimizer(OptimizerSpec("adamw", 3e-3, 10, 1, 1.0))
     mesh, cheap_links = Mesh({"data": 4}), "flops=1e9,bandwidth=1e10,latency=1e-7"
-    whole = pick_layout("auto", model, "lm", cfg, mesh, opt, 0, cheap_links)
+    whole = pick_layout("auto", Trainer(model, cfg, mesh, "", TrainSpec(opt)), "lm", cheap_links)
     assert dict(whole.rules)["batch"] == ("data",)  # what the whole batch of 8 takes
-    layout = pick_layout("auto", model, "lm", cfg, mesh, opt, 0, cheap_links, grad_accum=4)
+    spec = TrainSpec(opt, 0, grad_accum=4)
+    layout = pick_layout("auto", Trainer(model, cfg, mesh, "", spec), "lm", cheap_links)
     assert "batch" not in dict(layout.rules)  # 2 rows do not split over 4 devices
-    Trainer(model, cfg, mesh, layout, opt, 0, grad_accum=4).report()  # the run's step plans
+    Trainer(model, cfg, mesh, layout, spec).report()  # the run's step plans
     capsys.readouterr()
 
 

@@ -3,6 +3,7 @@ before building anything, and end the project's typed errors the same way."""
 
 import argparse
 import importlib
+import sys
 
 import pytest
 
@@ -31,13 +32,16 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unkn
 @pytest.mark.parametrize(
     "module, argv", BAD_FLAGS, ids=lambda x: " ".join(x) if isinstance(x, list) else x
 )
-def test_a_bad_count_is_refused_by_argparse_in_one_line(module, argv, capsys):
+def test_a_bad_count_is_refused_by_argparse_in_one_line(module, argv, capsys, monkeypatch):
+    """...named as every benchmark names itself (cli.prog_name: the command typed)."""
     main = importlib.import_module(f"benchmarks.{module}").main
+    monkeypatch.setattr(sys, "argv", [f"/checkout/benchmarks/{module}.py"])
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert argv[0] in err and "Traceback" not in err
+    assert err.startswith(f"python -m benchmarks.{module}: error: ")
 
 
 @pytest.mark.parametrize(

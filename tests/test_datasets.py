@@ -95,10 +95,10 @@ def test_a_validation_set_apart_is_used_whole(tmp_path):
 def test_each_process_reads_the_rows_its_devices_hold():
     cfg = zoo.get("lm").configure(config.get("tiny")).replace(batch=8, length=8)
     mesh = Mesh({"data": 4})
-    split = Trainer(zoo.get("lm"), cfg, mesh, "batch:data", opt=None)
+    split = Trainer(zoo.get("lm"), cfg, mesh, "batch:data")
     half = jax.devices()[:2]  # as if this process held the first two devices
     np.testing.assert_array_equal(split.local_rows(half), [0, 1, 2, 3])
-    whole = Trainer(zoo.get("lm"), cfg, mesh, "", opt=None)  # the batch on every device
+    whole = Trainer(zoo.get("lm"), cfg, mesh, "")  # the batch on every device
     np.testing.assert_array_equal(whole.local_rows(half), np.arange(8))
     assert split.local_rows() is None  # one process: no share to cut
     corpus = data.Corpus(data.load_text()[:5000], data.ByteTokenizer(), 8)

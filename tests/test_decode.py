@@ -4,6 +4,8 @@ EOS and max length stop rows, top-k/top-p filtering equals a NumPy oracle, decod
 under a 2x4 layout gives one device's tokens, the cache is in the compute dtype, and
 bad parameters raise typed errors naming their flag."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -144,12 +146,13 @@ def test_eos_and_max_length_stop_rows_one_by_one(model):
 def test_sampling_is_seeded_and_cold_sampling_is_greedy(model):
     _, _, dec = model
     greedy = dec.decode(PROMPTS, 5)
-    cold = dec.decode(PROMPTS, 5, "sample", sampling=Sampling(temperature=1e-4), seed=3)
+    cold = dec.decode(PROMPTS, 5, sampling=Sampling(temperature=1e-4, seed=3))
     np.testing.assert_array_equal(cold, greedy)
-    hot = Sampling(temperature=2.0, top_k=8, top_p=0.9)
-    a = dec.decode(PROMPTS, 5, "sample", sampling=hot, seed=1)
-    np.testing.assert_array_equal(a, dec.decode(PROMPTS, 5, "sample", sampling=hot, seed=1))
-    assert not np.array_equal(a, dec.decode(PROMPTS, 5, "sample", sampling=hot, seed=2))
+    hot = Sampling(temperature=2.0, top_k=8, top_p=0.9, seed=1)
+    a = dec.decode(PROMPTS, 5, sampling=hot)
+    np.testing.assert_array_equal(a, dec.decode(PROMPTS, 5, sampling=hot))
+    other = dataclasses.replace(hot, seed=2)  # equal as a compiled program's key, other draws
+    assert other == hot and not np.array_equal(a, dec.decode(PROMPTS, 5, sampling=other))
 
 
 # --- top-k / top-p against NumPy ----------------------------------------------------------
@@ -204,10 +207,9 @@ def test_decoding_on_a_2x4_mesh_gives_one_devices_tokens(model):
     dec = Decoder(params, cfg, mesh=mesh, layout=Layout("batch:data;heads:model"))
     prompts = PROMPTS + [[7, 7]]  # batch 4: two rows per data shard
     np.testing.assert_array_equal(dec.decode(prompts, 5), one.decode(prompts, 5))
-    hot = Sampling(1.5, 10, 0.95)
+    hot = Sampling(1.5, 10, 0.95, seed=4)
     np.testing.assert_array_equal(
-        dec.decode(prompts, 5, "sample", sampling=hot, seed=4),
-        one.decode(prompts, 5, "sample", sampling=hot, seed=4),
+        dec.decode(prompts, 5, sampling=hot), one.decode(prompts, 5, sampling=hot)
     )
     _, cache = dec.prefill_logits(np.asarray([p + [0] * 3 for p in [[1, 2]] * 4]), np.full(4, 2))
     k = cache[0]["k"]  # layer 0's (batch, heads, memory, d_kv): batch on data, heads on model
@@ -254,8 +256,12 @@ def test_bad_decoding_parameters_name_the_flag(model):
         dec.decode([list(range(cfg.length + 1))], 3)
     with pytest.raises(ParameterError, match="--max-new"):
         dec.decode(PROMPTS, -1)
-    with pytest.raises(ParameterError, match="read only with mode='sample'"):
-        dec.decode(PROMPTS, 3, sampling=Sampling(temperature=0.5))  # greedy would ignore it
+    with pytest.raises(ParameterError, match="must be a models.sampling.Sampling"):
+        dec.decode(PROMPTS, 3, sampling="sample")  # the mode string it once took
+    with pytest.raises(ParameterError, match="--seed"):
+        Sampling(seed=1.5)
+    with pytest.raises(ParameterError, match="sampling .a draw. and on_step"):
+        dec.generate(PROMPTS[0], 3, beams=2, sampling=Sampling())
     with pytest.raises(ParameterError, match="prompt 1 is empty"):
         dec.decode([[1], []], 3)
     with pytest.raises(ParameterError, match="token 40 is outside the vocabulary"):
@@ -374,9 +380,9 @@ def test_decoding_edges(model):
     assert dec.decode([[3, 1, 4, 1, 5]], 3, max_length=5).shape == (1, 0)
     free = dec.decode(PROMPTS, 4)
     np.testing.assert_array_equal(dec.decode(PROMPTS, 4, eos=PROMPTS[0][1]), free)
-    wide = dec.decode(PROMPTS, 4, "sample", sampling=Sampling(1.0, cfg.vocab + 100), seed=5)
-    np.testing.assert_array_equal(wide, dec.decode(PROMPTS, 4, "sample", seed=5))
-    tiny = dec.decode(PROMPTS, 4, "sample", sampling=Sampling(1.0, 0, 1e-9), seed=5)
+    wide = dec.decode(PROMPTS, 4, sampling=Sampling(1.0, cfg.vocab + 100, seed=5))
+    np.testing.assert_array_equal(wide, dec.decode(PROMPTS, 4, sampling=Sampling(seed=5)))
+    tiny = dec.decode(PROMPTS, 4, sampling=Sampling(1.0, 0, 1e-9, seed=5))
     np.testing.assert_array_equal(tiny, free)
 
 

@@ -214,11 +214,11 @@ def test_multi_token_prediction_weights_are_refused_by_name(built, tmp_path):
 def test_adamw_leaves_the_choosing_bias_alone():
     """No gradient reaches gate_bias (it moves choices only); AdamW's weight decay alone
     would shrink it, so it is out of the decay mask while other parameters decay."""
-    from models.trainer import optimizer
+    from models.trainer import OptimizerSpec, optimizer
 
     ones = nm.tensor(np.ones(4, np.float32), ("experts",))
     params = {"layers": {"ffn": {"gate_bias": ones, "gate": ones}}}
-    opt, _ = optimizer("adamw", 1.0, 10, 0, 0)
+    opt, _ = optimizer(OptimizerSpec("adamw", 1.0, 10, 0, 0))
     state = opt.init(params)
     zero = jax.tree.map(lambda x: x * 0, params)
     for _ in range(3):

@@ -15,6 +15,8 @@ import models
 from models import config, transformer
 from models.api import LoadError
 from models.generate import Decoder
+from models.generate import main as gen_main
+from models.sampling import Sampling
 from namedmesh.errors import ParameterError
 from tests.test_decode import full_logits
 
@@ -52,7 +54,7 @@ def test_greedy_past_the_cache_refills_it_with_the_last_half(model):
     """The documented policy: a full cache is rebuilt from the last length/2 tokens."""
     params, cfg, dec = model
     prompt, n = [3, 1, 4], 14
-    got = dec.generate(prompt, n, "greedy")
+    got = dec.generate(prompt, n)
     toks, start = list(prompt), 0
     for _ in range(n):
         if len(toks) - start > cfg.length:  # the window the cache holds after a refill
@@ -66,7 +68,7 @@ def test_beam_of_one_is_greedy_and_scores_are_log_probabilities(model):
     params, cfg, dec = model
     prompt = [5, 6]
     seq, score = dec.beam(prompt, 4, beams=1)
-    assert seq == dec.generate(prompt, 4, "greedy")
+    assert seq == dec.generate(prompt, 4)
     toks, want = list(prompt), 0.0
     for t in seq:
         want += recompute_logp(params, cfg, [toks])[0][t]
@@ -90,15 +92,15 @@ def test_a_beam_as_wide_as_the_vocabulary_finds_the_best_two_tokens(model):
 
 def test_sampling_is_seeded_and_cold_sampling_is_greedy(model):
     _, _, dec = model
-    greedy = dec.generate([1, 2], 6, "greedy")
-    assert dec.generate([1, 2], 6, "sample", temperature=1e-3, seed=1) == greedy
-    a = dec.generate([1, 2], 6, "sample", temperature=2.0, seed=1)
-    assert a == dec.generate([1, 2], 6, "sample", temperature=2.0, seed=1)
-    draws = {tuple(dec.generate([1, 2], 6, "sample", temperature=2.0, seed=s)) for s in range(4)}
+    greedy = dec.generate([1, 2], 6)
+    assert dec.generate([1, 2], 6, sampling=Sampling(1e-3, seed=1)) == greedy
+    a = dec.generate([1, 2], 6, sampling=Sampling(2.0, seed=1))
+    assert a == dec.generate([1, 2], 6, sampling=Sampling(2.0, seed=1))
+    draws = {tuple(dec.generate([1, 2], 6, sampling=Sampling(2.0, seed=s))) for s in range(4)}
     assert len(draws) > 1
 
 
-def test_generate_command_decodes_from_a_training_run(tmp_path):
+def test_generate_command_decodes_from_a_training_run(tmp_path, capsys):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     run = lambda *a: subprocess.run(
         [sys.executable, *a], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
@@ -112,9 +114,9 @@ def test_generate_command_decodes_from_a_training_run(tmp_path):
               "--mode", "beam", "--max-new", "20")  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("The assert") and len(gen.stdout.strip()) > len("The assert")
-    missing = run("-m", "models.generate", str(tmp_path / "nothing"))
-    assert missing.returncode == 2
-    assert "models.generate: error:" in missing.stderr and "nothing" in missing.stderr
+    assert gen_main([str(tmp_path / "nothing")]) == 2  # in this process: no jax to start
+    err = capsys.readouterr().err
+    assert "models.generate: error:" in err and "nothing" in err
     # models.load of the run: each token of greedy generation with the KV cache is the
     # argmax of the full forward pass's logits over the text before it
     loaded = models.load(out)
@@ -125,5 +127,5 @@ def test_generate_command_decodes_from_a_training_run(tmp_path):
     assert len(ids) == 10 and (loaded.logits(ids)[3:-1].argmax(-1) == ids[4:]).all()
     with pytest.raises(LoadError, match="run"):
         models.load(out, step=99)
-    with pytest.raises(ParameterError, match="temperature"):
-        loaded.generate("The ", top_p=0.5)
+    with pytest.raises(ParameterError, match="sampling must be a models.Sampling"):
+        loaded.generate("The ", sampling={"top_p": 0.5})

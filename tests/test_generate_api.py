@@ -53,7 +53,7 @@ def test_load_generates_and_scores_as_transformers(hf, wants):
     assert [r["finish_reason"] for r in records] == ["length", "length"]
     assert loaded.generate(PROMPTS[1], max_new_tokens=12) == tok.decode(wants[1])  # str: str
     # sampling from the single likeliest token is greedy
-    one = loaded.generate(PROMPTS, max_new_tokens=12, temperature=0.7, top_k=1, seed=3)
+    one = loaded.generate(PROMPTS, max_new_tokens=12, sampling=models.Sampling(0.7, 1, seed=3))
     assert one == [tok.decode(w) for w in wants]
     ids = [tok.encode(t).tolist() for t in PROMPTS]
     got = loaded.logits(PROMPTS)  # right-padded to the longest, padding NaN

@@ -8,7 +8,7 @@ import pytest
 
 from lowering import Mesh
 from models import zoo
-from models.trainer import Trainer
+from models.trainer import Trainer, TrainSpec
 from namedmesh.errors import ParameterError
 from tests.test_models import CFG, small_batch
 
@@ -18,7 +18,9 @@ BATCH["weights"][3, 5:] = 0.0  # microbatches with different token counts
 
 def _trainer(n, mesh=None, layout=""):
     mesh = mesh or Mesh({"one": 1})
-    return Trainer(zoo.get("lm"), CFG.replace(batch=8), mesh, layout, optax.sgd(1.0), 0, n)
+    return Trainer(
+        zoo.get("lm"), CFG.replace(batch=8), mesh, layout, TrainSpec(optax.sgd(1.0), 0, n)
+    )
 
 
 def _update(n, mesh=None, layout=""):

@@ -177,6 +177,72 @@ def test_adapter_only_export_is_peft_layout_whose_update_is_the_merged_one(
         np.testing.assert_allclose(lora_logits, back(torch.tensor(IDS)).logits.numpy(), atol=1e-4)
 
 
+def test_gpt2s_fused_c_attn_exports_as_one_peft_module_whose_update_is_the_adapters(tmp_path):
+    """q and v adapters of rank r are c_attn's one adapter of rank 2r (rank_pattern,
+    alpha_pattern keep alpha/r): PEFT's merge of the file (W + alpha/r (B A)^T, Conv1D's
+    fan_in_fan_out) gives transformers' GPT-2 the zoo's logits through the adapters."""
+    from models.adapter_export import peft_adapters
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=200, n_positions=16)).eval()  # fmt: skip
+    hf.save_pretrained(tmp_path)
+    base = hub.load(tmp_path)
+    spec = lora.Lora(RANK, ALPHA, 0.0, ("q", "v"))
+    shapes = lora.adapter_shapes(hub.shapes_of("gpt2", base.config), base.config, spec)
+    rng = np.random.default_rng(0)
+    params = lora.completed(base.params, shapes, seed=0)
+    for layer in (params["layers"]["attn"],):  # B is 0 at the start: draw it
+        for k in [k for k in layer if k.endswith("_lora_b")]:
+            layer[k] = nm.tensor(rng.normal(0, 0.3, layer[k].shape), layer[k].dims)
+    rows = hub.tensors("gpt2", base.config, hub.FAMILIES["gpt2"].prefixes[0])
+    tensors, fields = peft_adapters(params, rows, spec)
+    r = 2 * RANK  # q's and v's
+    wider = {"rank_pattern": {"c_attn": r}, "alpha_pattern": {"c_attn": 2 * ALPHA}}
+    assert fields == {"target_modules": ["c_attn"], "fan_in_fan_out": True, **wider}
+    ids = IDS % 200
+    with torch.no_grad():
+        plain = hf(torch.tensor(ids)).logits.numpy()
+    state = hf.state_dict()
+    for i in range(2):
+        module = f"base_model.model.transformer.h.{i}.attn.c_attn"
+        a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
+        assert a.shape == (r, 32) and b.shape == (96, r)  # PEFT's Conv1D: (r, in), (out, r)
+        assert not b[32:64].any()  # k's rows: no adapter
+        w = state[f"transformer.h.{i}.attn.c_attn.weight"]
+        w += torch.from_numpy((2 * ALPHA / r * b @ a).T.astype(np.float32))
+    hf.load_state_dict(state)
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    assert np.abs(want - plain).max() > 1e-3  # the adapters matter
+    bound = hub.HubModel("gpt2", base.config, lora.bind(params, spec), None, {})
+    got = bound.logits(ids).transpose("batch", "length", "vocab").data
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_lora_steps_report_costs_the_adapters_gradients_and_optimizer_state_alone():
+    """Trainer.report of a LoRA step: gradients and AdamW's moments of the trained
+    subtree only, as optax's init of that subtree holds them (the frozen weights none)."""
+    import jax
+    import optax
+
+    from lowering import Mesh
+    from lowering.train_step import Training, optimizer_bytes
+    from models.trainer import Trainer, TrainSpec
+
+    cfg = config.get("tiny").replace(length=16, batch=2)
+    model = lora.adapted(zoo.get("lm"), lora.Lora(RANK, ALPHA, 0.0, ("q", "v")), cfg)
+    trained = trainable.chooser(trainable.paths(model.shapes(cfg)), (), lora.is_adapter)
+    opt = optax.adamw(1e-3)
+    tr = Trainer(model, cfg, Mesh({"data": 1}), "", TrainSpec(opt, trained=trained))
+    rep = tr.report()
+    train = trainable.split(tr.abstract_inputs()[0], trained)[0]
+    moments = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(opt.init, train)) if x.ndim]
+    want = sum(x.size * x.dtype.itemsize for x in moments)  # mu and nu, not the count
+    assert optimizer_bytes(rep, {"data": 1}, (), Training("adamw")) == want
+    assert rep.memory_parts["gradients"] == want // 2  # one float32 per trained element
+
+
 def test_freeze_patterns_are_globs_or_regular_expressions_on_paths():
     paths = trainable.paths(zoo.get("lm").shapes(config.get("tiny")))
     trained = trainable.chooser(paths, ["layers/attn/*", "emb.*"])

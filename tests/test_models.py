@@ -10,7 +10,7 @@ import pytest
 import namedmesh as nm
 from lowering import Mesh, lower
 from models import config, data, layers, transformer, zoo
-from models.trainer import Trainer, optimizer
+from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
 R = np.random.default_rng(0)
 
@@ -250,8 +250,8 @@ def corpus():
 
 def _curve(mesh, layout, steps=20):
     cfg = CFG.replace(batch=8, vocab=256)
-    opt, _ = optimizer("adamw", 1e-2, steps, 2, 1.0)
-    tr = Trainer(zoo.get("lm"), cfg, mesh, layout, opt, seed=0)
+    opt, _ = optimizer(OptimizerSpec("adamw", 1e-2, steps, 2, 1.0))
+    tr = Trainer(zoo.get("lm"), cfg, mesh, layout, TrainSpec(opt))
     state, losses = tr.init_state(), []
     for s in range(1, steps + 1):
         state, loss = tr.step(state, corpus().batch(s, cfg.batch, 0), s)

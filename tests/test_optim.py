@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from models.optim import OPTIMIZER_DEFAULTS, WSD_DECAY, optimizer, schedule
+from models.optim import OPTIMIZER_DEFAULTS, WSD_DECAY, OptimizerSpec, optimizer, schedule
 
 
 def want_lr(name, lr, steps, warmup, end, i) -> float:
@@ -86,7 +86,7 @@ def test_each_optimizer_takes_the_steps_of_its_algorithm(name, given, clip):
     params = {"w": rng.normal(size=(4, 3)).astype(np.float32), "gate_bias": np.ones(3, np.float32)}
     grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()}
              for _ in range(4)]  # fmt: skip
-    opt, sched = optimizer(name, 1e-2, 6, 2, clip, schedule_name="linear", **given)
+    opt, sched = optimizer(OptimizerSpec(name, 1e-2, 6, 2, clip, schedule_name="linear", **given))
     settings = {**OPTIMIZER_DEFAULTS[name], **given}
     lrs = [float(sched(i)) for i in range(4)]
     want = numpy_steps(name, params, grads, lrs, settings["weight_decay"], settings["betas"],
@@ -106,9 +106,9 @@ def test_adafactor_takes_the_decay_it_is_given_only_where_the_mask_allows():
 
     params = {"w": np.full((4, 3), 2.0, np.float32), "gate_bias": np.ones(3, np.float32)}
     grads = jax.tree.map(lambda x: np.full_like(x, 0.5), params)
-    plain, _ = optimizer("adafactor", 1e-2, 6, 0, 0.0, schedule_name="constant")
-    decayed, _ = optimizer("adafactor", 1e-2, 6, 0, 0.0, schedule_name="constant",
-                           weight_decay=0.25)  # fmt: skip
+    plain, _ = optimizer(OptimizerSpec("adafactor", 1e-2, 6, 0, 0.0, schedule_name="constant"))
+    decayed, _ = optimizer(OptimizerSpec("adafactor", 1e-2, 6, 0, 0.0, schedule_name="constant",
+                           weight_decay=0.25))  # fmt: skip
     ref = optax.adafactor(1e-2)
     u0, _ = plain.update(grads, plain.init(params), params)
     u1, _ = decayed.update(grads, decayed.init(params), params)

@@ -10,7 +10,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models.attention import blockwise_attend, ring_attend
+from models.attention import Options, blockwise_attend, ring_attend
 from models.layers import attend
 
 R = np.random.default_rng(0)
@@ -58,8 +58,8 @@ KERNELS = {  # each attention kernel, with a causal bias by position
     "full": lambda q, k, v: attend(
         q, k, v, bias=CAUSAL(nm.arange("length", 8), nm.arange("memory", 8))
     ),  # fmt: skip
-    "blockwise": lambda q, k, v: blockwise_attend(q, k, v, block=2, bias_fn=CAUSAL),
-    "ring": lambda q, k, v: ring_attend(q, k, v, ring=2, bias_fn=CAUSAL),
+    "blockwise": lambda q, k, v: blockwise_attend(q, k, v, Options(bias_fn=CAUSAL, block=2)),
+    "ring": lambda q, k, v: ring_attend(q, k, v, Options(bias_fn=CAUSAL), ring=2),
 }
 
 

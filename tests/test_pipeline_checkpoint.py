@@ -12,7 +12,7 @@ import pytest
 
 from lowering import Mesh
 from models import checkpoint, zoo
-from models.trainer import Trainer, optimizer
+from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 from tests.test_models import CFG, small_batch
 
 CFG4 = CFG.replace(layers=4, batch=8)
@@ -28,8 +28,9 @@ LAYOUTS = {
 def trainer(name: str) -> Trainer:
     """One Trainer per layout: its step compiles once, for every state of that layout."""
     sizes, layout = LAYOUTS[name]
-    opt, _ = optimizer("adamw", 1e-2, STEPS, 2, 1.0)  # Adam's moments must travel too
-    return Trainer(zoo.get("lm"), CFG4, Mesh(sizes), layout, opt, seed=0)
+    # Adam's moments must travel too
+    opt, _ = optimizer(OptimizerSpec("adamw", 1e-2, STEPS, 2, 1.0))
+    return Trainer(zoo.get("lm"), CFG4, Mesh(sizes), layout, TrainSpec(opt))
 
 
 def train(tr: Trainer, state, steps) -> tuple[dict, list[float]]:

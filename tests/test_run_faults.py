@@ -248,6 +248,22 @@ def test_ctrl_c_while_jax_imports_is_one_line_and_130(tmp_path, start):
     assert not (tmp_path / "run").exists()
 
 
+def test_ctrl_c_while_python_m_namedmesh_imports_jax_is_one_line_and_130(tmp_path):
+    """`python -m namedmesh` imports the package before its __main__ runs: the hook is
+    a sitecustomize, in place before runpy imports anything of ours."""
+    (tmp_path / "sitecustomize.py").write_text(IMPORTING.format(before="", start=""))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "namedmesh", "train", "--steps", "1", "--out",
+         str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert one_line(proc.stderr) == (
+        "namedmesh: error: stopped by SIGINT while starting; nothing done"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 # --- export ------------------------------------------------------------------------
 def export_main(run: Path, out) -> tuple[int, str]:
     err = io.StringIO()

@@ -14,7 +14,7 @@ import pytest
 
 from lowering import Mesh
 from models import checkpoint, zoo
-from models.trainer import Trainer
+from models.trainer import Trainer, TrainSpec
 from tests.test_models import CFG, small_batch
 
 SIZES = {"data": 2, "model": 4}
@@ -33,7 +33,7 @@ OPTIMIZERS = {
 @functools.cache
 def trainer(name: str, replicated: bool = False) -> Trainer:
     """One Trainer (one compiled step) per optimizer and state layout."""
-    return Trainer(zoo.get("lm"), CFG, Mesh(SIZES), LAYOUT, OPTIMIZERS[name], seed=0)
+    return Trainer(zoo.get("lm"), CFG, Mesh(SIZES), LAYOUT, TrainSpec(OPTIMIZERS[name]))
 
 
 def state_of(name: str, replicated: bool = False) -> dict:

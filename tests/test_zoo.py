@@ -10,7 +10,7 @@ import pytest
 import namedmesh as nm
 from lowering import Mesh
 from models import config, data, moe, objectives, transformer, zoo
-from models.trainer import Trainer, batch_tensors, optimizer
+from models.trainer import OptimizerSpec, Trainer, TrainSpec, batch_tensors, optimizer
 
 R = np.random.default_rng(1)
 CFG = config.Config(vocab=384, d_model=16, heads=4, d_kv=4, d_ff=32, layers=2, length=16, batch=4)
@@ -77,8 +77,8 @@ def corpus(objective):
 def curve(model_name, mesh, layout, steps=8, cfg=CFG):
     model = zoo.get(model_name)
     cfg = model.configure(cfg)
-    opt, _ = optimizer("adamw", 1e-2, steps, 2, 1.0)
-    tr = Trainer(model, cfg, mesh, layout, opt, seed=0)
+    opt, _ = optimizer(OptimizerSpec("adamw", 1e-2, steps, 2, 1.0))
+    tr = Trainer(model, cfg, mesh, layout, TrainSpec(opt))
     state, losses = tr.init_state(), []
     for s in range(1, steps + 1):
         state, loss = tr.step(state, corpus(model.objective).batch(s, cfg.batch, 0), s)
