@@ -23,6 +23,8 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("pipeline", ["--repeats", "0"]),
     ("quality", ["--steps", "abc"]),
     ("step_movement", ["--layers", "0"]),
+    ("honest", ["--rounds", "0"]),
+    ("honest", ["--lengths", "2048,x"]),
 ]
 
 
