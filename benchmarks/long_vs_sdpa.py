@@ -17,6 +17,7 @@ import tempfile
 import time
 
 from benchmarks import fair, long_seq, peak, rss
+from benchmarks.memory import peak_bytes
 
 
 def measure(length: int, rounds: int) -> dict:
@@ -38,6 +39,7 @@ def measure(length: int, rounds: int) -> dict:
     start = time.perf_counter()
     compiled = jax.jit(jax.value_and_grad(loss)).lower(zoo.params, batch).compile()
     compile_s = time.perf_counter() - start
+    fits(peak_bytes(compiled), length)
     ours = lambda: jax.block_until_ready(compiled(zoo.params, batch))
 
     def theirs():
@@ -66,6 +68,19 @@ def measure(length: int, rounds: int) -> dict:
         "settings": settings,
         "losses": [our_loss, their_loss],
     }
+
+
+def fits(needs: int, length: int) -> None:
+    """Refuse to run a step whose compiled peak (XLA's memory analysis) is over 80% of
+    the memory the machine has available now: on a shared machine the kernel's
+    out-of-memory killer would pick a process, maybe another's."""
+    with open("/proc/meminfo") as f:
+        avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    if needs > 0.8 * avail:
+        raise SystemExit(
+            f"{length} tokens: the compiled step needs {needs / 2**20:.0f} MiB (XLA's "
+            f"memory analysis), over 80% of the {avail / 2**20:.0f} MiB available"
+        )
 
 
 def run_child(length: int, rounds: int, limit_s: float) -> dict:
