@@ -13,7 +13,6 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("auto_layout", ["--steps", "0"]),
     ("decode", ["--new", "0"]),
     ("decode_latent", ["--rounds", "0"]),
-    ("decode_latent", ["--batches", "1,x"]),
     ("gpu", ["--steps", "-3"]),
     ("zoo_vs_hf", ["--repeats", "0"]),
     ("einsum_emission", ["--repeats", "x"]),
@@ -24,7 +23,6 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number
     ("quality", ["--steps", "abc"]),
     ("step_movement", ["--layers", "0"]),
     ("honest", ["--rounds", "0"]),
-    ("honest", ["--lengths", "2048,x"]),
 ]
 
 
