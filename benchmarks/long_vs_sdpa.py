@@ -11,10 +11,12 @@ under a time limit, so a length whose compile outlasts it is reported, not waite
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from benchmarks import fair, long_seq, peak, rss
 from benchmarks.memory import peak_bytes
@@ -95,8 +97,11 @@ def run_child(length: int, rounds: int, limit_s: float) -> dict:
         "--rounds",
         str(rounds),
     ]
+    root = str(Path(__file__).resolve().parents[1])  # the checkout, under `namedmesh bench` too
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s, env=env)
     except subprocess.TimeoutExpired:
         return {"failed": f"not done within {limit_s:.0f} s (compile and {rounds} rounds)"}
     if done.returncode != 0:
