@@ -87,7 +87,7 @@ def sections(args, families: list[str], threads: str) -> list[str]:
     """The section's markdown lines, each table measured in turn."""
     from benchmarks import experts_vs_hf, long_vs_sdpa, peak, stack, train_vs_torch
 
-    started = time.monotonic()
+    started, before = time.monotonic(), fair.load()
     progress("the matmul peak", started)
     peaks = peak.matmul_peak()
     best = max(("PyTorch", "XLA"), key=peaks.get)
@@ -98,7 +98,6 @@ def sections(args, families: list[str], threads: str) -> list[str]:
         COMMAND,
         "```",
         "",
-        *intro(threads, args.rounds),
         f"Single-thread fp32 {peak.PEAK_SIZE}^3 matmul: PyTorch {peaks['PyTorch']:.0f} "
         f"GFLOP/s, XLA {peaks['XLA']:.0f} GFLOP/s; the peak below is {best}'s "
         f"({peaks['peak']:.0f} GFLOP/s). {stack.describe()}",
@@ -140,16 +139,13 @@ def sections(args, families: list[str], threads: str) -> list[str]:
         "",
     ]
     progress("done", started)
-    return lines
+    return lines[:6] + intro(threads, args.rounds, before) + lines[6:]
 
 
-def intro(threads: str, rounds: int) -> list[str]:
+def intro(threads: str, rounds: int, before: str) -> list[str]:
     return [
         fair.METHOD.format(
-            flags=fair.XLA_SINGLE_THREAD,
-            rounds=rounds,
-            before="(see each table)",
-            after="(see each table)",
+            flags=fair.XLA_SINGLE_THREAD, rounds=rounds, before=before, after=fair.load()
         )
         + f" ({threads})",
         "",
@@ -158,7 +154,10 @@ def intro(threads: str, rounds: int) -> list[str]:
         "compiles nothing). % of peak: the step's matmul flops (counted from the config by "
         "benchmarks/peak.py: projections, attention over every query-key pair, FFN with "
         "each token's active experts, router, output layer; backward twice the forward) over "
-        "the side's min time, against the peak below. Long context: 3 rounds at most; "
+        "the side's min time, against the peak below (a kernel that skips the causally masked "
+        "half of attention, as PyTorch's SDPA can on CPU, does fewer flops than counted, so "
+        "its fraction reads high where attention is much of the work: the long context). "
+        "Long context: 3 rounds at most; "
         "memory is the first step's peak resident memory (VmHWM) above the resident memory "
         "just before it, after glibc's free pages are returned (benchmarks/rss.py), both "
         "sides in the same fresh process per length, namedmesh's after its compile.",

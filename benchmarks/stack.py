@@ -70,12 +70,13 @@ def jax_libraries() -> str:
 
 
 def describe() -> str:
-    """One line for a table's header: CPU, both sides' libraries, date, load."""
+    """One line for a table's header: CPU, both sides' libraries, the time and load now
+    (a table's, at its end)."""
     import transformers
 
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
         f"CPU: {cpu()}. Libraries: {torch_libraries()}, transformers "
-        f"{transformers.__version__}; {jax_libraries()}. Measured {when}, load "
-        f"average (1/5/15 min) {fair.load()}."
+        f"{transformers.__version__}; {jax_libraries()}. {when}, load average "
+        f"(1/5/15 min) {fair.load()}."
     )
