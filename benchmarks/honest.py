@@ -85,7 +85,7 @@ def progress(what: str, started: float) -> None:
 
 def sections(args, families: list[str], threads: str) -> list[str]:
     """The section's markdown lines, each table measured in turn."""
-    from benchmarks import experts_vs_hf, long_vs_sdpa, peak, stack, train_vs_torch
+    from benchmarks import experts_vs_hf, long_vs_sdpa, peak, rss, stack, train_vs_torch
 
     started, before = time.monotonic(), fair.load()
     progress("the matmul peak", started)
@@ -108,6 +108,7 @@ def sections(args, families: list[str], threads: str) -> list[str]:
         for family in families:
             progress(f"training step, {name}, {family}", started)
             rows[family] = train_vs_torch.row(family, size, args.rounds, peaks["peak"])
+            rss.release()  # the next row, and the long-context processes, need the memory
         lines += [
             f"### Training step, {size}",
             "",

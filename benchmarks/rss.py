@@ -25,7 +25,10 @@ def peak_resident() -> int:
     return int(line.split()[1]) * 1024
 
 
-def _trim() -> None:
+def release() -> None:
+    """Give glibc's free pages back to the system (`malloc_trim`): a benchmark that keeps
+    freed memory (benchmarks/fair.py's `keep_freed_memory`) would otherwise hold its
+    largest step's peak for the rest of the run."""
     libc = ctypes.util.find_library("c")
     if libc:
         trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
@@ -35,7 +38,7 @@ def _trim() -> None:
 
 def step_bytes(step: Callable[[], object]) -> int:
     """Bytes `step()` adds to the resident peak of this process (Linux only)."""
-    _trim()
+    release()
     before = resident()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the resident memory now
