@@ -13,13 +13,14 @@ def hand_count(batch, length, d, heads, kv, hd, ff, mats, vocab, active=1, exper
     t = batch * length
     products = [
         (t, d, heads * hd),  # q
-        (t, d, kv * hd), (t, d, kv * hd),  # k, v
+        (t, d, kv * hd),
+        (t, d, kv * hd),  # k, v
         (t, heads * hd, d),  # output projection
         *[(length, hd, length)] * (batch * heads),  # scores, each sequence and head
         *[(length, length, hd)] * (batch * heads),  # probabilities times values
-        *[(t, d, ff)] * (mats - 1) * active, (t, ff, d) * 1,  # the FFN's in and out
+        *[(t, d, ff)] * ((mats - 1) * active),  # the FFN's in (and gate), each active expert
+        *[(t, ff, d)] * active,  # its out
     ]
-    products += [(t, ff, d)] * (active - 1)  # the other active experts' out matrices
     products += [(t, d, experts)] if experts else []
     layer = sum(2 * m * k * n for m, k, n in products)
     return 3 * (layer + 2 * t * d * vocab)
