@@ -82,7 +82,7 @@ def measure(size: str, layers: int, rounds: int) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.layer_loop", description=__doc__)
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     p.add_argument("--sizes", type=cli.names, default=["small", "realistic"])
     p.add_argument("--layers", type=cli.counts, default=[2, 4, 8, 16])
     p.add_argument("--rounds", type=cli.count, default=3)

@@ -53,7 +53,7 @@ SECTION = "## Long sequences: training-step memory, estimate vs XLA"
 TORCH_SECTION = "## Long sequences: training-step time against PyTorch's SDPA"
 
 
-def _batch(cfg, length: int) -> dict:
+def lm_batch(cfg, length: int) -> dict:
     r = np.random.default_rng(0)
     tok = r.integers(0, cfg.vocab, (1, length + 1)).astype(np.int32)
     ones = np.ones((1, length), np.float32)
@@ -69,7 +69,7 @@ def row(name: str, length: int, attention: str, remat: str, layout: str, run: bo
     cfg = cfg.replace(attention_block=min(512, length))
     sizes, rules = LAYOUTS[layout]
     params = transformer.init(transformer.lm_shapes(cfg), 0)
-    batch = _batch(cfg, length)
+    batch = lm_batch(cfg, length)
     lowered = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh(sizes), rules)
     estimate = lowered.report(params, batch, wrt=0, show=False).peak_memory
     step = jax.jit(jax.value_and_grad(lambda p, b: lowered(p, b).data))
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _gpt2(length: int, folder: str):
+def gpt2_sdpa(length: int, folder: str):
     """The small LM's shape as a transformers GPT-2 with SDPA attention, saved to `folder`."""
     import torch
     import transformers
@@ -215,9 +215,9 @@ def _torch_row(length: int, rounds: int, kinds: list[str]) -> list[str]:
     from models import hub
 
     folder = tempfile.mkdtemp()
-    model = _gpt2(length, folder)
+    model = gpt2_sdpa(length, folder)
     zoo = hub.load(folder)
-    batch = _batch(zoo.config, length)
+    batch = lm_batch(zoo.config, length)
     ids = torch.tensor(np.asarray(batch["inputs"].data), dtype=torch.long)
     targets = torch.tensor(np.asarray(batch["targets"].data), dtype=torch.long)
 
@@ -268,9 +268,9 @@ def memory_vs_torch(lengths: list[int], args) -> int:
 
     for length in lengths:
         folder = tempfile.mkdtemp()
-        _gpt2(length, folder)
+        gpt2_sdpa(length, folder)
         zoo = hub.load(folder)
-        batch = _batch(zoo.config, length)
+        batch = lm_batch(zoo.config, length)
         cells = [str(length)]
         for overrides in KINDS.values():
             cfg = zoo.config.replace(**overrides, attention_block=block_for(length))
@@ -301,7 +301,7 @@ def _torch_peak(length: int) -> int:
 
     import torch
 
-    model = _gpt2(length, tempfile.mkdtemp())
+    model = gpt2_sdpa(length, tempfile.mkdtemp())
     ids = torch.randint(0, 256, (1, length))
     with open("/proc/self/statm") as f:
         before = int(f.read().split()[1]) * resource.getpagesize()

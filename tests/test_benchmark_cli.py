@@ -14,7 +14,6 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unkn
     ("auto_layout", ["--steps", "0"]),
     ("decode", ["--new", "0"]),
     ("decode_latent", ["--rounds", "0"]),
-    ("decode_latent", ["--batches", "1,x"]),
     ("gpu", ["--steps", "-3"]),
     ("zoo_vs_hf", ["--repeats", "0"]),
     ("einsum_emission", ["--repeats", "x"]),
@@ -26,6 +25,7 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unkn
     ("step_movement", ["--layers", "0"]),
     ("layer_loop", ["--sizes", "huge"]),
     ("long_seq", ["--kinds", "fused;flash"]),
+    ("honest", ["--rounds", "0"]),
 ]
 
 

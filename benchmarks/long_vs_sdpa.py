@@ -1,0 +1,150 @@
+"""The long-context training step (loss and gradients of one sequence, no optimizer:
+benchmarks/long_seq.py's GPT-2 shape with PyTorch's SDPA attention) against PyTorch,
+with the zoo's default settings only (whatever `Config` defaults to: its attention
+kernel, layer loop and remat), compile time included, and memory measured the same
+way on both sides (benchmarks/rss.py: the first step's peak resident memory above the
+resident memory before it, in one fresh process per length).
+
+Each length runs in its own process (`python -m benchmarks.honest --long-child LENGTH`)
+under a time limit, so a length whose compile outlasts it is reported, not waited for."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import fair, long_seq, peak, rss
+from benchmarks.memory import peak_bytes
+
+
+def measure(length: int, rounds: int) -> dict:
+    """In this (fresh) process: compile namedmesh's step (timed), each side's first step's
+    memory, the losses checked equal, then both sides alternated."""
+    import jax
+    import torch
+
+    from models import hub, transformer
+
+    folder = tempfile.mkdtemp()
+    model = long_seq.gpt2_sdpa(length, folder)
+    zoo = hub.load(folder)
+    cfg = zoo.config
+    batch = long_seq.lm_batch(cfg, length)
+    ids = torch.tensor(jax.device_get(batch["inputs"].data), dtype=torch.long)
+    targets = torch.tensor(jax.device_get(batch["targets"].data), dtype=torch.long)
+    loss = lambda p, b: transformer.lm_loss(p, b, cfg).data
+    start = time.perf_counter()
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(zoo.params, batch).compile()
+    compile_s = time.perf_counter() - start
+    fits(peak_bytes(compiled), length)
+    ours = lambda: jax.block_until_ready(compiled(zoo.params, batch))
+
+    def theirs():
+        logits = model(ids).logits
+        value = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        value.backward()
+        model.zero_grad(set_to_none=True)
+        return float(value.detach())
+
+    memory = {"namedmesh": rss.step_bytes(ours), "PyTorch SDPA": rss.step_bytes(theirs)}
+    our_loss, their_loss = float(ours()[0]), theirs()
+    if abs(our_loss - their_loss) > 1e-4 * max(1.0, abs(their_loss)):
+        raise SystemExit(f"{length} tokens: loss {our_loss} differs from PyTorch's {their_loss}")
+    times = fair.alternate({"namedmesh": ours, "PyTorch SDPA": theirs}, rounds)
+    settings = (
+        f"attention {cfg.attention}, block {cfg.attention_block}, "
+        + ("layer loop" if cfg.scan_layers else "unrolled")
+        + f", remat {cfg.remat}"
+    )
+    flops = peak.step_flops(peak.shape_of(model.config), 1, length)
+    return {
+        "times": times,
+        "compile": compile_s,
+        "memory": memory,
+        "flops": flops,
+        "settings": settings,
+        "losses": [our_loss, their_loss],
+    }
+
+
+def fits(needs: int, length: int) -> None:
+    """Refuse to run a step whose compiled peak (XLA's memory analysis) is over 80% of
+    the memory the machine has available now: on a shared machine the kernel's
+    out-of-memory killer would pick a process, maybe another's."""
+    with open("/proc/meminfo") as f:
+        avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    if needs > 0.8 * avail:
+        raise SystemExit(
+            f"{length} tokens: the compiled step needs {needs / 2**20:.0f} MiB (XLA's "
+            f"memory analysis), over 80% of the {avail / 2**20:.0f} MiB available"
+        )
+
+
+def run_child(length: int, rounds: int, limit_s: float) -> dict:
+    """`measure(length)` in a fresh process; {"failed": why} where it does not finish
+    within `limit_s` seconds or fails."""
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.honest",
+        "--long-child",
+        str(length),
+        "--rounds",
+        str(rounds),
+    ]
+    root = str(Path(__file__).resolve().parents[1])  # the checkout, under `namedmesh bench` too
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"not done within {limit_s:.0f} s (compile and {rounds} rounds)"}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"failed": f"exit status {done.returncode}: {last[:160]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows: dict[int, dict], peak_gflops: float) -> list[str]:
+    """Markdown lines, a row per length."""
+    head = [
+        "length",
+        "namedmesh settings (defaults)",
+        "namedmesh s",
+        "PyTorch SDPA s",
+        "namedmesh / PyTorch",
+        "compile s",
+        "namedmesh MiB",
+        "PyTorch MiB",
+        "matmul GFLOP",
+        "namedmesh % of peak",
+        "PyTorch % of peak",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for length, r in rows.items():
+        if "failed" in r:
+            lines.append(f"| {length} | not run: {r['failed']} |" + " — |" * (len(head) - 2))
+            continue
+        ours, theirs = r["times"]["namedmesh"], r["times"]["PyTorch SDPA"]
+        pct = lambda ts, r=r: f"{100 * peak.fraction(r['flops'], min(ts), peak_gflops):.0f}%"
+        mib = lambda side, r=r: f"{r['memory'][side] / 2**20:.0f}"
+        cells = [
+            str(length),
+            r["settings"],
+            fair.cell(ours, 1),
+            fair.cell(theirs, 1),
+            fair.ratio(ours, theirs),
+            f"{r['compile']:.1f}",
+            mib("namedmesh"),
+            mib("PyTorch SDPA"),
+            f"{r['flops'] / 1e9:.1f}",
+            pct(ours),
+            pct(theirs),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,111 @@
+"""Rows of the zoo's training step (forward, backward, AdamW) against transformers'
+eager PyTorch, by benchmarks/fair.py's method, at a size: each family's model built by
+transformers (benchmarks/zoo_families.py's configs), loaded into the zoo, its step
+compiled with the zoo's default settings (timed: lower and compile), the first losses
+checked equal, then both steps alternated. Each row also gives the step's matmul
+flops counted from the config (benchmarks/peak.py) and the fraction of the machine's
+matmul peak each side reaches by its min."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from benchmarks import fair, peak, step_movement, zoo_families
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    layers: int
+    d_model: int
+    heads: int
+    vocab: int
+    length: int
+    batch: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: {self.layers} layers, d_model {self.d_model}, {self.heads} "
+            f"heads, vocab {self.vocab}, batch {self.batch} x {self.length} tokens"
+        )
+
+
+SIZES = {
+    "small": Size("small", 2, 256, 8, 8192, 128, 4),
+    "realistic": Size("realistic", 4, 512, 8, 8192, 512, 4),
+}
+FAMILIES = ("llama", "qwen3", "gemma2", "mixtral")
+
+
+def row(family: str, size: Size, rounds: int, peak_gflops: float) -> dict:
+    """One family's measurements: seconds per round of both sides, compile seconds,
+    matmul flops, the first losses."""
+    spec = zoo_families.configs(size.layers, size.d_model, size.heads, size.vocab, size.length)[
+        family
+    ]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, size.vocab, (size.batch, size.length + 1)).astype(np.int32)
+    model, loaded, batch, decodes = zoo_families.built(family, spec, ids[:, :-1])
+    compiled, state, compile_s = step_movement.compiled_step(loaded, batch, ids[:, 1:], {})
+    ours, our_loss = step_movement.timed(compiled, state)
+    torch_step = zoo_families.torch_sides(model, ids[:, :-1], ids[:, 1:], decodes, compile=False)[
+        "PyTorch eager"
+    ][1]
+    their_loss = torch_step()
+    if abs(our_loss - their_loss) > zoo_families.TOLERANCE * max(1.0, abs(their_loss)):
+        raise SystemExit(
+            f"{family} ({size.name}): first loss {our_loss} differs from "
+            f"PyTorch's {their_loss}; timing them would compare two computations"
+        )
+    times = fair.alternate({"namedmesh": ours, "PyTorch eager": torch_step}, rounds)
+    flops = peak.step_flops(peak.shape_of(model.config), size.batch, size.length)
+    return {
+        "times": times,
+        "compile": compile_s,
+        "flops": flops,
+        "peak": peak_gflops,
+        "losses": (our_loss, their_loss),
+        "experts": experts_path(model),
+    }
+
+
+def experts_path(model) -> str:
+    """transformers' experts implementation the model runs ("" for a dense model)."""
+    if not any(getattr(model.config, k, 0) for k in ("num_local_experts", "num_experts")):
+        return ""
+    return getattr(model.config, "_experts_implementation", None) or "?"
+
+
+def table(rows: dict[str, dict]) -> list[str]:
+    """Markdown lines, a row per family."""
+    head = [
+        "family",
+        "namedmesh s",
+        "PyTorch eager s",
+        "namedmesh / PyTorch",
+        "compile s",
+        "matmul GFLOP",
+        "namedmesh % of peak",
+        "PyTorch % of peak",
+        "first loss",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for family, r in rows.items():
+        ours, theirs = r["times"]["namedmesh"], r["times"]["PyTorch eager"]
+        pct = lambda ts, r=r: f"{100 * peak.fraction(r['flops'], min(ts), r['peak']):.0f}%"
+        label = f"{family} (experts: {r['experts']})" if r["experts"] else family
+        cells = [
+            label,
+            fair.cell(ours, 1),
+            fair.cell(theirs, 1),
+            fair.ratio(ours, theirs),
+            f"{r['compile']:.1f}",
+            f"{r['flops'] / 1e9:.1f}",
+            pct(ours),
+            pct(theirs),
+            "{:.5f} / {:.5f}".format(*r["losses"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
