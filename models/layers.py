@@ -348,7 +348,7 @@ def attend_kernel(qkv: tuple, p: dict, cfg: Config, opts: Options) -> nm.Tensor:
 def options(cfg: Config, bias, how: Attend, cached: bool) -> Options:
     """The kernel options of one attention call of cfg's."""
     return Options(
-        bias, how.bias_fn, cfg.attention_factor, cfg.attention_softcap, cfg.attention_block,
+        bias, how.bias_fn, cfg.attention_factor, cfg.parts.attention_softcap, cfg.attention_block,
         cached, *how.masks,
     )  # fmt: skip
 

@@ -188,7 +188,7 @@ def test_configs_hold_the_families_options(loaded):
     assert (c["phi3_window"].sliding_window, c["phi3"].kv_heads) == (5, 4)
     neox = c["gpt_neox"]
     assert neox.block == "parallel" and neox.rope.fraction == 0.5 and not neox.shared_embedding
-    assert (c["opt"].position_offset, c["opt"].ffn, c["opt"].bias) == (2, "relu", True)
+    assert (c["opt"].parts.position_offset, c["opt"].ffn, c["opt"].bias) == (2, "relu", True)
     opt, opt_350m = c["opt"], c["opt_350m"]
     assert (opt.block, opt_350m.block) == ("pre", "post")
     assert (opt.embed_dim, opt_350m.embed_dim, opt_350m.shared_embedding) == (0, 16, False)
@@ -196,7 +196,8 @@ def test_configs_hold_the_families_options(loaded):
     assert c["gemma"].shared_embedding and not c["gemma2"].shared_embedding
     assert c["gemma"].ffn == "gated_gelu" and c["gemma"].block == "pre"
     g2, g3 = c["gemma2"], c["gemma3"]
-    assert (g2.attention_softcap, g2.logit_softcap, g2.attention_scale_dim) == (1.0, 2.0, 10.0)
+    caps = (g2.parts.attention_softcap, g2.parts.logit_softcap, g3.parts.logit_softcap)
+    assert caps == (1.0, 2.0, 2.0) and g2.attention_scale_dim == 10.0
     assert g2.block == "sandwich" and (g2.sliding_window, g2.sliding_layers) == (4, (True, False))
     assert g3.qk_norm and g3.sliding_layers == (True, False, True)
     ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
@@ -226,8 +227,8 @@ def test_roberta_positions_count_past_left_padding(built, loaded):
     got = as_array(loaded["roberta"].logits(ids, attention_mask=mask))[mask == 1]
     want = want.logits.numpy()[mask == 1]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    assert loaded["roberta"].config.position_pad == 1
-    assert loaded["distilbert"].config.type_vocab == 0
+    assert loaded["roberta"].config.parts.position_pad == 1
+    assert "type_embed" not in loaded["distilbert"].params
 
 
 @pytest.mark.parametrize("name", LAYOUT)
