@@ -99,8 +99,6 @@ class Config:
     router_scale: float = 1.0  # the chosen experts' weights times this (routed_scaling_factor)
     expert_ff: int = 0  # the experts' FFN width (0: d_ff)
     shared_ff: int = 0  # > 0: a dense gated FFN this wide beside the experts (shared experts)
-    # the shared experts' output times sigmoid(x . a learned gate) (Qwen2-MoE's shared_expert_gate)
-    shared_gate: bool = False
     dense_layers: int = 0  # the first layers have a dense FFN of d_ff (first_k_dense_replace)
     capacity_factor: float = 1.25  # capacity routing: slots per expert over an even share
     moe_loss: float = 0.01  # weight of the load-balancing loss
@@ -115,7 +113,6 @@ class Config:
     embed_scale: bool = False  # token embeddings x sqrt(d_model), rounded to the compute dtype
     attention_scale_dim: float = 0.0  # > 0: logits q.k * attention_scale_dim**-0.5, not d_kv's
     sliding_layers: tuple[bool, ...] = ()  # the layers sliding_window applies to (): all
-    local_rope: Rope | None = None  # rotary positions of the sliding layers (None: rope)
     # multi-head latent attention (DeepSeek; models/mla.py): queries, keys and values from
     # low-rank latents, d_kv the rotated dims every head's key shares; None: multi-head
     mla: Latent | None = None
@@ -208,8 +205,6 @@ class Config:
                 f"Config.expert_groups={g}, dense_layers={self.dense_layers} and shared_ff="
                 f"{self.shared_ff} are options of a mixture of experts: experts is 0"
             )
-        if self.shared_gate and not self.shared_ff:
-            raise ConfigError("Config.shared_gate gates the shared experts: it needs shared_ff > 0")
         if g > 1 and (e % g or e // g < 2 or not self.topk_groups <= g):
             raise ConfigError(
                 f"Config.expert_groups={g} must divide experts={e} into groups of >= 2 (each "
@@ -241,25 +236,23 @@ class Config:
                 )
 
     def _check_layer_kinds(self):
-        """sliding_layers (one flag per layer) and local_rope need a window to mean
-        something; the scales and caps must not be negative."""
+        """sliding_layers (one flag per layer) need a window to mean something; the
+        scale must not be negative; the family's parts agree with the rest."""
         if self.sliding_layers and len(self.sliding_layers) != self.layers:
             raise ConfigError(
                 f"Config.sliding_layers has {len(self.sliding_layers)} flags for "
                 f"layers={self.layers}: one per layer"
             )
-        if (self.sliding_layers or self.local_rope) and not self.sliding_window:
+        if self.sliding_layers and not self.sliding_window:
             raise ConfigError(
-                "Config.sliding_layers and local_rope say which layers slide: they need "
-                "sliding_window > 0"
+                "Config.sliding_layers say which layers slide: they need sliding_window > 0"
             )
         if self.sliding_layers and self.encoder_layers:
             raise ConfigError(
                 f"Config.sliding_layers with encoder_layers={self.encoder_layers}: per-layer "
                 "windows are implemented for one stack of `layers` (decoder-only models)"
             )
-        if self.local_rope is not None and not self.sliding_layers:
-            raise ConfigError("Config.local_rope needs sliding_layers (which layers are local)")
+        self.parts.check(self)
         if self.attention_scale_dim < 0:
             raise ConfigError(
                 f"Config.attention_scale_dim={self.attention_scale_dim} must be >= 0 (0: none)"

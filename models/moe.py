@@ -14,7 +14,8 @@
   carries the token). The slots are one-hot dispatch and combine einsums.
 
 A shared expert (cfg.shared_ff; Qwen2-MoE, DeepSeek) is an FFN every token passes,
-added to the routed experts' output, gated by a sigmoid where cfg.shared_gate.
+added to the routed experts' output, as the family's parts take it (Qwen2-MoE's gate:
+models/families/qwen2_moe.py).
 
 The router's weights (cfg.router): topk_softmax, the softmax over the chosen experts'
 logits (Mixtral; Qwen-MoE's `norm_topk_prob`), or softmax_topk, the softmax over all
@@ -50,9 +51,8 @@ def moe_params(cfg: Config) -> dict:
     if ROUTERS[cfg.router].biased:
         p["gate_bias"] = Param({"experts": e}, "zeros")
     if cfg.shared_ff:
-        p["shared"] = ffn_params(cfg.replace(d_ff=cfg.shared_ff))
-    if cfg.shared_gate:
-        p["shared"]["gate"] = Param({"d_model": d}, d**-0.5)
+        shared = cfg.replace(d_ff=cfg.shared_ff)
+        p["shared"] = ffn_params(shared) | cfg.parts.shared_expert_shapes(shared)
     return p
 
 
@@ -139,12 +139,9 @@ def expert_ffn(x: nm.Tensor, p: dict, cfg: Config, project) -> nm.Tensor:
 
 
 def shared_expert(x: nm.Tensor, p: dict, cfg: Config) -> nm.Tensor:
-    """The shared experts' FFN of every token, times sigmoid(x . gate) where they have a
-    gate (cfg.shared_gate: Qwen2-MoE's shared_expert_gate)."""
-    y = ffn(x, p, cfg)
-    if "gate" not in p:
-        return y
-    return y * nm.sigmoid(nm.einsum(x, p["gate"], out=x.dims[:-1]))
+    """The shared experts' FFN of every token, as the family's parts take it (Qwen2-MoE's
+    sigmoid gate: models.parts.Parts.shared_expert)."""
+    return cfg.parts.shared_expert(x, p, ffn(x, p, cfg))
 
 
 def dropless(x, p, cfg, choice, weight, before):

@@ -33,6 +33,7 @@ class Parts:
 
     attention_softcap: ClassVar[float] = 0.0
     position_offset: ClassVar[int] = 0
+    ropes: ClassVar[tuple] = ()  # the Ropes the family rotates by besides Config.rope
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -64,6 +65,23 @@ class Parts:
     def embed_extras(self, params: dict, x: nm.Tensor, token_types=None) -> nm.Tensor:
         """The embeddings after positions, before their norm (BERT adds token types)."""
         return x
+
+    def check(self, cfg) -> None:
+        """ConfigError where these parts contradict the rest of `cfg` (Config calls it)."""
+
+    def layer_constants(self, cfg, seq_len: int) -> dict:
+        """What differs between the layers of a stack (models.layers.layer_constants,
+        where cfg.sliding_layers) besides their windows: {name: Tensor over layers}."""
+        return {}
+
+    def shared_expert_shapes(self, cfg) -> dict:
+        """The family's own parameters of a mixture's shared experts (cfg.d_ff: their
+        width), beside their FFN's."""
+        return {}
+
+    def shared_expert(self, x: nm.Tensor, p: dict, y: nm.Tensor) -> nm.Tensor:
+        """The shared experts' output `y` of input `x` (their parameters `p`)."""
+        return y
 
     def residual(self, y: nm.Tensor) -> nm.Tensor:
         """A sublayer's output as it joins the residual stream."""

@@ -200,7 +200,7 @@ def test_configs_hold_the_families_options(loaded):
     assert caps == (1.0, 2.0, 2.0) and g2.attention_scale_dim == 10.0
     assert g2.block == "sandwich" and (g2.sliding_window, g2.sliding_layers) == (4, (True, False))
     assert g3.qk_norm and g3.sliding_layers == (True, False, True)
-    ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
+    ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.parts.local_rope.theta)
     assert ropes == ("linear", 4.0, 500.0, 50.0)
     mx, q2, q3 = c["mixtral"], c["qwen2_moe"], c["qwen3_moe"]
     assert (mx.experts, mx.experts_per_token, mx.router, mx.sliding_window) == (
@@ -209,7 +209,7 @@ def test_configs_hold_the_families_options(loaded):
         "topk_softmax",
         4,
     )
-    assert (q2.d_ff, q2.expert_ff, q2.shared_ff, q2.shared_gate) == (64, 16, 24, True)
+    assert (q2.d_ff, q2.expert_ff, q2.shared_ff, q2.parts.shared_gate) == (64, 16, 24, True)
     assert q2.qkv_bias and q3.qk_norm and (q2.router, q3.router) == ("softmax_topk", "topk_softmax")
     assert (q2.dense_layers, q3.dense_layers, q3.shared_ff) == (0, 1, 0)
     # the balancing loss weighs in where transformers adds it (output_router_logits)
@@ -427,7 +427,7 @@ def test_a_qwen2_moe_without_a_shared_expert_equals_transformers(built, tmp_path
     model.save_pretrained(tmp_path / "hf")
     want = hf_logits(model)
     zoo = hub.load(tmp_path / "hf")
-    assert (zoo.config.shared_ff, zoo.config.shared_gate) == (0, False)
+    assert (zoo.config.shared_ff, zoo.config.parts.shared_gate) == (0, False)
     assert_close(as_array(zoo.logits(IDS, attention_mask=MASK)), want)
     hub.save(zoo, tmp_path / "out")
     assert_close(hf_logits(cls.from_pretrained(tmp_path / "out").eval()), want)
@@ -483,7 +483,8 @@ def test_older_gemma_config_files_read_as_transformers_reads_them():
     assert cfg.sliding_layers == tuple(k == "sliding_attention" for k in want.layer_types)
     full, local = want.rope_parameters["full_attention"], want.rope_parameters["sliding_attention"]
     assert (cfg.rope.kind, cfg.rope.factor, cfg.rope.theta) == ("linear", 8.0, full["rope_theta"])
-    assert (cfg.local_rope.kind, cfg.local_rope.theta) == ("default", local["rope_theta"])
+    local_rope = cfg.parts.local_rope
+    assert (local_rope.kind, local_rope.theta) == ("default", local["rope_theta"])
     gemma = dict(sizes, model_type="gemma", hidden_act="gelu", hidden_activation=None)
     assert transformers.GemmaConfig(**gemma).hidden_act == "gelu_pytorch_tanh"
     assert hub.family_config("gemma", dict(gemma), set()).ffn == "gated_gelu"  # tanh
@@ -501,6 +502,32 @@ def test_older_gemma_config_files_read_as_transformers_reads_them():
 def test_per_layer_options_that_contradict_are_config_errors(options, match):
     with pytest.raises(ConfigError, match=match):
         Config(layers=2, **options)
+
+
+def test_family_options_keep_their_old_config_spellings():
+    """The options that moved from Config into their family's parts (models/parts.py)
+    are still set by their old names (a run.json's --set, Config(...)); a misspelt one
+    gets the closest name, and one the config's family lacks names the family it is
+    of. The hub's builder records each model's family."""
+    from models import config
+
+    gemma2, opt = config.get("gemma-2-2b"), config.get("opt-125m")
+    assert (gemma2.family, opt.family, config.get("bert-base-uncased").family) == (
+        "gemma2", "opt", "bert",
+    )  # fmt: skip
+    sets = config.parse_overrides(["logit_softcap=5", "attention_softcap=2.5"])
+    changed = gemma2.replace(**sets)
+    assert (changed.parts.logit_softcap, changed.parts.attention_softcap) == (5.0, 2.5)
+    assert changed.family == "gemma2" and changed.parts.__class__ is gemma2.parts.__class__
+    offset = opt.replace(**config.parse_overrides(["position_offset=3"]))
+    assert offset.parts.position_offset == 3 and offset.ffn == "relu"
+    assert Config(type_vocab=3).parts.type_vocab == 3  # a plain config takes BERT's types
+    with pytest.raises(ConfigError, match="did you mean 'logit_softcap'"):
+        config.parse_overrides(["logit_softcp=5"])
+    with pytest.raises(ConfigError, match="did you mean 'position_offset'"):
+        Config(position_ofset=2)
+    with pytest.raises(ConfigError, match="logit_softcap.*models.families.gemma2"):
+        opt.replace(logit_softcap=1.0)
 
 
 def test_gemma_folders_that_would_compute_otherwise_are_refused(built, tmp_path):
