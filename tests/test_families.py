@@ -107,6 +107,10 @@ def cases():
             **llama, head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.02,
             mlp_only_layers=[0])),
+        # Llama's body with Granite's four multipliers, none of them 1
+        "granite": (T.GraniteForCausalLM, T.GraniteConfig(
+            **llama, embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5,
+            logits_scaling=4.0)),
         # masked LMs: 4 heads, so a layout splits them over 4 devices; IDS hold pad id 1
         "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(**encoder, type_vocab_size=1)),
         "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig(

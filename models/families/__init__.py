@@ -17,6 +17,7 @@ from models.families import (
     gemma3_text,
     gpt2,
     gpt_neox,
+    granite,
     llama,
     mistral,
     mixtral,
