@@ -77,11 +77,9 @@ def cases():
         "opt": (T.OPTForCausalLM, T.OPTConfig(**opt)),
         "opt_350m": (T.OPTForCausalLM, T.OPTConfig(
             **opt, do_layer_norm_before=False, word_embed_proj_dim=16, tie_word_embeddings=False)),
-        # tied, as Gemma's checkpoints are; untied for greedy decoding, because a tiny tied
-        # Gemma (embeddings x sqrt(d_model)) repeats its last token whatever the weights
+        # tied, as Gemma's checkpoints are (a tiny tied Gemma, its embeddings x sqrt(d_model),
+        # repeats its last token whatever the weights: Gemma 2 and 3 decode untied)
         "gemma": (T.GemmaForCausalLM, T.GemmaConfig(**llama, head_dim=12)),
-        "gemma_untied": (T.GemmaForCausalLM, T.GemmaConfig(
-            **llama, head_dim=12, tie_word_embeddings=False)),
         # caps that bite (logits reach ~2), a sliding layer then a global one; untied (above)
         "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config(
             **llama, head_dim=12, sliding_window=4, tie_word_embeddings=False,
@@ -120,17 +118,19 @@ def cases():
 # fmt: on
 
 
-# Every causal family decodes (one compile each) and every family runs under a layout,
-# choosing the case where it differs most: llama3's scaling and tied embeddings,
+# The causal families decode (one compile each) and every family runs under a layout,
+# choosing the case where it differs most (Gemma's and Granite's options decode in other
+# cases: Gemma 2 and 3 are built on Gemma's, and a family's parts are the same calls in
+# a pass and in a decoding step): llama3's scaling and tied embeddings,
 # Mistral's window past its size, Qwen2's biases and yarn, Qwen3's q/k norms and head_dim,
 # Phi-3's longrope and GPT-NeoX's partial rotary and parallel residual in the cache, OPT's
-# offset positions, post-norm and projected embeddings in a decoding step, Gemma's scaled
-# embeddings and offset norms, Gemma 2's caps and per-layer windows, Gemma 3's per-layer
+# offset positions, post-norm and projected embeddings in a decoding step, Gemma 2's scaled
+# embeddings, offset norms, caps and per-layer windows, Gemma 3's per-layer
 # rotary bases; under a layout: Phi-3's unequal q/k/v parts over kv_heads, GPT-NeoX's
 # per-head q/k/v over heads, OPT's biases and positions, the windows and caps, Gemma 3's
 # per-layer constants, the encoders' heads.
 GREEDY = ["llama3", "mistral", "qwen2", "qwen3", "phi3_window", "gpt_neox", "opt_350m"]
-GREEDY += ["gemma_untied", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
+GREEDY += ["gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]  # under an expert-parallel layout
 LAYOUT = ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "opt", "gemma", "gemma2"]
 LAYOUT += ["gemma3", "roberta", "distilbert"]
