@@ -42,7 +42,6 @@ _AT_LEAST = {
     **dict.fromkeys(("batch", "attention_block"), 1),
     **dict.fromkeys(("relative_bias", "max_positions", "kv_heads", "relative_buckets"), 0),
     **dict.fromkeys(("experts", "encoder_layers"), 0),
-    **dict.fromkeys(("expert_groups", "topk_groups"), 1),
     **dict.fromkeys(("expert_ff", "shared_ff", "dense_layers"), 0),
 }
 AT_MOST = 10**9  # every size of a Config: beyond any model (and jax's int32 shapes' reach)
@@ -94,9 +93,6 @@ class Config:
     router: str = "topk_softmax"  # topk_softmax (chosen weights sum to 1) | softmax_topk
     # | sigmoid_topk (sigmoid scores, chosen by score + a learned bias: DeepSeek-V3) |
     # sigmoid_topk_norm (the chosen scores normed to sum to 1)
-    expert_groups: int = 1  # > 1: a token's experts come from its best `topk_groups` groups
-    topk_groups: int = 1  # groups ranked by their two best scores (DeepSeek's n_group)
-    router_scale: float = 1.0  # the chosen experts' weights times this (routed_scaling_factor)
     expert_ff: int = 0  # the experts' FFN width (0: d_ff)
     shared_ff: int = 0  # > 0: a dense gated FFN this wide beside the experts (shared experts)
     dense_layers: int = 0  # the first layers have a dense FFN of d_ff (first_k_dense_replace)
@@ -197,23 +193,12 @@ class Config:
         self._check_experts()
 
     def _check_experts(self):
-        """Expert groups that divide the experts and hold what a token chooses; dense
-        layers before mixture-of-experts ones, in one decoder stack."""
-        e, g, k = self.experts, self.expert_groups, self.experts_per_token
-        if (g > 1 or self.dense_layers or self.shared_ff) and not e:
+        """Dense layers before mixture-of-experts ones, in one decoder stack (a family's
+        routing options are its parts': their `check`)."""
+        if (self.dense_layers or self.shared_ff) and not self.experts:
             raise ConfigError(
-                f"Config.expert_groups={g}, dense_layers={self.dense_layers} and shared_ff="
-                f"{self.shared_ff} are options of a mixture of experts: experts is 0"
-            )
-        if g > 1 and (e % g or e // g < 2 or not self.topk_groups <= g):
-            raise ConfigError(
-                f"Config.expert_groups={g} must divide experts={e} into groups of >= 2 (each "
-                f"ranked by its two best), with topk_groups={self.topk_groups} <= {g}"
-            )
-        if g > 1 and k > self.topk_groups * (e // g):
-            raise ConfigError(
-                f"Config.experts_per_token={k} exceeds the experts of topk_groups="
-                f"{self.topk_groups} groups of {e // g}"
+                f"Config.dense_layers={self.dense_layers} and shared_ff={self.shared_ff} are "
+                "options of a mixture of experts: experts is 0"
             )
         if self.dense_layers and (self.dense_layers > self.layers or self.sliding_layers
                                   or self.encoder_layers):  # fmt: skip

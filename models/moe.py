@@ -98,21 +98,20 @@ def route(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor, nm.
     """(choice (batch, length, choices) int32, weight (batch, length, choices), probs
     (batch, length, experts)) for x (batch, length, d_model): the top-k experts of the
     router's scores (plus gate_bias, for choosing only; within the best groups when
-    cfg.expert_groups > 1), weighted by cfg.router's rule times cfg.router_scale, in
-    float32 whatever the compute dtype."""
+    the family's parts limit them: DeepSeek's groups), weighted by cfg.router's rule as
+    the parts take the weights (DeepSeek's scale), in float32 whatever the compute dtype."""
     gate = nm.einsum(
         x, p["gate"], out=("batch", "length", "experts"), preferred_element_type=np.float32
     )
     router, k = ROUTERS[cfg.router], cfg.experts_per_token
     probs = router.score(gate)
     pick = probs + p["gate_bias"] if "gate_bias" in p else probs
-    if cfg.expert_groups > 1:
-        pick = within_groups(pick, cfg.expert_groups, cfg.topk_groups)
+    pick = cfg.parts.route_pick(pick)
     top, choice = nm.top_k(pick, "experts", k, "choices")
     if pick is not probs:  # weights are the scores, not what chose
         top = (nm.one_hot(choice, "experts", cfg.experts, np.float32) * probs).sum("experts")
     weight = router.weights(top)
-    return choice, weight * cfg.router_scale if cfg.router_scale != 1 else weight, probs
+    return choice, cfg.parts.route_weights(weight), probs
 
 
 def within_groups(pick: nm.Tensor, groups: int, best: int) -> nm.Tensor:

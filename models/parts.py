@@ -83,6 +83,19 @@ class Parts:
         """The shared experts' output `y` of input `x` (their parameters `p`)."""
         return y
 
+    def route_pick(self, pick: nm.Tensor) -> nm.Tensor:
+        """A mixture's router scores (.., experts) that its top-k chooses from."""
+        return pick
+
+    def route_weights(self, weight: nm.Tensor) -> nm.Tensor:
+        """A mixture's weights of the chosen experts (.., choices)."""
+        return weight
+
+    def dense(self) -> Parts:
+        """The parts of the dense stack before a mixture's layers (transformer.
+        dense_config): these, less what only routing reads."""
+        return self
+
     def residual(self, y: nm.Tensor) -> nm.Tensor:
         """A sublayer's output as it joins the residual stream."""
         return y

@@ -103,7 +103,7 @@ def lm_shapes(cfg: Config) -> dict:
 
 def dense_config(cfg: Config) -> Config:
     """The Config of the dense stack before the mixture-of-experts layers (dense_layers)."""
-    return cfg.replace(experts=0, dense_layers=0, expert_groups=1, shared_ff=0)
+    return cfg.replace(experts=0, dense_layers=0, shared_ff=0, parts=cfg.parts.dense())
 
 
 def encdec_shapes(cfg: Config) -> dict:
