@@ -50,6 +50,9 @@ def configs(layers: int, d: int, heads: int, vocab: int, length: int) -> dict:
             vocab_size=vocab, hidden_size=d, ffn_dim=ff, num_hidden_layers=layers,
             num_attention_heads=heads, max_position_embeddings=length, pad_token_id=1)),
         "gemma": ("GemmaForCausalLM", "GemmaConfig", gemma),
+        "granite": ("GraniteForCausalLM", "GraniteConfig", dict(
+            llama, embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5,
+            logits_scaling=4.0)),
         "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {
             **gemma, **window, "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0}),

@@ -177,9 +177,11 @@ def cached_mlp(x, p: dict, ctx: Context, cache: dict, position):
 
 
 def _drop(ctx: Context, i: int) -> Callable:
-    """Sublayer i's dropout (keys 1, 2, 3: attention, cross-attention, MLP)."""
+    """Sublayer i's output as it joins the residual stream: as the family's parts take
+    it (Granite's residual_multiplier), then its dropout (keys 1, 2, 3: attention,
+    cross-attention, MLP)."""
     key = None if ctx.key is None else nm.random.fold_in(ctx.key, i)
-    return lambda y: dropout(y, ctx.cfg.dropout, key)
+    return lambda y: dropout(ctx.cfg.parts.residual(y), ctx.cfg.dropout, key)
 
 
 def _compose(h, p: dict, ctx: Context, sublayers: list):

@@ -3,9 +3,10 @@ LM1B language models `lm1b_m1` ... `lm1b_5` (tensor2tensor's `mtf_transformer_pa
 d_model 1024, d_kv 256, 6 layers, heads 8·2^k, d_ff 8192·2^k, unshared embeddings,
 a 32768-token vocabulary; 0.14B to 4.90B parameters), each with the paper's mesh and
 layout; and the shapes of the checkpoints people bring (`gpt2`, `gpt2-medium`,
-`tinyllama-1.1b`, `llama3-8b`, `llama3-70b`, `llama3-405b`, `t5-small`, `t5-base`, `t5-v1_1-small`,
-`bert-base-uncased`; see models/hub.py); `configs()` adds the newer families' canonical
-checkpoints (`mistral-7b`, `qwen3-8b`, `gemma-2-9b`, ...: each family module's NAMED)."""
+`tinyllama-1.1b`, `llama3-8b`, `llama3-70b`, `llama3-405b`, `t5-small`, `t5-base`,
+`t5-v1_1-small`; see models/hub.py); `configs()` adds the families' canonical checkpoints
+(`bert-base-uncased`, `mistral-7b`, `qwen3-8b`, `gemma-2-9b`, ...: each family module's
+NAMED)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from models.kernels import KERNELS
 from models.latent import Latent
+from models.parts import Parts, field_types, with_options
 from models.residual import COMPOSITIONS
 from models.rope import Rope, rotary_dims
 from models.run_settings import FIELDS as RUN_FIELDS
@@ -39,8 +41,7 @@ _AT_LEAST = {
     **dict.fromkeys(("vocab", "d_model", "heads", "d_kv", "d_ff", "layers", "length"), 1),
     **dict.fromkeys(("batch", "attention_block"), 1),
     **dict.fromkeys(("relative_bias", "max_positions", "kv_heads", "relative_buckets"), 0),
-    **dict.fromkeys(("type_vocab", "experts", "encoder_layers"), 0),
-    **dict.fromkeys(("expert_groups", "topk_groups"), 1),
+    **dict.fromkeys(("experts", "encoder_layers"), 0),
     **dict.fromkeys(("expert_ff", "shared_ff", "dense_layers"), 0),
 }
 AT_MOST = 10**9  # every size of a Config: beyond any model (and jax's int32 shapes' reach)
@@ -75,7 +76,6 @@ class Config:
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys over d_kv (Qwen3)
     sliding_window: int = 0  # > 0: a query sees the last `sliding_window` keys (Mistral)
-    attention_softcap: float = 0.0  # > 0: attention logits -> cap * tanh(logits / cap)
     scale_tied_logits: bool = True  # tied softmax: logits of x * d_model**-0.5
     attention_scale: bool = True  # logits q.k * d_kv**-0.5 (False: T5's unscaled)
     positions: str = "learned"  # learned (absolute, max_positions of them) | rotary | none
@@ -84,12 +84,8 @@ class Config:
     kv_heads: int = 0  # > 0: grouped-query attention, dims kv_heads and q_per_kv
     relative_buckets: int = 0  # > 0: T5's log-bucketed relative bias, one table per stack
     relative_max_distance: int = 128
-    type_vocab: int = 0  # > 0: token-type embeddings (BERT)
     embed_norm: bool = False  # a norm after the embeddings (BERT)
     mlm_head: bool = False  # BERT's MLM head: dense, activation, norm, then a vocab bias
-    # >= 0: positions count the tokens that are not this id (RoBERTa's padding_idx): a
-    # token reads row position_pad + (such tokens up to it), one of this id row position_pad
-    position_pad: int = -1
     dropout: float = 0.0
     experts: int = 0  # > 0: mixture-of-experts FFN (docs/models.md, "Mixture of experts")
     experts_per_token: int = 2  # k: the experts each token reaches
@@ -97,13 +93,8 @@ class Config:
     router: str = "topk_softmax"  # topk_softmax (chosen weights sum to 1) | softmax_topk
     # | sigmoid_topk (sigmoid scores, chosen by score + a learned bias: DeepSeek-V3) |
     # sigmoid_topk_norm (the chosen scores normed to sum to 1)
-    expert_groups: int = 1  # > 1: a token's experts come from its best `topk_groups` groups
-    topk_groups: int = 1  # groups ranked by their two best scores (DeepSeek's n_group)
-    router_scale: float = 1.0  # the chosen experts' weights times this (routed_scaling_factor)
     expert_ff: int = 0  # the experts' FFN width (0: d_ff)
     shared_ff: int = 0  # > 0: a dense gated FFN this wide beside the experts (shared experts)
-    # the shared experts' output times sigmoid(x . a learned gate) (Qwen2-MoE's shared_expert_gate)
-    shared_gate: bool = False
     dense_layers: int = 0  # the first layers have a dense FFN of d_ff (first_k_dense_replace)
     capacity_factor: float = 1.25  # capacity routing: slots per expert over an even share
     moe_loss: float = 0.01  # weight of the load-balancing loss
@@ -111,21 +102,29 @@ class Config:
     # the run's settings (models/run_settings.py: dtype, remat, scan_layers, attention,
     # attention_block, mesh, layout), not the architecture's; read as cfg.dtype, ...
     run: Run = Run()
-    position_offset: int = 0  # learned positions: position p reads row p + offset (OPT: 2)
     # > 0: token embeddings of this width (dim d_embed), projected in to d_model before the
     # stack and out of it after (OPT's word_embed_proj_dim: project_in, project_out)
     embed_dim: int = 0
     # --- Gemma 1-3's options (models/families/gemma*.py); defaults keep the zoo's
     embed_scale: bool = False  # token embeddings x sqrt(d_model), rounded to the compute dtype
     attention_scale_dim: float = 0.0  # > 0: logits q.k * attention_scale_dim**-0.5, not d_kv's
-    logit_softcap: float = 0.0  # > 0: final logits -> cap * tanh(logits / cap)
     sliding_layers: tuple[bool, ...] = ()  # the layers sliding_window applies to (): all
-    local_rope: Rope | None = None  # rotary positions of the sliding layers (None: rope)
     # multi-head latent attention (DeepSeek; models/mla.py): queries, keys and values from
     # low-rank latents, d_kv the rotated dims every head's key shares; None: multi-head
     mla: Latent | None = None
+    # the Hugging Face model_type the model is of (models/families/; "": the zoo's own),
+    # recorded by models.hub's family builder
+    family: str = ""
+    # the family's own parts (models/parts.py): its options as fields of a Parts record
+    # that its module defines, hooks the shared forward pass calls (Parts(): none)
+    parts: Parts = Parts()
 
     def __post_init__(self):
+        if not isinstance(self.parts, Parts):
+            raise ConfigError(
+                f"Config.parts must be a models.parts.Parts (a family's parts), got "
+                f"{type(self.parts).__name__}"
+            )
         choices = {
             "norm": NORMS,
             "block": tuple(COMPOSITIONS),
@@ -167,11 +166,8 @@ class Config:
             )
         if self.kv_heads and (self.relative_bias or self.relative_buckets):
             raise ConfigError("relative position biases are per `heads`; kv_heads must be 0")
-        if self.sliding_window < 0 or self.attention_softcap < 0:
-            raise ConfigError(
-                f"Config.sliding_window={self.sliding_window} and attention_softcap="
-                f"{self.attention_softcap} must be >= 0 (0: none)"
-            )
+        if self.sliding_window < 0:
+            raise ConfigError(f"Config.sliding_window={self.sliding_window} must be >= 0 (0: none)")
         if self.attention == "ring" and self.relative_buckets:
             # T5's bias is one (heads, length, memory) table for the whole stack, which a
             # ring cannot pass round with its key blocks (ring_attend refuses it)
@@ -199,25 +195,12 @@ class Config:
         self._check_experts()
 
     def _check_experts(self):
-        """Expert groups that divide the experts and hold what a token chooses; dense
-        layers before mixture-of-experts ones, in one decoder stack."""
-        e, g, k = self.experts, self.expert_groups, self.experts_per_token
-        if (g > 1 or self.dense_layers or self.shared_ff) and not e:
+        """Dense layers before mixture-of-experts ones, in one decoder stack (a family's
+        routing options are its parts': their `check`)."""
+        if (self.dense_layers or self.shared_ff) and not self.experts:
             raise ConfigError(
-                f"Config.expert_groups={g}, dense_layers={self.dense_layers} and shared_ff="
-                f"{self.shared_ff} are options of a mixture of experts: experts is 0"
-            )
-        if self.shared_gate and not self.shared_ff:
-            raise ConfigError("Config.shared_gate gates the shared experts: it needs shared_ff > 0")
-        if g > 1 and (e % g or e // g < 2 or not self.topk_groups <= g):
-            raise ConfigError(
-                f"Config.expert_groups={g} must divide experts={e} into groups of >= 2 (each "
-                f"ranked by its two best), with topk_groups={self.topk_groups} <= {g}"
-            )
-        if g > 1 and k > self.topk_groups * (e // g):
-            raise ConfigError(
-                f"Config.experts_per_token={k} exceeds the experts of topk_groups="
-                f"{self.topk_groups} groups of {e // g}"
+                f"Config.dense_layers={self.dense_layers} and shared_ff={self.shared_ff} are "
+                "options of a mixture of experts: experts is 0"
             )
         if self.dense_layers and (self.dense_layers > self.layers or self.sliding_layers
                                   or self.encoder_layers):  # fmt: skip
@@ -240,29 +223,26 @@ class Config:
                 )
 
     def _check_layer_kinds(self):
-        """sliding_layers (one flag per layer) and local_rope need a window to mean
-        something; the scales and caps must not be negative."""
+        """sliding_layers (one flag per layer) need a window to mean something; the
+        scale must not be negative; the family's parts agree with the rest."""
         if self.sliding_layers and len(self.sliding_layers) != self.layers:
             raise ConfigError(
                 f"Config.sliding_layers has {len(self.sliding_layers)} flags for "
                 f"layers={self.layers}: one per layer"
             )
-        if (self.sliding_layers or self.local_rope) and not self.sliding_window:
+        if self.sliding_layers and not self.sliding_window:
             raise ConfigError(
-                "Config.sliding_layers and local_rope say which layers slide: they need "
-                "sliding_window > 0"
+                "Config.sliding_layers say which layers slide: they need sliding_window > 0"
             )
         if self.sliding_layers and self.encoder_layers:
             raise ConfigError(
                 f"Config.sliding_layers with encoder_layers={self.encoder_layers}: per-layer "
                 "windows are implemented for one stack of `layers` (decoder-only models)"
             )
-        if self.local_rope is not None and not self.sliding_layers:
-            raise ConfigError("Config.local_rope needs sliding_layers (which layers are local)")
-        if self.attention_scale_dim < 0 or self.logit_softcap < 0:
+        self.parts.check(self)
+        if self.attention_scale_dim < 0:
             raise ConfigError(
-                f"Config.attention_scale_dim={self.attention_scale_dim} and logit_softcap="
-                f"{self.logit_softcap} must be >= 0 (0: none)"
+                f"Config.attention_scale_dim={self.attention_scale_dim} must be >= 0 (0: none)"
             )
 
     def replace(self, **changes) -> Config:
@@ -291,8 +271,10 @@ class Config:
     @property
     def attention_factor(self) -> float:
         """The attention logits' factor: d_kv**-0.5 (attention_scale_dim**-0.5 where set;
-        1 where attention_scale is False: T5's unscaled logits)."""
-        return (self.attention_scale_dim or self.d_kv) ** -0.5 if self.attention_scale else 1.0
+        1 where attention_scale is False: T5's unscaled logits), as the family's parts
+        take it (Granite's attention_multiplier replaces it)."""
+        plain = (self.attention_scale_dim or self.d_kv) ** -0.5 if self.attention_scale else 1.0
+        return self.parts.attention_factor(plain)
 
     @property
     def q_per_kv(self) -> int:
@@ -311,18 +293,41 @@ class Config:
 def _taking_run_settings_by_name(cls):
     """`cls` whose constructor (and so dataclasses.replace) also takes the run's settings
     by name, as when they were Config fields: Config(dtype="bfloat16") is Config(run=
-    Run(dtype="bfloat16")), applied over `run` when both are given."""
+    Run(dtype="bfloat16")), applied over `run` when both are given; and a family's
+    options by name, as when they were Config fields (Config(logit_softcap=30.0): set on
+    `parts`, models.parts.with_options)."""
     made = cls.__init__
+    own = {f.name for f in dataclasses.fields(cls)}
 
     @functools.wraps(made)
     def __init__(self, *args, **fields):
         settings = {k: fields.pop(k) for k in RUN_FIELDS if k in fields}
         if settings:
             fields["run"] = dataclasses.replace(fields.get("run", Run()), **settings)
+        if options := {k: fields.pop(k) for k in list(fields) if k not in own}:
+            fields["parts"] = _parts_with(fields.get("parts", Parts()), options)
         made(self, *args, **fields)
 
     cls.__init__ = __init__
     return cls
+
+
+def _parts_with(parts: Parts, options: dict) -> Parts:
+    """`parts` with a family's `options` set; ConfigError naming an option no Config
+    field and no family's parts have (with the closest Config field), or one these
+    parts lack."""
+    import difflib
+
+    try:
+        return with_options(parts, options)
+    except KeyError as e:
+        names = [f.name for f in dataclasses.fields(Config)] + list(RUN_FIELDS)
+        names += list(field_types())
+        near = difflib.get_close_matches(e.args[0], names, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"Config has no field {e.args[0]!r}{hint}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"Config's family options {options}: {e}") from None
 
 
 Config = _taking_run_settings_by_name(Config)
@@ -376,6 +381,7 @@ def _gpt2(d_model: int, heads: int, layers: int) -> Config:
         norm_eps=1e-5,
         bias=True,
         scale_tied_logits=False,
+        family="gpt2",
     )
 
 
@@ -389,6 +395,7 @@ def _llama(**sizes) -> Config:
         shared_embedding=False,
         scale_tied_logits=False,
         positions="rotary",
+        family="llama",
     )
 
 
@@ -412,6 +419,7 @@ def _t5(d_model: int, heads: int, d_ff: int, layers: int, v1_1: bool = False) ->
         positions="none",
         relative_buckets=32,
         relative_max_distance=128,
+        family="t5",
     )
 
 
@@ -441,25 +449,6 @@ ECOSYSTEM: dict[str, Config] = {
     "t5-small": _t5(512, 8, 2048, 6),
     "t5-base": _t5(768, 12, 3072, 12),
     "t5-v1_1-small": _t5(512, 6, 1024, 8, v1_1=True),
-    "bert-base-uncased": Config(
-        vocab=30522,
-        d_model=768,
-        heads=12,
-        d_kv=64,
-        d_ff=3072,
-        layers=12,
-        length=512,
-        max_positions=512,
-        batch=8,
-        ffn="gelu_exact",
-        norm_eps=1e-12,
-        block="post",
-        bias=True,
-        scale_tied_logits=False,
-        type_vocab=2,
-        embed_norm=True,
-        mlm_head=True,
-    ),
 }
 
 CONFIGS: dict[str, Config] = {
@@ -529,6 +518,8 @@ def parse_overrides(items: list[str]) -> dict:
 
     hints = typing.get_type_hints(Config) | typing.get_type_hints(Run)
     del hints["run"]  # its fields are set by name
+    # a family's options (its parts' fields: models/parts.py), set by name as before
+    hints |= {name: kind for name, (_, kind) in field_types().items() if name not in hints}
     out = {}
     for item in items:
         name, eq, text = item.partition("=")

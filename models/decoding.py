@@ -182,8 +182,7 @@ def decode_step(
     params = unstacked(transformer.compute_params(params, cfg))
     x = transformer.embed_tokens(params, tokens, cfg)
     if "pos" in params:
-        at = position + cfg.position_offset if cfg.position_offset else position
-        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", at)
+        x = x + cfg.parts.positions(params["pos"], tokens, position)
     x = transformer.embed_extras(params, x, cfg)
     x, cache = _run_layers(params, x, cfg, layer_caches(cache), position, encoded)
     logits = transformer.output_logits(params, x, cfg).sum("length")

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from models import cluster
+from models.parts import Parts
 from models.source import add_source, hub_base, resolve
 from models.train import Parser, fail, user_errors
 from namedmesh.errors import NamedMeshError
@@ -59,7 +60,7 @@ GPT2_FIELDS = {
     "qkv_bias": False,
     "qk_norm": False,
     "sliding_window": 0,
-    "attention_softcap": 0.0,
+    "parts": Parts(),  # no family's own parts (Gemma 2's soft-caps...)
 }
 
 

@@ -454,7 +454,7 @@ def family_config(family: str, hf: dict, names: set[str], folder="") -> Config:
             f"config.json of a {family} model: option(s) {unread} are not implemented by "
             f"models/families/{family}.py"
         )
-    return cfg
+    return cfg.replace(family=family)
 
 
 def _check_all_read(family: str, files: dict, weights: Weights, cfg: Config) -> None:

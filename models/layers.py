@@ -184,21 +184,27 @@ def layer_constants(cfg: Config, seq_len: int) -> dict | None:
     """What differs between the layers of a stack besides their parameters, as Tensors
     over `layers` that the layer scan carries beside them (one traced block for every
     layer, not one per kind of layer): with cfg.sliding_layers, each layer's `window`
-    (GLOBAL_WINDOW on the global ones); with cfg.local_rope too, each layer's rotary
-    `inv_freq` (layers, d_kv) and `rope_factor` for positions below `seq_len`. None
-    when the layers are alike."""
+    (GLOBAL_WINDOW on the global ones), and what the family's parts add (Gemma 3's
+    per-layer rotary `inv_freq` and `rope_factor`: models.parts.Parts.layer_constants).
+    None when the layers are alike."""
     if not cfg.sliding_layers:
         return None
     sliding = np.asarray(cfg.sliding_layers, bool)
     windows = np.where(sliding, cfg.sliding_window, GLOBAL_WINDOW).astype(np.int32)
-    out = {"window": nm.tensor(windows, ("layers",))}
-    if cfg.local_rope is not None:
-        tables = [frequencies(r, cfg.d_kv, seq_len) for r in (cfg.rope, cfg.local_rope)]
-        inv = np.stack([tables[int(s)][0] for s in sliding])
-        out["inv_freq"] = nm.tensor(np.concatenate([inv, inv], -1), ("layers", "d_kv"))
-        factors = np.asarray([tables[int(s)][1] for s in sliding], np.float32)
-        out["rope_factor"] = nm.tensor(factors, ("layers",))
-    return out
+    return {"window": nm.tensor(windows, ("layers",)), **cfg.parts.layer_constants(cfg, seq_len)}
+
+
+def rope_constants(ropes: tuple[Rope, Rope], sliding, d_kv: int, seq_len: int) -> dict:
+    """Each layer's rotary `inv_freq` (layers, d_kv) and `rope_factor` (layers) for
+    positions below `seq_len`: ropes[1] on the layers `sliding` flags, ropes[0] on the
+    others (Gemma 3's local and global bases)."""
+    tables = [frequencies(r, d_kv, seq_len) for r in ropes]
+    inv = np.stack([tables[int(s)][0] for s in sliding])
+    factors = np.asarray([tables[int(s)][1] for s in sliding], np.float32)
+    return {
+        "inv_freq": nm.tensor(np.concatenate([inv, inv], -1), ("layers", "d_kv")),
+        "rope_factor": nm.tensor(factors, ("layers",)),
+    }
 
 
 def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1.0):
@@ -268,7 +274,7 @@ def rotate_qk(q: nm.Tensor, k: nm.Tensor, cfg: Config, slots, position, layer=No
     n = x_len = q.size_of("length")
     if slots is not None:
         n = slots
-        for rope in (cfg.rope, cfg.local_rope or cfg.rope):
+        for rope in (cfg.rope, *cfg.parts.ropes):
             if depends_on_length(rope) and n > rope.original_positions:
                 raise ConfigError(
                     f"rope kind {rope.kind!r} with a KV cache of {n} slots "
@@ -348,7 +354,7 @@ def attend_kernel(qkv: tuple, p: dict, cfg: Config, opts: Options) -> nm.Tensor:
 def options(cfg: Config, bias, how: Attend, cached: bool) -> Options:
     """The kernel options of one attention call of cfg's."""
     return Options(
-        bias, how.bias_fn, cfg.attention_factor, cfg.attention_softcap, cfg.attention_block,
+        bias, how.bias_fn, cfg.attention_factor, cfg.parts.attention_softcap, cfg.attention_block,
         cached, *how.masks,
     )  # fmt: skip
 

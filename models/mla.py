@@ -181,8 +181,8 @@ def absorbed(q: tuple, kv: tuple, p: dict, cfg: Config, bias):
     logits = nm.einsum(q_latent, latent, out=logit_dims, preferred_element_type=f32)
     logits = logits + nm.einsum(q_rot, k_rot, out=logit_dims, preferred_element_type=f32)
     logits = logits * scale(cfg)
-    if cfg.attention_softcap:
-        logits = softcap(logits, cfg.attention_softcap)
+    if cfg.parts.attention_softcap:
+        logits = softcap(logits, cfg.parts.attention_softcap)
     if bias is not None:
         logits = logits + bias
     weights = nm.astype(nm.softmax(logits, "memory"), latent.dtype)

@@ -14,7 +14,8 @@
   carries the token). The slots are one-hot dispatch and combine einsums.
 
 A shared expert (cfg.shared_ff; Qwen2-MoE, DeepSeek) is an FFN every token passes,
-added to the routed experts' output, gated by a sigmoid where cfg.shared_gate.
+added to the routed experts' output, as the family's parts take it (Qwen2-MoE's gate:
+models/families/qwen2_moe.py).
 
 The router's weights (cfg.router): topk_softmax, the softmax over the chosen experts'
 logits (Mixtral; Qwen-MoE's `norm_topk_prob`), or softmax_topk, the softmax over all
@@ -50,9 +51,8 @@ def moe_params(cfg: Config) -> dict:
     if ROUTERS[cfg.router].biased:
         p["gate_bias"] = Param({"experts": e}, "zeros")
     if cfg.shared_ff:
-        p["shared"] = ffn_params(cfg.replace(d_ff=cfg.shared_ff))
-    if cfg.shared_gate:
-        p["shared"]["gate"] = Param({"d_model": d}, d**-0.5)
+        shared = cfg.replace(d_ff=cfg.shared_ff)
+        p["shared"] = ffn_params(shared) | cfg.parts.shared_expert_shapes(shared)
     return p
 
 
@@ -98,21 +98,20 @@ def route(x: nm.Tensor, p: dict, cfg: Config) -> tuple[nm.Tensor, nm.Tensor, nm.
     """(choice (batch, length, choices) int32, weight (batch, length, choices), probs
     (batch, length, experts)) for x (batch, length, d_model): the top-k experts of the
     router's scores (plus gate_bias, for choosing only; within the best groups when
-    cfg.expert_groups > 1), weighted by cfg.router's rule times cfg.router_scale, in
-    float32 whatever the compute dtype."""
+    the family's parts limit them: DeepSeek's groups), weighted by cfg.router's rule as
+    the parts take the weights (DeepSeek's scale), in float32 whatever the compute dtype."""
     gate = nm.einsum(
         x, p["gate"], out=("batch", "length", "experts"), preferred_element_type=np.float32
     )
     router, k = ROUTERS[cfg.router], cfg.experts_per_token
     probs = router.score(gate)
     pick = probs + p["gate_bias"] if "gate_bias" in p else probs
-    if cfg.expert_groups > 1:
-        pick = within_groups(pick, cfg.expert_groups, cfg.topk_groups)
+    pick = cfg.parts.route_pick(pick)
     top, choice = nm.top_k(pick, "experts", k, "choices")
     if pick is not probs:  # weights are the scores, not what chose
         top = (nm.one_hot(choice, "experts", cfg.experts, np.float32) * probs).sum("experts")
     weight = router.weights(top)
-    return choice, weight * cfg.router_scale if cfg.router_scale != 1 else weight, probs
+    return choice, cfg.parts.route_weights(weight), probs
 
 
 def within_groups(pick: nm.Tensor, groups: int, best: int) -> nm.Tensor:
@@ -139,12 +138,9 @@ def expert_ffn(x: nm.Tensor, p: dict, cfg: Config, project) -> nm.Tensor:
 
 
 def shared_expert(x: nm.Tensor, p: dict, cfg: Config) -> nm.Tensor:
-    """The shared experts' FFN of every token, times sigmoid(x . gate) where they have a
-    gate (cfg.shared_gate: Qwen2-MoE's shared_expert_gate)."""
-    y = ffn(x, p, cfg)
-    if "gate" not in p:
-        return y
-    return y * nm.sigmoid(nm.einsum(x, p["gate"], out=x.dims[:-1]))
+    """The shared experts' FFN of every token, as the family's parts take it (Qwen2-MoE's
+    sigmoid gate: models.parts.Parts.shared_expert)."""
+    return cfg.parts.shared_expert(x, p, ffn(x, p, cfg))
 
 
 def dropless(x, p, cfg, choice, weight, before):

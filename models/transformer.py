@@ -55,7 +55,8 @@ def stacked(shapes, n: int):
 
 
 def embedding_shapes(cfg: Config) -> dict:
-    """Input embeddings (tokens, learned positions, token types, their norm), the final
+    """Input embeddings (tokens, learned positions, the family's own: BERT's token types,
+    their norm), the final
     norm of a pre-norm stack, T5's relative bias table of the decoder (or LM) stack, and
     the output side: an unshared softmax, BERT's MLM head."""
     d, v = cfg.d_model, cfg.vocab
@@ -67,10 +68,9 @@ def embedding_shapes(cfg: Config) -> dict:
     if COMPOSITIONS[cfg.block].final_norm:
         shapes["final_norm"] = norm_params(cfg)
     if cfg.learned_positions:
-        rows = cfg.learned_positions + cfg.position_offset
+        rows = cfg.learned_positions + cfg.parts.position_offset
         shapes["pos"] = Param({"length": rows, "d_model": d}, 0.1)
-    if cfg.type_vocab:
-        shapes["type_embed"] = Param({"token_types": cfg.type_vocab, "d_model": d}, 0.1)
+    shapes |= cfg.parts.embedding_shapes(cfg)
     if cfg.embed_norm:
         shapes["embed_norm"] = norm_params(cfg)
     if cfg.relative_buckets:
@@ -103,7 +103,7 @@ def lm_shapes(cfg: Config) -> dict:
 
 def dense_config(cfg: Config) -> Config:
     """The Config of the dense stack before the mixture-of-experts layers (dense_layers)."""
-    return cfg.replace(experts=0, dense_layers=0, expert_groups=1, shared_ff=0, shared_gate=False)
+    return cfg.replace(experts=0, dense_layers=0, shared_ff=0, parts=cfg.parts.dense())
 
 
 def encdec_shapes(cfg: Config) -> dict:
@@ -239,54 +239,34 @@ def embed_inputs(
     params: dict, tokens: nm.Tensor, cfg: Config, token_types=None, positions=None
 ) -> nm.Tensor:
     """Token embeddings (batch, length, d_model), plus the learned positions 0..length-1
-    (or `positions`, ints like tokens: packed examples' own) and the token types'
-    embeddings (int Tensor like tokens; 0 when None) where the model has them, then the
-    embedding norm (BERT)."""
+    (or `positions`, ints like tokens: packed examples' own) as the family's parts read
+    them, the family's extras (BERT's token types: `token_types`, ints like tokens),
+    then the embedding norm (BERT)."""
     x = embed_tokens(params, tokens, cfg)
-    if "pos" in params and positions is not None:
-        rows = positions + cfg.position_offset
-        x = x + nm.gather(params["pos"].rename(length="memory"), "memory", rows)
-    elif "pos" in params and cfg.position_pad >= 0:
-        x = x + counted_positions(params["pos"], tokens, cfg.position_pad)
-    elif "pos" in params:
-        n, at = tokens.size_of("length"), cfg.position_offset
-        table = params["pos"]
-        whole = at == 0 and n == table.size_of("length")
-        x = x + (table if whole else nm.slice(table, "length", at, at + n))
+    if "pos" in params:
+        x = x + cfg.parts.positions(params["pos"], tokens, positions)
     return embed_extras(params, x, cfg, token_types)
 
 
 def embed_tokens(params: dict, tokens: nm.Tensor, cfg: Config) -> nm.Tensor:
     """The rows of the embedding at `tokens` (batch, length, d_model): times sqrt(d_model)
     where cfg.embed_scale (Gemma), the factor rounded to the compute dtype first as
-    transformers rounds it; projected in from d_embed where the model's embeddings are
-    narrower (OPT-350m's project_in)."""
+    transformers rounds it; as the family's parts take them (Granite's multiplier);
+    projected in from d_embed where the model's embeddings are narrower (OPT-350m's
+    project_in)."""
     x = embed(tokens, params["embed"])
     if cfg.embed_scale:
         x = x * nm.astype(nm.tensor(np.float32(cfg.d_model**0.5), ()), x.dtype)
+    x = cfg.parts.embed(x)
     if "project_in" in params:
         x = nm.einsum(x, params["project_in"], out=(*x.dims[:-1], "d_model"))
     return x
 
 
-def counted_positions(table: nm.Tensor, tokens: nm.Tensor, pad: int) -> nm.Tensor:
-    """RoBERTa's position embeddings: a token reads row pad + (tokens up to it that are
-    not `pad`), a `pad` token row pad (transformers' create_position_ids_from_input_ids)."""
-    real = (tokens != pad).astype(np.int32)
-    rows = nm.cumsum(real, "length") * real + pad
-    return nm.gather(table.rename(length="memory"), "memory", rows)
-
-
 def embed_extras(params: dict, x: nm.Tensor, cfg: Config, token_types=None) -> nm.Tensor:
-    """x plus the token-type embedding (type 0 when `token_types` is None), then the
-    embedding norm, where the model has them."""
-    if "type_embed" in params:
-        table = params["type_embed"]
-        x = x + (
-            nm.slice(table, "token_types", 0, 1).sum("token_types")
-            if token_types is None
-            else nm.gather(table, "token_types", token_types)
-        )
+    """x with the family's extras (BERT's token types: type 0 when `token_types` is None),
+    then the embedding norm where the model has one."""
+    x = cfg.parts.embed_extras(params, x, token_types)
     if "embed_norm" in params:
         x = norm(x, params["embed_norm"], cfg.norm, cfg.norm_eps)
     return x
@@ -297,7 +277,7 @@ def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
     (the loss's statistics): the final norm (pre-norm stacks), BERT's MLM transform, the
     projection out to narrower embeddings (project_out), then the unshared softmax or
     the tied embedding (its input scaled by d_model**-0.5 when cfg.scale_tied_logits),
-    plus the MLM head's bias."""
+    as the family's parts take them (Gemma 2's soft-cap), plus the MLM head's bias."""
     if "final_norm" in params:
         x = norm(x, params["final_norm"], cfg.norm, cfg.norm_eps)
     if "mlm" in params:
@@ -314,8 +294,7 @@ def output_logits(params: dict, x: nm.Tensor, cfg: Config) -> nm.Tensor:
         logits = nm.einsum(x, params["embed"], out=out, preferred_element_type=f32)
         if cfg.scale_tied_logits:
             logits = logits * cfg.d_model**-0.5
-    if cfg.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
-        logits = nm.tanh(logits / np.float32(cfg.logit_softcap)) * np.float32(cfg.logit_softcap)
+    logits = cfg.parts.logits(logits)
     return logits + params["mlm"]["vocab_bias"] if "mlm" in params else logits
 
 
@@ -331,27 +310,19 @@ def _with_aux(loss: nm.Tensor, aux, cfg: Config, stats: bool = False):
     return (total, aux or {}) if stats else total
 
 
-def lm_forward(
-    params: dict,
-    tokens: nm.Tensor,
-    cfg: Config,
-    key=None,
-    causal: bool = True,
-    weights=None,
-    token_types=None,
-    stats: bool = False,
-    segments=None,
-    positions=None,
-):
-    """(logits, aux): logits (batch, length, vocab) for int tokens (batch, length) after
-    the stack of `params["layers"]`, causal (the LM) or bidirectional (BERT). `weights`
-    (batch, length; 1 real, 0 padding) hides padded positions from attention;
-    `token_types` (ints like tokens) select token-type embeddings. Packed rows
-    (models/chat.py): `segments` (ints like tokens) hides the keys of other examples,
-    `positions` (ints like tokens) are each example's, from 0. aux: the MoE's
-    balancing loss, and with `stats` its other statistics (None without experts)."""
+def lm_forward(params: dict, batch: dict, cfg: Config, key=None, causal=True, stats=False):
+    """(logits, aux): logits (batch, length, vocab) for the int tokens batch["inputs"]
+    (batch, length) after the stack of `params["layers"]`, causal (the LM) or
+    bidirectional (BERT). What else `batch` may hold: "weights" (batch, length; 1 real,
+    0 padding) hides padded positions from attention; "token_types" (ints like tokens)
+    select token-type embeddings. Packed rows (models/chat.py): "segments" (ints like
+    tokens) hides the keys of other examples, "positions" (ints like tokens) are each
+    example's, from 0. aux: the MoE's balancing loss, and with `stats` its other
+    statistics (None without experts)."""
     params = compute_params(params, cfg)
-    x = embed_inputs(params, tokens, cfg, token_types, positions)
+    tokens, weights, segments = batch["inputs"], batch.get("weights"), batch.get("segments")
+    positions = batch.get("positions")
+    x = embed_inputs(params, tokens, cfg, batch.get("token_types"), positions)
     bias = None if weights is None else padding_bias(weights.rename(length="memory"))
     if segments is not None:
         bias = segment_bias(segments) if bias is None else bias + segment_bias(segments)
@@ -366,20 +337,23 @@ def lm_forward(
 
 def lm_logits(params: dict, tokens: nm.Tensor, cfg: Config, key=None) -> nm.Tensor:
     """Next-token logits (batch, length, vocab) for int tokens (batch, length)."""
-    return lm_forward(params, tokens, cfg, key)[0]
+    return lm_forward(params, {"inputs": tokens}, cfg, key)[0]
 
 
 def batch_logits(params: dict, batch: dict, cfg: Config) -> nm.Tensor:
     """The LM's logits for a batch of inputs and, optionally, weights (padding) and
     token_types."""
-    w, types = batch.get("weights"), batch.get("token_types")
-    return lm_forward(params, batch["inputs"], cfg, weights=w, token_types=types)[0]
+    return lm_forward(params, _forward_inputs(batch), cfg)[0]
 
 
 def mlm_batch_logits(params: dict, batch: dict, cfg: Config) -> nm.Tensor:
     """BERT's masked-LM logits (bidirectional) for a batch as `batch_logits`'s."""
-    w, types = batch.get("weights"), batch.get("token_types")
-    return lm_forward(params, batch["inputs"], cfg, None, False, w, types)[0]
+    return lm_forward(params, _forward_inputs(batch), cfg, causal=False)[0]
+
+
+def _forward_inputs(batch: dict) -> dict:
+    """The inputs, weights (padding) and token_types of a batch: what logits read."""
+    return {k: batch[k] for k in ("inputs", "weights", "token_types") if k in batch}
 
 
 def lm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
@@ -387,15 +361,16 @@ def lm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = Fals
     ({"inputs", "targets", "weights"}: batch, length; packed rows add "segments" and
     "positions"), plus the MoE balancing loss; with `stats`, (loss, the router's
     statistics)."""
-    packed = {k: batch.get(k) for k in ("segments", "positions")}
-    logits, aux = lm_forward(params, batch["inputs"], cfg, key, stats=stats, **packed)
+    packed = {k: batch[k] for k in ("inputs", "segments", "positions") if k in batch}
+    logits, aux = lm_forward(params, packed, cfg, key, stats=stats)
     return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 
 def mlm_loss(params: dict, batch: dict, cfg: Config, key=None, stats: bool = False):
     """BERT's masked-LM loss: bidirectional attention over the (partly masked) inputs,
     cross-entropy against the original tokens at the positions of weight 1."""
-    logits, aux = lm_forward(params, batch["inputs"], cfg, key, causal=False, stats=stats)
+    inputs = {"inputs": batch["inputs"]}
+    logits, aux = lm_forward(params, inputs, cfg, key, causal=False, stats=stats)
     return _with_aux(cross_entropy(logits, batch["targets"], batch["weights"]), aux, cfg, stats)
 
 

@@ -59,7 +59,7 @@ def test_zoo_vs_hf_families_refuses_an_unknown_family(capsys):
     with pytest.raises(SystemExit) as e:
         zoo_vs_hf.main("--families mistral,llama4 --repeats 1".split())
     assert e.value.code == 2
-    assert "--families: unknown ['llama4']; known: gpt2, llama" in capsys.readouterr().err
+    assert "--families: unknown ['llama4']; known: bert, deepseek_v3" in capsys.readouterr().err
 
 
 def test_decode_gives_generates_greedy_tokens_at_every_batch():

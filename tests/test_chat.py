@@ -125,8 +125,8 @@ def test_eval_of_chat_data_is_the_masked_loss_of_transformers_logits(folder, tmp
 
 def _logits(cfg, params, batch):
     tensors = {k: nm.tensor(v, ("batch", "length")) for k, v in batch.items()}
-    return transformer.lm_forward(params, tensors["inputs"], cfg, segments=tensors.get("segments"),
-                                  positions=tensors.get("positions"))[0].data  # fmt: skip
+    packed = {k: tensors[k] for k in ("inputs", "segments", "positions") if k in tensors}
+    return transformer.lm_forward(params, packed, cfg)[0].data
 
 
 ROTARY = Config(vocab=64, d_model=32, heads=4, kv_heads=2, d_kv=8, d_ff=64, layers=1, length=20,

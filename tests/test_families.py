@@ -77,11 +77,9 @@ def cases():
         "opt": (T.OPTForCausalLM, T.OPTConfig(**opt)),
         "opt_350m": (T.OPTForCausalLM, T.OPTConfig(
             **opt, do_layer_norm_before=False, word_embed_proj_dim=16, tie_word_embeddings=False)),
-        # tied, as Gemma's checkpoints are; untied for greedy decoding, because a tiny tied
-        # Gemma (embeddings x sqrt(d_model)) repeats its last token whatever the weights
+        # tied, as Gemma's checkpoints are (a tiny tied Gemma, its embeddings x sqrt(d_model),
+        # repeats its last token whatever the weights: Gemma 2 and 3 decode untied)
         "gemma": (T.GemmaForCausalLM, T.GemmaConfig(**llama, head_dim=12)),
-        "gemma_untied": (T.GemmaForCausalLM, T.GemmaConfig(
-            **llama, head_dim=12, tie_word_embeddings=False)),
         # caps that bite (logits reach ~2), a sliding layer then a global one; untied (above)
         "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config(
             **llama, head_dim=12, sliding_window=4, tie_word_embeddings=False,
@@ -107,6 +105,10 @@ def cases():
             **llama, head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.02,
             mlp_only_layers=[0])),
+        # Llama's body with Granite's four multipliers, none of them 1
+        "granite": (T.GraniteForCausalLM, T.GraniteConfig(
+            **llama, embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5,
+            logits_scaling=4.0)),
         # masked LMs: 4 heads, so a layout splits them over 4 devices; IDS hold pad id 1
         "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(**encoder, type_vocab_size=1)),
         "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig(
@@ -116,17 +118,19 @@ def cases():
 # fmt: on
 
 
-# Every causal family decodes (one compile each) and every family runs under a layout,
-# choosing the case where it differs most: llama3's scaling and tied embeddings,
+# The causal families decode (one compile each) and every family runs under a layout,
+# choosing the case where it differs most (Gemma's and Granite's options decode in other
+# cases: Gemma 2 and 3 are built on Gemma's, and a family's parts are the same calls in
+# a pass and in a decoding step): llama3's scaling and tied embeddings,
 # Mistral's window past its size, Qwen2's biases and yarn, Qwen3's q/k norms and head_dim,
 # Phi-3's longrope and GPT-NeoX's partial rotary and parallel residual in the cache, OPT's
-# offset positions, post-norm and projected embeddings in a decoding step, Gemma's scaled
-# embeddings and offset norms, Gemma 2's caps and per-layer windows, Gemma 3's per-layer
+# offset positions, post-norm and projected embeddings in a decoding step, Gemma 2's scaled
+# embeddings, offset norms, caps and per-layer windows, Gemma 3's per-layer
 # rotary bases; under a layout: Phi-3's unequal q/k/v parts over kv_heads, GPT-NeoX's
 # per-head q/k/v over heads, OPT's biases and positions, the windows and caps, Gemma 3's
 # per-layer constants, the encoders' heads.
 GREEDY = ["llama3", "mistral", "qwen2", "qwen3", "phi3_window", "gpt_neox", "opt_350m"]
-GREEDY += ["gemma_untied", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
+GREEDY += ["gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]  # under an expert-parallel layout
 LAYOUT = ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "opt", "gemma", "gemma2"]
 LAYOUT += ["gemma3", "roberta", "distilbert"]
@@ -188,7 +192,7 @@ def test_configs_hold_the_families_options(loaded):
     assert (c["phi3_window"].sliding_window, c["phi3"].kv_heads) == (5, 4)
     neox = c["gpt_neox"]
     assert neox.block == "parallel" and neox.rope.fraction == 0.5 and not neox.shared_embedding
-    assert (c["opt"].position_offset, c["opt"].ffn, c["opt"].bias) == (2, "relu", True)
+    assert (c["opt"].parts.position_offset, c["opt"].ffn, c["opt"].bias) == (2, "relu", True)
     opt, opt_350m = c["opt"], c["opt_350m"]
     assert (opt.block, opt_350m.block) == ("pre", "post")
     assert (opt.embed_dim, opt_350m.embed_dim, opt_350m.shared_embedding) == (0, 16, False)
@@ -196,10 +200,11 @@ def test_configs_hold_the_families_options(loaded):
     assert c["gemma"].shared_embedding and not c["gemma2"].shared_embedding
     assert c["gemma"].ffn == "gated_gelu" and c["gemma"].block == "pre"
     g2, g3 = c["gemma2"], c["gemma3"]
-    assert (g2.attention_softcap, g2.logit_softcap, g2.attention_scale_dim) == (1.0, 2.0, 10.0)
+    caps = (g2.parts.attention_softcap, g2.parts.logit_softcap, g3.parts.logit_softcap)
+    assert caps == (1.0, 2.0, 2.0) and g2.attention_scale_dim == 10.0
     assert g2.block == "sandwich" and (g2.sliding_window, g2.sliding_layers) == (4, (True, False))
     assert g3.qk_norm and g3.sliding_layers == (True, False, True)
-    ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.local_rope.theta)
+    ropes = (g3.rope.kind, g3.rope.factor, g3.rope.theta, g3.parts.local_rope.theta)
     assert ropes == ("linear", 4.0, 500.0, 50.0)
     mx, q2, q3 = c["mixtral"], c["qwen2_moe"], c["qwen3_moe"]
     assert (mx.experts, mx.experts_per_token, mx.router, mx.sliding_window) == (
@@ -208,7 +213,7 @@ def test_configs_hold_the_families_options(loaded):
         "topk_softmax",
         4,
     )
-    assert (q2.d_ff, q2.expert_ff, q2.shared_ff, q2.shared_gate) == (64, 16, 24, True)
+    assert (q2.d_ff, q2.expert_ff, q2.shared_ff, q2.parts.shared_gate) == (64, 16, 24, True)
     assert q2.qkv_bias and q3.qk_norm and (q2.router, q3.router) == ("softmax_topk", "topk_softmax")
     assert (q2.dense_layers, q3.dense_layers, q3.shared_ff) == (0, 1, 0)
     # the balancing loss weighs in where transformers adds it (output_router_logits)
@@ -226,8 +231,8 @@ def test_roberta_positions_count_past_left_padding(built, loaded):
     got = as_array(loaded["roberta"].logits(ids, attention_mask=mask))[mask == 1]
     want = want.logits.numpy()[mask == 1]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    assert loaded["roberta"].config.position_pad == 1
-    assert loaded["distilbert"].config.type_vocab == 0
+    assert loaded["roberta"].config.parts.position_pad == 1
+    assert "type_embed" not in loaded["distilbert"].params
 
 
 @pytest.mark.parametrize("name", LAYOUT)
@@ -426,7 +431,7 @@ def test_a_qwen2_moe_without_a_shared_expert_equals_transformers(built, tmp_path
     model.save_pretrained(tmp_path / "hf")
     want = hf_logits(model)
     zoo = hub.load(tmp_path / "hf")
-    assert (zoo.config.shared_ff, zoo.config.shared_gate) == (0, False)
+    assert (zoo.config.shared_ff, zoo.config.parts.shared_gate) == (0, False)
     assert_close(as_array(zoo.logits(IDS, attention_mask=MASK)), want)
     hub.save(zoo, tmp_path / "out")
     assert_close(hf_logits(cls.from_pretrained(tmp_path / "out").eval()), want)
@@ -482,7 +487,8 @@ def test_older_gemma_config_files_read_as_transformers_reads_them():
     assert cfg.sliding_layers == tuple(k == "sliding_attention" for k in want.layer_types)
     full, local = want.rope_parameters["full_attention"], want.rope_parameters["sliding_attention"]
     assert (cfg.rope.kind, cfg.rope.factor, cfg.rope.theta) == ("linear", 8.0, full["rope_theta"])
-    assert (cfg.local_rope.kind, cfg.local_rope.theta) == ("default", local["rope_theta"])
+    local_rope = cfg.parts.local_rope
+    assert (local_rope.kind, local_rope.theta) == ("default", local["rope_theta"])
     gemma = dict(sizes, model_type="gemma", hidden_act="gelu", hidden_activation=None)
     assert transformers.GemmaConfig(**gemma).hidden_act == "gelu_pytorch_tanh"
     assert hub.family_config("gemma", dict(gemma), set()).ffn == "gated_gelu"  # tanh
@@ -500,6 +506,32 @@ def test_older_gemma_config_files_read_as_transformers_reads_them():
 def test_per_layer_options_that_contradict_are_config_errors(options, match):
     with pytest.raises(ConfigError, match=match):
         Config(layers=2, **options)
+
+
+def test_family_options_keep_their_old_config_spellings():
+    """The options that moved from Config into their family's parts (models/parts.py)
+    are still set by their old names (a run.json's --set, Config(...)); a misspelt one
+    gets the closest name, and one the config's family lacks names the family it is
+    of. The hub's builder records each model's family."""
+    from models import config
+
+    gemma2, opt = config.get("gemma-2-2b"), config.get("opt-125m")
+    assert (gemma2.family, opt.family, config.get("bert-base-uncased").family) == (
+        "gemma2", "opt", "bert",
+    )  # fmt: skip
+    sets = config.parse_overrides(["logit_softcap=5", "attention_softcap=2.5"])
+    changed = gemma2.replace(**sets)
+    assert (changed.parts.logit_softcap, changed.parts.attention_softcap) == (5.0, 2.5)
+    assert changed.family == "gemma2" and changed.parts.__class__ is gemma2.parts.__class__
+    offset = opt.replace(**config.parse_overrides(["position_offset=3"]))
+    assert offset.parts.position_offset == 3 and offset.ffn == "relu"
+    assert Config(type_vocab=3).parts.type_vocab == 3  # a plain config takes BERT's types
+    with pytest.raises(ConfigError, match="did you mean 'logit_softcap'"):
+        config.parse_overrides(["logit_softcp=5"])
+    with pytest.raises(ConfigError, match="did you mean 'position_offset'"):
+        Config(position_ofset=2)
+    with pytest.raises(ConfigError, match="logit_softcap.*models.families.gemma2"):
+        opt.replace(logit_softcap=1.0)
 
 
 def test_gemma_folders_that_would_compute_otherwise_are_refused(built, tmp_path):

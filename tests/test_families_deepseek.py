@@ -94,8 +94,12 @@ def test_config_holds_the_latent_attention_and_the_router(built):
     c, plain = built["deepseek_v3"][3].config, built["deepseek_v3_plain"][3].config
     assert (c.mla.q_rank, c.mla.kv_rank, c.mla.nope, c.mla.v, c.d_kv) == (24, 16, 12, 10, 8)
     assert c.mla.interleave and not plain.mla.interleave and plain.mla.q_rank == 0
-    assert (c.experts, c.experts_per_token, c.expert_groups, c.topk_groups) == (8, 3, 4, 2)
-    assert (c.router, plain.router, c.router_scale) == ("sigmoid_topk_norm", "sigmoid_topk", 1.5)
+    assert (c.experts, c.experts_per_token, c.parts.expert_groups, c.parts.topk_groups) == (
+        8, 3, 4, 2,
+    )  # fmt: skip
+    assert (c.router, plain.router, c.parts.router_scale) == (
+        "sigmoid_topk_norm", "sigmoid_topk", 1.5,
+    )  # fmt: skip
     assert (c.expert_ff, c.shared_ff, c.d_ff, c.dense_layers, plain.dense_layers) == (
         16, 32, 48, 1, 0)  # fmt: skip
     assert (c.rope.kind, c.rope.mscale_all_dim) == ("yarn", 0.6)

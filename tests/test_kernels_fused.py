@@ -13,6 +13,7 @@ import namedmesh as nm
 from lowering import Mesh, lower
 from models import transformer
 from models.config import ConfigError
+from models.families.gemma2 import Softcaps
 from models.kernels import KERNELS, Options
 from tests.test_kernels_skip import KD, QD, SIZES, allowed, mask_fn, reference
 from tests.test_models import CFG, small_batch
@@ -83,7 +84,7 @@ def test_fused_lm_equals_full_attention_under_layouts(layout):
 
 @pytest.mark.parametrize(
     "change, option",
-    [({"attention_softcap": 5.0}, "softcap"), ({"relative_bias": 4}, "positional")],
+    [({"parts": Softcaps(attention_softcap=5.0)}, "softcap"), ({"relative_bias": 4}, "positional")],
 )
 def test_fused_refuses_what_it_cannot_do_by_name(change, option):
     cfg = CFG.replace(attention="fused", layers=1, **change)

@@ -21,6 +21,7 @@ PUBLISHED = {
     "gemma-2b": 2_506_172_416, "gemma-7b": 8_537_680_896, "gemma-2-2b": 2_614_341_888,
     "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952, "roberta-base": 124_697_433,
     "distilbert-base-uncased": 66_985_530, "mixtral-8x7b": 46_702_792_704,
+    "bert-base-uncased": 109_514_298,  # BertForMaskedLM: no pooler, the MLM head
     "qwen1.5-moe-a2.7b": 14_315_784_192, "qwen3-30b-a3b": 30_532_122_624,
     # the model card's 671B (multi-token prediction's 14B apart): transformers' 671_026_404_352
     # parameters and the 58 MoE layers' 256 e_score_correction_bias values (a saved buffer)
@@ -36,7 +37,7 @@ def test_a_named_config_is_transformers_config_of_the_checkpoint(name):
     assert hf.model_type == family
     want = FAMILIES[family].config(hf.to_dict(), set())
     named = config.get(name)
-    assert named == want.replace(batch=named.batch)
+    assert named == want.replace(batch=named.batch, family=family)  # hub records the family
     with torch.device("meta"):
         reference = cls(hf)
     saved = reference.state_dict(keep_vars=True)  # persistent buffers too (DeepSeek's bias)

@@ -137,9 +137,8 @@ def test_bert_and_encdec_train_the_same_under_a_layout_as_on_one_device(name, si
 def _logits(name, params, batch, cfg):
     if name == "encdec":
         return np.asarray(transformer.encdec_logits(params, batch_tensors(batch), cfg)[0].data)
-    logits, _ = transformer.lm_forward(
-        params, nm.tensor(batch["inputs"], ("batch", "length")), cfg, causal=name == "lm"
-    )
+    inputs = {"inputs": nm.tensor(batch["inputs"], ("batch", "length"))}
+    logits, _ = transformer.lm_forward(params, inputs, cfg, causal=name == "lm")
     return np.asarray(logits.data)
 
 

@@ -1,8 +1,12 @@
 """The Hugging Face model families the zoo reads, one module each (models/families/
-<model_type>.py): its config.json -> Config, its weight table, and layer options only
-it needs. A new family is one module and one line here (docs/models.md says how)."""
+<model_type>.py): its config.json -> Config, its weight table, and its own parts (the
+options only it has: models/parts.py). A new family is one module and its name in the
+import below: every module imported here that has a FAMILY is registered, by name
+(docs/models.md says how)."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 from models.families import (
     bert,
@@ -13,6 +17,7 @@ from models.families import (
     gemma3_text,
     gpt2,
     gpt_neox,
+    granite,
     llama,
     mistral,
     mixtral,
@@ -27,8 +32,10 @@ from models.families import (
 )
 from models.families.common import Family
 
-_MODULES = (gpt2, llama, t5, bert, mistral, qwen2, qwen3, phi3, gpt_neox, opt, gemma, gemma2)
-_MODULES += (gemma3_text, roberta, distilbert, deepseek_v3, mixtral, qwen2_moe, qwen3_moe)
+_MODULES = sorted(
+    (m for m in dict(globals()).values() if isinstance(m, ModuleType) and hasattr(m, "FAMILY")),
+    key=lambda m: m.FAMILY.name,
+)
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in _MODULES}
 
 # The canonical checkpoints a family module names (its NAMED: config.json keys), by name:

@@ -5,12 +5,45 @@ its own positions and head names and imports it."""
 
 from __future__ import annotations
 
-from models.config import Config
+from dataclasses import dataclass
+
+import namedmesh as nm
+from models.config import Config, ConfigError
 from models.families.common import Entry, Family, act, linear, norm, require
+from models.layers import Param
+from models.parts import Parts
 
 
-def encoder_config(hf: dict, **options) -> Config:
-    """The Config of a BERT-shaped config.json, with a family's extra `options`."""
+@dataclass(frozen=True)
+class TokenTypes(Parts):
+    """BERT's token-type embeddings: `type_vocab` of them (0: none; parameter
+    `type_embed`), the type of each token added to its embedding (type 0 where the
+    batch gives none)."""
+
+    type_vocab: int = 2
+
+    def __post_init__(self):
+        n = self.type_vocab
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"Config.type_vocab={n!r} must be an int >= 0")
+
+    def embedding_shapes(self, cfg) -> dict:
+        if not self.type_vocab:
+            return {}
+        return {"type_embed": Param({"token_types": self.type_vocab, "d_model": cfg.d_model}, 0.1)}
+
+    def embed_extras(self, params: dict, x, token_types=None):
+        if not self.type_vocab:
+            return x
+        table = params["type_embed"]
+        if token_types is None:
+            return x + nm.slice(table, "token_types", 0, 1).sum("token_types")
+        return x + nm.gather(table, "token_types", token_types)
+
+
+def encoder_config(hf: dict, parts: Parts | None = None, **options) -> Config:
+    """The Config of a BERT-shaped config.json, with a family's extra `options` and its
+    `parts` (BERT's: token types)."""
     require(hf, "position_embedding_type", ("absolute",), "absolute")
     require(hf, "is_decoder", (False,), False)
     require(hf, "add_cross_attention", (False,), False)
@@ -21,7 +54,8 @@ def encoder_config(hf: dict, **options) -> Config:
         layers=hf["num_hidden_layers"], length=options.pop("length", n), max_positions=n,
         ffn=act(hf, "hidden_act"), norm_eps=hf.get("layer_norm_eps", 1e-12),
         block="post", bias=True, scale_tied_logits=False,
-        type_vocab=hf.get("type_vocab_size", 2), embed_norm=True, mlm_head=True, **options,
+        parts=parts or TokenTypes(hf.get("type_vocab_size", 2)), embed_norm=True,
+        mlm_head=True, **options,
     )  # fmt: skip
 
 
@@ -71,3 +105,12 @@ FAMILY = Family(
     # position_ids is a buffer; the decoder is the tied word embedding and its bias
     ignored=(r".*embeddings\.position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$"),
 )  # fmt: skip
+
+# The canonical checkpoints' config.json keys (models.config.configs names them)
+NAMED = {
+    "bert-base-uncased": dict(  # BertConfig's defaults
+        vocab_size=30522, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+        num_attention_heads=12, max_position_embeddings=512, type_vocab_size=2,
+        hidden_act="gelu", layer_norm_eps=1e-12,
+    ),
+}  # fmt: skip

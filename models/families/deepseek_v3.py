@@ -10,12 +10,61 @@ Multi-token-prediction layers in the weights are refused by name."""
 
 from __future__ import annotations
 
-from models.config import Config
+from dataclasses import dataclass
+
+from models.config import Config, ConfigError
 from models.families import llama
 from models.families.common import Entry, UnsupportedModelError, linear, norm, require
 from models.families.common import experts as experts_linear
 from models.latent import Latent
+from models.moe import within_groups
+from models.parts import Parts
 from models.transformer import dense_config
+
+
+@dataclass(frozen=True)
+class GroupRouting(Parts):
+    """DeepSeek-V3's routing: the experts in `expert_groups` groups, a token's chosen
+    from its best `topk_groups` groups (each ranked by its two best scores: n_group,
+    topk_group), the chosen experts' weights times `router_scale`
+    (routed_scaling_factor)."""
+
+    expert_groups: int = 1
+    topk_groups: int = 1
+    router_scale: float = 1.0
+
+    def __post_init__(self):
+        for name in ("expert_groups", "topk_groups"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ConfigError(f"Config.{name} (--set {name}=) must be an int >= 1, got {n!r}")
+
+    def check(self, cfg) -> None:
+        e, g, k, best = cfg.experts, self.expert_groups, cfg.experts_per_token, self.topk_groups
+        if g > 1 and not e:
+            raise ConfigError(
+                f"Config.expert_groups={g} is an option of a mixture of experts: experts is 0"
+            )
+        if g > 1 and (e % g or e // g < 2 or not best <= g):
+            raise ConfigError(
+                f"Config.expert_groups={g} must divide experts={e} into groups of >= 2 (each "
+                f"ranked by its two best), with topk_groups={best} <= {g}"
+            )
+        if g > 1 and k > best * (e // g):
+            raise ConfigError(
+                f"Config.experts_per_token={k} exceeds the experts of topk_groups={best} "
+                f"groups of {e // g}"
+            )
+
+    def route_pick(self, pick):
+        g = self.expert_groups
+        return within_groups(pick, g, self.topk_groups) if g > 1 else pick
+
+    def route_weights(self, weight):
+        return weight * self.router_scale if self.router_scale != 1 else weight
+
+    def dense(self) -> Parts:
+        return Parts()  # routing is all these parts do
 
 
 def latent(hf: dict) -> Latent:
@@ -66,8 +115,10 @@ def experts(hf: dict) -> dict:
     fields = dict(
         experts=e, experts_per_token=hf.get("num_experts_per_tok", 8), expert_ff=width,
         router="sigmoid_topk_norm" if hf.get("norm_topk_prob", True) else "sigmoid_topk",
-        expert_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1,
-        router_scale=float(hf.get("routed_scaling_factor", 2.5)),
+        parts=GroupRouting(
+            hf.get("n_group") or 1, hf.get("topk_group") or 1,
+            float(hf.get("routed_scaling_factor", 2.5)),
+        ),
         shared_ff=width * (hf.get("n_shared_experts") or 0), dense_layers=k, moe_loss=0.0,
     )  # fmt: skip
     return {} if k >= n else fields

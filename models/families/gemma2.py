@@ -8,11 +8,34 @@ layer_constants), in every attention kernel and the KV cache. Gemma 3 builds on 
 
 from __future__ import annotations
 
-from models.config import Config
+from dataclasses import dataclass
+
+from models.attention import softcap
+from models.config import Config, ConfigError
 from models.families import gemma, llama
 from models.families.common import Entry, UnsupportedModelError, act, norm
+from models.parts import Parts
 
 KINDS = ("sliding_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Softcaps(Parts):
+    """Gemma 2's soft-caps (0: none): attention logits -> attention_softcap * tanh(logits
+    / attention_softcap) in every kernel and the cache; final logits likewise by
+    logit_softcap. Gemma 3 has the final one alone."""
+
+    attention_softcap: float = 0.0
+    logit_softcap: float = 0.0
+
+    def __post_init__(self):
+        for name in ("attention_softcap", "logit_softcap"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"Config.{name}={value!r} must be >= 0 (0: none)")
+
+    def logits(self, logits):
+        return softcap(logits, self.logit_softcap) if self.logit_softcap else logits
 
 
 def sliding_flags(hf: dict, pattern: int) -> tuple[bool, ...]:
@@ -44,8 +67,10 @@ def options(hf: dict) -> dict:
     return dict(
         gemma.options(hf, act(hf, "hidden_activation")), block="sandwich",
         attention_scale_dim=float(hf.get("query_pre_attn_scalar") or 0.0),
-        attention_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
-        logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        parts=Softcaps(
+            attention_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+            logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        ),
     )  # fmt: skip
 
 

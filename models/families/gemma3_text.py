@@ -8,12 +8,38 @@ layer's window and frequencies are arrays the layer scan carries
 
 from __future__ import annotations
 
-from models.config import Config
+from dataclasses import dataclass
+
+from models.config import Config, ConfigError
 from models.families import gemma2, llama
 from models.families.common import UnsupportedModelError, require
+from models.layers import rope_constants
 from models.rope import Rope
 
 LOCAL_THETA, GLOBAL_THETA = 10_000.0, 1_000_000.0  # transformers' defaults
+
+
+@dataclass(frozen=True)
+class LocalRope(gemma2.Softcaps):
+    """Gemma 2's soft-caps, and the rotary positions of the sliding layers, `local_rope`
+    (None: Config.rope, as the global layers'): each layer's frequencies are carried
+    by the layer scan (models.layers.layer_constants)."""
+
+    local_rope: Rope | None = None
+
+    @property
+    def ropes(self) -> tuple:
+        return () if self.local_rope is None else (self.local_rope,)
+
+    def check(self, cfg) -> None:
+        if self.local_rope is not None and not cfg.sliding_layers:
+            raise ConfigError("Config.local_rope needs sliding_layers (which layers are local)")
+
+    def layer_constants(self, cfg, seq_len: int) -> dict:
+        if self.local_rope is None:
+            return {}
+        ropes = (cfg.rope, self.local_rope)
+        return rope_constants(ropes, cfg.sliding_layers, cfg.d_kv, seq_len)
 
 
 def ropes(hf: dict) -> tuple[Rope, Rope]:
@@ -49,10 +75,13 @@ def config(hf: dict, names: set[str]) -> Config:
     sliding = gemma2.sliding_flags(hf, pattern)
     full, local = ropes(hf)
     kinds = gemma2.windows(hf, sliding)
-    rope = {"rope": full, "local_rope": local} if kinds.get("sliding_layers") else {}
-    rope = rope or {"rope": local if all(sliding) else full}
-    options = gemma2.options(hf) | kinds | rope
-    return llama.decoder_config(hf, names, qk_norm=True, **options)
+    options = gemma2.options(hf) | kinds
+    caps = vars(options.pop("parts"))
+    if kinds.get("sliding_layers"):  # sliding and global layers: each kind its own rope
+        rope = {"rope": full, "parts": LocalRope(**caps, local_rope=local)}
+    else:
+        rope = {"rope": local if all(sliding) else full, "parts": LocalRope(**caps)}
+    return llama.decoder_config(hf, names, qk_norm=True, **options, **rope)
 
 
 FAMILY = gemma2.FAMILY._replace(name="gemma3_text", config=config, heads="Gemma3ForCausalLM")

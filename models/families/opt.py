@@ -5,10 +5,26 @@ opt-350m's narrower embeddings (word_embed_proj_dim: project_in, project_out).""
 
 from __future__ import annotations
 
-from models.config import Config
+from dataclasses import dataclass
+
+from models.config import Config, ConfigError
 from models.families.common import Entry, Family, act, linear, norm, require
+from models.parts import Parts
 
 OFFSET = 2  # OPTLearnedPositionalEmbedding's offset
+
+
+@dataclass(frozen=True)
+class OffsetPositions(Parts):
+    """OPT's learned positions: position p reads row p + position_offset of the table,
+    which has that many rows more, before position 0 (models.parts.Parts.positions)."""
+
+    position_offset: int = OFFSET
+
+    def __post_init__(self):
+        n = self.position_offset
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"Config.position_offset={n!r} must be an int >= 0")
 
 
 def config(hf: dict, names: set[str]) -> Config:
@@ -19,7 +35,7 @@ def config(hf: dict, names: set[str]) -> Config:
     e = hf.get("word_embed_proj_dim") or d  # opt-350m: 512 wide embeddings, d_model 1024
     return Config(
         vocab=hf["vocab_size"], d_model=d, heads=h, d_kv=d // h, d_ff=hf["ffn_dim"],
-        layers=hf["num_hidden_layers"], length=n, max_positions=n, position_offset=OFFSET,
+        layers=hf["num_hidden_layers"], length=n, max_positions=n, parts=OffsetPositions(),
         ffn=act(hf, "activation_function"), norm_eps=1e-5, bias=hf.get("enable_bias", True),
         block="pre" if hf.get("do_layer_norm_before", True) else "post",
         shared_embedding=bool(hf.get("tie_word_embeddings", True)), scale_tied_logits=False,

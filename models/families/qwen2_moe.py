@@ -10,9 +10,31 @@ refused."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import namedmesh as nm
 from models.config import Config
 from models.families import llama, mixtral, qwen2
 from models.families.common import Entry, UnsupportedModelError, linear, moe_rows
+from models.layers import Param
+from models.parts import Parts
+
+
+@dataclass(frozen=True)
+class SharedGate(Parts):
+    """The shared experts' output times sigmoid(x . gate), a learned gate over d_model
+    (shared_expert_gate), where `shared_gate`."""
+
+    shared_gate: bool = True
+
+    def shared_expert_shapes(self, cfg) -> dict:
+        d = cfg.d_model
+        return {"gate": Param({"d_model": d}, d**-0.5)} if self.shared_gate else {}
+
+    def shared_expert(self, x, p: dict, y):
+        if not self.shared_gate:
+            return y
+        return y * nm.sigmoid(nm.einsum(x, p["gate"], out=x.dims[:-1]))
 
 
 def sparse_options(hf: dict, key: str = "num_experts") -> dict:
@@ -39,7 +61,7 @@ def config(hf: dict, names: set[str]) -> Config:
     shared = hf["shared_expert_intermediate_size"]
     return llama.decoder_config(
         hf, names, qkv_bias=hf.get("qkv_bias", True), sliding_window=qwen2.window(hf),
-        shared_ff=shared, shared_gate=bool(shared), **sparse_options(hf),
+        shared_ff=shared, parts=SharedGate(bool(shared)), **sparse_options(hf),
     )  # fmt: skip
 
 

@@ -7,9 +7,38 @@ Tokenizer: byte-level BPE (vocab.json + merges.txt or tokenizer.json), <s> ... <
 
 from __future__ import annotations
 
-from models.config import Config
+from dataclasses import dataclass
+
+import numpy as np
+
+import namedmesh as nm
+from models.config import Config, ConfigError
 from models.families import bert
 from models.families.common import Family, UnsupportedModelError, act
+
+
+@dataclass(frozen=True)
+class CountedPositions(bert.TokenTypes):
+    """BERT's token types, and positions that count the tokens that are not
+    `position_pad` (RoBERTa's padding_idx): a token reads row position_pad + (such
+    tokens up to it), one of that id row position_pad (transformers'
+    create_position_ids_from_input_ids); packed examples' own positions as given."""
+
+    type_vocab: int = 1
+    position_pad: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        n = self.position_pad
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"Config.position_pad={n!r} must be an int >= 0")
+
+    def positions(self, table, tokens, at=None):
+        if at is not None:
+            return super().positions(table, tokens, at)
+        real = (tokens != self.position_pad).astype(np.int32)
+        rows = nm.cumsum(real, "length") * real + self.position_pad
+        return nm.gather(table.rename(length="memory"), "memory", rows)
 
 
 def config(hf: dict, names: set[str]) -> Config:
@@ -21,7 +50,8 @@ def config(hf: dict, names: set[str]) -> Config:
     pad = hf.get("pad_token_id", 1)
     # the first real token reads row pad + 1: max_position_embeddings - pad - 1 positions
     length = hf["max_position_embeddings"] - pad - 1
-    return bert.encoder_config(hf, position_pad=pad, length=length)
+    types = hf.get("type_vocab_size", 2)
+    return bert.encoder_config(hf, CountedPositions(types, pad), length=length)
 
 
 def table(cfg: Config, prefix: str):
