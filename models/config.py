@@ -14,22 +14,16 @@ import functools
 import typing
 from dataclasses import dataclass
 
+from models.errors import ConfigError as ConfigError  # re-exported: its home was here
 from models.kernels import KERNELS
 from models.latent import Latent
 from models.residual import COMPOSITIONS
 from models.rope import Rope, rotary_dims
 from models.run_settings import FIELDS as RUN_FIELDS
 from models.run_settings import Run
-from namedmesh.errors import ParameterError
 
 # layer: LayerNorm; rms: RMSNorm; rms_offset: RMSNorm scaled by 1 + its weight (Gemma)
 NORMS = ("layer", "rms", "rms_offset")
-
-
-class ConfigError(ParameterError):
-    """A Config whose options contradict each other or name no known choice, or a
-    `--set field=value` that names no Config field or whose value has the wrong type
-    (a ParameterError, so a NamedMeshError and a ValueError)."""
 
 
 # The command-line flag that sets a Config field, where it has its own (else --set).
