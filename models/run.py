@@ -19,6 +19,7 @@ from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
 from models import (
     agree,
+    catalog,
     checkpoint,
     cluster,
     config,
@@ -109,7 +110,7 @@ def setup(args):
                 check_same_vocabulary(given, hub_tokenizer, args.init_from)
         else:
             model = zoo.get(args.model)
-            cfg = model.configure(config.get(args.config))
+            cfg = model.configure(catalog.get(args.config))
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     try:

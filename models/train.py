@@ -502,7 +502,7 @@ def simulate_devices(n: int) -> None:
 
 def list_configs() -> str:
     """The named configs, one line each: name, layers, d_model, heads, d_ff, vocab, length."""
-    from models.config import configs
+    from models.catalog import configs
 
     rows = [("name", "layers", "d_model", "heads", "d_ff", "vocab", "length")]
     rows += [

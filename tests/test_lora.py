@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import namedmesh as nm  # noqa: E402
-from models import checkpoint, config, data, export, generate, hub, lora, trainable, zoo  # noqa: E402
+from models import catalog, checkpoint, data, export, generate, hub, lora, trainable, zoo  # noqa: E402
 from models.train import main as train  # noqa: E402
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -178,7 +178,7 @@ def test_adapter_only_export_is_peft_layout_whose_update_is_the_merged_one(
 
 
 def test_freeze_patterns_are_globs_or_regular_expressions_on_paths():
-    paths = trainable.paths(zoo.get("lm").shapes(config.get("tiny")))
+    paths = trainable.paths(zoo.get("lm").shapes(catalog.get("tiny")))
     trained = trainable.chooser(paths, ["layers/attn/*", "emb.*"])
     frozen = {p for p in paths if not trained(p)}
     assert frozen == {p for p in paths if p.startswith("layers/attn/") or p == "embed"}

@@ -9,7 +9,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import config, transformer
+from models import catalog, transformer
 
 LENGTH = 128
 LAYOUTS = {
@@ -30,7 +30,7 @@ def _xla_peak(compiled) -> int:
      ("blockwise", "none", "2x4")],
 )  # fmt: skip
 def test_training_peak_estimate_is_within_25_percent_of_xla(attention, remat, layout):
-    cfg = config.get("tiny", length=LENGTH, batch=1, attention=attention, remat=remat)
+    cfg = catalog.get("tiny", length=LENGTH, batch=1, attention=attention, remat=remat)
     cfg = cfg.replace(attention_block=32)
     sizes, rules = LAYOUTS[layout]
     params = transformer.init(transformer.lm_shapes(cfg), 0)
