@@ -41,7 +41,8 @@ from models.export_rules import as_gpt2 as as_gpt2
 from models.export_rules import check_destination as check_destination
 from models.export_rules import gpt2_config as gpt2_config
 from models.source import add_source, hub_base, resolve
-from models.train import Parser, fail, user_errors
+from models.train import fail, user_errors
+from models.train_flags import Parser
 
 
 def arguments(argv=None, prog: str = "python -m models.export") -> argparse.Namespace:

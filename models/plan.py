@@ -23,7 +23,8 @@ import math
 import sys
 from pathlib import Path
 
-from models.train import Parser, fail, parse_mesh, user_errors
+from models.train import fail, user_errors
+from models.train_flags import Parser, parse_mesh
 
 REMATS = ("none", "dots", "full")
 KERNELS = ("full", "blockwise")

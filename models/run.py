@@ -36,7 +36,7 @@ from models import (
 )
 from models.preempt import Preemption
 from models.source import template_folder as of_model
-from models.train import check_ranges, init_fault, optimizer_fault
+from models.train_flags import check_ranges, init_fault, optimizer_fault
 from models.trainer import Trainer, bits_per_byte, optimizer
 from models.watchdog import COMPILE_S, SAVE_S, Watchdog
 from namedmesh.errors import NamedMeshError
@@ -184,7 +184,7 @@ LIST_FLAGS = ("set", "freeze")  # flags given again and again, recorded as lists
 
 def recorded_actions() -> dict:
     """dest -> argparse action of every flag run.json records (all but PER_INVOCATION)."""
-    from models.train import parser
+    from models.train_flags import parser
 
     return {a.dest: a for a in parser()._actions if a.dest not in PER_INVOCATION}
 
