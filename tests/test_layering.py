@@ -4,8 +4,8 @@ Bottom to top: namedmesh's language (every module of `namedmesh` but `namedmesh.
 < `lowering` < `models`; `namedmesh.testing` stands above `lowering` (it lowers programs
 to check them) and below `models`. A floor imports only from the floors below it, inside
 a function too. Inside a package no module imports a module that imports it back, at
-module level or inside a function (a circle loads only in one order; models/ is the
-known exception, issue 42), and no module imports another's private (`_name`) helper.
+module level or inside a function (a circle loads only in one order), and no module
+imports another's private (`_name`) helper.
 """
 
 import ast
@@ -124,10 +124,7 @@ def circles(package: str) -> list[list[str]]:
     [
         "namedmesh",
         "lowering",
-        # issue 42: models/ has a 30-file circle (config.configs() imports families and
-        # hub inside a function; run <-> train, data <-> datasets); its restructuring
-        # into folders removes them, and this mark with them
-        pytest.param("models", marks=pytest.mark.xfail(reason="issue 42: models/ circles")),
+        "models",
     ],
 )
 def test_no_import_circle_including_imports_inside_functions(package):
