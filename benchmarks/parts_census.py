@@ -37,9 +37,18 @@ from pathlib import Path
 
 # paths from the root, so that a move of models/ into folders (restructure_models.py,
 # issue 42) rewrites them with every other mention of the files
-SHARED = ("models/transformer.py", "models/layers.py", "models/decoding.py", "models/mla.py",
-          "models/moe.py", "models/blocks.py", "models/parts.py", "models/attention.py",
-          "models/kernels.py", "models/rope.py")  # fmt: skip
+SHARED = (
+    "models/transformer.py",
+    "models/layers.py",
+    "models/decoding.py",
+    "models/mla.py",
+    "models/moe.py",
+    "models/blocks.py",
+    "models/parts.py",
+    "models/attention.py",
+    "models/kernels.py",
+    "models/rope.py",
+)
 CFG_NAMES = {"cfg", "c", "config"}
 BLOCK_FUNCTIONS = {"block", "decode_block", "_compose", "post_norm", "residual"}
 PARAM_DICTS = {"p", "params", "m", "layer", "shapes", "cache"}
