@@ -40,7 +40,7 @@ from benchmarks import cli, quality, report
 from lowering import Layout, Mesh, auto_layout, caches, lower
 from lowering.lower import argument_inputs, graph_report
 from lowering.rates import hardware
-from models import config, objectives, transformer
+from models import catalog, config, objectives, transformer
 from namedmesh.errors import NamedMeshError
 
 SECTION = "## auto_layout: choices and search time"
@@ -122,7 +122,7 @@ def costing_rows(before: Path, rounds: int = 3) -> tuple[list[list[str]], str]:
 def _costing_case(name, changes, sizes, layout) -> dict:
     """What `costing_rows` times for one case: the program traced once, the fixed
     layout's costing, and the candidates the search plans (pipelines too)."""
-    cfg = config.get(name.split()[0], **changes)
+    cfg = catalog.get(name.split()[0], **changes)
     mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
     layout = layout or cfg.layout
     loss, inputs = _lm(cfg)
@@ -179,7 +179,7 @@ from lowering import Mesh, lower
 from models import config
 out = {}
 for name, changes, sizes, layout in %r:
-    cfg = config.get(name.split()[0], **changes)
+    cfg = catalog.get(name.split()[0], **changes)
     mesh = Mesh(sizes or dict(cfg.mesh), devices="abstract")
     loss, inputs = _lm(cfg)
     f = lambda: lower(loss, mesh, layout or cfg.layout).report(*inputs, wrt=0, show=False)
@@ -206,7 +206,7 @@ def _reference_ms(checkout: Path) -> dict[str, float]:
 def paper_rows() -> tuple[list[list[str]], str]:
     rows, worst = [], {"ratio": 0.0, "gib": 0.0, "s": 0.0}
     for name in PAPER:
-        cfg = config.get(name)
+        cfg = catalog.get(name)
         mesh = Mesh(dict(cfg.mesh), devices="abstract")
         r = search(cfg, mesh, candidates=(cfg.layout,))
         best, paper = r["table"][0], planned_seconds(cfg, mesh, cfg.layout)
@@ -235,7 +235,7 @@ def paper_rows() -> tuple[list[list[str]], str]:
 
 
 def four_axis_rows() -> tuple[list[list[str]], str, str]:
-    cfg = config.get("base", layers=24)
+    cfg = catalog.get("base", layers=24)
     rows, printout = [], ""
     for sizes in FOUR_AXIS:
         mesh = Mesh(sizes, devices="abstract")

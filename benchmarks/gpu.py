@@ -29,7 +29,7 @@ import optax
 
 from benchmarks import cli, report
 from lowering import Mesh
-from models import config, trainer, zoo
+from models import catalog, trainer, zoo
 
 SECTION = "## One GPU: base LM training step in bf16"
 H200_PEAK_TFLOPS = 989.0  # dense BF16 (NVIDIA lists 1,979 with 2:4 sparsity)
@@ -69,7 +69,7 @@ def measure(cfg_name: str, steps: int, warmup: int, dtype: str, max_seconds: flo
         raise BenchError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
     start = time.perf_counter()
     model = zoo.get("lm")
-    cfg = model.configure(config.get(cfg_name))
+    cfg = model.configure(catalog.get(cfg_name))
     opt, _ = trainer.optimizer(trainer.OptimizerSpec("adafactor", 1e-3, steps + warmup, 0, 0.0))
     tr = trainer.Trainer(model, cfg, Mesh({"batch": 1}), "batch:batch", trainer.TrainSpec(opt))
     state = tr.init_state()

@@ -43,7 +43,7 @@ import namedmesh as nm
 from benchmarks import cli, fair
 from benchmarks.memory import peak_bytes
 from lowering import Mesh, lower
-from models import config, transformer
+from models import catalog, transformer
 
 LAYOUTS = {
     "one device": ({"one": 1}, ""),
@@ -65,7 +65,7 @@ def lm_batch(cfg, length: int) -> dict:
 
 def row(name: str, length: int, attention: str, remat: str, layout: str, run: bool = False):
     """One measurement: (estimate bytes, XLA bytes, tokens/s or None)."""
-    cfg = config.get(name, length=length, batch=1, attention=attention, remat=remat)
+    cfg = catalog.get(name, length=length, batch=1, attention=attention, remat=remat)
     cfg = cfg.replace(attention_block=min(512, length))
     sizes, rules = LAYOUTS[layout]
     params = transformer.init(transformer.lm_shapes(cfg), 0)

@@ -22,9 +22,9 @@ def measure(config_name: str, rank: int | None) -> dict:
 
     from benchmarks.step_memory import xla_bytes
     from lowering import Mesh
-    from models import config, lora, trainable, trainer, zoo
+    from models import catalog, lora, trainable, trainer, zoo
 
-    cfg = config.get(config_name)
+    cfg = catalog.get(config_name)
     model, trained = zoo.get("lm"), None
     if rank:
         model = lora.adapted(model, lora.Lora(rank, 2.0 * rank, 0.0, TARGETS), cfg)

@@ -21,7 +21,7 @@ import namedmesh as nm
 from benchmarks import cli, report
 from lowering import Mesh, lower, rates
 from lowering.layout import Layout, local_shape
-from models import config, objectives, transformer
+from models import catalog, config, objectives, transformer
 
 SECTION = "## Paper scale: the LM1B models on 512 cores (no devices)"
 CONFIGS = tuple(f"lm1b_{'m1' if k < 0 else k}" for k in sorted(config.PAPER_PARAMS))
@@ -97,7 +97,7 @@ def forward_minimum(cfg, mesh: Mesh) -> float:
 
 def case(name: str) -> dict:
     """The figures of one config (keys: METRICS), planned on an abstract mesh."""
-    cfg = config.get(name)
+    cfg = catalog.get(name)
     mesh = Mesh(dict(cfg.mesh), devices="abstract")
     params = transformer.abstract(transformer.lm_shapes(cfg))
     batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
@@ -125,7 +125,7 @@ def rows(names=CONFIGS) -> list[dict]:
     the hand analysis of the forward collective bytes (other metrics have none)."""
     out = []
     for name in names:
-        cfg, figures = config.get(name), case(name)
+        cfg, figures = catalog.get(name), case(name)
         for metric in METRICS:
             value = figures[metric]
             minimum = (
@@ -155,7 +155,7 @@ def _table(rows: list[dict]) -> str:
             *(f"step s {hw} (est.)" for hw in HARDWARE), "t2t log-ppl/token"]  # fmt: skip
     body = []
     for name, m in by.items():
-        cfg = config.get(name)
+        cfg = catalog.get(name)
         v = lambda metric, m=m: m[metric]["namedmesh"]
         fwd = m["forward collective bytes per device"]
         ratio = f" ({fwd['ratio_to_min']:.3f})" if fwd["ratio_to_min"] else " (hand: 0)"

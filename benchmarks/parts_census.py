@@ -35,8 +35,20 @@ import dataclasses
 import sys
 from pathlib import Path
 
-SHARED = ("transformer.py", "layers.py", "decoding.py", "mla.py", "moe.py", "blocks.py",
-          "parts.py", "attention.py", "kernels.py", "rope.py")  # fmt: skip
+# paths from the root, so that a move of models/ into folders (restructure_models.py,
+# issue 42) rewrites them with every other mention of the files
+SHARED = (
+    "models/transformer.py",
+    "models/layers.py",
+    "models/decoding.py",
+    "models/mla.py",
+    "models/moe.py",
+    "models/blocks.py",
+    "models/parts.py",
+    "models/attention.py",
+    "models/kernels.py",
+    "models/rope.py",
+)
 CFG_NAMES = {"cfg", "c", "config"}
 BLOCK_FUNCTIONS = {"block", "decode_block", "_compose", "post_norm", "residual"}
 PARAM_DICTS = {"p", "params", "m", "layer", "shapes", "cache"}
@@ -46,8 +58,8 @@ def records(root: Path) -> dict[str, int]:
     """Record name -> its field count, for the records of models/config.py (and
     models/run_settings.py where it exists)."""
     out = {}
-    for name in ("config.py", "run_settings.py"):
-        path = root / "models" / name
+    for name in ("models/config.py", "models/run_settings.py"):
+        path = root / name
         if not path.exists():
             continue
         for node in ast.parse(path.read_text()).body:
@@ -64,7 +76,7 @@ def is_record(node: ast.ClassDef) -> bool:
 
 def config_names(root: Path) -> set[str]:
     """Config's fields and properties (what a branch on `cfg.<name>` reads)."""
-    tree = ast.parse((root / "models" / "config.py").read_text())
+    tree = ast.parse((root / "models/config.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
     names = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}
     props = {
@@ -97,7 +109,7 @@ def tests_of(tree: ast.AST):
 def block_trees(root: Path) -> list[ast.AST]:
     """The functions that make one block (BLOCK_FUNCTIONS; all of models/residual.py)."""
     out = []
-    for path in [*shared_files(root), root / "models" / "residual.py"]:
+    for path in [*shared_files(root), root / "models/residual.py"]:
         if not path.exists():
             continue
         tree = ast.parse(path.read_text())
@@ -124,7 +136,7 @@ def branches(root: Path, names: set[str], trees=None) -> tuple[int, collections.
 
 
 def shared_files(root: Path) -> list[Path]:
-    return [root / "models" / n for n in SHARED if (root / "models" / n).exists()]
+    return [root / n for n in SHARED if (root / n).exists()]
 
 
 def is_string(node: ast.AST) -> bool:

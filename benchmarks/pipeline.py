@@ -36,9 +36,9 @@ def _model():
     import numpy as np
 
     import namedmesh as nm
-    from models import config, transformer
+    from models import catalog, transformer
 
-    cfg = config.get("tiny").replace(layers=8, length=32, batch=16)
+    cfg = catalog.get("tiny").replace(layers=8, length=32, batch=16)
     params = transformer.init(transformer.lm_shapes(cfg), 0)
     tok = np.random.default_rng(0).integers(0, cfg.vocab, size=(cfg.batch, cfg.length + 1))
     dims = ("batch", "length")
@@ -103,9 +103,9 @@ def paper_rows() -> list[dict]:
     from benchmarks import report
     from lowering import Layout, Mesh, lower
     from lowering.layout import local_shape
-    from models import config, objectives, transformer
+    from models import catalog, objectives, transformer
 
-    cfg = config.get(PAPER)
+    cfg = catalog.get(PAPER)
     params = transformer.abstract(transformer.lm_shapes(cfg))
     batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
     leaves = [t for t in _leaves(params)]

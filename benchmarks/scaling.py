@@ -11,7 +11,7 @@ import numpy as np
 
 from benchmarks import report
 from lowering import Mesh, lower
-from models import config, objectives, transformer
+from models import catalog, objectives, transformer
 
 MESH, LAYOUT = {"rows": 2, "cols": 4}, "batch:rows;heads:cols;d_ff:cols;vocab:cols"
 
@@ -25,7 +25,7 @@ def compile_seconds(layers: int, cfg_name: str = "tiny") -> float:
     """Seconds to compile jax.grad of the lowered LM loss on the 2x4 mesh."""
     # the layers as one loop (Config.scan_layers's "auto" unrolls small stacks, whose
     # compile time then grows with depth: benchmarks/layer_loop.py)
-    cfg = config.get(cfg_name, layers=layers, scan_layers=True)
+    cfg = catalog.get(cfg_name, layers=layers, scan_layers=True)
     f = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh(MESH), LAYOUT)
     params, batch = _abstract_inputs(cfg)
     step = jax.jit(jax.grad(lambda p, b: f(p, b).data))
@@ -37,7 +37,7 @@ def compile_seconds(layers: int, cfg_name: str = "tiny") -> float:
 
 def planner_seconds(layers: int = 24, cfg_name: str = "base", repeats: int = 3) -> float:
     """Median seconds for trace + plan + report of the LM loss (no compile, no devices)."""
-    cfg = config.get(cfg_name, layers=layers)
+    cfg = catalog.get(cfg_name, layers=layers)
     params, batch = _abstract_inputs(cfg)
     mesh = Mesh(MESH, devices="abstract")
     times = []

@@ -36,9 +36,9 @@ def measure(layout: str, remat: str, grad_accum: int, config_name: str = "small"
 
     from lowering import Mesh
     from lowering.train_step import Training, step_memory
-    from models import config, trainer, zoo
+    from models import catalog, trainer, zoo
 
-    cfg = config.get(config_name, remat=remat, **changes)
+    cfg = catalog.get(config_name, remat=remat, **changes)
     mesh = Mesh(SIZES)
     opt, _ = trainer.optimizer(trainer.OptimizerSpec("adamw", 1e-3, 10, 1, 1.0))
     tr = trainer.Trainer(zoo.get("lm"), cfg, mesh, layout, trainer.TrainSpec(opt, 0, grad_accum))

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from models import lora
+from models.export_rules import MARKER, as_gpt2, check_destination
 from models.lora import LoraError
 from models.source import hub_base
 
@@ -42,11 +43,11 @@ def export_adapters(
     run: str | Path, out: str | Path, step: int | None = None, dtype: str = "float32"
 ) -> Path:
     """Write the adapters of the LoRA run `run` at `step` (the latest by default) to the
-    folder `out` as PEFT does, in `dtype` (export's rules for `out`: models/export.py)."""
-    from models import checkpoint, export, files, generate, hub, shards
+    folder `out` as PEFT does, in `dtype` (export's rules for `out`: models/export_rules.py)."""
+    from models import checkpoint, files, generate, hub, shards
 
     run = Path(run)
-    export.check_destination(out, run)
+    check_destination(out, run)
     if not (run / "run.json").exists():
         raise checkpoint.CheckpointError(f"--adapter-only: {run} holds no run (no run.json)")
     flags = files.read_json(run / "run.json", "the run's record")
@@ -56,7 +57,7 @@ def export_adapters(
     params, cfg, _ = generate.load(run, step, merge=False)
     family = flags.get("family") or "gpt2"
     if hub_base(run) is None:  # a zoo lm goes out as GPT-2: its table's config
-        cfg = export.as_gpt2(lora.merged(params, spec), cfg)[1]
+        cfg = as_gpt2(lora.merged(params, spec), cfg)[1]
     rows = hub.tensors(family, cfg, hub.FAMILIES[family].prefixes[0])
     tensors, fields = peft_adapters(params, rows, spec)
     config = {
@@ -79,7 +80,7 @@ def export_adapters(
         save_file(shards.cast(tensors, dtype), folder / WEIGHTS, {"format": "pt"})
         (folder / CONFIG).write_text(json.dumps(config, indent=2))
         names = sorted(p.name for p in folder.iterdir())
-        (folder / export.MARKER).write_text(json.dumps({"run": str(run.resolve()), "files": names}))
+        (folder / MARKER).write_text(json.dumps({"run": str(run.resolve()), "files": names}))
 
     files.replace_folder(out, write)
     return Path(out)

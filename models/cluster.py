@@ -22,7 +22,7 @@ from namedmesh.errors import NamedMeshError
 
 # Flags that differ between the processes of one run: agreement leaves them out.
 # what each process has of its own: its id, and which flags its command line named
-# (models.train.explicit: processes may be started with the same settings told apart)
+# (models.train_flags.explicit: processes may be started with the same settings told apart)
 PER_PROCESS = ("process_id", "given")
 JOIN_TIMEOUT_S = 300  # for every process to connect (a slow host's imports included)
 # jax's service declares a silent process dead after this, and aborts the others (SIGABRT);
@@ -92,14 +92,27 @@ def plan(args) -> tuple[str | None, int | None, int | None] | None:
     return coordinator, n, pid
 
 
+SIMULATED = 4096  # CPU devices XLA is asked to simulate, at most (each costs memory)
+
+
+def simulate_devices(n: int) -> None:
+    """Let XLA's CPU backend offer n devices (it must be set before jax is imported);
+    a mesh larger than SIMULATED is left to real devices (Mesh says if they are too few)."""
+    if n > SIMULATED:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    # XLA reads the flags when jax starts its backend (at the first device query), not at
+    # `import jax`: the `namedmesh` command has imported jax already.
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def join(args, mesh_size: int | None = None, whole: bool = False) -> bool:
     """Connect this process to the run's others as the flags (or the environment) say,
     first letting a CPU host offer its share of a `mesh_size`-device mesh (simulated
-    devices, `models.train.simulate_devices`; one process: the whole mesh; `whole`:
+    devices, `simulate_devices`; one process: the whole mesh; `whole`:
     every process the whole mesh, for a command each process runs on its own devices).
     Whether this process joined several. Call it before any other JAX call."""
-    from models.train import simulate_devices
-
     how = plan(args)
     n = 1 if how is None or whole else how[1]
     if mesh_size is not None and n is not None:

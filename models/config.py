@@ -4,9 +4,9 @@ d_model 1024, d_kv 256, 6 layers, heads 8·2^k, d_ff 8192·2^k, unshared embeddi
 a 32768-token vocabulary; 0.14B to 4.90B parameters), each with the paper's mesh and
 layout; and the shapes of the checkpoints people bring (`gpt2`, `gpt2-medium`,
 `tinyllama-1.1b`, `llama3-8b`, `llama3-70b`, `llama3-405b`, `t5-small`, `t5-base`,
-`t5-v1_1-small`; see models/hub.py); `configs()` adds the families' canonical checkpoints
-(`bert-base-uncased`, `mistral-7b`, `qwen3-8b`, `gemma-2-9b`, ...: each family module's
-NAMED)."""
+`t5-v1_1-small`; see models/hub.py); models/catalog.py's `configs()` adds the families'
+canonical checkpoints (`bert-base-uncased`, `mistral-7b`, `qwen3-8b`, `gemma-2-9b`, ...:
+each family module's NAMED), and its `get(name)` finds any of them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import functools
 import typing
 from dataclasses import dataclass
 
+from models.errors import ConfigError as ConfigError  # re-exported: its home was here
 from models.kernels import KERNELS
 from models.latent import Latent
 from models.parts import Parts, field_types, with_options
@@ -22,16 +23,9 @@ from models.residual import COMPOSITIONS
 from models.rope import Rope, rotary_dims
 from models.run_settings import FIELDS as RUN_FIELDS
 from models.run_settings import Run
-from namedmesh.errors import ParameterError
 
 # layer: LayerNorm; rms: RMSNorm; rms_offset: RMSNorm scaled by 1 + its weight (Gemma)
 NORMS = ("layer", "rms", "rms_offset")
-
-
-class ConfigError(ParameterError):
-    """A Config whose options contradict each other or name no known choice, or a
-    `--set field=value` that names no Config field or whose value has the wrong type
-    (a ParameterError, so a NamedMeshError and a ValueError)."""
 
 
 # The command-line flag that sets a Config field, where it has its own (else --set).
@@ -458,26 +452,6 @@ CONFIGS: dict[str, Config] = {
     **{f"lm1b_{'m1' if k < 0 else k}": _paper_lm(k) for k in PAPER_PARAMS},
     **ECOSYSTEM,
 }
-
-
-@functools.cache
-def configs() -> dict[str, Config]:
-    """CONFIGS and the canonical checkpoints the family modules name (their NAMED), each
-    what models.hub makes of its config.json (batch 8, as ECOSYSTEM's). Imported here,
-    not at the top: the families and hub import this module's Config."""
-    from models.families import NAMED
-    from models.hub import family_config
-
-    named = {n: family_config(f, keys, set(), f"<{n}>") for n, (f, keys) in NAMED.items()}
-    return {**CONFIGS, **{n: c.replace(batch=8) for n, c in named.items()}}
-
-
-def get(name: str, **changes) -> Config:
-    """The config called `name`, with `changes` applied."""
-    known = CONFIGS if name in CONFIGS else configs()
-    if name not in known:
-        raise KeyError(f"unknown config {name!r}; known: {', '.join(known)}")
-    return known[name].replace(**changes)
 
 
 def _legacy_flag(field: str, value: str):

@@ -12,13 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from models import files, objectives
+from models import datasets, files, objectives
+from models.errors import DataError as DataError  # re-exported: its home was here
 
 VALIDATION_FRACTION = 0.1
-
-
-class DataError(ValueError):
-    """Bad data path, empty corpus, or a corpus too short for the sequence length."""
 
 
 def load_text(path: str | None = None, flag: str = "--data", text_field: str = "text"):
@@ -29,8 +26,6 @@ def load_text(path: str | None = None, flag: str = "--data", text_field: str = "
         from pydoc_data.topics import topics
 
         return "".join(topics[k] for k in sorted(topics))
-    from models import datasets  # it imports DataError from here
-
     return datasets.read(path, flag, text_field)
 
 

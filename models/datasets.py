@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.data import DataError
+from models.errors import DataError
 
 CHUNK = 1 << 22  # ids per streamed pass over a token file (16 MiB of int32)
 SNIFF = 8192  # bytes read to tell a binary file from text

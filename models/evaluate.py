@@ -27,16 +27,15 @@ from pathlib import Path
 
 from models import cluster, transformer
 from models.source import add_source, resolve, template_folder
-from models.train import (
+from models.train import fail, user_errors
+from models.train_flags import (
     CLUSTER_RANGES,
     COUNT,
     Defaults,
     Parser,
     Range,
     check_ranges,
-    fail,
     parse_mesh,
-    user_errors,
 )
 
 # Every numeric flag's allowed values, checked before the model is read (models/train.py)

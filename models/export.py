@@ -32,36 +32,17 @@ import sys
 from pathlib import Path
 
 from models import cluster
-from models.parts import Parts
+
+# re-exported (`export.check_destination`, `export.DestinationError`): their home was here
+from models.export_rules import GPT2_FIELDS as GPT2_FIELDS
+from models.export_rules import MARKER as MARKER
+from models.export_rules import DestinationError as DestinationError
+from models.export_rules import as_gpt2 as as_gpt2
+from models.export_rules import check_destination as check_destination
+from models.export_rules import gpt2_config as gpt2_config
 from models.source import add_source, hub_base, resolve
-from models.train import Parser, fail, user_errors
-from namedmesh.errors import NamedMeshError
-
-MARKER = ".namedmesh-export"  # what an export writes into its folder: the files it wrote
-
-
-class DestinationError(NamedMeshError, ValueError):
-    """An `--out` that export must not replace: it holds the run, or files not its own."""
-
-
-# Config field -> the value GPT-2's architecture has (an export as GPT-2 requires it)
-GPT2_FIELDS = {
-    "norm": "layer",
-    "block": "pre",
-    "ffn": "gelu",
-    "positions": "learned",
-    "shared_embedding": True,
-    "relative_bias": 0,
-    "relative_buckets": 0,
-    "experts": 0,
-    "kv_heads": 0,
-    "attention_scale": True,
-    "encoder_layers": 0,
-    "qkv_bias": False,
-    "qk_norm": False,
-    "sliding_window": 0,
-    "parts": Parts(),  # no family's own parts (Gemma 2's soft-caps...)
-}
+from models.train import fail, user_errors
+from models.train_flags import Parser
 
 
 def arguments(argv=None, prog: str = "python -m models.export") -> argparse.Namespace:
@@ -101,92 +82,6 @@ def _size(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).partition(": ")[2]) from None
     return text
-
-
-def gpt2_config(cfg) -> dict:
-    """config.json of GPT-2 for a zoo LM config (ExportError naming a field it lacks)."""
-    from models.hub import UnsupportedModelError
-
-    for field, value in GPT2_FIELDS.items():
-        if getattr(cfg, field) != value:
-            raise UnsupportedModelError(
-                f"Config.{field}={getattr(cfg, field)!r}: GPT-2 has {value!r}; only an lm "
-                "with GPT-2's architecture, or a run fine-tuned with --init-from, exports"
-            )
-    if cfg.heads * cfg.d_kv != cfg.d_model:
-        raise UnsupportedModelError(
-            f"heads {cfg.heads} x d_kv {cfg.d_kv} != d_model {cfg.d_model}: GPT-2 splits "
-            "d_model into its heads"
-        )
-    return {
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": cfg.vocab,
-        "n_embd": cfg.d_model,
-        "n_head": cfg.heads,
-        "n_layer": cfg.layers,
-        "n_inner": cfg.d_ff,
-        "n_positions": cfg.learned_positions,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": cfg.norm_eps,
-        "tie_word_embeddings": True,
-        **{k: 0.0 for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")},
-    }
-
-
-def as_gpt2(params: dict, cfg):
-    """(params, cfg) of GPT-2's form: zero biases where the zoo has none, and the tied
-    logits' scale moved into the final norm (norm(x) * s, as GPT-2 has no scale)."""
-    import numpy as np
-
-    import namedmesh as nm
-    from models import transformer
-
-    cfg2 = cfg.replace(bias=True, scale_tied_logits=False)
-    full = transformer.init(transformer.lm_shapes(cfg2), 0)
-
-    def fill(ours, theirs):
-        if isinstance(theirs, dict):
-            return {k: fill(ours.get(k) if ours else None, v) for k, v in theirs.items()}
-        return ours if ours is not None else nm.zeros_like(theirs)
-
-    out = fill(params, full)
-    s = np.float32(cfg.d_model**-0.5) if cfg.scale_tied_logits else np.float32(1)
-    out["final_norm"] = {k: v * s for k, v in out["final_norm"].items()}
-    return out, cfg2
-
-
-def check_destination(out: str | Path, run: str | Path) -> None:
-    """DestinationError unless `out` is a folder export may replace whole: none yet, an
-    empty one, or an earlier export holding only what its marker lists."""
-    out, run = Path(out), Path(run)
-    where, held = out.resolve(), run.resolve()
-    refuse = lambda why: DestinationError(
-        f"--out {out}: {why}; export writes only into a new folder, an empty one, or an "
-        f"earlier export (marked by {MARKER}): pass another --out"
-    )
-    if where.exists() and not where.is_dir():
-        raise refuse("is a file, not a folder")
-    if where == held or where in held.parents:
-        raise refuse(f"holds the run {run} (its folder or one above it)")
-    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
-        raise refuse("is the current folder or one above it")
-    if not where.is_dir():
-        return
-    ours = set(_marked(where)) | {MARKER} if (where / MARKER).is_file() else set()
-    foreign = sorted(p.name for p in where.iterdir() if p.name not in ours)
-    if foreign:
-        many = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise refuse(f"holds {', '.join(foreign[:3])}{many}, not written by an export")
-
-
-def _marked(folder: Path) -> list[str]:
-    """The files an earlier export's marker lists ([] for a damaged marker)."""
-    try:
-        names = json.loads((folder / MARKER).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):  # not JSON, or JSON of another shape
-        return []
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def export(

@@ -53,16 +53,15 @@ from models.continuations import Continuations, check_stops
 from models.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.sampling import Sampling
 from models.source import add_source, is_run, no_steps, read_run, resolve
-from models.train import (
+from models.train import fail, user_errors
+from models.train_flags import (
     CLUSTER_RANGES,
     COUNT,
     Defaults,
     Parser,
     Range,
     check_ranges,
-    fail,
     parse_mesh,
-    user_errors,
 )
 from namedmesh.errors import ParameterError
 

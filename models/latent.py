@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Latent:
@@ -23,8 +25,6 @@ class Latent:
     eps: float = 1e-6
 
     def __post_init__(self):
-        from models.config import ConfigError
-
         for name in ("kv_rank", "nope", "v", "q_rank"):
             value, low = getattr(self, name), 0 if name == "q_rank" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

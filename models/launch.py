@@ -40,7 +40,7 @@ class LaunchError(ValueError):
 
 def arguments(argv: list[str], prog: str) -> tuple[argparse.Namespace, list[str]]:
     """(launch's flags, the command after `--`)."""
-    from models.train import Parser
+    from models.train_flags import Parser
 
     p = Parser(
         prog=prog,

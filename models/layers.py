@@ -18,6 +18,7 @@ import namedmesh as nm
 from models import lora
 from models.config import Config, ConfigError
 from models.kernels import KERNELS, Options
+from models.params import Param as Param  # re-exported: its home was here
 from models.rope import Rope, depends_on_length, frequencies, rotary_dims
 
 NEG = -1e9  # the attention logit of a masked position
@@ -39,14 +40,6 @@ def cast(params, dtype: np.dtype):
         return tuple(cast(v, dtype) for v in params)
     floating = np.issubdtype(params.dtype, np.floating) or params.dtype == np.dtype("bfloat16")
     return nm.astype(params, dtype) if floating and params.dtype != dtype else params
-
-
-class Param(NamedTuple):
-    """A parameter's dims and sizes, and how it starts: "ones", "zeros", or a normal
-    with this standard deviation."""
-
-    sizes: dict
-    init: str | float
 
 
 # --- norms -------------------------------------------------------------------------

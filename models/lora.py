@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
+from models.params import init
 from models.trainable import join
 from namedmesh.errors import ParameterError
 
@@ -232,13 +233,11 @@ def completed(params: dict, shapes: dict, seed: int) -> dict:
     they lack, initialised as a fresh run's are (each from the seed and its path)."""
     import jax
 
-    from models import transformer
-
     missing = _missing(params, shapes)
     if not missing:
         return params
     # one program for them all (eagerly, each draw compiles its own), the same values
-    return join(params, jax.jit(lambda: transformer.init(missing, seed))())
+    return join(params, jax.jit(lambda: init(missing, seed))())
 
 
 def _missing(params: dict, shapes: dict) -> dict:

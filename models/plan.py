@@ -25,7 +25,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from models.train import Defaults, Parser, fail, parse_mesh, user_errors
+from models.train import fail, user_errors
+from models.train_flags import Defaults, Parser, parse_mesh
 
 REMATS = ("none", "dots", "full")
 KERNELS = ("full", "blockwise")
@@ -75,12 +76,12 @@ def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namesp
 
 def load_config(text: str):
     """The Config named `text`, or what the hub makes of a folder's config.json."""
-    from models import config, hub
+    from models import catalog, hub
 
     if Path(text).is_dir():
         family, hf = hub.read_config(Path(text))
         return hub.family_config(family, hf, set(), text)
-    return config.get(text)
+    return catalog.get(text)
 
 
 def _meshes(args, layers: int) -> list:

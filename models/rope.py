@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from models.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Rope:
@@ -36,8 +38,6 @@ class Rope:
     long_factor: tuple[float, ...] = ()  # longrope: per-pair divisors past original_positions
 
     def __post_init__(self):
-        from models.config import ConfigError
-
         for name in ("short_factor", "long_factor"):  # a list from --set: hashable
             object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
         if self.kind not in SCALINGS:
@@ -50,8 +50,6 @@ class Rope:
     def check(self, dims: int) -> None:
         """ConfigError unless longrope's factors hold one value per pair of the `dims`
         rotated dims of d_kv."""
-        from models.config import ConfigError
-
         for name in ("short_factor", "long_factor") if self.kind == "longrope" else ():
             if len(getattr(self, name)) != dims // 2:
                 raise ConfigError(

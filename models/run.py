@@ -20,6 +20,7 @@ from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
 from models import (
     agree,
+    catalog,
     checkpoint,
     cluster,
     config,
@@ -36,7 +37,7 @@ from models import (
 )
 from models.preempt import Preemption
 from models.source import template_folder as of_model
-from models.train import check_ranges, init_fault, optimizer_fault
+from models.train_flags import check_ranges, init_fault, optimizer_fault
 from models.trainer import OptimizerSpec, Trainer, TrainSpec, bits_per_byte, optimizer
 from models.watchdog import COMPILE_S, SAVE_S, Watchdog
 from namedmesh.errors import NamedMeshError
@@ -110,7 +111,7 @@ def setup(args):
                 check_same_vocabulary(given, hub_tokenizer, args.init_from)
         else:
             model = zoo.get(args.model)
-            cfg = model.configure(config.get(args.config))
+            cfg = model.configure(catalog.get(args.config))
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     try:
@@ -179,7 +180,7 @@ LIST_FLAGS = ("set", "freeze")  # flags given again and again, recorded as lists
 
 def recorded_actions() -> dict:
     """dest -> argparse action of every flag run.json records (all but PER_INVOCATION)."""
-    from models.train import parser
+    from models.train_flags import parser
 
     return {a.dest: a for a in parser()._actions if a.dest not in PER_INVOCATION}
 

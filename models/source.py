@@ -98,7 +98,7 @@ def run_config(run, flags: dict):
     base's (RUN/base: a Hugging Face folder's config.json, or the record of the run it
     fine-tuned, whose learned position table keeps its rows), else its zoo config with
     its vocabulary; then the run's --batch, --length, --dtype and --set."""
-    from models import config, files, hub, zoo
+    from models import catalog, config, files, hub, zoo
 
     base = Path(run) / hub.BASE
     if is_run(base):  # fine-tuned from a run of the zoo's: that run's model
@@ -107,7 +107,7 @@ def run_config(run, flags: dict):
     elif (folder := hub_base(run)) is not None:
         cfg = hub.config_of(folder)[1]
     else:
-        cfg = zoo.get(flags["model"]).configure(config.get(flags["config"]))
+        cfg = zoo.get(flags["model"]).configure(catalog.get(flags["config"]))
         cfg = cfg.replace(vocab=flags["vocab"])
     cfg = cfg.replace(**{k: flags[k] for k in ("batch", "length", "dtype") if flags.get(k)})
     return cfg.replace(**config.parse_overrides(flags.get("set") or []))  # the run's --set

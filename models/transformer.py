@@ -35,6 +35,8 @@ from models.layers import (
     segment_bias,
 )
 from models.moe import merged, over_layers
+from models.params import abstract as abstract  # re-exported: their home was here
+from models.params import init as init
 from models.residual import COMPOSITIONS
 
 # The dim every layer stack scans over (`run_stack`): a `layers:stage` layout pipelines it,
@@ -124,41 +126,6 @@ def _leaves(shapes, prefix=""):
         return
     for k in sorted(shapes):
         yield from _leaves(shapes[k], f"{prefix}/{k}" if prefix else k)
-
-
-def init(shapes, seed: int) -> dict:
-    """Initial values for `shapes` (a nested dict of Params), as jax arrays: each
-    parameter's values depend only on the seed and its path, never on a layout."""
-    key = nm.tensor(jax.numpy.asarray(nm.random.key(seed).data), ("key",))
-
-    def value(path, p):
-        if p.init in ("ones", "zeros"):
-            return nm.full(p.sizes, 1.0 if p.init == "ones" else 0.0, np.float32)
-        sub = nm.random.fold_in(key, _path_hash(path))
-        return nm.random.normal(sub, p.sizes) * np.float32(p.init)
-
-    return _build(shapes, value)
-
-
-def abstract(shapes) -> dict:
-    """`shapes` as abstract Tensors: enough to trace, plan and report, no memory used."""
-    return _build(shapes, lambda path, p: nm.abstract(p.sizes))
-
-
-def _build(shapes, value, prefix=""):
-    if isinstance(shapes, Param):
-        t = value(prefix, shapes)
-        if not isinstance(t.data, jax.Array | jax.ShapeDtypeStruct):
-            t = nm.tensor(jax.numpy.asarray(t.data), t.dims)
-        return t
-    return {k: _build(v, value, f"{prefix}/{k}" if prefix else k) for k, v in shapes.items()}
-
-
-def _path_hash(path: str) -> int:
-    h = 0
-    for c in path.encode():
-        h = (h * 131 + c) % (2**31 - 1)
-    return h
 
 
 def layer_keys(key, n: int):

@@ -204,12 +204,12 @@ SMALL_RUN = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "-
 
 def test_cli_layout_auto_prints_the_search(capsys):
     """`--layout auto --rates tpu_v2`'s path (models/run.py pick_layout): the printout."""
-    from models import config, zoo
+    from models import catalog, zoo
     from models.run import pick_layout
     from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
     model = zoo.get("lm")
-    cfg = model.configure(config.get("tiny")).replace(length=16, batch=8)
+    cfg = model.configure(catalog.get("tiny")).replace(length=16, batch=8)
     opt, _ = optimizer(OptimizerSpec("adamw", 3e-3, 10, 1, 1.0))
     layout = pick_layout("auto", Trainer(model, cfg, Mesh({"data": 2}), "", TrainSpec(opt)), "lm",
                          "tpu_v2")  # fmt: skip
@@ -221,12 +221,12 @@ def test_cli_layout_auto_prints_the_search(capsys):
 def test_cli_layout_auto_plans_the_microbatch_that_grad_accum_trains(capsys):
     """With --grad-accum N the step runs on batch/N rows: a search that planned the whole
     batch chose `batch` over all 4 devices, which 2-row microbatches cannot take."""
-    from models import config, zoo
+    from models import catalog, zoo
     from models.run import pick_layout
     from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
     model = zoo.get("lm")
-    cfg = model.configure(config.get("tiny")).replace(length=16, batch=8)
+    cfg = model.configure(catalog.get("tiny")).replace(length=16, batch=8)
     opt, _ = optimizer(OptimizerSpec("adamw", 3e-3, 10, 1, 1.0))
     mesh, cheap_links = Mesh({"data": 4}), "flops=1e9,bandwidth=1e10,latency=1e-7"
     whole = pick_layout("auto", Trainer(model, cfg, mesh, "", TrainSpec(opt)), "lm", cheap_links)

@@ -13,7 +13,7 @@ import pytest
 from benchmarks import paper, run
 from lowering import Layout, Mesh, lower
 from lowering.layout import local_shape
-from models import config, objectives, transformer
+from models import catalog, config, objectives, transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def test_rows_cover_every_lm1b_config_with_the_run_fields(rows):
         assert math.isfinite(r["namedmesh"]) and r["namedmesh"] > 0, r
     for name in lm1b:
         assert {r["metric"] for r in rows if r["case"] == name} == set(paper.METRICS)
-        cfg = config.get(name)
+        cfg = catalog.get(name)
         assert _value(rows, name, paper.METRICS[0])["mesh"] == paper.mesh_text(cfg)
         # the parameter count matches tensor2tensor's, to the two digits it gives
         billions = _value(rows, name, "parameters (billions)")["namedmesh"]
@@ -54,7 +54,7 @@ def _single_device_flops(cfg) -> float:
 
 
 def test_data_parallel_forward_flops_match_a_hand_count(rows):
-    cfg = config.get("lm1b_m1")
+    cfg = catalog.get("lm1b_m1")
     devices = math.prod(n for _, n in cfg.mesh)
     per_device = _value(rows, "lm1b_m1", "forward flops per device")["namedmesh"]
     # batch-splitting divides every op's work except what has no batch dim, which each
@@ -99,7 +99,7 @@ def test_collective_bytes(rows):
         # the forward sends only the loss mean's two float32 scalars (+ count), no tensors
         assert r["namedmesh"] < 64 and r["minimum"] == 0 and r["ratio_to_min"] is None
         # the step adds the gradient all-reduce of all parameters, 2(n-1)/n each
-        cfg = config.get(name)
+        cfg = catalog.get(name)
         n = dict(cfg.mesh)["batch"]
         abstract = transformer.abstract(transformer.lm_shapes(cfg))
         params = sum(math.prod(t.shape) for t in paper._tensors(abstract))
@@ -113,7 +113,7 @@ def test_collective_bytes(rows):
         assert 1.0 <= r["ratio_to_min"] < 1.01, r
         # the backward: the same activation all-reduces again (the replicated inputs'
         # gradients), plus the gradient sync over batch of each device's shards
-        want = 2 * r["minimum"] + _grad_sync(config.get(name))
+        want = 2 * r["minimum"] + _grad_sync(catalog.get(name))
         assert _value(rows, name, step)["namedmesh"] == pytest.approx(want, rel=0.01), name
 
 

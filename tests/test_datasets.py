@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lowering import Mesh
-from models import config, data, datasets, train, zoo
+from models import catalog, data, datasets, train, zoo
 from models.trainer import Trainer
 
 DOCS = ["first document\n", "second, with ünïcode\n", "third\n"]
@@ -93,7 +93,7 @@ def test_a_validation_set_apart_is_used_whole(tmp_path):
 
 
 def test_each_process_reads_the_rows_its_devices_hold():
-    cfg = zoo.get("lm").configure(config.get("tiny")).replace(batch=8, length=8)
+    cfg = zoo.get("lm").configure(catalog.get("tiny")).replace(batch=8, length=8)
     mesh = Mesh({"data": 4})
     split = Trainer(zoo.get("lm"), cfg, mesh, "batch:data")
     half = jax.devices()[:2]  # as if this process held the first two devices

@@ -513,10 +513,10 @@ def test_family_options_keep_their_old_config_spellings():
     are still set by their old names (a run.json's --set, Config(...)); a misspelt one
     gets the closest name, and one the config's family lacks names the family it is
     of. The hub's builder records each model's family."""
-    from models import config
+    from models import catalog, config
 
-    gemma2, opt = config.get("gemma-2-2b"), config.get("opt-125m")
-    assert (gemma2.family, opt.family, config.get("bert-base-uncased").family) == (
+    gemma2, opt = catalog.get("gemma-2-2b"), catalog.get("opt-125m")
+    assert (gemma2.family, opt.family, catalog.get("bert-base-uncased").family) == (
         "gemma2", "opt", "bert",
     )  # fmt: skip
     sets = config.parse_overrides(["logit_softcap=5", "attention_softcap=2.5"])

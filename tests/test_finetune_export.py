@@ -146,12 +146,12 @@ def test_config_list_names_every_config_and_a_config_too_big_is_refused_first(
     line naming both, before any parameter exists (gpt2 was OOM-killed after 268 s)."""
     import psutil
 
-    from models import config
+    from models import catalog
     from models.train import main as train
 
     assert train(["--config", "list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[1:]] == list(config.configs())
+    assert [line.split()[0] for line in lines[1:]] == list(catalog.configs())
     assert next(x for x in lines if x.startswith("gpt2 ")).split()[1:] == [
         "12", "768", "12", "3072", "50257", "1024",
     ]  # fmt: skip

@@ -327,7 +327,7 @@ def published():
 def test_named_configs_are_the_published_models(name):
     """The zoo's named config is what hub makes of the model's config.json, and it has
     as many parameters as transformers' model (built on the meta device: no memory)."""
-    from models import config
+    from models import catalog
     from models.layers import count
 
     cls, hf = published()[name]
@@ -342,7 +342,7 @@ def test_named_configs_are_the_published_models(name):
         hf_dict["tie_word_embeddings"] = False
         hf_dict.pop("scale_decoder_outputs")
     cfg = hub.FAMILIES[family].config(hf_dict, names)
-    named = config.get(name)
+    named = catalog.get(name)
     assert cfg.replace(batch=named.batch, family=family) == named
     extra = hf.vocab_size * hf.d_model if name == "t5-v1_1-small" else 0
     want = sum(p.numel() for p in reference.parameters()) + extra

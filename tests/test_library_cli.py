@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import namedmesh as nm
-from models import config, evaluate, export, generate, hub, settings, train, transformer
+from models import catalog, evaluate, export, generate, hub, settings, train, transformer
 from namedmesh import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_export_is_read_by_transformers_with_equal_logits_and_eval(run, tmp_path
 
 
 def test_export_refuses_a_model_gpt2_cannot_hold():
-    cfg = config.get("tiny")
+    cfg = catalog.get("tiny")
     with pytest.raises(hub.UnsupportedModelError, match="Config.norm='rms'"):
         export.gpt2_config(cfg.replace(norm="rms"))
     with pytest.raises(hub.UnsupportedModelError, match="d_kv 8"):

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import config, hub  # noqa: E402
+from models import catalog, hub  # noqa: E402
 from models.layers import count  # noqa: E402
 
 # config.json of meta-llama/Meta-Llama-3-70B and Llama-3.1-405B, written out here
@@ -31,7 +31,7 @@ def test_llama3_named_config_is_the_checkpoints(name):
     with torch.device("meta"):
         reference = transformers.LlamaForCausalLM(hf)
     names = {k for k, _ in reference.named_parameters()}
-    named = config.get(name)
+    named = catalog.get(name)
     assert hub.FAMILIES["llama"].config(hf.to_dict(), names).replace(batch=named.batch) == named
     held = sum(p.numel() for p in reference.parameters())
     assert count(hub.shapes_of("llama", named)) == held == PUBLISHED[name]

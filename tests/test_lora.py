@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import namedmesh as nm  # noqa: E402
-from models import checkpoint, config, data, export, generate, hub, lora, trainable, zoo  # noqa: E402
+from models import catalog, checkpoint, data, export, generate, hub, lora, trainable, zoo  # noqa: E402
 from models.train import main as train  # noqa: E402
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -230,7 +230,7 @@ def test_a_lora_steps_report_costs_the_adapters_gradients_and_optimizer_state_al
     from lowering.train_step import Training, optimizer_bytes
     from models.trainer import Trainer, TrainSpec
 
-    cfg = config.get("tiny").replace(length=16, batch=2)
+    cfg = catalog.get("tiny").replace(length=16, batch=2)
     model = lora.adapted(zoo.get("lm"), lora.Lora(RANK, ALPHA, 0.0, ("q", "v")), cfg)
     trained = trainable.chooser(trainable.paths(model.shapes(cfg)), (), lora.is_adapter)
     opt = optax.adamw(1e-3)
@@ -244,7 +244,7 @@ def test_a_lora_steps_report_costs_the_adapters_gradients_and_optimizer_state_al
 
 
 def test_freeze_patterns_are_globs_or_regular_expressions_on_paths():
-    paths = trainable.paths(zoo.get("lm").shapes(config.get("tiny")))
+    paths = trainable.paths(zoo.get("lm").shapes(catalog.get("tiny")))
     trained = trainable.chooser(paths, ["layers/attn/*", "emb.*"])
     frozen = {p for p in paths if not trained(p)}
     assert frozen == {p for p in paths if p.startswith("layers/attn/") or p == "embed"}

@@ -9,7 +9,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import config, transformer
+from models import catalog, transformer
 
 LENGTH = 128
 LAYOUTS = {
@@ -33,7 +33,7 @@ def test_training_peak_estimate_is_within_25_percent_of_xla(attention, remat, la
     # the layers as one loop, as the estimate models them: unrolled (scan_layers "auto"
     # picks it for this stack without remat) XLA reserves less, 4.18 MB against the
     # loop's estimate of 5.25 MB for full attention on one device (an open gap)
-    cfg = config.get("tiny", length=LENGTH, batch=1, attention=attention, remat=remat)
+    cfg = catalog.get("tiny", length=LENGTH, batch=1, attention=attention, remat=remat)
     cfg = cfg.replace(attention_block=32, scan_layers=True)
     sizes, rules = LAYOUTS[layout]
     params = transformer.init(transformer.lm_shapes(cfg), 0)

@@ -9,7 +9,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import config, data, layers, transformer, zoo
+from models import catalog, config, data, layers, transformer, zoo
 from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
 R = np.random.default_rng(0)
@@ -194,7 +194,7 @@ def test_init_depends_on_seed_and_path_only():
 @pytest.mark.parametrize("k", sorted(config.PAPER_PARAMS))
 def test_paper_lm_configs_have_the_paper_parameter_counts(k):
     name = f"lm1b_{'m1' if k < 0 else k}"
-    cfg = config.get(name)
+    cfg = catalog.get(name)
     params = transformer.abstract(transformer.lm_shapes(cfg))  # shapes only, no memory
     leaves = _flat(params).values()
     assert all(not isinstance(x.data, np.ndarray) for x in leaves)
@@ -207,7 +207,7 @@ def test_paper_lm_configs_have_the_paper_parameter_counts(k):
 def test_paper_layouts_plan_on_the_paper_meshes(name):
     """The paper's layout on the paper's mesh (up to 512 devices), planned without
     devices: model parallelism divides the work, and the layout splits what it names."""
-    cfg = config.get(name)
+    cfg = catalog.get(name)
     mesh = Mesh(dict(cfg.mesh), devices="abstract")
     b = {"batch": cfg.batch, "length": cfg.length}
     batch = {

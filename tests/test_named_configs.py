@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import config, hub  # noqa: E402
+from models import catalog, hub  # noqa: E402
 from models.families import FAMILIES, NAMED  # noqa: E402
 from models.layers import count  # noqa: E402
 
@@ -36,7 +36,7 @@ def test_a_named_config_is_transformers_config_of_the_checkpoint(name):
     hf = cls.config_class(**keys)  # transformers fills in every key the dict leaves out
     assert hf.model_type == family
     want = FAMILIES[family].config(hf.to_dict(), set())
-    named = config.get(name)
+    named = catalog.get(name)
     assert named == want.replace(batch=named.batch, family=family)  # hub records the family
     with torch.device("meta"):
         reference = cls(hf)

@@ -16,10 +16,10 @@ import namedmesh as nm
 from lowering import Layout, Mesh, lower
 from lowering.hlo import collectives
 from lowering.pipeline import default_microbatches, plan_pipeline
-from models import config, transformer
+from models import catalog, transformer
 from namedmesh.errors import LayoutError, PipelineError
 
-CFG = config.get("tiny").replace(
+CFG = catalog.get("tiny").replace(
     layers=8, d_model=16, heads=2, d_kv=8, d_ff=32, vocab=32, length=4, batch=8
 )
 SHAPES = transformer.lm_shapes(CFG)

@@ -9,7 +9,7 @@ import pytest
 from lowering import Mesh
 from lowering.joint import Settings, joint_search
 from lowering.rates import parse
-from models import config
+from models import catalog
 from models.plan import main
 
 MODEL_DIMS = {"heads", "kv_heads", "q_per_kv", "d_ff", "vocab", "d_kv"}
@@ -31,7 +31,7 @@ def test_llama3_70b_on_2048_h100_splits_model_dims_in_node_within_1_1x_of_exhaus
     space = [Settings(r, "bfloat16", "blockwise", g) for r in ("none", "dots", "full")
              for g in (1, 2, 4, 8)]  # fmt: skip
     cache: dict = {}
-    every = joint_search(builder(config.get("llama3-70b"), 2048, 8192),
+    every = joint_search(builder(catalog.get("llama3-70b"), 2048, 8192),
                          [Mesh({"data": 256, "model": 8}, devices="abstract")],
                          parse("h100,node=8"), space, exhaustive=True, cache=cache)  # fmt: skip
     assert every.searched == len(space)
@@ -94,7 +94,7 @@ def test_compare_and_devices_on_a_tiny_lm(capsys):
     sizes = got["mesh"]
     assert sorted(sizes) == ["data", "model"] and sizes["data"] * sizes["model"] == 8
     s = got["settings"]
-    cfg = config.get("tiny", remat=s["remat"], dtype=s["dtype"], attention=s["attention"],
+    cfg = catalog.get("tiny", remat=s["remat"], dtype=s["dtype"], attention=s["attention"],
                      batch=16 // s["grad_accum"], length=64)  # fmt: skip
     params = transformer.abstract(transformer.lm_shapes(cfg))
     batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lowering.stages import assign_stages
-from models import config
+from models import catalog
 from models import plan as plan_cli
 
 
@@ -35,7 +35,7 @@ def test_more_stages_than_layers_is_refused():
 @pytest.fixture(scope="module")
 def moe61():
     """tiny with DeepSeek-V3's stacks: 3 dense layers, then 58 of 8 experts."""
-    return config.get("tiny").replace(experts=8, experts_per_token=2, dense_layers=3, layers=61)
+    return catalog.get("tiny").replace(experts=8, experts_per_token=2, dense_layers=3, layers=61)
 
 
 def test_plan_16_uneven_stages_of_a_moe_with_microbatches(capsys, monkeypatch, moe61):

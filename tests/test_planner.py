@@ -14,7 +14,7 @@ import pytest
 import namedmesh as nm
 from lowering import Layout, Mesh, PlanMismatch, caches, lower
 from lowering.lower import argument_inputs, graph_report
-from models import config, objectives, transformer
+from models import catalog, objectives, transformer
 
 MESH = Mesh({"rows": 2, "cols": 4})
 ABSTRACT = Mesh({"rows": 2, "cols": 4}, devices="abstract")
@@ -29,7 +29,7 @@ def assert_checked(fn, layout, *args):
 
 
 def lm(name: str, **kw):
-    cfg = config.get(name, **kw)
+    cfg = catalog.get(name, **kw)
     params = transformer.abstract(transformer.lm_shapes(cfg))
     batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
     return (lambda p, b: transformer.lm_loss(p, b, cfg)), (params, batch)

@@ -9,7 +9,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import config, objectives, transformer, zoo
+from models import catalog, config, objectives, transformer, zoo
 from tests.test_models import CFG, np_lm_logits, small_batch
 
 BF16 = np.dtype(jnp.bfloat16)
@@ -158,4 +158,4 @@ def test_bfloat16_training_step_is_float32_within_rounding():
 
 def test_unknown_compute_dtype_is_refused_by_config_naming_it():
     with pytest.raises(config.ConfigError, match="Config.dtype .*'float16'"):
-        config.get("tiny", dtype="float16")
+        catalog.get("tiny", dtype="float16")

@@ -16,7 +16,7 @@ from lowering.joint import Settings
 from lowering.rates import parse
 from lowering.stages import staged_choice
 from lowering.train_step import Training
-from models import config, transformer
+from models import catalog, transformer
 from models import plan as plan_cli
 
 B, D, D_IN, VOCAB = 16, 16, 24, 8  # rows per step, width, the embedding's input, the head's
@@ -139,7 +139,7 @@ def test_the_stages_of_a_model_hold_its_parameters_once():
     """3 stages of a tiny MoE with a dense layer first (its layers 1 dense + 4 MoE: 2, 2
     and 1 a stage) on one device each: their parameters add up to the model's (its tied
     embedding on the first and the last stage both)."""
-    cfg = config.get("tiny").replace(
+    cfg = catalog.get("tiny").replace(
         experts=4, experts_per_token=2, dense_layers=1, layers=5, length=16
     )  # its learned positions: 16
     build = plan_cli.stage_builder(cfg, batch=8, length=16)

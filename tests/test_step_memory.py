@@ -7,7 +7,7 @@ import pytest
 
 from lowering import Mesh, lower
 from lowering.train_step import Training, step_memory
-from models import config, objectives, transformer
+from models import catalog, objectives, transformer
 from models.layers import count
 from namedmesh.errors import ParameterError
 
@@ -28,7 +28,7 @@ def test_the_step_estimate_is_within_15_percent_of_xla_compiled_trainer_step():
 
 
 def test_adamw_moments_are_two_per_parameter_and_zero1_splits_them_over_data():
-    cfg = config.get("tiny")
+    cfg = catalog.get("tiny")
     rep = _report(cfg, {"data": 8}, "batch:data")  # parameters replicated
     n = count(transformer.lm_shapes(cfg))  # float32 parameters
     plain = step_memory(rep, {"data": 8}, ("data",), Training("adamw"))
@@ -44,7 +44,7 @@ def test_adamw_moments_are_two_per_parameter_and_zero1_splits_them_over_data():
 
 
 def test_remat_recompute_flops_are_a_layers_forward_flops():
-    cfg = config.get("tiny")  # d_model 64, 4 heads of 16, d_ff 256, 2 layers, 16 x 64 tokens
+    cfg = catalog.get("tiny")  # d_model 64, 4 heads of 16, d_ff 256, 2 layers, 16 x 64 tokens
     reps = {r: _report(cfg.replace(remat=r), {"one": 1}, "") for r in ("none", "dots", "full")}
     one = _report(cfg.replace(layers=1), {"one": 1}, "")
     layer = reps["none"].flops - one.flops  # one layer's forward flops
@@ -69,7 +69,7 @@ def test_auto_layout_holds_the_whole_step_to_the_memory_limit():
 
     from lowering import auto_layout
 
-    cfg = config.get("tiny")
+    cfg = catalog.get("tiny")
     params = transformer.abstract(transformer.lm_shapes(cfg))
     batch = objectives.abstract_batch("lm", cfg.batch, cfg.length)
     loss = lambda p, b: transformer.lm_loss(p, b, cfg)

@@ -5,13 +5,13 @@ every T5 model then failed with a ShapeError."""
 
 import pytest
 
-from models import config
+from models import catalog
 from models.config import ConfigError
 
 
 @pytest.mark.parametrize("name", ["t5-small", "t5-v1_1-small"])
 def test_ring_attention_with_t5_buckets_is_a_config_error_naming_both(name):
-    cfg = config.get(name)
+    cfg = catalog.get(name)
     with pytest.raises(ConfigError, match=r"attention='ring'.*relative_buckets=32.*blockwise"):
         cfg.replace(attention="ring")
     assert cfg.replace(attention="blockwise").attention == "blockwise"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from models import config, data, transformer
+from models import catalog, data, transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,7 +88,7 @@ def test_set_a_tokenizer_file_and_the_default_layout(tmp_path, capsys):
     assert main([*SMALL, *flags, "--out", str(out)]) == 0
     stdout = capsys.readouterr().out
     assert "layout batch:data (the default: data parallel over the mesh)" in stdout
-    cfg = config.get("tiny").replace(d_model=32, length=16, batch=8, vocab=data.padded_vocab(256))
+    cfg = catalog.get("tiny").replace(d_model=32, length=16, batch=8, vocab=data.padded_vocab(256))
     n = sum(math.prod(p.sizes.values()) for p in _leaves(transformer.lm_shapes(cfg)))
     assert f"{n:,} parameters" in stdout
     run = json.loads((out / "run.json").read_text())

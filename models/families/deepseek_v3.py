@@ -190,7 +190,7 @@ FAMILY = llama.FAMILY._replace(
     name="deepseek_v3", config=config, table=table, heads="DeepseekV3ForCausalLM"
 )
 
-# The canonical checkpoint's config.json keys (models.config.configs names it): those of
+# The canonical checkpoint's config.json keys (models.catalog.configs names it): those of
 # transformers' DeepseekV3Config (the file's scoring_func "sigmoid", topk_method "noaux_tc"
 # and moe_layer_freq 1 are its defaults; its quantization_config, FP8 weights, is not)
 NAMED = {

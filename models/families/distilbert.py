@@ -54,7 +54,7 @@ FAMILY = Family(
     ignored=(r".*embeddings\.position_ids$", r"^vocab_projector\.weight$"),
 )  # fmt: skip
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "distilbert-base-uncased": dict(  # DistilBertConfig's defaults
         vocab_size=30522, dim=768, hidden_dim=3072, n_layers=6, n_heads=12,

@@ -29,7 +29,7 @@ def config(hf: dict, names: set[str]) -> Config:
 
 FAMILY = llama.FAMILY._replace(name="gemma", config=config, heads="GemmaForCausalLM")
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 _GEMMA = dict(
     vocab_size=256000, head_dim=256, max_position_embeddings=8192, hidden_act="gelu",
     rms_norm_eps=1e-6, rope_theta=10000.0,

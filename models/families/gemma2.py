@@ -91,7 +91,7 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 FAMILY = llama.FAMILY._replace(name="gemma2", config=config, table=table, heads="Gemma2ForCausalLM")
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 _GEMMA2 = dict(
     vocab_size=256000, head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6,
     hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0, query_pre_attn_scalar=256,

@@ -86,7 +86,7 @@ def config(hf: dict, names: set[str]) -> Config:
 
 FAMILY = gemma2.FAMILY._replace(name="gemma3_text", config=config, heads="Gemma3ForCausalLM")
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "gemma-3-1b": dict(
         vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,

@@ -54,7 +54,7 @@ FAMILY = Family(
     ignored=(r".*attention\.(masked_)?bias$", r".*rotary_emb\.inv_freq$"),
 )  # fmt: skip
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "pythia-160m": dict(
         vocab_size=50304, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,

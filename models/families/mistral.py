@@ -14,7 +14,7 @@ def config(hf: dict, names: set[str]) -> Config:
 
 FAMILY = llama.FAMILY._replace(name="mistral", config=config, heads="MistralForCausalLM")
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "mistral-7b": dict(  # Mistral-7B-v0.1: MistralConfig's but 32768 positions, eps 1e-5
         hidden_act="silu", vocab_size=32000, hidden_size=4096, intermediate_size=14336,

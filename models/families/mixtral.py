@@ -42,7 +42,7 @@ FAMILY = llama.FAMILY._replace(
     name="mixtral", config=config, table=table, heads="MixtralForCausalLM"
 )
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "mixtral-8x7b": dict(  # Mixtral-8x7B-v0.1
         hidden_act="silu", vocab_size=32000, hidden_size=4096, intermediate_size=14336,

@@ -73,7 +73,7 @@ FAMILY = Family(
     "OPTForCausalLM", ignored=(r"^lm_head\.weight$",),  # tied: the embedding again
 )  # fmt: skip
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "opt-125m": dict(  # OPTConfig's defaults
         vocab_size=50272, hidden_size=768, ffn_dim=3072, num_hidden_layers=12,

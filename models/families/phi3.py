@@ -40,7 +40,7 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 FAMILY = llama.FAMILY._replace(name="phi3", config=config, table=table, heads="Phi3ForCausalLM")
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "phi-3-mini-4k": dict(  # Phi3Config's defaults but the 2047-token window
         hidden_act="silu", vocab_size=32064, hidden_size=3072, intermediate_size=8192,

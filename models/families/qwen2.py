@@ -36,7 +36,7 @@ FAMILY = llama.FAMILY._replace(
     tokens=(),  # no BOS: text alone
 )
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "qwen2.5-7b": dict(
         hidden_act="silu", vocab_size=152064, hidden_size=3584, intermediate_size=18944,

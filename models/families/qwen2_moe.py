@@ -95,7 +95,7 @@ FAMILY = qwen2.FAMILY._replace(
     name="qwen2_moe", config=config, table=table, heads="Qwen2MoeForCausalLM", unused=unused
 )
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "qwen1.5-moe-a2.7b": dict(
         hidden_act="silu", vocab_size=151936, hidden_size=2048, intermediate_size=5632,

@@ -14,7 +14,7 @@ def config(hf: dict, names: set[str]) -> Config:
 
 FAMILY = qwen2.FAMILY._replace(name="qwen3", config=config, heads="Qwen3ForCausalLM")
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "qwen3-8b": dict(
         hidden_act="silu", vocab_size=151936, hidden_size=4096, intermediate_size=12288,

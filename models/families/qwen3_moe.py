@@ -35,7 +35,7 @@ FAMILY = qwen2_moe.FAMILY._replace(
     unused=lambda cfg: (),  # no shared expert: a folder holding one is refused
 )
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "qwen3-30b-a3b": dict(
         hidden_act="silu", vocab_size=151936, hidden_size=2048, intermediate_size=6144,

@@ -68,7 +68,7 @@ FAMILY = Family(
     tokens=("bos", "eos"),  # <s> text </s>
 )  # fmt: skip
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {
     "roberta-base": dict(  # RobertaConfig's defaults but its 514 positions and 1 token type
         vocab_size=50265, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
