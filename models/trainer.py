@@ -25,6 +25,7 @@ from models.config import Config
 from models.optim import UNDECAYED, decayed, optimizer  # noqa: F401 (their home was here)
 from models.zoo import Model
 from namedmesh.errors import ParameterError
+from namedmesh.uneven import pad_stacks
 
 
 def batch_tensors(batch: dict[str, np.ndarray]) -> dict[str, nm.Tensor]:
@@ -82,7 +83,7 @@ class Trainer:
         the optimizer's state for them."""
         if params is None:
             params = transformer.init(self.shapes, self.seed)
-        params = place(params, self.mesh, self.layout, padded=transformer.STACK_DIMS)
+        params = place(self.padded(params), self.mesh, self.layout)
         train = trainable.split(params, self.trained)[0]  # frozen ones have no state
         # XLA gives zeros_like no input's sharding: without out_shardings every moment
         # would come out replicated, the whole model's optimizer state on each device
@@ -92,6 +93,14 @@ class Trainer:
         # uncommitted, and the step's committed outputs would compile the step a second time.
         opt_state = jax.tree_util.tree_map(jax.device_put, opt_state, shardings)
         return {"params": params, "opt": opt_state}
+
+    def padded(self, params: dict) -> dict:
+        """`params` with each layer stack that its pipeline stages do not divide padded
+        to equal stages (a PaddedStack: namedmesh/uneven.py), so that each stage device
+        holds only its layers and their optimizer state, and their gradients stay on it.
+        A checkpoint stores the L-long view (models/checkpoint.py)."""
+        sizes = self.lowered.stage_sizes
+        return pad_stacks(params, {d: sizes[d] for d in transformer.STACK_DIMS if d in sizes})
 
     def abstract_inputs(self):
         """Abstract params and (micro)batch: what `report` and `auto_layout` plan with."""

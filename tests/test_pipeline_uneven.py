@@ -12,10 +12,12 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
+from lowering.distributed import place
+from lowering.hlo import collectives
 from lowering.stages import StagedChoice, assign_stages
 from models import transformer
 from namedmesh.errors import LayoutError
-from namedmesh.uneven import deal
+from namedmesh.uneven import PaddedStack, deal, pad_stacks, unpad_stacks
 from tests.test_pipeline import BATCH, CFG
 
 
@@ -80,13 +82,28 @@ def _layers_loss(params, batch):
     return (carry * carry).sum() + ys.sum()
 
 
-def test_7_layers_on_4_stages_beside_data_give_the_gradients_of_one_device():
+def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
+    """A PaddedStack (pad_stacks) splits over the stages: each device holds its stage's
+    2 of the 8 padded layers (the L-long stack would be whole on each), no all-reduce of
+    the stack's gradient over `stage` remains in the compiled step (only over `data`),
+    and the gradients' 7 real layers are those of one device."""
     r = np.random.default_rng(4)
-    params = {"w": nm.tensor(r.normal(size=(7, 3)).astype(np.float32), ("layers", "d"))}
-    x = nm.tensor(r.normal(size=(8, 3)).astype(np.float32), ("batch", "d"))
-    layout = "layers:stage;batch:data;microbatches=2"
-    lowered = lower(_layers_loss, Mesh({"stage": 4, "data": 2}), layout, check=True)
-    assert_same(grads_of(lowered, params, x), grads_of(_layers_loss, params, x))
+    d = 64  # the stack (7 x 64 floats) outweighs the carry (2 rows a device)
+    params = {"w": nm.tensor(r.normal(size=(7, d)).astype(np.float32), ("layers", "d"))}
+    x = nm.tensor(r.normal(size=(4, d)).astype(np.float32), ("batch", "d"))
+    mesh = Mesh({"stage": 4, "data": 2})
+    lowered = lower(_layers_loss, mesh, "layers:stage;batch:data;microbatches=2", check=True)
+    padded = place(pad_stacks(params, lowered.stage_sizes), mesh, lowered.layout)
+    step = jax.jit(jax.value_and_grad(lambda p: lowered(p, x).data)).lower(padded).compile()
+    layer = d * 4
+    assert step.memory_analysis().argument_size_in_bytes == 2 * layer  # (x is a constant)
+    stage_reduces = [n for kind, n, group in collectives(step.as_text())
+                     if kind == "all-reduce" and group == 4]  # fmt: skip
+    assert sum(stage_reduces) < 3 * layer  # the carry's and ys' psums alone, no stack
+    value, grads = step(padded)
+    assert isinstance(grads["w"], PaddedStack) and grads["w"].tensor.shape == (8, d)
+    got = (float(value), jax.tree_util.tree_leaves(unpad_stacks(grads)))
+    assert_same(got, grads_of(_layers_loss, params, x))
 
 
 def test_fewer_layers_than_stages_is_a_layout_error():
