@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from namedmesh.avals import TRACES
 from namedmesh.creation import tensor
-from namedmesh.elementwise import where
+from namedmesh.elementwise import astype, where
 from namedmesh.errors import LayoutError
 from namedmesh.structural import gather, rename
 from namedmesh.tensor import Tensor
@@ -100,7 +101,7 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
     views = _STAGES.get()[2]
 
     def pad(x):
-        held = views.get(x.data)  # an L-long view of a PaddedStack: the stack itself
+        held = views.get(x.data) or _cast_view(x, views)  # a view of a PaddedStack: itself
         if held is not None and (held.dim, held.length, held.stages) == (dim, length, stages):
             return held.tensor
         return _taken(x, dim, src)
@@ -226,6 +227,22 @@ def viewed(fn, stages: dict):
         return fn(*jax.tree_util.tree_map(view, args, is_leaf=lambda x: isinstance(x, PaddedStack)))
 
     return run
+
+
+def _cast_view(x: Tensor, views: dict):
+    """The PaddedStack that `x` is a dtype conversion of a view of (a model's parameters
+    cast to its compute dtype), converted too and recorded as `x`'s; else None."""
+    for frame in reversed(TRACES.frames):
+        made = next((e for e in reversed(frame.eqns) if x.data in e.outputs), None)
+        if made is None:
+            continue
+        held = views.get(made.inputs[0]) if made.primitive.name == "convert" else None
+        if held is None:
+            return None
+        cast = astype(held.tensor, x.dtype)
+        views[x.data] = PaddedStack(cast, held.dim, held.length, held.stages)
+        return views[x.data]
+    return None
 
 
 def pruned(graph):
