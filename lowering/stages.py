@@ -29,10 +29,10 @@ The step, under a 1F1B schedule (GPipe's ticks, 1F1B's memory):
 
 Runtime: lowering/pipeline.py pipelines each nm.scan on its own over the stage axis, a
 stack that S does not divide padded to S equal stages of ceil(L/S) layers, dealt as
-here, the pads the identity (namedmesh/uneven.py); a stack of fewer layers than stages
-and a MoE body with more than one microbatch (its routing mixes the batch: `mixing_op`)
-do not run. A plan that needs them says so (`StagedChoice.runtime`): the plan is a cost
-model, the runtime does not run it yet.
+here, the pads the identity (namedmesh/uneven.py; the trainer keeps it padded, each
+stage device its layers); a MoE body runs any number of microbatches, each routed on
+its own and its balancing loss averaged over them (`mixing_op`). A stack of fewer layers
+than stages does not run; a plan that needs one says so (`StagedChoice.runtime`).
 """
 
 from __future__ import annotations
@@ -207,16 +207,20 @@ class StagedChoice:
     def runtime(self) -> str:
         """Whether lowering.pipeline runs this plan, in words. It pipelines each stack (an
         nm.scan) on its own, one padded to S equal stages where S does not divide it
-        (namedmesh/uneven.py), so a stack of fewer layers than stages does not run."""
+        (namedmesh/uneven.py), so a stack of fewer layers than stages does not run; a
+        MoE stack's microbatches each route on their own, their balancing losses
+        averaged (lowering.pipeline.mixing_op)."""
         stacks = [sum(col) for col in zip(*self.assignment, strict=True)]
         s = self.stages
         why = [f"a stack of {n} layers on {s} stages" for n in stacks if 0 < n < s]
-        if self.moe_microbatches:
-            why.append("MoE stacks with more than one microbatch")
         if why:
             return f"{' and '.join(why)}: {UNSUPPORTED}"
         ran = "runs as a layers:stage layout (lowering.pipeline)"
-        return ran + (f", each stack padded to {s} equal stages" if self.uneven else "")
+        if self.uneven:
+            ran += f", each stack padded to {s} equal stages"
+        if self.moe_microbatches:
+            ran += ", each microbatch routed on its own (its balancing loss averaged)"
+        return ran
 
     def stages_text(self) -> str:
         """The assignment in words: runs of equal stages."""

@@ -139,7 +139,8 @@ def test_the_deal_is_the_planners(layers, stages):
         ([61], 16, False, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
         ([16], 4, False, "runs as a layers:stage layout (lowering.pipeline)"),
         ([3, 58], 16, False, "a stack of 3 layers on 16 stages: not supported"),
-        ([61], 16, True, "MoE stacks with more than one microbatch: not supported"),
+        ([61], 16, True, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
+        ([16], 4, True, "runs as a layers:stage layout (lowering.pipeline), each microbatch"),
     ],
 )
 def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
@@ -147,7 +148,9 @@ def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
     uneven = any(n % stages for n in stacks)
     choice = StagedChoice(None, None, deal_, [], 0.0, None, 0.0, 0.0, uneven, moe)
     assert choice.runtime.startswith(said)
-    assert choice.runtime.endswith("stages") == (uneven and not moe and min(stacks) >= stages)
+    runs = min(stacks) >= stages
+    assert choice.runtime.endswith("stages") == (uneven and not moe and runs)
+    assert choice.runtime.endswith("averaged)") == (moe and runs)
 
 
 def test_the_cli_trains_5_layers_on_2_stages_as_without_them(tmp_path):
