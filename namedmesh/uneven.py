@@ -60,25 +60,21 @@ def scan_stages(stages: dict):
 
 def uneven_stages(dim: str, length: int) -> int:
     """The stages S a scan of `length` over `dim` is padded to, or 0 when it is not
-    (no stages for `dim`, or S divides `length`); LayoutError naming the dim, its size
-    and mesh axes when there are fewer iterations than stages."""
+    (no stages for `dim`, or S divides `length`). Fewer iterations than stages (a model's
+    short stack, DeepSeek-V3's 3 dense layers on 16 stages) take one stage each, the
+    first ones; the stages after hold only pads, which pass the carry through."""
     stages, padded, _ = _STAGES.get()
-    axes, s = stages.get(dim, ((), 1))
+    _, s = stages.get(dim, ((), 1))
     if s <= 1 or length % s == 0:
         return 0
-    if length < s:
-        raise LayoutError(
-            f"scan over {dim!r}: dim {dim!r} of size {length} has fewer iterations than the "
-            f"{s} stages of mesh axes {tuple(axes)} (rule {dim}:{','.join(axes)}); each stage "
-            f"needs one layer at least"
-        )
     padded.add(dim)
     return s
 
 
 def deal(length: int, stages: int) -> list[tuple[int, int]]:
     """(first layer, layers) of each stage: `length` layers dealt as evenly as they go,
-    the larger stages first (as lowering.stages.assign_stages deals one stack)."""
+    the larger stages first (as lowering.stages.assign_stages deals one stack; fewer
+    layers than stages: one on each of the first, none on the others)."""
     base, extra = divmod(length, stages)
     sizes = [base + 1] * extra + [base] * (stages - extra)
     starts = np.cumsum([0, *sizes[:-1]])
@@ -153,8 +149,8 @@ class PaddedStack:
 
 def pad_stacks(tree, stages: dict):
     """`tree` with each Tensor that has a dim of `stages` ({dim: S}) S does not divide
-    a `PaddedStack` of it (S | L: left as it is). LayoutError naming the dim, its size and
-    S where a stack has fewer layers than stages."""
+    a `PaddedStack` of it (S | L: left as it is; fewer layers than stages: one on each
+    of the first stages, only pads on the others)."""
 
     def pad(t):
         if not isinstance(t, Tensor):
@@ -162,11 +158,6 @@ def pad_stacks(tree, stages: dict):
         for dim in t.dims:
             s, n = stages.get(dim, 1), t.size_of(dim)
             if s > 1 and n % s:
-                if n < s:
-                    raise LayoutError(
-                        f"tensor {t.dims}: dim {dim!r} of size {n} has fewer layers than its "
-                        f"{s} pipeline stages; each stage needs one layer at least"
-                    )
                 src, _ = _positions(n, s)
                 take = np.take if isinstance(t.data, np.ndarray) else jnp.take  # host stays
                 data = take(t.data, src, axis=t.dims.index(dim))

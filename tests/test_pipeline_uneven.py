@@ -16,8 +16,7 @@ from lowering import Mesh, lower
 from lowering.distributed import place
 from lowering.hlo import collectives
 from lowering.stages import StagedChoice, assign_stages
-from models import transformer
-from namedmesh.errors import LayoutError
+from models import transformer, zoo
 from namedmesh.uneven import PaddedStack, deal, pad_stacks, unpad_stacks
 from tests.test_pipeline import BATCH, CFG
 
@@ -64,9 +63,10 @@ def _numpy_layers(w, x):
     return x, np.stack(ys)
 
 
-def test_per_layer_results_and_carry_equal_numpy():
+@pytest.mark.parametrize("layers", [7, 3])  # 3 on 4 stages: the last stage all pads
+def test_per_layer_results_and_carry_equal_numpy(layers):
     r = np.random.default_rng(3)
-    w, x = r.normal(size=(7, 3)), r.normal(size=(8, 3))
+    w, x = r.normal(size=(layers, 3)), r.normal(size=(8, 3))
     wt, xt = (
         nm.tensor(w.astype(np.float32), ("layers", "d")),
         nm.tensor(x.astype(np.float32), ("batch", "d")),
@@ -74,7 +74,7 @@ def test_per_layer_results_and_carry_equal_numpy():
     lowered = lower(_layers_program, Mesh({"stage": 4}), "layers:stage;microbatches=2")
     carry, ys = lowered(wt, xt)
     want_carry, want_ys = _numpy_layers(w, x)
-    assert ys.dims == ("layers", "batch") and ys.shape == (7, 8)
+    assert ys.dims == ("layers", "batch") and ys.shape == (layers, 8)
     np.testing.assert_allclose(np.asarray(carry.data), want_carry, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ys.data), want_ys, rtol=1e-5, atol=1e-5)
 
@@ -115,14 +115,27 @@ def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
     assert_same(got, grads_of(_cast_loss, params, x), rtol=2e-2)  # bfloat16 gradients
 
 
-def test_fewer_layers_than_stages_is_a_layout_error():
-    w = nm.tensor(np.ones((3, 2), np.float32), ("layers", "d"))
-    x = nm.tensor(np.ones((4, 2), np.float32), ("batch", "d"))
-    lowered = lower(_layers_program, Mesh({"stage": 4}), "layers:stage")
-    with pytest.raises(
-        LayoutError, match=r"'layers' of size 3 .* 4 stages of mesh axes \('stage',\)"
-    ):
-        lowered(w, x)
+def test_a_dense_stack_shorter_than_the_stages_then_moe_microbatches():
+    """DeepSeek-V3's shape in small: 1 dense layer, then a stack of 3 MoE layers, on 2
+    stages with 2 microbatches, the parameters padded (the dense stack's one layer on
+    stage 0, stage 1 passes it through). Loss and gradients: the unlowered model run
+    microbatch by microbatch, averaged (each microbatch routes on its own)."""
+    from test_pipeline_compositions import _by_microbatch
+
+    cfg = zoo.get("moe").configure(CFG.replace(layers=4, batch=4)).replace(dense_layers=1)
+    params = transformer.init(transformer.lm_shapes(cfg), 0)
+    batch = {k: nm.tensor(np.asarray(v.data)[:4], v.dims) for k, v in BATCH.items()}
+    loss = functools.partial(transformer.lm_loss, cfg=cfg)
+    mesh = Mesh({"stage": 2})
+    lowered = lower(loss, mesh, "layers:stage;microbatches=2", check=True)
+    padded = place(pad_stacks(params, lowered.stage_sizes), mesh, lowered.layout)
+    assert padded["dense"]["ffn"]["wi"].tensor.shape[0] == 2  # one layer, one pad
+    value, grads = jax.jit(jax.value_and_grad(lambda p: lowered(p, batch).data))(padded)
+    want_value, want_grads = _by_microbatch(loss, params, batch, 2)
+    got = (float(value), jax.tree_util.tree_leaves(unpad_stacks(grads)))
+    assert_same(got, (float(want_value), jax.tree_util.tree_leaves(want_grads)))
+    plans = lowered.report(padded, batch, show=False).pipelines
+    assert [(p.stages, p.length, p.microbatches) for p in plans] == [(2, 2, 2), (2, 4, 2)]
 
 
 @pytest.mark.parametrize("layers,stages", [(5, 2), (7, 4), (61, 16), (9, 3), (10, 4)])
@@ -133,12 +146,15 @@ def test_the_deal_is_the_planners(layers, stages):
     assert [a for a, _ in got] == list(np.cumsum([0] + [n for _, n in got])[:-1])
 
 
+RUNS = "runs as a layers:stage layout (lowering.pipeline)"
+
+
 @pytest.mark.parametrize(
     "stacks,stages,moe,said",
     [
         ([61], 16, False, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
         ([16], 4, False, "runs as a layers:stage layout (lowering.pipeline)"),
-        ([3, 58], 16, False, "a stack of 3 layers on 16 stages: not supported"),
+        ([3, 58], 16, False, f"{RUNS}, each stack padded to 16 equal stages (the 3 layers of"),
         ([61], 16, True, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
         ([16], 4, True, "runs as a layers:stage layout (lowering.pipeline), each microbatch"),
     ],
@@ -148,9 +164,8 @@ def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
     uneven = any(n % stages for n in stacks)
     choice = StagedChoice(None, None, deal_, [], 0.0, None, 0.0, 0.0, uneven, moe)
     assert choice.runtime.startswith(said)
-    runs = min(stacks) >= stages
-    assert choice.runtime.endswith("stages") == (uneven and not moe and runs)
-    assert choice.runtime.endswith("averaged)") == (moe and runs)
+    assert choice.runtime.endswith("stages") == (uneven and not moe and min(stacks) >= stages)
+    assert choice.runtime.endswith("averaged)") == moe
 
 
 def test_the_cli_trains_5_layers_on_2_stages_as_without_them(tmp_path):
