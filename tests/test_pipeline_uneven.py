@@ -1,8 +1,10 @@
 """Uneven pipeline stages (issue 37): a `layers:stage` layout whose S stages do not divide
-the L layers pads the stack inside the program (namedmesh/uneven.py) and runs as on one
-device: the LM's loss and gradients against the model run by jax unlowered, a scan's
-per-layer results (ys) and final carry against NumPy in float64; fewer layers than
-stages is a LayoutError naming the dim, its size and the mesh axis."""
+the L layers pads the stack (namedmesh/uneven.py) and runs as on one device: a scan's
+per-layer results (ys) and final carry against NumPy, fewer layers than stages too; a
+stack padded ahead (a PaddedStack) held 1/S per device with no stage all-reduce of its
+gradients; DeepSeek-V3's shape in small (a dense stack shorter than the stages, then MoE
+layers in 2 microbatches) against the model run by jax unlowered, microbatch by
+microbatch; the CLI's training against a run without stages."""
 
 import functools
 
@@ -32,17 +34,6 @@ def assert_same(got, want, rtol=1e-5):
     for g, w in zip(got[1], want[1], strict=True):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * np.abs(w).max())
-
-
-def test_an_lm_of_5_layers_on_2_stages_trains_as_on_one_device():
-    cfg = CFG.replace(layers=5)
-    params = transformer.init(transformer.lm_shapes(cfg), 0)
-    loss = functools.partial(transformer.lm_loss, cfg=cfg)
-    lowered = lower(loss, Mesh({"stage": 2}), "layers:stage;microbatches=4", check=True)
-    assert_same(grads_of(lowered, params, BATCH), grads_of(loss, params, BATCH))
-    # it ran as a pipeline of 2 equal stages of 3 layers, one of them a pad
-    (plan,) = lowered.report(params, BATCH, show=False).pipelines
-    assert (plan.stages, plan.length, plan.microbatches) == (2, 6, 4)
 
 
 def _layers_program(w, x):
