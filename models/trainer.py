@@ -109,8 +109,10 @@ class Trainer:
         return transformer.abstract(self.shapes), batch
 
     def report(self):
-        """The cost report of one training step: the loss and its parameters' gradients."""
+        """The cost report of one training step: the loss and its parameters' gradients
+        (the stacks padded, as the trainer holds them)."""
         params, batch = self.abstract_inputs()
+        params = self.padded(params)
         return self.lowered.report(params, batch, self.key(1), wrt=0, show=False)
 
     def key(self, step: int):

@@ -159,12 +159,21 @@ def pad_stacks(tree, stages: dict):
             s, n = stages.get(dim, 1), t.size_of(dim)
             if s > 1 and n % s:
                 src, _ = _positions(n, s)
-                take = np.take if isinstance(t.data, np.ndarray) else jnp.take  # host stays
-                data = take(t.data, src, axis=t.dims.index(dim))
-                return PaddedStack(Tensor._make(data, t.dims), dim, n, s)
+                return PaddedStack(Tensor._make(_take(t.data, src, t.dims.index(dim)), t.dims),
+                                   dim, n, s)  # fmt: skip
         return t
 
     return _tree_map(pad, tree)
+
+
+def _take(data, index: np.ndarray, axis: int):
+    """`data` at `index` along `axis`: on the host for host data, a shape alone for an
+    abstract one (jax.ShapeDtypeStruct: what a report plans with)."""
+    if isinstance(data, jax.ShapeDtypeStruct):
+        shape = list(data.shape)
+        shape[axis] = len(index)
+        return jax.ShapeDtypeStruct(tuple(shape), data.dtype)
+    return (np.take if isinstance(data, np.ndarray) else jnp.take)(data, index, axis=axis)
 
 
 def unpad_stacks(tree):
