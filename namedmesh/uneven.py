@@ -10,7 +10,9 @@ stage's last layer, flagged not real. A padded iteration is the identity: the bo
 carry is replaced by the one it was given (`where` on the flag), so its values and the
 gradients of its inputs (zero: its results are dropped) do not change the step. The
 stack is padded by slices and a concat of the scanned inputs, whose transposes drop the
-pad's gradients, and the ys are sliced back to the L real iterations.
+pad's gradients, and the ys are sliced back to the L real iterations. A stack of fewer
+layers than stages (DeepSeek-V3's 3 dense layers on 16) puts one on each of the first
+stages; the others hold only pads, which pass the carry through.
 
 Where the stack comes in L long, it is whole on every stage device (L does not split over
 S) and its gradients are all-reduced over the stages. A `PaddedStack` (`pad_stacks`) is
