@@ -4,7 +4,8 @@ per-layer results (ys) and final carry against NumPy, fewer layers than stages t
 stack padded ahead (a PaddedStack) held 1/S per device with no stage all-reduce of its
 gradients; DeepSeek-V3's shape in small (a dense stack shorter than the stages, then MoE
 layers in 2 microbatches) against the model run by jax unlowered, microbatch by
-microbatch; the CLI's training against a run without stages."""
+microbatch. (The trainer on uneven stages, padded, against one device and across a
+checkpoint: test_pipeline_checkpoint.py; the CLI's pipeline flags: test_pipeline.py.)"""
 
 import functools
 
@@ -157,18 +158,3 @@ def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
     assert choice.runtime.startswith(said)
     assert choice.runtime.endswith("stages") == (uneven and not moe and min(stacks) >= stages)
     assert choice.runtime.endswith("averaged)") == moe
-
-
-def test_the_cli_trains_5_layers_on_2_stages_as_without_them(tmp_path):
-    """The trainer places the stack whole (lowering.distributed.place(padded=)) and the
-    pipelined run logs the losses of a run without a stage axis."""
-    from test_train_cli import losses, train
-
-    flags = ["--set", "layers=5", "--steps", "2", "--eval-every", "2"]
-    runs = {}
-    for name, mesh in (("piped", ["--mesh", "stage=2", "--layout", "layers:stage"]), ("one", [])):
-        r = train(*flags, *mesh, "--out", tmp_path / name)
-        assert r.returncode == 0, r.stderr[-2000:]
-        runs[name] = losses(tmp_path / name)
-    assert list(runs["piped"]) == [1, 2]
-    np.testing.assert_allclose(list(runs["piped"].values()), list(runs["one"].values()), rtol=1e-5)
