@@ -162,7 +162,12 @@ def send(ctx, eqn, split, arrays, g, groups: int, widths, prepare, kernel):
     (c, o), k, size = widths, devices * cap, np.dtype(out.dtype).itemsize
     for nbytes, transposes in ((k * c * size, True), (k * 4, False), (k * o * size, True)):
         ctx.log("all_to_all", split, nbytes, transposes=transposes)
-    shape = local_shape(ctx.wanted[out], out.shape, ctx.mesh)
+    # the rows' sizes are g's local ones (a pipeline's microbatch has fewer than the
+    # value's layout gives), the other dims' the layout's
+    vg = eqn.inputs[next(i for i, a in enumerate(arrays) if a is g)]
+    rows = dict(zip(vg.dims, g.shape, strict=True))
+    full = local_shape(ctx.wanted[out], out.shape, ctx.mesh)
+    shape = tuple(rows.get(d, n) for d, n in zip(out.dims, full, strict=True))
     y = ctx.instruction("routed", most, *arrays, prepare=prepare, kernel=kernel, axes=split,
                         devices=devices, capacity=cap, dtype=out.dtype, shape=shape)  # fmt: skip
     # one round's local op: the rows and their groups a round's buffer, the weights own

@@ -34,7 +34,7 @@ from lowering.mesh import Mesh, require_mesh
 from lowering.plan import Plan
 from namedmesh.errors import ArgumentError, MeshError
 from namedmesh.tensor import Tensor
-from namedmesh.uneven import scan_stages
+from namedmesh.uneven import pruned, scan_stages, viewed
 
 __all__ = ["Lowered", "argument_inputs", "graph_report", "input_names", "lower", "rule_layouts"]
 
@@ -124,7 +124,7 @@ class Lowered:
     def _build(self, args):
         paths, tree = jax.tree_util.tree_flatten_with_path(list(args), is_leaf=_is_tensor)
         for path, x in paths:
-            if not isinstance(x, Tensor):
+            if not isinstance(x, Tensor):  # (a PaddedStack's Tensor is a leaf of it)
                 shape = f" (shape {x.shape})" if hasattr(x, "shape") else ""
                 raise ArgumentError(
                     f"lowered functions take Tensors (or pytrees of them), got a "
@@ -139,8 +139,9 @@ class Lowered:
         return [x.data for x in leaves], self._cache[key]
 
     def _plan(self, args) -> _Built:
-        with scan_stages(self._stages()) as padded:  # uneven stages: namedmesh/uneven.py
-            graph = nm.trace(self.fn, *args)
+        stages = self._stages()
+        with scan_stages(stages) as padded:  # uneven stages: namedmesh/uneven.py
+            graph = pruned(nm.trace(viewed(self.fn, stages), *args))
         names = input_names(args)
         wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, names, padded)
         plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
@@ -153,6 +154,12 @@ class Lowered:
         over one is a pipeline, padded where its stages are uneven."""
         sizes = self.mesh.sizes
         return {d: (axes, math.prod(sizes[a] for a in axes)) for d, axes in self.layout.rules}
+
+    @property
+    def stage_sizes(self) -> dict:
+        """{dim: S}: the stages each dim a rule splits runs in, were it a scan's (a stack
+        S does not divide is padded: `namedmesh.uneven.pad_stacks` pads it ahead)."""
+        return {d: s for d, (_, s) in self._stages().items()}
 
     def _runnable(self, what: str) -> None:
         if self.mesh.abstract:

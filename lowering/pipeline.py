@@ -66,6 +66,7 @@ class PipelinePlan:
     stack_bytes: int
     saved_bytes: int = 0  # activations one iteration keeps for the backward pass
     repeats: int = 1  # circular: each microbatch passes every stage this many times
+    averaged: int = 0  # per-iteration results without `dim`: the microbatches' averaged
 
     @property
     def ticks(self) -> int:
@@ -153,7 +154,8 @@ class PipelinePlan:
             f"{self.minimum_bytes:,.0f} each way)",
             f"    per device: stage parameters {self.parameter_bytes:,} bytes (stack "
             f"{self.stack_bytes:,}), activations kept {self.activation_bytes:,} bytes",
-        ]
+        ] + ([f"    {self.averaged} per-iteration result(s) without {self.dim!r}: each "
+              "microbatch's own, averaged"] if self.averaged else [])  # fmt: skip
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -277,21 +279,47 @@ def _acts_along(e, dim: str) -> bool:
 def mixing_op(body, n_carry: int, n_x: int, dim: str) -> str | None:
     """How `body` (a scan's Graph) is not per-example along `dim`, in words, or None when
     it is: every value made from a carry or captured value with `dim` keeps `dim`, none
-    gets it otherwise, no op acts along it, and every output has it. Only then may
-    microbatches of the carry run through it apart. (Values made from no input are loop
-    constants, which the scan's rule makes before the loop and captures:
-    scan.hoisted.)"""
+    gets it otherwise, no op acts along it, and every carry (and each per-iteration
+    result that has `dim`) has it. Only then may microbatches of the carry run through
+    it apart. A per-iteration result without `dim` (a MoE layer's balancing loss, a mean
+    over the batch) may be made by ops along it: each microbatch makes its own and the
+    pipeline averages them (`averaged_ys`; Megatron's and DeepSeek's rule for the
+    auxiliary loss). (Values made from no input are loop constants, which the scan's
+    rule makes before the loop and captures: scan.hoisted.)"""
     for v in body.inputs[n_carry : n_carry + n_x]:
         if dim in v.dims:
             return f"a scanned input {fmt_dims(v.dims)} has {dim!r}"
+    kept = [*body.outputs[:n_carry], *(v for v in body.outputs[n_carry:] if dim in v.dims)]
     batched = {v for v in body.inputs if dim in v.dims}
-    why = _mixing(body, batched, dim)
+    why = _mixing(_Eqns(_needed(body.eqns, kept)), batched, dim)
     if why:
         return why
-    for v in body.outputs:
+    for v in kept:
         if v not in batched:
             return f"the body returns {fmt_dims(v.dims)} without it"
     return None
+
+
+def averaged_ys(body, n_carry: int, dim: str | None) -> list[bool]:
+    """Per per-iteration result of `body`: whether it lacks the microbatched `dim`, so
+    that the pipeline averages the microbatches' own (`mixing_op`)."""
+    return [dim is not None and dim not in v.dims for v in body.outputs[n_carry:]]
+
+
+class _Eqns(NamedTuple):
+    """A body's equations alone, as `_mixing` reads them."""
+
+    eqns: list
+
+
+def _needed(eqns: list, outputs) -> list:
+    """The equations of `eqns` that `outputs` are made from, in order."""
+    need, out = set(outputs), []
+    for e in reversed(eqns):
+        if any(o in need for o in e.outputs):
+            need.update(e.inputs)
+            out.append(e)
+    return out[::-1]
 
 
 def _mixing(body, batched: set, dim: str) -> str | None:
@@ -446,6 +474,10 @@ def _first(x):
     return x[0]
 
 
+def _mean_first(x):
+    return x.mean(0).astype(x.dtype)
+
+
 def _zeros_entry(x):
     return jnp.zeros_like(x[0])
 
@@ -533,6 +565,7 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, stage_loop):
         repeats=ctx.layout.options.get("repeats"),
         ys=len(body.outputs) > nc,
     )
+    pplan = dataclasses.replace(pplan, averaged=sum(averaged_ys(body, nc, pplan.dim)))
     run = _run if pplan.repeats == 1 else _run_circular
     layout, ctx.layout = ctx.layout, without_axes(ctx.layout, axes)
     try:
@@ -580,7 +613,9 @@ def _run(ctx, eqn, plan: PipelinePlan, carry, carry_lay, xs, x_lays, rest, stage
     # stage s ran microbatch k at tick s + k: its ys are ticks s .. s+M-1
     ys = [ctx.call(_slice_from, y, s, like=_Shape((m, *y.shape[1:]), y.dtype), size=m)
           for y in ys]  # fmt: skip
-    ys = [_joined(ctx, y, 1 + v.dims.index(dim)) if dim else ctx.call(_first, y, like=_entry(y))
+    ys = [_joined(ctx, y, 1 + v.dims.index(dim)) if dim and dim in v.dims
+          else ctx.call(_mean_first, y, like=_entry(y)) if dim  # each microbatch's: averaged
+          else ctx.call(_first, y, like=_entry(y))
           for y, v in zip(ys, body.outputs[nc:], strict=True)]  # fmt: skip
     return final, ys, list(y_lays)
 

@@ -29,10 +29,12 @@ The step, under a 1F1B schedule (GPipe's ticks, 1F1B's memory):
 
 Runtime: lowering/pipeline.py pipelines each nm.scan on its own over the stage axis, a
 stack that S does not divide padded to S equal stages of ceil(L/S) layers, dealt as
-here, the pads the identity (namedmesh/uneven.py); a stack of fewer layers than stages
-and a MoE body with more than one microbatch (its routing mixes the batch: `mixing_op`)
-do not run. A plan that needs them says so (`StagedChoice.runtime`): the plan is a cost
-model, the runtime does not run it yet.
+here, the pads the identity (namedmesh/uneven.py; the trainer keeps it padded, each
+stage device its layers); a MoE body runs any number of microbatches, each routed on
+its own and its balancing loss averaged over them (`mixing_op`). A stack of fewer layers
+than stages runs on the first stages, one layer each, the others passing it through:
+each stack is a pipeline of its own, so the runtime's deal of a short stack is not the
+consecutive deal planned here (`StagedChoice.runtime` says so).
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, ParameterError
 
 STAGE_AXIS = "stage"
-UNSUPPORTED = "not supported by lowering.pipeline yet"
 
 
 def assign_stages(stacks, stages: int) -> list[tuple[int, ...]]:
@@ -205,18 +206,25 @@ class StagedChoice:
 
     @property
     def runtime(self) -> str:
-        """Whether lowering.pipeline runs this plan, in words. It pipelines each stack (an
+        """How lowering.pipeline runs this plan, in words. It pipelines each stack (an
         nm.scan) on its own, one padded to S equal stages where S does not divide it
-        (namedmesh/uneven.py), so a stack of fewer layers than stages does not run."""
+        (namedmesh/uneven.py): a stack of fewer layers than stages runs on the first
+        stages, the others passing it through, not as dealt here; a MoE stack's
+        microbatches each route on their own, their balancing losses averaged
+        (lowering.pipeline.mixing_op)."""
         stacks = [sum(col) for col in zip(*self.assignment, strict=True)]
         s = self.stages
-        why = [f"a stack of {n} layers on {s} stages" for n in stacks if 0 < n < s]
-        if self.moe_microbatches:
-            why.append("MoE stacks with more than one microbatch")
-        if why:
-            return f"{' and '.join(why)}: {UNSUPPORTED}"
         ran = "runs as a layers:stage layout (lowering.pipeline)"
-        return ran + (f", each stack padded to {s} equal stages" if self.uneven else "")
+        if self.uneven:
+            ran += f", each stack padded to {s} equal stages"
+        short = [n for n in stacks if 0 < n < s]
+        if short:
+            ran += (f" (the {' and '.join(map(str, short))} layers of a shorter stack on its first "
+                    "stages, the others passing it through: each stack its own pipeline, not the "
+                    "deal planned)")  # fmt: skip
+        if self.moe_microbatches:
+            ran += ", each microbatch routed on its own (its balancing loss averaged)"
+        return ran
 
     def stages_text(self) -> str:
         """The assignment in words: runs of equal stages."""

@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 
 import namedmesh as nm
 from namedmesh.tensor import Tensor
+from namedmesh.uneven import pad_like, unpad_stacks
 
 
 class CheckpointError(ValueError):
@@ -133,7 +134,10 @@ class Checkpointer:
 
     def save(self, step: int, state, meta: dict) -> None:
         """Save `state` at `step` (in the background; `wait` for it); NonFiniteError,
-        saving nothing, when an array of it holds NaN or infinity."""
+        saving nothing, when an array of it holds NaN or infinity. Layer stacks padded
+        for uneven pipeline stages are stored L long (namedmesh/uneven.py), so that any
+        mesh and layout restores them."""
+        state = unpad_stacks(state)
         opt = jax.tree_util.tree_leaves(state["opt"])
         sums, bad = checksums(_flat_state(state))
         if bad:
@@ -376,7 +380,9 @@ def _as_tensors(arrays: dict, target: dict) -> dict:
 
 def restore(directory, target, step: int | None = None):
     """(state, meta): the checkpoint's values in the structure and shardings of `target`
-    ({"params", "opt"})."""
+    ({"params", "opt"}); its padded layer stacks (namedmesh/uneven.py) are read L long and
+    padded again."""
+    like, target = target, unpad_stacks(target)
     mngr = _manager(directory)
     step = mngr.latest_step() if step is None else step
     if step is None:
@@ -393,7 +399,7 @@ def restore(directory, target, step: int | None = None):
     got = _read(mngr, directory, step, "opt", ocp.args.StandardRestore(abstract), abstract)
     _verify(meta, {f"opt/{k}": v for k, v in got.items()}, directory, step)
     opt = jax.tree_util.tree_unflatten(tree, [got[f"{i:05d}"] for i in range(len(leaves))])
-    return {"params": params, "opt": opt}, meta
+    return pad_like({"params": params, "opt": opt}, like), meta
 
 
 def restore_newest(directory, target, say=print):

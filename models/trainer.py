@@ -27,6 +27,7 @@ from models.config import Config
 from models.optim import UNDECAYED, OptimizerSpec, decayed, optimizer  # noqa: F401 (their home was here)
 from models.zoo import Model
 from namedmesh.errors import ParameterError
+from namedmesh.uneven import pad_stacks
 
 
 def batch_tensors(batch: dict[str, np.ndarray]) -> dict[str, nm.Tensor]:
@@ -97,7 +98,7 @@ class Trainer:
         the optimizer's state for them."""
         if params is None:
             params = transformer.init(self.shapes, self.seed)
-        params = place(params, self.mesh, self.layout, padded=transformer.STACK_DIMS)
+        params = place(self.padded(params), self.mesh, self.layout)
         train = trainable.split(params, self.trained)[0]  # frozen ones have no state
         # XLA gives zeros_like no input's sharding: without out_shardings every moment
         # would come out replicated, the whole model's optimizer state on each device
@@ -108,6 +109,14 @@ class Trainer:
         opt_state = jax.tree_util.tree_map(jax.device_put, opt_state, shardings)
         return {"params": params, "opt": opt_state}
 
+    def padded(self, params: dict) -> dict:
+        """`params` with each layer stack that its pipeline stages do not divide padded
+        to equal stages (a PaddedStack: namedmesh/uneven.py), so that each stage device
+        holds only its layers and their optimizer state, and their gradients stay on it.
+        A checkpoint stores the L-long view (models/checkpoint.py)."""
+        sizes = self.lowered.stage_sizes
+        return pad_stacks(params, {d: sizes[d] for d in transformer.STACK_DIMS if d in sizes})
+
     def abstract_inputs(self):
         """Abstract params and (micro)batch: what `report` and `auto_layout` plan with."""
         rows = self.cfg.batch // self.grad_accum
@@ -117,8 +126,10 @@ class Trainer:
     def report(self):
         """The cost report of one training step: the loss and the gradients of the
         trained parameters (all, or the `trained` subtree: a LoRA step's frozen weights
-        have no gradient and no optimizer state, lowering.train_step.optimizer_bytes)."""
+        have no gradient and no optimizer state, lowering.train_step.optimizer_bytes),
+        the stacks padded, as the trainer holds them."""
         params, batch = self.abstract_inputs()
+        params = self.padded(params)
         if self.trained is None:
             return self.lowered.report(params, batch, self.key(1), wrt=0, show=False)
         train, frozen = trainable.split(params, self.trained)

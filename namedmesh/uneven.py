@@ -10,8 +10,18 @@ stage's last layer, flagged not real. A padded iteration is the identity: the bo
 carry is replaced by the one it was given (`where` on the flag), so its values and the
 gradients of its inputs (zero: its results are dropped) do not change the step. The
 stack is padded by slices and a concat of the scanned inputs, whose transposes drop the
-pad's gradients, and the ys are sliced back to the L real iterations. The user's
-parameters stay L long."""
+pad's gradients, and the ys are sliced back to the L real iterations. A stack of fewer
+layers than stages (DeepSeek-V3's 3 dense layers on 16) puts one on each of the first
+stages; the others hold only pads, which pass the carry through.
+
+Where the stack comes in L long, it is whole on every stage device (L does not split over
+S) and its gradients are all-reduced over the stages. A `PaddedStack` (`pad_stacks`) is
+the stack already padded, S * K long: it splits over the stages as an even stack does, so
+each stage device holds only its K layers and their gradients stay on it. The program
+still sees the L-long stack (`viewed`: a gather of the real layers, dropped from the
+graph where only the scan reads it), and the scan runs on the padded stack itself. The
+trainer keeps its parameters and optimizer state padded; `unpad_stacks` gives the L-long
+view a checkpoint or a user reads."""
 
 from __future__ import annotations
 
@@ -20,17 +30,21 @@ import contextvars
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from namedmesh.avals import TRACES
 from namedmesh.creation import tensor
-from namedmesh.elementwise import where
+from namedmesh.elementwise import astype, where
 from namedmesh.errors import LayoutError
 from namedmesh.structural import gather, rename
 from namedmesh.tensor import Tensor
 
-# ({dim: (mesh axes, stages)} of the scans being traced, the dims padded so far); empty
-# outside `lower`
-_STAGES: contextvars.ContextVar[tuple] = contextvars.ContextVar("scan_stages", default=({}, set()))
+# ({dim: (mesh axes, stages)} of the scans being traced, the dims padded so far, {the Var of
+# an L-long view: its PaddedStack}); empty outside `lower`
+_STAGES: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "scan_stages", default=({}, set(), {})
+)
 
 
 @contextlib.contextmanager
@@ -39,7 +53,7 @@ def scan_stages(stages: dict):
     does not divide is padded to S equal stages (this module's docstring). Yields the
     set of dims padded, filled as the scans are traced."""
     padded: set = set()
-    token = _STAGES.set((dict(stages), padded))
+    token = _STAGES.set((dict(stages), padded, {}))
     try:
         yield padded
     finally:
@@ -48,25 +62,21 @@ def scan_stages(stages: dict):
 
 def uneven_stages(dim: str, length: int) -> int:
     """The stages S a scan of `length` over `dim` is padded to, or 0 when it is not
-    (no stages for `dim`, or S divides `length`); LayoutError naming the dim, its size
-    and mesh axes when there are fewer iterations than stages."""
-    stages, padded = _STAGES.get()
-    axes, s = stages.get(dim, ((), 1))
+    (no stages for `dim`, or S divides `length`). Fewer iterations than stages (a model's
+    short stack, DeepSeek-V3's 3 dense layers on 16 stages) take one stage each, the
+    first ones; the stages after hold only pads, which pass the carry through."""
+    stages, padded, _ = _STAGES.get()
+    _, s = stages.get(dim, ((), 1))
     if s <= 1 or length % s == 0:
         return 0
-    if length < s:
-        raise LayoutError(
-            f"scan over {dim!r}: dim {dim!r} of size {length} has fewer iterations than the "
-            f"{s} stages of mesh axes {tuple(axes)} (rule {dim}:{','.join(axes)}); each stage "
-            f"needs one layer at least"
-        )
     padded.add(dim)
     return s
 
 
 def deal(length: int, stages: int) -> list[tuple[int, int]]:
     """(first layer, layers) of each stage: `length` layers dealt as evenly as they go,
-    the larger stages first (as lowering.stages.assign_stages deals one stack)."""
+    the larger stages first (as lowering.stages.assign_stages deals one stack; fewer
+    layers than stages: one on each of the first, none on the others)."""
     base, extra = divmod(length, stages)
     sizes = [base + 1] * extra + [base] * (stages - extra)
     starts = np.cumsum([0, *sizes[:-1]])
@@ -77,12 +87,8 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
     """`scan(f, init, xs, dim, **kw)` run as `stages` equal blocks of ceil(L/S)
     iterations, the padded ones the identity (this module's docstring)."""
     k = math.ceil(length / stages)
-    blocks = deal(length, stages)
-    real = np.array([j < n for _, n in blocks for j in range(k)])
-
-    # padded position s*K + j holds the stage's layer j, or (a pad) its last real one
-    src = np.array([a + min(j, n - 1) for a, n in blocks for j in range(k)], np.int32)
-    at = np.array([s * k + j for s, (_, n) in enumerate(blocks) for j in range(n)], np.int32)
+    real = np.array([j < n for _, n in deal(length, stages) for j in range(k)])
+    src, at = _positions(length, stages)  # padded position s*K + j: the stage's layer j
 
     def body(carry, x):
         inner, flag = x
@@ -90,10 +96,174 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
         kept = _tree_map(lambda a, b: where(flag, a, b), new, carry)
         return kept, y
 
-    padded = _tree_map(lambda x: _taken(x, dim, src), xs)
+    views = _STAGES.get()[2]
+
+    def pad(x):
+        held = views.get(x.data) or _cast_view(x, views)  # a view of a PaddedStack: itself
+        if held is not None and (held.dim, held.length, held.stages) == (dim, length, stages):
+            return held.tensor
+        return _taken(x, dim, src)
+
+    padded = _tree_map(pad, xs)
     flags = tensor(real, (dim,))
     carry, ys = scan(body, init, (padded, flags), dim, **kw)
     return carry, _tree_map(lambda y: _taken(y, dim, at), ys)
+
+
+def _positions(length: int, stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src, at): the layer each padded position holds (a pad: its stage's last), and the
+    padded position of each real layer."""
+    k = math.ceil(length / stages)
+    blocks = deal(length, stages)
+    src = np.array([a + min(j, n - 1) for a, n in blocks for j in range(k)], np.int32)
+    at = np.array([s * k + j for s, (_, n) in enumerate(blocks) for j in range(n)], np.int32)
+    return src, at
+
+
+@jax.tree_util.register_pytree_node_class
+class PaddedStack:
+    """A layer stack of `length` (L) layers along `dim`, padded for `stages` (S) uneven
+    pipeline stages: `tensor` holds S * ceil(L/S) layers, stage s's block its dealt
+    layers then copies of its last (`pad_stacks`). A pytree whose child is `tensor`, so
+    jax.grad, optax and `place` treat it as they treat the Tensor (its gradient is a
+    PaddedStack too, the pads' zero)."""
+
+    def __init__(self, tensor, dim: str, length: int, stages: int):
+        self.tensor, self.dim, self.length, self.stages = tensor, dim, length, stages
+
+    def tree_flatten(self):
+        return (self.tensor,), (self.dim, self.length, self.stages)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def __repr__(self) -> str:
+        at = f"{self.dim!r}, length={self.length}, stages={self.stages}"
+        return f"PaddedStack({self.tensor!r}, {at})"
+
+    def unpadded(self) -> Tensor:
+        """The L real layers, in order (a Tensor as the program sees it)."""
+        _, at = _positions(self.length, self.stages)
+        t = self.tensor
+        return Tensor._make(jnp.take(t.data, at, axis=t.dims.index(self.dim)), t.dims)
+
+
+def pad_stacks(tree, stages: dict):
+    """`tree` with each Tensor that has a dim of `stages` ({dim: S}) S does not divide
+    a `PaddedStack` of it (S | L: left as it is; fewer layers than stages: one on each
+    of the first stages, only pads on the others)."""
+
+    def pad(t):
+        if not isinstance(t, Tensor):
+            return t
+        for dim in t.dims:
+            s, n = stages.get(dim, 1), t.size_of(dim)
+            if s > 1 and n % s:
+                src, _ = _positions(n, s)
+                return PaddedStack(Tensor._make(_take(t.data, src, t.dims.index(dim)), t.dims),
+                                   dim, n, s)  # fmt: skip
+        return t
+
+    return _tree_map(pad, tree)
+
+
+def _take(data, index: np.ndarray, axis: int):
+    """`data` at `index` along `axis`: on the host for host data, a shape alone for an
+    abstract one (jax.ShapeDtypeStruct: what a report plans with)."""
+    if isinstance(data, jax.ShapeDtypeStruct):
+        shape = list(data.shape)
+        shape[axis] = len(index)
+        return jax.ShapeDtypeStruct(tuple(shape), data.dtype)
+    return (np.take if isinstance(data, np.ndarray) else jnp.take)(data, index, axis=axis)
+
+
+def unpad_stacks(tree):
+    """`tree` with each `PaddedStack` its L real layers (`PaddedStack.unpadded`)."""
+    return jax.tree_util.tree_map(
+        lambda x: x.unpadded() if isinstance(x, PaddedStack) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, PaddedStack),
+    )
+
+
+def pad_like(tree, like):
+    """`tree` (L-long stacks: a checkpoint's view) padded where `like` holds a
+    PaddedStack, each on that stack's sharding; `unpad_stacks`' inverse."""
+
+    def pad(p, t):
+        if not isinstance(p, PaddedStack):
+            return t
+        src, _ = _positions(p.length, p.stages)
+        data = jnp.take(t.data, src, axis=t.dims.index(p.dim))
+        data = jax.device_put(data, p.tensor.data.sharding)
+        return PaddedStack(Tensor._make(data, t.dims), p.dim, p.length, p.stages)
+
+    return jax.tree_util.tree_map(pad, like, tree, is_leaf=lambda x: isinstance(x, PaddedStack))
+
+
+def viewed(fn, stages: dict):
+    """`fn` taking PaddedStacks where it took their L-long stacks: each is handed to it
+    as a gather of its real layers (for a scan over the padded dim, `padded_scan` takes
+    the stack itself; `pruned` then drops the gather). `stages`: {dim: (mesh axes, S)}
+    of the layout; a PaddedStack padded for another S is a LayoutError."""
+
+    def run(*args):
+        views = _STAGES.get()[2]
+
+        def view(p):
+            if not isinstance(p, PaddedStack):
+                return p
+            axes, s = stages.get(p.dim, ((), 1))
+            if s != p.stages:
+                raise LayoutError(
+                    f"a PaddedStack of {p.length} layers along {p.dim!r} is padded for "
+                    f"{p.stages} stages, but the layout splits {p.dim!r} over mesh axes "
+                    f"{tuple(axes)} of size {s}; pad it for the layout's (pad_stacks)"
+                )
+            _, at = _positions(p.length, p.stages)
+            t = _taken(p.tensor, p.dim, at)
+            views[t.data] = p
+            return t
+
+        return fn(*jax.tree_util.tree_map(view, args, is_leaf=lambda x: isinstance(x, PaddedStack)))
+
+    return run
+
+
+def _cast_view(x: Tensor, views: dict):
+    """The PaddedStack that `x` is a dtype conversion of a view of (a model's parameters
+    cast to its compute dtype), converted too and recorded as `x`'s; else None."""
+    for frame in reversed(TRACES.frames):
+        made = next((e for e in reversed(frame.eqns) if x.data in e.outputs), None)
+        if made is None:
+            continue
+        held = views.get(made.inputs[0]) if made.primitive.name == "convert" else None
+        if held is None:
+            return None
+        cast = astype(held.tensor, x.dtype)
+        views[x.data] = PaddedStack(cast, held.dim, held.length, held.stages)
+        return views[x.data]
+    return None
+
+
+def pruned(graph):
+    """`graph` without the views `viewed` made that nothing reads (the scan took the
+    padded stack itself): their gather would otherwise gather the whole stack."""
+    views = _STAGES.get()[2]
+    if not views:
+        return graph
+    made = {v for e in graph.eqns if any(o in views for o in e.outputs) for v in e.inputs}
+    used = set(graph.outputs)
+    kept = []
+    for e in reversed(graph.eqns):
+        view = any(o in views or o in made for o in e.outputs)
+        if view and not any(o in used for o in e.outputs):
+            continue
+        used.update(e.inputs)
+        kept.append(e)
+    graph.eqns = kept[::-1]
+    return graph
 
 
 def _taken(x: Tensor, dim: str, index: np.ndarray) -> Tensor:

@@ -145,9 +145,7 @@ W = nm.tensor(np.ones((6, 3, 3), np.float32), ("layers", "d", "e"))
 
 
 def test_errors_name_the_scan_and_the_rule():
-    mesh = Mesh({"stage": 4})  # (6 layers on 4 stages run padded: test_pipeline_uneven.py)
-    with pytest.raises(LayoutError, match="'layers' of size 3 has fewer iterations than"):
-        lower(_scan, mesh, "layers:stage").plan(X, nm.isel(W, layers=slice(0, 3)))
+    # (6 layers on 4 stages, and 3, run padded: test_pipeline_uneven.py)
     mesh = Mesh({"stage": 2})
     with pytest.raises(PipelineError, match="local size 4 .* not divisible by microbatches=3"):
         lower(_scan, mesh, "layers:stage;microbatches=3").plan(X, W)

@@ -2,7 +2,9 @@
 pipeline (a checkpoint holds global values, not their layout): training that moves
 across at step 2 logs the losses of an uninterrupted one-device run. Two compiles (one
 per layout) serve both directions and the oracle; the training code's Python API, no
-CLI (test_pipeline's CLI test resumes a pipelined run data-parallel)."""
+CLI (test_pipeline's CLI test resumes a pipelined run data-parallel). The model's 5
+layers run on 4 uneven stages: the trainer keeps the stack padded to 8 (each device its
+stage's 2, namedmesh/uneven.py) and the checkpoint holds its 5 real layers."""
 
 import functools
 
@@ -13,11 +15,12 @@ import pytest
 from lowering import Mesh
 from models import checkpoint, zoo
 from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
+from namedmesh.uneven import PaddedStack, unpad_stacks
 from tests.test_models import CFG, small_batch
 
-CFG4 = CFG.replace(layers=4, batch=8)
+CFG5 = CFG.replace(layers=5, batch=8)
 STEPS, MOVE = 20, 2  # train to MOVE, checkpoint, restore elsewhere, train to STEPS
-BATCHES = [small_batch(CFG4, seed=s) for s in range(1, STEPS + 1)]
+BATCHES = [small_batch(CFG5, seed=s) for s in range(1, STEPS + 1)]
 LAYOUTS = {
     "one": ({"one": 1}, ""),
     "pipeline": ({"stage": 4, "data": 2}, "layers:stage;batch:data"),  # the issue's CLI
@@ -30,7 +33,7 @@ def trainer(name: str) -> Trainer:
     sizes, layout = LAYOUTS[name]
     # Adam's moments must travel too
     opt, _ = optimizer(OptimizerSpec("adamw", 1e-2, STEPS, 2, 1.0))
-    return Trainer(zoo.get("lm"), CFG4, Mesh(sizes), layout, TrainSpec(opt))
+    return Trainer(zoo.get("lm"), CFG5, Mesh(sizes), layout, TrainSpec(opt, seed=0))
 
 
 def train(tr: Trainer, state, steps) -> tuple[dict, list[float]]:
@@ -48,7 +51,8 @@ def uninterrupted() -> list[float]:
 
 
 def _host(params) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+    """The parameters' values as a checkpoint holds them (the real layers of a stack)."""
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(unpad_stacks(params))]
 
 
 def test_twenty_pipelined_steps_log_the_one_device_losses():
@@ -58,7 +62,7 @@ def test_twenty_pipelined_steps_log_the_one_device_losses():
     want = uninterrupted()
     assert abs(got[0] - want[0]) <= 1e-5 * abs(want[0])
     np.testing.assert_allclose(got, want, rtol=1e-3)
-    assert got[-1] < got[0] - 0.1  # it learns: the curves are not flat
+    assert got[-1] < got[0] - 0.05  # it learns: the curves are not flat (5 layers: -0.09)
 
 
 @pytest.mark.parametrize("first, then", [("pipeline", "one"), ("one", "pipeline")])
@@ -75,10 +79,13 @@ def test_a_checkpoint_moves_between_a_pipeline_and_one_device(first, then, tmp_p
     assert meta["step"] == MOVE
     for got, want in zip(_host(state["params"]), saved, strict=True):
         np.testing.assert_array_equal(got, want)
-    # the stack lands as the new layout places it: 1/4 of it per device under the pipeline
-    q = state["params"]["layers"]["attn"]["q"].data
-    shard = q.addressable_shards[0].data.shape[0]
-    assert shard == (CFG4.layers // 4 if then == "pipeline" else CFG4.layers)
+    # the stack lands as the new layout places it: a stage's 2 layers per device under
+    # the pipeline (5 padded to 8), the whole stack on one device
+    q = state["params"]["layers"]["attn"]["q"]
+    if then == "pipeline":
+        assert isinstance(q, PaddedStack) and q.tensor.data.addressable_shards[0].data.shape[0] == 2
+    else:
+        assert q.data.shape[0] == CFG5.layers
     _, after = train(b, state, range(MOVE + 1, STEPS + 1))
 
     want = uninterrupted()

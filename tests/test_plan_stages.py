@@ -58,7 +58,12 @@ def test_plan_16_uneven_stages_of_a_moe_with_microbatches(capsys, monkeypatch, m
     assert m > 1  # a MoE pipeline with microbatches: each its own routing group
     assert st["bubble"] == pytest.approx(15 / (m + 15))
     assert got["settings"]["stages_uneven"] is True
-    assert "not supported by lowering.pipeline" in got["settings"]["runtime"]
+    # it runs: the 3 dense layers' stack on the first stages, the MoE microbatches each
+    # routed on its own
+    runtime = got["settings"]["runtime"]
+    assert runtime.startswith("runs as a layers:stage layout (lowering.pipeline), each stack")
+    assert "(the 3 layers of a shorter stack on its first stages" in runtime
+    assert runtime.endswith("each microbatch routed on its own (its balancing loss averaged)")
 
 
 def test_compare_takes_a_pipelined_layouts_own_microbatches(capsys, monkeypatch, moe61):
