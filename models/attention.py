@@ -103,6 +103,8 @@ def _absorb(stats, q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, biases, scale: floa
     cap * tanh(logits / cap) before the biases when `cap` > 0."""
     m, total, acc = stats
     logit_dims = tuple(d for d in q.dims if d != "d_kv") + ("memory",)
+    # the block's logits in the order their dot writes them (no transposed copy)
+    logit_dims = nm.einsum_order(q, k, logit_dims)
     s = nm.einsum(q, k, out=logit_dims, preferred_element_type=np.float32) * scale
     if cap:
         s = softcap(s, cap)
