@@ -147,10 +147,17 @@ def test_blockwise_lm_loss_equals_full_attention_under_every_layout(name):
     np.testing.assert_allclose(np.asarray(ring.data), np.asarray(full.data), rtol=1e-5)
 
 
-def test_blockwise_lm_gradients_with_remat_equal_full_attention():
+@pytest.fixture(scope="module")
+def two_layers():
+    """(config, mesh, layout, the 2-layer LM's loss and gradients with full attention
+    in a layer loop): the oracle of the next two tests, compiled once."""
     mesh, layout = Mesh(LAYOUTS["model"][0]), LAYOUTS["model"][1]
     cfg = LM_CFG.replace(layers=2)
-    want, g_full = _lm_value_and_grads(cfg, mesh, layout)
+    return cfg, mesh, layout, _lm_value_and_grads(cfg, mesh, layout)
+
+
+def test_blockwise_lm_gradients_with_remat_equal_full_attention(two_layers):
+    cfg, mesh, layout, (want, g_full) = two_layers
     got, g_block = _lm_value_and_grads(
         cfg.replace(attention="blockwise", remat="full"), mesh, layout
     )
@@ -159,13 +166,11 @@ def test_blockwise_lm_gradients_with_remat_equal_full_attention():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_unrolled_layers_keep_the_lm_values_and_gradients():
+def test_unrolled_layers_keep_the_lm_values_and_gradients(two_layers):
     """Config.scan_layers=False (the layers unrolled, not one loop) under a layout: the
     scanned stack's loss and gradients (the scanned stack equals transformers' models in
     tests/test_hub.py)."""
-    mesh, layout = Mesh(LAYOUTS["model"][0]), LAYOUTS["model"][1]
-    cfg = LM_CFG.replace(layers=2)
-    want, g_scan = _lm_value_and_grads(cfg, mesh, layout)
+    cfg, mesh, layout, (want, g_scan) = two_layers
     got, g_unrolled = _lm_value_and_grads(cfg.replace(scan_layers=False), mesh, layout)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_unrolled), strict=True):
