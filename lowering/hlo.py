@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 from lowering.ops import HLO_KINDS as KINDS
 from lowering.ops import HLO_PIECES
@@ -104,9 +105,10 @@ def _computations(hlo_text: str) -> dict[str, list[tuple[str, str, str, str]]]:
     return comps
 
 
-def _kind(comps: dict, instr: tuple) -> tuple[str, int] | None:
-    """(movement kind, bytes moved) of one instruction of a computation that is not
-    fused (a fusion read through its fused computation), or None for arithmetic."""
+def _kind(comps: dict, instr: tuple) -> tuple[str, int, str] | None:
+    """(movement kind, bytes moved, the shape written) of one instruction of a
+    computation that is not fused (a fusion read through its fused computation), or
+    None for arithmetic."""
     name, shape, op, rest = instr
     body = [instr]
     if op == "fusion":
@@ -118,34 +120,42 @@ def _kind(comps: dict, instr: tuple) -> tuple[str, int] | None:
     if "dynamic-update-slice" in ops:  # the update written into a (loop's) stacked buffer
         dus = next(i for i in body if i[2] == "dynamic-update-slice")
         update = re.findall(r"%([\w.\-]+)", dus[3])[1]
-        return "stack", _bytes(shapes.get(update, shape))
+        written = shapes.get(update, shape)
+        return "stack", _bytes(written), written
     if "dynamic-slice" in ops:
-        return "unstack", _bytes(shape)
-    if ops <= {"broadcast", "constant", "parameter", "bitcast"} and "broadcast" in ops:
-        return "fill", _bytes(shape)
-    if "transpose" in ops:
-        return "transpose", _bytes(shape)
-    if ops & set(_MOVES):
-        return "copy", _bytes(shape)
-    return None
+        kind = "unstack"
+    elif ops <= {"broadcast", "constant", "parameter", "bitcast"} and "broadcast" in ops:
+        kind = "fill"
+    elif "transpose" in ops:
+        kind = "transpose"
+    elif ops & set(_MOVES):
+        kind = "copy"
+    else:
+        return None
+    return kind, _bytes(shape), shape
 
 
-def movement(hlo_text: str) -> dict[str, tuple[int, int]]:
-    """{kind: (instructions, bytes written)} of the data movement XLA runs in compiled
-    HLO text (`jitted.lower(...).compile().as_text()`), each instruction inside a loop
-    counted once per iteration (XLA's known trip count): "fill" a buffer filled with one
-    value (a loop's stacked outputs are zero-filled first), "stack" a value written into
-    a stacked buffer (dynamic-update-slice; its update's bytes), "unstack" a slice read
-    out of one (dynamic-slice), "transpose" a value whose dims XLA reorders in memory,
-    "copy" any other copy, slice, pad or concatenation (a copy of a fill is a fill).
-    An instruction that also does arithmetic (a dot, a reduction) is not counted."""
+class Move(NamedTuple):
+    """One data-moving instruction of compiled HLO: its kind (MOVEMENT_KINDS), the
+    shape it writes (HLO text, e.g. "f32[2,8]"; a stack's update), the bytes it writes
+    each time, and how many times it runs (its loops' trip counts multiplied)."""
+
+    kind: str
+    shape: str
+    nbytes: int
+    times: int
+
+
+def moves(hlo_text: str) -> list[Move]:
+    """Each instruction of compiled HLO text that moves data (`movement`'s kinds), in
+    program order, a loop's body read once with its trip count in `times`."""
     comps = _computations(hlo_text)
     fills: set[str] = set()
-    found = {k: [0, 0] for k in MOVEMENT_KINDS}
+    found: list[Move] = []
 
     def walk(comp: str, times: int) -> None:
         for instr in comps.get(comp, []):
-            name, _, op, rest = instr
+            name, shape, op, rest = instr
             if op == "while":  # its body, once per iteration (a condition moves nothing)
                 n = int(m.group(1)) if (m := _TRIPS.search(rest)) else 1
                 walk(_BODY.search(rest).group(1), times * n)
@@ -157,13 +167,29 @@ def movement(hlo_text: str) -> dict[str, tuple[int, int]]:
             got = _kind(comps, instr)
             if got is None:
                 continue
-            kind, nbytes_ = got
+            kind, nbytes_, written = got
             if kind == "copy" and op == "copy" and rest.split(")")[0].lstrip("%") in fills:
                 kind = "fill"
             if kind == "fill":
                 fills.add(name)
-            found[kind][0] += times
-            found[kind][1] += times * nbytes_
+            found.append(Move(kind, written, nbytes_, times))
 
     walk(_ENTRY.search(hlo_text).group(1), 1)
+    return found
+
+
+def movement(hlo_text: str) -> dict[str, tuple[int, int]]:
+    """{kind: (instructions, bytes written)} of the data movement XLA runs in compiled
+    HLO text (`jitted.lower(...).compile().as_text()`), each instruction inside a loop
+    counted once per iteration (XLA's known trip count): "fill" a buffer filled with one
+    value (a loop's stacked outputs are zero-filled first), "stack" a value written into
+    a stacked buffer (dynamic-update-slice; its update's bytes), "unstack" a slice read
+    out of one (dynamic-slice), "transpose" a value whose dims XLA reorders in memory,
+    "copy" any other copy, slice, pad or concatenation (a copy of a fill is a fill).
+    An instruction that also does arithmetic (a dot, a reduction) is not counted;
+    `moves` lists the instructions."""
+    found = {k: [0, 0] for k in MOVEMENT_KINDS}
+    for move in moves(hlo_text):
+        found[move.kind][0] += move.times
+        found[move.kind][1] += move.times * move.nbytes
     return {k: (n, b) for k, (n, b) in found.items()}

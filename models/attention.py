@@ -113,6 +113,8 @@ def _absorb(stats, q: nm.Tensor, kv: dict, biases, opts: Options):
     m, total, acc = stats
     k, v, scale, cap = kv["k"], kv["v"], opts.scale, opts.softcap
     logit_dims = tuple(d for d in q.dims if d != "d_kv") + ("memory",)
+    # the block's logits in the order their dot writes them (no transposed copy)
+    logit_dims = nm.einsum_order(q, k, logit_dims)
     s = nm.einsum(q, k, out=logit_dims, preferred_element_type=np.float32) * scale
     if cap:
         s = softcap(s, cap)

@@ -39,7 +39,12 @@ def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
             bias = more if bias is None else bias + more
     rest = [d for d in q.dims if d not in ("length", "d_kv")]
     rest += [d for d in k.dims if d not in rest and d not in ("memory", "d_kv")]
-    logits = nm.einsum(q, k, out=(*rest, "length", "memory"), preferred_element_type=np.float32)
+    # the logits in the order their dot writes them (batch and kv heads, then q's length
+    # and query heads, then memory): the mask, softmax and PV read them by name, and
+    # (heads, length, memory) would be a transposed copy of the largest value here,
+    # forward and backward
+    order = nm.einsum_order(q, k, (*rest, "length", "memory"))
+    logits = nm.einsum(q, k, out=order, preferred_element_type=np.float32)
     if opts.scale != 1.0:
         logits = logits * opts.scale
     if opts.softcap:
@@ -50,7 +55,8 @@ def full(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:
     # out in the weights' order, then q's: a plain batched matmul for XLA:CPU; with q's
     # order as the einsum's output it contracted both operands' row dims, about 10x the
     # time of a decoding step's attention at 8 rows
-    return nm.einsum(weights, v, out=(*rest, "length", "d_kv")).transpose(*q.dims)
+    order = nm.einsum_order(weights, v, (*rest, "length", "d_kv"))
+    return nm.einsum(weights, v, out=order).transpose(*q.dims)
 
 
 def blockwise(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, opts: Options) -> nm.Tensor:

@@ -24,7 +24,7 @@ from namedmesh.creation import (
     zeros,
     zeros_like,
 )
-from namedmesh.einsum import dot, einsum
+from namedmesh.einsum import dot, einsum, einsum_order
 from namedmesh.elementwise import (
     abs,
     add,

@@ -92,6 +92,28 @@ def left_first(a_dims, b_dims, out, sizes) -> bool:
     return _copied(a_dims, b_dims, out, sizes) <= _copied(b_dims, a_dims, out, sizes)
 
 
+def _natural(lhs, rhs, keep) -> tuple:
+    """The dims `keep` of `lhs x rhs` in the order one dot_general writes them: batch
+    (in lhs's order), then lhs's free dims, then rhs's."""
+    batch = [d for d in lhs if d in rhs and d in keep]
+    return (*batch, *(d for d in lhs if d not in rhs), *(d for d in rhs if d not in lhs))
+
+
+@functools.lru_cache(maxsize=4096)
+def dot_order(a_dims, b_dims, keep, sizes) -> tuple:
+    """The dims `keep` of `a x b` in the order XLA:CPU's dot writes them, the operands
+    in the order that copies the fewest elements: a result in this order needs no
+    transposed copy (`_dot`'s optimization barrier and transpose). Ties keep a on the
+    left, as `left_first` does, so `left_first` picks the same operand order for it."""
+    sizes = dict(sizes)
+    a_dims = tuple(d for d in a_dims if d in b_dims or d in keep)
+    b_dims = tuple(d for d in b_dims if d in a_dims or d in keep)
+    ab, ba = _natural(a_dims, b_dims, keep), _natural(b_dims, a_dims, keep)
+    if _copied(b_dims, a_dims, ba, sizes) < _copied(a_dims, b_dims, ab, sizes):
+        return ba
+    return ab
+
+
 def _dot(a, b, a_dims, b_dims, out, precision):
     """`a x b -> out` as one dot_general (every dim of a and b is in the other or in
     `out`), the operands in `left_first`'s order, then transposed to `out`."""

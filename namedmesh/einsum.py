@@ -18,7 +18,7 @@ import numpy as np
 import opt_einsum
 
 from namedmesh.checks import agreed_sizes, did_you_mean
-from namedmesh.contract import contract, custom_gradients
+from namedmesh.contract import contract, custom_gradients, dot_order
 from namedmesh.eager import remembered
 from namedmesh.errors import ArgumentError, DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, primitive, result_dtype
@@ -284,6 +284,18 @@ def einsum(
         in_dims = tuple(x.dims for x in taken)
         ops.append(bind(_einsum, *taken, out=step_out, in_dims=in_dims, **acc))
     return ops[0]
+
+
+def einsum_order(a: Tensor, b: Tensor, out: DimsLike) -> tuple[str, ...]:
+    """`out`'s dims in the order `einsum(a, b, out=...)` writes them without a transposed
+    copy on XLA:CPU: the dims both keep (batch), then one operand's other dims, then the
+    other's, the operands in the order whose dot copies the fewest elements. Named dims
+    let a caller that does not care about the order (the next ops match dims by name)
+    take this one: attention's logits, [batch, heads, length, memory] from q's and k's
+    order, go straight to the softmax with no [length, heads] reorder."""
+    out = output_dims((a.dims, b.dims), out)
+    sizes = tuple(sorted(_sizes((a, b)).items()))
+    return dot_order(tuple(a.dims), tuple(b.dims), out, sizes)
 
 
 def dot(*operands: Tensor, over: DimsLike) -> Tensor:

@@ -118,11 +118,35 @@ def normalization_cost(in_avals, out_avals, params) -> Cost:
     )
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _softmax_float(x, axes):
+    return jax.nn.softmax(x, axis=axes)
+
+
+@_softmax_float.defjvp
+def _softmax_jvp(axes, primals, tangents):
+    # y (t - sum(y t)): linear in t with y its only residual. jax 0.10 differentiates
+    # jax.nn.softmax through exp and the division (jax_softmax_custom_jvp is off), and
+    # the backward pass then keeps exp(x - max) beside y: attention's probabilities
+    # saved twice, the largest residual of a training step
+    (x,), (t,) = primals, tangents
+    y = _softmax_float(x, axes)
+    return y, y * (t - jnp.sum(y * t, axis=axes, keepdims=True))
+
+
+def softmax_jax(x, axes):
+    """softmax over `axes` in jax, its derivative from its output alone (floats; an
+    integer x has no tangent: jax's own softmax, in float32)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return _softmax_float(x, axes)
+    return jax.nn.softmax(x, axis=axes)
+
+
 _softmax = primitive(
     "softmax",
     _same_rule,
     lambda x, axes: _scipy(scipy.special.softmax)(x, axes),
-    lambda x, axes: jax.nn.softmax(x, axis=axes),
+    softmax_jax,
     cost_rule=normalization_cost,
     backward_reads="nothing",
     backward_saves=1,

@@ -405,6 +405,11 @@ def _gather_impl(xp):
         n = x.shape[axis]
         idx = wide_indices(idx)
         idx = xp.clip(xp.where(idx < 0, idx + n, idx), 0, n - 1)
+        if not set(idx_dims) & set(x_dims):
+            # whole slices of x at each index (an embedding's rows): one row gather, its
+            # gradient one row scatter; an arange index per other dim made XLA gather
+            # and scatter element by element over an index array per element
+            return xp.take(x, idx, axis=axis, mode="clip")
         index = []
         for a, d in enumerate(x_dims):
             if a == axis:

@@ -149,10 +149,17 @@ def test_blockwise_lm_loss_equals_full_attention_under_every_layout(name):
     np.testing.assert_allclose(np.asarray(ring.data), np.asarray(full.data), rtol=1e-5)
 
 
-def test_blockwise_lm_gradients_with_remat_equal_full_attention():
+@pytest.fixture(scope="module")
+def two_layers():
+    """(config, mesh, layout, the 2-layer LM's loss, gradients and compiled text with
+    full attention in a layer loop): the oracle of the next two tests, compiled once."""
     mesh, layout = Mesh(LAYOUTS["model"][0]), LAYOUTS["model"][1]
     cfg = LM_CFG.replace(layers=2)
-    want, g_full = _lm_value_and_grads(cfg, mesh, layout)
+    return cfg, mesh, layout, _lm_value_and_grads(cfg.replace(scan_layers=True), mesh, layout, True)
+
+
+def test_blockwise_lm_gradients_with_remat_equal_full_attention(two_layers):
+    cfg, mesh, layout, (want, g_full, _) = two_layers
     got, g_block = _lm_value_and_grads(
         cfg.replace(attention="blockwise", remat="full"), mesh, layout
     )
@@ -161,15 +168,13 @@ def test_blockwise_lm_gradients_with_remat_equal_full_attention():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_unrolled_layers_keep_the_lm_values_and_gradients():
+def test_unrolled_layers_keep_the_lm_values_and_gradients(two_layers):
     """Config.scan_layers's default, "auto", unrolls a 2-layer LM (no while loop left in
     the compiled step; nm.scan's unroll="auto" rule, tests/test_remat.py) with the loss
     and gradients of the layers as one loop (scan_layers=True, which equals
     transformers' models in tests/test_hub.py), under a layout."""
-    mesh, layout = Mesh(LAYOUTS["model"][0]), LAYOUTS["model"][1]
-    cfg = LM_CFG.replace(layers=2)
+    cfg, mesh, layout, (want, g_scan, looped) = two_layers
     assert cfg.scan_layers == "auto"
-    want, g_scan, looped = _lm_value_and_grads(cfg.replace(scan_layers=True), mesh, layout, True)
     got, g_unrolled, unrolled = _lm_value_and_grads(cfg, mesh, layout, hlo=True)
     assert " while(" in looped and " while(" not in unrolled
     np.testing.assert_allclose(got, want, rtol=1e-6)

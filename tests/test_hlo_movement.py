@@ -2,7 +2,14 @@
 module whose every byte is worked out by hand. (docs/lowering.md's example holds it to
 nm.scan's loop, whose stacked residuals unrolling removes.)"""
 
-from lowering.hlo import movement
+import re
+
+import jax
+import numpy as np
+
+import namedmesh as nm
+from lowering.hlo import movement, moves
+from models import kernels
 
 # A loop of 3 iterations over a zero-filled f32[3,8] buffer (96 bytes): each iteration
 # reads a row (32 bytes) and writes the negated row (32 bytes) in a fusion; after it a
@@ -73,3 +80,50 @@ ENTRY %main (x: f8e4m3fn[2,3]) -> f8e4m3fn[3,2] {
 }
 """
     assert movement(text)["transpose"] == (1, 6)
+
+
+def test_attention_scores_written_in_their_dot_order_and_probabilities_saved_once():
+    """The zoo's default attention (models.kernels.full, causal, grouped heads) in a
+    compiled training loop over layers: the logits go from their dot to the mask and
+    softmax and back without a transposed copy, and the backward pass keeps one value
+    of their size per layer (the probabilities), not also exp(logits - max). Sizes all
+    differ (batch 5, kv_heads 2, q_per_kv 3, length 16), so the logits' shape names
+    them; the oracle is the compiled HLO."""
+    sizes = {
+        "layers": 2,
+        "batch": 5,
+        "length": 16,
+        "memory": 16,
+        "kv_heads": 2,
+        "q_per_kv": 3,
+        "d_kv": 4,
+    }
+    r = np.random.default_rng(0)
+    q = nm.tensor(r.normal(size=[sizes[d] for d in QDIMS]).astype(np.float32), QDIMS)
+    kv = nm.tensor(r.normal(size=[sizes[d] for d in KDIMS]).astype(np.float32), KDIMS)
+    causal = lambda queries, slots: nm.where(slots <= queries, 0.0, -1e9)
+    opts = kernels.Options(bias_fn=causal, scale=0.5, causal=True)
+
+    def loss(q, k, v):
+        def layer(h, x):
+            return kernels.full(h, x["k"], x["v"], opts), None
+
+        out, _ = nm.scan(layer, q, {"k": k, "v": v}, "layers")
+        return (out * out).sum().data
+
+    args = (q, kv, kv * 0.5)
+    found = moves(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text())
+    logits = sorted((5, 2, 3, 16, 16))
+    assert not [m for m in found if m.kind in ("transpose", "copy") and _dims(m.shape) == logits]
+    saved = [m for m in found if m.kind == "stack" and _dims(m.shape) == logits]
+    assert sum(m.times for m in saved) == sizes["layers"]
+
+
+QDIMS = ("batch", "length", "kv_heads", "q_per_kv", "d_kv")
+KDIMS = ("layers", "batch", "memory", "kv_heads", "d_kv")
+
+
+def _dims(shape: str) -> list[int]:
+    """The sizes of an HLO shape's dims other than 1, sorted."""
+    sizes = re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",")
+    return sorted(int(d) for d in sizes if d not in ("", "1"))
