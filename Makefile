@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
-	$(VENV)/bin/python -m models.demo
+	$(VENV)/bin/python -m models.cli.demo
 
 test: $(STAMP)
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest tests property_tests

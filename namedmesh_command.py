@@ -4,7 +4,7 @@ Importing `namedmesh.cli` imports the namedmesh package and with it jax, which t
 seconds, and Ctrl-C or SIGTERM meanwhile ended the command in a traceback. This module
 imports nothing heavy, and nothing of ours (a user's models.py cannot shadow it): it
 makes those signals end the command at once in one line (status 130 or 143, as
-models.preempt.exit_at_once does later) while the packages load, then runs
+models.training.preempt.exit_at_once does later) while the packages load, then runs
 `namedmesh.cli.main` with the handlers put back; its commands take the signals over.
 `python -m namedmesh` imports the package before its __main__ can run: the package's
 __init__ calls `guard()` first thing then (sys.argv[0] is "-m" while runpy imports it)."""

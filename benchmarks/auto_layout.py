@@ -6,14 +6,14 @@ auto_layout's choices and search times against the issue's goals.
    search's candidates, against the traced costing of commit 1c2e4d2, the last before
    the Planner, checked out in DIR (`--before`; without it, no costing rows). Process
    time. Goal: 10x faster.
-1. Paper scale, no devices: for each LM1B config (models/config.py `lm1b_*`) on its
+1. Paper scale, no devices: for each LM1B config (models/architecture.py `lm1b_*`) on its
    paper mesh (abstract, 32 to 512 cores), `auto_layout` of the training loss with the
    TPU v2 table (`rates="tpu_v2"`, memory limit its 8 GiB per core); the chosen layout's
    planned step time beside the paper's own layout's at the same rates, and the
    search's wall seconds. Goal: chosen <= paper's, within 8 GiB, each under 10 s.
 2. A 24-layer `base` LM on 4-axis abstract meshes (2x2x2x2 and 4x4x4x8), TPU v2 table.
    Goal: a layout in under 30 s.
-3. The `tiny` LM on the 2x4 simulated CPU mesh: `python -m models.train --layout auto`
+3. The `tiny` LM on the 2x4 simulated CPU mesh: `python -m models.cli.train --layout auto`
    (rates measured on the mesh in that process, a fresh cache) trained beside the layouts
    of benchmarks/quality.py in one invocation, tokens/s as quality.py measures it.
    Goal: the chosen layout's tokens/s within 10% of the fastest.
@@ -40,7 +40,9 @@ from benchmarks import cli, quality, report
 from lowering import Layout, Mesh, auto_layout, caches, lower
 from lowering.lower import argument_inputs, graph_report
 from lowering.rates import hardware
-from models import catalog, config, objectives, transformer
+from models import architecture as config
+from models import catalog, transformer
+from models.training import objectives
 from namedmesh.errors import NamedMeshError
 
 SECTION = "## auto_layout: choices and search time"
@@ -176,7 +178,7 @@ import gc, json, os, sys, time
 sys.path.insert(0, os.getcwd())
 from benchmarks.auto_layout import FOUR_AXIS, _lm
 from lowering import Mesh, lower
-from models import config
+from models import architecture as config
 out = {}
 for name, changes, sizes, layout in %r:
     cfg = catalog.get(name.split()[0], **changes)

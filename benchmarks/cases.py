@@ -43,7 +43,10 @@ from jax.sharding import PartitionSpec as P
 import namedmesh as nm
 from lowering import Layout, Mesh
 from lowering.layout import local_shape
-from models import config, layers, moe, transformer
+from models import architecture as config
+from models import transformer
+from models.layers import common as layers
+from models.layers import moe
 
 F32 = 4
 

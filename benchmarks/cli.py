@@ -42,8 +42,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """The typed errors the project raises for a user's mistake (a flag's value, a
     file), as opposed to a defect, which keeps its traceback."""
     # imported here, not at the top: a benchmark sets XLA's flags before jax starts
-    from models.checkpoint import CheckpointError
-    from models.data import DataError
+    from models.training.checkpoint import CheckpointError
+    from models.training.data import DataError
     from namedmesh.errors import NamedMeshError
 
     return (NamedMeshError, CheckpointError, DataError)

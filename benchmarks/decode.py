@@ -4,7 +4,7 @@ transformers' `generate`.
 
 A Llama built by transformers from a config (random weights, `--positions` positions,
 the shape of --layers/--d-model/--heads/--kv-heads/--vocab), saved, and loaded into the
-zoo with `models.hub.load`; then for each batch size, prompts of `--prompt` random
+zoo with `models.io.hub.load`; then for each batch size, prompts of `--prompt` random
 tokens and `--new` greedy tokens per row: namedmesh's `Decoder.decode` (one prefill pass,
 then one cached step per token) against `model.generate(do_sample=False)` eager, and
 with a static cache and the model's forward under `torch.compile` (`--compile`,
@@ -51,8 +51,8 @@ def saved_pair(model_cls, config, folder: str, slots: int | None = None):
     the zoo's Decoder of that folder with `slots` cache slots)."""
     import torch
 
-    from models import hub
-    from models.generate import Decoder
+    from models.cli.generate import Decoder
+    from models.io import hub
 
     torch.manual_seed(0)
     model = model_cls(config).eval()
@@ -125,7 +125,7 @@ def family_decoder(name: str, args, folder: str):
 
 def decoder_families() -> list[str]:
     """The families of models/families/ that decode by themselves (no encoder)."""
-    from models import hub
+    from models.io import hub
 
     return [name for name, f in hub.FAMILIES.items() if f.model == "lm"]
 

@@ -3,7 +3,7 @@
 in the decoding benchmark (benchmarks/decode.py's method, its own section).
 
 A DeepSeek-V3 of dense layers built by transformers from a config (random weights),
-saved and loaded with `models.hub.load`. Its cache's bytes per token (every layer, the
+saved and loaded with `models.io.hub.load`. Its cache's bytes per token (every layer, the
 compute dtype) are read off the Decoder's cache arrays and set against a full key/value
 cache of the same model (every head's key, nope + rotated dims, and value), which
 multi-head attention would keep; then, per batch size, greedy decoding of `--new`

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     threads = fair.single_threaded()
     from benchmarks import zoo_families
-    from models import hub
+    from models.io import hub
 
     specs = zoo_families.configs(2, 256, 8, 8192, 128)
     names = args.families.split(",") if args.families else list(hub.FAMILIES)

@@ -26,7 +26,9 @@ import namedmesh as nm
 from benchmarks import cli
 from lowering import Mesh, lower
 from lowering.hlo import collectives
-from models import config, moe, transformer
+from models import architecture as config
+from models import transformer
+from models.layers import moe
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """`python -m benchmarks.gpu [--config base] [--steps N] [--warmup N] [--dtype bfloat16]
 [--peak-tflops X] [--max-seconds S] [--docs PATH]`: one device's training throughput.
 
-The LM's training step (models.trainer.Trainer's lowered loss, its gradient and the
+The LM's training step (models.training.trainer.Trainer's lowered loss, its gradient and the
 Adafactor update, one jit) on a one-device mesh, on synthetic tokens. In bfloat16 every
 matmul (forward and backward) takes bfloat16 operands and accumulates in float32
 (`jax.default_matmul_precision("BF16_BF16_F32")`); parameters, activations, elementwise
@@ -29,7 +29,8 @@ import optax
 
 from benchmarks import cli, report
 from lowering import Mesh
-from models import catalog, trainer, zoo
+from models import catalog, zoo
+from models.training import trainer
 
 SECTION = "## One GPU: base LM training step in bf16"
 H200_PEAK_TFLOPS = 989.0  # dense BF16 (NVIDIA lists 1,979 with 2:4 sparsity)
@@ -193,7 +194,7 @@ Made by `{command}` on {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC.
 
 {warn}{report.md_table(["", "value"], rows)}
 
-Method: the training step of `models.trainer.Trainer` (the lowered LM loss on a
+Method: the training step of `models.training.trainer.Trainer` (the lowered LM loss on a
 one-device mesh, `jax.value_and_grad`, Adafactor), one `jax.jit`, compiled ahead, on a
 fixed batch of random tokens. Precision: {_precision(s["dtype"])} Step time is the
 median of the timed steps after the warm-up steps, each ended by

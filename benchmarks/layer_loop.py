@@ -46,7 +46,7 @@ def program_size(loaded, batch) -> int:
     control.unrolls = spy
     try:
         config = dataclasses.replace(loaded.config, scan_layers="auto")
-        from models import hub
+        from models.io import hub
 
         jax.eval_shape(lambda p: hub.forward(p, batch, config, loaded.family).data, loaded.params)
     finally:

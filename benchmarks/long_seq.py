@@ -212,7 +212,7 @@ def _torch_row(length: int, rounds: int, kinds: list[str]) -> list[str]:
     """One row's cells: each kind's seconds and ratio, PyTorch's seconds, the loss check."""
     import torch
 
-    from models import hub
+    from models.io import hub
 
     folder = tempfile.mkdtemp()
     model = gpt2_sdpa(length, folder)
@@ -264,7 +264,7 @@ def memory_vs_torch(lengths: list[int], args) -> int:
     the compiled step (nothing run), PyTorch's measured in a fresh process."""
     head = ["length", *[f"namedmesh {k} MiB" for k in KINDS], "PyTorch SDPA MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * (len(KINDS) + 2)]
-    from models import hub
+    from models.io import hub
 
     for length in lengths:
         folder = tempfile.mkdtemp()

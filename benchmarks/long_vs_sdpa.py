@@ -28,7 +28,8 @@ def measure(length: int, rounds: int) -> dict:
     import jax
     import torch
 
-    from models import hub, transformer
+    from models import transformer
+    from models.io import hub
 
     folder = tempfile.mkdtemp()
     model = long_seq.gpt2_sdpa(length, folder)

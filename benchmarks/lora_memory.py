@@ -22,7 +22,9 @@ def measure(config_name: str, rank: int | None) -> dict:
 
     from benchmarks.step_memory import xla_bytes
     from lowering import Mesh
-    from models import catalog, lora, trainable, trainer, zoo
+    from models import catalog, zoo
+    from models.layers import lora
+    from models.training import trainable, trainer
 
     cfg = catalog.get(config_name)
     model, trained = zoo.get("lm"), None

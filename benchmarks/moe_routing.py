@@ -37,7 +37,9 @@ from benchmarks import cli
 from lowering import Mesh, expert_routes, lower
 from lowering.cost import traffic
 from lowering.hlo import collectives
-from models import config, moe, transformer
+from models import architecture as config
+from models import transformer
+from models.layers import moe
 from namedmesh import grouped
 
 

@@ -21,7 +21,9 @@ import namedmesh as nm
 from benchmarks import cli, report
 from lowering import Mesh, lower, rates
 from lowering.layout import Layout, local_shape
-from models import catalog, config, objectives, transformer
+from models import architecture as config
+from models import catalog, transformer
+from models.training import objectives
 
 SECTION = "## Paper scale: the LM1B models on 512 cores (no devices)"
 CONFIGS = tuple(f"lm1b_{'m1' if k < 0 else k}" for k in sorted(config.PAPER_PARAMS))

@@ -3,13 +3,13 @@
 checkout) and prints them. Run it before and after a refactor, on either tree.
 
 Rules (static, by reading the source with `ast`; nothing is imported from ROOT but its
-models.config and models.families, whose records and canonical configs are counted):
+models.architecture and models.families, whose records and canonical configs are counted):
 
-- Config fields: the dataclass fields of `models.config.Config`, and the fields of each
-  other record that models/config.py or models/run_settings.py defines (a dataclass or
+- Config fields: the dataclass fields of `models.architecture.Config`, and the fields of each
+  other record that models/architecture.py or models/run_settings.py defines (a dataclass or
   NamedTuple), per record.
 - Family-only fields: Config fields that the canonical configs (every family module's
-  NAMED, made by models.hub.family_config) set to a non-default value in exactly one
+  NAMED, made by models.io.hub.family_config) set to a non-default value in exactly one
   family.
 - Branches in the shared forward pass: in the shared files (SHARED below: the parts,
   the block, the stacks, the decoding step), each `if`/`elif` test, conditional
@@ -39,15 +39,15 @@ from pathlib import Path
 # issue 42) rewrites them with every other mention of the files
 SHARED = (
     "models/transformer.py",
-    "models/layers.py",
-    "models/decoding.py",
-    "models/mla.py",
-    "models/moe.py",
+    "models/layers/common.py",
+    "models/inference/decoding.py",
+    "models/layers/mla.py",
+    "models/layers/moe.py",
     "models/blocks.py",
     "models/parts.py",
-    "models/attention.py",
-    "models/kernels.py",
-    "models/rope.py",
+    "models/layers/blockwise.py",
+    "models/layers/kernels.py",
+    "models/layers/rope.py",
 )
 CFG_NAMES = {"cfg", "c", "config"}
 BLOCK_FUNCTIONS = {"block", "decode_block", "_compose", "post_norm", "residual"}
@@ -55,10 +55,10 @@ PARAM_DICTS = {"p", "params", "m", "layer", "shapes", "cache"}
 
 
 def records(root: Path) -> dict[str, int]:
-    """Record name -> its field count, for the records of models/config.py (and
+    """Record name -> its field count, for the records of models/architecture.py (and
     models/run_settings.py where it exists)."""
     out = {}
-    for name in ("models/config.py", "models/run_settings.py"):
+    for name in ("models/architecture.py", "models/run_settings.py"):
         path = root / name
         if not path.exists():
             continue
@@ -76,7 +76,7 @@ def is_record(node: ast.ClassDef) -> bool:
 
 def config_names(root: Path) -> set[str]:
     """Config's fields and properties (what a branch on `cfg.<name>` reads)."""
-    tree = ast.parse((root / "models/config.py").read_text())
+    tree = ast.parse((root / "models/architecture.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
     names = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}
     props = {
@@ -177,9 +177,9 @@ def parameter_lists(root: Path) -> list[tuple[int, str]]:
 def family_only(root: Path) -> list[str]:
     """Config fields that exactly one family's canonical configs set off their default."""
     sys.path.insert(0, str(root))
-    from models.config import Config
+    from models.architecture import Config
     from models.families import NAMED
-    from models.hub import family_config
+    from models.io.hub import family_config
 
     default = Config()
     by_field = collections.defaultdict(set)

@@ -103,7 +103,8 @@ def paper_rows() -> list[dict]:
     from benchmarks import report
     from lowering import Layout, Mesh, lower
     from lowering.layout import local_shape
-    from models import catalog, objectives, transformer
+    from models import catalog, transformer
+    from models.training import objectives
 
     cfg = catalog.get(PAPER)
     params = transformer.abstract(transformer.lm_shapes(cfg))

@@ -9,7 +9,7 @@ documentation text, byte tokenizer) reaches validation <= 2.5 bits/byte within 1
 on 2 CPU cores.
 
 Method: one invocation trains `tiny` once per layout, one after another, each in its own
-`python -m models.train ... --quiet` subprocess with
+`python -m models.cli.train ... --quiet` subprocess with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (so every run sees the same 8
 simulated CPU devices and the same XLA thread setup) and `--out` in a temporary folder.
 Every run has the same seed, data, steps and learning-rate schedule, so up to floating-point
@@ -60,7 +60,7 @@ class Layout:
     name: str
     mesh: str
     rules: str
-    flags: tuple[str, ...] = ()  # more flags of models.train (a compute dtype)
+    flags: tuple[str, ...] = ()  # more flags of models.cli.train (a compute dtype)
 
 
 LAYOUTS = [
@@ -120,7 +120,7 @@ class Run:
 
 def train_command(layout: Layout, steps: int, eval_every: int, out: Path) -> list[str]:
     return [
-        sys.executable, "-m", "models.train", "--config", "tiny", "--mesh", layout.mesh,
+        sys.executable, "-m", "models.cli.train", "--config", "tiny", "--mesh", layout.mesh,
         "--layout", layout.rules, "--steps", str(steps), "--eval-every", str(eval_every),
         "--out", str(out), "--quiet", *layout.flags,
     ]  # fmt: skip
@@ -311,7 +311,7 @@ def section(runs, argv, when, info, steps, eval_every, plot_link) -> str:
         *report.heading(SECTION, f"Made by `{command(argv)}` on {when}.", info),
         f"Method: one invocation trains the `tiny` LM (byte tokenizer, the default corpus: "
         f"CPython's documentation text) for {steps} steps under each layout, one after "
-        f"another, each in its own `python -m models.train` subprocess "
+        f"another, each in its own `python -m models.cli.train` subprocess "
         f"(`XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}`, `--out` in a "
         f"temporary folder, e.g. `python {example}` for the first row), with the CLI's "
         f"defaults otherwise (AdamW, lr 3e-3, warmup 50 then cosine over the {steps} steps, "

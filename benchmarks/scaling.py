@@ -11,7 +11,8 @@ import numpy as np
 
 from benchmarks import report
 from lowering import Mesh, lower
-from models import catalog, objectives, transformer
+from models import catalog, transformer
+from models.training import objectives
 
 MESH, LAYOUT = {"rows": 2, "cols": 4}, "batch:rows;heads:cols;d_ff:cols;vocab:cols"
 

@@ -1,7 +1,7 @@
 """`python -m benchmarks.step_memory`: the planner's memory of a whole training step
 (lowering/train_step.py: parameters, gradients, AdamW's moments, the accumulator,
 remat's saved activations) against XLA's `memory_analysis` of the trainer's compiled,
-state-donating step (models/trainer.py: loss, gradients, clipping, AdamW, the finite
+state-donating step (models/training/trainer.py: loss, gradients, clipping, AdamW, the finite
 guard) on 8 simulated CPU devices, across layouts, remat policies and accumulation.
 Goal: within 15%."""
 
@@ -36,7 +36,8 @@ def measure(layout: str, remat: str, grad_accum: int, config_name: str = "small"
 
     from lowering import Mesh
     from lowering.train_step import Training, step_memory
-    from models import catalog, trainer, zoo
+    from models import catalog, zoo
+    from models.training import trainer
 
     cfg = catalog.get(config_name, remat=remat, **changes)
     mesh = Mesh(SIZES)

@@ -28,7 +28,7 @@ import optax
 
 from benchmarks import cli, fair, zoo_families
 from lowering.hlo import MOVEMENT_KINDS, movement
-from models import hub
+from models.io import hub
 
 # setting -> (Config fields, XLA compile options); "" turns XLA:CPU's YNNPACK fusions off
 EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}

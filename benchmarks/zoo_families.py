@@ -2,7 +2,7 @@
 `torch.compile` (`python -m benchmarks.zoo_vs_hf --families`): each family's model built
 by transformers from a small config (its options as tests/test_families.py's cases set
 them: grouped-query heads, windows, caps, partial rotary...), saved, loaded with
-`models.hub.load`, its logits and first training loss checked equal, then the forward
+`models.io.hub.load`, its logits and first training loss checked equal, then the forward
 pass and a training step (cross-entropy against random targets, backward, AdamW) of each
 side timed by benchmarks/fair.py (single-threaded, CPU time, alternated)."""
 
@@ -16,7 +16,8 @@ import optax
 
 import namedmesh as nm
 from benchmarks import fair
-from models import hub, zoo
+from models import zoo
+from models.io import hub
 
 TOLERANCE = 1e-4  # max |difference| of the logits over the largest, float32
 

@@ -32,7 +32,8 @@ import optax
 
 import namedmesh as nm
 from benchmarks import cli, fair, zoo_families
-from models import hub, transformer
+from models import transformer
+from models.io import hub
 
 
 def torch_side(args, folder, ids, targets):

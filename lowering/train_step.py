@@ -16,7 +16,7 @@ holds the optimizer's state and, with gradient accumulation, an accumulator:
                 holds `in_flight` microbatches' saved activations at once (1F1B: those
                 it has run forward and not yet backward) beside one working set
     other       the batch and any other input, and the update's new parameters: the
-                trainer (models/trainer.py) keeps them beside the old ones until it has
+                trainer (models/training/trainer.py) keeps them beside the old ones until it has
                 checked that they are finite, and only then writes them over the old;
                 a stage keeps each in-flight microbatch's input (its batch, or the
                 activation the previous stage sent) for its backward pass

@@ -1,8 +1,8 @@
 """models: the Transformer zoo written in namedmesh (issue 6).
 
-`models.load(path, mesh=None, layout=None)` (models/api.py) loads a Hugging Face folder
+`models.load(path, mesh=None, layout=None)` (models/inference/api.py) loads a Hugging Face folder
 or a training run as a model that generates and scores text, `models.Sampling` how its
-`.generate` draws tokens; each is imported on first use, so that `import models.config`
+`.generate` draws tokens; each is imported on first use, so that `import models.architecture`
 stays light."""
 
 __all__ = ["Sampling", "load"]
@@ -10,11 +10,11 @@ __all__ = ["Sampling", "load"]
 
 def __getattr__(name: str):
     if name == "load":
-        from models.api import load
+        from models.inference.api import load
 
         return load
     if name == "Sampling":
-        from models.sampling import Sampling
+        from models.inference.sampling import Sampling
 
         return Sampling
     raise AttributeError(f"module 'models' has no attribute {name!r}")

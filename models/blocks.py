@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import namedmesh as nm
-from models import mla
-from models.config import Config
-from models.layers import (
+from models.architecture import Config
+from models.layers import mla
+from models.layers.common import (
     NEG,
     Attend,
     attention,
@@ -32,13 +32,13 @@ from models.layers import (
     relative_bias,
     write_slots,
 )
-from models.moe import moe, moe_params, queued
+from models.layers.moe import moe, moe_params, queued
 from models.residual import COMPOSITIONS, Sublayer
 
 
 class Attention(NamedTuple):
-    """A self-attention part: its parameters of a Config, the pass (models.layers.
-    attention's signature), the cached call (models.layers.cached_attention's), and the
+    """A self-attention part: its parameters of a Config, the pass (models.layers.common.
+    attention's signature), the cached call (models.layers.common.cached_attention's), and the
     sizes of one position's KV cache entries."""
 
     params: Callable
@@ -47,7 +47,7 @@ class Attention(NamedTuple):
     cache: Callable
 
 
-# Config.attention_variant -> its attention: multi-head, or DeepSeek's latent (models/mla.py)
+# Config.attention_variant -> its attention: multi-head, or DeepSeek's latent (models/layers/mla.py)
 ATTENTIONS = {
     "mha": Attention(attention_params, attention, cached_attention, kv_cache),
     "mla": Attention(mla.params, mla.attention, mla.cached_attention, mla.cache),
@@ -70,7 +70,7 @@ def _experts(x, p, cfg, stats):
     return moe(x, p, cfg, stats=stats)[:2]
 
 
-# Config.mlp_variant -> its MLP: one FFN, or a mixture of experts (models/moe.py)
+# Config.mlp_variant -> its MLP: one FFN, or a mixture of experts (models/layers/moe.py)
 MLPS = {"dense": MLP(ffn_params, _dense), "moe": MLP(moe_params, _experts)}
 
 
@@ -79,7 +79,7 @@ class Context(NamedTuple):
     whether attention is causal, an additive attention `bias` (padding, T5's relative
     bias, packing; any of batch, heads, length, memory), the layer's dropout `key`
     (None: no dropout), its constants where the layers of a stack differ
-    (models.layers.layer_constants: its window and rotary frequencies), whether the
+    (models.layers.common.layer_constants: its window and rotary frequencies), whether the
     router reports all its statistics (`stats`) or its balancing loss alone, and, over
     whole sequences, the positions that rotary attention rotates by (`position`: ints
     over batch and length, packed examples' own, each from 0; None: 0..n-1)."""
@@ -95,7 +95,7 @@ class Context(NamedTuple):
 
 class Cross(NamedTuple):
     """An encoder's output for a decoder's cross-attention: `source` (batch, memory,
-    d_model), or its keys and values already projected for this layer (models.layers.
+    d_model), or its keys and values already projected for this layer (models.layers.common.
     project_kv: decoding projects them once per encoding), and its padding bias."""
 
     source: Any
@@ -198,7 +198,7 @@ def _cross(p: dict, ctx: Context, cross: Cross) -> Sublayer:
 def block(h, p: dict, ctx: Context, cross: Cross | None = None):
     """(h, aux) after one block over whole sequences (batch, length, d_model):
     self-attention, cross-attention over `cross` when given, then the MLP, composed as
-    cfg.block says; aux is the router's statistics (models/moe.py `statistics`: its
+    cfg.block says; aux is the router's statistics (models/layers/moe.py `statistics`: its
     balancing loss, and with ctx.stats the rest; None without experts)."""
     subs = [Sublayer("attn", lambda x: (self_attention(x, p["attn"], ctx), None), _drop(ctx, 1))]
     if cross is not None:
@@ -210,7 +210,7 @@ def block(h, p: dict, ctx: Context, cross: Cross | None = None):
 
 def decode_block(h, p: dict, ctx: Context, cache: dict, position, cross: Cross | None = None):
     """(h, aux, new cache) after one block over positions written into the layer's KV
-    cache (`cache`: models.decoding.init_cache's entries of one layer): h holds the new
+    cache (`cache`: models.inference.decoding.init_cache's entries of one layer): h holds the new
     position `position` (an int Tensor, 0-d or one per batch row) or a prefill's
     positions 0..n-1 (`position` over length)."""
     attend = lambda x: cached_self_attention(x, p["attn"], ctx, cache, position)

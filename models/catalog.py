@@ -1,22 +1,22 @@
 """The named configs: config.CONFIGS (the zoo's own, the paper's LM1B models and the
 ecosystem's checkpoints) and the canonical checkpoints the family modules name (their
-NAMED). Kept apart from models/config.py so that the Config record imports no family:
+NAMED). Kept apart from models/architecture.py so that the Config record imports no family:
 the families and hub import Config, and this catalog imports them (issue 42)."""
 
 from __future__ import annotations
 
 import functools
 
-from models.config import CONFIGS, Config
+from models.architecture import CONFIGS, Config
 
 
 @functools.cache
 def configs() -> dict[str, Config]:
     """CONFIGS and the canonical checkpoints the family modules name (their NAMED), each
-    what models.hub makes of its config.json (batch 8, as ECOSYSTEM's). The families and
+    what models.io.hub makes of its config.json (batch 8, as ECOSYSTEM's). The families and
     hub load on first use, so that naming a config of CONFIGS stays light."""
     from models.families import NAMED
-    from models.hub import family_config
+    from models.io.hub import family_config
 
     named = {n: family_config(f, keys, set(), f"<{n}>") for n, (f, keys) in NAMED.items()}
     return {**CONFIGS, **{n: c.replace(batch=8) for n, c in named.items()}}

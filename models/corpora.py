@@ -1,35 +1,9 @@
-"""What `--data` trains and evaluates on, by its kind: text or token ids
-(models/data.py's Corpus, windows cut from one stream), or conversations
-(models/chat.py's ChatCorpus, packed examples with the loss on the assistant's tokens).
-`--data-format` says which (auto: chat for JSON lines whose first object has a
-`messages` field and no `--text-field` field)."""
+"""`models.corpora` moved to `models.training.corpora` (issue 42): this path is that module
+itself, so that code written for it keeps working. The house imports
+`models.training.corpora`."""
 
-from __future__ import annotations
+import sys
 
-from pathlib import Path
+from models.training import corpora
 
-from models import chat, data
-
-FORMATS = ("auto", "text", "chat")  # --data-format
-
-
-def load(path: str | None = None, flag: str = "--data", text_field: str = "text", fmt="auto"):
-    """What `path` holds: `data.load_text`'s text or token ids, or conversations
-    (`chat.Conversations`) when `fmt` is "chat", or "auto" and the file is chat data;
-    DataError naming `flag` and the file at fault."""
-    if fmt == "chat" and path is None:
-        raise data.DataError(f"--data-format chat: pass the conversations as {flag} FILE.jsonl")
-    if path is not None and (
-        fmt == "chat" or (fmt == "auto" and chat.is_chat(Path(path), text_field))
-    ):
-        return chat.read(path, flag)
-    return data.load_text(path, flag, text_field)
-
-
-def make(text, tokenizer, length: int, objective: str = "lm", valid=None, folder=None):
-    """A data.Corpus of `text` (and `valid`), or of conversations a chat.ChatCorpus,
-    rendered with `folder`'s chat template (a tokenizer's folder; None or one without
-    a template: chat.DEFAULT_TEMPLATE)."""
-    if any(isinstance(t, chat.Conversations) for t in (text, valid)):
-        return chat.ChatCorpus(text, tokenizer, length, objective, valid, chat.template(folder))
-    return data.Corpus(text, tokenizer, length, objective, valid)
+sys.modules[__name__] = corpora

@@ -2,7 +2,8 @@
 that a module raising one imports nothing that imports it back (issue 42: rope.py and
 latent.py raised config.py's ConfigError, and config.py holds their records; datasets.py
 raised data.py's DataError, and data.py reads through datasets.py). Each is re-exported
-where it was defined: `models.config.ConfigError` and `models.data.DataError` still are."""
+where it was defined: `models.architecture.ConfigError` and `models.training.data.DataError` still
+are."""
 
 from namedmesh.errors import ParameterError
 

@@ -1,9 +1,9 @@
 """A model's parameters before they have values: each a `Param` (its dims and sizes, and
 how it starts), and the values they start with (`init`, from a seed and each one's path)
-or abstract Tensors to trace and plan with (`abstract`). Apart from models/layers.py and
-models/transformer.py so that LoRA's fresh adapters (models/lora.py) are drawn as a
+or abstract Tensors to trace and plan with (`abstract`). Apart from models/layers/common.py and
+models/transformer.py so that LoRA's fresh adapters (models/layers/lora.py) are drawn as a
 fresh run's parameters are without importing the model that imports LoRA (issue 42).
-`models.layers.Param`, `models.transformer.init` and `.abstract` re-export them."""
+`models.layers.common.Param`, `models.transformer.init` and `.abstract` re-export them."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ whose fields are the options only that family has (Gemma 2's soft-caps, OPT's
 position offset, BERT's token types, Granite's multipliers) and overrides the hooks
 it needs; the subclass registers itself (`KINDS`), so a moved option's old spelling
 (`Config(logit_softcap=30.0)`, `--set logit_softcap=30`, a run.json's) still finds
-its family's parts (models.config routes it)."""
+its family's parts (models.architecture routes it)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Parts:
         return plain
 
     def embedding_shapes(self, cfg) -> dict:
-        """The family's own parameters of the embedding side (models.layers.Param)."""
+        """The family's own parameters of the embedding side (models.layers.common.Param)."""
         return {}
 
     def embed(self, x: nm.Tensor) -> nm.Tensor:
@@ -70,7 +70,7 @@ class Parts:
         """ConfigError where these parts contradict the rest of `cfg` (Config calls it)."""
 
     def layer_constants(self, cfg, seq_len: int) -> dict:
-        """What differs between the layers of a stack (models.layers.layer_constants,
+        """What differs between the layers of a stack (models.layers.common.layer_constants,
         where cfg.sliding_layers) besides their windows: {name: Tensor over layers}."""
         return {}
 

@@ -3,7 +3,7 @@ and placed (compute dtype, rematerialisation, the layer loop, the attention kern
 its block, the mesh and the layout), not what it computes. A checkpoint of one
 architecture trains, evaluates and decodes under any of them.
 
-`models.config.Config` holds one as its `run` and keeps these names readable and
+`models.architecture.Config` holds one as its `run` and keeps these names readable and
 replaceable on itself (`cfg.dtype`, `cfg.replace(dtype="bfloat16")`, `--set
 attention_block=64`), where Config checks them."""
 
@@ -20,7 +20,7 @@ class Run:
     compiles longer and on XLA:CPU trains faster; MaxText's scan_layers), "auto" (the
     default) unrolls where that measured faster at about the loop's compile time
     (nm.scan's unroll="auto": no remat, a program within namedmesh.control.UNROLL_BUDGET);
-    attention: a models.kernels.KERNELS name
+    attention: a models.layers.kernels.KERNELS name
     (full | blockwise | ring | fused); attention_block: keys per block of blockwise
     attention; mesh and layout: the paper's mesh shape and layout rules."""
 

@@ -15,13 +15,13 @@ import jax
 import numpy as np
 
 import namedmesh as nm
+from models.architecture import Config
 from models.blocks import ATTENTIONS as ATTENTIONS  # re-exported: their home was here
 from models.blocks import Attention as Attention
 from models.blocks import Context, Cross, block, layer_shapes
 from models.blocks import decode_block as decode_block
 from models.blocks import self_attention_bias as self_attention_bias
-from models.config import Config
-from models.layers import (
+from models.layers.common import (
     Param,
     activation,
     cast,
@@ -34,7 +34,7 @@ from models.layers import (
     padding_bias,
     segment_bias,
 )
-from models.moe import merged, over_layers
+from models.layers.moe import merged, over_layers
 from models.params import abstract as abstract  # re-exported: their home was here
 from models.params import init as init
 from models.residual import COMPOSITIONS
@@ -282,7 +282,7 @@ def lm_forward(params: dict, batch: dict, cfg: Config, key=None, causal=True, st
     (batch, length) after the stack of `params["layers"]`, causal (the LM) or
     bidirectional (BERT). What else `batch` may hold: "weights" (batch, length; 1 real,
     0 padding) hides padded positions from attention; "token_types" (ints like tokens)
-    select token-type embeddings. Packed rows (models/chat.py): "segments" (ints like
+    select token-type embeddings. Packed rows (models/training/chat.py): "segments" (ints like
     tokens) hides the keys of other examples, "positions" (ints like tokens) are each
     example's, from 0. aux: the MoE's balancing loss, and with `stats` its other
     statistics (None without experts)."""

@@ -6,15 +6,15 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from models import transformer
-from models.config import Config
+from models.architecture import Config
 
 
 class Model(NamedTuple):
     """`shapes(cfg)`: nested dict of Params; `loss(params, batch, cfg, key)`: a 0-d
-    Tensor; `objective`: how batches are made from text (models/objectives.py);
+    Tensor; `objective`: how batches are made from text (models/training/objectives.py);
     `defaults`: config fields this model sets where the config leaves them 0;
     `logits(params, batch, cfg)`: its logits for a batch of inputs, weights (padding),
-    token_types and the fields of `needs` (what models.hub passes a loaded model)."""
+    token_types and the fields of `needs` (what models.io.hub passes a loaded model)."""
 
     shapes: Callable
     loss: Callable

@@ -29,7 +29,7 @@ from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
 from namedmesh.structural import rename
 from namedmesh.tensor import Tensor
 
-NEG = -1e9  # a masked logit, as models.layers.NEG
+NEG = -1e9  # a masked logit, as models.layers.common.NEG
 
 
 NAMES = ("length", "memory", "features")  # the keyword parameters naming the dims

@@ -27,12 +27,12 @@ from pathlib import Path
 
 # subcommand -> (module whose main(argv, prog) runs it, what it does)
 COMMANDS = {
-    "train": ("models.train", "train a model of the zoo on a mesh under a layout"),
-    "generate": ("models.generate", "continue prompts with a run or a Hugging Face folder"),
-    "eval": ("models.evaluate", "loss, perplexity and bits per byte of a model on data"),
-    "export": ("models.export", "write a run's checkpoint as a Hugging Face folder"),
-    "launch": ("models.launch", "run a command as N processes of one run on this machine"),
-    "plan": ("models.plan", "plan a training step on a cluster (abstract meshes, no devices)"),
+    "train": ("models.cli.train", "train a model of the zoo on a mesh under a layout"),
+    "generate": ("models.cli.generate", "continue prompts with a run or a Hugging Face folder"),
+    "eval": ("models.cli.evaluate", "loss, perplexity and bits per byte of a model on data"),
+    "export": ("models.cli.export", "write a run's checkpoint as a Hugging Face folder"),
+    "launch": ("models.cli.launch", "run a command as N processes of one run on this machine"),
+    "plan": ("models.cli.plan", "plan a training step on a cluster (abstract meshes, no devices)"),
     "bench": ("benchmarks", "run a benchmark of the source checkout (default: run)"),
 }
 PROG = "namedmesh"

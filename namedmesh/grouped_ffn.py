@@ -36,7 +36,7 @@ def _elementwise(name: str) -> tuple:
 
 
 def _gelu_exact(erf):
-    """x * Phi(x), the exact normal CDF (BERT's "gelu"), as models/layers.py states it."""
+    """x * Phi(x), the exact normal CDF (BERT's "gelu"), as models/layers/common.py states it."""
     return lambda x: x * (0.5 + 0.5 * erf(x * np.asarray(0.5**0.5, x.dtype)))
 
 

@@ -1,5 +1,5 @@
 """Every attention kernel with every bias kind (issue 26): blockwise, ring and fused
-attention equal full attention (models.layers.attend) with the same bias, whether it
+attention equal full attention (models.layers.common.attend) with the same bias, whether it
 comes as a tensor over any of batch, heads, length and memory or from `bias_fn` of the
 positions (a causal mask, a relative bias; under the causal mask blockwise attention
 skips the key blocks it hides whole, and the fused kernel applies it itself); a
@@ -12,9 +12,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import namedmesh as nm
-from models.attention import blockwise_attend, ring_attend
-from models.kernels import KERNELS, Options
-from models.layers import attend
+from models.layers.blockwise import blockwise_attend, ring_attend
+from models.layers.common import attend
+from models.layers.kernels import KERNELS, Options
 
 BUDGET = settings(max_examples=max(8, settings.default.max_examples // 20))  # eager: slow
 BIASES = {  # kind -> the dims of a bias tensor (None: no tensor)

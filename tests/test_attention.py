@@ -1,4 +1,4 @@
-"""Blockwise attention (models/attention.py) against full attention written in plain
+"""Blockwise attention (models/layers/blockwise.py) against full attention written in plain
 jax.numpy: values and gradients with causal, padding, relative and per-head biases,
 rotated queries and keys, grouped heads; and the LM with blockwise attention (and
 remat) against the LM with full attention under every layout the model tests use."""
@@ -12,8 +12,8 @@ import namedmesh as nm
 from lowering import Mesh, lower
 from lowering.hlo import collectives
 from models import transformer
-from models.attention import Options, blockwise_attend, ring_attend
-from models.config import Config, ConfigError
+from models.architecture import Config, ConfigError
+from models.layers.blockwise import Options, blockwise_attend, ring_attend
 from tests.test_models import CFG, LAYOUTS, small_batch
 
 R = np.random.default_rng(11)
@@ -234,7 +234,9 @@ def test_ring_errors_name_the_fault():
     with pytest.raises(nm.ShapeError, match="bias_fn"):
         ring_attend(q, k, k, Options(whole), 2)
     for attend in (ring_attend, blockwise_attend):  # the bias where Options go (the old call)
-        with pytest.raises(nm.ParameterError, match=r"opts must be models.attention.Options"):
+        with pytest.raises(
+            nm.ParameterError, match=r"opts must be models.layers.blockwise.Options"
+        ):
             attend(q, k, k, whole)
 
 
@@ -265,7 +267,7 @@ def test_kernels_soft_cap_and_window_as_numpy(kernel, block):
     """Each kernel with softcap 2 and a sliding window of 3 built from positions (as
     transformer.self_attention_bias makes it), against NumPy: the whole logits, keys in
     blocks of 3 (the cap inside the online softmax), a ring of 2."""
-    from models.kernels import KERNELS, Options
+    from models.layers.kernels import KERNELS, Options
 
     q, k, v = (arr(("heads", n, "d_kv")) for n in ("length", "memory", "memory"))
     i, j = np.arange(8)[:, None], np.arange(8)[None, :]

@@ -203,10 +203,10 @@ SMALL_RUN = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "-
 
 
 def test_cli_layout_auto_prints_the_search(capsys):
-    """`--layout auto --rates tpu_v2`'s path (models/run.py pick_layout): the printout."""
+    """`--layout auto --rates tpu_v2`'s path (models/training/run.py pick_layout): the printout."""
     from models import catalog, zoo
-    from models.run import pick_layout
-    from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
+    from models.training.run import pick_layout
+    from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
     model = zoo.get("lm")
     cfg = model.configure(catalog.get("tiny")).replace(length=16, batch=8)
@@ -222,8 +222,8 @@ def test_cli_layout_auto_plans_the_microbatch_that_grad_accum_trains(capsys):
     """With --grad-accum N the step runs on batch/N rows: a search that planned the whole
     batch chose `batch` over all 4 devices, which 2-row microbatches cannot take."""
     from models import catalog, zoo
-    from models.run import pick_layout
-    from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
+    from models.training.run import pick_layout
+    from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
     model = zoo.get("lm")
     cfg = model.configure(catalog.get("tiny")).replace(length=16, batch=8)
@@ -247,7 +247,7 @@ def test_cli_layout_auto_plans_the_microbatch_that_grad_accum_trains(capsys):
     ],
 )
 def test_cli_bad_rates_exit_2_naming_them(tmp_path, capsys, flags, names):
-    from models import train
+    from models.cli import train
 
     argv = [*SMALL_RUN, "--mesh", "data=2", *flags, "--steps", "1", "--out", str(tmp_path)]
     assert train.main(argv) == 2

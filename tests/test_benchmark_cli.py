@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from benchmarks import cli
-from models.config import ConfigError
+from models.architecture import ConfigError
 
 BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unknown name
     ("auto_layout", ["--steps", "0"]),

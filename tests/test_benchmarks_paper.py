@@ -13,7 +13,9 @@ import pytest
 from benchmarks import paper, run
 from lowering import Layout, Mesh, lower
 from lowering.layout import local_shape
-from models import catalog, config, objectives, transformer
+from models import architecture as config
+from models import catalog, transformer
+from models.training import objectives
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -50,7 +50,7 @@ def test_zoo_vs_hf_families_checks_logits_and_loss_then_times_each_family():
 
 
 def test_zoo_vs_hf_families_has_a_config_for_every_family():
-    from models import hub
+    from models.io import hub
 
     assert set(zoo_families.configs(1, 16, 2, 48, 8)) == set(hub.FAMILIES)
 

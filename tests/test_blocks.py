@@ -9,8 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from models import generate, train, transformer
-from models.config import Config, ConfigError, parse_overrides
+from models import transformer
+from models.architecture import Config, ConfigError, parse_overrides
+from models.cli import generate, train
 from models.residual import COMPOSITIONS, Sublayer
 from models.run_settings import Run
 

@@ -1,4 +1,4 @@
-"""Chat data (models/chat.py): the tokens of a folder's chat template are transformers'
+"""Chat data (models/training/chat.py): the tokens of a folder's chat template are transformers'
 `apply_chat_template`'s and the weights its assistant mask (of the template's
 `{% generation %}` tags, which our rendering ignores); `eval` of chat data is the
 masked loss computed in NumPy from transformers' logits (packed rows: GPT-2's learned
@@ -16,8 +16,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import namedmesh as nm  # noqa: E402
-from models import chat, corpora, data, folder_tokens, transformer  # noqa: E402
-from models.config import Config, ConfigError  # noqa: E402
+from models import transformer  # noqa: E402
+from models.architecture import Config, ConfigError  # noqa: E402
+from models.io import folder_tokens  # noqa: E402
+from models.training import chat, corpora, data  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -97,7 +99,7 @@ def test_tokens_and_weights_are_apply_chat_templates(folder, template):
 def test_eval_of_chat_data_is_the_masked_loss_of_transformers_logits(folder, tmp_path, capsys):
     """The examples packed into rows of 96 positions (several per row): eval's loss is
     the assistant tokens' mean NLL of each example run alone in transformers."""
-    from models import evaluate
+    from models.cli import evaluate
 
     path, tf_tok, model = folder
     lines = [{"messages": m} for m in CHATS * 3]
@@ -189,7 +191,7 @@ def test_a_bad_line_is_a_data_error_naming_file_and_line(tmp_path, line, message
 def test_the_command_line_says_a_bad_line_and_a_failing_template_in_one_line(
     folder, tmp_path, capsys
 ):
-    from models.train import main
+    from models.cli.train import main
 
     file = tmp_path / "chat.jsonl"
     file.write_text(json.dumps({"messages": CHATS[0]}) + "\n{oops\n")
@@ -240,7 +242,8 @@ def test_the_template_is_the_fine_tunes_base_or_the_tokenizers_folder(folder, tm
     run, a Hugging Face folder itself."""
     from types import SimpleNamespace
 
-    from models import evaluate, run
+    from models.cli import evaluate
+    from models.training import run
 
     path = folder[0]
     out = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Chat templates run in a sandbox with bounded work and memory (models/sandbox.py):
+"""Chat templates run in a sandbox with bounded work and memory (models/io/sandbox.py):
 what renders renders as jinja2's own sandbox renders it; a template that fails or asks
 for too much is one ChatTemplateError naming its file, in about a second at most, and
 one line with exit 2 at `generate --chat` (tests/test_fuzz_cli.py)."""
@@ -9,8 +9,8 @@ import time
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from models import folder_tokens, sandbox
 from models.families.common import ChatTemplateError
+from models.io import folder_tokens, sandbox
 
 CONTEXT = {"messages": [{"role": "user", "content": "Hi there"}], "add_generation_prompt": True}
 CONTEXT |= {"bos_token": "<s>", "eos_token": "</s>"}

@@ -2,7 +2,7 @@
 every numeric flag against its declared range (one line naming flag, value and range,
 exit 2), bad --set sizes and binary data; damaged files (a truncated .safetensors, a
 config.json with a key missing or of the wrong type, a broken index, damaged
-checkpoints) as one line and exit 2 at `models.train` and `models.generate`. And
+checkpoints) as one line and exit 2 at `models.cli.train` and `models.cli.generate`. And
 `hub.save` over an export: the whole folder replaced, or (full disk) left intact."""
 
 import errno
@@ -14,7 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from models import files, generate, hub, run, train, transformer  # noqa: F401
+from models import transformer  # noqa: F401
+from models.cli import generate, train  # noqa: F401
+from models.io import files, hub  # noqa: F401
+from models.training import run  # noqa: F401
 
 FLAGS = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--steps", "2"]
 
@@ -83,7 +86,9 @@ def test_bad_sizes_and_binary_data_are_refused_before_compiling(
     binary = tmp_path / "corpus.txt"  # text by its name, binary by its bytes
     binary.write_bytes(b"abc\0\x01\x02" * 100)
     flags = [str(binary) if f == "BINARY" else f for f in flags]
-    monkeypatch.setattr(jax, "jit", None)  # nothing may compile before the error (models.run
+    monkeypatch.setattr(
+        jax, "jit", None
+    )  # nothing may compile before the error (models.training.run
     # and what it imports are imported above, their decorators applied)
     code = train.main([*FLAGS, *flags, "--out", str(tmp_path / "run")])
     assert code == 2 and names in one_line(capsys.readouterr().err)
@@ -222,4 +227,4 @@ def test_a_run_whose_checkpoints_are_all_damaged_or_record_torn_is_one_line(tmp_
     assert train.main([*FLAGS, "--out", str(out), "--resume"]) == 2
     warning, error = capsys.readouterr().err.strip().splitlines()
     assert "step 4" in warning and "its meta cannot be read" in warning
-    assert error.startswith("models.train: error: no checkpoint in") and "verifies" in error
+    assert error.startswith("models.cli.train: error: no checkpoint in") and "verifies" in error

@@ -1,4 +1,4 @@
-"""What --data and --val-data read (models/datasets.py): text files and folders (binary
+"""What --data and --val-data read (models/training/datasets.py): text files and folders (binary
 files refused by name, hidden folders skipped), memory-mapped .bin/.npy token ids checked
 against the tokenizer, JSON lines, Parquet and datasets folders; a validation set apart;
 each process reading only the batch rows its devices hold."""
@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from lowering import Mesh
-from models import catalog, data, datasets, train, zoo
-from models.trainer import Trainer
+from models import catalog, zoo
+from models.cli import train
+from models.training import data, datasets
+from models.training.trainer import Trainer
 
 DOCS = ["first document\n", "second, with ünïcode\n", "third\n"]
 

@@ -12,10 +12,12 @@ import pytest
 
 import namedmesh as nm
 from lowering import Layout, Mesh
-from models import config, decoding, transformer
-from models.config import ConfigError
-from models.generate import Decoder, main, prefill_step
-from models.sampling import Sampling, choose, filter_logits
+from models import architecture as config
+from models import transformer
+from models.architecture import ConfigError
+from models.cli.generate import Decoder, main, prefill_step
+from models.inference import decoding
+from models.inference.sampling import Sampling, choose, filter_logits
 from namedmesh.errors import ParameterError
 
 # rotary positions, a gated FFN, RMS norms; learned positions (GPT-2) and grouped-query
@@ -256,7 +258,7 @@ def test_bad_decoding_parameters_name_the_flag(model):
         dec.decode([list(range(cfg.length + 1))], 3)
     with pytest.raises(ParameterError, match="--max-new"):
         dec.decode(PROMPTS, -1)
-    with pytest.raises(ParameterError, match="must be a models.sampling.Sampling"):
+    with pytest.raises(ParameterError, match="must be a models.inference.sampling.Sampling"):
         dec.decode(PROMPTS, 3, sampling="sample")  # the mode string it once took
     with pytest.raises(ParameterError, match="--seed"):
         Sampling(seed=1.5)
@@ -281,7 +283,7 @@ def test_bad_decoding_parameters_name_the_flag(model):
 def test_the_command_line_reports_bad_flags_before_loading(flags, message, capsys):
     assert main(["/nonexistent", *flags]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("models.generate: error:") and message in err
+    assert err.startswith("models.cli.generate: error:") and message in err
 
 
 def test_every_flag_has_help_and_shows_its_default(capsys):

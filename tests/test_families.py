@@ -17,10 +17,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from lowering import Layout, Mesh  # noqa: E402
-from models import hub  # noqa: E402
-from models.config import Config, ConfigError  # noqa: E402
-from models.generate import Decoder  # noqa: E402
-from models.rope import Rope  # noqa: E402
+from models.architecture import Config, ConfigError  # noqa: E402
+from models.cli.generate import Decoder  # noqa: E402
+from models.io import hub  # noqa: E402
+from models.layers.rope import Rope  # noqa: E402
 
 VOCAB, BATCH, LENGTH, NEW = 64, 4, 12, 12
 R = np.random.default_rng(1)
@@ -513,7 +513,8 @@ def test_family_options_keep_their_old_config_spellings():
     are still set by their old names (a run.json's --set, Config(...)); a misspelt one
     gets the closest name, and one the config's family lacks names the family it is
     of. The hub's builder records each model's family."""
-    from models import catalog, config
+    from models import architecture as config
+    from models import catalog
 
     gemma2, opt = catalog.get("gemma-2-2b"), catalog.get("opt-125m")
     assert (gemma2.family, opt.family, catalog.get("bert-base-uncased").family) == (

@@ -18,10 +18,11 @@ transformers = pytest.importorskip("transformers")
 
 import namedmesh as nm  # noqa: E402
 from lowering import Layout, Mesh  # noqa: E402
-from models import hub, transformer  # noqa: E402
-from models.config import Config, ConfigError  # noqa: E402
-from models.decoding import Decoder, init_cache  # noqa: E402
-from models.latent import Latent  # noqa: E402
+from models import transformer  # noqa: E402
+from models.architecture import Config, ConfigError  # noqa: E402
+from models.inference.decoding import Decoder, init_cache  # noqa: E402
+from models.io import hub  # noqa: E402
+from models.layers.latent import Latent  # noqa: E402
 from tests.test_families import (  # noqa: E402
     IDS,
     MASK,
@@ -218,7 +219,7 @@ def test_multi_token_prediction_weights_are_refused_by_name(built, tmp_path):
 def test_adamw_leaves_the_choosing_bias_alone():
     """No gradient reaches gate_bias (it moves choices only); AdamW's weight decay alone
     would shrink it, so it is out of the decay mask while other parameters decay."""
-    from models.trainer import OptimizerSpec, optimizer
+    from models.training.trainer import OptimizerSpec, optimizer
 
     ones = nm.tensor(np.ones(4, np.float32), ("experts",))
     params = {"layers": {"ffn": {"gate_bias": ones, "gate": ones}}}

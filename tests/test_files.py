@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from models import files, hub
+from models.io import files, hub
 
 # a child that replaces OUT's folder and a file, and is SIGKILLed at its Nth os.replace
 CHILD = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    from models import files
+    from models.io import files
     out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
     real, calls = os.replace, []
     def replace(a, b):

@@ -17,7 +17,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import namedmesh as nm  # noqa: E402
-from models import checkpoint, data, export, generate, hub  # noqa: E402
+from models.cli import export, generate  # noqa: E402
+from models.io import hub  # noqa: E402
+from models.training import checkpoint, data  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"  # noqa: E501
 IDS = np.arange(24).reshape(2, 12) * 7 % 200
@@ -39,7 +41,7 @@ def base_folder(root, cls, template=None, **config):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from models.train import main as train
+    from models.cli.train import main as train
 
     root = tmp_path_factory.mktemp("finetune")
     llama = transformers.LlamaForCausalLM
@@ -147,7 +149,7 @@ def test_config_list_names_every_config_and_a_config_too_big_is_refused_first(
     import psutil
 
     from models import catalog
-    from models.train import main as train
+    from models.cli.train import main as train
 
     assert train(["--config", "list"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -231,7 +233,7 @@ def test_config_file_of_a_fine_tunes_run_json_repeats_it(run, tmp_path, capsys):
     """`train --config-file RUN/run.json` repeats a fine-tune (its base back in place):
     the same losses; a --tokenizer beside it is taken when it is the folder's own
     vocabulary, refused when another; --set of the architecture is refused by name."""
-    from models.train import main as train
+    from models.cli.train import main as train
 
     folder, _ = run
     root = folder.parent

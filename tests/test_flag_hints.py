@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from models import evaluate, export, generate, train
+from models.cli import evaluate, export, generate, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_a_config_file_takes_their_names_too(tmp_path):
 
 
 def test_underscores_stop_at_the_double_dash():
-    from models.hints import dashed
+    from models.cli.hints import dashed
 
     flags = {"--max-new", "--top-k"}
     argv = ["--max_new", "3", "--top_k=2", "--nope_x", "--", "--max_new"]

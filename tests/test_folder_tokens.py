@@ -1,4 +1,4 @@
-"""A Hugging Face folder's tokenizer, EOS and chat template (models/folder_tokens.py):
+"""A Hugging Face folder's tokenizer, EOS and chat template (models/io/folder_tokens.py):
 vocab.json + merges.txt encode as transformers' GPT-2 and RoBERTa tokenizers do (RoBERTa
 with its <s> ... </s>); a SentencePiece tokenizer.model built by hand encodes to the
 ids worked out by hand; EOS ids, --eos as text and --chat's rendering equal what the
@@ -11,8 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import data, folder_tokens, generate  # noqa: E402
+from models.cli import generate  # noqa: E402
 from models.families.common import MissingFileError  # noqa: E402
+from models.io import folder_tokens  # noqa: E402
+from models.training import data  # noqa: E402
 
 TEXTS = ["The assert statement", "  spaces,\tand\nnewlines  ", "ünïcödé ✓ 12345"]
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
@@ -120,7 +122,7 @@ def test_chat_renders_the_folders_template_as_transformers_does(bpe_folder, tmp_
 
 
 def test_a_folder_without_a_tokenizer_is_refused_by_generate_and_init_from(tmp_path, capsys):
-    from models.train import main as train
+    from models.cli.train import main as train
 
     cfg = transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

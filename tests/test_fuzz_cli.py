@@ -16,9 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import namedmesh as nm
-from models import evaluate, export, generate, hub, run, train  # noqa: F401
-from models.layers import Param
-from models.train import Parser
+from models.cli import evaluate, export, generate, train  # noqa: F401
+from models.cli.train import Parser
+from models.io import hub  # noqa: F401
+from models.layers.common import Param
+from models.training import run  # noqa: F401
 
 TEXT = "The assert statement checks a condition at run time. " * 40
 

@@ -1,6 +1,6 @@
 """Decoding: the KV cache gives the logits of recomputing the whole prefix, beam search
 finds the best continuation where it can be checked exhaustively, and the
-`models.generate` command line and `models.load` decode from a training run's checkpoint."""
+`models.cli.generate` command line and `models.load` decode from a training run's checkpoint."""
 
 import itertools
 import os
@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import models
-from models import config, transformer
-from models.api import LoadError
-from models.generate import Decoder
-from models.generate import main as gen_main
-from models.sampling import Sampling
+from models import architecture as config
+from models import transformer
+from models.cli.generate import Decoder
+from models.cli.generate import main as gen_main
+from models.inference.api import LoadError
+from models.inference.sampling import Sampling
 from namedmesh.errors import ParameterError
 from tests.test_decode import full_logits
 
@@ -106,17 +107,17 @@ def test_generate_command_decodes_from_a_training_run(tmp_path, capsys):
         [sys.executable, *a], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     out = tmp_path / "run"
-    train = run("-m", "models.train", "--config", "tiny", "--mesh", "data=2", "--layout",
+    train = run("-m", "models.cli.train", "--config", "tiny", "--mesh", "data=2", "--layout",
                 "batch:data", "--steps", "3", "--length", "16", "--batch", "4", "--out",
                 str(out), "--quiet", "--eval-batches", "1")  # fmt: skip
     assert train.returncode == 0, train.stderr
-    gen = run("-m", "models.generate", str(out), "--prompt", "The assert",
+    gen = run("-m", "models.cli.generate", str(out), "--prompt", "The assert",
               "--mode", "beam", "--max-new", "20")  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("The assert") and len(gen.stdout.strip()) > len("The assert")
     assert gen_main([str(tmp_path / "nothing")]) == 2  # in this process: no jax to start
     err = capsys.readouterr().err
-    assert "models.generate: error:" in err and "nothing" in err
+    assert "models.cli.generate: error:" in err and "nothing" in err
     # models.load of the run: each token of greedy generation with the KV cache is the
     # argmax of the full forward pass's logits over the text before it
     loaded = models.load(out)

@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 import models  # noqa: E402
 from lowering import Mesh  # noqa: E402
-from models import data  # noqa: E402
-from models import generate as gen  # noqa: E402
-from models.api import LoadError  # noqa: E402
-from models.continuations import Continuations  # noqa: E402
+from models.cli import generate as gen  # noqa: E402
+from models.inference.api import LoadError  # noqa: E402
+from models.inference.continuations import Continuations  # noqa: E402
+from models.training import data  # noqa: E402
 from tests.test_hub_cli import tiny_gpt2  # noqa: E402
 
 PROMPTS = ["The assert statement", "A list"]

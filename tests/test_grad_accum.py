@@ -8,7 +8,7 @@ import pytest
 
 from lowering import Mesh
 from models import zoo
-from models.trainer import Trainer, TrainSpec
+from models.training.trainer import Trainer, TrainSpec
 from namedmesh.errors import ParameterError
 from tests.test_models import CFG, small_batch
 

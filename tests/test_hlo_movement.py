@@ -9,7 +9,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering.hlo import movement, moves
-from models import kernels
+from models.layers import kernels
 
 # A loop of 3 iterations over a zero-filled f32[3,8] buffer (96 bytes): each iteration
 # reads a row (32 bytes) and writes the negated row (32 bytes) in a fusion; after it a
@@ -52,7 +52,8 @@ ENTRY %main (x: f32[1,8]) -> f32[8,3] {
   %fill2 = f32[3,8]{1,0} copy(%fill)
   %start = s32[] constant(0)
   %init = (s32[], f32[3,8]{1,0}, f32[1,8]{1,0}) tuple(%start, %fill2, %x)
-  %loop = (s32[], f32[3,8]{1,0}, f32[1,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %loop = (s32[], f32[3,8]{1,0}, f32[1,8]{1,0}) while(%init), condition=%cond, body=%body,
+  backend_config={"known_trip_count":{"n":"3"}}
   %out = f32[3,8]{1,0} get-tuple-element(%loop), index=1
   %dot = f32[3,3]{1,0} dot(%out, %out), lhs_contracting_dims={1}, rhs_contracting_dims={1}
   ROOT %tr = f32[8,3]{0,1} transpose(%out), dimensions={1,0}
@@ -83,7 +84,7 @@ ENTRY %main (x: f8e4m3fn[2,3]) -> f8e4m3fn[3,2] {
 
 
 def test_attention_scores_written_in_their_dot_order_and_probabilities_saved_once():
-    """The zoo's default attention (models.kernels.full, causal, grouped heads) in a
+    """The zoo's default attention (models.layers.kernels.full, causal, grouped heads) in a
     compiled training loop over layers: the logits go from their dot to the mask and
     softmax and back without a transposed copy, and the backward pass keeps one value
     of their size per layer (the probabilities), not also exp(logits - max). Sizes all

@@ -1,4 +1,4 @@
-"""models.hub against the reference implementations: small random-init `transformers`
+"""models.io.hub against the reference implementations: small random-init `transformers`
 models (built from configs, never downloaded), every parameter perturbed so biases and
 norm scales are not trivial, saved with save_pretrained and loaded with hub.load, give
 the same logits alone and under layouts on 8 devices; hub.save writes what
@@ -14,8 +14,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from lowering import Layout, Mesh  # noqa: E402
-from models import hub, transformer  # noqa: E402
-from models.generate import Decoder  # noqa: E402
+from models import transformer  # noqa: E402
+from models.cli.generate import Decoder  # noqa: E402
+from models.io import hub  # noqa: E402
 
 VOCAB, BATCH, LENGTH, DEC_LENGTH = 64, 8, 12, 7
 R = np.random.default_rng(0)
@@ -328,7 +329,7 @@ def test_named_configs_are_the_published_models(name):
     """The zoo's named config is what hub makes of the model's config.json, and it has
     as many parameters as transformers' model (built on the meta device: no memory)."""
     from models import catalog
-    from models.layers import count
+    from models.layers.common import count
 
     cls, hf = published()[name]
     family = hf.model_type
@@ -350,7 +351,7 @@ def test_named_configs_are_the_published_models(name):
 
 
 def test_config_options_that_contradict_are_refused():
-    from models.config import Config, ConfigError
+    from models.architecture import Config, ConfigError
 
     with pytest.raises(ConfigError, match="kv_heads=3 does not divide heads=4"):
         Config(heads=4, kv_heads=3)

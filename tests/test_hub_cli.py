@@ -1,5 +1,5 @@
-"""The command lines on a Hugging Face folder: `models.generate FOLDER`
-decodes what transformers decodes; `models.train --init-from FOLDER` starts from the
+"""The command lines on a Hugging Face folder: `models.cli.generate FOLDER`
+decodes what transformers decodes; `models.cli.train --init-from FOLDER` starts from the
 folder's weights (its first loss is transformers' loss on the same batch), the loss
 falls, and the run resumes and decodes."""
 
@@ -15,7 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import checkpoint, data, hub, transformer  # noqa: E402
+from models import transformer  # noqa: E402
+from models.io import hub  # noqa: E402
+from models.training import checkpoint, data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -58,7 +60,7 @@ def test_generate_decodes_a_hub_folder_as_transformers_does(folder):
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    gen = run("models.generate", str(path), "--prompt", PROMPT, "--max-new", "12",
+    gen = run("models.cli.generate", str(path), "--prompt", PROMPT, "--max-new", "12",
               "--mode", "greedy")  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.rstrip("\n") == PROMPT + tok.decode(want[0, ids.shape[1] :].numpy())
@@ -66,8 +68,8 @@ def test_generate_decodes_a_hub_folder_as_transformers_does(folder):
 
 def test_fine_tuning_starts_from_the_folder_falls_resumes_and_decodes(folder, tmp_path, capsys):
     """In process: main() as `python -m` runs it (the subprocess path is tested above)."""
-    from models.generate import main as generate
-    from models.train import main as train
+    from models.cli.generate import main as generate
+    from models.cli.train import main as train
 
     path, model, tok = folder
     out = tmp_path / "run"
@@ -108,7 +110,13 @@ def test_fine_tuning_refuses_an_encoder_decoder_in_one_line(tmp_path):
     )
     transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path)
     r = run(
-        "models.train", "--init-from", str(tmp_path), "--steps", "2", "--out", str(tmp_path / "o")
+        "models.cli.train",
+        "--init-from",
+        str(tmp_path),
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "o"),
     )
     assert r.returncode == 2 and "--init-from" in r.stderr and "t5" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
@@ -125,7 +133,7 @@ def hf_generate(model, ids, **kw) -> np.ndarray:
 def test_generate_decodes_a_prompts_file_as_one_batch(folder, tmp_path, capsys):
     """Two prompts of different lengths, a blank line between: each continuation is what
     transformers writes for that prompt alone; --eos stops a row at that token."""
-    from models.generate import main
+    from models.cli.generate import main
 
     path, model, tok = folder
     texts = ["The assert statement", "A list"]
@@ -150,7 +158,7 @@ def test_generate_decodes_a_prompts_file_as_one_batch(folder, tmp_path, capsys):
 def test_generate_decodes_a_t5_folder_as_transformers_does(folder, tmp_path, capsys):
     """A T5 folder: each line is encoded once (a padded batch) and the decoder, from its
     start token, cross-attends to the encoding; the text is transformers' output."""
-    from models.generate import main
+    from models.cli.generate import main
 
     _, _, tok = folder
     cfg = transformers.T5Config(

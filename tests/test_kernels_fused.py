@@ -12,9 +12,9 @@ import pytest
 import namedmesh as nm
 from lowering import Mesh, lower
 from models import transformer
-from models.config import ConfigError
+from models.architecture import ConfigError
 from models.families.gemma2 import Softcaps
-from models.kernels import KERNELS, Options
+from models.layers.kernels import KERNELS, Options
 from tests.test_kernels_skip import KD, QD, SIZES, allowed, mask_fn, reference
 from tests.test_models import CFG, small_batch
 
@@ -140,7 +140,7 @@ def test_fused_on_numpy_low_precision_and_integers_computes_in_float():
 
 def cli_choices(flag: str) -> tuple:
     """The values `namedmesh train` offers for `flag`."""
-    from models import train
+    from models.cli import train
 
     (action,) = [a for a in train.parser()._actions if flag in a.option_strings]
     return tuple(action.choices)

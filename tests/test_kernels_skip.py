@@ -1,5 +1,5 @@
 """Blockwise attention under a causal mask or a sliding window visits only the key
-blocks the mask does not hide whole (models.attention.visible_blocks): its values and
+blocks the mask does not hide whole (models.layers.blockwise.visible_blocks): its values and
 gradients against NumPy and plain jax.numpy (grouped heads, soft-caps, biases, lengths
 the block does not divide), which blocks it visits against the mask itself, and the
 compiled program's loops against the triangle's count of block pairs."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import namedmesh as nm
-from models.attention import visible_blocks
-from models.kernels import KERNELS, Options
+from models.layers.blockwise import visible_blocks
+from models.layers.kernels import KERNELS, Options
 
 R = np.random.default_rng(5)
 NEG = np.float32(-1e9)

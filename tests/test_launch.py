@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from models import cluster, launch, watchdog
-from models.train import parser
+from models.cli import cluster, launch
+from models.cli.train import parser
+from models.training import watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12  # long enough to stop a process mid-run, short for a tiny model
@@ -62,7 +63,7 @@ def assert_losses_equal(got: list[dict], want: list[dict], log: str = "") -> Non
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """The uninterrupted run: one process (this one, its simulated devices)."""
-    from models.train import main
+    from models.cli.train import main
 
     out = tmp_path_factory.mktemp("one") / "run"
     assert main([*TRAIN[1:], "--out", str(out)]) == 0
@@ -268,7 +269,7 @@ def test_step_limit_from_measured_steps():
 
 def test_watchdog_exits_75_with_one_line():
     code = (
-        "import time; from models.watchdog import Watchdog\n"
+        "import time; from models.training.watchdog import Watchdog\n"
         "with Watchdog() as dog:\n"
         "    dog.expect(0.2, 'step 7'); time.sleep(30)\n"
     )
@@ -282,10 +283,10 @@ def test_watchdog_exits_75_with_one_line():
 @pytest.mark.parametrize(
     "command, argv",
     [
-        ("models.train", []),
-        ("models.evaluate", ["runs/x", "--data", "x.txt"]),
-        ("models.generate", ["runs/x"]),
-        ("models.export", ["runs/x", "--out", "hf/x"]),
+        ("models.cli.train", []),
+        ("models.cli.evaluate", ["runs/x", "--data", "x.txt"]),
+        ("models.cli.generate", ["runs/x"]),
+        ("models.cli.export", ["runs/x", "--out", "hf/x"]),
     ],
 )
 def test_every_subcommand_takes_the_joining_flags(command, argv, capsys):

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import namedmesh as nm
-from models import catalog, evaluate, export, generate, hub, settings, train, transformer
+from models import catalog, transformer
+from models.cli import evaluate, export, generate, settings, train
+from models.io import hub
 from namedmesh import cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import catalog, hub  # noqa: E402
-from models.layers import count  # noqa: E402
+from models import catalog  # noqa: E402
+from models.io import hub  # noqa: E402
+from models.layers.common import count  # noqa: E402
 
 # config.json of meta-llama/Meta-Llama-3-70B and Llama-3.1-405B, written out here
 LLAMA = {

@@ -1,4 +1,5 @@
-"""LoRA and frozen weights (models/lora.py, models/trainable.py): a LoRA fine-tune of a
+"""LoRA and frozen weights (models/layers/lora.py, models/training/trainable.py): a LoRA fine-tune
+of a
 tiny Llama folder trains its adapters alone (the base weights as the folder holds them,
 optimizer state for the adapters only), starts equal to its base, lowers its loss, and
 exports merged (transformers' logits equal the zoo's of the adapted model) or as PEFT's
@@ -16,8 +17,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import namedmesh as nm  # noqa: E402
-from models import catalog, checkpoint, data, export, generate, hub, lora, trainable, zoo  # noqa: E402
-from models.train import main as train  # noqa: E402
+from models import catalog, zoo  # noqa: E402
+from models.cli import export, generate  # noqa: E402
+from models.cli.train import main as train  # noqa: E402
+from models.io import hub  # noqa: E402
+from models.layers import lora  # noqa: E402
+from models.training import checkpoint, data, trainable  # noqa: E402
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -181,7 +186,7 @@ def test_gpt2s_fused_c_attn_exports_as_one_peft_module_whose_update_is_the_adapt
     """q and v adapters of rank r are c_attn's one adapter of rank 2r (rank_pattern,
     alpha_pattern keep alpha/r): PEFT's merge of the file (W + alpha/r (B A)^T, Conv1D's
     fan_in_fan_out) gives transformers' GPT-2 the zoo's logits through the adapters."""
-    from models.adapter_export import peft_adapters
+    from models.io.adapter_export import peft_adapters
 
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -228,7 +233,7 @@ def test_a_lora_steps_report_costs_the_adapters_gradients_and_optimizer_state_al
 
     from lowering import Mesh
     from lowering.train_step import Training, optimizer_bytes
-    from models.trainer import Trainer, TrainSpec
+    from models.training.trainer import Trainer, TrainSpec
 
     cfg = catalog.get("tiny").replace(length=16, batch=2)
     model = lora.adapted(zoo.get("lm"), lora.Lora(RANK, ALPHA, 0.0, ("q", "v")), cfg)

@@ -9,8 +9,11 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import catalog, config, data, layers, transformer, zoo
-from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
+from models import architecture as config
+from models import catalog, transformer, zoo
+from models.layers import common as layers
+from models.training import data
+from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 
 R = np.random.default_rng(0)
 

@@ -12,8 +12,10 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import config, moe, transformer
-from models.decoding import Decoder
+from models import architecture as config
+from models import transformer
+from models.inference.decoding import Decoder
+from models.layers import moe
 
 CFG = config.Config(
     vocab=64, d_model=16, heads=2, d_kv=8, d_ff=24, layers=2, length=16, batch=2, experts=4
@@ -196,7 +198,7 @@ def test_training_reports_the_router_statistics(tmp_path):
 
     from test_train_cli_flags import scalars
 
-    from models.train import main
+    from models.cli.train import main
 
     out = tmp_path / "run"
     flags = ["--config", "tiny", "--length", "16", "--batch", "4", "--quiet", "--model", "moe"]

@@ -15,14 +15,15 @@ transformers = pytest.importorskip("transformers")
 from test_finetune_export import base_folder  # noqa: E402
 
 import namedmesh as nm  # noqa: E402
-from models import export, generate, hub  # noqa: E402
+from models.cli import export, generate  # noqa: E402
+from models.io import hub  # noqa: E402
 
 IDS = np.arange(24).reshape(2, 12) * 7 % 200
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from models.train import main as train
+    from models.cli.train import main as train
 
     root = tmp_path_factory.mktemp("moe_finetune")
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,

@@ -9,9 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import catalog, hub  # noqa: E402
+from models import catalog  # noqa: E402
 from models.families import FAMILIES, NAMED  # noqa: E402
-from models.layers import count  # noqa: E402
+from models.io import hub  # noqa: E402
+from models.layers.common import count  # noqa: E402
 
 # The parameters each checkpoint's weights hold (its safetensors index / model card),
 # written out here: the sizes in the family modules are the published ones.
@@ -52,7 +53,7 @@ def test_config_list_shows_them_and_a_large_one_is_refused_before_it_is_built(
 ):
     import psutil
 
-    from models.train import main as train
+    from models.cli.train import main as train
 
     assert train(["--config", "list"]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}

@@ -1,4 +1,4 @@
-"""The optimizer and schedule flags (models/optim.py): each schedule's learning rate per
+"""The optimizer and schedule flags (models/training/optim.py): each schedule's learning rate per
 step against its formula in NumPy, each optimizer's first updates against the same
 algorithm written in NumPy (float64), a fine-tune's defaults, and one-line refusals."""
 
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from models.optim import OPTIMIZER_DEFAULTS, WSD_DECAY, OptimizerSpec, optimizer, schedule
+from models.training.optim import OPTIMIZER_DEFAULTS, WSD_DECAY, OptimizerSpec, optimizer, schedule
 
 
 def want_lr(name, lr, steps, warmup, end, i) -> float:
@@ -119,7 +119,7 @@ def test_adafactor_takes_the_decay_it_is_given_only_where_the_mask_allows():
 
 
 def test_a_fine_tune_defaults_to_a_fine_tunes_settings_and_flags_win():
-    from models.train import FINETUNE, SCRATCH, arguments
+    from models.cli.train import FINETUNE, SCRATCH, arguments
 
     scratch = arguments([])
     assert {k: getattr(scratch, k) for k in SCRATCH} == SCRATCH
@@ -148,7 +148,7 @@ def test_a_fine_tune_defaults_to_a_fine_tunes_settings_and_flags_win():
     ],
 )
 def test_a_bad_optimizer_flag_is_one_line_and_exit_2(flags, names, capsys):
-    from models.train import arguments
+    from models.cli.train import arguments
 
     with pytest.raises(SystemExit) as e:
         arguments(flags)

@@ -10,8 +10,8 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models.attention import Options, blockwise_attend, ring_attend
-from models.layers import attend
+from models.layers.blockwise import Options, blockwise_attend, ring_attend
+from models.layers.common import attend
 
 R = np.random.default_rng(0)
 H = nm.tensor(R.normal(size=(4, 3)).astype(np.float32), "batch d")

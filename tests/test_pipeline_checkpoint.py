@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from lowering import Mesh
-from models import checkpoint, zoo
-from models.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
+from models import zoo
+from models.training import checkpoint
+from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 from namedmesh.uneven import PaddedStack, unpad_stacks
 from tests.test_models import CFG, small_batch
 

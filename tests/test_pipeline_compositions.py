@@ -15,7 +15,8 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import objectives, transformer, zoo
+from models import transformer, zoo
+from models.training import objectives
 from tests.test_pipeline import BATCH, CFG, PARAMS, one_device
 
 SMALL = CFG.replace(layers=2, batch=4)

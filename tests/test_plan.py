@@ -10,7 +10,7 @@ from lowering import Mesh
 from lowering.joint import Settings, joint_search
 from lowering.rates import parse
 from models import catalog
-from models.plan import main
+from models.cli.plan import main
 
 MODEL_DIMS = {"heads", "kv_heads", "q_per_kv", "d_ff", "vocab", "d_kv"}
 
@@ -22,9 +22,9 @@ def _plan(capsys, *flags) -> tuple[int, dict | str]:
 
 
 def test_llama3_70b_on_2048_h100_splits_model_dims_in_node_within_1_1x_of_exhaustive():
-    """The plan `namedmesh plan` prints (models.plan.plan) against every (remat,
+    """The plan `namedmesh plan` prints (models.cli.plan.plan) against every (remat,
     microbatches) pair searched, none pruned; the pair searches are shared (`cache`)."""
-    from models.plan import arguments, builder, plan
+    from models.cli.plan import arguments, builder, plan
 
     flags = ["--config", "llama3-70b", "--mesh", "data=256,model=8", "--rates", "h100,node=8",
              "--batch", "2048", "--length", "8192", "--attention", "blockwise"]  # fmt: skip
@@ -84,7 +84,8 @@ def test_compare_and_devices_on_a_tiny_lm(capsys):
     layout's own report."""
     from lowering import lower
     from lowering.train_step import Training, step_memory
-    from models import objectives, transformer
+    from models import transformer
+    from models.training import objectives
 
     mine = "batch:data,model"
     status, got = _plan(capsys, "--config", "tiny", "--devices", "8", "--rates", "h100",

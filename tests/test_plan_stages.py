@@ -9,7 +9,7 @@ import pytest
 
 from lowering.stages import assign_stages
 from models import catalog
-from models import plan as plan_cli
+from models.cli import plan as plan_cli
 
 
 @pytest.mark.parametrize("stacks, stages", [([3, 58], 16), ([61], 16), ([5, 0, 7], 4), ([8], 8)])

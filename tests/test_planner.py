@@ -14,7 +14,8 @@ import pytest
 import namedmesh as nm
 from lowering import Layout, Mesh, PlanMismatch, caches, lower
 from lowering.lower import argument_inputs, graph_report
-from models import catalog, objectives, transformer
+from models import catalog, transformer
+from models.training import objectives
 
 MESH = Mesh({"rows": 2, "cols": 4})
 ABSTRACT = Mesh({"rows": 2, "cols": 4}, devices="abstract")

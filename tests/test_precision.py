@@ -9,7 +9,9 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh, lower
-from models import catalog, config, objectives, transformer, zoo
+from models import architecture as config
+from models import catalog, transformer, zoo
+from models.training import objectives
 from tests.test_models import CFG, np_lm_logits, small_batch
 
 BF16 = np.dtype(jnp.bfloat16)

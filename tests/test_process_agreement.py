@@ -1,8 +1,8 @@
-"""Processes of one run compare their run before anything compiles (models/agree.py):
+"""Processes of one run compare their run before anything compiles (models/training/agree.py):
 two processes on 127.0.0.1 (jax.distributed) agree when started alike and both fail,
 within a bounded time and naming the part, when started with different layouts
 (before, such a pair hung forever inside the training step). In between, a SIGTERM to
-one of them makes both stop at the same step (models/preempt.py)."""
+one of them makes both stop at the same step (models/training/preempt.py)."""
 
 import subprocess
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import agree
+from models.training import agree
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -24,12 +24,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 from lowering import distributed
 port, pid, layout = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 distributed.initialize(f"127.0.0.1:{port}", 2, pid, timeout_s=30, heartbeat_timeout_s=5)
-from models import agree
+from models.training import agree
 parts = dict(config={"d_model": 64}, mesh={"data": 2}, inputs=[[["batch"], [8]]], step=[])
 agree.check(**parts, layout="batch:data")
 print("agreed on equal parts", flush=True)
 import signal, time
-from models.preempt import Preemption
+from models.training.preempt import Preemption
 with Preemption() as p:  # SIGTERM to process 0 alone: both stop at the same step
     first = p.should_stop()
     if pid == 0:

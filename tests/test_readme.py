@@ -51,7 +51,7 @@ def test_make_demo_trains_on_a_2d_mesh_and_generates(tmp_path):
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^demo:.*\n\t.*-m models\.demo\b", makefile, flags=re.M)
     out = subprocess.run(
-        [sys.executable, "-m", "models.demo", "--steps", "8", "--out", str(tmp_path / "demo")],
+        [sys.executable, "-m", "models.cli.demo", "--steps", "8", "--out", str(tmp_path / "demo")],
         cwd=ROOT,
         capture_output=True,
         text=True,

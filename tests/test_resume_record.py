@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from models import train
+from models.cli import train
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_cli import SMALL  # noqa: E402

@@ -24,7 +24,9 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 import pytest
 
-from models import checkpoint, export, files, train
+from models.cli import export, train
+from models.io import files
+from models.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--eval-batches", "1"]
@@ -38,7 +40,7 @@ def text(start: int, n: int = 30_000) -> str:
 
 
 def main(*flags, cwd: Path | None = None) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `python -m models.train FLAGS` in process, in
+    """(exit status, stdout, stderr) of `python -m models.cli.train FLAGS` in process, in
     the folder `cwd`."""
     out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
     try:
@@ -209,7 +211,7 @@ def test_a_full_disk_during_a_background_save_stops_the_run_keeping_the_older(
 
 
 def train_status(name: str) -> int:
-    from models import run
+    from models.training import run
 
     return getattr(run, name)
 
@@ -226,12 +228,12 @@ builtins.__import__ = hook
 {start}
 """
 # (imported before the signal, the start): the console command (pyproject's entry; jax
-# and namedmesh not imported yet) and `python -m models.train` (the command's modules
+# and namedmesh not imported yet) and `python -m models.cli.train` (the command's modules
 # import jax)
 STARTS = {
     "namedmesh": ("import namedmesh_command", "sys.argv[1:] = ['train', '--steps', '1', "
                   "'--out', sys.argv[1]]; sys.exit(namedmesh_command.main())"),
-    "models.train": ("from models import train",
+    "models.cli.train": ("from models.cli import train",
                      "sys.exit(train.main(['--steps', '1', '--out', sys.argv[1]]))"),
 }  # fmt: skip
 

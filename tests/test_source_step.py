@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import namedmesh as nm
-from models import checkpoint, data, evaluate, export, generate, transformer, zoo
+from models import transformer, zoo
+from models.cli import evaluate, export, generate
+from models.training import checkpoint, data
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_cli import SMALL  # noqa: E402
@@ -28,7 +30,7 @@ def run(tmp_path_factory):
     """A tiny zoo LM trained 1 step, and a second checkpoint (step 3) of other weights,
     saved as training saves: step 1's with the final norm negated, so that its logits
     are negated and every greedy token and loss differs from step 1's."""
-    from models import train
+    from models.cli import train
 
     out = tmp_path_factory.mktemp("source") / "run"
     flags = [*SMALL, "--steps", "1", "--save-every", "1", "--eval-every", "100",
@@ -181,7 +183,7 @@ def tune(run, tmp_path_factory):
     """source -> flags -> the --out of a 1-step fine-tune of `source` on one repeated byte
     (every window the same, so its first loss is one window's), with an lr so small that
     its checkpoint holds the weights it started from; each fine-tune made once."""
-    from models import train
+    from models.cli import train
 
     where = tmp_path_factory.mktemp("tune")
     (where / "a.txt").write_text("a" * 400)
@@ -295,7 +297,7 @@ def test_a_fine_tune_of_a_fine_tune_of_a_folder_starts_from_its_step(logits, tun
     ],
 )
 def test_train_refuses_a_step_it_cannot_start_from(run, hf, tune, flags, says, tmp_path, capsys):
-    from models import train
+    from models.cli import train
 
     tuned = tune(run, "--step", "1") if "{tuned}" in flags else None
     names = {"run": run, "hf": hf, "tuned": tuned}

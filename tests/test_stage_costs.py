@@ -17,7 +17,7 @@ from lowering.rates import parse
 from lowering.stages import staged_choice
 from lowering.train_step import Training
 from models import catalog, transformer
-from models import plan as plan_cli
+from models.cli import plan as plan_cli
 
 B, D, D_IN, VOCAB = 16, 16, 24, 8  # rows per step, width, the embedding's input, the head's
 RATES = parse("flops=1e12,bandwidth=1e10,latency=1e-5,memory=8e9")

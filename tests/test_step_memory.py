@@ -7,8 +7,9 @@ import pytest
 
 from lowering import Mesh, lower
 from lowering.train_step import Training, step_memory
-from models import catalog, objectives, transformer
-from models.layers import count
+from models import catalog, transformer
+from models.layers.common import count
+from models.training import objectives
 from namedmesh.errors import ParameterError
 
 

@@ -6,7 +6,7 @@ every T5 model then failed with a ShapeError."""
 import pytest
 
 from models import catalog
-from models.config import ConfigError
+from models.architecture import ConfigError
 
 
 @pytest.mark.parametrize("name", ["t5-small", "t5-v1_1-small"])

@@ -1,4 +1,4 @@
-"""`python -m models.train` as a user runs it: one-line errors with status 2 for bad
+"""`python -m models.cli.train` as a user runs it: one-line errors with status 2 for bad
 flags, the files a run writes, and resuming after SIGKILL (same losses) or on another
 mesh and layout (same losses within float32 noise)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models import checkpoint
+from models.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -23,7 +23,7 @@ TWO_D = ["--mesh", "rows=2,cols=2", "--layout", "batch:rows;d_ff:cols;heads:cols
 
 
 def command(*flags):
-    return [sys.executable, "-m", "models.train", *SMALL, *flags]
+    return [sys.executable, "-m", "models.cli.train", *SMALL, *flags]
 
 
 def train(*flags, timeout=300):
@@ -56,7 +56,7 @@ def losses(out: Path) -> dict[int, float]:
 def test_bad_flags_exit_2_with_one_line_naming_the_fault(tmp_path, flags, names, capsys):
     """In process, main() as `python -m` runs it (argparse's own errors exit by SystemExit);
     the two cases below run the real command line."""
-    from models.train import main
+    from models.cli.train import main
 
     out = tmp_path / "run"
     try:

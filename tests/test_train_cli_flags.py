@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from models import catalog, data, transformer
+from models import catalog, transformer
+from models.training import data
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,7 +52,7 @@ def test_help_documents_every_flag_with_one_default(capsys, command):
 )
 def test_bad_new_flags_exit_2_with_one_line_naming_the_fault(tmp_path, flags, names, capsys):
     """In process (the subprocess path is test_train_cli's): main() as `python -m` runs it."""
-    from models.train import main
+    from models.cli.train import main
 
     code = main([*SMALL, *flags, "--out", str(tmp_path / "run"), "--steps", "2"])
     err = capsys.readouterr().err
@@ -79,7 +80,7 @@ def scalars(folder: Path) -> dict[str, dict[int, float]]:
 def test_set_a_tokenizer_file_and_the_default_layout(tmp_path, capsys):
     """Set up and planned in process, one step run (`--steps 1`); the TensorBoard events
     of a real run are checked in test_train_cli, on its baseline run."""
-    from models.train import main
+    from models.cli.train import main
 
     tok = tmp_path / "tokenizer.json"
     data.ByteTokenizer().save(tmp_path)

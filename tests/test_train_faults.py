@@ -3,7 +3,7 @@ a save, damaged checkpoints and files, a run killed before its first checkpoint.
 test injects the fault and checks that nothing is lost against an uninterrupted run of
 the same flags (its losses), and that the message is typed and one line.
 
-Runs are in process (main() as `python -m models.train` runs it) where they can be: a
+Runs are in process (main() as `python -m models.cli.train` runs it) where they can be: a
 signal is sent to this process from inside the run, at a chosen step, by wrapping the
 corpus' batch. A kill and a second Ctrl-C end the process, so those run as commands."""
 
@@ -21,7 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from models import checkpoint, data, files, run, train
+from models.cli import train
+from models.io import files
+from models.training import checkpoint, data, run
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--eval-batches", "1"]
@@ -38,7 +40,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def main(*flags, capsys=None):
-    """(exit status, stdout, stderr) of `python -m models.train FLAGS`, in process."""
+    """(exit status, stdout, stderr) of `python -m models.cli.train FLAGS`, in process."""
     try:
         code = train.main([str(f) for f in flags])
     except SystemExit as e:
@@ -117,12 +119,12 @@ def resume_loses_nothing(baseline: Path, out: Path, step: int, capsys) -> str:
 
 
 def command(*flags):
-    return [sys.executable, "-m", "models.train", *[str(f) for f in flags]]
+    return [sys.executable, "-m", "models.cli.train", *[str(f) for f in flags]]
 
 
 STUCK = """
 import sys, time
-from models.preempt import Preemption
+from models.training.preempt import Preemption
 with Preemption(grace_s=float(sys.argv[1])):
     print("ready", flush=True)
     time.sleep(120)  # a step that never ends (a collective waiting on a lost peer)

@@ -13,8 +13,9 @@ import optax
 import pytest
 
 from lowering import Mesh
-from models import checkpoint, zoo
-from models.trainer import Trainer, TrainSpec
+from models import zoo
+from models.training import checkpoint
+from models.training.trainer import Trainer, TrainSpec
 from tests.test_models import CFG, small_batch
 
 SIZES = {"data": 2, "model": 4}

@@ -9,8 +9,11 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh
-from models import config, data, moe, objectives, transformer, zoo
-from models.trainer import OptimizerSpec, Trainer, TrainSpec, batch_tensors, optimizer
+from models import architecture as config
+from models import transformer, zoo
+from models.layers import moe
+from models.training import data, objectives
+from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, batch_tensors, optimizer
 
 R = np.random.default_rng(1)
 CFG = config.Config(vocab=384, d_model=16, heads=4, d_kv=4, d_ff=32, layers=2, length=16, batch=4)

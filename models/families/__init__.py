@@ -39,7 +39,7 @@ _MODULES = sorted(
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in _MODULES}
 
 # The canonical checkpoints a family module names (its NAMED: config.json keys), by name:
-# (family, keys); models.catalog.configs makes each what models.hub makes of that file.
+# (family, keys); models.catalog.configs makes each what models.io.hub makes of that file.
 NAMED: dict[str, tuple[str, dict]] = {
     name: (m.FAMILY.name, keys) for m in _MODULES for name, keys in getattr(m, "NAMED", {}).items()
 }

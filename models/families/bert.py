@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import namedmesh as nm
-from models.config import Config, ConfigError
+from models.architecture import Config, ConfigError
 from models.families.common import Entry, Family, act, linear, norm, require
-from models.layers import Param
+from models.layers.common import Param
 from models.parts import Parts
 
 
@@ -106,7 +106,7 @@ FAMILY = Family(
     ignored=(r".*embeddings\.position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$"),
 )  # fmt: skip
 
-# The canonical checkpoints' config.json keys (models.config.configs names them)
+# The canonical checkpoints' config.json keys (models.architecture.configs names them)
 NAMED = {
     "bert-base-uncased": dict(  # BertConfig's defaults
         vocab_size=30522, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from models.checkpoint import CheckpointError
+from models.training.checkpoint import CheckpointError
 
 
 class HubError(CheckpointError):
@@ -38,7 +38,7 @@ class DamagedFileError(HubError):
 
 class ChatTemplateError(HubError):
     """A chat template that fails to render or exceeds the sandbox's bounds
-    (models/sandbox.py); the message names the template's file."""
+    (models/io/sandbox.py); the message names the template's file."""
 
 
 class Entry(NamedTuple):
@@ -106,7 +106,7 @@ class Family(NamedTuple):
     nothing (buffers like rotary_emb.inv_freq); `heads` names the transformers class;
     `tokens` the special tokens ("bos", "eos") its tokenizer puts around a text, which
     a tokenizer made from vocab.json + merges.txt or tokenizer.model is given
-    (models/folder_tokens.py; a tokenizer.json says so itself); `unused(cfg)` are
+    (models/io/folder_tokens.py; a tokenizer.json says so itself); `unused(cfg)` are
     (regex, empty) pairs of tensors that a Config makes carry nothing (Qwen2-MoE's
     shared expert of width 0: transformers still saves its zero-size weights and its
     gate), not read, where `empty` says the tensor must hold no elements (else a

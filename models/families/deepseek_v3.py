@@ -1,9 +1,9 @@
 """DeepSeek-V3 (DeepseekV3ForCausalLM; DeepSeek-V2's attention): Llama's blocks with
-multi-head latent attention (models/mla.py: low-rank q with its norm, or one q
+multi-head latent attention (models/layers/mla.py: low-rank q with its norm, or one q
 projection; keys and values from a kv_lora_rank latent with its norm; qk_rope_head_dim
 rotated dims shared by every head's key, interleaved in pairs unless rope_interleave is
 false; YaRN's mscale_all_dim on the softmax scale), whose KV cache holds the latent, not
-keys and values; and a mixture of experts (models/moe.py: sigmoid scores chosen with a
+keys and values; and a mixture of experts (models/layers/moe.py: sigmoid scores chosen with a
 correction bias among the best expert groups, shared experts) after the first
 `first_k_dense_replace` layers, which have a dense SwiGLU FFN (a stack of their own).
 Multi-token-prediction layers in the weights are refused by name."""
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import Config, ConfigError
+from models.architecture import Config, ConfigError
 from models.families import llama
 from models.families.common import Entry, UnsupportedModelError, linear, norm, require
 from models.families.common import experts as experts_linear
-from models.latent import Latent
-from models.moe import within_groups
+from models.layers.latent import Latent
+from models.layers.moe import within_groups
 from models.parts import Parts
 from models.transformer import dense_config
 

@@ -7,7 +7,7 @@ Tokenizer: WordPiece (tokenizer.json or vocab.txt), [CLS] ... [SEP]."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import bert
 from models.families.common import Entry, Family, act, linear, norm, require
 

@@ -5,7 +5,7 @@ tied embeddings by default. Gemma 2 and Gemma 3 build on it."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import llama
 from models.families.common import act, require
 

@@ -3,17 +3,17 @@
 input norm), attention logits scaled by query_pre_attn_scalar**-0.5 and soft-capped
 (attn_logit_softcapping), final logits soft-capped (final_logit_softcapping), and
 sliding and global layers as `layer_types` says (by default alternating, sliding
-first): the window is a per-layer array the layer scan carries (models.layers.
+first): the window is a per-layer array the layer scan carries (models.layers.common.
 layer_constants), in every attention kernel and the KV cache. Gemma 3 builds on it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.attention import softcap
-from models.config import Config, ConfigError
+from models.architecture import Config, ConfigError
 from models.families import gemma, llama
 from models.families.common import Entry, UnsupportedModelError, act, norm
+from models.layers.blockwise import softcap
 from models.parts import Parts
 
 KINDS = ("sliding_attention", "full_attention")

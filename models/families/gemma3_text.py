@@ -4,17 +4,17 @@
 the global layers have rope_parameters' full_attention with its scaling; every
 `sliding_window_pattern`-th layer is global unless layer_types says otherwise. Each
 layer's window and frequencies are arrays the layer scan carries
-(models.layers.layer_constants)."""
+(models.layers.common.layer_constants)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import Config, ConfigError
+from models.architecture import Config, ConfigError
 from models.families import gemma2, llama
 from models.families.common import UnsupportedModelError, require
-from models.layers import rope_constants
-from models.rope import Rope
+from models.layers.common import rope_constants
+from models.layers.rope import Rope
 
 LOCAL_THETA, GLOBAL_THETA = 10_000.0, 1_000_000.0  # transformers' defaults
 
@@ -23,7 +23,7 @@ LOCAL_THETA, GLOBAL_THETA = 10_000.0, 1_000_000.0  # transformers' defaults
 class LocalRope(gemma2.Softcaps):
     """Gemma 2's soft-caps, and the rotary positions of the sliding layers, `local_rope`
     (None: Config.rope, as the global layers'): each layer's frequencies are carried
-    by the layer scan (models.layers.layer_constants)."""
+    by the layer scan (models.layers.common.layer_constants)."""
 
     local_rope: Rope | None = None
 

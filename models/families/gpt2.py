@@ -3,7 +3,7 @@ weights stored (in, out), q, k and v fused in one c_attn tensor, tied embeddings
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families.common import Entry, Family, act, norm, require
 
 

@@ -6,7 +6,7 @@ untied output embedding `embed_out` (outside the gpt_neox. prefix)."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import llama
 from models.families.common import Entry, Family, act, linear, norm, require
 

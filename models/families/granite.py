@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import Config, ConfigError
+from models.architecture import Config, ConfigError
 from models.families import llama
 from models.parts import Parts
 

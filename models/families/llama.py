@@ -1,13 +1,13 @@
 """Llama 1, 2 and 3.x (LlamaForCausalLM): RMSNorm, SwiGLU, rotary positions with
-the rope scalings of models/rope.py (llama3, linear, dynamic, yarn, longrope), grouped-query
+the rope scalings of models/layers/rope.py (llama3, linear, dynamic, yarn, longrope), grouped-query
 attention, `head_dim` apart from hidden_size / heads, tied or untied embeddings.
 Mistral, Qwen2 and Qwen3 are this family plus an option each and import it."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families.common import Entry, Family, UnsupportedModelError, act, linear, norm
-from models.rope import Rope
+from models.layers.rope import Rope
 from models.transformer import dense_config
 
 # rope_parameters' keys each scaling kind reads (besides rope_type and rope_theta)

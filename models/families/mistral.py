@@ -4,7 +4,7 @@ in every attention kernel and in the KV cache."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import llama
 
 

@@ -9,7 +9,7 @@ A sliding window on every layer where `sliding_window` is set, as Mistral's."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import llama
 from models.families.common import Entry, moe_rows, require
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import Config, ConfigError
+from models.architecture import Config, ConfigError
 from models.families.common import Entry, Family, act, linear, norm, require
 from models.parts import Parts
 

@@ -7,7 +7,7 @@ sliding window on every layer when `sliding_window` is set."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import llama
 from models.families.common import Entry
 

@@ -4,7 +4,7 @@ and on the layers `layer_types` marks: the zoo implements all or none of them.""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import llama
 from models.families.common import UnsupportedModelError
 

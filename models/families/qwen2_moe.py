@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import namedmesh as nm
-from models.config import Config
+from models.architecture import Config
 from models.families import llama, mixtral, qwen2
 from models.families.common import Entry, UnsupportedModelError, linear, moe_rows
-from models.layers import Param
+from models.layers.common import Param
 from models.parts import Parts
 
 

@@ -4,7 +4,7 @@ Windows as Qwen2's."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import llama, qwen2
 
 

@@ -5,7 +5,7 @@ ignores max_window_layers)."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families import llama, qwen2_moe
 from models.families.common import Entry, moe_rows
 

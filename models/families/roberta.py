@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import namedmesh as nm
-from models.config import Config, ConfigError
+from models.architecture import Config, ConfigError
 from models.families import bert
 from models.families.common import Family, UnsupportedModelError, act
 

@@ -5,7 +5,7 @@ untied (v1.1) embeddings."""
 
 from __future__ import annotations
 
-from models.config import Config
+from models.architecture import Config
 from models.families.common import Entry, Family, UnsupportedModelError, act_named, norm
 
 

@@ -15,11 +15,11 @@ from typing import NamedTuple
 import numpy as np
 
 import namedmesh as nm
-from models import lora
-from models.config import Config, ConfigError
-from models.kernels import KERNELS, Options
+from models.architecture import Config, ConfigError
+from models.layers import lora
+from models.layers.kernels import KERNELS, Options
+from models.layers.rope import Rope, depends_on_length, frequencies, rotary_dims
 from models.params import Param as Param  # re-exported: its home was here
-from models.rope import Rope, depends_on_length, frequencies, rotary_dims
 
 NEG = -1e9  # the attention logit of a masked position
 DEFAULT_ROPE = Rope()
@@ -36,7 +36,7 @@ def cast(params, dtype: np.dtype):
     `dtype`; the conversion's transpose brings their gradients back in their own dtype."""
     if isinstance(params, dict):
         return {k: cast(v, dtype) for k, v in params.items()}
-    if isinstance(params, tuple):  # a stack's layers, unstacked (models/decoding.py)
+    if isinstance(params, tuple):  # a stack's layers, unstacked (models/inference/decoding.py)
         return tuple(cast(v, dtype) for v in params)
     floating = np.issubdtype(params.dtype, np.floating) or params.dtype == np.dtype("bfloat16")
     return nm.astype(params, dtype) if floating and params.dtype != dtype else params
@@ -123,7 +123,7 @@ def padding_bias(memory_weights: nm.Tensor) -> nm.Tensor:
 def segment_bias(segments: nm.Tensor) -> nm.Tensor:
     """0 where a query's and a key's segment ids (int, batch, length: the examples packed
     into a row) agree, NEG elsewhere: dims batch, length, memory. A dense bias, so every
-    attention kernel honours it as it honours padding (models/kernels.py)."""
+    attention kernel honours it as it honours padding (models/layers/kernels.py)."""
     return nm.where(segments == segments.rename(length="memory"), 0.0, NEG)
 
 
@@ -139,7 +139,7 @@ def rotary(x: nm.Tensor, positions: nm.Tensor, rope: Rope = DEFAULT_ROPE, seq_le
     """Rotary position embedding (RoFormer; Llama's "rotate half" form) of x over d_kv at
     integer `positions` (a Tensor over length or memory, or 0-d): the halves (a, b) of
     d_kv become (a cos - b sin, b cos + a sin), angle position * inv_freq, inv_freq
-    rope.theta**(-2i/d_kv) scaled as `rope` says (models/rope.py; `seq_len`: the positions
+    rope.theta**(-2i/d_kv) scaled as `rope` says (models/layers/rope.py; `seq_len`: the positions
     of the pass, which dynamic and longrope scaling read); with rope.fraction < 1 only
     the first int(d_kv * fraction) dims rotate (GPT-NeoX, Phi-4-mini). Every step is on
     named dims, so a layout splitting length, heads or d_kv gives the same values."""
@@ -202,7 +202,7 @@ def rope_constants(ropes: tuple[Rope, Rope], sliding, d_kv: int, seq_len: int) -
 
 def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1.0):
     """The core of attention: softmax over `memory` of q.k * scale + bias, applied to v
-    (models.kernels.full). q has dims (..., length, d_kv), k and v (..., memory, d_kv);
+    (models.layers.kernels.full). q has dims (..., length, d_kv), k and v (..., memory, d_kv);
     their other dims (batch, heads, kv_heads, q_per_kv, ...) are matched by name, and
     `bias` broadcasts by name over the logits."""
     return KERNELS["full"].fn(q, k, v, Options(bias=bias, scale=scale))
@@ -287,7 +287,7 @@ def rotate_qk(q: nm.Tensor, k: nm.Tensor, cfg: Config, slots, position, layer=No
 
 def _project(x: nm.Tensor, p: dict, name: str, out: tuple) -> nm.Tensor:
     y = nm.einsum(x, p[name], out=out)
-    if name + "_lora_a" in p:  # a LoRA adapter beside the weight (models/lora.py)
+    if name + "_lora_a" in p:  # a LoRA adapter beside the weight (models/layers/lora.py)
         y = y + lora.update(x, p, name, out)
     return y + p[name + "_bias"] if name + "_bias" in p else y
 
@@ -307,7 +307,7 @@ class Attend(NamedTuple):
     length and memory), which kernels build block by block; `layer`, this layer's
     constants in a stack whose layers differ (`layer_constants`: its rotary
     frequencies); `masks` (causal, window, masks_only), what `bias_fn` is known to hide
-    and whether it is nothing more (models.kernels.Options); `position`, the query
+    and whether it is nothing more (models.layers.kernels.Options); `position`, the query
     positions: a cached call's (an int Tensor: 0-d or over batch for one new position
     per row, or 0..n-1 over length for a prefill of an empty cache), or a pass's
     rotary positions where they are not 0..n-1 (None: they are)."""

@@ -25,15 +25,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from models.train import fail, user_errors
-from models.train_flags import Defaults, Parser, parse_mesh
+from models.cli.train import fail, user_errors
+from models.cli.train_flags import Defaults, Parser, parse_mesh
 
 REMATS = ("none", "dots", "full")
 KERNELS = ("full", "blockwise")
 EXIT_NO_PLAN = 1
 
 
-def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namespace:
+def arguments(argv=None, prog: str = "python -m models.cli.plan") -> argparse.Namespace:
     p = Parser(prog=prog, description=__doc__.split("\n")[0],
                formatter_class=Defaults)  # fmt: skip
     p.add_argument("--config", required=True,
@@ -76,7 +76,8 @@ def arguments(argv=None, prog: str = "python -m models.plan") -> argparse.Namesp
 
 def load_config(text: str):
     """The Config named `text`, or what the hub makes of a folder's config.json."""
-    from models import catalog, hub
+    from models import catalog
+    from models.io import hub
 
     if Path(text).is_dir():
         family, hf = hub.read_config(Path(text))
@@ -90,7 +91,7 @@ def _meshes(args, layers: int) -> list:
     each --stages S, those shapes of devices / S beside a stage axis outermost (pipeline
     stages cross nodes: their traffic is one activation per microbatch)."""
     from lowering import Mesh
-    from models.run import UsageError
+    from models.training.run import UsageError
 
     if args.mesh is not None:
         if args.stages:
@@ -136,7 +137,8 @@ def builder(cfg, batch: int, length: int):
     """`build(settings) -> (loss, (params, batch))` of the decoder LM of `cfg`: the loss
     of one microbatch (batch / grad_accum rows of `length` tokens) under the settings,
     on abstract inputs (lowering/joint.py `joint_search`)."""
-    from models import objectives, transformer, zoo
+    from models import transformer, zoo
+    from models.training import objectives
 
     model = zoo.get("lm")
 
@@ -154,10 +156,10 @@ def builder(cfg, batch: int, length: int):
 def stage_builder(cfg, batch: int, length: int):
     """`build(settings, counts, first, last) -> (loss, (params, inputs))`: one pipeline
     stage of `cfg` holding `counts` layers of each of `stacks(cfg)` (the first with the
-    embedding, the last with the loss head: models/stage_programs.py) on one microbatch
+    embedding, the last with the loss head: models/training/stage_programs.py) on one microbatch
     of batch / settings.grad_accum rows; its routing (a MoE stack) is the microbatch's
     own (lowering/stages.py)."""
-    from models.stage_programs import stage_program
+    from models.training.stage_programs import stage_program
 
     def build(settings, counts, first, last):
         c = cfg.replace(remat=settings.remat, dtype=settings.dtype,
@@ -173,7 +175,7 @@ def _staged(args, cfg, rates, training):
     layout is searched and run as lowering.pipeline runs it)."""
     from lowering.joint import Settings
     from lowering.stages import staged_choice
-    from models.stage_programs import stacks
+    from models.training.stage_programs import stacks
 
     parts = stacks(cfg)
     if not args.stages or (not cfg.experts and all(n % s == 0 for s in args.stages
@@ -207,7 +209,7 @@ def plan(args, cache: dict | None = None) -> dict:
     from lowering.joint import joint_search, parts_text, why_not
     from lowering.rates import RatesError, parse
     from lowering.train_step import Training
-    from models.run import UsageError
+    from models.training.run import UsageError
 
     for flag in ("batch", "length"):
         if getattr(args, flag) < 1:
@@ -268,7 +270,7 @@ def plan(args, cache: dict | None = None) -> dict:
         f"MFU {out['mfu']:.1%}",
     ]
     if hasattr(best, "assignment"):  # a pipelined plan (lowering/stages.py)
-        from models.stage_programs import stacks
+        from models.training.stage_programs import stacks
 
         out["settings"]["stages_uneven"] = best.uneven
         out["settings"]["runtime"] = best.runtime
@@ -303,7 +305,7 @@ def plan(args, cache: dict | None = None) -> dict:
 def _on_mesh(text: str, best):
     """--compare's @MESH: a mesh of the chosen plan's devices."""
     from lowering import Mesh
-    from models.run import UsageError
+    from models.training.run import UsageError
 
     try:
         mesh = Mesh(parse_mesh(text), devices="abstract")
@@ -339,7 +341,7 @@ def _compare(searched: Searched, layout, mesh=None) -> dict:
     from lowering.search import auto_layout
     from lowering.stages import STAGE_AXIS
     from lowering.train_step import Training
-    from models.run import UsageError
+    from models.training.run import UsageError
 
     joint, staged = searched.joint, searched.staged
     best, limit = joint.best, joint.limit
@@ -378,7 +380,7 @@ def _microbatches_of(layout, settings, batch: int):
     from dataclasses import replace
 
     from lowering import Layout
-    from models.run import UsageError
+    from models.training.run import UsageError
 
     m = layout.options.get("microbatches")
     if m is None:
@@ -407,7 +409,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def main(argv=None, prog: str = "python -m models.plan") -> int:
+def main(argv=None, prog: str = "python -m models.cli.plan") -> int:
     args = arguments(argv, prog)
     from lowering.joint import PlanError
 

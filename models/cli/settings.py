@@ -2,7 +2,7 @@
 `run.json` is one), the flags given on the command line overriding them.
 
 Keys are flag names, with `_` or `-` (`bpe_vocab`, `grad-accum`), transformers' names
-of the same setting included (`learning_rate`: models/hints.py); values are what the
+of the same setting included (`learning_rate`: models/cli/hints.py); values are what the
 flag takes (`mesh: rows=2,cols=4` or `{rows: 2, cols: 4}`), checked as the command
 line checks them (the flag's type and choices; true/false for a switch, a list for a
 repeatable flag). A key that is no flag of the command is refused by name; the keys a
@@ -48,7 +48,7 @@ def defaults(parser: argparse.ArgumentParser, path: str) -> dict:
         stored = read(path)
     except ValueError as e:
         parser.error(f"--config-file {path}: {str(e).splitlines()[0]}")
-    # by every name of a flag: its own, transformers' (models/hints.py), `_` for `-`
+    # by every name of a flag: its own, transformers' (models/cli/hints.py), `_` for `-`
     actions = {s: a for a in parser._actions for s in a.option_strings}
     actions |= {a.dest: a for a in parser._actions if a.option_strings}  # and its dest
     out = {}
@@ -93,7 +93,7 @@ def checked(action: argparse.Action, value):
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, its defaults first taken from `--config-file` when
     argv names one."""
-    from models.hints import dashed
+    from models.cli.hints import dashed
 
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # not --config
     pre.add_argument("--config-file", default=None)

@@ -18,12 +18,14 @@ PROMPT = "The assert statement"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m models.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m models.cli.demo", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--out", default="runs/demo")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    from models import generate, train
+    from models.cli import generate, train
 
     every = str(max(args.steps // 8, 1))
     flags = [

@@ -1,8 +1,8 @@
-"""The flags of `python -m models.train` (`parser()`, `arguments`) and their checks
+"""The flags of `python -m models.cli.train` (`parser()`, `arguments`) and their checks
 (RANGES, `check_ranges`, `optimizer_fault`, `init_fault`), which the other subcommands
 share (`Parser`, `Range`, CLUSTER_RANGES, `parse_mesh`). Apart from the command
-(models/train.py) so that the training run (models/run.py), which checks and records
-these flags, does not import the command that runs it (issue 42); models.train
+(models/cli/train.py) so that the training run (models/training/run.py), which checks and records
+these flags, does not import the command that runs it (issue 42); models.cli.train
 re-exports them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import sys
 from typing import NamedTuple
 
-from models import cluster, settings
+from models.cli import cluster, settings
 
 MAX_DEVICES = 1 << 16  # devices of a mesh, at most: more than any machine holds
 
@@ -71,7 +71,7 @@ LORA_FLAGS = ("lora_alpha", "lora_dropout", "lora_targets")  # they need --lora-
 
 def training_defaults(args: argparse.Namespace) -> None:
     """Fill the optimizer flags left None with a run's (SCRATCH) or a fine-tune's
-    (FINETUNE) defaults; the optimizer's own (models/optim.py) fill the rest."""
+    (FINETUNE) defaults; the optimizer's own (models/training/optim.py) fill the rest."""
     fine = bool(getattr(args, "init_from", None))
     if getattr(args, "lora_rank", None) and args.lr is None:
         args.lr = LORA_LR
@@ -104,7 +104,7 @@ class Range(NamedTuple):
 # schedule counts to warmup + 1 in one, and no tokenizer, batch or sequence is larger.
 COUNT = 10**9
 
-# The joining flags every subcommand takes (models/cluster.py checks the id against the
+# The joining flags every subcommand takes (models/cli/cluster.py checks the id against the
 # count)
 CLUSTER_RANGES = {"num_processes": Range(1, MAX_DEVICES), "process_id": Range(0, MAX_DEVICES)}
 
@@ -138,7 +138,7 @@ RANGES = {
 }
 
 # Config fields that a flag sets: `--set FIELD=` beside the flag is refused (which
-# would win?), and `vocab` is always the tokenizer's (padded; models/data.py).
+# would win?), and `vocab` is always the tokenizer's (padded; models/training/data.py).
 SET_BY_FLAGS = ("batch", "length", "dropout", "dtype", "remat", "attention", "attention_block")
 
 
@@ -180,7 +180,7 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) ->
 def optimizer_fault(args: argparse.Namespace) -> str | None:
     """The one-line complaint about an optimizer flag the optimizer takes no use of
     (--betas or --eps of one without them), or None."""
-    from models.optim import settings as optimizer_settings
+    from models.training.optim import settings as optimizer_settings
 
     try:
         optimizer_settings(args.optimizer, args.weight_decay, args.betas, args.eps)
@@ -203,28 +203,28 @@ class Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (no usage dump), still with exit status 2; a
     flag also answers to transformers' name of the same setting (--learning-rate for
     --lr) and to underscores for dashes (--max_new); an unknown flag gets a did-you-mean
-    (models/hints.py: by spelling, or transformers' name of a setting that differs)."""
+    (models/cli/hints.py: by spelling, or transformers' name of a setting that differs)."""
 
     def add_argument(self, *names, **kwargs):
-        from models.hints import aliases
+        from models.cli.hints import aliases
 
         return super().add_argument(*names, *aliases(names), **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
-        from models.hints import dashed
+        from models.cli.hints import dashed
 
         flags = {s for a in self._actions for s in a.option_strings}  # argparse's list
         argv = sys.argv[1:] if args is None else list(args)
         return super().parse_known_args(dashed(argv, flags), namespace)
 
     def error(self, message: str):
-        from models.hints import explained, offered
+        from models.cli.hints import explained, offered
 
         message = explained(message, offered(self._actions))  # argparse's list of flags
         self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)\n")
 
 
-def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Namespace:
+def arguments(argv=None, prog: str = "python -m models.cli.train") -> argparse.Namespace:
     """The flags of `argv` (over the settings of --config-file), each numeric one
     checked against RANGES (exit 2 if not)."""
     p = parser(prog)
@@ -239,7 +239,7 @@ def arguments(argv=None, prog: str = "python -m models.train") -> argparse.Names
 
 def init_fault(args: argparse.Namespace) -> str | None:
     """The one-line complaint about --step without --init-from (a --resume's is checked
-    against its record, models/run.py), or None."""
+    against its record, models/training/run.py), or None."""
     if args.step is None or args.init_from or args.resume:
         return None
     return (
@@ -258,7 +258,7 @@ def explicit(p: argparse.ArgumentParser, argv=None) -> set[str]:
     return set(vars(p.parse_known_args(sys.argv[1:] if argv is None else argv)[0]))
 
 
-def parser(prog: str = "python -m models.train") -> Parser:
+def parser(prog: str = "python -m models.cli.train") -> Parser:
     p = Parser(
         prog=prog,
         description=__doc__.split("\n")[0],
@@ -350,9 +350,9 @@ def parser(prog: str = "python -m models.train") -> Parser:
     p.add_argument(
         "--attention",
         default=None,
-        # models.kernels.KERNELS (jax not imported yet)
+        # models.layers.kernels.KERNELS (jax not imported yet)
         choices=["full", "blockwise", "ring", "fused"],
-        help="attention kernel of models/kernels.py (None: config's)",
+        help="attention kernel of models/layers/kernels.py (None: config's)",
     )
     p.add_argument("--attention-block", type=int, default=None, help="keys per block")
     p.add_argument(
@@ -392,7 +392,8 @@ def parser(prog: str = "python -m models.train") -> Parser:
         help="--init-from a run: its checkpoint at this step (None: its latest)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    # --- LoRA and frozen weights (models/lora.py, models/trainable.py; docs/lora.md) ---
+    # --- LoRA and frozen weights (models/layers/lora.py, models/training/trainable.py;
+    # docs/lora.md) ---
     p.add_argument(
         "--lora-rank",
         type=int,
@@ -434,7 +435,7 @@ def parser(prog: str = "python -m models.train") -> Parser:
         help="override a model Config field (repeatable), e.g. --set d_model=128",
     )
     p.add_argument("--tensorboard", metavar="DIR", help="also write metrics as TensorBoard events")
-    # --- data formats and config files (models/datasets.py, models/settings.py) ---
+    # --- data formats and config files (models/training/datasets.py, models/cli/settings.py) ---
     p.add_argument(
         "--val-data",
         default=None,
@@ -447,7 +448,7 @@ def parser(prog: str = "python -m models.train") -> Parser:
     p.add_argument(
         "--data-format",
         default="auto",
-        choices=["auto", "text", "chat"],  # models.data.FORMATS (jax not imported yet)
+        choices=["auto", "text", "chat"],  # models.training.data.FORMATS (jax not imported yet)
         help="chat: JSON lines of messages, the loss on the assistant's tokens, "
         "packed (docs/chat.md); auto: chat when the first line has `messages`",
     )

@@ -13,7 +13,7 @@ tokenizer.model gets that post-processor; tokenizer.json carries its own.
 
 EOS ids come from generation_config.json, else config.json; the chat template from
 chat_template.jinja or tokenizer_config.json's `chat_template`, rendered with jinja2's
-sandbox as transformers renders it, within bounds of work and memory (models/sandbox.py).
+sandbox as transformers renders it, within bounds of work and memory (models/io/sandbox.py).
 
 A damaged file (a tokenizer that `tokenizers` cannot read, JSON that is not an object,
 an option or id of the wrong type) is a `DamagedFileError` naming it, a template that
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models import files
 from models.families import FAMILIES
 from models.families.common import (
     ChatTemplateError,
@@ -32,6 +31,7 @@ from models.families.common import (
     MissingFileError,
     UnsupportedModelError,
 )
+from models.io import files
 
 # the files a tokenizer is read from, in the order they are tried (for error messages)
 FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model", "vocab.txt")
@@ -262,9 +262,9 @@ def _template(folder: Path) -> tuple[str | None, str]:
 def apply_chat(folder, prompt: str, flag: str = "--chat") -> str:
     """The prompt as the folder's chat template renders one user message followed by
     the assistant's turn (add_generation_prompt), in a jinja2 sandbox with bounded work
-    and memory (models/sandbox.py); ChatTemplateError naming the template's file for
+    and memory (models/io/sandbox.py); ChatTemplateError naming the template's file for
     any failure, MissingFileError for a folder without a template."""
-    from models import sandbox  # jinja2, imported when a template is rendered
+    from models.io import sandbox  # jinja2, imported when a template is rendered
 
     template, where = _template(Path(folder))
     if template is None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 import namedmesh as nm
-from models import objectives, transformer
-from models.config import Config
-from models.layers import compute_dtype, cross_entropy
+from models import transformer
+from models.architecture import Config
+from models.layers.common import compute_dtype, cross_entropy
+from models.training import objectives
 
 # embedding_shapes' parameters that the loss head reads (the last stage's)
 HEAD = ("final_norm", "mlm", "project_out", "softmax")

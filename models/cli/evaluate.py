@@ -6,7 +6,7 @@
 
 SOURCE is a training run's --out folder (its latest checkpoint, or --step's, and its
 tokenizer) or a Hugging Face folder of a decoder LM (gpt2, llama), as every subcommand
-takes it (models/source.py). --data is anything `train --data`
+takes it (models/io/source.py). --data is anything `train --data`
 takes (text, .bin/.npy token ids, JSON lines, Parquet, a datasets folder). The data is
 cut into consecutive windows of --length + 1 tokens, each starting where the previous
 one's targets end (every token after the first is predicted once, from up to --length
@@ -25,10 +25,10 @@ import math
 import sys
 from pathlib import Path
 
-from models import cluster, transformer
-from models.source import add_source, resolve, template_folder
-from models.train import fail, user_errors
-from models.train_flags import (
+from models import transformer
+from models.cli import cluster
+from models.cli.train import fail, user_errors
+from models.cli.train_flags import (
     CLUSTER_RANGES,
     COUNT,
     Defaults,
@@ -37,8 +37,9 @@ from models.train_flags import (
     check_ranges,
     parse_mesh,
 )
+from models.io.source import add_source, resolve, template_folder
 
-# Every numeric flag's allowed values, checked before the model is read (models/train.py)
+# Every numeric flag's allowed values, checked before the model is read (models/cli/train.py)
 RANGES = {
     "batch": Range(1, COUNT),
     "length": Range(1, COUNT),
@@ -48,7 +49,7 @@ RANGES = {
 }
 
 
-def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Namespace:
+def arguments(argv=None, prog: str = "python -m models.cli.evaluate") -> argparse.Namespace:
     p = Parser(
         prog=prog,
         description=__doc__.split("\n")[0],
@@ -76,7 +77,10 @@ def arguments(argv=None, prog: str = "python -m models.evaluate") -> argparse.Na
 def load(folder: str, step: int | None = None):
     """(model, params, cfg, tokenizer) of a run (its checkpoint at `step`, the latest by
     default) or a Hugging Face decoder LM folder (ParameterError for a `step`)."""
-    from models import data, generate, hub, zoo
+    from models import zoo
+    from models.cli import generate
+    from models.io import hub
+    from models.training import data
 
     path = Path(folder)
     if (path / "run.json").exists() or step is not None:  # generate.load says what is wrong
@@ -95,16 +99,16 @@ def load(folder: str, step: int | None = None):
 
 def evaluate(args, dog=None) -> dict:
     """{"loss", "perplexity", "bits_per_byte", "tokens"} of the model on the data; with
-    several processes, every wait on the others bounded by `dog` (models/watchdog.py)."""
+    several processes, every wait on the others bounded by `dog` (models/training/watchdog.py)."""
     import jax
     from tqdm import tqdm
 
     from lowering import Layout, Mesh
     from lowering.distributed import place
-    from models import corpora
-    from models.run import UsageError, pick_layout
-    from models.trainer import Trainer, bits_per_byte
-    from models.watchdog import COMPILE_S, Watchdog, paced
+    from models.training import corpora
+    from models.training.run import UsageError, pick_layout
+    from models.training.trainer import Trainer, bits_per_byte
+    from models.training.watchdog import COMPILE_S, Watchdog, paced
 
     dog = dog or Watchdog(enabled=False)
     dog.expect(COMPILE_S, "the processes' agreement and the model's load")
@@ -147,15 +151,15 @@ def evaluate(args, dog=None) -> dict:
     }
 
 
-def main(argv=None, prog: str = "python -m models.evaluate") -> int:
+def main(argv=None, prog: str = "python -m models.cli.evaluate") -> int:
     args = arguments(argv, prog)
     name = prog.removeprefix("python -m ")
     try:
         several = cluster.join(args, math.prod(args.mesh.values()))
     except cluster.ClusterError as e:
         return fail(e, 2, name)
-    from models.data import DataError
-    from models.watchdog import Watchdog
+    from models.training.data import DataError
+    from models.training.watchdog import Watchdog
 
     try:
         with Watchdog(enabled=several) as dog:

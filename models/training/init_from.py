@@ -1,6 +1,6 @@
 """What `train --init-from SOURCE [--step N]` starts from: SOURCE is a Hugging Face
 folder (its config, weights and tokenizer) or a training run's --out folder, as every
-subcommand takes it (models/source.py): the run's model, config and tokenizer, and its
+subcommand takes it (models/io/source.py): the run's model, config and tokenizer, and its
 weights at step N (its latest without --step; LoRA adapters merged).
 
     namedmesh train --init-from runs/tiny --step 200 --data notes.txt --out runs/notes
@@ -17,8 +17,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from models import checkpoint, data, files, hub, zoo
-from models.source import hub_base, is_run, no_steps, read_run, run_config
+from models import zoo
+from models.io import files, hub
+from models.io.source import hub_base, is_run, no_steps, read_run, run_config
+from models.training import checkpoint, data
 from namedmesh.errors import ParameterError
 
 
@@ -26,7 +28,7 @@ def model(args, out: Path, from_hub):
     """(model, cfg, tokenizer) that a fine-tune (args.init_from) trains, args.model,
     .config and .tokenizer set to the source's and args.step to the step read (its
     latest when None); `from_hub(args, folder=None)` reads a Hugging Face folder's
-    (models/run.py). A resumed fine-tune reads its own OUT/base, not the source (and no
+    (models/training/run.py). A resumed fine-tune reads its own OUT/base, not the source (and no
     tokenizer: the run's own is read)."""
     base = out / hub.BASE
     if args.resume and (base / "config.json").exists():

@@ -6,7 +6,7 @@ target_modules by the Hugging Face module names, base_model_name_or_path: the ru
 `save_pretrained` writes them: `base_model.model.<the weight's module>.lora_A.weight`
 of shape (r, in_features) and `...lora_B.weight` of shape (out_features, r), in
 float32 (or export's --dtype). The module names come from the family's weight table
-(models/hub.py), so a Llama run's q adapter of layer 0 is
+(models/io/hub.py), so a Llama run's q adapter of layer 0 is
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
 
 A weight the family stores fused with others (GPT-2's c_attn holds q, k and v; Phi-3's
@@ -30,10 +30,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from models import lora
-from models.export_rules import MARKER, as_gpt2, check_destination
-from models.lora import LoraError
-from models.source import hub_base
+from models.io.export_rules import MARKER, as_gpt2, check_destination
+from models.io.source import hub_base
+from models.layers import lora
+from models.layers.lora import LoraError
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM's prefix to the model's names
@@ -43,8 +43,10 @@ def export_adapters(
     run: str | Path, out: str | Path, step: int | None = None, dtype: str = "float32"
 ) -> Path:
     """Write the adapters of the LoRA run `run` at `step` (the latest by default) to the
-    folder `out` as PEFT does, in `dtype` (export's rules for `out`: models/export_rules.py)."""
-    from models import checkpoint, files, generate, hub, shards
+    folder `out` as PEFT does, in `dtype` (export's rules for `out`: models/io/export_rules.py)."""
+    from models.cli import generate
+    from models.io import files, hub, shards
+    from models.training import checkpoint
 
     run = Path(run)
     check_destination(out, run)

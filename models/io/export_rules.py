@@ -1,9 +1,9 @@
 """What an export may write and what it writes as, apart from the command
-(models/export.py) so that the adapters' export (models/adapter_export.py), which the
+(models/cli/export.py) so that the adapters' export (models/io/adapter_export.py), which the
 command runs for --adapter-only, reads them without importing the command back (issue
 42): the rules for `--out` (`check_destination`; an export's folder is marked by MARKER,
 listing the files it wrote) and a zoo LM as GPT-2 (`gpt2_config`, `as_gpt2`).
-models.export re-exports them."""
+models.cli.export re-exports them."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ GPT2_FIELDS = {
 
 def gpt2_config(cfg) -> dict:
     """config.json of GPT-2 for a zoo LM config (ExportError naming a field it lacks)."""
-    from models.hub import UnsupportedModelError
+    from models.io.hub import UnsupportedModelError
 
     for field, value in GPT2_FIELDS.items():
         if getattr(cfg, field) != value:

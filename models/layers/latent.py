@@ -1,5 +1,5 @@
 """Multi-head latent attention's sizes (DeepSeek-V2/V3; arXiv 2405.04434), a record a
-Config holds as `mla` so it stays hashable. The layer is models/mla.py."""
+Config holds as `mla` so it stays hashable. The layer is models/layers/mla.py."""
 
 from __future__ import annotations
 

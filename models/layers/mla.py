@@ -1,17 +1,17 @@
 """Multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434): an attention variant
-the shared block takes from Config.mla (models/latent.py has its sizes).
+the shared block takes from Config.mla (models/layers/latent.py has its sizes).
 
 Queries come from a low-rank latent (q_a, its RMSNorm, q_b) or one projection; keys and
 values from one `latent` per position (kv_a, its RMSNorm) that kv_b expands into every
 head's key without positions (`nope` dims) and value (`v` dims), beside a rotated key
 part (`k_rope`, d_kv dims) that all heads share. A head's logit is q.k over its nope and
 rotated dims, scaled by (nope + d_kv)**-0.5 times YaRN's mscale squared
-(models.rope.softmax_mscale).
+(models.layers.rope.softmax_mscale).
 
 The KV cache holds what the keys and values are made from, the normed latent and the
 rotated shared key, (kv_rank + d_kv) numbers per position and layer, not
 heads x (nope + d_kv + v). A pass or a prefill runs cfg.attention's kernel
-(models/kernels.py) on the expanded keys and values (the narrower of queries and
+(models/layers/kernels.py) on the expanded keys and values (the narrower of queries and
 keys or values padded with zeros to the other's width, the padding cut from the
 result, as transformers does for its fused kernels); a decoding step attends in the
 latent space (`absorbed`), never expanding the cache.
@@ -22,11 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 import namedmesh as nm
-from models.attention import softcap
-from models.config import Config, ConfigError
-from models.kernels import Options
-from models.layers import PLAIN, Param, kernel_for, norm, options, rotate_qk, write_slots
-from models.rope import softmax_mscale
+from models.architecture import Config, ConfigError
+from models.layers.blockwise import softcap
+from models.layers.common import PLAIN, Param, kernel_for, norm, options, rotate_qk, write_slots
+from models.layers.kernels import Options
+from models.layers.rope import softmax_mscale
 
 BTH = ("batch", "length", "heads")
 
@@ -126,7 +126,7 @@ def projected(x: nm.Tensor, p: dict, cfg: Config) -> tuple:
 
 
 def attention(x: nm.Tensor, p: dict, cfg: Config, bias=None, how=PLAIN, source=None):
-    """Latent self-attention of x (batch, length, d_model) with models.layers.attention's
+    """Latent self-attention of x (batch, length, d_model) with models.layers.common.attention's
     signature and contract (no cross-attention: `source` must be None)."""
     if source is not None:
         raise ConfigError("Config.mla: latent attention is self-attention (no cross-attention)")
@@ -137,7 +137,7 @@ def attention(x: nm.Tensor, p: dict, cfg: Config, bias=None, how=PLAIN, source=N
 
 
 def cached_attention(x: nm.Tensor, p: dict, cfg: Config, bias, how, cache: dict):
-    """(out, {"latent", "k_rope"}): models.layers.cached_attention's contract, the cache
+    """(out, {"latent", "k_rope"}): models.layers.common.cached_attention's contract, the cache
     holding each position's normed latent and rotated shared key (batch, memory, ...).
     A step attends in the latent space (`absorbed`); a prefill expands the keys."""
     q_nope, q_rot, latent, k_rot = projected(x, p, cfg)

@@ -1,0 +1,2 @@
+"""The command line: one module per `namedmesh` subcommand (train, generate, eval, export,
+plan, launch, demo) and the flags they share."""

@@ -1,0 +1,235 @@
+"""`namedmesh launch -n N [--devices-per-process K] -- COMMAND [flags]`: run a subcommand
+(train, eval, generate, export) as N processes of one run on this machine.
+
+    namedmesh launch -n 2 --devices-per-process 2 -- train --mesh data=4 --out runs/two
+
+Each process is `namedmesh COMMAND [flags] --coordinator 127.0.0.1:PORT --num-processes
+N --process-id I` (a free port), with K simulated CPU devices when K is given (XLA's
+host device count; otherwise the command picks its share of --mesh). Every line a
+process prints comes out prefixed with its rank, `[I] `. SIGINT and SIGTERM are passed
+on to every process (which then save and exit 75 together). When one process ends
+badly, the others get --grace seconds to end, then are killed.
+
+Exit status: 0 when every process ended with 0; else the status of the first process to
+end with another, where a process lost (killed by a signal: SIGKILL, jax's abort on a
+lost peer, SIGABRT) or ended by the watchdog or a preemption (75) gives 75 ("resume
+me": run the same command with --resume); 2 for bad flags of launch itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+EXIT_LOST = (
+    75  # models.training.watchdog.EXIT_LOST, models.training.run.EXIT_PREEMPTED (jax not imported)
+)
+EXIT_USAGE = 2
+COMMANDS = ("train", "eval", "generate", "export")  # namedmesh.cli's that join a cluster
+JOIN_FLAGS = ("--coordinator", "--num-processes", "--process-id")
+GRACE_S = 5.0
+
+
+class LaunchError(ValueError):
+    """Flags of `launch` that cannot work (one line, exit status 2)."""
+
+
+def arguments(argv: list[str], prog: str) -> tuple[argparse.Namespace, list[str]]:
+    """(launch's flags, the command after `--`)."""
+    from models.cli.train_flags import Parser
+
+    p = Parser(
+        prog=prog,
+        usage="%(prog)s -n N [--devices-per-process K] [--grace S] -- COMMAND [flags]",
+        description="Run COMMAND (train, eval, generate, export) as N processes of one run "
+        "on this machine; each output line is prefixed with its process's rank.",
+        epilog="exit status: 0 every process ended with 0; 75 a process was lost (killed by "
+        "a signal, or ended 75: the watchdog, preemption): run again with --resume; else the "
+        "first non-zero status; 2 a bad flag of launch",
+    )
+    p.add_argument("-n", "--processes", type=int, required=True, help="processes to start")
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="simulated CPU devices of each process (None: the command's share of --mesh)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=GRACE_S,
+        metavar="S",
+        help="seconds the others may take to end after one process ended badly",
+    )
+    if "--" not in argv:
+        if {"-h", "--help"} & set(argv):
+            p.parse_args(argv)
+        p.error(f"put the command after --, e.g. {prog} -n 2 -- train --mesh data=2")
+    cut = argv.index("--")
+    args, command = p.parse_args(argv[:cut]), argv[cut + 1 :]
+    if args.processes < 1:
+        p.error(f"-n {args.processes}: must be >= 1")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        p.error(f"--devices-per-process {args.devices_per_process}: must be >= 1")
+    if not args.grace >= 0:
+        p.error(f"--grace {args.grace}: must be >= 0")
+    if not command or command[0] not in COMMANDS:
+        got = repr(command[0]) if command else "nothing"
+        p.error(f"the command after -- must be one of {', '.join(COMMANDS)}; got {got}")
+    given = [f for f in JOIN_FLAGS if any(a == f or a.startswith(f + "=") for a in command)]
+    if given:
+        p.error(f"{given[0]} is launch's to set: leave it out of the command")
+    return args, command
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the coordinator's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment(devices: int | None) -> dict[str, str]:
+    """The processes' environment: this one's, unbuffered, without proxy settings, with
+    `devices` simulated CPU devices each when given."""
+    # the coordinator is local: a proxy setting could only hang jax's connection to it
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env["PYTHONUNBUFFERED"] = "1"
+    if devices is not None:
+        kept = [
+            f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
+        ]
+        env["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: be killed when the launcher dies (Linux), so no process
+    of a run outlives a launcher killed by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def pump(stream, out, prefix: bytes) -> None:
+    """Copy a process's output to `out`, each line (or \\r-ended progress update) prefixed."""
+    buf = b""
+    while chunk := os.read(stream.fileno(), 65536):
+        buf += chunk
+        while True:
+            cuts = [i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0]
+            if not cuts:
+                break
+            i = min(cuts)
+            out.write((prefix if i else b"") + buf[: i + 1])  # tqdm's bare \r: no prefix
+            buf = buf[i + 1 :]
+        out.flush()
+    if buf:
+        out.write(prefix + buf + b"\n")
+        out.flush()
+
+
+def outcome(ends: list[tuple[int, int]]) -> int:
+    """The run's status from (rank, return code) in the order the processes ended,
+    leaving out those the launcher killed: the first non-zero, a lost process (a
+    negative code: killed by a signal; 128 + a signal from a shell) or 75 read as 75."""
+    for _, code in ends:
+        if code == 0:
+            continue
+        return EXIT_LOST if code < 0 or code == EXIT_LOST or code == 128 + signal.SIGABRT else code
+    return 0
+
+
+class Launch:
+    """N processes of one command: `start()`, then `wait()` for the run's status."""
+
+    def __init__(self, n: int, devices: int | None, command: list[str], grace: float):
+        self.n, self.grace, self.port = n, grace, free_port()
+        self.env, self.command = environment(devices), command
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start every process, each with its threads copying its output, prefixed."""
+        for i in range(self.n):
+            argv = [sys.executable, "-m", "namedmesh", *self.command]
+            argv += ["--coordinator", f"127.0.0.1:{self.port}"]
+            argv += ["--num-processes", str(self.n), "--process-id", str(i)]
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=self.env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only
+                preexec_fn=_die_with_parent,
+            )
+            self.procs.append(proc)
+            print(f"launch: process {i} is pid {proc.pid}", file=sys.stderr, flush=True)
+            prefix = f"[{i}] ".encode()
+            for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+                t = threading.Thread(target=pump, args=(stream, out, prefix), daemon=True)
+                t.start()
+                self.pumps.append(t)
+
+    def forward(self, signum, frame) -> None:
+        """The launcher's handler of SIGINT and SIGTERM: the signal to every process."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def wait(self) -> int:
+        """Wait for every process; the run's status (`outcome`)."""
+        ends: list[tuple[int, int]] = []
+        deadline = None  # set when a process ended badly: the others' time to end
+        running = set(range(self.n))
+        while running:
+            for i in sorted(running):
+                code = self.procs[i].poll()
+                if code is not None:
+                    running.discard(i)
+                    ends.append((i, code))
+                    if code != 0 and deadline is None:
+                        deadline = time.monotonic() + self.grace
+            if running and deadline is not None and time.monotonic() > deadline:
+                for i in sorted(running):
+                    self.procs[i].kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+                    self.procs[i].wait()
+                    print(f"launch: process {i} did not end within --grace {self.grace:g} s "
+                          "of its peer: killed", file=sys.stderr, flush=True)  # fmt: skip
+                running.clear()
+            time.sleep(0.05)
+        for t in self.pumps:
+            t.join(timeout=5)
+        return outcome(ends)
+
+
+def main(argv=None, prog: str = "python -m models.cli.launch") -> int:
+    """`namedmesh launch`: the run's exit status (module docstring)."""
+    args, command = arguments(list(sys.argv[1:] if argv is None else argv), prog)
+    launch = Launch(args.processes, args.devices_per_process, command, args.grace)
+    old = {s: signal.signal(s, launch.forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        launch.start()
+        return launch.wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for p in launch.procs:
+            if p.poll() is None:
+                p.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

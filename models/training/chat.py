@@ -1,0 +1,312 @@
+"""Chat (SFT) data: JSON lines of `{"messages": [{"role", "content"}, ...]}`, rendered
+with a chat template, the loss on the assistant's tokens alone, examples packed into
+rows without attending across them (docs/chat.md).
+
+- Rendering: the tokenizer folder's chat template (chat_template.jinja or
+  tokenizer_config.json's `chat_template`) as transformers' `apply_chat_template`
+  renders it (jinja2's sandbox, bounded: models/io/sandbox.py; `messages`, `bos_token`,
+  `eos_token`, `add_generation_prompt`, `raise_exception`), then tokenized whole
+  without the tokenizer's own special tokens (the template writes them). Without a
+  template (the byte tokenizer, a fresh BPE), DEFAULT_TEMPLATE, ChatML's layout.
+- Masking, incrementally as TRL and torchtune do: the text up to each assistant
+  message with the generation prompt, then up to the end of that message (to its
+  last end-of-turn text: the folder's eos token, `<|im_end|>` of the default
+  template, where the message's text holds one); the tokens between the two (the
+  message's content and its end-of-turn token) have weight 1, every other token 0
+  (transformers' `{% generation %}` mask around content and end token). A token that
+  straddles a boundary is the assistant's.
+- Packing: examples go into rows of --length positions in file order, a new row when
+  the next does not fit; each row carries `segments` (1, 2, ... per example, 0 for the
+  padding after them) and `positions` (each example's from 0). models/transformer.py
+  hides other segments' keys (layers.segment_bias) and embeds or rotates by
+  `positions`, so a packed row's loss is the sum of its examples' run alone.
+- An example longer than --length + 1 tokens is cut to its first --length + 1 tokens,
+  said in one line naming its lines (an example left without assistant tokens is
+  dropped); a line that is not an example is a DataError naming file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from models.training.data import VALIDATION_FRACTION, DataError
+
+FIELD = "messages"
+ROLES = ("system", "user", "assistant")
+# ChatML's layout (Qwen's, SmolLM's): the template of a run whose tokenizer has none
+DEFAULT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+FIELDS = ("inputs", "targets", "weights", "segments", "positions")
+
+
+class Conversations:
+    """The examples of a chat file: (where: "FILE:LINE", messages) each, checked."""
+
+    def __init__(self, items: list[tuple[str, list[dict]]], path: Path):
+        self.items, self.path = items, path
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def split(self, fraction: float) -> tuple[Conversations, Conversations]:
+        """(first part, the last `fraction` of the examples: at least one)."""
+        cut = len(self.items) - max(1, round(len(self.items) * fraction))
+        head, tail = self.items[:cut], self.items[cut:]
+        return Conversations(head, self.path), Conversations(tail, self.path)
+
+    def text(self) -> str:
+        """Every message's content, one per line (what `--tokenizer bpe` trains on)."""
+        return "\n".join(m["content"] for _, messages in self.items for m in messages)
+
+
+def is_chat(path: Path, text_field: str) -> bool:
+    """Whether `path` is a JSON lines file whose first object has a `messages` field
+    and no `text_field` (a text file's documents)."""
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and FIELD in row and text_field not in row
+
+
+def read(path: str | Path, flag: str = "--data") -> Conversations:
+    """The conversations of a JSON lines file; DataError naming `flag`, the file and the
+    line of the first that is not one (see `check`)."""
+    from models.training.datasets import text_file
+
+    path = Path(path)
+    if path.is_dir() or path.suffix != ".jsonl":
+        raise DataError(f"{flag} {path}: chat data is one JSON lines file (.jsonl)")
+    if not path.exists():
+        raise DataError(f"{flag} {path}: no such file")
+    try:
+        lines = text_file(path).splitlines()
+    except DataError as e:
+        raise DataError(f"{flag} {e}") from None
+    items = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            where = f"{path}:{n}"
+            items.append((where, check(line, f"{flag} {where}")))
+    if not items:
+        raise DataError(f"{flag} {path}: no conversations found")
+    return Conversations(items, path)
+
+
+def check(line: str, where: str) -> list[dict]:
+    """The messages of one JSON line; DataError naming `where` when it is not JSON, not
+    an object with a non-empty `messages` list of {"role", "content"} objects (a role
+    of ROLES, content text), or has no assistant message (nothing to learn)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not a JSON line ({e.msg})") from None
+    if not isinstance(row, dict) or FIELD not in row:
+        has = f"has {', '.join(map(str, row))}" if isinstance(row, dict) else "not an object"
+        raise DataError(f"{where}: no {FIELD!r} field ({has})")
+    messages = row[FIELD]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: {FIELD!r} must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
+            raise DataError(f"{where}: message {i} must be an object with role and content")
+        if m["role"] not in ROLES:
+            raise DataError(
+                f"{where}: message {i} has role {m['role']!r}, not one of {', '.join(ROLES)}"
+            )
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: message {i}'s content must be text")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant message (the loss covers the assistant's tokens)")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class Template(NamedTuple):
+    """A chat template, where it is read from (for messages), the special tokens' text
+    it renders with, and the text that ends an assistant's turn (the eos token's: what
+    the template writes after it, a newline before the next turn, is not learnt)."""
+
+    source: str
+    where: str
+    bos: str = ""
+    eos: str = ""
+    end: str = ""
+
+
+def template(folder) -> Template:
+    """The chat template of a tokenizer folder (a Hugging Face folder, a fine-tune's
+    base), else DEFAULT_TEMPLATE."""
+    from models.io import folder_tokens
+
+    if folder is not None and (text := folder_tokens.chat_template(folder)) is not None:
+        bos, eos = (folder_tokens.special_token(folder, f"{k}_token") or "" for k in ("bos", "eos"))
+        return Template(text, f"{folder}'s chat template", bos, eos, eos)
+    return Template(DEFAULT_TEMPLATE, "the default chat template (docs/chat.md)", end="<|im_end|>")
+
+
+def render(t: Template, messages: list[dict], generation: bool, where: str) -> str:
+    """The conversation as the template renders it; DataError naming `where` and the
+    template when it fails (raise_exception, an error, its bounds)."""
+    from models.io import sandbox
+
+    try:
+        return sandbox.render(
+            t.source, messages=messages, add_generation_prompt=generation,
+            bos_token=t.bos, eos_token=t.eos,
+        )  # fmt: skip
+    except sandbox.TemplateFailure as e:
+        raise DataError(f"{where}: {t.where} fails on it: {e}") from None
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the common prefix of two id arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def encode(messages: list[dict], t: Template, tokenizer, where: str):
+    """(ids, weights): the rendered conversation's token ids and 1.0 on the assistant's
+    tokens (module docstring), 0.0 elsewhere."""
+    tokens = lambda text: np.asarray(tokenizer.encode(text, specials=False), np.int64)
+    full = render(t, messages, False, where)
+    ids = tokens(full)
+    weights = np.zeros(len(ids), np.float32)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(t, messages[:i], True, where)
+        upto = render(t, messages[: i + 1], False, where)
+        if not (full.startswith(before) and full.startswith(upto)):
+            raise DataError(
+                f"{where}: {t.where} renders message {i} otherwise in the whole conversation "
+                "than after the messages before it, so its tokens cannot be told apart"
+            )
+        start = _common(tokens(before), ids)
+        if t.end and (k := upto.rfind(t.end)) >= len(before):  # up to the end of the turn
+            upto = upto[: k + len(t.end)]
+        last = tokens(upto)
+        end = _common(last, ids)
+        weights[start : end + (end < len(last))] = 1.0  # a straddling token: the assistant's
+    return ids, weights
+
+
+def pack(examples: list[tuple[np.ndarray, np.ndarray]], length: int) -> dict[str, np.ndarray]:
+    """Rows of FIELDS (rows, length) of next-token examples (ids, weights), each at most
+    length + 1 tokens, in order, a new row when the next does not fit."""
+    rows, at = [], length
+    for ids, w in examples:
+        n = len(ids) - 1
+        if at + n > length:
+            rows.append({k: np.zeros(length, np.float32 if k == "weights" else np.int32)
+                         for k in FIELDS})  # fmt: skip
+            at = 0
+        row = rows[-1]
+        span = slice(at, at + n)
+        row["inputs"][span], row["targets"][span], row["weights"][span] = ids[:-1], ids[1:], w[1:]
+        row["segments"][span] = row["segments"].max() + 1
+        row["positions"][span] = np.arange(n)
+        at += n
+    return {k: np.stack([r[k] for r in rows]) for k in FIELDS}
+
+
+class ChatCorpus:
+    """Packed rows of the train and validation conversations, with the interface of
+    models.training.data.Corpus (`batch`, `validation_batches`, `validation_windows`,
+    `bytes_per_token`)."""
+
+    def __init__(self, chats, tokenizer, length: int, objective: str, valid, t: Template):
+        if objective != "lm":
+            raise DataError(
+                f"chat data trains decoder LMs (next-token prediction), not the {objective!r} "
+                "objective: pass --model lm or moe, or --init-from a decoder LM"
+            )
+        if valid is None:
+            if len(chats) < 2:
+                raise DataError(
+                    f"--data {chats.path}: one conversation; the validation split (its last "
+                    "tenth) needs two or more, or pass --val-data"
+                )
+            chats, valid = chats.split(VALIDATION_FRACTION)
+        for flag, part in (("--data", chats), ("--val-data", valid)):
+            if not isinstance(part, Conversations):
+                raise DataError(f"{flag}: chat data goes with chat data (both JSON lines of "
+                                f"{FIELD!r}), not text or token ids")  # fmt: skip
+        self.tokenizer, self.length, self.objective = tokenizer, length, objective
+        self.window = length + 1
+        held_out = self._examples(valid, t)
+        self.valid = pack(held_out, length)
+        # `eval` scores its data as both splits: encoded once
+        self.train = self.valid if chats is valid else pack(self._examples(chats, t), length)
+        targets = [ids[1:][w[1:] > 0] for ids, w in held_out]
+        self.valid_bytes = sum(len(tokenizer.decode(x).encode("utf-8")) for x in targets)
+        self.valid_tokens = sum(len(x) for x in targets)
+
+    def _examples(self, chats: Conversations, t: Template):
+        """(ids, weights) of each conversation, cut to the row's length + 1; one line
+        names those cut and those dropped for keeping no assistant token."""
+        from models.cli import cluster
+
+        out, cut, dropped = [], [], []
+        for where, messages in chats.items:
+            ids, w = encode(messages, t, self.tokenizer, where)
+            if len(ids) > self.window:
+                ids, w = ids[: self.window], w[: self.window]
+                cut.append(where.rsplit(":", 1)[1])
+            if not w[1:].any():
+                dropped.append(where.rsplit(":", 1)[1])
+                continue
+            out.append((ids, w))
+        if cut:
+            gone = f"; {len(dropped)} kept no assistant token and are left out" if dropped else ""
+            cluster.say(
+                f"{chats.path}: {len(cut)} conversation(s) longer than --length {self.length} "
+                f"+ 1 tokens cut to it (lines {', '.join(cut[:10])}{' ...' * (len(cut) > 10)})"
+                f"{gone}"
+            )
+        if not out:
+            raise DataError(f"{chats.path}: no conversation keeps an assistant token")
+        return out
+
+    def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:
+        """The rows of `step`: each epoch visits every packed row once, in an order
+        drawn from (seed, epoch). With `rows` (this process's), only those are filled."""
+        n = len(self.train["inputs"])
+        index = step * batch + np.arange(batch)
+        orders = {e: np.random.default_rng([seed, e]).permutation(n) for e in set(index // n)}
+        picked = np.array([orders[i // n][i % n] for i in index])
+        rows = np.arange(batch) if rows is None else np.asarray(rows, dtype=np.int64)
+        out = {k: np.zeros((batch, self.length), v.dtype) for k, v in self.train.items()}
+        for k, v in self.train.items():
+            out[k][rows] = v[picked[rows]]
+        return out
+
+    def validation_windows(self) -> int:
+        """The packed validation rows."""
+        return len(self.valid["inputs"])
+
+    def validation_batches(self, batch: int, max_batches: int | None = None):
+        """The validation rows in order (the last batch padded with zero-weight rows)."""
+        n = self.validation_windows()
+        if max_batches is not None:
+            n = min(n, max_batches * batch)
+        for i in range(0, n, batch):
+            chunk = np.resize(np.arange(i, min(i + batch, n)), batch)
+            out = {k: v[chunk] for k, v in self.valid.items()}
+            out["weights"][min(batch, n - i) :] = 0.0
+            yield out
+
+    def bytes_per_token(self) -> float:
+        """UTF-8 bytes per weighted (assistant) validation token."""
+        return self.valid_bytes / max(self.valid_tokens, 1)

@@ -1,0 +1,153 @@
+"""The optimizer and learning-rate schedule of a training run, all optax's own.
+
+`schedule(...)` is the learning rate per update (counted from 0): a linear warmup from 0
+to the peak over `warmup` updates, then
+
+- cosine: cosine decay to `min_lr` at the last step (optax.warmup_cosine_decay_schedule);
+- linear: linear decay to `min_lr` at the last step;
+- constant: the peak to the end;
+- wsd (warmup, stable, decay): the peak until the last WSD_DECAY share of the steps,
+  then linear decay to `min_lr` (optax.join_schedules of the three).
+
+`optimizer(OptimizerSpec(...))` is AdamW, Adafactor, Lion or SGD on that schedule, after
+clipping the gradients to a global norm. Settings left None take the optimizer's defaults
+(OPTIMIZER_DEFAULTS); a setting the optimizer has no use for is refused (ValueError
+naming the flag), never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
+WSD_DECAY = 0.2  # wsd: the share of the steps, at the end, over which it decays
+
+# Per optimizer: weight decay, betas, eps when not given. AdamW's betas are the zoo's
+# (0.98, as T5 and many LMs train from scratch); Lion's decay is larger as its paper
+# advises (its updates are signs, of magnitude lr); Adafactor is the paper's (no decay);
+# SGD's one beta is its momentum.
+OPTIMIZER_DEFAULTS = {
+    "adamw": {"weight_decay": 0.01, "betas": (0.9, 0.98), "eps": 1e-8},
+    "adafactor": {"weight_decay": 0.0},
+    "lion": {"weight_decay": 0.1, "betas": (0.9, 0.99)},
+    "sgd": {"weight_decay": 0.0, "betas": (0.0,)},
+}
+BETAS = {"adamw": 2, "lion": 2, "sgd": 1}  # how many betas each takes (Adafactor: none)
+
+# Parameters no gradient reaches, which weight decay alone would move: a sigmoid router's
+# choosing bias (DeepSeek-V3's e_score_correction_bias; transformers keeps it as a buffer)
+UNDECAYED = frozenset({"gate_bias"})
+
+
+def decayed(params):
+    """The weight-decay mask of a (nested dict of) parameters: all but UNDECAYED."""
+    if not isinstance(params, dict):
+        return True
+    return {k: k not in UNDECAYED and decayed(v) for k, v in params.items()}
+
+
+def schedule(name: str, lr: float, steps: int, warmup: int, min_lr: float | None = None):
+    """The learning rate of update i (from 0) as an optax schedule; `min_lr` None: lr/10."""
+    import optax  # here, not above: the flags are checked (`settings`) before jax loads
+
+    end = lr / 10 if min_lr is None else min_lr
+    steps = max(steps, warmup + 1)
+    rise = optax.linear_schedule(0.0, lr, warmup)
+    if name == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=end)
+    if name == "linear":
+        fall = optax.linear_schedule(lr, end, steps - warmup)
+        return optax.join_schedules([rise, fall], [warmup])
+    if name == "constant":
+        return optax.join_schedules([rise, optax.constant_schedule(lr)], [warmup])
+    if name == "wsd":
+        decay = max(1, round(WSD_DECAY * (steps - warmup)))
+        stable = steps - warmup - decay
+        fall = optax.linear_schedule(lr, end, decay)
+        parts = [rise, optax.constant_schedule(lr), fall]
+        return optax.join_schedules(parts, [warmup, warmup + stable])
+    raise ValueError(f"--schedule {name}: must be one of {', '.join(SCHEDULES)}")
+
+
+def settings(name: str, weight_decay=None, betas=None, eps=None) -> dict:
+    """The optimizer's weight decay, betas and eps: those given, else its defaults;
+    ValueError naming the flag for one it does not take."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {name}: must be one of {', '.join(OPTIMIZERS)}")
+    out = dict(OPTIMIZER_DEFAULTS[name])
+    if betas is not None:
+        want = BETAS.get(name, 0)
+        if not want:
+            raise ValueError(f"--betas {_text(betas)}: {name} takes no betas")
+        if len(betas) != want:
+            raise ValueError(f"--betas {_text(betas)}: {name} takes {want} (b1,b2 or momentum)")
+        out["betas"] = tuple(betas)
+    if eps is not None:
+        if "eps" not in out:
+            raise ValueError(f"--eps {eps}: {name} takes no eps")
+        out["eps"] = eps
+    if weight_decay is not None:
+        out["weight_decay"] = weight_decay
+    return out
+
+
+def _text(betas) -> str:
+    return ",".join(str(b) for b in betas)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer as the run's flags give it: `name` (--optimizer) at peak `lr` on
+    `schedule(schedule_name, lr, steps, warmup, min_lr)`, gradients clipped to global
+    norm `clip` (0: no clipping); weight_decay, betas, eps None: the optimizer's
+    defaults (OPTIMIZER_DEFAULTS)."""
+
+    name: str
+    lr: float
+    steps: int
+    warmup: int
+    clip: float
+    schedule_name: str = "cosine"
+    min_lr: float | None = None
+    weight_decay: float | None = None
+    betas: tuple[float, ...] | None = None
+    eps: float | None = None
+
+    @classmethod
+    def of_flags(cls, args) -> OptimizerSpec:
+        """The spec of train's flags (--optimizer, --lr, --steps, --warmup, --clip,
+        --schedule, --min-lr, --weight-decay, --betas, --eps)."""
+        return cls(
+            args.optimizer, args.lr, args.steps, args.warmup, args.clip,
+            schedule_name=args.schedule, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            betas=args.betas, eps=args.eps,
+        )  # fmt: skip
+
+
+def optimizer(spec: OptimizerSpec):
+    """(optax transformation, schedule): `spec.name` on its schedule after clipping
+    gradients to global norm `spec.clip` (0: no clipping); weight decay skips UNDECAYED
+    parameters."""
+    import optax
+
+    name, clip = spec.name, spec.clip
+    sched = schedule(spec.schedule_name, spec.lr, spec.steps, spec.warmup, spec.min_lr)
+    s = settings(name, spec.weight_decay, spec.betas, spec.eps)
+    wd = s["weight_decay"]
+    if name == "adamw":
+        b1, b2 = s["betas"]
+        opt = optax.adamw(sched, b1=b1, b2=b2, eps=s["eps"], weight_decay=wd, mask=decayed)
+    elif name == "lion":
+        b1, b2 = s["betas"]
+        opt = optax.lion(sched, b1=b1, b2=b2, weight_decay=wd, mask=decayed)
+    elif name == "adafactor":
+        # optax's rate is not scaled by the schedule: scaled here, as adamw's is (-lr wd p)
+        rate = (lambda count: wd * sched(count)) if wd else None
+        opt = optax.adafactor(sched, weight_decay_rate=rate, weight_decay_mask=decayed)
+    else:  # sgd: decay added to the gradient (L2), then momentum
+        (momentum,) = s["betas"]
+        opt = optax.sgd(sched, momentum=momentum or None)
+        if wd:
+            opt = optax.chain(optax.add_decayed_weights(wd, decayed), opt)
+    return (optax.chain(optax.clip_by_global_norm(clip), opt) if clip else opt), sched
