@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowering import pipeline
+from lowering.caches import per_object
 from lowering.collectives import WiderCarry, nbytes
 from lowering.plan import Instr, Local, Step
 from lowering.rules.registry import P, rule
@@ -126,11 +127,17 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
     ctx.plan_layouts(body)
     vma = set().union(*map(ctx.vma, carry))
+    widened, key = widenings(body), _pass_key(ctx, body, carry, xs, rest, in_lays, length)
     while True:
+        known = widened.get((key, frozenset(vma)))
+        if known:  # this very pass widened the carry before (another candidate's)
+            vma |= known
+            continue
         try:
             planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
             break
         except WiderCarry as e:  # the body's carry varies over more axes: again
+            widened[key, frozenset(vma)] = e.axes
             vma |= e.axes
     steps, shown, inner_ins, new, ys, y_lays, consts = planned
     init = [ctx.cast_varying(c, vma) for c in carry]
@@ -184,3 +191,40 @@ def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set, length: 
     ys = [env[v] for v in body.outputs[nc:]]
     consts = {env[v][0]: c for v, c in body.consts.items()}
     return steps, shown, inner_ins, new, [y for y, _ in ys], [lay for _, lay in ys], consts
+
+
+@per_object(kind="layouts")
+def widenings(body) -> dict:
+    """Of a scan body, the axes a pass widened its carry's type by, per `_pass_key` and
+    the type the pass began with. Which axes a pass widens the carry by is a function of
+    that key alone, so a pass seen to widen (in another candidate of a search, or in an
+    earlier pass of an enclosing loop) is not planned again: the loop goes on at once
+    with the wider type, as it would have after planning it. Each body is planned about
+    twice per loop, nested loops compounding, and most candidates repeat the passes of
+    others: this saves about a third of the planning of a search."""
+    return {}
+
+
+@per_object
+def body_dims(body) -> frozenset:
+    """The dims of every value of `body` and of the bodies nested in it."""
+    dims = {d for v in (*body.inputs, *body.outputs) for d in v.dims}
+    for e in body.eqns:
+        dims.update(d for v in (*e.inputs, *e.outputs) for d in v.dims)
+        if isinstance(e.params.get("body"), Graph):
+            dims |= body_dims(e.params["body"])
+    return frozenset(dims)
+
+
+def _pass_key(ctx, body, carry, xs, rest, in_lays, length) -> tuple:
+    """What one pass of the loop over `body` depends on but the carry's type: the mesh,
+    the rules of the dims the body (and those nested in it) holds, in order, the layout's
+    options, the local values' shapes, dtypes and types, and their layouts."""
+    dims, layout = body_dims(body), ctx.layout
+    local = lambda x: (tuple(x.shape), str(x.dtype), frozenset(ctx.vma(x)))
+    return (
+        tuple(ctx.mesh.sizes.items()), tuple(r for r in layout.rules if r[0] in dims),
+        layout.strict, repr(sorted(layout.options.items())), ctx.record, length,
+        tuple(map(local, (*carry, *xs, *(a for a, _ in rest)))),
+        tuple(tuple(lay) for lay in in_lays),
+    )  # fmt: skip
