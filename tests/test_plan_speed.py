@@ -20,7 +20,7 @@ from tests.test_stage_costs import RATES, toy_build
 
 def _table(fn, inputs):
     caches.clear()
-    _, table = auto_layout(fn, Mesh({"data": 4, "model": 2}, devices="abstract"), *inputs,
+    _, table = auto_layout(fn, Mesh({"data": 2, "model": 2}, devices="abstract"), *inputs,
                            grad_argnums=(0,), rates=parse("h100,node=8"), training=Training(),
                            beam=1, memory_limit=4e7)  # fmt: skip
     return [(str(c.layout), c.planned, c.memory, c.flops, c.bytes, c.collectives, c.note,
@@ -31,7 +31,7 @@ def test_skipping_known_carry_widenings_changes_no_candidate(monkeypatch):
     """A MoE model of two stacks (dense, then experts) under remat and blockwise
     attention: loops nested three deep whose carries widen. Every candidate of the
     search costs the same with the memo as without it, and the memo skipped passes."""
-    cfg = config.get("tiny").replace(experts=4, experts_per_token=2, dense_layers=1, layers=3)
+    cfg = config.get("tiny").replace(experts=4, experts_per_token=2, dense_layers=1, layers=2)
     settings = Settings("full", "bfloat16", "blockwise", 1)
     fn, inputs = plan_cli.builder(cfg, 8, 64)(settings)
     passes = [0]
