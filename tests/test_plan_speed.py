@@ -1,5 +1,6 @@
-"""The planner's memos change no plan: a scan body's carry-type passes that widened the
-carry before are not planned again (lowering/rules/control.py `widenings`), and a
+"""The planner's memos change no plan: a scan body's passes planned before under the same
+layouts, shards and carry type are not planned again, those that widened the carry's
+type nor those that settled it (lowering/rules/control.py `widenings`, `settled`), and a
 pipeline's stages that hold the same layers are traced and costed once
 (lowering/stages.py). Oracles: the same search with the memo off, every candidate
 compared, and the count of distinct stages worked out by hand."""
@@ -30,10 +31,10 @@ def _table(fn, inputs):
 def test_skipping_known_carry_widenings_changes_no_candidate(monkeypatch):
     """A MoE model of two stacks (dense, then experts) under remat and blockwise
     attention: loops nested three deep whose carries widen. Every candidate of the
-    search costs the same with the memo as without it, and the memo skipped passes."""
+    search costs the same with the memos as without them, and they skipped passes."""
     cfg = config.get("tiny").replace(experts=4, experts_per_token=2, dense_layers=1, layers=2)
     settings = Settings("full", "bfloat16", "blockwise", 1)
-    fn, inputs = plan_cli.builder(cfg, 8, 64)(settings)
+    fn, inputs = plan_cli.builder(cfg, 4, 32)(settings)
     passes = [0]
     plan_body = control._plan_body
 
@@ -44,6 +45,7 @@ def test_skipping_known_carry_widenings_changes_no_candidate(monkeypatch):
     monkeypatch.setattr(control, "_plan_body", counted)
     with_memo, planned = _table(fn, inputs), passes[0]
     monkeypatch.setattr(control, "widenings", lambda body: {})
+    monkeypatch.setattr(control, "settled", lambda body: {})
     passes[0] = 0
     assert _table(fn, inputs) == with_memo
     assert planned < passes[0]

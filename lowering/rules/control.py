@@ -134,7 +134,8 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
             vma |= known
             continue
         try:
-            planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
+            planned = _settled_pass(ctx, eqn, key, carry, xs, rest, in_lays, carry_lay, vma,
+                                    length)  # fmt: skip
             break
         except WiderCarry as e:  # the body's carry varies over more axes: again
             widened[key, frozenset(vma)] = e.axes
@@ -154,6 +155,31 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
             ctx.log("pvary", missing, nbytes(c), ctx.source(c))
     ctx.step.body = shown
     return final, stacked, y_lays
+
+
+def _settled_pass(ctx, eqn, key, carry, xs, rest, in_lays, carry_lay, vma, length):
+    """`_plan_body`; in a costing-only plan (auto_layout's candidates) a pass planned
+    before under the same key, type and enclosing repeat and depth is not planned
+    again: its results are taken and the layouts it gave the body's values (`wanted`,
+    `free`) set again, as planning it would have. A result's Steps are shared, never
+    changed after planning; the lists holding them are the caller's own."""
+    if ctx.record:  # a plan to emit: planned once, its Steps its own
+        return _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
+    body = eqn.params["body"]
+    seen, values = settled(body), body_values(body)
+    k = (key, frozenset(vma), ctx.step.repeat, ctx.step.depth)
+    if k in seen:
+        planned, wanted, free = seen[k]
+        ctx.wanted.update(wanted)
+        ctx.free.difference_update(values)
+        ctx.free.update(free)
+        ctx.combined = set()
+    else:
+        planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
+        wanted = {v: ctx.wanted[v] for v in values if v in ctx.wanted}
+        seen[k] = planned, wanted, values & ctx.free
+    steps, shown, *others = planned
+    return (list(steps), list(shown), *others)
 
 
 def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set, length: int):
@@ -228,3 +254,23 @@ def _pass_key(ctx, body, carry, xs, rest, in_lays, length) -> tuple:
         tuple(map(local, (*carry, *xs, *(a for a, _ in rest)))),
         tuple(tuple(lay) for lay in in_lays),
     )  # fmt: skip
+
+
+@per_object(kind="layouts")
+def settled(body) -> dict:
+    """Of a scan body, its passes that settled the carry's type in costing-only plans:
+    (`_pass_key`, type, repeat, depth) -> (the pass's results, the layouts of the body's
+    values it left in `wanted`, those of them in `free`). Candidates of a search that
+    lay out the body's dims alike plan the body alike: most of a search's passes."""
+    return {}
+
+
+@per_object
+def body_values(body) -> frozenset:
+    """Every value of `body` and of the bodies nested in it."""
+    values = {*body.inputs, *body.outputs, *body.consts}
+    for e in body.eqns:
+        values.update((*e.inputs, *e.outputs))
+        if isinstance(e.params.get("body"), Graph):
+            values |= body_values(e.params["body"])
+    return frozenset(values)
