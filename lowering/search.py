@@ -38,7 +38,11 @@ Each candidate's time is `Rates.seconds` of its report (lowering/rates.py): flop
 the device's flop rate, each collective's latency and bytes at its kind's rate. The
 memory limit is a constraint: a layout over it is never chosen. Rule sets that give
 every value and every equation the same layout are planned once (memoised by that
-canonical form).
+canonical form). Within a candidate the planning is mostly that of the scan bodies (the
+layers, attention's blocks), each planned until its carry's type settles; a pass of a
+body that another candidate planned under the same rules for the body's dims, the same
+shards and types, is taken from it, not planned again (lowering/rules/control.py
+`settled`, `widenings`): the same plan, a DeepSeek-V3 search in 0.6x the time.
 """
 
 from __future__ import annotations
