@@ -61,6 +61,7 @@ from lowering.layout import Layout, check_axes
 from lowering.lower import argnum_tuple, argument_inputs, graph_report, input_names
 from lowering.mesh import Mesh, require_mesh
 from lowering.rates import Rates, resolve
+from lowering.rules.control import forget_passes
 from lowering.train_step import StepMemory, Training, step_memory
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
@@ -379,6 +380,7 @@ def auto_layout(
     table = cost.table
     table.theirs, table._costing = tuple(map(cost.of, theirs)), cost
     _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
+    forget_passes(cost.graph)
     table.sort(key=lambda c: (_rank(c), len(c.layout.rules)))
     table.rates, table.memory_limit, table.mesh = rates, limit, mesh
     table.seconds = time.perf_counter() - start

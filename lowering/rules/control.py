@@ -274,3 +274,15 @@ def body_values(body) -> frozenset:
         if isinstance(e.params.get("body"), Graph):
             values |= body_values(e.params["body"])
     return frozenset(values)
+
+
+def forget_passes(graph) -> None:
+    """Empty the pass memos of `graph`'s scan bodies (and those nested in them): a
+    search that is done keeps its program, for `Search.compare`, but not its passes,
+    which hold every candidate's planned bodies (gigabytes over a plan's searches)."""
+    for e in graph.eqns:
+        body = e.params.get("body")
+        if isinstance(body, Graph):
+            settled(body).clear()
+            widenings(body).clear()
+            forget_passes(body)
