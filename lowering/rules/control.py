@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowering import pipeline
+from lowering.caches import per_object
 from lowering.collectives import WiderCarry, nbytes
 from lowering.plan import Instr, Local, Step
 from lowering.rules.registry import P, rule
@@ -126,11 +127,18 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
     ctx.plan_layouts(body)
     vma = set().union(*map(ctx.vma, carry))
+    widened, key = widenings(body), _pass_key(ctx, body, carry, xs, rest, in_lays, length)
     while True:
+        known = widened.get((key, frozenset(vma)))
+        if known:  # this very pass widened the carry before (another candidate's)
+            vma |= known
+            continue
         try:
-            planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
+            planned = _settled_pass(ctx, eqn, key, carry, xs, rest, in_lays, carry_lay, vma,
+                                    length)  # fmt: skip
             break
         except WiderCarry as e:  # the body's carry varies over more axes: again
+            widened[key, frozenset(vma)] = e.axes
             vma |= e.axes
     steps, shown, inner_ins, new, ys, y_lays, consts = planned
     init = [ctx.cast_varying(c, vma) for c in carry]
@@ -147,6 +155,31 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
             ctx.log("pvary", missing, nbytes(c), ctx.source(c))
     ctx.step.body = shown
     return final, stacked, y_lays
+
+
+def _settled_pass(ctx, eqn, key, carry, xs, rest, in_lays, carry_lay, vma, length):
+    """`_plan_body`; in a costing-only plan (auto_layout's candidates) a pass planned
+    before under the same key, type and enclosing repeat and depth is not planned
+    again: its results are taken and the layouts it gave the body's values (`wanted`,
+    `free`) set again, as planning it would have. A result's Steps are shared, never
+    changed after planning; the lists holding them are the caller's own."""
+    if ctx.record:  # a plan to emit: planned once, its Steps its own
+        return _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
+    body = eqn.params["body"]
+    seen, values = settled(body), body_values(body)
+    k = (key, frozenset(vma), ctx.step.repeat, ctx.step.depth)
+    if k in seen:
+        planned, wanted, free = seen[k]
+        ctx.wanted.update(wanted)
+        ctx.free.difference_update(values)
+        ctx.free.update(free)
+        ctx.combined = set()
+    else:
+        planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
+        wanted = {v: ctx.wanted[v] for v in values if v in ctx.wanted}
+        seen[k] = planned, wanted, values & ctx.free
+    steps, shown, *others = planned
+    return (list(steps), list(shown), *others)
 
 
 def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set, length: int):
@@ -184,3 +217,72 @@ def _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma: set, length: 
     ys = [env[v] for v in body.outputs[nc:]]
     consts = {env[v][0]: c for v, c in body.consts.items()}
     return steps, shown, inner_ins, new, [y for y, _ in ys], [lay for _, lay in ys], consts
+
+
+@per_object(kind="layouts")
+def widenings(body) -> dict:
+    """Of a scan body, the axes a pass widened its carry's type by, per `_pass_key` and
+    the type the pass began with. Which axes a pass widens the carry by is a function of
+    that key alone, so a pass seen to widen (in another candidate of a search, or in an
+    earlier pass of an enclosing loop) is not planned again: the loop goes on at once
+    with the wider type, as it would have after planning it. Each body is planned about
+    twice per loop, nested loops compounding, and most candidates repeat the passes of
+    others: this saves about a third of the planning of a search."""
+    return {}
+
+
+@per_object
+def body_dims(body) -> frozenset:
+    """The dims of every value of `body` and of the bodies nested in it."""
+    dims = {d for v in (*body.inputs, *body.outputs) for d in v.dims}
+    for e in body.eqns:
+        dims.update(d for v in (*e.inputs, *e.outputs) for d in v.dims)
+        if isinstance(e.params.get("body"), Graph):
+            dims |= body_dims(e.params["body"])
+    return frozenset(dims)
+
+
+def _pass_key(ctx, body, carry, xs, rest, in_lays, length) -> tuple:
+    """What one pass of the loop over `body` depends on but the carry's type: the mesh,
+    the rules of the dims the body (and those nested in it) holds, in order, the layout's
+    options, the local values' shapes, dtypes and types, and their layouts."""
+    dims, layout = body_dims(body), ctx.layout
+    local = lambda x: (tuple(x.shape), str(x.dtype), frozenset(ctx.vma(x)))
+    return (
+        tuple(ctx.mesh.sizes.items()), tuple(r for r in layout.rules if r[0] in dims),
+        layout.strict, repr(sorted(layout.options.items())), ctx.record, length,
+        tuple(map(local, (*carry, *xs, *(a for a, _ in rest)))),
+        tuple(tuple(lay) for lay in in_lays),
+    )  # fmt: skip
+
+
+@per_object(kind="layouts")
+def settled(body) -> dict:
+    """Of a scan body, its passes that settled the carry's type in costing-only plans:
+    (`_pass_key`, type, repeat, depth) -> (the pass's results, the layouts of the body's
+    values it left in `wanted`, those of them in `free`). Candidates of a search that
+    lay out the body's dims alike plan the body alike: most of a search's passes."""
+    return {}
+
+
+@per_object
+def body_values(body) -> frozenset:
+    """Every value of `body` and of the bodies nested in it."""
+    values = {*body.inputs, *body.outputs, *body.consts}
+    for e in body.eqns:
+        values.update((*e.inputs, *e.outputs))
+        if isinstance(e.params.get("body"), Graph):
+            values |= body_values(e.params["body"])
+    return frozenset(values)
+
+
+def forget_passes(graph) -> None:
+    """Empty the pass memos of `graph`'s scan bodies (and those nested in them): a
+    search that is done keeps its program, for `Search.compare`, but not its passes,
+    which hold every candidate's planned bodies (gigabytes over a plan's searches)."""
+    for e in graph.eqns:
+        body = e.params.get("body")
+        if isinstance(body, Graph):
+            settled(body).clear()
+            widenings(body).clear()
+            forget_passes(body)
