@@ -59,7 +59,8 @@ def measure(length: int, rounds: int) -> dict:
     times = fair.alternate({"namedmesh": ours, "PyTorch SDPA": theirs}, rounds)
     settings = (
         f"attention {cfg.attention}, block {cfg.attention_block}, "
-        + ("layer loop" if cfg.scan_layers else "unrolled")
+        # "auto" (the default) is truthy: name it, not the loop
+        + {True: "layer loop", False: "unrolled"}.get(cfg.scan_layers, f"layers {cfg.scan_layers}")
         + f", remat {cfg.remat}"
     )
     flops = peak.step_flops(peak.shape_of(model.config), 1, length)
