@@ -57,13 +57,15 @@ def test_every_kernel_with_every_bias_kind_equals_full_attention(kernel, bias, f
     want = attend(q, k, v, full, 0.5)
     try:
         if kernel == "blockwise":  # causal: the key blocks the mask hides are skipped
-            got = blockwise_attend(q, k, v, b, 0.5, block, bias_fn, causal=fn == "causal")
+            opts = Options(b, bias_fn, 0.5, block=block, causal=fn == "causal")
+            got = blockwise_attend(q, k, v, opts)
         elif kernel == "fused":  # the causal mask applied by the kernel itself
             causal = fn == "causal"
             opts = Options(b, bias_fn, 0.5, causal=causal, masks_only=True)
             got = KERNELS["fused"].fn(q, k, v, opts)
         else:
-            got = ring_attend(q, k, v, b, 0.5, 8 // block if 8 % block == 0 else 2, bias_fn)
+            ring = 8 // block if 8 % block == 0 else 2
+            got = ring_attend(q, k, v, Options(b, bias_fn, 0.5), ring)
     except nm.ShapeError as e:
         assert kernel == "ring" and bias == "t5", e
         assert "bias over both length and memory" in str(e)

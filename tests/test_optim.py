@@ -119,7 +119,7 @@ def test_adafactor_takes_the_decay_it_is_given_only_where_the_mask_allows():
 
 
 def test_a_fine_tune_defaults_to_a_fine_tunes_settings_and_flags_win():
-    from models.cli.train import FINETUNE, SCRATCH, arguments
+    from models.cli.train_flags import FINETUNE, SCRATCH, arguments
 
     scratch = arguments([])
     assert {k: getattr(scratch, k) for k in SCRATCH} == SCRATCH
