@@ -102,6 +102,11 @@ def _computations(hlo_text: str) -> dict[str, list[tuple[str, str, str, str]]]:
             current = comps.setdefault(m.group(1), [])
         elif current is not None and (m := _INSTR.match(line)):
             current.append(m.groups())
+        elif current and line.strip() and line.strip() != "}":
+            # an instruction's attributes wrapped onto the next line (a while's
+            # known_trip_count): they are still its own
+            name, shape, op, rest = current[-1]
+            current[-1] = (name, shape, op, f"{rest} {line.strip()}")
     return comps
 
 

@@ -49,7 +49,7 @@ def test_ruff_is_clean():
 
 def test_make_demo_trains_on_a_2d_mesh_and_generates(tmp_path):
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^demo:.*\n\t.*-m models\.demo\b", makefile, flags=re.M)
+    assert re.search(r"^demo:.*\n\t.*-m models\.cli\.demo\b", makefile, flags=re.M)
     out = subprocess.run(
         [sys.executable, "-m", "models.cli.demo", "--steps", "8", "--out", str(tmp_path / "demo")],
         cwd=ROOT,
