@@ -27,7 +27,7 @@ def test_help_documents_every_flag_with_one_default(capsys, command):
     import importlib
 
     with pytest.raises(SystemExit):
-        importlib.import_module(f"models.{command}").arguments(["--help"])
+        importlib.import_module(f"models.cli.{command}").arguments(["--help"])
     text = capsys.readouterr().out
     options = text[text.index("options:") :]
     flags = re.findall(r"^  (--[\w-]+)", options, re.MULTILINE)
