@@ -9,9 +9,11 @@ A key is a Tensor of two uint32 words along the dim "key": `nm.random.key(seed)`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,6 +57,25 @@ def _counters(shape, offsets, global_shape, xp):
     return idx
 
 
+def _words(key, shape, offsets, global_shape, xp):
+    """The two hash words of each element of the block: Threefry of its flat index."""
+    with np.errstate(over="ignore"):
+        return threefry2x32(key[0], key[1], _counters(shape, offsets, global_shape, xp), 0, xp)
+
+
+# Eager jax (a concrete key, as a model's parameters are drawn): the hash's 130-odd
+# uint32 ops as one program compiled per shape, where jax would compile each op for each
+# new shape (seconds per parameter shape, in every process). Integer ops: the words are
+# bit for bit the eager ones. The float ops after them stay eager (XLA may contract a
+# fused multiply-add: uniform's values would move by an ulp). Traced, they are inlined.
+_eager_words = jax.jit(functools.partial(_words, xp=jnp), static_argnums=(1, 2, 3))
+_eager_fold = jax.jit(lambda key, data, stream: threefry2x32(key[0], key[1], data, stream, jnp))
+
+
+def _concrete(*values) -> bool:
+    return not any(isinstance(v, jax.core.Tracer) for v in values)
+
+
 def random_values(key, global_shape, dist, dtype, args, xp=np, offsets=None, shape=None):
     """Values of `dist` for the block of `global_shape` at `offsets` with local `shape`.
 
@@ -63,8 +84,11 @@ def random_values(key, global_shape, dist, dtype, args, xp=np, offsets=None, sha
     """
     shape = tuple(global_shape) if shape is None else tuple(shape)
     offsets = (0,) * len(shape) if offsets is None else offsets
-    with np.errstate(over="ignore"):
-        w0, w1 = threefry2x32(key[0], key[1], _counters(shape, offsets, global_shape, xp), 0, xp)
+    if xp is jnp and _concrete(key, *offsets):
+        offsets = tuple(int(o) for o in offsets)
+        w0, w1 = _eager_words(key, shape, offsets, tuple(global_shape))
+    else:
+        w0, w1 = _words(key, shape, offsets, global_shape, xp)
     f32 = xp.float32
     unit = lambda w: (w >> xp.asarray(8, dtype=xp.uint32)).astype(f32) * f32(2.0**-24)
     if dist == "uniform":
@@ -112,6 +136,9 @@ _random = primitive(
 
 
 def _fold_in(key, data, stream, xp):
+    if xp is jnp and _concrete(key):  # one compile per process, not one per op (above)
+        w0, w1 = _eager_fold(key, np.uint32(data % 2**32), np.uint32(stream))
+        return xp.stack([w0, w1])
     with np.errstate(over="ignore"):
         w0, w1 = threefry2x32(key[0], key[1], data % 2**32, stream, xp)
     return xp.stack([w0, w1])
