@@ -1,10 +1,28 @@
-"""Shared by tests/ and property_tests/: 8 simulated CPU devices (set before jax is imported)
-and the hypothesis profiles (dev by default, ci when CI=true, thorough on request)."""
+"""Shared by tests/ and property_tests/: 8 simulated CPU devices (set before jax is imported),
+one compilation cache for the session's subprocesses, and the hypothesis profiles (dev by
+default, ci when CI=true, thorough on request)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The command-line tests start many processes that compile the same programs (a run, then
+# its resume; a training run, then generate on it): each process after the first loads
+# them from this session's cache (jax's persistent compilation cache, compiles of 0.2 s or
+# more) instead of compiling again. A fresh directory per session, removed at its end: no
+# program outlives the code that made it. This process keeps compiling its own (below).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="namedmesh-test-compiles-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    import jax  # noqa: E402 (after XLA_FLAGS, which jax reads when its backend starts)
+
+    jax.config.update("jax_compilation_cache_dir", None)  # this process: not cached
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
