@@ -10,6 +10,7 @@
 5. A layout never changes the result's dims or their order (checked within 1).
 """
 
+import functools
 import math
 from collections import Counter
 
@@ -66,6 +67,29 @@ def deserves_layout_error(graph, mesh, layout) -> bool:
     return False
 
 
+# A case hypothesis draws again (12% of cases(max_steps=4)'s; a third of its programs
+# come again under another mesh or layout) reuses what the first draw compiled: the
+# functions below are one object per program (Programs compare by value), so the cached
+# lowering (namedmesh.testing.lowered) and each jax.jit's compiles are found again.
+@functools.lru_cache(maxsize=256)
+def squared_mean(program):
+    """The scalar loss mean(program(*xs)²), in float32."""
+    return lambda *xs: (program(*xs).astype(np.float32) ** 2).mean()
+
+
+@functools.lru_cache(maxsize=256)
+def every_value(program):
+    """strategies.all_values(program), one function per program."""
+    return S.all_values(program)
+
+
+@functools.lru_cache(maxsize=256)
+def jitted(fn, argnums, value=False):
+    """jax.jit of jax.grad (value_and_grad with `value`) of `fn`'s data, one per fn."""
+    diff = jax.value_and_grad if value else jax.grad
+    return jax.jit(diff(lambda *xs: fn(*xs).data, argnums=argnums))
+
+
 def _lowered_or_error(fn, mesh, layout, xs):
     """(lowered, outputs), or (None, the LayoutError)."""
     try:
@@ -114,17 +138,17 @@ def test_gradients_equal_single_device_gradients(case):
 def check_gradients(case):
     program, mesh, layout = case
     xs = program.example_inputs()
-    loss = lambda *xs: (program(*xs).astype(np.float32) ** 2).mean()
+    loss = squared_mean(program)
     argnums = tuple(range(len(xs)))
     lowered = cached_lower(loss, mesh, layout)
     # Both jitted, the lowered one without a forward pass of its own: one compile each
     # (eager jax compiles every op's shapes; together about 40% of the time)
     try:
-        got = jax.jit(jax.grad(lambda *xs: lowered(*xs).data, argnums=argnums))(*xs)
+        got = jitted(lowered, argnums)(*xs)
     except nm.LayoutError:
         return
     CASES["lowered"] += 1
-    want = jax.jit(jax.grad(lambda *xs: loss(*xs).data, argnums=argnums))(*xs)
+    want = jitted(loss, argnums)(*xs)  # the program's alone: any mesh and layout
     for g, w in zip(got, want, strict=True):
         compare(g, nm.tensor(np.asarray(w.data), w.dims), rtol=1e-3)
 
@@ -179,7 +203,7 @@ def test_reduce_scatters_and_psums_over_several_axes_equal_the_reference(case):
 def test_plan_collectives_are_the_compiled_collectives(case):
     program, mesh, layout = case
     xs = program.example_inputs()
-    fn = S.all_values(program)  # every value is a result: no collective is dead code
+    fn = every_value(program)  # every value is a result: no collective is dead code
     lowered, _ = _lowered_or_error(fn, mesh, layout, xs)
     if lowered is None:
         return
@@ -218,6 +242,17 @@ def xla_may_fold(graph) -> bool:
     return False
 
 
+def draw(x):
+    """Random values and a dropout of x (one function: a mesh and layout drawn again
+    finds its compile)."""
+    key = nm.random.key(11)
+    return [
+        nm.random.normal(key, x.sizes),
+        nm.dropout(x, 0.5, nm.random.fold_in(key, 1)),
+        nm.random.uniform(nm.random.fold_in(key, 2), x.sizes),
+    ]
+
+
 # A quarter (two layouts, so two compiles, each): a program of three random ops on at
 # most three dims has fewer distinct cases than the general programs do.
 @settings(max_examples=max(10, settings.default.max_examples // 4))
@@ -225,15 +260,6 @@ def xla_may_fold(graph) -> bool:
 def test_random_values_and_dropout_masks_do_not_depend_on_the_layout(sizes, mesh, data):
     names = list(sizes)[: data.draw(st.integers(1, 3))]
     x = nm.ones({d: sizes[d] for d in names})
-
-    def draw(x):
-        key = nm.random.key(11)
-        return [
-            nm.random.normal(key, x.sizes),
-            nm.dropout(x, 0.5, nm.random.fold_in(key, 1)),
-            nm.random.uniform(nm.random.fold_in(key, 2), x.sizes),
-        ]
-
     eager = draw(x)
     for _ in range(2):
         layout = data.draw(S.layouts(names, mesh, allow_strict=False))
@@ -257,7 +283,7 @@ def test_training_report_bytes_are_the_compiled_training_steps(case):
 
     program, mesh, layout = case
     xs = program.example_inputs()
-    loss = lambda *xs: (program(*xs).astype(np.float32) ** 2).mean()
+    loss = squared_mean(program)
     argnums = tuple(i for i, x in enumerate(xs) if np.issubdtype(x.dtype, np.floating))
     lowered, _ = _lowered_or_error(loss, mesh, layout, xs)
     if lowered is None or not argnums or xla_may_fold(nm.trace(loss, *xs)):
@@ -266,6 +292,6 @@ def test_training_report_bytes_are_the_compiled_training_steps(case):
     forward = hlo_traffic(lowered.compile(*xs).as_text())
     if abs(forward - rep.bytes) > 0.5:
         return
-    step = jax.jit(jax.value_and_grad(lambda *xs: lowered(*xs).data, argnums=argnums))
+    step = jitted(lowered, argnums, value=True)
     compiled = hlo_traffic(step.lower(*xs).compile().as_text())
     assert rep.backward_bytes == pytest.approx(compiled - forward, abs=0.5)
