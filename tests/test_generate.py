@@ -3,10 +3,6 @@ finds the best continuation where it can be checked exhaustively, and the
 `models.cli.generate` command line and `models.load` decode from a training run's checkpoint."""
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +17,6 @@ from models.inference.sampling import Sampling
 from namedmesh.errors import ParameterError
 from tests.test_decode import full_logits
 
-ROOT = Path(__file__).resolve().parents[1]
 CFG = config.Config(vocab=32, d_model=16, heads=4, d_kv=4, d_ff=32, layers=2, length=8, batch=2)
 
 
@@ -102,19 +97,18 @@ def test_sampling_is_seeded_and_cold_sampling_is_greedy(model):
 
 
 def test_generate_command_decodes_from_a_training_run(tmp_path, capsys):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    run = lambda *a: subprocess.run(
-        [sys.executable, *a], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    """In process: main() as `python -m` runs it (test_train_cli and test_hub_cli run the
+    two command lines as subprocesses); the mesh is 2 of this process's devices."""
+    from models.cli.train import main as train_main
+
     out = tmp_path / "run"
-    train = run("-m", "models.cli.train", "--config", "tiny", "--mesh", "data=2", "--layout",
-                "batch:data", "--steps", "3", "--length", "16", "--batch", "4", "--out",
-                str(out), "--quiet", "--eval-batches", "1")  # fmt: skip
-    assert train.returncode == 0, train.stderr
-    gen = run("-m", "models.cli.generate", str(out), "--prompt", "The assert",
-              "--mode", "beam", "--max-new", "20")  # fmt: skip
-    assert gen.returncode == 0, gen.stderr
-    assert gen.stdout.startswith("The assert") and len(gen.stdout.strip()) > len("The assert")
+    assert train_main(["--config", "tiny", "--mesh", "data=2", "--layout", "batch:data",
+                       "--steps", "3", "--length", "16", "--batch", "4", "--out", str(out),
+                       "--quiet", "--eval-batches", "1"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert gen_main([str(out), "--prompt", "The assert", "--mode", "beam", "--max-new", "20"]) == 0
+    gen = capsys.readouterr()
+    assert gen.out.startswith("The assert") and len(gen.out.strip()) > len("The assert"), gen.err
     assert gen_main([str(tmp_path / "nothing")]) == 2  # in this process: no jax to start
     err = capsys.readouterr().err
     assert "models.cli.generate: error:" in err and "nothing" in err

@@ -24,7 +24,9 @@ from models.cli.train import parser
 from models.training import watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 12  # long enough to stop a process mid-run, short for a tiny model
+# long enough to stop a process mid-run (4 steps and a save after STOP_AT), short for a
+# tiny model: each save of a multi-process run is a barrier and a write (12 had one more)
+STEPS = 9
 TRAIN = [
     "train", "--config", "tiny", "--length", "16", "--batch", "8", "--quiet",
     "--eval-batches", "1", "--eval-every", "1000", "--save-every", "3", "--mesh", "data=4",

@@ -162,23 +162,25 @@ def test_errors_name_the_scan_and_the_rule():
     np.testing.assert_allclose(np.asarray(got.data), np.asarray(want.data), rtol=1e-5)
 
 
-def test_the_cli_trains_a_pipeline_and_its_checkpoint_resumes_without_one(tmp_path):
+def test_the_cli_trains_a_pipeline_and_its_checkpoint_resumes_without_one(tmp_path, capsys):
     """`--mesh stage=4,data=2 --layout "layers:stage;batch:data"` trains; its step-2
-    checkpoint resumed data-parallel logs the pipelined run's later losses."""
-    from test_train_cli import losses, train
+    checkpoint resumed data-parallel logs the pipelined run's later losses. In process:
+    main() as `python -m` runs it (test_train_cli runs the command line)."""
+    from test_train_cli import SMALL, losses
 
-    tiny = ["--set", "layers=4", "--steps", "4", "--save-every", "2", "--eval-every", "4"]
+    from models.cli.train import main
+
+    tiny = [*SMALL, "--set", "layers=4", "--steps", "4", "--save-every", "2", "--eval-every", "4"]
     out = tmp_path / "run"
-    r = train(*tiny, "--mesh", "stage=4,data=2", "--layout", "layers:stage;batch:data",
-              "--out", out)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert "pipeline (gpipe) over stage: 4 stages" in r.stdout and "bubble" in r.stdout
+    assert main([*tiny, "--mesh", "stage=4,data=2", "--layout", "layers:stage;batch:data",
+                 "--out", str(out)]) == 0  # fmt: skip
+    stdout = capsys.readouterr().out
+    assert "pipeline (gpipe) over stage: 4 stages" in stdout and "bubble" in stdout
     shutil.copytree(out, tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
-    r = train(*tiny, "--mesh", "data=2", "--layout", "batch:data", "--resume",
-              "--out", tmp_path / "resumed")  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert "resumed from step 2" in r.stdout
+    assert main([*tiny, "--mesh", "data=2", "--layout", "batch:data", "--resume",
+                 "--out", str(tmp_path / "resumed")]) == 0  # fmt: skip
+    assert "resumed from step 2" in capsys.readouterr().out
     want, got = losses(out), losses(tmp_path / "resumed")
     assert list(got) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-4)
