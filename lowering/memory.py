@@ -220,8 +220,31 @@ def _scan_terms(e, active: set) -> tuple:
     # recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
     remat = "none" if unrolled else remat
     terms = _saved_terms(body, frozenset(inner), held, remat == "none" and not unrolled)
-    dots = tuple(v for b in body.eqns if b.primitive.matmul for v in b.outputs if v in inner)
+    dots = tuple(v for v in _needed_dots(body, terms) if v in inner)
     return ("scan", e, e.params["length"], remat, terms, tuple(body.inputs[:nc]), dots)
+
+
+def _needed_dots(body, terms) -> tuple:
+    """The matmul outputs of `body` that remat "dots" stores for its backward pass: those
+    the backward pass reads (its `_saved_terms` `terms`), or that recomputing a value
+    it reads starts from (back through the other equations, to a matmul or an input);
+    a matmul's output nothing reads backward (a projection added to the residual) jax
+    does not keep."""
+    made = {v: e for e in body.eqns for v in e.outputs}
+    adds, kept, _ = terms
+    todo = [*kept, *(a[2] for a in adds if a[0] == "save")]
+    todo += [v for a in adds if a[0] == "scan" for v in a[1].inputs]
+    need, seen = [], set()
+    while todo:
+        v = todo.pop()
+        if v in seen or v not in made:  # an input of the body: held
+            continue
+        seen.add(v)
+        if made[v].primitive.matmul:
+            need.append(v)
+        else:
+            todo.extend(made[v].inputs)
+    return tuple(need)
 
 
 def _unrolled(e) -> bool:
@@ -251,5 +274,9 @@ def _scan_saved(terms, local_bytes) -> tuple[int, int]:
     carry = sum(local_bytes(v) for v in carry_values)
     if remat == "none":
         return n * per_step, work
+    if remat == "full":
+        return n * carry, per_step + work
+    # the stored matmul outputs the iteration's backward reads are not made again
     dots = sum(local_bytes(v) for v in dots_values)
-    return n * (carry + (dots if remat == "dots" else 0)), per_step + work
+    again = per_step - sum(local_bytes(v) for v in set(dots_values) & set(body_terms[1]))
+    return n * (carry + dots), again + work
