@@ -4,11 +4,12 @@ weight and back, exactly (dropless), in buffers of static size.
 Under a layout that splits a grouped matmul's weight (or a grouped FFN's weights) along
 its group dim (`experts:e`) and its rows (the groups' dims) over the same mesh axes,
 each device holds its own rows and its block of the groups. A round sends each device's
-next `capacity` rows per destination by one all_to_all (and their groups' local ids by
-a second), runs the rows it receives through its own groups' weights (`grouped_rows`;
-a grouped FFN's every product and its activation, so the hidden layer never moves),
-and returns the results by a third all_to_all; the backward pass's transposes send the
-results' and the rows' cotangents (2 more; the ids have none). Rounds repeat until
+next `capacity` rows per destination, their groups' local ids packed beside them (in
+extra lanes of the rows' dtype, `packed`), by one all_to_all, runs
+the rows it receives through its own groups' weights (`grouped_rows`; a grouped FFN's
+every product and its activation, so the hidden layer never moves), and returns the
+results by a second all_to_all; the backward pass's transposes send the results' and
+the rows' cotangents (2 more; the id lanes' are zeros). Rounds repeat until
 every row is done: how many the busiest (source, destination) pair needs, agreed by a
 pmax of each device's largest count, so buffers keep a static size and nothing is
 dropped whatever the load. A
@@ -79,8 +80,9 @@ def routed(most, *arrays, prepare, kernel, axes, devices, capacity, dtype, shape
         first = t * capacity
         sent = (dest < devices) & (rank >= first) & (rank < first + capacity)
         slot = jnp.where(sent, dest * capacity + rank - first, k)  # k: not this round
-        rows = move(jnp.zeros((k, c), dtype).at[slot].set(x, mode="drop"))
-        ids = move(jnp.full((k,), -1, jnp.int32).at[slot].set(local, mode="drop"))
+        rows = jnp.zeros((k, c), dtype).at[slot].set(x, mode="drop")
+        ids = jnp.full((k,), -1, jnp.int32).at[slot].set(local, mode="drop")
+        rows, ids = unpacked(move(packed(rows, ids, groups)), c, groups)
         back = move(kernel(rows, ids, *weights))
         got = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)
         return out + jnp.where(sent[:, None], got, jnp.zeros((), dtype))
@@ -95,6 +97,39 @@ def routed(most, *arrays, prepare, kernel, axes, devices, capacity, dtype, shape
 
     out, _ = jax.lax.scan(body, out, jnp.arange(math.ceil(n / capacity)))
     return out.reshape(shape)
+
+
+def id_lanes(dtype, groups: int) -> int:
+    """Lanes of the float `dtype` that carry a row's group id in [-1, groups) beside it
+    (`packed`): one per digit of id + 1 in base 2^(mantissa bits + 1), the integers the
+    dtype holds exactly (bfloat16: 256, so two lanes past 255 groups; float32: 2^24)."""
+    base, lanes = _base(dtype), 1
+    while base**lanes <= groups:
+        lanes += 1
+    return lanes
+
+
+def _base(dtype) -> int:
+    return 2 ** (int(jnp.finfo(dtype).nmant) + 1)
+
+
+def packed(rows, ids, groups: int):
+    """The rows (k, c) with their group `ids` (k,), each in [-1, groups), in
+    `id_lanes` more columns of the rows' dtype, so that one all_to_all moves both. Each
+    lane holds a digit of id + 1 as a small whole number, which any float holds and any
+    copy keeps. (Not the id's bits: XLA:CPU canonicalises a NaN's bits where it
+    concatenates bfloat16, and -1's bits are a NaN's.)"""
+    base, code = _base(rows.dtype), ids + 1
+    digits = [(code // base**i) % base for i in range(id_lanes(rows.dtype, groups))]
+    return jnp.concatenate([rows, jnp.stack(digits, 1).astype(rows.dtype)], axis=1)
+
+
+def unpacked(buffer, c: int, groups: int):
+    """(rows, ids) of a `packed` buffer whose rows are `c` wide."""
+    lanes = jax.lax.stop_gradient(buffer[:, c:]).astype(jnp.int32)  # (an id has no cotangent)
+    base = _base(buffer.dtype)
+    code = sum(lanes[:, i] * base**i for i in range(id_lanes(buffer.dtype, groups)))
+    return buffer[:, :c], code - 1
 
 
 def matmul_rows(x, w, g, *, dim, dims, dtype):
@@ -152,16 +187,17 @@ def route(ctx, eqn, args, split: tuple[str, ...]):
 
 def send(ctx, eqn, split, arrays, g, groups: int, widths, prepare, kernel):
     """The "routed" instruction of local `arrays` (rows, weights and groups `g`, laid out
-    for it) and its plan: the busiest pair's count (pmax), three all_to_all per round
-    (logged for one round, the balanced load's: rows `widths[0]` wide out, their ids,
-    results `widths[1]` wide back), and one round's local op (its flops)."""
+    for it) and its plan: the busiest pair's count (pmax), two all_to_all per round
+    (logged for one round, the balanced load's: rows `widths[0]` wide and their ids'
+    lanes out, results `widths[1]` wide back; each transposed in the backward pass,
+    the lanes' zero cotangents too), and one round's local op (its flops)."""
     (out,) = eqn.outputs
     devices = math.prod(ctx.sizes[a] for a in split)
     cap = capacity(math.prod(g.shape), devices)
     most = _busiest(ctx, g, groups, devices)
     (c, o), k, size = widths, devices * cap, np.dtype(out.dtype).itemsize
-    for nbytes, transposes in ((k * c * size, True), (k * 4, False), (k * o * size, True)):
-        ctx.log("all_to_all", split, nbytes, transposes=transposes)
+    for width in (c + id_lanes(out.dtype, groups), o):
+        ctx.log("all_to_all", split, k * width * size, transposes=True)
     # the rows' sizes are g's local ones (a pipeline's microbatch has fewer than the
     # value's layout gives), the other dims' the layout's
     vg = eqn.inputs[next(i for i, a in enumerate(arrays) if a is g)]

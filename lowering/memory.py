@@ -8,7 +8,10 @@ keeps them, and one recomputed iteration's working set).
 
 from __future__ import annotations
 
+import jax
+
 from lowering.caches import per_object
+from namedmesh.control import UNROLL_BUDGET, equations
 from namedmesh.primitive import (
     READS_BOTH,
     READS_CONSTANT,
@@ -17,6 +20,7 @@ from namedmesh.primitive import (
     READS_OUTPUT,
     is_inexact,
 )
+from namedmesh.trace import evaluate
 
 
 def active_values(graph, active: set) -> set:
@@ -163,7 +167,11 @@ def _saved_terms(graph, active: frozenset, held: frozenset, intermediates: bool)
             saves = e.primitive.backward_saves
             saves = saves(e.inputs, e.params) if callable(saves) else saves
             adds.append(("save", saves, e.inputs[0]))
-        working.append(tuple(v for v in (*e.inputs, *e.outputs) if v in active))
+        ends = (*e.inputs, *e.outputs)
+        if e.primitive.loop and _unrolled(e):  # its layers' cotangents, each its own:
+            n = e.params["n_carry"]  # of the carry, beside the body's (`_scan_saved`)
+            ends = (*e.inputs[:n], *e.outputs[:n])  # and the gradients themselves
+        working.append(tuple(v for v in ends if v in active))
     return tuple(adds), tuple(kept - held), tuple(working)
 
 
@@ -205,9 +213,59 @@ def _scan_terms(e, active: set) -> tuple:
     # the scanned slices and the shared inputs are held whole outside the loop
     held = frozenset((*body.inputs[nc:], *body.consts))
     remat = e.params.get("remat", "none")
-    terms = _saved_terms(body, frozenset(inner), held, remat == "none")
-    dots = tuple(v for b in body.eqns if b.primitive.matmul for v in b.outputs if v in inner)
+    unrolled = _unrolled(e)
+    # unrolled, the iterations are one program: XLA fuses the elementwise intermediates'
+    # recomputation into the backward pass's ops (as in an iteration remat recomputes)
+    # where a loop must store them, stacked, for its backward loop; and it merges remat's
+    # recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
+    remat = "none" if unrolled else remat
+    terms = _saved_terms(body, frozenset(inner), held, remat == "none" and not unrolled)
+    dots = tuple(v for v in _needed_dots(body, terms) if v in inner)
     return ("scan", e, e.params["length"], remat, terms, tuple(body.inputs[:nc]), dots)
+
+
+def _needed_dots(body, terms) -> tuple:
+    """The matmul outputs of `body` that remat "dots" stores for its backward pass: those
+    the backward pass reads (its `_saved_terms` `terms`), or that recomputing a value
+    it reads starts from (back through the other equations, to a matmul or an input);
+    a matmul's output nothing reads backward (a projection added to the residual) jax
+    does not keep."""
+    made = {v: e for e in body.eqns for v in e.outputs}
+    adds, kept, _ = terms
+    todo = [*kept, *(a[2] for a in adds if a[0] == "save")]
+    todo += [v for a in adds if a[0] == "scan" for v in a[1].inputs]
+    need, seen = [], set()
+    while todo:
+        v = todo.pop()
+        if v in seen or v not in made:  # an input of the body: held
+            continue
+        seen.add(v)
+        if made[v].primitive.matmul:
+            need.append(v)
+        else:
+            todo.extend(made[v].inputs)
+    return tuple(need)
+
+
+def _unrolled(e) -> bool:
+    """Whether the scan equation `e` runs unrolled, as nm.scan's `unrolls` decides: its
+    `unroll` when a bool; for "auto", no remat, more than one iteration and the body,
+    traced at the graph's shapes, within UNROLL_BUDGET equations in all (the eager
+    program's count: a lowered body's collectives may add a few)."""
+    p = e.params
+    unroll, length = p.get("unroll", False), p["length"]
+    if unroll != "auto":
+        return bool(unroll)
+    if p.get("remat", "none") != "none" or length <= 1:
+        return False
+    return length * _equations(p["body"]) <= UNROLL_BUDGET
+
+
+@per_object  # of the program alone, not of the layout: once for all candidates
+def _equations(body) -> int:
+    """The jax equations of one iteration of the scan body `body` (`equations`)."""
+    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in body.inputs]
+    return equations(jax.make_jaxpr(lambda *a: evaluate(body, list(a), "jax"))(*avals))
 
 
 def _scan_saved(terms, local_bytes) -> tuple[int, int]:
@@ -216,5 +274,9 @@ def _scan_saved(terms, local_bytes) -> tuple[int, int]:
     carry = sum(local_bytes(v) for v in carry_values)
     if remat == "none":
         return n * per_step, work
+    if remat == "full":
+        return n * carry, per_step + work
+    # the stored matmul outputs the iteration's backward reads are not made again
     dots = sum(local_bytes(v) for v in dots_values)
-    return n * (carry + (dots if remat == "dots" else 0)), per_step + work
+    again = per_step - sum(local_bytes(v) for v in set(dots_values) & set(body_terms[1]))
+    return n * (carry + dots), again + work

@@ -7,6 +7,7 @@ logits."""
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -234,9 +235,9 @@ def test_expert_parallel_dropless_sends_rows_by_all_to_all_exactly():
     expert FFN (wi, wg, silu, wo) there, and back, once: the layer equals NumPy token by
     token (every choice computed), its gradients (parameters' and input's) equal one
     device's, the compiled HLO holds the plan's collectives, bytes and all, and the
-    training step compiles to 5 all-to-alls: the rows, their experts' ids and the
-    results forward, the transposes of the rows' and results' backward (3 grouped
-    matmuls took 15)."""
+    training step compiles to 4 all-to-alls: the rows with their experts' ids packed
+    beside them and the results forward, the transposes of both backward (3 grouped
+    matmuls took 15; the ids apart, 5)."""
     from lowering.cost import expected_hlo
     from lowering.hlo import collectives
 
@@ -246,12 +247,12 @@ def test_expert_parallel_dropless_sends_rows_by_all_to_all_exactly():
     plan = f.plan(p, x)
     (step,) = [s for s in plan if s.name == "grouped_ffn"]
     kinds = [c.kind for c in step.collectives if "expert" in c.axes]
-    assert kinds == ["pmax"] + ["all_to_all"] * 3  # the busiest pair's count, one round
+    assert kinds == ["pmax"] + ["all_to_all"] * 2  # the busiest pair's count, one round
     hlo = f.compile(p, x).as_text()
     assert sorted(collectives(hlo)) == sorted(expected_hlo(plan, MESH))
     loss = lambda f: lambda p, x: (f(p, x).data ** 2).sum()  # noqa: E731
     grad = jax.jit(jax.grad(loss(lambda p, x: f(p, x)[0]), (0, 1))).lower(p, x).compile()
-    assert [k for k, _, _ in collectives(grad.as_text())].count("all-to-all") == 5
+    assert [k for k, _, _ in collectives(grad.as_text())].count("all-to-all") == 4
     got = grad(p, x)
     one = jax.jit(jax.grad(loss(lambda p, x: moe.moe(x, p, cfg).out), (0, 1)))(p, x)
     for k in ("wi", "wg", "wo", "gate"):
@@ -259,14 +260,38 @@ def test_expert_parallel_dropless_sends_rows_by_all_to_all_exactly():
     np.testing.assert_allclose(got[1].data, one[1].data, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_expert_ids_packed_beside_the_rows_come_back_exactly(dtype):
+    """Group ids carried in lanes of the rows' dtype beside them (bfloat16 holds
+    integers exactly only up to 256, float8 up to 16: as many lanes as the groups need)
+    and the rows come back unchanged, the empty slots' -1 too."""
+    from lowering.expert_routes import id_lanes, packed, unpacked
+
+    groups = 70_000
+    ids = np.array([-1, 0, 1, 15, 16, 255, 256, 257, 65_535, 65_536, groups - 1], np.int32)
+    rows = jnp.asarray(R.normal(size=(len(ids), 3)), dtype)
+    buffer = jax.jit(packed, static_argnums=2)(rows, ids, groups)
+    lanes = {"float32": 1, "bfloat16": 3, "float8_e4m3fn": 5}[dtype]  # digits of 70,000
+    assert id_lanes(dtype, groups) == lanes and id_lanes(dtype, 8) == 1
+    assert buffer.shape == (len(ids), 3 + lanes) and buffer.dtype == rows.dtype
+    got_rows, got_ids = jax.jit(unpacked, static_argnums=(1, 2))(buffer, 3, groups)
+    np.testing.assert_array_equal(np.asarray(got_ids), ids)
+    np.testing.assert_array_equal(np.asarray(got_rows, np.float32), np.asarray(rows, np.float32))
+
+
 def test_expert_parallel_rows_all_to_one_expert_take_more_rounds_and_stay_exact():
     """Every row of every device chooses expert 0 (the worst load: one device receives
-    all): the rounds repeat until all are done, and the result is NumPy's."""
-    x = R.normal(size=(8, 4, 6)).astype(np.float32)
-    w = R.normal(size=(8, 6, 5)).astype(np.float32)
+    all): the rounds repeat until all are done, and the result is NumPy's (bfloat16
+    rows, each product summed in float32 and rounded once: the ids travel in two
+    bfloat16 lanes beside them, the empty slots' -1 a NaN's bits)."""
+    x = R.normal(size=(8, 4, 6)).astype(jnp.bfloat16)
+    w = R.normal(size=(8, 6, 5)).astype(jnp.bfloat16)
     g = np.zeros((8, 4, 2), np.int32)
     g[0, 0, 1] = 7  # and one row to the last device
     f = lower(lambda x, w, g: nm.grouped_matmul(x, w, g), Mesh({"e": 8}), "b:e;experts:e")
     args = (nm.tensor(x, "b l d"), nm.tensor(w, "experts d f"), nm.tensor(g, "b l k"))
-    want = np.einsum("bld,blkdf->blkf", x, w[g])
-    np.testing.assert_allclose(np.asarray(f(*args).data), want, rtol=1e-5, atol=1e-5)
+    wide = np.einsum("bld,blkdf->blkf", x.astype(np.float64), w[g].astype(np.float64))
+    got = f(*args).data
+    assert got.dtype == jnp.bfloat16
+    want = wide.astype(np.float32).astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=1e-6)

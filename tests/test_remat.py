@@ -147,14 +147,16 @@ def test_training_peak_estimate_follows_the_policy(remat):
     and tanh's one saved intermediate, (batch, e); without remat every layer's, with
     full remat the carry h per layer plus one recomputed layer's h and y (XLA fuses
     tanh's intermediate into the backward pass), with dots the carry and the matmul
-    outputs a and b per layer. Outside the scan, h * h keeps h. The working set is the
+    output a per layer (y is recomputed from it; b, added to the carry, nothing reads
+    backward: jax.ad_checkpoint.print_saved_residuals of the body under dots_saveable
+    lists h, the weights and a only). Outside the scan, h * h keeps h. The working set is the
     largest sum of cotangents of one equation's inputs and outputs: the scan's (x, the
     stacked weights, h)."""
     rep = lower(program(remat), Mesh({"one": 1}), "").report(*ARGS, wrt=(0, 1, 2), show=False)
     f = 4  # float32
     inputs = (B * D + 2 * L * D * E) * f
     step = (B * D + 2 * B * E) * f
-    carry, dots = B * D * f, (B * E + B * D) * f
+    carry, dots = B * D * f, B * E * f
     body = {"none": L * step, "full": L * carry, "dots": L * (carry + dots)}
     working = (2 * B * D + 2 * L * D * E) * f
     assert rep.peak_memory == 2 * inputs + B * D * f + body[remat] + working
