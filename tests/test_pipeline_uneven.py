@@ -20,6 +20,7 @@ from lowering.distributed import place
 from lowering.hlo import collectives
 from lowering.stages import StagedChoice, assign_stages
 from models import transformer, zoo
+from namedmesh.chain import chain_deal
 from namedmesh.uneven import PaddedStack, deal, pad_stacks, unpad_stacks
 from tests.test_pipeline import BATCH, CFG
 
@@ -107,11 +108,12 @@ def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
     assert_same(got, grads_of(_cast_loss, params, x), rtol=2e-2)  # bfloat16 gradients
 
 
-def test_a_dense_stack_shorter_than_the_stages_then_moe_microbatches():
+def test_a_dense_stack_then_moe_microbatches_run_as_one_pipeline():
     """DeepSeek-V3's shape in small: 1 dense layer, then a stack of 3 MoE layers, on 2
-    stages with 2 microbatches, the parameters padded (the dense stack's one layer on
-    stage 0, stage 1 passes it through). Loss and gradients: the unlowered model run
-    microbatch by microbatch, averaged (each microbatch routes on its own)."""
+    stages with 2 microbatches, the parameters padded: ONE pipeline (nm.scan_chain)
+    whose stage 0 runs the dense layer then MoE layer 0 and stage 1 MoE layers 1-2, the
+    planner's deal, so one bubble (M + S - 1 ticks). Loss and gradients: the unlowered
+    model run microbatch by microbatch, averaged (each microbatch routes on its own)."""
     from test_pipeline_compositions import _by_microbatch
 
     cfg = zoo.get("moe").configure(CFG.replace(layers=4, batch=4)).replace(dense_layers=1)
@@ -126,16 +128,21 @@ def test_a_dense_stack_shorter_than_the_stages_then_moe_microbatches():
     want_value, want_grads = _by_microbatch(loss, params, batch, 2)
     got = (float(value), jax.tree_util.tree_leaves(unpad_stacks(grads)))
     assert_same(got, (float(want_value), jax.tree_util.tree_leaves(want_grads)))
-    plans = lowered.report(padded, batch, show=False).pipelines
-    assert [(p.stages, p.length, p.microbatches) for p in plans] == [(2, 2, 2), (2, 4, 2)]
+    (plan,) = lowered.report(padded, batch, show=False).pipelines  # one pipeline
+    assert (plan.stages, plan.microbatches, plan.ticks) == (2, 2, 3)
+    assert list(plan.deal.counts) == assign_stages([1, 3], 2)  # stage 0: 1+1, stage 1: 0+2
+    assert "stage 0: layers 0-1 (1 of stack 0 + 1 of stack 1) + 1 pad" in str(plan)
 
 
 @pytest.mark.parametrize("layers,stages", [(5, 2), (7, 4), (61, 16), (9, 3), (10, 4)])
 def test_the_deal_is_the_planners(layers, stages):
-    """The runtime's stages hold the layers the planner deals them (lowering/stages.py)."""
+    """The runtime's stages hold the layers the planner deals them (lowering/stages.py),
+    one stack and a chain of stacks (nm.scan_chain: DeepSeek-V3's 3 dense + 58 MoE)."""
     got = deal(layers, stages)
     assert [n for _, n in got] == [c for (c,) in assign_stages([layers], stages)]
     assert [a for a, _ in got] == list(np.cumsum([0] + [n for _, n in got])[:-1])
+    for stacks in ([3, layers + 55], [1, layers], [layers, 2, 1]):
+        assert chain_deal(stacks, stages) == assign_stages(stacks, stages)
 
 
 RUNS = "runs as a layers:stage layout (lowering.pipeline)"
