@@ -149,19 +149,26 @@ RUNS = "runs as a layers:stage layout (lowering.pipeline)"
 
 
 @pytest.mark.parametrize(
-    "stacks,stages,moe,said",
-    [
-        ([61], 16, False, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
-        ([16], 4, False, "runs as a layers:stage layout (lowering.pipeline)"),
-        ([3, 58], 16, False, f"{RUNS}, each stack padded to 16 equal stages (the 3 layers of"),
-        ([61], 16, True, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
-        ([16], 4, True, "runs as a layers:stage layout (lowering.pipeline), each microbatch"),
+    "stacks,stages,moe,said,pads",
+    [  # pads: (the runtime's share of masked slots, the plan's), counted by hand
+        ([61], 16, False, f"{RUNS}, 4 layer slots a stage", (3 / 64, 3 / 64)),
+        ([16], 4, False, RUNS, (0, 0)),
+        # DeepSeek-V3: stage 0 runs 3 dense + 1 MoE, every stage 3 dense + 4 MoE slots
+        ([3, 58], 16, True, f"{RUNS}, one pipeline over the 2 stacks", (1 - 61 / 112, 3 / 64)),
+        ([16], 4, True, f"{RUNS}, each microbatch", (0, 0)),
     ],
 )
-def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
+def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said, pads):
     deal_ = assign_stages(stacks, stages)
     uneven = any(n % stages for n in stacks)
     choice = StagedChoice(None, None, deal_, [], 0.0, None, 0.0, 0.0, uneven, moe)
     assert choice.runtime.startswith(said)
-    assert choice.runtime.endswith("stages") == (uneven and not moe and min(stacks) >= stages)
     assert choice.runtime.endswith("averaged)") == moe
+    got = (choice.runtime_deal.pad_share, choice.planned_deal.pad_share)
+    np.testing.assert_allclose(got, pads, atol=1e-12)
+    assert (f"{pads[0]:.1%} of the stages' layer work" in choice.runtime) == bool(pads[0])
+    if stacks == [3, 58]:
+        assert choice.stages_text(["dense", "MoE"]) == (
+            "stage 0: layers 0-3 (3 dense + 1 MoE); stages 1-12: layers 4-51, 4 layers each "
+            "(4 MoE); stages 13-15: layers 52-60, 3 layers each (3 MoE) + 1 pad each"
+        )
