@@ -197,3 +197,30 @@ def test_the_joint_search_weighs_an_uneven_stage_split():
                        rates=rates)  # fmt: skip
     # the pad costs a layer (the masking's selects a little more at this tiny width)
     assert even.compute <= piped.candidate.compute <= 1.25 * even.compute
+
+
+def _nested(feeds_carry: bool):
+    """A scan over 'layers' whose body scans 'sub', each sub-iteration's result a mean
+    over the batch (a MoE layer's balancing loss, as in a scan_chain stage)."""
+
+    def program(x, w):
+        def outer(h, wl):
+            inner = lambda c, ws: (nm.tanh(c * ws), (c * c).mean("batch"))
+            h, ys = nm.scan(inner, h, wl, "sub")
+            return (h + ys.sum(), None) if feeds_carry else (h, ys.sum())
+
+        return nm.scan(outer, x, w, "layers")
+
+    return program
+
+
+def test_a_nested_result_made_along_the_batch_is_averaged_not_fed_to_the_carry():
+    """Microbatches may run a body whose inner scan makes a result along the batch only
+    where the pipeline averages it as its own result; fed to the carry, it mixes them."""
+    x = nm.tensor(np.ones((4, 3), np.float32), ("batch", "d"))
+    w = nm.tensor(np.ones((2, 2, 3), np.float32), ("layers", "sub", "d"))
+    mesh, layout = Mesh({"stage": 2}), "layers:stage;microbatches=2"
+    (plan,) = lower(_nested(False), mesh, layout).report(x, w, show=False).pipelines
+    assert (plan.microbatches, plan.averaged) == (2, 1)
+    with pytest.raises(nm.PipelineError, match="reads a result made along it"):
+        lower(_nested(True), mesh, layout).plan(x, w)
