@@ -27,14 +27,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import namedmesh as nm
 from lowering.layout import Layout
 from lowering.lower import lower
 from lowering.mesh import Mesh
 from lowering.rates import Rates
 from lowering.search import Candidate, auto_layout
 from lowering.stages import STAGE_AXIS
-from lowering.train_step import StepMemory, Training, optimizer_bytes
-from namedmesh.errors import LayoutError, ParameterError
+from lowering.train_step import StepMemory, Training, optimizer_bytes, step_memory
+from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
+from namedmesh.uneven import pad_stacks
 
 REMATS = ("none", "dots", "full")
 
@@ -273,8 +275,9 @@ def _search_pair(joint, whole, build, mesh, settings, beam, best_fit: list) -> b
     table = joint.cache[key]
     flops = whole.model_flops(settings)
     costed = [c for c in table if c.step is not None]
-    kept = [c for c in costed if c.valid][:3]
-    kept += sorted((c for c in costed if not c.valid), key=lambda c: c.memory)[:1]
+    uneven = _uneven_candidates(joint, build, mesh, settings, costed)
+    kept = [c for c in costed if c.valid][:3] + [c for c in uneven if c.valid]
+    kept += sorted((c for c in costed + uneven if not c.valid), key=lambda c: c.memory)[:1]
     fits = False
     for c in kept:
         joint.choices.append(Choice(mesh, settings, c, flops, joint.limit))
@@ -282,6 +285,74 @@ def _search_pair(joint, whole, build, mesh, settings, beam, best_fit: list) -> b
             fits = True
             best_fit[0] = min(best_fit[0], joint.choices[-1].step_seconds)
     return fits
+
+
+def uneven_stage_layouts(fn, mesh: Mesh, *inputs, base: Layout | None = None) -> list[Layout]:
+    """The pipelined layouts that the search's divisibility never proposes: for each scan
+    of `fn(*inputs)` over a dim whose length the mesh's `stage` axis does not divide
+    (DeepSeek-V3's 61 layers on 16 stages), `base` (default: the batch over the mesh's
+    other axes) without the stage axis, plus `dim:stage`: a padded split
+    (namedmesh/uneven.py), which `lower` runs and its report costs with the pads'
+    compute. [] without a stage axis of more than one device."""
+    s = mesh.sizes.get(STAGE_AXIS, 1)
+    if s <= 1:
+        return []
+    graph = nm.trace(fn, *inputs)
+    dims = sorted({e.params["dim"] for e in graph.eqns
+                   if e.primitive.name == "scan" and e.params["length"] % s})  # fmt: skip
+    if base is None:
+        others = ",".join(a for a, n in mesh.sizes.items() if n > 1 and a != STAGE_AXIS)
+        base = Layout(f"batch:{others}" if others else "")
+    rules = [(d, tuple(a for a in axes if a != STAGE_AXIS)) for d, axes in base.rules]
+    rules = [(d, axes) for d, axes in rules if axes and d not in dims]
+    return [Layout([*rules, (d, (STAGE_AXIS,))], options=base.options) for d in dims]
+
+
+def _uneven_candidates(joint, build, mesh, settings, costed) -> list[Candidate]:
+    """The pair's best layout with a stack its stage axis does not divide split over the
+    stages (`uneven_stage_layouts`), each costed as the trainer runs it: its stacks
+    padded ahead (a PaddedStack each stage device holds 1/S of), the pads' compute in
+    the padded scan. Cached with the pair."""
+    if STAGE_AXIS not in mesh.sizes:
+        return []
+    t = joint.training
+    key = ("uneven", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates), t)
+    if key not in joint.cache:
+        fn, inputs = build(settings)
+        best = next((c.layout for c in costed if c.valid), None)
+        run = Training(t.optimizer, t.moment_dtype, t.zero1, settings.grad_accum)
+        joint.cache[key] = [padded_candidate(fn, mesh, inputs, layout, joint.rates, run,
+                                             joint.limit)
+                            for layout in uneven_stage_layouts(fn, mesh, *inputs, base=best)
+                            ]  # fmt: skip
+    return [c for c in joint.cache[key] if c.step is not None]
+
+
+def padded_candidate(fn, mesh, inputs, layout, rates: Rates, training: Training, limit):
+    """The Candidate of `layout` (it splits a stack over uneven stages) for the training
+    step of `fn(*inputs)` (its parameters the first input), the stacks padded ahead
+    (`namedmesh.uneven.pad_stacks`), as auto_layout's candidates are costed: its report's
+    flops, bytes and step memory at `rates`, over `limit` or invalid said in its note."""
+    cand = Candidate(layout)
+    lowered = lower(fn, mesh, layout)
+    params = pad_stacks(inputs[0], lowered.stage_sizes)
+    try:
+        rep = lowered.report(params, *inputs[1:], wrt=0, show=False)
+    except NamedMeshError as e:
+        cand.note = "invalid: " + str(e).splitlines()[0]
+        return cand
+    data = layout.assign(("batch",))[0]
+    cand.flops, cand.bytes = rep.flops + rep.backward_flops, rep.bytes + rep.backward_bytes
+    cand.pipelines = tuple(rep.pipelines)
+    cand.step = step_memory(rep, mesh.sizes, data, training)
+    cand.memory = cand.step.total
+    cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
+    cand.compute, cand.comm = rates.compute_seconds(rep), rates.comm_seconds(rep)
+    cand.sync = rates.sync_seconds(rep, data)
+    cand.time = cand.planned = rates.step_seconds(cand.compute, cand.comm)
+    if cand.memory > limit:
+        cand.note, cand.time = "over the memory limit", math.inf
+    return cand
 
 
 class _WholeCosts:

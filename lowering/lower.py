@@ -142,9 +142,10 @@ class Lowered:
         stages = self._stages()
         with scan_stages(stages) as padded:  # uneven stages: namedmesh/uneven.py
             graph = pruned(nm.trace(viewed(self.fn, stages), *args))
-        names = input_names(args)
-        wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, names, padded)
-        plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
+            names = input_names(args)
+            wanted, out_layouts = io_layouts(graph, self.mesh, self.layout, names, padded)
+            # (planned within: a pipeline's plan names the real layers of a padded stack)
+            plan = plan_program(graph, self.mesh, self.layout, wanted, out_layouts)
         body = functools.partial(emit, plan, check=self.check_plan)
         jitted = _jitted(body, graph, self.mesh, wanted, out_layouts)
         return _Built(graph, wanted, out_layouts, jitted, plan)

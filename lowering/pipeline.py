@@ -48,6 +48,7 @@ from lowering.layout import Layout
 from lowering.plan import Step, nbytes
 from namedmesh.errors import PipelineError, fmt_dims
 from namedmesh.primitive import is_inexact
+from namedmesh.uneven import recorded
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class PipelinePlan:
     saved_bytes: int = 0  # activations one iteration keeps for the backward pass
     repeats: int = 1  # circular: each microbatch passes every stage this many times
     averaged: int = 0  # per-iteration results without `dim`: the microbatches' averaged
+    deal: object = None  # uneven stages: the real layers' namedmesh.uneven.Deal (None: all real)
 
     @property
     def ticks(self) -> int:
@@ -155,7 +157,18 @@ class PipelinePlan:
             f"    per device: stage parameters {self.parameter_bytes:,} bytes (stack "
             f"{self.stack_bytes:,}), activations kept {self.activation_bytes:,} bytes",
         ] + ([f"    {self.averaged} per-iteration result(s) without {self.dim!r}: each "
-              "microbatch's own, averaged"] if self.averaged else [])  # fmt: skip
+              "microbatch's own, averaged"] if self.averaged else []) + self.pads()  # fmt: skip
+
+    def pads(self) -> list[str]:
+        """Uneven stages: each stage's real layers and pads, and what the pads cost."""
+        if self.deal is None:
+            return []
+        slots = sum(self.deal.slots)
+        return [
+            f"    uneven stages, {slots} layer slots each: {self.deal.words()}",
+            f"    pads (the identity, computed and masked): {self.deal.pad_share:.1%} of the "
+            f"stages' layer work, besides the bubble's {self.bubble:.1%} of the ticks",
+        ]
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -326,15 +339,23 @@ def _mixing(body, batched: set, dim: str) -> str | None:
     """`mixing_op`'s check of `body`'s equations, given the `batched` values (updated
     with those they make). A loop inside (nm.scan) is checked through its body: its
     results made from batched values must keep `dim`, the others (a ring's key
-    positions, carried beside the batch) need not have it."""
+    positions, carried beside the batch) need not have it. Its per-iteration results
+    without `dim` (a MoE layer's balancing loss, in a stage of scan_chain's stacks) may
+    be made along it, as the body's own may, if only the body's own results read them."""
+    mixed: set = set()  # such results: what reads them is made along `dim`
     for e in body.eqns:
+        if any(v in mixed for v in e.inputs):
+            return f"{e.primitive.name} {fmt_dims(e.outputs[0].dims)} reads a result made along it"
         has = any(v in batched for v in e.inputs)
         if has and e.primitive.loop and not _acts_along(e, dim):
             inner, nc, outs = e.params["body"], e.params["n_carry"], e.outputs
             start = {i for i, v in zip(inner.inputs, e.inputs, strict=True) if v in batched}
+            free = [i for i, v in enumerate(inner.outputs) if i >= nc and dim not in v.dims]
+            kept = [v for i, v in enumerate(inner.outputs) if i not in free]
+            mixed.update(outs[i] for i in free)
             while True:  # until no carry becomes batched in an iteration that was not
                 inside = set(start)
-                why = _mixing(inner, inside, dim)
+                why = _mixing(_Eqns(_needed(inner.eqns, kept)), inside, dim)
                 if why:
                     return why
                 more = {inner.inputs[i] for i in range(nc) if inner.outputs[i] in inside}
@@ -565,7 +586,8 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, stage_loop):
         repeats=ctx.layout.options.get("repeats"),
         ys=len(body.outputs) > nc,
     )
-    pplan = dataclasses.replace(pplan, averaged=sum(averaged_ys(body, nc, pplan.dim)))
+    pplan = dataclasses.replace(pplan, averaged=sum(averaged_ys(body, nc, pplan.dim)),
+                                deal=recorded(p["dim"], p["length"]))  # fmt: skip
     run = _run if pplan.repeats == 1 else _run_circular
     layout, ctx.layout = ctx.layout, without_axes(ctx.layout, axes)
     try:

@@ -27,14 +27,15 @@ The step, under a 1F1B schedule (GPipe's ticks, 1F1B's memory):
                 accumulator), optimizer state, and min(M, S - s) microbatches'
                 saved activations and inputs in flight at stage s (one working set)
 
-Runtime: lowering/pipeline.py pipelines each nm.scan on its own over the stage axis, a
-stack that S does not divide padded to S equal stages of ceil(L/S) layers, dealt as
-here, the pads the identity (namedmesh/uneven.py; the trainer keeps it padded, each
-stage device its layers); a MoE body runs any number of microbatches, each routed on
-its own and its balancing loss averaged over them (`mixing_op`). A stack of fewer layers
-than stages runs on the first stages, one layer each, the others passing it through:
-each stack is a pipeline of its own, so the runtime's deal of a short stack is not the
-consecutive deal planned here (`StagedChoice.runtime` says so).
+Runtime: lowering/pipeline.py runs the model's stacks as one pipeline over the stage
+axis (nm.scan_chain, namedmesh/chain.py, where it has two; a stack that S does not
+divide padded to S equal stages: namedmesh/uneven.py), its stages holding the layers
+dealt here; the trainer keeps the stacks padded. The pads are masked, not skipped: each
+stack takes on every stage the slots of the stage that holds most of it, so a stage
+computes sum_i max_s counts[s][i] layers (`StagedChoice.runtime` says how many, against
+the pads the plan charges: the slowest stage's tick). A MoE body runs any number of
+microbatches, each routed on its own and its balancing loss averaged over them
+(`mixing_op`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from lowering.search import Candidate, auto_layout, cost_layout
 from lowering.train_step import StepMemory, Training
 from namedmesh.checks import did_you_mean
 from namedmesh.errors import LayoutError, ParameterError
+from namedmesh.uneven import Deal
 
 STAGE_AXIS = "stage"
 
@@ -205,46 +207,53 @@ class StagedChoice:
         return tokens / self.step_seconds / self.mesh.size
 
     @property
+    def planned_deal(self) -> Deal:
+        """The assignment as the plan charges it: every stage a tick of the slowest, so a
+        stage of fewer layers than the most idles the difference (its pads)."""
+        return Deal(tuple(self.assignment), (max(map(sum, self.assignment)),))
+
+    @property
+    def runtime_deal(self) -> Deal:
+        """The assignment as lowering.pipeline runs it: each stack (nm.scan_chain) takes
+        the slots a stage of the most of its layers needs on every stage, pads masked."""
+        stacks = range(len(self.assignment[0]))
+        return Deal(tuple(self.assignment), tuple(max(c[i] for c in self.assignment)
+                                                  for i in stacks))  # fmt: skip
+
+    @property
     def runtime(self) -> str:
-        """How lowering.pipeline runs this plan, in words. It pipelines each stack (an
-        nm.scan) on its own, one padded to S equal stages where S does not divide it
-        (namedmesh/uneven.py): a stack of fewer layers than stages runs on the first
-        stages, the others passing it through, not as dealt here; a MoE stack's
-        microbatches each route on their own, their balancing losses averaged
+        """How lowering.pipeline runs this plan, in words: one pipeline (nm.scan_chain
+        where the model has two stacks) whose stages hold the layers dealt here, each
+        stack taking on every stage the slots of the stage holding most of it, the pads
+        masked (computed, their results dropped: namedmesh/chain.py, uneven.py); a MoE
+        stack's microbatches each route on their own, their balancing losses averaged
         (lowering.pipeline.mixing_op)."""
-        stacks = [sum(col) for col in zip(*self.assignment, strict=True)]
-        s = self.stages
+        run = self.runtime_deal
         ran = "runs as a layers:stage layout (lowering.pipeline)"
-        if self.uneven:
-            ran += f", each stack padded to {s} equal stages"
-        short = [n for n in stacks if 0 < n < s]
-        if short:
-            ran += (f" (the {' and '.join(map(str, short))} layers of a shorter stack on its first "
-                    "stages, the others passing it through: each stack its own pipeline, not the "
-                    "deal planned)")  # fmt: skip
+        if len(run.slots) > 1:
+            ran += (f", one pipeline over the {len(run.slots)} stacks (nm.scan_chain), each "
+                    f"stage its dealt layers of each in turn")  # fmt: skip
+        if run.pad_share:
+            each = " + ".join(map(str, run.slots))
+            ran += (f", {each} layer slots a stage, the pads masked (computed: "
+                    f"{run.pad_share:.1%} of the stages' layer work, where the plan charges "
+                    f"{self.planned_deal.pad_share:.1%})")  # fmt: skip
         if self.moe_microbatches:
             ran += ", each microbatch routed on its own (its balancing loss averaged)"
         return ran
 
-    def stages_text(self) -> str:
-        """The assignment in words: runs of equal stages."""
-        runs: list[list] = []
-        for s, counts in enumerate(self.assignment):
-            if runs and runs[-1][0] == counts:
-                runs[-1][2] = s
-            else:
-                runs.append([counts, s, s])
-        parts = []
-        for counts, a, b in runs:
-            where = f"stage {a}" if a == b else f"stages {a}-{b}"
-            parts.append(f"{where}: {'+'.join(map(str, counts))}")
-        return "; ".join(parts)
+    def stages_text(self, names=None) -> str:
+        """Each stage's real layers and pads (`names`: the stacks', else "of stack i"),
+        runs of like stages together."""
+        return self.planned_deal.words(names)
 
     def as_dict(self) -> dict:
         """The stages for --json."""
         return {"assignment": [list(c) for c in self.assignment],
                 "sizes": [sum(c) for c in self.assignment], "bubble": self.bubble,
-                "stages_uneven": self.uneven, "runtime": self.runtime}  # fmt: skip
+                "stages_uneven": self.uneven, "runtime": self.runtime,
+                "pads": [self.planned_deal.pads(i) for i in range(self.stages)],
+                "pad_share": self.planned_deal.pad_share}  # fmt: skip
 
 
 def in_flight(position: int, stages: int, microbatches: int) -> int:

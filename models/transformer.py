@@ -177,6 +177,14 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
     router's statistics over the layers (moe.over_layers; None without experts).
     `block_args`: Context's causal, bias and stats, and `memory` with its `memory_bias`
     (an encoder's output for cross-attention)."""
+    body, xs = stack_step(x, layers, cfg, key, **block_args)
+    x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat, unroll=_unroll(cfg))
+    return x, None if aux is None else over_layers(aux)
+
+
+def stack_step(x, layers: dict, cfg: Config, key, **block_args):
+    """(body, xs): the scan of `run_stack` over the `layers` dim, for nm.scan or one
+    stack of nm.scan_chain."""
     is_tensor = lambda t: isinstance(t, nm.Tensor)
     n = jax.tree_util.tree_leaves(layers, is_leaf=is_tensor)[0].size_of("layers")
     consts = layer_constants(cfg, x.size_of("length"))
@@ -187,19 +195,25 @@ def run_stack(x, layers: dict, cfg: Config, key, **block_args):
         p, k, c = xs
         return block(h, p, Context(cfg, key=k, layer=c, **block_args), cross)
 
-    xs = (layers, layer_keys(key, n), consts)
-    unroll = "auto" if cfg.scan_layers == "auto" else not cfg.scan_layers
-    x, aux = nm.scan(body, x, xs, "layers", remat=cfg.remat, unroll=unroll)
-    return x, None if aux is None else over_layers(aux)
+    return body, (layers, layer_keys(key, n), consts)
+
+
+def _unroll(cfg: Config):
+    return "auto" if cfg.scan_layers == "auto" else not cfg.scan_layers
 
 
 def run_layers(x, params: dict, cfg: Config, key, **block_args):
-    """(x, aux): `run_stack` over params' dense stack (cfg.dense_layers; none for most
-    models) then its `layers`; aux is the layers' router statistics."""
-    if "dense" in params:
-        k = None if key is None else nm.random.fold_in(key, 11)
-        x, _ = run_stack(x, params["dense"], dense_config(cfg), k, **block_args)
-    return run_stack(x, params["layers"], cfg, key, **block_args)
+    """(x, aux): params' dense stack (cfg.dense_layers; none for most models) then its
+    `layers`, as `run_stack` runs each, the two chained (nm.scan_chain: pipelined, one
+    pipeline whose stages hold consecutive layers of both); aux is the layers' router
+    statistics."""
+    if "dense" not in params:
+        return run_stack(x, params["layers"], cfg, key, **block_args)
+    k = None if key is None else nm.random.fold_in(key, 11)
+    steps = [stack_step(x, params["dense"], dense_config(cfg), k, **dict(block_args)),
+             stack_step(x, params["layers"], cfg, key, **block_args)]  # fmt: skip
+    x, (_, aux) = nm.scan_chain(steps, x, "layers", remat=cfg.remat, unroll=_unroll(cfg))
+    return x, None if aux is None else over_layers(aux)
 
 
 def embed_inputs(

@@ -9,6 +9,7 @@ from namedmesh import startup  # first: Ctrl-C under `python -m namedmesh` (its 
 from namedmesh import methods, numpy_dispatch, random  # methods: binds the ops onto Tensor
 from namedmesh.attention import dot_product_attention
 from namedmesh.autodiff import grad, value_and_grad
+from namedmesh.chain import scan_chain
 from namedmesh.checks import DimNameWarning
 from namedmesh.contract import jax_gradients
 from namedmesh.control import scan

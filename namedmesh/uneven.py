@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 
 import jax
@@ -41,9 +42,9 @@ from namedmesh.structural import gather, rename
 from namedmesh.tensor import Tensor
 
 # ({dim: (mesh axes, stages)} of the scans being traced, the dims padded so far, {the Var of
-# an L-long view: its PaddedStack}); empty outside `lower`
+# an L-long view: its PaddedStack}, {(dim, padded length): its Deal}); empty outside `lower`
 _STAGES: contextvars.ContextVar[tuple] = contextvars.ContextVar(
-    "scan_stages", default=({}, set(), {})
+    "scan_stages", default=({}, set(), {}, {})
 )
 
 
@@ -53,7 +54,7 @@ def scan_stages(stages: dict):
     does not divide is padded to S equal stages (this module's docstring). Yields the
     set of dims padded, filled as the scans are traced."""
     padded: set = set()
-    token = _STAGES.set((dict(stages), padded, {}))
+    token = _STAGES.set((dict(stages), padded, {}, {}))
     try:
         yield padded
     finally:
@@ -65,12 +66,17 @@ def uneven_stages(dim: str, length: int) -> int:
     (no stages for `dim`, or S divides `length`). Fewer iterations than stages (a model's
     short stack, DeepSeek-V3's 3 dense layers on 16 stages) take one stage each, the
     first ones; the stages after hold only pads, which pass the carry through."""
-    stages, padded, _ = _STAGES.get()
+    stages, padded = _STAGES.get()[:2]
     _, s = stages.get(dim, ((), 1))
     if s <= 1 or length % s == 0:
         return 0
     padded.add(dim)
     return s
+
+
+def stages_of(dim: str) -> int:
+    """The stages a layout splits `dim` into within `scan_stages` (1: none, or outside)."""
+    return _STAGES.get()[0].get(dim, ((), 1))[1]
 
 
 def deal(length: int, stages: int) -> list[tuple[int, int]]:
@@ -106,8 +112,74 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
 
     padded = _tree_map(pad, xs)
     flags = tensor(real, (dim,))
+    record(dim, stages * k, Deal(tuple((n,) for _, n in deal(length, stages)), (k,)))
     carry, ys = scan(body, init, (padded, flags), dim, **kw)
     return carry, _tree_map(lambda y: _taken(y, dim, at), ys)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deal:
+    """The real layers of a padded pipeline: per stage its layers of each stack (in
+    order), and the layer slots per stage each stack takes (`slots[i]` >= every stage's
+    `counts[s][i]`; a slot without a layer is a pad, run as the identity)."""
+
+    counts: tuple[tuple[int, ...], ...]
+    slots: tuple[int, ...]
+
+    def pads(self, stage: int) -> int:
+        return sum(self.slots) - sum(self.counts[stage])
+
+    @property
+    def pad_share(self) -> float:
+        """The share of the stages' layer slots that are pads (work on the identity)."""
+        total = len(self.counts) * sum(self.slots)
+        return 1 - sum(map(sum, self.counts)) / total
+
+    def words(self, names=None) -> str:
+        """Each stage's real layers and pads in words, runs of like stages together:
+        "stage 0: layers 0-3 (3 dense + 1 MoE); stages 13-15: 3 layers + 1 pad each"."""
+        runs, first = [], 0
+        for s, counts in enumerate(self.counts):
+            n = sum(counts)
+            key = (counts, self.pads(s))
+            if runs and runs[-1][0] == key:
+                runs[-1][2] = s
+            else:
+                runs.append([key, s, s, first])
+            first += n
+        return "; ".join(_run_words(*r, names) for r in runs)
+
+
+def _run_words(key, a: int, b: int, first: int, names) -> str:
+    """One run of like stages `a`..`b` (the first's layers from `first`), in words."""
+    counts, pads = key
+    n = sum(counts)
+    where = f"stage {a}" if a == b else f"stages {a}-{b}"
+    if a == b:
+        held = f"layers {first}-{first + n - 1}" if n > 1 else f"layer {first}" if n else "no layer"
+    else:
+        held = f"{n} layers each" if n != 1 else "1 layer each"
+        held = f"layers {first}-{first + n * (b - a + 1) - 1}, {held}" if n else "no layers"
+    kinds = [f"{c} {names[i] if names else f'of stack {i}'}" for i, c in enumerate(counts) if c]
+    if len(counts) > 1 and kinds:
+        held += f" ({' + '.join(kinds)})"
+    if pads:
+        held += f" + {pads} pad{'s' if pads > 1 else ''}" + (" each" if a != b else "")
+    return f"{where}: {held}"
+
+
+def record(dim: str, length: int, how: Deal) -> None:
+    """Note that the scan over `dim` of `length` iterations (padded) runs `how`'s deal,
+    for the pipeline's report (`recorded`); the stacks along `dim` then come in whole
+    (not split over the stages: the padded scan deals them itself)."""
+    _STAGES.get()[1].add(dim)
+    _STAGES.get()[3][(dim, length)] = how
+
+
+def recorded(dim: str, length: int) -> Deal | None:
+    """The Deal of the padded scan over `dim` of `length` iterations traced within
+    `scan_stages`, or None (an even stack, or outside it)."""
+    return _STAGES.get()[3].get((dim, length))
 
 
 def _positions(length: int, stages: int) -> tuple[np.ndarray, np.ndarray]:

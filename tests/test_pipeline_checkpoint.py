@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lowering import Mesh
-from models import zoo
+from models import transformer, zoo
 from models.training import checkpoint
 from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, optimizer
 from namedmesh.uneven import PaddedStack, unpad_stacks
@@ -74,6 +74,17 @@ def test_a_checkpoint_moves_between_a_pipeline_and_one_device(first, then, tmp_p
     ckpt = checkpoint.Checkpointer(tmp_path)
     ckpt.save(MOVE, state, {"model": "lm"})
     ckpt.close()
+
+    if first == "pipeline":  # eval, generate and export read it as read_run does: L long
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+            transformer.abstract(zoo.get("lm").shapes(CFG5)),
+        )
+        params, _ = checkpoint.restore_params(tmp_path, target)
+        assert params["layers"]["attn"]["q"].shape[0] == CFG5.layers
+        for got, want in zip(_host(params), saved, strict=True):
+            np.testing.assert_array_equal(got, want)
 
     b = trainer(then)
     state, meta = checkpoint.restore(tmp_path, b.init_state())

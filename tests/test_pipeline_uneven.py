@@ -20,6 +20,7 @@ from lowering.distributed import place
 from lowering.hlo import collectives
 from lowering.stages import StagedChoice, assign_stages
 from models import transformer, zoo
+from namedmesh.chain import chain_deal
 from namedmesh.uneven import PaddedStack, deal, pad_stacks, unpad_stacks
 from tests.test_pipeline import BATCH, CFG
 
@@ -107,14 +108,16 @@ def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
     assert_same(got, grads_of(_cast_loss, params, x), rtol=2e-2)  # bfloat16 gradients
 
 
-def test_a_dense_stack_shorter_than_the_stages_then_moe_microbatches():
+def test_a_dense_stack_then_moe_microbatches_run_as_one_pipeline():
     """DeepSeek-V3's shape in small: 1 dense layer, then a stack of 3 MoE layers, on 2
-    stages with 2 microbatches, the parameters padded (the dense stack's one layer on
-    stage 0, stage 1 passes it through). Loss and gradients: the unlowered model run
-    microbatch by microbatch, averaged (each microbatch routes on its own)."""
+    stages with 2 microbatches, the parameters padded: ONE pipeline (nm.scan_chain)
+    whose stage 0 runs the dense layer then MoE layer 0 and stage 1 MoE layers 1-2, the
+    planner's deal, so one bubble (M + S - 1 ticks). Loss and gradients: the unlowered
+    model run microbatch by microbatch, averaged (each microbatch routes on its own)."""
     from test_pipeline_compositions import _by_microbatch
 
-    cfg = zoo.get("moe").configure(CFG.replace(layers=4, batch=4)).replace(dense_layers=1)
+    cfg = CFG.replace(layers=4, batch=4, scan_layers=True)  # loops: they compile faster
+    cfg = zoo.get("moe").configure(cfg).replace(dense_layers=1)
     params = transformer.init(transformer.lm_shapes(cfg), 0)
     batch = {k: nm.tensor(np.asarray(v.data)[:4], v.dims) for k, v in BATCH.items()}
     loss = functools.partial(transformer.lm_loss, cfg=cfg)
@@ -126,35 +129,98 @@ def test_a_dense_stack_shorter_than_the_stages_then_moe_microbatches():
     want_value, want_grads = _by_microbatch(loss, params, batch, 2)
     got = (float(value), jax.tree_util.tree_leaves(unpad_stacks(grads)))
     assert_same(got, (float(want_value), jax.tree_util.tree_leaves(want_grads)))
-    plans = lowered.report(padded, batch, show=False).pipelines
-    assert [(p.stages, p.length, p.microbatches) for p in plans] == [(2, 2, 2), (2, 4, 2)]
+    (plan,) = lowered.report(padded, batch, show=False).pipelines  # one pipeline
+    assert (plan.stages, plan.microbatches, plan.ticks) == (2, 2, 3)
+    assert list(plan.deal.counts) == assign_stages([1, 3], 2)  # stage 0: 1+1, stage 1: 0+2
+    assert "stage 0: layers 0-1 (1 of stack 0 + 1 of stack 1) + 1 pad" in str(plan)
 
 
 @pytest.mark.parametrize("layers,stages", [(5, 2), (7, 4), (61, 16), (9, 3), (10, 4)])
 def test_the_deal_is_the_planners(layers, stages):
-    """The runtime's stages hold the layers the planner deals them (lowering/stages.py)."""
+    """The runtime's stages hold the layers the planner deals them (lowering/stages.py),
+    one stack and a chain of stacks (nm.scan_chain: DeepSeek-V3's 3 dense + 58 MoE)."""
     got = deal(layers, stages)
     assert [n for _, n in got] == [c for (c,) in assign_stages([layers], stages)]
     assert [a for a, _ in got] == list(np.cumsum([0] + [n for _, n in got])[:-1])
+    for stacks in ([3, layers + 55], [1, layers], [layers, 2, 1]):
+        assert chain_deal(stacks, stages) == assign_stages(stacks, stages)
 
 
 RUNS = "runs as a layers:stage layout (lowering.pipeline)"
 
 
 @pytest.mark.parametrize(
-    "stacks,stages,moe,said",
-    [
-        ([61], 16, False, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
-        ([16], 4, False, "runs as a layers:stage layout (lowering.pipeline)"),
-        ([3, 58], 16, False, f"{RUNS}, each stack padded to 16 equal stages (the 3 layers of"),
-        ([61], 16, True, "runs as a layers:stage layout (lowering.pipeline), each stack padded"),
-        ([16], 4, True, "runs as a layers:stage layout (lowering.pipeline), each microbatch"),
+    "stacks,stages,moe,said,pads",
+    [  # pads: (the runtime's share of masked slots, the plan's), counted by hand
+        ([61], 16, False, f"{RUNS}, 4 layer slots a stage", (3 / 64, 3 / 64)),
+        ([16], 4, False, RUNS, (0, 0)),
+        # DeepSeek-V3: stage 0 runs 3 dense + 1 MoE, every stage 3 dense + 4 MoE slots
+        ([3, 58], 16, True, f"{RUNS}, one pipeline over the 2 stacks", (1 - 61 / 112, 3 / 64)),
+        ([16], 4, True, f"{RUNS}, each microbatch", (0, 0)),
     ],
 )
-def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said):
+def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said, pads):
     deal_ = assign_stages(stacks, stages)
     uneven = any(n % stages for n in stacks)
     choice = StagedChoice(None, None, deal_, [], 0.0, None, 0.0, 0.0, uneven, moe)
     assert choice.runtime.startswith(said)
-    assert choice.runtime.endswith("stages") == (uneven and not moe and min(stacks) >= stages)
     assert choice.runtime.endswith("averaged)") == moe
+    got = (choice.runtime_deal.pad_share, choice.planned_deal.pad_share)
+    np.testing.assert_allclose(got, pads, atol=1e-12)
+    assert (f"{pads[0]:.1%} of the stages' layer work" in choice.runtime) == bool(pads[0])
+    if stacks == [3, 58]:
+        assert choice.stages_text(["dense", "MoE"]) == (
+            "stage 0: layers 0-3 (3 dense + 1 MoE); stages 1-12: layers 4-51, 4 layers each "
+            "(4 MoE); stages 13-15: layers 52-60, 3 layers each (3 MoE) + 1 pad each"
+        )
+
+
+def test_the_joint_search_weighs_an_uneven_stage_split():
+    """3 layers on 2 stages: the search's divisibility never proposes `layers:stage`, the
+    joint search adds it (padded: 2 stages x 2 slots), costed with its pad: at least the
+    compute of 4 real layers split evenly over the stages."""
+    from lowering.joint import Settings, joint_search
+    from lowering.rates import parse
+    from lowering.search import cost_layout
+
+    r = np.random.default_rng(5)
+    x = nm.tensor(r.normal(size=(8, 16)).astype(np.float32), ("batch", "d"))
+    stack = lambda n: {"w": nm.tensor(r.normal(size=(n, 16)).astype(np.float32), ("layers", "d"))}
+    mesh = Mesh({"stage": 2, "data": 2}, devices="abstract")
+    rates = parse("h100")
+    joint = joint_search(lambda s: (_layers_loss, (stack(3), x)), [mesh], rates, [Settings()],
+                         memory_limit=2**30)  # fmt: skip
+    (piped,) = [c for c in joint.choices if ("layers", ("stage",)) in c.layout.rules]
+    (plan,) = piped.candidate.pipelines
+    assert (plan.stages, plan.length) == (2, 4) and plan.deal.pads(1) == 1
+    even = cost_layout(_layers_loss, mesh, stack(4), x, layout=piped.layout, grad_argnums=(0,),
+                       rates=rates)  # fmt: skip
+    # the pad costs a layer (the masking's selects a little more at this tiny width)
+    assert even.compute <= piped.candidate.compute <= 1.25 * even.compute
+
+
+def _nested(feeds_carry: bool):
+    """A scan over 'layers' whose body scans 'sub', each sub-iteration's result a mean
+    over the batch (a MoE layer's balancing loss, as in a scan_chain stage)."""
+
+    def program(x, w):
+        def outer(h, wl):
+            inner = lambda c, ws: (nm.tanh(c * ws), (c * c).mean("batch"))
+            h, ys = nm.scan(inner, h, wl, "sub")
+            return (h + ys.sum(), None) if feeds_carry else (h, ys.sum())
+
+        return nm.scan(outer, x, w, "layers")
+
+    return program
+
+
+def test_a_nested_result_made_along_the_batch_is_averaged_not_fed_to_the_carry():
+    """Microbatches may run a body whose inner scan makes a result along the batch only
+    where the pipeline averages it as its own result; fed to the carry, it mixes them."""
+    x = nm.tensor(np.ones((4, 3), np.float32), ("batch", "d"))
+    w = nm.tensor(np.ones((2, 2, 3), np.float32), ("layers", "sub", "d"))
+    mesh, layout = Mesh({"stage": 2}), "layers:stage;microbatches=2"
+    (plan,) = lower(_nested(False), mesh, layout).report(x, w, show=False).pipelines
+    assert (plan.microbatches, plan.averaged) == (2, 1)
+    with pytest.raises(nm.PipelineError, match="reads a result made along it"):
+        lower(_nested(True), mesh, layout).plan(x, w)

@@ -58,11 +58,13 @@ def test_plan_16_uneven_stages_of_a_moe_with_microbatches(capsys, monkeypatch, m
     assert m > 1  # a MoE pipeline with microbatches: each its own routing group
     assert st["bubble"] == pytest.approx(15 / (m + 15))
     assert got["settings"]["stages_uneven"] is True
-    # it runs: the 3 dense layers' stack on the first stages, the MoE microbatches each
-    # routed on its own
+    # 13 stages of 4 layers, 3 of 3: the plan charges the latter one pad each
+    assert st["pads"] == [0] * 13 + [1] * 3 and st["pad_share"] == pytest.approx(3 / 64)
+    # it runs: one pipeline over both stacks (stage 0: 3 dense + 1 MoE, as planned), the
+    # MoE microbatches each routed on its own
     runtime = got["settings"]["runtime"]
-    assert runtime.startswith("runs as a layers:stage layout (lowering.pipeline), each stack")
-    assert "(the 3 layers of a shorter stack on its first stages" in runtime
+    assert runtime.startswith("runs as a layers:stage layout (lowering.pipeline), one pipeline")
+    assert "3 + 4 layer slots a stage" in runtime
     assert runtime.endswith("each microbatch routed on its own (its balancing loss averaged)")
 
 

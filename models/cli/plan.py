@@ -270,23 +270,26 @@ def plan(args, cache: dict | None = None) -> dict:
         f"MFU {out['mfu']:.1%}",
     ]
     if hasattr(best, "assignment"):  # a pipelined plan (lowering/stages.py)
-        from models.training.stage_programs import stacks
+        from models.training.stage_programs import stack_names, stacks
 
         out["settings"]["stages_uneven"] = best.uneven
         out["settings"]["runtime"] = best.runtime
         out["stages"] = best.as_dict()
         lines[3:3] = [f"stages:   {best.stages} over {', '.join(map(str, stacks(cfg)))} layers "
-                      f"({best.stages_text()}), bubble {best.bubble:.1%} (1F1B)",
+                      f"({best.stages_text(stack_names(cfg))}), bubble {best.bubble:.1%} "
+                      f"(1F1B), pads {best.planned_deal.pad_share:.1%} of the stages' ticks",
                       f"runtime:  {best.runtime}"]  # fmt: skip
     piped = [c for c in joint.choices if hasattr(c, "assignment")]
     if piped and piped[0] is not best:  # --stages weighed, a plan without them chosen
+        from models.training.stage_programs import stack_names
+
         p = piped[0]
         out["pipelined"] = {"mesh": dict(p.mesh.sizes), "layout": str(p.layout),
                             "settings": p.settings.as_dict(), "fits": p.fits,
                             "memory": p.memory.as_dict(), "step_seconds": p.step_seconds,
                             "stages": p.as_dict(), "why": why_not(best, p)}  # fmt: skip
-        lines.append(f"pipelined: {p.stages} stages ({p.stages_text()}), bubble "
-                     f"{p.bubble:.1%}, {_gib(p.memory.total)} per device "
+        lines.append(f"pipelined: {p.stages} stages ({p.stages_text(stack_names(cfg))}), "
+                     f"bubble {p.bubble:.1%}, {_gib(p.memory.total)} per device "
                      + ("(fits)" if p.fits else "(over the limit)")
                      + f"; {why_not(best, p)}; runtime: {p.runtime}")  # fmt: skip
     if nxt is not None:

@@ -1,0 +1,152 @@
+"""`scan_chain`: consecutive stacks of layers (DeepSeek-V3's 3 dense then 58 MoE layers),
+each scanned over the same dim by its own body, as ONE pipeline where a layout splits
+that dim into stages.
+
+Unpipelined it is the scans one after another. Within `lower` under a rule that splits
+`dim` into S stages (namedmesh/uneven.py `scan_stages`), the stacks' layers are dealt
+to the S stages in order, as evenly as they go (`chain_deal`: the planner's deal,
+lowering.stages.assign_stages), and the chain runs as one scan of S iterations, one a
+stage: stage s runs its slice of each stack in turn (an inner scan each), so the
+pipeline has one bubble, not one per stack. Each stack takes K_i slots a stage, the
+most any stage holds of it; a stage's slots beyond its layers are pads, copies of a
+layer flagged not real, whose body's carry is replaced by the one it was given (the
+identity: computed and masked, their results and gradients dropped). The ys of each
+stack come back L_i long, its real layers in order."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from namedmesh.control import scan
+from namedmesh.creation import tensor
+from namedmesh.elementwise import where
+from namedmesh.errors import ParameterError
+from namedmesh.structural import gather, rename, reshape
+from namedmesh.tensor import Tensor
+from namedmesh.uneven import Deal, record, stages_of
+
+INNER = "{}~stage"  # the dim of a stage's slots of one stack
+
+
+def chain_deal(lengths, stages: int) -> list[tuple[int, ...]]:
+    """The layers of consecutive stacks of `lengths` dealt to `stages` stages, each
+    stage's layers per stack: sizes differ by at most one, the larger stages first
+    (lowering.stages.assign_stages; fewer layers than stages: one each on the first)."""
+    total = sum(lengths)
+    base, extra = divmod(total, stages)
+    sizes = [base + 1] * extra + [base] * (stages - extra)
+    bounds = np.cumsum([0, *lengths])
+    out, first = [], 0
+    for size in sizes:
+        last = first + size
+        out.append(tuple(int(max(0, min(last, b) - max(first, a)))
+                         for a, b in zip(bounds[:-1], bounds[1:], strict=True)))  # fmt: skip
+        first = last
+    return out
+
+
+def scan_chain(steps, init, dim: str, remat: str = "none", unroll: bool | str = False):
+    """(final carry, [ys of each step]): `nm.scan(f, carry, xs, dim)` for each `(f, xs)`
+    of `steps` in turn, the carry of one the init of the next. Pipelined (a layout rule
+    splits `dim` into stages), one pipeline over all the stacks (this module's
+    docstring). `remat` and `unroll` as nm.scan's, for every stack."""
+    steps = list(steps)
+    if not steps:
+        raise ParameterError(f"scan_chain over {dim!r}: no (f, xs) steps")
+    lengths = [_length(xs, dim, i) for i, (_, xs) in enumerate(steps)]
+    s = stages_of(dim)
+    if s <= 1 or sum(1 for n in lengths if n) < 2:
+        ys = []
+        for f, xs in steps:
+            init, y = scan(f, init, xs, dim, remat=remat, unroll=unroll)
+            ys.append(y)
+        return init, ys
+    return _one_pipeline(steps, init, dim, lengths, s, remat, unroll)
+
+
+def _length(xs, dim: str, i: int) -> int:
+    leaves = _leaves(xs)
+    if not leaves or any(dim not in x.dims for x in leaves):
+        raise ParameterError(f"scan_chain over {dim!r}: step {i}'s xs must all have {dim!r}")
+    sizes = {x.size_of(dim) for x in leaves}
+    if len(sizes) != 1:
+        raise ParameterError(f"scan_chain over {dim!r}: step {i}'s xs disagree: {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _leaves(xs) -> list:
+    return jax.tree_util.tree_leaves(xs, is_leaf=lambda x: isinstance(x, Tensor))
+
+
+def tree_map(fn, *trees):
+    """`jax.tree_util.tree_map` over Tensor leaves."""
+    return jax.tree_util.tree_map(fn, *trees, is_leaf=lambda x: isinstance(x, Tensor))
+
+
+def _one_pipeline(steps, init, dim, lengths, stages, remat, unroll):
+    """The chain as one scan of `stages` iterations (this module's docstring)."""
+    counts = chain_deal(lengths, stages)
+    slots = tuple(max(c[i] for c in counts) for i in range(len(lengths)))
+    inner = INNER.format(dim)
+    chunks, ats = [], []
+    for i, (_, xs) in enumerate(steps):
+        src, real, at = _slots(counts, i, slots[i], lengths[i])
+        idx = tensor(src.reshape(stages, slots[i]), (dim, inner))
+        taken = tree_map(lambda x, idx=idx: gather(rename(x, {dim: f"{dim}~"}), f"{dim}~", idx),
+                         xs)  # fmt: skip
+        chunks.append((taken, tensor(real.reshape(stages, slots[i]), (dim, inner))))
+        ats.append(at)
+    record(dim, stages, Deal(tuple(counts), slots))
+
+    def stage(carry, chunk):
+        ys = []
+        for (f, _), (xs, flags) in zip(steps, chunk, strict=True):
+            if not flags.size_of(inner):
+                ys.append(None)
+                continue
+            carry, y = scan(_masked(f), carry, (xs, flags), inner, remat=remat, unroll=unroll)
+            ys.append(y)
+        return carry, ys
+
+    carry, ys = scan(stage, init, chunks, dim)
+    return carry, [_real_ys(y, dim, inner, at) for y, at in zip(ys, ats, strict=True)]
+
+
+def _slots(counts, i: int, k: int, length: int):
+    """(src, real, at) of stack i: the layer each of its S*K slots holds (a pad: its
+    stage's last, or the stack's nearest), whether it is real, and each real layer's
+    slot."""
+    src, real, at, first = [], [], [], 0
+    for s, c in enumerate(counts):
+        n = c[i]
+        for j in range(k):
+            src.append(min(first + min(j, max(n - 1, 0)), length - 1))
+            real.append(j < n)
+        at += [s * k + j for j in range(n)]
+        first += n
+    return np.array(src, np.int32), np.array(real), np.array(at, np.int32)
+
+
+def _masked(f):
+    """`f` over (x, flag): a slot not flagged real passes its carry through."""
+
+    def body(carry, x):
+        inner_x, flag = x
+        new, y = f(carry, inner_x)
+        kept = tree_map(lambda a, b: where(flag, a, b), new, carry)
+        return kept, y
+
+    return body
+
+
+def _real_ys(ys, dim: str, inner: str, at: np.ndarray):
+    """Per-slot results (dim, inner, ...) as the stack's real layers (dim, ...)."""
+    if ys is None:
+        return None
+
+    def real(y: Tensor) -> Tensor:
+        flat = reshape(y, {f"{dim}~": y.size_of(dim) * y.size_of(inner)}, (dim, inner))
+        return gather(flat, f"{dim}~", tensor(at, (dim,)))
+
+    return tree_map(real, ys)
