@@ -5,11 +5,17 @@ kernel, layer loop and remat), compile time included, and memory measured the sa
 way on both sides (benchmarks/rss.py: the first step's peak resident memory above the
 resident memory before it, in one fresh process per length).
 
-Each length runs in its own process (`python -m benchmarks.honest --long-child LENGTH`)
-under a time limit, so a length whose compile outlasts it is reported, not waited for."""
+Each length runs in its own process (`python -m benchmarks.long_vs_sdpa --child LENGTH`)
+under a time limit, so a length whose compile outlasts it is reported, not waited for.
+
+`python -m benchmarks.long_vs_sdpa --lengths 2048,8192 [--rounds 3] [--limit 540]
+[--set attention=full]`: the table of benchmarks.honest's long-context rows alone;
+`--set FIELD=VALUE` (repeatable, Config's fields as `namedmesh train --set` takes them)
+times a setting other than the defaults, named in the settings column."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -18,30 +24,35 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import fair, long_seq, peak, rss
+from benchmarks import cli, fair, long_seq, peak, rss, stack
 from benchmarks.memory import peak_bytes
 
 
-def measure(length: int, rounds: int) -> dict:
+def measure(length: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
     """In this (fresh) process: compile namedmesh's step (timed), each side's first step's
-    memory, the losses checked equal, then both sides alternated."""
+    memory, the losses checked equal, then both sides alternated; `overrides` (`FIELD=VALUE`
+    texts) change the config's defaults."""
     import jax
     import torch
 
     from models import transformer
     from models.io import hub
+    from models.layers.common import attention_kernel
 
     folder = tempfile.mkdtemp()
     model = long_seq.gpt2_sdpa(length, folder)
     zoo = hub.load(folder)
-    cfg = zoo.config
+    from models import architecture
+
+    cfg = zoo.config.replace(**architecture.parse_overrides(list(overrides)))
     batch = long_seq.lm_batch(cfg, length)
     ids = torch.tensor(jax.device_get(batch["inputs"].data), dtype=torch.long)
     targets = torch.tensor(jax.device_get(batch["targets"].data), dtype=torch.long)
     loss = lambda p, b: transformer.lm_loss(p, b, cfg).data
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     compiled = jax.jit(jax.value_and_grad(loss)).lower(zoo.params, batch).compile()
-    compile_s = time.perf_counter() - start
+    # wall clock, and the CPU seconds the work took (a loaded machine stretches the former)
+    compile_s, compile_cpu = time.perf_counter() - start, time.process_time() - cpu
     fits(peak_bytes(compiled), length)
     ours = lambda: jax.block_until_ready(compiled(zoo.params, batch))
 
@@ -58,7 +69,7 @@ def measure(length: int, rounds: int) -> dict:
         raise SystemExit(f"{length} tokens: loss {our_loss} differs from PyTorch's {their_loss}")
     times = fair.alternate({"namedmesh": ours, "PyTorch SDPA": theirs}, rounds)
     settings = (
-        f"attention {cfg.attention}, block {cfg.attention_block}, "
+        f"attention {attention_kernel(cfg, length)}, block {cfg.attention_block}, "
         # "auto" (the default) is truthy: name it, not the loop
         + {True: "layer loop", False: "unrolled"}.get(cfg.scan_layers, f"layers {cfg.scan_layers}")
         + f", remat {cfg.remat}"
@@ -67,6 +78,7 @@ def measure(length: int, rounds: int) -> dict:
     return {
         "times": times,
         "compile": compile_s,
+        "compile_cpu": compile_cpu,
         "memory": memory,
         "flops": flops,
         "settings": settings,
@@ -87,18 +99,11 @@ def fits(needs: int, length: int) -> None:
         )
 
 
-def run_child(length: int, rounds: int, limit_s: float) -> dict:
-    """`measure(length)` in a fresh process; {"failed": why} where it does not finish
-    within `limit_s` seconds or fails."""
-    argv = [
-        sys.executable,
-        "-m",
-        "benchmarks.honest",
-        "--long-child",
-        str(length),
-        "--rounds",
-        str(rounds),
-    ]
+def run_child(length: int, rounds: int, limit_s: float, overrides: tuple[str, ...] = ()) -> dict:
+    """`measure(length, rounds, overrides)` in a fresh process; {"failed": why} where it
+    does not finish within `limit_s` seconds or fails."""
+    argv = [sys.executable, "-m", "benchmarks.long_vs_sdpa", "--child", str(length)]
+    argv += ["--rounds", str(rounds), *(f"--set={o}" for o in overrides)]
     root = str(Path(__file__).resolve().parents[1])  # the checkout, under `namedmesh bench` too
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path}
@@ -110,6 +115,12 @@ def run_child(length: int, rounds: int, limit_s: float) -> dict:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"failed": f"exit status {done.returncode}: {last[:160]}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compile_cell(r: dict) -> str:
+    """Wall-clock seconds of the compile, and its CPU seconds where measured."""
+    cpu = f" (CPU {r['compile_cpu']:.1f})" if "compile_cpu" in r else ""
+    return f"{r['compile']:.1f}{cpu}"
 
 
 def table(rows: dict[int, dict], peak_gflops: float) -> list[str]:
@@ -141,7 +152,7 @@ def table(rows: dict[int, dict], peak_gflops: float) -> list[str]:
             fair.cell(ours, 1),
             fair.cell(theirs, 1),
             fair.ratio(ours, theirs),
-            f"{r['compile']:.1f}",
+            compile_cell(r),
             mib("namedmesh"),
             mib("PyTorch SDPA"),
             f"{r['flops'] / 1e9:.1f}",
@@ -150,3 +161,29 @@ def table(rows: dict[int, dict], peak_gflops: float) -> list[str]:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=cli.counts, default=[2048, 8192])
+    p.add_argument("--rounds", type=cli.count, default=3, help="timed rounds per length")
+    p.add_argument("--limit", type=cli.count, default=540, help="seconds one length may take")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a Config field other than its default (repeatable)")  # fmt: skip
+    p.add_argument("--child", type=cli.count, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    threads = fair.single_threaded()  # before jax's first computation and torch's import
+    if args.child:  # one length, in this fresh process
+        print(json.dumps(measure(args.child, args.rounds, tuple(args.set))))
+        return 0
+    before = fair.load()
+    rows = {n: run_child(n, args.rounds, args.limit, tuple(args.set)) for n in args.lengths}
+    peak_gflops = peak.matmul_peak()["peak"]
+    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
+                                before=before, after=fair.load())  # fmt: skip
+    print("\n".join([f"{method} ({threads})", "", stack.describe(), "", *table(rows, peak_gflops)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

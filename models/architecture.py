@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass
 
 from models.errors import ConfigError as ConfigError  # re-exported: its home was here
-from models.layers.kernels import KERNELS
+from models.layers.kernels import AUTO, KERNELS
 from models.layers.latent import Latent
 from models.layers.rope import Rope, rotary_dims
 from models.parts import Parts, field_types, with_options
@@ -123,7 +123,7 @@ class Config:
             "norm": NORMS,
             "block": tuple(COMPOSITIONS),
             "positions": ("learned", "rotary", "none"),
-            "attention": tuple(KERNELS),
+            "attention": (AUTO, *KERNELS),
             "remat": ("none", "full", "dots"),
             "routing": ("dropless", "capacity"),
             "router": ("topk_softmax", "softmax_topk", "sigmoid_topk", "sigmoid_topk_norm"),

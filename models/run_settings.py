@@ -21,13 +21,14 @@ class Run:
     default) unrolls where that measured faster at about the loop's compile time
     (nm.scan's unroll="auto": no remat, a program within namedmesh.control.UNROLL_BUDGET);
     attention: a models.layers.kernels.KERNELS name
-    (full | blockwise | ring | fused); attention_block: keys per block of blockwise
+    (full | blockwise | ring | fused) or "auto" (the default: by length, kernels.choose);
+    attention_block: keys per block of blockwise
     attention; mesh and layout: the paper's mesh shape and layout rules."""
 
     dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool | str = "auto"
-    attention: str = "full"
+    attention: str = "auto"
     attention_block: int = 128
     mesh: tuple[tuple[str, int], ...] = (("batch", 1),)
     layout: str = "batch:batch"

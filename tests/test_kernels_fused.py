@@ -12,8 +12,10 @@ import pytest
 import namedmesh as nm
 from lowering import Mesh, lower
 from models import transformer
-from models.architecture import ConfigError
+from models.architecture import Config, ConfigError
 from models.families.gemma2 import Softcaps
+from models.layers import kernels
+from models.layers.common import attention_kernel, kernel_name
 from models.layers.kernels import KERNELS, Options
 from tests.test_kernels_skip import KD, QD, SIZES, allowed, mask_fn, reference
 from tests.test_models import CFG, small_batch
@@ -148,8 +150,9 @@ def cli_choices(flag: str) -> tuple:
 
 def test_every_cli_dtype_works_with_every_attention_kernel(monkeypatch):
     """Issue 38: each --dtype with each --attention (the fused kernel both ways on CPU:
-    XLA's below attention.FLASH_FROM tokens, flash from it), rotary positions (q and k
-    rotated in float32 beside bfloat16 values: the fused kernel's traceback) and a
+    XLA's below attention.FLASH_FROM tokens, flash from it as "auto" picks it), rotary
+    positions (q and k rotated in float32 beside bfloat16 values: the fused kernel's
+    traceback) and a
     sliding window: the LM's loss and gradients equal float32 full attention's to the
     dtype's rounding, or Config refuses the pair naming both."""
     from namedmesh import attention
@@ -157,7 +160,7 @@ def test_every_cli_dtype_works_with_every_attention_kernel(monkeypatch):
     base = CFG.replace(layers=1, positions="rotary", sliding_window=5)
     params = transformer.init(transformer.lm_shapes(base), 0)
     batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(base).items()}
-    runs = [(base, attention.FLASH_FROM)]  # float32 full attention: the oracle
+    runs = [(base.replace(attention="full"), attention.FLASH_FROM)]  # the oracle
     for dtype in cli_choices("--dtype"):
         for kernel in cli_choices("--attention"):
             try:
@@ -165,17 +168,21 @@ def test_every_cli_dtype_works_with_every_attention_kernel(monkeypatch):
             except ConfigError as e:  # refused: by name
                 assert dtype in str(e) and kernel in str(e), e
                 continue
-            runs += [(cfg, 4), (cfg, attention.FLASH_FROM)] if kernel == "fused" else [(cfg, 0)]
+            # fused with XLA's kernel (below FLASH_FROM); "auto" picks fused at these 8
+            # tokens with FUSED_FROM and FLASH_FROM at 4: flash's row blocks, by the rule
+            runs += [(cfg, attention.FLASH_FROM)] if kernel == "fused" else [(cfg, 4)]
 
     def each(p, b):
         out = []
-        for cfg, flash_from in runs:  # "auto" reads FLASH_FROM as each loss is traced
+        for cfg, flash_from in runs:  # "auto"s read these as each loss is traced
             monkeypatch.setattr(attention, "FLASH_FROM", flash_from)
+            # attention="auto" picks the fused kernel here (flash's row blocks)
+            monkeypatch.setattr(kernels, "FUSED_FROM", flash_from)
             out.append(jax.value_and_grad(lambda p, c=cfg: transformer.lm_loss(p, b, c).data)(p))
         return out
 
     (want, g_want), *got = jax.jit(each)(params, batch)  # one compile
-    assert len(got) == len(cli_choices("--dtype")) * (len(cli_choices("--attention")) + 1)
+    assert len(got) == len(cli_choices("--dtype")) * len(cli_choices("--attention"))
     for (cfg, flash_from), (loss, grads) in zip(runs[1:], got, strict=True):
         tol = 1e-5 if cfg.dtype == "float32" else 2e-2
         what = f"{cfg.dtype} {cfg.attention} {flash_from}"
@@ -183,3 +190,23 @@ def test_every_cli_dtype_works_with_every_attention_kernel(monkeypatch):
         for a, b in zip(jax.tree.leaves(g_want), jax.tree.leaves(grads), strict=True):
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             np.testing.assert_allclose(b, a, atol=30 * tol * np.abs(a).max(), err_msg=what)
+
+
+def test_auto_picks_fused_by_length_where_it_implements_the_options():
+    """attention="auto" (the default) resolves where the queries' length is known: full
+    attention below kernels.FUSED_FROM, the fused kernel from it, and full attention
+    whatever the length when the call asks what the fused kernel refuses (a soft-cap,
+    a positional bias) or runs over a KV cache; an explicit kernel is never swapped."""
+    cfg = CFG.replace(attention="auto")
+    assert Config().attention == "auto"
+    n = kernels.FUSED_FROM
+    masks = {"bias_fn": mask_fn(True, 0), "causal": True, "masks_only": True}
+    assert kernel_name(cfg, Options(**masks), n - 1) == "full"
+    assert kernel_name(cfg, Options(**masks), n) == "fused"
+    for asks in ({"softcap": 5.0}, {"masks_only": False}, {"cached": True}):
+        assert kernel_name(cfg, Options(**{**masks, **asks}), 4 * n) == "full", asks
+    assert kernel_name(cfg.replace(attention="full"), Options(**masks), 4 * n) == "full"
+    assert attention_kernel(cfg.replace(length=n)) == f"auto (fused at {n} tokens)"
+    gemma = cfg.replace(length=n, parts=Softcaps(attention_softcap=5.0))
+    assert attention_kernel(gemma) == f"auto (full at {n} tokens)"
+    assert attention_kernel(cfg.replace(attention="blockwise")) == "blockwise"

@@ -350,9 +350,9 @@ def parser(prog: str = "python -m models.cli.train") -> Parser:
     p.add_argument(
         "--attention",
         default=None,
-        # models.layers.kernels.KERNELS (jax not imported yet)
-        choices=["full", "blockwise", "ring", "fused"],
-        help="attention kernel of models/layers/kernels.py (None: config's)",
+        # "auto" and models.layers.kernels.KERNELS (jax not imported yet)
+        choices=["auto", "full", "blockwise", "ring", "fused"],
+        help="attention kernel of models/layers/kernels.py, or auto: by length (None: config's)",
     )
     p.add_argument("--attention-block", type=int, default=None, help="keys per block")
     p.add_argument(

@@ -17,7 +17,7 @@ import numpy as np
 import namedmesh as nm
 from models.architecture import Config, ConfigError
 from models.layers import lora
-from models.layers.kernels import KERNELS, Options
+from models.layers.kernels import AUTO, KERNELS, Options, choose
 from models.layers.rope import Rope, depends_on_length, frequencies, rotary_dims
 from models.params import Param as Param  # re-exported: its home was here
 
@@ -208,10 +208,15 @@ def attend(q: nm.Tensor, k: nm.Tensor, v: nm.Tensor, bias=None, scale: float = 1
     return KERNELS["full"].fn(q, k, v, Options(bias=bias, scale=scale))
 
 
-def kernel_for(cfg: Config, opts: Options):
-    """cfg.attention's kernel function, after checking it implements what `opts` asks
+def kernel_for(cfg: Config, opts: Options, length: int):
+    """cfg.attention's kernel function for `length` queries ("auto" resolved by
+    models.layers.kernels.choose), after checking it implements what `opts` asks
     (ConfigError naming the kernel and the option it refuses)."""
-    kernel = KERNELS[cfg.attention]
+    return KERNELS[kernel_name(cfg, opts, length)].fn
+
+
+def kernel_name(cfg: Config, opts: Options, length: int) -> str:
+    """The KERNELS name cfg.attention runs for `length` queries with `opts` (kernel_for)."""
     asked = {
         "softcap": bool(opts.softcap),
         "cached": opts.cached,
@@ -219,10 +224,28 @@ def kernel_for(cfg: Config, opts: Options):
         # a bias that differs by query and key (packed examples' segment_bias)
         "pairwise": opts.bias is not None and {"length", "memory"} <= set(opts.bias.dims),
     }
-    for option, why in kernel.refuses.items():
+    name = cfg.attention
+    if name == AUTO:
+        return choose(length, asked)
+    for option, why in KERNELS[name].refuses.items():
         if asked[option]:
-            raise ConfigError(f"attention={cfg.attention!r} with {option}: {why}")
-    return kernel.fn
+            raise ConfigError(f"attention={name!r} with {option}: {why}")
+    return name
+
+
+def attention_kernel(cfg: Config, length: int | None = None) -> str:
+    """What cfg.attention runs in a whole-sequence pass of `length` tokens (cfg.length
+    by default), for the settings a run prints: the kernel itself, or "auto" and the
+    kernel it picks for the model's self-attention (its soft-cap and positional biases
+    read from cfg: Config.relative_bias, per-layer windows)."""
+    if cfg.attention != AUTO:
+        return cfg.attention
+    length = cfg.length if length is None else length
+    asks = {
+        "softcap": bool(cfg.parts.attention_softcap),
+        "positional": bool(cfg.relative_bias or cfg.sliding_layers),
+    }
+    return f"auto ({choose(length, asks)} at {length} tokens)"
 
 
 def _as_memory(position: nm.Tensor) -> nm.Tensor:
@@ -340,7 +363,7 @@ def queries_keys_values(x: nm.Tensor, p: dict, cfg: Config, source=None) -> tupl
 
 def attend_kernel(qkv: tuple, p: dict, cfg: Config, opts: Options) -> nm.Tensor:
     """cfg.attention's kernel over (q, k, v) with `opts`, projected out to d_model."""
-    o = kernel_for(cfg, opts)(*qkv, opts)
+    o = kernel_for(cfg, opts, qkv[0].size_of("length"))(*qkv, opts)
     return _project(o, p, "o", ("batch", "length", "d_model"))
 
 

@@ -14,6 +14,13 @@ The fused kernel (nm.dot_product_attention, where length, memory and d_kv are lo
 device: cuDNN's kernel on GPU, namedmesh.flash's row blocks for long sequences on CPU)
 applies the causal mask and window itself and refuses other positional biases and
 soft-caps.
+
+"auto" (Config.attention's default) is no kernel of its own: `choose` resolves it where
+the length is known (models.layers.common.kernel_for) to the fused kernel for long
+sequences, where it was measured faster than full attention and is linear in memory,
+and to full attention otherwise (short sequences, decoding over a cache, options the
+fused kernel refuses). It is not in KERNELS, so plan search (models/cli/plan.py) never
+searches the same kernel twice.
 """
 
 from __future__ import annotations
@@ -116,3 +123,24 @@ KERNELS: dict[str, Kernel] = {
         },
     ),
 }
+
+
+# The shortest self-attention "auto" runs the fused kernel at (namedmesh.flash's row
+# blocks on CPU from namedmesh.attention.FLASH_FROM, 512, too): the GPT-2 training step
+# of benchmarks/long_seq.py (4 layers, d_model 256, 4 heads, batch 1), single-threaded
+# by CPU time on the suite's Xeon, took full / fused seconds 0.172 / 0.163 at 512
+# tokens, 0.443 / 0.357 at 1024, 1.18 / 0.867 at 2048 (blockwise, 256-key blocks:
+# 0.161, 0.393, 0.941); docs/benchmarks.md, "Long context: the kernel chosen by length"
+FUSED_FROM = 512
+AUTO = "auto"
+
+
+def choose(length: int, asks: dict) -> str:
+    """The kernel "auto" runs for `length` queries: "fused" from FUSED_FROM tokens of
+    self-attention, unless the call asks for something the fused kernel refuses (`asks`:
+    option name -> asked, as models.layers.common.kernel_for reads them from Options);
+    else "full", which implements every option. Over a KV cache (a prefill) the keys are
+    the cache's slots, not the queries, where the fused kernel on CPU makes the whole
+    logits as full attention does: "full"."""
+    refused = any(asks.get(option) for option in (*KERNELS["fused"].refuses, "cached"))
+    return "fused" if length >= FUSED_FROM and not refused else "full"

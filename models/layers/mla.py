@@ -161,7 +161,7 @@ def expanded(q: tuple, kv: tuple, p: dict, cfg: Config, opts: Options):
     k, v = keys_values(latent, k_rot, p, cfg)
     q = widened(nm.concat([q_nope.rename(d_qk="d_kv"), q_rot], "d_kv"), cfg.mla.v)
     opts = opts._replace(scale=scale(cfg))
-    o = kernel_for(cfg, opts)(q, k, v, opts)
+    o = kernel_for(cfg, opts, q.size_of("length"))(q, k, v, opts)
     if cfg.mla.v < o.size_of("d_kv"):
         o = nm.slice(o, "d_kv", 0, cfg.mla.v)
     return o.rename(d_kv="d_v")
