@@ -114,14 +114,42 @@ def dot_order(a_dims, b_dims, keep, sizes) -> tuple:
     return ab
 
 
+def _run(dims, names) -> tuple[int, int] | None:
+    """(first, last + 1) of `names`' positions in `dims` when they are adjacent there in
+    this order, else None."""
+    at = [dims.index(d) for d in names]
+    return (at[0], at[-1] + 1) if at == list(range(at[0], at[0] + len(at))) else None
+
+
+def _one_summed_dim(a, b, a_dims, b_dims, summed):
+    """(a, b, a_dims, b_dims, summed) with the summed dims merged into one (a reshape, no
+    copy) where they are adjacent and in the same order in both operands; else as given.
+
+    XLA:CPU runs a dot of several contracting dims as a transposed copy of each operand
+    to [batch, free, contracting] and a dot of that, but one contracting dim in place,
+    wherever it is: a weight's gradient x[b, t, i] * g[b, t, o] -> [i, o] measured 137
+    GFLOP/s summed over (b, t) and 159 over b*t, attention's key gradient summed over
+    (query group, length) 75 and 125 (docs/benchmarks.md, "Dot rates per shape")."""
+    if len(summed) < 2 or not (ra := _run(a_dims, summed)) or not (rb := _run(b_dims, summed)):
+        return a, b, a_dims, b_dims, summed
+    merged = tuple(summed)  # a tuple, never equal to a dim's name (a str)
+    size = math.prod(a.shape[ra[0] : ra[1]])
+    a = a.reshape(a.shape[: ra[0]] + (size,) + a.shape[ra[1] :])
+    b = b.reshape(b.shape[: rb[0]] + (size,) + b.shape[rb[1] :])
+    a_dims = a_dims[: ra[0]] + (merged,) + a_dims[ra[1] :]
+    b_dims = b_dims[: rb[0]] + (merged,) + b_dims[rb[1] :]
+    return a, b, a_dims, b_dims, [merged]
+
+
 def _dot(a, b, a_dims, b_dims, out, precision):
     """`a x b -> out` as one dot_general (every dim of a and b is in the other or in
     `out`), the operands in `left_first`'s order, then transposed to `out`."""
     sizes = tuple(sorted(dict(zip(a_dims + b_dims, a.shape + b.shape, strict=True)).items()))
     if not left_first(a_dims, b_dims, out, sizes):
         a, b, a_dims, b_dims = b, a, b_dims, a_dims
-    batch = [d for d in a_dims if d in b_dims and d in out]
     summed = [d for d in a_dims if d in b_dims and d not in out]
+    a, b, a_dims, b_dims, summed = _one_summed_dim(a, b, a_dims, b_dims, summed)
+    batch = [d for d in a_dims if d in b_dims and d in out]
     numbers = (
         ([a_dims.index(d) for d in summed], [b_dims.index(d) for d in summed]),
         ([a_dims.index(d) for d in batch], [b_dims.index(d) for d in batch]),

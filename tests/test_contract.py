@@ -10,13 +10,14 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh
+from lowering.hlo import dots, movement
 from namedmesh.contract import contract, left_first
 from namedmesh.testing import lowered
 
 SIZES = {"t": 8, "i": 4, "o": 5, "b": 2, "h": 2, "q": 4, "k": 6, "d": 3, "x": 2, "j": 3}
 CASES = [  # (a dims, b dims, out): batch dims, summed rows, results in any order
-    ("t i", "t o", "i o"),  # a weight's gradient: both operands summed over their rows
-    ("t i", "t o", "o i"),
+    ("b t i", "b t o", "i o"),  # a weight's gradient, summed over two dims (merged)
+    ("t b i", "b t o", "o i"),  # two summed dims in another order in each: not merged
     ("t i", "i o", "t o"),
     ("b h q k", "b h q d", "b h k d"),  # the larger operand summed over its rows
     ("b q h d", "b k h d", "b h q k"),  # batch dims not leading, the result reordered
@@ -62,10 +63,14 @@ def test_weight_gradient_reads_the_cotangent_without_a_transposed_copy():
     loss = lambda x, w: jnp.sum(jnp.sin(nm.einsum(x, w).data))
     hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
     assert "f32[1024,2,4]" not in hlo and "f32[1024,8]" not in hlo
+    # w's gradient sums over (batch, length): as one merged dim XLA:CPU reads x as it is,
+    # [8, 32], where two summed dims made it copy x transposed to [32, 8] first
+    assert movement(hlo)["transpose"] == (0, 0)
+    assert any(d.lhs == (8, 32) and d.lhs_contracting == (0,) for d in dots(hlo)), dots(hlo)
 
 
 LOWERED = [  # (program's dims, layout): a summed dim split (psum); a replicated operand
-    (("t i", "t o", "i o"), "t:x;i:y"),
+    (("b t i", "b t o", "i o"), "t:x;i:y"),  # two summed dims merged, one of them split
     (("b q h d", "b k h d", "b h q k"), "h:x;q:y"),
     (("t i", "i o", "t o"), "t:x,y"),
 ]
