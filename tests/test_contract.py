@@ -40,15 +40,24 @@ def test_cases_put_either_operand_on_the_left():
     assert orders == {True, False}
 
 
+def _value_and_vjp(f, w):
+    """(f(a, b), the gradients of sum(f(a, b) * w)) as one function: one compiled program."""
+
+    def both(a, b):
+        y, pull = jax.vjp(f, a, b)
+        return (y, *pull(w))
+
+    return both
+
+
 @pytest.mark.parametrize(("a_dims", "b_dims", "out"), CASES)
 def test_values_and_gradients_equal_numpy(a_dims, b_dims, out):
     a, b, w = _data(a_dims, 0), _data(b_dims, 1), _data(out, 2)
     dims = tuple(a_dims.split()), tuple(b_dims.split()), tuple(out.split())
-    y = jax.jit(lambda a, b: contract(a, b, *dims))(a, b)
+    y, ga, gb = jax.jit(_value_and_vjp(lambda a, b: contract(a, b, *dims), w))(a, b)
     spec = f"{_sp(a_dims)},{_sp(b_dims)}->{_sp(out)}"
     a64, b64, w64 = (v.astype(np.float64) for v in (a, b, w))
     np.testing.assert_allclose(np.asarray(y), np.einsum(spec, a64, b64), rtol=1e-5, atol=1e-5)
-    ga, gb = jax.jit(jax.grad(lambda a, b: jnp.sum(contract(a, b, *dims) * w), (0, 1)))(a, b)
     want_a = np.einsum(f"{_sp(out)},{_sp(b_dims)}->{_sp(a_dims)}", w64, b64)
     want_b = np.einsum(f"{_sp(a_dims)},{_sp(out)}->{_sp(b_dims)}", a64, w64)
     np.testing.assert_allclose(np.asarray(ga), want_a, rtol=1e-5, atol=1e-5)
@@ -135,9 +144,9 @@ def test_forward_mode_runs_inside_jax_gradients():
     loss = lambda w: jnp.sum(nm.einsum(nm.tensor(x, "t i"), nm.tensor(w, "i o")).data ** 2)
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(loss, (w0,), (w0,))
-    with nm.jax_gradients():
-        h = np.asarray(jax.hessian(loss)(w0))
-        _, tangent = jax.jvp(loss, (w0,), (w0,))
+    with nm.jax_gradients():  # traced inside: one compiled program, not op by op
+        h, tangent = jax.jit(lambda w: (jax.hessian(loss)(w), jax.jvp(loss, (w,), (w,))[1]))(w0)
+        h = np.asarray(h)
     gram = 2 * x.astype(np.float64).T @ x
     want = np.einsum("ij,ok->iojk", gram, np.eye(w0.shape[1]))
     np.testing.assert_allclose(h, want, rtol=1e-4, atol=1e-4)
