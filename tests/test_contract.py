@@ -78,6 +78,22 @@ def test_weight_gradient_reads_the_cotangent_without_a_transposed_copy():
     assert any(d.lhs == (8, 32) and d.lhs_contracting == (0,) for d in dots(hlo)), dots(hlo)
 
 
+def test_summed_dims_apart_in_one_operand_are_brought_together_summed_first():
+    """A key's gradient from a rotated query q[b, l, g, d] and the logits' cotangent
+    s[b, g, l, k], summed over (g, l): q is transposed to [b, (g, l), d] by contract
+    (summed first: its free size d is small), so the dot has one summed dim and reads
+    both operands in place, not XLA's copy of q to [b, d, (g, l)] (half the rate)."""
+    q, s = _data("b q x d", 11), _data("b x q k", 12)  # (2, 4, 2, 3), (2, 2, 4, 6)
+    f = jax.jit(lambda q, s: contract(q, s, ("b", "l", "g", "d"), ("b", "g", "l", "k"),
+                                      ("b", "k", "d")))  # fmt: skip
+    want = np.einsum("blgd,bglk->bkd", q.astype(np.float64), s.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(f(q, s)), want, rtol=1e-5, atol=1e-5)
+    (dot,) = dots(f.lower(q, s).compile().as_text())
+    assert len(dot.lhs_contracting) == len(dot.rhs_contracting) == 1, dot
+    summed_first = {(2, 8, 3): (1,), (2, 8, 6): (1,)}  # [b, g*l, d] and [b, g*l, k]
+    assert {dot.lhs: dot.lhs_contracting, dot.rhs: dot.rhs_contracting} == summed_first, dot
+
+
 LOWERED = [  # (program's dims, layout): a summed dim split (psum); a replicated operand
     (("b t i", "b t o", "i o"), "t:x;i:y"),  # two summed dims merged, one of them split
     (("b q h d", "b k h d", "b h q k"), "h:x;q:y"),
