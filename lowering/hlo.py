@@ -198,3 +198,64 @@ def movement(hlo_text: str) -> dict[str, tuple[int, int]]:
         found[move.kind][0] += move.times
         found[move.kind][1] += move.times * move.nbytes
     return {k: (n, b) for k, (n, b) in found.items()}
+
+
+# The dots of compiled HLO (`dots`): what a step multiplies, for timing per shape.
+_LAYOUT = re.compile(r"\[([\d,]*)\](?:\{([\d,]*)\})?")
+_DIMS = re.compile(r"(lhs|rhs)_(batch|contracting)_dims=\{([\d,]*)\}")
+
+
+class Dot(NamedTuple):
+    """One dot instruction of compiled HLO: its operands' shapes and layouts (HLO's
+    minor-to-major dim order; row-major `(n-1, ..., 0)` where the text gives none), the
+    contracting and batch dims of each, the kernel that runs it ("ynn" inside an XLA:CPU
+    YNNPACK fusion, else "xla"), and how many times it runs (its loops' trip counts)."""
+
+    lhs: tuple[int, ...]
+    rhs: tuple[int, ...]
+    lhs_layout: tuple[int, ...]
+    rhs_layout: tuple[int, ...]
+    lhs_contracting: tuple[int, ...]
+    rhs_contracting: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+    kernel: str
+    times: int
+
+
+def _shape_layout(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    dims, layout = _LAYOUT.search(text).groups()
+    shape = tuple(int(d) for d in dims.split(",") if d)
+    order = tuple(int(d) for d in layout.split(",") if d) if layout else ()
+    return shape, order or tuple(range(len(shape)))[::-1]
+
+
+def dots(hlo_text: str) -> list[Dot]:
+    """Each dot instruction of compiled HLO text (`jitted.lower(...).compile().as_text()`),
+    in program order, a fusion's read through its fused computation and a loop's body
+    once with its trip count in `times`."""
+    comps = _computations(hlo_text)
+    found: list[Dot] = []
+
+    def walk(comp: str, times: int, kernel: str) -> None:
+        shapes = {i[0]: i[1] for i in comps.get(comp, [])}
+        for _, _, op, rest in comps.get(comp, []):
+            if op == "dot":
+                a, b = re.findall(r"%([\w.\-]+)", rest.split(")")[0])[:2]
+                (la, ya), (lb, yb) = _shape_layout(shapes[a]), _shape_layout(shapes[b])
+                nums = {(s, k): tuple(int(d) for d in v.split(",") if d)
+                        for s, k, v in _DIMS.findall(rest)}  # fmt: skip
+                get = lambda s, k, nums=nums: nums.get((s, k), ())
+                found.append(Dot(la, lb, ya, yb, get("lhs", "contracting"),
+                                 get("rhs", "contracting"), get("lhs", "batch"),
+                                 get("rhs", "batch"), kernel, times))  # fmt: skip
+            elif op == "while":
+                n = int(m.group(1)) if (m := _TRIPS.search(rest)) else 1
+                walk(_BODY.search(rest).group(1), times * n, kernel)
+            elif op in ("fusion", "call", "conditional"):
+                inner = "ynn" if "__ynn_fusion" in rest else kernel
+                for callee in _CALLS.findall(rest):
+                    walk(callee, times, inner)
+
+    walk(_ENTRY.search(hlo_text).group(1), 1, "xla")
+    return found

@@ -114,14 +114,77 @@ def dot_order(a_dims, b_dims, keep, sizes) -> tuple:
     return ab
 
 
+def _run(dims, names) -> tuple[int, int] | None:
+    """(first, last + 1) of `names`' positions in `dims` when they are adjacent there in
+    this order, else None."""
+    at = [dims.index(d) for d in names]
+    return (at[0], at[-1] + 1) if at == list(range(at[0], at[0] + len(at))) else None
+
+
+# The largest free size of a left operand that XLA:CPU's dot runs faster read summed
+# dim first ([K, M]) than summed dim last ([M, K]): measured 119-141 GFLOP/s against 57
+# at M = 64, about equal at 512, 0.6-0.8x at 2048 (docs/benchmarks.md, "Dot rates per
+# shape").
+SUMMED_FIRST_MAX = 512
+
+
+def _summed_together(x, dims, summed, free, left: bool):
+    """(x, its dims) transposed to batch dims (those neither summed nor `free`), then
+    `summed` together in this order and `free`: summed first for the right operand or a
+    left one of free size <= SUMMED_FIRST_MAX, else last. On CPU behind an optimization
+    barrier, or XLA folds the transpose back into the dot, where several summed dims
+    make it copy in its own order."""
+    free = [d for d in dims if d in free]
+    batch = [d for d in dims if d not in summed and d not in free]
+    free_size = math.prod(x.shape[dims.index(d)] for d in free)
+    first = not left or free_size <= SUMMED_FIRST_MAX
+    order = batch + (list(summed) + free if first else free + list(summed))
+    x = jnp.transpose(x, [dims.index(d) for d in order])
+    if jax.default_backend() == "cpu":
+        x = jax.lax.optimization_barrier(x)
+    return x, tuple(order)
+
+
+def _one_summed_dim(a, b, a_dims, b_dims, summed):
+    """(a, b, a_dims, b_dims, summed) with the summed dims merged into one (a reshape, no
+    copy) where they are adjacent and in the same order in both operands; where they
+    are in one operand and not the other, the other is transposed first (a copy XLA
+    would make anyway, in the order that runs faster: `_summed_together`).
+
+    XLA:CPU runs a dot of several contracting dims as a transposed copy of each operand
+    to [batch, free, contracting] and a dot of that, but one contracting dim in place,
+    wherever it is: a weight's gradient x[b, t, i] * g[b, t, o] -> [i, o] measured 137
+    GFLOP/s summed over (b, t) and 159 over b*t, attention's key gradient summed over
+    (query group, length) 75 and 125 (docs/benchmarks.md, "Dot rates per shape")."""
+    if len(summed) < 2:
+        return a, b, a_dims, b_dims, summed
+    if _run(a_dims, summed) and not _run(b_dims, summed):
+        free = [d for d in b_dims if d not in a_dims]
+        b, b_dims = _summed_together(b, b_dims, summed, free, left=False)
+    elif not _run(a_dims, summed) and _run(b_dims, in_b := [d for d in b_dims if d in summed]):
+        summed = in_b
+        free = [d for d in a_dims if d not in b_dims]
+        a, a_dims = _summed_together(a, a_dims, summed, free, left=True)
+    if not (ra := _run(a_dims, summed)) or not (rb := _run(b_dims, summed)):
+        return a, b, a_dims, b_dims, summed
+    merged = tuple(summed)  # a tuple, never equal to a dim's name (a str)
+    size = math.prod(a.shape[ra[0] : ra[1]])
+    a = a.reshape(a.shape[: ra[0]] + (size,) + a.shape[ra[1] :])
+    b = b.reshape(b.shape[: rb[0]] + (size,) + b.shape[rb[1] :])
+    a_dims = a_dims[: ra[0]] + (merged,) + a_dims[ra[1] :]
+    b_dims = b_dims[: rb[0]] + (merged,) + b_dims[rb[1] :]
+    return a, b, a_dims, b_dims, [merged]
+
+
 def _dot(a, b, a_dims, b_dims, out, precision):
     """`a x b -> out` as one dot_general (every dim of a and b is in the other or in
     `out`), the operands in `left_first`'s order, then transposed to `out`."""
     sizes = tuple(sorted(dict(zip(a_dims + b_dims, a.shape + b.shape, strict=True)).items()))
     if not left_first(a_dims, b_dims, out, sizes):
         a, b, a_dims, b_dims = b, a, b_dims, a_dims
-    batch = [d for d in a_dims if d in b_dims and d in out]
     summed = [d for d in a_dims if d in b_dims and d not in out]
+    a, b, a_dims, b_dims, summed = _one_summed_dim(a, b, a_dims, b_dims, summed)
+    batch = [d for d in a_dims if d in b_dims and d in out]
     numbers = (
         ([a_dims.index(d) for d in summed], [b_dims.index(d) for d in summed]),
         ([a_dims.index(d) for d in batch], [b_dims.index(d) for d in batch]),

@@ -10,13 +10,14 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh
+from lowering.hlo import dots, movement
 from namedmesh.contract import contract, left_first
 from namedmesh.testing import lowered
 
 SIZES = {"t": 8, "i": 4, "o": 5, "b": 2, "h": 2, "q": 4, "k": 6, "d": 3, "x": 2, "j": 3}
 CASES = [  # (a dims, b dims, out): batch dims, summed rows, results in any order
-    ("t i", "t o", "i o"),  # a weight's gradient: both operands summed over their rows
-    ("t i", "t o", "o i"),
+    ("b t i", "b t o", "i o"),  # a weight's gradient, summed over two dims (merged)
+    ("t b i", "b t o", "o i"),  # two summed dims in another order in each: not merged
     ("t i", "i o", "t o"),
     ("b h q k", "b h q d", "b h k d"),  # the larger operand summed over its rows
     ("b q h d", "b k h d", "b h q k"),  # batch dims not leading, the result reordered
@@ -39,15 +40,24 @@ def test_cases_put_either_operand_on_the_left():
     assert orders == {True, False}
 
 
+def _value_and_vjp(f, w):
+    """(f(a, b), the gradients of sum(f(a, b) * w)) as one function: one compiled program."""
+
+    def both(a, b):
+        y, pull = jax.vjp(f, a, b)
+        return (y, *pull(w))
+
+    return both
+
+
 @pytest.mark.parametrize(("a_dims", "b_dims", "out"), CASES)
 def test_values_and_gradients_equal_numpy(a_dims, b_dims, out):
     a, b, w = _data(a_dims, 0), _data(b_dims, 1), _data(out, 2)
     dims = tuple(a_dims.split()), tuple(b_dims.split()), tuple(out.split())
-    y = jax.jit(lambda a, b: contract(a, b, *dims))(a, b)
+    y, ga, gb = jax.jit(_value_and_vjp(lambda a, b: contract(a, b, *dims), w))(a, b)
     spec = f"{_sp(a_dims)},{_sp(b_dims)}->{_sp(out)}"
     a64, b64, w64 = (v.astype(np.float64) for v in (a, b, w))
     np.testing.assert_allclose(np.asarray(y), np.einsum(spec, a64, b64), rtol=1e-5, atol=1e-5)
-    ga, gb = jax.jit(jax.grad(lambda a, b: jnp.sum(contract(a, b, *dims) * w), (0, 1)))(a, b)
     want_a = np.einsum(f"{_sp(out)},{_sp(b_dims)}->{_sp(a_dims)}", w64, b64)
     want_b = np.einsum(f"{_sp(a_dims)},{_sp(out)}->{_sp(b_dims)}", a64, w64)
     np.testing.assert_allclose(np.asarray(ga), want_a, rtol=1e-5, atol=1e-5)
@@ -62,10 +72,30 @@ def test_weight_gradient_reads_the_cotangent_without_a_transposed_copy():
     loss = lambda x, w: jnp.sum(jnp.sin(nm.einsum(x, w).data))
     hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
     assert "f32[1024,2,4]" not in hlo and "f32[1024,8]" not in hlo
+    # w's gradient sums over (batch, length): as one merged dim XLA:CPU reads x as it is,
+    # [8, 32], where two summed dims made it copy x transposed to [32, 8] first
+    assert movement(hlo)["transpose"] == (0, 0)
+    assert any(d.lhs == (8, 32) and d.lhs_contracting == (0,) for d in dots(hlo)), dots(hlo)
+
+
+def test_summed_dims_apart_in_one_operand_are_brought_together_summed_first():
+    """A key's gradient from a rotated query q[b, l, g, d] and the logits' cotangent
+    s[b, g, l, k], summed over (g, l): q is transposed to [b, (g, l), d] by contract
+    (summed first: its free size d is small), so the dot has one summed dim and reads
+    both operands in place, not XLA's copy of q to [b, d, (g, l)] (half the rate)."""
+    q, s = _data("b q x d", 11), _data("b x q k", 12)  # (2, 4, 2, 3), (2, 2, 4, 6)
+    f = jax.jit(lambda q, s: contract(q, s, ("b", "l", "g", "d"), ("b", "g", "l", "k"),
+                                      ("b", "k", "d")))  # fmt: skip
+    want = np.einsum("blgd,bglk->bkd", q.astype(np.float64), s.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(f(q, s)), want, rtol=1e-5, atol=1e-5)
+    (dot,) = dots(f.lower(q, s).compile().as_text())
+    assert len(dot.lhs_contracting) == len(dot.rhs_contracting) == 1, dot
+    summed_first = {(2, 8, 3): (1,), (2, 8, 6): (1,)}  # [b, g*l, d] and [b, g*l, k]
+    assert {dot.lhs: dot.lhs_contracting, dot.rhs: dot.rhs_contracting} == summed_first, dot
 
 
 LOWERED = [  # (program's dims, layout): a summed dim split (psum); a replicated operand
-    (("t i", "t o", "i o"), "t:x;i:y"),
+    (("b t i", "b t o", "i o"), "t:x;i:y"),  # two summed dims merged, one of them split
     (("b q h d", "b k h d", "b h q k"), "h:x;q:y"),
     (("t i", "i o", "t o"), "t:x,y"),
 ]
@@ -130,9 +160,9 @@ def test_forward_mode_runs_inside_jax_gradients():
     loss = lambda w: jnp.sum(nm.einsum(nm.tensor(x, "t i"), nm.tensor(w, "i o")).data ** 2)
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(loss, (w0,), (w0,))
-    with nm.jax_gradients():
-        h = np.asarray(jax.hessian(loss)(w0))
-        _, tangent = jax.jvp(loss, (w0,), (w0,))
+    with nm.jax_gradients():  # traced inside: one compiled program, not op by op
+        h, tangent = jax.jit(lambda w: (jax.hessian(loss)(w), jax.jvp(loss, (w,), (w,))[1]))(w0)
+        h = np.asarray(h)
     gram = 2 * x.astype(np.float64).T @ x
     want = np.einsum("ij,ok->iojk", gram, np.eye(w0.shape[1]))
     np.testing.assert_allclose(h, want, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 import namedmesh as nm
-from lowering.hlo import movement, moves
+from lowering.hlo import Dot, dots, movement, moves
 from models.layers import kernels
 
 # A loop of 3 iterations over a zero-filled f32[3,8] buffer (96 bytes): each iteration
@@ -69,6 +69,43 @@ def test_movement_counts_a_hand_made_module_by_kind_and_iteration():
         "transpose": (1, 96),
         "copy": (0, 0),
     }
+
+
+# A batched dot in a YNNPACK fusion inside a loop of 4 iterations, its left operand
+# stored column-major ({0,1,2}); after the loop a plain dot with no layout written.
+DOTS = """HloModule d
+
+%fused_dot (p0: f32[2,8,16], p1: f32[2,16,4]) -> f32[2,8,4] {
+  %p0 = f32[2,8,16]{0,1,2} parameter(0)
+  %p1 = f32[2,16,4]{2,1,0} parameter(1)
+  ROOT %d = f32[2,8,4]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={2},
+  rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+%body (p: (f32[2,8,16], f32[2,16,4])) -> (f32[2,8,16], f32[2,16,4]) {
+  %p = (f32[2,8,16]{0,1,2}, f32[2,16,4]{2,1,0}) parameter(0)
+  %a = f32[2,8,16]{0,1,2} get-tuple-element(%p), index=0
+  %b = f32[2,16,4]{2,1,0} get-tuple-element(%p), index=1
+  %f = f32[2,8,4]{2,1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot,
+  backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  ROOT %t = (f32[2,8,16]{0,1,2}, f32[2,16,4]{2,1,0}) tuple(%a, %b)
+}
+
+ENTRY %main (x: (f32[2,8,16], f32[2,16,4]), m: f32[3,5]) -> f32[5,5] {
+  %x = (f32[2,8,16]{0,1,2}, f32[2,16,4]{2,1,0}) parameter(0)
+  %loop = (f32[2,8,16]{0,1,2}, f32[2,16,4]{2,1,0}) while(%x), condition=%c, body=%body,
+  backend_config={"known_trip_count":{"n":"4"}}
+  %m = f32[3,5] parameter(1)
+  ROOT %mm = f32[5,5] dot(%m, %m), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_dots_of_a_hand_made_module_with_layouts_kernels_and_trip_counts():
+    assert dots(DOTS) == [
+        Dot((2, 8, 16), (2, 16, 4), (0, 1, 2), (2, 1, 0), (2,), (1,), (0,), (0,), "ynn", 4),
+        Dot((3, 5), (3, 5), (1, 0), (1, 0), (0,), (0,), (), (), "xla", 1),
+    ]
 
 
 def test_movement_sizes_narrow_dtypes_by_their_bytes():
