@@ -21,14 +21,14 @@ def _report(cfg, sizes, rules):
                                                                        show=False)  # fmt: skip
 
 
-@pytest.mark.parametrize("scan_layers", [True, "auto"], ids=["loop", "unrolled"])
-def test_the_step_estimate_is_within_15_percent_of_xla_compiled_trainer_step(scan_layers):
-    """The layer stack as one loop, and unrolled (the default without remat): the
-    estimate models each as it runs (lowering/memory.py), and XLA holds 15-20% less
-    unrolled."""
+def test_the_step_estimate_is_within_15_percent_of_xla_compiled_trainer_step():
+    """The layer stack unrolled (scan_layers "auto"'s pick without remat), which the
+    estimate models as it runs (lowering/memory.py); the loop's estimate is held to
+    XLA's in tests/test_memory_estimate.py (its trainer step, 2-3x this compile, in
+    benchmarks.step_memory's table)."""
     from benchmarks.step_memory import MEGATRON, measure
 
-    est, xla = measure(MEGATRON, "none", 2, "tiny", scan_layers=scan_layers)
+    est, xla = measure(MEGATRON, "none", 2, "tiny", scan_layers="auto")
     assert 0.85 <= est / xla <= 1.15, (est, xla)
 
 
