@@ -210,3 +210,15 @@ def test_auto_picks_fused_by_length_where_it_implements_the_options():
     gemma = cfg.replace(length=n, parts=Softcaps(attention_softcap=5.0))
     assert attention_kernel(gemma) == f"auto (full at {n} tokens)"
     assert attention_kernel(cfg.replace(attention="blockwise")) == "blockwise"
+    # a layout that splits the queries' length keeps full attention (the fused kernel's
+    # rule would gather the sequence whole on every device); one that does not, fused
+    picked = []
+
+    def attend(x):
+        picked.append(kernel_name(cfg, Options(**masks), x.size_of("length")))
+        return x
+
+    x = nm.tensor(np.zeros((2, n), np.float32), ("batch", "length"))
+    for layout in ("length:data", "batch:data"):
+        lower(attend, Mesh({"data": 2}), layout).report(x, show=False)
+    assert picked == ["full", "fused"]

@@ -19,7 +19,9 @@ soft-caps.
 the length is known (models.layers.common.kernel_for) to the fused kernel for long
 sequences, where it was measured faster than full attention and is linear in memory,
 and to full attention otherwise (short sequences, decoding over a cache, options the
-fused kernel refuses). It is not in KERNELS, so plan search (models/cli/plan.py) never
+fused kernel refuses, a layout that splits the queries' length: the fused kernel's rule
+would gather the whole sequence on every device, where full attention's einsums keep
+the queries split). It is not in KERNELS, so plan search (models/cli/plan.py) never
 searches the same kernel twice.
 """
 
@@ -141,6 +143,8 @@ def choose(length: int, asks: dict) -> str:
     option name -> asked, as models.layers.common.kernel_for reads them from Options);
     else "full", which implements every option. Over a KV cache (a prefill) the keys are
     the cache's slots, not the queries, where the fused kernel on CPU makes the whole
-    logits as full attention does: "full"."""
-    refused = any(asks.get(option) for option in (*KERNELS["fused"].refuses, "cached"))
+    logits as full attention does: "full". Where the layout being lowered splits the
+    queries' length (`asks["split"]`, sequence parallelism) the fused kernel would
+    gather it whole on every device: "full"."""
+    refused = any(asks.get(option) for option in (*KERNELS["fused"].refuses, "cached", "split"))
     return "fused" if length >= FUSED_FROM and not refused else "full"
