@@ -136,9 +136,9 @@ def test_forward_mode_runs_inside_jax_gradients():
     loss = lambda w: jnp.sum(nm.einsum(nm.tensor(x, "t i"), nm.tensor(w, "i o")).data ** 2)
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(loss, (w0,), (w0,))
-    with nm.jax_gradients():
-        h = np.asarray(jax.hessian(loss)(w0))
-        _, tangent = jax.jvp(loss, (w0,), (w0,))
+    with nm.jax_gradients():  # jitted: one compile each, not one per op (12 s)
+        h = np.asarray(jax.jit(jax.hessian(loss))(w0))
+        _, tangent = jax.jit(lambda w: jax.jvp(loss, (w,), (w,)))(w0)
     gram = 2 * x.astype(np.float64).T @ x
     want = np.einsum("ij,ok->iojk", gram, np.eye(w0.shape[1]))
     np.testing.assert_allclose(h, want, rtol=1e-4, atol=1e-4)
