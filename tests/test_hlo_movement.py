@@ -9,10 +9,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering.hlo import movement, moves
-from models import transformer
-from models.architecture import Config
 from models.layers import kernels
-from tests.test_models import small_batch
 
 # A loop of 3 iterations over a zero-filled f32[3,8] buffer (96 bytes): each iteration
 # reads a row (32 bytes) and writes the negated row (32 bytes) in a fusion; after it a
@@ -132,27 +129,3 @@ def _dims(shape: str) -> list[int]:
     sizes = re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",")
     return sorted(int(d) for d in sizes if d not in ("", "1"))
 
-
-def test_lm_step_moves_no_activation_to_feature_major_order():
-    """A tiny rotary, grouped-query, SwiGLU LM's gradient (one layer, unrolled), all sizes
-    distinct (tokens 3 x 7, d_model 20, q heads 4 x d_kv 6 = 24, d_ff 36, vocab 50):
-    no weight gradient's operand (a tokens x d_model, d_ff or vocab value) is transposed
-    (XLA's dot canonicaliser copied each to [features, tokens], namedmesh.dot_layout
-    reads it in place), and of the queries' size only the four moves between
-    [batch, length, heads] and attention's heads-leading order remain (q and the
-    attention output forward, their gradients backward; q saved as its dot read it,
-    not transposed again for the keys' gradient). The oracle is the compiled HLO."""
-    cfg = Config(vocab=50, d_model=20, heads=4, kv_heads=2, d_kv=6, d_ff=36, layers=1,
-                 length=7, batch=3, positions="rotary", norm="rms", ffn="swiglu",
-                 scan_layers=False)  # fmt: skip
-    params = transformer.init(transformer.lm_shapes(cfg), 0)
-    batch = {k: nm.tensor(v, ("batch", "length")) for k, v in small_batch(cfg).items()}
-    loss = lambda p, b: transformer.lm_loss(p, b, cfg).data
-    hlo = jax.jit(jax.grad(loss)).lower(params, batch).compile().as_text()
-    tokens = cfg.batch * cfg.length
-    transposed = [m for m in moves(hlo) if m.kind == "transpose"]
-    elements = lambda m: m.nbytes // 4
-    operands = {tokens * cfg.d_model, tokens * cfg.d_ff, tokens * cfg.vocab}
-    assert not [m for m in transposed if elements(m) in operands]
-    queries = [m for m in transposed if elements(m) == tokens * cfg.heads * cfg.d_kv]
-    assert sum(m.times for m in queries) == 4, queries
