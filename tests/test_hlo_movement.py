@@ -128,4 +128,3 @@ def _dims(shape: str) -> list[int]:
     """The sizes of an HLO shape's dims other than 1, sorted."""
     sizes = re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",")
     return sorted(int(d) for d in sizes if d not in ("", "1"))
-
