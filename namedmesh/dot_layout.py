@@ -12,11 +12,12 @@ group, in either order, is reshaped to [batch, free, summed] or [batch, summed,
 free], a bitcast, so the dot is canonical as it stands; only an operand whose dims
 interleave otherwise is transposed.
 
-XLA:CPU's dot with its left operand summed over its first dims (summed then free,
-`lhs_k_first`) is fast only when the right operand is [summed, free] too and the left
-has no more free elements than the right (measured: [2048, 8192]^T [2048, 512] ran at
-0.75 of [2048, 512]^T [2048, 8192]); otherwise that operand counts as copied, and is
-copied to [batch, free, summed], where XLA:CPU's YNNPACK dot runs at its rate.
+XLA:CPU's dot with its left operand summed over its first dims (summed, then free) is
+fast only when the right operand is [summed, free] too and the left has no more free
+elements than the right ([2048, 8192]^T [2048, 512] ran at 0.72 of the rate of
+[2048, 512]^T [2048, 8192], docs/benchmarks.md "Movement planned away"); otherwise
+that operand counts as copied, and is copied to [batch, free, summed], where
+XLA:CPU's YNNPACK dot runs at its rate.
 """
 
 from __future__ import annotations
