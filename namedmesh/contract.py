@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 
 import jax
 import jax.numpy as jnp
+
+from namedmesh import dot_layout
 
 _JAX_RULES = threading.local()
 
@@ -65,23 +66,10 @@ def varying_axes(x) -> set[str]:
 
 
 def _copied(lhs, rhs, out, sizes) -> int:
-    """Elements XLA:CPU copies to run `lhs x rhs -> out` (dims tuples) as one dot_general
-    with `lhs` on the left: the left operand unless its dims run batch, free, summed;
-    the right unless they run batch then summed and free in either order; the result
-    unless batch, left free, right free is its order."""
-    batch = [d for d in lhs if d in rhs and d in out]
-    summed = [d for d in lhs if d in rhs and d not in out]
-    l_free = [d for d in lhs if d not in rhs]
-    r_free = [d for d in rhs if d not in lhs]
-    size = lambda dims: math.prod(sizes[d] for d in dims)
-    n = 0
-    if list(lhs) != batch + l_free + summed:
-        n += size(lhs)
-    if list(rhs) not in (batch + summed + r_free, batch + r_free + summed):
-        n += size(rhs)
-    if list(out) != batch + l_free + r_free:
-        n += size(out)
-    return n
+    """Elements copied to run `lhs x rhs -> out` (dims tuples) as one dot_general with
+    `lhs` on the left (`namedmesh.dot_layout.plan`: operands read in place wherever
+    their dims group as a canonical dot's)."""
+    return dot_layout.plan(lhs, rhs, out, tuple(sorted(sizes.items()))).copied
 
 
 @functools.lru_cache(maxsize=4096)
@@ -114,84 +102,29 @@ def dot_order(a_dims, b_dims, keep, sizes) -> tuple:
     return ab
 
 
-def _run(dims, names) -> tuple[int, int] | None:
-    """(first, last + 1) of `names`' positions in `dims` when they are adjacent there in
-    this order, else None."""
-    at = [dims.index(d) for d in names]
-    return (at[0], at[-1] + 1) if at == list(range(at[0], at[0] + len(at))) else None
+def _sizes(a, b, a_dims, b_dims) -> tuple:
+    return tuple(sorted(dict(zip(a_dims + b_dims, a.shape + b.shape, strict=True)).items()))
 
 
-# The largest free size of a left operand that XLA:CPU's dot runs faster read summed
-# dim first ([K, M]) than summed dim last ([M, K]): measured 119-141 GFLOP/s against 57
-# at M = 64, about equal at 512, 0.6-0.8x at 2048 (docs/benchmarks.md, "Dot rates per
-# shape").
-SUMMED_FIRST_MAX = 512
-
-
-def _summed_together(x, dims, summed, free, left: bool):
-    """(x, its dims) transposed to batch dims (those neither summed nor `free`), then
-    `summed` together in this order and `free`: summed first for the right operand or a
-    left one of free size <= SUMMED_FIRST_MAX, else last. On CPU behind an optimization
-    barrier, or XLA folds the transpose back into the dot, where several summed dims
-    make it copy in its own order."""
-    free = [d for d in dims if d in free]
-    batch = [d for d in dims if d not in summed and d not in free]
-    free_size = math.prod(x.shape[dims.index(d)] for d in free)
-    first = not left or free_size <= SUMMED_FIRST_MAX
-    order = batch + (list(summed) + free if first else free + list(summed))
-    x = jnp.transpose(x, [dims.index(d) for d in order])
-    if jax.default_backend() == "cpu":
-        x = jax.lax.optimization_barrier(x)
-    return x, tuple(order)
-
-
-def _one_summed_dim(a, b, a_dims, b_dims, summed):
-    """(a, b, a_dims, b_dims, summed) with the summed dims merged into one (a reshape, no
-    copy) where they are adjacent and in the same order in both operands; where they
-    are in one operand and not the other, the other is transposed first (a copy XLA
-    would make anyway, in the order that runs faster: `_summed_together`).
-
-    XLA:CPU runs a dot of several contracting dims as a transposed copy of each operand
-    to [batch, free, contracting] and a dot of that, but one contracting dim in place,
-    wherever it is: a weight's gradient x[b, t, i] * g[b, t, o] -> [i, o] measured 137
-    GFLOP/s summed over (b, t) and 159 over b*t, attention's key gradient summed over
-    (query group, length) 75 and 125 (docs/benchmarks.md, "Dot rates per shape")."""
-    if len(summed) < 2:
-        return a, b, a_dims, b_dims, summed
-    if _run(a_dims, summed) and not _run(b_dims, summed):
-        free = [d for d in b_dims if d not in a_dims]
-        b, b_dims = _summed_together(b, b_dims, summed, free, left=False)
-    elif not _run(a_dims, summed) and _run(b_dims, in_b := [d for d in b_dims if d in summed]):
-        summed = in_b
-        free = [d for d in a_dims if d not in b_dims]
-        a, a_dims = _summed_together(a, a_dims, summed, free, left=True)
-    if not (ra := _run(a_dims, summed)) or not (rb := _run(b_dims, summed)):
-        return a, b, a_dims, b_dims, summed
-    merged = tuple(summed)  # a tuple, never equal to a dim's name (a str)
-    size = math.prod(a.shape[ra[0] : ra[1]])
-    a = a.reshape(a.shape[: ra[0]] + (size,) + a.shape[ra[1] :])
-    b = b.reshape(b.shape[: rb[0]] + (size,) + b.shape[rb[1] :])
-    a_dims = a_dims[: ra[0]] + (merged,) + a_dims[ra[1] :]
-    b_dims = b_dims[: rb[0]] + (merged,) + b_dims[rb[1] :]
-    return a, b, a_dims, b_dims, [merged]
+def _read_order(a_dims, b_dims, out, sizes) -> tuple[tuple, tuple]:
+    """The dims of a and of b in the order the dot of `a x b -> out` reads them: their
+    own, unless its plan copies one transposed (`namedmesh.dot_layout.plan`)."""
+    if left_first(a_dims, b_dims, out, sizes):
+        p = dot_layout.plan(a_dims, b_dims, out, sizes)
+        return p.lhs, p.rhs
+    p = dot_layout.plan(b_dims, a_dims, out, sizes)
+    return p.rhs, p.lhs
 
 
 def _dot(a, b, a_dims, b_dims, out, precision):
     """`a x b -> out` as one dot_general (every dim of a and b is in the other or in
     `out`), the operands in `left_first`'s order, then transposed to `out`."""
-    sizes = tuple(sorted(dict(zip(a_dims + b_dims, a.shape + b.shape, strict=True)).items()))
+    sizes = _sizes(a, b, a_dims, b_dims)
     if not left_first(a_dims, b_dims, out, sizes):
         a, b, a_dims, b_dims = b, a, b_dims, a_dims
-    summed = [d for d in a_dims if d in b_dims and d not in out]
-    a, b, a_dims, b_dims, summed = _one_summed_dim(a, b, a_dims, b_dims, summed)
-    batch = [d for d in a_dims if d in b_dims and d in out]
-    numbers = (
-        ([a_dims.index(d) for d in summed], [b_dims.index(d) for d in summed]),
-        ([a_dims.index(d) for d in batch], [b_dims.index(d) for d in batch]),
-    )
-    y = jax.lax.dot_general(a, b, numbers, precision=precision)
-    got = batch + [d for d in a_dims if d not in b_dims] + [d for d in b_dims if d not in a_dims]
-    perm = tuple(got.index(d) for d in out)
+    plan = dot_layout.plan(a_dims, b_dims, out, sizes)
+    y = dot_layout.dot(a, b, a_dims, b_dims, plan, dict(sizes), precision)
+    perm = tuple(plan.result.index(d) for d in out)
     if perm == tuple(range(len(perm))):
         return y
     if jax.default_backend() == "cpu":
@@ -213,23 +146,28 @@ def contract(a, b, a_dims, b_dims, out, precision=None):
     if va != vb:
         a = jax.lax.pcast(a, tuple(sorted(vb - va)), to="varying") if vb - va else a
         b = jax.lax.pcast(b, tuple(sorted(va - vb)), to="varying") if va - vb else b
-    return _contract(a, b, a_dims, b_dims, out, precision)
+    return _contract(a, b, a_dims, b_dims, out, precision, _sizes(a, b, a_dims, b_dims))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _contract(a, b, a_dims, b_dims, out, precision=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _contract(a, b, a_dims, b_dims, out, precision, sizes):
     return _dot(a, b, a_dims, b_dims, out, precision)
 
 
-def _forward(a, b, a_dims, b_dims, out, precision):
-    return _dot(a, b, a_dims, b_dims, out, precision), (a, b)
+def _forward(a, b, a_dims, b_dims, out, precision, sizes):
+    # the operands saved as the dot read them: one it copied transposed is not copied
+    # again for the gradients' dots (attention's rotated queries and keys, heads first)
+    read_a, read_b = _read_order(a_dims, b_dims, out, sizes)
+    a, b = dot_layout.transposed(a, a_dims, read_a), dot_layout.transposed(b, b_dims, read_b)
+    return _dot(a, b, read_a, read_b, out, precision), (a, b)
 
 
-def _backward(a_dims, b_dims, out, precision, saved, g):
+def _backward(a_dims, b_dims, out, precision, sizes, saved, g):
     a, b = saved
+    read_a, read_b = _read_order(a_dims, b_dims, out, sizes)
     return (
-        _contract(g, b, out, b_dims, a_dims, precision),
-        _contract(a, g, a_dims, out, b_dims, precision),
+        _contract(g, b, out, read_b, a_dims, precision, sizes),
+        _contract(a, g, read_a, out, b_dims, precision, sizes),
     )
 
 

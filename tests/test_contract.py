@@ -10,7 +10,7 @@ import pytest
 
 import namedmesh as nm
 from lowering import Mesh
-from lowering.hlo import dots, movement
+from lowering.hlo import dots, movement, moves
 from namedmesh.contract import contract, left_first
 from namedmesh.testing import lowered
 
@@ -64,9 +64,12 @@ def test_values_and_gradients_equal_numpy(a_dims, b_dims, out):
     np.testing.assert_allclose(np.asarray(gb), want_b, rtol=1e-5, atol=1e-5)
 
 
-def test_weight_gradient_reads_the_cotangent_without_a_transposed_copy():
-    """jax's own gradient of x[t, d] @ w[d, v] copies the [t, v] cotangent transposed to
-    [v, t] on XLA:CPU (the slow form); nm.einsum's gradient does not."""
+def test_weight_gradient_reads_its_operands_without_a_transposed_copy():
+    """A weight's gradient summed over batch and length, x[b, q, d] and the cotangent
+    g[b, q, vocab] -> w[d, vocab]: jax's own gradient copies g transposed to [vocab, t]
+    and XLA's dot canonicaliser copied x to [d, t] (two summed dims); nm.einsum's
+    gradient reads both in place (each reshaped to [t, .], a bitcast). The oracle is
+    the compiled HLO: no transpose or copy of either value's elements."""
     x = nm.tensor(_data("b q d", 3).repeat(11, 2)[:, :, :32], "batch length d")  # d: 32
     w = nm.tensor(np.ones((32, 1024), np.float32), "d vocab")
     loss = lambda x, w: jnp.sum(jnp.sin(nm.einsum(x, w).data))
@@ -75,12 +78,15 @@ def test_weight_gradient_reads_the_cotangent_without_a_transposed_copy():
     # w's gradient sums over (batch, length): as one merged dim XLA:CPU reads x as it is,
     # [8, 32], where two summed dims made it copy x transposed to [32, 8] first
     assert movement(hlo)["transpose"] == (0, 0)
+    activations = {4 * 2 * 4 * 32, 4 * 2 * 4 * 1024}  # x's and g's bytes
+    copied = [m for m in moves(hlo) if m.kind in ("transpose", "copy") and m.nbytes in activations]
+    assert not copied, copied
     assert any(d.lhs == (8, 32) and d.lhs_contracting == (0,) for d in dots(hlo)), dots(hlo)
 
 
 def test_summed_dims_apart_in_one_operand_are_brought_together_summed_first():
     """A key's gradient from a rotated query q[b, l, g, d] and the logits' cotangent
-    s[b, g, l, k], summed over (g, l): q is transposed to [b, (g, l), d] by contract
+    s[b, g, l, k], summed over (g, l): q is transposed to [b, (g, l), d] by its dot plan
     (summed first: its free size d is small), so the dot has one summed dim and reads
     both operands in place, not XLA's copy of q to [b, d, (g, l)] (half the rate)."""
     q, s = _data("b q x d", 11), _data("b x q k", 12)  # (2, 4, 2, 3), (2, 2, 4, 6)
@@ -92,6 +98,10 @@ def test_summed_dims_apart_in_one_operand_are_brought_together_summed_first():
     assert len(dot.lhs_contracting) == len(dot.rhs_contracting) == 1, dot
     summed_first = {(2, 8, 3): (1,), (2, 8, 6): (1,)}  # [b, g*l, d] and [b, g*l, k]
     assert {dot.lhs: dot.lhs_contracting, dot.rhs: dot.rhs_contracting} == summed_first, dot
+    # under grad the forward dot reads the copy it saves for the backward, still summed first
+    loss = lambda q, s: jnp.sum(f(q, s) ** 2)
+    text = jax.jit(jax.grad(loss, (0, 1))).lower(q, s).compile().as_text()
+    assert any(d.lhs == (2, 8, 3) and d.lhs_contracting == (1,) for d in dots(text)), dots(text)
 
 
 LOWERED = [  # (program's dims, layout): a summed dim split (psum); a replicated operand
