@@ -21,7 +21,7 @@ from lowering.hlo import collectives
 from lowering.stages import StagedChoice, assign_stages
 from models import transformer, zoo
 from namedmesh.chain import chain_deal
-from namedmesh.uneven import PaddedStack, deal, pad_stacks, unpad_stacks
+from namedmesh.uneven import PaddedStack, deal, pad_like, pad_stacks, unpad_stacks
 from tests.test_pipeline import BATCH, CFG
 
 
@@ -162,6 +162,35 @@ def test_the_deal_is_the_planners(layers, stages):
     assert [a for a, _ in got] == list(np.cumsum([0] + [n for _, n in got])[:-1])
     for stacks in ([3, layers + 55], [1, layers], [layers, 2, 1]):
         assert chain_deal(stacks, stages) == assign_stages(stacks, stages)
+
+
+@pytest.mark.parametrize("stacks,stages", [([3, 58], 16), ([1, 3], 2), ([7, 2, 1], 4)])
+def test_a_chain_is_padded_as_the_planner_deals_it(stacks, stages):
+    """pad_stacks' `chain`: stack i is S blocks of K_i layers (K_i the most the planner
+    deals a stage), block s its dealt layers in order then pads (flagged not real);
+    unpad_stacks and pad_like (a checkpoint's L-long view and back) are inverses."""
+    deal_ = assign_stages(stacks, stages)
+    keys = [f"s{i}" for i in range(len(stacks))]
+    first = np.cumsum([0, *stacks])
+    layer = lambda a, n: jnp.tile(jnp.arange(a, a + n, dtype=jnp.float32)[:, None], (1, 2))
+    tree = {k: nm.tensor(layer(a, n), ("layers", "d"))  # layer j holds j
+            for k, a, n in zip(keys, first[:-1], stacks, strict=True)}  # fmt: skip
+    held = pad_stacks({"other": tree["s0"], "chain": tree}, {"layers": stages}, chain=keys)
+    assert isinstance(held["other"], PaddedStack) == bool(stacks[0] % stages)  # not chained
+    at = 0  # the next layer the planner deals, the stacks in order
+    blocks = {k: np.asarray(held["chain"][k].tensor.data)[:, 0] for k in keys}
+    for s, counts in enumerate(deal_):
+        for k, n, i in zip(keys, counts, range(len(keys)), strict=True):
+            slots = max(c[i] for c in deal_)
+            block = blocks[k].reshape(stages, slots)[s]
+            assert list(block[:n]) == list(range(at, at + n))
+            real = held["chain"][k].positions()[1].reshape(stages, slots)[s]
+            assert list(real) == [j < n for j in range(slots)]
+            at += n
+    back = unpad_stacks(held)["chain"]
+    assert all(np.array_equal(back[k].data, tree[k].data) for k in keys)
+    again = pad_like(back, held["chain"])
+    assert all(np.array_equal(again[k].tensor.data, held["chain"][k].tensor.data) for k in keys)
 
 
 RUNS = "runs as a layers:stage layout (lowering.pipeline)"
