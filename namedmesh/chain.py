@@ -11,7 +11,10 @@ pipeline has one bubble, not one per stack. Each stack takes K_i slots a stage, 
 most any stage holds of it; a stage's slots beyond its layers are pads, copies of a
 layer flagged not real, whose body's carry is replaced by the one it was given (the
 identity: computed and masked, their results and gradients dropped). The ys of each
-stack come back L_i long, its real layers in order."""
+stack come back L_i long, its real layers in order. A stack given L_i long is gathered
+into its slots (whole on every stage device, its gradients all-reduced over the stages);
+one padded ahead for the chain (namedmesh.uneven.pad_stacks' `chain`) is read as it
+lies, each stage device holding only its K_i slots.
 
 from __future__ import annotations
 
