@@ -14,7 +14,7 @@ identity: computed and masked, their results and gradients dropped). The ys of e
 stack come back L_i long, its real layers in order. A stack given L_i long is gathered
 into its slots (whole on every stage device, its gradients all-reduced over the stages);
 one padded ahead for the chain (namedmesh.uneven.pad_stacks' `chain`) is read as it
-lies, each stage device holding only its K_i slots.
+lies, each stage device holding only its K_i slots."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ graph where only the scan reads it), and the scan runs on the padded stack itsel
 trainer keeps its parameters and optimizer state padded; `unpad_stacks` gives the L-long
 view a checkpoint or a user reads. The stacks of a chain (nm.scan_chain, namedmesh/chain.py:
 one pipeline over consecutive stacks) are padded by the chain's deal (`pad_stacks`'
-`chain`, `chain_slots`): stack i S * K_i long, K_i the most layers of it a stage holds.
+`chain`, `chain_slots`): stack i S * K_i long, K_i the most layers of it a stage holds."""
 
 from __future__ import annotations
 
