@@ -142,6 +142,7 @@ class Joint:
     pruned: dict = field(default_factory=dict)  # reason -> count of (mesh, settings) pairs
     searched: int = 0
     cache: dict = field(default_factory=dict, repr=False)  # (pair, ...) -> its Search
+    chain: tuple = ()  # the params' keys whose stacks the model chains (pad_stacks' `chain`)
 
     @property
     def best(self) -> Choice:
@@ -170,6 +171,7 @@ def joint_search(
     exhaustive: bool = False,
     cache: dict | None = None,
     staged=None,
+    chain=(),
 ) -> Joint:
     """The plans of `build(settings) -> (loss, inputs)` (the loss of one microbatch:
     batch / grad_accum rows, its parameters the first input) on each of `meshes` under
@@ -182,7 +184,9 @@ def joint_search(
     `staged`: (evaluate, space) for the meshes with a `stage` axis: each is weighed under
     `space` (its settings' grad_accum the pipeline's microbatches) by
     `evaluate(mesh, settings, model_flops)` -> a lowering.stages.StagedChoice, every
-    count of microbatches searched (more shrink the bubble)."""
+    count of microbatches searched (more shrink the bubble). `chain`: the keys of a
+    params dict whose stacks the model runs chained (nm.scan_chain;
+    `namedmesh.uneven.pad_stacks`' `chain`), padded so where a stage axis splits them."""
     training = Training() if training is None else training
     limit = rates.memory_bytes if memory_limit is None else memory_limit
     if not limit:
@@ -192,6 +196,7 @@ def joint_search(
     whole = _WholeCosts(build, training)
     joint = Joint([], rates, training, limit, tokens)
     joint.cache = {} if cache is None else cache
+    joint.chain = tuple(chain)
     best_fit = [math.inf]
     chains: dict = {}  # (mesh, settings but grad_accum) -> its settings, fewest microbatches first
     for mesh in meshes:
@@ -316,26 +321,28 @@ def _uneven_candidates(joint, build, mesh, settings, costed) -> list[Candidate]:
     if STAGE_AXIS not in mesh.sizes:
         return []
     t = joint.training
-    key = ("uneven", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates), t)
+    key = ("uneven", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates), t,
+           joint.chain)  # fmt: skip
     if key not in joint.cache:
         fn, inputs = build(settings)
         best = next((c.layout for c in costed if c.valid), None)
         run = Training(t.optimizer, t.moment_dtype, t.zero1, settings.grad_accum)
         joint.cache[key] = [padded_candidate(fn, mesh, inputs, layout, joint.rates, run,
-                                             joint.limit)
+                                             joint.limit, joint.chain)
                             for layout in uneven_stage_layouts(fn, mesh, *inputs, base=best)
                             ]  # fmt: skip
     return [c for c in joint.cache[key] if c.step is not None]
 
 
-def padded_candidate(fn, mesh, inputs, layout, rates: Rates, training: Training, limit):
+def padded_candidate(fn, mesh, inputs, layout, rates: Rates, training: Training, limit,
+                     chain=()):  # fmt: skip
     """The Candidate of `layout` (it splits a stack over uneven stages) for the training
     step of `fn(*inputs)` (its parameters the first input), the stacks padded ahead
     (`namedmesh.uneven.pad_stacks`), as auto_layout's candidates are costed: its report's
     flops, bytes and step memory at `rates`, over `limit` or invalid said in its note."""
     cand = Candidate(layout)
     lowered = lower(fn, mesh, layout)
-    params = pad_stacks(inputs[0], lowered.stage_sizes)
+    params = pad_stacks(inputs[0], lowered.stage_sizes, chain=chain)
     try:
         rep = lowered.report(params, *inputs[1:], wrt=0, show=False)
     except NamedMeshError as e:

@@ -42,6 +42,9 @@ from models.residual import COMPOSITIONS
 # The dim every layer stack scans over (`run_stack`): a `layers:stage` layout pipelines it,
 # in uneven stages too, where the stack is placed whole (lowering.distributed.place).
 STACK_DIMS = ("layers",)
+# the stacks of a params dict that `run_layers` chains (nm.scan_chain, in this order):
+# the trainer pads them by the chain's deal (namedmesh.uneven.pad_stacks' `chain`)
+CHAIN = ("dense", "layers")
 
 
 def slots_of(cache: dict) -> int:

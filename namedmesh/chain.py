@@ -11,7 +11,10 @@ pipeline has one bubble, not one per stack. Each stack takes K_i slots a stage, 
 most any stage holds of it; a stage's slots beyond its layers are pads, copies of a
 layer flagged not real, whose body's carry is replaced by the one it was given (the
 identity: computed and masked, their results and gradients dropped). The ys of each
-stack come back L_i long, its real layers in order."""
+stack come back L_i long, its real layers in order. A stack given L_i long is gathered
+into its slots (whole on every stage device, its gradients all-reduced over the stages);
+one padded ahead for the chain (namedmesh.uneven.pad_stacks' `chain`) is read as it
+lies, each stage device holding only its K_i slots."""
 
 from __future__ import annotations
 
@@ -24,26 +27,11 @@ from namedmesh.elementwise import where
 from namedmesh.errors import ParameterError
 from namedmesh.structural import gather, rename, reshape
 from namedmesh.tensor import Tensor
-from namedmesh.uneven import Deal, record, stages_of
+from namedmesh.uneven import Deal, chain_deal, chain_slots, held_stack, record, stages_of
+
+__all__ = ["chain_deal", "scan_chain"]
 
 INNER = "{}~stage"  # the dim of a stage's slots of one stack
-
-
-def chain_deal(lengths, stages: int) -> list[tuple[int, ...]]:
-    """The layers of consecutive stacks of `lengths` dealt to `stages` stages, each
-    stage's layers per stack: sizes differ by at most one, the larger stages first
-    (lowering.stages.assign_stages; fewer layers than stages: one each on the first)."""
-    total = sum(lengths)
-    base, extra = divmod(total, stages)
-    sizes = [base + 1] * extra + [base] * (stages - extra)
-    bounds = np.cumsum([0, *lengths])
-    out, first = [], 0
-    for size in sizes:
-        last = first + size
-        out.append(tuple(int(max(0, min(last, b) - max(first, a)))
-                         for a, b in zip(bounds[:-1], bounds[1:], strict=True)))  # fmt: skip
-        first = last
-    return out
 
 
 def scan_chain(steps, init, dim: str, remat: str = "none", unroll: bool | str = False):
@@ -91,10 +79,9 @@ def _one_pipeline(steps, init, dim, lengths, stages, remat, unroll):
     inner = INNER.format(dim)
     chunks, ats = [], []
     for i, (_, xs) in enumerate(steps):
-        src, real, at = _slots(counts, i, slots[i], lengths[i])
-        idx = tensor(src.reshape(stages, slots[i]), (dim, inner))
-        taken = tree_map(lambda x, idx=idx: gather(rename(x, {dim: f"{dim}~"}), f"{dim}~", idx),
-                         xs)  # fmt: skip
+        src, real, at = chain_slots(lengths, stages, i)
+        link = (tuple(lengths), i)  # a PaddedStack's chain (pad_stacks')
+        taken = tree_map(lambda x, link=link, src=src: _stage_slots(x, dim, link, stages, src), xs)
         chunks.append((taken, tensor(real.reshape(stages, slots[i]), (dim, inner))))
         ats.append(at)
     record(dim, stages, Deal(tuple(counts), slots))
@@ -113,19 +100,17 @@ def _one_pipeline(steps, init, dim, lengths, stages, remat, unroll):
     return carry, [_real_ys(y, dim, inner, at) for y, at in zip(ys, ats, strict=True)]
 
 
-def _slots(counts, i: int, k: int, length: int):
-    """(src, real, at) of stack i: the layer each of its S*K slots holds (a pad: its
-    stage's last, or the stack's nearest), whether it is real, and each real layer's
-    slot."""
-    src, real, at, first = [], [], [], 0
-    for s, c in enumerate(counts):
-        n = c[i]
-        for j in range(k):
-            src.append(min(first + min(j, max(n - 1, 0)), length - 1))
-            real.append(j < n)
-        at += [s * k + j for j in range(n)]
-        first += n
-    return np.array(src, np.int32), np.array(real), np.array(at, np.int32)
+def _stage_slots(x: Tensor, dim: str, chain, stages: int, src) -> Tensor:
+    """`x` (stack i's L_i layers along `dim`) as (dim: S, inner: K_i): its padded stack
+    itself where `x` is a view of one padded for this chain (pad_stacks' `chain`: each
+    stage device holds its block), else a gather of its layers into the slots (the
+    stack whole on every stage device, its gradients all-reduced over the stages)."""
+    k, inner = len(src) // stages, INNER.format(dim)
+    held = held_stack(x)
+    if held is not None and held.padding == (dim, *chain, stages):
+        return reshape(held.tensor, {dim: stages, inner: k}, dim)
+    idx = tensor(src.reshape(stages, k), (dim, inner))
+    return gather(rename(x, {dim: f"{dim}~"}), f"{dim}~", idx)
 
 
 def _masked(f):

@@ -21,7 +21,9 @@ each stage device holds only its K layers and their gradients stay on it. The pr
 still sees the L-long stack (`viewed`: a gather of the real layers, dropped from the
 graph where only the scan reads it), and the scan runs on the padded stack itself. The
 trainer keeps its parameters and optimizer state padded; `unpad_stacks` gives the L-long
-view a checkpoint or a user reads."""
+view a checkpoint or a user reads. The stacks of a chain (nm.scan_chain, namedmesh/chain.py:
+one pipeline over consecutive stacks) are padded by the chain's deal (`pad_stacks`'
+`chain`, `chain_slots`): stack i S * K_i long, K_i the most layers of it a stage holds."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import numpy as np
 from namedmesh.avals import TRACES
 from namedmesh.creation import tensor
 from namedmesh.elementwise import astype, where
-from namedmesh.errors import LayoutError
+from namedmesh.errors import LayoutError, ParameterError
 from namedmesh.structural import gather, rename
 from namedmesh.tensor import Tensor
 
@@ -93,8 +95,7 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
     """`scan(f, init, xs, dim, **kw)` run as `stages` equal blocks of ceil(L/S)
     iterations, the padded ones the identity (this module's docstring)."""
     k = math.ceil(length / stages)
-    real = np.array([j < n for _, n in deal(length, stages) for j in range(k)])
-    src, at = _positions(length, stages)  # padded position s*K + j: the stage's layer j
+    src, real, at = chain_slots((length,), stages)  # slot s*K + j: the stage's layer j
 
     def body(carry, x):
         inner, flag = x
@@ -102,11 +103,9 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
         kept = _tree_map(lambda a, b: where(flag, a, b), new, carry)
         return kept, y
 
-    views = _STAGES.get()[2]
-
     def pad(x):
-        held = views.get(x.data) or _cast_view(x, views)  # a view of a PaddedStack: itself
-        if held is not None and (held.dim, held.length, held.stages) == (dim, length, stages):
+        held = held_stack(x)  # a view of a PaddedStack: itself
+        if held is not None and held.padding == (dim, (length,), 0, stages):
             return held.tensor
         return _taken(x, dim, src)
 
@@ -182,29 +181,71 @@ def recorded(dim: str, length: int) -> Deal | None:
     return _STAGES.get()[3].get((dim, length))
 
 
-def _positions(length: int, stages: int) -> tuple[np.ndarray, np.ndarray]:
-    """(src, at): the layer each padded position holds (a pad: its stage's last), and the
-    padded position of each real layer."""
-    k = math.ceil(length / stages)
-    blocks = deal(length, stages)
-    src = np.array([a + min(j, n - 1) for a, n in blocks for j in range(k)], np.int32)
-    at = np.array([s * k + j for s, (_, n) in enumerate(blocks) for j in range(n)], np.int32)
-    return src, at
+def chain_deal(lengths, stages: int) -> list[tuple[int, ...]]:
+    """The layers of consecutive stacks of `lengths` dealt to `stages` stages, each
+    stage's layers per stack: sizes differ by at most one, the larger stages first
+    (lowering.stages.assign_stages; fewer layers than stages: one each on the first).
+    One stack: `deal`'s."""
+    total = sum(lengths)
+    base, extra = divmod(total, stages)
+    sizes = [base + 1] * extra + [base] * (stages - extra)
+    bounds = np.cumsum([0, *lengths])
+    out, first = [], 0
+    for size in sizes:
+        last = first + size
+        out.append(tuple(int(max(0, min(last, b) - max(first, a)))
+                         for a, b in zip(bounds[:-1], bounds[1:], strict=True)))  # fmt: skip
+        first = last
+    return out
+
+
+def chain_slots(lengths, stages: int, i: int = 0):
+    """(src, real, at) of stack i of the chain of stacks of `lengths` dealt to `stages`
+    (`chain_deal`), each stage taking K slots of it, the most any stage holds: the layer
+    each of its S*K slots holds (a pad: its stage's last, or the stack's nearest),
+    whether it is real, and each real layer's slot. One stack (lengths (L,)): K =
+    ceil(L/S), `padded_scan`'s padding."""
+    counts = chain_deal(lengths, stages)
+    k, length = max(c[i] for c in counts), lengths[i]
+    src, real, at, first = [], [], [], 0
+    for s, c in enumerate(counts):
+        n = c[i]
+        for j in range(k):
+            src.append(min(first + min(j, max(n - 1, 0)), length - 1))
+            real.append(j < n)
+        at += [s * k + j for j in range(n)]
+        first += n
+    return np.array(src, np.int32), np.array(real), np.array(at, np.int32)
 
 
 @jax.tree_util.register_pytree_node_class
 class PaddedStack:
     """A layer stack of `length` (L) layers along `dim`, padded for `stages` (S) uneven
     pipeline stages: `tensor` holds S * ceil(L/S) layers, stage s's block its dealt
-    layers then copies of its last (`pad_stacks`). A pytree whose child is `tensor`, so
-    jax.grad, optax and `place` treat it as they treat the Tensor (its gradient is a
-    PaddedStack too, the pads' zero)."""
+    layers then copies of its last (`pad_stacks`). A stack of a chain (`chain`: the
+    chain's stack lengths and this one's index; nm.scan_chain runs them as one
+    pipeline) is dealt as the chain is (`chain_deal`): S * K_i layers, stage s's block
+    its layers of this stack then pads, K_i the most any stage holds. A pytree whose
+    child is `tensor`, so jax.grad, optax and `place` treat it as they treat the Tensor
+    (its gradient is a PaddedStack too, the pads' zero)."""
 
-    def __init__(self, tensor, dim: str, length: int, stages: int):
+    def __init__(self, tensor, dim: str, length: int, stages: int, chain=None):
         self.tensor, self.dim, self.length, self.stages = tensor, dim, length, stages
+        self.chain = ((length,), 0) if chain is None else (tuple(chain[0]), int(chain[1]))
+        if self.chain[0][self.chain[1]] != length:
+            raise ParameterError(f"PaddedStack: chain {self.chain} does not hold length {length}")
+
+    @property
+    def padding(self) -> tuple:
+        """(dim, the chain's lengths, this stack's index, stages): what its layout is."""
+        return self.dim, *self.chain, self.stages
+
+    def positions(self):
+        """(src, real, at) of its padded layers (`chain_slots`)."""
+        return chain_slots(*self.chain[:1], self.stages, self.chain[1])
 
     def tree_flatten(self):
-        return (self.tensor,), (self.dim, self.length, self.stages)
+        return (self.tensor,), (self.dim, self.length, self.stages, self.chain)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -212,32 +253,80 @@ class PaddedStack:
 
     def __repr__(self) -> str:
         at = f"{self.dim!r}, length={self.length}, stages={self.stages}"
-        return f"PaddedStack({self.tensor!r}, {at})"
+        chained = f", chain={self.chain}" if len(self.chain[0]) > 1 else ""
+        return f"PaddedStack({self.tensor!r}, {at}{chained})"
 
     def unpadded(self) -> Tensor:
         """The L real layers, in order (a Tensor as the program sees it)."""
-        _, at = _positions(self.length, self.stages)
+        at = self.positions()[2]
         t = self.tensor
         return Tensor._make(jnp.take(t.data, at, axis=t.dims.index(self.dim)), t.dims)
 
 
-def pad_stacks(tree, stages: dict):
+def pad_stacks(tree, stages: dict, chain=()):
     """`tree` with each Tensor that has a dim of `stages` ({dim: S}) S does not divide
     a `PaddedStack` of it (S | L: left as it is; fewer layers than stages: one on each
-    of the first stages, only pads on the others)."""
+    of the first stages, only pads on the others). `chain`: keys of a dict whose stacks
+    a model runs chained (nm.scan_chain: `models.transformer.CHAIN`); in any dict of
+    `tree` (dicts nest) holding them all, they are padded by the chain's deal (one
+    pipeline, `chain_slots`), each stage device then holding only its slots of each."""
+    if isinstance(tree, dict):
+        links = _chain_links(tree, stages, chain)
+        return {k: _pad_leaves(v, stages, links[k]) if k in links else pad_stacks(v, stages, chain)
+                for k, v in tree.items()}  # fmt: skip
+    return _pad_leaves(tree, stages, None)
+
+
+def _chain_links(tree: dict, stages: dict, chain) -> dict:
+    """{key: (dim, (the chain's lengths, the key's index))} of the stacks `chain` names in
+    `tree`, where it holds them all, stacked along one dim of `stages` that splits, at
+    least two not empty (else scan_chain runs them one by one); else {}."""
+    if not chain or not all(k in tree for k in chain):
+        return {}
+    found = [_stack_dim(tree[k], stages) for k in chain]
+    if None in found or len({d for d, _ in found}) != 1 or sum(1 for _, n in found if n) < 2:
+        return {}
+    lengths = tuple(n for _, n in found)
+    return {k: (found[0][0], (lengths, i)) for i, k in enumerate(chain)}
+
+
+def _stack_dim(subtree, stages: dict):
+    """(dim, length) of the first leaf of `subtree` with a dim `stages` splits, or None."""
+    for t in jax.tree_util.tree_leaves(subtree, is_leaf=lambda x: isinstance(x, Tensor)):
+        for dim in getattr(t, "dims", ()):
+            if stages.get(dim, 1) > 1:
+                return dim, t.size_of(dim)
+    return None
+
+
+def _pad_leaves(tree, stages: dict, link):
+    """`tree`'s stacks padded (`pad_stacks`): by their own deal, or as `link` (dim, chain)
+    says, for every leaf stacked along its dim."""
 
     def pad(t):
         if not isinstance(t, Tensor):
             return t
+        if link is not None and link[0] in t.dims:
+            dim, (lengths, i) = link
+            if t.size_of(dim) != lengths[i]:
+                raise ParameterError(
+                    f"pad_stacks: stack {i} of a chain along {dim!r} has {lengths[i]} layers, "
+                    f"but a tensor {t.dims} of it has {t.size_of(dim)}"
+                )
+            return _padded(t, dim, stages[dim], link[1])
         for dim in t.dims:
             s, n = stages.get(dim, 1), t.size_of(dim)
             if s > 1 and n % s:
-                src, _ = _positions(n, s)
-                return PaddedStack(Tensor._make(_take(t.data, src, t.dims.index(dim)), t.dims),
-                                   dim, n, s)  # fmt: skip
+                return _padded(t, dim, s, ((n,), 0))
         return t
 
     return _tree_map(pad, tree)
+
+
+def _padded(t: Tensor, dim: str, stages: int, chain) -> PaddedStack:
+    src = chain_slots(chain[0], stages, chain[1])[0]
+    data = _take(t.data, src, t.dims.index(dim))
+    return PaddedStack(Tensor._make(data, t.dims), dim, t.size_of(dim), stages, chain)
 
 
 def _take(data, index: np.ndarray, axis: int):
@@ -266,10 +355,9 @@ def pad_like(tree, like):
     def pad(p, t):
         if not isinstance(p, PaddedStack):
             return t
-        src, _ = _positions(p.length, p.stages)
-        data = jnp.take(t.data, src, axis=t.dims.index(p.dim))
+        data = jnp.take(t.data, p.positions()[0], axis=t.dims.index(p.dim))
         data = jax.device_put(data, p.tensor.data.sharding)
-        return PaddedStack(Tensor._make(data, t.dims), p.dim, p.length, p.stages)
+        return PaddedStack(Tensor._make(data, t.dims), p.dim, p.length, p.stages, p.chain)
 
     return jax.tree_util.tree_map(pad, like, tree, is_leaf=lambda x: isinstance(x, PaddedStack))
 
@@ -293,14 +381,20 @@ def viewed(fn, stages: dict):
                     f"{p.stages} stages, but the layout splits {p.dim!r} over mesh axes "
                     f"{tuple(axes)} of size {s}; pad it for the layout's (pad_stacks)"
                 )
-            _, at = _positions(p.length, p.stages)
-            t = _taken(p.tensor, p.dim, at)
+            t = _taken(p.tensor, p.dim, p.positions()[2])
             views[t.data] = p
             return t
 
         return fn(*jax.tree_util.tree_map(view, args, is_leaf=lambda x: isinstance(x, PaddedStack)))
 
     return run
+
+
+def held_stack(x: Tensor):
+    """The PaddedStack that `x` is the L-long view of (`viewed`), or a dtype conversion
+    of one (then converted too), within `lower`; else None."""
+    views = _STAGES.get()[2]
+    return views.get(x.data) or _cast_view(x, views)
 
 
 def _cast_view(x: Tensor, views: dict):
@@ -314,7 +408,7 @@ def _cast_view(x: Tensor, views: dict):
         if held is None:
             return None
         cast = astype(held.tensor, x.dtype)
-        views[x.data] = PaddedStack(cast, held.dim, held.length, held.stages)
+        views[x.data] = PaddedStack(cast, held.dim, held.length, held.stages, held.chain)
         return views[x.data]
     return None
 

@@ -21,7 +21,7 @@ from lowering.hlo import collectives
 from lowering.stages import StagedChoice, assign_stages
 from models import transformer, zoo
 from namedmesh.chain import chain_deal
-from namedmesh.uneven import PaddedStack, deal, pad_stacks, unpad_stacks
+from namedmesh.uneven import PaddedStack, deal, pad_like, pad_stacks, unpad_stacks
 from tests.test_pipeline import BATCH, CFG
 
 
@@ -110,10 +110,13 @@ def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
 
 def test_a_dense_stack_then_moe_microbatches_run_as_one_pipeline():
     """DeepSeek-V3's shape in small: 1 dense layer, then a stack of 3 MoE layers, on 2
-    stages with 2 microbatches, the parameters padded: ONE pipeline (nm.scan_chain)
-    whose stage 0 runs the dense layer then MoE layer 0 and stage 1 MoE layers 1-2, the
-    planner's deal, so one bubble (M + S - 1 ticks). Loss and gradients: the unlowered
-    model run microbatch by microbatch, averaged (each microbatch routes on its own)."""
+    stages with 2 microbatches, the parameters padded by the chain (pad_stacks' `chain`):
+    ONE pipeline (nm.scan_chain) whose stage 0 runs the dense layer then MoE layer 0 and
+    stage 1 MoE layers 1-2, the planner's deal, so one bubble (M + S - 1 ticks). Each
+    stage device holds only its slots of each stack (1 dense, 2 MoE: not the 3 MoE of
+    the whole stack) and no stack's gradient is all-reduced over `stage`. Loss and
+    gradients: the unlowered model run microbatch by microbatch, averaged (each
+    microbatch routes on its own)."""
     from test_pipeline_compositions import _by_microbatch
 
     cfg = CFG.replace(layers=4, batch=4, scan_layers=True)  # loops: they compile faster
@@ -123,9 +126,20 @@ def test_a_dense_stack_then_moe_microbatches_run_as_one_pipeline():
     loss = functools.partial(transformer.lm_loss, cfg=cfg)
     mesh = Mesh({"stage": 2})
     lowered = lower(loss, mesh, "layers:stage;microbatches=2")
-    padded = place(pad_stacks(params, lowered.stage_sizes), mesh, lowered.layout)
-    assert padded["dense"]["ffn"]["wi"].tensor.shape[0] == 2  # one layer, one pad
-    value, grads = jax.jit(jax.value_and_grad(lambda p: lowered(p, batch).data))(padded)
+    padded = place(pad_stacks(params, lowered.stage_sizes, chain=transformer.CHAIN), mesh,
+                   lowered.layout)  # fmt: skip
+    lengths, slots = {"dense": 1, "layers": 3}, {"dense": 1, "layers": 2}
+    # slots: the most layers of each stack the planner deals a stage (stage 0: 1+1, 1: 0+2)
+    assert [max(c) for c in zip(*assign_stages([1, 3], 2), strict=True)] == [1, 2]
+    step = jax.jit(jax.value_and_grad(lambda p: lowered(p, batch).data)).lower(padded).compile()
+    held = {k: sum(np.asarray(t.data).nbytes for t in _leaves(v)) for k, v in params.items()}
+    layer = {k: held[k] // n for k, n in lengths.items()}
+    want = sum(held.values()) + sum(layer[k] * (slots[k] - n) for k, n in lengths.items())
+    assert step.memory_analysis().argument_size_in_bytes == want  # (the batch is a constant)
+    stage_reduces = [n for kind, n, group in collectives(step.as_text())
+                     if kind == "all-reduce" and group == 2]  # fmt: skip
+    assert sum(stage_reduces) < layer["dense"]  # the carry's and the loss's psums, no stack
+    value, grads = step(padded)
     want_value, want_grads = _by_microbatch(loss, params, batch, 2)
     got = (float(value), jax.tree_util.tree_leaves(unpad_stacks(grads)))
     assert_same(got, (float(want_value), jax.tree_util.tree_leaves(want_grads)))
@@ -133,6 +147,10 @@ def test_a_dense_stack_then_moe_microbatches_run_as_one_pipeline():
     assert (plan.stages, plan.microbatches, plan.ticks) == (2, 2, 3)
     assert list(plan.deal.counts) == assign_stages([1, 3], 2)  # stage 0: 1+1, stage 1: 0+2
     assert "stage 0: layers 0-1 (1 of stack 0 + 1 of stack 1) + 1 pad" in str(plan)
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, nm.Tensor))
 
 
 @pytest.mark.parametrize("layers,stages", [(5, 2), (7, 4), (61, 16), (9, 3), (10, 4)])
@@ -144,6 +162,35 @@ def test_the_deal_is_the_planners(layers, stages):
     assert [a for a, _ in got] == list(np.cumsum([0] + [n for _, n in got])[:-1])
     for stacks in ([3, layers + 55], [1, layers], [layers, 2, 1]):
         assert chain_deal(stacks, stages) == assign_stages(stacks, stages)
+
+
+@pytest.mark.parametrize("stacks,stages", [([3, 58], 16), ([1, 3], 2), ([7, 2, 1], 4)])
+def test_a_chain_is_padded_as_the_planner_deals_it(stacks, stages):
+    """pad_stacks' `chain`: stack i is S blocks of K_i layers (K_i the most the planner
+    deals a stage), block s its dealt layers in order then pads (flagged not real);
+    unpad_stacks and pad_like (a checkpoint's L-long view and back) are inverses."""
+    deal_ = assign_stages(stacks, stages)
+    keys = [f"s{i}" for i in range(len(stacks))]
+    first = np.cumsum([0, *stacks])
+    layer = lambda a, n: jnp.tile(jnp.arange(a, a + n, dtype=jnp.float32)[:, None], (1, 2))
+    tree = {k: nm.tensor(layer(a, n), ("layers", "d"))  # layer j holds j
+            for k, a, n in zip(keys, first[:-1], stacks, strict=True)}  # fmt: skip
+    held = pad_stacks({"other": tree["s0"], "chain": tree}, {"layers": stages}, chain=keys)
+    assert isinstance(held["other"], PaddedStack) == bool(stacks[0] % stages)  # not chained
+    at = 0  # the next layer the planner deals, the stacks in order
+    blocks = {k: np.asarray(held["chain"][k].tensor.data)[:, 0] for k in keys}
+    for s, counts in enumerate(deal_):
+        for k, n, i in zip(keys, counts, range(len(keys)), strict=True):
+            slots = max(c[i] for c in deal_)
+            block = blocks[k].reshape(stages, slots)[s]
+            assert list(block[:n]) == list(range(at, at + n))
+            real = held["chain"][k].positions()[1].reshape(stages, slots)[s]
+            assert list(real) == [j < n for j in range(slots)]
+            at += n
+    back = unpad_stacks(held)["chain"]
+    assert all(np.array_equal(back[k].data, tree[k].data) for k in keys)
+    again = pad_like(back, held["chain"])
+    assert all(np.array_equal(again[k].tensor.data, held["chain"][k].tensor.data) for k in keys)
 
 
 RUNS = "runs as a layers:stage layout (lowering.pipeline)"

@@ -209,6 +209,7 @@ def plan(args, cache: dict | None = None) -> dict:
     from lowering.joint import joint_search, parts_text, why_not
     from lowering.rates import RatesError, parse
     from lowering.train_step import Training
+    from models import transformer
     from models.training.run import UsageError
 
     for flag in ("batch", "length"):
@@ -230,7 +231,8 @@ def plan(args, cache: dict | None = None) -> dict:
     meshes = _meshes(args, cfg.layers)
     staged = _staged(args, cfg, rates, training)
     joint = joint_search(build, meshes, rates, _space(args, cfg), training,
-                         tokens=tokens, cache=cache, staged=staged)  # fmt: skip
+                         tokens=tokens, cache=cache, staged=staged,
+                         chain=transformer.CHAIN)  # fmt: skip
     best, nxt = joint.best, joint.next_best()
     out = {
         "config": args.config,

@@ -113,10 +113,12 @@ class Trainer:
     def padded(self, params: dict) -> dict:
         """`params` with each layer stack that its pipeline stages do not divide padded
         to equal stages (a PaddedStack: namedmesh/uneven.py), so that each stage device
-        holds only its layers and their optimizer state, and their gradients stay on it.
+        holds only its layers and their optimizer state, and their gradients stay on it;
+        chained stacks (a dense stack then MoE layers) by their chain's deal.
         A checkpoint stores the L-long view (models/training/checkpoint.py)."""
         sizes = self.lowered.stage_sizes
-        return pad_stacks(params, {d: sizes[d] for d in transformer.STACK_DIMS if d in sizes})
+        stages = {d: sizes[d] for d in transformer.STACK_DIMS if d in sizes}
+        return pad_stacks(params, stages, chain=transformer.CHAIN)
 
     def abstract_inputs(self):
         """Abstract params and (micro)batch: what `report` and `auto_layout` plan with."""
