@@ -49,6 +49,19 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (NamedMeshError, CheckpointError, DataError)
 
 
+def step_size_flags(p: argparse.ArgumentParser, families) -> None:
+    """The flags that size a zoo family's training step (benchmarks.step_movement,
+    benchmarks.dot_shapes): --family (of `families`), --layers, --d-model, --heads,
+    --vocab, --length, --batch; the defaults are the realistic size of issue 40."""
+    p.add_argument("--family", default="llama", choices=sorted(families))
+    p.add_argument("--layers", type=count, default=4)
+    p.add_argument("--d-model", type=count, default=512)
+    p.add_argument("--heads", type=count, default=8)
+    p.add_argument("--vocab", type=count, default=8192)
+    p.add_argument("--length", type=count, default=512)
+    p.add_argument("--batch", type=count, default=4)
+
+
 def prog_name() -> str:
     """The command as the user typed it: `python -m benchmarks.NAME` or, under
     `namedmesh bench`, the argv[0] it sets."""

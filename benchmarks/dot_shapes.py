@@ -246,13 +246,7 @@ def main(argv=None) -> dict:
     from models.io import hub
 
     p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
-    p.add_argument("--family", default="llama", choices=sorted(hub.FAMILIES))
-    p.add_argument("--layers", type=cli.count, default=4)
-    p.add_argument("--d-model", type=cli.count, default=512)
-    p.add_argument("--heads", type=cli.count, default=8)
-    p.add_argument("--vocab", type=cli.count, default=8192)
-    p.add_argument("--length", type=cli.count, default=512)
-    p.add_argument("--batch", type=cli.count, default=4)
+    cli.step_size_flags(p, hub.FAMILIES)
     p.add_argument("--rounds", type=cli.count, default=5)
     args = p.parse_args(argv)
     threads = fair.single_threaded()

@@ -88,13 +88,7 @@ def table(rows: dict[str, tuple[dict, float]]) -> list[str]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
-    p.add_argument("--family", default="llama", choices=sorted(hub.FAMILIES))
-    p.add_argument("--layers", type=cli.count, default=4)
-    p.add_argument("--d-model", type=cli.count, default=512)
-    p.add_argument("--heads", type=cli.count, default=8)
-    p.add_argument("--vocab", type=cli.count, default=8192)
-    p.add_argument("--length", type=cli.count, default=512)
-    p.add_argument("--batch", type=cli.count, default=4)
+    cli.step_size_flags(p, hub.FAMILIES)
     p.add_argument("--time", type=cli.count, default=None, metavar="ROUNDS",
                    help="also time each setting against PyTorch eager")  # fmt: skip
     args = p.parse_args(argv)
