@@ -251,7 +251,10 @@ def _unrolled(e) -> bool:
     """Whether the scan equation `e` runs unrolled, as nm.scan's `unrolls` decides: its
     `unroll` when a bool; for "auto", no remat, more than one iteration and the body,
     traced at the graph's shapes, within UNROLL_BUDGET equations in all (the eager
-    program's count: a lowered body's collectives may add a few)."""
+    program's count: a lowered body's collectives may add a few). That trace is the
+    planner's one use of jax (once per program): the count depends on how each
+    primitive's jax implementation expands (an attention kernel's blocks), which the
+    graph does not say."""
     p = e.params
     unroll, length = p.get("unroll", False), p["length"]
     if unroll != "auto":

@@ -140,8 +140,11 @@ def test_rules_with_their_own_arithmetic_are_emitted_as_planned(layout):
 def test_planning_calls_no_jax(monkeypatch, layout):
     """The planner and the cost report of its plan bind no jax primitive: every jax op
     (jax.numpy, jax.lax, shard_map) goes through Primitive.bind, patched here to raise.
-    A pipelined scan (the second layout) too."""
-    loss, inputs = lm("tiny")
+    A pipelined scan (the second layout) too. The layers are a loop as asked
+    (scan_layers=True): a stack left to "auto" is the one exception, whose memory
+    estimate counts the layer body's jax equations once per program, as nm.scan decides
+    whether to unroll it (lowering.memory._unrolled)."""
+    loss, inputs = lm("tiny", scan_layers=True)
     graph = nm.trace(loss, *inputs)
     wrt = argument_inputs(graph, inputs, 0)
 
