@@ -23,11 +23,19 @@ import numpy as np
 
 from namedmesh.control import scan
 from namedmesh.creation import tensor
-from namedmesh.elementwise import where
 from namedmesh.errors import ParameterError
 from namedmesh.structural import gather, rename, reshape
 from namedmesh.tensor import Tensor
-from namedmesh.uneven import Deal, chain_deal, chain_slots, held_stack, record, stages_of
+from namedmesh.uneven import (
+    Deal,
+    chain_deal,
+    chain_slots,
+    held_stack,
+    masked,
+    record,
+    stages_of,
+    tree_map,
+)
 
 __all__ = ["chain_deal", "scan_chain"]
 
@@ -67,11 +75,6 @@ def _leaves(xs) -> list:
     return jax.tree_util.tree_leaves(xs, is_leaf=lambda x: isinstance(x, Tensor))
 
 
-def tree_map(fn, *trees):
-    """`jax.tree_util.tree_map` over Tensor leaves."""
-    return jax.tree_util.tree_map(fn, *trees, is_leaf=lambda x: isinstance(x, Tensor))
-
-
 def _one_pipeline(steps, init, dim, lengths, stages, remat, unroll):
     """The chain as one scan of `stages` iterations (this module's docstring)."""
     counts = chain_deal(lengths, stages)
@@ -92,7 +95,7 @@ def _one_pipeline(steps, init, dim, lengths, stages, remat, unroll):
             if not flags.size_of(inner):
                 ys.append(None)
                 continue
-            carry, y = scan(_masked(f), carry, (xs, flags), inner, remat=remat, unroll=unroll)
+            carry, y = scan(masked(f), carry, (xs, flags), inner, remat=remat, unroll=unroll)
             ys.append(y)
         return carry, ys
 
@@ -111,18 +114,6 @@ def _stage_slots(x: Tensor, dim: str, chain, stages: int, src) -> Tensor:
         return reshape(held.tensor, {dim: stages, inner: k}, dim)
     idx = tensor(src.reshape(stages, k), (dim, inner))
     return gather(rename(x, {dim: f"{dim}~"}), f"{dim}~", idx)
-
-
-def _masked(f):
-    """`f` over (x, flag): a slot not flagged real passes its carry through."""
-
-    def body(carry, x):
-        inner_x, flag = x
-        new, y = f(carry, inner_x)
-        kept = tree_map(lambda a, b: where(flag, a, b), new, carry)
-        return kept, y
-
-    return body
 
 
 def _real_ys(ys, dim: str, inner: str, at: np.ndarray):

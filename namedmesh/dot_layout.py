@@ -17,7 +17,8 @@ fast only when the right operand is [summed, free] too and the left has no more 
 elements than the right ([2048, 8192]^T [2048, 512] ran at 0.72 of the rate of
 [2048, 512]^T [2048, 8192], docs/benchmarks.md "Movement planned away"); otherwise
 that operand counts as copied, and is copied to [batch, free, summed], where
-XLA:CPU's YNNPACK dot runs at its rate.
+XLA:CPU's YNNPACK dot runs at its rate, or summed first where its free size is at most
+SUMMED_FIRST_MAX and the right operand allows it (attention's key gradient).
 """
 
 from __future__ import annotations
@@ -77,9 +78,8 @@ def _candidate(lhs, rhs, out, batch, summed, sizes) -> Plan:
         r_read, copied = (*batch, *summed, *r_free), size(rhs)
     l_read = lhs
     how = _grouped(lhs, batch, summed)
-    k_first_ok = (_grouped(r_read, batch, summed) == "summed first" or not r_free) and size(
-        l_free
-    ) <= size(r_free)
+    r_summed_first = _grouped(r_read, batch, summed) == "summed first" or not r_free
+    k_first_ok = r_summed_first and size(l_free) <= size(r_free)
     if how is None or (how == "summed first" and l_free and summed and not k_first_ok):
         # copied summed first where that order runs faster (a small free size; dotrate's
         # measurement, SUMMED_FIRST_MAX), else as XLA canonicalises it, summed last

@@ -97,23 +97,17 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
     k = math.ceil(length / stages)
     src, real, at = chain_slots((length,), stages)  # slot s*K + j: the stage's layer j
 
-    def body(carry, x):
-        inner, flag = x
-        new, y = f(carry, inner)
-        kept = _tree_map(lambda a, b: where(flag, a, b), new, carry)
-        return kept, y
-
     def pad(x):
         held = held_stack(x)  # a view of a PaddedStack: itself
         if held is not None and held.padding == (dim, (length,), 0, stages):
             return held.tensor
         return _taken(x, dim, src)
 
-    padded = _tree_map(pad, xs)
+    padded = tree_map(pad, xs)
     flags = tensor(real, (dim,))
     record(dim, stages * k, Deal(tuple((n,) for _, n in deal(length, stages)), (k,)))
-    carry, ys = scan(body, init, (padded, flags), dim, **kw)
-    return carry, _tree_map(lambda y: _taken(y, dim, at), ys)
+    carry, ys = scan(masked(f), init, (padded, flags), dim, **kw)
+    return carry, tree_map(lambda y: _taken(y, dim, at), ys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +314,7 @@ def _pad_leaves(tree, stages: dict, link):
                 return _padded(t, dim, s, ((n,), 0))
         return t
 
-    return _tree_map(pad, tree)
+    return tree_map(pad, tree)
 
 
 def _padded(t: Tensor, dim: str, stages: int, chain) -> PaddedStack:
@@ -439,6 +433,18 @@ def _taken(x: Tensor, dim: str, index: np.ndarray) -> Tensor:
     return gather(rename(x, {dim: other}), other, tensor(index, (dim,)))
 
 
-def _tree_map(fn, *trees):
+def masked(f):
+    """`f` over (x, flag): a slot not flagged real (a pad) passes its carry through, the
+    identity; its ys are computed and dropped by the caller."""
+
+    def body(carry, x):
+        inner, flag = x
+        new, y = f(carry, inner)
+        return tree_map(lambda a, b: where(flag, a, b), new, carry), y
+
+    return body
+
+
+def tree_map(fn, *trees):
     """`jax.tree_util.tree_map` over Tensor leaves."""
     return jax.tree_util.tree_map(fn, *trees, is_leaf=lambda x: isinstance(x, Tensor))
