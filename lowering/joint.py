@@ -32,9 +32,9 @@ from lowering.layout import Layout
 from lowering.lower import lower
 from lowering.mesh import Mesh
 from lowering.rates import Rates
-from lowering.search import Candidate, auto_layout
+from lowering.search import Candidate, auto_layout, report_candidate
 from lowering.stages import STAGE_AXIS
-from lowering.train_step import StepMemory, Training, optimizer_bytes, step_memory
+from lowering.train_step import StepMemory, Training, optimizer_bytes
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
 from namedmesh.uneven import pad_stacks
 
@@ -348,18 +348,7 @@ def padded_candidate(fn, mesh, inputs, layout, rates: Rates, training: Training,
     except NamedMeshError as e:
         cand.note = "invalid: " + str(e).splitlines()[0]
         return cand
-    data = layout.assign(("batch",))[0]
-    cand.flops, cand.bytes = rep.flops + rep.backward_flops, rep.bytes + rep.backward_bytes
-    cand.pipelines = tuple(rep.pipelines)
-    cand.step = step_memory(rep, mesh.sizes, data, training)
-    cand.memory = cand.step.total
-    cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
-    cand.compute, cand.comm = rates.compute_seconds(rep), rates.comm_seconds(rep)
-    cand.sync = rates.sync_seconds(rep, data)
-    cand.time = cand.planned = rates.step_seconds(cand.compute, cand.comm)
-    if cand.memory > limit:
-        cand.note, cand.time = "over the memory limit", math.inf
-    return cand
+    return report_candidate(cand, rep, mesh, rates, training, limit)
 
 
 class _WholeCosts:

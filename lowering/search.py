@@ -266,22 +266,31 @@ class _Costing:
         except NamedMeshError as e:
             cand.note = "invalid: " + _reason(e)
             return cand
-        cand.flops = rep.flops + rep.backward_flops
-        cand.bytes, cand.memory = rep.bytes + rep.backward_bytes, rep.peak_memory
-        cand.pipelines = tuple(rep.pipelines)
-        if self.training is not None:  # the whole step: the optimizer's state too
-            data = layout.assign(("batch",))[0]
-            cand.step = step_memory(rep, self.mesh.sizes, data, self.training)
-            cand.memory = cand.step.total
-        cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
-        cand.compute = self.rates.compute_seconds(rep)
-        cand.comm = self.rates.comm_seconds(rep)
-        if self.wrt is not None:
-            cand.sync = self.rates.sync_seconds(rep, layout.assign(("batch",))[0])
-        cand.time = cand.planned = self.rates.step_seconds(cand.compute, cand.comm)
-        if self.limit is not None and cand.memory > self.limit:
-            cand.note, cand.time = "over the memory limit", math.inf
-        return cand
+        sync = self.wrt is not None
+        return report_candidate(cand, rep, self.mesh, self.rates, self.training, self.limit, sync)
+
+
+def report_candidate(cand: Candidate, rep, mesh, rates, training=None, limit=None, sync=True):
+    """`cand` (its layout's Candidate) filled from its layout's report `rep` on `mesh`:
+    flops, bytes, pipelines, memory (the whole training step's under `training`, else
+    the report's peak), collectives, compute and communication seconds at `rates`, the
+    gradients' sync (`sync`), and over `limit` said in its note (time infinite)."""
+    data = cand.layout.assign(("batch",))[0]
+    cand.flops = rep.flops + rep.backward_flops
+    cand.bytes, cand.memory = rep.bytes + rep.backward_bytes, rep.peak_memory
+    cand.pipelines = tuple(rep.pipelines)
+    if training is not None:  # the whole step: the optimizer's state too
+        cand.step = step_memory(rep, mesh.sizes, data, training)
+        cand.memory = cand.step.total
+    cand.collectives = sum(n for n, _ in [*rep.collectives.values(), *rep.backward.values()])
+    cand.compute = rates.compute_seconds(rep)
+    cand.comm = rates.comm_seconds(rep)
+    if sync:
+        cand.sync = rates.sync_seconds(rep, data)
+    cand.time = cand.planned = rates.step_seconds(cand.compute, cand.comm)
+    if limit is not None and cand.memory > limit:
+        cand.note, cand.time = "over the memory limit", math.inf
+    return cand
 
 
 def _renamings(mesh: Mesh, most: int = 120) -> list[dict[str, str]]:
