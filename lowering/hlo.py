@@ -151,35 +151,46 @@ class Move(NamedTuple):
     times: int
 
 
+def _walked(comps: dict, entry: str, fusions: bool = False):
+    """(computation, instruction, times it runs, kernel) of each instruction reached from
+    `entry`, in program order: a while's body once with its trip count (its condition
+    skipped), a call's or conditional's callees, and with `fusions` a fusion's fused
+    computation (kernel "ynn" inside an XLA:CPU YNNPACK fusion, else "xla"); the loops,
+    calls and fusions walked into are not yielded themselves."""
+
+    def walk(comp: str, times: int, kernel: str):
+        for instr in comps.get(comp, []):
+            op, rest = instr[2], instr[3]
+            if op == "while":
+                n = int(m.group(1)) if (m := _TRIPS.search(rest)) else 1
+                yield from walk(_BODY.search(rest).group(1), times * n, kernel)
+            elif op in ("call", "conditional") or (fusions and op == "fusion"):
+                inner = "ynn" if "__ynn_fusion" in rest else kernel
+                for callee in _CALLS.findall(rest):
+                    yield from walk(callee, times, inner)
+            else:
+                yield comp, instr, times, kernel
+
+    yield from walk(entry, 1, "xla")
+
+
 def moves(hlo_text: str) -> list[Move]:
     """Each instruction of compiled HLO text that moves data (`movement`'s kinds), in
     program order, a loop's body read once with its trip count in `times`."""
     comps = _computations(hlo_text)
     fills: set[str] = set()
     found: list[Move] = []
-
-    def walk(comp: str, times: int) -> None:
-        for instr in comps.get(comp, []):
-            name, shape, op, rest = instr
-            if op == "while":  # its body, once per iteration (a condition moves nothing)
-                n = int(m.group(1)) if (m := _TRIPS.search(rest)) else 1
-                walk(_BODY.search(rest).group(1), times * n)
-                continue
-            if op in ("call", "conditional"):
-                for callee in _CALLS.findall(rest):
-                    walk(callee, times)
-                continue
-            got = _kind(comps, instr)
-            if got is None:
-                continue
-            kind, nbytes_, written = got
-            if kind == "copy" and op == "copy" and rest.split(")")[0].lstrip("%") in fills:
-                kind = "fill"
-            if kind == "fill":
-                fills.add(name)
-            found.append(Move(kind, written, nbytes_, times))
-
-    walk(_ENTRY.search(hlo_text).group(1), 1)
+    for _, instr, times, _ in _walked(comps, _ENTRY.search(hlo_text).group(1)):
+        got = _kind(comps, instr)
+        if got is None:
+            continue
+        name, _, op, rest = instr
+        kind, nbytes_, written = got
+        if kind == "copy" and op == "copy" and rest.split(")")[0].lstrip("%") in fills:
+            kind = "fill"
+        if kind == "fill":
+            fills.add(name)
+        found.append(Move(kind, written, nbytes_, times))
     return found
 
 
@@ -236,26 +247,15 @@ def dots(hlo_text: str) -> list[Dot]:
     once with its trip count in `times`."""
     comps = _computations(hlo_text)
     found: list[Dot] = []
-
-    def walk(comp: str, times: int, kernel: str) -> None:
-        shapes = {i[0]: i[1] for i in comps.get(comp, [])}
-        for _, _, op, rest in comps.get(comp, []):
-            if op == "dot":
-                a, b = re.findall(r"%([\w.\-]+)", rest.split(")")[0])[:2]
-                (la, ya), (lb, yb) = _shape_layout(shapes[a]), _shape_layout(shapes[b])
-                nums = {(s, k): tuple(int(d) for d in v.split(",") if d)
-                        for s, k, v in _DIMS.findall(rest)}  # fmt: skip
-                get = lambda s, k, nums=nums: nums.get((s, k), ())
-                found.append(Dot(la, lb, ya, yb, get("lhs", "contracting"),
-                                 get("rhs", "contracting"), get("lhs", "batch"),
-                                 get("rhs", "batch"), kernel, times))  # fmt: skip
-            elif op == "while":
-                n = int(m.group(1)) if (m := _TRIPS.search(rest)) else 1
-                walk(_BODY.search(rest).group(1), times * n, kernel)
-            elif op in ("fusion", "call", "conditional"):
-                inner = "ynn" if "__ynn_fusion" in rest else kernel
-                for callee in _CALLS.findall(rest):
-                    walk(callee, times, inner)
-
-    walk(_ENTRY.search(hlo_text).group(1), 1, "xla")
+    entry = _ENTRY.search(hlo_text).group(1)
+    for comp, (_, _, op, rest), times, kernel in _walked(comps, entry, fusions=True):
+        if op != "dot":
+            continue
+        shapes = {i[0]: i[1] for i in comps[comp]}
+        a, b = re.findall(r"%([\w.\-]+)", rest.split(")")[0])[:2]
+        (la, ya), (lb, yb) = _shape_layout(shapes[a]), _shape_layout(shapes[b])
+        nums = {(s, k): tuple(int(d) for d in v.split(",") if d) for s, k, v in _DIMS.findall(rest)}
+        get = lambda s, k, nums=nums: nums.get((s, k), ())
+        found.append(Dot(la, lb, ya, yb, get("lhs", "contracting"), get("rhs", "contracting"),
+                         get("lhs", "batch"), get("rhs", "batch"), kernel, times))  # fmt: skip
     return found
