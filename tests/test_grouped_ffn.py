@@ -109,6 +109,27 @@ def dense_grads():
     return jax.jit(jax.grad(dense_loss, (0, 1, 2, 3)))(X, WI, WO, WG, G)
 
 
+# the jax kernel's uneven loads: most rows in expert 1 (past its slots, which an even
+# share sizes: namedmesh/grouped_slots.py), none in 2; and every row in expert 3
+SKEWED = (
+    R.choice([-1, 0, 1, 3, 4], size=G.shape, p=[0.05, 0.1, 0.7, 0.1, 0.05]).astype(np.int32),
+    np.full(G.shape, 3, np.int32),
+)
+
+
+def test_uneven_loads_past_the_slots_are_exact():
+    """Rows past their expert's slots (the row loops) and within them (batched) give the
+    float64 statement's values and the one-hot statement's gradients."""
+    loss = lambda x, wi, wo, wg, g: jnp.sum(jnp.sin(named(x, wi, wo, g, wg).data))  # noqa: E731
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
+    dense = jax.jit(jax.grad(dense_loss, (0, 1, 2, 3)))
+    for g in SKEWED:
+        value, grads = grad(X, WI, WO, WG, g)
+        np.testing.assert_allclose(value, np.sin(oracle(X, g, "silu", True)).sum(), rtol=1e-5)
+        for name, a, b in zip(("x", "wi", "wo", "wg"), grads, dense(X, WI, WO, WG, g), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 # experts split where the tokens are (routed: t over e; the hidden layer split over d,
 # summed over d), or not (each device its experts' rows, summed over e); routed with the
 # hidden whole: tests/test_moe.py
