@@ -323,11 +323,12 @@ _grouped.example = _grouped_example
 
 def ranges_product(xs, w, first, count):
     """ys (rows, o): the sorted rows [first[e], first[e] + count[e]) of xs (rows, c)
-    times w[e] (groups, c, o), every other row zero; the last row block of a range may
-    reach at most 7 rows past it (`block_sizes`), which must not be another range's
-    rows (the slotted FFN's ranges are each group's rows past its capacity, so what
-    follows one is the next group's first rows), and xs needs `block_sizes(rows)[0]`
-    rows of padding after the last range. The gradient by the same loops (a custom vjp)."""
+    times w[e] (groups, c, o), every other row zero, for ranges in increasing order
+    (the slotted FFN's: each group's rows, or those past its slots). A range's last row
+    block may reach up to 7 rows past it (`block_sizes`), zeroed there: into a later
+    range, whose own blocks run after and overwrite them, or rows of no range, which
+    stay zero; xs needs `block_sizes(rows)[0]` rows of padding after the last range.
+    The gradient by the same loops (a custom vjp)."""
     return _ranges(xs, w, first, count)
 
 

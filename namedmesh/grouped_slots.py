@@ -13,6 +13,7 @@ group); an even load is about the rows' work.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,7 +37,8 @@ def sorted_slots(g, groups: int, cap: int):
     """(order: the rows sorted by group, those outside [0, groups) last; each group's
     first sorted row and row count; src (groups x cap): each slot's row, `rows` for an
     empty slot; at (rows,): each row's slot, or groups x cap for a row outside or past
-    its group's capacity; over (rows,): whether the row is past its capacity)."""
+    its group's capacity; rank (rows,): each row's sorted place; place (rows,): its
+    place in its group's rows, -1 for a row outside [0, groups))."""
     n = g.shape[0]
     inside = (g >= 0) & (g < groups)
     key = jnp.where(inside, g, groups)
@@ -47,25 +49,42 @@ def sorted_slots(g, groups: int, cap: int):
     filled = j[None, :] < count[:, None]
     src = jnp.where(filled, jnp.take(order, jnp.minimum(first[:, None] + j, n - 1)), n)
     rank = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    place = rank - jnp.take(first, jnp.minimum(key, groups - 1))
+    place = jnp.where(inside, rank - jnp.take(first, jnp.minimum(key, groups - 1)), -1)
     at = jnp.where(inside & (place < cap), key * cap + place, groups * cap)
-    return order, first, count, src.reshape(-1), at, rank, inside & (place >= cap)
+    return order, first, count, src.reshape(-1), at, rank, place
 
 
 def slotted_ffn(act, x, g, wi, wo, wg=None):
     """The FFN of rows x (n, c) by their groups g (n,): act(x @ wi[g]) (* x @ wg[g]) @
-    wo[g], zero for a group outside [0, groups); weights (groups, in, out)."""
+    wo[g], zero for a group outside [0, groups); weights (groups, in, out). Where at
+    most half the rows are inside (an expert-split shard, whose other shards' rows are
+    outside), the slots, sized for every row, would compute mostly padding: the row
+    loops take every row then (a cond)."""
     (n, c), groups = x.shape, wi.shape[0]
     cap = slot_capacity(n, groups)
-    order, first, count, src, at, rank, over = sorted_slots(g, groups, cap)
-    slots = moved(x, src, at).reshape(groups, cap, c)
-    h = act(batched(slots, wi))
-    if wg is not None:
-        h = h * batched(slots, wg)
-    y = batched(h, wo).reshape(groups * cap, -1)
-    y = moved(y, at, src)
-    return y + overflow(act, x, order, first + cap, jnp.maximum(count - cap, 0), rank, over,
-                        (wi, wo, wg))  # fmt: skip
+    order, first, count, src, at, rank, place = sorted_slots(g, groups, cap)
+    few = 2 * jnp.sum(count) <= n
+    skip = jnp.where(few, 0, cap)
+
+    def slotted(x, wi, wo, *wg):
+        slots = moved(x, src, at).reshape(groups, cap, c)
+        h = act(batched(slots, wi))
+        if wg:
+            h = h * batched(slots, wg[0])
+        return moved(batched(h, wo).reshape(groups * cap, -1), at, src)
+
+    ws = (x, wi, wo) + (() if wg is None else (wg,))
+    y = jax.lax.cond(few, functools.partial(zeros, like=order), slotted, *ws)
+    left = jnp.maximum(count - skip, 0)
+    return y + overflow(act, x, order, first + skip, left, rank, place >= skip, (wi, wo, wg))
+
+
+def zeros(x, wi, wo, *wg, like):
+    """The rows' zero result (n, o), varying as a product of the operands (and `like`)
+    does inside shard_map: a cond's branches must agree."""
+    vary = tuple(set().union(*(varying_axes(a) for a in (x, wi, wo, *wg, like))))
+    zero = jnp.zeros((x.shape[0], wo.shape[-1]), x.dtype)
+    return jax.lax.pcast(zero, vary, to="varying") if vary else zero
 
 
 @jax.custom_vjp
@@ -115,10 +134,5 @@ def overflow(act, x, order, first, count, rank, over, weights):
         ys = ranges_product(h, wo, first, count)
         return jnp.where(over[:, None], jnp.take(ys, rank, axis=0), jnp.zeros((), ys.dtype))
 
-    def none(x, wi, wo, *wg):  # varying as run's result does, inside shard_map
-        vary = tuple(set().union(*(varying_axes(a) for a in (x, wi, wo, *wg, order))))
-        zero = jnp.zeros((x.shape[0], wo.shape[-1]), x.dtype)
-        return jax.lax.pcast(zero, vary, to="varying") if vary else zero
-
     ws = (x, wi, wo) + (() if wg is None else (wg,))
-    return jax.lax.cond(jnp.any(count > 0), run, none, *ws)
+    return jax.lax.cond(jnp.any(count > 0), run, functools.partial(zeros, like=order), *ws)
