@@ -117,10 +117,10 @@ def main(argv=None) -> int:
     lines += table(experts_rows(honest.EXPERT_SIZES, args.rounds), "size (8 experts, top 2)", "ms")
     print("\n".join(lines), flush=True)  # the step takes minutes more
     if not args.no_step:
-        lines += ["", *table(step_rows("realistic", args.rounds), "training step", "s")]
+        print("\n".join(["", *table(step_rows("realistic", args.rounds), "training step", "s")]))
     method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
                                 before=before, after=fair.load())  # fmt: skip
-    print("\n".join([method + f" ({threads})", "", *lines]))
+    print("\n" + method + f" ({threads})")
     return 0
 
 
