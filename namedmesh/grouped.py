@@ -319,3 +319,72 @@ def _grouped_example(a, b, d, k):
 
 
 _grouped.example = _grouped_example
+
+
+def ranges_product(xs, w, first, count):
+    """ys (rows, o): the sorted rows [first[e], first[e] + count[e]) of xs (rows, c)
+    times w[e] (groups, c, o), every other row zero, for ranges in increasing order
+    (the slotted FFN's: each group's rows, or those past its slots). A range's last row
+    block may reach up to 7 rows past it (`block_sizes`), zeroed there: into a later
+    range, whose own blocks run after and overwrite them, or rows of no range, which
+    stay zero; xs needs `block_sizes(rows)[0]` rows of padding after the last range.
+    The gradient by the same loops (a custom vjp)."""
+    return _ranges(xs, w, first, count)
+
+
+def _ranges_forward(xs, w, first, count):
+    sizes, acc = block_sizes(xs.shape[0]), _accumulator(xs.dtype)
+
+    def group(e, ys):
+        we = jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
+        end = first[e] + count[e]
+
+        def block(ys, row, size):
+            mine = (row + jnp.arange(size) < end)[:, None]
+            y = jnp.matmul(_rows(xs, row, size), we, preferred_element_type=acc)
+            y = jnp.where(mine, y.astype(ys.dtype), jnp.zeros((), ys.dtype))
+            return jax.lax.dynamic_update_slice_in_dim(ys, y, row, 0)
+
+        return _over_blocks(sizes, first[e], count[e], block, ys)
+
+    ys = _varying(jnp.zeros((xs.shape[0], w.shape[-1]), xs.dtype), xs, w, first, count)
+    return jax.lax.fori_loop(0, w.shape[0], group, ys), (xs, w, first, count)
+
+
+def _ranges_backward(saved, dys):
+    """dxs = dys w[e]^T on each range's rows (0 elsewhere), dw[e] = the sum of xs^T dys
+    over range e's rows: the forward's blocks, the rows past a range masked out."""
+    xs, w, first, count = saved
+    sizes, acc = block_sizes(xs.shape[0]), _accumulator(w.dtype)
+
+    def group(e, carry):
+        dxs, dw = carry
+        we = jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
+        end = first[e] + count[e]
+
+        def block(carry, row, size):
+            dxs, dwe = carry
+            mine = (row + jnp.arange(size) < end)[:, None]  # both masked: 0 x inf is NaN
+            dyb, xb = (_rows(a, row, size) for a in (dys, xs))
+            dyb, xb = (jnp.where(mine, a, jnp.zeros((), a.dtype)) for a in (dyb, xb))
+            dx = jnp.matmul(dyb, we.T, preferred_element_type=acc).astype(dxs.dtype)
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx, row, 0)
+            return dxs, dwe + jnp.einsum("nc,no->co", xb, dyb, preferred_element_type=acc)
+
+        dwe = _varying(jnp.zeros(w.shape[1:], acc), xs, dys, w, first, count)
+        dxs, dwe = _over_blocks(sizes, first[e], count[e], block, (dxs, dwe))
+        return dxs, jax.lax.dynamic_update_index_in_dim(dw, dwe.astype(dw.dtype), e, 0)
+
+    like = (xs, dys, w, first, count)
+    dxs = _varying(jnp.zeros(xs.shape, xs.dtype), *like)
+    dw = _varying(jnp.zeros(w.shape, w.dtype), *like)
+    dxs, dw = jax.lax.fori_loop(0, w.shape[0], group, (dxs, dw))
+    return dxs, dw, None, None
+
+
+@jax.custom_vjp
+def _ranges(xs, w, first, count):
+    return _ranges_forward(xs, w, first, count)[0]
+
+
+_ranges.defvjp(_ranges_forward, _ranges_backward)

@@ -1,0 +1,128 @@
+"""`python -m benchmarks.experts_slots`: the dropless experts' kernel before and after
+issue 40's slots (namedmesh/grouped_slots.py: each expert's first rows as batched
+matmuls, the overflow by the row loops) against transformers, in one process by
+benchmarks/fair.py's method (single-threaded, CPU time, alternated), so that a loaded
+machine slows every side alike:
+
+- the experts' FFN (benchmarks/experts_vs_hf.py's sizes and sides) by the row-loop
+  kernel alone (before: `ffn_rows` of `grouped_rows`, which the expert-parallel route
+  still runs), by the slotted kernel (after) and by transformers' default experts path;
+- Mixtral's training step at the honest tables' realistic size (benchmarks/
+  train_vs_torch.py) compiled with each kernel, and transformers' eager step.
+
+Every side's output (or first loss) is checked against the others' first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from unittest import mock
+
+import numpy as np
+
+from benchmarks import cli, fair
+
+
+def loop_kernel():
+    """A context in which `nm.grouped_ffn` traces to the row-loop kernel (before)."""
+    from namedmesh.grouped import grouped_rows
+
+    module = sys.modules["namedmesh.grouped_ffn"]
+    loops = lambda act, x, g, wi, wo, wg: module.ffn_rows(grouped_rows, act, x, g, wi, wo, wg)  # noqa: E731
+    return mock.patch.object(module, "slotted_ffn", loops)
+
+
+def kernels():
+    return {"loops (before)": loop_kernel, "slots (after)": contextlib.nullcontext}
+
+
+def experts_rows(sizes: dict, rounds: int) -> dict:
+    """{size: {side: seconds per round}} of the experts' FFN, forward and backward."""
+    from benchmarks import experts_vs_hf as ev
+
+    out = {}
+    for label, (tokens, d, f) in sizes.items():
+        a = ev.inputs(tokens, d, f)
+        sides, want = {}, None
+        for name, context in kernels().items():
+            with context():
+                forward, both = ev.namedmesh_side(a)
+                got = forward()
+                both()  # traced (and compiled) inside the context
+            want = got if want is None else want
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+            sides[f"namedmesh {name}"] = both
+        experts, impl = ev.transformers_experts(a, None)
+        forward, both = ev.torch_side(a, experts)
+        np.testing.assert_allclose(forward(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        sides[f"transformers {impl}"] = both
+        out[label] = fair.alternate(sides, rounds)
+    return out
+
+
+def step_rows(size_name: str, rounds: int) -> dict:
+    """{"mixtral": {side: seconds per round}} of the training step at `size_name`."""
+    from benchmarks import step_movement, train_vs_torch, zoo_families
+
+    size = train_vs_torch.SIZES[size_name]
+    spec = zoo_families.configs(size.layers, size.d_model, size.heads, size.vocab,
+                                size.length)["mixtral"]  # fmt: skip
+    ids = np.random.default_rng(0).integers(0, size.vocab, (size.batch, size.length + 1))
+    ids = ids.astype(np.int32)
+    model, loaded, batch, decodes = zoo_families.built("mixtral", spec, ids[:, :-1])
+    sides, losses = {}, {}
+    for name, context in kernels().items():
+        with context():
+            compiled, state, _ = step_movement.compiled_step(loaded, batch, ids[:, 1:], {})
+        sides[f"namedmesh {name}"], losses[name] = step_movement.timed(compiled, state)
+    torch_step = zoo_families.torch_sides(model, ids[:, :-1], ids[:, 1:], decodes,
+                                          compile=False)["PyTorch eager"][1]  # fmt: skip
+    want = torch_step()
+    for name, got in losses.items():
+        if abs(got - want) > zoo_families.TOLERANCE * max(1.0, abs(want)):
+            raise SystemExit(f"mixtral, {name}: first loss {got} differs from PyTorch's {want}")
+    sides["PyTorch eager"] = torch_step
+    return {f"mixtral, {size}": fair.alternate(sides, rounds)}
+
+
+def table(rows: dict, first: str, unit: str) -> list[str]:
+    """Markdown: per row, each side's min / median, and each side over the last one."""
+    names = list(next(iter(rows.values())))
+    head = [first, *(f"{n} {unit}" for n in names), *(f"{n} / {names[-1]}" for n in names[:-1])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    scale = 1e3 if unit == "ms" else 1.0
+    for label, times in rows.items():
+        base = fair.min_median(times[names[-1]])
+        cells = [fair.cell(times[n], scale) for n in names]
+        ratios = [
+            f"{min(times[n]) / base[0]:.2f} / {fair.min_median(times[n])[1] / base[1]:.2f}"
+            for n in names[:-1]
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells + ratios) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
+    p.add_argument("--rounds", type=cli.count, default=5)
+    p.add_argument("--no-step", action="store_true", help="the experts' FFN table only")
+    args = p.parse_args(argv)
+    threads = fair.single_threaded()
+    from benchmarks import honest, stack
+
+    before = fair.load()
+    lines = [stack.describe(), ""]
+    lines += table(experts_rows(honest.EXPERT_SIZES, args.rounds), "size (8 experts, top 2)", "ms")
+    print("\n".join(lines), flush=True)  # the step takes minutes more
+    if not args.no_step:
+        print("\n".join(["", *table(step_rows("realistic", args.rounds), "training step", "s")]))
+    method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
+                                before=before, after=fair.load())  # fmt: skip
+    print("\n" + method + f" ({threads})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
