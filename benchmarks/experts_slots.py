@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
+import time
 from unittest import mock
 
 import numpy as np
@@ -38,53 +40,84 @@ def kernels():
     return {"loops (before)": loop_kernel, "slots (after)": contextlib.nullcontext}
 
 
-def experts_rows(sizes: dict, rounds: int) -> dict:
-    """{size: {side: seconds per round}} of the experts' FFN, forward and backward."""
+def compiled(fn, *args):
+    """(fn compiled for args, its lower and compile in CPU seconds, XLA's temporaries in
+    MB: memory_analysis's temp size)."""
+    start = time.process_time()
+    program = fn.lower(*args).compile()
+    seconds = time.process_time() - start
+    return program, seconds, program.memory_analysis().temp_size_in_bytes / 1e6
+
+
+def experts_rows(sizes: dict, rounds: int) -> tuple[dict, dict]:
+    """({size: {side: seconds per round}}, {size: {kernel: (compile s, temporaries MB)}})
+    of the experts' FFN, forward and backward."""
     from benchmarks import experts_vs_hf as ev
 
-    out = {}
+    out, programs = {}, {}
     for label, (tokens, d, f) in sizes.items():
         a = ev.inputs(tokens, d, f)
-        sides, want = {}, None
+        sides, want, programs[label] = {}, None, {}
         for name, context in kernels().items():
             with context():
-                forward, both = ev.namedmesh_side(a)
-                got = forward()
-                both()  # traced (and compiled) inside the context
+                forward, both, args = ev.namedmesh_programs(a)
+                got = np.asarray(forward(*args))
+                program, seconds, temp = compiled(both, *args)
+            programs[label][name] = (seconds, temp)
             want = got if want is None else want
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-            sides[f"namedmesh {name}"] = both
+            sides[f"namedmesh {name}"] = functools.partial(ev.jax_ready_call, program, args)
         experts, impl = ev.transformers_experts(a, None)
         forward, both = ev.torch_side(a, experts)
         np.testing.assert_allclose(forward(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
         sides[f"transformers {impl}"] = both
         out[label] = fair.alternate(sides, rounds)
-    return out
+    return out, programs
 
 
-def step_rows(size_name: str, rounds: int) -> dict:
-    """{"mixtral": {side: seconds per round}} of the training step at `size_name`."""
+def step_rows(size_names: list[str], rounds: int) -> tuple[dict, dict]:
+    """({step: {side: seconds per round}}, {step: {kernel: (compile s, temporaries MB)}})
+    of Mixtral's training step at each of `size_names`."""
     from benchmarks import step_movement, train_vs_torch, zoo_families
 
-    size = train_vs_torch.SIZES[size_name]
-    spec = zoo_families.configs(size.layers, size.d_model, size.heads, size.vocab,
-                                size.length)["mixtral"]  # fmt: skip
-    ids = np.random.default_rng(0).integers(0, size.vocab, (size.batch, size.length + 1))
-    ids = ids.astype(np.int32)
-    model, loaded, batch, decodes = zoo_families.built("mixtral", spec, ids[:, :-1])
-    sides, losses = {}, {}
-    for name, context in kernels().items():
-        with context():
-            compiled, state, _ = step_movement.compiled_step(loaded, batch, ids[:, 1:], {})
-        sides[f"namedmesh {name}"], losses[name] = step_movement.timed(compiled, state)
-    torch_step = zoo_families.torch_sides(model, ids[:, :-1], ids[:, 1:], decodes,
-                                          compile=False)["PyTorch eager"][1]  # fmt: skip
-    want = torch_step()
-    for name, got in losses.items():
-        if abs(got - want) > zoo_families.TOLERANCE * max(1.0, abs(want)):
-            raise SystemExit(f"mixtral, {name}: first loss {got} differs from PyTorch's {want}")
-    sides["PyTorch eager"] = torch_step
-    return {f"mixtral, {size}": fair.alternate(sides, rounds)}
+    out, programs = {}, {}
+    for size_name in size_names:
+        size = train_vs_torch.SIZES[size_name]
+        spec = zoo_families.configs(size.layers, size.d_model, size.heads, size.vocab,
+                                    size.length)["mixtral"]  # fmt: skip
+        ids = np.random.default_rng(0).integers(0, size.vocab, (size.batch, size.length + 1))
+        ids = ids.astype(np.int32)
+        model, loaded, batch, decodes = zoo_families.built("mixtral", spec, ids[:, :-1])
+        sides, losses, label = {}, {}, f"mixtral, {size}"
+        programs[label] = {}
+        for name, context in kernels().items():
+            with context():
+                start = time.process_time()
+                program, state, _ = step_movement.compiled_step(loaded, batch, ids[:, 1:], {})
+                seconds = time.process_time() - start
+            temp = program.memory_analysis().temp_size_in_bytes / 1e6
+            programs[label][name] = (seconds, temp)
+            sides[f"namedmesh {name}"], losses[name] = step_movement.timed(program, state)
+        torch_step = zoo_families.torch_sides(model, ids[:, :-1], ids[:, 1:], decodes,
+                                              compile=False)["PyTorch eager"][1]  # fmt: skip
+        want = torch_step()
+        for name, got in losses.items():
+            if abs(got - want) > zoo_families.TOLERANCE * max(1.0, abs(want)):
+                raise SystemExit(f"mixtral, {name}: first loss {got} differs from PyTorch's {want}")
+        sides["PyTorch eager"] = torch_step
+        out[label] = fair.alternate(sides, rounds)
+    return out, programs
+
+
+def programs_table(programs: dict, first: str) -> list[str]:
+    """Markdown: per row, each kernel's compile CPU seconds and XLA's temporaries."""
+    names = list(next(iter(programs.values())))
+    head = [first, *(f"{n}: compile CPU s / temporaries MB" for n in names)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, kernels_ in programs.items():
+        cells = [f"{s:.2f} / {t:.0f}" for s, t in kernels_.values()]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def table(rows: dict, first: str, unit: str) -> list[str]:
@@ -107,17 +140,25 @@ def table(rows: dict, first: str, unit: str) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     p.add_argument("--rounds", type=cli.count, default=5)
-    p.add_argument("--no-step", action="store_true", help="the experts' FFN table only")
+    p.add_argument("--steps", type=cli.names, default=["small", "realistic"],
+                   help="Mixtral's training step at these sizes")  # fmt: skip
+    p.add_argument("--no-step", action="store_true", help="the experts' FFN tables only")
+    p.add_argument("--no-ffn", action="store_true", help="the training steps only")
     args = p.parse_args(argv)
     threads = fair.single_threaded()
     from benchmarks import honest, stack
 
     before = fair.load()
-    lines = [stack.describe(), ""]
-    lines += table(experts_rows(honest.EXPERT_SIZES, args.rounds), "size (8 experts, top 2)", "ms")
-    print("\n".join(lines), flush=True)  # the step takes minutes more
+    print(stack.describe() + "\n", flush=True)
+    if not args.no_ffn:
+        rows, programs = experts_rows(honest.EXPERT_SIZES, args.rounds)
+        lines = table(rows, "size (8 experts, top 2)", "ms") + [""]
+        lines += programs_table(programs, "FFN's gradient program") + [""]
+        print("\n".join(lines), flush=True)  # the steps take minutes more
     if not args.no_step:
-        print("\n".join(["", *table(step_rows("realistic", args.rounds), "training step", "s")]))
+        rows, programs = step_rows(args.steps, args.rounds)
+        lines = table(rows, "training step", "s") + [""]
+        print("\n".join(lines + programs_table(programs, "training step's program")))
     method = fair.METHOD.format(flags=fair.XLA_SINGLE_THREAD, rounds=args.rounds,
                                 before=before, after=fair.load())  # fmt: skip
     print("\n" + method + f" ({threads})")
