@@ -1,7 +1,8 @@
 """`nm.grouped_ffn`, a mixture of experts' whole expert FFN as one op, equals a float64
 NumPy statement of it row by row (every activation, gated or not, groups outside the
 range giving zero rows, one expert's rows past jax's slots for it), in NumPy, jax and
-bfloat16; names its errors; and lowered on 8
+bfloat16; its gradients are the dense one-hot statement's at any load (every choice on
+one expert too); names its errors; and lowered on 8
 devices, with the experts split where the rows are (each row routed to its expert's
 device once) or not, and the hidden layer split, gives NumPy's values and the
 gradients of a dense one-hot statement."""
@@ -108,9 +109,29 @@ def dense_loss(x, wi, wo, wg, g):
     return jnp.sum(jnp.sin(jnp.einsum("tske,tsef,efo->tsko", onehot, h, wo)))
 
 
+# every choice of expert 2 but a few outside the range: past its slots by the rows'
+# half, the load no even share bounds (dropless must stay exact)
+G_ONE = np.where(R.random(G.shape) < 0.1, -1, 2).astype(np.int32)
+dense_value_and_grads = jax.jit(jax.value_and_grad(dense_loss, (0, 1, 2, 3)))
+
+
 @functools.cache
 def dense_grads():
-    return jax.jit(jax.grad(dense_loss, (0, 1, 2, 3)))(X, WI, WO, WG, G)
+    return dense_value_and_grads(X, WI, WO, WG, G)[1]
+
+
+def test_gradients_at_any_load():
+    """On one device (the slots, and the rows past them by the overflow loop), the value
+    and gradients of the dense one-hot statement's: the module's load, and every choice
+    on one expert."""
+    loss = lambda x, wi, wo, wg, g: jnp.sum(jnp.sin(named(x, wi, wo, g, wg).data))  # noqa: E731
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
+    for g in (G, G_ONE):
+        value, grads = grad(X, WI, WO, WG, g)
+        want, wants = dense_value_and_grads(X, WI, WO, WG, g)
+        np.testing.assert_allclose(value, want, rtol=1e-5)
+        for name, a, b in zip(("x", "wi", "wo", "wg"), grads, wants, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 # experts split where the tokens are (routed: t over e; the hidden layer split over d,
