@@ -1,20 +1,20 @@
 """The grouped FFN's jax kernel (`nm.grouped_ffn`), dropless and exact whatever the
-load: rows sorted by group once, each group's first `cap` rows (an even share m of the
-rows and 3 sqrt(m), rounded up to 8: `slot_capacity`) gathered into a (groups, cap, c)
-buffer that runs the whole FFN as batched matmuls, and each group's rows past its slots
-(the overflow of an uneven load) by one loop over blocks of `OVERFLOW_BLOCK` rows, the
-whole FFN a block, under a cond that skips it when no group overflows.
+load, its rows sorted by group once, in one of two ways chosen at run time (a cond):
+
+- every group within `cap` rows (an even share m of the rows and 3 sqrt(m), rounded up
+  to 8: `slot_capacity`): the rows gathered into a (groups, cap, c) buffer of slots,
+  the whole FFN as batched matmuls (XLA's plain dots, forward and backward);
+- else (an uneven load, or at most half the rows inside: an expert-split shard): the
+  sorted rows by one loop over each group's blocks (`loop_blocks`: big ones, then a
+  small one for the tail), the whole FFN a block, each weight sliced once per group.
 
 Its gradient is written out (a custom vjp) rather than jax's of the composition, for
-what that would cost (docs/benchmarks.md, "MoE experts' path (issue 40)"): jax's
-gradient of a cond makes every residual of either branch an output of both (the
-skipped overflow's hidden layers zero-filled every step, XLA's temporaries doubled),
-and each row loop's gradient is loops of its own (the compile). Here the forward saves
-the slots' two products (their inputs, the gathered rows) and nothing of the overflow;
-the backward runs the slots' products' gradients as batched matmuls, then the overflow
-blocks' forward and backward in one loop (a block's FFN recomputed), adding into the
-slots' gradients in place, under the same cond. The work is bounded: the slots (the
-rows and the slack under an even load) plus the overflow rows rounded up to blocks.
+what that cost (docs/benchmarks.md, "MoE experts' path (issue 40)"): jax's gradient of
+a cond makes every residual of either branch an output of both (zero-filled when not
+taken), and a row loop's gradient is loops of its own. Here both ways save the same
+three buffers (the rows and the hidden layer's products, as slots or as sorted rows),
+and the backward takes the forward's way. The work is the rows' (and the slots' slack,
+or each group's last block's) whatever the load.
 """
 
 from __future__ import annotations
@@ -27,24 +27,28 @@ import jax.numpy as jnp
 
 from namedmesh.contract import varying_axes
 
-OVERFLOW_BLOCK = 64  # rows of an overflow block: the loop's only dot shape
-
 
 def slot_capacity(rows: int, groups: int) -> int:
-    """Slots per group of the batched part: an even share m of `rows` and 3 sqrt(m)
-    (an even random load's busiest group stays within that with probability about
-    0.999 per group, so the overflow loop rarely runs), rounded up to 8, and no more
-    than the rows."""
+    """Slots per group: an even share m of `rows` and 3 sqrt(m) (an even random load's
+    busiest group stays within that with probability about 0.999 per group), rounded
+    up to 8, and no more than the rows."""
     m = rows / groups
     return min(max(8, math.ceil((m + 3 * math.sqrt(m)) / 8) * 8), math.ceil(rows / 8) * 8)
+
+
+def loop_blocks(rows: int, groups: int) -> tuple[int, ...]:
+    """The loop's row blocks, largest first: a power of two up to 256 and at most an even
+    share of the rows (a group's rows go by whole blocks of it), then an eighth of it
+    (at least 8) for the rest, the last rounding up."""
+    top = min(256, max(8, 1 << max(0, (rows // groups).bit_length() - 1)))
+    return tuple(dict.fromkeys((top, max(8, top // 8))))
 
 
 def sorted_slots(g, groups: int, cap: int):
     """(order: the rows sorted by group, those outside [0, groups) last; each group's
     first sorted row and row count; src (groups x cap): each slot's row, `rows` for an
     empty slot; at (rows,): each row's slot, or groups x cap for a row outside or past
-    its group's capacity; rank (rows,): each row's sorted place; place (rows,): its
-    place in its group's rows, -1 for a row outside [0, groups))."""
+    its group's capacity; rank (rows,): each row's sorted place)."""
     n = g.shape[0]
     inside = (g >= 0) & (g < groups)
     key = jnp.where(inside, g, groups)
@@ -57,43 +61,41 @@ def sorted_slots(g, groups: int, cap: int):
     rank = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     place = jnp.where(inside, rank - jnp.take(first, jnp.minimum(key, groups - 1)), -1)
     at = jnp.where(inside & (place < cap), key * cap + place, groups * cap)
-    return order, first, count, src.reshape(-1), at, rank, place
+    return order, first, count, src.reshape(-1), at, rank
 
 
 def slotted_ffn(act, x, g, wi, wo, wg=None):
     """The FFN of rows x (n, c) by their groups g (n,): act(x @ wi[g]) (* x @ wg[g]) @
-    wo[g], zero for a group outside [0, groups); weights (groups, in, out). Where at
-    most half the rows are inside (an expert-split shard, whose other shards' rows are
-    outside), the slots, sized for every row, would compute mostly padding: the
-    overflow loop takes every row then. Inside shard_map every operand is cast to vary
-    where any does first: the custom vjp's cotangents vary there, and jax sums them
-    back over the axes an operand was invariant over (the cast's transpose)."""
+    wo[g], zero for a group outside [0, groups); weights (groups, in, out). Inside
+    shard_map every operand is cast to vary where any does first: the custom vjp's
+    cotangents vary there, and jax sums them back over the axes an operand was
+    invariant over (the cast's transpose)."""
     ws = (x, wi, wo) + (() if wg is None else (wg,))
     ws = tuple(_like(a, *ws, g) for a in ws)
-    cap = slot_capacity(x.shape[0], wi.shape[0])
-    return _ffn(act, cap, g, *ws)
+    n, groups = x.shape[0], wi.shape[0]
+    return _ffn(act, (slot_capacity(n, groups), loop_blocks(n, groups)), g, *ws)
 
 
 class Plan:
-    """Where each row goes (`sorted_slots`), whether the slots run (`few`: they do not),
-    and each group's overflow: its first sorted row past the slots and its row count."""
+    """Where each row goes (`sorted_slots`) and which way runs: `slots`, when every
+    group is within its slots and more than half the rows are inside."""
 
     def __init__(self, g, groups: int, cap: int):
-        self.order, first, count, self.src, self.at, self.rank, place = sorted_slots(g, groups, cap)
-        self.few = 2 * jnp.sum(count) <= g.shape[0]
-        skip = jnp.where(self.few, 0, cap)
-        self.first, self.left = first + skip, jnp.maximum(count - skip, 0)
-        self.over = place >= skip
+        self.order, self.first, self.count, self.src, self.at, self.rank = sorted_slots(
+            g, groups, cap
+        )
+        self.slots = jnp.all(self.count <= cap) & (2 * jnp.sum(self.count) > g.shape[0])
+        self.inside = (g >= 0) & (g < groups)
 
     def tree(self):
-        return (self.order, self.src, self.at, self.rank, self.few, self.first, self.left,
-                self.over)  # fmt: skip
+        return (self.order, self.first, self.count, self.src, self.at, self.rank, self.slots,
+                self.inside)  # fmt: skip
 
     @classmethod
     def of(cls, tree):
         plan = cls.__new__(cls)
-        (plan.order, plan.src, plan.at, plan.rank, plan.few, plan.first, plan.left,
-         plan.over) = tree  # fmt: skip
+        (plan.order, plan.first, plan.count, plan.src, plan.at, plan.rank, plan.slots,
+         plan.inside) = tree  # fmt: skip
         return plan
 
 
@@ -124,9 +126,9 @@ def _gather(a, rows):
     return jnp.take(jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)]), rows, axis=0)
 
 
-def _products(spec, slots, wi, wg):
+def _products(spec, rows, wi, wg):
     """The hidden layer's products: (x wi,) or (x wi, x wg)."""
-    return tuple(_mm(spec, slots, w) for w in (wi, *wg))
+    return tuple(_mm(spec, rows, w) for w in (wi, *wg))
 
 
 def _hidden(act, products):
@@ -134,39 +136,53 @@ def _hidden(act, products):
     return h * products[1] if len(products) == 2 else h
 
 
+def _saved_rows(n: int, groups: int, cap: int, blocks) -> int:
+    """Rows of the saved buffers, which hold either way's: the slots, or the sorted rows
+    and a largest block after them (a group's last block reaches past its rows)."""
+    return max(groups * cap, n + blocks[0])
+
+
+def _padded(a, rows: int):
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ffn(act, cap, g, x, wi, wo, *wg):
-    return _ffn_forward(act, cap, g, x, wi, wo, *wg)[0]
+def _ffn(act, sizes, g, x, wi, wo, *wg):
+    return _ffn_forward(act, sizes, g, x, wi, wo, *wg)[0]
 
 
-def _ffn_forward(act, cap, g, x, wi, wo, *wg):
-    (n, c), groups = x.shape, wi.shape[0]
-    plan = Plan(g, groups, cap)
+def _ffn_forward(act, sizes, g, x, wi, wo, *wg):
+    (cap, blocks), (n, c), groups = sizes, x.shape, wi.shape[0]
+    plan, rows = Plan(g, groups, cap), _saved_rows(n, groups, cap, blocks)
 
     def slotted(x, wi, wo, *wg):
         slots = _gather(x, plan.src).reshape(groups, cap, c)
         products = _products("gsc,gcf->gsf", slots, wi, wg)
-        out = _mm("gsf,gfo->gso", _hidden(act, products), wo)
-        return _gather(out.reshape(groups * cap, -1), plan.at), slots, products
+        out = _mm("gsf,gfo->gso", _hidden(act, products), wo).reshape(groups * cap, -1)
+        saved = (slots, *products)
+        return _gather(out, plan.at), *(_padded(a.reshape(groups * cap, -1), rows) for a in saved)
 
-    def skipped(x, wi, wo, *wg):
-        like = (x, wi, wo, *wg, g)
-        slots = _zeros((groups, cap, c), x.dtype, *like)
-        products = tuple(_zeros((groups, cap, wi.shape[-1]), x.dtype, *like) for _ in (wi, *wg))
-        return _zeros((n, wo.shape[-1]), x.dtype, *like), slots, products
+    def looped(x, wi, wo, *wg):
+        ys, saved = _loop_forward(act, plan, blocks, rows, x, wi, wo, *wg)
+        return _unsorted(ys, plan), *saved
 
-    y, slots, products = jax.lax.cond(plan.few, skipped, slotted, x, wi, wo, *wg)
-    y = y + _overflow(act, plan, x, (wi, wo, *wg))
-    return y, (plan.tree(), x, wi, wo, wg, slots, products)
+    y, *saved = jax.lax.cond(plan.slots, slotted, looped, x, wi, wo, *wg)
+    return y, (plan.tree(), wi, wo, wg, saved)
 
 
-def _ffn_backward(act, cap, saved, dy):
-    tree, x, wi, wo, wg, slots, products = saved
-    plan, c, groups = Plan.of(tree), x.shape[1], wi.shape[0]
+def _unsorted(ys, plan):
+    """The sorted rows `ys` back in the rows' order, a row outside the groups zero."""
+    return jnp.where(plan.inside[:, None], jnp.take(ys, plan.rank, axis=0), jnp.zeros((), ys.dtype))
+
+
+def _ffn_backward(act, sizes, res, dy):
+    (cap, blocks), (tree, wi, wo, wg, saved) = sizes, res
+    plan, o, (groups, c) = Plan.of(tree), dy.shape[1], wi.shape[:2]
 
     def slotted(dy, wi, wo, *wg):
-        dout = _gather(dy, plan.src).reshape(groups, cap, -1)
-        h, pull = jax.vjp(functools.partial(_hidden, act), products)
+        slots, *products = (a[: groups * cap].reshape(groups, cap, -1) for a in saved)
+        dout = _gather(dy, plan.src).reshape(groups, cap, o)
+        h, pull = jax.vjp(functools.partial(_hidden, act), tuple(products))
         dwo = _mm("gsf,gso->gfo", h, dout)
         (dproducts,) = pull(_mm("gso,gfo->gsf", dout, wo))
         dslots = sum(_mm("gsf,gcf->gsc", d, w) for d, w in zip(dproducts, (wi, *wg), strict=True))
@@ -174,120 +190,108 @@ def _ffn_backward(act, cap, saved, dy):
         dx = _gather(dslots.reshape(groups * cap, c), plan.at)
         return dx, dws[0], dwo, *dws[1:]
 
-    def skipped(dy, wi, wo, *wg):
-        like = (dy, x, wi, wo, *wg, *tree)
-        return _zeros(x.shape, x.dtype, *like), *(_zeros(w.shape, w.dtype, *like)
-                                                  for w in (wi, wo, *wg))  # fmt: skip
+    def looped(dy, wi, wo, *wg):
+        dxs, dws = _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg)
+        return _unsorted(dxs, plan), *dws
 
-    grads = jax.lax.cond(plan.few, skipped, slotted, dy, wi, wo, *wg)
-    grads = _overflow_grads(act, plan, x, (wi, wo, *wg), dy, grads)
+    grads = jax.lax.cond(plan.slots, slotted, looped, dy, wi, wo, *wg)
     return (None, *grads)
 
 
 _ffn.defvjp(_ffn_forward, _ffn_backward)
 
 
-def _blocks(plan, e):
-    """Group e's overflow: its first sorted row and its number of blocks."""
-    return plan.first[e], (plan.left[e] + OVERFLOW_BLOCK - 1) // OVERFLOW_BLOCK
+def _over_blocks(blocks, first, count, body, carry):
+    """carry through body(carry, row, size) for the blocks covering sorted rows [first,
+    first + count): whole blocks of each size but the last, which rounds up."""
+    done = jnp.zeros((), jnp.int32)
+    for i, size in enumerate(blocks):
+        left = count - done
+        n = (left + size - 1) // size if i == len(blocks) - 1 else left // size
+        step = lambda j, c, size=size, at=first + done: body(c, at + j * size, size)  # noqa: E731
+        carry = jax.lax.fori_loop(0, n, step, carry)
+        done = done + n * size
+    return carry
 
 
-def _rows(a, row):
-    return jax.lax.dynamic_slice_in_dim(a, row, OVERFLOW_BLOCK)
+def _rows(a, row, size):
+    return jax.lax.dynamic_slice_in_dim(a, row, size)
 
 
-def _sorted(a, plan, mask=None):
-    """a's rows in sorted order (those of `mask` alone, others zero), then a block of
-    zero rows (a group's last block reaches up to a block's rows past its rows)."""
-    if mask is not None:
-        a = jnp.where(mask[:, None], a, jnp.zeros((), a.dtype))
-    return jnp.pad(jnp.take(a, plan.order, axis=0), ((0, OVERFLOW_BLOCK), (0, 0)))
+def _put(a, rows, row):
+    return jax.lax.dynamic_update_slice_in_dim(a, rows, row, 0)
 
 
-def _block_ffn(act, xb, wi, wo, *wg):
-    return _mm("nf,fo->no", _hidden(act, _products("nc,cf->nf", xb, wi, wg)), wo)
+def _group_weights(ws, e):
+    return tuple(jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False) for w in ws)
 
 
-def _overflow(act, plan, x, weights):
-    """The FFN of the rows past their group's slots (zero for the others): each group's
-    blocks in turn, in sorted row order, so that the rows a group's last block writes
-    past its own are written again by the groups after (or dropped: not overflow rows);
-    skipped (a cond) when no group overflows."""
-    wi, wo = weights[:2]
-    like = (x, *weights, *plan.tree())
+def _loop_forward(act, plan, blocks, rows, x, wi, wo, *wg):
+    """(ys: the sorted rows' FFN, (sorted rows, their products): the saved buffers), each
+    group's blocks in turn, in sorted row order, so that the rows a group's last block
+    writes past its own are written again by the groups after (or are no group's)."""
+    like = (x, wi, wo, *wg, *plan.tree())
+    xs = _padded(jnp.take(x, plan.order, axis=0), rows)
+    f, o = wi.shape[-1], wo.shape[-1]
 
-    def run(x, *weights):
-        xs = _sorted(x, plan)
+    def group(e, carry):
+        we = _group_weights((wi, wo, *wg), e)
 
-        def group(e, ys):
-            we = tuple(jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False) for w in weights)
-            start, blocks = _blocks(plan, e)
-
-            def block(j, ys):
-                row = start + j * OVERFLOW_BLOCK
-                yb = _block_ffn(act, _rows(xs, row), *we)
-                return jax.lax.dynamic_update_slice_in_dim(ys, yb, row, 0)
-
-            return jax.lax.fori_loop(0, blocks, block, ys)
-
-        ys = _zeros((xs.shape[0], wo.shape[-1]), x.dtype, *like)
-        ys = jax.lax.fori_loop(0, wi.shape[0], group, ys)
-        return jnp.where(plan.over[:, None], jnp.take(ys, plan.rank, axis=0),
-                         jnp.zeros((), ys.dtype))  # fmt: skip
-
-    def skipped(x, *weights):
-        return _zeros((x.shape[0], wo.shape[-1]), x.dtype, *like)
-
-    return jax.lax.cond(jnp.any(plan.left > 0), run, skipped, x, *weights)
-
-
-def _overflow_grads(act, plan, x, weights, dy, grads):
-    """`grads` (x's and each weight's) plus the overflow rows': each block's FFN
-    recomputed and its gradient taken, a block's rows past its group's masked out (both
-    operands: 0 x inf is NaN), accumulated per group in float32 and added into the
-    weights' gradients in place; skipped (a cond) when no group overflows."""
-
-    def run(grads, x, dy, *weights):
-        dx, *dws = grads
-        xs, dys = _sorted(x, plan), _sorted(dy, plan, plan.over)
-        acc = _accumulator(x.dtype)
-
-        def group(e, carry):
-            dxs, dws = carry
-            we = tuple(jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False) for w in weights)
-            start, blocks = _blocks(plan, e)
-            end = start + plan.left[e]
-
-            def block(j, carry):
-                dxs, dwe = carry
-                row = start + j * OVERFLOW_BLOCK
-                mine = (row + jnp.arange(OVERFLOW_BLOCK) < end)[:, None]
-                zero = jnp.zeros((), xs.dtype)
-                xb, dyb = (jnp.where(mine, _rows(a, row), zero) for a in (xs, dys))
-                _, pull = jax.vjp(functools.partial(_block_ffn, act), xb, *we)
-                dxb, *dwb = pull(dyb)
-                dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dxb, row, 0)
-                return dxs, tuple(a + b.astype(acc) for a, b in zip(dwe, dwb, strict=True))
-
-            dwe = tuple(_zeros(w.shape, acc, *like) for w in we)
-            dxs, dwe = jax.lax.fori_loop(0, blocks, block, (dxs, dwe))
-            dws = tuple(
-                jax.lax.dynamic_update_index_in_dim(
-                    dw, jax.lax.dynamic_index_in_dim(dw, e, 0) + d.astype(dw.dtype)[None], e, 0
-                )
-                for dw, d in zip(dws, dwe, strict=True)
+        def block(carry, row, size):
+            ys, products = carry
+            xb = _rows(xs, row, size)
+            pb = _products("nc,cf->nf", xb, we[0], we[2:])
+            yb = _mm("nf,fo->no", _hidden(act, pb), we[1])
+            return _put(ys, yb, row), tuple(
+                _put(p, b, row) for p, b in zip(products, pb, strict=True)
             )
-            return dxs, dws
 
-        dxs = _zeros(xs.shape, x.dtype, *like)
-        dxs, dws = jax.lax.fori_loop(0, weights[0].shape[0], group, (dxs, tuple(dws)))
-        dx = dx + jnp.where(plan.over[:, None], jnp.take(dxs, plan.rank, axis=0),
-                            jnp.zeros((), dx.dtype))  # fmt: skip
-        return dx, *dws
+        return _over_blocks(blocks, plan.first[e], plan.count[e], block, carry)
 
-    def skipped(grads, x, dy, *weights):
-        return tuple(grads)
+    ys = _zeros((rows, o), x.dtype, *like)
+    products = tuple(_zeros((rows, f), x.dtype, *like) for _ in (wi, *wg))
+    ys, products = jax.lax.fori_loop(0, wi.shape[0], group, (ys, products))
+    return ys, (xs, *products)
 
-    like = (x, dy, *weights, *grads, *plan.tree())
-    grads = tuple(_like(a, *like) for a in grads)
-    return jax.lax.cond(jnp.any(plan.left > 0), run, skipped, grads, x, dy, *weights)
+
+def _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg):
+    """(dxs: the sorted rows' gradient, the weights' gradients) by the forward's blocks,
+    each group's accumulated in float32 over its blocks; a block's rows past its group
+    masked out of every operand (0 x inf is NaN)."""
+    xs, *products = saved
+    like = (dy, wi, wo, *wg, *saved, *plan.tree())
+    dys = _padded(jnp.take(jnp.where(plan.inside[:, None], dy, jnp.zeros((), dy.dtype)),
+                           plan.order, axis=0), xs.shape[0])  # fmt: skip
+    acc = _accumulator(xs.dtype)
+    ws = (wi, wo, *wg)
+
+    def group(e, carry):
+        dxs, dws = carry
+        we = _group_weights(ws, e)
+        end = plan.first[e] + plan.count[e]
+
+        def block(carry, row, size):
+            dxs, dwe = carry
+            mine = (row + jnp.arange(size) < end)[:, None]
+            zero = jnp.zeros((), xs.dtype)
+            xb, dyb, *pb = (
+                jnp.where(mine, _rows(a, row, size), zero) for a in (xs, dys, *products)
+            )
+            h, pull = jax.vjp(functools.partial(_hidden, act), tuple(pb))
+            (dpb,) = pull(_mm("no,fo->nf", dyb, we[1]))
+            dxb = sum(_mm("nf,cf->nc", d, w) for d, w in zip(dpb, (we[0], *we[2:]), strict=True))
+            dwb = (_mm("nc,nf->cf", xb, dpb[0]), _mm("nf,no->fo", h, dyb),
+                   *(_mm("nc,nf->cf", xb, d) for d in dpb[1:]))  # fmt: skip
+            dwe = tuple(a + b.astype(acc) for a, b in zip(dwe, dwb, strict=True))
+            return _put(dxs, dxb, row), dwe
+
+        dwe = tuple(_zeros(w.shape, acc, *like) for w in we)
+        dxs, dwe = _over_blocks(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
+        dws = tuple(jax.lax.dynamic_update_index_in_dim(dw, d.astype(dw.dtype), e, 0)
+                    for dw, d in zip(dws, dwe, strict=True))  # fmt: skip
+        return dxs, dws
+
+    dxs = _zeros(xs.shape, xs.dtype, *like)
+    dws = tuple(_zeros(w.shape, w.dtype, *like) for w in ws)
+    dxs, (dwi, dwo, *dwg) = jax.lax.fori_loop(0, wi.shape[0], group, (dxs, dws))
+    return dxs, (dwi, dwo, *dwg)
