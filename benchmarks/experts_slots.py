@@ -1,16 +1,20 @@
 """`python -m benchmarks.experts_slots`: the dropless experts' kernel before and after
-issue 40's slots (namedmesh/grouped_slots.py: each expert's first rows as batched
-matmuls, the overflow by the row loops) against transformers, in one process by
-benchmarks/fair.py's method (single-threaded, CPU time, alternated), so that a loaded
-machine slows every side alike:
+issue 40's slots (namedmesh/grouped_slots.py: every group's rows as batched matmuls of
+slots when each group fits in an even share and some slack, else one loop of blocks, the
+whole FFN a block) against transformers, in one process by benchmarks/fair.py's method
+(single-threaded, CPU time, alternated), so that a loaded machine slows every side alike:
 
-- the experts' FFN (benchmarks/experts_vs_hf.py's sizes and sides) by the row-loop
-  kernel alone (before: `ffn_rows` of `grouped_rows`, which the expert-parallel route
-  still runs), by the slotted kernel (after) and by transformers' default experts path;
-- Mixtral's training step at the honest tables' realistic size (benchmarks/
-  train_vs_torch.py) compiled with each kernel, and transformers' eager step.
+- the experts' FFN (benchmarks/experts_vs_hf.py's sizes and sides: an even random
+  load) by the row-loop kernel alone (before: `ffn_rows` of `grouped_rows`, which the
+  expert-parallel route still runs), by the slotted kernel (after) and by transformers'
+  default experts path;
+- Mixtral's training step at the honest tables' small and realistic sizes (benchmarks/
+  train_vs_torch.py; its routers load experts unevenly) compiled with each kernel, and
+  transformers' eager step;
 
-Every side's output (or first loss) is checked against the others' first.
+and each program's compile (lower and compile, CPU seconds) and XLA's temporaries
+(memory_analysis). Every side's output (or first loss) is checked against the others'
+first.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ the composition of `grouped_matmul`s it states, as one primitive so that a lower
 moves each row to its group's device once for the whole FFN (its hidden layer never
 leaves that device: lowering/rules/grouped.py), where three grouped matmuls would move
 it there and back three times. jax computes it with the rows sorted by group once:
-each group's first rows (an even share and some slack) as batched matmuls, the rows
-past them by the grouped matmul's row loops (namedmesh/grouped_slots.py); a few rows
-(a decoding step's) by the row kernel (`grouped_rows`); each product in the promoted
-dtype as the composition computes it; the gradient is jax's of those kernels.
+as batched matmuls of each group's slots when every group fits in an even share and
+some slack, else by one loop over each group's rows in blocks, the whole FFN a block
+(namedmesh/grouped_slots.py); a few rows (a decoding step's) by the row kernel
+(`grouped_rows`); each product in the promoted dtype as the composition computes it;
+the gradient written out (a custom vjp) by the same two ways.
 """
 
 from __future__ import annotations
