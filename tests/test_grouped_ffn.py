@@ -76,17 +76,20 @@ def test_equals_a_float64_statement_row_by_row():
 
 def test_bfloat16_is_the_grouped_matmuls_it_states():
     """In bfloat16 each product is summed in float32 and rounded, as the grouped matmuls
-    and the activation it stands for compute it: equal to their composition, bit for bit."""
+    and the activation it stands for compute it: equal to their composition, bit for bit,
+    by jax's loop (G) and by its slots (G_EVEN)."""
 
-    def both(x, wi, wo, wg):
-        got = named(x, wi, wo, G, wg)
-        x, wi, wo, g, wg = (nm.tensor(a, d) for a, d in zip((x, wi, wo, G, wg), DIMS, strict=True))
+    def both(x, wi, wo, wg, g):
+        got = named(x, wi, wo, g, wg)
+        x, wi, wo, g, wg = (nm.tensor(a, d) for a, d in zip((x, wi, wo, g, wg), DIMS, strict=True))
         h = nm.silu(nm.grouped_matmul(x, wi, g)) * nm.grouped_matmul(x, wg, g)
         return got.data, nm.grouped_matmul(h, wo, g).data
 
-    got, want = jax.jit(both)(*(jnp.asarray(a, jnp.bfloat16) for a in (X, WI, WO, WG)))
-    assert got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    run = jax.jit(both)
+    for g in (G, G_EVEN):
+        got, want = run(*(jnp.asarray(a, jnp.bfloat16) for a in (X, WI, WO, WG)), g)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_names_its_errors():
@@ -109,8 +112,10 @@ def dense_loss(x, wi, wo, wg, g):
     return jnp.sum(jnp.sin(jnp.einsum("tske,tsef,efo->tsko", onehot, h, wo)))
 
 
-# every choice of expert 2 but a few outside the range: past its slots by the rows'
-# half, the load no even share bounds (dropless must stay exact)
+# G runs jax's loop of blocks (expert 1 past its slots); G_EVEN its slots (every expert
+# within them, a fifth of the rows outside); G_ONE every choice of expert 2 but a few
+# outside the range: the load no even share bounds (dropless must stay exact)
+G_EVEN = (np.arange(G.size) % 5 - 1).reshape(G.shape).astype(np.int32)
 G_ONE = np.where(R.random(G.shape) < 0.1, -1, 2).astype(np.int32)
 dense_value_and_grads = jax.jit(jax.value_and_grad(dense_loss, (0, 1, 2, 3)))
 
@@ -121,12 +126,11 @@ def dense_grads():
 
 
 def test_gradients_at_any_load():
-    """On one device (the slots, and the rows past them by the overflow loop), the value
-    and gradients of the dense one-hot statement's: the module's load, and every choice
-    on one expert."""
+    """On one device, the value and gradients of the dense one-hot statement's: by the
+    slots (an even load) and by the loop (every choice on one expert)."""
     loss = lambda x, wi, wo, wg, g: jnp.sum(jnp.sin(named(x, wi, wo, g, wg).data))  # noqa: E731
     grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
-    for g in (G, G_ONE):
+    for g in (G_EVEN, G_ONE):
         value, grads = grad(X, WI, WO, WG, g)
         want, wants = dense_value_and_grads(X, WI, WO, WG, g)
         np.testing.assert_allclose(value, want, rtol=1e-5)
