@@ -34,28 +34,48 @@ def inputs(tokens: int, d: int, f: int, seed: int = 0) -> dict:
     }
 
 
-def namedmesh_side(a: dict):
-    """(forward, forward and backward) of nm.grouped_ffn and the weights' einsum, jitted."""
+def namedmesh_programs(a: dict):
+    """(forward, forward and backward: jitted functions of the arguments, the arguments)
+    of nm.grouped_ffn and the weights' einsum on `a`. The routing is an argument, as a
+    model computes it: a constant one, XLA would sort at compile time."""
     import jax
 
     import namedmesh as nm
 
-    def out(x, wi, wg, wo):
+    def out(x, wi, wg, wo, choice):
         t = lambda v, dims: nm.tensor(v, dims)
         y = nm.grouped_ffn(
             t(x, ("tokens", "d_model")),
             t(wi, ("experts", "d_model", "d_ff")),
             t(wo, ("experts", "d_ff", "out")),
-            t(a["choice"].astype(np.int32), ("tokens", "choices")),
+            t(choice, ("tokens", "choices")),
             t(wg, ("experts", "d_model", "d_ff")),
             activation="silu",
         )
         return nm.einsum(y, t(a["weight"], ("tokens", "choices")), out=("tokens", "out")).data
 
     args = [jax.device_put(a[k]) for k in ("x", "wi", "wg", "wo")]
+    args.append(jax.device_put(a["choice"].astype(np.int32)))
     forward = jax.jit(out)
     both = jax.jit(jax.value_and_grad(lambda *w: (out(*w) ** 2).sum(), argnums=(0, 1, 2, 3)))
-    return (lambda: np.asarray(forward(*args)), lambda: jax.block_until_ready(both(*args)))
+    return forward, both, args
+
+
+def namedmesh_side(a: dict):
+    """(forward, forward and backward) of nm.grouped_ffn and the weights' einsum, jitted."""
+    forward, both, args = namedmesh_programs(a)
+    return (lambda: np.asarray(forward(*args)), lambda: jax_ready(both(*args)))
+
+
+def jax_ready(value):
+    import jax
+
+    return jax.block_until_ready(value)
+
+
+def jax_ready_call(program, args):
+    """A compiled program's call on `args`, blocking until done."""
+    return jax_ready(program(*args))
 
 
 def transformers_experts(a: dict, implementation: str | None):

@@ -6,9 +6,12 @@ picked by its integer group:
 the composition of `grouped_matmul`s it states, as one primitive so that a lowering
 moves each row to its group's device once for the whole FFN (its hidden layer never
 leaves that device: lowering/rules/grouped.py), where three grouped matmuls would move
-it there and back three times. Computed by the grouped matmul's row kernel
-(`grouped_rows`), sorted by group, each product in the promoted dtype as the
-composition computes it; the gradient is jax's of that kernel.
+it there and back three times. jax computes it with the rows sorted by group once:
+as batched matmuls of each group's slots when every group fits in an even share and
+some slack, else by one loop over each group's rows in blocks, the whole FFN a block
+(namedmesh/grouped_slots.py); a few rows (a decoding step's) by the row kernel
+(`grouped_rows`); each product in the promoted dtype as the composition computes it;
+the gradient written out (a custom vjp) by the same two ways.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from namedmesh.errors import DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.grouped import as_groups, as_rows, grouped_aval, grouped_rows, grouped_rows_np, roles
+from namedmesh.grouped_slots import slotted_ffn
 from namedmesh.primitive import REGISTRY, Aval, Cost, bind, is_inexact, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
@@ -107,7 +111,10 @@ def _ffn_np(x, wi, wo, group, *wg, dim, dims, activation):
 
 def _ffn_jax(x, wi, wo, group, *wg, dim, dims, activation):
     x, g, wi, wo, wg, shape = as_ffn_rows(jnp, x, wi, wo, group, *wg or [None], dim, dims)
-    return ffn_rows(grouped_rows, ACTIVATIONS[activation][1], x, g, wi, wo, wg).reshape(shape)
+    act = ACTIVATIONS[activation][1]
+    if 2 * x.shape[0] <= wi.shape[0]:  # a decoding step's few rows: each its own weights
+        return ffn_rows(grouped_rows, act, x, g, wi, wo, wg).reshape(shape)
+    return slotted_ffn(act, x, g, wi, wo, wg).reshape(shape)
 
 
 def _ffn_cost(in_avals, out_avals, params) -> Cost:

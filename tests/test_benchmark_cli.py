@@ -26,6 +26,7 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unkn
     ("layer_loop", ["--sizes", "huge"]),
     ("long_seq", ["--kinds", "fused;flash"]),
     ("honest", ["--rounds", "0"]),
+    ("experts_slots", ["--rounds", "0"]),
 ]
 
 
