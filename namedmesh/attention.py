@@ -200,12 +200,56 @@ def choose_kernel(length: int, memory: int, backend: str) -> str:
 
 
 def _jax(q, k, v, *bias, scale, causal, window, kernel, dims, names):
-    qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, bias[0] if bias else None, dims, names)
     if kernel == "auto":  # float64 (x64): the xla kernel's exact path, flash's is float32
-        wide = np.float64 in (qa.dtype, ka.dtype, va.dtype)
-        kernel = "xla" if wide else choose_kernel(qa.shape[1], ka.shape[1], jax.default_backend())
-    out = KERNELS[kernel](qa, ka, va, ba, scale=scale, causal=causal, window=window)
-    return back(out)
+        wide = np.float64 in (q.dtype, k.dtype, v.dtype)
+        n, m = q.shape[dims[0].index(names[0])], k.shape[dims[1].index(names[1])]
+        kernel = "xla" if wide else choose_kernel(n, m, jax.default_backend())
+    b = bias[0] if bias else None
+    if kernel == "flash":  # straight to its heads-first layout: one move per operand
+        qh, kh, vh, bh, back = _heads_first(q, k, v, b, dims, names)
+        block = flash.block_for(kh.shape[1])
+        return back(flash.attention(qh, kh, vh, bh, scale, causal, window, block), v.dtype)
+    qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, b, dims, names)
+    return back(KERNELS[kernel](qa, ka, va, ba, scale=scale, causal=causal, window=window))
+
+
+def _heads_first(q, k, v, bias, dims, names):
+    """q as (kv heads, group, length, d_kv), k and v as (kv heads, memory, d_kv) and the
+    bias as (kv heads, group, length or 1, memory), float32: namedmesh.flash's layout,
+    each one transpose from its own dims (kv heads: the dims q shares with k, batch
+    included; group: q's dims k lacks); and how to put flash's output back over q's
+    dims in `dtype`. Not through `_arrange`'s length-first order: XLA kept q in that
+    order as the backward pass's residual and copied it heads-first again there."""
+    xp, f32 = jax.numpy, np.float32
+    q_dims, k_dims, b_dims = dims
+    length, memory, features = names
+    shared, only = _groups(q_dims, k_dims, names)
+    size = dict(zip(q_dims, q.shape, strict=True)) | dict(zip(k_dims, k.shape, strict=True))
+    kv, g = math.prod(size[d] for d in shared), math.prod(size[d] for d in only)
+    qo = (*shared, *only, length, features)
+    qh = xp.transpose(q, [q_dims.index(d) for d in qo]).astype(f32)
+    qh = qh.reshape(kv, g, size[length], size[features])
+    kh, vh = (
+        xp.transpose(x, [k_dims.index(d) for d in (*shared, memory, features)])
+        .astype(f32).reshape(kv, size[memory], size[features])
+        for x in (k, v)
+    )  # fmt: skip
+    bh = None
+    if bias is not None:
+        axes = (*shared, *only, length, memory)
+        have = [d for d in axes if d in b_dims]
+        bh = xp.transpose(bias, [b_dims.index(d) for d in have]).astype(f32)
+        own = dict(zip(b_dims, bias.shape, strict=True))
+        bh = bh.reshape([own[d] if d in have else 1 for d in axes])
+        heads = [size[d] for d in (*shared, *only)]
+        bh = xp.broadcast_to(bh, (*heads, *bh.shape[len(heads) : -1], size[memory]))
+        bh = bh.reshape(kv, g, bh.shape[-2], size[memory])
+
+    def back(out, dtype):  # (kv heads, group, length, d_kv) -> q's dims
+        out = out.reshape([size[d] for d in qo])
+        return xp.transpose(out, [qo.index(d) for d in q_dims]).astype(dtype)
+
+    return qh, kh, vh, bh, back
 
 
 def _cost(in_avals, out_avals, params) -> Cost:

@@ -9,7 +9,7 @@ import numpy as np
 
 import namedmesh as nm
 from lowering.hlo import Dot, dots, movement, moves
-from models.layers import kernels
+from models.layers import common, kernels
 
 # A loop of 3 iterations over a zero-filled f32[3,8] buffer (96 bytes): each iteration
 # reads a row (32 bytes) and writes the negated row (32 bytes) in a fusion; after it a
@@ -165,3 +165,49 @@ def _dims(shape: str) -> list[int]:
     """The sizes of an HLO shape's dims other than 1, sorted."""
     sizes = re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",")
     return sorted(int(d) for d in sizes if d not in ("", "1"))
+
+
+def test_rotated_q_and_k_reach_the_fused_kernel_in_one_move_each():
+    """q and k rotated (models.layers.common.rotate) into nm.dot_product_attention's
+    flash kernel (q batch, length, kv_heads, q_per_kv, d_kv as the zoo's projections
+    write it), in a compiled gradient, the oracle its HLO: q, k and v go to the kernel's
+    heads-first layout in one move each, never through a length-first order (before:
+    transposed length-first, then copied heads-first again: no value of q's or k's size
+    has the positions, the one dim of size 20, outermost); and the rotation's
+    concat(-b, a) is not written out as its own array (before: a fusion of q's size and
+    one of k's that negate and concatenate and multiply nothing)."""
+    sizes = {"batch": 3, "length": 20, "memory": 20, "kv_heads": 2, "q_per_kv": 5, "d_kv": 4}
+    r = np.random.default_rng(1)
+    t = lambda dims: nm.tensor(r.normal(size=[sizes[d] for d in dims]).astype(np.float32), dims)
+    inv = nm.tensor(np.float32([1.0, 0.1, 1.0, 0.1]), ("d_kv",))
+
+    def loss(q, k, v):
+        q = common.rotate(q, nm.arange("length", 20), inv)
+        k = common.rotate(k, nm.arange("memory", 20), inv)
+        out = nm.dot_product_attention(q, k, v, scale=0.5, kernel="flash")
+        return (out * out).sum().data
+
+    args = (t(QDIMS), t(KDIMS[1:]), t(KDIMS[1:]))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    q_size, k_size = 3 * 20 * 2 * 5 * 4, 3 * 20 * 2 * 4
+    ours = [m for m in moves(text) if _elements(m.shape) in (q_size, k_size)]
+    assert len(ours) >= 3  # q, k and v moved in at least (the oracle sees them)
+    assert not [m.shape for m in ours if _outermost(m.shape) == 20], ours
+    halves = [b for b in text.split("\n\n") if {"concatenate", "negate"} <= _ops(b)]
+    assert halves and not [b.splitlines()[0] for b in halves if "multiply" not in _ops(b)]
+
+
+def _ops(computation: str) -> set[str]:
+    """The opcodes of one computation of HLO text."""
+    return set(re.findall(r"= \S+ ([a-z][\w-]*)\(", computation))
+
+
+def _elements(shape: str) -> int:
+    """The number of elements of an HLO shape."""
+    return int(np.prod(_dims(shape)))
+
+
+def _outermost(shape: str) -> int:
+    """The size of an HLO shape's physically outermost dim (its layout's last entry)."""
+    sizes, layout = re.match(r"\w+\[([\d,]*)\]\{([\d,]*)", shape).groups()
+    return int(sizes.split(",")[int(layout.split(",")[-1])])

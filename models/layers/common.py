@@ -167,8 +167,12 @@ def rotate(x: nm.Tensor, positions: nm.Tensor, inv: nm.Tensor, factor=1.0) -> nm
     if isinstance(factor, nm.Tensor) or factor != 1.0:
         f = factor if isinstance(factor, nm.Tensor) else np.float32(factor)
         cos, sin = cos * f, sin * f
+    # each half written from x's halves, (a cos - b sin, b cos + a sin): the same
+    # products and sums as x cos + concat(-b, a) sin, whose concat XLA wrote out as an
+    # array of x's size before the rotation read it (forward and backward, q and k)
     a, b = nm.split(x, "d_kv", 2)
-    return x * cos + nm.concat([-b, a], "d_kv") * sin
+    (ca, cb), (sa, sb) = nm.split(cos, "d_kv", 2), nm.split(sin, "d_kv", 2)
+    return nm.concat([a * ca - b * sa, b * cb + a * sb], "d_kv")
 
 
 GLOBAL_WINDOW = 2**30  # a global layer's window among sliding ones: past every position
