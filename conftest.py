@@ -8,6 +8,16 @@ import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The suite compiles thousands of tiny programs and runs each a few times: most of its
+# time is XLA's compiles, and a quarter to a third of a CPU compile's time is LLVM
+# optimising loops over a few hundred elements. Tests compile without that (results may
+# differ from -O3's in the last bit, e.g. a fused multiply-add: every oracle has a
+# tolerance or compiles alike). Subprocesses inherit it: a test that sets its own device
+# count appends that to XLA_FLAGS (the last of a repeated flag wins), so a run and its
+# resume, or a launch and its in-process reference, compile alike.
+TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAG not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" {TEST_XLA_FLAG}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The command-line tests start many processes that compile the same programs (a run, then

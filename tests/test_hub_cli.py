@@ -20,7 +20,9 @@ from models.io import hub  # noqa: E402
 from models.training import checkpoint, data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+# conftest's XLA_FLAGS (the suite's compile options) and this file's devices (the last wins)
+DEVICES = "--xla_force_host_platform_device_count=2"
+ENV = {**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} {DEVICES}"}
 PROMPT = "The assert statement"
 
 

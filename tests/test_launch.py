@@ -38,9 +38,12 @@ STOP_AT = 5  # steps logged when process 1 gets the signal (a checkpoint at step
 
 def env(devices: int | None = None) -> dict:
     out = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    out.pop("XLA_FLAGS", None)
+    # conftest's compile options (as the in-process reference's), not its device count:
+    # launch sets each process's
+    kept = [f for f in out.pop("XLA_FLAGS", "").split() if "device_count" not in f]
     if devices:
-        out["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        kept.append(f"--xla_force_host_platform_device_count={devices}")
+    out["XLA_FLAGS"] = " ".join(kept)
     return {**out, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
 
 

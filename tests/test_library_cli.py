@@ -24,7 +24,8 @@ from namedmesh import cli
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
     **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    # conftest's XLA_FLAGS (the suite's compile options) and 8 devices (the last wins)
+    "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8",
     "PYTHONPATH": str(ROOT),
 }
 TEXT = "".join(__import__("pydoc_data.topics").topics.topics[k] for k in ("assert", "if"))

@@ -17,7 +17,9 @@ import pytest
 from models.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+# conftest's XLA_FLAGS (the suite's compile options) and this file's devices (the last wins)
+DEVICES = "--xla_force_host_platform_device_count=8"
+ENV = {**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} {DEVICES}"}
 SMALL = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--eval-batches", "1"]
 TWO_D = ["--mesh", "rows=2,cols=2", "--layout", "batch:rows;d_ff:cols;heads:cols"]
 

@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--eval-batches", "1"]
 STEPS = 12
 RUN = [*FLAGS, "--steps", str(STEPS), "--save-every", "4", "--eval-every", "12"]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+# conftest's XLA_FLAGS (the suite's compile options) and this file's devices (the last wins)
+DEVICES = "--xla_force_host_platform_device_count=1"
+ENV = {**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} {DEVICES}"}
 
 
 def losses(out: Path) -> dict[int, float]:
