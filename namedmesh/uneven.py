@@ -433,16 +433,26 @@ def _taken(x: Tensor, dim: str, index: np.ndarray) -> Tensor:
     return gather(rename(x, {dim: other}), other, tensor(index, (dim,)))
 
 
-def masked(f):
+class Masked:
     """`f` over (x, flag): a slot not flagged real (a pad) passes its carry through, the
-    identity; its ys are computed and dropped by the caller."""
+    identity; its ys are dropped by the caller. `nm.scan` of a Masked body marks its
+    equation `skip` (its last scanned input the flags), so that the lowered loop runs a
+    pad's iteration as a `jax.lax.cond` that does no layer work, forward or backward
+    (lowering/emit.py); the `where` here keeps the body's meaning where nothing skips
+    (jax's and NumPy's scan), and is a select of the carry where the layer ran."""
 
-    def body(carry, x):
+    def __init__(self, f):
+        self.f = f
+
+    def __call__(self, carry, x):
         inner, flag = x
-        new, y = f(carry, inner)
+        new, y = self.f(carry, inner)
         return tree_map(lambda a, b: where(flag, a, b), new, carry), y
 
-    return body
+
+def masked(f) -> Masked:
+    """`f` over (x, flag), the pads skipped where lowered (`Masked`)."""
+    return Masked(f)
 
 
 def tree_map(fn, *trees):

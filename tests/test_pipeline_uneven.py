@@ -8,6 +8,7 @@ microbatch. (The trainer on uneven stages, padded, against one device and across
 checkpoint: test_pipeline_checkpoint.py; the CLI's pipeline flags: test_pipeline.py.)"""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -83,12 +84,38 @@ def _cast_loss(params, batch):
     return _layers_loss({"w": nm.astype(params["w"], jnp.bfloat16)}, batch)
 
 
+def branch_ops(hlo: str, opcode: str) -> tuple[int, int]:
+    """(inside, outside): the `opcode` instructions of the compiled `hlo` in computations
+    that a conditional's branch runs (itself, or what it calls), and the others."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            comps[name] = []
+        elif name:
+            comps[name].append(line)
+    calls = lambda text: re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", text)
+    todo = [b.strip().lstrip("%") for group in re.findall(r"branch_computations=\{([^}]*)\}", hlo)
+            for b in group.split(",")]  # fmt: skip
+    branch: set = set()
+    while todo:
+        c = todo.pop()
+        if c not in branch:
+            branch.add(c)
+            todo += [d for line in comps.get(c, ()) for d in calls(line)]
+    count = lambda names: sum(f" {opcode}(" in line for n in names for line in comps[n])
+    return count(branch & comps.keys()), count(comps.keys() - branch)
+
+
 def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
     """A PaddedStack (pad_stacks) splits over the stages: each device holds its stage's
     2 of the 8 padded layers (the L-long stack would be whole on each), no all-reduce of
     the stack's gradient over `stage` remains in the compiled step (only over `data`),
     also where the program casts the stack before its scan, and the gradients' 7 real
-    layers are those of one device."""
+    layers are those of one device, the pad's exactly zero. The pad is skipped, not
+    computed: XLA's compiled step runs the layer's tanh only in a conditional's branch,
+    and has conditionals in the backward pass too (the stage loop's transpose)."""
     r = np.random.default_rng(4)
     d = 64  # the stack (7 x 64 floats) outweighs the carry (2 rows a device)
     params = {"w": nm.tensor(r.normal(size=(7, d)).astype(np.float32), ("layers", "d"))}
@@ -102,8 +129,13 @@ def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
     stage_reduces = [n for kind, n, group in collectives(step.as_text())
                      if kind == "all-reduce" and group == 4]  # fmt: skip
     assert sum(stage_reduces) < 3 * layer  # the carry's and ys' psums alone, no stack
+    assert branch_ops(step.as_text(), "tanh") == (1, 0)  # the layer's tanh: only if real
+    conds = [line for line in step.as_text().splitlines() if " conditional(" in line]
+    assert any("transpose(" in line for line in conds) and len(conds) >= 2
     value, grads = step(padded)
     assert isinstance(grads["w"], PaddedStack) and grads["w"].tensor.shape == (8, d)
+    real = grads["w"].positions()[1]
+    assert not np.asarray(grads["w"].tensor.data)[~real].any()  # the pad's: exactly zero
     got = (float(value), jax.tree_util.tree_leaves(unpad_stacks(grads)))
     assert_same(got, grads_of(_cast_loss, params, x), rtol=2e-2)  # bfloat16 gradients
 
