@@ -178,7 +178,10 @@ def test_a_dense_stack_then_moe_microbatches_run_as_one_pipeline():
     (plan,) = lowered.report(padded, batch, show=False).pipelines  # one pipeline
     assert (plan.stages, plan.microbatches, plan.ticks) == (2, 2, 3)
     assert list(plan.deal.counts) == assign_stages([1, 3], 2)  # stage 0: 1+1, stage 1: 0+2
-    assert "stage 0: layers 0-1 (1 of stack 0 + 1 of stack 1) + 1 pad" in str(plan)
+    # named as `namedmesh plan` names the stacks (transformer.stack_names); pads skipped
+    assert "stage 0: layers 0-1 (1 dense + 1 MoE) + 1 pad" in str(plan)
+    assert "pads skipped (a cond per slot, no layer work): 33.3% of the layer slots; the " \
+        "stages of fewer layers idle 0.0% of the layer time" in str(plan)
 
 
 def _leaves(tree):
@@ -230,7 +233,8 @@ RUNS = "runs as a layers:stage layout (lowering.pipeline)"
 
 @pytest.mark.parametrize(
     "stacks,stages,moe,said,pads",
-    [  # pads: (the runtime's share of masked slots, the plan's), counted by hand
+    [  # pads: (the share of slots that are pads, skipped; the stages' idle share, the
+        # plan's), counted by hand
         ([61], 16, False, f"{RUNS}, 4 layer slots a stage", (3 / 64, 3 / 64)),
         ([16], 4, False, RUNS, (0, 0)),
         # DeepSeek-V3: stage 0 runs 3 dense + 1 MoE, every stage 3 dense + 4 MoE slots
@@ -246,7 +250,10 @@ def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said, pads)
     assert choice.runtime.endswith("averaged)") == moe
     got = (choice.runtime_deal.pad_share, choice.planned_deal.pad_share)
     np.testing.assert_allclose(got, pads, atol=1e-12)
-    assert (f"{pads[0]:.1%} of the stages' layer work" in choice.runtime) == bool(pads[0])
+    np.testing.assert_allclose(choice.runtime_deal.idle_share, pads[1], atol=1e-12)
+    said = f"the pads skipped (no layer work: {pads[0]:.1%} of the slots; the stages idle " \
+        f"{pads[1]:.1%} of the layer time, as the plan charges)"
+    assert (said in choice.runtime) == bool(pads[0])
     if stacks == [3, 58]:
         assert choice.stages_text(["dense", "MoE"]) == (
             "stage 0: layers 0-3 (3 dense + 1 MoE); stages 1-12: layers 4-51, 4 layers each "
@@ -303,3 +310,30 @@ def test_a_nested_result_made_along_the_batch_is_averaged_not_fed_to_the_carry()
     assert (plan.microbatches, plan.averaged) == (2, 1)
     with pytest.raises(nm.PipelineError, match="reads a result made along it"):
         lower(_nested(True), mesh, layout).plan(x, w)
+
+
+def test_auto_layout_with_uneven_stages_picks_the_padded_split_where_nothing_else_fits():
+    """`train --layout auto`'s choice (lowering.joint.with_uneven_stages): 7 layers on a
+    4-stage axis, which the search's divisibility never splits; under a limit that data
+    parallelism exceeds, the search finds nothing and the uneven `layers:stage` split,
+    costed padded as the trainer runs it, is chosen; it trains as one device does."""
+    from lowering.joint import with_uneven_stages
+    from lowering.search import auto_layout
+    from tests.test_pipeline import _stack_loss
+
+    r = np.random.default_rng(6)
+    x = nm.tensor(r.normal(size=(64, 30)).astype(np.float32), "batch d_model")
+    w = nm.tensor((r.normal(size=(7, 30, 30)) / 6).astype(np.float32), "layers d_model d_out")
+    loss = lambda p, b: _stack_loss(b, p["w"])  # noqa: E731 (parameters first, as a model's)
+    mesh = Mesh({"stage": 4})
+    with pytest.raises(nm.LayoutError) as refused:
+        auto_layout(loss, mesh, {"w": w}, x, grad_argnums=0, rates="tpu_v3",
+                    memory_limit=120_000)  # fmt: skip
+    layout, best = with_uneven_stages(loss, mesh, ({"w": w}, x), refused.value)
+    assert str(layout) == "layers:stage" and best.memory <= 120_000
+    lowered = lower(loss, mesh, layout)
+    padded = place(pad_stacks({"w": w}, lowered.stage_sizes), mesh, lowered.layout)
+    got = grads_of(lambda p, b: lowered(p, b), padded, x)
+    got = (got[0], jax.tree_util.tree_leaves(unpad_stacks(jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(padded), got[1]))))  # fmt: skip
+    assert_same(got, grads_of(loss, {"w": w}, x), rtol=1e-4)
