@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -105,5 +106,22 @@ def _scan(ins, env: dict, check: bool = False):
         run_steps(p["steps"], inner, check)
         return [inner[v] for v in p["carry_out"]], [inner[v] for v in p["ys"]]
 
+    if p.get("skip"):
+        step = _skipping(step, p["ys"])
     final, ys = loop(step, init, xs, p["length"], p["remat"], p.get("unroll", False))
     return (*final, *ys)
+
+
+def _skipping(step, ys):
+    """`step` run only where its last slice (a bool: uneven stages' real-layer flags,
+    namedmesh.uneven.Masked) is True; elsewhere, a pad, the carry passes through and its
+    results (`ys`, the Locals of the body's, which the caller drops) are zeros: a
+    jax.lax.cond, whose untaken branch does no work, forward or backward (its transpose
+    is a cond on the same flag), each device on its own flag under shard_map."""
+
+    def pad(c, x):
+        zeros = [jnp.zeros(y.shape, y.dtype) for y in ys]
+        return list(c), [jax.lax.pcast(z, tuple(sorted(y.vma)), to="varying") if y.vma else z
+                         for z, y in zip(zeros, ys, strict=True)]  # fmt: skip
+
+    return lambda c, x: jax.lax.cond(x[-1], step, pad, c, x)

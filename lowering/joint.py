@@ -478,3 +478,23 @@ def _s(seconds: float, sign: str = "") -> str:
     if abs(seconds) < 1:
         return f"{seconds * 1e3:{sign}.4g} ms"
     return f"{seconds:{sign}.4g} s"
+
+
+def with_uneven_stages(fn, mesh: Mesh, inputs, found, chain=()):
+    """(layout, its Candidate): `found`, auto_layout's (layout, Search) for the training
+    step of `fn(*inputs)` (its parameters the first input), or the LayoutError it raised,
+    weighed against the uneven `dim:stage` splits its divisibility never proposes
+    (`uneven_stage_layouts`, on its choice), each costed as the trainer runs it, its
+    stacks padded by `chain` (`padded_candidate`) at the search's rates and limit: the
+    fastest that is valid and fits. The LayoutError again where nothing does."""
+    failed = isinstance(found, LayoutError)
+    search = found.search if failed else found[1]
+    layout, best = (None, None) if failed else (found[0], search[0])
+    for option in uneven_stage_layouts(fn, mesh, *inputs, base=layout):
+        c = padded_candidate(fn, mesh, inputs, option, search.rates, None, search.memory_limit,
+                             chain)  # fmt: skip
+        if c.valid and (best is None or c.time < best.time):
+            layout, best = option, c
+    if layout is None:
+        raise found
+    return layout, best

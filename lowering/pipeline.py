@@ -165,9 +165,10 @@ class PipelinePlan:
             return []
         slots = sum(self.deal.slots)
         return [
-            f"    uneven stages, {slots} layer slots each: {self.deal.words()}",
-            f"    pads (the identity, computed and masked): {self.deal.pad_share:.1%} of the "
-            f"stages' layer work, besides the bubble's {self.bubble:.1%} of the ticks",
+            f"    uneven stages, {slots} layer slots each: {self.deal.words(self.deal.names)}",
+            f"    pads skipped (a cond per slot, no layer work): {self.deal.pad_share:.1%} of "
+            f"the layer slots; the stages of fewer layers idle {self.deal.idle_share:.1%} of "
+            f"the layer time, besides the bubble's {self.bubble:.1%} of the ticks",
         ]
 
     def __str__(self) -> str:

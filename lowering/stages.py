@@ -215,7 +215,7 @@ class StagedChoice:
     @property
     def runtime_deal(self) -> Deal:
         """The assignment as lowering.pipeline runs it: each stack (nm.scan_chain) takes
-        the slots a stage of the most of its layers needs on every stage, pads masked."""
+        the slots a stage of the most of its layers needs on every stage, pads skipped."""
         stacks = range(len(self.assignment[0]))
         return Deal(tuple(self.assignment), tuple(max(c[i] for c in self.assignment)
                                                   for i in stacks))  # fmt: skip
@@ -225,9 +225,10 @@ class StagedChoice:
         """How lowering.pipeline runs this plan, in words: one pipeline (nm.scan_chain
         where the model has two stacks) whose stages hold the layers dealt here, each
         stack taking on every stage the slots of the stage holding most of it, the pads
-        masked (computed, their results dropped: namedmesh/chain.py, uneven.py); a MoE
-        stack's microbatches each route on their own, their balancing losses averaged
-        (lowering.pipeline.mixing_op)."""
+        skipped (a jax.lax.cond per slot: no layer work, forward or backward, so each
+        stage's tick is its real layers', idle as the plan charges: namedmesh/chain.py,
+        uneven.py); a MoE stack's microbatches each route on their own, their balancing
+        losses averaged (lowering.pipeline.mixing_op)."""
         run = self.runtime_deal
         ran = "runs as a layers:stage layout (lowering.pipeline)"
         if len(run.slots) > 1:
@@ -235,9 +236,9 @@ class StagedChoice:
                     f"stage its dealt layers of each in turn")  # fmt: skip
         if run.pad_share:
             each = " + ".join(map(str, run.slots))
-            ran += (f", {each} layer slots a stage, the pads masked (computed: "
-                    f"{run.pad_share:.1%} of the stages' layer work, where the plan charges "
-                    f"{self.planned_deal.pad_share:.1%})")  # fmt: skip
+            ran += (f", {each} layer slots a stage, the pads skipped (no layer work: "
+                    f"{run.pad_share:.1%} of the slots; the stages idle {run.idle_share:.1%} of "
+                    f"the layer time, as the plan charges)")  # fmt: skip
         if self.moe_microbatches:
             ran += ", each microbatch routed on its own (its balancing loss averaged)"
         return ran

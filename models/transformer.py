@@ -47,6 +47,12 @@ STACK_DIMS = ("layers",)
 CHAIN = ("dense", "layers")
 
 
+def stack_names(cfg: Config) -> list[str]:
+    """The names of the decoder's stacks in order (`CHAIN`'s where it has dense layers
+    first), as `namedmesh plan` and the pipeline's report give each stage's layers."""
+    return ["dense", "MoE"] if cfg.dense_layers else ["MoE" if cfg.experts else "dense"]
+
+
 def slots_of(cache: dict) -> int:
     """The positions a KV cache holds (the size of its entries' `memory`)."""
     return next(t for t in cache.values()).size_of("memory")
@@ -215,7 +221,8 @@ def run_layers(x, params: dict, cfg: Config, key, **block_args):
     k = None if key is None else nm.random.fold_in(key, 11)
     steps = [stack_step(x, params["dense"], dense_config(cfg), k, **dict(block_args)),
              stack_step(x, params["layers"], cfg, key, **block_args)]  # fmt: skip
-    x, (_, aux) = nm.scan_chain(steps, x, "layers", remat=cfg.remat, unroll=_unroll(cfg))
+    x, (_, aux) = nm.scan_chain(steps, x, "layers", remat=cfg.remat, unroll=_unroll(cfg),
+                                names=stack_names(cfg))  # fmt: skip
     return x, None if aux is None else over_layers(aux)
 
 

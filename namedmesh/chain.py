@@ -10,7 +10,8 @@ stage: stage s runs its slice of each stack in turn (an inner scan each), so the
 pipeline has one bubble, not one per stack. Each stack takes K_i slots a stage, the
 most any stage holds of it; a stage's slots beyond its layers are pads, copies of a
 layer flagged not real, whose body's carry is replaced by the one it was given (the
-identity: computed and masked, their results and gradients dropped). The ys of each
+identity), and which the lowered loop skips (a jax.lax.cond per slot, uneven.Masked: no
+layer work, forward or backward; its results dropped, its gradients zero). The ys of each
 stack come back L_i long, its real layers in order. A stack given L_i long is gathered
 into its slots (whole on every stage device, its gradients all-reduced over the stages);
 one padded ahead for the chain (namedmesh.uneven.pad_stacks' `chain`) is read as it
@@ -42,14 +43,21 @@ __all__ = ["chain_deal", "scan_chain"]
 INNER = "{}~stage"  # the dim of a stage's slots of one stack
 
 
-def scan_chain(steps, init, dim: str, remat: str = "none", unroll: bool | str = False):
+def scan_chain(steps, init, dim: str, remat: str = "none", unroll: bool | str = False,
+               names=None):  # fmt: skip
     """(final carry, [ys of each step]): `nm.scan(f, carry, xs, dim)` for each `(f, xs)`
     of `steps` in turn, the carry of one the init of the next. Pipelined (a layout rule
     splits `dim` into stages), one pipeline over all the stacks (this module's
-    docstring). `remat` and `unroll` as nm.scan's, for every stack."""
+    docstring). `remat` and `unroll` as nm.scan's, for every stack. `names`: one per
+    step ("dense", "MoE"), how the pipeline's report names each stage's layers of each
+    stack (default "of stack i")."""
     steps = list(steps)
     if not steps:
         raise ParameterError(f"scan_chain over {dim!r}: no (f, xs) steps")
+    if names is not None and (len(names) != len(steps) or not all(isinstance(n, str)
+                                                                  for n in names)):  # fmt: skip
+        raise ParameterError(f"scan_chain over {dim!r}: names={names!r} must be one str per "
+                             f"step ({len(steps)})")  # fmt: skip
     lengths = [_length(xs, dim, i) for i, (_, xs) in enumerate(steps)]
     s = stages_of(dim)
     if s <= 1 or sum(1 for n in lengths if n) < 2:
@@ -58,7 +66,7 @@ def scan_chain(steps, init, dim: str, remat: str = "none", unroll: bool | str = 
             init, y = scan(f, init, xs, dim, remat=remat, unroll=unroll)
             ys.append(y)
         return init, ys
-    return _one_pipeline(steps, init, dim, lengths, s, remat, unroll)
+    return _one_pipeline(steps, init, dim, lengths, s, remat, unroll, names)
 
 
 def _length(xs, dim: str, i: int) -> int:
@@ -75,7 +83,7 @@ def _leaves(xs) -> list:
     return jax.tree_util.tree_leaves(xs, is_leaf=lambda x: isinstance(x, Tensor))
 
 
-def _one_pipeline(steps, init, dim, lengths, stages, remat, unroll):
+def _one_pipeline(steps, init, dim, lengths, stages, remat, unroll, names=None):
     """The chain as one scan of `stages` iterations (this module's docstring)."""
     counts = chain_deal(lengths, stages)
     slots = tuple(max(c[i] for c in counts) for i in range(len(lengths)))
@@ -87,7 +95,7 @@ def _one_pipeline(steps, init, dim, lengths, stages, remat, unroll):
         taken = tree_map(lambda x, link=link, src=src: _stage_slots(x, dim, link, stages, src), xs)
         chunks.append((taken, tensor(real.reshape(stages, slots[i]), (dim, inner))))
         ats.append(at)
-    record(dim, stages, Deal(tuple(counts), slots))
+    record(dim, stages, Deal(tuple(counts), slots, None if names is None else tuple(names)))
 
     def stage(carry, chunk):
         ys = []

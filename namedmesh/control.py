@@ -15,7 +15,7 @@ from namedmesh.errors import ArgumentError, ParameterError, ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import Tensor
 from namedmesh.trace import evaluate, tensor_leaves, trace_nested
-from namedmesh.uneven import padded_scan, uneven_stages
+from namedmesh.uneven import Masked, padded_scan, uneven_stages
 
 # What a scan's backward pass keeps of each iteration: every residual jax saves ("none"),
 # only the carry, recomputing the rest ("full"), or the carry and matmul outputs ("dots").
@@ -87,15 +87,18 @@ def _slices(xs, axes, i, take):
     return [take(x, i, ax) for x, ax in zip(xs, axes, strict=True)]
 
 
-def _scan_rule(*args, body, n_carry, n_x, x_axes, dim, length, trees, remat="none", unroll=False):
+def _scan_rule(
+    *args, body, n_carry, n_x, x_axes, dim, length, trees, remat="none", unroll=False, skip=False
+):
     carry = [Aval(a.dims, tuple(a.shape), np.dtype(a.dtype)) for a in args[:n_carry]]
     ys = [Aval((dim,) + v.dims, (length,) + v.shape, v.dtype) for v in body.outputs[n_carry:]]
     return tuple(carry) + tuple(ys)
 
 
 def _scan_numpy(
-    *arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="none", unroll=False
-):
+    *arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="none", unroll=False,
+    skip=False,
+):  # (skip: a Masked body's pads run, the identity by its `where`; only the lowering skips)
     carry, xs = list(arrays[:n_carry]), arrays[n_carry : n_carry + n_x]
     rest = list(arrays[n_carry + n_x :])
     ys = []
@@ -112,7 +115,10 @@ def _scan_numpy(
     return (*carry, *stacked)
 
 
-def _scan_jax(*arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="none", unroll=False):
+def _scan_jax(
+    *arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="none", unroll=False,
+    skip=False,
+):
     carry, xs = list(arrays[:n_carry]), arrays[n_carry : n_carry + n_x]
     rest = list(arrays[n_carry + n_x :])
     xs = [jnp.moveaxis(x, ax, 0) for x, ax in zip(xs, x_axes, strict=True)]
@@ -237,6 +243,7 @@ def scan(
         trees=(carry_tree, y_tree[0]),
         remat=remat,
         unroll=unroll,
+        skip=isinstance(f, Masked),  # uneven stages' pads: skipped where lowered (uneven.py)
     )
     final = jax.tree_util.tree_unflatten(carry_tree, list(outs[: len(carry)]))
     return final, jax.tree_util.tree_unflatten(y_tree[0], list(outs[len(carry) :]))

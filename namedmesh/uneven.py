@@ -8,7 +8,9 @@ the S stages as `lowering.stages.assign_stages` does (sizes differ by at most on
 larger stages first) and fills each stage's block of K = ceil(L/S) with copies of the
 stage's last layer, flagged not real. A padded iteration is the identity: the body's
 carry is replaced by the one it was given (`where` on the flag), so its values and the
-gradients of its inputs (zero: its results are dropped) do not change the step. The
+gradients of its inputs (zero: its results are dropped) do not change the step; lowered,
+it is skipped (`Masked`: a jax.lax.cond on the flag per slot runs no layer work, forward
+or backward, so a stage's tick costs its real layers alone). The
 stack is padded by slices and a concat of the scanned inputs, whose transposes drop the
 pad's gradients, and the ys are sliced back to the L real iterations. A stack of fewer
 layers than stages (DeepSeek-V3's 3 dense layers on 16) puts one on each of the first
@@ -114,19 +116,27 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
 class Deal:
     """The real layers of a padded pipeline: per stage its layers of each stack (in
     order), and the layer slots per stage each stack takes (`slots[i]` >= every stage's
-    `counts[s][i]`; a slot without a layer is a pad, run as the identity)."""
+    `counts[s][i]`; a slot without a layer is a pad: the identity, skipped where lowered)."""
 
     counts: tuple[tuple[int, ...], ...]
     slots: tuple[int, ...]
+    names: tuple[str, ...] | None = None  # the stacks' (nm.scan_chain's `names`), for `words`
 
     def pads(self, stage: int) -> int:
         return sum(self.slots) - sum(self.counts[stage])
 
     @property
     def pad_share(self) -> float:
-        """The share of the stages' layer slots that are pads (work on the identity)."""
+        """The share of the stages' layer slots that are pads (skipped: no layer work)."""
         total = len(self.counts) * sum(self.slots)
         return 1 - sum(map(sum, self.counts)) / total
+
+    @property
+    def idle_share(self) -> float:
+        """The share of the stages' layer time idle, pads skipped: each stage runs its
+        real layers a tick and waits for the stage of the most (what a plan charges)."""
+        most = max(map(sum, self.counts))
+        return 1 - sum(map(sum, self.counts)) / (len(self.counts) * most) if most else 0.0
 
     def words(self, names=None) -> str:
         """Each stage's real layers and pads in words, runs of like stages together:
@@ -433,16 +443,26 @@ def _taken(x: Tensor, dim: str, index: np.ndarray) -> Tensor:
     return gather(rename(x, {dim: other}), other, tensor(index, (dim,)))
 
 
-def masked(f):
+class Masked:
     """`f` over (x, flag): a slot not flagged real (a pad) passes its carry through, the
-    identity; its ys are computed and dropped by the caller."""
+    identity; its ys are dropped by the caller. `nm.scan` of a Masked body marks its
+    equation `skip` (its last scanned input the flags), so that the lowered loop runs a
+    pad's iteration as a `jax.lax.cond` that does no layer work, forward or backward
+    (lowering/emit.py); the `where` here keeps the body's meaning where nothing skips
+    (jax's and NumPy's scan), and is a select of the carry where the layer ran."""
 
-    def body(carry, x):
+    def __init__(self, f):
+        self.f = f
+
+    def __call__(self, carry, x):
         inner, flag = x
-        new, y = f(carry, inner)
+        new, y = self.f(carry, inner)
         return tree_map(lambda a, b: where(flag, a, b), new, carry), y
 
-    return body
+
+def masked(f) -> Masked:
+    """`f` over (x, flag), the pads skipped where lowered (`Masked`)."""
+    return Masked(f)
 
 
 def tree_map(fn, *trees):

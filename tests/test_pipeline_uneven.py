@@ -8,6 +8,7 @@ microbatch. (The trainer on uneven stages, padded, against one device and across
 checkpoint: test_pipeline_checkpoint.py; the CLI's pipeline flags: test_pipeline.py.)"""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -83,12 +84,38 @@ def _cast_loss(params, batch):
     return _layers_loss({"w": nm.astype(params["w"], jnp.bfloat16)}, batch)
 
 
+def branch_ops(hlo: str, opcode: str) -> tuple[int, int]:
+    """(inside, outside): the `opcode` instructions of the compiled `hlo` in computations
+    that a conditional's branch runs (itself, or what it calls), and the others."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            comps[name] = []
+        elif name:
+            comps[name].append(line)
+    calls = lambda text: re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", text)
+    todo = [b.strip().lstrip("%") for group in re.findall(r"branch_computations=\{([^}]*)\}", hlo)
+            for b in group.split(",")]  # fmt: skip
+    branch: set = set()
+    while todo:
+        c = todo.pop()
+        if c not in branch:
+            branch.add(c)
+            todo += [d for line in comps.get(c, ()) for d in calls(line)]
+    count = lambda names: sum(f" {opcode}(" in line for n in names for line in comps[n])
+    return count(branch & comps.keys()), count(comps.keys() - branch)
+
+
 def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
     """A PaddedStack (pad_stacks) splits over the stages: each device holds its stage's
     2 of the 8 padded layers (the L-long stack would be whole on each), no all-reduce of
     the stack's gradient over `stage` remains in the compiled step (only over `data`),
     also where the program casts the stack before its scan, and the gradients' 7 real
-    layers are those of one device."""
+    layers are those of one device, the pad's exactly zero. The pad is skipped, not
+    computed: XLA's compiled step runs the layer's tanh only in a conditional's branch,
+    and has conditionals in the backward pass too (the stage loop's transpose)."""
     r = np.random.default_rng(4)
     d = 64  # the stack (7 x 64 floats) outweighs the carry (2 rows a device)
     params = {"w": nm.tensor(r.normal(size=(7, d)).astype(np.float32), ("layers", "d"))}
@@ -102,8 +129,13 @@ def test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages():
     stage_reduces = [n for kind, n, group in collectives(step.as_text())
                      if kind == "all-reduce" and group == 4]  # fmt: skip
     assert sum(stage_reduces) < 3 * layer  # the carry's and ys' psums alone, no stack
+    assert branch_ops(step.as_text(), "tanh") == (1, 0)  # the layer's tanh: only if real
+    conds = [line for line in step.as_text().splitlines() if " conditional(" in line]
+    assert any("transpose(" in line for line in conds) and len(conds) >= 2
     value, grads = step(padded)
     assert isinstance(grads["w"], PaddedStack) and grads["w"].tensor.shape == (8, d)
+    real = grads["w"].positions()[1]
+    assert not np.asarray(grads["w"].tensor.data)[~real].any()  # the pad's: exactly zero
     got = (float(value), jax.tree_util.tree_leaves(unpad_stacks(grads)))
     assert_same(got, grads_of(_cast_loss, params, x), rtol=2e-2)  # bfloat16 gradients
 
@@ -146,7 +178,10 @@ def test_a_dense_stack_then_moe_microbatches_run_as_one_pipeline():
     (plan,) = lowered.report(padded, batch, show=False).pipelines  # one pipeline
     assert (plan.stages, plan.microbatches, plan.ticks) == (2, 2, 3)
     assert list(plan.deal.counts) == assign_stages([1, 3], 2)  # stage 0: 1+1, stage 1: 0+2
-    assert "stage 0: layers 0-1 (1 of stack 0 + 1 of stack 1) + 1 pad" in str(plan)
+    # named as `namedmesh plan` names the stacks (transformer.stack_names); pads skipped
+    assert "stage 0: layers 0-1 (1 dense + 1 MoE) + 1 pad" in str(plan)
+    assert "pads skipped (a cond per slot, no layer work): 33.3% of the layer slots; the " \
+        "stages of fewer layers idle 0.0% of the layer time" in str(plan)
 
 
 def _leaves(tree):
@@ -198,7 +233,8 @@ RUNS = "runs as a layers:stage layout (lowering.pipeline)"
 
 @pytest.mark.parametrize(
     "stacks,stages,moe,said,pads",
-    [  # pads: (the runtime's share of masked slots, the plan's), counted by hand
+    [  # pads: (the share of slots that are pads, skipped; the stages' idle share, the
+        # plan's), counted by hand
         ([61], 16, False, f"{RUNS}, 4 layer slots a stage", (3 / 64, 3 / 64)),
         ([16], 4, False, RUNS, (0, 0)),
         # DeepSeek-V3: stage 0 runs 3 dense + 1 MoE, every stage 3 dense + 4 MoE slots
@@ -214,7 +250,10 @@ def test_the_planner_says_what_the_runtime_runs(stacks, stages, moe, said, pads)
     assert choice.runtime.endswith("averaged)") == moe
     got = (choice.runtime_deal.pad_share, choice.planned_deal.pad_share)
     np.testing.assert_allclose(got, pads, atol=1e-12)
-    assert (f"{pads[0]:.1%} of the stages' layer work" in choice.runtime) == bool(pads[0])
+    np.testing.assert_allclose(choice.runtime_deal.idle_share, pads[1], atol=1e-12)
+    said = f"the pads skipped (no layer work: {pads[0]:.1%} of the slots; the stages idle " \
+        f"{pads[1]:.1%} of the layer time, as the plan charges)"
+    assert (said in choice.runtime) == bool(pads[0])
     if stacks == [3, 58]:
         assert choice.stages_text(["dense", "MoE"]) == (
             "stage 0: layers 0-3 (3 dense + 1 MoE); stages 1-12: layers 4-51, 4 layers each "
@@ -271,3 +310,29 @@ def test_a_nested_result_made_along_the_batch_is_averaged_not_fed_to_the_carry()
     assert (plan.microbatches, plan.averaged) == (2, 1)
     with pytest.raises(nm.PipelineError, match="reads a result made along it"):
         lower(_nested(True), mesh, layout).plan(x, w)
+
+
+def test_auto_layout_with_uneven_stages_picks_the_padded_split_where_nothing_else_fits():
+    """`train --layout auto`'s choice (lowering.joint.with_uneven_stages): 7 layers on a
+    4-stage axis, which the search's divisibility never splits; under a limit that data
+    parallelism exceeds, the search finds nothing and the uneven `layers:stage` split,
+    costed padded as the trainer runs it, is chosen (such a split trains as one device:
+    test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages); with no limit,
+    the search's choice stays. Planning only: nothing compiles."""
+    from lowering.joint import with_uneven_stages
+    from lowering.search import auto_layout
+    from tests.test_pipeline import _stack_loss
+
+    r = np.random.default_rng(6)
+    x = nm.tensor(r.normal(size=(64, 30)).astype(np.float32), "batch d_model")
+    w = {"w": nm.tensor(r.normal(size=(7, 30, 30)).astype(np.float32), "layers d_model d_out")}
+    loss = lambda p, b: _stack_loss(b, p["w"])  # noqa: E731 (parameters first, as a model's)
+    mesh = Mesh({"stage": 4})
+    with pytest.raises(nm.LayoutError) as refused:
+        auto_layout(loss, mesh, w, x, grad_argnums=0, rates="tpu_v3", memory_limit=120_000)
+    layout, best = with_uneven_stages(loss, mesh, (w, x), refused.value)
+    assert str(layout) == "layers:stage" and best.memory <= 120_000 < refused.value.search[0].memory
+    (plan,) = best.pipelines
+    assert (plan.stages, plan.length, plan.deal.pads(3)) == (4, 8, 1)  # 2, 2, 2, 1 layers
+    found = auto_layout(loss, mesh, w, x, grad_argnums=0, rates="tpu_v3")
+    assert with_uneven_stages(loss, mesh, (w, x), found)[0] is found[0]  # data parallel wins

@@ -146,7 +146,7 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     stacked = [Local((length, *y.shape), y.dtype, y.vma) for y in ys]
     ctx.step.ops.append(Instr("scan", (*init, *xs), (*final, *stacked), {
         "n_carry": nc, "n_x": len(xs), "length": length, "remat": p.get("remat", "none"),
-        "unroll": p.get("unroll", False),
+        "unroll": p.get("unroll", False), "skip": p.get("skip", False),
         "carry_in": inner_ins[:nc], "x_in": inner_ins[nc:], "steps": steps,
         "carry_out": new, "ys": ys, "consts": consts,
     }))  # fmt: skip

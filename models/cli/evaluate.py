@@ -25,7 +25,6 @@ import math
 import sys
 from pathlib import Path
 
-from models import transformer
 from models.cli import cluster
 from models.cli.train import fail, user_errors
 from models.cli.train_flags import (
@@ -131,7 +130,9 @@ def evaluate(args, dog=None) -> dict:
         cluster.say(cluster.describe(mesh))
     layout = pick_layout(args.layout, Trainer(model, cfg, mesh, Layout()), args.source)
     trainer = Trainer(model, cfg, mesh, layout)
-    state = {"params": place(params, mesh, layout, padded=transformer.STACK_DIMS)}
+    # stacks a stage split does not divide held padded, each stage device its slots, as
+    # the trainer holds them (Trainer.padded), not L long on every stage device
+    state = {"params": place(trainer.padded(params), mesh, layout)}
     windows = corpus.validation_windows()
     total = -(-windows // args.batch)
     if args.max_batches is not None:

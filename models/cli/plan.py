@@ -272,18 +272,20 @@ def plan(args, cache: dict | None = None) -> dict:
         f"MFU {out['mfu']:.1%}",
     ]
     if hasattr(best, "assignment"):  # a pipelined plan (lowering/stages.py)
-        from models.training.stage_programs import stack_names, stacks
+        from models.training.stage_programs import stacks
+        from models.transformer import stack_names
 
         out["settings"]["stages_uneven"] = best.uneven
         out["settings"]["runtime"] = best.runtime
         out["stages"] = best.as_dict()
         lines[3:3] = [f"stages:   {best.stages} over {', '.join(map(str, stacks(cfg)))} layers "
                       f"({best.stages_text(stack_names(cfg))}), bubble {best.bubble:.1%} "
-                      f"(1F1B), pads {best.planned_deal.pad_share:.1%} of the stages' ticks",
+                      f"(1F1B), pads {best.planned_deal.pad_share:.1%} of the stages' ticks "
+                      f"(skipped: the stages of fewer layers idle)",
                       f"runtime:  {best.runtime}"]  # fmt: skip
     piped = [c for c in joint.choices if hasattr(c, "assignment")]
     if piped and piped[0] is not best:  # --stages weighed, a plan without them chosen
-        from models.training.stage_programs import stack_names
+        from models.transformer import stack_names
 
         p = piped[0]
         out["pipelined"] = {"mesh": dict(p.mesh.sizes), "layout": str(p.layout),

@@ -16,10 +16,11 @@ import numpy as np
 
 import namedmesh as nm
 from lowering import Layout, Mesh, auto_layout
+from lowering.joint import with_uneven_stages
 from lowering.rates import RatesError, user_cache_dir
 from lowering.rates import parse as parse_rates
 from models import architecture as config
-from models import catalog, zoo
+from models import catalog, transformer, zoo
 from models.cli import cluster, settings
 from models.cli.train_flags import check_ranges, init_fault, optimizer_fault
 from models.io import files, folder_tokens, hub
@@ -30,7 +31,7 @@ from models.training import agree, checkpoint, corpora, data, init_from, trainab
 from models.training.preempt import Preemption
 from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, bits_per_byte, optimizer
 from models.training.watchdog import COMPILE_S, SAVE_S, Watchdog
-from namedmesh.errors import NamedMeshError
+from namedmesh.errors import LayoutError, NamedMeshError
 
 # The exit statuses of `python -m models.cli.train` (docs/faults.md lists them too).
 EXIT_DONE = 0  # every step trained
@@ -430,11 +431,18 @@ def pick_layout(text: str, probe: Trainer, name: str, rates=None) -> Layout:
     if text == "auto":
         if rates is None:
             print(f"measuring the rates of {mesh}'s devices (once; cached) ...", flush=True)
-        layout, table = auto_layout(
-            loss, mesh, params, batch, key, grad_argnums=(0,), rates=rates,
-            cache_dir=user_cache_dir(),
-        )  # fmt: skip
-        print(table)
+        try:
+            found = auto_layout(loss, mesh, params, batch, key, grad_argnums=(0,),
+                                rates=rates, cache_dir=user_cache_dir())  # fmt: skip
+            print(found[1])
+        except LayoutError as e:  # (an uneven stage split may fit where no searched one does)
+            found = e
+        # a stage axis that does not divide a stack: its padded split weighed, as plan does
+        layout, best = with_uneven_stages(loss, mesh, (params, batch, key), found,
+                                          transformer.CHAIN)  # fmt: skip
+        if isinstance(found, LayoutError) or layout is not found[0]:
+            print(f"chosen: {layout} (uneven pipeline stages, padded), predicted "
+                  f"{best.time:.3g} s a step, {best.memory:,} bytes per device")
         return layout
     layout = Layout(text) if text else default_layout(mesh)
     layout.check(mesh)

@@ -34,11 +34,6 @@ def stacks(cfg: Config) -> list[int]:
     return [k, cfg.layers - k] if k else [cfg.layers]
 
 
-def stack_names(cfg: Config) -> list[str]:
-    """The names of `stacks(cfg)`, as a plan's printout gives each stage's layers."""
-    return ["dense", "MoE"] if cfg.dense_layers else ["MoE" if cfg.experts else "dense"]
-
-
 def stage_config(cfg: Config, counts) -> Config:
     """`cfg` with the layers of a stage holding `counts` layers per stack."""
     if len(counts) == 2 and counts[0] and counts[1]:
