@@ -4,7 +4,10 @@ self-attention alone (batch 1, 4 heads of 64), its output and the gradients of q
 v, timed for nm.dot_product_attention (kernel "auto", and each of its KERNELS) against
 PyTorch's scaled_dot_product_attention (its fused CPU flash kernel), single-threaded, by
 CPU time, alternated (benchmarks/fair.py). `--blocks` adds namedmesh.flash's kernel at
-those row blocks (to choose flash.block_for); `--forward` times the forward pass alone.
+those row blocks (to choose flash.block_for); `--forward` times the forward pass alone;
+`--baseline FILE` adds another version of namedmesh/flash.py (e.g. `git show
+REV:namedmesh/flash.py > old.py`) at flash.block_for's blocks, to time a change within
+one run.
 """
 
 from __future__ import annotations
@@ -23,7 +26,17 @@ SECTION = "## Attention alone: namedmesh's kernels against PyTorch's SDPA"
 DIMS = ("length", "heads", "d_kv")
 
 
-def _sides(n: int, heads: int, d: int, blocks: list[int], forward: bool) -> dict:
+def _module(path: str):
+    """The flash kernel's module at `path` (another version of namedmesh/flash.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flash_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sides(n: int, heads: int, d: int, blocks: list[int], forward: bool, baseline=None) -> dict:
     """name: a call that blocks until its step is done, for each side."""
     import torch
 
@@ -41,10 +54,10 @@ def _sides(n: int, heads: int, d: int, blocks: list[int], forward: bool) -> dict
 
         return loss
 
-    def block_loss(block):
+    def block_loss(block, kernel=flash):
         def loss(q, k, v):
             qa, ka, va = (x.transpose(1, 0, 2) for x in (q, k, v))
-            out = flash.attention(qa[:, None], ka, va, None, scale, True, 0, block)
+            out = kernel.attention(qa[:, None], ka, va, None, scale, True, 0, block)
             return (out[:, 0].transpose(1, 0, 2) * g).sum()
 
         return loss
@@ -52,6 +65,8 @@ def _sides(n: int, heads: int, d: int, blocks: list[int], forward: bool) -> dict
     losses = {"namedmesh auto": nm_loss("auto")}
     losses |= {f"namedmesh {name}": nm_loss(name) for name in attention.KERNELS}
     losses |= {f"flash block {b}": block_loss(b) for b in blocks}
+    if baseline:
+        losses["flash baseline"] = block_loss(flash.block_for(n), _module(baseline))
     sides = {}
     for name, loss in losses.items():
         step = jax.jit(loss if forward else jax.grad(loss, argnums=(0, 1, 2)))
@@ -80,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=cli.count, default=5)
     p.add_argument("--blocks", type=cli.counts, default=[], help="flash row blocks to time besides")
     p.add_argument("--forward", action="store_true", help="the forward pass alone")
+    p.add_argument("--baseline", default=None, help="another namedmesh/flash.py to time besides")
     p.add_argument("--docs", default=None, help="write the table into this markdown file")
     args = p.parse_args(argv)
     threads = fair.single_threaded()  # before jax's first computation
@@ -87,7 +103,8 @@ def main(argv=None) -> int:
     before = fair.load()
     lines = []
     for n in args.lengths:
-        t = fair.alternate(_sides(n, args.heads, args.d, blocks, args.forward), args.rounds)
+        sides = _sides(n, args.heads, args.d, blocks, args.forward, args.baseline)
+        t = fair.alternate(sides, args.rounds)
         torch_t = t.pop("PyTorch SDPA")
         if not lines:
             head = ["length", *[f"{s} s / PyTorch" for s in t], "PyTorch SDPA s"]

@@ -18,9 +18,11 @@ first query and key when length != memory, as jax's are.
 Layouts: q (kv_heads, group, length, d), k and v (kv_heads, memory, d): grouped query
 heads share their k and v without repeating them. bias (kv_heads, group, length or 1,
 memory), its gradient computed too (T5's learned relative bias). Everything is float32
-(callers cast). The shapes of the products follow XLA:CPU: it fuses a row block's dot,
-max, exp and second dot into one kernel when nothing else leaves it, and runs a batched
-dot that contracts the row dim of both operands ("gqm,gqd->gmd") 2-4x slower than the
+(callers cast). The shapes of the products follow XLA:CPU (jaxlib 0.10, dots by
+YNNPACK): each dot is its own YNNPACK kernel and each exp an elementwise loop between
+two of them (no flag fuses them faster), so the kernel's time is its dots' and two
+passes over each tile (docs/benchmarks.md "The fused kernel's speed"); a batched dot
+that contracts the row dim of both operands ("gqm,gqd->gmd") runs 2x slower than the
 same product with its output transposed ("gmd,gmq->gdq"), so the backward pass works
 on transposed logits (keys, rows), where dk and dv are plain products and dq the fast
 transposed one. benchmarks/attention_kernels.py times it against PyTorch's SDPA.
@@ -186,10 +188,10 @@ def _own_logits(qs, k, bias):
 SUM_MAX = 2.0**100
 
 
-def _trusted(o, d: int):
+def _trusted(o, sums):
     """Whether a row block's products with its rows' own-key shift, o = exp(logits -
-    shift) @ [v, 1], are exact (else it is computed again, `_normalized`). Proof:
-    the terms exp(x) are >= 0 and the last column sums them with weight 1, and a
+    shift) @ v and the row sums of exp(logits - shift), are exact (else it is computed
+    again, `_normalized`). Proof: the terms exp(x) are >= 0, and a
     float sum of non-negative terms is at least each of them; so a sum in [1/2,
     SUM_MAX] means no term overflowed or reached the top of exp's range (an overflow
     is inf, and inf never turns finite again under + and *), and the largest term is at
@@ -201,8 +203,7 @@ def _trusted(o, d: int):
     above its own) is no error, only a block computed twice. The test of the sums
     alone missed the band where they were finite but above 2**126 (a zero reciprocal,
     rows of zeros) or the products infinite (issue 38)."""
-    sums = o[..., d]
-    return jnp.isfinite(o[..., :d]).all() & ((sums >= 0.5) & (sums <= SUM_MAX)).all()
+    return jnp.isfinite(o).all() & ((sums >= 0.5) & (sums <= SUM_MAX)).all()
 
 
 def _forward(q, k, v, bias, scale, causal, window, block):
@@ -212,38 +213,34 @@ def _forward(q, k, v, bias, scale, causal, window, block):
     about -1e30, which its log-sum would not change in float32).
 
     Under a causal mask each row's softmax is shifted by the row's logit against its own
-    key (`_own_logits`, outside the fused kernel) rather than by its max: the row's sum
-    is then at least 1 (its own key's term), so nothing underflows, and the kernel is a
-    dot, exp and dot with no reduction in it, which XLA:CPU runs 5-10% faster, and the
-    log-sum-exp follows without exporting a max from the kernel (which split it in
-    two). A block whose sums `_trusted` does not trust (some row's logit far above its
-    own) is computed again with each row's max, normalized before the product with v
-    (`_normalized`); every block without a causal mask is shifted by its max
-    (`_shifted_by_max`), and computed again so only when its products overflow."""
+    key (`_own_logits`, outside the tiles' products) rather than by its max: the row's
+    sum is then at least 1 (its own key's term), so nothing underflows, the key tiles
+    need no max pass over their logits and just add up. A block whose sums `_trusted`
+    does not trust (some row's logit far above its own) is computed again with each
+    row's max, normalized before the product with v (`_normalized`); every block
+    without a causal mask is shifted by its max (`_shifted_by_max`), and computed
+    again so only when its products overflow."""
     blocks = _blocks(q.shape[2], k.shape[1], block, causal, window)
     table = _mask_table(blocks, causal, window)
     qs = q * scale
-    g, d, m = q.shape[1], v.shape[2], k.shape[1]
-    # v with a column of ones: the second product gives each row's sum of exp too,
-    # inside the same fused kernel (a separate sum reduced p again: 1.4x slower)
-    v1 = jnp.concatenate([v, jnp.ones((*v.shape[:2], 1), v.dtype)], 2)
+    g, m = q.shape[1], k.shape[1]
     own = _own_logits(qs, k, bias) if causal else None
     outs, shifts, logsums, at = [], [], [], 0
     for blk in blocks:
-        exact = lambda blk=blk, at=at: _normalized(qs, k, bias, table, blk, at, v1)
+        exact = lambda blk=blk, at=at: _normalized(qs, k, bias, table, blk, at, v)
         if _anchored(blk, m, causal, window):
             c = _cut(own, at, {2: blk[:2]}).reshape(q.shape[0], -1, 1)
-            o = None
+            o = sums = None
             for tile, hidden in _tiles(blk, g * q.shape[0], causal, window, len(blocks)):
                 sc = _logits(qs, k, bias, table if hidden else (None, 0), tile, at)
-                t = jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), _cut(v1, at, {1: tile[2:]}))
-                o = t if o is None else o + t
+                t, ts = _products(jnp.exp(sc - c), _cut(v, at, {1: tile[2:]}))
+                o, sums = (t, ts) if o is None else (o + t, sums + ts)
                 at = _after(t)
-            ok = _trusted(o, d)
+            ok = _trusted(o, sums)
         else:
-            o, c = _shifted_by_max(qs, k, bias, table, blk, at, v1)
+            o, sums, c = _shifted_by_max(qs, k, bias, table, blk, at, v)
             ok = jnp.isfinite(o).all()  # the max's term is 1: the sums are in [1, keys]
-        kept = lambda o=o, c=c: (o[..., :d] / o[..., d:], c, jnp.log(o[..., d:]))
+        kept = lambda o=o, sums=sums, c=c: (o / sums, c, jnp.log(sums))
         o, c, ls = jax.lax.cond(ok, kept, exact)
         at = _after(o)
         outs.append(_rows(o, g))
@@ -252,15 +249,24 @@ def _forward(q, k, v, bias, scale, causal, window, block):
     return tuple(jnp.concatenate(x, 2) for x in (outs, shifts, logsums))
 
 
-def _shifted_by_max(qs, k, bias, table, blk, at, v1):
-    """One row block's (p @ [v, 1], shift) with each row's softmax shifted by its max
-    logit, all its keys at once: exact unless the products with v overflow."""
+def _products(p, v):
+    """p @ v and p's row sums, (kv_heads, rows, d) and (kv_heads, rows, 1). Two
+    products of one exp: XLA:CPU's YNNPACK dots run a 65-column product (v with a
+    column of ones, the sums inside the dot) 20% slower than the 64-column one, more
+    than the separate sum costs (flash2k's profile, docs/benchmarks.md "The fused
+    kernel's speed")."""
+    return jnp.einsum("hqm,hmd->hqd", p, v), p.sum(-1, keepdims=True)
+
+
+def _shifted_by_max(qs, k, bias, table, blk, at, v):
+    """One row block's (p @ v, row sums, shift) with each row's softmax shifted by its
+    max logit, all its keys at once: exact unless the products with v overflow."""
     sc = _logits(qs, k, bias, table, blk, at)
     c = sc.max(-1, keepdims=True)
-    return jnp.einsum("hqm,hmd->hqd", jnp.exp(sc - c), _cut(v1, at, {1: blk[2:]})), c
+    return *_products(jnp.exp(sc - c), _cut(v, at, {1: blk[2:]})), c
 
 
-def _normalized(qs, k, bias, table, blk, at, v1):
+def _normalized(qs, k, bias, table, blk, at, v):
     """One row block's (output, shift, log-sum) with each row's softmax shifted by its
     max and divided by its sum before the product with v, as XLA's softmax: exact for
     any finite logits and values (the weights are in [0, 1] and sum to 1, so no partial
@@ -269,8 +275,7 @@ def _normalized(qs, k, bias, table, blk, at, v1):
     c = sc.max(-1, keepdims=True)
     p = jnp.exp(sc - c)
     sums = p.sum(-1, keepdims=True)
-    d = v1.shape[2] - 1
-    out = jnp.einsum("hqm,hmd->hqd", p / sums, _cut(v1, at, {1: blk[2:]})[..., :d])
+    out = jnp.einsum("hqm,hmd->hqd", p / sums, _cut(v, at, {1: blk[2:]}))
     return out, c, jnp.log(sums)
 
 
