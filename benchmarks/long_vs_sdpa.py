@@ -37,7 +37,7 @@ def measure(length: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
 
     from models import transformer
     from models.io import hub
-    from models.layers.common import attention_kernel
+    from models.layers.common import attention_settings
 
     folder = tempfile.mkdtemp()
     model = long_seq.gpt2_sdpa(length, folder)
@@ -69,7 +69,7 @@ def measure(length: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
         raise SystemExit(f"{length} tokens: loss {our_loss} differs from PyTorch's {their_loss}")
     times = fair.alternate({"namedmesh": ours, "PyTorch SDPA": theirs}, rounds)
     settings = (
-        f"attention {attention_kernel(cfg, length)}, block {cfg.attention_block}, "
+        f"{attention_settings(cfg, length)}, "
         # "auto" (the default) is truthy: name it, not the loop
         + {True: "layer loop", False: "unrolled"}.get(cfg.scan_layers, f"layers {cfg.scan_layers}")
         + f", remat {cfg.remat}"

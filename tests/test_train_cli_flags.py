@@ -90,7 +90,7 @@ def test_set_a_tokenizer_file_and_the_default_layout(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "layout batch:data (the default: data parallel over the mesh)" in stdout
     # the default kernel and what it picks at 16 tokens (models.layers.kernels.FUSED_FROM)
-    assert "attention auto (full at 16 tokens), block 128; remat none; dtype float32" in stdout
+    assert "attention auto (full at 16 tokens); remat none; dtype float32" in stdout
     cfg = catalog.get("tiny").replace(d_model=32, length=16, batch=8, vocab=data.padded_vocab(256))
     n = sum(math.prod(p.sizes.values()) for p in _leaves(transformer.lm_shapes(cfg)))
     assert f"{n:,} parameters" in stdout

@@ -249,11 +249,35 @@ def attention_kernel(cfg: Config, length: int | None = None) -> str:
     if cfg.attention != AUTO:
         return cfg.attention
     length = cfg.length if length is None else length
+    return f"auto ({_self_attention_kernel(cfg, length)} at {length} tokens)"
+
+
+def attention_settings(cfg: Config, length: int | None = None) -> str:
+    """`attention_kernel` and the blocks its kernel works in, as a run's settings line
+    names them: blockwise and ring attention's key blocks (cfg.attention_block); the
+    fused kernel's row blocks on CPU from namedmesh.attention.FLASH_FROM tokens
+    (namedmesh.flash.block_for: cfg.attention_block is not the fused kernel's); none
+    for full attention."""
+    length = cfg.length if length is None else length
+    kernel = _self_attention_kernel(cfg, length)
+    if kernel in ("blockwise", "ring"):
+        blocks = f", block {cfg.attention_block}"
+    elif kernel == "fused" and length >= nm.attention.FLASH_FROM:
+        blocks = f", rows of {nm.flash.block_for(length)} on CPU"
+    else:
+        blocks = ""
+    return f"attention {attention_kernel(cfg, length)}{blocks}"
+
+
+def _self_attention_kernel(cfg: Config, length: int) -> str:
+    """The kernel cfg.attention runs for `length` tokens of the model's self-attention."""
+    if cfg.attention != AUTO:
+        return cfg.attention
     asks = {
         "softcap": bool(cfg.parts.attention_softcap),
         "positional": bool(cfg.relative_bias or cfg.sliding_layers),
     }
-    return f"auto ({choose(length, asks)} at {length} tokens)"
+    return choose(length, asks)
 
 
 def _as_memory(position: nm.Tensor) -> nm.Tensor:

@@ -26,7 +26,7 @@ from models.cli.train_flags import check_ranges, init_fault, optimizer_fault
 from models.io import files, folder_tokens, hub
 from models.io.source import template_folder as of_model
 from models.layers import lora
-from models.layers.common import attention_kernel
+from models.layers.common import attention_settings
 from models.training import agree, checkpoint, corpora, data, init_from, trainable
 from models.training.preempt import Preemption
 from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, bits_per_byte, optimizer
@@ -478,7 +478,7 @@ def _train(args, dog) -> int:
         f"{tokenizer.vocab_size} ids")  # fmt: skip
     how = "" if args.layout else " (the default: data parallel over the mesh)"
     say(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
-    say(f"attention {attention_kernel(cfg)}, block {cfg.attention_block}; remat {cfg.remat}; "
+    say(f"{attention_settings(cfg)}; remat {cfg.remat}; "
         f"dtype {cfg.dtype}")  # fmt: skip
     say("lowering report (forward and backward pass, per step, per device):")
     say("    " + str(report).replace("\n", "\n    "))
