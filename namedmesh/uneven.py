@@ -76,8 +76,9 @@ def uneven_stages(dim: str, length: int) -> int:
     return s
 
 
-def stages_of(dim: str) -> int:
-    """The stages a layout splits `dim` into within `scan_stages` (1: none, or outside)."""
+def splits_of(dim: str) -> int:
+    """The ways the layout being lowered splits `dim` (any dim a rule splits; a scan's
+    over it would run that many stages), within `scan_stages`; 1: none, or outside."""
     return _STAGES.get()[0].get(dim, ((), 1))[1]
 
 
