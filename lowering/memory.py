@@ -129,8 +129,8 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
     primitive's `backward_reads`, each value once; of a scan's body as its `remat`
     policy keeps them: every iteration's; only the carry; the carry and the matmul
     outputs) beside that equation's working set (the cotangents of its inputs and
-    outputs; a scan's, under remat the peak of one recomputed iteration's values and
-    working set). What the equations after it saved is read and freed by then (a loss
+    outputs; a scan's, under remat one recomputed iteration's values beside its working
+    set). What the equations after it saved is read and freed by then (a loss
     head's, before the layer stack's backward runs). `shares` {scan Eqn: float} scales
     what a scan saves: a pipelined one's device keeps that share
     (`PipelinePlan.activation_share`)."""
@@ -312,15 +312,19 @@ def _scan_saved(terms, local_bytes) -> tuple[int, int]:
     """(the bytes a scan keeps for its backward pass, the most its backward adds to
     them): without remat every iteration's saved values, stacked, and one iteration's
     working set; under remat the carry (and "dots": the stored matmul outputs) of every
-    iteration, and the peak of one recomputed iteration's values and working set."""
+    iteration, and one recomputed iteration's values, all of them (not `_peak`'s
+    walk: the recomputation's own forward peak and the cotangents it accumulates hold
+    about as much; long sequences' full-remat rows in docs/benchmarks.md), beside its
+    largest working set."""
     _, _, n, remat, body_terms, carry_values, dots_values = terms
+    per_step, work = _saved(body_terms, local_bytes)
     carry = sum(local_bytes(v) for v in carry_values)
     if remat == "none":
-        per_step, work = _saved(body_terms, local_bytes)
         return n * per_step, work
     if remat == "full":
-        return n * carry, sum(_peak(body_terms, local_bytes, {}))
+        return n * carry, per_step + work
     # the stored matmul outputs the iteration's backward reads are not made again
     dots = sum(local_bytes(v) for v in dots_values)
-    again = _peak(body_terms, local_bytes, {}, frozenset(dots_values))
-    return n * (carry + dots), sum(again)
+    kept = {v for v, _ in body_terms[1]}
+    again = per_step - sum(local_bytes(v) for v in set(dots_values) & kept)
+    return n * (carry + dots), again + work
