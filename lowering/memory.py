@@ -201,9 +201,9 @@ def _saved(terms, local_bytes) -> tuple[int, int]:
     return saved + sum(local_bytes(v) for v, _ in kept), working
 
 
-def _peak(terms, local_bytes, shares: dict, stored=frozenset()) -> tuple[int, int]:
+def _peak(terms, local_bytes, shares: dict) -> tuple[int, int]:
     """(bytes of the saved values live, the working set) where their sum peaks in the
-    backward pass of a graph's `_saved_terms`, less the `stored` values (kept apart).
+    backward pass of a graph's `_saved_terms`.
     The backward runs the equations in reverse: when it reaches equation i, what the
     equations after i saved for it has been read and freed (at the first equation that
     reads it, its last reader backward: a loss head's logits are gone before the layer
@@ -220,8 +220,7 @@ def _peak(terms, local_bytes, shares: dict, stored=frozenset()) -> tuple[int, in
         else:
             saved_at[i] += round(add[1] * local_bytes(add[2]))  # (a factor may be a fraction)
     for v, i in kept:
-        if v not in stored:
-            saved_at[i] += local_bytes(v)
+        saved_at[i] += local_bytes(v)
     live, best = 0, (0, 0)
     for made, w in zip(saved_at, work, strict=True):
         live += made
