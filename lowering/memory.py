@@ -1,7 +1,8 @@
 """The per-device peak-memory estimate of a lowered program: of its forward pass
 (inputs and the most values live at once) and of a training step (`training_peak`:
-inputs, gradients, the values saved for the backward pass as each scan's remat policy
-keeps them, and one recomputed iteration's working set).
+inputs, gradients, and where the backward pass peaks, the saved values it has not yet
+read, as each scan's remat policy keeps them, beside its working set there, remat's
+recomputed iteration included).
 
 `local_bytes(v)` gives the per-device bytes of a graph value under the plan's layout.
 """
@@ -123,12 +124,15 @@ def backward_reads(e, active: set, least: bool = False) -> set:
 
 def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = None) -> int:
     """Per-device bytes of a step that returns the gradients of `wrt`: the inputs, the
-    gradients, the values the backward pass reads (each primitive's `backward_reads`,
-    each value once), of a scan's body as its `remat` policy keeps them (every
-    iteration's; only the carry; the carry and the matmul outputs), and the largest
-    working set of the backward pass: the cotangents of one equation's inputs and
-    outputs, and under remat one iteration's recomputed values. `shares` {scan Eqn:
-    float} scales what a scan saves: a pipelined one's device keeps that share
+    gradients, and the most the backward pass holds at once (`_peak`): at an equation,
+    the values it and the equations before it saved for the backward pass (each
+    primitive's `backward_reads`, each value once; of a scan's body as its `remat`
+    policy keeps them: every iteration's; only the carry; the carry and the matmul
+    outputs) beside that equation's working set (the cotangents of its inputs and
+    outputs; a scan's, under remat one recomputed iteration's values beside its working
+    set). What the equations after it saved is read and freed by then (a loss
+    head's, before the layer stack's backward runs). `shares` {scan Eqn: float} scales
+    what a scan saves: a pipelined one's device keeps that share
     (`PipelinePlan.activation_share`)."""
     return int(sum(training_parts(graph, local_bytes, active, wrt, shares).values()))
 
@@ -136,61 +140,93 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
 def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = None) -> dict:
     """`training_peak`'s terms apart, in bytes per device: `inputs` (the parameters and
     the batch, held throughout), `gradients` (of `wrt`), `saved` (what the backward pass
-    reads) and `working` (its largest working set, with remat's recomputed iteration)."""
+    has yet to read where it peaks) and `working` (its working set there, with remat's
+    recomputed iteration)."""
     held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
     terms = _saved_terms(graph, frozenset(active), held, True)
-    saved, working = _saved(terms, local_bytes, shares or {})
+    saved, working = _peak(terms, local_bytes, shares or {})
     grads = sum(local_bytes(v) for v in wrt)
     return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates
 def _saved_terms(graph, active: frozenset, held: frozenset, intermediates: bool) -> tuple:
-    """What `_saved` sums, as graph values whose bytes the layout decides: (per equation
-    in order, a scan's terms ("scan", eqn, length, remat, body terms, carry, matmul
-    outputs) or ("save", factor, value); the values the backward pass reads, less the
-    `held` ones (held anyway); per equation, its cotangents, live at once).
+    """What `_saved` and `_peak` sum, as graph values whose bytes the layout decides:
+    (per equation in order, (its index, a scan's terms ("scan", eqn, length, remat,
+    body terms, carry, matmul outputs) or ("save", factor, value)); (each value the
+    backward pass reads, less the `held` ones (held anyway), and the index of the first
+    equation reading it: its last reader backward, which frees it); per equation, its
+    cotangents, live at once).
     `intermediates`: count the values made inside elementwise primitives
     (`backward_saves`) too; in an iteration recomputed under remat nothing makes XLA
     store them (they are not stacked for later iterations), so it fuses their
     recomputation into the backward pass's ops. A softmax's exponentials it stores
     either way (its sum is a reduction)."""
-    adds, working, kept = [], [], set()
+    adds, working, first = [], [], {}
     active = active & _reaching(graph)
-    for e in graph.eqns:
+    for i, e in enumerate(graph.eqns):
         if e.primitive.loop:
-            adds.append(_scan_terms(e, active))
-        kept |= backward_reads(e, active)
+            adds.append((i, _scan_terms(e, active)))
+        for v in backward_reads(e, active):
+            if v not in held:
+                first.setdefault(v, i)
         stored = intermediates or not e.primitive.elementwise
         if stored and e.primitive.backward_saves and any(v in active for v in e.inputs):
             saves = e.primitive.backward_saves
             saves = saves(e.inputs, e.params) if callable(saves) else saves
-            adds.append(("save", saves, e.inputs[0]))
+            adds.append((i, ("save", saves, e.inputs[0])))
         ends = (*e.inputs, *e.outputs)
         if e.primitive.loop and _unrolled(e):  # its layers' cotangents, each its own:
             n = e.params["n_carry"]  # of the carry, beside the body's (`_scan_saved`)
             ends = (*e.inputs[:n], *e.outputs[:n])  # and the gradients themselves
         working.append(tuple(v for v in ends if v in active))
-    return tuple(adds), tuple(kept - held), tuple(working)
+    return tuple(adds), tuple(first.items()), tuple(working)
 
 
-def _saved(terms, local_bytes, shares: dict) -> tuple[int, int]:
-    """(bytes of the graph's values its backward pass reads, the largest working set of
-    its backward pass), of its `_saved_terms`; a scan's saved bytes scaled by its share
-    in `shares`."""
+def _saved(terms, local_bytes) -> tuple[int, int]:
+    """(bytes of all the values its backward pass reads, the largest working set of its
+    backward pass), of a graph's `_saved_terms`: what a loop without remat keeps of each
+    iteration, stacked, and the most one iteration's backward adds to it."""
     adds, kept, cotangents = terms
     saved, working = 0, 0
-    for add in adds:
+    for _, add in adds:
         if add[0] == "scan":
             scan_kept, work = _scan_saved(add, local_bytes)
-            scan_kept *= shares.get(add[1], 1.0)
             saved, working = saved + scan_kept, max(working, work)
         else:
             saved += round(add[1] * local_bytes(add[2]))  # (a factor may be a fraction)
     for values in cotangents:
         working = max(working, sum(map(local_bytes, values)))
-    return saved + sum(map(local_bytes, kept)), working
+    return saved + sum(local_bytes(v) for v, _ in kept), working
+
+
+def _peak(terms, local_bytes, shares: dict) -> tuple[int, int]:
+    """(bytes of the saved values live, the working set) where their sum peaks in the
+    backward pass of a graph's `_saved_terms`.
+    The backward runs the equations in reverse: when it reaches equation i, what the
+    equations after i saved for it has been read and freed (at the first equation that
+    reads it, its last reader backward: a loss head's logits are gone before the layer
+    stack's backward starts), and what equations up to i saved is live. A scan's saved
+    bytes are scaled by its share in `shares`."""
+    adds, kept, cotangents = terms
+    saved_at = [0] * len(cotangents)  # the bytes whose last backward reader is i
+    work = [sum(map(local_bytes, values)) for values in cotangents]
+    for i, add in adds:
+        if add[0] == "scan":
+            scan_kept, inner = _scan_saved(add, local_bytes)
+            saved_at[i] += scan_kept * shares.get(add[1], 1.0)
+            work[i] = max(work[i], inner)
+        else:
+            saved_at[i] += round(add[1] * local_bytes(add[2]))  # (a factor may be a fraction)
+    for v, i in kept:
+        saved_at[i] += local_bytes(v)
+    live, best = 0, (0, 0)
+    for made, w in zip(saved_at, work, strict=True):
+        live += made
+        if live + w > sum(best):
+            best = (live, w)
+    return best
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates
@@ -232,8 +268,8 @@ def _needed_dots(body, terms) -> tuple:
     does not keep."""
     made = {v: e for e in body.eqns for v in e.outputs}
     adds, kept, _ = terms
-    todo = [*kept, *(a[2] for a in adds if a[0] == "save")]
-    todo += [v for a in adds if a[0] == "scan" for v in a[1].inputs]
+    todo = [*(v for v, _ in kept), *(a[2] for _, a in adds if a[0] == "save")]
+    todo += [v for _, a in adds if a[0] == "scan" for v in a[1].inputs]
     need, seen = [], set()
     while todo:
         v = todo.pop()
@@ -272,8 +308,15 @@ def _equations(body) -> int:
 
 
 def _scan_saved(terms, local_bytes) -> tuple[int, int]:
+    """(the bytes a scan keeps for its backward pass, the most its backward adds to
+    them): without remat every iteration's saved values, stacked, and one iteration's
+    working set; under remat the carry (and "dots": the stored matmul outputs) of every
+    iteration, and one recomputed iteration's values, all of them (not `_peak`'s
+    walk: the recomputation's own forward peak and the cotangents it accumulates hold
+    about as much; long sequences' full-remat rows in docs/benchmarks.md), beside its
+    largest working set."""
     _, _, n, remat, body_terms, carry_values, dots_values = terms
-    per_step, work = _saved(body_terms, local_bytes, {})
+    per_step, work = _saved(body_terms, local_bytes)
     carry = sum(local_bytes(v) for v in carry_values)
     if remat == "none":
         return n * per_step, work
@@ -281,5 +324,6 @@ def _scan_saved(terms, local_bytes) -> tuple[int, int]:
         return n * carry, per_step + work
     # the stored matmul outputs the iteration's backward reads are not made again
     dots = sum(local_bytes(v) for v in dots_values)
-    again = per_step - sum(local_bytes(v) for v in set(dots_values) & set(body_terms[1]))
+    kept = {v for v, _ in body_terms[1]}
+    again = per_step - sum(local_bytes(v) for v in set(dots_values) & kept)
     return n * (carry + dots), again + work

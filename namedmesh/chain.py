@@ -34,7 +34,7 @@ from namedmesh.uneven import (
     held_stack,
     masked,
     record,
-    stages_of,
+    splits_of,
     tree_map,
 )
 
@@ -59,7 +59,7 @@ def scan_chain(steps, init, dim: str, remat: str = "none", unroll: bool | str = 
         raise ParameterError(f"scan_chain over {dim!r}: names={names!r} must be one str per "
                              f"step ({len(steps)})")  # fmt: skip
     lengths = [_length(xs, dim, i) for i, (_, xs) in enumerate(steps)]
-    s = stages_of(dim)
+    s = splits_of(dim)
     if s <= 1 or sum(1 for n in lengths if n) < 2:
         ys = []
         for f, xs in steps:

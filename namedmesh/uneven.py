@@ -78,19 +78,10 @@ def uneven_stages(dim: str, length: int) -> int:
     return s
 
 
-def stages_of(dim: str) -> int:
-    """The stages a layout splits `dim` into within `scan_stages` (1: none, or outside)."""
+def splits_of(dim: str) -> int:
+    """The ways the layout being lowered splits `dim` (any dim a rule splits; a scan's
+    over it would run that many stages), within `scan_stages`; 1: none, or outside."""
     return _STAGES.get()[0].get(dim, ((), 1))[1]
-
-
-def deal(length: int, stages: int) -> list[tuple[int, int]]:
-    """(first layer, layers) of each stage: `length` layers dealt as evenly as they go,
-    the larger stages first (as lowering.stages.assign_stages deals one stack; fewer
-    layers than stages: one on each of the first, none on the others)."""
-    base, extra = divmod(length, stages)
-    sizes = [base + 1] * extra + [base] * (stages - extra)
-    starts = np.cumsum([0, *sizes[:-1]])
-    return [(int(a), n) for a, n in zip(starts, sizes, strict=True)]
 
 
 def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
@@ -107,7 +98,7 @@ def padded_scan(scan, f, init, xs, dim: str, length: int, stages: int, **kw):
 
     padded = tree_map(pad, xs)
     flags = tensor(real, (dim,))
-    record(dim, stages * k, Deal(tuple((n,) for _, n in deal(length, stages)), (k,)))
+    record(dim, stages * k, Deal(tuple(chain_deal((length,), stages)), (k,)))
     carry, ys = scan(masked(f), init, (padded, flags), dim, **kw)
     return carry, tree_map(lambda y: _taken(y, dim, at), ys)
 
@@ -189,7 +180,7 @@ def chain_deal(lengths, stages: int) -> list[tuple[int, ...]]:
     """The layers of consecutive stacks of `lengths` dealt to `stages` stages, each
     stage's layers per stack: sizes differ by at most one, the larger stages first
     (lowering.stages.assign_stages; fewer layers than stages: one each on the first).
-    One stack: `deal`'s."""
+    One stack (lengths (L,)): each stage's (layers,), as `padded_scan` runs them."""
     total = sum(lengths)
     base, extra = divmod(total, stages)
     sizes = [base + 1] * extra + [base] * (stages - extra)

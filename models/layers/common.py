@@ -20,7 +20,7 @@ from models.layers import lora
 from models.layers.kernels import AUTO, KERNELS, Options, choose
 from models.layers.rope import Rope, depends_on_length, frequencies, rotary_dims
 from models.params import Param as Param  # re-exported: its home was here
-from namedmesh.uneven import stages_of
+from namedmesh.uneven import splits_of
 
 NEG = -1e9  # the attention logit of a masked position
 DEFAULT_ROPE = Rope()
@@ -228,9 +228,9 @@ def kernel_name(cfg: Config, opts: Options, length: int) -> str:
         "positional": opts.bias_fn is not None and not opts.masks_only,
         # a bias that differs by query and key (packed examples' segment_bias)
         "pairwise": opts.bias is not None and {"length", "memory"} <= set(opts.bias.dims),
-        # the layout being lowered splits the queries (namedmesh.uneven.stages_of reads
+        # the layout being lowered splits the queries (namedmesh.uneven.splits_of reads
         # the layout's splits while `lower` traces; 1 outside it)
-        "split": stages_of("length") > 1,
+        "split": splits_of("length") > 1,
     }
     name = cfg.attention
     if name == AUTO:
