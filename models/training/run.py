@@ -441,8 +441,13 @@ def pick_layout(text: str, probe: Trainer, name: str, rates=None) -> Layout:
         layout, best = with_uneven_stages(loss, mesh, (params, batch, key), found,
                                           transformer.CHAIN)  # fmt: skip
         if isinstance(found, LayoutError) or layout is not found[0]:
-            print(f"chosen: {layout} (uneven pipeline stages, padded), predicted "
-                  f"{best.time:.3g} s a step, {best.memory:,} bytes per device")
+            # the table above ends in its own "chosen" line: say this one replaces it
+            why = ("no searched layout fits" if isinstance(found, LayoutError)
+                   else f"faster than the table's {found[0]}")  # fmt: skip
+            print(
+                f"chosen instead: {layout} (uneven pipeline stages, padded: {why}), "
+                f"predicted {best.time:.3g} s a step, {best.memory:,} bytes per device"
+            )
         return layout
     layout = Layout(text) if text else default_layout(mesh)
     layout.check(mesh)
