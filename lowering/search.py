@@ -244,7 +244,7 @@ class _Costing:
             ways = [(axes, self.ways[axes]) for axes in layout.assign(dims)]
             for shape in shapes:
                 soft = tuple([axes if n % k == 0 else ()
-                              for (axes, k), n in zip(ways, shape, strict=True)])  # fmt: skip
+                              for (axes, k), n in zip(ways, shape)])  # fmt: skip
                 values.append(((dims, shape), soft))
         eqns = [(dims, layout.assign(dims)) for dims in self.eqn_dims]
         return values, eqns
