@@ -333,11 +333,8 @@ class RuleContext:
 
     def missing_axes(self, x, vma: set) -> tuple[str, ...]:
         """The axes of `vma` over which `x` is not yet typed varying, in mesh order."""
-        have = self.vma(x)
-        if have.issuperset(vma):  # most asks (a search's candidates ask it ~500k times)
-            return ()
-        missing = set(vma) - have
-        return tuple(a for a in self.sizes if a in missing)
+        missing = set(vma) - self.vma(x)
+        return tuple(a for a in self.sizes if a in missing) if missing else ()
 
     def cast_varying(self, x, vma: set):
         """`x` typed varying over every axis of `vma` (a free cast: no data moves),

@@ -191,10 +191,6 @@ class _Costing:
         where = "auto_layout(grad_argnums=...)"
         self.wrt_inputs = None if wrt is None else argument_inputs(self.graph, inputs, wrt, where)
         self.shapes = {(v.dims, v.shape) for v in self.graph.values()}
-        self.by_dims: dict = {}  # the shapes of each dims, for `_form`
-        for dims, shape in sorted(self.shapes):
-            self.by_dims.setdefault(dims, []).append(shape)
-        self.ways = _Ways(mesh.sizes)  # mesh axes -> the ways they split
         self.eqn_dims = {
             tuple(dict.fromkeys(d for v in (*e.inputs, *e.outputs) for d in v.dims))
             for e in self.graph.eqns
@@ -239,13 +235,12 @@ class _Costing:
         return tuple(tuple(sorted((names[a] for a in axes), key=order.get)) for axes in ax)
 
     def _form(self, layout: Layout) -> tuple[list, list]:
-        values = []
-        for dims, shapes in self.by_dims.items():  # assigned once per dims, not per shape
-            ways = [(axes, self.ways[axes]) for axes in layout.assign(dims)]
-            for shape in shapes:
-                soft = tuple([axes if n % k == 0 else ()
-                              for (axes, k), n in zip(ways, shape)])  # fmt: skip
-                values.append(((dims, shape), soft))
+        sizes = self.mesh.sizes
+        soft = lambda dims, shape: tuple(
+            axes if n % math.prod(sizes[a] for a in axes) == 0 else ()
+            for axes, n in zip(layout.assign(dims), shape, strict=True)
+        )
+        values = [((dims, shape), soft(dims, shape)) for dims, shape in self.shapes]
         eqns = [(dims, layout.assign(dims)) for dims in self.eqn_dims]
         return values, eqns
 
@@ -296,18 +291,6 @@ def report_candidate(cand: Candidate, rep, mesh, rates, training=None, limit=Non
     if limit is not None and cand.memory > limit:
         cand.note, cand.time = "over the memory limit", math.inf
     return cand
-
-
-class _Ways(dict):
-    """Mesh axes (a tuple) -> the product of their sizes, found once per tuple."""
-
-    def __init__(self, sizes: dict[str, int]):
-        super().__init__()
-        self.sizes = sizes
-
-    def __missing__(self, axes: tuple) -> int:
-        self[axes] = n = math.prod(self.sizes[a] for a in axes)
-        return n
 
 
 def _renamings(mesh: Mesh, most: int = 120) -> list[dict[str, str]]:

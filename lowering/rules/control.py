@@ -247,8 +247,7 @@ def _pass_key(ctx, body, carry, xs, rest, in_lays, length) -> tuple:
     the rules of the dims the body (and those nested in it) holds, in order, the layout's
     options, the local values' shapes, dtypes and types, and their layouts."""
     dims, layout = body_dims(body), ctx.layout
-    # (the dtype itself, not its name: str() of a numpy dtype cost a search 2% of its time)
-    local = lambda x: (tuple(x.shape), x.dtype, frozenset(ctx.vma(x)))
+    local = lambda x: (tuple(x.shape), str(x.dtype), frozenset(ctx.vma(x)))
     return (
         tuple(ctx.mesh.sizes.items()), tuple(r for r in layout.rules if r[0] in dims),
         layout.strict, repr(sorted(layout.options.items())), ctx.record, length,
