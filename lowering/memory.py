@@ -144,27 +144,30 @@ def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = N
     recomputed iteration)."""
     held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
-    terms = _saved_terms(graph, frozenset(active), held, False, False)
+    terms = _saved_terms(graph, frozenset(active), held, False, False, False)
     saved, working = _peak(terms, local_bytes, shares or {})
     grads = sum(local_bytes(v) for v in wrt)
     return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates
-def _saved_terms(graph, active: frozenset, held: frozenset, body: bool, in_place: bool) -> tuple:
+def _saved_terms(
+    graph, active: frozenset, held: frozenset, fused: bool, loop: bool, in_place: bool
+) -> tuple:
     """What `_saved` and `_peak` sum, as graph values whose bytes the layout decides:
     (per equation in order, (its index, a scan's terms ("scan", eqn, length, remat,
     body terms, carry, matmul outputs, loop invariants) or ("save", factor, value));
     (each value the backward pass reads, less the `held` ones (held anyway), and the
     index of the first equation reading it: its last reader backward, which frees it);
     per equation, its cotangents, live at once).
-    Each primitive's values made inside it (`backward_saves`: gelu's tanh and products)
-    count: XLA:CPU stores them (the buffer assignment of the long sequences' rows in
-    docs/benchmarks.md, unrolled and recomputed alike).
-    `body`: the graph is a scan's body, one XLA computation with the backward pass:
-    a primitive that declares what it must read at the least (`least_reads`) holds just
-    that (a softmax its probabilities, which the einsum after it reads too: one buffer;
-    the top-level program's loss head keeps its declared residuals).
+    `fused`: the graph is an unrolled stack's body, whose elementwise primitives' own
+    values (`backward_saves`: gelu's tanh and products) XLA fuses into the backward
+    pass's ops (the whole training step's rows in docs/benchmarks.md); elsewhere they
+    count.
+    `loop`: the graph is the body of a scan that runs as a loop, one XLA computation
+    per iteration: a primitive that declares what it must read at the least
+    (`least_reads`) holds just that (a softmax its probabilities, which the einsum
+    after it reads too: one buffer; unrolled, XLA keeps the logits beside them).
     `in_place`: the body is an iteration remat recomputes, where an op's backward writes
     its input's cotangent over its output's (`_in_place`): at attention's softmax XLA
     holds the probabilities and one cotangent, besides the mask (tiny 1024 full/full)."""
@@ -173,11 +176,12 @@ def _saved_terms(graph, active: frozenset, held: frozenset, body: bool, in_place
     for i, e in enumerate(graph.eqns):
         if e.primitive.loop:
             adds.append((i, _scan_terms(e, active)))
-        least = body and e.primitive.least_reads is not None
+        least = loop and e.primitive.least_reads is not None
         for v in backward_reads(e, active, least):
             if v not in held:
                 first.setdefault(v, i)
-        if not least and e.primitive.backward_saves and any(v in active for v in e.inputs):
+        stored = not (fused and e.primitive.elementwise) and not least
+        if stored and e.primitive.backward_saves and any(v in active for v in e.inputs):
             saves = e.primitive.backward_saves
             saves = saves(e.inputs, e.params) if callable(saves) else saves
             adds.append((i, ("save", saves, e.inputs[0])))
@@ -271,10 +275,11 @@ def _scan_terms(e, active: set) -> tuple:
     held = frozenset((*body.inputs[nc:], *body.consts))
     remat = e.params.get("remat", "none")
     unrolled = _unrolled(e)
-    # unrolled, the iterations are one program and XLA merges remat's recomputation with
-    # the forward pass (nm.scan's `unrolls`), so all is kept
+    # unrolled, the iterations are one program: XLA fuses the elementwise intermediates'
+    # recomputation into the backward pass's ops where a loop stores them; and it merges
+    # remat's recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
     remat = "none" if unrolled else remat
-    terms = _saved_terms(body, frozenset(inner), held, True, remat != "none")
+    terms = _saved_terms(body, frozenset(inner), held, unrolled, not unrolled, remat != "none")
     dots = tuple(v for v in _needed_dots(body, terms) if v in inner)
     carry = tuple(body.inputs[:nc])
     return ("scan", e, e.params["length"], remat, terms, carry, dots, _invariants(body))
