@@ -168,9 +168,11 @@ def _saved_terms(
     per iteration: a primitive that declares what it must read at the least
     (`least_reads`) holds just that (a softmax its probabilities, which the einsum
     after it reads too: one buffer; unrolled, XLA keeps the logits beside them).
-    `in_place`: the body is an iteration remat recomputes, where an op's backward writes
-    its input's cotangent over its output's (`_in_place`): at attention's softmax XLA
-    holds the probabilities and one cotangent, besides the mask (tiny 1024 full/full)."""
+    `in_place`: the graph is a scan's body (a loop's, remat's recomputed iteration, an
+    unrolled stack's), where an op's backward writes its input's cotangent over its
+    output's (`_in_place`): at attention's softmax XLA holds the probabilities and one
+    cotangent (tiny 1024 full/full, besides the mask; full/none on one device, beside
+    the saved values). The top-level program's loss head keeps both."""
     adds, working, first = [], [], {}
     active = active & _reaching(graph)
     for i, e in enumerate(graph.eqns):
@@ -279,7 +281,7 @@ def _scan_terms(e, active: set) -> tuple:
     # recomputation into the backward pass's ops where a loop stores them; and it merges
     # remat's recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
     remat = "none" if unrolled else remat
-    terms = _saved_terms(body, frozenset(inner), held, unrolled, not unrolled, remat != "none")
+    terms = _saved_terms(body, frozenset(inner), held, unrolled, not unrolled, True)
     dots = tuple(v for v in _needed_dots(body, terms) if v in inner)
     carry = tuple(body.inputs[:nc])
     return ("scan", e, e.params["length"], remat, terms, carry, dots, _invariants(body))
