@@ -144,34 +144,45 @@ def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = N
     recomputed iteration)."""
     held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
-    terms = _saved_terms(graph, frozenset(active), held, True)
+    terms = _saved_terms(graph, frozenset(active), held, False, False, False)
     saved, working = _peak(terms, local_bytes, shares or {})
     grads = sum(local_bytes(v) for v in wrt)
     return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates
-def _saved_terms(graph, active: frozenset, held: frozenset, intermediates: bool) -> tuple:
+def _saved_terms(
+    graph, active: frozenset, held: frozenset, fused: bool, loop: bool, in_place: bool
+) -> tuple:
     """What `_saved` and `_peak` sum, as graph values whose bytes the layout decides:
     (per equation in order, (its index, a scan's terms ("scan", eqn, length, remat,
-    body terms, carry, matmul outputs) or ("save", factor, value)); (each value the
-    backward pass reads, less the `held` ones (held anyway), and the index of the first
-    equation reading it: its last reader backward, which frees it); per equation, its
-    cotangents, live at once).
-    `intermediates`: count the values made inside elementwise primitives
-    (`backward_saves`) too; in an iteration recomputed under remat nothing makes XLA
-    store them (they are not stacked for later iterations), so it fuses their
-    recomputation into the backward pass's ops. A softmax's exponentials it stores
-    either way (its sum is a reduction)."""
+    body terms, carry, matmul outputs, loop invariants) or ("save", factor, value));
+    (each value the backward pass reads, less the `held` ones (held anyway), and the
+    index of the first equation reading it: its last reader backward, which frees it);
+    per equation, its cotangents, live at once).
+    `fused`: the graph is an unrolled stack's body, whose elementwise primitives' own
+    values (`backward_saves`: gelu's tanh and products) XLA fuses into the backward
+    pass's ops (the whole training step's rows in docs/benchmarks.md); elsewhere they
+    count.
+    `loop`: the graph is the body of a scan that runs as a loop, one XLA computation
+    per iteration: a primitive that declares what it must read at the least
+    (`least_reads`) holds just that (a softmax its probabilities, which the einsum
+    after it reads too: one buffer; unrolled, XLA keeps the logits beside them).
+    `in_place`: the graph is a scan's body (a loop's, remat's recomputed iteration, an
+    unrolled stack's), where an op's backward writes its input's cotangent over its
+    output's (`_in_place`): at attention's softmax XLA holds the probabilities and one
+    cotangent (tiny 1024 full/full, besides the mask; full/none on one device, beside
+    the saved values). The top-level program's loss head keeps both."""
     adds, working, first = [], [], {}
     active = active & _reaching(graph)
     for i, e in enumerate(graph.eqns):
         if e.primitive.loop:
             adds.append((i, _scan_terms(e, active)))
-        for v in backward_reads(e, active):
+        least = loop and e.primitive.least_reads is not None
+        for v in backward_reads(e, active, least):
             if v not in held:
                 first.setdefault(v, i)
-        stored = intermediates or not e.primitive.elementwise
+        stored = not (fused and e.primitive.elementwise) and not least
         if stored and e.primitive.backward_saves and any(v in active for v in e.inputs):
             saves = e.primitive.backward_saves
             saves = saves(e.inputs, e.params) if callable(saves) else saves
@@ -180,8 +191,24 @@ def _saved_terms(graph, active: frozenset, held: frozenset, intermediates: bool)
         if e.primitive.loop and _unrolled(e):  # its layers' cotangents, each its own:
             n = e.params["n_carry"]  # of the carry, beside the body's (`_scan_saved`)
             ends = (*e.inputs[:n], *e.outputs[:n])  # and the gradients themselves
+        elif in_place and not e.primitive.matmul:
+            ends = _in_place(e, active)
         working.append(tuple(v for v in ends if v in active))
     return tuple(adds), tuple(first.items()), tuple(working)
+
+
+def _in_place(e, active: set) -> tuple:
+    """The values whose cotangents `e`'s backward holds at once, less an output whose
+    cotangent an input's of its size and dims takes over: the backward of an op that is
+    not a matmul is elementwise in that cotangent, and XLA writes it in place of the
+    cotangent, which dies there (a softmax's or a scaling's, attention's largest)."""
+    ins = [v for v in e.inputs if v in active]
+    outs = list(e.outputs)
+    for v in ins:
+        same = [o for o in outs if (o.dims, o.shape, o.dtype) == (v.dims, v.shape, v.dtype)]
+        if same:
+            outs.remove(same[0])
+    return (*ins, *outs)
 
 
 def _saved(terms, local_bytes) -> tuple[int, int]:
@@ -251,13 +278,29 @@ def _scan_terms(e, active: set) -> tuple:
     remat = e.params.get("remat", "none")
     unrolled = _unrolled(e)
     # unrolled, the iterations are one program: XLA fuses the elementwise intermediates'
-    # recomputation into the backward pass's ops (as in an iteration remat recomputes)
-    # where a loop must store them, stacked, for its backward loop; and it merges remat's
-    # recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
+    # recomputation into the backward pass's ops where a loop stores them; and it merges
+    # remat's recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
     remat = "none" if unrolled else remat
-    terms = _saved_terms(body, frozenset(inner), held, remat == "none" and not unrolled)
+    terms = _saved_terms(body, frozenset(inner), held, unrolled, not unrolled, True)
     dots = tuple(v for v in _needed_dots(body, terms) if v in inner)
-    return ("scan", e, e.params["length"], remat, terms, tuple(body.inputs[:nc]), dots)
+    carry = tuple(body.inputs[:nc])
+    return ("scan", e, e.params["length"], remat, terms, carry, dots, _invariants(body))
+
+
+@per_object  # of the program alone, not of the layout: once for all candidates
+def _invariants(body) -> tuple:
+    """The values of `body` that no iteration's inputs reach (a causal mask built from
+    positions) and an iteration-dependent equation reads: jax computes them once,
+    outside the loop, and under remat its backward loop reads them again (XLA's buffer
+    assignment: the long sequences' mask held through the backward loop)."""
+    varying, made, read = set(body.inputs), set(), set()
+    for e in body.eqns:
+        if any(v in varying for v in e.inputs):
+            varying.update(e.outputs)
+            read.update(e.inputs)
+        else:
+            made.update(e.outputs)
+    return tuple(v for e in body.eqns for v in e.outputs if v in made and v in read)
 
 
 def _needed_dots(body, terms) -> tuple:
@@ -311,19 +354,16 @@ def _scan_saved(terms, local_bytes) -> tuple[int, int]:
     """(the bytes a scan keeps for its backward pass, the most its backward adds to
     them): without remat every iteration's saved values, stacked, and one iteration's
     working set; under remat the carry (and "dots": the stored matmul outputs) of every
-    iteration, and one recomputed iteration's values, all of them (not `_peak`'s
-    walk: the recomputation's own forward peak and the cotangents it accumulates hold
-    about as much; long sequences' full-remat rows in docs/benchmarks.md), beside its
-    largest working set."""
-    _, _, n, remat, body_terms, carry_values, dots_values = terms
+    iteration and the loop invariants once (`_invariants`), and where one recomputed
+    iteration's backward peaks (`_peak`'s walk: it reads its last values first, the
+    first ones are live throughout), the stored matmul outputs not made again."""
+    _, _, n, remat, body_terms, carry_values, dots_values, invariants = terms
     per_step, work = _saved(body_terms, local_bytes)
     carry = sum(local_bytes(v) for v in carry_values)
     if remat == "none":
         return n * per_step, work
-    if remat == "full":
-        return n * carry, per_step + work
-    # the stored matmul outputs the iteration's backward reads are not made again
-    dots = sum(local_bytes(v) for v in dots_values)
-    kept = {v for v, _ in body_terms[1]}
-    again = per_step - sum(local_bytes(v) for v in set(dots_values) & kept)
-    return n * (carry + dots), again + work
+    once = sum(local_bytes(v) for v in invariants)
+    stored = set(dots_values) if remat == "dots" else set()  # counted per iteration
+    again = _peak(body_terms, lambda v: 0 if v in stored else local_bytes(v), {})
+    dots = sum(local_bytes(v) for v in stored)
+    return n * (carry + dots) + once, sum(again)
