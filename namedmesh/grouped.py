@@ -149,7 +149,7 @@ def _sort(g, groups: int):
     return order, jnp.cumsum(sizes) - sizes, sizes, inside
 
 
-def _over_blocks(sizes: tuple[int, ...], first, count, body, carry):
+def over_blocks(sizes: tuple[int, ...], first, count, body, carry):
     """carry through body(carry, row, rows) for the blocks covering sorted rows [first,
     first + count) (`block_sizes`); a block may reach past them (into the next
     group's rows, or the zero rows after the last)."""
@@ -163,7 +163,8 @@ def _over_blocks(sizes: tuple[int, ...], first, count, body, carry):
     return carry
 
 
-def _rows(a, row, size):
+def rows_at(a, row, size):
+    """`size` rows of `a` from `row` (a traced start)."""
     return jax.lax.dynamic_slice_in_dim(a, row, size)
 
 
@@ -176,10 +177,10 @@ def _sorted_product(xs, w, first, count, sizes, acc):
         we = jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)  # one copy a group
 
         def block(ys, row, size):
-            y = jnp.matmul(_rows(xs, row, size), we, preferred_element_type=acc)
+            y = jnp.matmul(rows_at(xs, row, size), we, preferred_element_type=acc)
             return jax.lax.dynamic_update_slice_in_dim(ys, y.astype(ys.dtype), row, 0)
 
-        return _over_blocks(sizes, first[e], count[e], block, ys)
+        return over_blocks(sizes, first[e], count[e], block, ys)
 
     ys = _varying(jnp.zeros((xs.shape[0], w.shape[-1]), xs.dtype), xs, w, first)
     return jax.lax.fori_loop(0, w.shape[0], group, ys)
@@ -224,14 +225,14 @@ def _backward(saved, dy):
         def block(carry, row, size):
             dxs, dwe = carry
             mine = (row + jnp.arange(size) < end)[:, None]  # both masked: 0 x inf is NaN
-            dyb, xb = (_rows(a, row, size) for a in (dys, xs))
+            dyb, xb = (rows_at(a, row, size) for a in (dys, xs))
             dyb, xb = (jnp.where(mine, a, jnp.zeros((), a.dtype)) for a in (dyb, xb))
             dx = jnp.matmul(dyb, we.T, preferred_element_type=acc).astype(dxs.dtype)
             dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx, row, 0)
             return dxs, dwe + jnp.einsum("nc,no->co", xb, dyb, preferred_element_type=acc)
 
         dwe = _varying(jnp.zeros(w.shape[1:], acc), xs, dys, w, first)
-        dxs, dwe = _over_blocks(sizes, first[e], count[e], block, (dxs, dwe))
+        dxs, dwe = over_blocks(sizes, first[e], count[e], block, (dxs, dwe))
         return dxs, jax.lax.dynamic_update_index_in_dim(dw, dwe.astype(dw.dtype), e, 0)
 
     like = (xs, dys, w, first)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from namedmesh.contract import varying_axes
+from namedmesh.grouped import over_blocks, rows_at
 
 
 def slot_capacity(rows: int, groups: int) -> int:
@@ -201,23 +202,6 @@ def _ffn_backward(act, sizes, res, dy):
 _ffn.defvjp(_ffn_forward, _ffn_backward)
 
 
-def _over_blocks(blocks, first, count, body, carry):
-    """carry through body(carry, row, size) for the blocks covering sorted rows [first,
-    first + count): whole blocks of each size but the last, which rounds up."""
-    done = jnp.zeros((), jnp.int32)
-    for i, size in enumerate(blocks):
-        left = count - done
-        n = (left + size - 1) // size if i == len(blocks) - 1 else left // size
-        step = lambda j, c, size=size, at=first + done: body(c, at + j * size, size)  # noqa: E731
-        carry = jax.lax.fori_loop(0, n, step, carry)
-        done = done + n * size
-    return carry
-
-
-def _rows(a, row, size):
-    return jax.lax.dynamic_slice_in_dim(a, row, size)
-
-
 def _put(a, rows, row):
     return jax.lax.dynamic_update_slice_in_dim(a, rows, row, 0)
 
@@ -239,14 +223,14 @@ def _loop_forward(act, plan, blocks, rows, x, wi, wo, *wg):
 
         def block(carry, row, size):
             ys, products = carry
-            xb = _rows(xs, row, size)
+            xb = rows_at(xs, row, size)
             pb = _products("nc,cf->nf", xb, we[0], we[2:])
             yb = _mm("nf,fo->no", _hidden(act, pb), we[1])
             return _put(ys, yb, row), tuple(
                 _put(p, b, row) for p, b in zip(products, pb, strict=True)
             )
 
-        return _over_blocks(blocks, plan.first[e], plan.count[e], block, carry)
+        return over_blocks(blocks, plan.first[e], plan.count[e], block, carry)
 
     ys = _zeros((rows, o), x.dtype, *like)
     products = tuple(_zeros((rows, f), x.dtype, *like) for _ in (wi, *wg))
@@ -275,7 +259,7 @@ def _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg):
             mine = (row + jnp.arange(size) < end)[:, None]
             zero = jnp.zeros((), xs.dtype)
             xb, dyb, *pb = (
-                jnp.where(mine, _rows(a, row, size), zero) for a in (xs, dys, *products)
+                jnp.where(mine, rows_at(a, row, size), zero) for a in (xs, dys, *products)
             )
             h, pull = jax.vjp(functools.partial(_hidden, act), tuple(pb))
             (dpb,) = pull(_mm("no,fo->nf", dyb, we[1]))
@@ -286,7 +270,7 @@ def _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg):
             return _put(dxs, dxb, row), dwe
 
         dwe = tuple(_zeros(w.shape, acc, *like) for w in we)
-        dxs, dwe = _over_blocks(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
+        dxs, dwe = over_blocks(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
         dws = tuple(jax.lax.dynamic_update_index_in_dim(dw, d.astype(dw.dtype), e, 0)
                     for dw, d in zip(dws, dwe, strict=True))  # fmt: skip
         return dxs, dws
