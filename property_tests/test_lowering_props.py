@@ -42,14 +42,32 @@ def _split(layout: Layout, dims):
     return out, conflict
 
 
+def _padded(graph, mesh, layout) -> set:
+    """The dims of scans over xs whose length their rule's mesh axes (all of them) do not
+    divide: such a scan runs as uneven pipeline stages, padded to equal ones inside the
+    program (namedmesh/uneven.py), and a value's dim of them is left unsplit where it
+    does not divide, not refused."""
+    splits = {d: math.prod(mesh.sizes[a] for a in axes) for d, axes in layout.rules}
+    out = set()
+    for e in graph.eqns:
+        if e.primitive.name == "scan":
+            d, n = e.params["dim"], e.params["length"]
+            if e.params["n_x"] and splits.get(d, 1) > 1 and n % splits[d]:
+                out.add(d)
+            out |= _padded(e.params["body"], mesh, layout)
+    return out
+
+
 def deserves_layout_error(graph, mesh, layout) -> bool:
-    """Inputs, outputs and constrained values must divide; strict layouts must not put one
-    axis on two dims of any value."""
+    """Inputs, outputs and constrained values must divide, but for a dim of uneven stages
+    (`_padded`); strict layouts must not put one axis on two dims of any value."""
+    padded = _padded(graph, mesh, layout)
 
     def indivisible(v, split):
         return any(
             n % math.prod(mesh.sizes[a] for a in split[d])
             for d, n in zip(v.dims, v.shape, strict=True)
+            if d not in padded
         )
 
     for v in (*graph.inputs, *graph.outputs):
