@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 from models.architecture import CONFIGS, Config
+from models.errors import UnknownConfigError
 
 
 @functools.cache
@@ -26,5 +27,5 @@ def get(name: str, **changes) -> Config:
     """The config called `name`, with `changes` applied."""
     known = CONFIGS if name in CONFIGS else configs()
     if name not in known:
-        raise KeyError(f"unknown config {name!r}; known: {', '.join(known)}")
+        raise UnknownConfigError(f"unknown config {name!r}; known: {', '.join(known)}")
     return known[name].replace(**changes)

@@ -14,5 +14,13 @@ class ConfigError(ParameterError):
     (a ParameterError, so a NamedMeshError and a ValueError)."""
 
 
+class UnknownConfigError(ConfigError, KeyError):
+    """A config name the catalog does not know: a ConfigError, and a KeyError for callers
+    that look names up; its message reads as written (a KeyError's str quotes it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class DataError(ValueError):
     """Bad data path, empty corpus, or a corpus too short for the sequence length."""

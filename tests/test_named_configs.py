@@ -71,3 +71,15 @@ def test_config_list_shows_them_and_a_large_one_is_refused_before_it_is_built(
     needs = float(err.split("needs an estimated ")[1].split()[0])
     assert needs > 7.2e9 * 12 / 2**30
     assert "the host has 1.0 GiB available" in err and not out.exists()
+
+
+def test_an_unknown_name_is_a_config_error_whose_line_reads_as_written():
+    """catalog.get's refusal is a ConfigError (and still a KeyError for callers that look
+    names up); its message, as a command prints it, is not wrapped in a KeyError's quotes."""
+    from models.architecture import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        catalog.get("llama3-7b")
+    assert isinstance(caught.value, KeyError)
+    assert str(caught.value).startswith("unknown config 'llama3-7b'; known: ")
+    assert "llama3-8b" in str(caught.value)
