@@ -68,6 +68,21 @@ def test_compare_checks_dims_dtype_and_values():
         compare(a, a * 2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_compare_takes_a_flushed_subnormal_for_zero_and_nothing_larger(dtype):
+    """Compiled XLA code may flush subnormal results to zero, which NumPy keeps; the
+    smallest normal number itself (or a normal one against a subnormal) still differs."""
+    import ml_dtypes
+
+    tiny = float(ml_dtypes.finfo(dtype).tiny)
+    want = nm.tensor(np.array([0.0, tiny / 2, 1.0]).astype(dtype), "x")
+    flushed = nm.tensor(np.array([0.0, 0.0, 1.0]).astype(dtype), "x")
+    compare(flushed, want, rtol=0.0)
+    for wrong in ([tiny, tiny / 2, 1.0], [0.0, tiny, 1.0]):
+        with pytest.raises(AssertionError, match="differs"):
+            compare(nm.tensor(np.array(wrong).astype(dtype), "x"), want, rtol=0.0)
+
+
 def test_tolerance_fits_the_dtype():
     assert tolerance(np.float32) == (2e-4, 2e-5)
     assert tolerance(np.int32) == (0.0, 0.0)
