@@ -107,7 +107,7 @@ ARRANGEMENTS = (*ORIENTED, "batch dims last", "rows as [4, M/4]", "4 column chun
                 "4 K blocks")  # fmt: skip
 
 
-def _stored(x: np.ndarray, order: str) -> np.ndarray:
+def stored(x: np.ndarray, order: str) -> np.ndarray:
     """[b, r, c] `x` stored as "rc" (as is) or "cr" (transposed)."""
     return x if order in ("mk", "kn") else np.ascontiguousarray(x.transpose(0, 2, 1))
 
@@ -126,7 +126,7 @@ def arrangement(p: Product, name: str, a: np.ndarray, b: np.ndarray):
             fn = lambda x, y: dg(x, y, (([lk], [rk]), ([0], [0])))
         else:
             fn = lambda x, y: dg(y, x, (([rk], [lk]), ([0], [0])))
-        return fn, (_stored(a, lo), _stored(b, ro))
+        return fn, (stored(a, lo), stored(b, ro))
     if name == "batch dims last":
         if p.b == 1:
             return None
@@ -176,7 +176,7 @@ REACHABLE = {
 
 
 def reachable(p: Product, name: str):
-    """A jax function of [b, .., ..] operands stored as the step stores them (`_stored`
+    """A jax function of [b, .., ..] operands stored as the step stores them (`stored`
     of `p.lhs`, `p.rhs`) computing their [b, m, n] product by dot-plan choice `name`:
     a copy and a swapped result's transpose each behind an optimization barrier."""
     import jax
@@ -231,7 +231,7 @@ def reachable_sides(p: Product, a: np.ndarray, b: np.ndarray) -> dict:
 
     want = np.matmul(a.astype(np.float64), b.astype(np.float64))
     tol = 1e-4 * math.sqrt(p.k) * float(np.abs(want).max())
-    placed = [jax.device_put(_stored(a, p.lhs)), jax.device_put(_stored(b, p.rhs))]
+    placed = [jax.device_put(stored(a, p.lhs)), jax.device_put(stored(b, p.rhs))]
     sides = {}
     for name in REACHABLE:
         jitted = jax.jit(reachable(p, name))
@@ -249,7 +249,7 @@ def torch_sides(a: np.ndarray, b: np.ndarray) -> dict:
     sides = {}
     for lo in ("mk", "km"):
         for ro in ("kn", "nk"):
-            x, y = torch.tensor(_stored(a, lo)), torch.tensor(_stored(b, ro))
+            x, y = torch.tensor(stored(a, lo)), torch.tensor(stored(b, ro))
             x = x if lo == "mk" else x.transpose(1, 2)
             y = y if ro == "kn" else y.transpose(1, 2)
             sides[f"MKL A[{lo.upper()}] B[{ro.upper()}]"] = lambda x=x, y=y: torch.matmul(x, y)

@@ -3,6 +3,9 @@ operand orders the step stores (against tests/test_hlo_movement.py's hand-made m
 worked out by hand), every timed arrangement and dot-plan choice computing NumPy's
 product, and the time the step loses to the fastest choice worked out by hand."""
 
+import jax
+import numpy as np
+
 from benchmarks import dot_shapes
 from benchmarks.dot_shapes import Product
 from tests.test_hlo_movement import DOTS
@@ -17,15 +20,28 @@ def test_step_products_of_a_hand_made_module():
     }
 
 
-def test_every_arrangement_computes_the_product():
+def test_every_arrangement_and_choice_computes_the_product():
+    """Each timed arrangement and each dot-plan choice against NumPy's float64 product;
+    all of them in one compiled program (one compile, where the benchmark jits each)."""
     p = Product(2, 8, 12, 8, "km", "nk")
     a, b = dot_shapes.operands(p)
-    # each checked against NumPy's float64 product (SystemExit naming one that is off)
-    sides = dot_shapes.xla_sides(p, a, b)
-    assert dot_shapes.step_name(p) in sides
-    assert set(sides) == set(dot_shapes.ARRANGEMENTS) - {"rows as [4, M/4]"}  # a 2-d one
-    # a dot plan's choices from the operands as stored, each checked the same way
-    assert set(dot_shapes.reachable_sides(p, a, b)) == set(dot_shapes.REACHABLE)
+    arranged = {n: dot_shapes.arrangement(p, n, a, b) for n in dot_shapes.ARRANGEMENTS}
+    arranged = {n: got for n, got in arranged.items() if got is not None}
+    assert set(arranged) == set(dot_shapes.ARRANGEMENTS) - {"rows as [4, M/4]"}  # a 2-d one
+    assert dot_shapes.step_name(p) in arranged
+    stored = (dot_shapes.stored(a, p.lhs), dot_shapes.stored(b, p.rhs))
+
+    def every(arranged_args, stored):
+        ys = {n: arranged[n][0](*xs) for n, xs in arranged_args.items()}
+        choices = {n: dot_shapes.reachable(p, n)(*stored) for n in dot_shapes.REACHABLE}
+        return ys, choices
+
+    ys, choices = jax.jit(every)({n: got[1] for n, got in arranged.items()}, stored)
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    for name, y in ys.items():
+        np.testing.assert_allclose(dot_shapes.as_product(p, name, y), want, rtol=1e-4, atol=1e-4)
+    for name, y in choices.items():
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 def test_reachable_table_counts_the_seconds_lost_to_the_fastest_choice():
