@@ -277,17 +277,20 @@ def reachable_table(rows: dict[Product, tuple[int, dict]]) -> list[str]:
             "as stored GFLOP/s (min / median)", "fastest reachable (min / median)",
             "next (min / median)", "step's ms lost"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lost = 0.0
+    lost = as_stored = 0.0
     for p, (n, rates) in sorted(rows.items(), key=lambda r: -r[0].flops * r[1][0]):
         ranked = sorted(rates, key=lambda k: -rates[k][0])
         best, stored = ranked[0], rates["as stored"]
         ms = n * p.flops / 1e6 * (1 / stored[0] - 1 / rates[best][0])
-        lost += ms
+        lost, as_stored = lost + ms, as_stored + n * p.flops / 1e9 / stored[0]
         cell = lambda k, r=rates: f"{k}: {r[k][0]:.0f} / {r[k][1]:.0f}"
         lines.append("| " + " | ".join([
             str(p), step_name(p), str(n), f"{stored[0]:.0f} / {stored[1]:.0f}", cell(best),
             cell(ranked[1]), f"{ms:.1f}"]) + " |")  # fmt: skip
-    lines.append(f"\nThe step's dots lose {lost:.1f} ms to the fastest reachable choices by min.")
+    lines.append(
+        f"\nThe step's dots: {as_stored:.3f} s as stored; they lose {lost:.1f} ms to the "
+        "fastest reachable choices by min."
+    )
     return lines
 
 

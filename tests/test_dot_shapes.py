@@ -51,4 +51,6 @@ def test_reachable_table_counts_the_seconds_lost_to_the_fastest_choice():
     lines = dot_shapes.reachable_table({p: (3, rates)})
     # 3 x 1 GFLOP at 100 GFLOP/s: 30 ms; at 125: 24 ms
     assert lines[2].split(" | ")[-3:] == ["swapped: 125 / 80", "as stored: 100 / 90", "6.0 |"]
-    assert lines[-1].endswith("lose 6.0 ms to the fastest reachable choices by min.")
+    assert lines[-1].endswith(
+        "0.030 s as stored; they lose 6.0 ms to the fastest reachable choices by min."
+    )
