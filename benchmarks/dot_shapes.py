@@ -15,6 +15,17 @@ each operand order (a transposed operand is a strided view, which MKL reads in p
 Both single-threaded, CPU time, alternated (benchmarks/fair.py). The table gives, per
 shape, its count in the step, the step's GFLOP, XLA's rate in the step's arrangement,
 its best and worst arrangement, MKL's best, and the ratios.
+
+    python -m benchmarks.dot_shapes --family llama --rounds 7 --reachable
+
+times instead what a dot plan (namedmesh/dot_layout.py) can choose with the operands
+as the step stores them (`REACHABLE`: the operands swapped, the result transposed back;
+an operand copied to its other order first; both), end to end, copies included, each
+behind an optimization barrier as `namedmesh.contract` pins them; per shape the step's
+own rate, the fastest reachable choice's and the step's seconds lost to it. An
+arrangement of the table above that needs an operand stored otherwise is a producer's
+order (the value's own layout), not a dot plan's choice; and the best of twelve noisy
+rates is biased up, so a shape's gap there is not all time a plan can win.
 """
 
 from __future__ import annotations
@@ -96,7 +107,7 @@ ARRANGEMENTS = (*ORIENTED, "batch dims last", "rows as [4, M/4]", "4 column chun
                 "4 K blocks")  # fmt: skip
 
 
-def _stored(x: np.ndarray, order: str) -> np.ndarray:
+def stored(x: np.ndarray, order: str) -> np.ndarray:
     """[b, r, c] `x` stored as "rc" (as is) or "cr" (transposed)."""
     return x if order in ("mk", "kn") else np.ascontiguousarray(x.transpose(0, 2, 1))
 
@@ -115,7 +126,7 @@ def arrangement(p: Product, name: str, a: np.ndarray, b: np.ndarray):
             fn = lambda x, y: dg(x, y, (([lk], [rk]), ([0], [0])))
         else:
             fn = lambda x, y: dg(y, x, (([rk], [lk]), ([0], [0])))
-        return fn, (_stored(a, lo), _stored(b, ro))
+        return fn, (stored(a, lo), stored(b, ro))
     if name == "batch dims last":
         if p.b == 1:
             return None
@@ -153,6 +164,39 @@ def as_product(p: Product, name: str, y) -> np.ndarray:
     return y.reshape(p.b, p.m, p.n)
 
 
+# name -> (operands swapped, A copied to its other order, B copied): a dot plan's choices
+REACHABLE = {
+    "as stored": (False, False, False),
+    "swapped": (True, False, False),
+    "A copied": (False, True, False),
+    "B copied": (False, False, True),
+    "A copied, swapped": (True, True, False),
+    "B copied, swapped": (True, False, True),
+}
+
+
+def reachable(p: Product, name: str):
+    """A jax function of [b, .., ..] operands stored as the step stores them (`stored`
+    of `p.lhs`, `p.rhs`) computing their [b, m, n] product by dot-plan choice `name`:
+    a copy and a swapped result's transpose each behind an optimization barrier."""
+    import jax
+
+    swap, copy_a, copy_b = REACHABLE[name]
+    dg, pin = jax.lax.dot_general, jax.lax.optimization_barrier
+
+    def fn(x, y):
+        xk, yk = (2 if p.lhs == "mk" else 1), (1 if p.rhs == "kn" else 2)
+        if copy_a:
+            x, xk = pin(x.transpose(0, 2, 1)), 3 - xk
+        if copy_b:
+            y, yk = pin(y.transpose(0, 2, 1)), 3 - yk
+        if not swap:
+            return dg(x, y, (([xk], [yk]), ([0], [0])))
+        return pin(dg(y, x, (([yk], [xk]), ([0], [0])))).transpose(0, 2, 1)
+
+    return fn
+
+
 def operands(p: Product, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((p.b, p.m, p.k), np.float32),
@@ -180,6 +224,24 @@ def xla_sides(p: Product, a: np.ndarray, b: np.ndarray) -> dict:
     return sides
 
 
+def reachable_sides(p: Product, a: np.ndarray, b: np.ndarray) -> dict:
+    """{`REACHABLE` name: a call that blocks until done}, the operands stored as the step
+    stores them, each checked against NumPy's float64 product first."""
+    import jax
+
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    tol = 1e-4 * math.sqrt(p.k) * float(np.abs(want).max())
+    placed = [jax.device_put(stored(a, p.lhs)), jax.device_put(stored(b, p.rhs))]
+    sides = {}
+    for name in REACHABLE:
+        jitted = jax.jit(reachable(p, name))
+        err = float(np.abs(np.asarray(jitted(*placed)) - want).max())
+        if not err <= tol:
+            raise SystemExit(f"{p}: choice {name!r} is off by {err:.3g} (tolerance {tol:.3g})")
+        sides[name] = lambda f=jitted: jax.block_until_ready(f(*placed))
+    return sides
+
+
 def torch_sides(a: np.ndarray, b: np.ndarray) -> dict:
     """{"MKL A[..] B[..]": torch.matmul of a and b, each stored as is or transposed}."""
     import torch
@@ -187,7 +249,7 @@ def torch_sides(a: np.ndarray, b: np.ndarray) -> dict:
     sides = {}
     for lo in ("mk", "km"):
         for ro in ("kn", "nk"):
-            x, y = torch.tensor(_stored(a, lo)), torch.tensor(_stored(b, ro))
+            x, y = torch.tensor(stored(a, lo)), torch.tensor(stored(b, ro))
             x = x if lo == "mk" else x.transpose(1, 2)
             y = y if ro == "kn" else y.transpose(1, 2)
             sides[f"MKL A[{lo.upper()}] B[{ro.upper()}]"] = lambda x=x, y=y: torch.matmul(x, y)
@@ -199,6 +261,37 @@ def measure(p: Product, rounds: int) -> dict[str, float]:
     a, b = operands(p)
     times = fair.alternate({**xla_sides(p, a, b), **torch_sides(a, b)}, rounds)
     return {name: p.flops / min(ts) / 1e9 for name, ts in times.items()}
+
+
+def measure_reachable(p: Product, rounds: int) -> dict[str, tuple[float, float]]:
+    """{`REACHABLE` name: (GFLOP/s by its min, by its median)}, alternated."""
+    times = fair.alternate(reachable_sides(p, *operands(p)), rounds)
+    rate = lambda t: p.flops / t / 1e9
+    return {k: (rate(min(ts)), rate(sorted(ts)[len(ts) // 2])) for k, ts in times.items()}
+
+
+def reachable_table(rows: dict[Product, tuple[int, dict]]) -> list[str]:
+    """Markdown lines, a row per shape: the step's rate as stored, the fastest reachable
+    choice by min (its rate by min / median), and the step's seconds lost to it."""
+    head = ["b x M x K x N", "step's arrangement", "count",
+            "as stored GFLOP/s (min / median)", "fastest reachable (min / median)",
+            "next (min / median)", "step's ms lost"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lost = as_stored = 0.0
+    for p, (n, rates) in sorted(rows.items(), key=lambda r: -r[0].flops * r[1][0]):
+        ranked = sorted(rates, key=lambda k: -rates[k][0])
+        best, stored = ranked[0], rates["as stored"]
+        ms = n * p.flops / 1e6 * (1 / stored[0] - 1 / rates[best][0])
+        lost, as_stored = lost + ms, as_stored + n * p.flops / 1e9 / stored[0]
+        cell = lambda k, r=rates: f"{k}: {r[k][0]:.0f} / {r[k][1]:.0f}"
+        lines.append("| " + " | ".join([
+            str(p), step_name(p), str(n), f"{stored[0]:.0f} / {stored[1]:.0f}", cell(best),
+            cell(ranked[1]), f"{ms:.1f}"]) + " |")  # fmt: skip
+    lines.append(
+        f"\nThe step's dots: {as_stored:.3f} s as stored; they lose {lost:.1f} ms to the "
+        "fastest reachable choices by min."
+    )
+    return lines
 
 
 def step_name(p: Product) -> str:
@@ -248,17 +341,20 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     cli.step_size_flags(p, hub.FAMILIES)
     p.add_argument("--rounds", type=cli.count, default=5)
+    p.add_argument("--reachable", action="store_true",
+                   help="time a dot plan's choices, the operands as stored")  # fmt: skip
     args = p.parse_args(argv)
     threads = fair.single_threaded()
     hlo = compiled_hlo(args.family, args.layers, args.d_model, args.heads, args.vocab,
                        args.length, args.batch)  # fmt: skip
     before = fair.load()
-    rows = {q: (n, measure(q, args.rounds)) for q, n in step_products(hlo).items()}
+    timing = measure_reachable if args.reachable else measure
+    rows = {q: (n, timing(q, args.rounds)) for q, n in step_products(hlo).items()}
     print(f"{args.family}'s training step: {args.layers} layers, d_model {args.d_model}, "
           f"{args.heads} heads, vocab {args.vocab}, batch {args.batch} x {args.length} "
           f"tokens; {threads}; load {before} -> {fair.load()}; {args.rounds} rounds, "
           "rates by each side's min")  # fmt: skip
-    print("\n".join(table(rows)))
+    print("\n".join((reachable_table if args.reachable else table)(rows)))
     return rows
 
 
