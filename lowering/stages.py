@@ -30,10 +30,11 @@ The step, under a 1F1B schedule (GPipe's ticks, 1F1B's memory):
 Runtime: lowering/pipeline.py runs the model's stacks as one pipeline over the stage
 axis (nm.scan_chain, namedmesh/chain.py, where it has two; a stack that S does not
 divide padded to S equal stages: namedmesh/uneven.py), its stages holding the layers
-dealt here; the trainer keeps the stacks padded. The pads are masked, not skipped: each
-stack takes on every stage the slots of the stage that holds most of it, so a stage
-computes sum_i max_s counts[s][i] layers (`StagedChoice.runtime` says how many, against
-the pads the plan charges: the slowest stage's tick). A MoE body runs any number of
+dealt here; the trainer keeps the stacks padded. Each stack takes on every stage the
+slots of the stage that holds most of it (sum_i max_s counts[s][i] slots a stage), and
+the pad slots are skipped, not computed (a jax.lax.cond per slot, lowering/emit.py): a
+stage's tick is its real layers', idling the rest of the slowest stage's tick, which is
+what the plan charges (`StagedChoice.runtime` says so in words). A MoE body runs any number of
 microbatches, each routed on its own and its balancing loss averaged over them
 (`mixing_op`).
 """
