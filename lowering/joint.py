@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 import namedmesh as nm
+from lowering.collector import few_collections
 from lowering.layout import Layout
 from lowering.lower import lower
 from lowering.mesh import Mesh
@@ -159,6 +160,7 @@ class Joint:
         return (other or fitting or [None])[0]
 
 
+@few_collections()  # its layout searches' objects: few collections (collector.py)
 def joint_search(
     build,
     meshes: list[Mesh],
