@@ -67,7 +67,8 @@ def test_llama3_8b_at_8k_tokens_per_chip_fits_choosing_remat_and_a_refusal_names
     "flags, match",
     [(["--rates", "h100,node=0"], "--rates"), (["--batch", "0"], "--batch 0"),
      (["--config", "llama9"], "llama9"), (["--grad-accum", "3"], "--grad-accum 3"),
-     (["--stages", "2"], "--stages")],
+     (["--stages", "2"], "--stages"), (["--mesh", "data=6", "--rates", "h100,node=4"],
+                                        "6 devices are not whole nodes of 4")],
 )  # fmt: skip
 def test_a_bad_flag_is_one_line_and_status_2(capsys, flags, match):
     base = {"--config": "tiny", "--mesh": "data=2", "--batch": "8", "--length": "64"}

@@ -43,7 +43,8 @@ def arguments(argv=None, prog: str = "python -m models.cli.plan") -> argparse.Na
     where.add_argument("--devices", type=int, help="a device count: the search shapes the mesh")
     p.add_argument("--rates", default="h100",
                    help="hardware and levels, e.g. h100,node=8 or tpu_v5p,slice=4096 "
-                   "(lowering/rates.py parse: efficiency=, overlap=, memory= ...)")  # fmt: skip
+                   "(devices per node or slice: more devices must be whole nodes; "
+                   "lowering/rates.py parse: efficiency=, overlap=, memory= ...)")  # fmt: skip
     p.add_argument("--batch", type=int, required=True, help="sequences per step (global)")
     p.add_argument("--length", type=int, required=True, help="tokens per sequence")
     p.add_argument("--compare", action="append", default=[], metavar="LAYOUT[@MESH]",
@@ -93,6 +94,10 @@ def _meshes(args, layers: int) -> list:
     from lowering import Mesh
     from models.training.run import UsageError
 
+    node = args.rates_parsed.node
+    n = math.prod(args.mesh.values()) if args.mesh is not None else args.devices
+    if node and n > node and n % node:  # levels() fills nodes whole (lowering/rates.py)
+        raise UsageError(f"--rates {args.rates}: {n} devices are not whole nodes of {node}")
     if args.mesh is not None:
         if args.stages:
             raise UsageError("--stages shapes the meshes of --devices; with --mesh name a "
@@ -100,14 +105,13 @@ def _meshes(args, layers: int) -> list:
         if "stage" in args.mesh:  # a pipeline of the mesh's own (lowering/stages.py)
             args.stages = [args.mesh["stage"]]
         return [Mesh(args.mesh, devices="abstract")]
-    n = args.devices
     if n < 1:
         raise UsageError(f"--devices {n}: must be >= 1")
     for s in args.stages:
         if s < 2 or n % s or layers < s:
             raise UsageError(f"--stages {s}: must be >= 2, divide --devices {n} and be at "
                              f"most the {layers} layers")  # fmt: skip
-    node = args.rates_parsed.node or 8
+    node = node or 8
     shapes = []
     for s in [1, *args.stages]:
         m = 1
