@@ -32,11 +32,13 @@ axis (nm.scan_chain, namedmesh/chain.py, where it has two; a stack that S does n
 divide padded to S equal stages: namedmesh/uneven.py), its stages holding the layers
 dealt here; the trainer keeps the stacks padded. Each stack takes on every stage the
 slots of the stage that holds most of it (sum_i max_s counts[s][i] slots a stage), and
-the pad slots are skipped, not computed (a jax.lax.cond per slot, lowering/emit.py): a
-stage's tick is its real layers', idling the rest of the slowest stage's tick, which is
-what the plan charges (`StagedChoice.runtime` says so in words). A MoE body runs any number of
-microbatches, each routed on its own and its balancing loss averaged over them
-(`mixing_op`).
+the pad slots' layer work is skipped (a jax.lax.cond per slot, lowering/emit.py): a
+stage's tick is its real layers' plus each slot's bookkeeping (its weights sliced out,
+its residuals stored, pads' too: benchmarks.pad_skip, most of a slot at tiny sizes, the
+weights' copy against the layer's work at scale), idling the rest of the slowest stage's
+tick, which is what the plan charges (`StagedChoice.runtime` says so in words). A MoE
+body runs any number of microbatches, each routed on its own and its balancing loss
+averaged over them (`mixing_op`).
 """
 
 from __future__ import annotations
