@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,33 @@ def _flat_state(state) -> dict[str, jax.Array]:
     return out
 
 
+class _WholeArrayHandler(ocp.type_handlers.ArrayHandler):
+    """orbax's jax.Array handler, replica 0 writing each array whole."""
+
+    def __init__(self):
+        super().__init__(use_replica_parallel=False)
+
+
+def _whole_replicas_on_one_process() -> None:
+    """On one process, orbax's default (replica-parallel saving: each replica of a
+    replicated array writes a slice of it) buys no parallel write, every replica being
+    local, and compiles a jit(slice) per device and shape: 105 compiles, 17 of a tiny
+    model's 19 s first save on 8 CPU devices. There replica 0 writes each array whole
+    (the same files); across processes each process's replicas keep writing slices.
+    Registered once (orbax's registry is global; it warns on each override)."""
+    if jax.process_count() > 1 or isinstance(
+        ocp.type_handlers.get_type_handler(jax.Array), _WholeArrayHandler
+    ):
+        return
+    quiet = logging.getLogger("absl")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the override's warning would reach the CLI's stderr
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, _WholeArrayHandler(), override=True)
+    finally:
+        quiet.setLevel(level)
+
+
 def _manager(directory, max_to_keep: int = 3) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     return ocp.CheckpointManager(Path(directory).absolute() / "checkpoints", options=options)
@@ -159,6 +187,7 @@ class Checkpointer:
             digest=ocp.args.JsonSave({"sha256": _record_digest(record)}),
         )
         self.wait()  # orbax waits for the previous save anyway: its failure is named first
+        _whole_replicas_on_one_process()
         self._guard(lambda: self.manager.save(step, args=args), step)
         self.saving = step
 
