@@ -15,6 +15,10 @@ whole FFN a block) against transformers, in one process by benchmarks/fair.py's 
 and each program's compile (lower and compile, CPU seconds) and XLA's temporaries
 (memory_analysis). Every side's output (or first loss) is checked against the others'
 first.
+
+With `--before REF` (a git revision), the kernel as committed at REF
+(namedmesh/grouped_slots.py read by `git show`) takes the loops' place: the same
+tables of a change to the slots kernel against the kernel before it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
+import subprocess
 import sys
+import tempfile
 import time
 from unittest import mock
 
@@ -40,8 +47,26 @@ def loop_kernel():
     return mock.patch.object(module, "slotted_ffn", loops)
 
 
+def kernel_at(ref: str):
+    """A context in which `nm.grouped_ffn` traces to namedmesh/grouped_slots.py as
+    committed at git revision `ref`."""
+    text = subprocess.run(["git", "show", f"{ref}:namedmesh/grouped_slots.py"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    path.write(text)
+    path.close()
+    spec = importlib.util.spec_from_file_location(f"grouped_slots_at_{ref}", path.name)
+    kernel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel)
+    module = sys.modules["namedmesh.grouped_ffn"]
+    return lambda: mock.patch.object(module, "slotted_ffn", kernel.slotted_ffn)
+
+
+KERNELS = {"loops (before)": loop_kernel, "slots (after)": contextlib.nullcontext}
+
+
 def kernels():
-    return {"loops (before)": loop_kernel, "slots (after)": contextlib.nullcontext}
+    return KERNELS
 
 
 def compiled(fn, *args):
@@ -148,7 +173,13 @@ def main(argv=None) -> int:
                    help="Mixtral's training step at these sizes")  # fmt: skip
     p.add_argument("--no-step", action="store_true", help="the experts' FFN tables only")
     p.add_argument("--no-ffn", action="store_true", help="the training steps only")
+    p.add_argument("--before", metavar="REF", help="the slots kernel at git revision REF "
+                   "in the loops' place")  # fmt: skip
     args = p.parse_args(argv)
+    if args.before:
+        KERNELS.clear()
+        KERNELS.update({f"slots at {args.before}": kernel_at(args.before),
+                        "slots (this tree)": contextlib.nullcontext})  # fmt: skip
     threads = fair.single_threaded()
     from benchmarks import honest, stack
 
