@@ -14,8 +14,7 @@ a cond makes every residual of either branch an output of both (zero-filled when
 taken), and a row loop's gradient is loops of its own. Here both ways save the same
 three buffers (the rows and the hidden layer's products, as slots or as sorted rows),
 and the backward takes the forward's way. The work is the rows' (and the slots' slack,
-or each group's last block's) whatever the load. A gated FFN's two hidden products
-(x wi, x wg) are one dot of the weights side by side (`_fused`), forward and backward.
+or each group's last block's) whatever the load.
 """
 
 from __future__ import annotations
@@ -128,24 +127,14 @@ def _gather(a, rows):
     return jnp.take(jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)]), rows, axis=0)
 
 
-def _fused(wi, wg):
-    """wi, or wi and the gate's wg side by side on their last (hidden) dim: the hidden
-    layer's two products as one dot (as transformers' `gate_up_proj`), forward and in
-    both gradients (the input's contracts both at once: no sum of two products)."""
-    return jnp.concatenate([wi, *wg], axis=-1) if wg else wi
+def _products(spec, rows, wi, wg):
+    """The hidden layer's products: (x wi,) or (x wi, x wg)."""
+    return tuple(_mm(spec, rows, w) for w in (wi, *wg))
 
 
-def _split(dw, gated: bool):
-    """(wi's part, the gate's parts) of a fused weight's gradient."""
-    return tuple(jnp.split(dw, 2, axis=-1)) if gated else (dw,)
-
-
-def _hidden(act, gated: bool, products):
-    """The hidden layer of its products (the fused dot's: x wi, then x wg when gated)."""
-    if not gated:
-        return act(products)
-    a, b = jnp.split(products, 2, axis=-1)
-    return act(a) * b
+def _hidden(act, products):
+    h = act(products[0])
+    return h * products[1] if len(products) == 2 else h
 
 
 def _saved_rows(n: int, groups: int, cap: int, blocks) -> int:
@@ -166,17 +155,16 @@ def _ffn(act, sizes, g, x, wi, wo, *wg):
 def _ffn_forward(act, sizes, g, x, wi, wo, *wg):
     (cap, blocks), (n, c), groups = sizes, x.shape, wi.shape[0]
     plan, rows = Plan(g, groups, cap), _saved_rows(n, groups, cap, blocks)
-    hidden = functools.partial(_hidden, act, bool(wg))
 
     def slotted(x, wi, wo, *wg):
         slots = _gather(x, plan.src).reshape(groups, cap, c)
-        products = _mm("gsc,gcf->gsf", slots, _fused(wi, wg))
-        out = _mm("gsf,gfo->gso", hidden(products), wo).reshape(groups * cap, -1)
-        saved = (slots, products)
+        products = _products("gsc,gcf->gsf", slots, wi, wg)
+        out = _mm("gsf,gfo->gso", _hidden(act, products), wo).reshape(groups * cap, -1)
+        saved = (slots, *products)
         return _gather(out, plan.at), *(_padded(a.reshape(groups * cap, -1), rows) for a in saved)
 
     def looped(x, wi, wo, *wg):
-        ys, saved = _loop_forward(hidden, plan, blocks, rows, x, wi, wo, *wg)
+        ys, saved = _loop_forward(act, plan, blocks, rows, x, wi, wo, *wg)
         return _unsorted(ys, plan), *saved
 
     y, *saved = jax.lax.cond(plan.slots, slotted, looped, x, wi, wo, *wg)
@@ -191,21 +179,20 @@ def _unsorted(ys, plan):
 def _ffn_backward(act, sizes, res, dy):
     (cap, blocks), (tree, wi, wo, wg, saved) = sizes, res
     plan, o, (groups, c) = Plan.of(tree), dy.shape[1], wi.shape[:2]
-    hidden = functools.partial(_hidden, act, bool(wg))
 
     def slotted(dy, wi, wo, *wg):
-        slots, products = (a[: groups * cap].reshape(groups, cap, -1) for a in saved)
+        slots, *products = (a[: groups * cap].reshape(groups, cap, -1) for a in saved)
         dout = _gather(dy, plan.src).reshape(groups, cap, o)
-        h, pull = jax.vjp(hidden, products)
+        h, pull = jax.vjp(functools.partial(_hidden, act), tuple(products))
         dwo = _mm("gsf,gso->gfo", h, dout)
         (dproducts,) = pull(_mm("gso,gfo->gsf", dout, wo))
-        dslots = _mm("gsf,gcf->gsc", dproducts, _fused(wi, wg))
-        dws = _split(_mm("gsc,gsf->gcf", slots, dproducts), bool(wg))
+        dslots = sum(_mm("gsf,gcf->gsc", d, w) for d, w in zip(dproducts, (wi, *wg), strict=True))
+        dws = tuple(_mm("gsc,gsf->gcf", slots, d) for d in dproducts)
         dx = _gather(dslots.reshape(groups * cap, c), plan.at)
         return dx, dws[0], dwo, *dws[1:]
 
     def looped(dy, wi, wo, *wg):
-        dxs, dws = _loop_backward(hidden, plan, blocks, saved, dy, wi, wo, *wg)
+        dxs, dws = _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg)
         return _unsorted(dxs, plan), *dws
 
     grads = jax.lax.cond(plan.slots, slotted, looped, dy, wi, wo, *wg)
@@ -219,72 +206,76 @@ def _put(a, rows, row):
     return jax.lax.dynamic_update_slice_in_dim(a, rows, row, 0)
 
 
-def _group_weights(e, wi, wo, *wg):
-    """Group e's (fused wi and wg, wo): one copy of each, the fused one a concatenation."""
-    at = lambda w: jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)  # noqa: E731
-    return _fused(at(wi), tuple(at(w) for w in wg)), at(wo)
+def _group_weights(ws, e):
+    return tuple(jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False) for w in ws)
 
 
-def _loop_forward(hidden, plan, blocks, rows, x, wi, wo, *wg):
-    """(ys: the sorted rows' FFN, (sorted rows, their fused products): the saved buffers), each
+def _loop_forward(act, plan, blocks, rows, x, wi, wo, *wg):
+    """(ys: the sorted rows' FFN, (sorted rows, their products): the saved buffers), each
     group's blocks in turn, in sorted row order, so that the rows a group's last block
     writes past its own are written again by the groups after (or are no group's)."""
     like = (x, wi, wo, *wg, *plan.tree())
     xs = _padded(jnp.take(x, plan.order, axis=0), rows)
-    f, o = wi.shape[-1] * (1 + len(wg)), wo.shape[-1]
+    f, o = wi.shape[-1], wo.shape[-1]
 
     def group(e, carry):
-        wf, we = _group_weights(e, wi, wo, *wg)
+        we = _group_weights((wi, wo, *wg), e)
 
         def block(carry, row, size):
             ys, products = carry
-            pb = _mm("nc,cf->nf", rows_at(xs, row, size), wf)
-            yb = _mm("nf,fo->no", hidden(pb), we)
-            return _put(ys, yb, row), _put(products, pb, row)
+            xb = rows_at(xs, row, size)
+            pb = _products("nc,cf->nf", xb, we[0], we[2:])
+            yb = _mm("nf,fo->no", _hidden(act, pb), we[1])
+            return _put(ys, yb, row), tuple(
+                _put(p, b, row) for p, b in zip(products, pb, strict=True)
+            )
 
         return over_blocks(blocks, plan.first[e], plan.count[e], block, carry)
 
-    init = (_zeros((rows, o), x.dtype, *like), _zeros((rows, f), x.dtype, *like))
-    ys, products = jax.lax.fori_loop(0, wi.shape[0], group, init)
-    return ys, (xs, products)
+    ys = _zeros((rows, o), x.dtype, *like)
+    products = tuple(_zeros((rows, f), x.dtype, *like) for _ in (wi, *wg))
+    ys, products = jax.lax.fori_loop(0, wi.shape[0], group, (ys, products))
+    return ys, (xs, *products)
 
 
-def _loop_backward(hidden, plan, blocks, saved, dy, wi, wo, *wg):
+def _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg):
     """(dxs: the sorted rows' gradient, the weights' gradients) by the forward's blocks,
     each group's accumulated in float32 over its blocks; a block's rows past its group
     masked out of every operand (0 x inf is NaN)."""
-    xs, products = saved
+    xs, *products = saved
     like = (dy, wi, wo, *wg, *saved, *plan.tree())
     dys = _padded(jnp.take(jnp.where(plan.inside[:, None], dy, jnp.zeros((), dy.dtype)),
                            plan.order, axis=0), xs.shape[0])  # fmt: skip
     acc = _accumulator(xs.dtype)
+    ws = (wi, wo, *wg)
 
     def group(e, carry):
         dxs, dws = carry
-        wf, we = _group_weights(e, wi, wo, *wg)
+        we = _group_weights(ws, e)
         end = plan.first[e] + plan.count[e]
 
         def block(carry, row, size):
-            dxs, (dwf, dwo) = carry
+            dxs, dwe = carry
             mine = (row + jnp.arange(size) < end)[:, None]
             zero = jnp.zeros((), xs.dtype)
-            xb, dyb, pb = (
-                jnp.where(mine, rows_at(a, row, size), zero) for a in (xs, dys, products)
+            xb, dyb, *pb = (
+                jnp.where(mine, rows_at(a, row, size), zero) for a in (xs, dys, *products)
             )
-            h, pull = jax.vjp(hidden, pb)
-            (dpb,) = pull(_mm("no,fo->nf", dyb, we))
-            dwb = (_mm("nc,nf->cf", xb, dpb), _mm("nf,no->fo", h, dyb))
-            dwe = (dwf + dwb[0].astype(acc), dwo + dwb[1].astype(acc))
-            return _put(dxs, _mm("nf,cf->nc", dpb, wf), row), dwe
+            h, pull = jax.vjp(functools.partial(_hidden, act), tuple(pb))
+            (dpb,) = pull(_mm("no,fo->nf", dyb, we[1]))
+            dxb = sum(_mm("nf,cf->nc", d, w) for d, w in zip(dpb, (we[0], *we[2:]), strict=True))
+            dwb = (_mm("nc,nf->cf", xb, dpb[0]), _mm("nf,no->fo", h, dyb),
+                   *(_mm("nc,nf->cf", xb, d) for d in dpb[1:]))  # fmt: skip
+            dwe = tuple(a + b.astype(acc) for a, b in zip(dwe, dwb, strict=True))
+            return _put(dxs, dxb, row), dwe
 
-        dwe = tuple(_zeros(w.shape, acc, *like) for w in (wf, we))
-        dxs, (dwf, dwo) = over_blocks(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
-        parts = (*_split(dwf, bool(wg)), dwo)
+        dwe = tuple(_zeros(w.shape, acc, *like) for w in we)
+        dxs, dwe = over_blocks(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
         dws = tuple(jax.lax.dynamic_update_index_in_dim(dw, d.astype(dw.dtype), e, 0)
-                    for dw, d in zip(dws, parts, strict=True))  # fmt: skip
+                    for dw, d in zip(dws, dwe, strict=True))  # fmt: skip
         return dxs, dws
 
     dxs = _zeros(xs.shape, xs.dtype, *like)
-    dws = tuple(_zeros(w.shape, w.dtype, *like) for w in (wi, *wg, wo))
-    dxs, (dwi, *dwg, dwo) = jax.lax.fori_loop(0, wi.shape[0], group, (dxs, dws))
+    dws = tuple(_zeros(w.shape, w.dtype, *like) for w in ws)
+    dxs, (dwi, dwo, *dwg) = jax.lax.fori_loop(0, wi.shape[0], group, (dxs, dws))
     return dxs, (dwi, dwo, *dwg)
