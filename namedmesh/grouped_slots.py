@@ -137,6 +137,12 @@ def _hidden(act, products):
     return h * products[1] if len(products) == 2 else h
 
 
+def saved_rows(rows: int, groups: int) -> int:
+    """Rows of each buffer the kernel's backward pass keeps for `rows` rows in `groups`
+    groups (the rows themselves and the hidden layer's products: `_ffn_forward`)."""
+    return _saved_rows(rows, groups, slot_capacity(rows, groups), loop_blocks(rows, groups))
+
+
 def _saved_rows(n: int, groups: int, cap: int, blocks) -> int:
     """Rows of the saved buffers, which hold either way's: the slots, or the sorted rows
     and a largest block after them (a group's last block reaches past its rows)."""

@@ -7,7 +7,9 @@ devices, with the experts split where the rows are (each row routed to its exper
 device once) or not, and the hidden layer split, gives NumPy's values and the
 gradients of a dense one-hot statement."""
 
+import contextlib
 import functools
+import io
 import math
 
 import jax
@@ -151,3 +153,26 @@ def test_lowered_values_and_gradients(layout):
     np.testing.assert_allclose(value, np.sin(oracle(X, G, "silu", True)).sum(), rtol=1e-5)
     for name, a, b in zip(("x", "wi", "wo", "wg"), grads, dense_grads(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_memory_estimate_counts_what_the_kernel_saves(gated):
+    """The primitive's `backward_saves` (the memory estimate's count, in x's sizes) is
+    what the kernel (namedmesh/grouped_slots.py) keeps for its backward pass: the float
+    residuals jax reports it made (`print_saved_residuals`; the weights, inputs, apart).
+    """
+    from jax.ad_checkpoint import print_saved_residuals
+
+    wg = WG if gated else None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda x: named(x, WI, WO, G, wg).data.sum(), X)
+    kept = [line.split()[0] for line in out.getvalue().splitlines()
+            if line.startswith("f32[") and "grouped_slots.py" in line]  # fmt: skip
+    kept = sum(math.prod(map(int, s[4:-1].split(","))) for s in kept)
+    ins = tuple(nm.tensor(a, d) for a, d in zip((X, WI, WO, G, wg), DIMS, strict=True)
+                if a is not None)  # fmt: skip
+    declared = nm.REGISTRY["grouped_ffn"].backward_saves(
+        ins, {"dim": "experts", "activation": "silu"}
+    )
+    assert kept == pytest.approx(declared * X.size), out.getvalue()
