@@ -4,8 +4,8 @@ benchmarks/train_vs_torch.py (`--size realistic`):
 
 - namedmesh: the compiled step traced by `jax.profiler` (XLA:CPU times each thunk: a
   fusion, a dot, a loop's body ops), each op's time summed over `--rounds` steps and
-  put in a bucket by the jax operations its HLO metadata names (the experts' FFN, the
-  router, attention, ...);
+  put in a bucket by the jax operations its HLO metadata names (`BUCKETS`), and summed
+  by HLO kind and jax op_name (the layers' copies of an op together);
 - PyTorch: transformers' eager step under `torch.profiler`, its self CPU time per
   operator.
 
@@ -26,13 +26,12 @@ import numpy as np
 
 from benchmarks import cli, fair
 
-# bucket -> words of an op's HLO metadata (op_name, source) that put it there, first match
+# bucket -> words of an op's HLO op_name that put it there, first match: the experts'
+# kernel runs its two ways as a cond's branches (namedmesh/grouped_slots.py)
 BUCKETS = (
-    ("experts' FFN", ("closed_call", "cond/")),
-    ("router, top-k, balance", ("top_k", "sort", "scatter", "gather", "argsort", "one_hot", "eq")),
-    ("attention", ("attention", "flash", "rotary", "rope")),
-    ("optimizer", ("optax", "adam")),
-    ("loss, logits", ("cross_entropy", "softmax_cross", "lm_head", "unembed")),
+    ("experts' kernel (its cond's branches)", ("cond/branch",)),
+    ("top-k, sorts, scatters, gathers", ("top_k", "sort", "scatter", "gather")),
+    ("AdamW", ("sqrt", "integer_pow")),
 )
 
 
@@ -117,7 +116,7 @@ def torch_profile(step, rounds: int) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
-    p.add_argument("--size", default="realistic")
+    p.add_argument("--size", default="realistic", choices=("small", "realistic"))
     p.add_argument("--rounds", type=cli.count, default=2)
     p.add_argument("--top", type=cli.count, default=40)
     args = p.parse_args(argv)

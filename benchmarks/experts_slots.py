@@ -177,8 +177,12 @@ def main(argv=None) -> int:
                    "in the loops' place")  # fmt: skip
     args = p.parse_args(argv)
     if args.before:
+        try:
+            before_kernel = kernel_at(args.before)
+        except subprocess.CalledProcessError as e:
+            p.error(f"--before {args.before}: {e.stderr.strip().splitlines()[-1]}")
         KERNELS.clear()
-        KERNELS.update({f"slots at {args.before}": kernel_at(args.before),
+        KERNELS.update({f"slots at {args.before}": before_kernel,
                         "slots (this tree)": contextlib.nullcontext})  # fmt: skip
     threads = fair.single_threaded()
     from benchmarks import honest, stack
