@@ -16,6 +16,9 @@ and each program's compile (lower and compile, CPU seconds) and XLA's temporarie
 (memory_analysis). Every side's output (or first loss) is checked against the others'
 first.
 
+With `--uneven`, the FFN's tokens choose their experts as unevenly as Mixtral's routers
+do in the step (`MIXTRAL_LOAD`), so that its loop runs rather than its slots.
+
 With `--before REF` (a git revision), the kernel as committed at REF
 (namedmesh/grouped_slots.py read by `git show`) takes the loops' place: the same
 tables of a change to the slots kernel against the kernel before it.
@@ -78,14 +81,28 @@ def compiled(fn, *args):
     return program, seconds, program.memory_analysis().temp_size_in_bytes / 1e6
 
 
-def experts_rows(sizes: dict, rounds: int) -> tuple[dict, dict]:
+# one layer's rows per expert in Mixtral's realistic step at init (docs/benchmarks.md,
+# "MoE experts' path"): the busiest expert gets 946 of 4096 where 584 slots fit
+MIXTRAL_LOAD = (370, 308, 946, 796, 557, 522, 267, 330)
+
+
+def uneven_choices(tokens: int, seed: int = 0) -> np.ndarray:
+    """(tokens, 2) distinct experts per token, each drawn in proportion to MIXTRAL_LOAD."""
+    rng = np.random.default_rng(seed)
+    p = np.array(MIXTRAL_LOAD) / sum(MIXTRAL_LOAD)
+    return np.stack([rng.choice(len(p), 2, replace=False, p=p) for _ in range(tokens)])
+
+
+def experts_rows(sizes: dict, rounds: int, uneven: bool = False) -> tuple[dict, dict]:
     """({size: {side: seconds per round}}, {size: {kernel: (compile s, temporaries MB)}})
-    of the experts' FFN, forward and backward."""
+    of the experts' FFN, forward and backward; with `uneven`, Mixtral's load."""
     from benchmarks import experts_vs_hf as ev
 
     out, programs = {}, {}
     for label, (tokens, d, f) in sizes.items():
         a = ev.inputs(tokens, d, f)
+        if uneven:
+            a["choice"] = uneven_choices(tokens).astype(a["choice"].dtype)
         sides, want, programs[label] = {}, None, {}
         for name, context in kernels().items():
             with context():
@@ -173,6 +190,7 @@ def main(argv=None) -> int:
                    help="Mixtral's training step at these sizes")  # fmt: skip
     p.add_argument("--no-step", action="store_true", help="the experts' FFN tables only")
     p.add_argument("--no-ffn", action="store_true", help="the training steps only")
+    p.add_argument("--uneven", action="store_true", help="the FFN under Mixtral's load")
     p.add_argument("--before", metavar="REF", help="the slots kernel at git revision REF "
                    "in the loops' place")  # fmt: skip
     args = p.parse_args(argv)
@@ -190,7 +208,7 @@ def main(argv=None) -> int:
     before = fair.load()
     print(stack.describe() + "\n", flush=True)
     if not args.no_ffn:
-        rows, programs = experts_rows(honest.EXPERT_SIZES, args.rounds)
+        rows, programs = experts_rows(honest.EXPERT_SIZES, args.rounds, args.uneven)
         lines = table(rows, "size (8 experts, top 2)", "ms") + [""]
         lines += programs_table(programs, "FFN's gradient program") + [""]
         print("\n".join(lines), flush=True)  # the steps take minutes more
