@@ -129,12 +129,17 @@ def dense_grads():
 
 def test_gradients_at_any_load():
     """On one device, the value and gradients of the dense one-hot statement's: by the
-    slots (an even load) and by the loop (every choice on one expert)."""
+    slots (an even load), by the loop (every choice on one expert), and by the loop of
+    512 rows, where each group's rows go by blocks of 128, 64, 32 and 16 rows
+    (grouped_slots.loop_blocks: G's uneven load, expert 1's 300-odd rows past its slots,
+    the others' tails in several sizes)."""
     loss = lambda x, wi, wo, wg, g: jnp.sum(jnp.sin(named(x, wi, wo, g, wg).data))  # noqa: E731
     grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
-    for g in (G_EVEN, G_ONE):
-        value, grads = grad(X, WI, WO, WG, g)
-        want, wants = dense_value_and_grads(X, WI, WO, WG, g)
+    x_big = R.normal(size=(64, 4, 5)).astype(np.float32) * 0.5
+    g_big = R.choice([-1, 0, 1, 2, 3, 4], size=(64, 4, 2), p=[0.05, 0.1, 0.6, 0.05, 0.15, 0.05])
+    for x, g in ((X, G_EVEN), (X, G_ONE), (x_big, g_big.astype(np.int32))):
+        value, grads = grad(x, WI, WO, WG, g)
+        want, wants = dense_value_and_grads(x, WI, WO, WG, g)
         np.testing.assert_allclose(value, want, rtol=1e-5)
         for name, a, b in zip(("x", "wi", "wo", "wg"), grads, wants, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
