@@ -39,11 +39,11 @@ def slot_capacity(rows: int, groups: int) -> int:
 
 def loop_blocks(rows: int, groups: int) -> tuple[int, ...]:
     """The loop's row blocks, largest first: a power of two up to 256 and at most an even
-    share of the rows (a group's rows go by whole blocks of it), then its half, quarter
-    and eighth (at least 8), at most one of each for the rest, the last rounding up: a
-    group's tail in at most three blocks, not up to seven eighths (each block adds its
-    group's whole weight gradients once: Mixtral's FFN 0.87-0.96 of (top, top / 8)'s
-    time, docs/benchmarks.md "MoE experts' path")."""
+    share of the rows (a group's rows go by whole blocks of it), then its half and
+    quarter (at most one each) and its eighth (at least 8; two at most, the last
+    rounding up): a group's tail in at most four blocks, not up to eight eighths (each
+    block adds its group's whole weight gradients once: Mixtral's FFN 0.82-0.92 of
+    (top, top / 8)'s time, docs/benchmarks.md "MoE experts' path")."""
     top = min(256, max(8, 1 << max(0, (rows // groups).bit_length() - 1)))
     return tuple(dict.fromkeys(max(8, top >> i) for i in range(4)))
 
