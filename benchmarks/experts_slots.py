@@ -15,6 +15,13 @@ whole FFN a block) against transformers, in one process by benchmarks/fair.py's 
 and each program's compile (lower and compile, CPU seconds) and XLA's temporaries
 (memory_analysis). Every side's output (or first loss) is checked against the others'
 first.
+
+With `--uneven`, the FFN's tokens choose their experts as unevenly as Mixtral's routers
+do in the step (`MIXTRAL_LOAD`), so that its loop runs rather than its slots.
+
+With `--before REF` (a git revision), the kernel as committed at REF
+(namedmesh/grouped_slots.py read by `git show`) takes the loops' place: the same
+tables of a change to the slots kernel against the kernel before it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
+import subprocess
 import sys
+import tempfile
 import time
 from unittest import mock
 
@@ -40,8 +50,26 @@ def loop_kernel():
     return mock.patch.object(module, "slotted_ffn", loops)
 
 
+def kernel_at(ref: str):
+    """A context in which `nm.grouped_ffn` traces to namedmesh/grouped_slots.py as
+    committed at git revision `ref`."""
+    text = subprocess.run(["git", "show", f"{ref}:namedmesh/grouped_slots.py"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    path.write(text)
+    path.close()
+    spec = importlib.util.spec_from_file_location(f"grouped_slots_at_{ref}", path.name)
+    kernel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel)
+    module = sys.modules["namedmesh.grouped_ffn"]
+    return lambda: mock.patch.object(module, "slotted_ffn", kernel.slotted_ffn)
+
+
+KERNELS = {"loops (before)": loop_kernel, "slots (after)": contextlib.nullcontext}
+
+
 def kernels():
-    return {"loops (before)": loop_kernel, "slots (after)": contextlib.nullcontext}
+    return KERNELS
 
 
 def compiled(fn, *args):
@@ -53,14 +81,28 @@ def compiled(fn, *args):
     return program, seconds, program.memory_analysis().temp_size_in_bytes / 1e6
 
 
-def experts_rows(sizes: dict, rounds: int) -> tuple[dict, dict]:
+# one layer's rows per expert in Mixtral's realistic step at init (docs/benchmarks.md,
+# "MoE experts' path"): the busiest expert gets 946 of 4096 where 584 slots fit
+MIXTRAL_LOAD = (370, 308, 946, 796, 557, 522, 267, 330)
+
+
+def uneven_choices(tokens: int, seed: int = 0) -> np.ndarray:
+    """(tokens, 2) distinct experts per token, each drawn in proportion to MIXTRAL_LOAD."""
+    rng = np.random.default_rng(seed)
+    p = np.array(MIXTRAL_LOAD) / sum(MIXTRAL_LOAD)
+    return np.stack([rng.choice(len(p), 2, replace=False, p=p) for _ in range(tokens)])
+
+
+def experts_rows(sizes: dict, rounds: int, uneven: bool = False) -> tuple[dict, dict]:
     """({size: {side: seconds per round}}, {size: {kernel: (compile s, temporaries MB)}})
-    of the experts' FFN, forward and backward."""
+    of the experts' FFN, forward and backward; with `uneven`, Mixtral's load."""
     from benchmarks import experts_vs_hf as ev
 
     out, programs = {}, {}
     for label, (tokens, d, f) in sizes.items():
         a = ev.inputs(tokens, d, f)
+        if uneven:
+            a["choice"] = uneven_choices(tokens).astype(a["choice"].dtype)
         sides, want, programs[label] = {}, None, {}
         for name, context in kernels().items():
             with context():
@@ -148,14 +190,25 @@ def main(argv=None) -> int:
                    help="Mixtral's training step at these sizes")  # fmt: skip
     p.add_argument("--no-step", action="store_true", help="the experts' FFN tables only")
     p.add_argument("--no-ffn", action="store_true", help="the training steps only")
+    p.add_argument("--uneven", action="store_true", help="the FFN under Mixtral's load")
+    p.add_argument("--before", metavar="REF", help="the slots kernel at git revision REF "
+                   "in the loops' place")  # fmt: skip
     args = p.parse_args(argv)
+    if args.before:
+        try:
+            before_kernel = kernel_at(args.before)
+        except subprocess.CalledProcessError as e:
+            p.error(f"--before {args.before}: {e.stderr.strip().splitlines()[-1]}")
+        KERNELS.clear()
+        KERNELS.update({f"slots at {args.before}": before_kernel,
+                        "slots (this tree)": contextlib.nullcontext})  # fmt: skip
     threads = fair.single_threaded()
     from benchmarks import honest, stack
 
     before = fair.load()
     print(stack.describe() + "\n", flush=True)
     if not args.no_ffn:
-        rows, programs = experts_rows(honest.EXPERT_SIZES, args.rounds)
+        rows, programs = experts_rows(honest.EXPERT_SIZES, args.rounds, args.uneven)
         lines = table(rows, "size (8 experts, top 2)", "ms") + [""]
         lines += programs_table(programs, "FFN's gradient program") + [""]
         print("\n".join(lines), flush=True)  # the steps take minutes more

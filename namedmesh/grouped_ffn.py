@@ -24,7 +24,7 @@ import numpy as np
 
 from namedmesh.errors import DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.grouped import as_groups, as_rows, grouped_aval, grouped_rows, grouped_rows_np, roles
-from namedmesh.grouped_slots import slotted_ffn
+from namedmesh.grouped_slots import saved_rows, slotted_ffn
 from namedmesh.primitive import REGISTRY, Aval, Cost, bind, is_inexact, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
@@ -131,15 +131,17 @@ def _ffn_cost(in_avals, out_avals, params) -> Cost:
 
 
 def _hidden_saves(ins, params) -> float:
-    """What jax's autodiff of the kernel saves besides the inputs, in x's sizes: each row's
-    hidden layer (a row per group element: a token's k choices) as the activation's
-    input, the gate's product (gated), wo's input, and what the activation saves (its
-    primitive's count; gelu_exact's erf term, 1)."""
+    """What the kernel's backward pass keeps besides the inputs, in x's sizes: the rows
+    sorted by group (a row per group element: a token's k choices) and the hidden
+    layer's products (x wi, and x wg gated), each as slots or as sorted rows and a block
+    after them (`grouped_slots.saved_rows`); the activation and its input to wo are
+    recomputed from the products. (A decoding step's few rows take the row kernel,
+    whose saves are as small.)"""
     x, wi, _, group, *wg = ins
-    f = math.prod(wi.shape[wi.dims.index(d)] for d in roles(x.dims, wi.dims, params["dim"])[1])
-    act = params["activation"]
-    per_row = 2 + len(wg) + (REGISTRY[act].backward_saves if act in REGISTRY else 1)
-    return math.prod(group.shape) * f * per_row / max(math.prod(x.shape), 1)
+    contracted, hidden = roles(x.dims, wi.dims, params["dim"])
+    c, f = (math.prod(wi.shape[wi.dims.index(d)] for d in ds) for ds in (contracted, hidden))
+    rows = saved_rows(math.prod(group.shape), wi.shape[wi.dims.index(params["dim"])])
+    return rows * (c + f * (1 + len(wg))) / max(math.prod(x.shape), 1)
 
 
 _grouped_ffn = primitive(
@@ -150,7 +152,7 @@ _grouped_ffn = primitive(
     cost_rule=_ffn_cost,
     matmul=True,
     combines_inputs=True,
-    # its backward pass reads its inputs and saves its hidden layers (`_hidden_saves`)
+    # its backward pass reads its inputs and saves its sorted rows and products (`_hidden_saves`)
     backward_reads="inputs",
     backward_saves=lambda ins, params: _hidden_saves(ins, params),
     # the products' gradients: each product's input's and its weight's, twice the forward

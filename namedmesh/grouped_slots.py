@@ -5,8 +5,8 @@ load, its rows sorted by group once, in one of two ways chosen at run time (a co
   to 8: `slot_capacity`): the rows gathered into a (groups, cap, c) buffer of slots,
   the whole FFN as batched matmuls (XLA's plain dots, forward and backward);
 - else (an uneven load, or at most half the rows inside: an expert-split shard): the
-  sorted rows by one loop over each group's blocks (`loop_blocks`: big ones, then a
-  small one for the tail), the whole FFN a block, each weight sliced once per group.
+  sorted rows by one loop over each group's blocks (`loop_blocks`: big ones, then
+  halves for the tail), the whole FFN a block, each weight sliced once per group.
 
 Its gradient is written out (a custom vjp) rather than jax's of the composition, for
 what that cost (docs/benchmarks.md, "MoE experts' path (issue 40)"): jax's gradient of
@@ -39,10 +39,13 @@ def slot_capacity(rows: int, groups: int) -> int:
 
 def loop_blocks(rows: int, groups: int) -> tuple[int, ...]:
     """The loop's row blocks, largest first: a power of two up to 256 and at most an even
-    share of the rows (a group's rows go by whole blocks of it), then an eighth of it
-    (at least 8) for the rest, the last rounding up."""
+    share of the rows (a group's rows go by whole blocks of it), then its half and
+    quarter (at most one each) and its eighth (at least 8; two at most, the last
+    rounding up): a group's tail in at most four blocks, not up to eight eighths (each
+    block adds its group's whole weight gradients once: Mixtral's FFN 0.82-0.92 of
+    (top, top / 8)'s time, docs/benchmarks.md "MoE experts' path")."""
     top = min(256, max(8, 1 << max(0, (rows // groups).bit_length() - 1)))
-    return tuple(dict.fromkeys((top, max(8, top // 8))))
+    return tuple(dict.fromkeys(max(8, top >> i) for i in range(4)))
 
 
 def sorted_slots(g, groups: int, cap: int):
@@ -135,6 +138,12 @@ def _products(spec, rows, wi, wg):
 def _hidden(act, products):
     h = act(products[0])
     return h * products[1] if len(products) == 2 else h
+
+
+def saved_rows(rows: int, groups: int) -> int:
+    """Rows of each buffer the kernel's backward pass keeps for `rows` rows in `groups`
+    groups (the rows themselves and the hidden layer's products: `_ffn_forward`)."""
+    return _saved_rows(rows, groups, slot_capacity(rows, groups), loop_blocks(rows, groups))
 
 
 def _saved_rows(n: int, groups: int, cap: int, blocks) -> int:

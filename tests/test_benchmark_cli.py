@@ -27,6 +27,8 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unkn
     ("long_seq", ["--kinds", "fused;flash"]),
     ("honest", ["--rounds", "0"]),
     ("experts_slots", ["--rounds", "0"]),
+    ("experts_slots", ["--before", "no-such-revision"]),
+    ("experts_profile", ["--size", "huge"]),
 ]
 
 

@@ -7,7 +7,9 @@ devices, with the experts split where the rows are (each row routed to its exper
 device once) or not, and the hidden layer split, gives NumPy's values and the
 gradients of a dense one-hot statement."""
 
+import contextlib
 import functools
+import io
 import math
 
 import jax
@@ -113,10 +115,9 @@ def dense_loss(x, wi, wo, wg, g):
 
 
 # G runs jax's loop of blocks (expert 1 past its slots); G_EVEN its slots (every expert
-# within them, a fifth of the rows outside); G_ONE every choice of expert 2 but a few
-# outside the range: the load no even share bounds (dropless must stay exact)
+# within them, a fifth of the rows outside); test_gradients_at_any_load also puts every
+# choice on expert 2 but a few outside the range: the load no even share bounds
 G_EVEN = (np.arange(G.size) % 5 - 1).reshape(G.shape).astype(np.int32)
-G_ONE = np.where(R.random(G.shape) < 0.1, -1, 2).astype(np.int32)
 dense_value_and_grads = jax.jit(jax.value_and_grad(dense_loss, (0, 1, 2, 3)))
 
 
@@ -126,13 +127,20 @@ def dense_grads():
 
 
 def test_gradients_at_any_load():
-    """On one device, the value and gradients of the dense one-hot statement's: by the
-    slots (an even load) and by the loop (every choice on one expert)."""
+    """On one device, the value and gradients of the dense one-hot statement's, 512 rows
+    (one program): by the slots (an even load), by the loop (every choice on one
+    expert), and by the loop at G's uneven load, each group's rows in blocks of 128, 64,
+    32 and 16 rows (grouped_slots.loop_blocks; 48 rows would be blocks of 8 only)."""
     loss = lambda x, wi, wo, wg, g: jnp.sum(jnp.sin(named(x, wi, wo, g, wg).data))  # noqa: E731
     grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
-    for g in (G_EVEN, G_ONE):
-        value, grads = grad(X, WI, WO, WG, g)
-        want, wants = dense_value_and_grads(X, WI, WO, WG, g)
+    x = R.normal(size=(64, 4, 5)).astype(np.float32) * 0.5
+    shape = x.shape[:2] + (2,)
+    even = (np.arange(math.prod(shape)) % 5 - 1).reshape(shape)
+    one = np.where(R.random(shape) < 0.1, -1, 2)
+    uneven = R.choice([-1, 0, 1, 2, 3, 4], size=shape, p=[0.05, 0.1, 0.6, 0.05, 0.15, 0.05])
+    for g in (even, one, uneven):
+        value, grads = grad(x, WI, WO, WG, g.astype(np.int32))
+        want, wants = dense_value_and_grads(x, WI, WO, WG, g.astype(np.int32))
         np.testing.assert_allclose(value, want, rtol=1e-5)
         for name, a, b in zip(("x", "wi", "wo", "wg"), grads, wants, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
@@ -151,3 +159,26 @@ def test_lowered_values_and_gradients(layout):
     np.testing.assert_allclose(value, np.sin(oracle(X, G, "silu", True)).sum(), rtol=1e-5)
     for name, a, b in zip(("x", "wi", "wo", "wg"), grads, dense_grads(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_memory_estimate_counts_what_the_kernel_saves(gated):
+    """The primitive's `backward_saves` (the memory estimate's count, in x's sizes) is
+    what the kernel (namedmesh/grouped_slots.py) keeps for its backward pass: the float
+    residuals jax reports it made (`print_saved_residuals`; the weights, inputs, apart).
+    """
+    from jax.ad_checkpoint import print_saved_residuals
+
+    wg = WG if gated else None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda x: named(x, WI, WO, G, wg).data.sum(), X)
+    kept = [line.split()[0] for line in out.getvalue().splitlines()
+            if line.startswith("f32[") and "grouped_slots.py" in line]  # fmt: skip
+    kept = sum(math.prod(map(int, s[4:-1].split(","))) for s in kept)
+    ins = tuple(nm.tensor(a, d) for a, d in zip((X, WI, WO, G, wg), DIMS, strict=True)
+                if a is not None)  # fmt: skip
+    declared = nm.REGISTRY["grouped_ffn"].backward_saves(
+        ins, {"dim": "experts", "activation": "silu"}
+    )
+    assert kept == pytest.approx(declared * X.size), out.getvalue()
