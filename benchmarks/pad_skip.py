@@ -70,8 +70,9 @@ def compiled_step(layers: int, skip: bool, width: int = 64, length: int = 32):
     from lowering import Mesh, emit, lower
     from models import catalog, transformer
 
-    cfg = catalog.get("tiny").replace(layers=layers, length=length, batch=16, d_model=width,
-                                      heads=width // 16, d_ff=4 * width)
+    cfg = catalog.get("tiny").replace(
+        layers=layers, length=length, batch=16, d_model=width, heads=width // 16, d_ff=4 * width
+    )
     params = transformer.init(transformer.lm_shapes(cfg), 0)
     batch = _batch(cfg)
     lowered = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh(MESH), LAYOUT)
