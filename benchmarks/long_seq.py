@@ -53,10 +53,12 @@ SECTION = "## Long sequences: training-step memory, estimate vs XLA"
 TORCH_SECTION = "## Long sequences: training-step time against PyTorch's SDPA"
 
 
-def lm_batch(cfg, length: int) -> dict:
+def lm_batch(cfg, length: int, rows: int = 1) -> dict:
+    """`rows` sequences of `length` random tokens (seed 0): the LM's inputs, their next
+    tokens as targets, every weight 1."""
     r = np.random.default_rng(0)
-    tok = r.integers(0, cfg.vocab, (1, length + 1)).astype(np.int32)
-    ones = np.ones((1, length), np.float32)
+    tok = r.integers(0, cfg.vocab, (rows, length + 1)).astype(np.int32)
+    ones = np.ones((rows, length), np.float32)
     return {
         k: nm.tensor(v, ("batch", "length"))
         for k, v in (("inputs", tok[:, :-1]), ("targets", tok[:, 1:]), ("weights", ones))

@@ -48,25 +48,12 @@ SIDES = {  # name -> (layers, pads skipped)
 }
 
 
-def _batch(cfg):
-    import numpy as np
-
-    import namedmesh as nm
-
-    tok = np.random.default_rng(0).integers(0, cfg.vocab, size=(cfg.batch, cfg.length + 1))
-    dims = ("batch", "length")
-    return {
-        "inputs": nm.tensor(tok[:, :-1].astype(np.int32), dims),
-        "targets": nm.tensor(tok[:, 1:].astype(np.int32), dims),
-        "weights": nm.tensor(np.ones((cfg.batch, cfg.length), np.float32), dims),
-    }
-
-
 def compiled_step(layers: int, skip: bool, width: int = 64, length: int = 32):
     """(the compiled training step, its parameters, its HLO's conditional count, loss):
     the tiny LM at d_model `width` (d_ff 4x, d_kv 16), batch 16 x `length`."""
     import jax
 
+    from benchmarks.long_seq import lm_batch
     from lowering import Mesh, emit, lower
     from models import catalog, transformer
 
@@ -74,7 +61,7 @@ def compiled_step(layers: int, skip: bool, width: int = 64, length: int = 32):
         layers=layers, length=length, batch=16, d_model=width, heads=width // 16, d_ff=4 * width
     )
     params = transformer.init(transformer.lm_shapes(cfg), 0)
-    batch = _batch(cfg)
+    batch = lm_batch(cfg, cfg.length, cfg.batch)
     lowered = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh(MESH), LAYOUT)
     step = jax.jit(jax.value_and_grad(lambda p: lowered(p, batch).data))
     switch = mock.patch.object(emit, "_skipping", lambda body, ys: body)

@@ -33,20 +33,12 @@ LAYOUTS = [  # (name, mesh, layout)
 
 
 def _model():
-    import numpy as np
-
-    import namedmesh as nm
+    from benchmarks.long_seq import lm_batch
     from models import catalog, transformer
 
     cfg = catalog.get("tiny").replace(layers=8, length=32, batch=16)
     params = transformer.init(transformer.lm_shapes(cfg), 0)
-    tok = np.random.default_rng(0).integers(0, cfg.vocab, size=(cfg.batch, cfg.length + 1))
-    dims = ("batch", "length")
-    batch = {
-        "inputs": nm.tensor(tok[:, :-1].astype(np.int32), dims),
-        "targets": nm.tensor(tok[:, 1:].astype(np.int32), dims),
-        "weights": nm.tensor(np.ones((cfg.batch, cfg.length), np.float32), dims),
-    }
+    batch = lm_batch(cfg, cfg.length, cfg.batch)
     return cfg, params, batch, lambda p, b: transformer.lm_loss(p, b, cfg)
 
 
