@@ -144,16 +144,14 @@ def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = N
     recomputed iteration)."""
     held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
-    terms = _saved_terms(graph, frozenset(active), held, False, False, False)
+    terms = _saved_terms(graph, frozenset(active), held, False, False)
     saved, working = _peak(terms, local_bytes, shares or {})
     grads = sum(local_bytes(v) for v in wrt)
     return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates
-def _saved_terms(
-    graph, active: frozenset, held: frozenset, fused: bool, loop: bool, in_place: bool
-) -> tuple:
+def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: bool) -> tuple:
     """What `_saved` and `_peak` sum, as graph values whose bytes the layout decides:
     (per equation in order, (its index, a scan's terms ("scan", eqn, length, remat,
     body terms, carry, matmul outputs, loop invariants) or ("save", factor, value));
@@ -168,11 +166,12 @@ def _saved_terms(
     per iteration: a primitive that declares what it must read at the least
     (`least_reads`) holds just that (a softmax its probabilities, which the einsum
     after it reads too: one buffer; unrolled, XLA keeps the logits beside them).
-    `in_place`: the graph is a scan's body (a loop's, remat's recomputed iteration, an
-    unrolled stack's), where an op's backward writes its input's cotangent over its
-    output's (`_in_place`): at attention's softmax XLA holds the probabilities and one
-    cotangent (tiny 1024 full/full, besides the mask; full/none on one device, beside
-    the saved values). The top-level program's loss head keeps both."""
+    A scan's body (`fused` or `loop`: a loop's, remat's recomputed iteration, an unrolled
+    stack's) has an op's backward write its input's cotangent over its output's
+    (`_in_place`): at attention's softmax XLA holds the probabilities and one cotangent
+    (tiny 1024 full/full, besides the mask; full/none on one device, beside the saved
+    values). The top-level program (neither) keeps both at its loss head."""
+    in_place = fused or loop
     adds, working, first = [], [], {}
     active = active & _reaching(graph)
     for i, e in enumerate(graph.eqns):
@@ -281,7 +280,7 @@ def _scan_terms(e, active: set) -> tuple:
     # recomputation into the backward pass's ops where a loop stores them; and it merges
     # remat's recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
     remat = "none" if unrolled else remat
-    terms = _saved_terms(body, frozenset(inner), held, unrolled, not unrolled, True)
+    terms = _saved_terms(body, frozenset(inner), held, unrolled, not unrolled)
     dots = tuple(v for v in _needed_dots(body, terms) if v in inner)
     carry = tuple(body.inputs[:nc])
     return ("scan", e, e.params["length"], remat, terms, carry, dots, _invariants(body))
