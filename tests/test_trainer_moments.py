@@ -33,7 +33,8 @@ OPTIMIZERS = {
 
 @functools.cache
 def trainer(name: str, replicated: bool = False) -> Trainer:
-    """One Trainer (one compiled step) per optimizer and state layout."""
+    """One Trainer (one compiled step) per optimizer and state layout: `replicated`
+    only keys the cache, so a replicated state's step compiles apart from a split one's."""
     return Trainer(zoo.get("lm"), CFG, Mesh(SIZES), LAYOUT, TrainSpec(OPTIMIZERS[name]))
 
 
