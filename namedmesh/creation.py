@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from namedmesh.checks import fits_dtype
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims, parse_sizes
@@ -36,7 +37,9 @@ def full(sizes: Mapping[str, int], value, dtype=None) -> Tensor:
         dtype = {bool: bool, int: np.int32, float: np.float32}.get(
             type(value), np.result_type(value)
         )
-    return bind(_full, dims=dims, shape=shape, value=value, dtype=native_dtype(dtype))
+    dtype = native_dtype(dtype)
+    fits_dtype("full", "value", value, dtype)
+    return bind(_full, dims=dims, shape=shape, value=value, dtype=dtype)
 
 
 def zeros(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.special
 
-from namedmesh.checks import axis_of, require_dims
+from namedmesh.checks import axis_of, integer, require_dims, require_nonempty
 from namedmesh.eager import remembered
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import sort_key
@@ -43,10 +43,18 @@ def _reduction_cost(in_avals, out_avals, params) -> Cost:
 
 
 def _make_reduction(
-    name, np_fn, jnp_fn, dtype_rule=lambda dt: dt, reads="nothing", saves=0, ufunc=None
+    name,
+    np_fn,
+    jnp_fn,
+    dtype_rule=lambda dt: dt,
+    reads="nothing",
+    saves=0,
+    ufunc=None,
+    identity=True,
 ):
     """A reduction primitive and its public op; `ufunc`, the one whose `reduce` `np_fn`
-    calls on an ndarray (np.sum's np.add), is the eager kernel, without np_fn's Python."""
+    calls on an ndarray (np.sum's np.add), is the eager kernel, without np_fn's Python.
+    A reduction without an `identity` (max, min) refuses a dim of size 0."""
 
     def shape_rule(x, axes):
         dims, shape = _kept(x, axes)
@@ -67,7 +75,10 @@ def _make_reduction(
     )
 
     def op(x: Tensor, dims: DimsLike | None = None) -> Tensor:
-        return bind(prim, x, axes=axes_of(x, dims, name))
+        axes = axes_of(x, dims, name)
+        if not identity:
+            require_nonempty(name, x, axes)
+        return bind(prim, x, axes=axes)
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"`{name}` over `dims` (all dims when None); the reduced dims leave the result."
@@ -84,8 +95,8 @@ def _sum_dtype(dt):
 
 sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype, ufunc=np.add)
 prod = _make_reduction("prod", np.prod, jnp.prod, _sum_dtype, reads="both", ufunc=np.multiply)
-max = _make_reduction("max", np.max, jnp.max, reads="both", ufunc=np.maximum)
-min = _make_reduction("min", np.min, jnp.min, reads="both", ufunc=np.minimum)
+max = _make_reduction("max", np.max, jnp.max, reads="both", ufunc=np.maximum, identity=False)
+min = _make_reduction("min", np.min, jnp.min, reads="both", ufunc=np.minimum, identity=False)
 mean = _make_reduction("mean", np.mean, jnp.mean, float_result)
 any = _make_reduction("any", np.any, jnp.any, lambda dt: np.dtype(bool))
 all = _make_reduction("all", np.all, jnp.all, lambda dt: np.dtype(bool))
@@ -218,13 +229,17 @@ _argmin = primitive(
 @remembered
 def argmax(x: Tensor, dim: str) -> Tensor:
     """Index (int32) of the largest value along `dim`, first one on ties."""
-    return bind(_argmax, x, axis=axis_of(x, dim, "argmax"))
+    axis = axis_of(x, dim, "argmax")
+    require_nonempty("argmax", x, (axis,))
+    return bind(_argmax, x, axis=axis)
 
 
 @remembered
 def argmin(x: Tensor, dim: str) -> Tensor:
     """Index (int32) of the smallest value along `dim`, first one on ties."""
-    return bind(_argmin, x, axis=axis_of(x, dim, "argmin"))
+    axis = axis_of(x, dim, "argmin")
+    require_nonempty("argmin", x, (axis,))
+    return bind(_argmin, x, axis=axis)
 
 
 def _top_k_rule(x, axis, k, new_dim):
@@ -270,7 +285,8 @@ def top_k(x: Tensor, dim: str, k: int, new_dim: str | None = None) -> tuple[Tens
     new_dim = dim if new_dim is None else new_dim
     if new_dim != dim and new_dim in x.dims:
         raise ShapeError(f"top_k: new_dim {new_dim!r} is already a dim of the tensor {x.dims}")
-    if not isinstance(k, int) or not 1 <= k <= x.shape[axis]:
+    k = integer("top_k", "k", k)
+    if not 1 <= k <= x.shape[axis]:
         raise ShapeError(f"top_k: k={k!r} must be in [1, {x.shape[axis]}], the size of {dim!r}")
     return bind(_top_k, x, axis=axis, k=k, new_dim=new_dim)
 

@@ -16,6 +16,7 @@ from namedmesh.checks import (
     agreed_sizes,
     axis_of,
     did_you_mean,
+    fits_dtype,
     integer,
     names_not_positions,
     require_dims,
@@ -310,6 +311,7 @@ def pad(x: Tensor, widths: Mapping[str, int | tuple[int, int]], value=0) -> Tens
         if lo < 0 or hi < 0:
             raise ShapeError(f"pad: negative width {w!r} for dim {d!r}")
         pairs.append((lo, hi))
+    fits_dtype("pad", "value", value, x.dtype)
     return bind(_pad, x, widths=tuple(pairs), value=value)
 
 
@@ -348,6 +350,7 @@ def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tenso
     """
     axis = axis_of(x, dim, "shift")
     offset = integer("shift", "offset", offset)
+    fits_dtype("shift", "fill", fill, x.dtype)
     return bind(_shift, x, axis=axis, offset=offset, wrap=bool(wrap), fill=fill)
 
 

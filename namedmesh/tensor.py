@@ -14,7 +14,7 @@ import numpy as np
 from namedmesh import numpy_dispatch
 from namedmesh.avals import TRACES, Aval, Var, fmt_aval, is_jax_array
 from namedmesh.checks import names_not_positions, require_dims
-from namedmesh.errors import ShapeError
+from namedmesh.errors import DtypeError, ShapeError
 
 DimsLike = str | Iterable[str]
 
@@ -61,7 +61,10 @@ def native_order(array: np.ndarray) -> np.ndarray:
 def native_dtype(dtype) -> np.dtype:
     """np.dtype(dtype) in the machine's byte order: a dtype argument of '>f4' makes the
     native float32, as `native_order` makes its arrays."""
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:  # (NumPy's "data type 'foo' not understood")
+        raise DtypeError(f"{dtype!r} is not a dtype: {e}") from None
     return dt if dt.isnative else dt.newbyteorder("=")
 
 

@@ -1,0 +1,148 @@
+"""The language's edges that a fuzz of dtypes, sizes and values found silently different
+from NumPy (or failing with a bare NumPy/jax error), each held to NumPy on every path:
+integer division by 0, var/std with ddof >= the count, reductions without an identity
+over an empty dim, Python scalars that do not fit an integer dtype, nm.random.integers'
+range and uniform's upper bound in low precision."""
+
+import functools
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from lowering import Mesh, lower
+
+MESH = Mesh({"x": 4})
+INTS = ["bool", "int8", "uint8", "int16", "int32", "uint32"]
+NUMER = [7, -7, -128, -128, 0, 5, 127, -1]  # (clipped into each dtype's range)
+DENOM = [0, 0, -1, 0, 0, -3, -1, 2]  # zeros, and -1 below the minimum (wraps in NumPy)
+
+
+def ints(dtype, values):
+    if dtype == "bool":
+        return np.array(values, dtype=np.int64) != 0
+    info = np.iinfo(dtype)
+    return np.clip(np.array(values), info.min, info.max).astype(dtype)
+
+
+def divisions(xs, ys):
+    return {d: (nm.floor_divide(xs[d], ys[d]), nm.mod(xs[d], ys[d])) for d in INTS}
+
+
+@functools.cache
+def division_paths():
+    """floor_divide and mod of every integer dtype: one program per path."""
+    xs = {d: nm.tensor(ints(d, NUMER), "i") for d in INTS}
+    ys = {d: nm.tensor(ints(d, DENOM), "i") for d in INTS}
+    return {
+        "eager": divisions(xs, ys),
+        "jit": jax.jit(divisions)(xs, ys),
+        "lowered": lower(divisions, MESH, "i:x")(xs, ys),
+    }
+
+
+@pytest.mark.parametrize("path", ["eager", "jit", "lowered"])
+def test_integer_floor_divide_and_mod_by_zero_equal_numpy(path):
+    """x // 0 and x % 0 are 0 for integers in NumPy; XLA's division gave -2 (-1 floored),
+    and all ones unsigned, under jit and lowered."""
+    for dtype, (quotient, remainder) in division_paths()[path].items():
+        a, b = ints(dtype, NUMER), ints(dtype, DENOM)
+        with np.errstate(all="ignore"):
+            want_q, want_r = np.floor_divide(a, b), np.mod(a, b)
+        assert quotient.dtype == remainder.dtype == a.dtype  # (NumPy's bool // bool: int8)
+        np.testing.assert_array_equal(np.asarray(quotient.data).astype(int), want_q, dtype)
+        np.testing.assert_array_equal(np.asarray(remainder.data).astype(int), want_r, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:Degrees of freedom", "ignore::RuntimeWarning")
+def test_var_and_std_with_ddof_at_least_the_count_equal_numpy():
+    """NumPy divides by max(count - ddof, 0): inf, or NaN for 0 / 0; jax gave NaN."""
+    x = nm.tensor(np.array([[1, 2, 3, 4, 5, 6, 7, 8], [3] * 8], np.float32), "r d")
+    moments = lambda t: [f(t, "d", ddof=k) for f in (nm.var, nm.std) for k in (7, 8, 9)]
+    want = [
+        f(x.data.astype(np.float64), axis=1, ddof=k) for f in (np.var, np.std) for k in (7, 8, 9)
+    ]
+    with np.errstate(all="ignore"):
+        paths = {
+            "eager": moments(x),
+            "jit": jax.jit(moments)(x),
+            "lowered": lower(moments, MESH, "d:x")(x),
+        }
+    for path, got in paths.items():
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g.data), w, rtol=1e-6, err_msg=path)
+
+
+@pytest.mark.parametrize("op", ["max", "min", "argmax", "argmin"])
+def test_reductions_without_identity_over_an_empty_dim_raise_shape_error(op):
+    """NumPy and jax raise a bare ValueError; so did namedmesh, eagerly and traced."""
+    x = nm.zeros({"r": 2, "d": 0})
+    for call in (
+        lambda: getattr(nm, op)(x, "d"),
+        lambda: nm.trace(lambda t: getattr(nm, op)(t, "d"), x),
+    ):
+        with pytest.raises(
+            nm.ShapeError, match=rf"{op}: dim 'd' of the tensor \(r: 2, d: 0\) has size 0"
+        ):
+            call()
+    assert getattr(nm, op)(nm.zeros({"r": 0, "d": 2}), "d").shape == (0,)  # as NumPy
+
+
+def test_python_ints_that_do_not_fit_an_integer_dtype_raise_dtype_error():
+    u8 = nm.tensor(np.array([1, 5, 250], np.uint8), "i")
+    cases = [
+        (
+            lambda: u8 + 300,
+            "add: the scalar 300 does not fit uint8, the dtype of the tensor (i: 3)",
+        ),
+        (lambda: u8 * -1, "multiply: the scalar -1 does not fit uint8"),
+        (lambda: nm.full({"i": 2}, 128, np.int8), "full: value 128 does not fit int8"),
+        (lambda: nm.pad(u8, {"i": 1}, value=-1), "pad: value -1 does not fit uint8"),
+        (lambda: nm.shift(u8, "i", 1, fill=256), "shift: fill 256 does not fit uint8"),
+        (lambda: nm.random.integers(0, {"i": 2}, 0, 1000, np.int8), "integers: high - 1 999"),
+    ]
+    for call, message in cases:
+        with pytest.raises(nm.DtypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            call()
+    # A clip bound beyond the dtype's range bounds nothing, as np.clip
+    np.testing.assert_array_equal(nm.clip(u8, -2, 300).data, np.clip(u8.data, -2, 300))
+    np.testing.assert_array_equal(nm.clip(u8, -2, 3).data, np.clip(u8.data, -2, 3))
+    with pytest.raises(nm.DtypeError, match="'float33' is not a dtype"):
+        u8.astype("float33")
+
+
+def test_random_integers_cover_wide_ranges_evenly_and_stay_inside_them():
+    """The hash word modulo the range's width favoured low values (a third of [0, 3 * 2**30)
+    drew half the values) and, added in int32, wrapped past its top to negative values."""
+    wide = nm.random.integers(1, {"n": 60_000}, 0, 3 * 2**30, np.uint32).data.astype(np.int64)
+    assert abs(np.mean(wide < 2**30) - 1 / 3) < 0.01 and abs(np.mean(wide >= 2**31) - 1 / 3) < 0.01
+    top = nm.random.integers(2, {"n": 60_000}, 2**31 - 3 * 2**29, 2**31 - 1).data.astype(np.int64)
+    assert top.min() >= 2**31 - 3 * 2**29 and abs(np.mean(top < 2**31 - 2**30) - 1 / 3) < 0.01
+    every = nm.random.integers(3, {"n": 60_000}, -(2**31), 2**31).data  # 2**32 values
+    assert every.dtype == np.int32 and every.min() < -(2**30) and every.max() > 2**30
+    small = nm.random.integers(4, {"n": 70_000}, -3, 4, np.int8).data
+    assert small.dtype == np.int8 and np.all(np.abs(np.bincount(small + 3) / 70_000 - 1 / 7) < 0.01)
+    with pytest.raises(nm.DtypeError, match="integers: dtype must be an integer dtype"):
+        nm.random.integers(0, {"n": 2}, 0, 3, np.float32)
+
+
+@pytest.mark.parametrize(
+    "dtype, low, high",
+    [(ml_dtypes.bfloat16, 0.0, 1.0), (np.float16, 2.0, 3.0), (np.float32, 2.0, 3.0)],
+)
+def test_random_uniform_stays_below_maxval_in_every_float_dtype(dtype, low, high):
+    """lo + u * (hi - lo) rounded to hi in the dtype: bfloat16's 1.0, one in 500 draws."""
+    u = nm.random.uniform(5, {"n": 50_000}, low, high, dtype)
+    values = u.data.astype(np.float64)
+    assert u.dtype == dtype and values.min() >= low and values.max() < high
+    with pytest.raises(nm.DtypeError, match="normal: dtype must be a float dtype, got int32"):
+        nm.random.normal(0, {"n": 2}, np.int32)
+
+
+def test_random_key_refuses_a_seed_beyond_64_bits():
+    """key(2**64) was key(0): its high bits were dropped."""
+    assert not np.array_equal(nm.random.key(2**64 - 1).data, nm.random.key(0).data)
+    with pytest.raises(nm.ShapeError, match="seed 18446744073709551616 does not fit 64 bits"):
+        nm.random.key(2**64)
