@@ -29,17 +29,21 @@ def integer(op: str, what: str, value, low: int | None = None) -> int:
 
 
 def fits_dtype(op: str, what: str, value, dtype, whose: str = "") -> None:
-    """DtypeError when `value`, a Python int, is outside the integer `dtype`'s range (NumPy
-    and jax raise a bare OverflowError; a wrapped value would be a silent wrong answer).
-    Any other value converts as NumPy converts it. `whose` says where the dtype is from."""
+    """DtypeError when `value`, an int or float, is outside the integer `dtype`'s range
+    once truncated, or NaN (NumPy and jax raise a bare OverflowError, or fill in the
+    dtype's minimum). A float in range is truncated toward 0, as NumPy converts it.
+    `whose` says where the dtype is from."""
     dt = np.dtype(dtype)
-    if dt.kind not in "iu" or isinstance(value, bool) or not isinstance(value, int):
+    if dt.kind not in "iu" or isinstance(value, bool | np.bool_):
         return
+    if not isinstance(value, int | float | np.integer | np.floating):
+        return  # (a Tensor or array value is the op's to check)
     info = np.iinfo(dt)
-    if not info.min <= value <= info.max:
+    finite = not isinstance(value, float | np.floating) or bool(np.isfinite(value))
+    if not finite or not info.min <= int(value) <= info.max:  # (int(): toward 0)
         raise DtypeError(
-            f"{op}: {what} {value} does not fit {dt.name}{whose} (from {info.min} to {info.max}); "
-            f"use a wider dtype (astype) or a value in range"
+            f"{op}: {what} {value} does not fit {dt.name}{whose} (from {info.min} to "
+            f"{info.max}); use a wider dtype (astype) or a value in range"
         )
 
 

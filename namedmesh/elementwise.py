@@ -9,6 +9,7 @@ fit it (a float scalar with an integer tensor gives float32).
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -183,7 +184,11 @@ def _make_nary(
         numpy_kernel=_nary_kernel(np_fn),
     )
 
+    n_operands = _arity(np_fn)
+
     def op(*xs) -> Tensor:
+        if len(xs) != n_operands:  # (traced, nothing else would count them)
+            raise ArgumentError(f"{name} takes {n_operands} operand(s), got {len(xs)}")
         ts = operands(*xs, op=name, like_from=like_from)
         out_dims, _ = broadcast_dims(ts, name)
         return bind(prim, *ts, in_dims=tuple(t.dims for t in ts), out_dims=out_dims)
@@ -192,6 +197,17 @@ def _make_nary(
     op.__doc__ = f"Elementwise `{name}`, broadcasting by name."
     op.primitive = prim
     return remembered(op)
+
+
+def _arity(np_fn) -> int:
+    """How many operands the NumPy function takes: a ufunc's nin, else its parameters
+    without a default (np.round's decimals has one)."""
+    if isinstance(np_fn, np.ufunc):
+        return np_fn.nin
+    if np_fn is np.where:
+        return 3
+    params = inspect.signature(np_fn).parameters.values()
+    return sum(p.default is inspect.Parameter.empty for p in params)
 
 
 def _same(*dts):
@@ -422,10 +438,21 @@ def _convert_rule(x, dtype):
     return Aval(x.dims, x.shape, dtype)
 
 
+def _convert_np(x, dtype):
+    """x.astype(dtype), a float to an integer as XLA converts it: toward 0, saturated at
+    the integer's range, NaN to 0 (NumPy's cast of a float it cannot hold is undefined:
+    300.0 gave 44 in int8, NaN and inf int32's minimum, where jax gives 127, 0, the max)."""
+    if not is_inexact(x.dtype) or np.dtype(dtype).kind not in "iu":
+        return x.astype(dtype)
+    info = np.iinfo(dtype)
+    wide = np.trunc(x.astype(np.float64))  # (float64 holds every int32 and uint32 bound)
+    return np.nan_to_num(np.clip(wide, info.min, info.max), nan=0).astype(dtype)
+
+
 _convert = primitive(
     "convert",
     _convert_rule,
-    lambda x, dtype: x.astype(dtype),
+    _convert_np,
     lambda x, dtype: x.astype(dtype),
     backward_reads="nothing",
 )

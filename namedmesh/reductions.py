@@ -153,10 +153,17 @@ def softmax_jax(x, axes):
     return jax.nn.softmax(x, axis=axes)
 
 
+def _normalization_np(fn):
+    """scipy's softmax or log_softmax; an empty x as it is (scipy's max of nothing raises
+    where jax's softmax gives the empty result)."""
+    run = _scipy(fn)
+    return lambda x, axes: x.astype(float_result(x.dtype)) if x.size == 0 else run(x, axes)
+
+
 _softmax = primitive(
     "softmax",
     _same_rule,
-    lambda x, axes: _scipy(scipy.special.softmax)(x, axes),
+    _normalization_np(scipy.special.softmax),
     softmax_jax,
     cost_rule=normalization_cost,
     backward_reads="nothing",
@@ -167,7 +174,7 @@ _softmax = primitive(
 _log_softmax = primitive(
     "log_softmax",
     _same_rule,
-    lambda x, axes: _scipy(scipy.special.log_softmax)(x, axes),
+    _normalization_np(scipy.special.log_softmax),
     lambda x, axes: log_softmax_jax(x, axes),
     cost_rule=normalization_cost,
     backward_reads="nothing",
@@ -187,7 +194,8 @@ def log_softmax_jax(x, axes):
     """scipy.special.log_softmax's formula in jax (jax.nn.log_softmax differs on
     infinities: [0, inf] gives [-inf, nan] here and in scipy, [nan, nan] there)."""
     x = x.astype(float_result(np.dtype(x.dtype)))
-    shifted = finite_shift(x, jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True)))
+    m = jnp.max(x, axis=axes, keepdims=True, initial=-jnp.inf)  # (initial: an empty x)
+    shifted = finite_shift(x, jax.lax.stop_gradient(m))
     return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True))
 
 

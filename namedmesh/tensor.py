@@ -68,6 +68,18 @@ def native_dtype(dtype) -> np.dtype:
     return dt if dt.isnative else dt.newbyteorder("=")
 
 
+# Object, string, bytes and date dtypes: jax has none of them (bfloat16's kind, "V", is
+# numbers)
+_NOT_NUMBERS = "OUSMm"
+
+
+def _as_array(data) -> np.ndarray:
+    try:
+        return np.asarray(data)
+    except ValueError as e:  # (a ragged list: "inhomogeneous shape")
+        raise ShapeError(f"nm.tensor(data, dims): data is not an array: {e}") from None
+
+
 # nm.rename, which Tensor(traced value, new dims) records: namedmesh/structural.py,
 # which defines it above Tensor (it binds a primitive), registers it on import, so that
 # Tensor imports nothing above it (that import would close a circle through eager.py)
@@ -92,11 +104,18 @@ class Tensor:
 
     def __init__(self, data, dims: DimsLike):
         """`data` (array-like) with one name per axis; ShapeError when the count differs."""
+        if dims is None:
+            raise ShapeError("nm.tensor(data, dims): dims must name every axis, got None")
         dims = parse_dims(dims, "nm.tensor(data, dims)")
         if not isinstance(data, np.ndarray | Var | jax.ShapeDtypeStruct) and not is_jax_array(data):
-            data = np.asarray(data)
+            data = _as_array(data)
         if isinstance(data, np.ndarray):
             data = native_order(data)
+            if data.dtype.kind in _NOT_NUMBERS:
+                raise DtypeError(
+                    f"nm.tensor(data, dims): data of dtype {data.dtype} ({dims}) is not "
+                    "numbers or bools, which no op computes on"
+                )
         if data.ndim != len(dims):
             raise ShapeError(
                 f"data of shape {tuple(data.shape)} has {data.ndim} axes but {len(dims)} "
