@@ -84,7 +84,11 @@ def arange(dim: str, n: int, start=0, step=1, dtype=None) -> Tensor:
         raise ShapeError(f"arange: size of dim {dim!r} must be a non-negative int, got {n!r}")
     if dtype is None:
         dtype = np.float32 if isinstance(start, float) or isinstance(step, float) else np.int32
-    return bind(_iota, dim=dim, start=start, step=step, n=int(n), dtype=native_dtype(dtype))
+    dtype = native_dtype(dtype)
+    if n:  # (the values run from the first to the last: both must fit an integer dtype)
+        fits_dtype("arange", "start", start, dtype)
+        fits_dtype("arange", "the last value", start + step * (int(n) - 1), dtype)
+    return bind(_iota, dim=dim, start=start, step=step, n=int(n), dtype=dtype)
 
 
 def abstract(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:

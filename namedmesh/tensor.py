@@ -193,13 +193,23 @@ class Tensor:
         return self.shape[0]
 
     def __bool__(self) -> bool:
-        return bool(np.asarray(self.data))
+        return bool(self._one("bool", "use nm.any or nm.all"))
 
     def __float__(self) -> float:
-        return float(np.asarray(self.data))
+        return float(self._one("float"))
 
     def __int__(self) -> int:
-        return int(np.asarray(self.data))
+        return int(self._one("int"))
+
+    def _one(self, what: str, hint: str = "select one with isel or reduce first"):
+        """The data of a one-element Tensor; a ShapeError naming the dims otherwise
+        (NumPy's error names neither the tensor nor the way out)."""
+        if math.prod(self.shape) != 1:
+            raise ShapeError(
+                f"{what}() of a Tensor {fmt_aval(self.aval)} takes one element, it has "
+                f"{math.prod(self.shape)}: {hint}"
+            )
+        return np.asarray(self.data).reshape(())  # (NumPy 2 converts 0-d arrays only)
 
     def item(self):
         """The value of a one-element Tensor as a Python scalar (reads the data)."""

@@ -104,6 +104,7 @@ def test_python_ints_that_do_not_fit_an_integer_dtype_raise_dtype_error():
         (lambda: nm.pad(u8, {"i": 1}, value=np.inf), "pad: value inf does not fit uint8"),
         (lambda: nm.pad(u8, {"i": 1}, value=-1), "pad: value -1 does not fit uint8"),
         (lambda: nm.shift(u8, "i", 1, fill=256), "shift: fill 256 does not fit uint8"),
+        (lambda: nm.arange("i", 3, start=2**31 - 2), "arange: the last value 2147483648 does"),
         (lambda: nm.random.integers(0, {"i": 2}, 0, 1000, np.int8), "integers: high - 1 999"),
     ]
     for call, message in cases:
@@ -161,6 +162,9 @@ BAD_INPUTS = [  # (call, error type, what the message must say)
     (lambda: nm.trace(lambda t: nm.tensor(t.data.reshape(2), "d"), nm.ones({"d": 2})),
      nm.TracedValueError, "'Var' object has no attribute 'reshape'"),
     (lambda: nm.top_k(nm.ones({"d": 4}), "d", 5), nm.ShapeError, "k=5 must be in [1, 4]"),
+    (lambda: bool(nm.ones({"d": 2}) > 0), nm.ShapeError,
+     "bool() of a Tensor bool[d=2] takes one element, it has 2: use nm.any or nm.all"),
+    (lambda: float(nm.zeros({"d": 0})), nm.ShapeError, "float() of a Tensor f32[d=0]"),
     # traced, a one-operand add was recorded and failed in jax when lowered
     (lambda: nm.trace(lambda t: nm.add(t), nm.ones({"d": 2})), nm.ArgumentError,
      "add takes 2 operand(s), got 1"),
@@ -174,6 +178,7 @@ def test_bad_inputs_raise_typed_errors_that_name_the_culprit(call, error, messag
     with pytest.raises(error, match=re.escape(message)):
         call()
     assert nm.top_k(nm.ones({"d": 4}), "d", np.int64(2))[0].shape == (2,)  # a NumPy int k
+    assert int(nm.full({"a": 1, "b": 1}, 3)) == 3  # one element of any rank (NumPy 2: 0-d)
 
 
 def saturated(values, dtype) -> list[int]:
