@@ -44,7 +44,7 @@ def parse_sizes(sizes: Mapping[str, int], op: str) -> tuple[tuple[str, ...], tup
         raise ShapeError(f"{op}: sizes must be a mapping dim -> size, got {sizes!r}")
     dims = parse_dims(tuple(sizes), op)
     for d, s in sizes.items():
-        if not isinstance(s, int | np.integer) or s < 0:
+        if not isinstance(s, int | np.integer) or isinstance(s, bool) or s < 0:
             raise ShapeError(f"{op}: size of dim {d!r} must be a non-negative int, got {s!r}")
     return dims, tuple(int(s) for s in sizes.values())
 

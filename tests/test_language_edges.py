@@ -165,6 +165,12 @@ BAD_INPUTS = [  # (call, error type, what the message must say)
     (lambda: bool(nm.ones({"d": 2}) > 0), nm.ShapeError,
      "bool() of a Tensor bool[d=2] takes one element, it has 2: use nm.any or nm.all"),
     (lambda: float(nm.zeros({"d": 0})), nm.ShapeError, "float() of a Tensor f32[d=0]"),
+    (lambda: nm.concat([nm.ones({"d": 2}), np.ones(2)], "d"), nm.ArgumentError,
+     "concat: item 1 of the list is a ndarray, not a Tensor"),
+    (lambda: nm.stack(nm.ones({"d": 2}), "s"), nm.ArgumentError, "stack: takes a list of Tensors"),
+    (lambda: nm.split(nm.ones({"d": 4}), "d", 1.5), nm.ArgumentError,
+     "split: sizes must be an int or a list of ints, got 1.5"),
+    (lambda: nm.zeros({"d": True}), nm.ShapeError, "size of dim 'd' must be a non-negative int"),
     # traced, a one-operand add was recorded and failed in jax when lowered
     (lambda: nm.trace(lambda t: nm.add(t), nm.ones({"d": 2})), nm.ArgumentError,
      "add takes 2 operand(s), got 1"),
@@ -179,6 +185,7 @@ def test_bad_inputs_raise_typed_errors_that_name_the_culprit(call, error, messag
         call()
     assert nm.top_k(nm.ones({"d": 4}), "d", np.int64(2))[0].shape == (2,)  # a NumPy int k
     assert int(nm.full({"a": 1, "b": 1}, 3)) == 3  # one element of any rank (NumPy 2: 0-d)
+    assert [p.shape for p in nm.split(nm.ones({"d": 4}), "d", np.int64(2))] == [(2,), (2,)]
 
 
 def saturated(values, dtype) -> list[int]:
