@@ -20,7 +20,7 @@ from namedmesh.checks import integer, names_not_positions, require_dims
 from namedmesh.eager import remembered
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, bind, float_result, primitive, zero_flops_cost
-from namedmesh.reductions import axes_of, normalization_cost
+from namedmesh.reductions import axes_of, normalization_cost, wide_accumulation
 from namedmesh.structural import slice_
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
@@ -128,7 +128,7 @@ def _moment(name: str):
     return primitive(
         name,
         _moment_rule,
-        lambda x, axes, ddof: np_fn(x, axis=axes, ddof=ddof),
+        wide_accumulation(lambda x, axes, ddof: np_fn(x, axis=axes, ddof=ddof)),
         _moment_jax(jnp_fn),
         cost_rule=normalization_cost,  # a mean, then a subtract, square and sum
         float_valued=True,
