@@ -11,9 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
-from namedmesh.errors import ShapeError
+from namedmesh.errors import DtypeError, ShapeError, fmt_dims
 from namedmesh.tensor import Tensor
+
+
+def _differentiable(args, argnums, op: str) -> None:
+    """DtypeError naming the argument whose leaf is not a float (jax raises a bare
+    TypeError that names no argument)."""
+    for n in (argnums,) if isinstance(argnums, int) else tuple(argnums):
+        if not -len(args) <= n < len(args):
+            continue  # (jax's own error names the position)
+        for leaf in jax.tree_util.tree_leaves(args[n], is_leaf=lambda x: isinstance(x, Tensor)):
+            dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+            if not jax.dtypes.issubdtype(dtype, np.inexact):
+                dims = f" {fmt_dims(leaf.dims, leaf.shape)}" if isinstance(leaf, Tensor) else ""
+                raise DtypeError(
+                    f"{op}: argument {n}{dims} is {dtype}, which has no gradient; "
+                    "differentiate with respect to float arguments only (argnums=)"
+                )
 
 
 def _scalar(out, op: str, has_aux: bool):
@@ -42,6 +59,7 @@ def value_and_grad(
     vg = jax.value_and_grad(unwrapped, argnums=argnums, has_aux=has_aux)
 
     def run(*args):
+        _differentiable(args, argnums, "nm.value_and_grad")
         value, grads = vg(*args)
         if has_aux:
             return (Tensor._make(value[0], ()), value[1]), grads
@@ -58,4 +76,10 @@ def grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) 
     def unwrapped(*args):
         return _scalar(fn(*args), "nm.grad", has_aux)
 
-    return jax.grad(unwrapped, argnums=argnums, has_aux=has_aux)
+    g = jax.grad(unwrapped, argnums=argnums, has_aux=has_aux)
+
+    def run(*args):
+        _differentiable(args, argnums, "nm.grad")
+        return g(*args)
+
+    return run

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from namedmesh.errors import ArgumentError, ShapeError, fmt_dims
+from namedmesh.errors import ArgumentError, DtypeError, ShapeError, fmt_dims
 
 
 def integer(op: str, what: str, value, low: int | None = None) -> int:
@@ -26,6 +26,25 @@ def integer(op: str, what: str, value, low: int | None = None) -> int:
     if low is not None and value < low:
         raise ShapeError(f"{op}: {what} must be >= {low}, got {int(value)}")
     return int(value)
+
+
+def fits_dtype(op: str, what: str, value, dtype, whose: str = "") -> None:
+    """DtypeError when `value`, an int or float, is outside the integer `dtype`'s range
+    once truncated, or NaN (NumPy and jax raise a bare OverflowError, or fill in the
+    dtype's minimum). A float in range is truncated toward 0, as NumPy converts it.
+    `whose` says where the dtype is from."""
+    dt = np.dtype(dtype)
+    if dt.kind not in "iu" or isinstance(value, bool | np.bool_):
+        return
+    if not isinstance(value, int | float | np.integer | np.floating):
+        return  # (a Tensor or array value is the op's to check)
+    info = np.iinfo(dt)
+    finite = not isinstance(value, float | np.floating) or bool(np.isfinite(value))
+    if not finite or not info.min <= int(value) <= info.max:  # (int(): toward 0)
+        raise DtypeError(
+            f"{op}: {what} {value} does not fit {dt.name}{whose} (from {info.min} to "
+            f"{info.max}); use a wider dtype (astype) or a value in range"
+        )
 
 
 def boolean(op: str, what: str, value) -> bool:
@@ -164,6 +183,17 @@ def _near_misses(dims: tuple[tuple[str, ...], ...]) -> tuple:
                 pairs.add(frozenset((d, near[0])))
                 found.append((i, d, near[0]))
     return tuple(found)
+
+
+def require_nonempty(op: str, x, axes: Iterable[int]) -> None:
+    """ShapeError when `op`, a reduction with no identity (max, min, argmax, argmin),
+    reduces `x` over a dim of size 0: NumPy and jax raise a bare ValueError there."""
+    empty = [x.dims[a] for a in axes if x.shape[a] == 0]
+    if empty:
+        raise ShapeError(
+            f"{op}: dim {empty[0]!r} of the tensor {fmt_dims(x.dims, x.shape)} has size 0, "
+            f"and {op} over no elements has no value"
+        )
 
 
 def axis_of(x, dim: str, op: str) -> int:

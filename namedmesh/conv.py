@@ -21,6 +21,7 @@ from namedmesh.einsum import spec
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import lowest
 from namedmesh.primitive import Aval, Cost, bind, is_inexact, primitive, result_dtype
+from namedmesh.reductions import wide_accumulation
 from namedmesh.tensor import Tensor
 
 
@@ -215,6 +216,7 @@ def _pool_rule(x, axes, windows, strides, pads, kind):
     return Aval(x.dims, tuple(shape), dtype)
 
 
+@wide_accumulation  # (a mean pool of 16-bit floats sums in float32, as jax's does)
 def _pool_np(x, axes, windows, strides, pads, kind):
     # a mean pool of integers or bools computes in float32 (its result's dtype), as jax's
     if kind == "max":

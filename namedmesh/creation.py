@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from namedmesh.checks import fits_dtype
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, Cost, bind, primitive
 from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims, parse_sizes
@@ -36,7 +37,9 @@ def full(sizes: Mapping[str, int], value, dtype=None) -> Tensor:
         dtype = {bool: bool, int: np.int32, float: np.float32}.get(
             type(value), np.result_type(value)
         )
-    return bind(_full, dims=dims, shape=shape, value=value, dtype=native_dtype(dtype))
+    dtype = native_dtype(dtype)
+    fits_dtype("full", "value", value, dtype)
+    return bind(_full, dims=dims, shape=shape, value=value, dtype=dtype)
 
 
 def zeros(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:
@@ -81,7 +84,11 @@ def arange(dim: str, n: int, start=0, step=1, dtype=None) -> Tensor:
         raise ShapeError(f"arange: size of dim {dim!r} must be a non-negative int, got {n!r}")
     if dtype is None:
         dtype = np.float32 if isinstance(start, float) or isinstance(step, float) else np.int32
-    return bind(_iota, dim=dim, start=start, step=step, n=int(n), dtype=native_dtype(dtype))
+    dtype = native_dtype(dtype)
+    if n:  # (the values run from the first to the last: both must fit an integer dtype)
+        fits_dtype("arange", "start", start, dtype)
+        fits_dtype("arange", "the last value", start + step * (int(n) - 1), dtype)
+    return bind(_iota, dim=dim, start=start, step=step, n=int(n), dtype=dtype)
 
 
 def abstract(sizes: Mapping[str, int], dtype=_FLOAT32) -> Tensor:

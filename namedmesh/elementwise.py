@@ -9,13 +9,14 @@ fit it (a float scalar with an integer tensor gives float32).
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.special
 
-from namedmesh.checks import agreed_sizes, warn_near_misses
+from namedmesh.checks import agreed_sizes, fits_dtype, warn_near_misses
 from namedmesh.eager import remembered
 from namedmesh.errors import ArgumentError, DtypeError, fmt_dims
 from namedmesh.primitive import (
@@ -52,9 +53,10 @@ def _default_dtype(s) -> np.dtype:
 
 def operands(*xs, op: str, like_from: int = 0) -> list[Tensor]:
     """Tensors as they are; Python and 0-d NumPy scalars as 0-d tensors of a fitting dtype."""
-    like = next((x.dtype for x in xs[like_from:] if isinstance(x, Tensor)), None)
-    if like is None:
-        like = next((x.dtype for x in xs if isinstance(x, Tensor)), None)
+    tensor = next((x for x in xs[like_from:] if isinstance(x, Tensor)), None)
+    if tensor is None:
+        tensor = next((x for x in xs if isinstance(x, Tensor)), None)
+    like = None if tensor is None else tensor.dtype
     out = []
     for x in xs:
         if isinstance(x, Tensor):
@@ -75,6 +77,9 @@ def operands(*xs, op: str, like_from: int = 0) -> list[Tensor]:
                 )
             )
         dt = _default_dtype(x) if like is None else _scalar_dtype(x, like)
+        if like is not None:
+            whose = f", the dtype of the tensor {fmt_dims(tensor.dims, tensor.shape)}"
+            fits_dtype(op, "the scalar", x, dt, whose if dt == like else "")
         out.append(Tensor._make(np.asarray(x, dtype=dt), ()))
     return out
 
@@ -179,7 +184,11 @@ def _make_nary(
         numpy_kernel=_nary_kernel(np_fn),
     )
 
+    n_operands = _arity(np_fn)
+
     def op(*xs) -> Tensor:
+        if len(xs) != n_operands:  # (traced, nothing else would count them)
+            raise ArgumentError(f"{name} takes {n_operands} operand(s), got {len(xs)}")
         ts = operands(*xs, op=name, like_from=like_from)
         out_dims, _ = broadcast_dims(ts, name)
         return bind(prim, *ts, in_dims=tuple(t.dims for t in ts), out_dims=out_dims)
@@ -188,6 +197,17 @@ def _make_nary(
     op.__doc__ = f"Elementwise `{name}`, broadcasting by name."
     op.primitive = prim
     return remembered(op)
+
+
+def _arity(np_fn) -> int:
+    """How many operands the NumPy function takes: a ufunc's nin, else its parameters
+    without a default (np.round's decimals has one)."""
+    if isinstance(np_fn, np.ufunc):
+        return np_fn.nin
+    if np_fn is np.where:
+        return 3
+    params = inspect.signature(np_fn).parameters.values()
+    return sum(p.default is inspect.Parameter.empty for p in params)
 
 
 def _same(*dts):
@@ -271,6 +291,15 @@ _power_np = _power(np)
 _power_jax = _power(jnp)
 
 
+def _floor_divide_jax(x, y):
+    """jnp.floor_divide, with NumPy's 0 for an integer (or bool) divided by 0: XLA's
+    integer division gives -1 there (all ones unsigned), and its floor -2."""
+    q = jnp.floor_divide(x, y)
+    if is_inexact(q.dtype):
+        return q
+    return jnp.where(y == 0, jnp.zeros((), q.dtype), q)
+
+
 def _round_jax(x):
     """jnp.round, and integers and bools as they are (jax refuses to round bools)."""
     return jnp.round(x) if is_inexact(x.dtype) else x
@@ -330,7 +359,9 @@ subtract = _make_nary(
 )
 multiply = _make_nary("multiply", np.multiply, jnp.multiply, _same, reads="others")
 divide = _make_nary("divide", np.true_divide, jnp.true_divide, float_result)
-floor_divide = _make_nary("floor_divide", np.floor_divide, jnp.floor_divide, _same, reads="nothing")
+floor_divide = _make_nary(
+    "floor_divide", np.floor_divide, _floor_divide_jax, _same, reads="nothing"
+)
 mod = _make_nary("mod", np.mod, jnp.mod, _same, reads="nothing")
 power = _make_nary("power", _power_np, _power_jax, _same, reads="both")
 maximum = _make_nary("maximum", np.maximum, jnp.maximum, _same)
@@ -407,10 +438,21 @@ def _convert_rule(x, dtype):
     return Aval(x.dims, x.shape, dtype)
 
 
+def _convert_np(x, dtype):
+    """x.astype(dtype), a float to an integer as XLA converts it: toward 0, saturated at
+    the integer's range, NaN to 0 (NumPy's cast of a float it cannot hold is undefined:
+    300.0 gave 44 in int8, NaN and inf int32's minimum, where jax gives 127, 0, the max)."""
+    if not is_inexact(x.dtype) or np.dtype(dtype).kind not in "iu":
+        return x.astype(dtype)
+    info = np.iinfo(dtype)
+    wide = np.trunc(x.astype(np.float64))  # (float64 holds every int32 and uint32 bound)
+    return np.nan_to_num(np.clip(wide, info.min, info.max), nan=0).astype(dtype)
+
+
 _convert = primitive(
     "convert",
     _convert_rule,
-    lambda x, dtype: x.astype(dtype),
+    _convert_np,
     lambda x, dtype: x.astype(dtype),
     backward_reads="nothing",
 )
@@ -425,9 +467,18 @@ def astype(x: Tensor, dtype) -> Tensor:
     return bind(_convert, x, dtype=native_dtype(dtype))
 
 
+def _int_scalar(v) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+
 @remembered
 def clip(x: Tensor, lo=None, hi=None) -> Tensor:
-    """`x` limited to [lo, hi]; either bound may be None or a Tensor."""
+    """`x` limited to [lo, hi]; either bound may be None or a Tensor. An int bound beyond
+    an integer x's range bounds nothing (NumPy's np.clip), rather than failing to fit."""
+    if x.dtype.kind in "iu":
+        info = np.iinfo(x.dtype)
+        lo = None if _int_scalar(lo) and lo < info.min else lo
+        hi = None if _int_scalar(hi) and hi > info.max else hi
     if lo is not None:
         x = maximum(x, lo)
     if hi is not None:

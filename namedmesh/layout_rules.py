@@ -18,8 +18,9 @@ def _pairs(rules) -> list:
         for part in filter(None, (p.strip() for p in rules.split(";"))):
             dim, sep, axes = part.partition(":")
             if not sep or not dim.strip() or not axes.strip() or ":" in axes:
+                hint = "; rules are separated by ';'" if ":" in axes else ""
                 raise LayoutError(
-                    f"malformed rule {part!r} in {rules!r}: expected 'dim:axis[,axis]'"
+                    f"malformed rule {part!r} in {rules!r}: expected 'dim:axis[,axis]'{hint}"
                 )
             pairs.append((dim.strip(), tuple(a.strip() for a in axes.split(","))))
         return pairs

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from namedmesh import elementwise as ew
-from namedmesh.checks import integer
-from namedmesh.errors import ShapeError
-from namedmesh.primitive import Aval, Cost, bind, primitive
+from namedmesh.checks import fits_dtype, integer
+from namedmesh.errors import DtypeError, ShapeError
+from namedmesh.primitive import Aval, Cost, bind, is_inexact, primitive
 from namedmesh.tensor import Tensor, native_dtype, parse_sizes
 
 KEY_DIM = "key"
@@ -93,18 +93,53 @@ def random_values(key, global_shape, dist, dtype, args, xp=np, offsets=None, sha
     unit = lambda w: (w >> xp.asarray(8, dtype=xp.uint32)).astype(f32) * f32(2.0**-24)
     if dist == "uniform":
         lo, hi = args
-        return (f32(lo) + unit(w0) * f32(hi - lo)).astype(dtype)
+        out = (f32(lo) + unit(w0) * f32(hi - lo)).astype(dtype)
+        # lo + u * (hi - lo) rounds to hi for u near 1 (bfloat16's 1.0, float32's [2, 3))
+        return out if not hi > lo else xp.minimum(out, xp.asarray(_below(hi, dtype), dtype))
     if dist == "normal":
         r = xp.sqrt(f32(-2.0) * xp.log(f32(1.0) - unit(w0)))
         return (r * xp.cos(f32(2 * np.pi) * unit(w1))).astype(dtype)
     if dist == "bernoulli":
         return unit(w0) < f32(args[0])
     if dist == "integers":
-        lo, hi = args
-        return xp.asarray(lo, dtype=dtype) + (w0 % xp.asarray(hi - lo, dtype=xp.uint32)).astype(
-            dtype
-        )
+        return _integers(w0, w1, *args, np.dtype(dtype), xp)
     raise ValueError(f"unknown distribution {dist!r}")
+
+
+def _below(hi: float, dtype) -> np.ndarray:
+    """The largest value of the float `dtype` below `hi`."""
+    b = np.asarray(hi, dtype)
+    while float(b) >= hi:
+        b = np.nextafter(b, np.asarray(-np.inf, dtype))
+    return b
+
+
+def _mulhi(a, b, xp):
+    """The high 32 bits of the 64-bit product of uint32 arrays a and b, in 16-bit halves
+    (jax has no 64-bit integers unless x64 is on)."""
+    m16, s16 = xp.asarray(0xFFFF, xp.uint32), xp.asarray(16, xp.uint32)
+    al, ah, bl, bh = a & m16, a >> s16, b & m16, b >> s16
+    hl = ah * bl
+    cross = ((al * bl) >> s16) + (hl & m16) + al * bh  # < 2**32: no carry lost
+    return ah * bh + (hl >> s16) + (cross >> s16)
+
+
+def _integers(w0, w1, lo: int, hi: int, dtype: np.dtype, xp):
+    """lo + floor(w * (hi - lo) / 2**64), w the two words as one 64-bit fraction: every
+    value of [lo, hi) within 2**-32 of equally likely (one word modulo hi - lo favoured
+    the low values up to twice, and its sum wrapped past int32's top)."""
+    u32 = lambda v: xp.asarray(v, dtype=xp.uint32)
+    span = hi - lo
+    if span == 2**32:
+        r = w1
+    else:
+        low_word = w1 * u32(span)  # (wraps: the low 32 bits)
+        carry = (low_word + _mulhi(w0, u32(span), xp)) < low_word
+        r = _mulhi(w1, u32(span), xp) + carry.astype(xp.uint32)
+    if dtype.itemsize > 4:
+        return xp.asarray(lo, dtype) + r.astype(dtype)
+    out = u32(lo % 2**32) + r  # lo + r, in [lo, hi): exact once wrapped to 32 bits
+    return (out.astype(xp.int32) if dtype.kind == "i" else out).astype(dtype)
 
 
 def _check_key(key, op):
@@ -157,6 +192,8 @@ _fold_in_prim = primitive(
 def key(seed: int) -> Tensor:
     """A key from an integer seed."""
     seed = integer("key", "seed", seed)
+    if not -(2**63) <= seed < 2**64:  # (its low 64 bits alone: key(2**64) was key(0))
+        raise ShapeError(f"key: seed {seed} does not fit 64 bits")
     words = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=_U32)
     return Tensor._make(words, (KEY_DIM,))
 
@@ -189,13 +226,22 @@ def _draw(k, sizes, dist, dtype, args):
     )
 
 
+def _float_dtype(op: str, dtype) -> np.dtype:
+    dt = native_dtype(dtype)
+    if not is_inexact(dt):
+        raise DtypeError(f"{op}: dtype must be a float dtype, got {dt.name}")
+    return dt
+
+
 def uniform(k, sizes: Mapping[str, int], minval=0.0, maxval=1.0, dtype=np.float32) -> Tensor:
     """Uniform values in [minval, maxval)."""
+    dtype = _float_dtype("uniform", dtype)
     return _draw(k, sizes, "uniform", dtype, (float(minval), float(maxval)))
 
 
 def normal(k, sizes: Mapping[str, int], dtype=np.float32) -> Tensor:
     """Standard normal values (Box-Muller on two words of the hash)."""
+    dtype = _float_dtype("normal", dtype)
     return _draw(k, sizes, "normal", dtype, ())
 
 
@@ -213,6 +259,11 @@ def integers(k, sizes: Mapping[str, int], low: int, high: int, dtype=np.int32) -
         raise ShapeError(f"integers: high={high!r} must exceed low={low!r}")
     if int(high) - int(low) > 2**32:
         raise ShapeError(f"integers: the range [{low}, {high}) is wider than 2**32")
+    dtype = native_dtype(dtype)
+    if dtype.kind not in "iu":
+        raise DtypeError(f"integers: dtype must be an integer dtype, got {dtype.name}")
+    for what, bound in (("low", low), ("high - 1", high - 1)):
+        fits_dtype("integers", what, bound, dtype)
     return _draw(k, sizes, "integers", dtype, (low, high))
 
 

@@ -14,11 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.special
 
-from namedmesh.checks import axis_of, require_dims
+from namedmesh.checks import axis_of, integer, require_dims, require_nonempty
 from namedmesh.eager import remembered
 from namedmesh.errors import ShapeError
 from namedmesh.ordering import sort_key
-from namedmesh.primitive import Aval, Cost, bind, default_cost, float_result, primitive
+from namedmesh.primitive import (
+    Aval,
+    Cost,
+    bind,
+    default_cost,
+    float_result,
+    is_inexact,
+    primitive,
+)
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
 _INT32 = np.dtype(np.int32)
@@ -42,11 +50,36 @@ def _reduction_cost(in_avals, out_avals, params) -> Cost:
     return default_cost(in_avals, out_avals, params)._replace(flops=math.prod(in_avals[0].shape))
 
 
+def wide_accumulation(np_fn):
+    """`np_fn(x, ...)`, a NumPy sum or mean, on a 16-bit float x computed in float32 and
+    cast back, as XLA accumulates them (jit and lowered): NumPy adds bfloat16 in bfloat16,
+    where a sum of 4096 values of 0.1 stalls at 32 (and float16's running sums at 256)."""
+
+    def run(x, *args, **kwargs):
+        if not (is_inexact(x.dtype) and np.dtype(x.dtype).itemsize == 2):
+            return np_fn(x, *args, **kwargs)
+        return np.asarray(np_fn(x.astype(np.float32), *args, **kwargs)).astype(x.dtype)
+
+    return run
+
+
 def _make_reduction(
-    name, np_fn, jnp_fn, dtype_rule=lambda dt: dt, reads="nothing", saves=0, ufunc=None
+    name,
+    np_fn,
+    jnp_fn,
+    dtype_rule=lambda dt: dt,
+    reads="nothing",
+    saves=0,
+    ufunc=None,
+    identity=True,
+    wide=False,
 ):
     """A reduction primitive and its public op; `ufunc`, the one whose `reduce` `np_fn`
-    calls on an ndarray (np.sum's np.add), is the eager kernel, without np_fn's Python."""
+    calls on an ndarray (np.sum's np.add), is the eager kernel, without np_fn's Python.
+    A reduction without an `identity` (max, min) refuses a dim of size 0; a `wide` one
+    accumulates 16-bit floats in float32 eagerly, as jax does (`wide_accumulation`)."""
+    np_fn = wide_accumulation(np_fn) if wide else np_fn
+    kernel = (lambda k: wide_accumulation(k)) if wide else (lambda k: k)
 
     def shape_rule(x, axes):
         dims, shape = _kept(x, axes)
@@ -63,11 +96,14 @@ def _make_reduction(
         float_valued=dtype_rule is float_result,
         numpy_kernel=None
         if ufunc is None
-        else lambda axes: functools.partial(ufunc.reduce, axis=axes),
+        else lambda axes: kernel(functools.partial(ufunc.reduce, axis=axes)),
     )
 
     def op(x: Tensor, dims: DimsLike | None = None) -> Tensor:
-        return bind(prim, x, axes=axes_of(x, dims, name))
+        axes = axes_of(x, dims, name)
+        if not identity:
+            require_nonempty(name, x, axes)
+        return bind(prim, x, axes=axes)
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"`{name}` over `dims` (all dims when None); the reduced dims leave the result."
@@ -82,11 +118,13 @@ def _sum_dtype(dt):
     return np.dtype(np.uint32) if dt.kind == "u" and dt.itemsize < 4 else dt
 
 
-sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype, ufunc=np.add)
-prod = _make_reduction("prod", np.prod, jnp.prod, _sum_dtype, reads="both", ufunc=np.multiply)
-max = _make_reduction("max", np.max, jnp.max, reads="both", ufunc=np.maximum)
-min = _make_reduction("min", np.min, jnp.min, reads="both", ufunc=np.minimum)
-mean = _make_reduction("mean", np.mean, jnp.mean, float_result)
+sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype, ufunc=np.add, wide=True)
+prod = _make_reduction(
+    "prod", np.prod, jnp.prod, _sum_dtype, reads="both", ufunc=np.multiply, wide=True
+)
+max = _make_reduction("max", np.max, jnp.max, reads="both", ufunc=np.maximum, identity=False)
+min = _make_reduction("min", np.min, jnp.min, reads="both", ufunc=np.minimum, identity=False)
+mean = _make_reduction("mean", np.mean, jnp.mean, float_result, wide=True)
 any = _make_reduction("any", np.any, jnp.any, lambda dt: np.dtype(bool))
 all = _make_reduction("all", np.all, jnp.all, lambda dt: np.dtype(bool))
 
@@ -142,10 +180,17 @@ def softmax_jax(x, axes):
     return jax.nn.softmax(x, axis=axes)
 
 
+def _normalization_np(fn):
+    """scipy's softmax or log_softmax; an empty x as it is (scipy's max of nothing raises
+    where jax's softmax gives the empty result)."""
+    run = _scipy(fn)
+    return lambda x, axes: x.astype(float_result(x.dtype)) if x.size == 0 else run(x, axes)
+
+
 _softmax = primitive(
     "softmax",
     _same_rule,
-    lambda x, axes: _scipy(scipy.special.softmax)(x, axes),
+    _normalization_np(scipy.special.softmax),
     softmax_jax,
     cost_rule=normalization_cost,
     backward_reads="nothing",
@@ -156,7 +201,7 @@ _softmax = primitive(
 _log_softmax = primitive(
     "log_softmax",
     _same_rule,
-    lambda x, axes: _scipy(scipy.special.log_softmax)(x, axes),
+    _normalization_np(scipy.special.log_softmax),
     lambda x, axes: log_softmax_jax(x, axes),
     cost_rule=normalization_cost,
     backward_reads="nothing",
@@ -176,7 +221,8 @@ def log_softmax_jax(x, axes):
     """scipy.special.log_softmax's formula in jax (jax.nn.log_softmax differs on
     infinities: [0, inf] gives [-inf, nan] here and in scipy, [nan, nan] there)."""
     x = x.astype(float_result(np.dtype(x.dtype)))
-    shifted = finite_shift(x, jax.lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True)))
+    m = jnp.max(x, axis=axes, keepdims=True, initial=-jnp.inf)  # (initial: an empty x)
+    shifted = finite_shift(x, jax.lax.stop_gradient(m))
     return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True))
 
 
@@ -218,13 +264,17 @@ _argmin = primitive(
 @remembered
 def argmax(x: Tensor, dim: str) -> Tensor:
     """Index (int32) of the largest value along `dim`, first one on ties."""
-    return bind(_argmax, x, axis=axis_of(x, dim, "argmax"))
+    axis = axis_of(x, dim, "argmax")
+    require_nonempty("argmax", x, (axis,))
+    return bind(_argmax, x, axis=axis)
 
 
 @remembered
 def argmin(x: Tensor, dim: str) -> Tensor:
     """Index (int32) of the smallest value along `dim`, first one on ties."""
-    return bind(_argmin, x, axis=axis_of(x, dim, "argmin"))
+    axis = axis_of(x, dim, "argmin")
+    require_nonempty("argmin", x, (axis,))
+    return bind(_argmin, x, axis=axis)
 
 
 def _top_k_rule(x, axis, k, new_dim):
@@ -270,22 +320,32 @@ def top_k(x: Tensor, dim: str, k: int, new_dim: str | None = None) -> tuple[Tens
     new_dim = dim if new_dim is None else new_dim
     if new_dim != dim and new_dim in x.dims:
         raise ShapeError(f"top_k: new_dim {new_dim!r} is already a dim of the tensor {x.dims}")
-    if not isinstance(k, int) or not 1 <= k <= x.shape[axis]:
+    k = integer("top_k", "k", k)
+    if not 1 <= k <= x.shape[axis]:
         raise ShapeError(f"top_k: k={k!r} must be in [1, {x.shape[axis]}], the size of {dim!r}")
     return bind(_top_k, x, axis=axis, k=k, new_dim=new_dim)
 
 
+@wide_accumulation
 def _cumsum_np(x, axis, reverse):
     if reverse:
         return np.flip(np.cumsum(np.flip(x, axis), axis), axis)
     return np.cumsum(x, axis)
 
 
+def _cumsum_jax(x, axis, reverse):
+    """jax.lax.cumsum in the sum's dtype; 16-bit floats in float32, as NumPy's above (jax
+    scans them in their own dtype)."""
+    dt = _sum_dtype(x.dtype)
+    wide = np.float32 if is_inexact(dt) and dt.itemsize == 2 else dt
+    return jax.lax.cumsum(x.astype(wide), axis, reverse=reverse).astype(dt)
+
+
 _cumsum = primitive(
     "cumsum",
     lambda x, axis, reverse: Aval(x.dims, x.shape, _sum_dtype(x.dtype)),
     _cumsum_np,
-    lambda x, axis, reverse: jax.lax.cumsum(x.astype(_sum_dtype(x.dtype)), axis, reverse=reverse),
+    _cumsum_jax,
     backward_reads="nothing",
 )
 

@@ -9,6 +9,7 @@ an integer index) by name, so that it lowers by their rules, halo exchange inclu
 from __future__ import annotations
 
 import builtins
+import math
 import operator
 from collections.abc import Mapping
 
@@ -19,7 +20,7 @@ from namedmesh.checks import integer, names_not_positions, require_dims
 from namedmesh.eager import remembered
 from namedmesh.errors import ShapeError
 from namedmesh.primitive import Aval, bind, float_result, primitive, zero_flops_cost
-from namedmesh.reductions import axes_of, normalization_cost
+from namedmesh.reductions import axes_of, normalization_cost, wide_accumulation
 from namedmesh.structural import slice_
 from namedmesh.tensor import DimsLike, Tensor, parse_dims
 
@@ -106,14 +107,29 @@ def _moment_rule(x, axes, ddof):
     return Aval(tuple(x.dims[i] for i in keep), tuple(x.shape[i] for i in keep), dt)
 
 
+def _moment_jax(jnp_fn):
+    """jnp.var or jnp.std with NumPy's divisor max(count - ddof, 0) where ddof is at least
+    the count (jax gives NaN there: NumPy and the lowering inf, NaN for 0 / 0)."""
+
+    def run(x, axes, ddof):
+        count = math.prod(x.shape[a] for a in axes)
+        if ddof < count:
+            return jnp_fn(x, axis=axes, ddof=ddof)
+        var = jnp.var(x, axis=axes) * count  # (the sum of squared deviations)
+        out = var / jnp.zeros((), var.dtype)
+        return out if jnp_fn is jnp.var else jnp.sqrt(out)
+
+    return run
+
+
 def _moment(name: str):
     """The primitive of np.var or np.std (same name in NumPy and jax.numpy)."""
     np_fn, jnp_fn = getattr(np, name), getattr(jnp, name)
     return primitive(
         name,
         _moment_rule,
-        lambda x, axes, ddof: np_fn(x, axis=axes, ddof=ddof),
-        lambda x, axes, ddof: jnp_fn(x, axis=axes, ddof=ddof),
+        wide_accumulation(lambda x, axes, ddof: np_fn(x, axis=axes, ddof=ddof)),
+        _moment_jax(jnp_fn),
         cost_rule=normalization_cost,  # a mean, then a subtract, square and sum
         float_valued=True,
     )

@@ -16,13 +16,14 @@ from namedmesh.checks import (
     agreed_sizes,
     axis_of,
     did_you_mean,
+    fits_dtype,
     integer,
     names_not_positions,
     require_dims,
 )
 from namedmesh.eager import remembered
 from namedmesh.elementwise import align
-from namedmesh.errors import LayoutError, ShapeError, fmt_dims
+from namedmesh.errors import ArgumentError, LayoutError, ShapeError, fmt_dims
 from namedmesh.layout_rules import Rules, format_rules, parse_rules
 from namedmesh.primitive import Aval, bind, primitive, result_dtype, zero_flops_cost
 from namedmesh.tensor import DimsLike, Tensor, native_dtype, parse_dims, renames_with
@@ -86,6 +87,22 @@ def transpose(x: Tensor, *dims: str | Sequence[str]) -> Tensor:
         raise ShapeError(f"transpose: {dims} is not an ordering of the dims {x.dims}")
     perm = tuple(x.dims.index(d) for d in named)
     return x if perm == tuple(range(x.ndim)) else bind(_transpose, x, perm=perm)
+
+
+def _tensor_list(op: str, tensors) -> list[Tensor]:
+    """`tensors` as a non-empty list of Tensors; ArgumentError naming the first that is not
+    one (or a lone Tensor given for the list), ShapeError for none."""
+    if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
+        raise ArgumentError(f"{op}: takes a list of Tensors, got {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise ArgumentError(
+                f"{op}: item {i} of the list is a {type(t).__name__}, not a Tensor; give it "
+                "dims with nm.tensor(data, dims)"
+            )
+    if not tensors:
+        raise ShapeError(f"{op}: needs at least one tensor")
+    return list(tensors)
 
 
 def _aligned_to(x: Tensor, dims: tuple[str, ...], op: str) -> Tensor:
@@ -171,8 +188,7 @@ _concat = primitive(
 @remembered
 def concat(tensors: Sequence[Tensor], dim: str) -> Tensor:
     """Join tensors along their existing dim `dim`; the other dims must agree by name."""
-    if not tensors:
-        raise ShapeError("concat: needs at least one tensor")
+    tensors = _tensor_list("concat", tensors)
     first = tensors[0]
     axis = axis_of(first, dim, "concat")
     ts = [first] + [_aligned_to(t, first.dims, "concat") for t in tensors[1:]]
@@ -202,8 +218,7 @@ _stack = primitive(
 @remembered
 def stack(tensors: Sequence[Tensor], dim: str) -> Tensor:
     """Stack tensors with the same dims along a new first dim `dim`."""
-    if not tensors:
-        raise ShapeError("stack: needs at least one tensor")
+    tensors = _tensor_list("stack", tensors)
     first = tensors[0]
     if dim in first.dims:
         raise ShapeError(f"stack: new dim {dim!r} is already a dim of {first.dims}")
@@ -234,10 +249,13 @@ def split(x: Tensor, dim: str, sizes: int | Sequence[int]) -> tuple[Tensor, ...]
     """Cut `x` along `dim` into `sizes` equal parts (an int) or parts of the given sizes."""
     axis = axis_of(x, dim, "split")
     n = x.shape[axis]
-    if isinstance(sizes, int):
+    if isinstance(sizes, int | np.integer) and not isinstance(sizes, bool):
+        sizes = int(sizes)
         if sizes < 1 or n % sizes:
             raise ShapeError(f"split: {sizes} equal parts do not divide dim {dim!r} of size {n}")
         sizes = (n // sizes,) * sizes
+    if not isinstance(sizes, Sequence | np.ndarray):
+        raise ArgumentError(f"split: sizes must be an int or a list of ints, got {sizes!r}")
     sizes = tuple(integer("split", f"a part's size along {dim!r}", s) for s in sizes)
     if builtins.sum(sizes) != n or builtins.min(sizes) < 0:
         raise ShapeError(f"split: sizes {sizes} do not add up to the size {n} of dim {dim!r}")
@@ -310,6 +328,7 @@ def pad(x: Tensor, widths: Mapping[str, int | tuple[int, int]], value=0) -> Tens
         if lo < 0 or hi < 0:
             raise ShapeError(f"pad: negative width {w!r} for dim {d!r}")
         pairs.append((lo, hi))
+    fits_dtype("pad", "value", value, x.dtype)
     return bind(_pad, x, widths=tuple(pairs), value=value)
 
 
@@ -348,6 +367,7 @@ def shift(x: Tensor, dim: str, offset: int, wrap: bool = False, fill=0) -> Tenso
     """
     axis = axis_of(x, dim, "shift")
     offset = integer("shift", "offset", offset)
+    fits_dtype("shift", "fill", fill, x.dtype)
     return bind(_shift, x, axis=axis, offset=offset, wrap=bool(wrap), fill=fill)
 
 

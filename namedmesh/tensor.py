@@ -14,7 +14,7 @@ import numpy as np
 from namedmesh import numpy_dispatch
 from namedmesh.avals import TRACES, Aval, Var, fmt_aval, is_jax_array
 from namedmesh.checks import names_not_positions, require_dims
-from namedmesh.errors import ShapeError
+from namedmesh.errors import DtypeError, ShapeError
 
 DimsLike = str | Iterable[str]
 
@@ -44,7 +44,7 @@ def parse_sizes(sizes: Mapping[str, int], op: str) -> tuple[tuple[str, ...], tup
         raise ShapeError(f"{op}: sizes must be a mapping dim -> size, got {sizes!r}")
     dims = parse_dims(tuple(sizes), op)
     for d, s in sizes.items():
-        if not isinstance(s, int | np.integer) or s < 0:
+        if not isinstance(s, int | np.integer) or isinstance(s, bool) or s < 0:
             raise ShapeError(f"{op}: size of dim {d!r} must be a non-negative int, got {s!r}")
     return dims, tuple(int(s) for s in sizes.values())
 
@@ -61,8 +61,23 @@ def native_order(array: np.ndarray) -> np.ndarray:
 def native_dtype(dtype) -> np.dtype:
     """np.dtype(dtype) in the machine's byte order: a dtype argument of '>f4' makes the
     native float32, as `native_order` makes its arrays."""
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:  # (NumPy's "data type 'foo' not understood")
+        raise DtypeError(f"{dtype!r} is not a dtype: {e}") from None
     return dt if dt.isnative else dt.newbyteorder("=")
+
+
+# Object, string, bytes and date dtypes: jax has none of them (bfloat16's kind, "V", is
+# numbers)
+_NOT_NUMBERS = "OUSMm"
+
+
+def _as_array(data) -> np.ndarray:
+    try:
+        return np.asarray(data)
+    except ValueError as e:  # (a ragged list: "inhomogeneous shape")
+        raise ShapeError(f"nm.tensor(data, dims): data is not an array: {e}") from None
 
 
 # nm.rename, which Tensor(traced value, new dims) records: namedmesh/structural.py,
@@ -89,11 +104,18 @@ class Tensor:
 
     def __init__(self, data, dims: DimsLike):
         """`data` (array-like) with one name per axis; ShapeError when the count differs."""
+        if dims is None:
+            raise ShapeError("nm.tensor(data, dims): dims must name every axis, got None")
         dims = parse_dims(dims, "nm.tensor(data, dims)")
         if not isinstance(data, np.ndarray | Var | jax.ShapeDtypeStruct) and not is_jax_array(data):
-            data = np.asarray(data)
+            data = _as_array(data)
         if isinstance(data, np.ndarray):
             data = native_order(data)
+            if data.dtype.kind in _NOT_NUMBERS:
+                raise DtypeError(
+                    f"nm.tensor(data, dims): data of dtype {data.dtype} ({dims}) is not "
+                    "numbers or bools, which no op computes on"
+                )
         if data.ndim != len(dims):
             raise ShapeError(
                 f"data of shape {tuple(data.shape)} has {data.ndim} axes but {len(dims)} "
@@ -171,13 +193,23 @@ class Tensor:
         return self.shape[0]
 
     def __bool__(self) -> bool:
-        return bool(np.asarray(self.data))
+        return bool(self._one("bool", "use nm.any or nm.all"))
 
     def __float__(self) -> float:
-        return float(np.asarray(self.data))
+        return float(self._one("float"))
 
     def __int__(self) -> int:
-        return int(np.asarray(self.data))
+        return int(self._one("int"))
+
+    def _one(self, what: str, hint: str = "select one with isel or reduce first"):
+        """The data of a one-element Tensor; a ShapeError naming the dims otherwise
+        (NumPy's error names neither the tensor nor the way out)."""
+        if math.prod(self.shape) != 1:
+            raise ShapeError(
+                f"{what}() of a Tensor {fmt_aval(self.aval)} takes one element, it has "
+                f"{math.prod(self.shape)}: {hint}"
+            )
+        return np.asarray(self.data).reshape(())  # (NumPy 2 converts 0-d arrays only)
 
     def item(self):
         """The value of a one-element Tensor as a Python scalar (reads the data)."""

@@ -162,7 +162,7 @@ def _run_user_fn(fn: Callable, args):
     to jax or to an operator: a computation that namedmesh cannot record."""
     try:
         return fn(*args)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError) as e:  # (t.data.reshape: AttributeError)
         if isinstance(e, NamedMeshError) or not _mentions_var(e):
             raise
         raise TracedValueError(

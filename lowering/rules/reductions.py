@@ -133,8 +133,8 @@ def _global_max(ctx, x, axes, split, dtype):
     return ctx.moved[key][1]
 
 
-def _local_max(x, axes, to):
-    return jax.lax.stop_gradient(jnp.max(x.astype(to), axis=axes, keepdims=True))
+def _local_max(x, axes, to):  # (`to` is a float dtype; initial: a dim of size 0)
+    return jax.lax.stop_gradient(jnp.max(x.astype(to), axis=axes, keepdims=True, initial=-jnp.inf))
 
 
 def _split_logsumexp(ctx, x, axes, split, dtype):
