@@ -27,7 +27,8 @@ OWN = {  # DeepSeek-V3's key/value heads are its query heads (its default 128 is
 
 
 def config_class(family: str):
-    return getattr(transformers, FAMILIES[family].heads).config_class
+    """transformers' config class of a model_type (its config module alone: no torch)."""
+    return transformers.CONFIG_MAPPING[family]
 
 
 def small(family: str) -> dict:
