@@ -228,3 +228,31 @@ def test_a_run_whose_checkpoints_are_all_damaged_or_record_torn_is_one_line(tmp_
     warning, error = capsys.readouterr().err.strip().splitlines()
     assert "step 4" in warning and "its meta cannot be read" in warning
     assert error.startswith("models.cli.train: error: no checkpoint in") and "verifies" in error
+
+
+@pytest.mark.parametrize("command", ["generate", "evaluate", "export"])
+def test_ctrl_c_ends_a_command_in_one_line_and_status_130(
+    command, export, tmp_path, monkeypatch, capsys
+):
+    """KeyboardInterrupt where the command works (here: as it joins its processes):
+    one line naming the signal, status 130 (128 + SIGINT), no traceback."""
+    import importlib
+
+    from models.cli import cluster
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cluster, "join", ctrl_c)
+    monkeypatch.setattr(cluster, "rank", ctrl_c)
+    (tmp_path / "data.txt").write_text("some text " * 50)
+    argv = {
+        "generate": [str(export), "--prompt", "x"],
+        "evaluate": [str(export), "--data", str(tmp_path / "data.txt")],
+        "export": [str(export), "--out", str(tmp_path / "out")],
+    }[command]
+    module = importlib.import_module(f"models.cli.{command}")
+    assert module.main(argv, prog=f"namedmesh {command}") == 130
+    line = one_line(capsys.readouterr().err)
+    assert line == f"namedmesh {command}: error: stopped by SIGINT (Ctrl-C) before it finished"
+    assert not (tmp_path / "out").exists()

@@ -77,3 +77,25 @@ def test_a_killed_writes_temporaries_go_at_the_next_write_and_others_stay(folder
     assert leftovers(folder.parent) == sorted([alive.name, foreign.name])
     assert (folder / "config.json").read_text() == "{}"
     assert folder.with_name("note.txt").read_text() == "newer"
+
+
+def test_ctrl_c_between_the_renames_puts_the_old_folder_back(tmp_path, monkeypatch):
+    """KeyboardInterrupt (not an OSError) after the old folder is renamed aside and
+    before the new one is renamed in: the old folder is back, the interrupt goes on."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(OLD)
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        calls.append(a)
+        if len(calls) == 2:  # the new folder's rename into place
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        files.replace_folder(out, lambda d: (d / "config.json").write_text('{"new": 1}'))
+    monkeypatch.undo()
+    assert (out / "config.json").read_text() == OLD
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

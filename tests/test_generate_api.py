@@ -16,6 +16,7 @@ from models.cli import generate as gen  # noqa: E402
 from models.inference.api import LoadError  # noqa: E402
 from models.inference.continuations import Continuations  # noqa: E402
 from models.training import data  # noqa: E402
+from namedmesh.errors import ParameterError  # noqa: E402
 from tests.test_hub_cli import tiny_gpt2  # noqa: E402
 
 PROMPTS = ["The assert statement", "A list"]
@@ -66,6 +67,8 @@ def test_load_generates_and_scores_as_transformers(hf, wants):
     np.testing.assert_allclose(loaded.logits(ids[0]), got[0], atol=1e-5)
     with pytest.raises(LoadError, match="nothing"):
         models.load(path.parent / "nothing")
+    with pytest.raises(ParameterError, match="layout='heads:model' places the model on a mesh"):
+        models.load(path, layout="heads:model")  # no mesh: it would be ignored
 
 
 def test_load_on_a_mesh_generates_and_scores_as_one_device(hf, wants):

@@ -295,6 +295,7 @@ def test_export_replaces_only_its_own_folder_and_never_loses_what_was_there(
     for out, names in [
         (src, "holds the run"),
         (run, "holds the run"),
+        (src / "checkpoints" / "9", f"is inside {src / 'checkpoints'}, which the run"),
         (tmp_path / "notes.txt", "is a file"),
         (hf, "holds notes.txt, not written by an export"),
         (tmp_path, "holds empty, hf, notes.txt"),

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from models.cli import cluster
-from models.cli.train import fail, user_errors
+from models.cli.train import fail, one_line_on_ctrl_c, user_errors
 from models.cli.train_flags import (
     CLUSTER_RANGES,
     COUNT,
@@ -152,6 +152,7 @@ def evaluate(args, dog=None) -> dict:
     }
 
 
+@one_line_on_ctrl_c
 def main(argv=None, prog: str = "python -m models.cli.evaluate") -> int:
     args = arguments(argv, prog)
     name = prog.removeprefix("python -m ")

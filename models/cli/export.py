@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from models.cli import cluster
-from models.cli.train import fail, user_errors
+from models.cli.train import fail, one_line_on_ctrl_c, user_errors
 from models.cli.train_flags import Parser
 
 # re-exported (`export.check_destination`, `export.DestinationError`): their home was here
@@ -126,6 +126,7 @@ def export(
     return Path(out)
 
 
+@one_line_on_ctrl_c
 def main(argv=None, prog: str = "python -m models.cli.export") -> int:
     args = arguments(argv, prog)
     try:  # one process's work: process 0 writes the folder alone, the others end at once

@@ -50,7 +50,7 @@ import jax
 from lowering import Mesh
 from models import zoo
 from models.cli import cluster
-from models.cli.train import fail, user_errors
+from models.cli.train import fail, one_line_on_ctrl_c, user_errors
 from models.cli.train_flags import (
     CLUSTER_RANGES,
     COUNT,
@@ -280,6 +280,7 @@ def end_ids(eos: str | None, tokenizer, folder: Path | None, vocab: int) -> list
     return ends
 
 
+@one_line_on_ctrl_c
 def main(argv=None, prog: str = "python -m models.cli.generate") -> int:
     args = arguments(argv, prog)
     name = prog.removeprefix("python -m ")

@@ -24,6 +24,8 @@ models.training.preempt.GRACE_S seconds: nothing saved.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import sys
 
@@ -113,6 +115,28 @@ def fail(error, status: int, prog: str = "models.cli.train") -> int:
     text = " ".join(str(error).split()) or type(error).__name__
     print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
     return status
+
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
+def one_line_on_ctrl_c(main):
+    """`main(argv, prog)` of a command that saves nothing as it goes (generate, eval,
+    export), ending at Ctrl-C in one line on stderr and status 130 instead of
+    KeyboardInterrupt's traceback; its `finally` blocks have run by then (an export's
+    half-written folder is removed, what was at --out kept)."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs) -> int:
+        bound = inspect.signature(main).bind(*args, **kwargs)
+        bound.apply_defaults()
+        try:
+            return main(*bound.args, **bound.kwargs)
+        except KeyboardInterrupt:
+            name = bound.arguments["prog"].removeprefix("python -m ")
+            return fail("stopped by SIGINT (Ctrl-C) before it finished", INTERRUPTED, name)
+
+    return run
 
 
 if __name__ == "__main__":

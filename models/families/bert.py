@@ -41,6 +41,13 @@ class TokenTypes(Parts):
         return x + nm.gather(table, "token_types", token_types)
 
 
+# BertConfig's and RobertaConfig's defaults of the option keys encoder_config reads
+ENCODER_DEFAULTS = dict(
+    hidden_act="gelu", layer_norm_eps=1e-12, type_vocab_size=2, tie_word_embeddings=True,
+    is_decoder=False, add_cross_attention=False,
+)  # fmt: skip
+
+
 def encoder_config(hf: dict, parts: Parts | None = None, **options) -> Config:
     """The Config of a BERT-shaped config.json, with a family's extra `options` and its
     `parts` (BERT's: token types)."""
@@ -104,6 +111,7 @@ FAMILY = Family(
     "BertForMaskedLM",
     # position_ids is a buffer; the decoder is the tied word embedding and its bias
     ignored=(r".*embeddings\.position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$"),
+    defaults=ENCODER_DEFAULTS,
 )  # fmt: skip
 
 # The canonical checkpoints' config.json keys (models.architecture.configs names them)

@@ -4,7 +4,8 @@ holds, and the helpers that read config.json so that no option goes unread."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from models.training.checkpoint import CheckpointError
@@ -110,7 +111,11 @@ class Family(NamedTuple):
     (regex, empty) pairs of tensors that a Config makes carry nothing (Qwen2-MoE's
     shared expert of width 0: transformers still saves its zero-size weights and its
     gate), not read, where `empty` says the tensor must hold no elements (else a
-    WeightShapeError: the folder contradicts its config.json)."""
+    WeightShapeError: the folder contradicts its config.json). `defaults` are the values
+    transformers' config class gives the option keys the family reads (its sizes
+    apart) when config.json leaves them out: a key absent reads as transformers reads
+    it, never as a guess of the zoo's (GPT-2's activation_function is gelu_new, Gemma
+    2's caps 50 and 30; tests/test_family_defaults.py checks each against transformers)."""
 
     name: str
     config: Callable
@@ -122,6 +127,7 @@ class Family(NamedTuple):
     ignored: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()
     unused: Callable = lambda cfg: ()
+    defaults: Mapping[str, object] = MappingProxyType({})
 
 
 # config.json keys that change nothing the zoo computes at inference: bookkeeping,
@@ -140,19 +146,26 @@ GENERIC = frozenset(
 
 class Options(dict):
     """config.json as a dict that remembers which keys were read, so `unread()` names
-    the options a family did not implement."""
+    the options a family did not implement. A key the file leaves out reads as
+    `defaults` (the family's: transformers' own) give it, before any default the
+    reading code passes."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, hf=(), defaults: Mapping | None = None):
+        super().__init__(hf)
         self.read: set[str] = set()
+        self.defaults = defaults or {}
 
     def __getitem__(self, key):
         self.read.add(key)
+        if key not in self and key in self.defaults:
+            return self.defaults[key]
         return super().__getitem__(key)
 
     def get(self, key, default=None):
         self.read.add(key)
-        return super().get(key, default)
+        if key not in self:
+            return self.defaults.get(key, default)
+        return super().__getitem__(key)
 
     def unread(self) -> dict:
         return {k: v for k, v in self.items() if k not in self.read and k not in GENERIC}

@@ -186,9 +186,16 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
     return rows + dense + [e._replace(first=k) for e in layer_rows(cfg, prefix)]
 
 
+# DeepseekV3Config's: the best 4 of 8 groups, one shared expert, q of rank 1536
+DEFAULTS = llama.DEFAULTS | dict(
+    max_position_embeddings=4096, q_lora_rank=1536, rope_interleave=True,
+    first_k_dense_replace=3, n_group=8, topk_group=4, n_shared_experts=1, num_experts_per_tok=8,
+    norm_topk_prob=True, routed_scaling_factor=2.5, output_router_logits=False,
+)  # fmt: skip
 FAMILY = llama.FAMILY._replace(
-    name="deepseek_v3", config=config, table=table, heads="DeepseekV3ForCausalLM"
-)
+    name="deepseek_v3", config=config, table=table, heads="DeepseekV3ForCausalLM",
+    defaults=DEFAULTS,
+)  # fmt: skip
 
 # The canonical checkpoint's config.json keys (models.catalog.configs names it): those of
 # transformers' DeepseekV3Config (the file's scoring_func "sigmoid", topk_method "noaux_tc"

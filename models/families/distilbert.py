@@ -52,6 +52,7 @@ FAMILY = Family(
     "DistilBertForMaskedLM",
     # position_ids is a buffer; vocab_projector.weight is the tied word embedding
     ignored=(r".*embeddings\.position_ids$", r"^vocab_projector\.weight$"),
+    defaults=dict(activation="gelu", sinusoidal_pos_embds=False, tie_word_embeddings=True),
 )  # fmt: skip
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)

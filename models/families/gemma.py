@@ -27,7 +27,14 @@ def config(hf: dict, names: set[str]) -> Config:
     return llama.decoder_config(hf, names, **options(hf, activation))
 
 
-FAMILY = llama.FAMILY._replace(name="gemma", config=config, heads="GemmaForCausalLM")
+# GemmaConfig's: head_dim 256, tied, tanh-GELU
+DEFAULTS = llama.DEFAULTS | dict(
+    hidden_act="gelu_pytorch_tanh", head_dim=256, tie_word_embeddings=True,
+    max_position_embeddings=8192, num_key_value_heads=16,
+)  # fmt: skip
+FAMILY = llama.FAMILY._replace(
+    name="gemma", config=config, heads="GemmaForCausalLM", defaults=DEFAULTS
+)
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)
 _GEMMA = dict(

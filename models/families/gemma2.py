@@ -89,7 +89,15 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
     ]
 
 
-FAMILY = llama.FAMILY._replace(name="gemma2", config=config, table=table, heads="Gemma2ForCausalLM")
+# Gemma2Config's: its caps (50 on attention, 30 on the logits), a window of 4096, the
+# activation read from hidden_activation alone
+DEFAULTS = {k: v for k, v in gemma.DEFAULTS.items() if k != "hidden_act"} | dict(
+    hidden_activation="gelu_pytorch_tanh", num_key_value_heads=4, query_pre_attn_scalar=256,
+    sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+)  # fmt: skip
+FAMILY = llama.FAMILY._replace(
+    name="gemma2", config=config, table=table, heads="Gemma2ForCausalLM", defaults=DEFAULTS
+)
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)
 _GEMMA2 = dict(

@@ -84,7 +84,14 @@ def config(hf: dict, names: set[str]) -> Config:
     return llama.decoder_config(hf, names, qk_norm=True, **options, **rope)
 
 
-FAMILY = gemma2.FAMILY._replace(name="gemma3_text", config=config, heads="Gemma3ForCausalLM")
+# Gemma3TextConfig's: no caps, 131072 positions (its rotary bases: GLOBAL_THETA, LOCAL_THETA)
+_NO_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+DEFAULTS = {k: v for k, v in gemma2.DEFAULTS.items() if k not in _NO_CAPS} | dict(
+    max_position_embeddings=131072, use_bidirectional_attention=False, rope_theta=GLOBAL_THETA,
+)  # fmt: skip
+FAMILY = gemma2.FAMILY._replace(
+    name="gemma3_text", config=config, heads="Gemma3ForCausalLM", defaults=DEFAULTS
+)
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {

@@ -50,4 +50,9 @@ FAMILY = Family(
     "gpt2", config, table, "lm", ("transformer.", ""), "wte.weight", "GPT2LMHeadModel",
     # the causal-mask buffers of older files; lm_head is the tied embedding
     ignored=(r".*attn\.(masked_)?bias$", r"^lm_head\.weight$"),
+    defaults=dict(  # GPT2Config's: the tanh GELU
+        activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+        add_cross_attention=False, tie_word_embeddings=True,
+    ),
 )  # fmt: skip

@@ -52,6 +52,10 @@ FAMILY = Family(
     "gpt_neox", config, table, "lm", ("gpt_neox.", ""), "embed_in.weight", "GPTNeoXForCausalLM",
     # the causal-mask buffers and rotary frequencies of older files
     ignored=(r".*attention\.(masked_)?bias$", r".*rotary_emb\.inv_freq$"),
+    defaults=dict(  # GPTNeoXConfig's
+        hidden_act="gelu", layer_norm_eps=1e-5, use_parallel_residual=True, attention_bias=True,
+        tie_word_embeddings=False, max_position_embeddings=2048,
+    ),
 )  # fmt: skip
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)

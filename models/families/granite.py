@@ -47,4 +47,11 @@ def config(hf: dict, names: set[str]) -> Config:
 
 
 # byte-level BPE (vocab.json + merges.txt) that adds no special tokens around a text
-FAMILY = llama.FAMILY._replace(name="granite", config=config, heads="GraniteForCausalLM", tokens=())
+# GraniteConfig's: every multiplier 1 (Llama)
+DEFAULTS = llama.DEFAULTS | dict(
+    embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0,
+    logits_scaling=1.0,
+)  # fmt: skip
+FAMILY = llama.FAMILY._replace(
+    name="granite", config=config, heads="GraniteForCausalLM", tokens=(), defaults=DEFAULTS
+)

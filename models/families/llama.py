@@ -146,7 +146,15 @@ def stacks(cfg: Config, prefix: str, ffn) -> list[Entry]:
     return [e._replace(first=k) if e.path.startswith("layers/") else e for e in rows] + dense
 
 
+# LlamaConfig's defaults of the option keys read above (common.Family.defaults)
+DEFAULTS = dict(
+    hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False,
+    tie_word_embeddings=False, max_position_embeddings=2048, rope_theta=10000.0,
+    pretraining_tp=1,
+)  # fmt: skip
+
 FAMILY = Family(
     "llama", config, table, "lm", ("model.", ""), "embed_tokens.weight", "LlamaForCausalLM",
     ignored=(r".*rotary_emb\.inv_freq$",), tokens=("bos",),  # <s> text (SentencePiece)
+    defaults=DEFAULTS,
 )  # fmt: skip

@@ -12,7 +12,13 @@ def config(hf: dict, names: set[str]) -> Config:
     return llama.decoder_config(hf, names, sliding_window=hf.get("sliding_window") or 0)
 
 
-FAMILY = llama.FAMILY._replace(name="mistral", config=config, heads="MistralForCausalLM")
+# MistralConfig's: a window of 4096 where the file names none
+DEFAULTS = llama.DEFAULTS | dict(
+    max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096
+)
+FAMILY = llama.FAMILY._replace(
+    name="mistral", config=config, heads="MistralForCausalLM", defaults=DEFAULTS
+)
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {

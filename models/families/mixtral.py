@@ -38,8 +38,14 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 NAMES = ("w1", "w3", "w2")  # an expert's gate (activation's input), up and down projections
 
+# MixtralConfig's: RMSNorm eps 1e-5, rotary base 1e6, top-2 of 8 experts
+DEFAULTS = llama.DEFAULTS | dict(
+    rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, num_key_value_heads=8,
+    num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001,
+    output_router_logits=False, router_jitter_noise=0.0,
+)  # fmt: skip
 FAMILY = llama.FAMILY._replace(
-    name="mixtral", config=config, table=table, heads="MixtralForCausalLM"
+    name="mixtral", config=config, table=table, heads="MixtralForCausalLM", defaults=DEFAULTS
 )
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)

@@ -38,7 +38,13 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
     ]
 
 
-FAMILY = llama.FAMILY._replace(name="phi3", config=config, table=table, heads="Phi3ForCausalLM")
+# Phi3Config's: RMSNorm eps 1e-5, 4096 positions
+DEFAULTS = llama.DEFAULTS | dict(
+    rms_norm_eps=1e-5, max_position_embeddings=4096, original_max_position_embeddings=4096
+)
+FAMILY = llama.FAMILY._replace(
+    name="phi3", config=config, table=table, heads="Phi3ForCausalLM", defaults=DEFAULTS
+)
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {

@@ -29,11 +29,17 @@ def config(hf: dict, names: set[str]) -> Config:
     return llama.decoder_config(hf, names, qkv_bias=True, sliding_window=window(hf))
 
 
+# Qwen2Config's (its window only where use_sliding_window)
+DEFAULTS = llama.DEFAULTS | dict(
+    max_position_embeddings=32768, num_key_value_heads=32, use_sliding_window=False,
+    sliding_window=4096, max_window_layers=28,
+)  # fmt: skip
 FAMILY = llama.FAMILY._replace(
     name="qwen2",
     config=config,
     heads="Qwen2ForCausalLM",
     tokens=(),  # no BOS: text alone
+    defaults=DEFAULTS,
 )
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)

@@ -44,7 +44,7 @@ def sparse_options(hf: dict, key: str = "num_experts") -> dict:
     of their own before the sparse ones: dense layers after a sparse one are refused."""
     n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
     only = hf.get("mlp_only_layers") or []
-    experts = hf.get(key, 0)
+    experts = hf[key]  # a size: absent, the file is damaged (not a dense model)
     dense = [i for i in range(n) if i in only or (i + 1) % step or not experts]
     if dense != list(range(len(dense))) or len(dense) == n:
         raise UnsupportedModelError(
@@ -91,9 +91,15 @@ def unused(cfg: Config) -> tuple[tuple[str, bool], ...]:
             (r".*mlp\.shared_expert_gate\.weight$", False))  # fmt: skip
 
 
+# Qwen2MoeConfig's: top-4 not renormalised, q/k/v biases
+DEFAULTS = qwen2.DEFAULTS | dict(
+    num_key_value_heads=16, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
+    qkv_bias=True, router_aux_loss_coef=0.001, output_router_logits=False,
+)  # fmt: skip
 FAMILY = qwen2.FAMILY._replace(
-    name="qwen2_moe", config=config, table=table, heads="Qwen2MoeForCausalLM", unused=unused
-)
+    name="qwen2_moe", config=config, table=table, heads="Qwen2MoeForCausalLM", unused=unused,
+    defaults=DEFAULTS,
+)  # fmt: skip
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {

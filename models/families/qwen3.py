@@ -12,7 +12,11 @@ def config(hf: dict, names: set[str]) -> Config:
     return llama.decoder_config(hf, names, qk_norm=True, sliding_window=qwen2.window(hf))
 
 
-FAMILY = qwen2.FAMILY._replace(name="qwen3", config=config, heads="Qwen3ForCausalLM")
+# Qwen3Config's: head_dim 128 whatever hidden_size / heads is
+DEFAULTS = qwen2.DEFAULTS | dict(head_dim=128)
+FAMILY = qwen2.FAMILY._replace(
+    name="qwen3", config=config, heads="Qwen3ForCausalLM", defaults=DEFAULTS
+)
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)
 NAMED = {

@@ -33,6 +33,9 @@ FAMILY = qwen2_moe.FAMILY._replace(
     table=table,
     heads="Qwen3MoeForCausalLM",
     unused=lambda cfg: (),  # no shared expert: a folder holding one is refused
+    # Qwen3MoeConfig's: top-8 not renormalised, no biases
+    defaults={k: v for k, v in qwen2_moe.DEFAULTS.items() if k != "max_window_layers"}
+    | dict(num_key_value_heads=4, num_experts_per_tok=8),
 )
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)

@@ -66,6 +66,7 @@ FAMILY = Family(
     # buffers; the decoder is the tied word embedding and lm_head.bias again
     ignored=(r".*embeddings\.(position|token_type)_ids$", r"^lm_head\.decoder\.(weight|bias)$"),
     tokens=("bos", "eos"),  # <s> text </s>
+    defaults=bert.ENCODER_DEFAULTS | {"pad_token_id": 1},  # RobertaConfig's
 )  # fmt: skip
 
 # The canonical checkpoints' config.json keys (models.catalog.configs names them)

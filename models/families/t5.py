@@ -83,4 +83,8 @@ FAMILY = Family(
     "t5", config, table, "encdec", ("",), "shared.weight", "T5ForConditionalGeneration",
     ignored=(r"^(encoder|decoder)\.embed_tokens\.weight$",),  # copies of shared.weight
     tokens=("eos",),  # text </s>
+    defaults=dict(  # T5Config's
+        feed_forward_proj="relu", layer_norm_epsilon=1e-6, relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, is_decoder=False,
+    ),
 )  # fmt: skip

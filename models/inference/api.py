@@ -41,9 +41,12 @@ def load(
     """The model of a Hugging Face folder (config.json, safetensors, a tokenizer) or of a
     training run's --out folder (its checkpoint at `step`, the latest by default), as
     `namedmesh generate` reads them; with a `mesh`, its programs are lowered under
-    `layout`. LoadError naming the path for anything that is not such a model."""
+    `layout` (a layout without a mesh is a ParameterError). LoadError naming the path
+    for anything that is not such a model."""
     from models.cli.train import user_errors
 
+    if mesh is None and layout:  # as generate's --layout without --mesh: never ignored
+        raise ParameterError(f"layout={str(layout)!r} places the model on a mesh; pass mesh too")
     path = Path(path)
     try:
         params, cfg, tokenizer = generate.load(path, step)

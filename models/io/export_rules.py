@@ -108,6 +108,8 @@ def check_destination(out: str | Path, run: str | Path) -> None:
         raise refuse(f"holds the run {run} (its folder or one above it)")
     if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
         raise refuse("is the current folder or one above it")
+    if owner := _run_owning(where):  # its checkpoints/, damaged/ or base/: the run's own
+        raise refuse(f"is inside {owner}, which the run there writes and reads")
     if not where.is_dir():
         return
     ours = set(_marked(where)) | {MARKER} if (where / MARKER).is_file() else set()
@@ -115,6 +117,19 @@ def check_destination(out: str | Path, run: str | Path) -> None:
     if foreign:
         many = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         raise refuse(f"holds {', '.join(foreign[:3])}{many}, not written by an export")
+
+
+RUN_FOLDERS = ("checkpoints", "damaged", "base")  # what a run's folder holds of its own
+
+
+def _run_owning(where: Path) -> Path | None:
+    """The folder of a run's own (checkpoints/, damaged/, base/ beside a run.json)
+    that `where` is inside: a folder there named like a step would be read as a
+    checkpoint, and the run's next save or resume would take or move it."""
+    for folder in where.parents:
+        if folder.name in RUN_FOLDERS and (folder.parent / "run.json").is_file():
+            return folder
+    return None
 
 
 def _marked(folder: Path) -> list[str]:

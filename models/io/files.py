@@ -147,10 +147,12 @@ def replace_folder(path, writer: Callable[[Path], object]) -> None:
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)  # two renames: the new folder is complete before either
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # Ctrl-C between the renames too: the old folder back
         if old.exists() and not path.exists():
             os.replace(old, path)
-        raise _fail(path, e) from None
+        if isinstance(e, OSError):
+            raise _fail(path, e) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)

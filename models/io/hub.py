@@ -441,7 +441,7 @@ def family_config(family: str, hf: dict, names: set[str], folder="") -> Config:
     """The family's Config of config.json `hf`; UnsupportedModelError naming every key
     (and its value) the family did not read: an option the zoo would ignore;
     DamagedFileError for a key missing or a value of the wrong type."""
-    options = Options(hf)
+    options = Options(hf, FAMILIES[family].defaults)
     try:
         cfg = FAMILIES[family].config(options, names)
     except KeyError as e:
