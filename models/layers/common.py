@@ -8,6 +8,7 @@ d_model, heads, d_kv, d_ff, vocab: a layout maps any of them to mesh axes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -179,17 +180,31 @@ def _cos_sin(positions: nm.Tensor, inv: nm.Tensor, factor) -> tuple[nm.Tensor, n
     element of q and k)."""
     known = (positions, inv) + ((factor,) if isinstance(factor, nm.Tensor) else ())
     if all(isinstance(t.data, np.ndarray) for t in known):
-        angle = np.multiply.outer(positions.data.astype(np.float32), inv.data)
-        f = np.float64(factor.data if isinstance(factor, nm.Tensor) else factor)
-        dims = (*positions.dims, *inv.dims)
-        table = (np.cos(angle, dtype=np.float64) * f, np.sin(angle, dtype=np.float64) * f)
-        return tuple(nm.tensor(t.astype(np.float32), dims) for t in table)
+        f = float(factor.data if isinstance(factor, nm.Tensor) else factor)
+        at, inv_ = positions.data.astype(np.float32), inv.data.astype(np.float32)
+        tables = _tables(at.tobytes(), at.shape, inv_.tobytes(), f)
+        return tuple(nm.tensor(t, (*positions.dims, *inv.dims)) for t in tables)
     angle = nm.astype(positions, np.float32) * inv
     cos, sin = nm.cos(angle), nm.sin(angle)
     if isinstance(factor, nm.Tensor) or factor != 1.0:
         f = factor if isinstance(factor, nm.Tensor) else np.float32(factor)
         cos, sin = cos * f, sin * f
     return cos, sin
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(positions: bytes, shape: tuple, inv: bytes, factor: float):
+    """cos and sin (float32, positions' shape + inv's) of the float32 angles positions *
+    inv (float32 bytes), each rounded once from float64, times `factor`. Cached: every
+    layer, q and k read the same arrays, so the program holds one constant of each, not
+    one a call (an unrolled 8k-token stack would hold megabytes of copies)."""
+    at = np.frombuffer(positions, np.float32).reshape(shape)
+    angle = np.multiply.outer(at, np.frombuffer(inv, np.float32))
+    cos, sin = np.cos(angle, dtype=np.float64), np.sin(angle, dtype=np.float64)
+    tables = (cos * factor).astype(np.float32), (sin * factor).astype(np.float32)
+    for t in tables:  # shared by every caller
+        t.flags.writeable = False
+    return tables
 
 
 GLOBAL_WINDOW = 2**30  # a global layer's window among sliding ones: past every position
