@@ -65,13 +65,14 @@ def xla_bucket(name: str, meta: str, shape: str, heads_rows: int, vocab: int) ->
 
 ADAMW_OPS = ("Optimizer", "addcdiv_", "addcmul_", "lerp_", "aten::sqrt", "mul_", "add_")
 ADAMW_OPS += ("aten::div",)
-VIEWS = ("copy_", "fill_", "_to_copy", "aten::t", "transpose", "view", "empty", "as_strided")
+VIEWS = ("copy_", "fill_", "_to_copy", "aten::t ", "transpose", "view", "empty", "as_strided")
 TORCH = (  # bucket -> words of operator names (first match), the rest elementwise
     (BUCKETS[0], ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "MmBackward")),
     (BUCKETS[1], ("scaled_dot_product", "aten::_softmax", "SoftmaxBackward")),
     (BUCKETS[2], ("aten::cat", "aten::neg")),
     (BUCKETS[3], ("log_softmax", "nll_loss", "LogSoftmax", "NllLoss")),
-    (BUCKETS[4], ADAMW_OPS),  # the in-place ops and the division are AdamW's
+    # the in-place ops and the division are AdamW's (and Gemma 2's soft-caps' division)
+    (BUCKETS[4], ADAMW_OPS),
     (BUCKETS[7], (*VIEWS, "detach", "reshape", "expand", "zeros")),
 )
 
@@ -79,7 +80,7 @@ TORCH = (  # bucket -> words of operator names (first match), the rest elementwi
 def torch_bucket(op: str) -> str:
     """The bucket of one PyTorch operator (`TORCH`; the in-place ops are AdamW's)."""
     for bucket, words in TORCH:
-        if any(w in op for w in words):
+        if any(w in f"{op} " for w in words):  # "aten::t " is aten::t alone, not tanh
             return bucket
     return BUCKETS[6]
 
