@@ -288,3 +288,31 @@ def test_kernels_soft_cap_and_window_as_numpy(kernel, block):
         t(v, ("heads", "memory", "d_kv")), opts,
     )  # fmt: skip
     np.testing.assert_allclose(got.transpose("heads", "length", "d_kv").data, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.5, "tensor", "traced"])
+def test_rotate_equals_the_float64_rotation_by_table_or_traced(factor):
+    """models.layers.common.rotate against the rotation in float64 (NumPy): with known
+    positions and frequencies its cos and sin are a NumPy table (a float factor or a 0-d
+    Tensor's), with a traced factor they are traced ops; both within float32's rounding,
+    positions over two dims (packed examples') included."""
+    from models.layers import common
+
+    x = nm.tensor(arr(QD), QD)
+    at = np.stack([np.arange(8), np.arange(8)[::-1]]).astype(np.int32)
+    pos = nm.tensor(at, ("batch", "length"))
+    inv64 = np.array([1.0, 0.3, 0.01, 1e-3] * 2)[: SIZES["d_kv"]]
+    inv = nm.tensor(inv64.astype(np.float32), ("d_kv",))
+    f = 1.0 if factor == 1.0 else 1.5
+    angle = at[..., None].astype(np.float64) * inv64.astype(np.float32)
+    cos, sin = (np.cos(angle) * f)[:, :, None], (np.sin(angle) * f)[:, :, None]
+    h = SIZES["d_kv"] // 2
+    xd = x.data.astype(np.float64)
+    want = xd * cos + np.concatenate([-xd[..., h:], xd[..., :h]], -1) * sin
+    if factor == "traced":
+        run = jax.jit(lambda g: common.rotate(x, pos, inv, nm.tensor(g, ())).transpose(*QD).data)
+        got = run(np.float32(f))
+    else:
+        g = nm.tensor(np.float32(f), ()) if factor == "tensor" else factor
+        got = common.rotate(x, pos, inv, g).transpose(*QD).data
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -29,6 +29,8 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unkn
     ("experts_slots", ["--rounds", "0"]),
     ("experts_slots", ["--before", "no-such-revision"]),
     ("experts_profile", ["--size", "huge"]),
+    ("beside_dots", ["--rounds", "0"]),
+    ("step_profile", ["--size", "huge"]),
 ]
 
 

@@ -8,7 +8,9 @@ import jax
 import numpy as np
 
 import namedmesh as nm
+from lowering import Mesh, lower
 from lowering.hlo import Dot, dots, movement, moves
+from models.architecture import Config
 from models.layers import common, kernels
 
 # A loop of 3 iterations over a zero-filled f32[3,8] buffer (96 bytes): each iteration
@@ -175,26 +177,31 @@ def test_rotated_q_and_k_reach_the_fused_kernel_in_one_move_each():
     transposed length-first, then copied heads-first again: no value of q's or k's size
     has the positions, the one dim of size 20, outermost); and the rotation's
     concat(-b, a) is not written out as its own array (before: a fusion of q's size and
-    one of k's that negate and concatenate and multiply nothing)."""
+    one of k's that negate and concatenate and multiply nothing). At a pass's positions
+    (rotate_qk without positions, traced by `lower` as the zoo's layers are) the
+    rotation's cos and sin are tables the program reads: no cosine or sine op is left
+    (before: fused into each consumer of q and k, one per element, forward and
+    backward)."""
     sizes = {"batch": 3, "length": 20, "memory": 20, "kv_heads": 2, "q_per_kv": 5, "d_kv": 4}
     r = np.random.default_rng(1)
     t = lambda dims: nm.tensor(r.normal(size=[sizes[d] for d in dims]).astype(np.float32), dims)
-    inv = nm.tensor(np.float32([1.0, 0.1, 1.0, 0.1]), ("d_kv",))
 
     def loss(q, k, v):
-        q = common.rotate(q, nm.arange("length", 20), inv)
-        k = common.rotate(k, nm.arange("memory", 20), inv)
+        q, k = common.rotate_qk(q, k, Config(), None, None)
         out = nm.dot_product_attention(q, k, v, scale=0.5, kernel="flash")
-        return (out * out).sum().data
+        return (out * out).sum()
 
     args = (t(QDIMS), t(KDIMS[1:]), t(KDIMS[1:]))
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    lowered = lower(loss, Mesh({"one": 1}), "")  # as the zoo traces its layers
+    text = jax.jit(jax.grad(lambda *a: lowered(*a).data, argnums=(0, 1, 2)))
+    text = text.lower(*args).compile().as_text()
     q_size, k_size = 3 * 20 * 2 * 5 * 4, 3 * 20 * 2 * 4
     ours = [m for m in moves(text) if _elements(m.shape) in (q_size, k_size)]
     assert len(ours) >= 3  # q, k and v moved in at least (the oracle sees them)
     assert not [m.shape for m in ours if _outermost(m.shape) == 20], ours
     halves = [b for b in text.split("\n\n") if {"concatenate", "negate"} <= _ops(b)]
     assert halves and not [b.splitlines()[0] for b in halves if "multiply" not in _ops(b)]
+    assert not {"cosine", "sine"} & _ops(text)
 
 
 def _ops(computation: str) -> set[str]:

@@ -8,6 +8,7 @@ d_model, heads, d_kv, d_ff, vocab: a layout maps any of them to mesh axes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -162,17 +163,50 @@ def rotate(x: nm.Tensor, positions: nm.Tensor, inv: nm.Tensor, factor=1.0) -> nm
     """`rotary` with the inverse frequency of each d_kv entry given (`inv`, float32
     over d_kv: each pair's twice) and the factor on cos and sin (a float, or a 0-d
     Tensor: one layer's, in a stack whose layers rotate differently)."""
-    angle = nm.astype(positions, np.float32) * inv
-    cos, sin = nm.cos(angle), nm.sin(angle)
-    if isinstance(factor, nm.Tensor) or factor != 1.0:
-        f = factor if isinstance(factor, nm.Tensor) else np.float32(factor)
-        cos, sin = cos * f, sin * f
+    cos, sin = _cos_sin(positions, inv, factor)
     # each half written from x's halves, (a cos - b sin, b cos + a sin): the same
     # products and sums as x cos + concat(-b, a) sin, whose concat XLA wrote out as an
     # array of x's size before the rotation read it (forward and backward, q and k)
     a, b = nm.split(x, "d_kv", 2)
     (ca, cb), (sa, sb) = nm.split(cos, "d_kv", 2), nm.split(sin, "d_kv", 2)
     return nm.concat([a * ca - b * sa, b * cb + a * sb], "d_kv")
+
+
+def _cos_sin(positions: nm.Tensor, inv: nm.Tensor, factor) -> tuple[nm.Tensor, nm.Tensor]:
+    """cos and sin of positions * inv (float32, as transformers rounds the angle), times
+    `factor`: a NumPy table (positions' dims, d_kv) where all three are known when the
+    program is traced (a pass's positions 0..n-1), so that it is a constant the program
+    reads; traced ops otherwise (XLA fuses those into each consumer, one cos and sin per
+    element of q and k)."""
+    f = factor.data if isinstance(factor, nm.Tensor) else factor
+    known = isinstance(positions.data, np.ndarray) and isinstance(inv.data, np.ndarray)
+    known &= isinstance(f, int | float | np.number | np.ndarray) and np.ndim(f) == 0
+    if known and not set(positions.dims) & set(inv.dims):
+        f = float(f)
+        at, inv_ = positions.data.astype(np.float32), inv.data.astype(np.float32)
+        tables = _tables(at.tobytes(), at.shape, inv_.tobytes(), f)
+        return tuple(nm.tensor(t, (*positions.dims, *inv.dims)) for t in tables)
+    angle = nm.astype(positions, np.float32) * inv
+    cos, sin = nm.cos(angle), nm.sin(angle)
+    if isinstance(factor, nm.Tensor) or factor != 1.0:
+        f = factor if isinstance(factor, nm.Tensor) else np.float32(factor)
+        cos, sin = cos * f, sin * f
+    return cos, sin
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(positions: bytes, shape: tuple, inv: bytes, factor: float):
+    """cos and sin (float32, positions' shape + inv's) of the float32 angles positions *
+    inv (float32 bytes), each rounded once from float64, times `factor`. Cached: every
+    layer, q and k read the same arrays, so the program holds one constant of each, not
+    one a call (an unrolled 8k-token stack would hold megabytes of copies)."""
+    at = np.frombuffer(positions, np.float32).reshape(shape)
+    angle = np.multiply.outer(at, np.frombuffer(inv, np.float32))
+    cos, sin = np.cos(angle, dtype=np.float64), np.sin(angle, dtype=np.float64)
+    tables = (cos * factor).astype(np.float32), (sin * factor).astype(np.float32)
+    for t in tables:  # shared by every caller
+        t.flags.writeable = False
+    return tables
 
 
 GLOBAL_WINDOW = 2**30  # a global layer's window among sliding ones: past every position
@@ -330,8 +364,15 @@ def rotate_qk(q: nm.Tensor, k: nm.Tensor, cfg: Config, slots, position, layer=No
                     "frequencies change with the sequence, so cached keys would be stale"
                 )
     if slots is None:  # a pass: 0..n-1, or each packed example's own (position over length)
-        q_at = nm.arange("length", x_len) if position is None else position
-        k_at = _as_memory(q_at)
+        # 0..n-1 as NumPy values, so that the rotation's cos and sin tables (length,
+        # d_kv) are constants (`_cos_sin`): from a traced iota XLA fused cos and sin into
+        # each consumer and evaluated them per element of q and k, forward and backward
+        # (batch x heads times over; the realistic Llama step took 1.06x as long)
+        if position is None:
+            at = np.arange(x_len, dtype=np.int32)
+            q_at, k_at = nm.tensor(at, ("length",)), nm.tensor(at, ("memory",))
+        else:
+            q_at, k_at = position, _as_memory(position)
     else:
         q_at, k_at = position, _as_memory(position)
     if layer is not None and "inv_freq" in layer:
