@@ -48,9 +48,13 @@ def loop_blocks(rows: int, groups: int, top: int = 1024) -> tuple[int, ...]:
     return tuple(top >> i for i in range((top // max(8, share >> 3)).bit_length()))
 
 
-def _rounded(count, blocks):
-    """count rounded up to whole smallest blocks (so each smaller size runs once at most)."""
-    return (count + blocks[-1] - 1) // blocks[-1] * blocks[-1]
+def over_group(blocks, first, count, body, carry):
+    """carry through body(carry, row, size) for the blocks covering a group's sorted rows
+    [first, first + count): its count rounded up to whole smallest blocks, by whole
+    largest blocks, then at most one of each smaller size (the last may reach past the
+    rows by less than a smallest block)."""
+    count = (count + blocks[-1] - 1) // blocks[-1] * blocks[-1]
+    return over_blocks(blocks, first, count, body, carry)
 
 
 def sorted_slots(g, groups: int, cap: int):
@@ -154,7 +158,7 @@ def saved_rows(rows: int, groups: int) -> int:
 def _saved_rows(n: int, groups: int, cap: int, blocks) -> int:
     """Rows of the saved buffers, which hold either way's: the slots, or the sorted rows
     and a smallest block after them (a group's last block reaches past its rows by
-    less: `_rounded`)."""
+    less: `over_group`)."""
     return max(groups * cap, n + blocks[-1])
 
 
@@ -245,7 +249,7 @@ def _loop_forward(act, plan, blocks, rows, x, wi, wo, *wg):
                 _put(p, b, row) for p, b in zip(products, pb, strict=True)
             )
 
-        return over_blocks(blocks, plan.first[e], _rounded(plan.count[e], blocks), block, carry)
+        return over_group(blocks, plan.first[e], plan.count[e], block, carry)
 
     ys = _zeros((rows, o), x.dtype, *like)
     products = tuple(_zeros((rows, f), x.dtype, *like) for _ in (wi, *wg))
@@ -285,8 +289,7 @@ def _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg):
             return _put(dxs, dxb, row), dwe
 
         dwe = tuple(_zeros(w.shape, acc, *like) for w in we)
-        dxs, dwe = over_blocks(blocks, plan.first[e], _rounded(plan.count[e], blocks), block,
-                               (dxs, dwe))
+        dxs, dwe = over_group(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
         dws = tuple(jax.lax.dynamic_update_index_in_dim(dw, d.astype(dw.dtype), e, 0)
                     for dw, d in zip(dws, dwe, strict=True))  # fmt: skip
         return dxs, dws
