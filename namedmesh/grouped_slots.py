@@ -5,8 +5,9 @@ load, its rows sorted by group once, in one of two ways chosen at run time (a co
   to 8: `slot_capacity`): the rows gathered into a (groups, cap, c) buffer of slots,
   the whole FFN as batched matmuls (XLA's plain dots, forward and backward);
 - else (an uneven load, or at most half the rows inside: an expert-split shard): the
-  sorted rows by one loop over each group's blocks (`loop_blocks`: big ones, then
-  halves for the tail), the whole FFN a block, each weight sliced once per group.
+  sorted rows by one loop over each group's blocks (`loop_blocks`, `over_group`: its
+  row count's binary digits, up to 1024 rows a block), the whole FFN a block, each
+  weight sliced once per group.
 
 Its gradient is written out (a custom vjp) rather than jax's of the composition, for
 what that cost (docs/benchmarks.md, "MoE experts' path (issue 40)"): jax's gradient of
