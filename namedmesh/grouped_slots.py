@@ -39,13 +39,14 @@ def slot_capacity(rows: int, groups: int) -> int:
 
 
 def loop_blocks(rows: int, groups: int, top: int = 1024) -> tuple[int, ...]:
-    """The loop's row blocks, largest first: powers of two from `top` (at most the rows)
-    down to the smallest, an eighth of an even share up to 256 rows and at least 8. A
-    group's rows, rounded up to the smallest, go by whole blocks of the largest, then
-    at most one of each smaller size (its count's binary digits): a group of 946 rows
-    is 512 + 256 + 128 + 64, where blocks of at most 256 rows were six."""
+    """The loop's row blocks, largest first: powers of two from `top` (at most the rows
+    and four even shares: each size is a loop body to compile) down to the smallest, an
+    eighth of an even share up to 256 rows and at least 8. A group's rows, rounded up
+    to the smallest, go by whole blocks of the largest, then at most one of each smaller
+    size (its count's binary digits): a group of 946 rows is 512 + 256 + 128 + 64, where
+    blocks of at most 256 rows were six (docs/benchmarks.md, "MoE experts' path")."""
     share = min(256, max(8, 1 << max(0, (rows // groups).bit_length() - 1)))
-    top = max(share, min(top, 1 << max(0, rows.bit_length() - 1)))
+    top = max(share, min(top, 4 * share, 1 << max(0, rows.bit_length() - 1)))
     return tuple(top >> i for i in range((top // max(8, share >> 3)).bit_length()))
 
 
