@@ -5,8 +5,9 @@ load, its rows sorted by group once, in one of two ways chosen at run time (a co
   to 8: `slot_capacity`): the rows gathered into a (groups, cap, c) buffer of slots,
   the whole FFN as batched matmuls (XLA's plain dots, forward and backward);
 - else (an uneven load, or at most half the rows inside: an expert-split shard): the
-  sorted rows by one loop over each group's blocks (`loop_blocks`: big ones, then
-  halves for the tail), the whole FFN a block, each weight sliced once per group.
+  sorted rows by one loop over each group's blocks (`loop_blocks`, `over_group`: its
+  row count's binary digits, up to 1024 rows a block), the whole FFN a block, each
+  weight sliced once per group.
 
 Its gradient is written out (a custom vjp) rather than jax's of the composition, for
 what that cost (docs/benchmarks.md, "MoE experts' path (issue 40)"): jax's gradient of
@@ -37,15 +38,25 @@ def slot_capacity(rows: int, groups: int) -> int:
     return min(max(8, math.ceil((m + 3 * math.sqrt(m)) / 8) * 8), math.ceil(rows / 8) * 8)
 
 
-def loop_blocks(rows: int, groups: int) -> tuple[int, ...]:
-    """The loop's row blocks, largest first: a power of two up to 256 and at most an even
-    share of the rows (a group's rows go by whole blocks of it), then its half and
-    quarter (at most one each) and its eighth (at least 8; two at most, the last
-    rounding up): a group's tail in at most four blocks, not up to eight eighths (each
-    block adds its group's whole weight gradients once: Mixtral's FFN 0.82-0.92 of
-    (top, top / 8)'s time, docs/benchmarks.md "MoE experts' path")."""
-    top = min(256, max(8, 1 << max(0, (rows // groups).bit_length() - 1)))
-    return tuple(dict.fromkeys(max(8, top >> i) for i in range(4)))
+def loop_blocks(rows: int, groups: int, top: int = 1024) -> tuple[int, ...]:
+    """The loop's row blocks, largest first: powers of two from `top` (at most the rows
+    and four even shares: each size is a loop body to compile) down to the smallest, an
+    eighth of an even share up to 256 rows and at least 8. A group's rows, rounded up
+    to the smallest, go by whole blocks of the largest, then at most one of each smaller
+    size (its count's binary digits): a group of 946 rows is 512 + 256 + 128 + 64, where
+    blocks of at most 256 rows were six (docs/benchmarks.md, "MoE experts' path")."""
+    share = min(256, max(8, 1 << max(0, (rows // groups).bit_length() - 1)))
+    top = max(share, min(top, 4 * share, 1 << max(0, rows.bit_length() - 1)))
+    return tuple(top >> i for i in range((top // max(8, share >> 3)).bit_length()))
+
+
+def over_group(blocks, first, count, body, carry):
+    """carry through body(carry, row, size) for the blocks covering a group's sorted rows
+    [first, first + count): its count rounded up to whole smallest blocks, by whole
+    largest blocks, then at most one of each smaller size (the last may reach past the
+    rows by less than a smallest block)."""
+    count = (count + blocks[-1] - 1) // blocks[-1] * blocks[-1]
+    return over_blocks(blocks, first, count, body, carry)
 
 
 def sorted_slots(g, groups: int, cap: int):
@@ -148,8 +159,9 @@ def saved_rows(rows: int, groups: int) -> int:
 
 def _saved_rows(n: int, groups: int, cap: int, blocks) -> int:
     """Rows of the saved buffers, which hold either way's: the slots, or the sorted rows
-    and a largest block after them (a group's last block reaches past its rows)."""
-    return max(groups * cap, n + blocks[0])
+    and a smallest block after them (a group's last block reaches past its rows by
+    less: `over_group`)."""
+    return max(groups * cap, n + blocks[-1])
 
 
 def _padded(a, rows: int):
@@ -239,7 +251,7 @@ def _loop_forward(act, plan, blocks, rows, x, wi, wo, *wg):
                 _put(p, b, row) for p, b in zip(products, pb, strict=True)
             )
 
-        return over_blocks(blocks, plan.first[e], plan.count[e], block, carry)
+        return over_group(blocks, plan.first[e], plan.count[e], block, carry)
 
     ys = _zeros((rows, o), x.dtype, *like)
     products = tuple(_zeros((rows, f), x.dtype, *like) for _ in (wi, *wg))
@@ -279,7 +291,7 @@ def _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg):
             return _put(dxs, dxb, row), dwe
 
         dwe = tuple(_zeros(w.shape, acc, *like) for w in we)
-        dxs, dwe = over_blocks(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
+        dxs, dwe = over_group(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
         dws = tuple(jax.lax.dynamic_update_index_in_dim(dw, d.astype(dw.dtype), e, 0)
                     for dw, d in zip(dws, dwe, strict=True))  # fmt: skip
         return dxs, dws

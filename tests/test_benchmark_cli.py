@@ -31,6 +31,8 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unkn
     ("experts_profile", ["--size", "huge"]),
     ("beside_dots", ["--rounds", "0"]),
     ("step_profile", ["--size", "huge"]),
+    ("experts_blocks", ["--rounds", "0"]),
+    ("experts_blocks", ["--blocks", "3"]),  # not a divisor of --rows
 ]
 
 

@@ -129,8 +129,9 @@ def dense_grads():
 def test_gradients_at_any_load():
     """On one device, the value and gradients of the dense one-hot statement's, 512 rows
     (one program): by the slots (an even load), by the loop (every choice on one
-    expert), and by the loop at G's uneven load, each group's rows in blocks of 128, 64,
-    32 and 16 rows (grouped_slots.loop_blocks; 48 rows would be blocks of 8 only)."""
+    expert), and by the loop at G's uneven load, each group's rows in blocks of 512 down
+    to 16 rows by its count's binary digits (grouped_slots.loop_blocks; 48 rows would be
+    blocks of 8 only)."""
     loss = lambda x, wi, wo, wg, g: jnp.sum(jnp.sin(named(x, wi, wo, g, wg).data))  # noqa: E731
     grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
     x = R.normal(size=(64, 4, 5)).astype(np.float32) * 0.5
@@ -144,6 +145,34 @@ def test_gradients_at_any_load():
         np.testing.assert_allclose(value, want, rtol=1e-5)
         for name, a, b in zip(("x", "wi", "wo", "wg"), grads, wants, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_groups_blocks_cover_its_rows_once():
+    """grouped_slots.over_group visits blocks covering a group's rows [first, first +
+    count) exactly once each, reaching past them by less than a smallest block, with at
+    most one block of each size but the largest, for every count up to 3 largest blocks
+    (counted in NumPy from the blocks' own rows)."""
+    from namedmesh.grouped_slots import loop_blocks, over_group
+
+    blocks, first = loop_blocks(64, 4), 5
+    assert blocks == (64, 32, 16, 8)
+
+    @jax.jit
+    def visits(count):
+        def body(carry, row, size):
+            hits, sizes = carry
+            on = (jnp.arange(hits.shape[0]) >= row) & (jnp.arange(hits.shape[0]) < row + size)
+            return hits + on, sizes.at[blocks.index(size)].add(1)
+
+        init = (jnp.zeros(first + 3 * 64 + 8, jnp.int32), jnp.zeros(len(blocks), jnp.int32))
+        return over_group(blocks, first, count, body, init)
+
+    for count in (0, 1, 7, 8, 9, 59, 63, 64, 65, 127, 3 * 64):
+        hits, sizes = map(np.asarray, visits(count))
+        assert (hits[first : first + count] == 1).all() and (hits[:first] == 0).all(), count
+        past = np.flatnonzero(hits[first + count :])
+        assert (hits <= 1).all() and len(past) < blocks[-1] and (sizes[1:] <= 1).all(), count
+        assert hits.sum() == -(-count // blocks[-1]) * blocks[-1], count
 
 
 # experts split where the tokens are (routed: t over e; the hidden layer split over d,
