@@ -19,6 +19,7 @@ from lowering.caches import memo, per_object
 from lowering.layout import Layout, ValueLayout, check_axes, local_shape
 from lowering.mesh import Mesh
 from lowering.plan import Local, Plan, Planner, RuleContext, Step, constant, local_avals, nontrivial
+from lowering.rules.registry import SPMD_RULES
 from namedmesh.errors import DtypeError, fmt_dims
 
 
@@ -47,35 +48,38 @@ class Interpreter(Planner):
         """Run `graph`'s equations on local shards (`Local`s) by their SPMD rules. `env`
         maps each input Var to (local value, layout) and receives every value made; each
         equation's Step (then the Steps of a scan's body) is appended to `plan`."""
-        note_source = self.note_source
         for v, c in graph.consts.items():
             env[v] = (constant(c), ((),) * len(v.dims))
         for v, (x, _) in env.items():
-            note_source(x, v)
+            self.sources[id(x)] = (x, v)  # (note_source, inlined: this runs per value)
+        vma = self.vma
         for e in graph.eqns:
+            prim = e.primitive
             ins = [env[v] for v in e.inputs]
             self.step = step = _step(self, e, ins, repeat, depth)
             # An op that combines its inputs makes them all vary where any does. Cast before
             # moving, so that the backward pass sums a gathered value's gradient over those
             # axes after the reduce-scatter, on the smaller shard.
-            if e.primitive.combines_inputs:
-                self.combined = set().union(*[self.vma(x) for x, _ in ins])
+            if prim.combines_inputs:
+                self.combined = set().union(*[vma(x) for x, _ in ins])
             elif self.combined:
                 self.combined = set()
-            outs = rules.rule_for(e.primitive)(self, e, ins)
-            if len(outs) != len(e.outputs):
-                raise ValueError(f"the rule of {e.primitive.name} gave {len(outs)} results for "
-                                 f"{len(e.outputs)}")  # fmt: skip
+            outs = (SPMD_RULES.get(prim) or rules.rule_for(prim))(self, e, ins)
+            made = e.outputs
+            if len(outs) != len(made):
+                raise ValueError(f"the rule of {prim.name} gave {len(outs)} results for "
+                                 f"{len(made)}")  # fmt: skip
             if not step.local and not step.body:  # (most steps ran a local op: no call)
                 cost_own_arithmetic(self, e, ins, outs)
             # (indexes, not zip: zip's keyword strict= alone cost a search 3% of its time)
-            step.outputs = [(v.dims, outs[i][1]) for i, v in enumerate(e.outputs)]
+            step.outputs = [(v.dims, outs[i][1]) for i, v in enumerate(made)]
             plan.append(step)
             if step.body:
                 plan.extend(step.body)
-            for i, v in enumerate(e.outputs):
-                env[v] = outs[i]
-                note_source(outs[i][0], v)
+            sources = self.sources  # (a scan's rule swaps its own in and back)
+            for i, v in enumerate(made):
+                out = env[v] = outs[i]
+                sources[id(out[0])] = (out[0], v)
 
 
 def constraint_layout(rules_, v, mesh) -> ValueLayout:
@@ -152,9 +156,10 @@ def _step(ctx: RuleContext, e, ins: list, repeat: int, depth: int) -> Step:
     if ctx.record:
         shown = [(v.dims, x[1]) for v, x in zip(e.inputs, ins, strict=True)]
         return Step(e.primitive.name, e, shown, [], repeat=repeat, depth=depth)
+    # (positional: Step's fields in order, local, collectives, casts, events, repeat,
+    # depth, body, pipeline, ops; keywords cost a search 1% of its time)
     ops = [] if e.primitive.loop else ()
-    return Step(e.primitive.name, e, (), (), collectives=(), casts=(), events=(), body=(),
-                ops=ops, repeat=repeat, depth=depth)  # fmt: skip
+    return Step(e.primitive.name, e, (), (), [], (), (), (), repeat, depth, (), None, ops)
 
 
 def io_layouts(graph, mesh: Mesh, layout: Layout, names=None, padded=()) -> tuple[dict, list]:

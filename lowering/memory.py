@@ -363,6 +363,8 @@ def _scan_saved(terms, local_bytes) -> tuple[int, int]:
         return n * per_step, work
     once = sum(local_bytes(v) for v in invariants)
     stored = set(dots_values) if remat == "dots" else set()  # counted per iteration
-    again = _peak(body_terms, lambda v: 0 if v in stored else local_bytes(v), {})
+    # (local_bytes itself where nothing is stored, remat full: no call per value added)
+    again_bytes = (lambda v: 0 if v in stored else local_bytes(v)) if stored else local_bytes
+    again = _peak(body_terms, again_bytes, {})
     dots = sum(local_bytes(v) for v in stored)
     return n * (carry + dots) + once, sum(again)

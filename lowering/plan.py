@@ -406,7 +406,11 @@ class RuleContext:
 
     def _moves(self, x, src, dst, source):
         """The moves of `collectives.plan_moves`, each logged and run."""
-        for m in plan_moves(src, dst):
+        try:
+            moves = _planned_moves(src, dst)
+        except TypeError:  # a layout of lists, which does not hash
+            moves = plan_moves(src, dst)
+        for m in moves:
             if m.kind == "slice":
                 x = self.run_op("slice_to", x, axes=m.axes, dim=m.dim, sizes=self.sizes)
             else:  # all_gather(dim) or all_to_all(dim, to)
@@ -434,6 +438,12 @@ class RuleContext:
 
         final, ys = self.run_loop(run, list(init), list(xs), length, made)
         return list(final), list(ys), made[0]
+
+
+@memo()  # the same relayouts recur in every candidate (a search asks 40 per candidate)
+def _planned_moves(src: ValueLayout, dst: ValueLayout) -> tuple:
+    """`collectives.plan_moves(src, dst)`, kept: a pure function of the two layouts."""
+    return tuple(plan_moves(src, dst))
 
 
 @memo()  # the same assigned layout and shape recur in many candidate layouts

@@ -125,7 +125,13 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     body, nc = p["body"], p["n_carry"]
     in_lays = carry_lay + x_lays + [lay for _, lay in rest]
     ctx.wanted.update(zip(body.inputs, in_lays, strict=True))
-    ctx.plan_layouts(body)
+    laid: list = []  # the body's layouts are planned before its first pass planned here
+
+    def lay_out():  # (not before a pass kept from before, which sets them all again)
+        if not laid:
+            ctx.plan_layouts(body)
+            laid.append(body)
+
     vma = set().union(*map(ctx.vma, carry))
     widened, key = widenings(body), _pass_key(ctx, body, carry, xs, rest, in_lays, length)
     while True:
@@ -135,7 +141,7 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
             continue
         try:
             planned = _settled_pass(ctx, eqn, key, carry, xs, rest, in_lays, carry_lay, vma,
-                                    length)  # fmt: skip
+                                    length, lay_out)  # fmt: skip
             break
         except WiderCarry as e:  # the body's carry varies over more axes: again
             widened[key, frozenset(vma)] = e.axes
@@ -157,13 +163,15 @@ def plan_loop(ctx, eqn, carry, carry_lay, xs, x_lays, rest, length: int):
     return final, stacked, y_lays
 
 
-def _settled_pass(ctx, eqn, key, carry, xs, rest, in_lays, carry_lay, vma, length):
-    """`_plan_body`; in a costing-only plan (auto_layout's candidates) a pass planned
-    before under the same key, type and enclosing repeat and depth is not planned
-    again: its results are taken and the layouts it gave the body's values (`wanted`,
-    `free`) set again, as planning it would have. A result's Steps are shared, never
-    changed after planning; the lists holding them are the caller's own."""
+def _settled_pass(ctx, eqn, key, carry, xs, rest, in_lays, carry_lay, vma, length, lay_out):
+    """`_plan_body`, after `lay_out()` (the body's layouts into `wanted`); in a
+    costing-only plan (auto_layout's candidates) a pass planned before under the same
+    key, type and enclosing repeat and depth is not planned again: its results are taken
+    and the layouts it gave the body's values (`wanted`, `free`: every value `lay_out`
+    lays out among them) set again, as planning it would have. A result's Steps are
+    shared, never changed after planning; the lists holding them are the caller's own."""
     if ctx.record:  # a plan to emit: planned once, its Steps its own
+        lay_out()
         return _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
     body = eqn.params["body"]
     seen, values = settled(body), body_values(body)
@@ -175,6 +183,7 @@ def _settled_pass(ctx, eqn, key, carry, xs, rest, in_lays, carry_lay, vma, lengt
         ctx.free.update(free)
         ctx.combined = set()
     else:
+        lay_out()
         planned = _plan_body(ctx, eqn, carry, xs, rest, in_lays, carry_lay, vma, length)
         wanted = {v: ctx.wanted[v] for v in values if v in ctx.wanted}
         seen[k] = planned, wanted, values & ctx.free
@@ -247,7 +256,8 @@ def _pass_key(ctx, body, carry, xs, rest, in_lays, length) -> tuple:
     the rules of the dims the body (and those nested in it) holds, in order, the layout's
     options, the local values' shapes, dtypes and types, and their layouts."""
     dims, layout = body_dims(body), ctx.layout
-    local = lambda x: (tuple(x.shape), str(x.dtype), frozenset(ctx.vma(x)))
+    # (the dtype itself: equal dtypes hash alike, and str() of one costs a search 3%)
+    local = lambda x: (tuple(x.shape), x.dtype, frozenset(ctx.vma(x)))
     return (
         tuple(ctx.mesh.sizes.items()), tuple(r for r in layout.rules if r[0] in dims),
         layout.strict, repr(sorted(layout.options.items())), ctx.record, length,

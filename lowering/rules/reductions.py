@@ -125,7 +125,7 @@ def _global_max(ctx, x, axes, split, dtype):
     """The max of the local array `x` along `axes` over the devices of `split` (dims kept,
     no gradient), in `dtype`: one pmax per (array, axes) in a trace, shared by softmax,
     log_softmax and logsumexp of one value, as XLA would merge their equal all-reduces."""
-    key = (id(x), "global max", axes, split, str(dtype))
+    key = (id(x), "global max", axes, split, np.dtype(dtype))  # (str() of a dtype: slow)
     if key not in ctx.moved:
         shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
         m = ctx.call(_local_max, x, axes=axes, to=dtype, shape=shape, dtype=dtype)
