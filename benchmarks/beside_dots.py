@@ -17,27 +17,16 @@ import argparse
 import contextlib
 import sys
 
-import numpy as np
-
 from benchmarks import cli, fair
 
 
 def traced_rotary_tables():
     """The rotation's cos and sin as ops of the program, not a NumPy table (before: XLA
     fused them into each consumer of q and k, one cos and one sin per element)."""
-    import namedmesh as nm
     from models.layers import common
 
-    def cos_sin(positions, inv, factor):
-        angle = nm.astype(positions, np.float32) * inv
-        cos, sin = nm.cos(angle), nm.sin(angle)
-        if isinstance(factor, nm.Tensor) or factor != 1.0:
-            f = factor if isinstance(factor, nm.Tensor) else np.float32(factor)
-            cos, sin = cos * f, sin * f
-        return cos, sin
-
     kept = common._cos_sin
-    common._cos_sin = cos_sin
+    common._cos_sin = common.traced_cos_sin
     return lambda: setattr(common, "_cos_sin", kept)
 
 
@@ -66,16 +55,12 @@ def main(argv=None) -> dict:
     if unknown := [n for n in args.changes if n not in BEFORE]:
         p.error(f"--changes: no change named {unknown[0]!r} (known: {', '.join(BEFORE)})")
     notes = fair.single_threaded()
-    from benchmarks import step_movement, train_vs_torch, zoo_families
+    from benchmarks import step_movement, train_vs_torch
 
     size = train_vs_torch.SIZES[args.size]
-    specs = zoo_families.configs(size.layers, size.d_model, size.heads, size.vocab, size.length)
-    if args.family not in specs:
-        p.error(f"--family: no family {args.family!r} (known: {', '.join(sorted(specs))})")
-    ids = np.random.default_rng(0).integers(0, size.vocab, (size.batch, size.length + 1))
-    ids = ids.astype(np.int32)
-    model, loaded, batch, decodes = zoo_families.built(args.family, specs[args.family],
-                                                       ids[:, :-1])  # fmt: skip
+    if args.family not in (known := train_vs_torch.families(size)):
+        p.error(f"--family: no family {args.family!r} (known: {', '.join(sorted(known))})")
+    ids, model, loaded, batch, decodes = train_vs_torch.case(args.family, size)
     steps, losses = {}, {}
     for name, undo in (("before", args.changes), ("after", ())):
         with before(undo):

@@ -21,8 +21,6 @@ import collections
 import re
 import sys
 
-import numpy as np
-
 from benchmarks import cli, experts_profile, fair
 
 BUCKETS = (
@@ -102,13 +100,9 @@ def main(argv=None) -> dict:
     from benchmarks import step_movement, train_vs_torch, zoo_families
 
     size = train_vs_torch.SIZES[args.size]
-    specs = zoo_families.configs(size.layers, size.d_model, size.heads, size.vocab, size.length)
-    if args.family not in specs:
-        p.error(f"--family: no family {args.family!r} (known: {', '.join(sorted(specs))})")
-    ids = np.random.default_rng(0).integers(0, size.vocab, (size.batch, size.length + 1))
-    ids = ids.astype(np.int32)
-    model, loaded, batch, decodes = zoo_families.built(args.family, specs[args.family],
-                                                       ids[:, :-1])  # fmt: skip
+    if args.family not in (known := train_vs_torch.families(size)):
+        p.error(f"--family: no family {args.family!r} (known: {', '.join(sorted(known))})")
+    ids, model, loaded, batch, decodes = train_vs_torch.case(args.family, size)
     compiled, state, _ = step_movement.compiled_step(loaded, batch, ids[:, 1:], {})
     run, _ = step_movement.timed(compiled, state)
     run()

@@ -39,15 +39,23 @@ SIZES = {
 FAMILIES = ("llama", "qwen3", "gemma2", "mixtral")
 
 
+def families(size: Size) -> dict:
+    """The families' configs at `size` (benchmarks/zoo_families.py's)."""
+    return zoo_families.configs(size.layers, size.d_model, size.heads, size.vocab, size.length)
+
+
+def case(family: str, size: Size) -> tuple:
+    """(ids, transformers' model, the zoo's loaded model, its batch, decodes): one
+    family's step at `size` on the rows of seed 0 (ids: inputs then next tokens)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, size.vocab, (size.batch, size.length + 1)).astype(np.int32)
+    return (ids, *zoo_families.built(family, families(size)[family], ids[:, :-1]))
+
+
 def row(family: str, size: Size, rounds: int, peak_gflops: float) -> dict:
     """One family's measurements: seconds per round of both sides, compile seconds,
     matmul flops, the first losses."""
-    spec = zoo_families.configs(size.layers, size.d_model, size.heads, size.vocab, size.length)[
-        family
-    ]
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, size.vocab, (size.batch, size.length + 1)).astype(np.int32)
-    model, loaded, batch, decodes = zoo_families.built(family, spec, ids[:, :-1])
+    ids, model, loaded, batch, decodes = case(family, size)
     compiled, state, compile_s = step_movement.compiled_step(loaded, batch, ids[:, 1:], {})
     ours, our_loss = step_movement.timed(compiled, state)
     torch_step = zoo_families.torch_sides(model, ids[:, :-1], ids[:, 1:], decodes, compile=False)[

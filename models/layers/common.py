@@ -186,6 +186,12 @@ def _cos_sin(positions: nm.Tensor, inv: nm.Tensor, factor) -> tuple[nm.Tensor, n
         at, inv_ = positions.data.astype(np.float32), inv.data.astype(np.float32)
         tables = _tables(at.tobytes(), at.shape, inv_.tobytes(), f)
         return tuple(nm.tensor(t, (*positions.dims, *inv.dims)) for t in tables)
+    return traced_cos_sin(positions, inv, factor)
+
+
+def traced_cos_sin(positions: nm.Tensor, inv: nm.Tensor, factor) -> tuple[nm.Tensor, nm.Tensor]:
+    """`_cos_sin` as ops of the program (positions or factor traced; and what
+    benchmarks.beside_dots puts back to time the tables against)."""
     angle = nm.astype(positions, np.float32) * inv
     cos, sin = nm.cos(angle), nm.sin(angle)
     if isinstance(factor, nm.Tensor) or factor != 1.0:
