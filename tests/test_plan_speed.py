@@ -45,15 +45,15 @@ def _joint(cfg, mesh, space) -> tuple:
 
 def test_the_pass_memos_change_no_candidate_and_skip_passes(monkeypatch):
     """A MoE model of two stacks (dense, then experts) under blockwise attention, remat
-    none and full, on a mesh with a stage axis (layers:stage layouts, pipelined): loops
+    none and full, on a mesh of a stage axis (layers:stage layouts, pipelined): loops
     nested three deep whose carries widen. Every candidate of both pairs' searches costs
     the same with their programs sharing scan bodies (lowering/bodies.py: the full
     pair's candidates take the none pair's passes) as with each program its own, and as
     with the pass memos off (`widenings`, `settled`); each memo skips passes (bodies
-    shared: 112 + 20 passes; each program its own: 142 + 142; the full pair's with the
-    memos off: 223)."""
+    shared: 44 + 10 passes; each program its own: 55 + 55; the full pair's with the
+    memos off: 90)."""
     cfg = catalog.get("tiny").replace(**MOE)
-    mesh = Mesh({"stage": 2, "data": 2}, devices="abstract")
+    mesh = Mesh({"stage": 2}, devices="abstract")
     space = [Settings(r, "bfloat16", "blockwise", 1) for r in ("none", "full")]
     passes, by_pair = [0], []
     plan_body, search = control._plan_body, joint_module.auto_layout
