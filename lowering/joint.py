@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import namedmesh as nm
-from lowering.bodies import forget_shared
+from lowering.bodies import Shared
 from lowering.collector import few_collections
 from lowering.layout import Layout
 from lowering.lower import lower
@@ -146,7 +146,7 @@ class Joint:
     searched: int = 0
     cache: dict = field(default_factory=dict, repr=False)  # (pair, ...) -> its Search
     chain: tuple = ()  # the params' keys whose stacks the model chains (pad_stacks' `chain`)
-    bodies: dict = field(default_factory=dict, repr=False)  # `_body_group` -> its scan bodies
+    bodies: dict = field(default_factory=dict, repr=False)  # `_body_group` -> its Shared
 
     @property
     def best(self) -> Choice:
@@ -205,8 +205,8 @@ def joint_search(
     try:
         _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive)
     finally:  # the pairs' shared scan bodies' planned passes (lowering/bodies.py)
-        for known in joint.bodies.values():
-            forget_shared(known)
+        for shared in joint.bodies.values():
+            shared.forget()
     joint.choices.sort(key=lambda c: (0, c.step_seconds) if c.fits else (1, c.memory.total))
     if not joint.choices or not joint.best.fits:
         raise PlanError(refusal(joint, whole))
@@ -231,7 +231,7 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive) 
         group = _body_group(mesh, settings)
         left[group] -= 1
         if not left[group] and group in joint.bodies:
-            forget_shared(joint.bodies.pop(group))
+            joint.bodies.pop(group).forget()
 
     for mesh, chain in order:
         chain = sorted(chain, key=lambda s: s.grad_accum)
@@ -253,8 +253,8 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive) 
 
 
 def _body_group(mesh: Mesh, settings: Settings) -> tuple:
-    """The pairs whose programs hold the same scan bodies, planned alike: of one mesh,
-    their settings alike but remat (lowering/bodies.py)."""
+    """The pairs whose programs hold the same scan bodies and plan alike: of one mesh,
+    their settings alike but remat (lowering/bodies.py `Shared`)."""
     return (tuple(mesh.sizes.items()), settings.dtype, settings.attention, settings.grad_accum)
 
 
@@ -306,8 +306,9 @@ def _search_pair(joint, whole, build, mesh, settings, beam, best_fit: list) -> b
             _, joint.cache[key] = auto_layout(fn, mesh, *inputs, grad_argnums=(0,),
                                               rates=joint.rates, memory_limit=joint.limit,
                                               training=run, beam=beam,
-                                              bodies=joint.bodies.setdefault(
-                                                  _body_group(mesh, settings), {}))  # fmt: skip
+                                              shared=joint.bodies.setdefault(
+                                                  _body_group(mesh, settings), Shared()),
+                                              )  # fmt: skip
         except LayoutError as e:
             if getattr(e, "search", None) is None:
                 raise

@@ -6,12 +6,15 @@ even by another (mesh, settings) pair's search whose program holds the same body
 costed once (lowering/stages.py). Oracles: the same search with the memo off, every
 candidate compared, and the count of distinct stages worked out by hand."""
 
+import importlib
+
 import pytest
 
 import namedmesh as nm
 from lowering import Mesh, bodies, caches
 from lowering import joint as joint_module
 from lowering import search as search_module
+from lowering.interpret import plan_program as plan_program_of
 from lowering.joint import Settings, joint_search
 from lowering.rates import parse
 from lowering.rules import control
@@ -21,6 +24,7 @@ from models import catalog
 from models.cli import plan as plan_cli
 from tests.test_stage_costs import RATES, toy_build
 
+lower_module = importlib.import_module("lowering.lower")  # (lowering.lower: the function)
 MOE = {"experts": 4, "experts_per_token": 2, "dense_layers": 2, "layers": 4}  # two stacks
 RATES_H100 = parse("h100,node=8")
 
@@ -43,53 +47,59 @@ def _joint(cfg, mesh, space) -> tuple:
     return plans, tables
 
 
-def test_the_pass_memos_change_no_candidate_and_skip_passes(monkeypatch):
+def test_shared_bodies_plans_and_pass_memos_change_no_candidate_and_save_work(monkeypatch):
     """A MoE model of two stacks (dense, then experts) under blockwise attention, remat
     none and full, on a mesh of a stage axis (layers:stage layouts, pipelined): loops
     nested three deep whose carries widen. Every candidate of both pairs' searches costs
-    the same with their programs sharing scan bodies (lowering/bodies.py: the full
-    pair's candidates take the none pair's passes) as with each program its own, and as
-    with the pass memos off (`widenings`, `settled`); each memo skips passes (bodies
-    shared: 44 + 10 passes; each program its own: 55 + 55; the full pair's with the
-    memos off: 90)."""
+    the same with their programs sharing plans and scan bodies (lowering/bodies.py
+    `Shared`: the full pair's candidates take the none pair's plans, but the pipelined
+    ones, and its passes; the none pair's two stacks share their attention body) as
+    with each program its own, and with the pass memos off (`widenings`, `settled`);
+    each saves plans or passes."""
     cfg = catalog.get("tiny").replace(**MOE)
     mesh = Mesh({"stage": 2}, devices="abstract")
     space = [Settings(r, "bfloat16", "blockwise", 1) for r in ("none", "full")]
-    passes, by_pair = [0], []
-    plan_body, search = control._plan_body, joint_module.auto_layout
+    work, by_pair = {"passes": 0, "plans": 0}, []
+    plan_body, search, plan_program = control._plan_body, joint_module.auto_layout, plan_program_of
 
     def counted(*args):
-        passes[0] += 1
+        work["passes"] += 1
         return plan_body(*args)
 
-    def searched(*args, **kw):  # the passes each pair's search plans
-        before = passes[0]
+    def planned(*args, **kw):
+        work["plans"] += 1
+        return plan_program(*args, **kw)
+
+    def searched(*args, **kw):  # the plans and passes each pair's search makes
+        before = dict(work)
         out = search(*args, **kw)
-        by_pair.append(passes[0] - before)
+        by_pair.append(tuple(work[k] - before[k] for k in ("plans", "passes")))
         return out
 
     monkeypatch.setattr(control, "_plan_body", counted)
+    monkeypatch.setattr(bodies, "plan_program", planned)
+    monkeypatch.setattr(lower_module, "plan_program", planned)
     monkeypatch.setattr(joint_module, "auto_layout", searched)
     shared = _joint(cfg, mesh, space)
     assert sorted(shared[1]) == ["full", "none"]
     assert any("stage" in row[0] for row in shared[1]["full"])  # pipelined candidates
-    with_shared = list(by_pair)
-    monkeypatch.setattr(search_module, "share_bodies", lambda graph, known: 0)
+    (none, full) = by_pair  # (plans, passes) of each pair's search
+    monkeypatch.setattr(bodies.Shared, "adopt", lambda self, graph: graph)
     by_pair.clear()
-    assert _joint(cfg, mesh, space) == shared
-    alone = list(by_pair)  # [none, full], each its own program
-    # the none pair's two stacks hold the same attention body; the full pair, both
-    assert with_shared[0] < alone[0] and with_shared[1] < alone[1]
+    assert _joint(cfg, mesh, space) == shared  # each program its own
+    (none_alone, full_alone) = by_pair
+    assert none[0] == none_alone[0] and full[0] < full_alone[0]  # 19 + 5 plans, 19 + 19
+    assert none[1] < none_alone[1] and full[1] < full_alone[1]  # 44 + 10 passes, 55 + 55
     # the full pair alone, its search's memos off: the same candidates, more passes
     monkeypatch.setattr(control, "widenings", lambda body: {})
     monkeypatch.setattr(control, "settled", lambda body: {})
     caches.clear()
     fn, inputs = plan_cli.builder(cfg, 8, 32)(space[1])
-    passes[0] = 0
+    work["passes"] = 0
     _, table = search(fn, mesh, *inputs, grad_argnums=(0,), rates=RATES_H100,
                       training=Training(), beam=1, memory_limit=4e7)  # fmt: skip
     assert _rows(table) == shared[1]["full"]
-    assert alone[1] < passes[0]
+    assert full_alone[1] < work["passes"]  # 90
 
 
 def test_bodies_are_shared_only_where_they_are_the_same():
