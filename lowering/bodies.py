@@ -102,11 +102,13 @@ class Shared:
     the plans of their programs, which differ in the remat of their top-level scans
     alone: a layout one pair's search planned is planned once for all of them, each
     pair costing it (`plan_report`: remat's recompute and saved activations) as its
-    own. A plan that depends on remat (a pipelined scan's: lowering/pipeline.py saves
+    own (`plans`: kept for programs to come; without, a program adopted after takes
+    those kept before). A plan that depends on remat (a pipelined scan's: lowering/pipeline.py saves
     its ticks' results as remat keeps them) or holds an equation made while planning is
     not shared."""
 
-    def __init__(self):
+    def __init__(self, plans: bool = True):
+        self.keep = plans  # whether plans are kept for programs adopted later
         self.bodies: dict = {}  # fingerprint -> body (`share_bodies`)
         self.programs: dict = {}  # fingerprint but top-level remat -> the first program
         self.roots: dict = {}  # id(program) -> (it, the first of its kind, its eqns')
@@ -131,7 +133,7 @@ class Shared:
         """`lowering.lower.graph_report` of `graph` (adopted), its plan shared with the
         programs of its kind: planned once per layout, costed per program."""
         known, first = self.roots.get(id(graph), (None, None))
-        if known is not graph:
+        if known is not graph or not (self.keep or first is not graph):
             return graph_report(graph, mesh, layout, wrt, names)
         key = (id(first), tuple(mesh.sizes.items()), layout.rules, layout.strict,
                repr(sorted(layout.options.items())), tuple(wrt or ()))  # fmt: skip

@@ -147,6 +147,7 @@ class Joint:
     cache: dict = field(default_factory=dict, repr=False)  # (pair, ...) -> its Search
     chain: tuple = ()  # the params' keys whose stacks the model chains (pad_stacks' `chain`)
     bodies: dict = field(default_factory=dict, repr=False)  # `_body_group` -> its Shared
+    left: Counter = field(default_factory=Counter, repr=False)  # group -> its pairs not done
 
     @property
     def best(self) -> Choice:
@@ -225,7 +226,7 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive) 
             chains.setdefault(key, (mesh, []))[1].append(settings)
     whole.staged = staged is not None
     order = sorted(chains.values(), key=lambda c: whole.least(c[1][0], c[0], rates))
-    left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
+    left = joint.left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
 
     def done(mesh, settings) -> None:  # forget a group's passes when no pair is left of it
         group = _body_group(mesh, settings)
@@ -250,6 +251,16 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive) 
                     done(mesh, s)
                 break
             done(mesh, settings)
+
+
+def _shared(joint: Joint, mesh: Mesh, settings: Settings) -> Shared:
+    """The Shared of the pair's group, keeping its plans while more pairs of it are left
+    (`joint.left`, the pair's own counted) to cost them."""
+    group = _body_group(mesh, settings)
+    if group not in joint.bodies:
+        joint.bodies[group] = Shared()
+    joint.bodies[group].keep = joint.left[group] > 1
+    return joint.bodies[group]
 
 
 def _body_group(mesh: Mesh, settings: Settings) -> tuple:
@@ -306,8 +317,7 @@ def _search_pair(joint, whole, build, mesh, settings, beam, best_fit: list) -> b
             _, joint.cache[key] = auto_layout(fn, mesh, *inputs, grad_argnums=(0,),
                                               rates=joint.rates, memory_limit=joint.limit,
                                               training=run, beam=beam,
-                                              shared=joint.bodies.setdefault(
-                                                  _body_group(mesh, settings), Shared()),
+                                              shared=_shared(joint, mesh, settings),
                                               )  # fmt: skip
         except LayoutError as e:
             if getattr(e, "search", None) is None:
