@@ -20,6 +20,10 @@ searched (more run the same flops and synchronise the gradients once per microba
 never faster in this model; a pipeline's every count is searched). Each pair's layout
 search keeps a beam of 1 (`auto_layout`'s `beam`): a plan is found in seconds,
 and tests/test_plan.py holds its Llama 3 70B plan against every pair searched unpruned.
+Sharing: the pairs of one mesh whose settings differ in remat alone trace one program
+but for its scans' remat, which only the costing reads; their searches share its scan
+bodies and plans (lowering/bodies.py `Shared`, one per group, emptied when its last
+pair is done): a layout one of them planned is costed, not planned, by the others.
 """
 
 from __future__ import annotations
