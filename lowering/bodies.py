@@ -103,9 +103,9 @@ class Shared:
     alone: a layout one pair's search planned is planned once for all of them, each
     pair costing it (`plan_report`: remat's recompute and saved activations) as its
     own (`plans`: kept for programs to come; without, a program adopted after takes
-    those kept before). A plan that depends on remat (a pipelined scan's: lowering/pipeline.py saves
-    its ticks' results as remat keeps them) or holds an equation made while planning is
-    not shared."""
+    those kept before). A plan that depends on remat (a pipelined scan's:
+    lowering/pipeline.py saves its ticks' results as remat keeps them) or holds an
+    equation made while planning is not shared."""
 
     def __init__(self, plans: bool = True):
         self.keep = plans  # whether plans are kept for programs adopted later
@@ -121,11 +121,10 @@ class Shared:
         share_bodies(graph, self.bodies)
         first = self.programs.setdefault(fingerprint(graph, drop=("remat",)), graph)
         if first is not graph:
-            graph = Graph(first.inputs, first.outputs, [
-                a if a.params.get("remat") == b.params.get("remat")
-                else Eqn(a.primitive, a.inputs, a.outputs, {**a.params, "remat": b.params["remat"]})
-                for a, b in zip(first.eqns, graph.eqns, strict=True)
-            ], first.in_tree, first.out_tree, first.consts)  # fmt: skip
+            eqns = [a if a.params.get("remat") == b.params.get("remat") else _remat_of(a, b)
+                    for a, b in zip(first.eqns, graph.eqns, strict=True)]  # fmt: skip
+            graph = Graph(first.inputs, first.outputs, eqns, first.in_tree, first.out_tree,
+                          first.consts)  # fmt: skip
         self.roots[id(graph)] = (graph, first)
         return graph
 
@@ -159,6 +158,14 @@ class Shared:
         """Empty the bodies' pass memos and the plans (`forget_shared`)."""
         forget_shared(self.bodies)
         self.plans.clear()
+
+
+def _remat_of(a: Eqn, b: Eqn) -> Eqn:
+    """Equation `a` (its values, its shared body) with `b`'s remat."""
+    params = {k: p for k, p in a.params.items() if k != "remat"}
+    if "remat" in b.params:
+        params["remat"] = b.params["remat"]
+    return Eqn(a.primitive, a.inputs, a.outputs, params)
 
 
 def _moved(plan: Plan, source: Graph, graph: Graph) -> Plan | None:
