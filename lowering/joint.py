@@ -20,14 +20,20 @@ searched (more run the same flops and synchronise the gradients once per microba
 never faster in this model; a pipeline's every count is searched). Each pair's layout
 search keeps a beam of 1 (`auto_layout`'s `beam`): a plan is found in seconds,
 and tests/test_plan.py holds its Llama 3 70B plan against every pair searched unpruned.
+Sharing: the pairs of one mesh whose settings differ in remat alone trace one program
+but for its scans' remat, which only the costing reads; their searches share its scan
+bodies and plans (lowering/bodies.py `Shared`, one per group, emptied when its last
+pair is done): a layout one of them planned is costed, not planned, by the others.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import namedmesh as nm
+from lowering.bodies import Shared
 from lowering.collector import few_collections
 from lowering.layout import Layout
 from lowering.lower import lower
@@ -144,6 +150,8 @@ class Joint:
     searched: int = 0
     cache: dict = field(default_factory=dict, repr=False)  # (pair, ...) -> its Search
     chain: tuple = ()  # the params' keys whose stacks the model chains (pad_stacks' `chain`)
+    bodies: dict = field(default_factory=dict, repr=False)  # `_body_group` -> its Shared
+    left: Counter = field(default_factory=Counter, repr=False)  # group -> its pairs not done
 
     @property
     def best(self) -> Choice:
@@ -199,6 +207,21 @@ def joint_search(
     joint = Joint([], rates, training, limit, tokens)
     joint.cache = {} if cache is None else cache
     joint.chain = tuple(chain)
+    try:
+        _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive)
+    finally:  # the pairs' shared scan bodies' planned passes (lowering/bodies.py)
+        for shared in joint.bodies.values():
+            shared.forget()
+    joint.choices.sort(key=lambda c: (0, c.step_seconds) if c.fits else (1, c.memory.total))
+    if not joint.choices or not joint.best.fits:
+        raise PlanError(refusal(joint, whole))
+    return joint
+
+
+def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive) -> None:
+    """Each (mesh, settings) pair searched into `joint` but those pruned (the module's
+    docstring)."""
+    rates, limit = joint.rates, joint.limit
     best_fit = [math.inf]
     chains: dict = {}  # (mesh, settings but grad_accum) -> its settings, fewest microbatches first
     for mesh in meshes:
@@ -207,24 +230,47 @@ def joint_search(
             chains.setdefault(key, (mesh, []))[1].append(settings)
     whole.staged = staged is not None
     order = sorted(chains.values(), key=lambda c: whole.least(c[1][0], c[0], rates))
+    left = joint.left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
+
+    def done(mesh, settings) -> None:  # forget a group's passes when no pair is left of it
+        group = _body_group(mesh, settings)
+        left[group] -= 1
+        if not left[group] and group in joint.bodies:
+            joint.bodies.pop(group).forget()
+
     for mesh, chain in order:
-        for i, settings in enumerate(sorted(chain, key=lambda s: s.grad_accum)):
+        chain = sorted(chain, key=lambda s: s.grad_accum)
+        for i, settings in enumerate(chain):
             why = "" if exhaustive else _pruned(whole, settings, mesh, rates, limit, best_fit[0])
             if why:
                 _count(joint.pruned, why)
-                continue
-            if _staged(mesh, staged):
+            elif _staged(mesh, staged):
                 _search_staged(joint, whole, staged[0], mesh, settings, best_fit)
-                continue
-            fits = _search_pair(joint, whole, build, mesh, settings, beam, best_fit)
-            if fits and not exhaustive:
+            elif _search_pair(joint, whole, build, mesh, settings, beam, best_fit) and not (
+                exhaustive
+            ):  # the fewest microbatches that fit: the rest of the chain is not searched
                 _count(joint.pruned, "more microbatches than the fewest that fit",
                        len(chain) - i - 1)  # fmt: skip
+                for s in chain[i:]:
+                    done(mesh, s)
                 break
-    joint.choices.sort(key=lambda c: (0, c.step_seconds) if c.fits else (1, c.memory.total))
-    if not joint.choices or not joint.best.fits:
-        raise PlanError(refusal(joint, whole))
-    return joint
+            done(mesh, settings)
+
+
+def _shared(joint: Joint, mesh: Mesh, settings: Settings) -> Shared:
+    """The Shared of the pair's group, keeping its plans while more pairs of it are left
+    (`joint.left`, the pair's own counted) to cost them."""
+    group = _body_group(mesh, settings)
+    if group not in joint.bodies:
+        joint.bodies[group] = Shared()
+    joint.bodies[group].keep = joint.left[group] > 1
+    return joint.bodies[group]
+
+
+def _body_group(mesh: Mesh, settings: Settings) -> tuple:
+    """The pairs whose programs hold the same scan bodies and plan alike: of one mesh,
+    their settings alike but remat (lowering/bodies.py `Shared`)."""
+    return (tuple(mesh.sizes.items()), settings.dtype, settings.attention, settings.grad_accum)
 
 
 def _staged(mesh: Mesh, staged) -> bool:
@@ -274,7 +320,9 @@ def _search_pair(joint, whole, build, mesh, settings, beam, best_fit: list) -> b
         try:
             _, joint.cache[key] = auto_layout(fn, mesh, *inputs, grad_argnums=(0,),
                                               rates=joint.rates, memory_limit=joint.limit,
-                                              training=run, beam=beam)  # fmt: skip
+                                              training=run, beam=beam,
+                                              shared=_shared(joint, mesh, settings),
+                                              )  # fmt: skip
         except LayoutError as e:
             if getattr(e, "search", None) is None:
                 raise

@@ -60,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import namedmesh as nm
+from lowering.bodies import Shared
 from lowering.collector import few_collections
 from lowering.layout import Layout, check_axes
 from lowering.lower import argnum_tuple, argument_inputs, graph_report, input_names
@@ -187,10 +188,13 @@ def to_layout(pairs: Pairs, mesh: Mesh) -> Layout:
 class _Costing:
     """Plans and costs candidates exactly, once per canonical form."""
 
-    def __init__(self, fn, mesh, inputs, wrt, rates, limit, training=None):
+    def __init__(self, fn, mesh, inputs, wrt, rates, limit, training=None, shared=None):
         self.fn, self.mesh, self.inputs, self.wrt = fn, mesh, inputs, wrt
         self.rates, self.limit, self.training = rates, limit, training
         self.graph = nm.trace(fn, *inputs)  # once: every candidate plans this graph
+        self.shared = shared
+        if shared is not None:  # its bodies and plans shared with other programs'
+            self.graph = shared.adopt(self.graph)
         self.names = input_names(inputs)
         where = "auto_layout(grad_argnums=...)"
         self.wrt_inputs = None if wrt is None else argument_inputs(self.graph, inputs, wrt, where)
@@ -266,7 +270,8 @@ class _Costing:
     def _cost(self, layout: Layout) -> Candidate:
         cand = Candidate(layout)
         try:
-            rep = graph_report(self.graph, self.mesh, layout, self.wrt_inputs, self.names)
+            report = graph_report if self.shared is None else self.shared.report
+            rep = report(self.graph, self.mesh, layout, self.wrt_inputs, self.names)
         except NamedMeshError as e:
             cand.note = "invalid: " + _reason(e)
             return cand
@@ -356,6 +361,7 @@ def auto_layout(
     cache_dir=None,
     candidates: Sequence[Layout | str] = (),
     training: Training | None = None,
+    shared: Shared | None = None,
 ) -> tuple[Layout, Search]:
     """The Layout with the least predicted step time of `fn(*inputs)` on `mesh` among those
     within `memory_limit` bytes per device, and the Search (candidates best first, and the
@@ -371,6 +377,9 @@ def auto_layout(
     `training` (a lowering.train_step.Training): the memory held against the limit is
     the whole training step's (optimizer state, accumulator: `step_memory`), not the
     gradient's alone; each candidate's parts are its `step`.
+    `shared`: a lowering.bodies.Shared kept across the searches of programs that differ
+    in remat alone (a plan's pairs), their scan bodies and plans planned once for all of
+    them; the caller empties it when done (`Shared.forget`).
     LayoutError when no candidate is valid and fits (its `search` holds the candidates
     weighed), or when one of `candidates` names a mesh axis `mesh` lacks or a dim the
     program lacks."""
@@ -387,14 +396,15 @@ def auto_layout(
         check_axes(layout.rules, mesh, f"auto_layout: candidate layout {layout}")
     if training is not None and not wrt:
         raise ParameterError("auto_layout: training= plans a training step; give grad_argnums")
-    cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit, training)
+    cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit, training, shared)
     dims = _dims(cost.graph)
     for layout in theirs:
         _check_dims(layout, dims, "candidate")
     table = cost.table
     table.theirs, table._costing = tuple(map(cost.of, theirs)), cost
     _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
-    forget_passes(cost.graph)
+    if shared is None:  # else the caller's, shared with its other searches
+        forget_passes(cost.graph)
     table.sort(key=lambda c: (_rank(c), len(c.layout.rules)))
     table.rates, table.memory_limit, table.mesh = rates, limit, mesh
     table.seconds = time.perf_counter() - start
