@@ -32,6 +32,7 @@ from lowering.interpret import Interpreter, io_layouts, plan_program
 from lowering.layout import Layout, ValueLayout, local_shape, partition_spec
 from lowering.mesh import Mesh, require_mesh
 from lowering.plan import Plan
+from namedmesh.checks import require_arity
 from namedmesh.errors import ArgumentError, MeshError
 from namedmesh.tensor import Tensor
 from namedmesh.uneven import pruned, scan_stages, viewed
@@ -116,6 +117,8 @@ class Lowered:
     """The callable `lower` returns; see the module docstring."""
 
     def __init__(self, fn: Callable, mesh: Mesh, layout: Layout | str, check: bool = False):
+        if not callable(fn):
+            raise ArgumentError(f"lower: the program must be a function of Tensors, got {fn!r}")
         self.fn, self.mesh, self.check_plan = fn, mesh, check
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.layout.check(mesh)
@@ -169,10 +172,17 @@ class Lowered:
                 "reported, not run or compiled"
             )
 
-    def __call__(self, *args):
-        """Run on global Tensors (pytrees of them); returns global Tensors whose data are
-        jax.Arrays sharded as the layout says. Compiles once per input signature."""
+    def __call__(self, *args, **kwargs):
+        """Run on global Tensors (pytrees of them), given by position; returns global
+        Tensors whose data are jax.Arrays sharded as the layout says. Compiles once per
+        input signature."""
+        if kwargs:
+            raise ArgumentError(
+                f"a lowered function takes its inputs by position, got keyword(s) "
+                f"{', '.join(kwargs)}: pass them in the function's order"
+            )
         self._runnable("calling a lowered function")
+        require_arity("a lowered function", self.fn, len(args))
         datas, built = self._build(args)
         datas = _global_inputs(datas, built, self.mesh)
         outs = built.jitted(*datas)

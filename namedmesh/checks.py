@@ -47,6 +47,21 @@ def fits_dtype(op: str, what: str, value, dtype, whose: str = "") -> None:
         )
 
 
+def require_arity(op: str, fn, n: int) -> None:
+    """An ArgumentError naming `op` and `fn` when `fn` cannot be called with `n`
+    positional arguments (a program traced or lowered with an input too many or too
+    few), before it runs; nothing for a callable without a signature."""
+    try:
+        sig = inspect.signature(fn, follow_wrapped=False)  # a wrapper's own, as it is called
+    except (TypeError, ValueError):  # a builtin or C callable
+        return
+    try:
+        sig.bind(*range(n))
+    except TypeError as e:
+        name = getattr(fn, "__name__", repr(fn))
+        raise ArgumentError(f"{op}: {name}{sig} was given {n} input(s): {e}") from None
+
+
 def boolean(op: str, what: str, value) -> bool:
     """`value` as a bool: True or False (NumPy's too), never a truthy 1, "yes" or None;
     ArgumentError naming `what` of `op` otherwise."""

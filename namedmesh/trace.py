@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from namedmesh.avals import TRACES, Aval, Var, fmt_aval
+from namedmesh.checks import require_arity
 from namedmesh.errors import ArgumentError, NamedMeshError, TracedValueError
 from namedmesh.primitive import Primitive, coerce_numpy
 from namedmesh.tensor import Tensor, native_order
@@ -159,7 +160,9 @@ def tensor_leaves(tree, what: str) -> tuple[list[Tensor], Any]:
 
 def _run_user_fn(fn: Callable, args):
     """`fn(*args)`; a TracedValueError when `fn` handed a traced value's data (a `Var`)
-    to jax or to an operator: a computation that namedmesh cannot record."""
+    to jax or to an operator: a computation that namedmesh cannot record. An
+    ArgumentError first when `fn` cannot take that many arguments."""
+    require_arity("trace", fn, len(args))
     try:
         return fn(*args)
     except (TypeError, ValueError, AttributeError) as e:  # (t.data.reshape: AttributeError)

@@ -76,6 +76,28 @@ def test_a_non_tensor_argument_is_an_argument_error_naming_its_position():
     assert issubclass(nm.ArgumentError, TypeError)
 
 
+def test_a_program_given_too_many_or_too_few_inputs_or_none_is_an_argument_error():
+    def two(t, u):
+        return t + u
+
+    lowered = lower(two, Mesh({"x": 2}), "b:x")
+    for args, why in (((X,), "missing a required argument: 'u'"), ((X,) * 3, "too many")):
+        with pytest.raises(
+            nm.ArgumentError,
+            match=rf"a lowered function: two\(t, u\) was given {len(args)} input\(s\): {why}",
+        ):
+            lowered(*args)
+        with pytest.raises(nm.ArgumentError, match=rf"trace: two\(t, u\) was given {len(args)}"):
+            nm.trace(two, *args)
+    with pytest.raises(nm.ArgumentError, match="takes its inputs by position, got keyword.* u"):
+        lowered(X, u=X)
+    with pytest.raises(
+        nm.ArgumentError, match="lower: the program must be a function of Tensors, got 3"
+    ):
+        lower(3, Mesh({"x": 2}), "b:x")
+    np.testing.assert_array_equal(lower(lambda *ts: ts[0] + 1, Mesh({"x": 2}), "b:x")(X, X).data, 1)
+
+
 def test_a_layout_naming_an_axis_the_mesh_lacks_names_it_and_the_closest_axis():
     with pytest.raises(
         nm.LayoutError,
