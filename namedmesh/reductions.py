@@ -79,7 +79,7 @@ def _make_reduction(
     A reduction without an `identity` (max, min) refuses a dim of size 0; a `wide` one
     accumulates 16-bit floats in float32 eagerly, as jax does (`wide_accumulation`)."""
     np_fn = wide_accumulation(np_fn) if wide else np_fn
-    kernel = (lambda k: wide_accumulation(k)) if wide else (lambda k: k)
+    kernel = wide_accumulation if wide else (lambda k: k)
 
     def shape_rule(x, axes):
         dims, shape = _kept(x, axes)
