@@ -223,12 +223,6 @@ def _ffn_backward(act, sizes, res, dy):
 _ffn.defvjp(_ffn_forward, _ffn_backward)
 
 
-# wo's gradient h^T dy (f, o) as (dy^T h)^T: XLA:CPU's dot summing over the rows runs
-# 10% faster with the narrower operand (o: d_model) first (docs/benchmarks.md, "MoE
-# experts' path": 91 against 82 GFLOP/s on 512-row blocks of 4096 rows, MKL's 92)
-WO_GRADIENT = "no,nf->of"
-
-
 def _put(a, rows, row):
     return jax.lax.dynamic_update_slice_in_dim(a, rows, row, 0)
 
@@ -291,17 +285,15 @@ def _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg):
             h, pull = jax.vjp(functools.partial(_hidden, act), tuple(pb))
             (dpb,) = pull(_mm("no,fo->nf", dyb, we[1]))
             dxb = sum(_mm("nf,cf->nc", d, w) for d, w in zip(dpb, (we[0], *we[2:]), strict=True))
-            dwb = (_mm("nc,nf->cf", xb, dpb[0]), _mm(WO_GRADIENT, dyb, h),
+            dwb = (_mm("nc,nf->cf", xb, dpb[0]), _mm("nf,no->fo", h, dyb),
                    *(_mm("nc,nf->cf", xb, d) for d in dpb[1:]))  # fmt: skip
             dwe = tuple(a + b.astype(acc) for a, b in zip(dwe, dwb, strict=True))
             return _put(dxs, dxb, row), dwe
 
-        shapes = (we[0].shape, we[1].shape[::-1], *(w.shape for w in we[2:]))
-        dwe = tuple(_zeros(s, acc, *like) for s in shapes)
-        dxs, (dwi, dwo, *dwg) = over_group(blocks, plan.first[e], plan.count[e], block,
-                                           (dxs, dwe))  # fmt: skip
+        dwe = tuple(_zeros(w.shape, acc, *like) for w in we)
+        dxs, dwe = over_group(blocks, plan.first[e], plan.count[e], block, (dxs, dwe))
         dws = tuple(jax.lax.dynamic_update_index_in_dim(dw, d.astype(dw.dtype), e, 0)
-                    for dw, d in zip(dws, (dwi, dwo.T, *dwg), strict=True))  # fmt: skip
+                    for dw, d in zip(dws, dwe, strict=True))  # fmt: skip
         return dxs, dws
 
     dxs = _zeros(xs.shape, xs.dtype, *like)
