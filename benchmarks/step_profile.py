@@ -1,6 +1,8 @@
-"""`python -m benchmarks.step_profile`: where a dense zoo family's training step spends
-its time beside the dots, both sides single-threaded (benchmarks/fair.py), at a size of
-benchmarks/train_vs_torch.py, side by side:
+"""`python -m benchmarks.step_profile`: where a zoo family's training step spends its
+time beside the dots, both sides single-threaded (benchmarks/fair.py), at a size of
+benchmarks/train_vs_torch.py, side by side (Mixtral's experts: their kernel's dots
+with the matmuls, its other ops a bucket of their own, as transformers' `grouped_mm`
+path's `mm` calls and its sort, histogram and index ops):
 
 - namedmesh: the compiled step traced by `jax.profiler` (benchmarks/experts_profile.py's
   readers: each XLA:CPU thunk's self time, summed over `--rounds` steps), each op put in
@@ -32,7 +34,9 @@ BUCKETS = (
     "per-layer weights sliced out, gradients stacked back",
     "elementwise: norms, residual adds, SwiGLU, embedding",
     "copies, fills, casts, views",
+    "MoE experts beside their dots: sort, gathers, masks, fills, weight-gradient adds",
 )
+EXPERTS = "grouped_ffn"  # namedmesh/grouped_slots.py's ops carry this scope (SCOPE)
 EINSUM = re.compile(r"\w+,\w+->\w+")
 
 
@@ -44,6 +48,8 @@ def xla_bucket(name: str, meta: str, shape: str, heads_rows: int, vocab: int) ->
     op = (re.search(r'op_name="jit\(step\)/([^"]*)"', meta) or [None, ""])[1]
     lead = re.match(r"\w+\[(\d+)", shape)
     dot = name.startswith(("dot", "ynn_fusion")) and "dot_general" in op
+    if EXPERTS in op:  # the experts' kernel: its dots are matmuls, as grouped_mm's are
+        return BUCKETS[0] if dot else BUCKETS[8]
     if EINSUM.search(op) or "cond/branch" in op or (lead and int(lead[1]) == heads_rows):
         return BUCKETS[1]
     if dot:
@@ -63,8 +69,12 @@ def xla_bucket(name: str, meta: str, shape: str, heads_rows: int, vocab: int) ->
 
 ADAMW_OPS = ("Optimizer", "addcdiv_", "addcmul_", "lerp_", "aten::sqrt", "mul_", "add_")
 ADAMW_OPS += ("aten::div",)
+# transformers' grouped_mm experts beside their mm calls: the sort by expert, its
+# histogram, the rows' gathers and the gradients' index_put
+EXPERT_OPS = ("grouped_mm", "GroupedMm", "aten::index ", "index_put", "aten::histc", "aten::sort")
 VIEWS = ("copy_", "fill_", "_to_copy", "aten::t ", "transpose", "view", "empty", "as_strided")
 TORCH = (  # bucket -> words of operator names (first match), the rest elementwise
+    (BUCKETS[8], EXPERT_OPS),
     (BUCKETS[0], ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "MmBackward")),
     (BUCKETS[1], ("scaled_dot_product", "aten::_softmax", "SoftmaxBackward")),
     (BUCKETS[2], ("aten::cat", "aten::neg")),

@@ -173,6 +173,12 @@ def _ffn(act, sizes, g, x, wi, wo, *wg):
     return _ffn_forward(act, sizes, g, x, wi, wo, *wg)[0]
 
 
+# the kernel's ops carry this name in their HLO metadata (a profile's buckets:
+# benchmarks/step_profile.py), forward and backward
+SCOPE = "grouped_ffn"
+
+
+@jax.named_scope(SCOPE)
 def _ffn_forward(act, sizes, g, x, wi, wo, *wg):
     (cap, blocks), (n, c), groups = sizes, x.shape, wi.shape[0]
     plan, rows = Plan(g, groups, cap), _saved_rows(n, groups, cap, blocks)
@@ -197,6 +203,7 @@ def _unsorted(ys, plan):
     return jnp.where(plan.inside[:, None], jnp.take(ys, plan.rank, axis=0), jnp.zeros((), ys.dtype))
 
 
+@jax.named_scope(SCOPE)
 def _ffn_backward(act, sizes, res, dy):
     (cap, blocks), (tree, wi, wo, wg, saved) = sizes, res
     plan, o, (groups, c) = Plan.of(tree), dy.shape[1], wi.shape[:2]
