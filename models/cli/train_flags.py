@@ -230,6 +230,10 @@ def arguments(argv=None, prog: str = "python -m models.cli.train") -> argparse.N
     p = parser(prog)
     args = settings.parse(p, argv)
     args.given = tuple(sorted(explicit(parser(prog), argv)))
+    # the flags --config-file sets: a --resume holds them to the record as it holds
+    # `given` (models/training/run.py), never letting the record override them unsaid
+    argv = sys.argv[1:] if argv is None else argv
+    args.filed = tuple(sorted(settings.in_file(parser(prog), argv)))
     training_defaults(args)
     complaint = check_ranges(args) or optimizer_fault(args) or init_fault(args)
     if complaint:

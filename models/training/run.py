@@ -186,15 +186,17 @@ def record_of(args) -> dict:
 def _resume_flags(args, stored: dict, out: Path) -> None:
     """Set the flags of a resumed run from its record `stored` (run.json), checked:
     a value of the wrong type or range, or data that is not what the run started on,
-    is a UsageError. A flag given on the command line (`args.given`) that contradicts
-    the record is a UsageError naming both values, unless it is CHANGEABLE: then it
-    wins, said in one line (and kept in `args.record_changes`, so that the record
-    follows). A --data or --val-data given anew sets `args.data_changed`."""
+    is a UsageError. A flag given on the command line (`args.given`) or by --config-file
+    (`args.filed`) that contradicts the record is a UsageError naming both values, unless
+    it is CHANGEABLE: then it wins, said in one line (and kept in `args.record_changes`,
+    so that the record follows). A --data or --val-data given anew sets
+    `args.data_changed`."""
     given_data = {k: getattr(args, k) for k in DATA_FLAGS}  # None: not given
     complaint = _record_fault(stored)
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
-    given = set(getattr(args, "given", ()))
+    filed = set(getattr(args, "filed", ())) - set(getattr(args, "given", ()))
+    given = set(getattr(args, "given", ())) | filed
     if "step" in given and args.step != stored.get("step"):  # the same command is no change
         began = stored.get("init_from")
         began = f"--init-from {began} at step {stored.get('step')}" if began else "scratch"
@@ -213,6 +215,8 @@ def _resume_flags(args, stored: dict, out: Path) -> None:
             setattr(args, k, was)
             continue
         flag = f"--{k.replace('_', '-')} {_shown(now)}"
+        if k in filed:
+            flag += f" (of --config-file {args.config_file})"
         if k not in CHANGEABLE:
             raise UsageError(
                 f"{flag} contradicts the run in {out}, which recorded {_shown(was)} "
