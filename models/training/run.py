@@ -610,7 +610,9 @@ def _loop(args, corpus, trainer, schedule, at: Standing, guards: Guards):
                 "step": step,
                 "loss": loss,
                 "grad_norm": stats["grad_norm"],
-                "lr": float(schedule(step - 1)),
+                # a skipped step leaves the optimizer's update count (the schedule's) as
+                # it was: step s computes with the lr of update s - 1 - (skipped before it)
+                "lr": float(schedule(step - 1 - skipped)),
                 "tokens_per_s": cfg.batch * cfg.length / (now - last),
                 **trainer.router_metrics(),
             }
