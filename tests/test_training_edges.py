@@ -2,8 +2,11 @@
 user meets, checked against an oracle apart from the code under test (the run's own
 record, a NumPy computation, an uninterrupted run)."""
 
+import contextlib
+import io
 import json
 import math
+import shutil
 
 import pytest
 
@@ -59,3 +62,43 @@ def test_the_lr_logged_is_the_one_a_step_computed_with_after_skipped_steps(tmp_p
     want = end + (1e30 - end) * 0.5 * (1 + math.cos(math.pi * 1 / 9))
     for r in records[2:]:
         assert r["lr"] == pytest.approx(want, rel=1e-6), (r["step"], r["lr"], want)
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    """(folder, stdout) of a run of 4 steps at lr 1e-3 with a warmup of 8, saving at 2
+    and 4."""
+    out = tmp_path_factory.mktemp("short") / "run"
+    flags = [*SMALL, "--steps", "4", "--save-every", "2", "--warmup", "8", "--lr", "1e-3"]
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert train.main([*flags, "--out", str(out)]) == 0
+    return out, said.getvalue()
+
+
+def test_a_warmup_longer_than_the_run_is_said_with_the_peak_it_reaches(short):
+    """Update i of a warmup of 8 is lr i / 8: the 4 steps rise to 3e-3 / 8, never 1e-3."""
+    out, said = short
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == pytest.approx([1e-3 * i / 8 for i in range(4)])
+    lines = [x for x in said.splitlines() if "--warmup 8" in x]
+    assert lines == [
+        "--warmup 8 is not shorter than --steps 4: the learning rate rises from 0 to "
+        "0.000375 at the last step, never to --lr 0.001 nor its decay; pass --warmup under 4 "
+        "to reach it"
+    ]
+
+
+def test_a_resume_to_fewer_steps_than_the_run_took_is_refused_touching_nothing(
+    short, tmp_path, capsys
+):
+    """The run is at step 4: `--resume --steps 3` cannot go on (nor back), and its
+    record and log stay as they were (it said "going on with 3", exit 0, and recorded 3)."""
+    out = tmp_path / "run"
+    shutil.copytree(short[0], out)
+    before = {f: (out / f).read_text() for f in ("run.json", "metrics.jsonl")}
+    code, _, err = main("--out", out, "--resume", "--quiet", "--steps", "3", capsys=capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert f"--steps 3: the run in {out} is at step 4 already" in lines[0]
+    assert {f: (out / f).read_text() for f in before} == before

@@ -28,6 +28,7 @@ from models.io.source import template_folder as of_model
 from models.layers import lora
 from models.layers.common import attention_settings
 from models.training import agree, checkpoint, corpora, data, init_from, trainable
+from models.training.optim import warmup_note
 from models.training.preempt import Preemption
 from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, bits_per_byte, optimizer
 from models.training.watchdog import COMPILE_S, SAVE_S, Watchdog
@@ -489,6 +490,8 @@ def _train(args, dog) -> int:
     say(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     say(f"{attention_settings(cfg)}; remat {cfg.remat}; "
         f"dtype {cfg.dtype}")  # fmt: skip
+    if note := warmup_note(args.steps, args.warmup, args.lr):
+        say(note)
     say("lowering report (forward and backward pass, per step, per device):")
     say("    " + str(report).replace("\n", "\n    "))
     dog.expect(COMPILE_S, "the processes' agreement and the checkpoint's restore")
@@ -512,6 +515,11 @@ def _train(args, dog) -> int:
     if args.resume:
         state, meta = checkpoint.restore_newest(out, state, say=_warn)
         start, skipped = meta["step"], meta.get("skipped", 0)
+        if args.steps < start:  # (before the record or the log is touched)
+            raise UsageError(
+                f"--steps {args.steps}: the run in {out} is at step {start} already (its "
+                f"newest checkpoint), past it; pass --steps {start} or more to go on"
+            )
         history = []
         if writer():  # the log is process 0's alone: the others neither read nor warn
             logged = files.read_jsonl(metrics_path, _is_step_record)
