@@ -10,8 +10,10 @@ import shutil
 
 import pytest
 
+from models import catalog, zoo
 from models.cli import train
-from models.training import run
+from models.layers import lora
+from models.training import corpora, data, run, trainable
 
 
 def main(*flags, capsys):
@@ -102,3 +104,32 @@ def test_a_resume_to_fewer_steps_than_the_run_took_is_refused_touching_nothing(
     assert code == 2 and len(lines) == 1, err
     assert f"--steps 3: the run in {out} is at step 4 already" in lines[0]
     assert {f: (out / f).read_text() for f in before} == before
+
+
+def test_a_lora_target_the_model_lacks_names_those_it_has():
+    """The tiny LM's FFN is plain (wi, wo: no wg), its attention q, k, v, o: --lora-targets
+    gate names what it can adapt, not "none" (only the targets asked were listed)."""
+    model = zoo.get("lm")
+    cfg = model.configure(catalog.get("tiny"))
+    names = {p.rsplit("/", 1)[-1] for p in trainable.paths(model.shapes(cfg))}
+    assert {"q", "k", "v", "o", "wi", "wo"} <= names and "wg" not in names
+    with pytest.raises(lora.LoraError) as e:
+        lora.adapted(model, lora.Lora(4, targets=("gate",)), cfg)
+    assert "no gate projection" in str(e.value) and "it adapts q, k, v, o, up, down;" in str(
+        e.value
+    )
+
+
+def test_a_validation_split_left_without_assistant_tokens_is_named(tmp_path):
+    """Line 2 (the last tenth: the validation split) is cut to 17 bytes inside its user
+    turn: the error names that split, not the file whose line 1 keeps its answer."""
+
+    def turn(user, answer):
+        return {"messages": [{"role": "user", "content": user},
+                             {"role": "assistant", "content": answer}]}  # fmt: skip
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(turn("hi", "ok")) + "\n" + json.dumps(turn("a" * 40, "b")) + "\n")
+    with pytest.raises(data.DataError) as e:
+        corpora.make(corpora.load(str(path)), data.ByteTokenizer(), 16)
+    assert str(e.value).startswith(f"the validation split of --data {path} (its last tenth): ")
