@@ -8,12 +8,17 @@ import json
 import math
 import shutil
 
+import optax
 import pytest
 
+from lowering import Mesh
 from models import catalog, zoo
 from models.cli import train
 from models.layers import lora
 from models.training import corpora, data, run, trainable
+from models.training.trainer import Trainer, TrainSpec
+from namedmesh.errors import ParameterError
+from tests.test_models import CFG, small_batch
 
 
 def main(*flags, capsys):
@@ -133,3 +138,38 @@ def test_a_validation_split_left_without_assistant_tokens_is_named(tmp_path):
     with pytest.raises(data.DataError) as e:
         corpora.make(corpora.load(str(path)), data.ByteTokenizer(), 16)
     assert str(e.value).startswith(f"the validation split of --data {path} (its last tenth): ")
+
+
+@pytest.mark.parametrize(
+    "field, change, says",
+    [
+        ("targets", lambda v: v + 32, "the batch's targets hold the id"),  # 32 + max <= 63
+        ("inputs", lambda v: v - 32, "the batch's inputs hold the id -"),
+        ("weights", None, "the batch has no weights: the lm objective's batch holds inputs, "
+                          "targets, weights"),
+    ],
+)  # fmt: skip
+def test_a_python_api_batch_out_of_the_vocabulary_or_short_of_a_field_is_a_data_error(
+    field, change, says
+):
+    """Trainer's batches (the Python API's; the command line's are its tokenizer's):
+    the embedding's gather would clamp an id >= vocab (32) and a negative one, silently."""
+    tr = Trainer(zoo.get("lm"), CFG, Mesh({"one": 1}), "", TrainSpec(optax.sgd(0.1)))
+    batch = small_batch(CFG)
+    if change is None:
+        del batch[field]
+    else:
+        batch[field] = change(batch[field])
+    with pytest.raises(data.DataError) as e:
+        tr.place_batch(batch)
+    assert says in str(e.value) and ("vocabulary 0 ... 31" in str(e.value)) == bool(change)
+
+
+def test_an_evaluation_only_trainer_holds_parameters_and_refuses_to_update():
+    """TrainSpec() has no optimizer: init_state places the parameters (no optimizer
+    state), update is a ParameterError saying so (it was an AttributeError of None)."""
+    tr = Trainer(zoo.get("lm"), CFG, Mesh({"one": 1}), "", TrainSpec())
+    state = tr.init_state()
+    assert state["opt"] is None and set(state["params"]) == set(tr.shapes)
+    with pytest.raises(ParameterError, match="has no optimizer"):
+        tr.update(state, small_batch(CFG), 1)
