@@ -173,3 +173,23 @@ def test_an_evaluation_only_trainer_holds_parameters_and_refuses_to_update():
     assert state["opt"] is None and set(state["params"]) == set(tr.shapes)
     with pytest.raises(ParameterError, match="has no optimizer"):
         tr.update(state, small_batch(CFG), 1)
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--min-lr", "0.01"], "--min-lr 0.01: above --lr 0.003, the peak: the cosine schedule "
+                               "would raise the learning rate"),
+        (["--init-from", "x", "--schedule", "wsd", "--min-lr", "1e-4"],
+         "--min-lr 0.0001: above --lr 5e-05, the peak: the wsd schedule"),
+        (["--schedule", "constant", "--min-lr", "0"], "--min-lr 0.0: the constant schedule "
+                                                      "stays at --lr 0.003, it has no end lr"),
+    ],
+)  # fmt: skip
+def test_a_min_lr_the_schedule_cannot_take_is_refused_by_the_flags(flags, says, capsys):
+    """The peaks are the defaults (3e-3 from scratch, 5e-5 for a fine-tune: docs/finetune.md);
+    a cosine from 0.003 "down" to 0.01 rose, a constant schedule ignored its --min-lr."""
+    with pytest.raises(SystemExit) as e:
+        train.arguments(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
