@@ -193,3 +193,14 @@ def test_a_min_lr_the_schedule_cannot_take_is_refused_by_the_flags(flags, says, 
         train.arguments(flags)
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_folders_files_are_joined_as_documents_never_glued(tmp_path):
+    """Two JSON lines files (their documents joined by newlines within each) and a text
+    file without a last newline: the folder's text is every document on its own line
+    (the last file's "b.jsonl"'s first document was glued to "a.jsonl"'s last)."""
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "three"}\n')
+    (tmp_path / "c.txt").write_text("four\n")
+    (tmp_path / "d.txt").write_text("five")
+    assert data.load_text(str(tmp_path)) == "one\ntwo\nthree\nfour\nfive"
