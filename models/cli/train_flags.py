@@ -180,7 +180,8 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) ->
 def optimizer_fault(args: argparse.Namespace) -> str | None:
     """The one-line complaint about an optimizer flag the optimizer takes no use of
     (--betas or --eps of one without them), or a schedule flag that cannot work: a
-    --min-lr given to the constant schedule (which never decays: it would be ignored)
+    --min-lr on the command line of the constant schedule (which never decays: it would
+    be ignored)
     or above the peak --lr (the "decay" would raise the learning rate); or None."""
     from models.training.optim import settings as optimizer_settings
 
@@ -188,9 +189,9 @@ def optimizer_fault(args: argparse.Namespace) -> str | None:
         optimizer_settings(args.optimizer, args.weight_decay, args.betas, args.eps)
     except ValueError as e:
         return str(e)
-    given = {*getattr(args, "given", ()), *getattr(args, "filed", ())}
     schedule, lr, end = args.schedule, args.lr, args.min_lr
-    if schedule == "constant" and "min_lr" in given:
+    # (the command line's alone: a run.json given as --config-file records every flag)
+    if schedule == "constant" and end is not None and "min_lr" in getattr(args, "given", ()):
         return f"--min-lr {end}: the constant schedule stays at --lr {lr}, it has no end lr"
     if end is not None and lr is not None and end > lr:
         return (
