@@ -137,6 +137,8 @@ def test_a_validation_split_left_without_assistant_tokens_is_named(tmp_path):
         ("inputs", lambda v: v - 32, "the batch's inputs hold the id -"),
         ("weights", None, "the batch has no weights: the lm objective's batch holds inputs, "
                           "targets, weights"),
+        ("weights", lambda v: v[:, :4], "the batch's weights has the shape (4, 4); every "
+                                        "field of a batch is (batch, length), as inputs' (4, 8)"),
     ],
 )  # fmt: skip
 def test_a_python_api_batch_out_of_the_vocabulary_or_short_of_a_field_is_a_data_error(
@@ -152,7 +154,14 @@ def test_a_python_api_batch_out_of_the_vocabulary_or_short_of_a_field_is_a_data_
         batch[field] = change(batch[field])
     with pytest.raises(data.DataError) as e:
         tr.place_batch(batch)
-    assert says in str(e.value) and ("vocabulary 0 ... 31" in str(e.value)) == bool(change)
+    assert says in str(e.value) and ("vocabulary 0 ... 31" in str(e.value)) == ("id" in says)
+
+
+def test_a_batch_that_grad_accum_does_not_divide_is_a_data_error():
+    """3 rows in microbatches of equal rows for grad_accum 2 (a reshape's TypeError)."""
+    tr = Trainer(zoo.get("lm"), CFG, Mesh({"one": 1}), "", TrainSpec(optax.sgd(0.1), 0, 2))
+    with pytest.raises(data.DataError, match="the batch's 3 rows: grad_accum 2"):
+        tr.update(None, small_batch(CFG.replace(batch=3)), 1)  # (checked before the state)
 
 
 def test_an_evaluation_only_trainer_holds_parameters_and_refuses_to_update():

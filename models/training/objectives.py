@@ -37,7 +37,8 @@ ID_FIELDS = ("inputs", "targets", "decoder_inputs")  # token ids: each below the
 
 def check_batch(batch: dict, objective: str, vocab: int) -> None:
     """DataError naming the field at fault in a batch of arrays given to train or
-    evaluate on: one of the objective's FIELDS missing, or a token id outside the
+    evaluate on: one of the objective's FIELDS missing, a field not of inputs' 2-D
+    (batch, length) shape, or a token id outside the
     model's vocabulary 0 ... vocab - 1 (the embedding's gather would clamp it, and the
     loss of a target past it would be computed against no row: a silent wrong answer)."""
     from models.errors import DataError
@@ -48,6 +49,13 @@ def check_batch(batch: dict, objective: str, vocab: int) -> None:
             f"the batch has no {', '.join(missing)}: the {objective} objective's batch "
             f"holds {', '.join(FIELDS[objective])} (it has {', '.join(batch) or 'nothing'})"
         )
+    shape = np.shape(batch["inputs"])
+    for k, v in batch.items():
+        if np.ndim(v) != 2 or np.shape(v) != shape:
+            raise DataError(
+                f"the batch's {k} has the shape {np.shape(v)}; every field of a batch is "
+                f"(batch, length), as inputs' {shape}"
+            )
     for k in ID_FIELDS:
         ids = np.asarray(batch.get(k, ()))
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):

@@ -24,6 +24,7 @@ from lowering.distributed import place
 from lowering.layout import partition_spec
 from models import transformer
 from models.architecture import Config
+from models.errors import DataError
 from models.training import objectives, trainable
 from models.training.optim import UNDECAYED, OptimizerSpec, decayed, optimizer  # noqa: F401 (their home was here)
 from models.zoo import Model
@@ -231,12 +232,18 @@ class Trainer:
                 "Trainer.update: the TrainSpec has no optimizer (opt None: evaluation "
                 "only); pass TrainSpec(opt=an optax transformation) to train"
             )
+        placed = self.place_batch(batch)
+        if len(batch["inputs"]) % self.grad_accum:
+            raise DataError(
+                f"the batch's {len(batch['inputs'])} rows: grad_accum {self.grad_accum} "
+                "(--grad-accum) cuts them into microbatches of equal rows"
+            )
         if self._step is None:  # a new state keeps the old one's layout: one compile
             shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
             self._step = jax.jit(
                 self._guarded_update, donate_argnums=(0,), out_shardings=(shardings, None, None)
             )
-        state, out, self.stats = self._step(state, self.place_batch(batch), self.key(step))
+        state, out, self.stats = self._step(state, placed, self.key(step))
         out = jax.device_get(out)
         return state, {k: (bool(v) if k == "finite" else float(v)) for k, v in out.items()}
 
