@@ -5,7 +5,9 @@ record, a NumPy computation, an uninterrupted run)."""
 import contextlib
 import io
 import json
+import os
 import shutil
+import signal
 
 import optax
 import pytest
@@ -14,7 +16,7 @@ from lowering import Mesh
 from models import catalog, zoo
 from models.cli import train
 from models.layers import lora
-from models.training import corpora, data, run, trainable
+from models.training import checkpoint, corpora, data, run, trainable
 from models.training.trainer import Trainer, TrainSpec
 from namedmesh.errors import ParameterError
 from tests.test_models import CFG, small_batch
@@ -54,14 +56,27 @@ SMALL = ["--config", "tiny", "--length", "16", "--batch", "8", "--quiet", "--eva
 
 @pytest.fixture(scope="module")
 def short(tmp_path_factory):
-    """(folder, stdout) of a run of 4 steps at lr 1e30 after a warmup of 8, saving at 2
-    and 4, skipping up to 3 non-finite steps: update 1 (lr 1.25e29) is finite but huge,
-    so steps 3 and 4 are not finite and skipped."""
+    """(folder, stdout, metrics) of a run of 4 steps at lr 1e30 after a warmup of 8,
+    saving at 2 and 4, skipping up to 3 non-finite steps: update 1 (lr 1.25e29) is
+    finite but huge, so steps 3 and 4 are not finite and skipped. A SIGTERM comes as
+    the last save is being finished (Checkpointer.close); os._exit raises instead of
+    ending pytest, should the signal end the run."""
     out = tmp_path_factory.mktemp("short") / "run"
     flags = [*SMALL, "--steps", "4", "--save-every", "2", "--warmup", "8", "--lr", "1e30",
              "--skip-nonfinite", "3"]  # fmt: skip
+    close = checkpoint.Checkpointer.close
+
+    def signalled(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        close(self)
+
+    def exit_now(code):
+        raise SystemExit(code)
+
     said = io.StringIO()
-    with contextlib.redirect_stdout(said):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(said):
+        patch.setattr(checkpoint.Checkpointer, "close", signalled)
+        patch.setattr(os, "_exit", exit_now)
         assert train.main([*flags, "--out", str(out)]) == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("skipped", False) for r in records] == [False, False, True, True]
@@ -74,6 +89,12 @@ def test_the_lr_logged_is_the_one_a_step_computed_with_after_skipped_steps(short
     logged update 3's)."""
     lrs = [r["lr"] for r in short[2]]
     assert lrs == pytest.approx([0.0, 1e30 / 8, 2e30 / 8, 2e30 / 8], rel=1e-6)
+
+
+def test_a_sigterm_while_the_last_save_ends_waits_for_it(short):
+    """The run trained every step: the signal (which ended the process at once, the
+    step-4 save half written) lets the save end, the run exits 0 with both checkpoints."""
+    assert checkpoint.all_steps(short[0]) == [4, 2]
 
 
 def test_a_warmup_longer_than_the_run_is_said_with_the_peak_it_reaches(short):

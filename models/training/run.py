@@ -545,13 +545,15 @@ def _train(args, dog) -> int:
         history = []
     ckpt = checkpoint.Checkpointer(out)
     meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab, "skipped": skipped}
-    try:
-        with Preemption() as preemption:
+    # the last save ends under Preemption too: a SIGTERM while it is written waits for it
+    # (the run is done), where the handler outside would end the process mid-save
+    with Preemption() as preemption:
+        try:
             at = Standing(state, start, history, meta)
             return _loop(args, corpus, trainer, schedule, at, Guards(ckpt, preemption, dog))
-    finally:
-        dog.expect(SAVE_S, "the last checkpoint's save")
-        ckpt.close()
+        finally:
+            dog.expect(SAVE_S, "the last checkpoint's save")
+            ckpt.close()
 
 
 def _data_record(args) -> dict:
