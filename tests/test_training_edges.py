@@ -14,7 +14,7 @@ import pytest
 
 from lowering import Mesh
 from models import catalog, zoo
-from models.cli import train
+from models.cli import launch, train
 from models.layers import lora
 from models.training import checkpoint, corpora, data, run, trainable
 from models.training.trainer import Trainer, TrainSpec
@@ -224,3 +224,12 @@ def test_a_folders_files_are_joined_as_documents_never_glued(tmp_path):
     (tmp_path / "c.txt").write_text("four\n")
     (tmp_path / "d.txt").write_text("five")
     assert data.load_text(str(tmp_path)) == "one\ntwo\nthree\nfour\nfive"
+
+
+@pytest.mark.parametrize("grace", ["inf", "nan", "-1"])
+def test_launch_refuses_a_grace_that_is_not_a_finite_time(grace, capsys):
+    """--grace inf would leave a hung process's peers waiting on it forever."""
+    with pytest.raises(SystemExit) as e:
+        launch.arguments(["-n", "2", "--grace", grace, "--", "train"], "namedmesh launch")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "must be a finite number >= 0" in err, err
