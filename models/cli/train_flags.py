@@ -181,8 +181,8 @@ def optimizer_fault(args: argparse.Namespace) -> str | None:
     """The one-line complaint about an optimizer flag the optimizer takes no use of
     (--betas or --eps of one without them), or a schedule flag that cannot work: a
     --min-lr on the command line of the constant schedule (which never decays: it would
-    be ignored)
-    or above the peak --lr (the "decay" would raise the learning rate); or None."""
+    be ignored) or above the peak --lr (the "decay" would raise the learning rate); or
+    None."""
     from models.training.optim import settings as optimizer_settings
 
     try:

@@ -38,9 +38,9 @@ ID_FIELDS = ("inputs", "targets", "decoder_inputs")  # token ids: each below the
 def check_batch(batch: dict, objective: str, vocab: int) -> None:
     """DataError naming the field at fault in a batch of arrays given to train or
     evaluate on: one of the objective's FIELDS missing, a field not of inputs' 2-D
-    (batch, length) shape, or a token id outside the
-    model's vocabulary 0 ... vocab - 1 (the embedding's gather would clamp it, and the
-    loss of a target past it would be computed against no row: a silent wrong answer)."""
+    (batch, length) shape, or a token id outside the model's vocabulary 0 ... vocab - 1
+    (the embedding's gather would clamp it, and the loss of a target past it would be
+    computed against no row: a silent wrong answer)."""
     from models.errors import DataError
 
     missing = [k for k in FIELDS[objective] if k not in batch]
