@@ -16,7 +16,7 @@ from lowering import Mesh
 from models import catalog, zoo
 from models.cli import launch, train
 from models.layers import lora
-from models.training import checkpoint, corpora, data, run, trainable
+from models.training import chat, checkpoint, corpora, data, run, trainable
 from models.training.trainer import Trainer, TrainSpec
 from namedmesh.errors import ParameterError
 from tests.test_models import CFG, small_batch
@@ -233,3 +233,22 @@ def test_launch_refuses_a_grace_that_is_not_a_finite_time(grace, capsys):
         launch.arguments(["-n", "2", "--grace", grace, "--", "train"], "namedmesh launch")
     err = capsys.readouterr().err
     assert e.value.code == 2 and "must be a finite number >= 0" in err, err
+
+
+def test_conversations_whose_answers_render_no_token_are_said_and_left_out(tmp_path, capsys):
+    """A template that writes nothing after an assistant's content (no end-of-turn
+    text) and an empty answer: the example has no token to learn and is left out, said
+    in one line naming its line (it was left out silently when nothing was cut)."""
+    source = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")  # fmt: skip
+    t = chat.Template(source, "the test's template")
+    rows = [("hi", "hello"), ("q", ""), ("a", "b"), ("c", "d")]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": u},
+                    {"role": "assistant", "content": a}]}) + "\n" for u, a in rows))  # fmt: skip
+    corpus = chat.ChatCorpus(corpora.load(str(path)), data.ByteTokenizer(), 64, "lm", None, t)
+    said = capsys.readouterr().out
+    assert f"{path}: 1 conversation(s) whose assistant messages render no token" in said
+    assert "(lines 2)" in said
+    # rows: line 1 and line 3 packed into the training row (line 4 is validation)
+    assert corpus.train["segments"].max() == 2

@@ -273,17 +273,23 @@ class ChatCorpus:
                 dropped.append(where.rsplit(":", 1)[1])
                 continue
             out.append((ids, w))
+        lines = lambda ns: f"lines {', '.join(ns[:10])}{' ...' * (len(ns) > 10)}"  # noqa: E731
         if cut:
             gone = f"; {len(dropped)} kept no assistant token and are left out" if dropped else ""
             cluster.say(
                 f"{chats.path}: {len(cut)} conversation(s) longer than --length {self.length} "
-                f"+ 1 tokens cut to it (lines {', '.join(cut[:10])}{' ...' * (len(cut) > 10)})"
-                f"{gone}"
+                f"+ 1 tokens cut to it ({lines(cut)}){gone}"
+            )
+        elif dropped:  # uncut: their template rendered no assistant token (empty answers)
+            cluster.say(
+                f"{chats.path}: {len(dropped)} conversation(s) whose assistant messages "
+                f"render no token ({t.where}) left out ({lines(dropped)})"
             )
         if not out:
+            why = f"within --length {self.length} + 1 tokens: pass a longer --length"
             raise DataError(
-                f"{what}: no conversation keeps an assistant token within --length "
-                f"{self.length} + 1 tokens: pass a longer --length"
+                f"{what}: no conversation keeps an assistant token "
+                f"{why if cut else f'as {t.where} renders them'}"
             )
         return out
 
