@@ -102,8 +102,8 @@ def test_a_warmup_longer_than_the_run_is_said_with_the_peak_it_reaches(short):
     lines = [x for x in short[1].splitlines() if "--warmup 8" in x]
     assert lines == [
         "--warmup 8 is not shorter than --steps 4: the learning rate rises from 0 to "
-        "3.75e+29 at the last step, never to --lr 1e+30 nor its decay; pass --warmup under 4 "
-        "to reach it"
+        "3.75e+29 at the last step, never to --lr 1e+30 nor its cosine decay; pass --warmup "
+        "under 4 to reach it"
     ]
 
 

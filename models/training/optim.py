@@ -70,16 +70,17 @@ def schedule(name: str, lr: float, steps: int, warmup: int, min_lr: float | None
     raise ValueError(f"--schedule {name}: must be one of {', '.join(SCHEDULES)}")
 
 
-def warmup_note(steps: int, warmup: int, lr: float) -> str | None:
+def warmup_note(steps: int, warmup: int, lr: float, name: str = "cosine") -> str | None:
     """The line that says a warmup of at least the run's steps (the default 50 of a
-    shorter run): the learning rate never reaches its peak `lr` nor decays; None when
-    the warmup ends within the run."""
+    shorter run): the learning rate never reaches its peak `lr` nor decays (schedule
+    `name`); None when the warmup ends within the run."""
     if warmup < steps:
         return None
     top = lr * (steps - 1) / warmup  # the last step's: update steps - 1 of the warmup
+    decay = "" if name == "constant" else f" nor its {name} decay"
     return (
         f"--warmup {warmup} is not shorter than --steps {steps}: the learning rate rises "
-        f"from 0 to {top:.3g} at the last step, never to --lr {lr:g} nor its decay; pass "
+        f"from 0 to {top:.3g} at the last step, never to --lr {lr:g}{decay}; pass "
         f"--warmup under {steps} to reach it"
     )
 

@@ -490,7 +490,7 @@ def _train(args, dog) -> int:
     say(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     say(f"{attention_settings(cfg)}; remat {cfg.remat}; "
         f"dtype {cfg.dtype}")  # fmt: skip
-    if note := warmup_note(args.steps, args.warmup, args.lr):
+    if note := warmup_note(args.steps, args.warmup, args.lr, args.schedule):
         say(note)
     say("lowering report (forward and backward pass, per step, per device):")
     say("    " + str(report).replace("\n", "\n    "))
