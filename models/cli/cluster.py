@@ -22,8 +22,9 @@ from namedmesh.errors import NamedMeshError
 
 # Flags that differ between the processes of one run: agreement leaves them out.
 # what each process has of its own: its id, and which flags its command line named
-# (models.cli.train_flags.explicit: processes may be started with the same settings told apart)
-PER_PROCESS = ("process_id", "given")
+# (models.cli.train_flags.explicit: processes may be started with the same settings told
+# apart) and which its --config-file named
+PER_PROCESS = ("process_id", "given", "filed")
 JOIN_TIMEOUT_S = 300  # for every process to connect (a slow host's imports included)
 # jax's service declares a silent process dead after this, and aborts the others (SIGABRT);
 # longer than the step watchdog's floor, so a lost peer is usually met by the watchdog

@@ -19,6 +19,7 @@ me": run the same command with --resume); 2 for bad flags of launch itself.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -78,8 +79,8 @@ def arguments(argv: list[str], prog: str) -> tuple[argparse.Namespace, list[str]
         p.error(f"-n {args.processes}: must be >= 1")
     if args.devices_per_process is not None and args.devices_per_process < 1:
         p.error(f"--devices-per-process {args.devices_per_process}: must be >= 1")
-    if not args.grace >= 0:
-        p.error(f"--grace {args.grace}: must be >= 0")
+    if not 0 <= args.grace < math.inf:  # inf: a hung peer would hang the launch forever
+        p.error(f"--grace {args.grace}: must be a finite number >= 0")
     if not command or command[0] not in COMMANDS:
         got = repr(command[0]) if command else "nothing"
         p.error(f"the command after -- must be one of {', '.join(COMMANDS)}; got {got}")

@@ -93,12 +93,17 @@ def checked(action: argparse.Action, value):
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, its defaults first taken from `--config-file` when
     argv names one."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser.set_defaults(**in_file(parser, argv))
+    return parser.parse_args(argv)
+
+
+def in_file(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
+    """The settings (argparse `dest` -> value) of the `--config-file` argv names, {}
+    when it names none."""
     from models.cli.hints import dashed
 
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # not --config
     pre.add_argument("--config-file", default=None)
-    argv = sys.argv[1:] if argv is None else list(argv)
     known, _ = pre.parse_known_args(dashed(argv, {"--config-file"}))  # --config_file too
-    if known.config_file is not None:
-        parser.set_defaults(**defaults(parser, known.config_file))
-    return parser.parse_args(argv)
+    return {} if known.config_file is None else defaults(parser, known.config_file)

@@ -43,16 +43,17 @@ from models.training.preempt import exit_at_once
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The errors that reach the command line as one line and exit status 2: ours (a
-    flag, a file, a checkpoint) and those of the file formats underneath (JSON, a
+    flag, a file, its data, a checkpoint) and those of the file formats underneath (JSON, a
     file that cannot be read or written); orbax's and safetensors' are turned into
     CheckpointError where they are read (models/training/checkpoint.py, models/io/hub.py)."""
     import json
 
+    from models.errors import DataError
     from models.training.checkpoint import CheckpointError
     from models.training.run import UsageError
     from namedmesh.errors import NamedMeshError
 
-    return (UsageError, NamedMeshError, CheckpointError, json.JSONDecodeError, OSError)
+    return (UsageError, NamedMeshError, CheckpointError, DataError, json.JSONDecodeError, OSError)
 
 
 def list_configs() -> str:

@@ -179,13 +179,25 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) ->
 
 def optimizer_fault(args: argparse.Namespace) -> str | None:
     """The one-line complaint about an optimizer flag the optimizer takes no use of
-    (--betas or --eps of one without them), or None."""
+    (--betas or --eps of one without them), or a schedule flag that cannot work: a
+    --min-lr on the command line of the constant schedule (which never decays: it would
+    be ignored) or above the peak --lr (the "decay" would raise the learning rate); or
+    None."""
     from models.training.optim import settings as optimizer_settings
 
     try:
         optimizer_settings(args.optimizer, args.weight_decay, args.betas, args.eps)
     except ValueError as e:
         return str(e)
+    schedule, lr, end = args.schedule, args.lr, args.min_lr
+    # (the command line's alone: a run.json given as --config-file records every flag)
+    if schedule == "constant" and end is not None and "min_lr" in getattr(args, "given", ()):
+        return f"--min-lr {end}: the constant schedule stays at --lr {lr}, it has no end lr"
+    if end is not None and lr is not None and end > lr:
+        return (
+            f"--min-lr {end}: above --lr {lr}, the peak: the {schedule} schedule would "
+            "raise the learning rate after the warmup, not decay it"
+        )
     return None
 
 
@@ -230,6 +242,10 @@ def arguments(argv=None, prog: str = "python -m models.cli.train") -> argparse.N
     p = parser(prog)
     args = settings.parse(p, argv)
     args.given = tuple(sorted(explicit(parser(prog), argv)))
+    # the flags --config-file sets: a --resume holds them to the record as it holds
+    # `given` (models/training/run.py), never letting the record override them unsaid
+    argv = sys.argv[1:] if argv is None else argv
+    args.filed = tuple(sorted(settings.in_file(parser(prog), argv)))
     training_defaults(args)
     complaint = check_ranges(args) or optimizer_fault(args) or init_fault(args)
     if complaint:

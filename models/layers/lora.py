@@ -108,9 +108,12 @@ def adapter_shapes(shapes: dict, cfg, lora: Lora) -> dict:
     out = _adapt(shapes, cfg, lora, "", found)
     missing = [t for t in lora.targets if t not in found]
     if missing:
+        able: set[str] = set()  # what the model has of every target, to name them
+        _adapt(shapes, cfg, lora._replace(targets=TARGETS), "", able)
         raise LoraError(
             f"--lora-targets {','.join(lora.targets)}: the model has no {', '.join(missing)} "
-            f"projection that LoRA adapts (it adapts {', '.join(sorted(found)) or 'none'}; "
+            f"projection that LoRA adapts (it adapts "
+            f"{', '.join(t for t in TARGETS if t in able) or 'none'}; "
             "multi-head attention's q,k,v,o and a dense FFN's gate,up,down, not MLA's or a "
             "MoE's experts)"
         )

@@ -232,7 +232,10 @@ class ChatCorpus:
                 f"chat data trains decoder LMs (next-token prediction), not the {objective!r} "
                 "objective: pass --model lm or moe, or --init-from a decoder LM"
             )
+        # the held-out split as a message names it (`eval` passes its data as both)
+        held = f"--{'' if valid is chats else 'val-'}data {getattr(valid, 'path', '')}"
         if valid is None:
+            held = f"the validation split of --data {chats.path} (its last tenth)"
             if len(chats) < 2:
                 raise DataError(
                     f"--data {chats.path}: one conversation; the validation split (its last "
@@ -245,17 +248,19 @@ class ChatCorpus:
                                 f"{FIELD!r}), not text or token ids")  # fmt: skip
         self.tokenizer, self.length, self.objective = tokenizer, length, objective
         self.window = length + 1
-        held_out = self._examples(valid, t)
+        held_out = self._examples(valid, t, held)
         self.valid = pack(held_out, length)
         # `eval` scores its data as both splits: encoded once
-        self.train = self.valid if chats is valid else pack(self._examples(chats, t), length)
+        train = self._examples(chats, t, f"--data {chats.path}") if chats is not valid else None
+        self.train = self.valid if train is None else pack(train, length)
         targets = [ids[1:][w[1:] > 0] for ids, w in held_out]
         self.valid_bytes = sum(len(tokenizer.decode(x).encode("utf-8")) for x in targets)
         self.valid_tokens = sum(len(x) for x in targets)
 
-    def _examples(self, chats: Conversations, t: Template):
+    def _examples(self, chats: Conversations, t: Template, what: str):
         """(ids, weights) of each conversation, cut to the row's length + 1; one line
-        names those cut and those dropped for keeping no assistant token."""
+        names those cut and those dropped for keeping no assistant token; DataError
+        naming `what` (the split) when none keeps one."""
         from models.cli import cluster
 
         out, cut, dropped = [], [], []
@@ -268,15 +273,24 @@ class ChatCorpus:
                 dropped.append(where.rsplit(":", 1)[1])
                 continue
             out.append((ids, w))
+        lines = lambda ns: f"lines {', '.join(ns[:10])}{' ...' * (len(ns) > 10)}"  # noqa: E731
         if cut:
             gone = f"; {len(dropped)} kept no assistant token and are left out" if dropped else ""
             cluster.say(
                 f"{chats.path}: {len(cut)} conversation(s) longer than --length {self.length} "
-                f"+ 1 tokens cut to it (lines {', '.join(cut[:10])}{' ...' * (len(cut) > 10)})"
-                f"{gone}"
+                f"+ 1 tokens cut to it ({lines(cut)}){gone}"
+            )
+        elif dropped:  # uncut: their template rendered no assistant token (empty answers)
+            cluster.say(
+                f"{chats.path}: {len(dropped)} conversation(s) whose assistant messages "
+                f"render no token ({t.where}) left out ({lines(dropped)})"
             )
         if not out:
-            raise DataError(f"{chats.path}: no conversation keeps an assistant token")
+            why = f"within --length {self.length} + 1 tokens: pass a longer --length"
+            raise DataError(
+                f"{what}: no conversation keeps an assistant token "
+                f"{why if cut else f'as {t.where} renders them'}"
+            )
         return out
 
     def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:

@@ -11,7 +11,8 @@
   `text_field` column.
 
 A folder holds text, JSON lines and Parquet files; token files are passed one by one.
-Documents are joined with a newline. `read` returns a `str` or `Tokens`. Text of every
+Documents are joined with a newline, and so are a folder's files (where one does not
+end in one already). `read` returns a `str` or `Tokens`. Text of every
 kind is read whole and then tokenized; a corpus larger than memory goes in as token ids.
 """
 
@@ -196,7 +197,10 @@ def _folder(folder: Path, field: str) -> str:
     for f in files:
         if f.suffix in TOKEN_SUFFIXES:
             raise DataError(f"{f}: token files are read one at a time; pass it as --data {f}")
-    return "".join(READERS.get(f.suffix, _text)(f, field) for f in files)
+    parts = [READERS.get(f.suffix, _text)(f, field) for f in files]
+    # one file's last document and the next's first stay apart, as a file's documents do
+    return "".join(p if p.endswith("\n") or i == len(parts) - 1 else p + "\n"
+                   for i, p in enumerate(parts))  # fmt: skip
 
 
 def read(path: str | Path, flag: str = "--data", text_field: str = "text") -> str | Tokens:

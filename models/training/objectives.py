@@ -32,6 +32,40 @@ FIELDS = {
 }
 
 
+ID_FIELDS = ("inputs", "targets", "decoder_inputs")  # token ids: each below the vocab
+
+
+def check_batch(batch: dict, objective: str, vocab: int) -> None:
+    """DataError naming the field at fault in a batch of arrays given to train or
+    evaluate on: one of the objective's FIELDS missing, a field not of inputs' 2-D
+    (batch, length) shape, or a token id outside the model's vocabulary 0 ... vocab - 1
+    (the embedding's gather would clamp it, and the loss of a target past it would be
+    computed against no row: a silent wrong answer)."""
+    from models.errors import DataError
+
+    missing = [k for k in FIELDS[objective] if k not in batch]
+    if missing:
+        raise DataError(
+            f"the batch has no {', '.join(missing)}: the {objective} objective's batch "
+            f"holds {', '.join(FIELDS[objective])} (it has {', '.join(batch) or 'nothing'})"
+        )
+    shape = np.shape(batch["inputs"])
+    for k, v in batch.items():
+        if np.ndim(v) != 2 or np.shape(v) != shape:
+            raise DataError(
+                f"the batch's {k} has the shape {np.shape(v)}; every field of a batch is "
+                f"(batch, length), as inputs' {shape}"
+            )
+    for k in ID_FIELDS:
+        ids = np.asarray(batch.get(k, ()))
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise DataError(
+                f"the batch's {k} hold the id {bad}, outside the model's vocabulary "
+                f"0 ... {vocab - 1} (Config.vocab {vocab})"
+            )
+
+
 def abstract_batch(objective: str, batch: int, length: int) -> dict:
     """The objective's batch as abstract Tensors (shapes only): enough to plan with."""
     sizes = {"batch": batch, "length": length}

@@ -70,6 +70,21 @@ def schedule(name: str, lr: float, steps: int, warmup: int, min_lr: float | None
     raise ValueError(f"--schedule {name}: must be one of {', '.join(SCHEDULES)}")
 
 
+def warmup_note(steps: int, warmup: int, lr: float, name: str = "cosine") -> str | None:
+    """The line that says a warmup of at least the run's steps (the default 50 of a
+    shorter run): the learning rate never reaches its peak `lr` nor decays (schedule
+    `name`); None when the warmup ends within the run."""
+    if warmup < steps:
+        return None
+    top = lr * (steps - 1) / warmup  # the last step's: update steps - 1 of the warmup
+    decay = "" if name == "constant" else f" nor its {name} decay"
+    return (
+        f"--warmup {warmup} is not shorter than --steps {steps}: the learning rate rises "
+        f"from 0 to {top:.3g} at the last step, never to --lr {lr:g}{decay}; pass "
+        f"--warmup under {steps} to reach it"
+    )
+
+
 def settings(name: str, weight_decay=None, betas=None, eps=None) -> dict:
     """The optimizer's weight decay, betas and eps: those given, else its defaults;
     ValueError naming the flag for one it does not take."""

@@ -28,6 +28,7 @@ from models.io.source import template_folder as of_model
 from models.layers import lora
 from models.layers.common import attention_settings
 from models.training import agree, checkpoint, corpora, data, init_from, trainable
+from models.training.optim import warmup_note
 from models.training.preempt import Preemption
 from models.training.trainer import OptimizerSpec, Trainer, TrainSpec, bits_per_byte, optimizer
 from models.training.watchdog import COMPILE_S, SAVE_S, Watchdog
@@ -186,15 +187,17 @@ def record_of(args) -> dict:
 def _resume_flags(args, stored: dict, out: Path) -> None:
     """Set the flags of a resumed run from its record `stored` (run.json), checked:
     a value of the wrong type or range, or data that is not what the run started on,
-    is a UsageError. A flag given on the command line (`args.given`) that contradicts
-    the record is a UsageError naming both values, unless it is CHANGEABLE: then it
-    wins, said in one line (and kept in `args.record_changes`, so that the record
-    follows). A --data or --val-data given anew sets `args.data_changed`."""
+    is a UsageError. A flag given on the command line (`args.given`) or by --config-file
+    (`args.filed`) that contradicts the record is a UsageError naming both values, unless
+    it is CHANGEABLE: then it wins, said in one line (and kept in `args.record_changes`,
+    so that the record follows). A --data or --val-data given anew sets
+    `args.data_changed`."""
     given_data = {k: getattr(args, k) for k in DATA_FLAGS}  # None: not given
     complaint = _record_fault(stored)
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
-    given = set(getattr(args, "given", ()))
+    filed = set(getattr(args, "filed", ())) - set(getattr(args, "given", ()))
+    given = set(getattr(args, "given", ())) | filed
     if "step" in given and args.step != stored.get("step"):  # the same command is no change
         began = stored.get("init_from")
         began = f"--init-from {began} at step {stored.get('step')}" if began else "scratch"
@@ -213,6 +216,8 @@ def _resume_flags(args, stored: dict, out: Path) -> None:
             setattr(args, k, was)
             continue
         flag = f"--{k.replace('_', '-')} {_shown(now)}"
+        if k in filed:
+            flag += f" (of --config-file {args.config_file})"
         if k not in CHANGEABLE:
             raise UsageError(
                 f"{flag} contradicts the run in {out}, which recorded {_shown(was)} "
@@ -485,6 +490,8 @@ def _train(args, dog) -> int:
     say(f"mesh {mesh} on {jax.devices()[0].platform}; layout {layout}{how}")
     say(f"{attention_settings(cfg)}; remat {cfg.remat}; "
         f"dtype {cfg.dtype}")  # fmt: skip
+    if note := warmup_note(args.steps, args.warmup, args.lr, args.schedule):
+        say(note)
     say("lowering report (forward and backward pass, per step, per device):")
     say("    " + str(report).replace("\n", "\n    "))
     dog.expect(COMPILE_S, "the processes' agreement and the checkpoint's restore")
@@ -508,6 +515,11 @@ def _train(args, dog) -> int:
     if args.resume:
         state, meta = checkpoint.restore_newest(out, state, say=_warn)
         start, skipped = meta["step"], meta.get("skipped", 0)
+        if args.steps < start:  # (before the record or the log is touched)
+            raise UsageError(
+                f"--steps {args.steps}: the run in {out} is at step {start} already (its "
+                f"newest checkpoint), past it; pass --steps {start} or more to go on"
+            )
         history = []
         if writer():  # the log is process 0's alone: the others neither read nor warn
             logged = files.read_jsonl(metrics_path, _is_step_record)
@@ -533,13 +545,15 @@ def _train(args, dog) -> int:
         history = []
     ckpt = checkpoint.Checkpointer(out)
     meta = {"model": args.model, "config": args.config, "vocab": cfg.vocab, "skipped": skipped}
-    try:
-        with Preemption() as preemption:
+    # the last save ends under Preemption too: a SIGTERM while it is written waits for it
+    # (the run is done), where the handler outside would end the process mid-save
+    with Preemption() as preemption:
+        try:
             at = Standing(state, start, history, meta)
             return _loop(args, corpus, trainer, schedule, at, Guards(ckpt, preemption, dog))
-    finally:
-        dog.expect(SAVE_S, "the last checkpoint's save")
-        ckpt.close()
+        finally:
+            dog.expect(SAVE_S, "the last checkpoint's save")
+            ckpt.close()
 
 
 def _data_record(args) -> dict:
@@ -606,7 +620,9 @@ def _loop(args, corpus, trainer, schedule, at: Standing, guards: Guards):
                 "step": step,
                 "loss": loss,
                 "grad_norm": stats["grad_norm"],
-                "lr": float(schedule(step - 1)),
+                # a skipped step leaves the optimizer's update count (the schedule's) as
+                # it was: step s computes with the lr of update s - 1 - (skipped before it)
+                "lr": float(schedule(step - 1 - skipped)),
                 "tokens_per_s": cfg.batch * cfg.length / (now - last),
                 **trainer.router_metrics(),
             }

@@ -24,6 +24,7 @@ from lowering.distributed import place
 from lowering.layout import partition_spec
 from models import transformer
 from models.architecture import Config
+from models.errors import DataError
 from models.training import objectives, trainable
 from models.training.optim import UNDECAYED, OptimizerSpec, decayed, optimizer  # noqa: F401 (their home was here)
 from models.zoo import Model
@@ -100,6 +101,8 @@ class Trainer:
         if params is None:
             params = transformer.init(self.shapes, self.seed)
         params = place(self.padded(params), self.mesh, self.layout)
+        if self.opt is None:  # evaluation only: `update` says so
+            return {"params": params, "opt": None}
         train = trainable.split(params, self.trained)[0]  # frozen ones have no state
         # XLA gives zeros_like no input's sharding: without out_shardings every moment
         # would come out replicated, the whole model's optimizer state on each device
@@ -202,6 +205,9 @@ class Trainer:
         return kept, {"loss": loss, "grad_norm": norm, "finite": finite}, stats
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> dict:
+        """The batch laid out on the mesh; DataError for a field missing or a token id
+        outside the vocabulary (objectives.check_batch)."""
+        objectives.check_batch(batch, self.model.objective, self.cfg.vocab)
         return place(batch_tensors(batch), self.mesh, self.layout)
 
     def local_rows(self, devices=None) -> np.ndarray | None:
@@ -221,12 +227,23 @@ class Trainer:
         stats holds the step's loss, gradient norm and whether both (and the new
         parameters) are finite, as host numbers. A step that is not finite leaves the
         state as it was. The MoE router's statistics go to `self.stats`."""
+        if self.opt is None:
+            raise ParameterError(
+                "Trainer.update: the TrainSpec has no optimizer (opt None: evaluation "
+                "only); pass TrainSpec(opt=an optax transformation) to train"
+            )
+        placed = self.place_batch(batch)
+        if len(batch["inputs"]) % self.grad_accum:
+            raise DataError(
+                f"the batch's {len(batch['inputs'])} rows: grad_accum {self.grad_accum} "
+                "(--grad-accum) cuts them into microbatches of equal rows"
+            )
         if self._step is None:  # a new state keeps the old one's layout: one compile
             shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
             self._step = jax.jit(
                 self._guarded_update, donate_argnums=(0,), out_shardings=(shardings, None, None)
             )
-        state, out, self.stats = self._step(state, self.place_batch(batch), self.key(step))
+        state, out, self.stats = self._step(state, placed, self.key(step))
         out = jax.device_get(out)
         return state, {k: (bool(v) if k == "finite" else float(v)) for k, v in out.items()}
 
