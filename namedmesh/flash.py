@@ -4,7 +4,7 @@ implementation makes the whole (length, memory) logits.
 
 Queries go in row blocks of `block` (a static Python loop), each against the keys any
 of its rows can see (under a causal mask the keys up to the block's end, under a window
-none before the band), so memory grows linearly in length. Under a causal mask a row's
+none before the band), so the logits are never whole. Under a causal mask a row's
 softmax is shifted by its logit against its own key, known before the keys are seen,
 so a block's keys go in tiles (`_tiles`) whose sums just add up; without one, a block
 meets all its keys at once, shifted by each row's max. Either way the softmax is exact
@@ -12,8 +12,10 @@ meets all its keys at once, shifted by each row's max. Either way the softmax is
 (`_trusted`, with its proof) is computed again, normalized as XLA's softmax. The
 forward pass keeps the output and each row's shift and log-sum, the backward pass
 recomputes the probabilities tile by tile as exp(logit - lse) (FlashAttention-2's
-recurrence, dd = rowsum(dO * O)), accumulating dk and dv. Masks are aligned at the
-first query and key when length != memory, as jax's are.
+recurrence, dd = rowsum(dO * O)), accumulating dk and dv; a causal call whose exp tiles
+fit in KEEP_BUDGET keeps them from the forward pass instead (`keeps`): no second logits
+product or exp, memory quadratic in length up to that budget, linear past it. Masks are
+aligned at the first query and key when length != memory, as jax's are.
 
 Layouts: q (kv_heads, group, length, d), k and v (kv_heads, memory, d): grouped query
 heads share their k and v without repeating them. bias (kv_heads, group, length or 1,
@@ -25,7 +27,8 @@ passes over each tile (docs/benchmarks.md "The fused kernel's speed"); a batched
 that contracts the row dim of both operands ("gqm,gqd->gmd") runs 2x slower than the
 same product with its output transposed ("gmd,gmq->gdq"), so the backward pass works
 on transposed logits (keys, rows), where dk and dv are plain products and dq the fast
-transposed one. benchmarks/attention_kernels.py times it against PyTorch's SDPA.
+transposed one; from kept tiles (rows, keys) it makes dk and dv transposed, (d, keys),
+and dq plain. benchmarks/attention_kernels.py times it against PyTorch's SDPA.
 """
 
 from __future__ import annotations
