@@ -46,21 +46,22 @@ def block_for(length: int, heads: int) -> int:
     """Rows per block for `length` keys and `heads` heads (kv heads x group, batch
     included: every head of a call goes through each product at once): the most, up to
     256 and at least 64 (fewer would make many small products and a long program),
-    whose square tile of logits (heads x rows x rows) is at most ROW_TILE, so
-    that a tile stays in a core's cache between its dot, its exp and the next dot (at
-    512 tokens, 32 heads ran rows of 64 and 128 at 0.84-0.91 of the time of 256;
-    4 heads at 2048 tokens ran 256 faster than 128: docs/benchmarks.md "Attention's
-    tiles by heads, kept for the backward pass"); and fewer where a row block's logits
-    pass 4M values per head (16k keys), so the backward pass's few live blocks stay
-    within about 100 MiB per head."""
+    whose square tile of logits (heads x rows x rows) is at most ROW_TILE, so that a
+    tile stays in a core's cache between its dot, its exp and the next dot; and fewer
+    where a row block's logits pass 4M values per head (16k keys), so the backward
+    pass's few live blocks stay within about 100 MiB per head."""
     rows = 256
     while rows > 64 and heads * rows * rows > ROW_TILE:
         rows //= 2
     return min(rows, max(64, 2**22 // max(length, 1)))
 
 
-# Logits in a row block's square tile (heads x rows x rows) at most: block_for's rows
-ROW_TILE = 2**18
+# Logits in a row block's square tile (heads x rows x rows) at most (block_for): 256
+# rows up to 8 heads, 128 for 32 heads (the realistic step's 4 sequences of 8 heads at
+# 512 tokens, where rows of 64 and 128 ran the kernel at 0.83-0.84 of the time of 256,
+# and 128 compiles the step in 10.9 CPU seconds against 64's 15.6: docs/benchmarks.md
+# "Attention's tiles by heads, kept for the backward pass")
+ROW_TILE = 2**19
 
 
 def _blocks(n: int, m: int, block: int, causal: bool, window: int):
@@ -118,7 +119,8 @@ def _tiles(blk, heads: int, causal: bool, window: int, blocks: int):
 
 # A call whose kept exp tiles (`keeps`) are at most this many floats (128 MiB) keeps
 # them for the backward pass, which then needs neither the logits' product nor their
-# exp again: 0.91-0.95 of the kernel's time at 2048 tokens, 0.88 at 512 (32 heads);
+# exp again: 0.84-0.95 of the kernel's time at 2048 tokens (4 heads); at 512 (32 heads)
+# 0.95-0.96 in one run and 1.04 in another, within the load's noise;
 # the 2048-token step of 4 heads keeps 38 MiB a layer, about what full attention
 # keeps at 1450 tokens. Past it the backward pass computes them again: memory linear
 # in length.
