@@ -66,7 +66,7 @@ def _sides(n: int, heads: int, d: int, blocks: list[int], forward: bool, baselin
     losses |= {f"namedmesh {name}": nm_loss(name) for name in attention.KERNELS}
     losses |= {f"flash block {b}": block_loss(b) for b in blocks}
     if baseline:
-        losses["flash baseline"] = block_loss(flash.block_for(n), _module(baseline))
+        losses["flash baseline"] = block_loss(flash.block_for(n, heads), _module(baseline))
     sides = {}
     for name, loss in losses.items():
         step = jax.jit(loss if forward else jax.grad(loss, argnums=(0, 1, 2)))

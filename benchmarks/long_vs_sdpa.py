@@ -69,7 +69,7 @@ def measure(length: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
         raise SystemExit(f"{length} tokens: loss {our_loss} differs from PyTorch's {their_loss}")
     times = fair.alternate({"namedmesh": ours, "PyTorch SDPA": theirs}, rounds)
     settings = (
-        f"{attention_settings(cfg, length)}, "
+        f"{attention_settings(cfg, length, batch=1)}, "
         # "auto" (the default) is truthy: name it, not the loop
         + {True: "layer loop", False: "unrolled"}.get(cfg.scan_layers, f"layers {cfg.scan_layers}")
         + f", remat {cfg.remat}"

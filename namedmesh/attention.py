@@ -178,7 +178,7 @@ def _flash(qa, ka, va, ba, *, scale, causal, window):
     if ba is not None:
         b = ba[0].astype(f32).reshape(kv, heads // kv, *ba.shape[2:])
         b = jax.numpy.broadcast_to(b, (*b.shape[:3], k.shape[1]))
-    block = flash.block_for(k.shape[1])
+    block = flash.block_for(k.shape[1], q.shape[0] * q.shape[1])
     out = flash.attention(q, k, v, b, scale, causal, window, block)
     return out.transpose(2, 0, 1, 3).reshape(1, n, heads, d).astype(va.dtype)
 
@@ -207,7 +207,7 @@ def _jax(q, k, v, *bias, scale, causal, window, kernel, dims, names):
     b = bias[0] if bias else None
     if kernel == "flash":  # straight to its heads-first layout: one move per operand
         qh, kh, vh, bh, back = _heads_first(q, k, v, b, dims, names)
-        block = flash.block_for(kh.shape[1])
+        block = flash.block_for(kh.shape[1], qh.shape[0] * qh.shape[1])
         return back(flash.attention(qh, kh, vh, bh, scale, causal, window, block), v.dtype)
     qa, ka, va, ba, back = _arrange(jax.numpy, q, k, v, b, dims, names)
     return back(KERNELS[kernel](qa, ka, va, ba, scale=scale, causal=causal, window=window))

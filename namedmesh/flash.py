@@ -4,7 +4,7 @@ implementation makes the whole (length, memory) logits.
 
 Queries go in row blocks of `block` (a static Python loop), each against the keys any
 of its rows can see (under a causal mask the keys up to the block's end, under a window
-none before the band), so memory grows linearly in length. Under a causal mask a row's
+none before the band), so the logits are never whole. Under a causal mask a row's
 softmax is shifted by its logit against its own key, known before the keys are seen,
 so a block's keys go in tiles (`_tiles`) whose sums just add up; without one, a block
 meets all its keys at once, shifted by each row's max. Either way the softmax is exact
@@ -12,8 +12,10 @@ meets all its keys at once, shifted by each row's max. Either way the softmax is
 (`_trusted`, with its proof) is computed again, normalized as XLA's softmax. The
 forward pass keeps the output and each row's shift and log-sum, the backward pass
 recomputes the probabilities tile by tile as exp(logit - lse) (FlashAttention-2's
-recurrence, dd = rowsum(dO * O)), accumulating dk and dv. Masks are aligned at the
-first query and key when length != memory, as jax's are.
+recurrence, dd = rowsum(dO * O)), accumulating dk and dv; a causal call whose exp tiles
+fit in KEEP_BUDGET keeps them from the forward pass instead (`keeps`): no second logits
+product or exp, memory quadratic in length up to that budget, linear past it. Masks are
+aligned at the first query and key when length != memory, as jax's are.
 
 Layouts: q (kv_heads, group, length, d), k and v (kv_heads, memory, d): grouped query
 heads share their k and v without repeating them. bias (kv_heads, group, length or 1,
@@ -25,7 +27,8 @@ passes over each tile (docs/benchmarks.md "The fused kernel's speed"); a batched
 that contracts the row dim of both operands ("gqm,gqd->gmd") runs 2x slower than the
 same product with its output transposed ("gmd,gmq->gdq"), so the backward pass works
 on transposed logits (keys, rows), where dk and dv are plain products and dq the fast
-transposed one. benchmarks/attention_kernels.py times it against PyTorch's SDPA.
+transposed one; from kept tiles (rows, keys) it makes dk and dv transposed, (d, keys),
+and dq plain. benchmarks/attention_kernels.py times it against PyTorch's SDPA.
 """
 
 from __future__ import annotations
@@ -39,12 +42,26 @@ import numpy as np
 NEG = -1e30  # a hidden logit: exp(NEG - max) is 0 for any row that sees a key
 
 
-def block_for(length: int) -> int:
-    """Rows per block for `length` keys: 256 (the fastest single-threaded on CPU at 1k to
-    8k, benchmarks/attention_kernels.py --blocks) until a row block's logits pass 4M
-    values per head (16k keys), then fewer, so the backward pass's few live blocks stay
-    within about 100 MiB per head."""
-    return min(256, max(64, 2**22 // max(length, 1)))
+def block_for(length: int, heads: int) -> int:
+    """Rows per block for `length` keys and `heads` heads (kv heads x group, batch
+    included: every head of a call goes through each product at once): the most, up to
+    256 and at least 64 (fewer would make many small products and a long program),
+    whose square tile of logits (heads x rows x rows) is at most ROW_TILE, so that a
+    tile stays in a core's cache between its dot, its exp and the next dot; and fewer
+    where a row block's logits pass 4M values per head (16k keys), so the backward
+    pass's few live blocks stay within about 100 MiB per head."""
+    rows = 256
+    while rows > 64 and heads * rows * rows > ROW_TILE:
+        rows //= 2
+    return min(rows, max(64, 2**22 // max(length, 1)))
+
+
+# Logits in a row block's square tile (heads x rows x rows) at most (block_for): 256
+# rows up to 8 heads, 128 for 32 heads (the realistic step's 4 sequences of 8 heads at
+# 512 tokens, where rows of 64 and 128 ran the kernel at 0.83-0.84 of the time of 256,
+# and 128 compiles the step in 10.9 CPU seconds against 64's 15.6: docs/benchmarks.md
+# "Attention's tiles by heads, kept for the backward pass")
+ROW_TILE = 2**19
 
 
 def _blocks(n: int, m: int, block: int, causal: bool, window: int):
@@ -98,6 +115,31 @@ def _tiles(blk, heads: int, causal: bool, window: int, blocks: int):
         hidden |= bool(window) and a <= e - 1 - window  # a key before the last row's window
         out.append(((s, e, a, b), hidden))
     return out
+
+
+# A call whose kept exp tiles (`keeps`) are at most this many floats (128 MiB) keeps
+# them for the backward pass, which then needs neither the logits' product nor their
+# exp again: 0.84-0.95 of the kernel's time at 2048 tokens (4 heads); at 512 (32 heads)
+# 0.95-0.96 in one run and 1.04 in another, within the load's noise;
+# the 2048-token step of 4 heads keeps 38 MiB a layer, about what full attention
+# keeps at 1450 tokens. Past it the backward pass computes them again: memory linear
+# in length.
+KEEP_BUDGET = 2**25
+
+
+def keeps(blocks, heads: int, causal: bool, window: int, m: int) -> bool:
+    """Whether the forward pass keeps its exp tiles for the backward pass: causal row
+    blocks that see their anchor key (`_anchored`) whose tiles hold at most KEEP_BUDGET
+    logits in all."""
+    if not causal:
+        return False
+    kept = sum(
+        (e - s) * (b - a)
+        for blk in blocks
+        if _anchored(blk, m, causal, window)
+        for (s, e, a, b), _ in _tiles(blk, heads, causal, window, len(blocks))
+    )
+    return 0 < kept * heads <= KEEP_BUDGET
 
 
 def _mask_table(blocks, causal: bool, window: int):
@@ -206,7 +248,7 @@ def _trusted(o, sums):
     return jnp.isfinite(o).all() & ((sums >= 0.5) & (sums <= SUM_MAX)).all()
 
 
-def _forward(q, k, v, bias, scale, causal, window, block):
+def _forward(q, k, v, bias, scale, causal, window, block, keep=False):
     """The output (kv_heads, group, length, d) and each row's shift and log of its sum
     of exp(logit - shift), which the backward pass's probabilities are exp(logit -
     shift - log-sum) of (kept apart: a row whose keys are all masked has a shift of
@@ -225,28 +267,33 @@ def _forward(q, k, v, bias, scale, causal, window, block):
     qs = q * scale
     g, m = q.shape[1], k.shape[1]
     own = _own_logits(qs, k, bias) if causal else None
-    outs, shifts, logsums, at = [], [], [], 0
+    outs, shifts, logsums, saved, at = [], [], [], [], 0
     for blk in blocks:
         exact = lambda blk=blk, at=at: _normalized(qs, k, bias, table, blk, at, v)
         if _anchored(blk, m, causal, window):
             c = _cut(own, at, {2: blk[:2]}).reshape(q.shape[0], -1, 1)
             o = sums = None
+            kept_tiles = []
             for tile, hidden in _tiles(blk, g * q.shape[0], causal, window, len(blocks)):
                 sc = _logits(qs, k, bias, table if hidden else (None, 0), tile, at)
-                t, ts = _products(jnp.exp(sc - c), _cut(v, at, {1: tile[2:]}))
+                p = jnp.exp(sc - c)
+                t, ts = _products(p, _cut(v, at, {1: tile[2:]}))
                 o, sums = (t, ts) if o is None else (o + t, sums + ts)
+                kept_tiles.append(p)
                 at = _after(t)
             ok = _trusted(o, sums)
+            saved.append((ok, sums, tuple(kept_tiles)) if keep else None)
         else:
             o, sums, c = _shifted_by_max(qs, k, bias, table, blk, at, v)
             ok = jnp.isfinite(o).all()  # the max's term is 1: the sums are in [1, keys]
+            saved.append(None)
         kept = lambda o=o, sums=sums, c=c: (o / sums, c, jnp.log(sums))
         o, c, ls = jax.lax.cond(ok, kept, exact)
         at = _after(o)
         outs.append(_rows(o, g))
         shifts.append(_rows(c[..., 0], g))
         logsums.append(_rows(ls[..., 0], g))
-    return tuple(jnp.concatenate(x, 2) for x in (outs, shifts, logsums))
+    return (*(jnp.concatenate(x, 2) for x in (outs, shifts, logsums)), saved)
 
 
 def _products(p, v):
@@ -287,72 +334,135 @@ def attention(q, k, v, bias, scale: float, causal: bool, window: int, block: int
 
 
 def _attention_fwd(q, k, v, bias, scale, causal, window, block):
-    out, shifts, logsums = _forward(q, k, v, bias, scale, causal, window, block)
-    return out, (q, k, v, bias, out, shifts, logsums)
+    blocks = _blocks(q.shape[2], k.shape[1], block, causal, window)
+    keep = keeps(blocks, q.shape[0] * q.shape[1], causal, window, k.shape[1])
+    out, shifts, logsums, saved = _forward(q, k, v, bias, scale, causal, window, block, keep)
+    return out, (q, k, v, bias, out, shifts, logsums, saved)
 
 
 def _attention_bwd(scale, causal, window, block, res, dout):
-    """Row block by row block, the logits recomputed transposed, (kv_heads, keys, group
-    * rows): a product XLA cannot merge with the forward pass's (common subexpressions
-    would keep every block's logits alive from one pass to the other, memory quadratic
-    in length), and in which every product is one XLA:CPU runs fast (see the module's
-    docstring)."""
-    q, k, v, bias, out, shifts, logsums = res
+    """Row block by row block: from the forward pass's kept exp tiles where it kept them
+    (`keeps`) and its shift was trusted (`_from_kept`), else from the logits computed
+    again (`_recomputed`). dk and dv are accumulated transposed, (kv_heads, d, memory),
+    where any block is kept: the kept tiles' products are fast in that orientation
+    (the module's docstring), the recomputed ones are transposed to it."""
+    q, k, v, bias, out, shifts, logsums, saved = res
     qs = q * scale
     h, g, n, d = q.shape
     m = k.shape[1]
     dd = (dout * out).sum(-1)
-    dk, dv = jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)
+    flip = any(x is not None for x in saved)  # dk, dv as (h, d, m)
+    dk, dv = (jnp.zeros((h, d, m) if flip else (h, m, d), np.float32) for _ in "kv")
     dq, dbias = [], None if bias is None else jnp.zeros(bias.shape, bias.dtype)
     blocks = _blocks(n, m, block, causal, window)
-    mask, c0 = _mask_table(blocks, causal, window)
+    table = _mask_table(blocks, causal, window)
     at = 0  # each block's slices after the block before (`_after`)
-    for blk in blocks:
+    for blk, kept in zip(blocks, saved, strict=True):
         s, e = blk[:2]
         r = e - s
         qb, do = (_cut(x, at, {2: (s, e)}).reshape(h, g * r, d) for x in (qs, dout))
         shift, logsum, ddb = (
-            _cut(x, at, {2: (s, e)}).reshape(h, 1, g * r) for x in (shifts, logsums, dd)
+            _cut(x, at, {2: (s, e)}).reshape(h, g * r, 1) for x in (shifts, logsums, dd)
         )
-        # exp(logit - lse) with lse = shift + log-sum rounded, times what the rounding
-        # took (exp(lse - shift - log-sum), 1 but for far larger shifts: a row whose
-        # keys are all masked, about -1e30 + log(keys)) is exact: that factor, one per
-        # row, goes into dout and dd rather than a second subtraction into every logit
-        lse = shift + logsum
-        fix = jnp.exp(lse - shift - logsum)
-        do, ddb = do * fix.reshape(h, g * r, 1), ddb * fix
-        dq_rows = None
-        for (_, _, k0, k1), hidden in _tiles(blk, h * g, causal, window, len(blocks)):
-            keys = k1 - k0
-            kb, vb = (_cut(x, at, {1: (k0, k1)}) for x in (k, v))
-            sc = jnp.einsum("hmd,hqd->hmq", kb, qb).reshape(h, keys, g, r)
+        tiles = _tiles(blk, h * g, causal, window, len(blocks))
+        again = partial(
+            _recomputed, qb, do, shift, logsum, ddb, k, v, bias, table, tiles, window, flip, at
+        )
+        if kept is None:
+            dq_rows, pieces = again()
+        else:
+            ok, sums, ps = kept
+            fast = partial(_from_kept, qb, do, ddb, sums, ps, k, v, bias, tiles, at)
+            dq_rows, pieces = jax.lax.cond(ok, fast, again)
+        for ((_, _, k0, k1), _), (dk_t, dv_t, ds) in zip(tiles, pieces, strict=True):
+            if flip:
+                dk, dv = dk.at[:, :, k0:k1].add(dk_t), dv.at[:, :, k0:k1].add(dv_t)
+            else:
+                dk, dv = dk.at[:, k0:k1].add(dk_t), dv.at[:, k0:k1].add(dv_t)
             if bias is not None:
-                rows = {2: (s, e)} if bias.shape[2] > 1 else {}
-                sc = sc + _cut(bias, at, {**rows, 3: (k0, k1)}).transpose(0, 3, 1, 2)
-            if mask is not None and hidden:
-                cut = _cut(mask, at, {0: (0, r), 1: (c0 - s + k0, c0 - s + k1)})
-                sc = sc + cut.T[:, None, :]
-            # no max over the keys again: the forward's shift and log-sum
-            p = jnp.exp(sc.reshape(h, keys, g * r) - lse)
-            dv = dv.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", p, do))
-            dp = jnp.einsum("hmd,hqd->hmq", vb, do)
-            ds = p * (dp - ddb)  # the logits' gradient
-            if window and e - window >= m:
-                # rows that see no key are uniform whatever their logits (as XLA's and
-                # NumPy's masks, which replace the logits): none of the gradient
-                ds = ds * np.tile(np.arange(s, e) - window + 1 < m, g).astype(np.float32)
-            dk = dk.at[:, k0:k1].add(jnp.einsum("hmq,hqd->hmd", ds, qb))
-            t = jnp.einsum("hmd,hmq->hdq", kb, ds)
-            dq_rows = t if dq_rows is None else dq_rows + t
-            at = _after(t)
-            if bias is not None:
-                ds = ds.reshape(h, keys, g, r).transpose(0, 2, 3, 1)
                 if bias.shape[2] > 1:
                     dbias = dbias.at[:, :, s:e, k0:k1].set(ds)
                 else:
                     dbias = dbias.at[:, :, :, k0:k1].add(ds.sum(2, keepdims=True))
-        dq.append(dq_rows.reshape(h, d, g, r) * scale)
-    return jnp.concatenate(dq, 3).transpose(0, 2, 3, 1), dk, dv, dbias
+        at = _after(dq_rows)
+        dq.append(_rows(dq_rows, g) * scale)
+    if flip:
+        dk, dv = dk.transpose(0, 2, 1), dv.transpose(0, 2, 1)
+    return jnp.concatenate(dq, 2), dk, dv, dbias
+
+
+def _from_kept(qb, do, ddb, sums, ps, k, v, bias, tiles, at):
+    """One row block's gradients from the forward pass's exp tiles `ps` (exp(logit -
+    shift), the row sums `sums` trusted by `_trusted`): the probabilities are ps / sums,
+    whose 1 / sums goes into dout and dd (one per row) rather than into every logit.
+    (dq rows (kv_heads, group * rows, d), [(dk, dv, dbias piece) per tile]), dk and dv
+    transposed, (kv_heads, d, keys)."""
+    h, gr, _ = qb.shape
+    inv = 1 / sums
+    do, ddb = do * inv, ddb * inv
+    dq, pieces = None, []
+    for p, ((s, e, k0, k1), _) in zip(ps, tiles, strict=True):
+        kb, vb = (_cut(x, at, {1: (k0, k1)}) for x in (k, v))
+        dv = jnp.einsum("hqd,hqm->hdm", do, p)
+        ds = p * (jnp.einsum("hqd,hmd->hqm", do, vb) - ddb)  # the logits' gradient
+        dk = jnp.einsum("hqd,hqm->hdm", qb, ds)
+        t = jnp.einsum("hqm,hmd->hqd", ds, kb)
+        dq = t if dq is None else dq + t
+        at = _after(t)
+        piece = None if bias is None else ds.reshape(h, gr // (e - s), e - s, k1 - k0)
+        pieces.append((dk, dv, piece))
+    return dq, pieces
+
+
+def _recomputed(qb, do, shift, logsum, ddb, k, v, bias, table, tiles, window, flip, at):
+    """One row block's gradients with its logits computed again, transposed, (kv_heads,
+    keys, group * rows): a product XLA cannot merge with the forward pass's (common
+    subexpressions would keep every block's logits alive from one pass to the other,
+    memory quadratic in length), and in which every product is one XLA:CPU runs fast
+    (see the module's docstring). (dq rows (kv_heads, group * rows, d), [(dk, dv,
+    dbias piece) per tile]), dk and dv (kv_heads, keys, d), or (kv_heads, d, keys)
+    where `flip`."""
+    h, gr, d = qb.shape
+    mask, c0 = table
+    m = k.shape[1]
+    # exp(logit - lse) with lse = shift + log-sum rounded, times what the rounding
+    # took (exp(lse - shift - log-sum), 1 but for far larger shifts: a row whose
+    # keys are all masked, about -1e30 + log(keys)) is exact: that factor, one per
+    # row, goes into dout and dd rather than a second subtraction into every logit
+    lse = shift + logsum
+    fix = jnp.exp(lse - shift - logsum)
+    do, ddb = do * fix, (ddb * fix).reshape(h, 1, gr)
+    lse = lse.reshape(h, 1, gr)
+    dq, pieces = None, []
+    for (s, e, k0, k1), hidden in tiles:
+        r, keys = e - s, k1 - k0
+        g = gr // r
+        kb, vb = (_cut(x, at, {1: (k0, k1)}) for x in (k, v))
+        sc = jnp.einsum("hmd,hqd->hmq", kb, qb).reshape(h, keys, g, r)
+        if bias is not None:
+            rows = {2: (s, e)} if bias.shape[2] > 1 else {}
+            sc = sc + _cut(bias, at, {**rows, 3: (k0, k1)}).transpose(0, 3, 1, 2)
+        if mask is not None and hidden:
+            cut = _cut(mask, at, {0: (0, r), 1: (c0 - s + k0, c0 - s + k1)})
+            sc = sc + cut.T[:, None, :]
+        # no max over the keys again: the forward's shift and log-sum
+        p = jnp.exp(sc.reshape(h, keys, gr) - lse)
+        dv = jnp.einsum("hmq,hqd->hmd", p, do)
+        dp = jnp.einsum("hmd,hqd->hmq", vb, do)
+        ds = p * (dp - ddb)  # the logits' gradient
+        if window and e - window >= m:
+            # rows that see no key are uniform whatever their logits (as XLA's and
+            # NumPy's masks, which replace the logits): none of the gradient
+            ds = ds * np.tile(np.arange(s, e) - window + 1 < m, g).astype(np.float32)
+        dk = jnp.einsum("hmq,hqd->hmd", ds, qb)
+        t = jnp.einsum("hmd,hmq->hdq", kb, ds)
+        dq = t if dq is None else dq + t
+        at = _after(t)
+        if flip:
+            dk, dv = dk.transpose(0, 2, 1), dv.transpose(0, 2, 1)
+        piece = None if bias is None else ds.reshape(h, keys, g, r).transpose(0, 2, 3, 1)
+        pieces.append((dk, dv, piece))
+    return dq.transpose(0, 2, 1), pieces
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

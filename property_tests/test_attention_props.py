@@ -109,6 +109,7 @@ class FlashCase(NamedTuple):
     amplitude: float  # of q and k: logits of amplitude**2 * sqrt(d) * scale
     dtype: str
     seed: int
+    keep: bool  # the forward pass keeps its exp tiles (flash.keeps), or none (budget 0)
 
 
 # The loud key's gap: in the band (each row within 1/2 of it: some row's sum between
@@ -127,7 +128,7 @@ def flash_cases(draw, causal=(False, True), windows=(0, 1, 2, 4), dtypes=tuple(E
         draw(st.sampled_from([flash.TILE, 1])),
         draw(st.sampled_from(["none", "rows", "row", "padding"])), draw(st.integers(0, m - 1)),
         gap, draw(st.sampled_from([1.0, 6.0])), draw(st.sampled_from(dtypes)),
-        draw(st.integers(0, 2**31 - 1)),
+        draw(st.integers(0, 2**31 - 1)), draw(st.booleans()),
     )  # fmt: skip
 
 
@@ -211,8 +212,10 @@ def check_flash(c: FlashCase):
         None if b is None else to_local(b, "b"), scale=scale, causal=c.causal, window=c.window,
     )  # fmt: skip
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(flash, "block_for", lambda length: c.block))
+        stack.enter_context(mock.patch.object(flash, "block_for", lambda length, heads: c.block))
         stack.enter_context(mock.patch.object(flash, "TILE", c.tile))
+        if not c.keep:
+            stack.enter_context(mock.patch.object(flash, "KEEP_BUDGET", 0))
         w = np.random.default_rng(c.seed + 1).normal(size=(1, c.length, c.heads * c.group, 4))
         w = w.astype(v.dtype)
 

@@ -56,11 +56,15 @@ CASES = {  # name: (length, memory, group, block, causal, window, bias rows (0: 
 LOUD_KEY = {"causal, key 6 far above the rows' own logits", "same, window 5 and a per-row bias"}
 
 
-@pytest.mark.parametrize("tiles", ["whole rows", "a block of keys per tile"])
+@pytest.mark.parametrize(
+    "tiles", ["whole rows, exp tiles kept", "a block of keys per tile, computed again"]
+)
 @pytest.mark.parametrize("case", list(CASES))
 def test_flash_equals_full_softmax_values_and_gradients(case, tiles, monkeypatch):
-    if tiles != "whole rows":  # causal rows' keys in tiles of `block` (flash._tiles)
+    if not tiles.startswith("whole rows"):  # causal rows' keys in tiles of `block` (flash._tiles)
         monkeypatch.setattr(flash, "TILE", 1)
+    if tiles.endswith("computed again"):  # the backward pass's logits computed again
+        monkeypatch.setattr(flash, "KEEP_BUDGET", 0)
     n, m, g, block, causal, window, bias_rows = CASES[case]
     h, d, scale = 2, 4, 0.6
     q = R.normal(size=(h, g, n, d)).astype(np.float32)
@@ -143,7 +147,7 @@ def test_flash_under_layouts_equals_numpy(layout, monkeypatch):
     """Grouped heads (q_per_kv), a relative bias over heads, length and memory, rows in
     blocks of 4 (16 positions); heads or batch split over mesh axes, or length split
     (relaid out whole for the kernel): equal to the primitive's NumPy reference."""
-    monkeypatch.setattr(flash, "block_for", lambda length: 4)
+    monkeypatch.setattr(flash, "block_for", lambda length, heads: 4)
     qd, kd = (
         ("batch", "length", "kv_heads", "q_per_kv", "d_kv"),
         ("batch", "memory", "kv_heads", "d_kv"),
@@ -163,7 +167,7 @@ def test_lm_with_flash_equals_full_attention_loss_and_gradients(monkeypatch):
     from tests.test_models import CFG, small_batch
 
     monkeypatch.setattr(attention, "FLASH_FROM", 4)
-    monkeypatch.setattr(flash, "block_for", lambda length: 6)
+    monkeypatch.setattr(flash, "block_for", lambda length, heads: 6)
     calls, run = [], flash.attention
     monkeypatch.setattr(flash, "attention", lambda *a: calls.append(1) or run(*a))
     cfg = CFG.replace(layers=1, sliding_window=5)
@@ -180,10 +184,12 @@ def test_lm_with_flash_equals_full_attention_loss_and_gradients(monkeypatch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_flash_training_memory_grows_linearly_in_length():
-    """XLA's memory analysis of the compiled loss and gradients: doubling the length
-    about doubles flash's temporaries (row blocks of fixed size; whole logits would
-    grow fourfold), and they stay under the size of one (length, memory) logits."""
+def test_flash_training_memory_grows_linearly_in_length(monkeypatch):
+    """XLA's memory analysis of the compiled loss and gradients: past flash.KEEP_BUDGET
+    (here 0), doubling the length about doubles flash's temporaries (row blocks of fixed
+    size; whole logits would grow fourfold), and they stay under the size of one
+    (length, memory) logits. Within it the forward pass keeps its exp tiles: at most
+    the budget's bytes more."""
 
     def temp_bytes(kernel, n):
         x = jnp.zeros((n, 2, 16), jnp.float32)
@@ -198,9 +204,15 @@ def test_flash_training_memory_grows_linearly_in_length():
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         return step.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
 
+    kept = temp_bytes("flash", 2048)
+    monkeypatch.setattr(flash, "KEEP_BUDGET", 0)
     small, large = temp_bytes("flash", 1024), temp_bytes("flash", 2048)
     assert large / small < 2.5, (small, large)
     assert large < 2 * 2048 * 2048 * 4, large  # the logits of 2 heads
+    # 2 heads' causal half of 2048 x 2048 in blocks of 256 rows: 36 squares of 256^2
+    # (less the buffers of the logits computed again, which the kept pass needs not)
+    tiles = 2 * 36 * 256 * 256 * 4
+    assert tiles / 2 < kept - large < tiles + large, (kept, large)
 
 
 def test_auto_picks_flash_for_long_self_attention_on_cpu_only():

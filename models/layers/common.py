@@ -292,18 +292,20 @@ def attention_kernel(cfg: Config, length: int | None = None) -> str:
     return f"auto ({_self_attention_kernel(cfg, length)} at {length} tokens)"
 
 
-def attention_settings(cfg: Config, length: int | None = None) -> str:
+def attention_settings(cfg: Config, length: int | None = None, batch: int | None = None) -> str:
     """`attention_kernel` and the blocks its kernel works in, as a run's settings line
     names them: blockwise and ring attention's key blocks (cfg.attention_block); the
     fused kernel's row blocks on CPU from namedmesh.attention.FLASH_FROM tokens
-    (namedmesh.flash.block_for: cfg.attention_block is not the fused kernel's); none
+    (namedmesh.flash.block_for, by length and the heads of `batch` sequences, cfg.batch
+    by default, on one device: cfg.attention_block is not the fused kernel's); none
     for full attention."""
     length = cfg.length if length is None else length
+    batch = cfg.batch if batch is None else batch
     kernel = _self_attention_kernel(cfg, length)
     if kernel in ("blockwise", "ring"):
         blocks = f", block {cfg.attention_block}"
     elif kernel == "fused" and length >= nm.attention.FLASH_FROM:
-        blocks = f", rows of {nm.flash.block_for(length)} on CPU"
+        blocks = f", rows of {nm.flash.block_for(length, cfg.heads * batch)} on CPU"
     else:
         blocks = ""
     return f"attention {attention_kernel(cfg, length)}{blocks}"
