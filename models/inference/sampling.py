@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from namedmesh.errors import ParameterError
+
+TINY = float(np.finfo(np.float32).tiny)  # the coldest temperature the logits divide by
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class Sampling:
             raise ParameterError(
                 f"temperature (--temperature) must be > 0 and finite, got {self.temperature!r}"
             )
+        if self.temperature < TINY:  # XLA flushes float32's subnormals to 0: x / 0
+            raise ParameterError(
+                f"temperature (--temperature) {self.temperature!r} is below float32's "
+                f"smallest normal {TINY:.2e} (0 to XLA): use --mode greedy"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ParameterError(
                 f"top_k (--top-k) must be an int >= 0 (0: off), got {self.top_k!r}"
@@ -47,10 +55,14 @@ class Sampling:
 
 
 def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """logits (..., vocab) divided by the temperature, in float32, with every token
-    outside the top-k and outside the nucleus set to -inf: the logits of the
-    distribution `sample` draws from."""
-    x = logits.astype(jnp.float32) / jnp.float32(sampling.temperature)
+    """logits (..., vocab) less their row's largest, divided by the temperature, in
+    float32, with every token outside the top-k and outside the nucleus set to -inf: the
+    logits of the distribution `choose` draws from."""
+    x = logits.astype(jnp.float32)
+    # shifted first (the distribution is the same): the likeliest is then 0 at any
+    # temperature, and a cold one sends the others to -inf, where logits / 1e-40 sent the
+    # likeliest to inf, a NaN softmax and a draw of token 0
+    x = (x - x.max(-1, keepdims=True)) / jnp.float32(sampling.temperature)
     if 0 < sampling.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)
