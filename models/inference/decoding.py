@@ -433,7 +433,7 @@ class Decoder:
         limit, ends = self._check(max_new, eos, max_length)
         rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
         logits, cache = self.prefill_logits(rows, lengths)
-        key, fill = jax.random.key(how.seed if how else 0), ends[0] if len(ends) else 0
+        key, fill = (how or Sampling()).key(), ends[0] if len(ends) else 0
         draw = lambda i: None if how is None else jax.random.fold_in(key, i)  # greedy: none
         tok = np.asarray(self._choose(logits, draw(0), how))
         count, done, out = lengths.copy(), lengths >= limit, []
@@ -512,7 +512,7 @@ class Decoder:
         ends = self._check(max_new, eos, None)[1]
         if beams is not None:
             return self.beam(prompt, max_new, beams)[0]
-        key = jax.random.key(how.seed if how else 0)
+        key = (how or Sampling()).key()
         rows = np.asarray([prompt[-self.slots :]])
         logp, cache, pos = self.prefill(rows)
         out = []
