@@ -59,3 +59,47 @@ def test_sampling_options_of_the_wrong_type_are_parameter_errors(options, match)
     """Once a raw TypeError from `0 < '0.7'`, and an OverflowError at the first draw."""
     with pytest.raises(ParameterError, match=match):
         Sampling(**options)
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """A tiny zoo LM with peaked predictions, its Decoder, and its log-probabilities
+    by the full forward pass (test_decode's oracle)."""
+    from models import transformer
+    from models.architecture import Config
+    from models.inference.decoding import Decoder
+    from tests.test_decode import full_logits
+
+    cfg = Config(vocab=32, d_model=16, heads=4, d_kv=4, d_ff=32, layers=2, length=8, batch=2)
+    params = transformer.init(transformer.lm_shapes(cfg), 0)
+    params["embed"] = params["embed"] * 3.0
+
+    def logp(rows):
+        x = full_logits(params, cfg, np.asarray(rows))[:, -1].astype(np.float64)
+        return (
+            x
+            - x.max(-1, keepdims=True)
+            - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        )
+
+    return cfg, Decoder(params, cfg), logp
+
+
+def test_a_beam_ends_a_hypothesis_at_an_end_id(peaked):
+    """A beam as wide as the vocabulary over 2 tokens with an end id finds the likeliest
+    of the one-token continuations that end (the end id) and the two-token ones: it once
+    went on past the end id, scoring the tokens after it, and returned a two-token path
+    cut at the end id, or another path, where ending at once was likelier."""
+    cfg, dec, logp = peaked
+    prompt = [7, 2, 9]
+    first = logp([prompt])[0]
+    second = logp([prompt + [a] for a in range(cfg.vocab)])
+    for eos in np.argsort(-first)[:4].tolist():
+        paths = {(eos,): first[eos]}
+        paths |= {(a, b): first[a] + second[a][b] for a in range(cfg.vocab) if a != eos
+                  for b in range(cfg.vocab)}  # fmt: skip
+        best = max(paths, key=paths.get)
+        seq, score = dec.beam(prompt, 2, beams=cfg.vocab, eos=[eos])
+        assert tuple(seq) == best, eos
+        assert score == pytest.approx(paths[best], abs=1e-4)
+        assert dec.generate(prompt, 2, beams=cfg.vocab, eos=eos) == list(best)
