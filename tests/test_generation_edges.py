@@ -103,3 +103,12 @@ def test_a_beam_ends_a_hypothesis_at_an_end_id(peaked):
         assert tuple(seq) == best, eos
         assert score == pytest.approx(paths[best], abs=1e-4)
         assert dec.generate(prompt, 2, beams=cfg.vocab, eos=eos) == list(best)
+
+
+@pytest.mark.parametrize("stops", [5, [b"\n"], [""], {"a": 1}])
+def test_stops_that_are_not_strings_are_parameter_errors(stops):
+    """`stop=5` was a raw TypeError from list(5); bytes never match decoded text."""
+    from models.inference.continuations import check_stops
+
+    with pytest.raises(ParameterError, match=r"stop \(--stop\)"):
+        check_stops(stops)
