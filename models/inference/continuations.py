@@ -9,7 +9,7 @@ the loop then finishes like an end id. The compiled step is the same either way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,8 +20,14 @@ REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not
 
 
 def check_stops(stops: Sequence[str] | None, flag: str = "stop (--stop)") -> list[str]:
-    """The stop strings as a list; ParameterError for one that is not a non-empty str."""
-    stops = [] if stops is None else [stops] if isinstance(stops, str) else list(stops)
+    """The stop strings as a list; ParameterError for one that is not a non-empty str,
+    or for `stops` that are neither a str nor a collection of them (a mapping included)."""
+    if stops is None or isinstance(stops, str):
+        stops = [] if stops is None else [stops]
+    elif isinstance(stops, Iterable) and not isinstance(stops, Mapping | bytes):
+        stops = list(stops)
+    else:
+        raise ParameterError(f"{flag} must be a str or a list of str, got {stops!r}")
     for s in stops:
         if not isinstance(s, str) or not s:
             raise ParameterError(f"{flag} must be non-empty strings, got {s!r}")

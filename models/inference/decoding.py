@@ -433,7 +433,7 @@ class Decoder:
         limit, ends = self._check(max_new, eos, max_length)
         rows, lengths = pad_rows(prompts, self.cfg.vocab, limit)
         logits, cache = self.prefill_logits(rows, lengths)
-        key, fill = jax.random.key(how.seed if how else 0), ends[0] if len(ends) else 0
+        key, fill = (how or Sampling()).key(), ends[0] if len(ends) else 0
         draw = lambda i: None if how is None else jax.random.fold_in(key, i)  # greedy: none
         tok = np.asarray(self._choose(logits, draw(0), how))
         count, done, out = lengths.copy(), lengths >= limit, []
@@ -511,8 +511,8 @@ class Decoder:
             raise ParameterError("the prompt must hold at least one token")
         ends = self._check(max_new, eos, None)[1]
         if beams is not None:
-            return self.beam(prompt, max_new, beams)[0]
-        key = jax.random.key(how.seed if how else 0)
+            return self.beam(prompt, max_new, beams, ends)[0]
+        key = (how or Sampling()).key()
         rows = np.asarray([prompt[-self.slots :]])
         logp, cache, pos = self.prefill(rows)
         out = []
@@ -532,16 +532,27 @@ class Decoder:
         logp, cache = self.step(rows[:, -1], pos, cache)
         return logp, cache, pos + 1
 
-    def beam(self, prompt: list[int], max_new: int, beams: int) -> tuple[list[int], float]:
-        """(the best continuation, its log-probability) by beam search of width `beams`."""
+    def beam(
+        self, prompt: list[int], max_new: int, beams: int, eos: Sequence[int] = ()
+    ) -> tuple[list[int], float]:
+        """(the best continuation, its log-probability) by beam search of width `beams`:
+        of `max_new` tokens, or fewer, its last an end id of `eos`. A hypothesis ends at
+        an end id: its one extension is that id again at log-probability 0 (its score
+        stays), cut from the result; the search stops when every hypothesis has ended."""
         if not isinstance(beams, int) or beams < 1:
             raise ParameterError(f"beams (--beams) must be an int >= 1, got {beams!r}")
+        ends = np.asarray(list(eos), np.int64)
         rows = np.asarray([prompt[-self.slots :]])
         logp, cache, pos = self.prefill(rows)
         seqs, scores = np.zeros((1, 0), int), np.zeros(1)
         one = self.encoded  # an encoder-decoder's input, one row for every hypothesis
         try:
             for _ in range(max_new):
+                if seqs.shape[1]:  # an ended hypothesis goes on by its end id alone
+                    ended = np.isin(seqs[:, -1], ends)
+                    if ended.all():
+                        break
+                    logp = np.where(ended[:, None], _repeat(seqs[:, -1], logp.shape[1]), logp)
                 total = scores[:, None] + logp  # (beams, vocab)
                 best = np.argsort(-total, axis=None, kind="stable")[:beams]
                 parent, tok = np.unravel_index(best, total.shape)
@@ -553,7 +564,14 @@ class Decoder:
                 logp, cache, pos = self._advance(rows, cache, pos)
         finally:
             self.encoded = one
-        return [int(t) for t in seqs[0]], float(scores[0])
+        seq = [int(t) for t in seqs[0]]
+        stop = next((i for i, t in enumerate(seq) if t in ends), len(seq) - 1)
+        return seq[: stop + 1], float(scores[0])
+
+
+def _repeat(last: np.ndarray, vocab: int) -> np.ndarray:
+    """Log-probabilities (rows, vocab) that extend each row only by its `last` token."""
+    return np.where(np.arange(vocab)[None, :] == last[:, None], 0.0, -np.inf)
 
 
 def _sampling(sampling) -> Sampling | None:
