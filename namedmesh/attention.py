@@ -262,6 +262,25 @@ def _cost(in_avals, out_avals, params) -> Cost:
     return Cost(flops, sum(a.nbytes for a in in_avals) + sum(a.nbytes for a in out_avals))
 
 
+def _kept_saves(ins, params) -> float:
+    """The exp tiles the CPU kernel keeps for its backward pass (namedmesh.flash's
+    `kept_logits`), in values of q's size; none where another kernel runs (decided by
+    global shapes and this process's backend: with heads split, a device's call is
+    judged as the whole)."""
+    q, k = ins[0], ins[1]
+    length, memory, features = params["names"]
+    size = dict(zip(q.dims, q.shape, strict=True)) | dict(zip(k.dims, k.shape, strict=True))
+    n, m = size[length], size[memory]
+    kernel = params["kernel"]
+    if kernel == "auto":
+        kernel = choose_kernel(n, m, jax.default_backend())
+    if kernel != "flash" or not n * m:
+        return 0.0
+    heads = math.prod(q.shape) // (n * size[features])
+    kept = flash.kept_logits(n, m, heads, params["causal"], params["window"])
+    return kept * 4 / (math.prod(q.shape) * np.dtype(q.dtype).itemsize)
+
+
 _attention = primitive(
     "dot_product_attention",
     lambda q, k, v, *bias, dims, **kw: _shape_rule(q, k, v, *bias, **kw),
@@ -269,6 +288,7 @@ _attention = primitive(
     _jax,
     cost_rule=_cost,
     backward_reads="both",  # q, k, v and the output (FlashAttention's backward pass)
+    backward_saves=_kept_saves,  # and on CPU the exp tiles flash keeps, if it keeps them
     float_valued=True,  # a softmax: integer q, k, v are computed as float32
 )
 

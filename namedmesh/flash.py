@@ -33,7 +33,7 @@ and dq plain. benchmarks/attention_kernels.py times it against PyTorch's SDPA.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -131,15 +131,29 @@ def keeps(blocks, heads: int, causal: bool, window: int, m: int) -> bool:
     """Whether the forward pass keeps its exp tiles for the backward pass: causal row
     blocks that see their anchor key (`_anchored`) whose tiles hold at most KEEP_BUDGET
     logits in all."""
+    return 0 < _tile_logits(blocks, heads, causal, window, m) * heads <= KEEP_BUDGET
+
+
+def _tile_logits(blocks, heads: int, causal: bool, window: int, m: int) -> int:
+    """Logits per head in the exp tiles `keeps` weighs (0 without a causal mask)."""
     if not causal:
-        return False
-    kept = sum(
+        return 0
+    return sum(
         (e - s) * (b - a)
         for blk in blocks
         if _anchored(blk, m, causal, window)
         for (s, e, a, b), _ in _tiles(blk, heads, causal, window, len(blocks))
     )
-    return 0 < kept * heads <= KEEP_BUDGET
+
+
+@cache  # the planner asks it of every candidate's attention calls
+def kept_logits(n: int, m: int, heads: int, causal: bool, window: int) -> int:
+    """The float32 logits a call of `heads` heads, `n` queries and `m` keys keeps for
+    its backward pass (0 where it computes them again): what the memory estimate adds
+    for it (namedmesh.attention's `backward_saves`)."""
+    blocks = _blocks(n, m, block_for(m, heads), causal, window)
+    kept = _tile_logits(blocks, heads, causal, window, m) * heads
+    return kept if 0 < kept <= KEEP_BUDGET else 0
 
 
 def _mask_table(blocks, causal: bool, window: int):

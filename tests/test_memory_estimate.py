@@ -21,24 +21,29 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize(
-    "attention, remat, layout, scan_layers",
-    [("full", "none", "one device", True), ("blockwise", "full", "one device", "auto"),
-     ("blockwise", "none", "2x4", "auto")],
+    "attention, remat, layout, scan_layers, length",
+    [("full", "none", "one device", True, LENGTH),
+     ("blockwise", "full", "one device", "auto", LENGTH),
+     ("blockwise", "none", "2x4", "auto", LENGTH),
+     # the fused kernel runs flash on CPU from 512 tokens, which keeps its exp tiles for
+     # the backward pass (namedmesh.flash.kept_logits): the estimate counts them
+     ("fused", "none", "one device", "auto", 512)],
 )  # fmt: skip
-def test_training_peak_estimate_is_within_25_percent_of_xla(attention, remat, layout, scan_layers):
+def test_training_peak_estimate_is_within_25_percent_of_xla(attention, remat, layout, scan_layers,
+                                                            length):  # fmt: skip
     # "auto" keeps a loop under remat and unrolls this stack without it: the estimate
     # models each as it runs (lowering/memory.py)
-    cfg = catalog.get("tiny", length=LENGTH, batch=1, attention=attention, remat=remat)
+    cfg = catalog.get("tiny", length=length, batch=1, attention=attention, remat=remat)
     cfg = cfg.replace(attention_block=32, scan_layers=scan_layers)
     sizes, rules = LAYOUTS[layout]
     # zeros: the memory does not depend on the values (drawing them compiles per shape)
     params = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype),
                                     transformer.abstract(transformer.lm_shapes(cfg)))  # fmt: skip
-    tok = np.random.default_rng(0).integers(0, cfg.vocab, (1, LENGTH + 1)).astype(np.int32)
+    tok = np.random.default_rng(0).integers(0, cfg.vocab, (1, length + 1)).astype(np.int32)
     batch = {
         "inputs": nm.tensor(tok[:, :-1], "batch length"),
         "targets": nm.tensor(tok[:, 1:], "batch length"),
-        "weights": nm.tensor(np.ones((1, LENGTH), np.float32), "batch length"),
+        "weights": nm.tensor(np.ones((1, length), np.float32), "batch length"),
     }
     lowered = lower(lambda p, b: transformer.lm_loss(p, b, cfg), Mesh(sizes), rules)
     estimate = lowered.report(params, batch, wrt=0, show=False).peak_memory
