@@ -80,17 +80,21 @@ class Workers:
         self.handed: set[int] = set()  # groups handed out (or found with nothing wanted)
         self.answered: set[int] = set()
         self.next = 0  # the next group to hand out in order
+        self.jobs, self.procs = jobs, []  # started with the first group handed out
         context = multiprocessing.get_context("spawn")
         self.tasks, self.answers = context.Queue(), context.Queue()
+        self._top_up()
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
         old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: no traceback
         try:  # from a worker's imports at Ctrl-C
             self.procs = [context.Process(target=_work, args=(self.tasks, self.answers),
-                                          daemon=True) for _ in range(jobs)]  # fmt: skip
+                                          daemon=True) for _ in range(self.jobs)]  # fmt: skip
             for p in self.procs:
                 p.start()
         finally:
             signal.signal(signal.SIGINT, old)
-        self._top_up()
 
     def _busy(self) -> int:
         return len(self.handed - self.answered)
@@ -103,16 +107,18 @@ class Workers:
                 data = pickle.dumps(self.task(items))
             except Exception as e:  # noqa: BLE001 - whatever does not pickle, named
                 raise JobsError(
-                    f"joint_search: with jobs={len(self.procs)} the work of a group must "
+                    f"joint_search: with jobs={self.jobs} the work of a group must "
                     f"pickle (build and staged of module-level classes), it does not: "
                     f"{type(e).__name__}: {e}; or run with jobs=1"
                 ) from None
+            if not self.procs:
+                self._start()
             self.tasks.put((g, data))
         else:
             self.answered.add(g)
 
     def _top_up(self) -> None:
-        while self._busy() < len(self.procs) and self.next < len(self.groups):
+        while self._busy() < self.jobs and self.next < len(self.groups):
             if self.next not in self.handed:
                 self._hand_out(self.next)
             self.next += 1
@@ -137,8 +143,9 @@ class Workers:
             if dead:
                 raise JobsError(
                     f"joint_search: worker process {dead[0].pid} ended with exit code "
-                    f"{dead[0].exitcode} before answering (killed: out of memory?); run "
-                    f"with fewer jobs (--jobs 1: in this process)"
+                    f"{dead[0].exitcode} before answering (killed: out of memory? a script "
+                    f"calling joint_search(jobs=N) needs `if __name__ == '__main__':`); "
+                    f"run with fewer jobs (--jobs 1: in this process)"
                 ) from None
             return
         self.answered.add(g)
