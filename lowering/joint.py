@@ -24,6 +24,9 @@ Sharing: the pairs of one mesh whose settings differ in remat alone trace one pr
 but for its scans' remat, which only the costing reads; their searches share its scan
 bodies and plans (lowering/bodies.py `Shared`, one per group, emptied when its last
 pair is done): a layout one of them planned is costed, not planned, by the others.
+Cores: `jobs=N` runs the pairs' searches ahead in N worker processes
+(lowering/joint_jobs.py), the decisions above taken here in the same order: the same
+result.
 """
 
 from __future__ import annotations

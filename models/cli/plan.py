@@ -10,7 +10,8 @@ mesh's shape (lowering/joint.py; a flag given fixes its setting) and prints the 
 plan, its memory per device by part (parameters, gradients, optimizer, activations,
 other), its step time split into compute and communication, tokens/s per device and MFU,
 and the next best plan with why it lost. `--compare LAYOUT` weighs a layout of yours
-(under the chosen settings) beside it. `--json`: one JSON object instead. Exit status 2
+(under the chosen settings) beside it. `--json`: one JSON object instead. `--jobs N`:
+the search in N worker processes (default: the CPUs), the plan the same. Exit status 2
 with one line on stderr for a bad flag, and 1 when no plan fits (the line names the
 closest plan's memory and what would make it fit).
 """
