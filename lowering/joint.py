@@ -251,11 +251,19 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
         if not left[group] and group in joint.bodies:
             joint.bodies.pop(group).forget()
 
-    def wanted(pair) -> bool:  # by a worker: not decided, cached or pruned (it stays so)
-        mesh, settings = pair
+    chain_of = {(id(mesh), s): chain for mesh, chain in order for s in chain}
+
+    def wanted(pair) -> bool:  # by a worker: not decided, cached or pruned (it stays so),
+        mesh, settings = pair  # nor likely left out (fewer microbatches fit, searched)
         if (id(mesh), settings) in settled or _cached(joint, mesh, settings, staged, beam):
             return False
-        return exhaustive or not _pruned(whole, settings, mesh, rates, limit, best_fit[0])
+        if exhaustive:
+            return True
+        if _pruned(whole, settings, mesh, rates, limit, best_fit[0]):
+            return False
+        fewer = chain_of[(id(mesh), settings)]
+        fewer = fewer[: fewer.index(settings)]
+        return _staged(mesh, staged) or not any(_fit(joint, mesh, s, beam) for s in fewer)
 
     ahead = _ahead(joint, whole, build, order, staged, beam, jobs, wanted) if jobs > 1 else None
     try:
@@ -348,6 +356,14 @@ def search_group(spec: _Spec, pairs: list) -> dict:
     return joint.cache
 
 
+def _fit(joint, mesh, settings, beam) -> bool:
+    """Whether the pair's search in `joint.cache` found a layout that fits (False when
+    it is not there)."""
+    table = joint.cache.get(_pair_key(joint, mesh, settings, beam), [])
+    uneven = joint.cache.get(_uneven_key(joint, mesh, settings), [])
+    return any(c.valid for c in [*table, *uneven])
+
+
 def _cached(joint, mesh, settings, staged, beam) -> bool:
     """Whether the pair's search is in `joint.cache` already."""
     if _staged(mesh, staged):
@@ -399,6 +415,11 @@ def _staged_key(joint, mesh, settings) -> tuple:
 def _pair_key(joint, mesh, settings, beam) -> tuple:
     return (tuple(mesh.sizes.items()), settings, beam, joint.limit, repr(joint.rates),
             joint.training)  # fmt: skip
+
+
+def _uneven_key(joint, mesh, settings) -> tuple:
+    return ("uneven", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates),
+            joint.training, joint.chain)  # fmt: skip
 
 
 def _count(d: dict, reason: str, n: int = 1) -> None:
@@ -483,8 +504,7 @@ def _uneven_candidates(joint, build, mesh, settings, costed) -> list[Candidate]:
     if STAGE_AXIS not in mesh.sizes:
         return []
     t = joint.training
-    key = ("uneven", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates), t,
-           joint.chain)  # fmt: skip
+    key = _uneven_key(joint, mesh, settings)
     if key not in joint.cache:
         fn, inputs = build(settings)
         best = next((c.layout for c in costed if c.valid), None)

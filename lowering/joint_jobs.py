@@ -7,10 +7,13 @@ the calling process, in the same order; what moves to the workers is the work it
 waits on: each group of pairs that share scan bodies (`_body_group`: one mesh, its
 settings alike but remat), or one pipelined pair, searched into cache entries that the
 caller merges into the joint search's cache, where the serial code finds them. So the
-result is the serial search's, exactly (tests/test_joint_jobs.py); a worker searches
-every pair of its group the caller still wants when the group is handed out (not
-pruned by the best plan found so far, not after its chain's fewest microbatches that
-fit), and a pair it searched that the caller then prunes is work thrown away.
+result is the serial search's, exactly (tests/test_joint_jobs.py). A worker searches
+the pairs of its group the caller still wants when the group is handed out: not
+decided, not pruned by the best plan found so far (which stays pruned: the best only
+gets better), not after fewer microbatches of its chain that fit in a search already
+answered (the caller will most likely leave it out). A pair searched that the caller
+then leaves out is work thrown away; one the caller needs that was not handed out
+(its guess wrong) is searched in the caller, as the serial search would.
 
 Groups are handed out in the order the serial search reaches them, `jobs` at a time;
 `need(pair)` hands out the pair's group at once if it was not, and waits for it.
@@ -131,6 +134,7 @@ class Workers:
             return
         if g not in self.handed:
             self._hand_out(g)
+        self._top_up()  # here, not as an answer comes: `wanted` knows the caller's decisions
         while g not in self.answered:
             self._receive()
             self._top_up()
