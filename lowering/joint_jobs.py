@@ -21,15 +21,19 @@ Workers are started by `spawn` (jax is imported: forking it is unsafe), each imp
 the packages (about 3 s) and holding its own plans (a few hundred MB each). They
 ignore SIGINT: Ctrl-C reaches the caller alone, whose `close` ends them, so the command
 ends in its one line. A worker's error comes back as the same typed error; a worker
-that dies (killed, out of memory) is a JobsError naming it, not a hang.
+that dies (killed, out of memory) is a JobsError naming it, not a hang; a worker whose
+caller dies (SIGTERM, SIGKILL) ends too.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
+import os
 import pickle
 import queue
 import signal
+import threading
 from collections.abc import Callable, Hashable
 
 from namedmesh.errors import NamedMeshError
@@ -43,14 +47,23 @@ class JobsError(NamedMeshError):
 
 def _work(tasks, answers) -> None:
     """A worker: run each task (a picklable callable) until None, answering (id, ok,
-    pickled result or error)."""
+    pickled result or error); it ends at once if the caller ends without `close` (a
+    SIGTERM or SIGKILL), not waiting for a task that will never come."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
+    threading.Thread(target=_end_with, args=(multiprocessing.parent_process(),),
+                     daemon=True).start()  # fmt: skip
     while (item := tasks.get()) is not None:
         tid, data = item
         try:
             answers.put((tid, True, pickle.dumps(pickle.loads(data)())))
         except Exception as e:  # noqa: BLE001 - any error goes back to the caller
             answers.put((tid, False, _portable(e)))
+
+
+def _end_with(parent) -> None:
+    """End this process when `parent` ends."""
+    multiprocessing.connection.wait([parent.sentinel])
+    os._exit(1)
 
 
 def _portable(error: Exception) -> bytes:
