@@ -46,12 +46,17 @@ class JobsError(NamedMeshError):
 
 
 def _work(tasks, answers) -> None:
-    """A worker: run each task (a picklable callable) until None, answering (id, ok,
-    pickled result or error); it ends at once if the caller ends without `close` (a
-    SIGTERM or SIGKILL), not waiting for a task that will never come."""
+    """A worker: `serve`, ending at once if the caller ends without `close` (a SIGTERM
+    or SIGKILL), not waiting for a task that will never come."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
     threading.Thread(target=_end_with, args=(multiprocessing.parent_process(),),
                      daemon=True).start()  # fmt: skip
+    serve(tasks, answers)
+
+
+def serve(tasks, answers) -> None:
+    """Run each task of `tasks` ((id, a pickled callable)) until None, answering (id,
+    ok, its pickled result or error) in `answers`."""
     while (item := tasks.get()) is not None:
         tid, data = item
         try:

@@ -2,8 +2,11 @@
 processes give the serial plan exactly, a worker's error is the same typed error, and
 Ctrl-C ends the command in one line with the workers gone."""
 
+import functools
 import json
 import os
+import pickle
+import queue
 import signal
 import time
 from dataclasses import dataclass
@@ -16,7 +19,7 @@ from lowering.mesh import Mesh
 from lowering.rates import parse
 from models import catalog
 from models.cli import plan as plan_cli
-from namedmesh.errors import ShapeError
+from namedmesh.errors import LayoutError, ShapeError
 
 # 1 dense + 4 MoE layers: 4 stages deal them unevenly, so the stage meshes are planned
 # as pipelined pairs (lowering/stages.py) beside the (data, model) shapes' layout searches
@@ -58,25 +61,38 @@ def test_two_jobs_plan_what_one_does_the_work_done_in_the_workers(capsys, monkey
 
 @dataclass(frozen=True)
 class Faulty:
-    """A build (it pickles: a module-level class) whose remat `dots` program is refused
-    in a worker (the caller builds each program once too: its flops)."""
+    """A build (it pickles: a module-level class) whose remat `dots` program is refused."""
 
     inner: object
-    caller: int  # the calling process's id
 
     def __call__(self, settings):
-        if settings.remat == "dots" and os.getpid() != self.caller:
+        if settings.remat == "dots":
             raise ShapeError(f"faulty build: no program for {settings}")
         return self.inner(settings)
 
 
+def unpicklable_error():
+    error = LayoutError("no layout fits")
+    error.search = lambda: None  # as a LayoutError's Search holds the traced program
+    raise error
+
+
 def test_a_workers_error_is_the_same_typed_error():
-    build = Faulty(plan_cli.builder(catalog.get("tiny"), 8, 32), os.getpid())
-    meshes = [Mesh({"data": 8}, devices="abstract"), Mesh({"data": 4, "model": 2},
-                                                          devices="abstract")]  # fmt: skip
-    space = [Settings(r, "bfloat16", "full", 1) for r in ("none", "dots")]
-    with pytest.raises(ShapeError, match="faulty build: no program for remat=dots"):
-        joint_search(build, meshes, parse("h100"), space, jobs=2)
+    """What a worker answers (`serve`, as the worker runs it) for a task that raises:
+    the error itself, or one of its type and message where it does not pickle; the
+    caller raises it (`Workers`' answer)."""
+    build = Faulty(plan_cli.builder(catalog.get("tiny"), 8, 32))
+    tasks, answers = queue.Queue(), queue.Queue()
+    dots = functools.partial(build, Settings("dots", "bfloat16", "full", 1))
+    for i, task in enumerate([dots, unpicklable_error]):
+        tasks.put((i, pickle.dumps(task)))
+    tasks.put(None)
+    joint_jobs.serve(tasks, answers)
+    (i, ok, data), (j, ok2, data2) = answers.get(), answers.get()
+    assert (i, ok, j, ok2) == (0, False, 1, False)
+    error, error2 = pickle.loads(data), pickle.loads(data2)
+    assert type(error) is ShapeError and "faulty build: no program for remat=dots" in str(error)
+    assert type(error2) is LayoutError and str(error2) == "no layout fits"
 
 
 def test_ctrl_c_ends_plan_in_one_line_status_130_and_its_workers(capfd, monkeypatch, moe5):
