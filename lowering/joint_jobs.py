@@ -15,10 +15,13 @@ answered (the caller will most likely leave it out). A pair searched that the ca
 then leaves out is work thrown away; one the caller needs that was not handed out
 (its guess wrong) is searched in the caller, as the serial search would.
 
-Groups are handed out in the order the serial search reaches them, `jobs` at a time;
-`need(pair)` hands out the pair's group at once if it was not, and waits for it.
+Groups are handed out in the order the caller gives them (lowering/joint.py `_ahead`:
+each chain's fewest microbatches first), `jobs` at a time, each when the caller next
+waits (so `wanted` sees its latest decisions); `need(pair)` hands out the pair's group
+at once if it was not, and waits for it.
 Workers are started by `spawn` (jax is imported: forking it is unsafe), each importing
-the packages (about 3 s) and holding its own plans (a few hundred MB each). They
+the packages (about 3 s) and holding its own plans (0.3 to 1 GB each for the
+walk-throughs of docs/layouts.md). They
 ignore SIGINT: Ctrl-C reaches the caller alone, whose `close` ends them, so the command
 ends in its one line. A worker's error comes back as the same typed error; a worker
 that dies (killed, out of memory) is a JobsError naming it, not a hang; a worker whose
