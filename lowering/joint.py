@@ -24,10 +24,14 @@ Sharing: the pairs of one mesh whose settings differ in remat alone trace one pr
 but for its scans' remat, which only the costing reads; their searches share its scan
 bodies and plans (lowering/bodies.py `Shared`, one per group, emptied when its last
 pair is done): a layout one of them planned is costed, not planned, by the others.
+Cores: `jobs=N` runs the pairs' searches ahead in N worker processes
+(lowering/joint_jobs.py), the decisions above taken here in the same order: the same
+result.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,11 +39,12 @@ from dataclasses import dataclass, field
 import namedmesh as nm
 from lowering.bodies import Shared
 from lowering.collector import few_collections
+from lowering.joint_jobs import Workers
 from lowering.layout import Layout
 from lowering.lower import lower
 from lowering.mesh import Mesh
 from lowering.rates import Rates
-from lowering.search import Candidate, auto_layout, report_candidate
+from lowering.search import Candidate, Search, auto_layout, report_candidate
 from lowering.stages import STAGE_AXIS
 from lowering.train_step import StepMemory, Training, optimizer_bytes
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
@@ -182,6 +187,7 @@ def joint_search(
     cache: dict | None = None,
     staged=None,
     chain=(),
+    jobs: int = 1,
 ) -> Joint:
     """The plans of `build(settings) -> (loss, inputs)` (the loss of one microbatch:
     batch / grad_accum rows, its parameters the first input) on each of `meshes` under
@@ -196,7 +202,11 @@ def joint_search(
     `evaluate(mesh, settings, model_flops)` -> a lowering.stages.StagedChoice, every
     count of microbatches searched (more shrink the bubble). `chain`: the keys of a
     params dict whose stacks the model runs chained (nm.scan_chain;
-    `namedmesh.uneven.pad_stacks`' `chain`), padded so where a stage axis splits them."""
+    `namedmesh.uneven.pad_stacks`' `chain`), padded so where a stage axis splits them.
+    `jobs`: worker processes that search the pairs ahead (lowering/joint_jobs.py), the
+    result the same; `build` and `staged` must then pickle (module-level classes)."""
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ParameterError(f"joint_search: jobs must be an int >= 1, got {jobs!r}")
     training = Training() if training is None else training
     limit = rates.memory_bytes if memory_limit is None else memory_limit
     if not limit:
@@ -208,7 +218,7 @@ def joint_search(
     joint.cache = {} if cache is None else cache
     joint.chain = tuple(chain)
     try:
-        _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive)
+        _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, jobs)
     finally:  # the pairs' shared scan bodies' planned passes (lowering/bodies.py)
         for shared in joint.bodies.values():
             shared.forget()
@@ -218,9 +228,9 @@ def joint_search(
     return joint
 
 
-def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive) -> None:
+def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, jobs) -> None:
     """Each (mesh, settings) pair searched into `joint` but those pruned (the module's
-    docstring)."""
+    docstring); with `jobs` > 1, the searches run ahead in workers (`_ahead`)."""
     rates, limit = joint.rates, joint.limit
     best_fit = [math.inf]
     chains: dict = {}  # (mesh, settings but grad_accum) -> its settings, fewest microbatches first
@@ -230,31 +240,135 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive) 
             chains.setdefault(key, (mesh, []))[1].append(settings)
     whole.staged = staged is not None
     order = sorted(chains.values(), key=lambda c: whole.least(c[1][0], c[0], rates))
+    order = [(mesh, sorted(chain, key=lambda s: s.grad_accum)) for mesh, chain in order]
     left = joint.left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
+    settled: set = set()  # the pairs decided: searched or not
 
     def done(mesh, settings) -> None:  # forget a group's passes when no pair is left of it
+        settled.add((id(mesh), settings))
         group = _body_group(mesh, settings)
         left[group] -= 1
         if not left[group] and group in joint.bodies:
             joint.bodies.pop(group).forget()
 
-    for mesh, chain in order:
-        chain = sorted(chain, key=lambda s: s.grad_accum)
-        for i, settings in enumerate(chain):
-            why = "" if exhaustive else _pruned(whole, settings, mesh, rates, limit, best_fit[0])
-            if why:
-                _count(joint.pruned, why)
-            elif _staged(mesh, staged):
-                _search_staged(joint, whole, staged[0], mesh, settings, best_fit)
-            elif _search_pair(joint, whole, build, mesh, settings, beam, best_fit) and not (
-                exhaustive
-            ):  # the fewest microbatches that fit: the rest of the chain is not searched
-                _count(joint.pruned, "more microbatches than the fewest that fit",
-                       len(chain) - i - 1)  # fmt: skip
-                for s in chain[i:]:
-                    done(mesh, s)
-                break
-            done(mesh, settings)
+    chain_of = {(id(mesh), s): chain for mesh, chain in order for s in chain}
+
+    def wanted(pair) -> bool:  # by a worker: not decided, cached or pruned (it stays so),
+        mesh, settings = pair  # nor likely left out (fewer microbatches fit, searched)
+        if (id(mesh), settings) in settled or _cached(joint, mesh, settings, staged, beam):
+            return False
+        if exhaustive:
+            return True
+        if _pruned(whole, settings, mesh, rates, limit, best_fit[0]):
+            return False
+        fewer = chain_of[(id(mesh), settings)]
+        fewer = fewer[: fewer.index(settings)]
+        return _staged(mesh, staged) or not any(_fit(joint, mesh, s, beam) for s in fewer)
+
+    ahead = _ahead(joint, whole, build, order, staged, beam, jobs, wanted) if jobs > 1 else None
+    try:
+        for mesh, chain in order:
+            for i, settings in enumerate(chain):
+                why = "" if exhaustive else _pruned(whole, settings, mesh, rates, limit,
+                                                    best_fit[0])  # fmt: skip
+                if why:
+                    _count(joint.pruned, why)
+                    done(mesh, settings)
+                    continue
+                if ahead is not None:
+                    ahead.need((mesh, settings))
+                if _staged(mesh, staged):
+                    _search_staged(joint, whole, staged[0], mesh, settings, best_fit)
+                elif _search_pair(joint, whole, build, mesh, settings, beam, best_fit) and not (
+                    exhaustive
+                ):  # the fewest microbatches that fit: the rest of the chain is not searched
+                    _count(joint.pruned, "more microbatches than the fewest that fit",
+                           len(chain) - i - 1)  # fmt: skip
+                    for s in chain[i:]:
+                        done(mesh, s)
+                    break
+                done(mesh, settings)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | None:
+    """Workers (lowering/joint_jobs.py) searching ahead the pairs `wanted` when handed
+    out, in groups: the pairs sharing scan bodies together (`_body_group`), a pipelined
+    pair alone. Each chain's fewest microbatches first, in the serial order, then its
+    second fewest (by then many chains have fit with fewer, and want no more), and so
+    on. None with fewer than two groups."""
+    groups: dict = {}
+    for i in range(max(len(chain) for _, chain in order)):
+        for mesh, chain in order:
+            for s in chain[i : i + 1]:
+                key = ("staged", id(mesh), s) if _staged(mesh, staged) else _body_group(mesh, s)
+                groups.setdefault(key, []).append((mesh, s))
+    if len(groups) < 2:
+        return None
+    spec = _Spec(build, staged[0] if staged else None, joint.rates, joint.limit,
+                 joint.training, beam, joint.chain)  # fmt: skip
+
+    def task(pairs):
+        work = [(m, s, whole.model_flops(s) if _staged(m, staged) else None) for m, s in pairs]
+        return functools.partial(search_group, spec, work)
+
+    return Workers(min(jobs, len(groups)), list(groups.values()), task, wanted,
+                   joint.cache.update)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a worker needs to search a pair as `joint_search` does (it pickles)."""
+
+    build: object
+    evaluate: object  # `staged`'s, or None
+    rates: Rates
+    limit: float
+    training: Training
+    beam: int
+    chain: tuple
+
+
+@few_collections()
+def search_group(spec: _Spec, pairs: list) -> dict:
+    """In a worker: the cache entries of `pairs` ((mesh, settings, model flops for a
+    pipelined pair else None)), searched as the serial search does, their tables
+    detached from their programs (`Search.detach`) to pickle."""
+    joint = Joint([], spec.rates, spec.training, spec.limit, 0)
+    joint.chain = spec.chain
+    joint.left = Counter(_body_group(m, s) for m, s, flops in pairs if flops is None)
+    try:
+        for mesh, settings, flops in pairs:
+            if flops is not None:
+                key = _staged_key(joint, mesh, settings)
+                joint.cache[key] = spec.evaluate(mesh, settings, flops)
+            else:
+                _fill_pair(joint, spec.build, mesh, settings, spec.beam)
+                joint.left[_body_group(mesh, settings)] -= 1
+    finally:
+        for shared in joint.bodies.values():
+            shared.forget()
+    for value in joint.cache.values():
+        if isinstance(value, Search):
+            value.detach()
+    return joint.cache
+
+
+def _fit(joint, mesh, settings, beam) -> bool:
+    """Whether the pair's search in `joint.cache` found a layout that fits (False when
+    it is not there)."""
+    table = joint.cache.get(_pair_key(joint, mesh, settings, beam), [])
+    uneven = joint.cache.get(_uneven_key(joint, mesh, settings), [])
+    return any(c.valid for c in [*table, *uneven])
+
+
+def _cached(joint, mesh, settings, staged, beam) -> bool:
+    """Whether the pair's search is in `joint.cache` already."""
+    if _staged(mesh, staged):
+        return _staged_key(joint, mesh, settings) in joint.cache
+    return _pair_key(joint, mesh, settings, beam) in joint.cache
 
 
 def _shared(joint: Joint, mesh: Mesh, settings: Settings) -> Shared:
@@ -284,14 +398,28 @@ def _space_of(mesh: Mesh, space: list, staged) -> list:
 def _search_staged(joint, whole, evaluate, mesh, settings, best_fit: list) -> None:
     """A pipelined pair (lowering/stages.py) into `joint`."""
     joint.searched += 1
-    key = ("staged", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates),
-           joint.training)  # fmt: skip
+    key = _staged_key(joint, mesh, settings)
     if key not in joint.cache:
         joint.cache[key] = evaluate(mesh, settings, whole.model_flops(settings))
     choice = joint.cache[key]
     joint.choices.append(choice)
     if choice.fits:
         best_fit[0] = min(best_fit[0], choice.step_seconds)
+
+
+def _staged_key(joint, mesh, settings) -> tuple:
+    return ("staged", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates),
+            joint.training)  # fmt: skip
+
+
+def _pair_key(joint, mesh, settings, beam) -> tuple:
+    return (tuple(mesh.sizes.items()), settings, beam, joint.limit, repr(joint.rates),
+            joint.training)  # fmt: skip
+
+
+def _uneven_key(joint, mesh, settings) -> tuple:
+    return ("uneven", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates),
+            joint.training, joint.chain)  # fmt: skip
 
 
 def _count(d: dict, reason: str, n: int = 1) -> None:
@@ -312,8 +440,24 @@ def _search_pair(joint, whole, build, mesh, settings, beam, best_fit: list) -> b
     """auto_layout of one (mesh, settings) pair into `joint`: its best candidates, and
     its closest when none fits. Whether one fits."""
     joint.searched += 1
+    costed, uneven = _fill_pair(joint, build, mesh, settings, beam)
+    flops = whole.model_flops(settings)
+    kept = [c for c in costed if c.valid][:3] + [c for c in uneven if c.valid]
+    kept += sorted((c for c in costed + uneven if not c.valid), key=lambda c: c.memory)[:1]
+    fits = False
+    for c in kept:
+        joint.choices.append(Choice(mesh, settings, c, flops, joint.limit))
+        if joint.choices[-1].fits:
+            fits = True
+            best_fit[0] = min(best_fit[0], joint.choices[-1].step_seconds)
+    return fits
+
+
+def _fill_pair(joint, build, mesh, settings, beam) -> tuple[list, list]:
+    """The pair's layout search and uneven candidates, in `joint.cache` (searched unless
+    there): (its candidates costed, its uneven ones)."""
     t = joint.training
-    key = (tuple(mesh.sizes.items()), settings, beam, joint.limit, repr(joint.rates), t)
+    key = _pair_key(joint, mesh, settings, beam)
     if key not in joint.cache:
         fn, inputs = build(settings)
         run = Training(t.optimizer, t.moment_dtype, t.zero1, settings.grad_accum)
@@ -327,19 +471,8 @@ def _search_pair(joint, whole, build, mesh, settings, beam, best_fit: list) -> b
             if getattr(e, "search", None) is None:
                 raise
             joint.cache[key] = e.search
-    table = joint.cache[key]
-    flops = whole.model_flops(settings)
-    costed = [c for c in table if c.step is not None]
-    uneven = _uneven_candidates(joint, build, mesh, settings, costed)
-    kept = [c for c in costed if c.valid][:3] + [c for c in uneven if c.valid]
-    kept += sorted((c for c in costed + uneven if not c.valid), key=lambda c: c.memory)[:1]
-    fits = False
-    for c in kept:
-        joint.choices.append(Choice(mesh, settings, c, flops, joint.limit))
-        if joint.choices[-1].fits:
-            fits = True
-            best_fit[0] = min(best_fit[0], joint.choices[-1].step_seconds)
-    return fits
+    costed = [c for c in joint.cache[key] if c.step is not None]
+    return costed, _uneven_candidates(joint, build, mesh, settings, costed)
 
 
 def uneven_stage_layouts(fn, mesh: Mesh, *inputs, base: Layout | None = None) -> list[Layout]:
@@ -371,8 +504,7 @@ def _uneven_candidates(joint, build, mesh, settings, costed) -> list[Candidate]:
     if STAGE_AXIS not in mesh.sizes:
         return []
     t = joint.training
-    key = ("uneven", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates), t,
-           joint.chain)  # fmt: skip
+    key = _uneven_key(joint, mesh, settings)
     if key not in joint.cache:
         fn, inputs = build(settings)
         best = next((c.layout for c in costed if c.valid), None)

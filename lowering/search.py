@@ -119,10 +119,22 @@ class Search(list):
         at), or slower (by how much, in compute or in communication). Costed as the
         search's candidates are; LayoutError if it names a mesh axis the mesh lacks or a
         dim the program lacks."""
+        if self._costing is None:
+            raise LayoutError(
+                "auto_layout: this search was detached from its program (searched in a "
+                "worker process: Search.detach); compare a layout on a search of this process"
+            )
         layout = layout if isinstance(layout, Layout) else Layout(layout)
         check_axes(layout.rules, self.mesh, f"auto_layout: compared layout {layout}")
         _check_dims(layout, _dims(self._costing.graph), "compared")
         return versus(self, self._costing.of(layout, record=False))
+
+    def detach(self) -> Search:
+        """Itself without its costing (the traced program and the caller's function), so
+        that it pickles: a joint search's worker sends it back (lowering/joint_jobs.py).
+        `compare` then raises a LayoutError; the candidates and the printout stay."""
+        self._costing = None
+        return self
 
     def alike(self) -> list[list[Candidate]]:
         """The valid candidates, best first, in groups that plan alike (the same time,

@@ -16,7 +16,8 @@ MODEL_DIMS = {"heads", "kv_heads", "q_per_kv", "d_ff", "vocab", "d_kv"}
 
 
 def _plan(capsys, *flags) -> tuple[int, dict | str]:
-    status = main([*flags, "--json"], prog="namedmesh plan")
+    # in this process: the workers of --jobs are tests/test_joint_jobs.py's
+    status = main([*flags, "--json", "--jobs", "1"], prog="namedmesh plan")
     out, err = capsys.readouterr()
     return status, (json.loads(out) if status == 0 else err)
 
@@ -27,7 +28,8 @@ def test_llama3_70b_on_2048_h100_splits_model_dims_in_node_within_1_1x_of_exhaus
     from models.cli.plan import arguments, builder, plan
 
     flags = ["--config", "llama3-70b", "--mesh", "data=256,model=8", "--rates", "h100,node=8",
-             "--batch", "2048", "--length", "8192", "--attention", "blockwise"]  # fmt: skip
+             "--batch", "2048", "--length", "8192", "--attention", "blockwise",
+             "--jobs", "1"]  # fmt: skip
     space = [Settings(r, "bfloat16", "blockwise", g) for r in ("none", "dots", "full")
              for g in (1, 2, 4, 8)]  # fmt: skip
     cache: dict = {}
@@ -67,7 +69,8 @@ def test_llama3_8b_at_8k_tokens_per_chip_fits_choosing_remat_and_a_refusal_names
     "flags, match",
     [(["--rates", "h100,node=0"], "--rates"), (["--batch", "0"], "--batch 0"),
      (["--config", "llama9"], "llama9"), (["--grad-accum", "3"], "--grad-accum 3"),
-     (["--stages", "2"], "--stages"), (["--mesh", "data=6", "--rates", "h100,node=4"],
+     (["--stages", "2"], "--stages"), (["--jobs", "0"], "--jobs 0"),
+     (["--mesh", "data=6", "--rates", "h100,node=4"],
                                         "6 devices are not whole nodes of 4")],
 )  # fmt: skip
 def test_a_bad_flag_is_one_line_and_status_2(capsys, flags, match):

@@ -43,7 +43,7 @@ def test_plan_16_uneven_stages_of_a_moe_with_microbatches(capsys, monkeypatch, m
     status = plan_cli.main(["--config", "moe61", "--mesh", "stage=16,data=2",
                             "--rates", "h100,node=8", "--batch", "512",
                             "--length", "256", "--remat", "full", "--attention", "full",
-                            "--json"], prog="namedmesh plan")  # fmt: skip
+                            "--json", "--jobs", "1"], prog="namedmesh plan")  # fmt: skip
     out, err = capsys.readouterr()
     assert status == 0, err
     got = json.loads(out)
@@ -72,7 +72,7 @@ def test_compare_takes_a_pipelined_layouts_own_microbatches(capsys, monkeypatch,
     monkeypatch.setattr(plan_cli, "load_config", lambda text: moe61)
     flags = ["--config", "moe61", "--mesh", "stage=16,data=2", "--rates", "h100,node=8",
              "--batch", "512", "--length", "256", "--remat", "full", "--attention", "full",
-             "--grad-accum", "16"]  # fmt: skip
+             "--grad-accum", "16", "--jobs", "1"]  # fmt: skip
     mine = "batch:data;experts:data;microbatches=32@stage=16,data=2"
     status = plan_cli.main([*flags, "--compare", mine, "--json"], prog="namedmesh plan")
     out, err = capsys.readouterr()

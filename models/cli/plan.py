@@ -10,7 +10,8 @@ mesh's shape (lowering/joint.py; a flag given fixes its setting) and prints the 
 plan, its memory per device by part (parameters, gradients, optimizer, activations,
 other), its step time split into compute and communication, tokens/s per device and MFU,
 and the next best plan with why it lost. `--compare LAYOUT` weighs a layout of yours
-(under the chosen settings) beside it. `--json`: one JSON object instead. Exit status 2
+(under the chosen settings) beside it. `--json`: one JSON object instead. `--jobs N`:
+the search in N worker processes (default: the CPUs), the plan the same. Exit status 2
 with one line on stderr for a bad flag, and 1 when no plan fits (the line names the
 closest plan's memory and what would make it fit).
 """
@@ -21,11 +22,12 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from models.cli.train import fail, user_errors
+from models.cli.train import fail, one_line_on_ctrl_c, user_errors
 from models.cli.train_flags import Defaults, Parser, parse_mesh
 
 REMATS = ("none", "dots", "full")
@@ -72,6 +74,10 @@ def arguments(argv=None, prog: str = "python -m models.cli.plan") -> argparse.Na
     p.add_argument("--moment-dtype", default="float32", help="the optimizer state's dtype")
     p.add_argument("--zero1", action="store_true", help="optimizer state split over data too")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                   help="worker processes searching the (mesh, settings) pairs ahead, the "
+                   "plan the same (1: in this process; default: the CPUs this process "
+                   "may use)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -137,40 +143,49 @@ def _space(args, cfg) -> list:
     ]
 
 
-def builder(cfg, batch: int, length: int):
+@dataclasses.dataclass(frozen=True)
+class builder:  # noqa: N801 - used as the function it was: builder(cfg, batch, length)
     """`build(settings) -> (loss, (params, batch))` of the decoder LM of `cfg`: the loss
     of one microbatch (batch / grad_accum rows of `length` tokens) under the settings,
-    on abstract inputs (lowering/joint.py `joint_search`)."""
-    from models import transformer, zoo
-    from models.training import objectives
+    on abstract inputs (lowering/joint.py `joint_search`). A class, so that it pickles
+    to the search's worker processes (--jobs)."""
 
-    model = zoo.get("lm")
+    cfg: object
+    batch: int
+    length: int
 
-    def build(settings):
-        c = cfg.replace(batch=batch // settings.grad_accum, length=length,
-                        remat=settings.remat, dtype=settings.dtype, attention=settings.attention,
-                        dropout=0.0)  # fmt: skip
+    def __call__(self, settings):
+        from models import transformer, zoo
+        from models.training import objectives
+
+        model = zoo.get("lm")
+        c = self.cfg.replace(batch=self.batch // settings.grad_accum, length=self.length,
+                             remat=settings.remat, dtype=settings.dtype,
+                             attention=settings.attention, dropout=0.0)  # fmt: skip
         params = transformer.abstract(model.shapes(c))
         rows = objectives.abstract_batch(model.objective, c.batch, c.length)
         return (lambda p, b: model.loss(p, b, c, None)), (params, rows)
 
-    return build
 
-
-def stage_builder(cfg, batch: int, length: int):
+@dataclasses.dataclass(frozen=True)
+class stage_builder:  # noqa: N801 - used as the function it was
     """`build(settings, counts, first, last) -> (loss, (params, inputs))`: one pipeline
     stage of `cfg` holding `counts` layers of each of `stacks(cfg)` (the first with the
     embedding, the last with the loss head: models/training/stage_programs.py) on one microbatch
     of batch / settings.grad_accum rows; its routing (a MoE stack) is the microbatch's
-    own (lowering/stages.py)."""
-    from models.training.stage_programs import stage_program
+    own (lowering/stages.py). A class: it pickles (--jobs)."""
 
-    def build(settings, counts, first, last):
-        c = cfg.replace(remat=settings.remat, dtype=settings.dtype,
-                        attention=settings.attention, dropout=0.0)  # fmt: skip
-        return stage_program(c, counts, first, last, batch // settings.grad_accum, length)
+    cfg: object
+    batch: int
+    length: int
 
-    return build
+    def __call__(self, settings, counts, first, last):
+        from models.training.stage_programs import stage_program
+
+        c = self.cfg.replace(remat=settings.remat, dtype=settings.dtype,
+                             attention=settings.attention, dropout=0.0)  # fmt: skip
+        return stage_program(c, counts, first, last, self.batch // settings.grad_accum,
+                             self.length)  # fmt: skip
 
 
 def _staged(args, cfg, rates, training):
@@ -178,14 +193,12 @@ def _staged(args, cfg, rates, training):
     stack divides each --stages and the model has no experts (then a layers:stage
     layout is searched and run as lowering.pipeline runs it)."""
     from lowering.joint import Settings
-    from lowering.stages import staged_choice
     from models.training.stage_programs import stacks
 
     parts = stacks(cfg)
     if not args.stages or (not cfg.experts and all(n % s == 0 for s in args.stages
                                                     for n in parts)):  # fmt: skip
         return None
-    build = stage_builder(cfg, args.batch, args.length)
     if args.grad_accum:
         counts = [args.grad_accum]
     else:
@@ -195,15 +208,31 @@ def _staged(args, cfg, rates, training):
              for r in ([args.remat] if args.remat else REMATS)
              for a in ([args.attention] if args.attention else KERNELS)
              for m in counts]  # fmt: skip
+    return StagedEvaluate(cfg, args.batch, args.length, tuple(parts), rates, training), space
 
-    def evaluate(mesh, settings, flops, layout=None):
+
+@dataclasses.dataclass(frozen=True)
+class StagedEvaluate:
+    """`evaluate(mesh, settings, flops, layout=None)`: the pipelined plan of a stage mesh
+    (lowering.stages.staged_choice) of `cfg` at --batch and --length, its stacks `parts`,
+    held to the rates' memory. A class: it pickles (--jobs)."""
+
+    cfg: object
+    batch: int
+    length: int
+    parts: tuple
+    rates: object
+    training: object
+
+    def __call__(self, mesh, settings, flops, layout=None):
+        from lowering.stages import staged_choice
+
         itemsize = 2 if settings.dtype == "bfloat16" else 4
-        boundary = args.batch // settings.grad_accum * args.length * cfg.d_model * itemsize
-        return staged_choice(build, mesh, settings, parts, rates, training,
-                             rates.memory_bytes, flops, boundary, bool(cfg.experts),
+        boundary = self.batch // settings.grad_accum * self.length * self.cfg.d_model * itemsize
+        build = stage_builder(self.cfg, self.batch, self.length)
+        return staged_choice(build, mesh, settings, self.parts, self.rates, self.training,
+                             self.rates.memory_bytes, flops, boundary, bool(self.cfg.experts),
                              layout=layout)  # fmt: skip
-
-    return evaluate, space
 
 
 def plan(args, cache: dict | None = None) -> dict:
@@ -216,7 +245,7 @@ def plan(args, cache: dict | None = None) -> dict:
     from models import transformer
     from models.training.run import UsageError
 
-    for flag in ("batch", "length"):
+    for flag in ("batch", "length", "jobs"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     if args.grad_accum is not None and (args.grad_accum < 1 or args.batch % args.grad_accum):
@@ -236,7 +265,7 @@ def plan(args, cache: dict | None = None) -> dict:
     staged = _staged(args, cfg, rates, training)
     joint = joint_search(build, meshes, rates, _space(args, cfg), training,
                          tokens=tokens, cache=cache, staged=staged,
-                         chain=transformer.CHAIN)  # fmt: skip
+                         chain=transformer.CHAIN, jobs=args.jobs)  # fmt: skip
     best, nxt = joint.best, joint.next_best()
     out = {
         "config": args.config,
@@ -420,6 +449,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
+@one_line_on_ctrl_c
 def main(argv=None, prog: str = "python -m models.cli.plan") -> int:
     args = arguments(argv, prog)
     from lowering.joint import PlanError
