@@ -11,7 +11,7 @@ plan, its memory per device by part (parameters, gradients, optimizer, activatio
 other), its step time split into compute and communication, tokens/s per device and MFU,
 and the next best plan with why it lost. `--compare LAYOUT` weighs a layout of yours
 (under the chosen settings) beside it. `--json`: one JSON object instead. `--jobs N`:
-the search in N worker processes (default: the CPUs), the plan the same. Exit status 2
+the search in N worker processes (default 1: this process), the plan the same. Exit status 2
 with one line on stderr for a bad flag, and 1 when no plan fits (the line names the
 closest plan's memory and what would make it fit).
 """
@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -74,10 +73,10 @@ def arguments(argv=None, prog: str = "python -m models.cli.plan") -> argparse.Na
     p.add_argument("--moment-dtype", default="float32", help="the optimizer state's dtype")
     p.add_argument("--zero1", action="store_true", help="optimizer state split over data too")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+    p.add_argument("--jobs", type=int, default=1,
                    help="worker processes searching the (mesh, settings) pairs ahead, the "
-                   "plan the same (1: in this process; default: the CPUs this process "
-                   "may use)")  # fmt: skip
+                   "plan the same (default 1: in this process; for idle cores: it costs "
+                   "more CPU in all, docs/layouts.md)")  # fmt: skip
     return p.parse_args(argv)
 
 
