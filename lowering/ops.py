@@ -206,8 +206,10 @@ def _sliced(xs, mesh, axes, dim, **_):
 
 
 def _gathered(xs, mesh, axes, dim):
+    """Varying over `axes` even where `x` is not (a block made alike on every device, as
+    `nm.full` over a split dim is): jax types an all_gather's result so."""
     (x,) = xs
-    return Local(_scaled(x.shape, dim, _span(mesh, axes)), x.dtype, x.vma)
+    return Local(_scaled(x.shape, dim, _span(mesh, axes)), x.dtype, x.vma | set(axes))
 
 
 def _stacked(xs, mesh, axes):
