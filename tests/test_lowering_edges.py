@@ -58,13 +58,22 @@ def test_gradient_of_a_product_over_nothing(x, line):
     np.testing.assert_array_equal(np.asarray(got.data), np.zeros((8, 8), np.float32))
 
 
-def test_a_constant_gathered_along_a_split_dim(x, line):
-    """nm.zeros over a split dim is made alike on every device (typed invariant); the
-    all_gather that joins it to x gives a value jax types varying, which the plan said
+def constants_moved(x):
+    """Constants over the split dim v (made alike on every device: typed invariant)
+    all-gathered (concat), moved by an all_to_all (constrain) and reduce-scattered (an
+    einsum summing v into b, which the rules split on the same axis)."""
+    c = nm.full({"b": 8, "v": 8}, 2.0)
+    joined = nm.concat([x, nm.zeros({"b": 8, "v": 8})], "v")
+    return [joined, x + nm.constrain(c, "b:x"), nm.einsum(c, c, out="b")]
+
+
+def test_constants_moved_along_a_split_dim(x, line):
+    """Each collective gives a value jax types varying over its axes, which the plan said
     was not, and cast again: a raw 'Unsupported pcast' error."""
-    fn = lambda x: nm.concat([x, nm.zeros({"b": 8, "v": 8})], "v")
-    got = run(fn, line, "v:x", x)
-    np.testing.assert_array_equal(np.asarray(got.data), np.concatenate([x.data, 0 * x.data], 1))
+    joined, moved, summed = run(constants_moved, line, "v:x;b:x", x)
+    np.testing.assert_array_equal(np.asarray(joined.data), np.concatenate([x.data, 0 * x.data], 1))
+    np.testing.assert_array_equal(np.asarray(moved.data), x.data + 2)
+    np.testing.assert_array_equal(np.asarray(summed.data), np.full(8, 32, np.float32))
 
 
 def test_top_k_along_a_split_dim_beside_a_dim_of_size_0(grid):
