@@ -83,3 +83,13 @@ def test_top_k_along_a_split_dim_beside_a_dim_of_size_0(grid):
     values, indices = run(lambda z: nm.top_k(z, "b", 2, "k"), grid, "b:cols", z)
     assert values.dims == indices.dims == ("k", "v")
     assert values.shape == indices.shape == (2, 0)
+
+
+def test_a_gradient_inside_a_lowered_function_is_a_typed_error_that_says_what_to_do(x, line):
+    """nm.grad inside lower met traced arguments; jax's TypeError about a Var became a
+    TracedValueError that pointed to jax.numpy and to adding a primitive."""
+    loss = lambda x: nm.sum(x * x)
+    for make in (nm.grad, nm.value_and_grad):
+        with pytest.raises(nm.TracedValueError, match=r"(?s)traced.*jax\.grad\(lambda"):
+            lower(make(loss), line, "b:x")(x)
+    np.testing.assert_allclose(np.asarray(nm.grad(loss)(x).data), 2 * x.data, rtol=1e-6)
