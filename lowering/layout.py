@@ -134,7 +134,10 @@ class Layout:
         return known[dim]
 
     def assign(self, dims: Sequence[str], shape=None, what: str = "tensor") -> ValueLayout:
-        """The mesh axes each of `dims` takes, in rule order; sizes not checked."""
+        """The mesh axes each of `dims` takes, in rule order; sizes not checked, but for
+        a dim of size 0 in `shape`, left unsplit: it has nothing to split, and XLA
+        rejects a collective over a dim of size 0 (an all_gather or all_to_all that
+        moved it would be a raw verifier error)."""
         dims = tuple(dims)
         # the rules of these dims alone decide it: kept by them, as many candidate
         # layouts that auto_layout costs share them
@@ -147,6 +150,8 @@ class Layout:
                 f"{what} {shown}: mesh axis {a!r} would split both {first!r} and "
                 f"{dim!r} (strict layout {self})"
             )
+        if shape is not None and 0 in shape:
+            layout = tuple(() if n == 0 else a for n, a in zip(shape, layout, strict=True))
         return layout
 
 

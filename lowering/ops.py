@@ -196,8 +196,10 @@ def _axis_index(xs, mesh, axes, **_):
 
 
 def _scattered(xs, mesh, axes, dim):
+    """Varying over `axes`, as each device's block is (and as jax types it, its input
+    typed invariant there or not)."""
     (x,) = xs
-    return Local(_scaled(x.shape, dim, 1 / _span(mesh, axes)), x.dtype, x.vma)
+    return Local(_scaled(x.shape, dim, 1 / _span(mesh, axes)), x.dtype, x.vma | set(axes))
 
 
 def _sliced(xs, mesh, axes, dim, **_):
@@ -206,8 +208,11 @@ def _sliced(xs, mesh, axes, dim, **_):
 
 
 def _gathered(xs, mesh, axes, dim):
+    """Varying over `axes` even where `x` is not (a block made alike on every device, as
+    `nm.full` over a split dim is): jax types an all_gather's result so (as it does a
+    reduce-scatter's and an all_to_all's: `_scattered`, `_moved`)."""
     (x,) = xs
-    return Local(_scaled(x.shape, dim, _span(mesh, axes)), x.dtype, x.vma)
+    return Local(_scaled(x.shape, dim, _span(mesh, axes)), x.dtype, x.vma | set(axes))
 
 
 def _stacked(xs, mesh, axes):
@@ -218,7 +223,7 @@ def _stacked(xs, mesh, axes):
 def _moved(xs, mesh, axes, dim, to):
     (x,) = xs
     n = _span(mesh, axes)
-    return Local(_scaled(_scaled(x.shape, dim, n), to, 1 / n), x.dtype, x.vma)
+    return Local(_scaled(_scaled(x.shape, dim, n), to, 1 / n), x.dtype, x.vma | set(axes))
 
 
 def _given(xs, mesh, shape, dtype, **_):

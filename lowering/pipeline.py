@@ -27,8 +27,10 @@ logged by `ctx.log` as every rule does, so that the plan, the report and the com
 HLO agree.
 
 The default M is the largest divisor of the carry's local microbatched size up to 4S
-(a bubble of at most about 20%), or 1 where the carry lacks that dim or the body is not
-per-example along it; an explicit M that cannot be used is a PipelineError.
+(a bubble of at most about 20%) that leaves each microbatch divisible by the body's
+constraints on that dim, or 1 where the carry lacks that dim or the body is not
+per-example along it; an explicit M that cannot be used is a PipelineError, as is a
+constraint in the body on the stages' mesh axes (`_pinned_split`).
 """
 
 from __future__ import annotations
@@ -260,6 +262,50 @@ def _circular_repeats(plan: PipelinePlan, repeats: int | None, ys: bool, where: 
     if ys:
         raise PipelineError(f"{where} keeps no per-iteration results (ys); use schedule=gpipe")
     return r
+
+
+def constraints(body):
+    """The rules of every nm.constrain in `body` and the bodies nested in it."""
+    for e in body.eqns:
+        if e.primitive.name == "constrain":
+            yield from e.params["layout"]
+        if e.params.get("body") is not None:
+            yield from constraints(e.params["body"])
+
+
+def _like_carry(lay, v, carry_lay, carry_values, dim: str):
+    """The layout of a captured input `v` (in `lay`) inside the stages: its microbatched
+    `dim`, if it has it, split as the carry's, so that cutting both into microbatches
+    gives each device's microbatch the same examples of each. (A value the body makes
+    from no input is hoisted before the loop whole on every device, scan.hoisted: a
+    random draw over the batch, cut from the whole batch, gave a device whose carry holds
+    the second half of the batch the first half's draws.)"""
+    split = next((c[u.dims.index(dim)] for c, u in zip(carry_lay, carry_values, strict=True)
+                  if dim in u.dims), None)  # fmt: skip
+    if split is None or dim not in v.dims:
+        return lay
+    i = v.dims.index(dim)
+    free = lambda axes: tuple(a for a in axes if a not in split)
+    return tuple(split if j == i else free(axes) for j, axes in enumerate(lay))
+
+
+def _pinned_split(ctx, body, axes, dim: str, where: str) -> int:
+    """How many ways the body's constraints split the microbatched `dim` (1: none).
+    PipelineError for a constraint on the stages' own mesh axes: inside a stage they
+    number the stages, which run different microbatches at each tick (and skip an
+    uneven stage's pads), so a collective over them would mix microbatches or wait
+    forever for a stage that skips it."""
+    k = 1
+    for d, on in constraints(body):
+        if clash := [a for a in on if a in axes]:
+            raise PipelineError(
+                f"{where}: an nm.constrain in the body puts {d!r} on mesh axis {clash[0]!r}, "
+                f"which the pipeline's stages run along (layers rule over {','.join(axes)}); "
+                "constrain it over other mesh axes"
+            )
+        if d == dim:
+            k = max(k, math.prod(ctx.sizes[a] for a in on))
+    return k
 
 
 def split_axes(x_args, x_axes) -> tuple[str, ...]:
@@ -566,27 +612,41 @@ def emit(ctx, eqn, carry, carry_lay, x_args, rest, stage_loop):
         want = stage_free(lay[:ax]) + (axes,) + stage_free(lay[ax + 1 :])
         xs.append(_moved(ctx, ctx.varying(ctx.relayout(x, lay, want), vma), ax, 0))
         x_lays.append(want[:ax] + want[ax + 1 :])
-    rest = [(ctx.relayout(r, lay, stage_free(lay)), stage_free(lay)) for r, lay in rest]
     dim = ctx.layout.options.get("microbatch_dim", "batch")
+    inner_rest = body.inputs[nc + p["n_x"] :]
+    captured = [_like_carry(stage_free(lay), v, inner_carry, body.inputs[:nc], dim)
+                for (_, lay), v in zip(rest, inner_rest, strict=True)]  # fmt: skip
+    rest = [(ctx.relayout(r, lay, want), want)
+            for (r, lay), want in zip(rest, captured, strict=True)]  # fmt: skip
     # the carries' local size along `dim`: None where one lacks it or they differ
     sizes = {c.shape[v.dims.index(dim)] if dim in v.dims else None
              for c, v in zip(carry, body.inputs[:nc], strict=True)}  # fmt: skip
     local = sizes.pop() if len(sizes) == 1 else None
+    where = f"nm.scan over {p['dim']!r}"
+    k = _pinned_split(ctx, body, axes, dim, where)
+    requested = ctx.layout.options.get("microbatches")
     pplan = plan_pipeline(
         axes=axes,
         stages=math.prod(ctx.sizes[a] for a in axes),
         length=p["length"],
         dim=dim,
-        local_size=local,
+        # a default M leaves each microbatch divisible by the body's constraints on `dim`
+        local_size=local // k if requested is None and local and local % k == 0 else local,
         mixing=mixing_op(body, nc, p["n_x"], dim),
-        requested=ctx.layout.options.get("microbatches"),
+        requested=requested,
         carry_bytes=sum(map(nbytes, carry)),
         stack_bytes=sum(nbytes(x) for x in xs) * math.prod(ctx.sizes[a] for a in axes),
-        where=f"nm.scan over {p['dim']!r}",
+        where=where,
         schedule=ctx.layout.options.get("schedule", "gpipe"),
         repeats=ctx.layout.options.get("repeats"),
         ys=len(body.outputs) > nc,
     )
+    if pplan.dim and (local // (m := pplan.microbatches)) % k:
+        raise PipelineError(
+            f"{where}: microbatches={m} leaves {dim!r} {local // m} long per microbatch (of "
+            f"{local} per device), which an nm.constrain in the body splits {k} ways; use "
+            "fewer microbatches"
+        )
     pplan = dataclasses.replace(pplan, averaged=sum(averaged_ys(body, nc, pplan.dim)),
                                 deal=recorded(p["dim"], p["length"]))  # fmt: skip
     run = _run if pplan.repeats == 1 else _run_circular

@@ -13,13 +13,28 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from namedmesh.errors import DtypeError, ShapeError, fmt_dims
+from namedmesh.avals import Var
+from namedmesh.errors import DtypeError, ShapeError, TracedValueError, fmt_dims
 from namedmesh.tensor import Tensor
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, Tensor)
 
 
 def _differentiable(args, argnums, op: str) -> None:
     """DtypeError naming the argument whose leaf is not a float (jax raises a bare
-    TypeError that names no argument)."""
+    TypeError that names no argument); TracedValueError for a traced argument (`op` run
+    inside nm.trace or lowering.lower, which record named ops only)."""
+    for leaf in jax.tree_util.tree_leaves(args, is_leaf=_is_tensor):
+        if isinstance(leaf, Tensor) and isinstance(leaf.data, Var):
+            raise TracedValueError(
+                f"{op}: argument {fmt_dims(leaf.dims, leaf.shape)} is traced (the "
+                f"function is being traced by nm.trace or lowered by lowering.lower), "
+                f"which records named ops, not gradients. Lower the loss itself and take "
+                f"the gradient of the lowered function: jax.grad(lambda *xs: "
+                f"lower(loss, mesh, layout)(*xs).data)"
+            )
     for n in (argnums,) if isinstance(argnums, int) else tuple(argnums):
         if not -len(args) <= n < len(args):
             continue  # (jax's own error names the position)

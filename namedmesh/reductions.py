@@ -119,8 +119,21 @@ def _sum_dtype(dt):
 
 
 sum = _make_reduction("sum", np.sum, jnp.sum, _sum_dtype, ufunc=np.add, wide=True)
+
+
+def _prod_jax(x, axis):
+    """jnp.prod, but over a dim of size 0 the product's ones made from x's empty sum
+    (zeros typed as x): inside shard_map jax's gradient of a prod over nothing is typed
+    invariant, which the transpose of a psum or pvary of it then refuses (JAX 0.10, a raw
+    ValueError from the gradient of a lowered program)."""
+    if 0 not in (x.shape[a] for a in axis):
+        return jnp.prod(x, axis=axis)
+    empty = jnp.sum(x, axis=axis)
+    return (empty * 0 + 1).astype(jax.eval_shape(lambda: jnp.prod(x, axis=axis)).dtype)
+
+
 prod = _make_reduction(
-    "prod", np.prod, jnp.prod, _sum_dtype, reads="both", ufunc=np.multiply, wide=True
+    "prod", np.prod, _prod_jax, _sum_dtype, reads="both", ufunc=np.multiply, wide=True
 )
 max = _make_reduction("max", np.max, jnp.max, reads="both", ufunc=np.maximum, identity=False)
 min = _make_reduction("min", np.min, jnp.min, reads="both", ufunc=np.minimum, identity=False)

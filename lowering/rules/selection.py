@@ -70,7 +70,9 @@ def _local_top_index(x, me, axis, k, largest):
 def _best(vals, what, axis, k, largest):
     """`what` (the gathered values or indices) at the top k of the gathered values, with
     the ranked dim back at `axis`."""
-    merged = [jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (-1,)) for a in (vals, what)]
+    # (the merged length stated: -1 cannot be solved for where another dim has size 0)
+    merged = [jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (a.shape[0] * a.shape[-1],))
+              for a in (vals, what)]  # fmt: skip
     _, pos = jax.lax.top_k(sort_key(merged[0], largest), k)
     return jnp.moveaxis(jnp.take_along_axis(merged[1], pos, axis=-1), -1, axis)
 
