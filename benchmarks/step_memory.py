@@ -42,16 +42,30 @@ def xla_bytes(compiled) -> int:
 def measure(layout: str, remat: str, grad_accum: int, config_name: str = "small",
             **changes) -> tuple[int, int]:  # fmt: skip
     """(the estimate, XLA's bytes) per device of one training step of the LM."""
+    cfg = catalog_config(config_name, remat=remat, **changes)
+    est, xla, _ = measure_step(cfg, SIZES, layout, grad_accum)
+    return est.total, xla
+
+
+def catalog_config(name: str, **changes):
+    from models import catalog
+
+    return catalog.get(name, **changes)
+
+
+def measure_step(cfg, sizes: dict, layout: str, grad_accum: int):
+    """(the StepMemory estimate, XLA's bytes, the real state's bytes per device by part)
+    of one training step of the LM `cfg` on a mesh of `sizes`; the state's parts are
+    counted from the trainer's own pytrees (device 0's shard of each leaf)."""
     import jax
     import numpy as np
 
     from lowering import Mesh
     from lowering.train_step import Training, step_memory
-    from models import catalog, transformer, zoo
+    from models import transformer, zoo
     from models.training import trainer
 
-    cfg = catalog.get(config_name, remat=remat, **changes)
-    mesh = Mesh(SIZES)
+    mesh = Mesh(sizes)
     opt, _ = trainer.optimizer(trainer.OptimizerSpec("adamw", 1e-3, 10, 1, 1.0))
     tr = trainer.Trainer(zoo.get("lm"), cfg, mesh, layout, trainer.TrainSpec(opt, 0, grad_accum))
     data_axes = dict(tr.layout.rules).get("batch", ())
@@ -65,7 +79,22 @@ def measure(layout: str, remat: str, grad_accum: int, config_name: str = "small"
     rows["weights"] = rows["inputs"].astype("float32")
     step = jax.jit(tr._guarded_update, donate_argnums=(0,))
     lowered = step.lower(state, tr.place_batch(rows), tr.key(1))
-    return est.total, xla_bytes(lowered.compile(compiler_options=NOT_RUN))
+    xla = xla_bytes(lowered.compile(compiler_options=NOT_RUN))
+    real = {"parameters": device_bytes(state["params"]), "optimizer": device_bytes(state["opt"])}
+    return est, xla, real
+
+
+def device_bytes(tree) -> int:
+    """Bytes on device 0 of a pytree's arrays (the largest shard where a leaf is split
+    unevenly; none where device 0 holds nothing)."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(getattr(tree, "data", tree)):
+        leaf = getattr(leaf, "data", leaf)
+        shards = [s for s in leaf.addressable_shards if s.device == jax.devices()[0]]
+        total += sum(s.data.nbytes for s in shards)
+    return total
 
 
 def table() -> list[list[str]]:
@@ -78,10 +107,119 @@ def table() -> list[list[str]]:
     return out
 
 
+# tiny models of other families: (catalog name, the sizes changed)
+SMALL = dict(vocab=256, d_model=64, heads=4, d_kv=16, d_ff=128, layers=2, length=32, batch=16)
+FAMILIES = {
+    "gpt": ("tiny", {}),
+    "llama (GQA)": ("llama3-8b", dict(SMALL, kv_heads=2)),
+    "gemma 2 (soft-caps)": ("gemma-2-2b", dict(SMALL, kv_heads=2, sliding_window=16,
+                                               sliding_layers=(True, False))),
+    "mixtral (MoE)": ("mixtral-8x7b", dict(SMALL, kv_heads=2, experts=4, experts_per_token=2)),
+    "qwen3-moe": ("qwen3-30b-a3b", dict(SMALL, kv_heads=2, experts=4, experts_per_token=2, expert_ff=64)),
+    "deepseek-v3 (MLA)": ("deepseek-v3", dict(
+        SMALL, layers=3, dense_layers=1, experts=4, experts_per_token=2, expert_ff=64,
+        shared_ff=64)),
+}  # fmt: skip
+MESHES = ({"data": 8}, {"data": 2, "model": 4}, {"data": 4, "model": 2},
+          {"data": 2, "fsdp": 2, "model": 2})  # fmt: skip
+
+
+def layouts(sizes: dict) -> dict[str, str]:
+    """Named layouts on a mesh: the last axis is the model axis where there are two or more."""
+    names = list(sizes)
+    everything = ",".join(names)
+    if len(names) == 1:
+        return {
+            "data parallel": f"batch:{everything}",
+            "FSDP": f"batch:{everything};d_model:{everything}",
+        }
+    data, model = ",".join(names[:-1]), names[-1]
+    return {
+        "data parallel": f"batch:{everything}",
+        "Megatron": f"batch:{data};heads:{model};kv_heads:{model};d_ff:{model};vocab:{model}",
+        "FSDP": f"batch:{everything};d_model:{everything}",
+        "FSDP x TP": f"batch:{data};d_model:{data};heads:{model};kv_heads:{model};d_ff:{model}",
+        "sequence parallel": f"batch:{data};length:{model}",
+        "experts split": f"batch:{data};experts:{model}",
+        "vocab split": f"batch:{data};vocab:{model}",
+    }
+
+
+def random_cases(seed: int, n: int):
+    """`n` cases drawn by `seed`: (family, sizes, layout name, rules, config changes, accum)."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(n):
+        family = rng.choice(list(FAMILIES))
+        sizes = rng.choice(MESHES)
+        name, rules = rng.choice(list(layouts(sizes).items()))
+        changes = dict(remat=rng.choice(("none", "dots", "full")),
+                       dtype=rng.choice(("float32", "bfloat16")),
+                       attention=rng.choice(("full", "blockwise")), attention_block=16,
+                       scan_layers=rng.choice((True, "auto")))  # fmt: skip
+        if rng.random() < 0.3:  # uneven: the vocabulary and the FFN split with a remainder
+            changes |= dict(vocab=250, d_ff=120)
+        yield family, sizes, name, rules, changes, rng.choice((1, 2, 4))
+
+
+def random_table(seed: int, n: int):
+    """Rows of `random_cases`: the estimate against XLA, and the state's parts exactly."""
+    for family, sizes, name, rules, changes, accum in random_cases(seed, n):
+        base, own = FAMILIES[family]
+        cfg = catalog_config(base, **(own | changes))
+        est, xla, real = measure_step(cfg, sizes, rules, accum)
+        mesh = "x".join(str(v) for v in sizes.values())
+        settings = f"{changes['remat']} {changes['dtype']} {changes['attention']} " + (
+            "loop" if changes["scan_layers"] is True else "auto"
+        )
+        exact = (
+            "yes"
+            if (est.parameters, est.optimizer) == (real["parameters"], real["optimizer"])
+            else f"no: params {est.parameters}/{real['parameters']} opt {est.optimizer}/{real['optimizer']}"
+        )
+        yield [family, mesh, f"{name} `{rules}`", settings, str(accum), "uneven" if "vocab" in changes else "",
+               f"{est.total / 2**20:.2f}", f"{xla / 2**20:.2f}", f"{est.total / xla:.2f}", exact]  # fmt: skip
+
+
 if __name__ == "__main__":
+    import argparse
+    import sys
+
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    head = ["layout", "rules", "remat", "grad accum", "layers", "estimate MiB", "XLA MiB", "ratio"]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", choices=("table", "random"), default="table")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-n", type=int, default=12)
+    args = ap.parse_args()
+    if args.cases == "random":
+        head = [
+            "family",
+            "mesh",
+            "layout",
+            "remat dtype attention layers",
+            "grad accum",
+            "dims",
+            "estimate MiB",
+            "XLA MiB",
+            "ratio",
+            "parts exact",
+        ]
+        rows = random_table(args.seed, args.n)
+    else:
+        head = [
+            "layout",
+            "rules",
+            "remat",
+            "grad accum",
+            "layers",
+            "estimate MiB",
+            "XLA MiB",
+            "ratio",
+        ]
+        rows = table()
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for row in table():
-        print("| " + " | ".join(row) + " |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |", flush=True)
+        sys.stdout.flush()
