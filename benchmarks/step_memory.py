@@ -107,6 +107,18 @@ def table() -> list[list[str]]:
     return out
 
 
+def deepseek_parts():
+    from models.families.deepseek_v3 import GroupRouting
+
+    return GroupRouting(expert_groups=2, topk_groups=1, router_scale=2.5)
+
+
+def latent():
+    from models.layers.latent import Latent
+
+    return Latent(kv_rank=32, nope=16, v=16, q_rank=48)
+
+
 # tiny models of other families: (catalog name, the sizes changed)
 SMALL = dict(vocab=256, d_model=64, heads=4, d_kv=16, d_ff=128, layers=2, length=32, batch=16)
 FAMILIES = {
@@ -167,6 +179,8 @@ def random_table(seed: int, n: int):
     """Rows of `random_cases`: the estimate against XLA, and the state's parts exactly."""
     for family, sizes, name, rules, changes, accum in random_cases(seed, n):
         base, own = FAMILIES[family]
+        if base == "deepseek-v3":  # its records, made here: importing them imports jax
+            own = own | dict(parts=deepseek_parts(), mla=latent())
         cfg = catalog_config(base, **(own | changes))
         est, xla, real = measure_step(cfg, sizes, rules, accum)
         mesh = "x".join(str(v) for v in sizes.values())
