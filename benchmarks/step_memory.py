@@ -127,7 +127,8 @@ FAMILIES = {
     "gemma 2 (soft-caps)": ("gemma-2-2b", dict(SMALL, kv_heads=2, sliding_window=16,
                                                sliding_layers=(True, False))),
     "mixtral (MoE)": ("mixtral-8x7b", dict(SMALL, kv_heads=2, experts=4, experts_per_token=2)),
-    "qwen3-moe": ("qwen3-30b-a3b", dict(SMALL, kv_heads=2, experts=4, experts_per_token=2, expert_ff=64)),
+    "qwen3-moe": ("qwen3-30b-a3b", dict(SMALL, kv_heads=2, experts=4, experts_per_token=2,
+                                        expert_ff=64)),
     "deepseek-v3 (MLA)": ("deepseek-v3", dict(
         SMALL, layers=3, dense_layers=1, experts=4, experts_per_token=2, expert_ff=64,
         shared_ff=64)),
@@ -187,13 +188,12 @@ def random_table(seed: int, n: int):
         settings = f"{changes['remat']} {changes['dtype']} {changes['attention']} " + (
             "loop" if changes["scan_layers"] is True else "auto"
         )
-        exact = (
-            "yes"
-            if (est.parameters, est.optimizer) == (real["parameters"], real["optimizer"])
-            else f"no: params {est.parameters}/{real['parameters']} opt {est.optimizer}/{real['optimizer']}"
-        )
-        yield [family, mesh, f"{name} `{rules}`", settings, str(accum), "uneven" if "vocab" in changes else "",
-               f"{est.total / 2**20:.2f}", f"{xla / 2**20:.2f}", f"{est.total / xla:.2f}", exact]  # fmt: skip
+        got = (est.parameters, est.optimizer)
+        want = (real["parameters"], real["optimizer"])
+        exact = "yes" if got == want else f"no: (parameters, optimizer) {got} != {want}"
+        dims = "uneven" if "vocab" in changes else ""
+        mib = [f"{est.total / 2**20:.2f}", f"{xla / 2**20:.2f}", f"{est.total / xla:.2f}"]
+        yield [family, mesh, f"{name} `{rules}`", settings, str(accum), dims, *mib, exact]
 
 
 if __name__ == "__main__":
