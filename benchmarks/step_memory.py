@@ -60,12 +60,14 @@ def measure_step(cfg, sizes: dict, layout: str, grad_accum: int):
     import jax
     import numpy as np
 
-    from lowering import Mesh
+    from lowering import Layout, Mesh
     from lowering.train_step import Training, step_memory
     from models import transformer, zoo
     from models.training import trainer
 
     mesh = Mesh(sizes)
+    # shared: one table of layouts for every family (heads or kv_heads; experts or none)
+    layout = Layout(layout, shared=True)
     opt, _ = trainer.optimizer(trainer.OptimizerSpec("adamw", 1e-3, 10, 1, 1.0))
     tr = trainer.Trainer(zoo.get("lm"), cfg, mesh, layout, trainer.TrainSpec(opt, 0, grad_accum))
     data_axes = dict(tr.layout.rules).get("batch", ())
@@ -85,13 +87,16 @@ def measure_step(cfg, sizes: dict, layout: str, grad_accum: int):
 
 
 def device_bytes(tree) -> int:
-    """Bytes on device 0 of a pytree's arrays (the largest shard where a leaf is split
-    unevenly; none where device 0 holds nothing)."""
+    """Bytes on device 0 of a pytree's arrays (none where device 0 holds nothing),
+    less its scalars: optax's step counters (AdamW's and its schedule's, 8 bytes),
+    which the estimate leaves out."""
     import jax
 
     total = 0
     for leaf in jax.tree_util.tree_leaves(getattr(tree, "data", tree)):
         leaf = getattr(leaf, "data", leaf)
+        if not leaf.ndim:
+            continue
         shards = [s for s in leaf.addressable_shards if s.device == jax.devices()[0]]
         total += sum(s.data.nbytes for s in shards)
     return total
