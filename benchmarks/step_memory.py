@@ -4,7 +4,10 @@ remat's saved activations) against XLA's `memory_analysis` of the trainer's comp
 state-donating step (models/training/trainer.py: loss, gradients, clipping, AdamW, the finite
 guard) on 8 simulated CPU devices, across layouts, remat policies, accumulation and the
 layer stack as one loop or unrolled (Config.scan_layers "auto" unrolls it without remat).
-Goal: within 15%."""
+Goal: within 15%.
+`--cases random --seed N -n K`: K cases drawn outside that table (other families,
+meshes, layouts, bfloat16, attention kernels, accumulation), each also checking the
+estimate's parameters and optimizer parts against the trainer's state bytes."""
 
 from __future__ import annotations
 

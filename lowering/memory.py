@@ -2,7 +2,8 @@
 (inputs and the most values live at once) and of a training step (`training_peak`:
 inputs, gradients, and where the backward pass peaks, the saved values it has not yet
 read, as each scan's remat policy keeps them, beside its working set there, remat's
-recomputed iteration included).
+recomputed iteration included). An operand a step gathers before its local op (an FSDP
+weight) is saved and has its cotangent at its gathered size (`Read`).
 
 `local_bytes(v)` gives the per-device bytes of a graph value under the plan's layout.
 """
