@@ -138,7 +138,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None, split_of=Non
     parts, shards = {}, ()
     if wrt is not None:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
-        parts = training_parts(graph, local_bytes, active, wrt, shares)
+        parts = training_parts(graph, local_bytes, active, wrt, shares, _operand_bytes(plan))
         peak = max(peak, int(sum(parts.values())))
         axes = axes_of or (lambda v: frozenset())
         shards = tuple((local_bytes(v), v.dtype.itemsize, axes(v)) for v in wrt)
@@ -159,6 +159,21 @@ def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None, split_of=Non
         if step.collectives or step.casts:
             _add_collectives(rep, step, active, result_active, wrt is not None, items)
     return rep
+
+
+def _operand_bytes(plan):
+    """(e, k) -> bytes per device of input k of equation e as the plan's local op of
+    e's own primitive reads it (after the step's collectives: a gathered weight), or
+    None where no such op reads it (lowering.memory.Read)."""
+    sizes = {}
+    for step in plan:
+        for op in step.local:
+            if step.eqn is None or op.prim is not step.eqn.primitive:
+                continue
+            for k, a in enumerate(op.ins):
+                n = math.prod(a.shape) * a.dtype.itemsize
+                sizes[(step.eqn, k)] = max(sizes.get((step.eqn, k), 0), n)
+    return lambda e, k: sizes.get((e, k))
 
 
 def recompute_flops(plan) -> float:

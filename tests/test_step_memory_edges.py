@@ -1,0 +1,47 @@
+"""The whole training step's memory estimate (lowering/train_step.py) on cases outside
+docs/benchmarks.md's nine-row table, from `python -m benchmarks.step_memory --cases
+random`: against XLA's memory_analysis of the trainer's compiled step (within 15%),
+and its parameters and optimizer parts against the bytes of the trainer's own state on
+device 0 (exact). Each case is compiled once, never run."""
+
+import pytest
+
+from benchmarks.step_memory import FAMILIES, catalog_config, measure_step
+
+# (family, mesh, rules, config changes, grad_accum)
+CASES = {
+    # FSDP: each layer's weights are gathered whole for its matmuls, and jax saves the
+    # gathered copies for the backward pass, which makes their cotangents whole before
+    # reducing them; the estimate counted the shards (0.75 of XLA before lowering.memory.Read)
+    "llama GQA, FSDP over 8": (
+        "llama (GQA)", {"data": 8}, "batch:data;d_model:data",
+        dict(remat="none", dtype="float32", attention="full", scan_layers=True), 1,
+    ),
+    # Megatron on 4x2, blockwise attention, remat dots, accumulated; a
+    # vocabulary that 8 does not divide (replicated) and an FFN of 60 per device
+    "gemma 2, Megatron 4x2": (
+        "gemma 2 (soft-caps)", {"data": 4, "model": 2},
+        "batch:data;kv_heads:model;d_ff:model;vocab:model",
+        dict(remat="dots", dtype="float32", attention="blockwise", attention_block=16,
+             scan_layers=True, vocab=250, d_ff=120), 2,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def measured(request):
+    family, sizes, rules, changes, accum = CASES[request.param]
+    base, own = FAMILIES[family]
+    return measure_step(catalog_config(base, **(own | changes)), sizes, rules, accum)
+
+
+def test_the_step_estimate_is_within_15_percent_of_xla(measured):
+    est, xla, _ = measured
+    assert 0.85 <= est.total / xla <= 1.15, (est, xla)
+
+
+def test_the_parameters_and_optimizer_parts_are_the_states_bytes(measured):
+    est, _, real = measured
+    assert est.parameters == real["parameters"]
+    assert est.optimizer == real["optimizer"]
+    assert est.gradients in (est.parameters, 2 * est.parameters)  # as the parameters
