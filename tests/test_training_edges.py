@@ -20,16 +20,7 @@ from models.training import chat, checkpoint, corpora, data, run, trainable
 from models.training.trainer import Trainer, TrainSpec
 from namedmesh.errors import ParameterError
 from tests.test_models import CFG, small_batch
-
-
-def main(*flags, capsys):
-    """(exit status, stdout, stderr) of `python -m models.cli.train FLAGS`, in process."""
-    try:
-        code = train.main([str(f) for f in flags])
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests.test_resume_record import run as main  # the command in process: (status, out, err)
 
 
 def test_a_resume_holds_a_config_files_flags_to_the_record_as_the_command_lines(tmp_path, capsys):
