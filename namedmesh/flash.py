@@ -128,22 +128,23 @@ KEEP_BUDGET = 2**25
 
 
 def keeps(blocks, heads: int, causal: bool, window: int, m: int) -> bool:
-    """Whether the forward pass keeps its exp tiles for the backward pass: causal row
-    blocks that see their anchor key (`_anchored`) whose tiles hold at most KEEP_BUDGET
-    logits in all."""
-    return 0 < _tile_logits(blocks, heads, causal, window, m) * heads <= KEEP_BUDGET
+    """Whether the forward pass keeps its exp tiles for the backward pass (`_kept`)."""
+    return _kept(blocks, heads, causal, window, m) > 0
 
 
-def _tile_logits(blocks, heads: int, causal: bool, window: int, m: int) -> int:
-    """Logits per head in the exp tiles `keeps` weighs (0 without a causal mask)."""
+def _kept(blocks, heads: int, causal: bool, window: int, m: int) -> int:
+    """The logits, all heads', in the exp tiles the forward pass keeps: those of the
+    causal row blocks that see their anchor key (`_anchored`) where they hold at most
+    KEEP_BUDGET in all, else 0."""
     if not causal:
         return 0
-    return sum(
+    kept = heads * sum(
         (e - s) * (b - a)
         for blk in blocks
         if _anchored(blk, m, causal, window)
         for (s, e, a, b), _ in _tiles(blk, heads, causal, window, len(blocks))
     )
+    return kept if kept <= KEEP_BUDGET else 0
 
 
 @cache  # the planner asks it of every candidate's attention calls
@@ -152,8 +153,7 @@ def kept_logits(n: int, m: int, heads: int, causal: bool, window: int) -> int:
     its backward pass (0 where it computes them again): what the memory estimate adds
     for it (namedmesh.attention's `backward_saves`)."""
     blocks = _blocks(n, m, block_for(m, heads), causal, window)
-    kept = _tile_logits(blocks, heads, causal, window, m) * heads
-    return kept if 0 < kept <= KEEP_BUDGET else 0
+    return _kept(blocks, heads, causal, window, m)
 
 
 def _mask_table(blocks, causal: bool, window: int):
