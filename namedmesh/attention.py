@@ -199,11 +199,19 @@ def choose_kernel(length: int, memory: int, backend: str) -> str:
     return "xla"
 
 
+def _resolved(kernel: str, length: int, memory: int, dtypes) -> str:
+    """The kernel `kernel` runs: "auto" is xla's exact path for float64 (x64; flash's is
+    float32), else `choose_kernel`'s."""
+    if kernel != "auto":
+        return kernel
+    if np.float64 in dtypes:
+        return "xla"
+    return choose_kernel(length, memory, jax.default_backend())
+
+
 def _jax(q, k, v, *bias, scale, causal, window, kernel, dims, names):
-    if kernel == "auto":  # float64 (x64): the xla kernel's exact path, flash's is float32
-        wide = np.float64 in (q.dtype, k.dtype, v.dtype)
-        n, m = q.shape[dims[0].index(names[0])], k.shape[dims[1].index(names[1])]
-        kernel = "xla" if wide else choose_kernel(n, m, jax.default_backend())
+    n, m = q.shape[dims[0].index(names[0])], k.shape[dims[1].index(names[1])]
+    kernel = _resolved(kernel, n, m, (q.dtype, k.dtype, v.dtype))
     b = bias[0] if bias else None
     if kernel == "flash":  # straight to its heads-first layout: one move per operand
         qh, kh, vh, bh, back = _heads_first(q, k, v, b, dims, names)
@@ -271,9 +279,7 @@ def _kept_saves(ins, params) -> float:
     length, memory, features = params["names"]
     size = dict(zip(q.dims, q.shape, strict=True)) | dict(zip(k.dims, k.shape, strict=True))
     n, m = size[length], size[memory]
-    kernel = params["kernel"]
-    if kernel == "auto":
-        kernel = choose_kernel(n, m, jax.default_backend())
+    kernel = _resolved(params["kernel"], n, m, tuple(x.dtype for x in ins[:3]))
     if kernel != "flash" or not n * m:
         return 0.0
     heads = math.prod(q.shape) // (n * size[features])
