@@ -58,8 +58,11 @@ def check_batch(batch: dict, objective: str, vocab: int) -> None:
             )
     for k in ID_FIELDS:
         ids = np.asarray(batch.get(k, ()))
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            bad = ids.min() if ids.min() < 0 else ids.max()
+        if not ids.size:
+            continue
+        lo, hi = ids.min(), ids.max()
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
             raise DataError(
                 f"the batch's {k} hold the id {bad}, outside the model's vocabulary "
                 f"0 ... {vocab - 1} (Config.vocab {vocab})"
