@@ -96,7 +96,16 @@ def _scan_rule(
 
 
 def _scan_numpy(
-    *arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="none", unroll=False,
+    *arrays,
+    body,
+    n_carry,
+    n_x,
+    x_axes,
+    dim,
+    length,
+    trees,
+    remat="none",
+    unroll=False,
     skip=False,
 ):  # (skip: a Masked body's pads run, the identity by its `where`; only the lowering skips)
     carry, xs = list(arrays[:n_carry]), arrays[n_carry : n_carry + n_x]
@@ -116,7 +125,16 @@ def _scan_numpy(
 
 
 def _scan_jax(
-    *arrays, body, n_carry, n_x, x_axes, dim, length, trees, remat="none", unroll=False,
+    *arrays,
+    body,
+    n_carry,
+    n_x,
+    x_axes,
+    dim,
+    length,
+    trees,
+    remat="none",
+    unroll=False,
     skip=False,
 ):
     carry, xs = list(arrays[:n_carry]), arrays[n_carry : n_carry + n_x]
