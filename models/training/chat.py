@@ -83,7 +83,7 @@ def is_chat(path: Path, text_field: str) -> bool:
 def read(path: str | Path, flag: str = "--data") -> Conversations:
     """The conversations of a JSON lines file; DataError naming `flag`, the file and the
     line of the first that is not one (see `check`)."""
-    from models.training.datasets import text_file
+    from models.training.datasets import json_lines, text_file
 
     path = Path(path)
     if path.is_dir() or path.suffix != ".jsonl":
@@ -91,7 +91,7 @@ def read(path: str | Path, flag: str = "--data") -> Conversations:
     if not path.exists():
         raise DataError(f"{flag} {path}: no such file")
     try:
-        lines = text_file(path).splitlines()
+        lines = json_lines(text_file(path))
     except DataError as e:
         raise DataError(f"{flag} {e}") from None
     items = []

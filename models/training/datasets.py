@@ -126,9 +126,16 @@ def _documents(values, where: str, field: str) -> str:
     return "\n".join(_document(v, f"{where} row {n}", field) for n, v in enumerate(values, 1))
 
 
+def json_lines(text: str) -> list[str]:
+    """The lines of a JSON lines text: split at "\n" alone (a "\r" before it is JSON's
+    whitespace), never at what str.splitlines also takes for a break (U+2028, NEL, a
+    form feed), which a JSON string holds as text."""
+    return text.split("\n")
+
+
 def _jsonl(path: Path, field: str) -> str:
     docs = []
-    for n, line in enumerate(_text(path, field).splitlines(), 1):
+    for n, line in enumerate(json_lines(_text(path, field)), 1):
         if not line.strip():
             continue
         try:
