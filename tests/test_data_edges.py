@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from models.training import chat, corpora, data, datasets
+from models.training import corpora, data, datasets
 
 CONV = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a\u2028b\x85c\x0cd"}]
 
@@ -33,3 +33,46 @@ def test_json_lines_split_at_newlines_alone(tmp_path):
     bad.write_text(bad.read_text("utf-8") + "\n{oops\n", "utf-8")
     with pytest.raises(data.DataError, match=r"bad.jsonl:3: not a JSON line"):
         datasets.read(bad)
+
+
+def test_a_byte_order_mark_is_no_text(tmp_path):
+    """Notepad's UTF-8 files begin with a BOM: read as Python's utf-8-sig reads them, it
+    is neither a token of the text nor a JSON line that fails."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.txt").write_bytes(bom + "héllo\r\n".encode())
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.txt").write_bytes(bom + b"hello\n")
+    (tmp_path / "dir" / "b.txt").write_bytes(bom + b"world")
+    (tmp_path / "t.jsonl").write_bytes(bom + b'{"text": "x"}\r\n{"text": "y"}')
+    (tmp_path / "c.jsonl").write_bytes(bom + (json.dumps({"messages": CONV}) + "\n").encode() * 2)
+    for name in ("a.txt", "t.jsonl"):
+        raw = (tmp_path / name).read_bytes().decode("utf-8-sig")
+        want = raw if name == "a.txt" else "\n".join(json.loads(x)["text"] for x in raw.split("\n"))
+        assert corpora.load(str(tmp_path / name)) == want
+    assert [m for _, m in corpora.load(str(tmp_path / "c.jsonl")).items] == [CONV, CONV]
+    assert datasets.read(tmp_path / "dir") == "hello\nworld"  # each of a folder's files
+
+
+def test_suffixes_in_any_case_and_gzip_files_are_read_by_kind(tmp_path):
+    """`.JSONL` holds JSON lines and `.npy.NPY` ids (never their raw text); a gzip file
+    is its decompressed content (gzip.decompress's); token files are not decompressed."""
+    rows = [{"text": "first"}, {"text": "second"}]
+    _lines(tmp_path / "UP.JSONL", rows)
+    (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress((tmp_path / "UP.JSONL").read_bytes()))
+    (tmp_path / "plain.TXT.gz").write_bytes(gzip.compress("ünï\n".encode()))
+    for name in ("UP.JSONL", "t.jsonl.gz"):
+        assert datasets.read(tmp_path / name) == "first\nsecond"
+    assert datasets.read(tmp_path / "plain.TXT.gz") == "ünï\n"
+    with open(tmp_path / "ids.NPY", "wb") as f:  # np.save would add .npy to the name
+        np.save(f, np.arange(7, dtype=np.int32))
+    np.testing.assert_array_equal(datasets.read(tmp_path / "ids.NPY").ids, np.arange(7))
+    chats = _lines(tmp_path / "c.JSONL", [{"messages": CONV}] * 2)
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(chats.read_bytes()))
+    for name in ("c.JSONL", "c.jsonl.gz"):
+        assert [m for _, m in corpora.load(str(tmp_path / name)).items] == [CONV, CONV]
+    (tmp_path / "ids.npy.gz").write_bytes(gzip.compress((tmp_path / "ids.NPY").read_bytes()))
+    (tmp_path / "torn.txt.gz").write_bytes(gzip.compress(b"abc" * 100)[:20])
+    for name, says in [("ids.npy.gz", "a compressed .npy file; decompress"),
+                       ("torn.txt.gz", "not a readable gzip file")]:  # fmt: skip
+        with pytest.raises(data.DataError, match=f"^--data {tmp_path / name}: {says}"):
+            corpora.load(str(tmp_path / name))

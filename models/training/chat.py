@@ -27,7 +27,9 @@ rows without attending across them (docs/chat.md).
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -67,12 +69,18 @@ class Conversations:
 
 
 def is_chat(path: Path, text_field: str) -> bool:
-    """Whether `path` is a JSON lines file whose first object has a `messages` field
-    and no `text_field` (a text file's documents)."""
-    if path.suffix != ".jsonl" or not path.is_file():
+    """Whether `path` is a JSON lines file (gzip's too) whose first object has a
+    `messages` field and no `text_field` (a text file's documents)."""
+    from models.training.datasets import suffix
+
+    if suffix(path) != ".jsonl" or not path.is_file():
         return False
-    with open(path, encoding="utf-8", errors="replace") as f:
-        first = next((line for line in f if line.strip()), "")
+    gz = path.name.lower().endswith(".gz")
+    with (gzip.open if gz else open)(path, "rt", encoding="utf-8-sig", errors="replace") as f:
+        try:
+            first = next((line for line in f if line.strip()), "")
+        except (OSError, EOFError, zlib.error):  # a damaged gzip file: `read` says so
+            return False
     try:
         row = json.loads(first)
     except json.JSONDecodeError:
@@ -83,10 +91,10 @@ def is_chat(path: Path, text_field: str) -> bool:
 def read(path: str | Path, flag: str = "--data") -> Conversations:
     """The conversations of a JSON lines file; DataError naming `flag`, the file and the
     line of the first that is not one (see `check`)."""
-    from models.training.datasets import json_lines, text_file
+    from models.training.datasets import json_lines, suffix, text_file
 
     path = Path(path)
-    if path.is_dir() or path.suffix != ".jsonl":
+    if path.is_dir() or suffix(path) != ".jsonl":
         raise DataError(f"{flag} {path}: chat data is one JSON lines file (.jsonl)")
     if not path.exists():
         raise DataError(f"{flag} {path}: no such file")

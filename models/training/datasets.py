@@ -11,14 +11,21 @@
   `text_field` column.
 
 A folder holds text, JSON lines and Parquet files; token files are passed one by one.
-Documents are joined with a newline, and so are a folder's files (where one does not
-end in one already). `read` returns a `str` or `Tokens`. Text of every
-kind is read whole and then tokenized; a corpus larger than memory goes in as token ids.
+Suffixes are read in any case (`.JSONL` is `.jsonl`); a gzip file (`NAME.jsonl.gz`,
+`NAME.txt.gz`) is read as its decompressed content of the inner suffix (token files and
+Parquet are not: decompress them). A UTF-8 byte order mark at the start of a file is no
+text (as Python's utf-8-sig reads it). Documents are joined with a newline, and so are
+a folder's files (where one does not end in one already). `read` returns a `str` or
+`Tokens`. Text of every kind is read whole and then tokenized; a corpus larger than
+memory goes in as token ids.
 """
 
 from __future__ import annotations
 
+import codecs
+import gzip
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -91,10 +98,27 @@ def _text(path: Path, field: str) -> str:
     return text_file(path)
 
 
+def suffix(path: Path) -> str:
+    """The suffix that says how a file is read: lower-cased, a gzip file's inner one."""
+    name = path.name.lower()
+    return Path(name.removesuffix(".gz") if name.endswith(".gz") else name).suffix
+
+
+def _bytes(path: Path) -> bytes:
+    """A file's bytes, a gzip file's decompressed; DataError naming a damaged gzip file."""
+    if not path.name.lower().endswith(".gz"):
+        return path.read_bytes()
+    try:
+        return gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a readable gzip file ({e})") from None
+
+
 def text_file(path: Path) -> str:
-    """The text of a UTF-8 file; DataError naming it when it is binary (a NUL byte, or
-    bytes that do not decode), never decoded with replacement characters."""
-    raw = path.read_bytes()
+    """The text of a UTF-8 file (gzip's decompressed, a leading byte order mark left
+    out); DataError naming it when it is binary (a NUL byte, or bytes that do not
+    decode), never decoded with replacement characters."""
+    raw = _bytes(path).removeprefix(codecs.BOM_UTF8)
     binary = DataError(
         f"{path}: a binary file, not UTF-8 text; token ids go in a .bin (uint16) or .npy "
         "file, and a folder of text must not hold other files"
@@ -171,6 +195,13 @@ def _parquet(path: Path, field: str) -> str:
     return _documents(table.column(field).to_pylist(), str(path), field)
 
 
+def _compressed(path: Path, field: str):
+    raise DataError(
+        f"{path}: a compressed {suffix(path)} file; decompress it (token ids are memory-mapped, "
+        "Parquet compresses its own columns)"
+    )
+
+
 def _dataset(path: Path, field: str) -> str:
     ds = _extra("datasets").load_from_disk(str(path))
     if not hasattr(ds, "column_names") or isinstance(ds.column_names, dict):
@@ -184,7 +215,19 @@ def _dataset(path: Path, field: str) -> str:
 
 # file suffix -> reader(path, text_field) -> str | Tokens
 READERS = {".bin": _bin, ".npy": _npy, ".jsonl": _jsonl, ".parquet": _parquet}
+
+
 TOKEN_SUFFIXES = (".bin", ".npy")
+
+
+def reader(path: Path):
+    """The reader of a file, by `suffix` (text for any other)."""
+    kind = suffix(path)
+    if path.name.lower().endswith(".gz") and kind in (*TOKEN_SUFFIXES, ".parquet"):
+        return _compressed
+    return READERS.get(kind, _text)
+
+
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
@@ -202,9 +245,9 @@ def _folder(folder: Path, field: str) -> str:
         return _dataset(folder, field)
     files = _visible_files(folder)
     for f in files:
-        if f.suffix in TOKEN_SUFFIXES:
+        if suffix(f) in TOKEN_SUFFIXES:
             raise DataError(f"{f}: token files are read one at a time; pass it as --data {f}")
-    parts = [READERS.get(f.suffix, _text)(f, field) for f in files]
+    parts = [reader(f)(f, field) for f in files]
     # one file's last document and the next's first stay apart, as a file's documents do
     return "".join(p if p.endswith("\n") or i == len(parts) - 1 else p + "\n"
                    for i, p in enumerate(parts))  # fmt: skip
@@ -217,7 +260,7 @@ def read(path: str | Path, flag: str = "--data", text_field: str = "text") -> st
     if not p.exists():
         raise DataError(f"{flag} {path}: no such file or folder")
     try:
-        out = _folder(p, text_field) if p.is_dir() else READERS.get(p.suffix, _text)(p, text_field)
+        out = _folder(p, text_field) if p.is_dir() else reader(p)(p, text_field)
     except DataError as e:
         where = "" if str(e).startswith(str(p)) else f"{p}: "
         raise DataError(f"{flag} {where}{e}") from None
