@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from models.training import corpora, data, datasets
+from models.training import chat, corpora, data, datasets
 
 CONV = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a\u2028b\x85c\x0cd"}]
 
@@ -76,3 +76,52 @@ def test_suffixes_in_any_case_and_gzip_files_are_read_by_kind(tmp_path):
                        ("torn.txt.gz", "not a readable gzip file")]:  # fmt: skip
         with pytest.raises(data.DataError, match=f"^--data {tmp_path / name}: {says}"):
             corpora.load(str(tmp_path / name))
+
+
+# Gemma's layout: turns end with <end_of_turn>, an eos id of generation_config.json that
+# is not tokenizer_config.json's eos_token (<eos>); the newline after it is no answer.
+GEMMA = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<end_of_turn>' }}"
+    "{% endgeneration %}{% else %}{{ m['content'] + '<end_of_turn>' }}{% endif %}{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+GEMMA_SPECIALS = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory):
+    """A tokenizer folder: a BPE trained on a few lines, Gemma's template and specials."""
+    out = tmp_path_factory.mktemp("gemma")
+    lines = ["What does assert do?", "It raises AssertionError.", "Name a loop: for, while."]
+    tok = data.BPETokenizer.train("\n".join(lines * 20), 300).tok
+    tok.add_special_tokens(GEMMA_SPECIALS)
+    tok.save(str(out / "tokenizer.json"))
+    config = {"chat_template": GEMMA, "bos_token": "<bos>", "eos_token": "<eos>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    ends = [tok.token_to_id("<eos>"), tok.token_to_id("<end_of_turn>")]
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    return out
+
+
+def test_a_turn_ends_at_an_eos_id_of_generation_config(gemma_folder):
+    """The weights are transformers' assistant mask (its {% generation %} tags): the
+    answer and <end_of_turn>, not the newline after it."""
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(gemma_folder)
+    ours = data.BPETokenizer(data.load_tokenizer_file(gemma_folder / "tokenizer.json").tok)
+    chats = [
+        CONV[:1] + [{"role": "assistant", "content": "It raises AssertionError."}],
+        [{"role": "user", "content": "Name a loop."}, {"role": "assistant", "content": "for"},
+         {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "while"}],
+    ]  # fmt: skip
+    for messages in chats:
+        ids, weights = chat.encode(messages, chat.template(gemma_folder), ours, "x.jsonl:1")
+        want = theirs.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        np.testing.assert_array_equal(ids, want["input_ids"])
+        np.testing.assert_array_equal(weights, want["assistant_masks"])
