@@ -142,3 +142,22 @@ def test_validation_windows_cover_every_token_that_fits(n):
     with pytest.raises(data.DataError, match="train split has 5 tokens, but a sequence of "
                        "--length 4 needs 6"):  # fmt: skip
         data.Corpus("x" * 5, data.ByteTokenizer(), length, valid=text)
+
+
+def test_linked_folders_are_read_and_a_link_loop_ends(tmp_path):
+    """A corpus of linked sub-folders (ln -s /big/wiki data/wiki) is read whole, in path
+    order, and fingerprinted with them (a change there is seen on --resume); a link
+    back up is not followed twice."""
+    from models.io import files
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "b.txt").write_text("inner\n")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "a.txt").write_text("outer\n")
+    (data_dir / "linked").symlink_to(tmp_path / "other", target_is_directory=True)
+    (data_dir / "loop").symlink_to(data_dir, target_is_directory=True)
+    assert datasets.read(data_dir) == "outer\ninner\n"
+    before = files.fingerprint(data_dir)
+    (tmp_path / "other" / "b.txt").write_text("INNER\n")
+    assert files.fingerprint(data_dir)["sha256"] != before["sha256"]

@@ -1,8 +1,9 @@
 """What `--data` and `--val-data` read: text or token ids, by the kind of file.
 
 - text: a UTF-8 file, or a folder of them (hidden files and folders such as `.git`
-  skipped, sorted by path); a file that is not UTF-8 text (a NUL byte, or bytes that
-  do not decode) is refused by name, never decoded with replacement characters;
+  skipped, linked folders followed, sorted by path); a file that is not UTF-8 text (a
+  NUL byte, or bytes that do not decode) is refused by name, never decoded with
+  replacement characters;
 - `.bin`: uint16 token ids, nanoGPT's `train.bin`; `.npy`: a 1-D array of integer ids.
   Both are memory-mapped: a batch reads its windows, never the whole file;
 - `.jsonl`: JSON lines, each an object whose `text_field` (default "text") is a document;
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from models.errors import DataError
+from models.io.files import visible_files
 
 CHUNK = 1 << 22  # ids per streamed pass over a token file (16 MiB of int32)
 SNIFF = 8192  # bytes read to tell a binary file from text
@@ -231,19 +233,10 @@ def reader(path: Path):
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
-def _visible_files(folder: Path) -> list[Path]:
-    """Files under `folder`, sorted, without hidden files or anything in a hidden folder."""
-    return sorted(
-        f
-        for f in folder.rglob("*")
-        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(folder).parts)
-    )
-
-
 def _folder(folder: Path, field: str) -> str:
     if any((folder / m).is_file() for m in DATASET_MARKERS):
         return _dataset(folder, field)
-    files = _visible_files(folder)
+    files = visible_files(folder)
     for f in files:
         if suffix(f) in TOKEN_SUFFIXES:
             raise DataError(f"{f}: token files are read one at a time; pass it as --data {f}")
