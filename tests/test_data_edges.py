@@ -161,3 +161,18 @@ def test_linked_folders_are_read_and_a_link_loop_ends(tmp_path):
     before = files.fingerprint(data_dir)
     (tmp_path / "other" / "b.txt").write_text("INNER\n")
     assert files.fingerprint(data_dir)["sha256"] != before["sha256"]
+
+
+def test_named_templates_without_a_default_are_refused_naming_them(tmp_path):
+    """transformers refuses a list of named templates with no "default" (it cannot tell
+    which); reading none of them trained with ChatML's layout instead, silently."""
+    from models.families.common import DamagedFileError
+    from models.io import folder_tokens
+
+    named = [{"name": "tool_use", "template": "{{ 'T' }}"}, {"name": "rag", "template": "R"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    with pytest.raises(DamagedFileError, match=r"chat_template: no 'default' among tool_use, rag"):
+        chat.template(tmp_path)
+    named.append({"name": "default", "template": "D"})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert folder_tokens.chat_template(tmp_path) == "D"

@@ -236,7 +236,8 @@ def eos_ids(folder) -> list[int]:
 
 def chat_template(folder) -> str | None:
     """The folder's chat template: chat_template.jinja, else tokenizer_config.json's
-    `chat_template` (a string, or a list of {name, template} whose "default" is used)."""
+    `chat_template` (a string, or a list of {name, template} whose "default" is used;
+    DamagedFileError for a list without one, as transformers refuses it)."""
     return _template(Path(folder))[0]
 
 
@@ -253,7 +254,12 @@ def _template(folder: Path) -> tuple[str | None, str]:
     if isinstance(template, list):
         if not all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in template):
             raise DamagedFileError(f"{where}: a list must hold {{name, template}} objects")
-        template = {t["name"]: t["template"] for t in template}.get("default")
+        named = {t["name"]: t["template"] for t in template}
+        if "default" not in named:  # transformers refuses it too: which is meant is unknown
+            raise DamagedFileError(
+                f"{where}: no 'default' among {', '.join(map(str, named))}; name one 'default'"
+            )
+        template = named["default"]
     if template is not None and not isinstance(template, str):
         raise DamagedFileError(f"{where}: must be a template's text, got {template!r:.60}")
     return template, where
