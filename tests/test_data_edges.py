@@ -176,3 +176,13 @@ def test_named_templates_without_a_default_are_refused_naming_them(tmp_path):
     named.append({"name": "default", "template": "D"})
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
     assert folder_tokens.chat_template(tmp_path) == "D"
+
+
+def test_a_byte_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    """Latin-1 text is refused by its first bad byte and line (as bytes.decode finds
+    it), not only as 'a binary file' with advice about token ids."""
+    (tmp_path / "notes.txt").write_bytes("ok\nstill ok\ncaf\xe9\n".encode("latin-1"))
+    (tmp_path / "c.jsonl").write_bytes(b'{"messages": []}\n{"messages": "\xff"}\n')
+    for name, line, byte in [("notes.txt", 3, "e9"), ("c.jsonl", 2, "ff")]:
+        with pytest.raises(data.DataError, match=f"{name}: .*byte 0x{byte} on line {line} "):
+            corpora.load(str(tmp_path / name), fmt="chat" if name == "c.jsonl" else "auto")

@@ -121,16 +121,20 @@ def text_file(path: Path) -> str:
     out); DataError naming it when it is binary (a NUL byte, or bytes that do not
     decode), never decoded with replacement characters."""
     raw = _bytes(path).removeprefix(codecs.BOM_UTF8)
-    binary = DataError(
-        f"{path}: a binary file, not UTF-8 text; token ids go in a .bin (uint16) or .npy "
-        "file, and a folder of text must not hold other files"
-    )
     if b"\0" in raw[:SNIFF]:
-        raise binary
+        raise DataError(
+            f"{path}: a binary file, not UTF-8 text; token ids go in a .bin (uint16) or .npy "
+            "file, and a folder of text must not hold other files"
+        )
     try:
         return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise binary from None
+    except UnicodeDecodeError as e:  # where, so that one bad byte in a big file is found
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}: a binary file or not UTF-8 text: byte 0x{raw[e.start]:02x} on line "
+            f"{line} does not decode (text in another encoding: convert it, e.g. "
+            "iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 def _field(path: Path, field: str, columns) -> None:
