@@ -186,3 +186,9 @@ def test_a_byte_that_is_not_utf8_is_named_with_its_line(tmp_path):
     for name, line, byte in [("notes.txt", 3, "e9"), ("c.jsonl", 2, "ff")]:
         with pytest.raises(data.DataError, match=f"{name}: .*byte 0x{byte} on line {line} "):
             corpora.load(str(tmp_path / name), fmt="chat" if name == "c.jsonl" else "auto")
+
+
+def test_an_empty_file_in_a_folder_adds_no_line(tmp_path):
+    for name, text in [("a.txt", "one"), ("b.txt", ""), ("c.jsonl", ""), ("d.txt", "two")]:
+        (tmp_path / name).write_text(text)
+    assert datasets.read(tmp_path) == "one\ntwo"  # as `cat` of each with a newline

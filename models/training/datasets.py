@@ -244,7 +244,7 @@ def _folder(folder: Path, field: str) -> str:
     for f in files:
         if suffix(f) in TOKEN_SUFFIXES:
             raise DataError(f"{f}: token files are read one at a time; pass it as --data {f}")
-    parts = [reader(f)(f, field) for f in files]
+    parts = [p for f in files if (p := reader(f)(f, field))]  # an empty file: no line
     # one file's last document and the next's first stay apart, as a file's documents do
     return "".join(p if p.endswith("\n") or i == len(parts) - 1 else p + "\n"
                    for i, p in enumerate(parts))  # fmt: skip
