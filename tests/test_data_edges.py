@@ -102,7 +102,8 @@ def gemma_folder(tmp_path_factory):
     config = {"chat_template": GEMMA, "bos_token": "<bos>", "eos_token": "<eos>",
               "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
     (out / "tokenizer_config.json").write_text(json.dumps(config))
-    ends = [tok.token_to_id("<eos>"), tok.token_to_id("<end_of_turn>")]
+    # and the newline's id, as a toy config might name: no added token, no turn's end
+    ends = [tok.token_to_id("<eos>"), tok.token_to_id("<end_of_turn>"), tok.encode("\n").ids[0]]
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
     return out
 

@@ -178,8 +178,10 @@ def _eos_texts(folder) -> list[str]:
     tok = folder_tokens.read(folder) if ids else None
     if tok is None:
         return []
-    n = tok.get_vocab_size()
-    return [tok.decode([i], skip_special_tokens=False) for i in ids if 0 <= i < n]
+    # added tokens alone: an ordinary token's text ("." of a toy config) inside an
+    # answer would end its turn early
+    added = tok.get_added_tokens_decoder()
+    return [added[i].content for i in ids if i in added]
 
 
 def render(t: Template, messages: list[dict], generation: bool, where: str) -> str:
