@@ -193,3 +193,17 @@ def test_an_empty_file_in_a_folder_adds_no_line(tmp_path):
     for name, text in [("a.txt", "one"), ("b.txt", ""), ("c.jsonl", ""), ("d.txt", "two")]:
         (tmp_path / name).write_text(text)
     assert datasets.read(tmp_path) == "one\ntwo"  # as `cat` of each with a newline
+
+
+def test_a_lone_surrogate_is_refused_naming_the_line(tmp_path):
+    """JSON's "\\ud83d" without its pair is no character (str.encode refuses it); it
+    was read, then failed as a raw UnicodeEncodeError or TypeError at tokenizing."""
+    half = "half \ud83d emoji"  # json.dumps writes it as the escape: the file is ASCII
+    rows = [{"text": "fine"}, {"text": half}]
+    (tmp_path / "t.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    conv = [{"role": "user", "content": half}, CONV[1]]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": conv}))
+    for name, where in [("t.jsonl", "t.jsonl:2: the 'text' field"),
+                        ("c.jsonl", "c.jsonl:1: message 0's content")]:  # fmt: skip
+        with pytest.raises(data.DataError, match=rf"{where} holds a lone surrogate \\ud83d at "):
+            corpora.load(str(tmp_path / name))

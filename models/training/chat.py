@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from models.training.data import VALIDATION_FRACTION, DataError
+from models.training.datasets import encodable
 
 FIELD = "messages"
 ROLES = ("system", "user", "assistant")
@@ -136,6 +137,7 @@ def check(line: str, where: str) -> list[dict]:
             )
         if not isinstance(m["content"], str):
             raise DataError(f"{where}: message {i}'s content must be text")
+        encodable(m["content"], f"{where}: message {i}'s content")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant message (the loss covers the assistant's tokens)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]

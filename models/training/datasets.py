@@ -148,7 +148,21 @@ def _document(value, where: str, field: str) -> str:
     if not isinstance(value, str):
         kind = "null" if value is None else f"a {type(value).__name__}"
         raise DataError(f"{where}: the {field!r} field is {kind}, not text")
-    return value
+    return encodable(value, f"{where}: the {field!r} field")
+
+
+def encodable(text: str, what: str) -> str:
+    """`text`, or DataError naming `what` when it holds a lone UTF-16 surrogate (a JSON
+    escape such as "\\ud83d", half of an emoji cut by a scraper), which no tokenizer
+    can encode (UTF-8 has no such character: a raw error at tokenizing, else)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(
+            f"{what} holds a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start} "
+            "(half of a UTF-16 pair), which is not text"
+        ) from None
+    return text
 
 
 def _documents(values, where: str, field: str) -> str:
