@@ -92,11 +92,19 @@ GEMMA_SPECIALS = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
 
 
 @pytest.fixture(scope="module")
-def gemma_folder(tmp_path_factory):
-    """A tokenizer folder: a BPE trained on a few lines, Gemma's template and specials."""
-    out = tmp_path_factory.mktemp("gemma")
+def bpe():
+    """A byte-level BPE trained on a few lines (tokenizers), as JSON: each test's copy."""
     lines = ["What does assert do?", "It raises AssertionError.", "Name a loop: for, while."]
-    tok = data.BPETokenizer.train("\n".join(lines * 20), 300).tok
+    return data.BPETokenizer.train("\n".join(lines * 20), 300).tok.to_str()
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory, bpe):
+    """A tokenizer folder: the BPE, Gemma's template and specials."""
+    from tokenizers import Tokenizer
+
+    out = tmp_path_factory.mktemp("gemma")
+    tok = Tokenizer.from_str(bpe)
     tok.add_special_tokens(GEMMA_SPECIALS)
     tok.save(str(out / "tokenizer.json"))
     config = {"chat_template": GEMMA, "bos_token": "<bos>", "eos_token": "<eos>",
@@ -207,3 +215,33 @@ def test_a_lone_surrogate_is_refused_naming_the_line(tmp_path):
                         ("c.jsonl", "c.jsonl:1: message 0's content")]:  # fmt: skip
         with pytest.raises(data.DataError, match=rf"{where} holds a lone surrogate \\ud83d at "):
             corpora.load(str(tmp_path / name))
+
+
+def test_added_tokens_listed_beside_vocab_json_are_read_at_their_ids(bpe, tmp_path):
+    """A vocab.json + merges.txt folder whose fine-tune added <|im_start|> lists it in
+    tokenizer_config.json's added_tokens_decoder, or (older) added_tokens.json: the
+    ids are transformers' (they were the marker's text in pieces, the vocabulary short)."""
+    from tokenizers import Tokenizer
+
+    from models.families.common import DamagedFileError
+    from models.io import folder_tokens
+
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer.from_str(bpe)
+    tok.model.save(str(tmp_path))  # vocab.json, merges.txt
+    n = tok.get_vocab_size()
+    added = {"<|endoftext|>": n, "<|im_start|>": n + 1, "<tool>": n + 2}
+    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}
+    text = "<|im_start|>user\nWhat does assert do?<tool><|endoftext|>"
+    decoder = {str(i): {"content": t, "special": t != "<tool>"} for t, i in added.items()}
+    for listed in ({"added_tokens_decoder": decoder}, {}):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | listed))
+        (tmp_path / "added_tokens.json").write_text(json.dumps({} if listed else added))
+        theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        ours = folder_tokens.read(tmp_path)
+        want = theirs.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False).ids == want
+        assert want[0] == n + 1 and ours.get_vocab_size() == len(theirs) == n + 3
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<tool>": n + 5}))  # a gap
+    with pytest.raises(DamagedFileError, match=rf"'<tool>' is listed with id {n + 5}, but "):
+        folder_tokens.read(tmp_path)
