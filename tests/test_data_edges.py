@@ -245,3 +245,12 @@ def test_added_tokens_listed_beside_vocab_json_are_read_at_their_ids(bpe, tmp_pa
     (tmp_path / "added_tokens.json").write_text(json.dumps({"<tool>": n + 5}))  # a gap
     with pytest.raises(DamagedFileError, match=rf"'<tool>' is listed with id {n + 5}, but "):
         folder_tokens.read(tmp_path)
+
+
+def test_a_tokenizer_folder_for_a_file_is_refused_naming_the_file(tmp_path):
+    """--tokenizer hf/model (a folder) said the file 'does not exist'."""
+    with pytest.raises(data.DataError, match="is a folder without a tokenizer.json"):
+        data.load_tokenizer_file(tmp_path)
+    data.ByteTokenizer().save(tmp_path)
+    with pytest.raises(data.DataError, match=f"folder: pass the file, --tokenizer {tmp_path}/"):
+        data.load_tokenizer_file(tmp_path)

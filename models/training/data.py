@@ -105,6 +105,13 @@ def load_tokenizer_file(path: str | Path):
     `tokenizers` package wrote (a BPE, trained here or elsewhere). DataError for a file
     that is missing or not a tokenizer."""
     path = Path(path)
+    if path.is_dir():
+        hint = path / "tokenizer.json"
+        raise DataError(
+            f"tokenizer file {path} is a folder: pass the file, --tokenizer {hint}"
+            if hint.is_file()
+            else f"tokenizer file {path} is a folder without a tokenizer.json"
+        )
     if not path.is_file():
         raise DataError(f"tokenizer file {path} does not exist")
     try:
