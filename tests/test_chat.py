@@ -262,6 +262,6 @@ def test_the_template_is_the_fine_tunes_base_or_the_tokenizers_folder(folder, tm
     assert evaluate.template_folder(str(out)) == out / "base"
     (out / "base" / "config.json").unlink()
     assert evaluate.template_folder(str(out)) == path
-    assert chat.template(path).end == "<|im_end|>" and chat.template(tmp_path).where.startswith(
+    assert chat.template(path).ends == ("<|im_end|>",) and chat.template(tmp_path).where.startswith(
         "the default"
     )

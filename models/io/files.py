@@ -210,6 +210,29 @@ def read_json(path, what: str = "file") -> dict:
     return value
 
 
+def visible_files(folder) -> list[Path]:
+    """The files under `folder`, sorted by path, without hidden files or anything in a
+    hidden folder. Linked folders are followed (Path.rglob skips them: a corpus of
+    linked sub-folders was read without them); a link back to a folder being walked
+    is not, so that a loop ends."""
+
+    def walk(d: Path, above: frozenset) -> list[Path]:
+        real = d.resolve()
+        if real in above:  # a link to a folder above: a loop
+            return []
+        out = []
+        for e in d.iterdir():
+            if e.name.startswith("."):
+                continue
+            if e.is_dir():
+                out += walk(e, above | {real})
+            elif e.is_file():
+                out.append(e)
+        return out
+
+    return sorted(walk(Path(folder), frozenset()))
+
+
 EDGE = 1 << 20  # bytes of each end of a large file that its fingerprint reads
 
 
@@ -218,14 +241,12 @@ def fingerprint(path) -> dict:
     skipped, as the data readers skip them). The SHA-256 of a file up to 2 MiB is that
     of its bytes; a larger file's is that of its first and last MiB (cheap for any
     size; with "bytes", a change that keeps the size and both ends is not seen). A
-    folder's hashes each file's relative path, size and hash in turn."""
+    folder's hashes each file's relative path, size and hash in turn (`visible_files`,
+    as the data readers read them)."""
     path = Path(path)
     if path.is_file():
         return {"bytes": path.stat().st_size, "sha256": _ends_hash(path)}
-    found = sorted(
-        p for p in path.rglob("*")
-        if p.is_file() and not any(q.startswith(".") for q in p.relative_to(path).parts)
-    )  # fmt: skip
+    found = visible_files(path)
     h = hashlib.sha256()
     for f in found:
         h.update(f"{f.relative_to(path)}\0{f.stat().st_size}\0{_ends_hash(f)}\n".encode())

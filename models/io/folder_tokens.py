@@ -7,7 +7,9 @@ with transformers' bundled `sentencepiece_model_pb2` and turned into a `tokenize
 Tokenizer by `SpmConverter.build_tokenizer_from_spm_proto`, which follows the model's
 own normalizer spec: the `sentencepiece` package is not needed); BERT's WordPiece
 `vocab.txt` ([CLS] text [SEP]). Each becomes a
-`tokenizers.Tokenizer`, so a run saves it as one tokenizer.json. Where the family adds
+`tokenizers.Tokenizer`, so a run saves it as one tokenizer.json; the added tokens the
+folder lists beside the three latter (tokenizer_config.json's added_tokens_decoder,
+added_tokens.json) are added at their ids. Where the family adds
 <s> / </s> around a text (`Family.tokens`), a tokenizer made from vocab.json or
 tokenizer.model gets that post-processor; tokenizer.json carries its own.
 
@@ -67,11 +69,59 @@ def _read(folder: Path, family: str | None):
     elif (folder / "tokenizer.model").exists():
         tok, named = _sentencepiece(folder)
     elif (folder / "vocab.txt").exists():
-        return _wordpiece(folder)  # BERT's [CLS] text [SEP], whatever the family
+        return _add_listed(_wordpiece(folder), folder)  # [CLS] text [SEP], whatever the family
     else:
         return None
     wants = FAMILIES[family].tokens if family in FAMILIES else ()
-    return _add_specials(tok, folder, wants, named)
+    return _add_specials(_add_listed(tok, folder), folder, wants, named)
+
+
+def _add_listed(tok, folder: Path):
+    """The tokenizer with the added tokens the folder lists beside its vocabulary
+    (tokenizer_config.json's added_tokens_decoder, else added_tokens.json: a
+    fine-tune's <|im_start|>), each at its listed id, matched whole as transformers
+    matches it; DamagedFileError when one cannot have its id."""
+    from tokenizers import AddedToken
+
+    listed = _listed_tokens(folder)
+    for i, (text, flags) in sorted(listed.items()):
+        token = AddedToken(text, **flags)
+        tok.add_special_tokens([token]) if flags["special"] else tok.add_tokens([token])
+        if tok.token_to_id(text) != i:
+            raise DamagedFileError(
+                f"{folder}: added token {text!r} is listed with id {i}, but the vocabulary "
+                f"gives it {tok.token_to_id(text)} (ids listed out of order, or past a gap)"
+            )
+    return tok
+
+
+def _listed_tokens(folder: Path) -> dict[int, tuple[str, dict]]:
+    """{id: (text, AddedToken's flags)} of tokenizer_config.json's added_tokens_decoder,
+    else (as transformers reads a folder) of added_tokens.json ({text: id}: special
+    where tokenizer_config.json names it a special token); DamagedFileError naming the
+    file for an entry of the wrong form."""
+    keys = ("single_word", "lstrip", "rstrip", "normalized", "special")
+    decoder = _tokenizer_config(folder).get("added_tokens_decoder")
+    if decoder is None:
+        named = {special_token(folder, f"{k}_token") for k in SPECIAL_NAMES}
+        decoder = {}
+        for text, i in _json_file(folder / "added_tokens.json").items():
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise DamagedFileError(f"{folder}/added_tokens.json: {text!r} has id {i!r:.20}")
+            decoder[str(i)] = {"content": text, "special": text in named}
+    out = {}
+    for k, v in decoder.items() if isinstance(decoder, dict) else [(None, decoder)]:
+        if not (str(k).isdigit() and isinstance(v, dict) and isinstance(v.get("content"), str)):
+            raise DamagedFileError(
+                f"{folder}/tokenizer_config.json: added_tokens_decoder must map ids to "
+                f'{{"content": text, ...}}, got {k!r:.20}: {v!r:.60}'
+            )
+        flags = {f: bool(v.get(f, f == "normalized" and not v.get("special"))) for f in keys}
+        out[int(k)] = (v["content"], flags)
+    return out
+
+
+SPECIAL_NAMES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")  # transformers' attributes
 
 
 def required(folder, family: str | None, flag: str):
@@ -236,7 +286,8 @@ def eos_ids(folder) -> list[int]:
 
 def chat_template(folder) -> str | None:
     """The folder's chat template: chat_template.jinja, else tokenizer_config.json's
-    `chat_template` (a string, or a list of {name, template} whose "default" is used)."""
+    `chat_template` (a string, or a list of {name, template} whose "default" is used;
+    DamagedFileError for a list without one, as transformers refuses it)."""
     return _template(Path(folder))[0]
 
 
@@ -253,7 +304,12 @@ def _template(folder: Path) -> tuple[str | None, str]:
     if isinstance(template, list):
         if not all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in template):
             raise DamagedFileError(f"{where}: a list must hold {{name, template}} objects")
-        template = {t["name"]: t["template"] for t in template}.get("default")
+        named = {t["name"]: t["template"] for t in template}
+        if "default" not in named:  # transformers refuses it too: which is meant is unknown
+            raise DamagedFileError(
+                f"{where}: no 'default' among {', '.join(map(str, named))}; name one 'default'"
+            )
+        template = named["default"]
     if template is not None and not isinstance(template, str):
         raise DamagedFileError(f"{where}: must be a template's text, got {template!r:.60}")
     return template, where

@@ -151,14 +151,13 @@ def template_folder(model) -> Path | None:
     """The folder whose chat template renders chat data for `model` (models/training/chat.py):
     a Hugging Face folder, a fine-tune's base, else the folder of the run's
     --tokenizer FILE; None (the default template) otherwise."""
-    import json
-
-    from models.io import hub
+    from models.io import files, hub
 
     path = Path(model)
     if (path / "config.json").exists() and not is_run(path):
         return path
     if (path / hub.BASE / "config.json").exists():
         return path / hub.BASE
-    given = json.loads((path / "run.json").read_text()).get("tokenizer") if is_run(path) else None
+    record = files.read_json(path / "run.json", "the run's record") if is_run(path) else {}
+    given = record.get("tokenizer")
     return Path(given).parent if given and Path(given).is_file() else None

@@ -10,9 +10,10 @@ rows without attending across them (docs/chat.md).
   template (the byte tokenizer, a fresh BPE), DEFAULT_TEMPLATE, ChatML's layout.
 - Masking, incrementally as TRL and torchtune do: the text up to each assistant
   message with the generation prompt, then up to the end of that message (to its
-  last end-of-turn text: the folder's eos token, `<|im_end|>` of the default
-  template, where the message's text holds one); the tokens between the two (the
-  message's content and its end-of-turn token) have weight 1, every other token 0
+  last end-of-turn text: the folder's eos token or the text of one of its eos ids,
+  `<|im_end|>` of the default template, where the message's text holds one); the
+  tokens between the two (the message's content and its end-of-turn token) have
+  weight 1, every other token 0
   (transformers' `{% generation %}` mask around content and end token). A token that
   straddles a boundary is the assistant's.
 - Packing: examples go into rows of --length positions in file order, a new row when
@@ -27,13 +28,16 @@ rows without attending across them (docs/chat.md).
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from models.training.data import VALIDATION_FRACTION, DataError
+from models.training.datasets import encodable
 
 FIELD = "messages"
 ROLES = ("system", "user", "assistant")
@@ -67,12 +71,18 @@ class Conversations:
 
 
 def is_chat(path: Path, text_field: str) -> bool:
-    """Whether `path` is a JSON lines file whose first object has a `messages` field
-    and no `text_field` (a text file's documents)."""
-    if path.suffix != ".jsonl" or not path.is_file():
+    """Whether `path` is a JSON lines file (gzip's too) whose first object has a
+    `messages` field and no `text_field` (a text file's documents)."""
+    from models.training.datasets import suffix
+
+    if suffix(path) != ".jsonl" or not path.is_file():
         return False
-    with open(path, encoding="utf-8", errors="replace") as f:
-        first = next((line for line in f if line.strip()), "")
+    gz = path.name.lower().endswith(".gz")
+    with (gzip.open if gz else open)(path, "rt", encoding="utf-8-sig", errors="replace") as f:
+        try:
+            first = next((line for line in f if line.strip()), "")
+        except (OSError, EOFError, zlib.error):  # a damaged gzip file: `read` says so
+            return False
     try:
         row = json.loads(first)
     except json.JSONDecodeError:
@@ -83,15 +93,15 @@ def is_chat(path: Path, text_field: str) -> bool:
 def read(path: str | Path, flag: str = "--data") -> Conversations:
     """The conversations of a JSON lines file; DataError naming `flag`, the file and the
     line of the first that is not one (see `check`)."""
-    from models.training.datasets import text_file
+    from models.training.datasets import json_lines, suffix, text_file
 
     path = Path(path)
-    if path.is_dir() or path.suffix != ".jsonl":
+    if path.is_dir() or suffix(path) != ".jsonl":
         raise DataError(f"{flag} {path}: chat data is one JSON lines file (.jsonl)")
     if not path.exists():
         raise DataError(f"{flag} {path}: no such file")
     try:
-        lines = text_file(path).splitlines()
+        lines = json_lines(text_file(path))
     except DataError as e:
         raise DataError(f"{flag} {e}") from None
     items = []
@@ -127,6 +137,7 @@ def check(line: str, where: str) -> list[dict]:
             )
         if not isinstance(m["content"], str):
             raise DataError(f"{where}: message {i}'s content must be text")
+        encodable(m["content"], f"{where}: message {i}'s content")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant message (the loss covers the assistant's tokens)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -134,14 +145,15 @@ def check(line: str, where: str) -> list[dict]:
 
 class Template(NamedTuple):
     """A chat template, where it is read from (for messages), the special tokens' text
-    it renders with, and the text that ends an assistant's turn (the eos token's: what
-    the template writes after it, a newline before the next turn, is not learnt)."""
+    it renders with, and the texts that end an assistant's turn (the eos token's and
+    those of the folder's eos ids: what the template writes after one, a newline before
+    the next turn, is not learnt)."""
 
     source: str
     where: str
     bos: str = ""
     eos: str = ""
-    end: str = ""
+    ends: tuple[str, ...] = ()
 
 
 def template(folder) -> Template:
@@ -151,8 +163,27 @@ def template(folder) -> Template:
 
     if folder is not None and (text := folder_tokens.chat_template(folder)) is not None:
         bos, eos = (folder_tokens.special_token(folder, f"{k}_token") or "" for k in ("bos", "eos"))
-        return Template(text, f"{folder}'s chat template", bos, eos, eos)
-    return Template(DEFAULT_TEMPLATE, "the default chat template (docs/chat.md)", end="<|im_end|>")
+        ends = tuple(dict.fromkeys(e for e in (eos, *_eos_texts(folder)) if e))
+        return Template(text, f"{folder}'s chat template", bos, eos, ends)
+    return Template(
+        DEFAULT_TEMPLATE, "the default chat template (docs/chat.md)", ends=("<|im_end|>",)
+    )
+
+
+def _eos_texts(folder) -> list[str]:
+    """The texts of the folder's eos ids (generation_config.json's, config.json's): a
+    chat model's end of turn where it is not the eos_token (Gemma's <end_of_turn>,
+    Phi-3's <|end|>, Llama 3's <|eot_id|> beside <|end_of_text|>)."""
+    from models.io import folder_tokens
+
+    ids = folder_tokens.eos_ids(folder)
+    tok = folder_tokens.read(folder) if ids else None
+    if tok is None:
+        return []
+    # added tokens alone: an ordinary token's text ("." of a toy config) inside an
+    # answer would end its turn early
+    added = tok.get_added_tokens_decoder()
+    return [added[i].content for i in ids if i in added]
 
 
 def render(t: Template, messages: list[dict], generation: bool, where: str) -> str:
@@ -194,8 +225,9 @@ def encode(messages: list[dict], t: Template, tokenizer, where: str):
                 "than after the messages before it, so its tokens cannot be told apart"
             )
         start = _common(tokens(before), ids)
-        if t.end and (k := upto.rfind(t.end)) >= len(before):  # up to the end of the turn
-            upto = upto[: k + len(t.end)]
+        # up to the end of the turn: its last end text written after the generation prompt
+        cut = max((k + len(e) for e in t.ends if (k := upto.rfind(e)) >= len(before)), default=0)
+        upto = upto[:cut] if cut else upto
         last = tokens(upto)
         end = _common(last, ids)
         weights[start : end + (end < len(last))] = 1.0  # a straddling token: the assistant's

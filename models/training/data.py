@@ -105,6 +105,13 @@ def load_tokenizer_file(path: str | Path):
     `tokenizers` package wrote (a BPE, trained here or elsewhere). DataError for a file
     that is missing or not a tokenizer."""
     path = Path(path)
+    if path.is_dir():
+        hint = path / "tokenizer.json"
+        raise DataError(
+            f"tokenizer file {path} is a folder: pass the file, --tokenizer {hint}"
+            if hint.is_file()
+            else f"tokenizer file {path} is a folder without a tokenizer.json"
+        )
     if not path.is_file():
         raise DataError(f"tokenizer file {path} does not exist")
     try:
@@ -144,11 +151,13 @@ class Corpus:
         self.valid_bytes = byte_length(held_out, tokenizer)
         self.length, self.objective = length, objective
         self.window = objectives.window_length(objective, length)
-        for name, ids in (("train", self.train), ("validation", self.valid)):
-            if len(ids) < self.window + 1:
+        # a training window is drawn from before the last token (`batch`), so the train
+        # split needs one token more than a window; the validation split one window
+        for name, ids, need in (("train", self.train, 1), ("validation", self.valid, 0)):
+            if len(ids) < self.window + need:
                 raise DataError(
-                    f"the {name} split has {len(ids)} tokens, fewer than a sequence of "
-                    f"{self.window}; use a longer text or a shorter --length"
+                    f"the {name} split has {len(ids)} tokens, but a sequence of --length "
+                    f"{length} needs {self.window + need}; use a longer text or a shorter --length"
                 )
 
     def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:
@@ -162,7 +171,7 @@ class Corpus:
     def validation_batches(self, batch: int, max_batches: int | None = None):
         """Consecutive windows covering the validation split (the last batch padded with
         zero-weight rows); the same every time."""
-        starts = np.arange(0, len(self.valid) - self.window, self.length)
+        starts = self._validation_starts()
         if max_batches is not None:
             starts = starts[: max_batches * batch]
         for i in range(0, len(starts), batch):
@@ -177,9 +186,14 @@ class Corpus:
         windows[rows] = ids[starts[rows, None] + np.arange(self.window)[None, :]]
         return objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
 
+    def _validation_starts(self) -> np.ndarray:
+        """Where each validation window starts: every --length tokens, each window
+        whole (the last may end at the split's last token)."""
+        return np.arange(0, len(self.valid) - self.window + 1, self.length)
+
     def validation_windows(self) -> int:
         """The windows `validation_batches` covers: one per --length tokens."""
-        return len(range(0, len(self.valid) - self.window, self.length))
+        return len(self._validation_starts())
 
     def bytes_per_token(self) -> float:
         """Validation bytes per validation token (1 for the byte tokenizer)."""

@@ -1,8 +1,9 @@
 """What `--data` and `--val-data` read: text or token ids, by the kind of file.
 
 - text: a UTF-8 file, or a folder of them (hidden files and folders such as `.git`
-  skipped, sorted by path); a file that is not UTF-8 text (a NUL byte, or bytes that
-  do not decode) is refused by name, never decoded with replacement characters;
+  skipped, linked folders followed, sorted by path); a file that is not UTF-8 text (a
+  NUL byte, or bytes that do not decode) is refused by name, never decoded with
+  replacement characters;
 - `.bin`: uint16 token ids, nanoGPT's `train.bin`; `.npy`: a 1-D array of integer ids.
   Both are memory-mapped: a batch reads its windows, never the whole file;
 - `.jsonl`: JSON lines, each an object whose `text_field` (default "text") is a document;
@@ -11,19 +12,27 @@
   `text_field` column.
 
 A folder holds text, JSON lines and Parquet files; token files are passed one by one.
-Documents are joined with a newline, and so are a folder's files (where one does not
-end in one already). `read` returns a `str` or `Tokens`. Text of every
-kind is read whole and then tokenized; a corpus larger than memory goes in as token ids.
+Suffixes are read in any case (`.JSONL` is `.jsonl`); a gzip file (`NAME.jsonl.gz`,
+`NAME.txt.gz`) is read as its decompressed content of the inner suffix (token files and
+Parquet are not: decompress them). A UTF-8 byte order mark at the start of a file is no
+text (as Python's utf-8-sig reads it). Documents are joined with a newline, and so are
+a folder's files (where one does not end in one already). `read` returns a `str` or
+`Tokens`. Text of every kind is read whole and then tokenized; a corpus larger than
+memory goes in as token ids.
 """
 
 from __future__ import annotations
 
+import codecs
+import gzip
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 from models.errors import DataError
+from models.io.files import visible_files
 
 CHUNK = 1 << 22  # ids per streamed pass over a token file (16 MiB of int32)
 SNIFF = 8192  # bytes read to tell a binary file from text
@@ -91,20 +100,41 @@ def _text(path: Path, field: str) -> str:
     return text_file(path)
 
 
+def suffix(path: Path) -> str:
+    """The suffix that says how a file is read: lower-cased, a gzip file's inner one."""
+    name = path.name.lower()
+    return Path(name.removesuffix(".gz") if name.endswith(".gz") else name).suffix
+
+
+def _bytes(path: Path) -> bytes:
+    """A file's bytes, a gzip file's decompressed; DataError naming a damaged gzip file."""
+    if not path.name.lower().endswith(".gz"):
+        return path.read_bytes()
+    try:
+        return gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a readable gzip file ({e})") from None
+
+
 def text_file(path: Path) -> str:
-    """The text of a UTF-8 file; DataError naming it when it is binary (a NUL byte, or
-    bytes that do not decode), never decoded with replacement characters."""
-    raw = path.read_bytes()
-    binary = DataError(
-        f"{path}: a binary file, not UTF-8 text; token ids go in a .bin (uint16) or .npy "
-        "file, and a folder of text must not hold other files"
-    )
+    """The text of a UTF-8 file (gzip's decompressed, a leading byte order mark left
+    out); DataError naming it when it is binary (a NUL byte, or bytes that do not
+    decode), never decoded with replacement characters."""
+    raw = _bytes(path).removeprefix(codecs.BOM_UTF8)
     if b"\0" in raw[:SNIFF]:
-        raise binary
+        raise DataError(
+            f"{path}: a binary file, not UTF-8 text; token ids go in a .bin (uint16) or .npy "
+            "file, and a folder of text must not hold other files"
+        )
     try:
         return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise binary from None
+    except UnicodeDecodeError as e:  # where, so that one bad byte in a big file is found
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}: a binary file or not UTF-8 text: byte 0x{raw[e.start]:02x} on line "
+            f"{line} does not decode (text in another encoding: convert it, e.g. "
+            "iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 def _field(path: Path, field: str, columns) -> None:
@@ -118,7 +148,21 @@ def _document(value, where: str, field: str) -> str:
     if not isinstance(value, str):
         kind = "null" if value is None else f"a {type(value).__name__}"
         raise DataError(f"{where}: the {field!r} field is {kind}, not text")
-    return value
+    return encodable(value, f"{where}: the {field!r} field")
+
+
+def encodable(text: str, what: str) -> str:
+    """`text`, or DataError naming `what` when it holds a lone UTF-16 surrogate (a JSON
+    escape such as "\\ud83d", half of an emoji cut by a scraper), which no tokenizer
+    can encode (UTF-8 has no such character: a raw error at tokenizing, else)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(
+            f"{what} holds a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start} "
+            "(half of a UTF-16 pair), which is not text"
+        ) from None
+    return text
 
 
 def _documents(values, where: str, field: str) -> str:
@@ -126,9 +170,16 @@ def _documents(values, where: str, field: str) -> str:
     return "\n".join(_document(v, f"{where} row {n}", field) for n, v in enumerate(values, 1))
 
 
+def json_lines(text: str) -> list[str]:
+    """The lines of a JSON lines text: split at "\n" alone (a "\r" before it is JSON's
+    whitespace), never at what str.splitlines also takes for a break (U+2028, NEL, a
+    form feed), which a JSON string holds as text."""
+    return text.split("\n")
+
+
 def _jsonl(path: Path, field: str) -> str:
     docs = []
-    for n, line in enumerate(_text(path, field).splitlines(), 1):
+    for n, line in enumerate(json_lines(_text(path, field)), 1):
         if not line.strip():
             continue
         try:
@@ -164,6 +215,13 @@ def _parquet(path: Path, field: str) -> str:
     return _documents(table.column(field).to_pylist(), str(path), field)
 
 
+def _compressed(path: Path, field: str):
+    raise DataError(
+        f"{path}: a compressed {suffix(path)} file; decompress it (token ids are memory-mapped, "
+        "Parquet compresses its own columns)"
+    )
+
+
 def _dataset(path: Path, field: str) -> str:
     ds = _extra("datasets").load_from_disk(str(path))
     if not hasattr(ds, "column_names") or isinstance(ds.column_names, dict):
@@ -177,27 +235,30 @@ def _dataset(path: Path, field: str) -> str:
 
 # file suffix -> reader(path, text_field) -> str | Tokens
 READERS = {".bin": _bin, ".npy": _npy, ".jsonl": _jsonl, ".parquet": _parquet}
+
+
 TOKEN_SUFFIXES = (".bin", ".npy")
+
+
+def reader(path: Path):
+    """The reader of a file, by `suffix` (text for any other)."""
+    kind = suffix(path)
+    if path.name.lower().endswith(".gz") and kind in (*TOKEN_SUFFIXES, ".parquet"):
+        return _compressed
+    return READERS.get(kind, _text)
+
+
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-
-
-def _visible_files(folder: Path) -> list[Path]:
-    """Files under `folder`, sorted, without hidden files or anything in a hidden folder."""
-    return sorted(
-        f
-        for f in folder.rglob("*")
-        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(folder).parts)
-    )
 
 
 def _folder(folder: Path, field: str) -> str:
     if any((folder / m).is_file() for m in DATASET_MARKERS):
         return _dataset(folder, field)
-    files = _visible_files(folder)
+    files = visible_files(folder)
     for f in files:
-        if f.suffix in TOKEN_SUFFIXES:
+        if suffix(f) in TOKEN_SUFFIXES:
             raise DataError(f"{f}: token files are read one at a time; pass it as --data {f}")
-    parts = [READERS.get(f.suffix, _text)(f, field) for f in files]
+    parts = [p for f in files if (p := reader(f)(f, field))]  # an empty file: no line
     # one file's last document and the next's first stay apart, as a file's documents do
     return "".join(p if p.endswith("\n") or i == len(parts) - 1 else p + "\n"
                    for i, p in enumerate(parts))  # fmt: skip
@@ -210,7 +271,7 @@ def read(path: str | Path, flag: str = "--data", text_field: str = "text") -> st
     if not p.exists():
         raise DataError(f"{flag} {path}: no such file or folder")
     try:
-        out = _folder(p, text_field) if p.is_dir() else READERS.get(p.suffix, _text)(p, text_field)
+        out = _folder(p, text_field) if p.is_dir() else reader(p)(p, text_field)
     except DataError as e:
         where = "" if str(e).startswith(str(p)) else f"{p}: "
         raise DataError(f"{flag} {where}{e}") from None
