@@ -79,6 +79,13 @@ def initialize(
                 "lowering.distributed.initialize must be called once, before any other JAX "
                 f"call (jax.devices(), a computation, building a Mesh): {e}"
             ) from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "Failed to start RPC server" in first:  # process 0 serves the coordinator
+            raise MeshError(
+                f"process {process_id} could not start the coordinator service at "
+                f"{coordinator}: the port is in use (or the host is not this machine's "
+                f"address); pick another port ({first})"
+            ) from None
         raise
     except (ValueError, TypeError) as e:
         jax.config.update("jax_cpu_collectives_implementation", previous)

@@ -99,16 +99,20 @@ def free_port() -> int:
 
 def environment(devices: int | None) -> dict[str, str]:
     """The processes' environment: this one's, unbuffered, without proxy settings, with
-    `devices` simulated CPU devices each when given."""
+    `devices` simulated CPU devices each when given; else without a device count of this
+    one's XLA_FLAGS, so that each process simulates its share of --mesh (an inherited
+    count, the same for every process, would be the whole mesh's or another's)."""
     # the coordinator is local: a proxy setting could only hang jax's connection to it
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env["PYTHONUNBUFFERED"] = "1"
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     if devices is not None:
-        kept = [
-            f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
-        ]
-        env["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+        kept.append(f"--xla_force_host_platform_device_count={devices}")
         env["JAX_PLATFORMS"] = "cpu"
+    if kept:
+        env["XLA_FLAGS"] = " ".join(kept)
+    else:
+        env.pop("XLA_FLAGS", None)
     return env
 
 

@@ -1,0 +1,113 @@
+"""Several processes of one run under faults (127.0.0.1, CPU devices, gloo): each case
+ends in bounded time with one line naming what is at fault and a typed status, never a
+traceback or a hang. The oracles are the faults themselves (the port held, the counts
+given) and, for the runs, an uninterrupted run (tests/test_launch.py's one-process
+reference holds for the others).
+
+Every subprocess has a timeout; the processes a case starts are started together, so
+their jax imports overlap."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.cli import cluster, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 120  # a case's processes, start to end (some 10 s each when nothing is wrong)
+TRAIN = [
+    "train", "--config", "tiny", "--length", "16", "--batch", "8", "--quiet",
+    "--eval-batches", "1", "--eval-every", "1000", "--steps", "2",
+]  # fmt: skip
+
+
+def env(devices: int | None = None) -> dict:
+    out = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    kept = [f for f in out.pop("XLA_FLAGS", "").split() if "device_count" not in f]
+    if devices:
+        kept.append(f"--xla_force_host_platform_device_count={devices}")
+    out["XLA_FLAGS"] = " ".join(kept)
+    return {**out, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def start(args: list[str], devices: int | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "namedmesh", *args], cwd=ROOT, env=env(devices),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def ends(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
+    """(status, stdout, stderr) of each process; those still running at the timeout are
+    killed (the case then fails on their status)."""
+    out = []
+    try:
+        for p in procs:
+            try:
+                o, e = p.communicate(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                o, e = p.communicate()
+                e += "\n(killed at the test's timeout)"
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def joined(port: int, n: int, i: int) -> list[str]:
+    return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i)]
+
+
+def assert_one_line(status: int, err: str, *names: str) -> None:
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert status == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1 and all(n in lines[0] for n in names), err[-3000:]
+
+
+def test_a_port_in_use_and_uneven_device_counts_are_one_line_each(tmp_path):
+    """Before: process 0 of a coordinator whose port was taken ended 1 with jax's
+    traceback (its peers waited 300 s for it); processes holding 2 and 3 devices built a
+    mesh over the first 4 and ended 1 with a reshape traceback in the agreement."""
+    with socket.socket() as held:  # someone else's server on the port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        other = launch.free_port()
+        out = str(tmp_path / "run")
+        procs = [
+            start([*TRAIN, "--mesh", "data=2", "--out", out, *joined(port, 2, 0)]),
+            start([*TRAIN, "--mesh", "data=4", "--out", out, *joined(other, 2, 0)], devices=2),
+            start([*TRAIN, "--mesh", "data=4", "--out", out, *joined(other, 2, 1)], devices=3),
+        ]
+        (status, _, err), *uneven = ends(procs)
+    assert_one_line(status, err, f"coordinator service at 127.0.0.1:{port}", "in use")
+    for status, _, err in uneven:
+        assert_one_line(status, err, "--mesh of 4 devices", "process 0: 2, process 1: 3")
+
+
+def test_launch_gives_each_process_its_share_not_an_inherited_device_count(monkeypatch):
+    """Before: an XLA_FLAGS device count in the launcher's environment (8, conftest's)
+    went to every process, whose mesh of 4 then lay on process 0's devices alone."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_x=1")
+    assert launch.environment(None)["XLA_FLAGS"] == "--xla_x=1"
+    want = "--xla_x=1 --xla_force_host_platform_device_count=2"
+    assert launch.environment(2)["XLA_FLAGS"] == want
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "XLA_FLAGS" not in launch.environment(None)
+
+
+def test_one_process_holding_more_devices_than_the_mesh_is_refused():
+    """jax.devices() here: 8 on process 0 (conftest); a mesh of 4 would leave 4 out."""
+    cluster.check_devices(8)
+    with pytest.raises(cluster.ClusterError, match=re.escape("needs 4 devices on each")):
+        cluster.check_devices(4)
