@@ -32,12 +32,13 @@ def env(devices: int | None = None) -> dict:
     if devices:
         kept.append(f"--xla_force_host_platform_device_count={devices}")
     out["XLA_FLAGS"] = " ".join(kept)
-    return {**out, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), out.get("PYTHONPATH")]))
+    return {**out, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
-def start(args: list[str], devices: int | None = None) -> subprocess.Popen:
+def start(args: list[str], devices: int | None = None, cwd: Path = ROOT) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "namedmesh", *args], cwd=ROOT, env=env(devices),
+        [sys.executable, "-m", "namedmesh", *args], cwd=cwd, env=env(devices),
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -111,3 +112,18 @@ def test_one_process_holding_more_devices_than_the_mesh_is_refused():
     cluster.check_devices(8)
     with pytest.raises(cluster.ClusterError, match=re.escape("needs 4 devices on each")):
         cluster.check_devices(4)
+
+
+def test_processes_reading_other_data_at_the_same_path_stop_naming_the_flag(tmp_path):
+    """Before: `--data corpus.txt` from two working directories (two hosts' disks)
+    agreed, the flags being equal, and each process trained on other data's rows."""
+    port, out = launch.free_port(), str(tmp_path / "run")
+    procs = []
+    for i, text in enumerate(["the same path, one text. " * 40, "the same path, another. " * 40]):
+        (tmp_path / f"host{i}").mkdir()
+        (tmp_path / f"host{i}" / "corpus.txt").write_text(text)
+        flags = [*TRAIN, "--mesh", "data=2", "--data", "corpus.txt", "--out", out]
+        procs.append(start([*flags, *joined(port, 2, i)], devices=1, cwd=tmp_path / f"host{i}"))
+    for i, (status, _, err) in enumerate(ends(procs)):
+        assert_one_line(status, err, f"process {i}:", "--data differs on process(es) [1]")
+        assert "--val-data" not in err and "--out" not in err, err[-3000:]

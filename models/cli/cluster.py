@@ -176,12 +176,28 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
+# flags naming files every process reads: agreed on by their contents too
+READ_FLAGS = ("data", "val_data", "tokenizer", "init_from")
+
+
 def flags(args) -> dict:
     """Every flag of the parsed `args` the processes of a run must share (all of the
     parser's but PER_PROCESS), by its name (`--save-every`): what they agree on, each a
-    part of its own so that a difference names the flag (models/training/agree.py)."""
+    part of its own so that a difference names the flag (models/training/agree.py). A
+    flag of READ_FLAGS naming a file or folder is its path and its contents'
+    fingerprint (files.fingerprint): a path that holds other data on another host, or
+    from another working directory, would train each process on other rows, silently."""
+    from models.io import files
+
+    def value(k, v):
+        if k in READ_FLAGS and isinstance(v, str) and os.path.exists(v):
+            return [v, files.fingerprint(v)]
+        return v
+
     return {
-        "--" + k.replace("_", "-"): v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS
+        "--" + k.replace("_", "-"): value(k, v)
+        for k, v in sorted(vars(args).items())
+        if k not in PER_PROCESS
     }
 
 
