@@ -9,9 +9,11 @@ their jax imports overlap."""
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,20 @@ def test_processes_reading_other_data_at_the_same_path_stop_naming_the_flag(tmp_
     for i, (status, _, err) in enumerate(ends(procs)):
         assert_one_line(status, err, f"process {i}:", "--data differs on process(es) [1]")
         assert "--val-data" not in err and "--out" not in err, err[-3000:]
+
+
+def test_launch_status_is_a_failing_process_s_own_not_its_lost_peer_s():
+    """Before: the first non-zero status decided, and a peer's 75 (its collective failing
+    as process 1 went, or its watchdog) ending before process 1's own 2 made the run
+    "resume me" for a run that a bad input ended: a scheduler retried it forever."""
+    assert launch.outcome([(0, 75), (1, 2)]) == 2
+    assert launch.outcome([(0, -6), (2, 0), (1, 74)]) == 74
+    assert launch.outcome([(1, -9), (0, 75)]) == 75
+    run = launch.Launch(2, None, ["train"], grace=5)
+    run.procs = [subprocess.Popen(["sh", "-c", s]) for s in ("exit 75", "sleep 0.3; exit 2")]
+    assert run.wait() == 2
+    run = launch.Launch(2, None, ["train"], grace=0.2)  # a hung peer: killed, said
+    run.procs = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sh", "-c", "exit 3"])]
+    start = time.monotonic()
+    assert run.wait() == 3 and time.monotonic() - start < 5
+    assert run.procs[0].returncode == -signal.SIGKILL
