@@ -66,6 +66,14 @@ def ends(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
     return out
 
 
+def distinct_ports() -> tuple[int, int]:
+    """Two ports free now, unlike each other (launch.free_port twice may give one twice)."""
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        return a.getsockname()[1], b.getsockname()[1]
+
+
 def joined(port: int, n: int, i: int) -> list[str]:
     return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i)]
 
@@ -77,25 +85,59 @@ def assert_one_line(status: int, err: str, *names: str) -> None:
     assert len(lines) == 1 and all(n in lines[0] for n in names), err[-3000:]
 
 
-def test_a_port_in_use_and_uneven_device_counts_are_one_line_each(tmp_path):
-    """Before: process 0 of a coordinator whose port was taken ended 1 with jax's
-    traceback (its peers waited 300 s for it); processes holding 2 and 3 devices built a
-    mesh over the first 4 and ended 1 with a reshape traceback in the agreement."""
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, list[tuple[int, str, str]]]:
+    """Processes started wrongly, all at once (their imports overlap): case -> the
+    (status, stdout, stderr) of each of its processes. A port held by another server;
+    processes holding 2 and 3 devices of a mesh of 4; `--data corpus.txt` read from two
+    working directories (two hosts' disks) holding other texts."""
+    tmp = tmp_path_factory.mktemp("refused")
+    out = str(tmp / "run")
+    cases: dict[str, list[subprocess.Popen]] = {}
     with socket.socket() as held:  # someone else's server on the port
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        other = launch.free_port()
-        out = str(tmp_path / "run")
-        procs = [
-            start([*TRAIN, "--mesh", "data=2", "--out", out, *joined(port, 2, 0)]),
-            start([*TRAIN, "--mesh", "data=4", "--out", out, *joined(other, 2, 0)], devices=2),
-            start([*TRAIN, "--mesh", "data=4", "--out", out, *joined(other, 2, 1)], devices=3),
+        cases["port"] = [start([*TRAIN, "--mesh", "data=2", "--out", out, *joined(port, 2, 0)])]
+        other, another = distinct_ports()
+        cases["uneven"] = [
+            start(
+                [*TRAIN, "--mesh", "data=4", "--out", out + "4", *joined(other, 2, i)],
+                devices=2 + i,
+            )
+            for i in range(2)
         ]
-        (status, _, err), *uneven = ends(procs)
+        cases["data"] = []
+        for i, text in enumerate(["one path, one text. " * 40, "one path, another. " * 40]):
+            (tmp / f"host{i}").mkdir()
+            (tmp / f"host{i}" / "corpus.txt").write_text(text)
+            flags = [*TRAIN, "--mesh", "data=2", "--data", "corpus.txt", "--out", out]
+            cases["data"].append(
+                start([*flags, *joined(another, 2, i)], devices=1, cwd=tmp / f"host{i}")
+            )
+        return {k: ends(v) for k, v in cases.items()} | {"port number": port}
+
+
+def test_a_coordinator_port_in_use_is_one_line(refused):
+    """Before: process 0 ended 1 with jax's traceback (its peers waited 300 s for it)."""
+    ((status, _, err),) = refused["port"]
+    port = refused["port number"]
     assert_one_line(status, err, f"coordinator service at 127.0.0.1:{port}", "in use")
-    for status, _, err in uneven:
+
+
+def test_processes_holding_uneven_device_counts_stop_naming_them(refused):
+    """Before: processes holding 2 and 3 devices built a mesh over the first 4 and ended 1
+    with a reshape traceback in the agreement."""
+    for status, _, err in refused["uneven"]:
         assert_one_line(status, err, "--mesh of 4 devices", "process 0: 2, process 1: 3")
+
+
+def test_processes_reading_other_data_at_the_same_path_stop_naming_the_flag(refused):
+    """Before: the flags being equal, they agreed, and each process trained on other
+    data's rows: silently, to status 0."""
+    for i, (status, _, err) in enumerate(refused["data"]):
+        assert_one_line(status, err, f"process {i}:", "--data differs on process(es) [1]")
+        assert "--val-data" not in err and "--out" not in err, err[-3000:]
 
 
 def test_launch_gives_each_process_its_share_not_an_inherited_device_count(monkeypatch):
@@ -116,21 +158,6 @@ def test_one_process_holding_more_devices_than_the_mesh_is_refused():
         cluster.check_devices(4)
 
 
-def test_processes_reading_other_data_at_the_same_path_stop_naming_the_flag(tmp_path):
-    """Before: `--data corpus.txt` from two working directories (two hosts' disks)
-    agreed, the flags being equal, and each process trained on other data's rows."""
-    port, out = launch.free_port(), str(tmp_path / "run")
-    procs = []
-    for i, text in enumerate(["the same path, one text. " * 40, "the same path, another. " * 40]):
-        (tmp_path / f"host{i}").mkdir()
-        (tmp_path / f"host{i}" / "corpus.txt").write_text(text)
-        flags = [*TRAIN, "--mesh", "data=2", "--data", "corpus.txt", "--out", out]
-        procs.append(start([*flags, *joined(port, 2, i)], devices=1, cwd=tmp_path / f"host{i}"))
-    for i, (status, _, err) in enumerate(ends(procs)):
-        assert_one_line(status, err, f"process {i}:", "--data differs on process(es) [1]")
-        assert "--val-data" not in err and "--out" not in err, err[-3000:]
-
-
 def test_launch_status_is_a_failing_process_s_own_not_its_lost_peer_s():
     """Before: the first non-zero status decided, and a peer's 75 (its collective failing
     as process 1 went, or its watchdog) ending before process 1's own 2 made the run
@@ -146,3 +173,35 @@ def test_launch_status_is_a_failing_process_s_own_not_its_lost_peer_s():
     start = time.monotonic()
     assert run.wait() == 3 and time.monotonic() - start < 5
     assert run.procs[0].returncode == -signal.SIGKILL
+
+
+def test_a_peer_killed_mid_save_is_a_lost_peer_not_a_full_disk(tmp_path):
+    """Process 1 SIGKILLed while step 2's checkpoint is being written (orbax's temporary
+    folder there). Before: the survivor's save failed in a gather with "Connection reset
+    by peer", which it took for a full disk: status 74, "free space", and a scheduler
+    that resumes on 75 stopped. Now 75, naming a lost peer, and no step 2 listed."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "namedmesh", "launch", "-n", "2", "--devices-per-process", "2",
+         "--grace", "20", "--", *TRAIN, "--save-every", "2", "--mesh", "data=4", "--out", str(out)],
+        cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    first = proc.stderr.readline() + proc.stderr.readline()  # launch: process I is pid P
+    saving = lambda: any(p.name.startswith("2.orbax-checkpoint-tmp") for p in out.glob("*/*"))
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not saving() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert saving(), f"no save of step 2 was seen in progress\n{first}"
+        os.kill(int(re.search(r"process 1 is pid (\d+)", first)[1]), signal.SIGKILL)
+        err = first + proc.communicate(timeout=TIMEOUT_S)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 75, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("[0] namedmesh train: error:")]
+    assert len(said) == 1 and "a peer process is lost" in said[0], err[-3000:]
+    from models.training import checkpoint
+
+    assert checkpoint.all_steps(out) == [], list(out.glob("*/*"))

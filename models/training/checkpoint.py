@@ -211,6 +211,8 @@ class Checkpointer:
             call()
         except Exception as e:  # OSError, or what orbax or tensorstore wrap it in
             self.saving = None  # said once: the failed step is not listed any more
+            if lost := _lost_peer(e):
+                raise lost from None  # not the disk's fault: resume (75), not free space (74)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             steps = sorted(self.manager.all_steps(), reverse=True)
             kept = f"the newest checkpoint is step {steps[0]}" if steps else "no checkpoint kept"
@@ -218,6 +220,21 @@ class Checkpointer:
                 f"the checkpoint of step {step} could not be written in "
                 f"{self.directory}/checkpoints ({first}); {kept}"
             ) from None
+
+
+def _lost_peer(error: BaseException) -> BaseException | None:
+    """The error of jax's runtime in `error` or what it was raised from, in a run of
+    several processes: a save's collective or barrier that failed as a peer process
+    went (gloo's "Connection reset by peer"), which the run reports as a lost peer."""
+    if jax.process_count() == 1:
+        return None
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def latest_step(directory) -> int | None:
