@@ -205,3 +205,31 @@ def test_a_peer_killed_mid_save_is_a_lost_peer_not_a_full_disk(tmp_path):
     from models.training import checkpoint
 
     assert checkpoint.all_steps(out) == [], list(out.glob("*/*"))
+
+
+def test_a_closed_output_never_blocks_a_process(tmp_path):
+    """`launch ... | head`: before, the copying thread died at the first write to the
+    closed pipe (a traceback), and a process printing 64 KiB more blocked for good."""
+
+    class Closed:
+        def write(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    code = "import sys\nfor i in range(4000): print('x' * 99)\nsys.stderr.write('done')"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        launch.pump(proc.stdout, Closed(), b"[0] ")  # 400 KB read on to the end
+        assert proc.wait(timeout=TIMEOUT_S) == 0 and proc.stderr.read() == b"done"
+    finally:
+        proc.kill()
+        proc.wait()
+    got = tmp_path / "got"
+    with open(got, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "print('a\\rb')"], stdout=subprocess.PIPE)
+        launch.pump(proc.stdout, out, b"[1] ")
+    assert proc.wait(timeout=TIMEOUT_S) == 0 and got.read_bytes() == b"[1] a\r[1] b\n"

@@ -130,8 +130,21 @@ def _die_with_parent() -> None:
 
 
 def pump(stream, out, prefix: bytes) -> None:
-    """Copy a process's output to `out`, each line (or \\r-ended progress update) prefixed."""
+    """Copy a process's output to `out`, each line (or \\r-ended progress update)
+    prefixed. An `out` that cannot be written any more (a closed pipe: `launch ... |
+    head`) is dropped and the output read on to its end, so that the process never
+    blocks on a full pipe (hung, its peers' watchdog then ending the run)."""
     buf = b""
+
+    def write(data: bytes) -> None:
+        nonlocal out
+        if out is not None:
+            try:
+                out.write(data)
+                out.flush()
+            except (OSError, ValueError):  # a closed pipe or file
+                out = None
+
     while chunk := os.read(stream.fileno(), 65536):
         buf += chunk
         while True:
@@ -139,12 +152,10 @@ def pump(stream, out, prefix: bytes) -> None:
             if not cuts:
                 break
             i = min(cuts)
-            out.write((prefix if i else b"") + buf[: i + 1])  # tqdm's bare \r: no prefix
+            write((prefix if i else b"") + buf[: i + 1])  # tqdm's bare \r: no prefix
             buf = buf[i + 1 :]
-        out.flush()
     if buf:
-        out.write(prefix + buf + b"\n")
-        out.flush()
+        write(prefix + buf + b"\n")
 
 
 def outcome(ends: list[tuple[int, int]]) -> int:
