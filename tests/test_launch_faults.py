@@ -233,3 +233,17 @@ def test_a_closed_output_never_blocks_a_process(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", "print('a\\rb')"], stdout=subprocess.PIPE)
         launch.pump(proc.stdout, out, b"[1] ")
     assert proc.wait(timeout=TIMEOUT_S) == 0 and got.read_bytes() == b"[1] a\r[1] b\n"
+
+
+def test_initialize_checks_the_coordinator_port_before_jax_serves_it():
+    """jax's service on a port another program holds ended process 0 by a segmentation
+    fault at times (status -11), not an error; the port is tried first."""
+    from lowering import distributed
+    from namedmesh.errors import MeshError
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(MeshError, match=f"127.0.0.1:{port}: the port is in use"):
+            distributed.initialize(f"127.0.0.1:{port}", 2, 0)
