@@ -268,6 +268,8 @@ def _read(mngr, directory, step: int, item: str, args, abstract=None):
     try:
         return mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
     except Exception as e:  # orbax and tensorstore raise many types for damaged files
+        if lost := _lost_peer(e):  # restore's barrier, a peer gone: the files are not at fault
+            raise lost from None
         first = (str(e).strip().splitlines() or [""])[0].split(". See full")[0][:300]
         bad = _unreadable(directory, step, item, abstract) if abstract is not None else []
         many = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
@@ -293,7 +295,9 @@ def _unreadable(directory, step: int, item: str, abstract: dict) -> list[str]:
         try:
             mngr.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
                 one, restore_args=restore_args, partial_restore=True)}))  # fmt: skip
-        except Exception:  # the same many types as above
+        except Exception as e:  # the same many types as above
+            if lost := _lost_peer(e):
+                raise lost from None
             bad.append(f"{item}/{'/'.join(keys)}")
     return [] if len(bad) == len(jax.tree_util.tree_leaves(abstract)) else bad  # [] : all
 
