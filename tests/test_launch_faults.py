@@ -278,3 +278,39 @@ def test_a_restore_that_fails_as_a_peer_goes_is_a_lost_peer_not_a_damaged_checkp
     monkeypatch.setattr(jax, "process_count", lambda *args: 2)
     with pytest.raises(jax.errors.JaxRuntimeError, match="a task is gone"):
         checkpoint.read_meta(tmp_path, 2)
+
+
+def test_a_damaged_step_moved_aside_by_a_peer_first_is_no_error(tmp_path, monkeypatch):
+    """Every process of a run moves a damaged step to damaged/ once it restores an older
+    one. Before, the one that came second met the first's move (a FileNotFoundError:
+    status 2, its peers lost) where the step was gone between its check and its move."""
+    import orbax.checkpoint as ocp
+
+    from models.training import checkpoint
+
+    class Manager:  # orbax's, listing steps 6 and 4
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def all_steps(self):
+            return [4, 6]
+
+    def restore(directory, target, step):
+        if step == 6:
+            raise checkpoint.DamagedCheckpointError("step 6 is damaged")
+        return target, {"step": step}
+
+    rename = os.rename
+
+    def peer_first(src, dst):  # the peer's move lands between this one's look and move
+        rename(src, dst)
+        rename(src, dst)
+
+    (tmp_path / "checkpoints" / "6").mkdir(parents=True)
+    monkeypatch.setattr(ocp, "CheckpointManager", Manager)
+    monkeypatch.setattr(checkpoint, "restore", restore)
+    monkeypatch.setattr(os, "rename", peer_first)
+    said = []
+    assert checkpoint.restore_newest(tmp_path, "state", say=said.append) == ("state", {"step": 4})
+    assert (tmp_path / "damaged" / "6").is_dir() and not (tmp_path / "checkpoints" / "6").exists()
+    assert said[-1] == "resuming from step 4, the newest checkpoint that verifies"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -502,5 +503,10 @@ def _set_aside(directory, step: int) -> None:
     aside = Path(directory) / "damaged"
     aside.mkdir(exist_ok=True)
     src = Path(directory) / "checkpoints" / str(step)
-    if src.exists():
-        shutil.move(str(src), str(aside / f"{step}"))
+    try:  # every process of a run moves it (before its own saves list the steps)
+        os.rename(src, aside / f"{step}")
+    except FileNotFoundError:  # another process of the run moved it first
+        pass
+    except OSError:  # an older damaged/<step> there, or another file system
+        if src.exists():
+            shutil.move(str(src), str(aside / f"{step}"))
