@@ -199,12 +199,14 @@ def test_a_peer_killed_mid_save_is_a_lost_peer_not_a_full_disk(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    from models.training import checkpoint
+
+    if checkpoint.all_steps(out) == [2]:  # a busy host: the save ended before the kill came
+        pytest.skip("process 1 was killed after step 2's save had ended")
+    assert checkpoint.all_steps(out) == [], list(out.glob("*/*"))
     assert proc.returncode == 75, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("[0] namedmesh train: error:")]
     assert len(said) == 1 and "a peer process is lost" in said[0], err[-3000:]
-    from models.training import checkpoint
-
-    assert checkpoint.all_steps(out) == [], list(out.glob("*/*"))
 
 
 def test_a_closed_output_never_blocks_a_process(tmp_path):
