@@ -316,3 +316,29 @@ def test_a_damaged_step_moved_aside_by_a_peer_first_is_no_error(tmp_path, monkey
     assert checkpoint.restore_newest(tmp_path, "state", say=said.append) == ("state", {"step": 4})
     assert (tmp_path / "damaged" / "6").is_dir() and not (tmp_path / "checkpoints" / "6").exists()
     assert said[-1] == "resuming from step 4, the newest checkpoint that verifies"
+
+
+def test_the_launcher_s_terminal_closing_makes_the_processes_save(tmp_path):
+    """SIGHUP to the launcher (its terminal closed, an ssh session lost): before, it
+    ended the launcher and, by PR_SET_PDEATHSIG, every process with nothing saved; now
+    each process gets SIGTERM, on which a run saves and exits 75 (here: a shell that
+    does so, and would end -1 on SIGHUP itself)."""
+    saver = "trap 'exit 75' TERM; touch {}; while :; do sleep 0.05; done"
+    run = launch.Launch(2, None, ["train"], grace=5)
+    marks = [tmp_path / f"up{i}" for i in range(2)]
+    run.procs = [subprocess.Popen(["sh", "-c", saver.format(m)]) for m in marks]
+    before = signal.getsignal(signal.SIGHUP)
+    restore = run.forwarding()
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+            time.sleep(0.01)  # both shells' traps set
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert run.wait() == 75
+        assert [p.returncode for p in run.procs] == [75, 75]
+    finally:
+        restore()
+        for p in run.procs:
+            p.kill()
+            p.wait()
+    assert signal.getsignal(signal.SIGHUP) == before

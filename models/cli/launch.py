@@ -7,7 +7,8 @@ Each process is `namedmesh COMMAND [flags] --coordinator 127.0.0.1:PORT --num-pr
 N --process-id I` (a free port), with K simulated CPU devices when K is given (XLA's
 host device count; otherwise the command picks its share of --mesh). Every line a
 process prints comes out prefixed with its rank, `[I] `. SIGINT and SIGTERM are passed
-on to every process (which then save and exit 75 together). When one process ends
+on to every process (which then save and exit 75 together), and so is SIGHUP (the
+launcher's terminal closed), as SIGTERM. When one process ends
 badly, the others get --grace seconds to end, then are killed.
 
 Exit status: 0 when every process ended with 0; else the first status of a process's
@@ -37,6 +38,7 @@ EXIT_USAGE = 2
 COMMANDS = ("train", "eval", "generate", "export")  # namedmesh.cli's that join a cluster
 JOIN_FLAGS = ("--coordinator", "--num-processes", "--process-id")
 GRACE_S = 5.0
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # passed on to every process
 
 
 class LaunchError(ValueError):
@@ -203,10 +205,19 @@ class Launch:
                 self.pumps.append(t)
 
     def forward(self, signum, frame) -> None:
-        """The launcher's handler of SIGINT and SIGTERM: the signal to every process."""
+        """The launcher's handler of SIGINT, SIGTERM and SIGHUP: the signal to every
+        process, SIGHUP (the launcher's terminal closed) as SIGTERM, which the processes
+        save on, where SIGHUP would end them with nothing saved."""
+        signum = signal.SIGTERM if signum == signal.SIGHUP else signum
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signum)
+
+    def forwarding(self):
+        """Install `forward` for SIGINT, SIGTERM and SIGHUP; the function that puts the
+        previous handlers back."""
+        old = {s: signal.signal(s, self.forward) for s in FORWARDED}
+        return lambda: [signal.signal(s, h) for s, h in old.items()] and None
 
     def wait(self) -> int:
         """Wait for every process; the run's status (`outcome`) from their ends in the
@@ -248,13 +259,12 @@ def main(argv=None, prog: str = "python -m models.cli.launch") -> int:
     """`namedmesh launch`: the run's exit status (module docstring)."""
     args, command = arguments(list(sys.argv[1:] if argv is None else argv), prog)
     launch = Launch(args.processes, args.devices_per_process, command, args.grace)
-    old = {s: signal.signal(s, launch.forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    restore = launch.forwarding()
     try:
         launch.start()
         return launch.wait()
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        restore()
         for p in launch.procs:
             if p.poll() is None:
                 p.kill()
