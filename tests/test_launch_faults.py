@@ -183,7 +183,7 @@ def test_a_peer_killed_mid_save_is_a_lost_peer_not_a_full_disk(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "namedmesh", "launch", "-n", "2", "--devices-per-process", "2",
-         "--grace", "20", "--", *TRAIN, "--save-every", "2", "--mesh", "data=4", "--out", str(out)],
+         "--grace", "10", "--", *TRAIN, "--save-every", "2", "--mesh", "data=4", "--out", str(out)],
         cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     first = proc.stderr.readline() + proc.stderr.readline()  # launch: process I is pid P
@@ -205,8 +205,11 @@ def test_a_peer_killed_mid_save_is_a_lost_peer_not_a_full_disk(tmp_path):
         pytest.skip("process 1 was killed after step 2's save had ended")
     assert checkpoint.all_steps(out) == [], list(out.glob("*/*"))
     assert proc.returncode == 75, err[-3000:]
+    # the survivor: the save's gather fails at once ("Connection reset by peer"), or, when
+    # it waits in a barrier of jax's service instead, jax aborts it (134) or the launcher
+    # kills it after --grace: either way never a full disk
     said = [line for line in err.splitlines() if line.startswith("[0] namedmesh train: error:")]
-    assert len(said) == 1 and "a peer process is lost" in said[0], err[-3000:]
+    assert len(said) <= 1 and all("a peer process is lost" in x for x in said), err[-3000:]
 
 
 def test_a_closed_output_never_blocks_a_process(tmp_path):
