@@ -12,6 +12,9 @@ value on every process. See docs/distributed.md.
 
 from __future__ import annotations
 
+import errno
+import socket
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -25,6 +28,30 @@ def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise MeshError(f"{name} must be a positive int, got {value!r}")
     return int(value)
+
+
+def _check_port(coordinator: str) -> None:
+    """MeshError unless process 0 can serve the coordinator on its port: jax's service
+    listens on every address (`[::]:PORT`), and a port another program holds makes it
+    fail, at times by a segmentation fault, not an error."""
+    port = int(coordinator.rpartition(":")[2])
+    for family, anywhere in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host: IPv4's check alone
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as jax's service does
+            try:
+                s.bind((anywhere, port))
+            except OSError as e:
+                if e.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    continue  # this family cannot be served here: the next one's check
+                raise MeshError(
+                    f"process 0 could not start the coordinator service at {coordinator}: "
+                    f"the port is in use or not allowed ({e.strerror}); pick another port"
+                ) from None
+        return
 
 
 def initialize(
@@ -60,6 +87,8 @@ def initialize(
     heartbeat_timeout_s = _positive_int("heartbeat_timeout_s", heartbeat_timeout_s)
     if jax.distributed.is_initialized():
         raise MeshError("lowering.distributed.initialize was already called in this process")
+    if process_id == 0 and coordinator is not None:
+        _check_port(coordinator)
     # Only affects the CPU backend: collectives between CPU devices of different processes.
     previous = jax.config.jax_cpu_collectives_implementation
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -79,6 +108,13 @@ def initialize(
                 "lowering.distributed.initialize must be called once, before any other JAX "
                 f"call (jax.devices(), a computation, building a Mesh): {e}"
             ) from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "Failed to start RPC server" in first:  # process 0 serves the coordinator
+            raise MeshError(
+                f"process {process_id} could not start the coordinator service at "
+                f"{coordinator}: the port is in use (or the host is not this machine's "
+                f"address); pick another port ({first})"
+            ) from None
         raise
     except (ValueError, TypeError) as e:
         jax.config.update("jax_cpu_collectives_implementation", previous)

@@ -131,10 +131,32 @@ def join(args, mesh_size: int | None = None, whole: bool = False) -> bool:
         distributed.initialize(*how, timeout_s=JOIN_TIMEOUT_S, heartbeat_timeout_s=HEARTBEAT_S)
     except NamedMeshError as e:
         text = str(e).replace("coordinator must", "--coordinator must")
-        if how[0] is None:  # jax read (or failed to read) the environment
+        if how[0] is None and "coordinator service" not in text:  # jax read the environment
             text = f"--coordinator auto: jax found no cluster in the environment ({e})"
         raise ClusterError(text) from None
+    if mesh_size is not None and not whole:
+        check_devices(mesh_size)
     return True
+
+
+def check_devices(mesh_size: int) -> None:
+    """ClusterError, alike on every process, unless the processes hold `mesh_size`
+    devices in all, as many each: the mesh takes the first `mesh_size` of jax.devices(),
+    so more would leave a process out of it and uneven shares fail in jax's gathers."""
+    import jax
+
+    held: dict[int, int] = {}
+    for d in jax.devices():  # every process's devices: the same list on each
+        held[d.process_index] = held.get(d.process_index, 0) + 1
+    n = len(held)
+    if sum(held.values()) != mesh_size or len(set(held.values())) > 1:
+        said = ", ".join(f"process {i}: {k}" for i, k in sorted(held.items()))
+        raise ClusterError(
+            f"--mesh of {mesh_size} devices over {n} processes needs {mesh_size // n} "
+            f"devices on each, but they hold {said} (set each process's count alike: "
+            "launch's --devices-per-process, XLA_FLAGS' "
+            "--xla_force_host_platform_device_count, JAX_LOCAL_DEVICE_IDS)"
+        )
 
 
 def describe(mesh=None) -> str:
@@ -154,12 +176,28 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
+# flags naming files every process reads: agreed on by their contents too
+READ_FLAGS = ("data", "val_data", "tokenizer", "init_from")
+
+
 def flags(args) -> dict:
     """Every flag of the parsed `args` the processes of a run must share (all of the
     parser's but PER_PROCESS), by its name (`--save-every`): what they agree on, each a
-    part of its own so that a difference names the flag (models/training/agree.py)."""
+    part of its own so that a difference names the flag (models/training/agree.py). A
+    flag of READ_FLAGS naming a file or folder is its path and its contents'
+    fingerprint (files.fingerprint): a path that holds other data on another host, or
+    from another working directory, would train each process on other rows, silently."""
+    from models.io import files
+
+    def value(k, v):
+        if k in READ_FLAGS and isinstance(v, str) and os.path.exists(v):
+            return [v, files.fingerprint(v)]
+        return v
+
     return {
-        "--" + k.replace("_", "-"): v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS
+        "--" + k.replace("_", "-"): value(k, v)
+        for k, v in sorted(vars(args).items())
+        if k not in PER_PROCESS
     }
 
 

@@ -7,13 +7,15 @@ Each process is `namedmesh COMMAND [flags] --coordinator 127.0.0.1:PORT --num-pr
 N --process-id I` (a free port), with K simulated CPU devices when K is given (XLA's
 host device count; otherwise the command picks its share of --mesh). Every line a
 process prints comes out prefixed with its rank, `[I] `. SIGINT and SIGTERM are passed
-on to every process (which then save and exit 75 together). When one process ends
+on to every process (which then save and exit 75 together), and so is SIGHUP (the
+launcher's terminal closed), as SIGTERM. When one process ends
 badly, the others get --grace seconds to end, then are killed.
 
-Exit status: 0 when every process ended with 0; else the status of the first process to
-end with another, where a process lost (killed by a signal: SIGKILL, jax's abort on a
-lost peer, SIGABRT) or ended by the watchdog or a preemption (75) gives 75 ("resume
-me": run the same command with --resume); 2 for bad flags of launch itself.
+Exit status: 0 when every process ended with 0; else the first status of a process's
+own (2, 3, 74, ...: the failure that ended its peers); else 75 when processes were lost
+(killed by a signal: SIGKILL, jax's abort on a lost peer, SIGABRT) or ended by the
+watchdog or a preemption (75): "resume me", run the same command with --resume; 2 for
+bad flags of launch itself.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -35,6 +38,7 @@ EXIT_USAGE = 2
 COMMANDS = ("train", "eval", "generate", "export")  # namedmesh.cli's that join a cluster
 JOIN_FLAGS = ("--coordinator", "--num-processes", "--process-id")
 GRACE_S = 5.0
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # passed on to every process
 
 
 class LaunchError(ValueError):
@@ -51,8 +55,8 @@ def arguments(argv: list[str], prog: str) -> tuple[argparse.Namespace, list[str]
         description="Run COMMAND (train, eval, generate, export) as N processes of one run "
         "on this machine; each output line is prefixed with its process's rank.",
         epilog="exit status: 0 every process ended with 0; 75 a process was lost (killed by "
-        "a signal, or ended 75: the watchdog, preemption): run again with --resume; else the "
-        "first non-zero status; 2 a bad flag of launch",
+        "a signal, or ended 75: the watchdog, preemption) and none failed otherwise: run "
+        "again with --resume; else the first other non-zero status; 2 a bad flag of launch",
     )
     p.add_argument("-n", "--processes", type=int, required=True, help="processes to start")
     p.add_argument(
@@ -99,16 +103,20 @@ def free_port() -> int:
 
 def environment(devices: int | None) -> dict[str, str]:
     """The processes' environment: this one's, unbuffered, without proxy settings, with
-    `devices` simulated CPU devices each when given."""
+    `devices` simulated CPU devices each when given; else without a device count of this
+    one's XLA_FLAGS, so that each process simulates its share of --mesh (an inherited
+    count, the same for every process, would be the whole mesh's or another's)."""
     # the coordinator is local: a proxy setting could only hang jax's connection to it
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env["PYTHONUNBUFFERED"] = "1"
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     if devices is not None:
-        kept = [
-            f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
-        ]
-        env["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+        kept.append(f"--xla_force_host_platform_device_count={devices}")
         env["JAX_PLATFORMS"] = "cpu"
+    if kept:
+        env["XLA_FLAGS"] = " ".join(kept)
+    else:
+        env.pop("XLA_FLAGS", None)
     return env
 
 
@@ -124,8 +132,21 @@ def _die_with_parent() -> None:
 
 
 def pump(stream, out, prefix: bytes) -> None:
-    """Copy a process's output to `out`, each line (or \\r-ended progress update) prefixed."""
+    """Copy a process's output to `out`, each line (or \\r-ended progress update)
+    prefixed. An `out` that cannot be written any more (a closed pipe: `launch ... |
+    head`) is dropped and the output read on to its end, so that the process never
+    blocks on a full pipe (hung, its peers' watchdog then ending the run)."""
     buf = b""
+
+    def write(data: bytes) -> None:
+        nonlocal out
+        if out is not None:
+            try:
+                out.write(data)
+                out.flush()
+            except (OSError, ValueError):  # a closed pipe or file
+                out = None
+
     while chunk := os.read(stream.fileno(), 65536):
         buf += chunk
         while True:
@@ -133,23 +154,22 @@ def pump(stream, out, prefix: bytes) -> None:
             if not cuts:
                 break
             i = min(cuts)
-            out.write((prefix if i else b"") + buf[: i + 1])  # tqdm's bare \r: no prefix
+            write((prefix if i else b"") + buf[: i + 1])  # tqdm's bare \r: no prefix
             buf = buf[i + 1 :]
-        out.flush()
     if buf:
-        out.write(prefix + buf + b"\n")
-        out.flush()
+        write(prefix + buf + b"\n")
 
 
 def outcome(ends: list[tuple[int, int]]) -> int:
     """The run's status from (rank, return code) in the order the processes ended,
-    leaving out those the launcher killed: the first non-zero, a lost process (a
-    negative code: killed by a signal; 128 + a signal from a shell) or 75 read as 75."""
-    for _, code in ends:
-        if code == 0:
-            continue
-        return EXIT_LOST if code < 0 or code == EXIT_LOST or code == 128 + signal.SIGABRT else code
-    return 0
+    leaving out those the launcher killed: 0 when all ended with 0; else the first
+    status of a process's own (a bad input's 2, a divergence's 3, a full disk's 74),
+    which outranks a lost one (75, a negative code: killed by a signal, 128 + SIGABRT:
+    jax's abort), as a peer of a process that failed is lost in turn, at nearly the same
+    moment; 75 when every process that failed was lost."""
+    failed = [code for _, code in ends if code != 0]
+    own = [c for c in failed if not (c < 0 or c == EXIT_LOST or c == 128 + signal.SIGABRT)]
+    return own[0] if own else EXIT_LOST if failed else 0
 
 
 class Launch:
@@ -185,48 +205,66 @@ class Launch:
                 self.pumps.append(t)
 
     def forward(self, signum, frame) -> None:
-        """The launcher's handler of SIGINT and SIGTERM: the signal to every process."""
+        """The launcher's handler of SIGINT, SIGTERM and SIGHUP: the signal to every
+        process, SIGHUP (the launcher's terminal closed) as SIGTERM, which the processes
+        save on, where SIGHUP would end them with nothing saved."""
+        signum = signal.SIGTERM if signum == signal.SIGHUP else signum
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
+    def forwarding(self):
+        """Install `forward` for SIGINT, SIGTERM and SIGHUP; the function that puts the
+        previous handlers back."""
+        old = {s: signal.signal(s, self.forward) for s in FORWARDED}
+        return lambda: [signal.signal(s, h) for s, h in old.items()] and None
+
     def wait(self) -> int:
-        """Wait for every process; the run's status (`outcome`)."""
+        """Wait for every process; the run's status (`outcome`) from their ends in the
+        order they ended (a thread waits on each: a poll of all every few ms would see
+        two close ends at once and order them by rank, and a peer's 75 would hide the
+        status of the process whose failure ended it)."""
+        ended = queue.SimpleQueue()  # (rank, code), as each process ends
+        for i, p in enumerate(self.procs):
+            threading.Thread(target=lambda i=i, p=p: ended.put((i, p.wait())), daemon=True).start()
         ends: list[tuple[int, int]] = []
-        deadline = None  # set when a process ended badly: the others' time to end
-        running = set(range(self.n))
-        while running:
-            for i in sorted(running):
-                code = self.procs[i].poll()
-                if code is not None:
-                    running.discard(i)
-                    ends.append((i, code))
-                    if code != 0 and deadline is None:
-                        deadline = time.monotonic() + self.grace
-            if running and deadline is not None and time.monotonic() > deadline:
-                for i in sorted(running):
-                    self.procs[i].kill()  # SIGKILL ends a stopped (SIGSTOP) process too
-                    self.procs[i].wait()
-                    print(f"launch: process {i} did not end within --grace {self.grace:g} s "
-                          "of its peer: killed", file=sys.stderr, flush=True)  # fmt: skip
-                running.clear()
-            time.sleep(0.05)
+        deadline = math.inf  # set when a process ended badly: the others' time to end
+        while len(ends) < len(self.procs):
+            try:
+                i, code = ended.get(timeout=max(0.0, min(deadline - time.monotonic(), 1.0)))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    self.kill_the_rest({i for i, _ in ends})
+                    break
+                continue
+            ends.append((i, code))
+            if code != 0 and deadline == math.inf:
+                deadline = time.monotonic() + self.grace
         for t in self.pumps:
             t.join(timeout=5)
         return outcome(ends)
+
+    def kill_the_rest(self, done: set[int]) -> None:
+        """SIGKILL (which ends a stopped, SIGSTOP, process too) to every process not in
+        `done`, each said in one line."""
+        for i, p in enumerate(self.procs):
+            if i not in done:
+                p.kill()
+                p.wait()
+                print(f"launch: process {i} did not end within --grace {self.grace:g} s "
+                      "of its peer: killed", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def main(argv=None, prog: str = "python -m models.cli.launch") -> int:
     """`namedmesh launch`: the run's exit status (module docstring)."""
     args, command = arguments(list(sys.argv[1:] if argv is None else argv), prog)
     launch = Launch(args.processes, args.devices_per_process, command, args.grace)
-    old = {s: signal.signal(s, launch.forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    restore = launch.forwarding()
     try:
         launch.start()
         return launch.wait()
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        restore()
         for p in launch.procs:
             if p.poll() is None:
                 p.kill()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -211,6 +212,8 @@ class Checkpointer:
             call()
         except Exception as e:  # OSError, or what orbax or tensorstore wrap it in
             self.saving = None  # said once: the failed step is not listed any more
+            if lost := _lost_peer(e):
+                raise lost from None  # not the disk's fault: resume (75), not free space (74)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             steps = sorted(self.manager.all_steps(), reverse=True)
             kept = f"the newest checkpoint is step {steps[0]}" if steps else "no checkpoint kept"
@@ -218,6 +221,21 @@ class Checkpointer:
                 f"the checkpoint of step {step} could not be written in "
                 f"{self.directory}/checkpoints ({first}); {kept}"
             ) from None
+
+
+def _lost_peer(error: BaseException) -> BaseException | None:
+    """The error of jax's runtime in `error` or what it was raised from, in a run of
+    several processes: a save's collective or barrier that failed as a peer process
+    went (gloo's "Connection reset by peer"), which the run reports as a lost peer."""
+    if jax.process_count() == 1:
+        return None
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def latest_step(directory) -> int | None:
@@ -251,6 +269,8 @@ def _read(mngr, directory, step: int, item: str, args, abstract=None):
     try:
         return mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
     except Exception as e:  # orbax and tensorstore raise many types for damaged files
+        if lost := _lost_peer(e):  # restore's barrier, a peer gone: the files are not at fault
+            raise lost from None
         first = (str(e).strip().splitlines() or [""])[0].split(". See full")[0][:300]
         bad = _unreadable(directory, step, item, abstract) if abstract is not None else []
         many = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
@@ -276,7 +296,9 @@ def _unreadable(directory, step: int, item: str, abstract: dict) -> list[str]:
         try:
             mngr.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
                 one, restore_args=restore_args, partial_restore=True)}))  # fmt: skip
-        except Exception:  # the same many types as above
+        except Exception as e:  # the same many types as above
+            if lost := _lost_peer(e):
+                raise lost from None
             bad.append(f"{item}/{'/'.join(keys)}")
     return [] if len(bad) == len(jax.tree_util.tree_leaves(abstract)) else bad  # [] : all
 
@@ -481,5 +503,10 @@ def _set_aside(directory, step: int) -> None:
     aside = Path(directory) / "damaged"
     aside.mkdir(exist_ok=True)
     src = Path(directory) / "checkpoints" / str(step)
-    if src.exists():
-        shutil.move(str(src), str(aside / f"{step}"))
+    try:  # every process of a run moves it (before its own saves list the steps)
+        os.rename(src, aside / f"{step}")
+    except FileNotFoundError:  # another process of the run moved it first
+        pass
+    except OSError:  # an older damaged/<step> there, or another file system
+        if src.exists():
+            shutil.move(str(src), str(aside / f"{step}"))
