@@ -404,13 +404,13 @@ def _frugal(settings: Settings) -> tuple:
             settings.dtype != "bfloat16", settings.grad_accum)  # fmt: skip
 
 
-def _seeds(joint, mesh, settings, beam) -> tuple[str, ...] | None:
+def _seeds(joint, mesh, settings, beam) -> tuple[Layout, ...] | None:
     """The layouts the pair's layout search may climb from beside its phase 1
     (auto_layout's `seeds`): its mesh's lead's best (the first of its search: the fastest
-    that fits, else the closest to fitting) and its least memory (the closest, for a
-    pair that needs more memory than the lead). () for the lead itself and where there is
-    no lead (a pipelined mesh, an exhaustive search); None while the lead's search is
-    not in `joint.cache`. A function of the lead's search alone, not of which pairs were
+    that fits, else the closest to fitting; adding the lead's least memory too, for the
+    pairs that need more, planned more candidates of the Llama 3 70B plan, not fewer).
+    () for the lead itself and where there is no lead (a pipelined mesh, an exhaustive
+    search); None while the lead's search is not in `joint.cache`. A function of the lead's search alone, not of which pairs were
     searched before: the plan is the same in any order and with any `jobs`."""
     if (_sizes(mesh), settings) in joint.seeds:
         return joint.seeds[(_sizes(mesh), settings)]
@@ -420,14 +420,7 @@ def _seeds(joint, mesh, settings, beam) -> tuple[str, ...] | None:
     table = joint.cache.get(_pair_key(joint, mesh, lead, beam, ()))
     if table is None:
         return None
-    valid = [c for c in table if not c.note.startswith("invalid")]
-    if not valid:
-        return ()
-    return tuple(dict.fromkeys(str(c.layout) for c in (valid[0], min(valid, key=_memory))))
-
-
-def _memory(c: Candidate) -> float:
-    return c.memory
+    return tuple(c.layout for c in table[:1] if not c.note.startswith("invalid"))
 
 
 def _key(joint, mesh, settings, beam) -> tuple | None:
