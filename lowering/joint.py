@@ -24,6 +24,14 @@ Sharing: the pairs of one mesh whose settings differ in remat alone trace one pr
 but for its scans' remat, which only the costing reads; their searches share its scan
 bodies and plans (lowering/bodies.py `Shared`, one per group, emptied when its last
 pair is done): a layout one of them planned is costed, not planned, by the others.
+Seeding: of each mesh's pairs (a pipelined mesh's aside) one is its lead, the one
+likeliest to fit (`_frugal`: the most remat, blockwise attention, the fewest
+microbatches), searched as alone; every other pair's layout search climbs from the
+lead's best layout beside its own phase 1 (`auto_layout`'s `seeds`), so that where the
+pairs of a mesh choose alike, a climb starts near its end. The lead is searched before
+the others of its mesh (even where its own pair is pruned), and a pair's seeds are a
+function of the lead's search alone, not of the order: the plan is the same with any
+`jobs`. `exhaustive` seeds nothing.
 Cores: `jobs=N` runs the pairs' searches ahead in N worker processes
 (lowering/joint_jobs.py), the decisions above taken here in the same order: the same
 result.
@@ -197,8 +205,9 @@ def joint_search(
     rates' memory) with the optimizer of `training`; `tokens` per step (for tokens/s).
     PlanError when none fits, naming the closest plan's memory and what would make it
     fit. `exhaustive`: every pair searched, none pruned (what the pruning is tested
-    against). `cache`: a dict that keeps each pair's layout search for later calls with
-    the same `build`, rates, limit and optimizer (keyed by mesh, settings and beam).
+    against) and seeds no climb. `cache`: a dict that keeps each pair's layout search for
+    later calls with the same `build`, rates, limit and optimizer (keyed by mesh,
+    settings, beam and seeds).
     `staged`: (evaluate, space) for the meshes with a `stage` axis: each is weighed under
     `space` (its settings' grad_accum the pipeline's microbatches) by
     `evaluate(mesh, settings, model_flops)` -> a lowering.stages.StagedChoice, every
@@ -410,8 +419,9 @@ def _seeds(joint, mesh, settings, beam) -> tuple[Layout, ...] | None:
     that fits, else the closest to fitting; adding the lead's least memory too, for the
     pairs that need more, planned more candidates of the Llama 3 70B plan, not fewer).
     () for the lead itself and where there is no lead (a pipelined mesh, an exhaustive
-    search); None while the lead's search is not in `joint.cache`. A function of the lead's search alone, not of which pairs were
-    searched before: the plan is the same in any order and with any `jobs`."""
+    search); None while the lead's search is not in `joint.cache`. A function of the
+    lead's search alone, not of which pairs were searched before: the plan is the same
+    in any order and with any `jobs`."""
     if (_sizes(mesh), settings) in joint.seeds:
         return joint.seeds[(_sizes(mesh), settings)]
     lead = joint.leads.get(_sizes(mesh))

@@ -17,8 +17,10 @@ then leaves out is work thrown away; one the caller needs that was not handed ou
 
 Groups are handed out in the order the caller gives them (lowering/joint.py `_ahead`:
 each chain's fewest microbatches first), `jobs` at a time, each when the caller next
-waits (so `wanted` sees its latest decisions); `need(pair)` hands out the pair's group
-at once if it was not, and waits for it.
+waits (so `wanted` sees its latest decisions), but a group whose pairs climb from their
+mesh's lead's layout (lowering/joint.py `_seeds`) waits until the lead's group is
+answered (`after`; later groups go first meanwhile), and its seeds go with its task;
+`need(pair)` hands out the pair's group at once if it was not, and waits for it.
 Workers are started by `spawn` (jax is imported: forking it is unsafe), each importing
 the packages (about 3 s) and holding its own plans (0.3 to 1 GB each for the
 walk-throughs of docs/layouts.md). They

@@ -23,7 +23,9 @@ the Planner, without jax, when every op of the program has a plan rule), and the
    (`length`) beside any of them. The best state phase 1 kept that fits is extended, and
    every one over the limit; then the frontier is the best state and up to `beam`
    faster ones over the limit (as in phase 1), and its states not yet extended are
-   extended, best first, until none is left.
+   extended, best first, until none is left. The caller's `seeds` (layouts another
+   program chose: a joint search's, lowering/joint.py) join phase 1's states first,
+   mended to divide this program's dims (`_seeded`), so the climb may start from one.
 
 What the beams drop is not proved worse: memory over the axes still to give is no bound
 on a state's completions (phase 2 divides memory further by sharing an axis), and a
