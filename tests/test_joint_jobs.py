@@ -40,10 +40,10 @@ def _plan(capsys, *flags) -> tuple[int, str, str]:
     return status, out, err
 
 
-# remat and attention searched: each (data, model) mesh's pairs but its lead (remat full,
-# blockwise) climb from the lead's layouts (lowering/joint.py `_seeds`), the full
-# attention group's search waiting on the lead's group in the workers (`after`)
-SEEDED = ["--config", "moe5", "--devices", "8", "--rates", "h100", "--batch", "16",
+# remat and attention searched on one mesh: its pairs but its lead (remat full, blockwise)
+# climb from the lead's layout (lowering/joint.py `_seeds`), the full attention group's
+# search waiting on the lead's group in the workers (`after`)
+SEEDED = ["--config", "moe5", "--mesh", "data=4,model=2", "--rates", "h100", "--batch", "16",
           "--length", "32", "--grad-accum", "1"]  # fmt: skip
 
 
@@ -74,7 +74,7 @@ def test_two_jobs_plan_what_one_does_the_work_done_in_the_workers(capsys, monkey
     assert status == 0, err
     got = json.loads(parallel)
     assert got == json.loads(serial)  # every figure, the next best and the printout
-    assert got["searched"] > 4
+    assert got["searched"] >= 4
     if flags is FLAGS:
         assert "stage" in (got.get("pipelined") or got)["mesh"]
 
