@@ -144,3 +144,31 @@ def test_bad_jobs_is_a_typed_error():
     with pytest.raises(ParameterError, match="jobs must be an int >= 1, got 0"):
         joint_search(None, [Mesh({"data": 2}, devices="abstract")], parse("h100"),
                      [Settings()], jobs=0)  # fmt: skip
+
+
+def test_a_group_is_handed_out_after_the_group_it_waits_on_is_answered(monkeypatch):
+    """`Workers(after=...)` (a seeded group waits on its lead's): held back until that
+    answer, a later group that waits on nothing going first meanwhile; `need` waits for
+    the lead's answer, then hands the group out. No processes: the hand-out and the
+    answers are recorded (oldest handed out answered first)."""
+    handed, answered = [], []
+
+    def hand_out(self, g):
+        self.handed.add(g)
+        handed.append(g)
+
+    def receive(self):
+        g = next(g for g in handed if g not in self.answered)
+        self.answered.add(g)
+        answered.append(g)
+
+    monkeypatch.setattr(joint_jobs.Workers, "_hand_out", hand_out)
+    monkeypatch.setattr(joint_jobs.Workers, "_receive", receive)
+    workers = joint_jobs.Workers(2, [["lead"], ["seeded"], ["other"]], None, lambda item: True,
+                                 None, after={1: 0})  # fmt: skip
+    try:
+        assert handed == [0, 2]  # "seeded" waits for the lead's answer; "other" goes first
+        workers.need("seeded")
+        assert handed == [0, 2, 1] and answered == [0, 2, 1]
+    finally:
+        workers.close()
