@@ -155,3 +155,20 @@ def test_a_search_seeded_with_another_limits_optimum_finds_this_ones(
     _, alone = search()
     _, at_best = search(seeds=[alone[0].layout])
     assert at_best[0].time == alone[0].time and len(at_best) <= len(alone)
+
+
+def test_a_seed_on_an_axis_the_mesh_lacks_is_a_layout_error_one_not_dividing_is_mended():
+    from namedmesh.errors import LayoutError
+
+    fn, inputs, wrt = program("mlp", (6, 256, 256))
+    mesh = Mesh({"x": 2, "y": 4}, devices="abstract")
+    search = functools.partial(auto_layout, fn, mesh, *inputs, grad_argnums=wrt, rates="tpu_v2",
+                               memory_limit=math.inf, beam=1)  # fmt: skip
+    with pytest.raises(LayoutError, match="seed layout batch:z"):
+        search(seeds=["batch:z"])
+    rows = lambda table: [(str(c.layout), c.time, c.memory) for c in table]
+    # batch 6 over x,y (8 ways) does not divide: the seed climbs as batch:x (6 % 2 == 0)
+    _, mended = search(seeds=["batch:x;d_ff:y"])
+    _, found = search(seeds=["batch:x,y;d_ff:y"])
+    _, alone = search()
+    assert rows(found) == rows(mended) != rows(alone)
