@@ -24,6 +24,14 @@ Sharing: the pairs of one mesh whose settings differ in remat alone trace one pr
 but for its scans' remat, which only the costing reads; their searches share its scan
 bodies and plans (lowering/bodies.py `Shared`, one per group, emptied when its last
 pair is done): a layout one of them planned is costed, not planned, by the others.
+Seeding: of each mesh's pairs (a pipelined mesh's aside) one is its lead, the one
+likeliest to fit (`_frugal`: the most remat, blockwise attention, the fewest
+microbatches), searched as alone; every other pair's layout search climbs from the
+lead's best layout beside its own phase 1 (`auto_layout`'s `seeds`), so that where the
+pairs of a mesh choose alike, a climb starts near its end. The lead is searched before
+the others of its mesh (even where its own pair is pruned), and a pair's seeds are a
+function of the lead's search alone, not of the order: the plan is the same with any
+`jobs`. `exhaustive` seeds nothing.
 Cores: `jobs=N` runs the pairs' searches ahead in N worker processes
 (lowering/joint_jobs.py), the decisions above taken here in the same order: the same
 result.
@@ -157,6 +165,8 @@ class Joint:
     chain: tuple = ()  # the params' keys whose stacks the model chains (pad_stacks' `chain`)
     bodies: dict = field(default_factory=dict, repr=False)  # `_body_group` -> its Shared
     left: Counter = field(default_factory=Counter, repr=False)  # group -> its pairs not done
+    leads: dict = field(default_factory=dict, repr=False)  # mesh sizes -> its lead's settings
+    seeds: dict = field(default_factory=dict, repr=False)  # (sizes, settings) -> seeds given
 
     @property
     def best(self) -> Choice:
@@ -195,8 +205,9 @@ def joint_search(
     rates' memory) with the optimizer of `training`; `tokens` per step (for tokens/s).
     PlanError when none fits, naming the closest plan's memory and what would make it
     fit. `exhaustive`: every pair searched, none pruned (what the pruning is tested
-    against). `cache`: a dict that keeps each pair's layout search for later calls with
-    the same `build`, rates, limit and optimizer (keyed by mesh, settings and beam).
+    against) and seeds no climb. `cache`: a dict that keeps each pair's layout search for
+    later calls with the same `build`, rates, limit and optimizer (keyed by mesh,
+    settings, beam and seeds).
     `staged`: (evaluate, space) for the meshes with a `stage` axis: each is weighed under
     `space` (its settings' grad_accum the pipeline's microbatches) by
     `evaluate(mesh, settings, model_flops)` -> a lowering.stages.StagedChoice, every
@@ -241,6 +252,11 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
     whole.staged = staged is not None
     order = sorted(chains.values(), key=lambda c: whole.least(c[1][0], c[0], rates))
     order = [(mesh, sorted(chain, key=lambda s: s.grad_accum)) for mesh, chain in order]
+    if not exhaustive:  # each mesh's pair likeliest to fit seeds its others' climbs
+        for mesh, chain in order:
+            if not _staged(mesh, staged):
+                lead = joint.leads.setdefault(_sizes(mesh), chain[0])
+                joint.leads[_sizes(mesh)] = min(lead, chain[0], key=_frugal)
     left = joint.left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
     settled: set = set()  # the pairs decided: searched or not
 
@@ -308,14 +324,23 @@ def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | 
     if len(groups) < 2:
         return None
     spec = _Spec(build, staged[0] if staged else None, joint.rates, joint.limit,
-                 joint.training, beam, joint.chain)  # fmt: skip
+                 joint.training, beam, joint.chain, dict(joint.leads))  # fmt: skip
+    groups = list(groups.values())
+    lead_group = {}  # mesh sizes -> the group of its lead, which the others' seeds wait on
+    for g, pairs in enumerate(groups):
+        for mesh, s in pairs:
+            if joint.leads.get(_sizes(mesh)) == s:
+                lead_group[_sizes(mesh)] = g
+    after = {g: lead_group[_sizes(pairs[0][0])] for g, pairs in enumerate(groups)
+             if lead_group.get(_sizes(pairs[0][0]), g) != g}  # fmt: skip
 
     def task(pairs):
-        work = [(m, s, whole.model_flops(s) if _staged(m, staged) else None) for m, s in pairs]
+        work = [(m, s, whole.model_flops(s), ()) if _staged(m, staged) else
+                (m, s, None, _seeds(joint, m, s, beam)) for m, s in pairs]  # fmt: skip
         return functools.partial(search_group, spec, work)
 
-    return Workers(min(jobs, len(groups)), list(groups.values()), task, wanted,
-                   joint.cache.update)  # fmt: skip
+    return Workers(min(jobs, len(groups)), groups, task, wanted, joint.cache.update,
+                   after)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -329,18 +354,22 @@ class _Spec:
     training: Training
     beam: int
     chain: tuple
+    leads: dict  # Joint.leads
 
 
 @few_collections()
 def search_group(spec: _Spec, pairs: list) -> dict:
     """In a worker: the cache entries of `pairs` ((mesh, settings, model flops for a
-    pipelined pair else None)), searched as the serial search does, their tables
-    detached from their programs (`Search.detach`) to pickle."""
+    pipelined pair else None, the seeds of its climb: None where its lead's search was
+    not in the caller's cache, which is then searched here first)), searched as the
+    serial search does, their tables detached from their programs (`Search.detach`) to
+    pickle."""
     joint = Joint([], spec.rates, spec.training, spec.limit, 0)
-    joint.chain = spec.chain
-    joint.left = Counter(_body_group(m, s) for m, s, flops in pairs if flops is None)
+    joint.chain, joint.leads = spec.chain, spec.leads
+    joint.seeds = {(_sizes(m), s): seeds for m, s, _, seeds in pairs if seeds is not None}
+    joint.left = Counter(_body_group(m, s) for m, s, flops, _ in pairs if flops is None)
     try:
-        for mesh, settings, flops in pairs:
+        for mesh, settings, flops, _ in pairs:
             if flops is not None:
                 key = _staged_key(joint, mesh, settings)
                 joint.cache[key] = spec.evaluate(mesh, settings, flops)
@@ -359,7 +388,8 @@ def search_group(spec: _Spec, pairs: list) -> dict:
 def _fit(joint, mesh, settings, beam) -> bool:
     """Whether the pair's search in `joint.cache` found a layout that fits (False when
     it is not there)."""
-    table = joint.cache.get(_pair_key(joint, mesh, settings, beam), [])
+    key = _key(joint, mesh, settings, beam)
+    table = [] if key is None else joint.cache.get(key, [])
     uneven = joint.cache.get(_uneven_key(joint, mesh, settings), [])
     return any(c.valid for c in [*table, *uneven])
 
@@ -368,7 +398,45 @@ def _cached(joint, mesh, settings, staged, beam) -> bool:
     """Whether the pair's search is in `joint.cache` already."""
     if _staged(mesh, staged):
         return _staged_key(joint, mesh, settings) in joint.cache
-    return _pair_key(joint, mesh, settings, beam) in joint.cache
+    key = _key(joint, mesh, settings, beam)
+    return key is not None and key in joint.cache
+
+
+def _sizes(mesh: Mesh) -> tuple:
+    return tuple(mesh.sizes.items())
+
+
+def _frugal(settings: Settings) -> tuple:
+    """Order of settings by the memory they likely need: the most remat, blockwise
+    attention, the narrower dtype, the fewest microbatches (a chain's first) first."""
+    return (-REMATS.index(settings.remat), settings.attention != "blockwise",
+            settings.dtype != "bfloat16", settings.grad_accum)  # fmt: skip
+
+
+def _seeds(joint, mesh, settings, beam) -> tuple[Layout, ...] | None:
+    """The layouts the pair's layout search may climb from beside its phase 1
+    (auto_layout's `seeds`): its mesh's lead's best (the first of its search: the fastest
+    that fits, else the closest to fitting; adding the lead's least memory too, for the
+    pairs that need more, planned more candidates of the Llama 3 70B plan, not fewer).
+    () for the lead itself and where there is no lead (a pipelined mesh, an exhaustive
+    search); None while the lead's search is not in `joint.cache`. A function of the
+    lead's search alone, not of which pairs were searched before: the plan is the same
+    in any order and with any `jobs`."""
+    if (_sizes(mesh), settings) in joint.seeds:
+        return joint.seeds[(_sizes(mesh), settings)]
+    lead = joint.leads.get(_sizes(mesh))
+    if lead is None or lead == settings:
+        return ()
+    table = joint.cache.get(_pair_key(joint, mesh, lead, beam, ()))
+    if table is None:
+        return None
+    return tuple(c.layout for c in table[:1] if not c.note.startswith("invalid"))
+
+
+def _key(joint, mesh, settings, beam) -> tuple | None:
+    """The pair's key in `joint.cache`; None while its seeds are not known."""
+    seeds = _seeds(joint, mesh, settings, beam)
+    return None if seeds is None else _pair_key(joint, mesh, settings, beam, seeds)
 
 
 def _shared(joint: Joint, mesh: Mesh, settings: Settings) -> Shared:
@@ -412,9 +480,9 @@ def _staged_key(joint, mesh, settings) -> tuple:
             joint.training)  # fmt: skip
 
 
-def _pair_key(joint, mesh, settings, beam) -> tuple:
+def _pair_key(joint, mesh, settings, beam, seeds) -> tuple:
     return (tuple(mesh.sizes.items()), settings, beam, joint.limit, repr(joint.rates),
-            joint.training)  # fmt: skip
+            joint.training, seeds)  # fmt: skip
 
 
 def _uneven_key(joint, mesh, settings) -> tuple:
@@ -457,14 +525,18 @@ def _fill_pair(joint, build, mesh, settings, beam) -> tuple[list, list]:
     """The pair's layout search and uneven candidates, in `joint.cache` (searched unless
     there): (its candidates costed, its uneven ones)."""
     t = joint.training
-    key = _pair_key(joint, mesh, settings, beam)
+    seeds = _seeds(joint, mesh, settings, beam)
+    if seeds is None:  # its lead's search first: it seeds this one's
+        _fill_pair(joint, build, mesh, joint.leads[_sizes(mesh)], beam)
+        seeds = _seeds(joint, mesh, settings, beam)
+    key = _pair_key(joint, mesh, settings, beam, seeds)
     if key not in joint.cache:
         fn, inputs = build(settings)
         run = Training(t.optimizer, t.moment_dtype, t.zero1, settings.grad_accum)
         try:
             _, joint.cache[key] = auto_layout(fn, mesh, *inputs, grad_argnums=(0,),
                                               rates=joint.rates, memory_limit=joint.limit,
-                                              training=run, beam=beam,
+                                              training=run, beam=beam, seeds=seeds,
                                               shared=_shared(joint, mesh, settings),
                                               )  # fmt: skip
         except LayoutError as e:

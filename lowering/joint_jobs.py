@@ -17,8 +17,10 @@ then leaves out is work thrown away; one the caller needs that was not handed ou
 
 Groups are handed out in the order the caller gives them (lowering/joint.py `_ahead`:
 each chain's fewest microbatches first), `jobs` at a time, each when the caller next
-waits (so `wanted` sees its latest decisions); `need(pair)` hands out the pair's group
-at once if it was not, and waits for it.
+waits (so `wanted` sees its latest decisions), but a group whose pairs climb from their
+mesh's lead's layout (lowering/joint.py `_seeds`) waits until the lead's group is
+answered (`after`; later groups go first meanwhile), and its seeds go with its task;
+`need(pair)` hands out the pair's group at once if it was not, and waits for it.
 Workers are started by `spawn` (jax is imported: forking it is unsafe), each importing
 the packages (about 3 s) and holding its own plans (0.3 to 1 GB each for the
 walk-throughs of docs/layouts.md). They
@@ -89,7 +91,10 @@ def _portable(error: Exception) -> bytes:
 class Workers:
     """`jobs` worker processes running `task(items)` for each of `groups` (lists of
     hashable items, in the order they will be needed), each group's items filtered by
-    `wanted(item)` when it is handed out; each answer (a dict) goes to `merge`."""
+    `wanted(item)` when it is handed out; each answer (a dict) goes to `merge`. A group
+    `g` of `after` is handed out once group `after[g]` is answered (its task is made
+    from that answer: a joint search's seeds); a later group that waits on nothing may
+    go first."""
 
     def __init__(
         self,
@@ -98,8 +103,10 @@ class Workers:
         task: Callable[[list], Callable[[], dict]],
         wanted: Callable[[Hashable], bool],
         merge: Callable[[dict], None],
+        after: dict[int, int] | None = None,
     ):
         self.groups, self.task, self.wanted, self.merge = groups, task, wanted, merge
+        self.after = after or {}
         self.group_of = {item: g for g, items in enumerate(groups) for item in items}
         self.handed: set[int] = set()  # groups handed out (or found with nothing wanted)
         self.answered: set[int] = set()
@@ -141,18 +148,28 @@ class Workers:
         else:
             self.answered.add(g)
 
+    def _ready(self, g: int) -> bool:
+        return g not in self.after or self.after[g] in self.answered
+
     def _top_up(self) -> None:
-        while self._busy() < self.jobs and self.next < len(self.groups):
-            if self.next not in self.handed:
-                self._hand_out(self.next)
+        g = self.next
+        while self._busy() < self.jobs and g < len(self.groups):
+            if g not in self.handed and self._ready(g):
+                self._hand_out(g)
+            g += 1
+        while self.next in self.handed:
             self.next += 1
 
     def need(self, item: Hashable) -> None:
         """Wait until `item`'s group is answered and merged (at once if it is not one of
-        the groups)."""
+        the groups), and the group it waits on (`after`) before it is handed out."""
         g = self.group_of.get(item)
-        if g is None:
-            return
+        if g is not None:
+            if g in self.after:
+                self._wait(self.after[g])
+            self._wait(g)
+
+    def _wait(self, g: int) -> None:
         if g not in self.handed:
             self._hand_out(g)
         self._top_up()  # here, not as an answer comes: `wanted` knows the caller's decisions

@@ -23,7 +23,9 @@ the Planner, without jax, when every op of the program has a plan rule), and the
    (`length`) beside any of them. The best state phase 1 kept that fits is extended, and
    every one over the limit; then the frontier is the best state and up to `beam`
    faster ones over the limit (as in phase 1), and its states not yet extended are
-   extended, best first, until none is left.
+   extended, best first, until none is left. The caller's `seeds` (layouts another
+   program chose: a joint search's, lowering/joint.py) join phase 1's states first,
+   mended to divide this program's dims (`_seeded`), so the climb may start from one.
 
 What the beams drop is not proved worse: memory over the axes still to give is no bound
 on a state's completions (phase 2 divides memory further by sharing an axis), and a
@@ -374,6 +376,7 @@ def auto_layout(
     candidates: Sequence[Layout | str] = (),
     training: Training | None = None,
     shared: Shared | None = None,
+    seeds: Sequence[Layout | str] = (),
 ) -> tuple[Layout, Search]:
     """The Layout with the least predicted step time of `fn(*inputs)` on `mesh` among those
     within `memory_limit` bytes per device, and the Search (candidates best first, and the
@@ -392,6 +395,11 @@ def auto_layout(
     `shared`: a lowering.bodies.Shared kept across the searches of programs that differ
     in remat alone (a plan's pairs), their scan bodies and plans planned once for all of
     them; the caller empties it when done (`Shared.forget`).
+    `seeds`: layouts (another program's choice: a joint search's lead pair's,
+    lowering/joint.py) that phase 2 may climb from beside phase 1's states: each one
+    whose dims the program has and divides as its axes need joins them, and the climb
+    starts from the best (`_seeded`). Where a seed is the best, the climb extends it
+    alone: about 40 candidates, not the 150 to 250 of a climb from phase 1.
     LayoutError when no candidate is valid and fits (its `search` holds the candidates
     weighed), or when one of `candidates` names a mesh axis `mesh` lacks or a dim the
     program lacks."""
@@ -406,6 +414,9 @@ def auto_layout(
     theirs = [c if isinstance(c, Layout) else Layout(c) for c in candidates]
     for layout in theirs:
         check_axes(layout.rules, mesh, f"auto_layout: candidate layout {layout}")
+    seeds = [s if isinstance(s, Layout) else Layout(s) for s in seeds]
+    for layout in seeds:
+        check_axes(layout.rules, mesh, f"auto_layout: seed layout {layout}")
     if training is not None and not wrt:
         raise ParameterError("auto_layout: training= plans a training step; give grad_argnums")
     cost = _Costing(fn, mesh, inputs, wrt or None, rates, limit, training, shared)
@@ -414,7 +425,9 @@ def auto_layout(
         _check_dims(layout, dims, "candidate")
     table = cost.table
     table.theirs, table._costing = tuple(map(cost.of, theirs)), cost
-    _share(cost, _by_axis(cost, mesh, dims, beam), mesh, dims, beam)
+    states = _by_axis(cost, mesh, dims, beam)
+    start_from = _seeded(cost, states, seeds, mesh, dims, beam) if seeds else states
+    _share(cost, start_from, mesh, dims, beam)
     if shared is None:  # else the caller's, shared with its other searches
         forget_passes(cost.graph)
     table.sort(key=lambda c: (_rank(c), len(c.layout.rules)))
@@ -539,6 +552,24 @@ def _best(cost, states: list[Pairs], fit: int, fast: int, room: float = 1.0) -> 
             least = cost(s).memory
     front.sort(key=lambda s: cost(s).memory)
     return list(dict.fromkeys([*ranked[:fit], *front[:fast]]))
+
+
+def _seeded(cost, states: list[Pairs], seeds, mesh, dims, beam: int) -> list[Pairs]:
+    """Phase 1's `states` and the `seeds` (layouts) as pairs, then the frontier of them
+    all (`_best`, as phase 1 keeps its own). A seed is mended to fit the program: a rule
+    whose dim it lacks left out, a dim's minor axes given up until their product divides
+    its size (a seed from a program of fewer rows, other microbatches, may split a batch
+    this one's does not divide)."""
+    seeded = []
+    for layout in seeds:
+        pairs = []
+        for d, axes in layout.rules:
+            axes = list(axes)
+            while d in dims and dims[d] % math.prod(mesh.sizes[a] for a in axes):
+                axes.pop()
+            pairs += [(d, a) for a in axes if d in dims]
+        seeded.append(tuple(pairs))
+    return _best(cost, [*states, *seeded], beam, beam)
 
 
 def _split(state: Pairs, dim: str, mesh) -> int:

@@ -40,9 +40,27 @@ def _plan(capsys, *flags) -> tuple[int, str, str]:
     return status, out, err
 
 
-def test_two_jobs_plan_what_one_does_the_work_done_in_the_workers(capsys, monkeypatch, moe5):
-    status, serial, err = _plan(capsys, *FLAGS, "--jobs", "1", "--json")
+# remat and attention searched on one mesh: its pairs but its lead (remat full, blockwise)
+# climb from the lead's layout (lowering/joint.py `_seeds`), the full attention group's
+# search waiting on the lead's group in the workers (`after`)
+SEEDED = ["--config", "moe5", "--mesh", "data=4,model=2", "--rates", "h100", "--batch", "16",
+          "--length", "32", "--grad-accum", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", [FLAGS, SEEDED], ids=["stages", "seeded"])
+def test_two_jobs_plan_what_one_does_the_work_done_in_the_workers(capsys, monkeypatch, moe5, flags):
+    import lowering.joint
+
+    seeded, search = [], lowering.joint.auto_layout
+
+    def noting(*args, seeds=(), **kwargs):
+        seeded.append(bool(seeds))
+        return search(*args, seeds=seeds, **kwargs)
+
+    monkeypatch.setattr(lowering.joint, "auto_layout", noting)
+    status, serial, err = _plan(capsys, *flags, "--jobs", "1", "--json")
     assert status == 0, err
+    assert any(seeded) == (flags is SEEDED), seeded
     # the workers import their own modules: in this process no pair may be searched
     import lowering.joint
     import lowering.stages
@@ -52,11 +70,13 @@ def test_two_jobs_plan_what_one_does_the_work_done_in_the_workers(capsys, monkey
 
     monkeypatch.setattr(lowering.joint, "auto_layout", here)
     monkeypatch.setattr(lowering.stages, "staged_choice", here)
-    status, parallel, err = _plan(capsys, *FLAGS, "--jobs", "2", "--json")
+    status, parallel, err = _plan(capsys, *flags, "--jobs", "2", "--json")
     assert status == 0, err
     got = json.loads(parallel)
     assert got == json.loads(serial)  # every figure, the next best and the printout
-    assert got["searched"] > 4 and "stage" in (got.get("pipelined") or got)["mesh"]
+    assert got["searched"] >= 4
+    if flags is FLAGS:
+        assert "stage" in (got.get("pipelined") or got)["mesh"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +144,31 @@ def test_bad_jobs_is_a_typed_error():
     with pytest.raises(ParameterError, match="jobs must be an int >= 1, got 0"):
         joint_search(None, [Mesh({"data": 2}, devices="abstract")], parse("h100"),
                      [Settings()], jobs=0)  # fmt: skip
+
+
+def test_a_group_is_handed_out_after_the_group_it_waits_on_is_answered(monkeypatch):
+    """`Workers(after=...)` (a seeded group waits on its lead's): held back until that
+    answer, a later group that waits on nothing going first meanwhile; `need` waits for
+    the lead's answer, then hands the group out. No processes: the hand-out and the
+    answers are recorded (oldest handed out answered first)."""
+    handed, answered = [], []
+
+    def hand_out(self, g):
+        self.handed.add(g)
+        handed.append(g)
+
+    def receive(self):
+        g = next(g for g in handed if g not in self.answered)
+        self.answered.add(g)
+        answered.append(g)
+
+    monkeypatch.setattr(joint_jobs.Workers, "_hand_out", hand_out)
+    monkeypatch.setattr(joint_jobs.Workers, "_receive", receive)
+    workers = joint_jobs.Workers(2, [["lead"], ["seeded"], ["other"]], None, lambda item: True,
+                                 None, after={1: 0})  # fmt: skip
+    try:
+        assert handed == [0, 2]  # "seeded" waits for the lead's answer; "other" goes first
+        workers.need("seeded")
+        assert handed == [0, 2, 1] and answered == [0, 2, 1]
+    finally:
+        workers.close()

@@ -122,3 +122,53 @@ def test_search_finds_the_brute_force_optimum_within_the_limit(name, sizes, shap
     assert chosen.time <= best_time * (1 + 1e-9), (
         f"chose {layout} at {chosen.time * 1e3:.4g} ms; {best} plans at {best_time * 1e3:.4g} ms"
     )
+
+
+def _best_within(table, limit):
+    return min((r for r in table if r[1] <= limit), key=lambda r: r[0])
+
+
+@pytest.mark.parametrize("name, sizes, shape", CASES)
+@pytest.mark.parametrize("quantile, seeded_at", [(0.05, None), (0.3, 0.02), (None, 0.05)])
+def test_a_search_seeded_with_another_limits_optimum_finds_this_ones(
+    name, sizes, shape, quantile, seeded_at
+):
+    """`seeds` (a joint search's lead pair's choice, lowering/joint.py): seeded with the
+    brute-force optimum under another limit (a program that needs more or less memory
+    chose it), the climb still ends on this limit's optimum; and where the seed is it,
+    on fewer candidates than the climb from phase 1 alone."""
+    table = brute_force(name, sizes, shape)
+    memories = sorted({m for _, m, _ in table})
+    at = lambda q: math.inf if q is None else memories[int(q * (len(memories) - 1))]
+    limit, seed = at(quantile), _best_within(table, at(seeded_at))[2]
+    best_time, _, best = _best_within(table, limit)
+    fn, inputs, wrt = program(name, shape)
+    mesh = Mesh(dict(sizes), devices="abstract")
+    search = functools.partial(auto_layout, fn, mesh, *inputs, grad_argnums=wrt,
+                               rates="tpu_v2", memory_limit=limit)  # fmt: skip
+    layout, found = search(seeds=[seed])
+    assert found[0].memory <= limit
+    assert found[0].time <= best_time * (1 + 1e-9), (
+        f"seeded with {seed}: chose {layout} at {found[0].time * 1e3:.4g} ms; {best} plans "
+        f"at {best_time * 1e3:.4g} ms"
+    )
+    _, alone = search()
+    _, at_best = search(seeds=[alone[0].layout])
+    assert at_best[0].time == alone[0].time and len(at_best) <= len(alone)
+
+
+def test_a_seed_on_an_axis_the_mesh_lacks_is_a_layout_error_one_not_dividing_is_mended():
+    from namedmesh.errors import LayoutError
+
+    fn, inputs, wrt = program("mlp", (6, 256, 256))
+    mesh = Mesh({"x": 2, "y": 4}, devices="abstract")
+    search = functools.partial(auto_layout, fn, mesh, *inputs, grad_argnums=wrt, rates="tpu_v2",
+                               memory_limit=math.inf, beam=1)  # fmt: skip
+    with pytest.raises(LayoutError, match="seed layout batch:z"):
+        search(seeds=["batch:z"])
+    rows = lambda table: [(str(c.layout), c.time, c.memory) for c in table]
+    # batch 6 over x,y (8 ways) does not divide: the seed climbs as batch:x (6 % 2 == 0)
+    _, mended = search(seeds=["batch:x;d_ff:y"])
+    _, found = search(seeds=["batch:x,y;d_ff:y"])
+    _, alone = search()
+    assert rows(found) == rows(mended) != rows(alone)
