@@ -10,7 +10,7 @@ takes it (models/io/source.py). --data is anything `train --data`
 takes (text, .bin/.npy token ids, JSON lines, Parquet, a datasets folder). The data is
 cut into consecutive windows of --length + 1 tokens, each starting where the previous
 one's targets end (every token after the first is predicted once, from up to --length
-tokens before it); prints the mean next-token cross-entropy in nats per token, its
+tokens before it; the last window holds what is left); prints the mean next-token cross-entropy in nats per token, its
 perplexity (exp of it) and bits per byte (nats / ln 2 / the data's UTF-8 bytes per
 token), with a progress bar over the batches. Chat data (JSON lines of `messages`,
 docs/chat.md) is rendered with the model's chat template and packed into rows of

@@ -144,12 +144,20 @@ class Corpus:
         self.valid_bytes = byte_length(held_out, tokenizer)
         self.length, self.objective = length, objective
         self.window = objectives.window_length(objective, length)
-        for name, ids in (("train", self.train), ("validation", self.valid)):
-            if len(ids) < self.window + 1:
-                raise DataError(
-                    f"the {name} split has {len(ids)} tokens, fewer than a sequence of "
-                    f"{self.window}; use a longer text or a shorter --length"
-                )
+        # `eval` passes its data as both splits: it scores it and draws no training windows
+        if valid is not text and len(self.train) < self.window + 1:
+            raise DataError(
+                f"the train split has {len(self.train)} tokens; a training window draws "
+                f"{self.window} from {self.window + 1} or more: use a longer text or a "
+                "shorter --length"
+            )
+        if len(self.valid) < (least := 2 if objective == "lm" else self.window):
+            what = "--data" if valid is text else "the validation split"
+            raise DataError(
+                f"{what} has {len(self.valid)} token(s), fewer than the {least} "
+                f"{'a next-token prediction' if objective == 'lm' else 'a window'} needs"
+                f"{'' if objective == 'lm' else ': use a longer text or a shorter --length'}"
+            )
 
     def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:
         """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone.
@@ -159,10 +167,19 @@ class Corpus:
         starts = rng.integers(0, len(self.train) - self.window, size=batch)
         return self._examples(self.train, starts, rng, rows)
 
+    def validation_starts(self) -> np.ndarray:
+        """Where `validation_batches`' windows start: every --length tokens, so that
+        each window's first input is the previous one's last target. Next-token windows
+        run while a target is left (the last may end past the data: its missing targets
+        weigh 0), so every token after the first is scored once; other objectives' windows
+        lie whole in the data."""
+        last = len(self.valid) - (1 if self.objective == "lm" else self.window - 1)
+        return np.arange(0, max(last, 0), self.length)
+
     def validation_batches(self, batch: int, max_batches: int | None = None):
-        """Consecutive windows covering the validation split (the last batch padded with
-        zero-weight rows); the same every time."""
-        starts = np.arange(0, len(self.valid) - self.window, self.length)
+        """Consecutive windows covering the validation split (`validation_starts`; the
+        last batch padded with zero-weight rows); the same every time."""
+        starts = self.validation_starts()
         if max_batches is not None:
             starts = starts[: max_batches * batch]
         for i in range(0, len(starts), batch):
@@ -172,14 +189,21 @@ class Corpus:
             yield out
 
     def _examples(self, ids, starts, rng, rows=None) -> dict[str, np.ndarray]:
+        """The objective's batch of windows at `starts` (of `rows` alone; the rest zeros);
+        a window past the end of `ids` is padded with 0, its targets there weighing 0."""
         rows = np.arange(len(starts)) if rows is None else np.asarray(rows, dtype=np.int64)
+        at = starts[rows, None] + np.arange(self.window)[None, :]
+        inside = at < len(ids)
         windows = np.zeros((len(starts), self.window), np.int32)
-        windows[rows] = ids[starts[rows, None] + np.arange(self.window)[None, :]]
-        return objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
+        windows[rows] = np.where(inside, ids[np.minimum(at, len(ids) - 1)], 0)
+        out = objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
+        if not inside.all():  # lm windows alone end past the data (validation_starts)
+            out["weights"][rows] *= inside[:, 1:]
+        return out
 
     def validation_windows(self) -> int:
         """The windows `validation_batches` covers: one per --length tokens."""
-        return len(range(0, len(self.valid) - self.window, self.length))
+        return len(self.validation_starts())
 
     def bytes_per_token(self) -> float:
         """Validation bytes per validation token (1 for the byte tokenizer)."""

@@ -1,0 +1,99 @@
+"""`namedmesh eval` at its edges, against transformers: a tiny GPT-2 built from a config
+(bytes as tokens, no tokenizer file), its mean next-token NLL computed in torch by hand
+over windows cut by the documented rule written here apart (a window every --length
+tokens, each predicting the --length tokens after its first, the last one shorter),
+with data whose end falls inside a window, on one exactly, or before the first ends,
+and batches that do not divide the windows."""
+
+import math
+
+import numpy as np
+import pytest
+
+from models.cli import evaluate
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 3 + "end!"  # 139 bytes
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """(folder, model): a GPT-2 of 2 layers, its weights moved off their init so that
+    its tokens' losses differ."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    cfg = transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def torch_nll(model, ids: np.ndarray, length: int) -> tuple[float, int]:
+    """(mean NLL, tokens predicted): windows at 0, length, 2 length, ..., each scoring
+    the targets after its first token up to `length` of them, until every token but the
+    first is scored once; float64 log-softmax of transformers' logits."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, length):
+        window = torch.tensor(ids[start : start + length + 1], dtype=torch.long)
+        with torch.no_grad():
+            logits = model(window[None, :-1]).logits[0].double()
+        logp = torch.log_softmax(logits, -1)
+        total -= logp[torch.arange(len(window) - 1), window[1:]].sum().item()
+        count += len(window) - 1
+    return total / count, count
+
+
+def run_eval(folder, path, *flags) -> dict:
+    return evaluate.evaluate(evaluate.arguments([str(folder), "--data", str(path), *flags]))
+
+
+@pytest.mark.parametrize(
+    "text, length, batch",
+    [
+        (TEXT, 16, 3),  # 138 targets: 8 windows of 16 and one of 10; batches of 3, 3, 3
+        (TEXT[:129], 16, 4),  # 128 targets: 8 whole windows, the last ending on the data's end
+        (TEXT[:6], 16, 2),  # 5 targets: fewer than one window's 16
+    ],
+    ids=["tail", "exact", "short"],
+)
+def test_eval_scores_every_token_after_the_first_once(gpt2, tmp_path, text, length, batch):
+    folder, model = gpt2
+    path = tmp_path / "data.txt"
+    path.write_text(text)
+    ids = np.frombuffer(text.encode(), np.uint8)
+    want, count = torch_nll(model, ids, length)
+    out = run_eval(folder, path, "--length", str(length), "--batch", str(batch), "--quiet")
+    assert out["tokens"] == count == len(ids) - 1
+    assert out["windows"] == math.ceil(count / length)
+    assert out["loss"] == pytest.approx(want, abs=2e-5)
+    assert out["perplexity"] == pytest.approx(math.exp(want), rel=1e-4)
+    assert out["bits_per_byte"] == pytest.approx(want / math.log(2), rel=1e-4)
+
+
+def test_eval_max_batches_scores_the_first_windows_alone(gpt2, tmp_path):
+    folder, model = gpt2
+    path = tmp_path / "data.txt"
+    path.write_text(TEXT)
+    ids = np.frombuffer(TEXT.encode(), np.uint8)
+    want, count = torch_nll(model, ids[: 2 * 3 * 16 + 1], 16)  # 2 batches of 3 windows
+    out = run_eval(folder, path, "--length", "16", "--batch", "3", "--max-batches", "2")
+    assert (out["tokens"], out["windows"]) == (count, 6) == (96, 6)
+    assert out["loss"] == pytest.approx(want, abs=2e-5)
+
+
+def test_eval_of_one_token_says_it_predicts_none(gpt2, tmp_path, capsys):
+    folder, _ = gpt2
+    path = tmp_path / "one.txt"
+    path.write_text("x")
+    assert evaluate.main([str(folder), "--data", str(path), "--length", "16", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert "--data has 1 token" in err[0] and "train split" not in err[0]
