@@ -97,3 +97,12 @@ def test_eval_of_one_token_says_it_predicts_none(gpt2, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0]
     assert "--data has 1 token" in err[0] and "train split" not in err[0]
+
+
+def test_eval_of_a_run_of_another_objective_says_eval_needs_a_decoder_lm(tmp_path, capsys):
+    (tmp_path / "run.json").write_text('{"model": "bert", "config": "tiny"}')
+    (tmp_path / "data.txt").write_text(TEXT)
+    assert evaluate.main([str(tmp_path), "--data", str(tmp_path / "data.txt")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "'bert'" in err and "eval measures next-token perplexity" in err
+    assert "generation" not in err

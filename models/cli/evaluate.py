@@ -6,21 +6,20 @@
 
 SOURCE is a training run's --out folder (its latest checkpoint, or --step's, and its
 tokenizer) or a Hugging Face folder of a decoder LM (gpt2, llama), as every subcommand
-takes it (models/io/source.py). --data is anything `train --data`
-takes (text, .bin/.npy token ids, JSON lines, Parquet, a datasets folder). The data is
-cut into consecutive windows of --length + 1 tokens, each starting where the previous
-one's targets end (every token after the first is predicted once, from up to --length
-tokens before it; the last window holds what is left); prints the mean next-token cross-entropy in nats per token, its
-perplexity (exp of it) and bits per byte (nats / ln 2 / the data's UTF-8 bytes per
-token), with a progress bar over the batches. Chat data (JSON lines of `messages`,
-docs/chat.md) is rendered with the model's chat template and packed into rows of
---length: the loss is over the assistant's tokens alone.
+takes it (models/io/source.py). --data is anything `train --data` takes (text, .bin/.npy
+token ids, JSON lines, Parquet, a datasets folder). The data is cut into consecutive
+windows of --length + 1 tokens, each starting where the previous one's targets end
+(every token after the first is predicted once, from up to --length tokens before it;
+the last window holds what is left); prints the mean next-token cross-entropy in nats
+per token, its perplexity (exp of it) and bits per byte (nats / ln 2 / the data's UTF-8
+bytes per token), with a progress bar over the batches. Chat data (JSON lines of
+`messages`, docs/chat.md) is rendered with the model's chat template and packed into
+rows of --length: the loss is over the assistant's tokens alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -78,13 +77,21 @@ def load(folder: str, step: int | None = None):
     default) or a Hugging Face decoder LM folder (ParameterError for a `step`)."""
     from models import zoo
     from models.cli import generate
-    from models.io import hub
+    from models.io import files, hub
     from models.training import data
+    from models.training.checkpoint import CheckpointError
 
     path = Path(folder)
-    if (path / "run.json").exists() or step is not None:  # generate.load says what is wrong
-        params, cfg, tokenizer = generate.load(path, step)
-        return zoo.get(json.loads((path / "run.json").read_text())["model"]), params, cfg, tokenizer
+    if (path / "run.json").exists():  # a run: its model said before generate.load's words
+        name = files.read_json(path / "run.json", "the run's record")["model"]
+        if zoo.get(name).objective != "lm":
+            raise CheckpointError(
+                f"{folder} holds a {name!r} model; eval measures next-token perplexity of "
+                "a decoder LM (lm, moe)"
+            )
+        return zoo.get(name), *generate.load(path, step)
+    if step is not None:  # not a run: generate.load refuses the step, naming the folder
+        generate.load(path, step)
     family, _ = hub.read_config(path)
     if family not in hub.DECODERS:
         raise hub.UnsupportedModelError(
