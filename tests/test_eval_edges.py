@@ -73,6 +73,10 @@ def test_eval_scores_every_token_after_the_first_once(gpt2, tmp_path, text, leng
     out = run_eval(folder, path, "--length", str(length), "--batch", str(batch), "--quiet")
     assert out["tokens"] == count == len(ids) - 1
     assert out["windows"] == math.ceil(count / length)
+    # a text shorter than a window is one window of its own length, not one padded to it
+    assert (out["length"], out["length_from"]) == (
+        (length, "--length") if count >= length else (count, "the data's length")
+    )
     assert out["loss"] == pytest.approx(want, abs=2e-5)
     assert out["perplexity"] == pytest.approx(math.exp(want), rel=1e-4)
     assert out["bits_per_byte"] == pytest.approx(want / math.log(2), rel=1e-4)

@@ -103,6 +103,19 @@ def load(folder: str, step: int | None = None):
     return zoo.get("lm"), model.params, model.config, tok
 
 
+def cut(text, tokenizer, length: int, objective: str, source: str):
+    """(corpus, window): `text` (as corpora.load reads it) cut into windows of `length`
+    tokens, or, text or token ids shorter than one, into one window of their own length
+    (not one padded to it: a Llama folder's default length is 131,072)."""
+    from models.training import corpora, data
+
+    corpus = corpora.make(text, tokenizer, length, objective, text, template_folder(source))
+    if isinstance(corpus, data.Corpus) and len(corpus.valid) - 1 < length:
+        shorter = len(corpus.valid) - 1  # Corpus refused data with nothing to predict
+        return corpora.make(text, tokenizer, shorter, objective, text), shorter
+    return corpus, length
+
+
 def evaluate(args, dog=None) -> dict:
     """{"loss", "perplexity", "bits_per_byte", "tokens"} of the model on the data; with
     several processes, every wait on the others bounded by `dog` (models/training/watchdog.py)."""
@@ -128,10 +141,9 @@ def evaluate(args, dog=None) -> dict:
             f"--length {length} is longer than the {cfg.learned_positions} positions of "
             f"{args.source}"
         )
-    cfg = cfg.replace(batch=args.batch, length=length, dropout=0.0, moe_loss=0.0)
     text = corpora.load(args.data, "--data", args.text_field, args.data_format)
-    folder = template_folder(args.source)
-    corpus = corpora.make(text, tokenizer, length, model.objective, text, folder)
+    corpus, window = cut(text, tokenizer, length, model.objective, args.source)
+    cfg = cfg.replace(batch=args.batch, length=window, dropout=0.0, moe_loss=0.0)
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))
@@ -148,14 +160,15 @@ def evaluate(args, dog=None) -> dict:
     quiet = args.quiet or jax.process_index() != 0
     bar = tqdm(batches, total=total, disable=quiet, unit="batch", dynamic_ncols=True)
     loss, tokens = trainer.evaluate(state, paced(bar, dog, "batch"))
+    told = "--length" if args.length else "the model's training length"
     return {
         "loss": loss,
         "perplexity": math.exp(loss),
         "bits_per_byte": bits_per_byte(loss, corpus.bytes_per_token()),
         "tokens": tokens,
-        "length": length,  # the window: tokens scored per window, each after its previous
+        "length": window,  # the window: tokens scored per window, each after its previous
         "windows": min(windows, total * args.batch),
-        "length_from": "--length" if args.length else "the model's training length",
+        "length_from": told if window == length else "the data's length",
     }
 
 
