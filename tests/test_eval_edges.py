@@ -3,13 +3,24 @@
 over windows cut by the documented rule written here apart (a window every --length
 tokens, each predicting the --length tokens after its first, the last one shorter),
 with data whose end falls inside a window, on one exactly, or before the first ends,
-and batches that do not divide the windows."""
+and batches that do not divide the windows.
+
+And auto_layout's choices run: a Transformer layer's loss laid out as the search chose
+under a memory limit that binds, on the 8 simulated devices as 2x4 and 2x2x2 meshes
+(and unbound on 8), equals its value and gradients on one device, and its compiled
+value_and_grad holds the collectives the chosen candidate counted (none where it
+counted none)."""
 
 import math
 
+import jax
 import numpy as np
 import pytest
 
+import namedmesh as nm
+from lowering import Layout, Mesh, auto_layout, lower
+from lowering.hlo import collectives
+from lowering.search import cost_layout
 from models.cli import evaluate
 
 torch = pytest.importorskip("torch")
@@ -110,3 +121,65 @@ def test_eval_of_a_run_of_another_objective_says_eval_needs_a_decoder_lm(tmp_pat
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert "'bert'" in err and "eval measures next-token perplexity" in err
     assert "generation" not in err
+
+
+def layer(x, wq, wk, wv, wo, w1, w2):
+    """A Transformer layer's loss: attention and a ReLU FFN, with residuals."""
+    q = nm.einsum(x, wq)
+    k = nm.rename(nm.einsum(x, wk), seq="kseq")
+    v = nm.rename(nm.einsum(x, wv), seq="kseq")
+    att = nm.softmax(nm.einsum(q, k, out="batch heads seq kseq") * 0.125, "kseq")
+    x = x + nm.einsum(nm.einsum(att, v, out="batch seq heads d_head"), wo, out="batch seq d_model")
+    y = x + nm.einsum(nm.relu(nm.einsum(x, w1)), w2, out="batch seq d_model")
+    return (y * y).mean()
+
+
+def layer_inputs():
+    rng = np.random.default_rng(0)
+    draw = lambda **sizes: nm.tensor(
+        rng.normal(size=tuple(sizes.values())).astype(np.float32) * 0.5, " ".join(sizes)
+    )
+    proj = dict(d_model=16, heads=4, d_head=8)
+    x = draw(batch=4, seq=8, d_model=16)
+    out = draw(heads=4, d_head=8, d_model=16)
+    return (
+        x,
+        draw(**proj),
+        draw(**proj),
+        draw(**proj),
+        out,
+        draw(d_model=16, d_ff=32),
+        draw(d_ff=32, d_model=16),
+    )
+
+
+@pytest.mark.parametrize(
+    "sizes, squeeze",
+    [({"a": 8}, None), ({"a": 2, "b": 4}, 3), ({"a": 2, "b": 2, "c": 2}, 3)],
+    ids=["8", "2x4", "2x2x2"],
+)
+def test_auto_layouts_choice_runs_as_one_device_and_compiles_what_it_counted(sizes, squeeze):
+    inputs = layer_inputs()
+    mesh, wrt = Mesh(sizes), tuple(range(1, 7))
+    whole = cost_layout(layer, mesh, *inputs, layout="", grad_argnums=wrt, rates="h100").memory
+    limit = whole / squeeze if squeeze else None
+    layout, search = auto_layout(
+        layer, mesh, *inputs, grad_argnums=wrt, rates="h100", memory_limit=limit
+    )
+    assert (layout == Layout("")) == (squeeze is None)  # the limit binds
+    lowered = lower(layer, mesh, layout)
+    weights = [w.data for w in inputs[1:]]
+
+    def loss(run, *ws):
+        return run(
+            inputs[0], *(nm.tensor(w, t.dims) for w, t in zip(ws, inputs[1:], strict=True))
+        ).data
+
+    step = jax.jit(jax.value_and_grad(lambda *ws: loss(lowered, *ws), tuple(range(6))))
+    value, grads = step(*weights)
+    want, wanted = jax.value_and_grad(lambda *ws: loss(layer, *ws), tuple(range(6)))(*weights)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for got, expected in zip(grads, wanted, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+    compiled = collectives(step.lower(*weights).compile().as_text())
+    assert len([c for c in compiled if c[2] != 1]) == search[0].collectives
