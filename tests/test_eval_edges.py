@@ -12,6 +12,7 @@ value_and_grad holds the collectives the chosen candidate counted (none where it
 counted none)."""
 
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,6 +23,7 @@ from lowering import Layout, Mesh, auto_layout, lower
 from lowering.hlo import collectives
 from lowering.search import cost_layout
 from models.cli import evaluate
+from models.training import data, datasets
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -121,6 +123,24 @@ def test_eval_of_a_run_of_another_objective_says_eval_needs_a_decoder_lm(tmp_pat
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert "'bert'" in err and "eval measures next-token perplexity" in err
     assert "generation" not in err
+
+
+@pytest.mark.parametrize("length, batch", [(1, 1), (3, 2), (8, 3)])
+def test_validation_windows_score_each_token_after_the_first_once_in_context(length, batch):
+    """Token ids 0 ... n - 1 (each its own position): the weighted targets of every
+    batch are 1 ... n - 1, each once, after the tokens just before it in its window."""
+    for n in range(2, 30):
+        ids = datasets.Tokens(np.arange(n), Path("ids.npy"))
+        corpus = data.Corpus(ids, data.ByteTokenizer(), length, valid=ids)
+        scored = []
+        for b in corpus.validation_batches(batch):
+            rows, cols = np.nonzero(b["weights"])
+            for r, c in zip(rows, cols, strict=True):
+                target = b["targets"][r, c]
+                assert list(b["inputs"][r, : c + 1]) == list(range(target - c - 1, target))
+                scored.append(int(target))
+        assert sorted(scored) == list(range(1, n)), (n, length, batch)
+        assert corpus.validation_windows() == math.ceil((n - 1) / length)
 
 
 def layer(x, wq, wk, wv, wo, w1, w2):
