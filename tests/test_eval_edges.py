@@ -143,6 +143,20 @@ def test_validation_windows_score_each_token_after_the_first_once_in_context(len
         assert corpus.validation_windows() == math.ceil((n - 1) / length)
 
 
+def test_bits_per_byte_of_the_first_batches_counts_their_bytes():
+    """--max-batches: bits per byte over the bytes of the targets scored (English, where
+    the text goes on in Japanese, whose tokens hold more bytes), not the whole text's."""
+    text = "The quick brown fox jumps over the lazy dog. " * 20 + "日本語の文章です。" * 40
+    tok = data.BPETokenizer.train(text, 300)
+    corpus = data.Corpus(text, tok, 16, valid=text)
+    batches = list(corpus.validation_batches(3, 2))
+    scored = np.concatenate([b["targets"][b["weights"] > 0] for b in batches])
+    want = len(tok.decode(scored).encode("utf-8")) / len(scored)
+    assert corpus.bytes_per_token(6) == pytest.approx(want, rel=1e-6)
+    assert corpus.bytes_per_token(6) < 0.8 * corpus.bytes_per_token()  # the whole text's
+    assert corpus.bytes_per_token(corpus.validation_windows()) == corpus.bytes_per_token()
+
+
 def layer(x, wq, wk, wv, wo, w1, w2):
     """A Transformer layer's loss: attention and a ReLU FFN, with residuals."""
     q = nm.einsum(x, wq)

@@ -11,10 +11,10 @@ token ids, JSON lines, Parquet, a datasets folder). The data is cut into consecu
 windows of --length + 1 tokens, each starting where the previous one's targets end
 (every token after the first is predicted once, from up to --length tokens before it;
 the last window holds what is left); prints the mean next-token cross-entropy in nats
-per token, its perplexity (exp of it) and bits per byte (nats / ln 2 / the data's UTF-8
-bytes per token), with a progress bar over the batches. Chat data (JSON lines of
-`messages`, docs/chat.md) is rendered with the model's chat template and packed into
-rows of --length: the loss is over the assistant's tokens alone.
+per token, its perplexity (exp of it) and bits per byte (nats / ln 2 / the scored
+tokens' UTF-8 bytes per token), with a progress bar over the batches. Chat data (JSON
+lines of `messages`, docs/chat.md) is rendered with the model's chat template and packed
+into rows of --length: the loss is over the assistant's tokens alone.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def evaluate(args, dog=None) -> dict:
     return {
         "loss": loss,
         "perplexity": math.exp(loss),
-        "bits_per_byte": bits_per_byte(loss, corpus.bytes_per_token()),
+        "bits_per_byte": bits_per_byte(loss, corpus.bytes_per_token(total * args.batch)),
         "tokens": tokens,
         "length": window,  # the window: tokens scored per window, each after its previous
         "windows": min(windows, total * args.batch),

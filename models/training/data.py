@@ -205,9 +205,16 @@ class Corpus:
         """The windows `validation_batches` covers: one per --length tokens."""
         return len(self.validation_starts())
 
-    def bytes_per_token(self) -> float:
-        """Validation bytes per validation token (1 for the byte tokenizer)."""
-        return self.valid_bytes / max(len(self.valid), 1)
+    def bytes_per_token(self, windows: int | None = None) -> float:
+        """Validation bytes per validation token (1 for the byte tokenizer); with
+        `windows` fewer than all (eval's --max-batches), of the tokens the first
+        `windows` score (of a token file, of their first SAMPLE_TOKENS), whose bytes
+        per token may be another than the whole split's."""
+        if windows is None or windows >= self.validation_windows():
+            return self.valid_bytes / max(len(self.valid), 1)
+        end = self.validation_starts()[windows - 1] + self.window
+        scored = np.asarray(self.valid[1:end][:SAMPLE_TOKENS])
+        return len(self.tokenizer.decode(scored).encode("utf-8")) / len(scored)
 
 
 SAMPLE_TOKENS = 1 << 20  # token ids decoded to measure the bytes per token of a token file
