@@ -144,20 +144,29 @@ class Corpus:
         self.valid_bytes = byte_length(held_out, tokenizer)
         self.length, self.objective = length, objective
         self.window = objectives.window_length(objective, length)
-        # `eval` passes its data as both splits: it scores it and draws no training windows
+        self._check_sizes(text, valid)
+
+    def _check_sizes(self, text, valid) -> None:
+        """DataError naming the split too short: the train split for a training window
+        drawn from it (`eval` passes its data as both splits and trains on none), the
+        validation split for one target (for objectives other than lm, a whole window)."""
         if valid is not text and len(self.train) < self.window + 1:
             raise DataError(
                 f"the train split has {len(self.train)} tokens; a training window draws "
                 f"{self.window} from {self.window + 1} or more: use a longer text or a "
                 "shorter --length"
             )
-        if len(self.valid) < (least := 2 if objective == "lm" else self.window):
-            what = "--data" if valid is text else "the validation split"
-            raise DataError(
-                f"{what} has {len(self.valid)} token(s), fewer than the {least} "
-                f"{'a next-token prediction' if objective == 'lm' else 'a window'} needs"
-                f"{'' if objective == 'lm' else ': use a longer text or a shorter --length'}"
-            )
+        lm = self.objective == "lm"
+        if len(self.valid) >= (least := 2 if lm else self.window):
+            return
+        what = "--data" if valid is text else "--val-data"
+        if valid is None:
+            what = "--data's validation split (its last tenth)"
+        raise DataError(
+            f"{what} has {len(self.valid)} token(s), fewer than the {least} "
+            f"{'a next-token prediction' if lm else 'a window'} needs"
+            f"{'' if lm else ': use a longer text or a shorter --length'}"
+        )
 
     def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:
         """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone.
