@@ -148,15 +148,15 @@ class Corpus:
 
     def _check_sizes(self, text, valid) -> None:
         """DataError naming the split too short: the train split for a training window
-        drawn from it (`eval` passes its data as both splits and trains on none), the
-        validation split for one target (for objectives other than lm, a whole window)."""
+        drawn from it, the validation split for one whole window; `eval` (which passes
+        its data as both splits and trains on none) for one next-token target."""
         if valid is not text and len(self.train) < self.window + 1:
             raise DataError(
                 f"the train split has {len(self.train)} tokens; a training window draws "
                 f"{self.window} from {self.window + 1} or more: use a longer text or a "
                 "shorter --length"
             )
-        lm = self.objective == "lm"
+        lm = self.objective == "lm" and valid is text  # eval's next-token windows
         if len(self.valid) >= (least := 2 if lm else self.window):
             return
         what = "--data" if valid is text else "--val-data"
@@ -164,7 +164,7 @@ class Corpus:
             what = "--data's validation split (its last tenth)"
         raise DataError(
             f"{what} has {len(self.valid)} token(s), fewer than the {least} "
-            f"{'a next-token prediction' if lm else 'a window'} needs"
+            f"{'a next-token prediction' if lm else 'one window'} needs"
             f"{'' if lm else ': use a longer text or a shorter --length'}"
         )
 
