@@ -137,19 +137,19 @@ def test_a_turn_ends_at_an_eos_id_of_generation_config(gemma_folder):
 
 
 @pytest.mark.parametrize("n", [5, 9, 11, 12, 13])
-def test_validation_windows_cover_every_token_that_fits(n):
-    """The validation targets are the split's tokens after the first, --length at a
-    time, as many whole windows as fit: 9 tokens at --length 4 are two windows (the
-    last, ending at the last token, was left out) and 5 tokens one (refused before)."""
+def test_validation_windows_cover_every_token(n):
+    """The validation targets are the split's tokens after the first, each once, --length
+    at a time: the last window ends past the data where the split's length asks it (its
+    missing targets weigh 0). 9 tokens at --length 4 are two windows (the last, ending
+    at the last token, was left out once) and 5 tokens one (refused once)."""
     text, length = "abcdefghijklm"[:n], 4
     corpus = data.Corpus("x" * 100, data.ByteTokenizer(), length, valid=text)
     batches = list(corpus.validation_batches(3))
-    got = np.concatenate([b["targets"][b["weights"][:, 0] > 0].ravel() for b in batches])
-    whole = (n - 1) // length * length  # targets of the windows that fit
-    assert bytes(got.astype(np.uint8)).decode() == text[1 : 1 + whole]
-    assert corpus.validation_windows() == whole // length
-    with pytest.raises(data.DataError, match="train split has 5 tokens, but a sequence of "
-                       "--length 4 needs 6"):  # fmt: skip
+    got = np.concatenate([b["targets"][b["weights"] > 0].ravel() for b in batches])
+    assert bytes(got.astype(np.uint8)).decode() == text[1:]
+    assert corpus.validation_windows() == -(-(n - 1) // length)
+    with pytest.raises(data.DataError, match="train split has 5 tokens; a training window "
+                       "draws 5 from 6 or more"):  # fmt: skip
         data.Corpus("x" * 5, data.ByteTokenizer(), length, valid=text)
 
 

@@ -103,17 +103,19 @@ def test_make_demo_installs_no_test_extras():
 
 
 def numpy_loss(run_dir: Path, ids: np.ndarray, length: int) -> float:
-    """Mean next-token cross-entropy over consecutive windows of length + 1 tokens,
+    """Mean next-token cross-entropy over windows of up to length + 1 tokens every
+    `length` tokens (the last one shorter: every token after the first scored once),
     from the model's logits, log-softmax and gather in NumPy."""
     params, cfg, _ = generate.load(run_dir)
-    starts = np.arange(0, len(ids) - (length + 1), length)
-    windows = ids[starts[:, None] + np.arange(length + 1)].astype(np.int32)
-    logits = transformer.lm_logits(params, nm.tensor(windows[:, :-1], "batch length"), cfg)
-    z = np.asarray(logits.transpose("batch", "length", "vocab").data, np.float64)
-    z = z - z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    targets = windows[:, 1:]
-    return -np.take_along_axis(logp, targets[..., None], -1).mean()
+    nll = []
+    for start in range(0, len(ids) - 1, length):
+        window = ids[start : start + length + 1].astype(np.int32)[None]
+        logits = transformer.lm_logits(params, nm.tensor(window[:, :-1], "batch length"), cfg)
+        z = np.asarray(logits.transpose("batch", "length", "vocab").data, np.float64)
+        z = z - z.max(-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        nll.extend(-np.take_along_axis(logp, window[:, 1:, None], -1).ravel())
+    return float(np.mean(nll))
 
 
 @pytest.mark.parametrize(
@@ -136,8 +138,8 @@ def test_eval_equals_the_perplexity_numpy_computes_from_the_logits(run, mesh, ca
     assert loss == pytest.approx(expect, abs=1e-4)
     assert ppl == pytest.approx(math.exp(expect), rel=1e-3)
     assert bpb == pytest.approx(expect / math.log(2), abs=1e-3)  # byte tokenizer: 1 byte
-    windows = len(np.arange(0, len(ids) - 17, 16))  # numpy_loss's windows of 16 + 1 ids
-    said = f"over {windows * 16:,} tokens in {windows:,} windows of 16 (the model's training"
+    windows = len(range(0, len(ids) - 1, 16))  # numpy_loss's windows of up to 16 + 1 ids
+    said = f"over {len(ids) - 1:,} tokens in {windows:,} windows of 16 (the model's training"
     assert said in out.out  # its window, as it must be told to compare scores
 
 

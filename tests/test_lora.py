@@ -302,3 +302,24 @@ def test_adapter_dropout_zeroes_inputs_and_scales_the_rest_as_peft():
         assert set(np.unique(g)) == {0.0, 2.0} and 0.3 < (g == 0).mean() < 0.7
     assert not np.array_equal(got[0], got[1])
     assert np.array_equal(layer(lora.bind(p, spec), 0), np.ones((4, 8, 8)))
+
+
+def test_eval_of_a_lora_run_scores_the_adapted_model_as_transformers_does(run, merged, tmp_path):
+    """eval of the run (its adapters merged as it loads) against the mean NLL transformers
+    gives the merged export over the same windows of 16 (the last one shorter)."""
+    from models.cli import evaluate
+
+    text = data.split(data.load_text())[1][:300]
+    (tmp_path / "val.txt").write_text(text)
+    ids = data.load_tokenizer(run[0]).encode(text)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+    nll = []
+    for start in range(0, len(ids) - 1, 16):
+        window = torch.tensor(ids[start : start + 17], dtype=torch.long)[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(window[:, :-1]).logits[0].double(), -1)
+        nll += (-logp[torch.arange(window.shape[1] - 1), window[0, 1:]]).tolist()
+    args = [str(run[0]), "--data", str(tmp_path / "val.txt"), "--length", "16", "--quiet"]
+    got = evaluate.evaluate(evaluate.arguments(args))
+    assert got["tokens"] == len(nll) == len(ids) - 1
+    np.testing.assert_allclose(got["loss"], np.mean(nll), rtol=1e-5)

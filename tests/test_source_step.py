@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_train_cli import SMALL  # noqa: E402
 
 LENGTH, PROMPT, NEW = 16, "def f(x):", 6
-TEXT = ("import numpy as np\nx = np.arange(10) * 2\n" * 3)[: 4 * LENGTH + 2]  # 4 whole windows
+TEXT = ("import numpy as np\nx = np.arange(10) * 2\n" * 3)[: 4 * LENGTH + 1]  # 4 whole windows
 
 
 @pytest.fixture(scope="module")

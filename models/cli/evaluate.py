@@ -6,21 +6,20 @@
 
 SOURCE is a training run's --out folder (its latest checkpoint, or --step's, and its
 tokenizer) or a Hugging Face folder of a decoder LM (gpt2, llama), as every subcommand
-takes it (models/io/source.py). --data is anything `train --data`
-takes (text, .bin/.npy token ids, JSON lines, Parquet, a datasets folder). The data is
-cut into consecutive windows of --length + 1 tokens, each starting where the previous
-one's targets end (every token after the first is predicted once, from up to --length
-tokens before it); prints the mean next-token cross-entropy in nats per token, its
-perplexity (exp of it) and bits per byte (nats / ln 2 / the data's UTF-8 bytes per
-token), with a progress bar over the batches. Chat data (JSON lines of `messages`,
-docs/chat.md) is rendered with the model's chat template and packed into rows of
---length: the loss is over the assistant's tokens alone.
+takes it (models/io/source.py). --data is anything `train --data` takes (text, .bin/.npy
+token ids, JSON lines, Parquet, a datasets folder). The data is cut into consecutive
+windows of --length + 1 tokens, each starting where the previous one's targets end
+(every token after the first is predicted once, from up to --length tokens before it;
+the last window holds what is left); prints the mean next-token cross-entropy in nats
+per token, its perplexity (exp of it) and bits per byte (nats / ln 2 / the scored
+tokens' UTF-8 bytes per token), with a progress bar over the batches. Chat data (JSON
+lines of `messages`, docs/chat.md) is rendered with the model's chat template and packed
+into rows of --length: the loss is over the assistant's tokens alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -78,13 +77,21 @@ def load(folder: str, step: int | None = None):
     default) or a Hugging Face decoder LM folder (ParameterError for a `step`)."""
     from models import zoo
     from models.cli import generate
-    from models.io import hub
+    from models.io import files, hub
     from models.training import data
+    from models.training.checkpoint import CheckpointError
 
     path = Path(folder)
-    if (path / "run.json").exists() or step is not None:  # generate.load says what is wrong
-        params, cfg, tokenizer = generate.load(path, step)
-        return zoo.get(json.loads((path / "run.json").read_text())["model"]), params, cfg, tokenizer
+    if (path / "run.json").exists():  # a run: its model said before generate.load's words
+        name = files.read_json(path / "run.json", "the run's record")["model"]
+        if zoo.get(name).objective != "lm":
+            raise CheckpointError(
+                f"{folder} holds a {name!r} model; eval measures next-token perplexity of "
+                "a decoder LM (lm, moe)"
+            )
+        return zoo.get(name), *generate.load(path, step)
+    if step is not None:  # not a run: generate.load refuses the step, naming the folder
+        generate.load(path, step)
     family, _ = hub.read_config(path)
     if family not in hub.DECODERS:
         raise hub.UnsupportedModelError(
@@ -94,6 +101,19 @@ def load(folder: str, step: int | None = None):
     model = hub.load(path)  # without a tokenizer.json (an exported byte run): bytes
     tok = data.ByteTokenizer() if model.tokenizer is None else data.BPETokenizer(model.tokenizer)
     return zoo.get("lm"), model.params, model.config, tok
+
+
+def cut(text, tokenizer, length: int, objective: str, source: str):
+    """(corpus, window): `text` (as corpora.load reads it) cut into windows of `length`
+    tokens, or, text or token ids shorter than one, into one window of their own length
+    (not one padded to it: a Llama folder's default length is 131,072)."""
+    from models.training import corpora, data
+
+    corpus = corpora.make(text, tokenizer, length, objective, text, template_folder(source))
+    if isinstance(corpus, data.Corpus) and len(corpus.valid) - 1 < length:
+        shorter = len(corpus.valid) - 1  # Corpus refused data with nothing to predict
+        return corpora.make(text, tokenizer, shorter, objective, text), shorter
+    return corpus, length
 
 
 def evaluate(args, dog=None) -> dict:
@@ -121,10 +141,9 @@ def evaluate(args, dog=None) -> dict:
             f"--length {length} is longer than the {cfg.learned_positions} positions of "
             f"{args.source}"
         )
-    cfg = cfg.replace(batch=args.batch, length=length, dropout=0.0, moe_loss=0.0)
     text = corpora.load(args.data, "--data", args.text_field, args.data_format)
-    folder = template_folder(args.source)
-    corpus = corpora.make(text, tokenizer, length, model.objective, text, folder)
+    corpus, window = cut(text, tokenizer, length, model.objective, args.source)
+    cfg = cfg.replace(batch=args.batch, length=window, dropout=0.0, moe_loss=0.0)
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))
@@ -141,14 +160,15 @@ def evaluate(args, dog=None) -> dict:
     quiet = args.quiet or jax.process_index() != 0
     bar = tqdm(batches, total=total, disable=quiet, unit="batch", dynamic_ncols=True)
     loss, tokens = trainer.evaluate(state, paced(bar, dog, "batch"))
+    told = "--length" if args.length else "the model's training length"
     return {
         "loss": loss,
         "perplexity": math.exp(loss),
-        "bits_per_byte": bits_per_byte(loss, corpus.bytes_per_token()),
+        "bits_per_byte": bits_per_byte(loss, corpus.bytes_per_token(total * args.batch)),
         "tokens": tokens,
-        "length": length,  # the window: tokens scored per window, each after its previous
+        "length": window,  # the window: tokens scored per window, each after its previous
         "windows": min(windows, total * args.batch),
-        "length_from": "--length" if args.length else "the model's training length",
+        "length_from": told if window == length else "the data's length",
     }
 
 

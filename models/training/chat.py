@@ -353,6 +353,11 @@ class ChatCorpus:
             out["weights"][min(batch, n - i) :] = 0.0
             yield out
 
-    def bytes_per_token(self) -> float:
-        """UTF-8 bytes per weighted (assistant) validation token."""
-        return self.valid_bytes / max(self.valid_tokens, 1)
+    def bytes_per_token(self, windows: int | None = None) -> float:
+        """UTF-8 bytes per weighted (assistant) validation token: of every row, or with
+        `windows` fewer than all (eval's --max-batches) of the first `windows` rows."""
+        if windows is None or windows >= self.validation_windows():
+            return self.valid_bytes / max(self.valid_tokens, 1)
+        rows = {k: v[:windows] for k, v in self.valid.items()}
+        scored = rows["targets"][rows["weights"] > 0]
+        return len(self.tokenizer.decode(scored).encode("utf-8")) / max(len(scored), 1)

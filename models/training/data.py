@@ -151,14 +151,29 @@ class Corpus:
         self.valid_bytes = byte_length(held_out, tokenizer)
         self.length, self.objective = length, objective
         self.window = objectives.window_length(objective, length)
-        # a training window is drawn from before the last token (`batch`), so the train
-        # split needs one token more than a window; the validation split one window
-        for name, ids, need in (("train", self.train, 1), ("validation", self.valid, 0)):
-            if len(ids) < self.window + need:
-                raise DataError(
-                    f"the {name} split has {len(ids)} tokens, but a sequence of --length "
-                    f"{length} needs {self.window + need}; use a longer text or a shorter --length"
-                )
+        self._check_sizes(text, valid)
+
+    def _check_sizes(self, text, valid) -> None:
+        """DataError naming the split too short: the train split for a training window
+        drawn from it, the validation split for one whole window; `eval` (which passes
+        its data as both splits and trains on none) for one next-token target."""
+        if valid is not text and len(self.train) < self.window + 1:
+            raise DataError(
+                f"the train split has {len(self.train)} tokens; a training window draws "
+                f"{self.window} from {self.window + 1} or more: use a longer text or a "
+                "shorter --length"
+            )
+        lm = self.objective == "lm" and valid is text  # eval's next-token windows
+        if len(self.valid) >= (least := 2 if lm else self.window):
+            return
+        what = "--data" if valid is text else "--val-data"
+        if valid is None:
+            what = "--data's validation split (its last tenth)"
+        raise DataError(
+            f"{what} has {len(self.valid)} token(s), fewer than the {least} "
+            f"{'a next-token prediction' if lm else 'one window'} needs"
+            f"{'' if lm else ': use a longer text or a shorter --length'}"
+        )
 
     def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:
         """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone.
@@ -168,10 +183,19 @@ class Corpus:
         starts = rng.integers(0, len(self.train) - self.window, size=batch)
         return self._examples(self.train, starts, rng, rows)
 
+    def validation_starts(self) -> np.ndarray:
+        """Where `validation_batches`' windows start: every --length tokens, so that
+        each window's first input is the previous one's last target. Next-token windows
+        run while a target is left (the last may end past the data: its missing targets
+        weigh 0), so every token after the first is scored once; other objectives' windows
+        lie whole in the data."""
+        last = len(self.valid) - (1 if self.objective == "lm" else self.window - 1)
+        return np.arange(0, max(last, 0), self.length)
+
     def validation_batches(self, batch: int, max_batches: int | None = None):
-        """Consecutive windows covering the validation split (the last batch padded with
-        zero-weight rows); the same every time."""
-        starts = self._validation_starts()
+        """Consecutive windows covering the validation split (`validation_starts`; the
+        last batch padded with zero-weight rows); the same every time."""
+        starts = self.validation_starts()
         if max_batches is not None:
             starts = starts[: max_batches * batch]
         for i in range(0, len(starts), batch):
@@ -181,23 +205,32 @@ class Corpus:
             yield out
 
     def _examples(self, ids, starts, rng, rows=None) -> dict[str, np.ndarray]:
+        """The objective's batch of windows at `starts` (of `rows` alone; the rest zeros);
+        a window past the end of `ids` is padded with 0, its targets there weighing 0."""
         rows = np.arange(len(starts)) if rows is None else np.asarray(rows, dtype=np.int64)
+        at = starts[rows, None] + np.arange(self.window)[None, :]
+        inside = at < len(ids)
         windows = np.zeros((len(starts), self.window), np.int32)
-        windows[rows] = ids[starts[rows, None] + np.arange(self.window)[None, :]]
-        return objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
-
-    def _validation_starts(self) -> np.ndarray:
-        """Where each validation window starts: every --length tokens, each window
-        whole (the last may end at the split's last token)."""
-        return np.arange(0, len(self.valid) - self.window + 1, self.length)
+        windows[rows] = np.where(inside, ids[np.minimum(at, len(ids) - 1)], 0)
+        out = objectives.make(self.objective, windows, self.tokenizer.vocab_size, rng)
+        if not inside.all():  # lm windows alone end past the data (validation_starts)
+            out["weights"][rows] *= inside[:, 1:]
+        return out
 
     def validation_windows(self) -> int:
         """The windows `validation_batches` covers: one per --length tokens."""
-        return len(self._validation_starts())
+        return len(self.validation_starts())
 
-    def bytes_per_token(self) -> float:
-        """Validation bytes per validation token (1 for the byte tokenizer)."""
-        return self.valid_bytes / max(len(self.valid), 1)
+    def bytes_per_token(self, windows: int | None = None) -> float:
+        """Validation bytes per validation token (1 for the byte tokenizer); with
+        `windows` fewer than all (eval's --max-batches), of the tokens the first
+        `windows` score (of a token file, of their first SAMPLE_TOKENS), whose bytes
+        per token may be another than the whole split's."""
+        if windows is None or windows >= self.validation_windows():
+            return self.valid_bytes / max(len(self.valid), 1)
+        end = self.validation_starts()[windows - 1] + self.window
+        scored = np.asarray(self.valid[1:end][:SAMPLE_TOKENS])
+        return len(self.tokenizer.decode(scored).encode("utf-8")) / len(scored)
 
 
 SAMPLE_TOKENS = 1 << 20  # token ids decoded to measure the bytes per token of a token file
