@@ -11,9 +11,10 @@ and chat template, from the run's copy of them (RUN/base: the base folder is not
 A run of the zoo's `lm` goes out as GPT-2, whose architecture it shares where its
 config has layer norms, tanh-GELU, learned
 positions, tied embeddings and d_kv * heads == d_model: its missing biases are zeros
-and the tied softmax's d_model**-0.5 is folded into the final norm. Other models are
-refused by name. A byte-tokenizer run writes no tokenizer.json (it has no `tokenizers`
-form); `namedmesh eval` reads such a folder with the byte tokenizer.
+and the tied softmax's d_model**-0.5 is folded into the final norm. Other models, and
+an lm with an option GPT-2's config.json cannot say (embed_scale...), are refused by
+name. A byte-tokenizer run writes no tokenizer.json (it has no `tokenizers` form);
+`namedmesh eval` reads such a folder with the byte tokenizer.
 
 `--out` is a new folder, an empty one, or an earlier export (its marker file
 `.namedmesh-export` lists what it wrote, and nothing else is there): never the run's

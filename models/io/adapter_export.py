@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from models.io.export_rules import MARKER, as_gpt2, check_destination
+from models.io.export_rules import MARKER, as_gpt2, check_destination, gpt2_config
 from models.io.source import hub_base
 from models.layers import lora
 from models.layers.lora import LoraError
@@ -58,7 +58,8 @@ def export_adapters(
         raise LoraError(f"--adapter-only: {run} is not a LoRA run (its run.json has no lora_rank)")
     params, cfg, _ = generate.load(run, step, merge=False)
     family = flags.get("family") or "gpt2"
-    if hub_base(run) is None:  # a zoo lm goes out as GPT-2: its table's config
+    if hub_base(run) is None:  # a zoo lm goes out as GPT-2 (if it is GPT-2): its table's
+        gpt2_config(cfg)  # the merged export's refusal of any other architecture
         cfg = as_gpt2(lora.merged(params, spec), cfg)[1]
     rows = hub.tensors(family, cfg, hub.FAMILIES[family].prefixes[0])
     tensors, fields = peft_adapters(params, rows, spec)

@@ -7,6 +7,7 @@ models.cli.export re-exports them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -38,6 +39,10 @@ GPT2_FIELDS = {
     "sliding_window": 0,
     "parts": Parts(),  # no family's own parts (Gemma 2's soft-caps...)
 }
+# Config fields that do not change the logits a model computes from its weights: the
+# sizes of a batch (max_positions: compared as learned_positions, the table's rows),
+# training's dropout and balancing loss, the run's settings, the family's name
+NOT_COMPUTED = ("length", "batch", "max_positions", "dropout", "moe_loss", "run", "family")
 
 
 def gpt2_config(cfg) -> dict:
@@ -55,7 +60,7 @@ def gpt2_config(cfg) -> dict:
             f"heads {cfg.heads} x d_kv {cfg.d_kv} != d_model {cfg.d_model}: GPT-2 splits "
             "d_model into its heads"
         )
-    return {
+    hf = {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],
         "vocab_size": cfg.vocab,
@@ -69,6 +74,32 @@ def gpt2_config(cfg) -> dict:
         "tie_word_embeddings": True,
         **{k: 0.0 for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")},
     }
+    _check_reads_back(hf, cfg)
+    return hf
+
+
+def _check_reads_back(hf: dict, cfg) -> None:
+    """UnsupportedModelError naming each field of `cfg` that the GPT-2 config.json `hf`,
+    read back as models/families/gpt2.py reads it (as transformers does), does not
+    give: an option the zoo computes that GPT-2 has not (embed_scale,
+    attention_scale_dim...) would otherwise go out silently dropped. Biases and the
+    tied logits' scale are what `as_gpt2` folds in."""
+    from models.io.hub import UnsupportedModelError, family_config
+
+    back = family_config("gpt2", hf, set())
+    want = cfg.replace(bias=True, scale_tied_logits=False)
+    differ = [
+        f"{f.name}={getattr(want, f.name)!r} (GPT-2 reads {getattr(back, f.name)!r})"
+        for f in dataclasses.fields(want)
+        if f.name not in NOT_COMPUTED and getattr(back, f.name) != getattr(want, f.name)
+    ]
+    if back.learned_positions != want.learned_positions:
+        differ.append(f"learned positions {want.learned_positions} ({back.learned_positions})")
+    if differ:
+        raise UnsupportedModelError(
+            f"Config.{', '.join(differ)}: GPT-2's config.json cannot say so; only an lm "
+            "with GPT-2's architecture, or a run fine-tuned with --init-from, exports"
+        )
 
 
 def as_gpt2(params: dict, cfg):

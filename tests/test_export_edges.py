@@ -1,0 +1,94 @@
+"""Export and loading at their edges (cases outside the issues): a zoo LM exports as
+GPT-2 only where transformers' GPT-2 computes its logits, and its adapters likewise;
+weights files that contradict themselves are typed errors; PEFT's files name only the
+modules adapted; float16 exports refuse weights float16 cannot hold. Oracles:
+transformers' logits, PEFT's module matching and merge formula written in NumPy.
+
+The runs here are made as training saves them (run.json, a byte tokenizer, a
+checkpoint of initialised parameters), not trained: what export reads is the same."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import namedmesh as nm  # noqa: E402
+from models import zoo  # noqa: E402
+from models.cli import export, generate  # noqa: E402
+from models.io import hub, source  # noqa: E402
+from models.layers import lora  # noqa: E402
+from models.params import init  # noqa: E402
+from models.training import checkpoint  # noqa: E402
+
+IDS = np.arange(20).reshape(2, 10) * 7 % 256
+TINY = ["d_model=32", "heads=4", "d_kv=8", "d_ff=64", "layers=2"]
+
+
+def zoo_run(folder, sets=(), rank=None, targets="q,v", seed=0):
+    """A zoo `lm` run of config tiny (smaller by `TINY`, then `sets`) saved at step 1 with
+    initialised parameters; with `rank`, a LoRA run whose B adapters are random, not zero."""
+    flags = {"model": "lm", "config": "tiny", "vocab": 256, "tokenizer": "byte", "batch": 2,
+             "length": 16, "dtype": None, "set": [*TINY, *sets], "init_from": None,
+             "lora_rank": rank, "lora_alpha": 16.0 if rank else None, "lora_dropout": None,
+             "lora_targets": targets if rank else None}  # fmt: skip
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps(flags))
+    (folder / "tokenizer.json").write_text(json.dumps({"kind": "byte"}))
+    cfg = source.run_config(folder, flags)
+    shapes = lora.adapted(zoo.get("lm"), lora.of_flags(flags), cfg).shapes(cfg)
+    shapes = jax.tree_util.tree_map(  # B drawn as A is, so the adapters matter
+        lambda p: p._replace(init=0.1) if p.init == "zeros" else p,
+        shapes,
+        is_leaf=lambda p: hasattr(p, "sizes"),
+    )
+    saver = checkpoint.Checkpointer(folder)
+    saver.save(1, {"params": init(shapes, seed), "opt": (np.zeros(1, np.float32),)}, {})
+    saver.close()
+    return folder
+
+
+def zoo_logits(run) -> np.ndarray:
+    params, cfg, _ = generate.load(run)
+    inputs = nm.tensor(IDS.astype(np.int32), ("batch", "length"))
+    logits = hub.forward(params, {"inputs": inputs}, cfg, cfg.family or "gpt2")
+    return np.asarray(logits.transpose("batch", "length", "vocab").data)
+
+
+def hf_logits(folder) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits.float().numpy()
+
+
+# GPT-2's config.json has no way to say these: an export would drop them silently
+NOT_GPT2 = {"embed_scale=true": "embed_scale", "attention_scale_dim=3.0": "attention_scale_dim"}
+
+
+@pytest.mark.parametrize("sets", ["norm_eps=0.001", *NOT_GPT2])
+def test_a_zoo_lm_exports_as_gpt2_only_with_gpt2s_logits(tmp_path, sets):
+    """Exported, transformers' GPT-2 computes the run's logits; else refused by name."""
+    run = zoo_run(tmp_path / "run", [sets])
+    try:
+        export.export(run, tmp_path / "hf")
+    except hub.UnsupportedModelError as e:
+        assert sets in NOT_GPT2 and f"Config.{NOT_GPT2[sets]}=" in str(e)
+        assert not (tmp_path / "hf").exists()
+        return
+    assert sets not in NOT_GPT2
+    want = zoo_logits(run)
+    np.testing.assert_allclose(hf_logits(tmp_path / "hf"), want, rtol=0, atol=1e-4)
+
+
+def test_adapters_of_a_zoo_lm_not_gpt2_are_refused_as_its_merged_export(tmp_path):
+    """A zoo LoRA run of RMS norms: no GPT-2 module names for its adapters either."""
+    from models.io.adapter_export import export_adapters
+
+    run = zoo_run(tmp_path / "run", ["norm=rms"], rank=2)
+    for call in (export.export, export_adapters):
+        with pytest.raises(hub.UnsupportedModelError, match=r"Config\.norm='rms'"):
+            call(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
