@@ -92,3 +92,55 @@ def test_adapters_of_a_zoo_lm_not_gpt2_are_refused_as_its_merged_export(tmp_path
         with pytest.raises(hub.UnsupportedModelError, match=r"Config\.norm='rms'"):
             call(run, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# --- Hugging Face folders -------------------------------------------------------------
+LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(a tiny random Llama in shards listed by model.safetensors.index.json, its logits)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    folder = tmp_path_factory.mktemp("llama") / "sharded"
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert len(list(folder.glob("model-*.safetensors"))) > 2
+    return folder, hf_logits(folder)
+
+
+def loaded_logits(folder) -> np.ndarray:
+    return np.asarray(hub.load(folder).logits(IDS).transpose("batch", "length", "vocab").data)
+
+
+def copied(folder, to):
+    import shutil
+
+    return shutil.copytree(folder, to)
+
+
+def test_an_index_naming_the_wrong_shard_is_a_damaged_file_naming_both(llama, tmp_path):
+    folder = copied(llama[0], tmp_path / "f")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    where = index["weight_map"]
+    other = sorted(set(where.values()) - {where["model.norm.weight"]})[0]
+    where["model.norm.weight"] = other
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(hub.DamagedFileError, match=rf"'model.norm.weight' to {other}, which"):
+        hub.load(folder)
+
+
+def test_a_folder_holding_model_safetensors_and_an_index_reads_as_transformers(llama, tmp_path):
+    """transformers reads model.safetensors where both are there: so does hub.load
+    (here a model.safetensors of other weights than the shards')."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = copied(llama[0], tmp_path / "f")
+    whole = {}
+    for shard in folder.glob("model-*.safetensors"):
+        whole |= {k: v[::-1].copy() for k, v in load_file(shard).items()}
+    save_file(whole, folder / "model.safetensors", {"format": "pt"})
+    want = hf_logits(folder)
+    assert np.abs(want - llama[1]).max() > 1e-2  # transformers read the other weights
+    np.testing.assert_allclose(loaded_logits(folder), want, rtol=0, atol=1e-4)

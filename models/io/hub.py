@@ -82,9 +82,11 @@ class Weights:
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
-        self._open, self._files = safe_open, {}
+        self._open, self._files, self.index = safe_open, {}, None
         index = folder / "model.safetensors.index.json"
-        if index.exists():
+        # model.safetensors first, as transformers reads a folder holding both
+        if index.exists() and not (folder / "model.safetensors").exists():
+            self.index = index
             weight_map = read_json(index, "the index").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise DamagedFileError(f"{index}: no weight_map object (tensor -> shard file)")
@@ -108,8 +110,14 @@ class Weights:
             raise MissingFileError(f"the weights have no tensor {name!r}")
         path = self.where[name]
         if path not in self._files:
-            self._files[path] = _opened(self._open, path)
-        found = self._files[path].get_slice(name)
+            opened = _opened(self._open, path)
+            self._files[path] = opened, set(opened.keys())
+        opened, held = self._files[path]
+        if name not in held:  # safetensors would raise its own error
+            raise DamagedFileError(
+                f"{self.index}: maps tensor {name!r} to {path.name}, which does not hold it"
+            )
+        found = opened.get_slice(name)
         return _BFloat16Slice(path, name) if found.get_dtype() == "BF16" else found
 
 
