@@ -144,3 +144,24 @@ def test_a_folder_holding_model_safetensors_and_an_index_reads_as_transformers(l
     want = hf_logits(folder)
     assert np.abs(want - llama[1]).max() > 1e-2  # transformers read the other weights
     np.testing.assert_allclose(loaded_logits(folder), want, rtol=0, atol=1e-4)
+
+
+# --- export's dtype -----------------------------------------------------------------
+def test_a_weight_float16_cannot_hold_is_refused_by_name_and_bfloat16_keeps_it(tmp_path, capsys):
+    run = zoo_run(tmp_path / "run")
+    params, _, _ = generate.load(run)
+    embed = np.array(params["embed"].data)
+    embed[3, 5] = 7e4  # past float16's 65504: it would be written as inf
+    params["embed"] = nm.tensor(embed, params["embed"].dims)
+    saver = checkpoint.Checkpointer(run)
+    saver.save(2, {"params": params, "opt": (np.zeros(1, np.float32),)}, {})
+    saver.close()
+    out = tmp_path / "hf"
+    assert export.main([str(run), "--out", str(out), "--dtype", "float16"]) == 2
+    assert "tensor 'transformer.wte.weight' holds 70000" in capsys.readouterr().err
+    assert not out.exists()
+    export.export(run, out, dtype="bfloat16")
+    from safetensors.torch import load_file
+
+    kept = float(load_file(out / "model.safetensors")["transformer.wte.weight"][3, 5])
+    assert abs(kept - 7e4) <= 7e4 * 2**-8  # within bfloat16's range: kept, rounded
