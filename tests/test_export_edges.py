@@ -101,9 +101,11 @@ LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_la
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """(a tiny random Llama in shards listed by model.safetensors.index.json, its logits)."""
+    """(a tiny random Llama of tied embeddings in shards listed by
+    model.safetensors.index.json, its logits)."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    config = transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config).eval()
     folder = tmp_path_factory.mktemp("llama") / "sharded"
     model.save_pretrained(folder, max_shard_size="20KB")
     assert len(list(folder.glob("model-*.safetensors"))) > 2
@@ -165,3 +167,28 @@ def test_a_weight_float16_cannot_hold_is_refused_by_name_and_bfloat16_keeps_it(t
 
     kept = float(load_file(out / "model.safetensors")["transformer.wte.weight"][3, 5])
     assert abs(kept - 7e4) <= 7e4 * 2**-8  # within bfloat16's range: kept, rounded
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_tied_models_weights_holding_its_head_read_as_transformers_reads_them(
+    llama, tmp_path, same
+):
+    """lm_head.weight beside a tied embedding: equal to it, the tied model (transformers'
+    logits); of other values (transformers unties them against config.json), refused."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = copied(llama[0], tmp_path / "f")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"]["model.embed_tokens.weight"]
+    held = load_file(shard)
+    held["lm_head.weight"] = held["model.embed_tokens.weight"] * (1 if same else 2)
+    save_file(held, shard, {"format": "pt"})
+    index["weight_map"]["lm_head.weight"] = shard.name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    want = hf_logits(folder)
+    if same:
+        np.testing.assert_allclose(loaded_logits(folder), want, rtol=0, atol=1e-4)
+        return
+    assert np.abs(want - llama[1]).max() > 1e-2  # transformers read another model
+    with pytest.raises(hub.UnsupportedModelError, match="'lm_head.weight' of other values"):
+        hub.load(folder)

@@ -466,12 +466,13 @@ def family_config(family: str, hf: dict, names: set[str], folder="") -> Config:
     return cfg.replace(family=family)
 
 
-def _check_all_read(family: str, files: dict, weights: Weights, cfg: Config) -> None:
+def _check_all_read(family: str, files: dict, source: Source, cfg: Config) -> None:
     """UnsupportedModelError naming the weights' tensors the family does not read (a
     relabelled folder: Qwen2's q/k/v biases under model_type llama), besides the
     buffers its `ignored` patterns name and those its `unused(cfg)` name (a
     WeightShapeError for one of those that should be empty and is not)."""
-    read = {name for t in files.values() for name in t.names()}
+    weights = source.weights
+    read = {name for t in files.values() for name in t.names()} | _tied_head(files, source, cfg)
     ignored = [re.compile(p) for p in FAMILIES[family].ignored]
     unused = [(re.compile(p), empty) for p, empty in FAMILIES[family].unused(cfg)]
     unread = []
@@ -492,6 +493,36 @@ def _check_all_read(family: str, files: dict, weights: Weights, cfg: Config) -> 
             f"the weights hold tensor(s) a {family} model does not read: {shown} (a different "
             "family, or an option its config.json does not declare)"
         )
+
+
+def _tied_head(files: dict, source: Source, cfg: Config) -> set[str]:
+    """The name of the untied softmax (lm_head.weight) that weights of a model whose
+    config.json ties it to the embedding hold anyway, when it equals the embedding, as
+    some savers write it: read as the tied model transformers makes of it. One of other
+    values is an UnsupportedModelError naming it (transformers would untie the two
+    against config.json's word: which model is meant is not for us to guess)."""
+    embed, weights = files.get("embed"), source.weights
+    if not cfg.shared_embedding or embed is None:
+        return set()
+    try:
+        untied = tensors(source.family, cfg.replace(shared_embedding=False), source.prefix)
+    except (HubError, NamedMeshError):  # a family that has no untied head
+        return set()
+    extra = [t for p, t in untied.items() if p not in files]
+    if len(extra) != 1 or set(extra[0].dims) != set(embed.dims):
+        return set()
+    head, name = extra[0], extra[0].entry.name
+    if name not in weights.where or tuple(weights.slice(name).get_shape()) != head.file_shape():
+        return set()
+    whole = lambda t: t.read(weights, tuple(slice(None) for _ in t.dims))
+    a = whole(head).transpose([head.dims.index(d) for d in embed.dims])
+    if not np.array_equal(a, whole(embed)):
+        raise UnsupportedModelError(
+            f"config.json ties the softmax to the embedding (tie_word_embeddings), but the "
+            f"weights hold {name!r} of other values than {embed.entry.name!r}: set "
+            "tie_word_embeddings to false in config.json to read it as its own softmax"
+        )
+    return {name}
 
 
 def config_of(path) -> tuple[str, Config]:
@@ -561,7 +592,7 @@ def load_params(source: Source, cfg: Config, mesh: Mesh | None, layout) -> HubMo
         layout = layout if isinstance(layout, Layout) else Layout(layout or "")
     params = {}
     files = tensors(family, cfg, source.prefix)
-    _check_all_read(family, files, weights, cfg)
+    _check_all_read(family, files, source, cfg)
     for p, t in files.items():
         _check_shape(t, weights, p)
         _set(params, p, nm.tensor(_place(t, weights, mesh, layout, p), t.dims))
