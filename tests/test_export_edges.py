@@ -28,16 +28,22 @@ IDS = np.arange(20).reshape(2, 10) * 7 % 256
 TINY = ["d_model=32", "heads=4", "d_kv=8", "d_ff=64", "layers=2"]
 
 
-def zoo_run(folder, sets=(), rank=None, targets="q,v", seed=0):
-    """A zoo `lm` run of config tiny (smaller by `TINY`, then `sets`) saved at step 1 with
-    initialised parameters; with `rank`, a LoRA run whose B adapters are random, not zero."""
-    flags = {"model": "lm", "config": "tiny", "vocab": 256, "tokenizer": "byte", "batch": 2,
-             "length": 16, "dtype": None, "set": [*TINY, *sets], "init_from": None,
+def zoo_run(folder, sets=(), rank=None, targets="q,v", base=None):
+    """A run saved at step 1 as training saves one: of the zoo's `lm` of config tiny
+    (smaller by `TINY`, then `sets`) with initialised parameters, or fine-tuned from the
+    Hugging Face folder `base` with its weights; with `rank`, a LoRA run of `targets`
+    whose B adapters are random, not zero (alpha 16)."""
+    family = hub.read_config(base)[0] if base else None
+    flags = {"model": "lm", "config": family or "tiny", "family": family, "vocab": 256,
+             "tokenizer": "byte", "batch": 2, "length": 16, "dtype": None,
+             "set": [] if base else [*TINY, *sets], "init_from": base and str(base),
              "lora_rank": rank, "lora_alpha": 16.0 if rank else None, "lora_dropout": None,
              "lora_targets": targets if rank else None}  # fmt: skip
     folder.mkdir(parents=True)
     (folder / "run.json").write_text(json.dumps(flags))
     (folder / "tokenizer.json").write_text(json.dumps({"kind": "byte"}))
+    if base:
+        hub.copy_base(base, folder / hub.BASE)
     cfg = source.run_config(folder, flags)
     shapes = lora.adapted(zoo.get("lm"), lora.of_flags(flags), cfg).shapes(cfg)
     shapes = jax.tree_util.tree_map(  # B drawn as A is, so the adapters matter
@@ -45,8 +51,9 @@ def zoo_run(folder, sets=(), rank=None, targets="q,v", seed=0):
         shapes,
         is_leaf=lambda p: hasattr(p, "sizes"),
     )
+    params = lora.completed(hub.load(base).params, shapes, 0) if base else init(shapes, 0)
     saver = checkpoint.Checkpointer(folder)
-    saver.save(1, {"params": init(shapes, seed), "opt": (np.zeros(1, np.float32),)}, {})
+    saver.save(1, {"params": params, "opt": (np.zeros(1, np.float32),)}, {})
     saver.close()
     return folder
 
@@ -192,3 +199,70 @@ def test_a_tied_models_weights_holding_its_head_read_as_transformers_reads_them(
     assert np.abs(want - llama[1]).max() > 1e-2  # transformers read another model
     with pytest.raises(hub.UnsupportedModelError, match="'lm_head.weight' of other values"):
         hub.load(folder)
+
+
+# --- adapters in PEFT's files ---------------------------------------------------------
+def peft_modules(model, targets) -> set[str]:
+    """The modules PEFT adapts for `target_modules`: Linear (and GPT-2's Conv1D) layers
+    named a target or ending in `.target` (peft.tuners.tuners_utils.check_target_module_exists)."""
+    kinds = (torch.nn.Linear, transformers.pytorch_utils.Conv1D)
+    return {
+        name for name, m in model.named_modules()
+        if isinstance(m, kinds) and any(name == t or name.endswith("." + t) for t in targets)
+    }  # fmt: skip
+
+
+def peft_value(pattern: dict, module: str, default):
+    """rank_pattern's or alpha_pattern's value for a module, as PEFT looks it up."""
+    import re
+
+    keys = [k for k in pattern if re.match(rf"(.*\.)?{k}$", module)]
+    return pattern[keys[0]] if keys else default
+
+
+CASES = {  # a family whose rule is probed -> (its transformers class, config, targets)
+    # a dense first layer, a stack of its own named model.layers.{i} as the MoE stack is
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        LLAMA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        mlp_only_layers=[0]), "q,v,down"),
+    # q, v fused in c_attn; attention's c_proj, not the MLP's of the same name
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(
+        vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=32), "q,v,o"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_adapter_files_name_the_adapted_modules_and_merge_as_the_merged_export(tmp_path, family):
+    """PEFT's matching of target_modules finds the modules the file holds adapters of,
+    no other; W + alpha/r B A of each (its rank_pattern, alpha_pattern) is the merged
+    export's weight, and every other weight is the base's."""
+    from safetensors.numpy import load_file
+
+    from models.io.adapter_export import export_adapters
+
+    cls, config, options, targets = CASES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, config)(**options)).eval()
+    model.save_pretrained(tmp_path / "base")
+    run = zoo_run(tmp_path / "run", rank=2, targets=targets, base=tmp_path / "base")
+    export.export(run, tmp_path / "merged")
+    export_adapters(run, tmp_path / "adapter")
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    adapters = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    held = {k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            for k in adapters if k.endswith(".lora_A.weight")}  # fmt: skip
+    assert peft_modules(model, conf["target_modules"]) == held
+    base, merged = (load_file(tmp_path / f / "model.safetensors") for f in ("base", "merged"))
+    for name, w in base.items():
+        module = name.removesuffix(".weight")
+        if module not in held:
+            np.testing.assert_array_equal(merged[name], w)
+            continue
+        a = adapters[f"base_model.model.{module}.lora_A.weight"]
+        b = adapters[f"base_model.model.{module}.lora_B.weight"]
+        r = peft_value(conf["rank_pattern"], module, conf["r"])
+        alpha = peft_value(conf["alpha_pattern"], module, conf["lora_alpha"])
+        assert a.shape[0] == b.shape[1] == r
+        update = alpha / r * b @ a
+        want = w + (update.T if conf["fan_in_fan_out"] else update)
+        np.testing.assert_allclose(merged[name], want, rtol=0, atol=1e-6)
