@@ -88,6 +88,10 @@ def test_a_zoo_lm_exports_as_gpt2_only_with_gpt2s_logits(tmp_path, sets):
     assert sets not in NOT_GPT2
     want = zoo_logits(run)
     np.testing.assert_allclose(hf_logits(tmp_path / "hf"), want, rtol=0, atol=1e-4)
+    # the run ends no text at a token (generate's end ids), nor does transformers
+    assert generate.end_ids(None, generate.load(run)[2], None, 256) == []
+    hf = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert (hf.bos_token_id, hf.eos_token_id) == (None, None)
 
 
 def test_adapters_of_a_zoo_lm_not_gpt2_are_refused_as_its_merged_export(tmp_path):

@@ -72,6 +72,9 @@ def gpt2_config(cfg) -> dict:
         "activation_function": "gelu_new",
         "layer_norm_epsilon": cfg.norm_eps,
         "tie_word_embeddings": True,
+        # a zoo run ends no text at a token of its own; GPT2Config would give 50256
+        "bos_token_id": None,
+        "eos_token_id": None,
         **{k: 0.0 for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")},
     }
     _check_reads_back(hf, cfg)
