@@ -270,3 +270,29 @@ def test_adapter_files_name_the_adapted_modules_and_merge_as_the_merged_export(t
         update = alpha / r * b @ a
         want = w + (update.T if conf["fan_in_fan_out"] else update)
         np.testing.assert_allclose(merged[name], want, rtol=0, atol=1e-6)
+
+
+# --- a run that saves while it is read ----------------------------------------------
+def test_a_checkpoint_the_live_run_removes_while_it_is_read_reads_the_newest(tmp_path, monkeypatch):
+    """The run keeps its newest 3 checkpoints: while export (any reader of the latest)
+    reads the one it chose, the run saves three more and removes it. The read then takes
+    the newest, never a half-read one or an error."""
+    run = zoo_run(tmp_path / "run")
+    params, _, _ = generate.load(run)
+    negated = {**params, "final_norm": {k: -v for k, v in params["final_norm"].items()}}
+    real = checkpoint.restore_params
+
+    def saving_meanwhile(directory, target, step=None):
+        if step == 1:  # the run goes on: steps 2 to 4, and step 1 goes (max_to_keep 3)
+            saver = checkpoint.Checkpointer(run)
+            for s in (2, 3, 4):
+                state = {"params": negated, "opt": (np.zeros(1, np.float32),)}
+                saver.save(s, state, {})
+            saver.close()
+            assert checkpoint.all_steps(run) == [4, 3, 2]
+        return real(directory, target, step)
+
+    monkeypatch.setattr(checkpoint, "restore_params", saving_meanwhile)
+    got, _, _ = generate.load(run)
+    want = negated["final_norm"]["scale"].data
+    np.testing.assert_array_equal(np.asarray(got["final_norm"]["scale"].data), want)
