@@ -296,3 +296,15 @@ def test_a_checkpoint_the_live_run_removes_while_it_is_read_reads_the_newest(tmp
     got, _, _ = generate.load(run)
     want = negated["final_norm"]["scale"].data
     np.testing.assert_array_equal(np.asarray(got["final_norm"]["scale"].data), want)
+
+
+def test_an_out_that_is_a_link_writes_the_folder_it_names_and_keeps_the_link(tmp_path):
+    """The folder checked is the folder written: a link to an empty folder stays a link,
+    now to the export, and nothing is left beside it."""
+    run = zoo_run(tmp_path / "run")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    export.export(run, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink()
+    assert (tmp_path / "target" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run", "target"]

@@ -101,7 +101,7 @@ def export(
     from models.training import data
 
     run = Path(run)
-    check_destination(out, run)
+    where = check_destination(out, run)
     if (run / "config.json").exists() and not (run / "run.json").exists():
         raise hub.HubError(f"{run} is a Hugging Face folder already; export reads a run")
     params, cfg, tokenizer = generate.load(run, step)  # refuses runs that are not decoder LMs
@@ -123,7 +123,7 @@ def export(
         names = sorted(p.name for p in folder.iterdir())
         (folder / MARKER).write_text(json.dumps({"run": str(run.resolve()), "files": names}))
 
-    files.replace_folder(out, write)
+    files.replace_folder(where, write)
     return Path(out)
 
 

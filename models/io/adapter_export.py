@@ -51,7 +51,7 @@ def export_adapters(
     from models.training import checkpoint
 
     run = Path(run)
-    check_destination(out, run)
+    where = check_destination(out, run)
     if not (run / "run.json").exists():
         raise checkpoint.CheckpointError(f"--adapter-only: {run} holds no run (no run.json)")
     flags = files.read_json(run / "run.json", "the run's record")
@@ -87,7 +87,7 @@ def export_adapters(
         names = sorted(p.name for p in folder.iterdir())
         (folder / MARKER).write_text(json.dumps({"run": str(run.resolve()), "files": names}))
 
-    files.replace_folder(out, write)
+    files.replace_folder(where, write)
     return Path(out)
 
 

@@ -127,9 +127,11 @@ def as_gpt2(params: dict, cfg):
     return out, cfg2
 
 
-def check_destination(out: str | Path, run: str | Path) -> None:
-    """DestinationError unless `out` is a folder export may replace whole: none yet, an
-    empty one, or an earlier export holding only what its marker lists."""
+def check_destination(out: str | Path, run: str | Path) -> Path:
+    """The folder to write for `out` (its links followed: the folder checked is the
+    folder replaced, never the link itself); DestinationError unless it is a folder
+    export may replace whole: none yet, an empty one, or an earlier export holding only
+    what its marker lists."""
     out, run = Path(out), Path(run)
     where, held = out.resolve(), run.resolve()
     refuse = lambda why: DestinationError(
@@ -145,12 +147,13 @@ def check_destination(out: str | Path, run: str | Path) -> None:
     if owner := _run_owning(where):  # its checkpoints/, damaged/ or base/: the run's own
         raise refuse(f"is inside {owner}, which the run there writes and reads")
     if not where.is_dir():
-        return
+        return where
     ours = set(_marked(where)) | {MARKER} if (where / MARKER).is_file() else set()
     foreign = sorted(p.name for p in where.iterdir() if p.name not in ours)
     if foreign:
         many = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         raise refuse(f"holds {', '.join(foreign[:3])}{many}, not written by an export")
+    return where
 
 
 RUN_FOLDERS = ("checkpoints", "damaged", "base")  # what a run's folder holds of its own

@@ -651,7 +651,8 @@ def save(model: HubModel, path, dtype: str = "float32", max_shard_size=None) -> 
     stale shard or index) and a failed write (full disk, read-only folder) leaves it
     intact: SaveError."""
     try:
-        replace_folder(path, writer(model, dtype, max_shard_size))
+        # the folder a link names is replaced, not the link
+        replace_folder(Path(path).resolve(), writer(model, dtype, max_shard_size))
     except FileWriteError as e:
         raise SaveError(str(e)) from None
 
