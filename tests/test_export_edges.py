@@ -308,3 +308,14 @@ def test_an_out_that_is_a_link_writes_the_folder_it_names_and_keeps_the_link(tmp
     assert (tmp_path / "link").is_symlink()
     assert (tmp_path / "target" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run", "target"]
+
+
+@pytest.mark.parametrize("name", ["base", "damaged"])
+def test_an_out_that_is_a_runs_own_folder_not_made_yet_is_refused(tmp_path, name):
+    """RUN/base of a run from scratch would make it a fine-tune of its export (another
+    config, and the run could not be read again); RUN/damaged is where the run moves
+    damaged checkpoints."""
+    run = zoo_run(tmp_path / "run")
+    with pytest.raises(export.DestinationError, match=rf"--out .*/run/{name}: is .*/run/{name},"):
+        export.export(run, run / name)
+    assert not (run / name).exists()

@@ -145,7 +145,8 @@ def check_destination(out: str | Path, run: str | Path) -> Path:
     if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
         raise refuse("is the current folder or one above it")
     if owner := _run_owning(where):  # its checkpoints/, damaged/ or base/: the run's own
-        raise refuse(f"is inside {owner}, which the run there writes and reads")
+        what = "is" if owner == where else "is inside"
+        raise refuse(f"{what} {owner}, which the run there writes and reads")
     if not where.is_dir():
         return where
     ours = set(_marked(where)) | {MARKER} if (where / MARKER).is_file() else set()
@@ -161,9 +162,11 @@ RUN_FOLDERS = ("checkpoints", "damaged", "base")  # what a run's folder holds of
 
 def _run_owning(where: Path) -> Path | None:
     """The folder of a run's own (checkpoints/, damaged/, base/ beside a run.json)
-    that `where` is inside: a folder there named like a step would be read as a
-    checkpoint, and the run's next save or resume would take or move it."""
-    for folder in where.parents:
+    that `where` is, or is inside: a folder there named like a step would be read as a
+    checkpoint, and the run's next save or resume would take or move it; RUN/base
+    itself, not there yet in a run from scratch, would make the run a fine-tune of
+    the export."""
+    for folder in (where, *where.parents):
         if folder.name in RUN_FOLDERS and (folder.parent / "run.json").is_file():
             return folder
     return None
