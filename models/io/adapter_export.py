@@ -59,8 +59,10 @@ def export_adapters(
     if spec is None:
         raise LoraError(f"--adapter-only: {run} is not a LoRA run (its run.json has no lora_rank)")
     params, cfg, _ = generate.load(run, step, merge=False)
-    family = flags.get("family") or "gpt2"
-    if hub_base(run) is None:  # a zoo lm goes out as GPT-2 (if it is GPT-2): its table's
+    if (base := hub_base(run)) is not None:  # its base's family, as the merged export's
+        family = hub.read_config(base)[0]  # (a run.json of old has no "family")
+    else:  # a zoo lm goes out as GPT-2 (if it is GPT-2): its table's config
+        family = "gpt2"
         gpt2_config(cfg)  # the merged export's refusal of any other architecture
         cfg = as_gpt2(lora.merged(params, spec), cfg)[1]
     rows = hub.tensors(family, cfg, hub.FAMILIES[family].prefixes[0])
