@@ -75,10 +75,14 @@ def hf_logits(folder) -> np.ndarray:
 NOT_GPT2 = {"embed_scale=true": "embed_scale", "attention_scale_dim=3.0": "attention_scale_dim"}
 
 
-@pytest.mark.parametrize("sets", ["norm_eps=0.001", *NOT_GPT2])
+# options GPT-2 reads (norm_eps) or that a model without experts does not use
+GPT2 = "norm_eps=0.001 capacity_factor=2.0 experts_per_token=1"
+
+
+@pytest.mark.parametrize("sets", [GPT2, *NOT_GPT2])
 def test_a_zoo_lm_exports_as_gpt2_only_with_gpt2s_logits(tmp_path, sets):
     """Exported, transformers' GPT-2 computes the run's logits; else refused by name."""
-    run = zoo_run(tmp_path / "run", [sets])
+    run = zoo_run(tmp_path / "run", sets.split())
     try:
         export.export(run, tmp_path / "hf")
     except hub.UnsupportedModelError as e:

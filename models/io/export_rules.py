@@ -43,6 +43,9 @@ GPT2_FIELDS = {
 # sizes of a batch (max_positions: compared as learned_positions, the table's rows),
 # training's dropout and balancing loss, the run's settings, the family's name
 NOT_COMPUTED = ("length", "batch", "max_positions", "dropout", "moe_loss", "run", "family")
+# and the options of what GPT2_FIELDS rules out (experts, rotary positions, T5's buckets)
+NOT_COMPUTED += ("experts_per_token", "routing", "router", "expert_ff", "capacity_factor")
+NOT_COMPUTED += ("rope", "relative_max_distance")
 
 
 def gpt2_config(cfg) -> dict:
