@@ -326,3 +326,15 @@ def test_an_out_that_is_a_runs_own_folder_not_made_yet_is_refused(tmp_path, name
     with pytest.raises(export.DestinationError, match=rf"--out .*/run/{name}: is .*/run/{name},"):
         export.export(run, run / name)
     assert not (run / name).exists()
+
+
+@pytest.mark.parametrize("rank", [None, 2])
+def test_a_run_with_no_checkpoint_yet_is_one_line_saying_so(tmp_path, rank, capsys):
+    """A run that has written its record and not yet a checkpoint, merged and adapters."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"model": "lm", "lora_rank": rank}))
+    flags = ["--adapter-only"] if rank else []
+    assert export.main([str(run), "--out", str(tmp_path / "hf"), *flags]) == 2
+    assert "run: no checkpoint yet (a run saves one every --save-every" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -43,7 +43,7 @@ from models.io.export_rules import DestinationError as DestinationError
 from models.io.export_rules import as_gpt2 as as_gpt2
 from models.io.export_rules import check_destination as check_destination
 from models.io.export_rules import gpt2_config as gpt2_config
-from models.io.source import add_source, hub_base, resolve
+from models.io.source import add_source, hub_base, need_checkpoint, resolve
 
 
 def arguments(argv=None, prog: str = "python -m models.cli.export") -> argparse.Namespace:
@@ -104,6 +104,7 @@ def export(
     where = check_destination(out, run)
     if (run / "config.json").exists() and not (run / "run.json").exists():
         raise hub.HubError(f"{run} is a Hugging Face folder already; export reads a run")
+    need_checkpoint(run)
     params, cfg, tokenizer = generate.load(run, step)  # refuses runs that are not decoder LMs
     base = generate.base_folder(run)  # a fine-tune's copy of its base's files
     if (folder := hub_base(run)) is not None:  # a model of a Hugging Face folder's

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from models.io.export_rules import MARKER, as_gpt2, check_destination, gpt2_config
-from models.io.source import hub_base
+from models.io.source import hub_base, need_checkpoint
 from models.layers import lora
 from models.layers.lora import LoraError
 
@@ -58,6 +58,7 @@ def export_adapters(
     spec = lora.of_flags(flags)
     if spec is None:
         raise LoraError(f"--adapter-only: {run} is not a LoRA run (its run.json has no lora_rank)")
+    need_checkpoint(run)
     params, cfg, _ = generate.load(run, step, merge=False)
     if (base := hub_base(run)) is not None:  # its base's family, as the merged export's
         family = hub.read_config(base)[0]  # (a run.json of old has no "family")

@@ -129,8 +129,7 @@ def read_run(run, step: int | None = None, merge: bool = True):
     from models.training import checkpoint, data
 
     run = Path(run)
-    if not is_run(run) or checkpoint.latest_step(run) is None:
-        raise checkpoint.CheckpointError(f"{run}: no run.json and checkpoint to load")
+    need_checkpoint(run)
     flags = files.read_json(run / "run.json", "the run's record")
     model = zoo.get(flags["model"])
     cfg = run_config(run, flags)
@@ -145,6 +144,20 @@ def read_run(run, step: int | None = None, merge: bool = True):
     if adapters is not None and merge:
         params = merged(params, adapters)
     return model, params, cfg, data.load_tokenizer(run)
+
+
+def need_checkpoint(run) -> None:
+    """CheckpointError unless `run` is a training run with a checkpoint, saying which
+    of the two it lacks."""
+    from models.training import checkpoint
+
+    if not is_run(run):
+        raise checkpoint.CheckpointError(f"{run}: no run.json (not a training run's --out)")
+    if checkpoint.latest_step(run) is None:
+        raise checkpoint.CheckpointError(
+            f"{run}: no checkpoint yet (a run saves one every --save-every steps and at "
+            "its end): nothing to read"
+        )
 
 
 def _restore(run: Path, target: dict, step: int | None, tries: int = 5) -> dict:
