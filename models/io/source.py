@@ -126,7 +126,7 @@ def read_run(run, step: int | None = None, merge: bool = True):
     from models import transformer, zoo
     from models.io import files
     from models.layers.lora import adapted, merged, of_flags
-    from models.training import checkpoint, data
+    from models.training import data
 
     run = Path(run)
     need_checkpoint(run)
