@@ -338,3 +338,9 @@ def test_a_run_with_no_checkpoint_yet_is_one_line_saying_so(tmp_path, rank, caps
     assert export.main([str(run), "--out", str(tmp_path / "hf"), *flags]) == 2
     assert "run: no checkpoint yet (a run saves one every --save-every" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_max_shard_size_with_adapter_only_is_refused_not_ignored(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        export.arguments([str(tmp_path), "--out", "x", "--adapter-only", "--max-shard-size", "1KB"])
+    assert e.value.code == 2 and "--max-shard-size with --adapter-only" in capsys.readouterr().err

@@ -58,11 +58,11 @@ def arguments(argv=None, prog: str = "python -m models.cli.export") -> argparse.
     )
     p.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         type=_size,
         metavar="SIZE",
         help="above it the weights go in shards with model.safetensors.index.json, as "
-        "transformers' save_pretrained (5GB, 200MB, 1GiB or bytes)",
+        "transformers' save_pretrained (5GB, 200MB, 1GiB or bytes; default 5GB)",
     )
     p.add_argument(
         "--adapter-only",
@@ -71,7 +71,11 @@ def arguments(argv=None, prog: str = "python -m models.cli.export") -> argparse.
         "adapter_model.safetensors); without it a LoRA run exports merged (W + alpha/r A B)",
     )
     cluster.add_flags(p)
-    return resolve(p, p.parse_args(argv))
+    args = resolve(p, p.parse_args(argv))
+    if args.adapter_only and args.max_shard_size is not None:  # not ignored silently
+        p.error("--max-shard-size with --adapter-only: the adapters are one file, as PEFT "
+                "writes them; drop --max-shard-size")  # fmt: skip
+    return args
 
 
 def _size(text: str) -> str:
