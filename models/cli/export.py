@@ -11,9 +11,10 @@ and chat template, from the run's copy of them (RUN/base: the base folder is not
 A run of the zoo's `lm` goes out as GPT-2, whose architecture it shares where its
 config has layer norms, tanh-GELU, learned
 positions, tied embeddings and d_kv * heads == d_model: its missing biases are zeros
-and the tied softmax's d_model**-0.5 is folded into the final norm. Other models are
-refused by name. A byte-tokenizer run writes no tokenizer.json (it has no `tokenizers`
-form); `namedmesh eval` reads such a folder with the byte tokenizer.
+and the tied softmax's d_model**-0.5 is folded into the final norm. Other models, and
+an lm with an option GPT-2's config.json cannot say (embed_scale...), are refused by
+name. A byte-tokenizer run writes no tokenizer.json (it has no `tokenizers` form);
+`namedmesh eval` reads such a folder with the byte tokenizer.
 
 `--out` is a new folder, an empty one, or an earlier export (its marker file
 `.namedmesh-export` lists what it wrote, and nothing else is there): never the run's
@@ -42,7 +43,7 @@ from models.io.export_rules import DestinationError as DestinationError
 from models.io.export_rules import as_gpt2 as as_gpt2
 from models.io.export_rules import check_destination as check_destination
 from models.io.export_rules import gpt2_config as gpt2_config
-from models.io.source import add_source, hub_base, resolve
+from models.io.source import add_source, hub_base, need_checkpoint, resolve
 
 
 def arguments(argv=None, prog: str = "python -m models.cli.export") -> argparse.Namespace:
@@ -57,11 +58,11 @@ def arguments(argv=None, prog: str = "python -m models.cli.export") -> argparse.
     )
     p.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         type=_size,
         metavar="SIZE",
         help="above it the weights go in shards with model.safetensors.index.json, as "
-        "transformers' save_pretrained (5GB, 200MB, 1GiB or bytes)",
+        "transformers' save_pretrained (5GB, 200MB, 1GiB or bytes; default 5GB)",
     )
     p.add_argument(
         "--adapter-only",
@@ -70,7 +71,11 @@ def arguments(argv=None, prog: str = "python -m models.cli.export") -> argparse.
         "adapter_model.safetensors); without it a LoRA run exports merged (W + alpha/r A B)",
     )
     cluster.add_flags(p)
-    return resolve(p, p.parse_args(argv))
+    args = resolve(p, p.parse_args(argv))
+    if args.adapter_only and args.max_shard_size is not None:  # not ignored silently
+        p.error("--max-shard-size with --adapter-only: the adapters are one file, as PEFT "
+                "writes them; drop --max-shard-size")  # fmt: skip
+    return args
 
 
 def _size(text: str) -> str:
@@ -100,9 +105,10 @@ def export(
     from models.training import data
 
     run = Path(run)
-    check_destination(out, run)
+    where = check_destination(out, run)
     if (run / "config.json").exists() and not (run / "run.json").exists():
         raise hub.HubError(f"{run} is a Hugging Face folder already; export reads a run")
+    need_checkpoint(run)
     params, cfg, tokenizer = generate.load(run, step)  # refuses runs that are not decoder LMs
     base = generate.base_folder(run)  # a fine-tune's copy of its base's files
     if (folder := hub_base(run)) is not None:  # a model of a Hugging Face folder's
@@ -122,7 +128,7 @@ def export(
         names = sorted(p.name for p in folder.iterdir())
         (folder / MARKER).write_text(json.dumps({"run": str(run.resolve()), "files": names}))
 
-    files.replace_folder(out, write)
+    files.replace_folder(where, write)
     return Path(out)
 
 

@@ -1,7 +1,9 @@
 """`export RUN --adapter-only --out DIR`: a LoRA run's adapters alone, in PEFT's layout.
 
 adapter_config.json (peft_type LORA, task_type CAUSAL_LM, r, lora_alpha, lora_dropout,
-target_modules by the Hugging Face module names, base_model_name_or_path: the run's
+target_modules by the Hugging Face module names (as much of each module's path as
+PEFT's matching needs to find it and no module not adapted: GPT-2's `attn.c_proj`, as
+`c_proj` would match the MLP's too), base_model_name_or_path: the run's
 --init-from) and adapter_model.safetensors, whose tensors are named and shaped as PEFT's
 `save_pretrained` writes them: `base_model.model.<the weight's module>.lora_A.weight`
 of shape (r, in_features) and `...lora_B.weight` of shape (out_features, r), in
@@ -30,8 +32,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from models.io.export_rules import MARKER, as_gpt2, check_destination
-from models.io.source import hub_base
+from models.io.export_rules import MARKER, as_gpt2, check_destination, gpt2_config
+from models.io.source import hub_base, need_checkpoint
 from models.layers import lora
 from models.layers.lora import LoraError
 
@@ -49,16 +51,20 @@ def export_adapters(
     from models.training import checkpoint
 
     run = Path(run)
-    check_destination(out, run)
+    where = check_destination(out, run)
     if not (run / "run.json").exists():
         raise checkpoint.CheckpointError(f"--adapter-only: {run} holds no run (no run.json)")
     flags = files.read_json(run / "run.json", "the run's record")
     spec = lora.of_flags(flags)
     if spec is None:
         raise LoraError(f"--adapter-only: {run} is not a LoRA run (its run.json has no lora_rank)")
+    need_checkpoint(run)
     params, cfg, _ = generate.load(run, step, merge=False)
-    family = flags.get("family") or "gpt2"
-    if hub_base(run) is None:  # a zoo lm goes out as GPT-2: its table's config
+    if (base := hub_base(run)) is not None:  # its base's family, as the merged export's
+        family = hub.read_config(base)[0]  # (a run.json of old has no "family")
+    else:  # a zoo lm goes out as GPT-2 (if it is GPT-2): its table's config
+        family = "gpt2"
+        gpt2_config(cfg)  # the merged export's refusal of any other architecture
         cfg = as_gpt2(lora.merged(params, spec), cfg)[1]
     rows = hub.tensors(family, cfg, hub.FAMILIES[family].prefixes[0])
     tensors, fields = peft_adapters(params, rows, spec)
@@ -84,7 +90,7 @@ def export_adapters(
         names = sorted(p.name for p in folder.iterdir())
         (folder / MARKER).write_text(json.dumps({"run": str(run.resolve()), "files": names}))
 
-    files.replace_folder(out, write)
+    files.replace_folder(where, write)
     return Path(out)
 
 
@@ -104,19 +110,24 @@ def peft_adapters(params: dict, rows: dict, spec: lora.Lora) -> tuple[dict, dict
     fields they set: target_modules, fan_in_fan_out, rank_pattern and alpha_pattern);
     `rows` is hub.tensors' table of the family (where each weight sits in the files)."""
     host = lambda t: np.asarray(jax.device_get(t.data))  # noqa: E731
-    fused = {}  # a fused tensor's name -> its adapted parts (FileTensor, A, A dims, B, B dims)
+    # a file tensor -> its adapted parts (FileTensor, A, A dims, B, B dims): by its name
+    # and its stack's first layer, as two stacks (Qwen3-MoE's dense first layers and its
+    # MoE ones) name their tensors alike, each from its own layer number
+    fused = {}
     for path, a, b in _adapter_pairs(params):
-        fused.setdefault(rows[path].entry.name, []).append(
+        entry = rows[path].entry
+        fused.setdefault((entry.name, entry.first), []).append(
             (rows[path], host(a), a.dims, host(b), b.dims)
         )
-    tensors, ranks, transposed = {}, {}, False
+    tensors, adapted, transposed = {}, {}, False
     for parts in fused.values():
         names, conv = _peft_tensors(parts)
         tensors |= names
         transposed |= conv
         for k, v in names.items():
             if k.endswith(".lora_A.weight"):
-                ranks[k.removesuffix(".lora_A.weight").rsplit(".", 1)[-1]] = v.shape[0]
+                adapted[k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")] = v.shape[0]
+    ranks = _module_keys(adapted, {n.rsplit(".", 1)[0] for t in rows.values() for n in t.names()})
     wider = {m: r for m, r in sorted(ranks.items()) if r != spec.rank}
     return tensors, {
         "target_modules": sorted(ranks),
@@ -124,6 +135,24 @@ def peft_adapters(params: dict, rows: dict, spec: lora.Lora) -> tuple[dict, dict
         "rank_pattern": wider,
         "alpha_pattern": {m: spec.alpha * r / spec.rank for m, r in wider.items()},
     }
+
+
+def _module_keys(adapted: dict[str, int], modules: set[str]) -> dict[str, int]:
+    """{key: rank}: for each adapted module (name -> its rank) the shortest dotted
+    suffix of its name that PEFT's matching (a module named `key` or ending in
+    `.key`, in target_modules, rank_pattern and alpha_pattern) finds only in adapted
+    modules of its rank, among the family's `modules`: `c_proj` would adapt GPT-2's
+    MLP c_proj beside attention's, so attention's is `attn.c_proj`."""
+    out = {}
+    for name, rank in adapted.items():
+        words = name.split(".")
+        for k in range(1, len(words) + 1):
+            key = ".".join(words[-k:])
+            found = {m for m in modules | set(adapted) if m == key or m.endswith("." + key)}
+            if all(adapted.get(m) == rank for m in found):
+                out[key] = rank
+                break
+    return out
 
 
 def _peft_tensors(parts: list) -> tuple[dict, bool]:

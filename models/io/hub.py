@@ -82,9 +82,11 @@ class Weights:
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
-        self._open, self._files = safe_open, {}
+        self._open, self._files, self.index = safe_open, {}, None
         index = folder / "model.safetensors.index.json"
-        if index.exists():
+        # model.safetensors first, as transformers reads a folder holding both
+        if index.exists() and not (folder / "model.safetensors").exists():
+            self.index = index
             weight_map = read_json(index, "the index").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise DamagedFileError(f"{index}: no weight_map object (tensor -> shard file)")
@@ -108,8 +110,14 @@ class Weights:
             raise MissingFileError(f"the weights have no tensor {name!r}")
         path = self.where[name]
         if path not in self._files:
-            self._files[path] = _opened(self._open, path)
-        found = self._files[path].get_slice(name)
+            opened = _opened(self._open, path)
+            self._files[path] = opened, set(opened.keys())
+        opened, held = self._files[path]
+        if name not in held:  # safetensors would raise its own error
+            raise DamagedFileError(
+                f"{self.index}: maps tensor {name!r} to {path.name}, which does not hold it"
+            )
+        found = opened.get_slice(name)
         return _BFloat16Slice(path, name) if found.get_dtype() == "BF16" else found
 
 
@@ -458,12 +466,13 @@ def family_config(family: str, hf: dict, names: set[str], folder="") -> Config:
     return cfg.replace(family=family)
 
 
-def _check_all_read(family: str, files: dict, weights: Weights, cfg: Config) -> None:
+def _check_all_read(family: str, files: dict, source: Source, cfg: Config) -> None:
     """UnsupportedModelError naming the weights' tensors the family does not read (a
     relabelled folder: Qwen2's q/k/v biases under model_type llama), besides the
     buffers its `ignored` patterns name and those its `unused(cfg)` name (a
     WeightShapeError for one of those that should be empty and is not)."""
-    read = {name for t in files.values() for name in t.names()}
+    weights = source.weights
+    read = {name for t in files.values() for name in t.names()} | _tied_head(files, source, cfg)
     ignored = [re.compile(p) for p in FAMILIES[family].ignored]
     unused = [(re.compile(p), empty) for p, empty in FAMILIES[family].unused(cfg)]
     unread = []
@@ -484,6 +493,36 @@ def _check_all_read(family: str, files: dict, weights: Weights, cfg: Config) -> 
             f"the weights hold tensor(s) a {family} model does not read: {shown} (a different "
             "family, or an option its config.json does not declare)"
         )
+
+
+def _tied_head(files: dict, source: Source, cfg: Config) -> set[str]:
+    """The name of the untied softmax (lm_head.weight) that weights of a model whose
+    config.json ties it to the embedding hold anyway, when it equals the embedding, as
+    some savers write it: read as the tied model transformers makes of it. One of other
+    values is an UnsupportedModelError naming it (transformers would untie the two
+    against config.json's word: which model is meant is not for us to guess)."""
+    embed, weights = files.get("embed"), source.weights
+    if not cfg.shared_embedding or embed is None:
+        return set()
+    try:
+        untied = tensors(source.family, cfg.replace(shared_embedding=False), source.prefix)
+    except (HubError, NamedMeshError):  # a family that has no untied head
+        return set()
+    extra = [t for p, t in untied.items() if p not in files]
+    if len(extra) != 1 or set(extra[0].dims) != set(embed.dims):
+        return set()
+    head, name = extra[0], extra[0].entry.name
+    if name not in weights.where or tuple(weights.slice(name).get_shape()) != head.file_shape():
+        return set()
+    whole = lambda t: t.read(weights, tuple(slice(None) for _ in t.dims))
+    a = whole(head).transpose([head.dims.index(d) for d in embed.dims])
+    if not np.array_equal(a, whole(embed)):
+        raise UnsupportedModelError(
+            f"config.json ties the softmax to the embedding (tie_word_embeddings), but the "
+            f"weights hold {name!r} of other values than {embed.entry.name!r}: set "
+            "tie_word_embeddings to false in config.json to read it as its own softmax"
+        )
+    return {name}
 
 
 def config_of(path) -> tuple[str, Config]:
@@ -553,7 +592,7 @@ def load_params(source: Source, cfg: Config, mesh: Mesh | None, layout) -> HubMo
         layout = layout if isinstance(layout, Layout) else Layout(layout or "")
     params = {}
     files = tensors(family, cfg, source.prefix)
-    _check_all_read(family, files, weights, cfg)
+    _check_all_read(family, files, source, cfg)
     for p, t in files.items():
         _check_shape(t, weights, p)
         _set(params, p, nm.tensor(_place(t, weights, mesh, layout, p), t.dims))
@@ -612,7 +651,8 @@ def save(model: HubModel, path, dtype: str = "float32", max_shard_size=None) -> 
     stale shard or index) and a failed write (full disk, read-only folder) leaves it
     intact: SaveError."""
     try:
-        replace_folder(path, writer(model, dtype, max_shard_size))
+        # the folder a link names is replaced, not the link
+        replace_folder(Path(path).resolve(), writer(model, dtype, max_shard_size))
     except FileWriteError as e:
         raise SaveError(str(e)) from None
 

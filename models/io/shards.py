@@ -8,6 +8,8 @@ import re
 
 import numpy as np
 
+from namedmesh.errors import NamedMeshError
+
 DTYPES = ("float32", "bfloat16", "float16")
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD = "5GB"  # transformers' save_pretrained's default (before v5)
@@ -34,16 +36,32 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+class DtypeRangeError(NamedMeshError, ValueError):
+    """A weight that the export's --dtype cannot hold: float16 tops out at 65504, and a
+    larger value would be written as infinity."""
+
+
 def cast(arrays: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
     """Floating arrays in `dtype` (bfloat16 as ml_dtypes', which safetensors writes);
-    integer ones as they are."""
+    integer ones as they are. DtypeRangeError naming the first tensor whose finite
+    values the cast would turn into infinities."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: must be one of {', '.join(DTYPES)}")
     import ml_dtypes
 
     to = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     floating = lambda a: np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16
-    return {k: np.ascontiguousarray(a.astype(to) if floating(a) else a) for k, a in arrays.items()}
+    out = {}
+    for k, a in arrays.items():
+        with np.errstate(over="ignore"):  # said below, by name
+            out[k] = np.ascontiguousarray(a.astype(to) if floating(a) else a)
+        if floating(a) and (np.isinf(out[k]) & np.isfinite(a)).any():
+            big = float(np.abs(a[np.isfinite(a)]).max())
+            raise DtypeRangeError(
+                f"--dtype {dtype}: tensor {k!r} holds {big:.6g}, beyond what {dtype} holds "
+                f"(it would be written as infinity); export it as bfloat16 or float32"
+            )
+    return out
 
 
 def plan(arrays: dict[str, np.ndarray], max_bytes: int) -> list[list[str]]:

@@ -126,11 +126,10 @@ def read_run(run, step: int | None = None, merge: bool = True):
     from models import transformer, zoo
     from models.io import files
     from models.layers.lora import adapted, merged, of_flags
-    from models.training import checkpoint, data
+    from models.training import data
 
     run = Path(run)
-    if not is_run(run) or checkpoint.latest_step(run) is None:
-        raise checkpoint.CheckpointError(f"{run}: no run.json and checkpoint to load")
+    need_checkpoint(run)
     flags = files.read_json(run / "run.json", "the run's record")
     model = zoo.get(flags["model"])
     cfg = run_config(run, flags)
@@ -141,10 +140,44 @@ def read_run(run, step: int | None = None, merge: bool = True):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         transformer.abstract(adapted(model, adapters, cfg).shapes(cfg)),
     )
-    params, _ = checkpoint.restore_params(run, target, checkpoint.check_step(run, step))
+    params = _restore(run, target, step)
     if adapters is not None and merge:
         params = merged(params, adapters)
     return model, params, cfg, data.load_tokenizer(run)
+
+
+def need_checkpoint(run) -> None:
+    """CheckpointError unless `run` is a training run with a checkpoint, saying which
+    of the two it lacks."""
+    from models.training import checkpoint
+
+    if not is_run(run):
+        raise checkpoint.CheckpointError(f"{run}: no run.json (not a training run's --out)")
+    if checkpoint.latest_step(run) is None:
+        raise checkpoint.CheckpointError(
+            f"{run}: no checkpoint yet (a run saves one every --save-every steps and at "
+            "its end): nothing to read"
+        )
+
+
+def _restore(run: Path, target: dict, step: int | None, tries: int = 5) -> dict:
+    """The parameters of the run's checkpoint at `step`, or at its newest: a run that is
+    still training keeps its newest checkpoints only, and may remove the one chosen as
+    the newest before it is read (it saved newer ones meanwhile): then the newest again,
+    never an error saying that the step gone is damaged."""
+    from models.training import checkpoint
+
+    for _ in range(tries):
+        chosen = checkpoint.check_step(run, step)
+        try:
+            return checkpoint.restore_params(run, target, chosen)[0]
+        except (checkpoint.CheckpointError, OSError):
+            if step is not None or chosen in checkpoint.all_steps(run):
+                raise  # damaged, or asked for: not the run's removal of an old one
+    raise checkpoint.CheckpointError(
+        f"{run}: the newest checkpoint was removed {tries} times while it was read (the run "
+        "saves faster than it can be read): pass --step N of a checkpoint it keeps"
+    )
 
 
 def template_folder(model) -> Path | None:
