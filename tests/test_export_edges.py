@@ -209,6 +209,28 @@ def test_a_tied_models_weights_holding_its_head_read_as_transformers_reads_them(
         hub.load(folder)
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_a_gpt2_folder_holding_its_head_reads_it_as_transformers_does(tmp_path, same):
+    """GPT-2 has no untied head: an lm_head.weight equal to wte is the tied model, one of
+    other values (transformers reads it) is refused, where it was dropped silently."""
+    from safetensors.numpy import load_file, save_file
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=4,
+                                     n_positions=64)  # fmt: skip
+    folder = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(config).eval().save_pretrained(folder)
+    held = load_file(folder / "model.safetensors")
+    wte = next(k for k in held if k.endswith("wte.weight"))
+    held["lm_head.weight"] = held[wte] * (1 if same else 2)
+    save_file(held, folder / "model.safetensors", {"format": "pt"})
+    if same:
+        np.testing.assert_allclose(loaded_logits(folder), hf_logits(folder), rtol=0, atol=1e-4)
+        return
+    with pytest.raises(hub.UnsupportedModelError, match="'lm_head.weight' of other values"):
+        hub.load(folder)
+
+
 # --- adapters in PEFT's files ---------------------------------------------------------
 def peft_modules(model, targets) -> set[str]:
     """The modules PEFT adapts for `target_modules`: Linear (and GPT-2's Conv1D) layers

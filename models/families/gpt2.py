@@ -48,8 +48,9 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 FAMILY = Family(
     "gpt2", config, table, "lm", ("transformer.", ""), "wte.weight", "GPT2LMHeadModel",
-    # the causal-mask buffers of older files; lm_head is the tied embedding
-    ignored=(r".*attn\.(masked_)?bias$", r"^lm_head\.weight$"),
+    # the causal-mask buffers of older files (an lm_head.weight is read as the tied
+    # embedding if it equals it, else refused: hub._tied_head)
+    ignored=(r".*attn\.(masked_)?bias$",),
     defaults=dict(  # GPT2Config's: the tanh GELU
         activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
         scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,

@@ -70,7 +70,7 @@ def table(cfg: Config, prefix: str) -> list[Entry]:
 
 FAMILY = Family(
     "opt", config, table, "lm", ("model.decoder.", "decoder."), "embed_tokens.weight",
-    "OPTForCausalLM", ignored=(r"^lm_head\.weight$",),  # tied: the embedding again
+    "OPTForCausalLM",  # a tied lm_head.weight: read if the embedding again (hub._tied_head)
     defaults=dict(  # OPTConfig's: ReLU, pre-norm, biases, tied
         activation_function="relu", do_layer_norm_before=True, enable_bias=True,
         tie_word_embeddings=True, _remove_final_layer_norm=False,

@@ -504,23 +504,32 @@ def _tied_head(files: dict, source: Source, cfg: Config) -> set[str]:
     embed, weights = files.get("embed"), source.weights
     if not cfg.shared_embedding or embed is None:
         return set()
+    whole = lambda t: t.read(weights, tuple(slice(None) for _ in t.dims))
     try:
         untied = tensors(source.family, cfg.replace(shared_embedding=False), source.prefix)
-    except (HubError, NamedMeshError):  # a family that has no untied head
-        return set()
-    extra = [t for p, t in untied.items() if p not in files]
-    if len(extra) != 1 or set(extra[0].dims) != set(embed.dims):
-        return set()
-    head, name = extra[0], extra[0].entry.name
-    if name not in weights.where or tuple(weights.slice(name).get_shape()) != head.file_shape():
-        return set()
-    whole = lambda t: t.read(weights, tuple(slice(None) for _ in t.dims))
-    a = whole(head).transpose([head.dims.index(d) for d in embed.dims])
-    if not np.array_equal(a, whole(embed)):
+    except (HubError, NamedMeshError):  # a family that has no untied head (GPT-2): the
+        # lm_head.weight its savers write is [vocab, d_model], the embedding's own layout
+        name = "lm_head.weight"
+        if name not in weights.where or weights.slice(name).get_shape() != list(
+            weights.slice(embed.entry.name).get_shape()
+        ):
+            return set()
+        a, b = weights.slice(name)[...], weights.slice(embed.entry.name)[...]
+        fix = f"a {source.family} model has no softmax of its own to read it as"
+    else:
+        extra = [t for p, t in untied.items() if p not in files]
+        if len(extra) != 1 or set(extra[0].dims) != set(embed.dims):
+            return set()
+        head, name = extra[0], extra[0].entry.name
+        if name not in weights.where or tuple(weights.slice(name).get_shape()) != head.file_shape():
+            return set()
+        a = whole(head).transpose([head.dims.index(d) for d in embed.dims])
+        b = whole(embed)
+        fix = "set tie_word_embeddings to false in config.json to read it as its own softmax"
+    if not np.array_equal(a, b):
         raise UnsupportedModelError(
             f"config.json ties the softmax to the embedding (tie_word_embeddings), but the "
-            f"weights hold {name!r} of other values than {embed.entry.name!r}: set "
-            "tie_word_embeddings to false in config.json to read it as its own softmax"
+            f"weights hold {name!r} of other values than {embed.entry.name!r}: {fix}"
         )
     return {name}
 
