@@ -256,3 +256,16 @@ def test_ctrl_c_ends_a_command_in_one_line_and_status_130(
     line = one_line(capsys.readouterr().err)
     assert line == f"namedmesh {command}: error: stopped by SIGINT (Ctrl-C) before it finished"
     assert not (tmp_path / "out").exists()
+
+
+def test_generate_layout_auto_and_a_run_without_checkpoint_say_so(export, tmp_path, capsys):
+    """`generate --layout auto` was refused as a malformed rule 'auto' (its docs said it
+    works as train's); a run without a checkpoint yet was 'no run.json and checkpoint'."""
+    flags = [str(export), "--prompt", "x", "--max-new", "1", "--mesh", "data=2"]
+    assert generate.main([*flags, "--layout", "auto"]) == 2
+    assert "generate takes rules" in one_line(capsys.readouterr().err)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text('{"model": "tiny"}')
+    assert generate.main([str(run), "--prompt", "x"]) == 2
+    assert "no checkpoint yet" in one_line(capsys.readouterr().err)

@@ -254,3 +254,18 @@ def test_a_tokenizer_folder_for_a_file_is_refused_naming_the_file(tmp_path):
     data.ByteTokenizer().save(tmp_path)
     with pytest.raises(data.DataError, match=f"folder: pass the file, --tokenizer {tmp_path}/"):
         data.load_tokenizer_file(tmp_path)
+
+
+def test_a_base_copy_keeps_every_file_the_tokenizer_reads():
+    """A fine-tune's RUN/base (hub.BASE_FILES) held no added_tokens.json or vocab.txt, so
+    a run read another tokenizer than its base folder: every file name folder_tokens.py
+    opens is one it lists, and the copy takes them all."""
+    import re
+    from pathlib import Path
+
+    from models.io import folder_tokens, hub
+
+    source = Path(folder_tokens.__file__).read_text()
+    opened = set(re.findall(r'"([a-z_]+\.(?:json|txt|model|jinja))"', source))
+    assert opened <= set(folder_tokens.READS)
+    assert set(folder_tokens.READS) <= set(hub.BASE_FILES)

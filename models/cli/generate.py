@@ -64,7 +64,7 @@ from models.inference.continuations import Continuations, check_stops
 from models.inference.decoding import MODES, Decoder, decode_step, init_cache, prefill_step
 from models.inference.sampling import Sampling
 from models.io import files, folder_tokens, hub
-from models.io.source import add_source, is_run, no_steps, read_run, resolve
+from models.io.source import add_source, is_run, need_checkpoint, no_steps, read_run, resolve
 from models.training import checkpoint, data
 from namedmesh.errors import ParameterError
 
@@ -90,8 +90,7 @@ def load(run: str | Path, step: int | None = None, merge: bool = True):
         if step is not None:
             raise no_steps(run, step)
         return load_hub(run)
-    if not is_run(run) or checkpoint.latest_step(run) is None:
-        raise checkpoint.CheckpointError(f"{run}: no run.json and checkpoint to load")
+    need_checkpoint(run)
     flags = files.read_json(run / "run.json", "the run's record")
     if zoo.get(flags["model"]).objective != "lm":
         raise checkpoint.CheckpointError(
@@ -300,6 +299,11 @@ def main(argv=None, prog: str = "python -m models.cli.generate") -> int:
         check_output(args, len(texts))
         if args.layout and not args.mesh:
             raise ParameterError("--layout places the model on a --mesh; pass --mesh too")
+        if args.layout.strip() == "auto":  # train's and eval's search costs a training step
+            raise ParameterError(
+                "--layout auto searches a training step's layout (train, eval); generate "
+                'takes rules, e.g. --layout "heads:model;d_ff:model"'
+            )
         params, cfg, tokenizer = load(args.source, args.step)
         folder = base_folder(args.source)  # its template and ids, read before compiling
         prompts = encode_prompts(texts, tokenizer, folder, args.chat)

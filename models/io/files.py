@@ -131,8 +131,10 @@ def _bytes(content: str | bytes) -> bytes:
 
 def replace_folder(path, writer: Callable[[Path], object]) -> None:
     """`writer(temporary folder)` fills a new folder, which then replaces `path` whole:
-    nothing of the old folder survives, and if writing fails the old one is intact."""
-    path = Path(path).absolute()
+    nothing of the old folder survives, and if writing fails the old one is intact. A
+    link is followed: the folder it names is replaced, the link kept (renaming the link
+    itself would leave it a folder and its target as it was)."""
+    path = Path(path).resolve()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         sweep(path)

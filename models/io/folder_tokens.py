@@ -37,6 +37,13 @@ from models.io import files
 
 # the files a tokenizer is read from, in the order they are tried (for error messages)
 FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model", "vocab.txt")
+# every file `read` and `template` may open: a copy of a folder's tokenizer (a
+# fine-tune's RUN/base, hub.BASE_FILES) must hold them all to read as the folder reads
+READS = (
+    "tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt",
+    "added_tokens.json", "tokenizer_config.json", "special_tokens_map.json",
+    "generation_config.json", "config.json", "chat_template.jinja",
+)  # fmt: skip
 
 
 def read(folder, family: str | None = None):

@@ -548,10 +548,7 @@ def config_of(path) -> tuple[str, Config]:
 
 BASE = "base"  # a fine-tune's copy of its base folder, in the run's folder
 # what a run keeps of its base: everything but the weights
-BASE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-)  # fmt: skip
+BASE_FILES = folder_tokens.READS  # config.json among them
 
 
 def copy_base(path, dest) -> str:
