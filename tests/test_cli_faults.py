@@ -264,8 +264,8 @@ def test_generate_layout_auto_and_a_run_without_checkpoint_say_so(export, tmp_pa
     flags = [str(export), "--prompt", "x", "--max-new", "1", "--mesh", "data=2"]
     assert generate.main([*flags, "--layout", "auto"]) == 2
     assert "generate takes rules" in one_line(capsys.readouterr().err)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "run.json").write_text('{"model": "tiny"}')
-    assert generate.main([str(run), "--prompt", "x"]) == 2
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "run.json").write_text('{"model": "tiny"}')
+    assert generate.main([str(folder), "--prompt", "x"]) == 2
     assert "no checkpoint yet" in one_line(capsys.readouterr().err)
