@@ -215,6 +215,8 @@ def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: b
         if e.primitive.loop and _unrolled(e):  # its layers' cotangents, each its own:
             n = e.params["n_carry"]  # of the carry, beside the body's (`_scan_saved`)
             ends = (*e.inputs[:n], *e.outputs[:n])  # and the gradients themselves
+        elif e.primitive.loop:  # a held input's cotangent is its gradient, counted apart
+            ends = tuple(v for v in ends if v not in held)
         elif in_place and not e.primitive.matmul:
             ends = _in_place(e, active)
         ends = tuple(v for v in ends if v in active)
@@ -288,7 +290,10 @@ def _peak(terms, local_bytes, shares: dict) -> tuple[int, int]:
         if add[0] == "scan":
             scan_kept, inner = _scan_saved(add, local_bytes)
             saved_at[i] += scan_kept * shares.get(add[1], 1.0)
-            work[i] = max(work[i], inner)
+            # a loop's backward holds its own cotangents (its carry's, its stacked
+            # outputs', its stacked inputs' that are not the step's gradients) beside
+            # one iteration's working set; unrolled, each layer's are within it
+            work[i] = work[i] + inner if not _unrolled(add[1]) else max(work[i], inner)
         else:
             saved_at[i] += round(add[1] * local_bytes(add[2]))  # (a factor may be a fraction)
     for v, i in kept:
@@ -318,10 +323,14 @@ def _scan_terms(e, active: set) -> tuple:
     inner = active_values(
         body, {b for b, v in zip(body.inputs, e.inputs, strict=True) if v in active}
     )
-    # the scanned slices and the shared inputs are held whole outside the loop
-    held = frozenset((*body.inputs[nc:], *body.consts))
     remat = e.params.get("remat", "none")
     unrolled = _unrolled(e)
+    # the shared inputs are held whole outside the loop, and so are the scanned slices,
+    # but for a loop's forward pass without remat: jax saves each slice its backward
+    # reads as a residual, a stacked copy of the scanned input (XLA's buffers of the
+    # Megatron table's loop rows: each layer weights' stack twice, beside its gradient's)
+    saved = e.params["n_x"] if remat == "none" and not unrolled else 0
+    held = frozenset((*body.inputs[nc + saved :], *body.consts))
     # unrolled, the iterations are one program: XLA fuses the elementwise intermediates'
     # recomputation into the backward pass's ops where a loop stores them; and it merges
     # remat's recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
