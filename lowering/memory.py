@@ -157,16 +157,19 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
 
 
 def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = None,
-                   reads=None) -> dict:  # fmt: skip
+                   reads=None, cpu: bool = False) -> dict:  # fmt: skip
     """`training_peak`'s terms apart, in bytes per device: `inputs` (the parameters and
     the batch, held throughout), `gradients` (of `wrt`), `saved` (what the backward pass
     has yet to read where it peaks) and `working` (its working set there, with remat's
     recomputed iteration). `reads(e, k)`: the bytes per device of input `k` of equation
-    `e` as its local op reads it (None: as its layout has it; `Read`)."""
+    `e` as its local op reads it (None: as its layout has it; `Read`). `cpu`: the
+    program runs on XLA:CPU, which holds its low-precision intermediates in float32
+    (`cpu_bytes`)."""
     held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
     terms = _saved_terms(graph, frozenset(active), held, False, False)
-    saved, working = _peak(terms, _sizer(local_bytes, reads), shares or {})
+    size = _sizer(local_bytes, reads)
+    saved, working = _peak(terms, cpu_bytes(size) if cpu else size, shares or {})
     grads = sum(local_bytes(v) for v in wrt)
     return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
 
@@ -222,6 +225,23 @@ def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: b
         ends = tuple(v for v in ends if v in active)
         working.append(ends if e.primitive.loop else _reads(e, active, ends))
     return tuple(adds), tuple(first.items()), tuple(working)
+
+
+def cpu_bytes(size):
+    """`size` of an intermediate as XLA:CPU holds it: a bfloat16 or float16 value as
+    float32. Its float normalisation runs the ops it lacks low-precision kernels for
+    (the dots among them) in float32, and the values they make, the layer loop's stacked
+    residuals too, stay float32: the buffers of a bfloat16 Llama step are the float32
+    step's shapes and dtypes, and XLA's total is the float32 step's within 1% (the
+    bfloat16 rows of docs/benchmarks.md's step-memory section). A program's inputs keep
+    their dtype; an accelerator (GPU, TPU) computes in bfloat16 and is not widened."""
+
+    def widened(x):
+        dtype = (x.v if isinstance(x, Read) else x).dtype
+        n = size(x)
+        return n * 4 // dtype.itemsize if is_inexact(dtype) and dtype.itemsize < 4 else n
+
+    return widened
 
 
 def _sizer(local_bytes, reads):
