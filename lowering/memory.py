@@ -169,7 +169,8 @@ def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = N
     base = sum(local_bytes(v) for v in held)
     terms = _saved_terms(graph, frozenset(active), held, False, False)
     size = _sizer(local_bytes, reads)
-    saved, working = _peak(terms, cpu_bytes(size) if cpu else size, shares or {})
+    size = cpu_bytes(size, _converted(graph)) if cpu else size
+    saved, working = _peak(terms, size, shares or {})
     grads = sum(local_bytes(v) for v in wrt)
     return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
 
@@ -227,21 +228,36 @@ def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: b
     return tuple(adds), tuple(first.items()), tuple(working)
 
 
-def cpu_bytes(size):
+def cpu_bytes(size, converted=frozenset()):
     """`size` of an intermediate as XLA:CPU holds it: a bfloat16 or float16 value as
-    float32. Its float normalisation runs the ops it lacks low-precision kernels for
-    (the dots among them) in float32, and the values they make, the layer loop's stacked
-    residuals too, stay float32: the buffers of a bfloat16 Llama step are the float32
-    step's shapes and dtypes, and XLA's total is the float32 step's within 1% (the
-    bfloat16 rows of docs/benchmarks.md's step-memory section). A program's inputs keep
-    their dtype; an accelerator (GPU, TPU) computes in bfloat16 and is not widened."""
+    float32, but for the `converted` ones (a cast's result: a float32 weight rounded to
+    bfloat16 keeps its dtype). Its float normalisation runs the ops it lacks
+    low-precision kernels for (the dots among them) in float32, and the values they
+    make, the layer loop's stacked residuals too, stay float32: the buffers of a
+    bfloat16 Llama step are the float32 step's shapes and dtypes but for the weights'
+    bfloat16 copies, and XLA's total is the float32 step's within 1% (the bfloat16 rows
+    of docs/benchmarks.md's step-memory section). A program's inputs keep their dtype;
+    an accelerator (GPU, TPU) computes in bfloat16 and is not widened."""
 
     def widened(x):
-        dtype = (x.v if isinstance(x, Read) else x).dtype
-        n = size(x)
-        return n * 4 // dtype.itemsize if is_inexact(dtype) and dtype.itemsize < 4 else n
+        v = x.v if isinstance(x, Read) else x
+        n, dtype = size(x), v.dtype
+        low = is_inexact(dtype) and dtype.itemsize < 4 and v not in converted
+        return n * 4 // dtype.itemsize if low else n
 
     return widened
+
+
+@per_object  # of the program alone, not of the layout: once for all candidates
+def _converted(graph) -> frozenset:
+    """The values casts make in `graph` and its scans' bodies."""
+    out = set()
+    for e in graph.eqns:
+        if e.primitive.name == "convert":
+            out.update(e.outputs)
+        if e.primitive.loop:
+            out |= _converted(e.params["body"])
+    return frozenset(out)
 
 
 def _sizer(local_bytes, reads):
