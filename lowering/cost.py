@@ -128,17 +128,20 @@ def _add(coll: dict, kind: str, axes, nbytes: float, repeat: int, n: int) -> Non
     coll[(kind, axes)] = (count + repeat, b + OPS[kind].traffic(n, nbytes) * repeat)
 
 
-def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None, split_of=None) -> Report:
+def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None, split_of=None,
+           cpu: bool = False) -> Report:  # fmt: skip
     """The Report of `plan`; `local_bytes(v)` is the per-device size of a graph value;
     `wrt`, the graph inputs a gradient is taken of, adds the backward pass; `axes_of(v)`,
     the mesh axes splitting a value, fills `parameter_shards`; `split_of(v)`, the devices
-    splitting each of its dims, `parameter_layouts`."""
+    splitting each of its dims, `parameter_layouts`. `cpu`: the mesh's devices are
+    XLA:CPU's, whose training activations are held in float32 (lowering.memory.cpu_bytes)."""
     active, flow = _gradient_flow(graph, None if wrt is None else frozenset(wrt))
     peak = peak_memory(graph, local_bytes)
     parts, shards = {}, ()
     if wrt is not None:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
-        parts = training_parts(graph, local_bytes, active, wrt, shares, _operand_bytes(plan))
+        reads = _operand_bytes(plan)
+        parts = training_parts(graph, local_bytes, active, wrt, shares, reads, cpu)
         peak = max(peak, int(sum(parts.values())))
         axes = axes_of or (lambda v: frozenset())
         shards = tuple((local_bytes(v), v.dtype.itemsize, axes(v)) for v in wrt)

@@ -91,8 +91,9 @@ def plan_report(plan: Plan, graph, wanted: dict, mesh: Mesh, wrt=None) -> Report
         dims = wanted.get(v, ((),) * len(v.dims))
         return tuple(math.prod(mesh.sizes[a] for a in axes) for axes in dims)
 
+    cpu = not mesh.abstract and mesh.jax_mesh.devices.flat[0].platform == "cpu"
     return cost.report(plan, graph, local_bytes, mesh.sizes, wrt=wrt, axes_of=axes_of,
-                       split_of=split_of)  # fmt: skip
+                       split_of=split_of, cpu=cpu)  # fmt: skip
 
 
 @memo()  # the same (layout, shape) recurs in many candidate layouts

@@ -157,16 +157,20 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
 
 
 def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = None,
-                   reads=None) -> dict:  # fmt: skip
+                   reads=None, cpu: bool = False) -> dict:  # fmt: skip
     """`training_peak`'s terms apart, in bytes per device: `inputs` (the parameters and
     the batch, held throughout), `gradients` (of `wrt`), `saved` (what the backward pass
     has yet to read where it peaks) and `working` (its working set there, with remat's
     recomputed iteration). `reads(e, k)`: the bytes per device of input `k` of equation
-    `e` as its local op reads it (None: as its layout has it; `Read`)."""
+    `e` as its local op reads it (None: as its layout has it; `Read`). `cpu`: the
+    program runs on XLA:CPU, which holds its low-precision intermediates in float32
+    (`cpu_bytes`)."""
     held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
     terms = _saved_terms(graph, frozenset(active), held, False, False)
-    saved, working = _peak(terms, _sizer(local_bytes, reads), shares or {})
+    size = _sizer(local_bytes, reads)
+    size = cpu_bytes(size, _converted(graph)) if cpu else size
+    saved, working = _peak(terms, size, shares or {})
     grads = sum(local_bytes(v) for v in wrt)
     return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
 
@@ -215,11 +219,45 @@ def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: b
         if e.primitive.loop and _unrolled(e):  # its layers' cotangents, each its own:
             n = e.params["n_carry"]  # of the carry, beside the body's (`_scan_saved`)
             ends = (*e.inputs[:n], *e.outputs[:n])  # and the gradients themselves
+        elif e.primitive.loop:  # a held input's cotangent is its gradient, counted apart
+            ends = tuple(v for v in ends if v not in held)
         elif in_place and not e.primitive.matmul:
             ends = _in_place(e, active)
         ends = tuple(v for v in ends if v in active)
         working.append(ends if e.primitive.loop else _reads(e, active, ends))
     return tuple(adds), tuple(first.items()), tuple(working)
+
+
+def cpu_bytes(size, converted=frozenset()):
+    """`size` of an intermediate as XLA:CPU holds it: a bfloat16 or float16 value as
+    float32, but for the `converted` ones (a cast's result: a float32 weight rounded to
+    bfloat16 keeps its dtype). Its float normalisation runs the ops it lacks
+    low-precision kernels for (the dots among them) in float32, and the values they
+    make, the layer loop's stacked residuals too, stay float32: the buffers of a
+    bfloat16 Llama step are the float32 step's shapes and dtypes but for the weights'
+    bfloat16 copies, and XLA's total is the float32 step's within 1% (the bfloat16 rows
+    of docs/benchmarks.md's step-memory section). A program's inputs keep their dtype;
+    an accelerator (GPU, TPU) computes in bfloat16 and is not widened."""
+
+    def widened(x):
+        v = x.v if isinstance(x, Read) else x
+        n, dtype = size(x), v.dtype
+        low = is_inexact(dtype) and dtype.itemsize < 4 and v not in converted
+        return n * 4 // dtype.itemsize if low else n
+
+    return widened
+
+
+@per_object  # of the program alone, not of the layout: once for all candidates
+def _converted(graph) -> frozenset:
+    """The values casts make in `graph` and its scans' bodies."""
+    out = set()
+    for e in graph.eqns:
+        if e.primitive.name == "convert":
+            out.update(e.outputs)
+        if e.primitive.loop:
+            out |= _converted(e.params["body"])
+    return frozenset(out)
 
 
 def _sizer(local_bytes, reads):
@@ -288,7 +326,10 @@ def _peak(terms, local_bytes, shares: dict) -> tuple[int, int]:
         if add[0] == "scan":
             scan_kept, inner = _scan_saved(add, local_bytes)
             saved_at[i] += scan_kept * shares.get(add[1], 1.0)
-            work[i] = max(work[i], inner)
+            # a loop's backward holds its own cotangents (its carry's, its stacked
+            # outputs', its stacked inputs' that are not the step's gradients) beside
+            # one iteration's working set; unrolled, each layer's are within it
+            work[i] = work[i] + inner if not _unrolled(add[1]) else max(work[i], inner)
         else:
             saved_at[i] += round(add[1] * local_bytes(add[2]))  # (a factor may be a fraction)
     for v, i in kept:
@@ -318,10 +359,14 @@ def _scan_terms(e, active: set) -> tuple:
     inner = active_values(
         body, {b for b, v in zip(body.inputs, e.inputs, strict=True) if v in active}
     )
-    # the scanned slices and the shared inputs are held whole outside the loop
-    held = frozenset((*body.inputs[nc:], *body.consts))
     remat = e.params.get("remat", "none")
     unrolled = _unrolled(e)
+    # the shared inputs are held whole outside the loop, and so are the scanned slices,
+    # but for a loop's forward pass without remat: jax saves each slice its backward
+    # reads as a residual, a stacked copy of the scanned input (XLA's buffers of the
+    # Megatron table's loop rows: each layer weights' stack twice, beside its gradient's)
+    saved = e.params["n_x"] if remat == "none" and not unrolled else 0
+    held = frozenset((*body.inputs[nc + saved :], *body.consts))
     # unrolled, the iterations are one program: XLA fuses the elementwise intermediates'
     # recomputation into the backward pass's ops where a loop stores them; and it merges
     # remat's recomputation with the forward pass (nm.scan's `unrolls`), so all is kept

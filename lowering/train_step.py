@@ -15,15 +15,21 @@ holds the optimizer's state and, with gradient accumulation, an accumulator:
                 recomputed iteration included), of one microbatch; a pipeline stage
                 holds `in_flight` microbatches' saved activations at once (1F1B: those
                 it has run forward and not yet backward) beside one working set
-    other       the batch and any other input, and the update's new parameters: the
-                trainer (models/training/trainer.py) keeps them beside the old ones until it has
-                checked that they are finite, and only then writes them over the old;
-                a stage keeps each in-flight microbatch's input (its batch, or the
-                activation the previous stage sent) for its backward pass
+    other       the batch and any other input (a stage: each in-flight microbatch's
+                input, its batch or the activation the previous stage sent, kept for
+                its backward pass), and what the update adds where it outgrows the
+                backward pass (below)
 
-The rest of the update runs in place (the trainer donates the state) and fuses
-elementwise, so it adds no other state-sized buffer; docs/benchmarks.md holds the total
-against XLA's `memory_analysis` of the trainer's compiled step.
+The step peaks in one of two phases, whichever holds more beside the parameters, the
+optimizer's state and the batch: its backward pass (the gradients and the activations)
+or its update, which runs once the activations are freed (`update_bytes`): the trainer
+(models/training/trainer.py) makes the new parameters and the new optimizer state
+beside the old ones, since its finite guard reads every new parameter before it chooses
+between the new state and the old, and XLA:CPU a byte per parameter element for the
+guard's is_finite flags; the gradients die as the new state is made. XLA's buffers of
+the data-parallel remat-full row of docs/benchmarks.md's table hold exactly these at its
+peak. docs/benchmarks.md holds the total against XLA's `memory_analysis` of the
+trainer's compiled step.
 """
 
 from __future__ import annotations
@@ -134,14 +140,32 @@ def step_memory(
     grads = parts["gradients"] * (2 if training.grad_accum > 1 else 1)
     more = training.in_flight - 1  # microbatches in flight beside the one running
     batch = max(parts["inputs"] - params, 0)  # the inputs that are not parameters
+    activations = parts["saved"] * training.in_flight + parts["working"]
+    # the step peaks in its backward pass or in its update, whichever holds more (the
+    # update runs once the activations are freed: the module docstring)
+    update = max(update_bytes(rep, optimizer) - grads - activations, 0)
     return StepMemory(
         parameters=int(params),
         gradients=int(grads),
         optimizer=int(optimizer),
-        activations=int(parts["saved"] * training.in_flight + parts["working"]),
-        # the batch, and the new parameters (as many bytes); each in-flight microbatch's
-        other=int(parts["inputs"] + more * batch),
+        activations=int(activations),
+        # the batch (each in-flight microbatch's), and what the update adds
+        other=int(batch + more * batch + update),
     )
+
+
+def update_bytes(rep: Report, optimizer: float) -> int:
+    """Bytes per device the update holds beside the parameters, the old optimizer state
+    and the batch, once the backward pass's activations are freed: the new parameters
+    and the new optimizer state (`optimizer` bytes), all made before the trainer's finite
+    guard can choose between them and the old (it reads every new parameter first, so
+    neither is written in place), and each new parameter element's is_finite flag (a
+    byte: XLA:CPU makes them before reducing). The gradients die leaf by leaf as the
+    new state is made; where the new state is smaller (sgd) they are the most."""
+    params = sum(b for b, _, _ in rep.parameter_shards)
+    flags = sum(b // size for b, size, _ in rep.parameter_shards)
+    grads = rep.memory_parts["gradients"]
+    return int(max(grads, params + optimizer + flags))
 
 
 def optimizer_bytes(rep: Report, sizes: dict[str, int], data_axes=(), training=Training()):

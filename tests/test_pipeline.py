@@ -220,11 +220,14 @@ def test_auto_layout_picks_a_stage_split_where_data_parallelism_does_not_fit():
     x = nm.tensor(R.normal(size=(64, 30)).astype(np.float32), "batch d_model")
     w = nm.tensor(R.normal(size=(8, 30, 30)).astype(np.float32), "layers d_model d_out")
     mesh = Mesh({"x": 4})
+    # data parallelism's step: 113,284 bytes since the step's peak is the larger of its
+    # backward pass and its update (lowering/train_step.py), the stage split's 107,524
+    limit = 110_000
     layout, table = auto_layout(_stack_loss, mesh, x, w, grad_argnums=1, rates="tpu_v3",
-                                memory_limit=120_000)  # fmt: skip
+                                memory_limit=limit)  # fmt: skip
     assert "layers" in dict(layout.rules), table
     data = next(c for c in table if str(c.layout) == "batch:x")
-    assert data.note == "over the memory limit" and data.memory > 120_000
+    assert data.note == "over the memory limit" and data.memory > limit
     lowered = lower(_stack_loss, mesh, "layers:x")
     estimate = lowered.report(x, w, wrt=1, show=False).peak_memory
     step = jax.jit(jax.grad(lambda w: lowered(x, w).data)).lower(w).compile()
