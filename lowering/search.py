@@ -599,25 +599,27 @@ def _share(cost, states: list[Pairs], mesh, dims, beam: int, plateau: float = 0.
     left. With no state over the limit this is a climb from the best, each step the
     best move.
 
-    While no state reached fits, the climb is a descent by memory; it stops at the
-    first step that lowers the least memory by less than `plateau` (1%) of it. Such a
-    search finds nothing that fits (the Llama 3 70B plan's `remat=none, grad_accum=1`
-    pair: 1,262.3 GiB four steps running, against 74.5), and of its remaining steps
-    27 of 51 gained under 1%: stopping saves their candidates, and overstates the least
-    memory it reports (a joint search's refusal names it) by what the steps it skipped
-    would have gained, under 1% a step on the plateau. A search that would have fit
-    after such a step is refused instead; 0 never stops early (a joint search's
-    `exhaustive` pairs, `auto_layout` alone)."""
+    While no state reached fits, the climb is a descent by memory; with `plateau` > 0 it
+    stops at the first step that lowers the least memory reached (phase 1's, before the
+    first) by less than `plateau` of it. Such descents find nothing that fits: the
+    Llama 3 70B plan's `remat=none, grad_accum=1` pair stays at 1,262.3 GiB four steps
+    running, against 74.5 GiB, and 27 of the 51 steps of its plan's 13 failing searches
+    gained under 1%. The cost: the least memory such a search reports (the closest
+    plan a joint search's refusal names) is overstated by what the steps it skipped
+    would have gained, the first of them under `plateau`; and a search that would have
+    reached a fitting layout after such a step is refused. 0 (`auto_layout`'s default, a
+    joint search's `exhaustive` pairs) never stops early.
     extended: set[int] = set()
     fits = [s for s in states if _rank(cost(s), 1.0, cost.limit)[0] == 0]
     frontier, todo = states, [*fits[:1], *(s for s in states if s not in fits)]
-    least = math.inf  # the least memory of the frontier so far
+    valid = [cost(s).memory for s in states if not cost(s).note.startswith("invalid")]
+    least = min(valid, default=math.inf)  # the least memory reached so far
     while todo:
         moves = [m for state in todo for m in _moves(state, mesh, dims)]
         extended.update(id(cost(s)) for s in todo)
         frontier = _best(cost, [*frontier, *moves], 1, beam)
         todo = [s for s in frontier if id(cost(s)) not in extended][:1]
-        if todo and _plateau(cost(frontier[0]), least, cost.limit, plateau):
+        if not todo or _plateau(cost(frontier[0]), least, cost.limit, plateau):
             return
         least = min(least, cost(frontier[0]).memory)
 
