@@ -608,7 +608,7 @@ def _share(cost, states: list[Pairs], mesh, dims, beam: int, plateau: float = 0.
     plan a joint search's refusal names) is overstated by what the steps it skipped
     would have gained, the first of them under `plateau`; and a search that would have
     reached a fitting layout after such a step is refused. 0 (`auto_layout`'s default, a
-    joint search's `exhaustive` pairs) never stops early.
+    joint search's `exhaustive` pairs) never stops early."""
     extended: set[int] = set()
     fits = [s for s in states if _rank(cost(s), 1.0, cost.limit)[0] == 0]
     frontier, todo = states, [*fits[:1], *(s for s in states if s not in fits)]
