@@ -26,6 +26,8 @@ the Planner, without jax, when every op of the program has a plan rule), and the
    extended, best first, until none is left. The caller's `seeds` (layouts another
    program chose: a joint search's, lowering/joint.py) join phase 1's states first,
    mended to divide this program's dims (`_seeded`), so the climb may start from one.
+   With `plateau` (a joint search's pairs), a descent that has found nothing fitting
+   ends at its first step gaining under that fraction of memory (`_share`).
 
 What the beams drop is not proved worse: memory over the axes still to give is no bound
 on a state's completions (phase 2 divides memory further by sharing an axis), and a
