@@ -32,6 +32,8 @@ pairs of a mesh choose alike, a climb starts near its end. The lead is searched 
 the others of its mesh (even where its own pair is pruned), and a pair's seeds are a
 function of the lead's search alone, not of the order: the plan is the same with any
 `jobs`. `exhaustive` seeds nothing.
+Plateaus: a pair's search that finds nothing fitting descends by memory; it stops at
+the first step that gains under 1% (auto_layout's `plateau`), not `exhaustive`'s.
 Cores: `jobs=N` runs the pairs' searches ahead in N worker processes
 (lowering/joint_jobs.py), the decisions above taken here in the same order: the same
 result.
@@ -52,7 +54,7 @@ from lowering.layout import Layout
 from lowering.lower import lower
 from lowering.mesh import Mesh
 from lowering.rates import Rates
-from lowering.search import Candidate, Search, auto_layout, report_candidate
+from lowering.search import PLATEAU, Candidate, Search, auto_layout, report_candidate
 from lowering.stages import STAGE_AXIS
 from lowering.train_step import StepMemory, Training, optimizer_bytes
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
@@ -167,6 +169,7 @@ class Joint:
     left: Counter = field(default_factory=Counter, repr=False)  # group -> its pairs not done
     leads: dict = field(default_factory=dict, repr=False)  # mesh sizes -> its lead's settings
     seeds: dict = field(default_factory=dict, repr=False)  # (sizes, settings) -> seeds given
+    plateau: float = PLATEAU  # auto_layout's: a failing descent stops (0: `exhaustive`)
 
     @property
     def best(self) -> Choice:
@@ -205,7 +208,8 @@ def joint_search(
     rates' memory) with the optimizer of `training`; `tokens` per step (for tokens/s).
     PlanError when none fits, naming the closest plan's memory and what would make it
     fit. `exhaustive`: every pair searched, none pruned (what the pruning is tested
-    against) and seeds no climb. `cache`: a dict that keeps each pair's layout search for
+    against), seeds no climb and stops no failing descent early (`Joint.plateau`,
+    lowering/search.py `_share`). `cache`: a dict that keeps each pair's layout search for
     later calls with the same `build`, rates, limit and optimizer (keyed by mesh,
     settings, beam and seeds).
     `staged`: (evaluate, space) for the meshes with a `stage` axis: each is weighed under
@@ -225,7 +229,7 @@ def joint_search(
     if not space or not meshes:
         raise ParameterError("joint_search: no settings or no meshes to search")
     whole = _WholeCosts(build, training)
-    joint = Joint([], rates, training, limit, tokens)
+    joint = Joint([], rates, training, limit, tokens, plateau=0.0 if exhaustive else PLATEAU)
     joint.cache = {} if cache is None else cache
     joint.chain = tuple(chain)
     try:
@@ -324,7 +328,7 @@ def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | 
     if len(groups) < 2:
         return None
     spec = _Spec(build, staged[0] if staged else None, joint.rates, joint.limit,
-                 joint.training, beam, joint.chain, dict(joint.leads))  # fmt: skip
+                 joint.training, beam, joint.chain, dict(joint.leads), joint.plateau)  # fmt: skip
     groups = list(groups.values())
     lead_group = {}  # mesh sizes -> the group of its lead, which the others' seeds wait on
     for g, pairs in enumerate(groups):
@@ -355,6 +359,7 @@ class _Spec:
     beam: int
     chain: tuple
     leads: dict  # Joint.leads
+    plateau: float  # Joint.plateau
 
 
 @few_collections()
@@ -364,7 +369,7 @@ def search_group(spec: _Spec, pairs: list) -> dict:
     not in the caller's cache, which is then searched here first)), searched as the
     serial search does, their tables detached from their programs (`Search.detach`) to
     pickle."""
-    joint = Joint([], spec.rates, spec.training, spec.limit, 0)
+    joint = Joint([], spec.rates, spec.training, spec.limit, 0, plateau=spec.plateau)
     joint.chain, joint.leads = spec.chain, spec.leads
     joint.seeds = {(_sizes(m), s): seeds for m, s, _, seeds in pairs if seeds is not None}
     joint.left = Counter(_body_group(m, s) for m, s, flops, _ in pairs if flops is None)
@@ -482,7 +487,7 @@ def _staged_key(joint, mesh, settings) -> tuple:
 
 def _pair_key(joint, mesh, settings, beam, seeds) -> tuple:
     return (tuple(mesh.sizes.items()), settings, beam, joint.limit, repr(joint.rates),
-            joint.training, seeds)  # fmt: skip
+            joint.training, seeds, joint.plateau)  # fmt: skip
 
 
 def _uneven_key(joint, mesh, settings) -> tuple:
@@ -537,6 +542,7 @@ def _fill_pair(joint, build, mesh, settings, beam) -> tuple[list, list]:
             _, joint.cache[key] = auto_layout(fn, mesh, *inputs, grad_argnums=(0,),
                                               rates=joint.rates, memory_limit=joint.limit,
                                               training=run, beam=beam, seeds=seeds,
+                                              plateau=joint.plateau,
                                               shared=_shared(joint, mesh, settings),
                                               )  # fmt: skip
         except LayoutError as e:

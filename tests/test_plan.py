@@ -24,9 +24,10 @@ def _plan(capsys, *flags) -> tuple[int, dict | str]:
 
 def test_llama3_70b_on_2048_h100_splits_model_dims_in_node_within_1_1x_of_exhaustive():
     """The plan `namedmesh plan` prints (models.cli.plan.plan) against every (remat,
-    microbatches) pair searched, none pruned nor seeded. Of the pair searches only the
-    lead's is shared (`cache`): the plan's other pairs climb from its layout (their cache
-    keys hold their seeds), so it is the seeded search that is held to 1.1x."""
+    microbatches) pair searched, none pruned nor seeded, no failing descent stopped at a
+    plateau. The `cache` shares no search: the plan's pairs climb from their lead's layout
+    and stop failing descents (their cache keys hold their seeds and plateau), so it is
+    the seeded, stopped search that is held to 1.1x."""
     from models.cli.plan import arguments, builder, plan
 
     flags = ["--config", "llama3-70b", "--mesh", "data=256,model=8", "--rates", "h100,node=8",

@@ -172,3 +172,43 @@ def test_a_seed_on_an_axis_the_mesh_lacks_is_a_layout_error_one_not_dividing_is_
     _, found = search(seeds=["batch:x,y;d_ff:y"])
     _, alone = search()
     assert rows(found) == rows(mended) != rows(alone)
+
+
+@pytest.mark.parametrize("name, sizes, shape", CASES)
+def test_a_failing_descent_stopped_at_a_plateau_still_finds_the_least_memory(name, sizes, shape):
+    """`plateau` (a joint search's pairs): under a limit no layout meets, the descent by
+    memory stops at a step gaining under 1%, on fewer candidates than the whole descent
+    (plateau 0), its closest layout within 1% of the brute-force least memory (here the
+    same); under a limit that binds, the brute-force optimum is still chosen."""
+    from lowering.search import PLATEAU
+    from namedmesh.errors import LayoutError
+
+    table = brute_force(name, sizes, shape)
+    least = min(m for _, m, _ in table)
+    fn, inputs, wrt = program(name, shape)
+    mesh = Mesh(dict(sizes), devices="abstract")
+    search = functools.partial(auto_layout, fn, mesh, *inputs, grad_argnums=wrt,
+                               rates="tpu_v2")  # fmt: skip
+    tables = []
+    for plateau in (0.0, PLATEAU):
+        with pytest.raises(LayoutError) as e:
+            search(memory_limit=least / 2, plateau=plateau)
+        tables.append(e.value.search)
+    whole, stopped = tables
+    assert len(stopped) < len(whole)
+    valid = [c.memory for c in stopped if not c.note.startswith("invalid")]
+    assert least <= min(valid) <= least * 1.01
+    memories = sorted({m for _, m, _ in table})
+    limit = memories[int(0.02 * (len(memories) - 1))]
+    _, found = search(memory_limit=limit, plateau=PLATEAU)
+    assert found[0].time <= _best_within(table, limit)[0] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("plateau", [-0.1, 1.0, float("nan"), "1%", True])
+def test_a_plateau_not_a_fraction_is_a_parameter_error(plateau):
+    from namedmesh.errors import ParameterError
+
+    fn, inputs, wrt = program("mlp", (16, 256, 256))
+    with pytest.raises(ParameterError, match="plateau must be a fraction"):
+        auto_layout(fn, Mesh({"x": 2}, devices="abstract"), *inputs, grad_argnums=wrt,
+                    rates="tpu_v2", plateau=plateau)  # fmt: skip
