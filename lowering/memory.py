@@ -158,9 +158,10 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
     primitive's `backward_reads`, each value once; of a scan's body as its `remat`
     policy keeps them: every iteration's; only the carry; the carry and the matmul
     outputs) beside that equation's working set (the cotangents of its inputs and
-    outputs; a scan's, under remat one recomputed iteration's values beside its working
-    set). What the equations after it saved is read and freed by then (a loss
-    head's, before the layer stack's backward runs). `shares` {scan Eqn: float} scales
+    outputs, and what its backward makes inside it, `Made`; a scan's, under remat one
+    recomputed iteration's values beside its working set). What the equations after
+    it saved is read and freed by then (a loss head's, before the layer stack's
+    backward runs). `shares` {scan Eqn: float} scales
     what a scan saves: a pipelined one's device keeps that share
     (`PipelinePlan.activation_share`)."""
     return int(sum(training_parts(graph, local_bytes, active, wrt, shares, reads).values()))
