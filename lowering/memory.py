@@ -42,6 +42,16 @@ class Read(NamedTuple):
     extra: bool
 
 
+class Made(NamedTuple):
+    """What a primitive's backward pass makes inside it at once beside its saves
+    (`backward_working`: a grouped FFN's saves' cotangents and its hidden layer
+    recomputed), `factor` times the bytes of `v` (its first input). Part of that
+    equation's working set, beside its inputs' and outputs' cotangents."""
+
+    factor: float
+    v: object
+
+
 def active_values(graph, active: set) -> set:
     """The values of `graph` a gradient flows through from the `active` inputs: the
     inexact values computed from them, except through stop_gradient. A scan's carries
@@ -148,9 +158,10 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
     primitive's `backward_reads`, each value once; of a scan's body as its `remat`
     policy keeps them: every iteration's; only the carry; the carry and the matmul
     outputs) beside that equation's working set (the cotangents of its inputs and
-    outputs; a scan's, under remat one recomputed iteration's values beside its working
-    set). What the equations after it saved is read and freed by then (a loss
-    head's, before the layer stack's backward runs). `shares` {scan Eqn: float} scales
+    outputs, and what its backward makes inside it, `Made`; a scan's, under remat one
+    recomputed iteration's values beside its working set). What the equations after
+    it saved is read and freed by then (a loss head's, before the layer stack's
+    backward runs). `shares` {scan Eqn: float} scales
     what a scan saves: a pipelined one's device keeps that share
     (`PipelinePlan.activation_share`)."""
     return int(sum(training_parts(graph, local_bytes, active, wrt, shares, reads).values()))
@@ -215,6 +226,11 @@ def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: b
             saves = e.primitive.backward_saves
             saves = saves(e.inputs, e.params) if callable(saves) else saves
             adds.append((i, ("save", saves, e.inputs[0])))
+        made = ()
+        if e.primitive.backward_working and any(v in active for v in e.inputs):
+            work = e.primitive.backward_working
+            work = work(e.inputs, e.params) if callable(work) else work
+            made = (Made(work, e.inputs[0]),)
         ends = (*e.inputs, *e.outputs)
         if e.primitive.loop and _unrolled(e):  # its layers' cotangents, each its own:
             n = e.params["n_carry"]  # of the carry, beside the body's (`_scan_saved`)
@@ -224,7 +240,7 @@ def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: b
         elif in_place and not e.primitive.matmul:
             ends = _in_place(e, active)
         ends = tuple(v for v in ends if v in active)
-        working.append(ends if e.primitive.loop else _reads(e, active, ends))
+        working.append(ends if e.primitive.loop else (*_reads(e, active, ends), *made))
     return tuple(adds), tuple(first.items()), tuple(working)
 
 
@@ -240,7 +256,7 @@ def cpu_bytes(size, converted=frozenset()):
     an accelerator (GPU, TPU) computes in bfloat16 and is not widened."""
 
     def widened(x):
-        v = x.v if isinstance(x, Read) else x
+        v = x.v if isinstance(x, (Read, Made)) else x
         n, dtype = size(x), v.dtype
         low = is_inexact(dtype) and dtype.itemsize < 4 and v not in converted
         return n * 4 // dtype.itemsize if low else n
@@ -264,6 +280,8 @@ def _sizer(local_bytes, reads):
     """`local_bytes` that also sizes a `Read` by `reads` (the plan's local operands)."""
 
     def size(x):
+        if isinstance(x, Made):
+            return round(x.factor * local_bytes(x.v))
         if not isinstance(x, Read):
             return local_bytes(x)
         own = local_bytes(x.v)

@@ -146,6 +146,11 @@ class Primitive:
     # a function of the inputs (objects with .dims, .shape) and params giving that
     # number, where it depends on their shapes (a fused FFN's hidden layers)
     backward_saves: float | Callable = 0
+    # and, likewise in its first input's sizes, what its backward pass makes inside it at
+    # once beside those saves (a fused FFN's: the saves' cotangents and its hidden layer
+    # recomputed, each a product XLA materialises), part of its working set there; an
+    # elementwise op's fuse into its backward's ops (0)
+    backward_working: float | Callable = 0
     # What textbook reverse mode must read at the least, where that is not
     # `backward_reads` (jax's residuals: relu's input, where its output would do): one
     # of BACKWARD_READS, or None for `backward_reads`. The memory benchmark's ideal.
