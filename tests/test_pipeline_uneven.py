@@ -317,7 +317,11 @@ def test_auto_layout_with_uneven_stages_picks_the_padded_split_where_nothing_els
     """`train --layout auto`'s choice (lowering.joint.with_uneven_stages): 7 layers on a
     4-stage axis, which the search's divisibility never splits; under a limit that data
     parallelism exceeds (read from the search's own estimates, so the test follows
-    the memory model), the search finds nothing and the uneven `layers:stage` split,
+    the memory model; 16 rows, so that the weights, which the split deals out, are most of
+    data parallelism's memory: at 64 rows the padded split's full-batch activations
+    outweigh them under the step-memory model of 2026-12-06, 107,562 bytes against data
+    parallelism's 100,324), the
+    search finds nothing and the uneven `layers:stage` split,
     costed padded as the trainer runs it, is chosen (such a split trains as one device:
     test_7_layers_padded_on_4_stages_beside_data_stay_on_their_stages); with no limit,
     the search's choice stays. Planning only: nothing compiles."""
@@ -326,7 +330,7 @@ def test_auto_layout_with_uneven_stages_picks_the_padded_split_where_nothing_els
     from tests.test_pipeline import _stack_loss
 
     r = np.random.default_rng(6)
-    x = nm.tensor(r.normal(size=(64, 30)).astype(np.float32), "batch d_model")
+    x = nm.tensor(r.normal(size=(16, 30)).astype(np.float32), "batch d_model")
     w = {"w": nm.tensor(r.normal(size=(7, 30, 30)).astype(np.float32), "layers d_model d_out")}
     loss = lambda p, b: _stack_loss(b, p["w"])  # noqa: E731 (parameters first, as a model's)
     mesh = Mesh({"stage": 4})
