@@ -76,3 +76,32 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"lowered cases run: {testing.CASES['lowered']} (hypothesis profile {profile!r})"
         )
+
+
+def _mappings() -> tuple[int, int] | None:
+    """(this process's memory mappings, the kernel's limit on them), where /proc says."""
+    try:
+        with open("/proc/self/maps") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Between test modules, jax's caches are emptied once the process holds half the
+    memory mappings the kernel allows: every compiled XLA:CPU program the caches keep
+    alive holds about 12, and at vm.max_map_count (65,530 by default) LLVM's next compile
+    fails to map its code and the process dies of a segmentation fault (the whole suite
+    in one process reached it in tests/test_scan.py on 2026-12-06). A program a fixture
+    holds compiled (`.compile()`'s) is kept; a jitted function compiles again when next
+    called."""
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    counts = _mappings()
+    if counts is not None and counts[0] > counts[1] // 2:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
