@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from models.cli import cluster, launch
+from tests.test_launch import env as launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # a case's processes, start to end (some 10 s each when nothing is wrong)
@@ -29,13 +30,10 @@ TRAIN = [
 
 
 def env(devices: int | None = None) -> dict:
-    out = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    kept = [f for f in out.pop("XLA_FLAGS", "").split() if "device_count" not in f]
-    if devices:
-        kept.append(f"--xla_force_host_platform_device_count={devices}")
-    out["XLA_FLAGS"] = " ".join(kept)
-    path = os.pathsep.join(filter(None, [str(ROOT), out.get("PYTHONPATH")]))
-    return {**out, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    """test_launch's environment, with this checkout first on PYTHONPATH (a process run
+    from another folder imports this code)."""
+    out = launch_env(devices)
+    return {**out, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), out.get("PYTHONPATH")]))}
 
 
 def start(args: list[str], devices: int | None = None, cwd: Path = ROOT) -> subprocess.Popen:
