@@ -158,13 +158,11 @@ def test_bits_per_byte_of_the_first_batches_counts_their_bytes():
 
 
 def layer(x, wq, wk, wv, wo, w1, w2):
-    """A Transformer layer's loss: attention and a ReLU FFN, with residuals."""
-    q = nm.einsum(x, wq)
-    k = nm.rename(nm.einsum(x, wk), seq="kseq")
-    v = nm.rename(nm.einsum(x, wv), seq="kseq")
-    att = nm.softmax(nm.einsum(q, k, out="batch heads seq kseq") * 0.125, "kseq")
-    x = x + nm.einsum(nm.einsum(att, v, out="batch seq heads d_head"), wo, out="batch seq d_model")
-    y = x + nm.einsum(nm.relu(nm.einsum(x, w1)), w2, out="batch seq d_model")
+    """A Transformer layer's loss: test_auto_layout's layer (attention and a ReLU FFN,
+    with residuals), squared and averaged."""
+    from tests.test_auto_layout import layer as attention_ffn
+
+    y = attention_ffn(x, wq, wk, wv, wo, w1, w2)
     return (y * y).mean()
 
 
