@@ -21,7 +21,13 @@ import math
 from dataclasses import dataclass, field
 
 from lowering.caches import memo, per_object
-from lowering.memory import active_values, live_values, peak_memory, training_parts
+from lowering.memory import (
+    active_values,
+    live_values,
+    peak_memory,
+    training_forward,
+    training_parts,
+)
 from lowering.ops import OPS
 
 
@@ -50,7 +56,8 @@ class Report:
     flops: float
     collectives: dict = field(default_factory=dict)  # (kind, axes) -> (count, bytes sent)
     # bytes per device: inputs + the most live values at once; with `wrt`, a training
-    # step's: inputs, gradients, and the activations saved for the backward pass
+    # step's: inputs, gradients, and the activations saved for the backward pass, or
+    # its forward pass's peak where that is more
     peak_memory: int = 0
     backward_flops: float = 0.0
     backward: dict = field(default_factory=dict)  # as `collectives`, of the backward pass
@@ -68,6 +75,9 @@ class Report:
     parameter_shards: tuple = ()
     # per input a gradient is taken of, (its whole shape, the devices splitting each dim)
     parameter_layouts: tuple = ()
+    # with `wrt`: the most the forward pass holds at once beside the inputs, bytes per
+    # device (lowering.memory.training_forward)
+    forward_memory: int = 0
     mesh: tuple = ()  # the mesh's (axis, size) items, major to minor
 
     @property
@@ -140,9 +150,10 @@ def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None, split_of=Non
     parts, shards = {}, ()
     if wrt is not None:
         shares = {s.eqn: s.pipeline.activation_share for s in plan if s.pipeline is not None}
-        reads = _operand_bytes(plan)
-        parts = training_parts(graph, local_bytes, active, wrt, shares, reads, cpu)
-        peak = max(peak, int(sum(parts.values())))
+        reads, ins = _operand_bytes(plan), _local_inputs(plan)
+        parts = training_parts(graph, local_bytes, active, wrt, shares, reads, cpu, ins)
+        forward = training_forward(graph, local_bytes, active, shares, reads, cpu, ins)
+        peak = max(peak, int(sum(parts.values())), parts["inputs"] + forward)
         axes = axes_of or (lambda v: frozenset())
         shards = tuple((local_bytes(v), v.dtype.itemsize, axes(v)) for v in wrt)
         split = split_of or (lambda v: (1,) * len(v.shape))
@@ -151,6 +162,7 @@ def report(plan, graph, local_bytes, sizes, wrt=None, axes_of=None, split_of=Non
                  mesh=tuple(sizes.items()))  # fmt: skip
     if wrt is not None:
         rep.parameter_layouts = layouts
+        rep.forward_memory = forward
     devices, items = math.prod(sizes.values()), tuple(sizes.items())
     rep.recompute_flops = recompute_flops(plan)
     for step in plan:
@@ -177,6 +189,21 @@ def _operand_bytes(plan):
                 n = math.prod(a.shape) * a.dtype.itemsize
                 sizes[(step.eqn, k)] = max(sizes.get((step.eqn, k), 0), n)
     return lambda e, k: sizes.get((e, k))
+
+
+def _local_inputs(plan):
+    """e -> the input avals of the local op of e's own primitive that the plan runs
+    (the largest first input where it runs several), or None where it runs none: the
+    shapes a primitive's declared buffers are found at (lowering.memory.Made)."""
+    ins = {}
+    for step in plan:
+        for op in step.local:
+            if step.eqn is None or op.prim is not step.eqn.primitive or not op.ins:
+                continue
+            size = math.prod(op.ins[0].shape)
+            if step.eqn not in ins or size > math.prod(ins[step.eqn][0].shape):
+                ins[step.eqn] = op.ins
+    return ins.get
 
 
 def recompute_flops(plan) -> float:

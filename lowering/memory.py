@@ -10,6 +10,7 @@ weight) is saved and has its cotangent at its gathered size (`Read`).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -42,14 +43,27 @@ class Read(NamedTuple):
     extra: bool
 
 
-class Made(NamedTuple):
-    """What a primitive's backward pass makes inside it at once beside its saves
-    (`backward_working`: a grouped FFN's saves' cotangents and its hidden layer
-    recomputed), `factor` times the bytes of `v` (its first input). Part of that
-    equation's working set, beside its inputs' and outputs' cotangents."""
+class Operand(NamedTuple):
+    """Input `k` (the value `v`) of equation `e` as its forward pass reads it, live only
+    while `e` runs where it is not saved: the bytes beyond `v`'s shard where the plan
+    gathers it (an FSDP weight), else none. Sized by `training_parts`' `reads`."""
 
-    factor: float
+    e: object
+    k: int
     v: object
+
+
+class Made(NamedTuple):
+    """What the jax implementation of equation `e` makes inside it, as its primitive
+    declares it: `factor` times the bytes of `v` (its first input), or a function of
+    the inputs and params giving that factor (`backward_saves`, `backward_working`,
+    `forward_working`: a grouped FFN's sorted rows and products), found at the shapes
+    its local op runs on where the plan says them (`_sizer`): a kernel's buffers are
+    rounded up per device (the grouped FFN's slots: 224 rows for 128, 2336 for 2048)."""
+
+    factor: float | object
+    v: object
+    e: object = None
 
 
 def active_values(graph, active: set) -> set:
@@ -168,22 +182,38 @@ def training_peak(graph, local_bytes, active: set, wrt, shares: dict | None = No
 
 
 def training_parts(graph, local_bytes, active: set, wrt, shares: dict | None = None,
-                   reads=None, cpu: bool = False) -> dict:  # fmt: skip
+                   reads=None, cpu: bool = False, local_ins=None) -> dict:  # fmt: skip
     """`training_peak`'s terms apart, in bytes per device: `inputs` (the parameters and
     the batch, held throughout), `gradients` (of `wrt`), `saved` (what the backward pass
     has yet to read where it peaks) and `working` (its working set there, with remat's
     recomputed iteration). `reads(e, k)`: the bytes per device of input `k` of equation
     `e` as its local op reads it (None: as its layout has it; `Read`). `cpu`: the
     program runs on XLA:CPU, which holds its low-precision intermediates in float32
-    (`cpu_bytes`)."""
+    (`cpu_bytes`). `local_ins(e)`: the input avals of `e`'s local op, at which a
+    primitive's declared buffers are found (`Made`; None: at the graph's shapes)."""
     held = frozenset((*graph.inputs, *graph.consts))
     base = sum(local_bytes(v) for v in held)
     terms = _saved_terms(graph, frozenset(active), held, False, False)
-    size = _sizer(local_bytes, reads)
+    size = _sizer(local_bytes, reads, local_ins)
     size = cpu_bytes(size, _converted(graph)) if cpu else size
     saved, working = _peak(terms, size, shares or {})
     grads = sum(local_bytes(v) for v in wrt)
     return {"inputs": base, "gradients": grads, "saved": saved, "working": working}
+
+
+def training_forward(graph, local_bytes, active: set, shares: dict | None = None,
+                     reads=None, cpu: bool = False, local_ins=None) -> int:  # fmt: skip
+    """The most the forward pass of a training step holds at once beside its inputs,
+    in bytes per device (`_forward`: at an equation, the values the backward pass will
+    read that the equations before it made, the others until their last reader, and
+    what the equation holds while it runs; a scan's stacked saves whole from its start,
+    beside one iteration). A step peaks here where an op's forward holds more than its
+    backward (the grouped FFN's block loop). `training_parts`' arguments."""
+    held = frozenset((*graph.inputs, *graph.consts))
+    steps = _forward_terms(graph, frozenset(active), held, False, False)
+    size = _sizer(local_bytes, reads, local_ins)
+    size = cpu_bytes(size, _converted(graph)) if cpu else size
+    return _forward(steps, size, size, True, shares or {})
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates
@@ -224,13 +254,11 @@ def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: b
         stored = not (fused and e.primitive.elementwise) and not least
         if stored and e.primitive.backward_saves and any(v in active for v in e.inputs):
             saves = e.primitive.backward_saves
-            saves = saves(e.inputs, e.params) if callable(saves) else saves
-            adds.append((i, ("save", saves, e.inputs[0])))
+            what = Made(saves, e.inputs[0], e) if callable(saves) else e.inputs[0]
+            adds.append((i, ("save", 1 if callable(saves) else saves, what)))
         made = ()
         if e.primitive.backward_working and any(v in active for v in e.inputs):
-            work = e.primitive.backward_working
-            work = work(e.inputs, e.params) if callable(work) else work
-            made = (Made(work, e.inputs[0]),)
+            made = (Made(e.primitive.backward_working, e.inputs[0], e),)
         ends = (*e.inputs, *e.outputs)
         if e.primitive.loop and _unrolled(e):  # its layers' cotangents, each its own:
             n = e.params["n_carry"]  # of the carry, beside the body's (`_scan_saved`)
@@ -242,6 +270,74 @@ def _saved_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: b
         ends = tuple(v for v in ends if v in active)
         working.append(ends if e.primitive.loop else (*_reads(e, active, ends), *made))
     return tuple(adds), tuple(first.items()), tuple(working)
+
+
+@per_object  # of the program alone, not of the layout: once for all candidates
+def _forward_terms(graph, active: frozenset, held: frozenset, fused: bool, loop: bool) -> tuple:
+    """What the forward pass of a graph holds, per equation in order, as `_forward`
+    sums it: (what the equation makes that the backward pass reads: its `_saved_terms`
+    adds and its outputs among the kept values; its other outputs, each with the index
+    of its last forward reader, where the forward frees it (the graph's results: never);
+    what it holds only while it runs: its inputs' gathered copies that are not saved
+    (`Operand`), and its jax implementation's own values (`forward_working`, `Made`))."""
+    terms = _saved_terms(graph, active, held, fused, loop)
+    adds, kept, _ = terms
+    keep = {v for v, _ in kept}
+    last = {v: len(graph.eqns) for v in graph.outputs}
+    for i, e in enumerate(graph.eqns):
+        for v in e.inputs:
+            last[v] = max(last.get(v, i), i)
+    saves = [[] for _ in graph.eqns]
+    for i, add in adds:
+        saves[i].append(add)
+    steps = []
+    for i, e in enumerate(graph.eqns):
+        # a gathered operand is read gathered by the forward even where the backward
+        # does not hold it (under remat it is gathered again there: `_scan_saved`)
+        during = [] if e.primitive.loop else [Operand(e, k, v) for k, v in enumerate(e.inputs)]
+        if e.primitive.forward_working and any(v in active for v in e.inputs):
+            during.append(Made(e.primitive.forward_working, e.inputs[0], e))
+        made = tuple(v for v in e.outputs if v in keep)
+        temp = tuple((v, last.get(v, i)) for v in e.outputs if v not in keep)
+        steps.append((tuple(saves[i]), made, temp, tuple(during)))
+    return tuple(steps)
+
+
+def _forward(steps, size, kept_size, persist: bool, shares: dict) -> int:
+    """The most a graph's forward pass holds at once beyond its inputs, of its
+    `_forward_terms` `steps`: at each equation, what the equations before it made and
+    the forward still holds (the values the backward pass reads, and the others until
+    their last forward reader), beside all it makes and what it holds while it runs. A
+    scan allocates its stacked saves whole as it starts (XLA's buffers of the MoE rows:
+    the layer loop's residual stacks live through its first iteration), scaled by its
+    share in `shares`, and runs one iteration's forward beside them (`_scan_forward`).
+    `persist`: what the backward reads stays to the end (sized by `kept_size`); else
+    (a loop's iteration, whose saves go to the scan's stacks) it is freed as made."""
+    live, peak, frees = 0, 0, {}
+    for i, (saves, made, temp, during) in enumerate(steps):
+        keep, now = sum(map(kept_size, made)), sum(map(size, during))
+        # a gathered operand the backward keeps is counted as kept, beside what more the
+        # forward's copy holds (`kept_size` may not count it: gathered again under remat)
+        now -= sum(min(kept_size(a[2]), size(a[2])) for a in saves if isinstance(a[2], Read))
+        for add in saves:
+            if add[0] == "scan":
+                stacks, iteration = _scan_saved(add, size)[0], _scan_forward(add, size)
+                keep, now = keep + stacks * shares.get(add[1], 1.0), now + iteration
+            else:
+                keep += round(add[1] * kept_size(add[2]))
+        for v, j in temp:
+            frees.setdefault(j, []).append(v)
+        out = sum(size(v) for v, _ in temp)
+        peak = max(peak, live + keep + out + now)
+        live += out + (keep if persist else 0) - sum(map(size, frees.pop(i, ())))
+    return int(peak)
+
+
+def _scan_forward(terms, local_bytes) -> int:
+    """The most one iteration of a scan (its `_scan_terms` `terms`) holds at once in the
+    forward pass beside the scan's stacked saves: its values until their last reader, its
+    saves as made (they are written to the stacks, counted apart)."""
+    return _forward(terms[8], local_bytes, local_bytes, False, {})
 
 
 def cpu_bytes(size, converted=frozenset()):
@@ -256,7 +352,7 @@ def cpu_bytes(size, converted=frozenset()):
     an accelerator (GPU, TPU) computes in bfloat16 and is not widened."""
 
     def widened(x):
-        v = x.v if isinstance(x, (Read, Made)) else x
+        v = x.v if isinstance(x, (Read, Made, Operand)) else x
         n, dtype = size(x), v.dtype
         low = is_inexact(dtype) and dtype.itemsize < 4 and v not in converted
         return n * 4 // dtype.itemsize if low else n
@@ -276,12 +372,15 @@ def _converted(graph) -> frozenset:
     return frozenset(out)
 
 
-def _sizer(local_bytes, reads):
-    """`local_bytes` that also sizes a `Read` by `reads` (the plan's local operands)."""
+def _sizer(local_bytes, reads, local_ins=None):
+    """`local_bytes` that also sizes a `Read` and an `Operand` by `reads` (the plan's
+    local operands), and a `Made` at `local_ins(e)`, its local op's input avals."""
 
     def size(x):
         if isinstance(x, Made):
-            return round(x.factor * local_bytes(x.v))
+            return _made_bytes(x, local_bytes, local_ins)
+        if isinstance(x, Operand):
+            x = Read(x.e, x.k, x.v, True)
         if not isinstance(x, Read):
             return local_bytes(x)
         own = local_bytes(x.v)
@@ -290,6 +389,23 @@ def _sizer(local_bytes, reads):
         return max(read - own, 0) if x.extra else max(read, own)
 
     return size
+
+
+def _made_bytes(x: Made, local_bytes, local_ins=None) -> int:
+    """Bytes per device of `x`: its factor of its first input's bytes, a declared
+    function's found at the local op's inputs (`local_ins`) where known."""
+    if not callable(x.factor):
+        return round(x.factor * local_bytes(x.v))
+    ins = None if local_ins is None else local_ins(x.e)
+    if ins is None:
+        return round(x.factor(x.e.inputs, x.e.params) * local_bytes(x.v))
+    first = ins[0]
+    return round(x.factor(ins, x.e.params) * math.prod(first.shape) * first.dtype.itemsize)
+
+
+def _value(x):
+    """The graph value a term is of (a `Made`'s first input)."""
+    return x.v if isinstance(x, Made) else x
 
 
 def _reads(e, active: set, values) -> tuple:
@@ -390,9 +506,24 @@ def _scan_terms(e, active: set) -> tuple:
     # remat's recomputation with the forward pass (nm.scan's `unrolls`), so all is kept
     remat = "none" if unrolled else remat
     terms = _saved_terms(body, frozenset(inner), held, unrolled, not unrolled)
+    forward = _forward_terms(body, frozenset(inner), held, unrolled, not unrolled)
     dots = tuple(v for v in _needed_dots(body, terms) if v in inner)
     carry = tuple(body.inputs[:nc])
-    return ("scan", e, e.params["length"], remat, terms, carry, dots, _invariants(body))
+    products = _stored_products(body, terms) if remat == "dots" else ()
+    return ("scan", e, e.params["length"], remat, terms, carry, dots, _invariants(body), forward,
+            products)  # fmt: skip
+
+
+def _stored_products(body, terms) -> tuple:
+    """The saves of `body`'s matmul primitives, of its `_saved_terms` `terms`. Remat
+    "dots" stores a matmul's own saves with its output, every iteration's
+    (`backward_saves`: the grouped FFN's sorted rows and products, made by dots inside
+    its kernel; XLA's buffers of a Qwen3-MoE FSDP step: three f32[layers, rows, d]
+    stacks), and still recomputes them with the rest of the kernel's forward."""
+    return tuple(
+        a for i, a in terms[0]
+        if a[0] == "save" and not isinstance(a[2], Read) and body.eqns[i].primitive.matmul
+    )  # fmt: skip
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates
@@ -419,7 +550,7 @@ def _needed_dots(body, terms) -> tuple:
     does not keep."""
     made = {v: e for e in body.eqns for v in e.outputs}
     adds, kept, _ = terms
-    todo = [*(v for v, _ in kept), *(a[2] for _, a in adds if a[0] == "save")]
+    todo = [*(v for v, _ in kept), *(_value(a[2]) for _, a in adds if a[0] == "save")]
     todo += [v for _, a in adds if a[0] == "scan" for v in a[1].inputs]
     need, seen = [], set()
     while todo:
@@ -465,7 +596,7 @@ def _scan_saved(terms, local_bytes) -> tuple[int, int]:
     iteration and the loop invariants once (`_invariants`), and where one recomputed
     iteration's backward peaks (`_peak`'s walk: it reads its last values first, the
     first ones are live throughout), the stored matmul outputs not made again."""
-    _, _, n, remat, body_terms, carry_values, dots_values, invariants = terms
+    _, _, n, remat, body_terms, carry_values, dots_values, invariants, forward, products = terms
     per_step, work = _saved(body_terms, local_bytes)
     carry = sum(local_bytes(v) for v in carry_values)
     if remat == "none":
@@ -477,8 +608,14 @@ def _scan_saved(terms, local_bytes) -> tuple[int, int]:
     # schedules the recomputed collective there, not at the iteration's start (the FSDP
     # row of the whole step's table: 1.33 when counted as saved, 1.18 without)
     def again_bytes(v):
-        return 0 if v in stored or (isinstance(v, Read) and v.extra) else local_bytes(v)
+        return 0 if (isinstance(v, Read) and v.extra) else local_bytes(v)
 
     again = _peak(body_terms, again_bytes, {})
+    # the iteration recomputed before its backward runs peaks where it holds the most:
+    # its forward, its values kept to the end (XLA's buffers of a Qwen3-MoE FSDP step
+    # under dots: the recomputed grouped FFN's block loop beside the gathered weights),
+    # or its backward
+    redo = _forward(forward, local_bytes, again_bytes, True, {})
     dots = sum(local_bytes(v) for v in stored)
-    return n * (carry + dots) + once, sum(again)
+    dots += sum(round(a[1] * local_bytes(a[2])) for a in products)
+    return n * (carry + dots) + once, max(sum(again), redo)

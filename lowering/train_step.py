@@ -14,22 +14,26 @@ holds the optimizer's state and, with gradient accumulation, an accumulator:
     activations what the backward pass reads and its largest working set (remat's
                 recomputed iteration included), of one microbatch; a pipeline stage
                 holds `in_flight` microbatches' saved activations at once (1F1B: those
-                it has run forward and not yet backward) beside one working set
+                it has run forward and not yet backward) beside one working set; or,
+                where the forward pass holds more (`Report.forward_memory`: a grouped
+                FFN's block loop beside a layer loop's residual stacks), that, less
+                the gradients it does not yet hold
     other       the batch and any other input (a stage: each in-flight microbatch's
                 input, its batch or the activation the previous stage sent, kept for
                 its backward pass), and what the update adds where it outgrows the
                 backward pass (below)
 
-The step peaks in one of two phases, whichever holds more beside the parameters, the
-optimizer's state and the batch: its backward pass (the gradients and the activations)
-or its update, which runs once the activations are freed (`update_bytes`): the trainer
-(models/training/trainer.py) makes the new parameters and the new optimizer state
-beside the old ones, since its finite guard reads every new parameter before it chooses
-between the new state and the old, and XLA:CPU a byte per parameter element for the
-guard's is_finite flags; the gradients die as the new state is made. XLA's buffers of
-the data-parallel remat-full row of docs/benchmarks.md's table hold exactly these at its
-peak. docs/benchmarks.md holds the total against XLA's `memory_analysis` of the
-trainer's compiled step.
+The step peaks in one of three phases, whichever holds more beside the parameters, the
+optimizer's state and the batch: its forward pass (the activations it has made so far
+and its working set, with accumulation the gradients' running sum), its backward pass
+(the gradients and the activations) or its update, which runs once the activations
+are freed (`update_bytes`): the trainer (models/training/trainer.py) makes the new
+parameters and the new optimizer state beside the old ones, since its finite guard
+reads every new parameter before it chooses between the new state and the old, and
+XLA:CPU a byte per parameter element for the guard's is_finite flags; the gradients
+die as the new state is made. XLA's buffers of the data-parallel remat-full row of
+docs/benchmarks.md's table hold exactly these at its peak. docs/benchmarks.md holds
+the total against XLA's `memory_analysis` of the trainer's compiled step.
 """
 
 from __future__ import annotations
@@ -140,9 +144,14 @@ def step_memory(
     grads = parts["gradients"] * (2 if training.grad_accum > 1 else 1)
     more = training.in_flight - 1  # microbatches in flight beside the one running
     batch = max(parts["inputs"] - params, 0)  # the inputs that are not parameters
-    activations = parts["saved"] * training.in_flight + parts["working"]
-    # the step peaks in its backward pass or in its update, whichever holds more (the
-    # update runs once the activations are freed: the module docstring)
+    backward = parts["saved"] * training.in_flight + parts["working"]
+    # or in its forward pass, before any gradient but the accumulation's running sum
+    # exists, the other microbatches in flight's saved activations beside it
+    running = parts["gradients"] if training.grad_accum > 1 else 0
+    forward = rep.forward_memory + more * parts["saved"] + running - grads
+    activations = max(backward, forward)
+    # the step peaks in its forward or backward pass or in its update, whichever holds
+    # more (the update runs once the activations are freed: the module docstring)
     update = max(update_bytes(rep, optimizer) - grads - activations, 0)
     return StepMemory(
         parameters=int(params),

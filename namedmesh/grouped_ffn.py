@@ -160,6 +160,20 @@ def _backward_working(ins, params) -> float:
     return _hidden_saves(ins, params) + rows * f * (1 + len(wg)) / max(math.prod(x.shape), 1)
 
 
+def _forward_working(ins, params) -> float:
+    """What the kernel's forward holds beside its inputs, output and saves, in x's
+    sizes: the sorted rows' output before they are put back in the rows' order, and
+    the hidden layer's products as made, before they are copied into the saved
+    buffers (XLA:CPU's temporaries of the kernel's forward, jax.vjp of
+    `grouped_slots.slotted_ffn`: the products' dot, 2 x rows x f, beside the saves)."""
+    x, wi, wo, group, *wg = ins
+    _, hidden = roles(x.dims, wi.dims, params["dim"])
+    f = math.prod(wi.shape[wi.dims.index(d)] for d in hidden)
+    o = math.prod(wo.shape) // max(wi.shape[wi.dims.index(params["dim"])] * f, 1)
+    rows = saved_rows(math.prod(group.shape), wi.shape[wi.dims.index(params["dim"])])
+    return rows * (o + f * (1 + len(wg))) / max(math.prod(x.shape), 1)
+
+
 _grouped_ffn = primitive(
     "grouped_ffn",
     _ffn_rule,
@@ -173,6 +187,8 @@ _grouped_ffn = primitive(
     backward_saves=lambda ins, params: _hidden_saves(ins, params),
     # and beside them, the saves' cotangents and the hidden layer recomputed
     backward_working=lambda ins, params: _backward_working(ins, params),
+    # and in its forward, its sorted output and products as made (`_forward_working`)
+    forward_working=lambda ins, params: _forward_working(ins, params),
     # the products' gradients: each product's input's and its weight's, twice the forward
     backward_flops=2.0,
 )

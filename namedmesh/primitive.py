@@ -151,6 +151,11 @@ class Primitive:
     # recomputed, each a product XLA materialises), part of its working set there; an
     # elementwise op's fuse into its backward's ops (0)
     backward_working: float | Callable = 0
+    # and, likewise, what its jax implementation holds inside it at once while it runs
+    # forward, beside its inputs, its outputs and those saves (a fused FFN's sorted
+    # rows' output and a block's hidden layer), part of the forward pass's working set
+    # there (lowering/memory.py's forward walk: a step can peak in its forward pass)
+    forward_working: float | Callable = 0
     # What textbook reverse mode must read at the least, where that is not
     # `backward_reads` (jax's residuals: relu's input, where its output would do): one
     # of BACKWARD_READS, or None for `backward_reads`. The memory benchmark's ideal.
