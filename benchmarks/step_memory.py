@@ -89,6 +89,34 @@ def measure_step(cfg, sizes: dict, layout: str, grad_accum: int):
     return est, xla, real
 
 
+def measure_forward(cfg, sizes: dict, layout: str) -> tuple[int, int]:
+    """(the estimate, XLA's bytes) per device of the forward pass of one training step
+    of the LM `cfg`: the inputs and `Report.forward_memory` (lowering.memory's forward
+    walk) against XLA's memory_analysis of jax.vjp's forward of the trainer's lowered
+    loss, its residuals (what the backward pass reads) the program's outputs."""
+    import jax
+    import numpy as np
+
+    from lowering import Layout, Mesh
+    from models import transformer, zoo
+    from models.training import trainer
+
+    mesh = Mesh(sizes)
+    opt, _ = trainer.optimizer(trainer.OptimizerSpec("adamw", 1e-3, 10, 1, 1.0))
+    tr = trainer.Trainer(zoo.get("lm"), cfg, mesh, Layout(layout, shared=True),
+                         trainer.TrainSpec(opt, 0, 1))  # fmt: skip
+    rep = tr.report()
+    zeros = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype),
+                                   transformer.abstract(tr.shapes))  # fmt: skip
+    params = tr.init_state(zeros)["params"]
+    rows = {k: np.zeros((cfg.batch, cfg.length), "int32") for k in ("inputs", "targets")}
+    rows["weights"] = rows["inputs"].astype("float32")
+    batch, key = tr.place_batch(rows), tr.key(1)
+    forward = lambda p, b: jax.vjp(lambda p: tr.lowered(p, b, key), p)[1]  # noqa: E731
+    compiled = jax.jit(forward).lower(params, batch).compile(compiler_options=NOT_RUN)
+    return rep.memory_parts["inputs"] + rep.forward_memory, xla_bytes(compiled)
+
+
 def device_bytes(tree) -> int:
     """Bytes on device 0 of a pytree's arrays (none where device 0 holds nothing),
     less its scalars: optax's step counters (AdamW's and its schedule's, 8 bytes),
