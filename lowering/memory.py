@@ -2,8 +2,11 @@
 (inputs and the most values live at once) and of a training step (`training_peak`:
 inputs, gradients, and where the backward pass peaks, the saved values it has not yet
 read, as each scan's remat policy keeps them, beside its working set there, remat's
-recomputed iteration included). An operand a step gathers before its local op (an FSDP
-weight) is saved and has its cotangent at its gathered size (`Read`).
+recomputed iteration included), and the forward pass of such a step
+(`training_forward`: what the backward will read, made so far, beside what an op holds
+while it runs). An operand a step gathers before its local op (an FSDP weight) is saved
+and has its cotangent at its gathered size (`Read`). What a primitive declares its jax
+implementation makes inside it is found at its local op's shapes (`Made`).
 
 `local_bytes(v)` gives the per-device bytes of a graph value under the plan's layout.
 """
@@ -44,9 +47,9 @@ class Read(NamedTuple):
 
 
 class Operand(NamedTuple):
-    """Input `k` (the value `v`) of equation `e` as its forward pass reads it, live only
-    while `e` runs where it is not saved: the bytes beyond `v`'s shard where the plan
-    gathers it (an FSDP weight), else none. Sized by `training_parts`' `reads`."""
+    """Input `k` (the value `v`) of equation `e` as its forward pass reads it, live
+    while `e` runs: the bytes beyond `v`'s shard where the plan gathers it (an FSDP
+    weight), else none. Sized by `training_parts`' `reads`."""
 
     e: object
     k: int
@@ -207,13 +210,15 @@ def training_forward(graph, local_bytes, active: set, shares: dict | None = None
     in bytes per device (`_forward`: at an equation, the values the backward pass will
     read that the equations before it made, the others until their last reader, and
     what the equation holds while it runs; a scan's stacked saves whole from its start,
-    beside one iteration). A step peaks here where an op's forward holds more than its
-    backward (the grouped FFN's block loop). `training_parts`' arguments."""
+    beside one iteration). A step peaks here where its forward holds more than its
+    backward and the gradients: in none of docs/benchmarks.md's step rows, against
+    XLA's forward within 15% (tests/test_step_memory_edges.py). `training_parts`'
+    arguments."""
     held = frozenset((*graph.inputs, *graph.consts))
     steps = _forward_terms(graph, frozenset(active), held, False, False)
     size = _sizer(local_bytes, reads, local_ins)
     size = cpu_bytes(size, _converted(graph)) if cpu else size
-    return _forward(steps, size, size, True, shares or {})
+    return _forward(steps, size, True, shares or {})
 
 
 @per_object  # of the program alone, not of the layout: once for all candidates
@@ -278,8 +283,9 @@ def _forward_terms(graph, active: frozenset, held: frozenset, fused: bool, loop:
     sums it: (what the equation makes that the backward pass reads: its `_saved_terms`
     adds and its outputs among the kept values; its other outputs, each with the index
     of its last forward reader, where the forward frees it (the graph's results: never);
-    what it holds only while it runs: its inputs' gathered copies that are not saved
-    (`Operand`), and its jax implementation's own values (`forward_working`, `Made`))."""
+    what it holds only while it runs: its inputs' gathered copies (`Operand`; those the
+    backward keeps are counted as kept instead), and its jax implementation's own
+    values (`forward_working`, `Made`))."""
     terms = _saved_terms(graph, active, held, fused, loop)
     adds, kept, _ = terms
     keep = {v for v, _ in kept}
@@ -292,8 +298,7 @@ def _forward_terms(graph, active: frozenset, held: frozenset, fused: bool, loop:
         saves[i].append(add)
     steps = []
     for i, e in enumerate(graph.eqns):
-        # a gathered operand is read gathered by the forward even where the backward
-        # does not hold it (under remat it is gathered again there: `_scan_saved`)
+        # a gathered operand is read gathered by the forward, saved or not
         during = [] if e.primitive.loop else [Operand(e, k, v) for k, v in enumerate(e.inputs)]
         if e.primitive.forward_working and any(v in active for v in e.inputs):
             during.append(Made(e.primitive.forward_working, e.inputs[0], e))
@@ -303,7 +308,7 @@ def _forward_terms(graph, active: frozenset, held: frozenset, fused: bool, loop:
     return tuple(steps)
 
 
-def _forward(steps, size, kept_size, persist: bool, shares: dict) -> int:
+def _forward(steps, size, persist: bool, shares: dict) -> int:
     """The most a graph's forward pass holds at once beyond its inputs, of its
     `_forward_terms` `steps`: at each equation, what the equations before it made and
     the forward still holds (the values the backward pass reads, and the others until
@@ -311,20 +316,19 @@ def _forward(steps, size, kept_size, persist: bool, shares: dict) -> int:
     scan allocates its stacked saves whole as it starts (XLA's buffers of the MoE rows:
     the layer loop's residual stacks live through its first iteration), scaled by its
     share in `shares`, and runs one iteration's forward beside them (`_scan_forward`).
-    `persist`: what the backward reads stays to the end (sized by `kept_size`); else
-    (a loop's iteration, whose saves go to the scan's stacks) it is freed as made."""
+    `persist`: what the backward reads stays to the end; else (a loop's iteration,
+    whose saves go to the scan's stacks) it is freed as made."""
     live, peak, frees = 0, 0, {}
     for i, (saves, made, temp, during) in enumerate(steps):
-        keep, now = sum(map(kept_size, made)), sum(map(size, during))
-        # a gathered operand the backward keeps is counted as kept, beside what more the
-        # forward's copy holds (`kept_size` may not count it: gathered again under remat)
-        now -= sum(min(kept_size(a[2]), size(a[2])) for a in saves if isinstance(a[2], Read))
+        keep, now = sum(map(size, made)), sum(map(size, during))
+        # a gathered operand the backward keeps is counted once, as kept
+        now -= sum(size(a[2]) for a in saves if isinstance(a[2], Read))
         for add in saves:
             if add[0] == "scan":
                 stacks, iteration = _scan_saved(add, size)[0], _scan_forward(add, size)
                 keep, now = keep + stacks * shares.get(add[1], 1.0), now + iteration
             else:
-                keep += round(add[1] * kept_size(add[2]))
+                keep += round(add[1] * size(add[2]))
         for v, j in temp:
             frees.setdefault(j, []).append(v)
         out = sum(size(v) for v, _ in temp)
@@ -337,7 +341,7 @@ def _scan_forward(terms, local_bytes) -> int:
     """The most one iteration of a scan (its `_scan_terms` `terms`) holds at once in the
     forward pass beside the scan's stacked saves: its values until their last reader, its
     saves as made (they are written to the stacks, counted apart)."""
-    return _forward(terms[8], local_bytes, local_bytes, False, {})
+    return _forward(terms[8], local_bytes, False, {})
 
 
 def cpu_bytes(size, converted=frozenset()):
