@@ -164,8 +164,9 @@ def _forward_working(ins, params) -> float:
     """What the kernel's forward holds beside its inputs, output and saves, in x's
     sizes: the sorted rows' output before they are put back in the rows' order, and
     the hidden layer's products as made, before they are copied into the saved
-    buffers (XLA:CPU's temporaries of the kernel's forward, jax.vjp of
-    `grouped_slots.slotted_ffn`: the products' dot, 2 x rows x f, beside the saves)."""
+    buffers. Live at XLA:CPU's peak of the kernel's forward alone (jax.vjp of
+    `grouped_slots.slotted_ffn`, 128 rows in 4 groups, gated, 64 wide: 224 saved
+    rows): the slots' output dot, 224 x 64, and the products' dot, 2 x 224 x 64."""
     x, wi, wo, group, *wg = ins
     _, hidden = roles(x.dims, wi.dims, params["dim"])
     f = math.prod(wi.shape[wi.dims.index(d)] for d in hidden)
