@@ -153,7 +153,7 @@ class Primitive:
     backward_working: float | Callable = 0
     # and, likewise, what its jax implementation holds inside it at once while it runs
     # forward, beside its inputs, its outputs and those saves (a fused FFN's sorted
-    # rows' output and a block's hidden layer), part of the forward pass's working set
+    # rows' output and its products as made), part of the forward pass's working set
     # there (lowering/memory.py's forward walk: a step can peak in its forward pass)
     forward_working: float | Callable = 0
     # What textbook reverse mode must read at the least, where that is not
