@@ -273,8 +273,8 @@ def _cost(in_avals, out_avals, params) -> Cost:
 def _kept_saves(ins, params) -> float:
     """The exp tiles the CPU kernel keeps for its backward pass (namedmesh.flash's
     `kept_logits`), in values of q's size; none where another kernel runs (decided by
-    global shapes and this process's backend: with heads split, a device's call is
-    judged as the whole)."""
+    the shapes given and this process's backend: the memory estimate gives a device's
+    local op's, where the plan has them, else the whole's: lowering.memory.Made)."""
     q, k = ins[0], ins[1]
     length, memory, features = params["names"]
     size = dict(zip(q.dims, q.shape, strict=True)) | dict(zip(k.dims, k.shape, strict=True))
