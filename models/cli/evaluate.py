@@ -116,6 +116,22 @@ def cut(text, tokenizer, length: int, objective: str, source: str):
     return corpus, length
 
 
+def trained_capacity(cfg, window: int):
+    """`cfg` for rows of `window` tokens whose capacity routing keeps the model's own
+    slots per expert (those of a row of its cfg.length, models/layers/moe.py's
+    `capacity`), not a window's: a window then routes as the same tokens do at the
+    start of a training row, or in `generate`, whatever --length or the data's length."""
+    from models.layers import moe
+
+    slots = moe.capacity(cfg) if cfg.routing == "capacity" else 0
+    if slots < 1 or window == cfg.length:  # no slots (factor 0) are none at any length
+        return cfg.replace(length=window)
+    # half a slot under `slots`: the window's ceil(k * factor * window / experts) is
+    # `slots` whatever the float rounding (moe.capacity caps it at the window)
+    factor = (slots - 0.5) * cfg.experts / (cfg.experts_per_token * window)
+    return cfg.replace(length=window, capacity_factor=factor)
+
+
 def evaluate(args, dog=None) -> dict:
     """{"loss", "perplexity", "bits_per_byte", "tokens"} of the model on the data; with
     several processes, every wait on the others bounded by `dog` (models/training/watchdog.py)."""
@@ -143,7 +159,7 @@ def evaluate(args, dog=None) -> dict:
         )
     text = corpora.load(args.data, "--data", args.text_field, args.data_format)
     corpus, window = cut(text, tokenizer, length, model.objective, args.source)
-    cfg = cfg.replace(batch=args.batch, length=window, dropout=0.0, moe_loss=0.0)
+    cfg = trained_capacity(cfg, window).replace(batch=args.batch, dropout=0.0, moe_loss=0.0)
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))

@@ -1,0 +1,75 @@
+"""Edges left over from earlier fuzzing, each against an oracle computed apart.
+
+- `eval` of a capacity-routed MoE run: each window routes as its tokens do at the start
+  of a row of the model's own length (the forward at the run's config, its NLL in
+  float64 NumPy), whatever --batch (padded rows), --length or the data's length.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import namedmesh as nm
+from models import transformer
+from models.cli import evaluate
+from models.cli.train import main as train
+
+TEXT = "Pack my box with five dozen liquor jugs; " * 3  # 123 bytes
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """(folder, data file): a capacity-routed MoE run of one step, a quarter of each
+    row's choices fitting its experts' slots (capacity 4 of 16 tokens x 2 choices over
+    4 experts), on TEXT as bytes."""
+    root = tmp_path_factory.mktemp("moe")
+    data = root / "text.txt"
+    data.write_text(TEXT)
+    (root / "train.txt").write_text(TEXT * 2)  # a validation tenth of a whole window
+    flags = ["--config", "tiny", "--model", "moe", "--length", "16", "--batch", "2"]
+    flags += ["--steps", "1", "--eval-batches", "1", "--quiet", "--data", str(root / "train.txt")]
+    flags += ["--set", "routing=capacity", "--set", "capacity_factor=0.5"]
+    flags += ["--set", "layers=1", "--set", "d_model=16", "--set", "experts=4"]
+    assert train([*flags, "--out", str(root / "run")]) == 0
+    return root / "run", data
+
+
+def forward_nll(folder, ids: np.ndarray, length: int) -> float:
+    """Mean NLL of windows at 0, length, 2 length, ... (each scoring up to `length`
+    targets), every window zero-padded to the run's own row length and run through the
+    model at the run's config (later tokens never change earlier logits: test_moe)."""
+    _, params, cfg, _ = evaluate.load(str(folder))
+    cfg = cfg.replace(batch=1)
+    forward = lambda p, t: transformer.lm_logits(p, t, cfg).transpose("batch", "length", "vocab")
+    logits = jax.jit(forward)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, length):
+        window = ids[start : start + length + 1]
+        row = np.zeros((1, cfg.length), np.int32)
+        row[0, : len(window) - 1] = window[:-1]
+        out = np.asarray(logits(params, nm.tensor(row, ("batch", "length"))).data, np.float64)
+        out = out[0, : len(window) - 1]
+        out -= out.max(-1, keepdims=True)
+        logp = out - np.log(np.exp(out).sum(-1, keepdims=True))
+        total -= logp[np.arange(len(window) - 1), window[1:]].sum()
+        count += len(window) - 1
+    return total / count
+
+
+@pytest.mark.parametrize(
+    "length, batch, cut",
+    [(16, 3, None), (16, 1, None), (8, 3, None), (8, 2, 6)],
+    ids=["padded-rows", "batch-1", "shorter-length", "short-data"],
+)
+def test_capacity_moe_eval_routes_windows_as_the_model(moe_run, tmp_path, length, batch, cut):
+    """Before: a window shorter than the run's rows (--length 8, data of 6 bytes) got
+    the slots of its own length (2, not 4), so its loss was not the model's."""
+    folder, data = moe_run
+    if cut is not None:
+        data = tmp_path / "short.txt"
+        data.write_text(TEXT[:cut])
+    ids = np.frombuffer(data.read_bytes(), np.uint8).astype(np.int64)
+    flags = [str(folder), "--data", str(data), "--length", str(length)]
+    got = evaluate.evaluate(evaluate.arguments([*flags, "--batch", str(batch), "--quiet"]))
+    assert got["tokens"] == len(ids) - 1
+    assert got["loss"] == pytest.approx(forward_nll(folder, ids, length), rel=1e-5)
