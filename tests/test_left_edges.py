@@ -3,6 +3,8 @@
 - `eval` of a capacity-routed MoE run: each window routes as its tokens do at the start
   of a row of the model's own length (the forward at the run's config, its NLL in
   float64 NumPy), whatever --batch (padded rows), --length or the data's length.
+- A Llama config.json whose rope_parameters hold a null key (`"rope_scaling": null`)
+  reads as transformers reads it: as the file without the key.
 """
 
 import jax
@@ -13,6 +15,8 @@ import namedmesh as nm
 from models import transformer
 from models.cli import evaluate
 from models.cli.train import main as train
+from models.families.common import UnsupportedModelError
+from models.io import hub
 
 TEXT = "Pack my box with five dozen liquor jugs; " * 3  # 123 bytes
 
@@ -73,3 +77,19 @@ def test_capacity_moe_eval_routes_windows_as_the_model(moe_run, tmp_path, length
     got = evaluate.evaluate(evaluate.arguments([*flags, "--batch", str(batch), "--quiet"]))
     assert got["tokens"] == len(ids) - 1
     assert got["loss"] == pytest.approx(forward_nll(folder, ids, length), rel=1e-5)
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "partial_rotary_factor"])
+def test_a_null_rope_key_reads_as_absent(key):
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+    clean = transformers.LlamaConfig(num_attention_heads=4, rope_theta=5e5, **sizes).to_dict()
+    given = dict(clean, rope_parameters={**clean["rope_parameters"], key: None})
+    theirs = transformers.LlamaConfig.from_dict(dict(given)).rope_parameters
+    assert {k: v for k, v in theirs.items() if k != key} == clean["rope_parameters"]
+    assert hub.family_config("llama", dict(given), set()) == hub.family_config(
+        "llama", dict(clean), set()
+    )
+    valued = dict(clean, rope_parameters={**clean["rope_parameters"], key: 2.0})
+    with pytest.raises(UnsupportedModelError, match=f"'{key}': 2.0.* not implemented"):
+        hub.family_config("llama", valued, set())
