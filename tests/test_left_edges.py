@@ -93,3 +93,18 @@ def test_a_null_rope_key_reads_as_absent(key):
     valued = dict(clean, rope_parameters={**clean["rope_parameters"], key: 2.0})
     with pytest.raises(UnsupportedModelError, match=f"'{key}': 2.0.* not implemented"):
         hub.family_config("llama", valued, set())
+
+
+def test_quiet_eval_prints_the_result_line_alone(moe_run, capsys):
+    """--layout auto's table (and its rates line) is shown without --quiet, and --quiet
+    leaves the result line alone."""
+    from models.cli.evaluate import main
+
+    folder, data = moe_run
+    flags = [str(folder), "--data", str(data), "--layout", "auto", "--mesh", "data=2"]
+    assert main([*flags, "--max-batches", "1"]) == 0
+    loud = capsys.readouterr().out.splitlines()
+    assert len(loud) > 2 and any("chosen" in line for line in loud)
+    assert main([*flags, "--max-batches", "1", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines() == loud[-1:]
+    assert loud[-1].startswith("loss ")

@@ -67,7 +67,7 @@ def arguments(argv=None, prog: str = "python -m models.cli.evaluate") -> argpars
     p.add_argument("--batch", type=int, default=8, help="windows per batch")
     p.add_argument("--length", type=int, default=None, help="tokens per window (None: model's)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar nor --layout auto's table")
     cluster.add_flags(p)
     return resolve(p, p.parse_args(argv))
 
@@ -163,7 +163,9 @@ def evaluate(args, dog=None) -> dict:
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))
-    layout = pick_layout(args.layout, Trainer(model, cfg, mesh, Layout()), args.source)
+    quiet = args.quiet or jax.process_index() != 0
+    say = (lambda *_, **__: None) if quiet else print  # --quiet: the result line alone
+    layout = pick_layout(args.layout, Trainer(model, cfg, mesh, Layout()), args.source, say=say)
     trainer = Trainer(model, cfg, mesh, layout)
     # stacks a stage split does not divide held padded, each stage device its slots, as
     # the trainer holds them (Trainer.padded), not L long on every stage device
@@ -173,7 +175,6 @@ def evaluate(args, dog=None) -> dict:
     if args.max_batches is not None:
         total = min(total, args.max_batches)
     batches = corpus.validation_batches(args.batch, args.max_batches)
-    quiet = args.quiet or jax.process_index() != 0
     bar = tqdm(batches, total=total, disable=quiet, unit="batch", dynamic_ncols=True)
     loss, tokens = trainer.evaluate(state, paced(bar, dog, "batch"))
     told = "--length" if args.length else "the model's training length"
