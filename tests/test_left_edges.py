@@ -5,7 +5,14 @@
   float64 NumPy), whatever --batch (padded rows), --length or the data's length.
 - A Llama config.json whose rope_parameters hold a null key (`"rope_scaling": null`)
   reads as transformers reads it: as the file without the key.
+- `eval --quiet` with `--layout auto` prints the result line alone.
+- A `.json` data file holds documents as `datasets`' json loader reads them (an array
+  of records, or JSON lines), not raw text; one that holds none is a DataError naming
+  the file and row or line.
 """
+
+import gzip
+import json
 
 import jax
 import numpy as np
@@ -15,8 +22,10 @@ import namedmesh as nm
 from models import transformer
 from models.cli import evaluate
 from models.cli.train import main as train
+from models.errors import DataError
 from models.families.common import UnsupportedModelError
 from models.io import hub
+from models.training import datasets
 
 TEXT = "Pack my box with five dozen liquor jugs; " * 3  # 123 bytes
 
@@ -108,3 +117,37 @@ def test_quiet_eval_prints_the_result_line_alone(moe_run, capsys):
     assert main([*flags, "--max-batches", "1", "--quiet"]) == 0
     assert capsys.readouterr().out.splitlines() == loud[-1:]
     assert loud[-1].startswith("loss ")
+
+
+JSON_FILES = {
+    "records.json": json.dumps([{"text": "a\u2028b", "id": 1}, {"text": "second"}], indent=1),
+    "lines.json": '{"text": "one"}\n\n{"text": "two", "n": 2}\n',
+    "object.json.gz": '{"text": "alone"}',
+}
+
+
+@pytest.mark.parametrize("name", JSON_FILES)
+def test_a_json_file_reads_as_datasets_json_loader_reads_it(tmp_path, name):
+    """Before: a .json file was read as raw text, brackets and keys trained on."""
+    load_dataset = pytest.importorskip("datasets").load_dataset
+    text = JSON_FILES[name].encode()
+    (tmp_path / name).write_bytes(gzip.compress(text) if name.endswith(".gz") else text)
+    want = load_dataset("json", data_files=str(tmp_path / name), cache_dir=str(tmp_path / "c"))
+    assert datasets.read(tmp_path / name) == "\n".join(want["train"]["text"])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[{"text": "a"}, {"body": "b"}]', r"x.json row 2: no 'text' field \(has body\)"),
+        ('[{"text": "a"}, 3]', "x.json row 2: an item must be an object"),
+        ('[{"text": "a"},', "x.json: not a JSON array"),
+        ('"just a string"', "x.json: holds a JSON str"),
+        ('{"text": ["p", "q"]}', "x.json:1: the 'text' field is a list, not text"),
+        ('{"text": "a"}\n{oops', "x.json:2: not a JSON line"),
+    ],
+)
+def test_a_json_file_that_holds_no_documents_is_named(tmp_path, text, message):
+    (tmp_path / "x.json").write_text(text)
+    with pytest.raises(DataError, match=f"--data .*{message}"):
+        datasets.read(tmp_path / "x.json")
