@@ -53,6 +53,10 @@ CHANGEABLE = ("steps", "data", "val_data", "data_format", "eval_every", "eval_ba
               "save_every", "skip_nonfinite", "mesh", "layout", "rates", "grad_accum", "remat",
               "attention", "attention_block")  # fmt: skip
 PATH_FLAGS = ("data", "val_data", "init_from", "tokenizer")  # compared as absolute paths
+# flags whose value a run recorded before the flag existed trained with, where that is
+# not the flag's default: such a run resumes with it (--decay: weight decay fell on
+# every parameter before the default became the matrices alone)
+BEFORE_FLAG = {"decay": "all"}
 
 
 class UsageError(Exception):
@@ -193,6 +197,7 @@ def _resume_flags(args, stored: dict, out: Path) -> None:
     so that the record follows). A --data or --val-data given anew sets
     `args.data_changed`."""
     given_data = {k: getattr(args, k) for k in DATA_FLAGS}  # None: not given
+    stored = BEFORE_FLAG | stored
     complaint = _record_fault(stored)
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
