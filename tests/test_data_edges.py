@@ -148,9 +148,9 @@ def test_validation_windows_cover_every_token(n):
     got = np.concatenate([b["targets"][b["weights"] > 0].ravel() for b in batches])
     assert bytes(got.astype(np.uint8)).decode() == text[1:]
     assert corpus.validation_windows() == -(-(n - 1) // length)
-    with pytest.raises(data.DataError, match="train split has 5 tokens; a training window "
-                       "draws 5 from 6 or more"):  # fmt: skip
-        data.Corpus("x" * 5, data.ByteTokenizer(), length, valid=text)
+    with pytest.raises(data.DataError, match="train split has 4 tokens; a training window "
+                       "takes 5"):  # fmt: skip
+        data.Corpus("x" * 4, data.ByteTokenizer(), length, valid=text)
 
 
 def test_linked_folders_are_read_and_a_link_loop_ends(tmp_path):

@@ -151,3 +151,19 @@ def test_a_json_file_that_holds_no_documents_is_named(tmp_path, text, message):
     (tmp_path / "x.json").write_text(text)
     with pytest.raises(DataError, match=f"--data .*{message}"):
         datasets.read(tmp_path / "x.json")
+
+
+@pytest.mark.parametrize("text", ["abcdefgh", "abcde"])
+def test_training_windows_draw_every_start_the_split_holds(text):
+    """Every window of length + 1 tokens inside the train split is drawn, the one ending
+    on its last token too (before: never; a split of exactly one window was refused)."""
+    from models.training.data import ByteTokenizer, Corpus
+
+    corpus = Corpus(text, ByteTokenizer(), 4, valid="vwxyz")
+    want = {text[i : i + 5] for i in range(len(text) - 4)}  # every start, in plain Python
+    drawn = set()
+    for step in range(40):
+        b = corpus.batch(step, 4, seed=0)
+        for inputs, targets in zip(b["inputs"], b["targets"], strict=True):
+            drawn.add(bytes([*inputs, targets[-1]]).decode())
+    assert drawn == want

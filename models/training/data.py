@@ -154,14 +154,13 @@ class Corpus:
         self._check_sizes(text, valid)
 
     def _check_sizes(self, text, valid) -> None:
-        """DataError naming the split too short: the train split for a training window
-        drawn from it, the validation split for one whole window; `eval` (which passes
+        """DataError naming the split too short: the train split for one training window
+        in it, the validation split for one whole window; `eval` (which passes
         its data as both splits and trains on none) for one next-token target."""
-        if valid is not text and len(self.train) < self.window + 1:
+        if valid is not text and len(self.train) < self.window:
             raise DataError(
-                f"the train split has {len(self.train)} tokens; a training window draws "
-                f"{self.window} from {self.window + 1} or more: use a longer text or a "
-                "shorter --length"
+                f"the train split has {len(self.train)} tokens; a training window takes "
+                f"{self.window}: use a longer text or a shorter --length"
             )
         lm = self.objective == "lm" and valid is text  # eval's next-token windows
         if len(self.valid) >= (least := 2 if lm else self.window):
@@ -176,11 +175,13 @@ class Corpus:
         )
 
     def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:
-        """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone.
+        """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone,
+        each window's start any of the train split's, its last (a window ending on the
+        split's last token) too.
         With `rows` (the rows this process's devices hold), only those windows are read
         from the data; the other rows are zeros that no device of this process receives."""
         rng = np.random.default_rng([seed, step])
-        starts = rng.integers(0, len(self.train) - self.window, size=batch)
+        starts = rng.integers(0, len(self.train) - self.window + 1, size=batch)
         return self._examples(self.train, starts, rng, rows)
 
     def validation_starts(self) -> np.ndarray:
