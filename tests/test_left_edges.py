@@ -25,7 +25,7 @@ from models.cli.train import main as train
 from models.errors import DataError
 from models.families.common import UnsupportedModelError
 from models.io import hub
-from models.training import datasets
+from models.training import data, datasets
 
 TEXT = "Pack my box with five dozen liquor jugs; " * 3  # 123 bytes
 
@@ -167,3 +167,12 @@ def test_training_windows_draw_every_start_the_split_holds(text):
         for inputs, targets in zip(b["inputs"], b["targets"], strict=True):
             drawn.add(bytes([*inputs, targets[-1]]).decode())
     assert drawn == want
+
+
+def test_a_byte_token_file_is_a_byte_a_token_whatever_its_bytes(tmp_path):
+    """Bits per byte of byte ids that are no UTF-8 (Latin-1 text, 0xff): one byte each,
+    not the 3 of the replacement character their decoded text holds."""
+    ids = np.frombuffer("café crème, naïve ".encode("latin-1") * 8, np.uint8)
+    ids.astype(np.uint16).tofile(tmp_path / "latin.bin")
+    corpus = data.Corpus(datasets.read(tmp_path / "latin.bin"), data.ByteTokenizer(), 8)
+    assert corpus.bytes_per_token() == 1.0 and corpus.bytes_per_token(1) == 1.0

@@ -313,7 +313,7 @@ class ChatCorpus:
         train = self._examples(chats, t, f"--data {chats.path}") if chats is not valid else None
         self.train = self.valid if train is None else pack(train, length)
         targets = [ids[1:][w[1:] > 0] for ids, w in held_out]
-        self.valid_bytes = sum(len(tokenizer.decode(x).encode("utf-8")) for x in targets)
+        self.valid_bytes = sum(tokenizer.byte_count(x) for x in targets)
         self.valid_tokens = sum(len(x) for x in targets)
 
     def _examples(self, chats: Conversations, t: Template, what: str):
@@ -387,4 +387,4 @@ class ChatCorpus:
             return self.valid_bytes / max(self.valid_tokens, 1)
         rows = {k: v[:windows] for k, v in self.valid.items()}
         scored = rows["targets"][rows["weights"] > 0]
-        return len(self.tokenizer.decode(scored).encode("utf-8")) / max(len(scored), 1)
+        return self.tokenizer.byte_count(scored) / max(len(scored), 1)

@@ -53,6 +53,12 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def byte_count(self, ids) -> int:
+        """The bytes `ids` stand for: one each (their text, `decode`, would count 3 for
+        each byte that is no UTF-8, the replacement character's)."""
+        ids = np.asarray(ids)
+        return int(np.count_nonzero((ids >= 0) & (ids < 256)))
+
     def save(self, directory: Path) -> None:
         files.write_json(Path(directory) / "tokenizer.json", {"kind": "byte"}, indent=None)
 
@@ -90,6 +96,10 @@ class BPETokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+    def byte_count(self, ids) -> int:
+        """The UTF-8 bytes of the text of `ids`."""
+        return len(self.decode(ids).encode("utf-8"))
 
     def save(self, directory: Path) -> None:
         files.write_with(Path(directory) / "tokenizer.json", self.tok.save)
@@ -231,7 +241,7 @@ class Corpus:
             return self.valid_bytes / max(len(self.valid), 1)
         end = self.validation_starts()[windows - 1] + self.window
         scored = np.asarray(self.valid[1:end][:SAMPLE_TOKENS])
-        return len(self.tokenizer.decode(scored).encode("utf-8")) / len(scored)
+        return self.tokenizer.byte_count(scored) / len(scored)
 
 
 SAMPLE_TOKENS = 1 << 20  # token ids decoded to measure the bytes per token of a token file
@@ -253,4 +263,4 @@ def byte_length(part, tokenizer) -> float:
     sample = np.asarray(part.ids[:SAMPLE_TOKENS])
     if not len(sample):
         return 0
-    return len(tokenizer.decode(sample).encode("utf-8")) * len(part) / len(sample)
+    return tokenizer.byte_count(sample) * len(part) / len(sample)
