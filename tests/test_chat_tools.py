@@ -111,3 +111,20 @@ def test_a_tool_line_reads_and_a_bad_one_names_its_line(tmp_path):
         file.write_text(json.dumps(line) + "\n")
         with pytest.raises(data.DataError, match=f"{file}:1: ({message})"):
             corpora.load(str(file))
+
+
+def test_the_default_template_writes_tools_and_calls_and_learns_the_calls():
+    """Without a folder's template (a byte run): the tools in a system turn, each call's
+    JSON in <tool_call> after the content; the weights cover the assistant's turns
+    alone, as the layout written here in plain Python says."""
+    tok = data.ByteTokenizer()
+    ids, weights = chat.encode(TALK, chat.template(None), tok, "x.jsonl:1", TOOLS)
+    call = f"<tool_call>\n{json.dumps(CALL, ensure_ascii=False)}\n</tool_call>"
+    system = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in TOOLS)
+    turns = [(m["role"], (m["content"] or "") + (call if m.get("tool_calls") else ""))
+             for m in TALK]  # fmt: skip
+    text = f"<|im_start|>system\n# Tools\n{system}<|im_end|>\n"
+    text += "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in turns)
+    assert tok.decode(ids) == text
+    learnt = [c + "<|im_end|>" for r, c in turns if r == "assistant"]
+    assert tok.decode(ids[weights > 0]) == "".join(learnt)

@@ -45,10 +45,16 @@ FIELD = "messages"
 # Llama 3.1's too), `function` (older OpenAI-style data) or `ipython` (Llama 3.1's own)
 ROLES = ("system", "user", "assistant", "tool", "function", "ipython")
 TOOLS = "tools"  # a line's tool definitions, passed to the template as `tools`
-# ChatML's layout (Qwen's, SmolLM's): the template of a run whose tokenizer has none
+# ChatML's layout (Qwen's, SmolLM's): the template of a run whose tokenizer has none;
+# tool use as Qwen2.5 writes it: the tools in a system turn first, each call a
+# <tool_call> of its JSON after the content
 DEFAULT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-    "'<|im_end|>\\n' }}{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{% for t in tools %}"
+    "{{ t | tojson + '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}"
+    "{% for call in m['tool_calls'] or [] %}"
+    "{{ '<tool_call>\\n' + call | tojson + '\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 FIELDS = ("inputs", "targets", "weights", "segments", "positions")
