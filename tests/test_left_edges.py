@@ -176,3 +176,13 @@ def test_a_byte_token_file_is_a_byte_a_token_whatever_its_bytes(tmp_path):
     ids.astype(np.uint16).tofile(tmp_path / "latin.bin")
     corpus = data.Corpus(datasets.read(tmp_path / "latin.bin"), data.ByteTokenizer(), 8)
     assert corpus.bytes_per_token() == 1.0 and corpus.bytes_per_token(1) == 1.0
+
+
+def test_a_prompts_file_is_split_at_newlines_alone(tmp_path):
+    """A prompt holding a form feed, U+2028 or NEL is one prompt (str.splitlines broke
+    it in two); Windows line ends are no part of a prompt; blank lines are none."""
+    from models.cli.generate import read_prompts
+
+    prompts = ["def f():\x0c", "a\u2028b", "c\x85d", "plain"]
+    (tmp_path / "p.txt").write_bytes("\r\n\n".join(prompts).encode() + b"\r\n")
+    assert read_prompts(tmp_path / "p.txt") == prompts
