@@ -37,15 +37,17 @@ def leaves(tree, path=()):
 @pytest.mark.parametrize("name", MODELS)
 def test_the_default_decays_the_matrices_the_model_declares(name):
     """Decayed: a parameter of 2 or more declared dims besides the stack's `layers`
-    (never the router's choosing bias); by name, nothing undecayed but biases, norms'
-    scales and vectors."""
+    (never the router's choosing bias), whether the mask sees the trainer's Tensors or
+    raw arrays; by name, nothing undecayed but biases, norms' scales and vectors."""
     shapes_of, cfg = MODELS[name]
     shapes = shapes_of(cfg)
     arrays = jax.tree.map(lambda p: jax.ShapeDtypeStruct(tuple(p.sizes.values()), np.float32),
                           shapes, is_leaf=lambda x: hasattr(x, "sizes"))  # fmt: skip
-    mask = dict(leaves(decay_mask()(arrays)))
+    mask = dict(leaves(decay_mask()(arrays)))  # raw arrays: by shape and place
     params = dict(leaves(shapes))
     assert mask.keys() == params.keys()
+    tensors = transformer.init(shapes, 0)  # the trainer's: namedmesh Tensors, by dims
+    assert dict(leaves(decay_mask()(tensors))) == mask
     for path, p in params.items():
         dims = [d for d in p.sizes if d not in STACK_DIMS]
         want = len(dims) >= 2 and path[-1] != "gate_bias"

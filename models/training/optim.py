@@ -45,8 +45,10 @@ UNDECAYED = frozenset({"gate_bias"})
 # biases and norm weights, nanoGPT every parameter under 2 dims); all: every one (the
 # rule before --decay: a run recorded without it resumes with it, models/training/run.py)
 DECAYS = ("matrices", "all")
-# the top-level keys of models/transformer.py's layer stacks (`stacked`): their
-# parameters carry a leading `layers` axis, which is no dim of a matrix
+# models/transformer.py's STACK_DIMS (not imported: the flags are checked before jax
+# loads), a stack's axis of layers, which is no dim of a matrix; and the top-level keys
+# of its stacks (`stacked`), whose raw arrays (without dims) carry that axis first
+STACK_DIMS = ("layers",)
 STACKS = ("dense", "layers", "encoder")
 
 
@@ -66,8 +68,11 @@ def decay_mask(kind: str | None = None):
 
 
 def _matrices(tree, top: bool = False, stacked: bool = False):
-    """Whether each parameter of `tree` has 2 or more dims besides a stack's layers."""
+    """Whether each parameter of `tree` has 2 or more dims besides a stack's layers: by
+    its dims' names (a namedmesh Tensor's), else by its shape and where it lies."""
     if not isinstance(tree, dict):
+        if (dims := getattr(tree, "dims", None)) is not None:
+            return sum(d not in STACK_DIMS for d in dims) >= 2
         return len(getattr(tree, "shape", ())) - stacked >= 2
     return {k: k not in UNDECAYED and _matrices(v, stacked=stacked or (top and k in STACKS))
             for k, v in tree.items()}  # fmt: skip
