@@ -141,6 +141,7 @@ def test_a_json_file_reads_as_datasets_json_loader_reads_it(tmp_path, name):
     [
         ('[{"text": "a"}, {"body": "b"}]', r"x.json row 2: no 'text' field \(has body\)"),
         ('[{"text": "a"}, 3]', "x.json row 2: an item must be an object"),
+        ('[{"messages": []}]', r"x.json row 1: a conversation .* chat data is a .jsonl file"),
         ('[{"text": "a"},', "x.json: not a JSON array"),
         ('"just a string"', "x.json: holds a JSON str"),
         ('{"text": ["p", "q"]}', "x.json:1: the 'text' field is a list, not text"),

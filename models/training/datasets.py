@@ -214,6 +214,11 @@ def _json(path: Path, field: str) -> str:
     for n, row in enumerate(whole, 1):
         if not isinstance(row, dict):
             raise DataError(f"{path} row {n}: an item must be an object with a {field!r} field")
+        if field not in row and "messages" in row:  # conversations: chat.py reads JSON lines
+            raise DataError(
+                f"{path} row {n}: a conversation (messages), no {field!r} field: chat data "
+                "is a .jsonl file, one conversation a line (docs/chat.md)"
+            )
         _field(Path(f"{path} row {n}"), field, row)
         docs.append(_document(row[field], f"{path} row {n}", field))
     return "\n".join(docs)
