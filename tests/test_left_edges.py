@@ -123,6 +123,7 @@ JSON_FILES = {
     "records.json": json.dumps([{"text": "a\u2028b", "id": 1}, {"text": "second"}], indent=1),
     "lines.json": '{"text": "one"}\n\n{"text": "two", "n": 2}\n',
     "object.json.gz": '{"text": "alone"}',
+    "indented.json": '{\n  "text": "on lines\\nof its own"\n}\n',
 }
 
 
@@ -144,7 +145,11 @@ def test_a_json_file_reads_as_datasets_json_loader_reads_it(tmp_path, name):
         ('[{"messages": []}]', r"x.json row 1: a conversation .* chat data is a .jsonl file"),
         ('[{"text": "a"},', "x.json: not a JSON array"),
         ('"just a string"', "x.json: holds a JSON str"),
-        ('{"text": ["p", "q"]}', "x.json:1: the 'text' field is a list, not text"),
+        ('{"text": ["p", "q"]}', "x.json row 1: the 'text' field is a list, not text"),
+        (
+            '{\n "name": "pkg",\n "version": "1"\n}',
+            r"x.json row 1: no 'text' field \(has name, version",
+        ),
         ('{"text": "a"}\n{oops', "x.json:2: not a JSON line"),
     ],
 )

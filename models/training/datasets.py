@@ -7,8 +7,8 @@
 - `.bin`: uint16 token ids, nanoGPT's `train.bin`; `.npy`: a 1-D array of integer ids.
   Both are memory-mapped: a batch reads its windows, never the whole file;
 - `.jsonl`: JSON lines, each an object whose `text_field` (default "text") is a document;
-- `.json`: as `datasets`' json loader reads it: an array of such objects, or else JSON
-  lines of them;
+- `.json`: as `datasets`' json loader reads it: an array of such objects, one object,
+  or else JSON lines of them;
 - `.parquet`: a Parquet file's `text_field` column (pyarrow, the `data` extra);
 - a folder saved by `datasets` (`Dataset.save_to_disk`; the `data` extra): its
   `text_field` column.
@@ -203,8 +203,8 @@ def _json(path: Path, field: str) -> str:
         if text.lstrip().startswith("["):
             raise DataError(f"{path}: not a JSON array ({e.msg}, line {e.lineno})") from None
         return _jsonl(path, field)
-    if isinstance(whole, dict):  # one object: JSON lines of one line
-        return _jsonl(path, field)
+    if isinstance(whole, dict):  # one object (on one line or several): one record
+        whole = [whole]
     if not isinstance(whole, list):
         raise DataError(
             f"{path}: holds a JSON {type(whole).__name__}; a .json file of documents is an "
