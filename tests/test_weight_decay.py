@@ -5,6 +5,7 @@ each model declares; `all` decays every one, and a run recorded before --decay e
 resumes with it, equal to the run never stopped."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -46,7 +47,8 @@ def test_the_default_decays_the_matrices_the_model_declares(name):
     mask = dict(leaves(decay_mask()(arrays)))  # raw arrays: by shape and place
     params = dict(leaves(shapes))
     assert mask.keys() == params.keys()
-    tensors = transformer.init(shapes, 0)  # the trainer's: namedmesh Tensors, by dims
+    # the trainer's: namedmesh Tensors (abstract: their dims, no values), by dims
+    tensors = jax.eval_shape(lambda: transformer.init(shapes, 0))
     assert dict(leaves(decay_mask()(tensors))) == mask
     for path, p in params.items():
         dims = [d for d in p.sizes if d not in STACK_DIMS]
@@ -80,18 +82,22 @@ def test_an_update_decays_what_the_mask_says():
 
 
 def test_a_run_recorded_before_decay_existed_resumes_decaying_all(tmp_path):
-    """Its run.json without "decay": resumed, it trains as an uninterrupted `--decay all`
-    run (every weight equal), not as the new default would."""
+    """Its run.json without "decay": resumed, it trains as the `--decay all` run never
+    stopped (every weight equal), not as the new default would."""
     flags = ["--config", "tiny", "--set", "layers=1", "--set", "d_model=16", "--length", "8"]
     flags += ["--batch", "2", "--quiet", "--eval-batches", "1", "--save-every", "1"]
     flags += ["--warmup", "0", "--lr", "0.1", "--weight-decay", "0.5", "--schedule", "constant"]
-    assert train([*flags, "--steps", "2", "--decay", "all", "--out", str(tmp_path / "a")]) == 0
-    # an older run: it decayed all (the rule then), and its run.json has no "decay"
-    assert train([*flags, "--steps", "1", "--decay", "all", "--out", str(tmp_path / "b")]) == 0
-    record = json.loads((tmp_path / "b" / "run.json").read_text())
+    whole, old = tmp_path / "a", tmp_path / "b"
+    assert train([*flags, "--steps", "2", "--decay", "all", "--out", str(whole)]) == 0
+    # an older run stopped at step 1: it decayed all (the rule then), its run.json has
+    # no "decay"
+    shutil.copytree(whole, old)
+    shutil.rmtree(old / "checkpoints" / "2")
+    (old / "metrics.jsonl").write_text((old / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    record = json.loads((old / "run.json").read_text())
     del record["decay"]
-    (tmp_path / "b" / "run.json").write_text(json.dumps(record))
-    assert train([*flags, "--steps", "2", "--resume", "--out", str(tmp_path / "b")]) == 0
-    whole, resumed = (evaluate.load(str(tmp_path / r))[1] for r in "ab")
-    for (path, a), (_, b) in zip(leaves(whole), leaves(resumed), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, err_msg=str(path))
+    (old / "run.json").write_text(json.dumps(record))
+    assert train([*flags, "--steps", "2", "--resume", "--out", str(old)]) == 0
+    a, b = (evaluate.load(str(run))[1] for run in (whole, old))
+    for (path, x), (_, y) in zip(leaves(a), leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-6, err_msg=str(path))
