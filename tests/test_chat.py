@@ -172,8 +172,8 @@ def test_ring_attention_refuses_packed_rows_by_name(params):
     "line, message",
     [
         ('{"text": "hi"}', "no 'messages' field \\(has text\\)"),
-        ('{"messages": [{"role": "tool", "content": "x"}]}',
-         "message 0 has role 'tool', not one of system"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}',
+         "message 0 has role 'robot', not one of system"),
         ("{not json", "not a JSON line"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant message"),
         ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]}',

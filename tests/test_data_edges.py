@@ -28,7 +28,7 @@ def test_json_lines_split_at_newlines_alone(tmp_path):
     got = datasets.read(_lines(tmp_path / "t.jsonl", [{"text": d} for d in docs], "\r\n"))
     assert got == "\n".join(docs)
     chats = corpora.load(str(_lines(tmp_path / "c.jsonl", [{"messages": CONV}] * 2)))
-    assert [m for _, m in chats.items] == [CONV, CONV]
+    assert [e.messages for e in chats.items] == [CONV, CONV]
     bad = _lines(tmp_path / "bad.jsonl", [{"text": docs[0]}, {"text": docs[1]}])
     bad.write_text(bad.read_text("utf-8") + "\n{oops\n", "utf-8")
     with pytest.raises(data.DataError, match=r"bad.jsonl:3: not a JSON line"):
@@ -49,7 +49,7 @@ def test_a_byte_order_mark_is_no_text(tmp_path):
         raw = (tmp_path / name).read_bytes().decode("utf-8-sig")
         want = raw if name == "a.txt" else "\n".join(json.loads(x)["text"] for x in raw.split("\n"))
         assert corpora.load(str(tmp_path / name)) == want
-    assert [m for _, m in corpora.load(str(tmp_path / "c.jsonl")).items] == [CONV, CONV]
+    assert [e.messages for e in corpora.load(str(tmp_path / "c.jsonl")).items] == [CONV, CONV]
     assert datasets.read(tmp_path / "dir") == "hello\nworld"  # each of a folder's files
 
 
@@ -69,7 +69,7 @@ def test_suffixes_in_any_case_and_gzip_files_are_read_by_kind(tmp_path):
     chats = _lines(tmp_path / "c.JSONL", [{"messages": CONV}] * 2)
     (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(chats.read_bytes()))
     for name in ("c.JSONL", "c.jsonl.gz"):
-        assert [m for _, m in corpora.load(str(tmp_path / name)).items] == [CONV, CONV]
+        assert [e.messages for e in corpora.load(str(tmp_path / name)).items] == [CONV, CONV]
     (tmp_path / "ids.npy.gz").write_bytes(gzip.compress((tmp_path / "ids.NPY").read_bytes()))
     (tmp_path / "torn.txt.gz").write_bytes(gzip.compress(b"abc" * 100)[:20])
     for name, says in [("ids.npy.gz", "a compressed .npy file; decompress"),
@@ -148,9 +148,9 @@ def test_validation_windows_cover_every_token(n):
     got = np.concatenate([b["targets"][b["weights"] > 0].ravel() for b in batches])
     assert bytes(got.astype(np.uint8)).decode() == text[1:]
     assert corpus.validation_windows() == -(-(n - 1) // length)
-    with pytest.raises(data.DataError, match="train split has 5 tokens; a training window "
-                       "draws 5 from 6 or more"):  # fmt: skip
-        data.Corpus("x" * 5, data.ByteTokenizer(), length, valid=text)
+    with pytest.raises(data.DataError, match="train split has 4 tokens; a training window "
+                       "takes 5"):  # fmt: skip
+        data.Corpus("x" * 4, data.ByteTokenizer(), length, valid=text)
 
 
 def test_linked_folders_are_read_and_a_link_loop_ends(tmp_path):

@@ -222,7 +222,8 @@ def test_adamw_leaves_the_choosing_bias_alone():
     from models.training.trainer import OptimizerSpec, optimizer
 
     ones = nm.tensor(np.ones(4, np.float32), ("experts",))
-    params = {"layers": {"ffn": {"gate_bias": ones, "gate": ones}}}
+    gate = nm.tensor(np.ones((3, 4), np.float32), ("d_model", "experts"))  # a matrix: decayed
+    params = {"layers": {"ffn": {"gate_bias": ones, "gate": gate}}}
     opt, _ = optimizer(OptimizerSpec("adamw", 1.0, 10, 0, 0))
     state = opt.init(params)
     zero = jax.tree.map(lambda x: x * 0, params)

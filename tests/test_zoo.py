@@ -134,7 +134,9 @@ def test_bert_and_encdec_train_the_same_under_a_layout_as_on_one_device(name, si
     one = one_device_curve(name)
     got, _ = curve(name, Mesh(sizes), layout, steps=12, cfg=BIG_BATCH)
     np.testing.assert_allclose(got, one, rtol=1e-3)
-    assert got[-3:].mean() < got[0] - 0.3  # it learns
+    # it learns: the last 3 steps' mean below the first 3's (one step's loss, the first
+    # batch's masking alone, moved by 0.19 when the windows' draw changed)
+    assert got[-3:].mean() < got[:3].mean() - 0.3
 
 
 def _logits(name, params, batch, cfg):

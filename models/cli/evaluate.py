@@ -67,7 +67,7 @@ def arguments(argv=None, prog: str = "python -m models.cli.evaluate") -> argpars
     p.add_argument("--batch", type=int, default=8, help="windows per batch")
     p.add_argument("--length", type=int, default=None, help="tokens per window (None: model's)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar nor --layout auto's table")
     cluster.add_flags(p)
     return resolve(p, p.parse_args(argv))
 
@@ -116,6 +116,22 @@ def cut(text, tokenizer, length: int, objective: str, source: str):
     return corpus, length
 
 
+def trained_capacity(cfg, window: int):
+    """`cfg` for rows of `window` tokens whose capacity routing keeps the model's own
+    slots per expert (those of a row of its cfg.length, models/layers/moe.py's
+    `capacity`), not a window's: a window then routes as the same tokens do at the
+    start of a training row, or in `generate`, whatever --length or the data's length."""
+    from models.layers import moe
+
+    slots = moe.capacity(cfg) if cfg.routing == "capacity" else 0
+    if slots < 1 or window == cfg.length:  # no slots (factor 0) are none at any length
+        return cfg.replace(length=window)
+    # half a slot under `slots`: the window's ceil(k * factor * window / experts) is
+    # `slots` whatever the float rounding (moe.capacity caps it at the window)
+    factor = (slots - 0.5) * cfg.experts / (cfg.experts_per_token * window)
+    return cfg.replace(length=window, capacity_factor=factor)
+
+
 def evaluate(args, dog=None) -> dict:
     """{"loss", "perplexity", "bits_per_byte", "tokens"} of the model on the data; with
     several processes, every wait on the others bounded by `dog` (models/training/watchdog.py)."""
@@ -143,11 +159,13 @@ def evaluate(args, dog=None) -> dict:
         )
     text = corpora.load(args.data, "--data", args.text_field, args.data_format)
     corpus, window = cut(text, tokenizer, length, model.objective, args.source)
-    cfg = cfg.replace(batch=args.batch, length=window, dropout=0.0, moe_loss=0.0)
+    cfg = trained_capacity(cfg, window).replace(batch=args.batch, dropout=0.0, moe_loss=0.0)
     mesh = Mesh(args.mesh)
     if jax.process_count() > 1:  # one global program over every process's devices
         cluster.say(cluster.describe(mesh))
-    layout = pick_layout(args.layout, Trainer(model, cfg, mesh, Layout()), args.source)
+    quiet = args.quiet or jax.process_index() != 0
+    say = (lambda *_, **__: None) if quiet else print  # --quiet: the result line alone
+    layout = pick_layout(args.layout, Trainer(model, cfg, mesh, Layout()), args.source, say=say)
     trainer = Trainer(model, cfg, mesh, layout)
     # stacks a stage split does not divide held padded, each stage device its slots, as
     # the trainer holds them (Trainer.padded), not L long on every stage device
@@ -157,7 +175,6 @@ def evaluate(args, dog=None) -> dict:
     if args.max_batches is not None:
         total = min(total, args.max_batches)
     batches = corpus.validation_batches(args.batch, args.max_batches)
-    quiet = args.quiet or jax.process_index() != 0
     bar = tqdm(batches, total=total, disable=quiet, unit="batch", dynamic_ncols=True)
     loss, tokens = trainer.evaluate(state, paced(bar, dog, "batch"))
     told = "--length" if args.length else "the model's training length"

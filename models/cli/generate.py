@@ -135,12 +135,15 @@ def decoder_start(path: str | Path) -> int | None:
 
 
 def read_prompts(path: Path) -> list[str]:
-    """The non-empty lines of a --prompts file (ParameterError naming the flag, for a
-    file that cannot be read or is not UTF-8 text)."""
+    """The non-empty lines of a --prompts file, split at "\n" alone (a "\r" before it
+    left out): never at what str.splitlines also breaks at (a form feed, U+2028, NEL),
+    which a prompt holds as text; ParameterError naming the flag, for a file that cannot
+    be read or is not UTF-8 text."""
     from models.training.datasets import text_file
 
     try:
-        lines = [line for line in text_file(path).splitlines() if line.strip()]
+        text = text_file(path)
+        lines = [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
     except OSError as e:
         raise ParameterError(f"--prompts {path}: cannot read it ({e.strerror})") from None
     except data.DataError as e:

@@ -179,16 +179,22 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range] = RANGES) ->
 
 def optimizer_fault(args: argparse.Namespace) -> str | None:
     """The one-line complaint about an optimizer flag the optimizer takes no use of
-    (--betas or --eps of one without them), or a schedule flag that cannot work: a
-    --min-lr on the command line of the constant schedule (which never decays: it would
-    be ignored) or above the peak --lr (the "decay" would raise the learning rate); or
-    None."""
+    (--betas or --eps of one without them, --decay without weight decay), or a
+    schedule flag that cannot work: a --min-lr on the command line of the constant
+    schedule (which never decays: it would be ignored) or above the peak --lr (the
+    "decay" would raise the learning rate); or None."""
     from models.training.optim import settings as optimizer_settings
 
     try:
-        optimizer_settings(args.optimizer, args.weight_decay, args.betas, args.eps)
+        decay = optimizer_settings(args.optimizer, args.weight_decay, args.betas, args.eps)
     except ValueError as e:
         return str(e)
+    given = getattr(args, "given", ())  # the command line's: --decay a run.json records
+    if getattr(args, "decay", None) and "decay" in given and not decay["weight_decay"]:
+        return (
+            f"--decay {args.decay}: {args.optimizer} decays no parameter here (weight decay "
+            "0): pass --weight-decay too"
+        )
     schedule, lr, end = args.schedule, args.lr, args.min_lr
     # (the command line's alone: a run.json given as --config-file records every flag)
     if schedule == "constant" and end is not None and "min_lr" in getattr(args, "given", ()):
@@ -338,6 +344,14 @@ def parser(prog: str = "python -m models.cli.train") -> Parser:
         type=float,
         default=None,
         help="decoupled (adamw, lion, adafactor) or L2 (sgd); None: adamw 0.01, lion 0.1, else 0",
+    )
+    p.add_argument(
+        "--decay",
+        default=None,
+        choices=["matrices", "all"],
+        help="the parameters weight decay pulls to 0: matrices (not biases nor norm scales: "
+        "Hugging Face's Trainer's choice) or all; None: matrices (a run recorded without "
+        "--decay resumes with all)",
     )
     p.add_argument(
         "--betas",

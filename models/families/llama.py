@@ -33,8 +33,9 @@ _ROPE_FIELDS = {
 
 def rope_of(hf: dict, partial: bool = False, defaults=None, overrides=None, aliases=None) -> Rope:
     """The Rope of config.json's rope_parameters (transformers 5) or rope_scaling
-    and rope_theta (older files); a key the scaling kind does not read is refused, and
-    partial_rotary_factor unless the family rotates part of d_kv (`partial`).
+    and rope_theta (older files); a key the scaling kind does not read is refused (a
+    null one is ignored), and partial_rotary_factor unless the family rotates part of
+    d_kv (`partial`).
     `defaults` stand for rope keys a file lacks (GPT-NeoX's older rotary_pct);
     `overrides` are top-level values that win for the kinds that read them (Phi-3's
     original_max_position_embeddings); `aliases` rename scaling kinds (Phi-3: su, yarn
@@ -52,7 +53,9 @@ def rope_of(hf: dict, partial: bool = False, defaults=None, overrides=None, alia
     if not partial and params.get("partial_rotary_factor", 1.0) == 1.0:
         params.pop("partial_rotary_factor", None)
     allowed = (*ROPE_KEYS[kind], *(("partial_rotary_factor",) if partial else ()))
-    if stray := {k: v for k, v in params.items() if k not in allowed}:
+    # a null key is an absent one, as transformers reads it (Llama 3.x files saved with
+    # "rope_scaling": null inside rope_parameters); a valued one might change the math
+    if stray := {k: v for k, v in params.items() if k not in allowed and v is not None}:
         raise UnsupportedModelError(
             f"config.json: rope option(s) {stray} are not implemented for rope_type {kind!r}"
         )

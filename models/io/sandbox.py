@@ -19,6 +19,13 @@ thread, no subprocess):
   filters; ranges of at most `max_size` items;
 - at most `max_size` characters rendered.
 
+The environment is transformers' (`_compile_jinja_template`): trim_blocks and
+lstrip_blocks, `{% break %}` and `{% continue %}` (jinja2.ext.loopcontrols),
+`{% generation %}`, `raise_exception`, `strftime_now(format)` (the local clock's time,
+as transformers' Llama 3.x templates read today's date), and transformers' `tojson`
+(json.dumps: unescaped `<`, `>`, `&`, `'` and non-ASCII, keys in their order; jinja2's
+own escapes them for HTML and sorts the keys, so a tool call would render otherwise).
+
 `render` turns every failure (a jinja error, a budget spent, or what a sandboxed call
 raises: ZeroDivisionError, TypeError, RecursionError...) into one `TemplateFailure`.
 """
@@ -26,10 +33,12 @@ raises: ZeroDivisionError, TypeError, RecursionError...) into one `TemplateFailu
 from __future__ import annotations
 
 import functools
+import json
 import re
+from datetime import datetime
 
 from jinja2 import nodes
-from jinja2.ext import Extension
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
@@ -100,6 +109,8 @@ class Bounded(ImmutableSandboxedEnvironment):
         super().__init__(**options)
         self.max_size, self.ops, self.chars = max_size, 0, 0
         self.globals["range"] = self.range
+        self.globals["strftime_now"] = strftime_now
+        self.filters["tojson"] = tojson
         self.filters = {k: self._bounded_filter(k, f) for k, f in self.filters.items()}
 
     # --- the budgets --------------------------------------------------------------
@@ -225,6 +236,17 @@ class Bounded(ImmutableSandboxedEnvironment):
         return functools.update_wrapper(check, wrapped)
 
 
+def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson` filter: json.dumps, not jinja2's HTML-safe one."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)  # fmt: skip
+
+
+def strftime_now(format: str) -> str:
+    """transformers' `strftime_now` global: the local time now, formatted."""
+    return datetime.now().strftime(format)
+
+
 def _formatted(fmt: str, args) -> int:
     """An upper bound of the length of `fmt` formatted with `args` (`%` or str.format):
     every run of digits in it may be a field's width or precision."""
@@ -268,6 +290,28 @@ def _expandtabs(s, tabsize=8, *args, **kwargs) -> int:
     return size(s) + str(s).count("\t") * (tabsize if isinstance(tabsize, int) else 0)
 
 
+def _nodes(value, depth: int = 1) -> tuple[int, int]:
+    """(items and keys, deepest nesting) of a JSON-like value."""
+    if isinstance(value, dict | list | tuple):
+        items = value.values() if isinstance(value, dict) else value
+        inner = [_nodes(v, depth + 1) for v in items]
+        return len(value) + sum(n for n, _ in inner), max((d for _, d in inner), default=depth)
+    return 1, depth
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, *args, **kwargs) -> int:
+    # escapes (\uXXXX: 6 per character), then per item a newline, the indent per level
+    # and the separators
+    n, depth = _nodes(x)
+    width = indent if isinstance(indent, int) else size(indent)
+    seps = sum(map(size, separators)) if isinstance(separators, list | tuple) else 4
+    return 6 * _deep_size(x) + n * (1 + max(width, 0) * depth + seps)
+
+
+def _strftime(fmt="", *args, **kwargs) -> int:
+    return 32 * size(fmt)  # a directive's two characters become at most ~30 (%c)
+
+
 def _sum(items, *args, **kwargs) -> int:
     ok = isinstance(items, list | tuple)
     return sum(size(x) for x in items) if ok else 0
@@ -293,6 +337,8 @@ _GROWTH = {
     "expandtabs": _expandtabs,
     "|sum": _sum,
     "|format": _format,
+    "|tojson": _tojson,
+    "strftime_now": _strftime,
     "generate_lorem_ipsum": _lipsum,  # the lipsum() global
 }
 
@@ -314,7 +360,8 @@ def _compiled(source: str):
     """(its Bounded environment, the template compiled in it, loops counted): compiling
     takes most of a render's time, and chat data renders one template thousands of
     times (models/training/chat.py)."""
-    env = Bounded(MAX_SIZE, trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
+    extensions = [Generation, loopcontrols]
+    env = Bounded(MAX_SIZE, trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.globals["raise_exception"] = _raise
     return env, env.from_string(_Counting().visit(env.parse(source)))
 

@@ -4,8 +4,9 @@ rows without attending across them (docs/chat.md).
 
 - Rendering: the tokenizer folder's chat template (chat_template.jinja or
   tokenizer_config.json's `chat_template`) as transformers' `apply_chat_template`
-  renders it (jinja2's sandbox, bounded: models/io/sandbox.py; `messages`, `bos_token`,
-  `eos_token`, `add_generation_prompt`, `raise_exception`), then tokenized whole
+  renders it (jinja2's sandbox, bounded: models/io/sandbox.py; `messages`, the line's
+  `tools`, `bos_token`, `eos_token`, `add_generation_prompt`, and transformers'
+  globals and filters), then tokenized whole
   without the tokenizer's own special tokens (the template writes them). Without a
   template (the byte tokenizer, a fresh BPE), DEFAULT_TEMPLATE, ChatML's layout.
 - Masking, incrementally as TRL and torchtune do: the text up to each assistant
@@ -40,20 +41,39 @@ from models.training.data import VALIDATION_FRACTION, DataError
 from models.training.datasets import encodable
 
 FIELD = "messages"
-ROLES = ("system", "user", "assistant")
-# ChatML's layout (Qwen's, SmolLM's): the template of a run whose tokenizer has none
+# the roles transformers' templates render: tool results are `tool` (Qwen, Mistral,
+# Llama 3.1's too), `function` (older OpenAI-style data) or `ipython` (Llama 3.1's own)
+ROLES = ("system", "user", "assistant", "tool", "function", "ipython")
+TOOLS = "tools"  # a line's tool definitions, passed to the template as `tools`
+# ChatML's layout (Qwen's, SmolLM's): the template of a run whose tokenizer has none;
+# tool use as Qwen2.5 writes it: the tools in a system turn first, each call a
+# <tool_call> of its JSON after the content
 DEFAULT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-    "'<|im_end|>\\n' }}{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{% for t in tools %}"
+    "{{ t | tojson + '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}"
+    "{% for call in m['tool_calls'] or [] %}"
+    "{{ '<tool_call>\\n' + call | tojson + '\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 FIELDS = ("inputs", "targets", "weights", "segments", "positions")
 
 
-class Conversations:
-    """The examples of a chat file: (where: "FILE:LINE", messages) each, checked."""
+class Example(NamedTuple):
+    """One conversation: where it is ("FILE:LINE"), its messages (each as the line
+    holds it: role, content, and what else a template may read, tool_calls, name,
+    tool_call_id), and the line's tool definitions (None without)."""
 
-    def __init__(self, items: list[tuple[str, list[dict]]], path: Path):
+    where: str
+    messages: list[dict]
+    tools: list | None = None
+
+
+class Conversations:
+    """The examples of a chat file (`Example`s), checked."""
+
+    def __init__(self, items: list[Example], path: Path):
         self.items, self.path = items, path
 
     def __len__(self) -> int:
@@ -67,7 +87,7 @@ class Conversations:
 
     def text(self) -> str:
         """Every message's content, one per line (what `--tokenizer bpe` trains on)."""
-        return "\n".join(m["content"] for _, messages in self.items for m in messages)
+        return "\n".join(m.get("content") or "" for e in self.items for m in e.messages)
 
 
 def is_chat(path: Path, text_field: str) -> bool:
@@ -108,16 +128,19 @@ def read(path: str | Path, flag: str = "--data") -> Conversations:
     for n, line in enumerate(lines, 1):
         if line.strip():
             where = f"{path}:{n}"
-            items.append((where, check(line, f"{flag} {where}")))
+            items.append(Example(where, *check(line, f"{flag} {where}")))
     if not items:
         raise DataError(f"{flag} {path}: no conversations found")
     return Conversations(items, path)
 
 
-def check(line: str, where: str) -> list[dict]:
-    """The messages of one JSON line; DataError naming `where` when it is not JSON, not
-    an object with a non-empty `messages` list of {"role", "content"} objects (a role
-    of ROLES, content text), or has no assistant message (nothing to learn)."""
+def check(line: str, where: str) -> tuple[list[dict], list | None]:
+    """(messages, tools) of one JSON line; DataError naming `where` when it is not JSON,
+    not an object with a non-empty `messages` list of {"role", "content"} objects (a
+    role of ROLES, content text; an assistant's calling tools, `tool_calls`, may have
+    none), has `tools` that are not a list, or has no assistant message (nothing to
+    learn). A message's other fields are kept for the template, as transformers passes
+    them."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -129,18 +152,27 @@ def check(line: str, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: {FIELD!r} must be a non-empty list of messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
             raise DataError(f"{where}: message {i} must be an object with role and content")
         if m["role"] not in ROLES:
             raise DataError(
                 f"{where}: message {i} has role {m['role']!r}, not one of {', '.join(ROLES)}"
             )
-        if not isinstance(m["content"], str):
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             raise DataError(f"{where}: message {i}'s content must be text")
-        encodable(m["content"], f"{where}: message {i}'s content")
+        if isinstance(m.get("content"), str):
+            encodable(m["content"], f"{where}: message {i}'s content")
+        rest = {k: v for k, v in m.items() if k not in ("role", "content")}
+        encodable(json.dumps(rest, ensure_ascii=False), f"{where}: message {i}'s {', '.join(rest)}")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant message (the loss covers the assistant's tokens)")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    tools = row.get(TOOLS)
+    if tools is not None and not isinstance(tools, list):
+        raise DataError(f"{where}: {TOOLS!r} must be a list of tool definitions")
+    if tools is not None:
+        encodable(json.dumps(tools, ensure_ascii=False), f"{where}: its {TOOLS}")
+    return [dict(m) for m in messages], tools
 
 
 class Template(NamedTuple):
@@ -186,15 +218,16 @@ def _eos_texts(folder) -> list[str]:
     return [added[i].content for i in ids if i in added]
 
 
-def render(t: Template, messages: list[dict], generation: bool, where: str) -> str:
-    """The conversation as the template renders it; DataError naming `where` and the
-    template when it fails (raise_exception, an error, its bounds)."""
+def render(t: Template, messages: list[dict], generation: bool, where: str, tools=None) -> str:
+    """The conversation as the template renders it (with the line's `tools`, as
+    transformers passes them); DataError naming `where` and the template when it fails
+    (raise_exception, an error, its bounds)."""
     from models.io import sandbox
 
     try:
         return sandbox.render(
             t.source, messages=messages, add_generation_prompt=generation,
-            bos_token=t.bos, eos_token=t.eos,
+            bos_token=t.bos, eos_token=t.eos, tools=tools,
         )  # fmt: skip
     except sandbox.TemplateFailure as e:
         raise DataError(f"{where}: {t.where} fails on it: {e}") from None
@@ -207,18 +240,18 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def encode(messages: list[dict], t: Template, tokenizer, where: str):
+def encode(messages: list[dict], t: Template, tokenizer, where: str, tools=None):
     """(ids, weights): the rendered conversation's token ids and 1.0 on the assistant's
-    tokens (module docstring), 0.0 elsewhere."""
+    tokens (module docstring: its tool calls too), 0.0 elsewhere (tool results too)."""
     tokens = lambda text: np.asarray(tokenizer.encode(text, specials=False), np.int64)
-    full = render(t, messages, False, where)
+    full = render(t, messages, False, where, tools)
     ids = tokens(full)
     weights = np.zeros(len(ids), np.float32)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(t, messages[:i], True, where)
-        upto = render(t, messages[: i + 1], False, where)
+        before = render(t, messages[:i], True, where, tools)
+        upto = render(t, messages[: i + 1], False, where, tools)
         if not (full.startswith(before) and full.startswith(upto)):
             raise DataError(
                 f"{where}: {t.where} renders message {i} otherwise in the whole conversation "
@@ -286,7 +319,7 @@ class ChatCorpus:
         train = self._examples(chats, t, f"--data {chats.path}") if chats is not valid else None
         self.train = self.valid if train is None else pack(train, length)
         targets = [ids[1:][w[1:] > 0] for ids, w in held_out]
-        self.valid_bytes = sum(len(tokenizer.decode(x).encode("utf-8")) for x in targets)
+        self.valid_bytes = sum(tokenizer.byte_count(x) for x in targets)
         self.valid_tokens = sum(len(x) for x in targets)
 
     def _examples(self, chats: Conversations, t: Template, what: str):
@@ -296,8 +329,8 @@ class ChatCorpus:
         from models.cli import cluster
 
         out, cut, dropped = [], [], []
-        for where, messages in chats.items:
-            ids, w = encode(messages, t, self.tokenizer, where)
+        for where, messages, tools in chats.items:
+            ids, w = encode(messages, t, self.tokenizer, where, tools)
             if len(ids) > self.window:
                 ids, w = ids[: self.window], w[: self.window]
                 cut.append(where.rsplit(":", 1)[1])
@@ -360,4 +393,4 @@ class ChatCorpus:
             return self.valid_bytes / max(self.valid_tokens, 1)
         rows = {k: v[:windows] for k, v in self.valid.items()}
         scored = rows["targets"][rows["weights"] > 0]
-        return len(self.tokenizer.decode(scored).encode("utf-8")) / max(len(scored), 1)
+        return self.tokenizer.byte_count(scored) / max(len(scored), 1)

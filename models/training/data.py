@@ -53,6 +53,12 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def byte_count(self, ids) -> int:
+        """The bytes `ids` stand for: one each (their text, `decode`, would count 3 for
+        each byte that is no UTF-8, the replacement character's)."""
+        ids = np.asarray(ids)
+        return int(np.count_nonzero((ids >= 0) & (ids < 256)))
+
     def save(self, directory: Path) -> None:
         files.write_json(Path(directory) / "tokenizer.json", {"kind": "byte"}, indent=None)
 
@@ -90,6 +96,10 @@ class BPETokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+    def byte_count(self, ids) -> int:
+        """The UTF-8 bytes of the text of `ids`."""
+        return len(self.decode(ids).encode("utf-8"))
 
     def save(self, directory: Path) -> None:
         files.write_with(Path(directory) / "tokenizer.json", self.tok.save)
@@ -154,14 +164,13 @@ class Corpus:
         self._check_sizes(text, valid)
 
     def _check_sizes(self, text, valid) -> None:
-        """DataError naming the split too short: the train split for a training window
-        drawn from it, the validation split for one whole window; `eval` (which passes
+        """DataError naming the split too short: the train split for one training window
+        in it, the validation split for one whole window; `eval` (which passes
         its data as both splits and trains on none) for one next-token target."""
-        if valid is not text and len(self.train) < self.window + 1:
+        if valid is not text and len(self.train) < self.window:
             raise DataError(
-                f"the train split has {len(self.train)} tokens; a training window draws "
-                f"{self.window} from {self.window + 1} or more: use a longer text or a "
-                "shorter --length"
+                f"the train split has {len(self.train)} tokens; a training window takes "
+                f"{self.window}: use a longer text or a shorter --length"
             )
         lm = self.objective == "lm" and valid is text  # eval's next-token windows
         if len(self.valid) >= (least := 2 if lm else self.window):
@@ -176,11 +185,13 @@ class Corpus:
         )
 
     def batch(self, step: int, batch: int, seed: int, rows=None) -> dict[str, np.ndarray]:
-        """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone.
+        """Training examples for `step`: offsets (and masks) drawn from (seed, step) alone,
+        each window's start any of the train split's, its last (a window ending on the
+        split's last token) too.
         With `rows` (the rows this process's devices hold), only those windows are read
         from the data; the other rows are zeros that no device of this process receives."""
         rng = np.random.default_rng([seed, step])
-        starts = rng.integers(0, len(self.train) - self.window, size=batch)
+        starts = rng.integers(0, len(self.train) - self.window + 1, size=batch)
         return self._examples(self.train, starts, rng, rows)
 
     def validation_starts(self) -> np.ndarray:
@@ -230,7 +241,7 @@ class Corpus:
             return self.valid_bytes / max(len(self.valid), 1)
         end = self.validation_starts()[windows - 1] + self.window
         scored = np.asarray(self.valid[1:end][:SAMPLE_TOKENS])
-        return len(self.tokenizer.decode(scored).encode("utf-8")) / len(scored)
+        return self.tokenizer.byte_count(scored) / len(scored)
 
 
 SAMPLE_TOKENS = 1 << 20  # token ids decoded to measure the bytes per token of a token file
@@ -252,4 +263,4 @@ def byte_length(part, tokenizer) -> float:
     sample = np.asarray(part.ids[:SAMPLE_TOKENS])
     if not len(sample):
         return 0
-    return len(tokenizer.decode(sample).encode("utf-8")) * len(part) / len(sample)
+    return tokenizer.byte_count(sample) * len(part) / len(sample)

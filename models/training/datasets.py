@@ -7,6 +7,8 @@
 - `.bin`: uint16 token ids, nanoGPT's `train.bin`; `.npy`: a 1-D array of integer ids.
   Both are memory-mapped: a batch reads its windows, never the whole file;
 - `.jsonl`: JSON lines, each an object whose `text_field` (default "text") is a document;
+- `.json`: as `datasets`' json loader reads it: an array of such objects, one object,
+  or else JSON lines of them;
 - `.parquet`: a Parquet file's `text_field` column (pyarrow, the `data` extra);
 - a folder saved by `datasets` (`Dataset.save_to_disk`; the `data` extra): its
   `text_field` column.
@@ -193,6 +195,35 @@ def _jsonl(path: Path, field: str) -> str:
     return "\n".join(docs)
 
 
+def _json(path: Path, field: str) -> str:
+    text = _text(path, field)
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError as e:  # several values: JSON lines, each line's error named
+        if text.lstrip().startswith("["):
+            raise DataError(f"{path}: not a JSON array ({e.msg}, line {e.lineno})") from None
+        return _jsonl(path, field)
+    if isinstance(whole, dict):  # one object (on one line or several): one record
+        whole = [whole]
+    if not isinstance(whole, list):
+        raise DataError(
+            f"{path}: holds a JSON {type(whole).__name__}; a .json file of documents is an "
+            f"array of objects with a {field!r} field, or JSON lines of them"
+        )
+    docs = []
+    for n, row in enumerate(whole, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{path} row {n}: an item must be an object with a {field!r} field")
+        if field not in row and "messages" in row:  # conversations: chat.py reads JSON lines
+            raise DataError(
+                f"{path} row {n}: a conversation (messages), no {field!r} field: chat data "
+                "is a .jsonl file, one conversation a line (docs/chat.md)"
+            )
+        _field(Path(f"{path} row {n}"), field, row)
+        docs.append(_document(row[field], f"{path} row {n}", field))
+    return "\n".join(docs)
+
+
 def _extra(module: str):
     import importlib
 
@@ -234,7 +265,7 @@ def _dataset(path: Path, field: str) -> str:
 
 
 # file suffix -> reader(path, text_field) -> str | Tokens
-READERS = {".bin": _bin, ".npy": _npy, ".jsonl": _jsonl, ".parquet": _parquet}
+READERS = {".bin": _bin, ".npy": _npy, ".jsonl": _jsonl, ".json": _json, ".parquet": _parquet}
 
 
 TOKEN_SUFFIXES = (".bin", ".npy")

@@ -10,7 +10,9 @@ to the peak over `warmup` updates, then
   then linear decay to `min_lr` (optax.join_schedules of the three).
 
 `optimizer(OptimizerSpec(...))` is AdamW, Adafactor, Lion or SGD on that schedule, after
-clipping the gradients to a global norm. Settings left None take the optimizer's defaults
+clipping the gradients to a global norm, its weight decay on the parameters `decay_mask`
+chooses (DECAYS: the matrices by default, as Hugging Face's Trainer and nanoGPT decay:
+not biases, norm scales nor other vectors). Settings left None take the optimizer's defaults
 (OPTIMIZER_DEFAULTS); a setting the optimizer has no use for is refused (ValueError
 naming the flag), never ignored.
 """
@@ -38,6 +40,16 @@ BETAS = {"adamw": 2, "lion": 2, "sgd": 1}  # how many betas each takes (Adafacto
 # Parameters no gradient reaches, which weight decay alone would move: a sigmoid router's
 # choosing bias (DeepSeek-V3's e_score_correction_bias; transformers keeps it as a buffer)
 UNDECAYED = frozenset({"gate_bias"})
+# --decay: which parameters weight decay pulls toward 0. matrices (None, the default):
+# those of 2 or more dims besides a stack's `layers` (Hugging Face's Trainer leaves out
+# biases and norm weights, nanoGPT every parameter under 2 dims); all: every one (the
+# rule before --decay: a run recorded without it resumes with it, models/training/run.py)
+DECAYS = ("matrices", "all")
+# models/transformer.py's STACK_DIMS (not imported: the flags are checked before jax
+# loads), a stack's axis of layers, which is no dim of a matrix; and the top-level keys
+# of its stacks (`stacked`), whose raw arrays (without dims) carry that axis first
+STACK_DIMS = ("layers",)
+STACKS = ("dense", "layers", "encoder")
 
 
 def decayed(params):
@@ -45,6 +57,25 @@ def decayed(params):
     if not isinstance(params, dict):
         return True
     return {k: k not in UNDECAYED and decayed(v) for k, v in params.items()}
+
+
+def decay_mask(kind: str | None = None):
+    """optax's weight-decay mask (a function of the parameters) of --decay `kind`
+    (DECAYS; None: matrices); UNDECAYED parameters never."""
+    if (kind or "matrices") == "all":
+        return decayed
+    return lambda params: _matrices(params, top=True)
+
+
+def _matrices(tree, top: bool = False, stacked: bool = False):
+    """Whether each parameter of `tree` has 2 or more dims besides a stack's layers: by
+    its dims' names (a namedmesh Tensor's), else by its shape and where it lies."""
+    if not isinstance(tree, dict):
+        if (dims := getattr(tree, "dims", None)) is not None:
+            return sum(d not in STACK_DIMS for d in dims) >= 2
+        return len(getattr(tree, "shape", ())) - stacked >= 2
+    return {k: k not in UNDECAYED and _matrices(v, stacked=stacked or (top and k in STACKS))
+            for k, v in tree.items()}  # fmt: skip
 
 
 def schedule(name: str, lr: float, steps: int, warmup: int, min_lr: float | None = None):
@@ -116,7 +147,8 @@ class OptimizerSpec:
     """An optimizer as the run's flags give it: `name` (--optimizer) at peak `lr` on
     `schedule(schedule_name, lr, steps, warmup, min_lr)`, gradients clipped to global
     norm `clip` (0: no clipping); weight_decay, betas, eps None: the optimizer's
-    defaults (OPTIMIZER_DEFAULTS)."""
+    defaults (OPTIMIZER_DEFAULTS); `decay` the parameters it decays (DECAYS; None:
+    matrices)."""
 
     name: str
     lr: float
@@ -128,28 +160,32 @@ class OptimizerSpec:
     weight_decay: float | None = None
     betas: tuple[float, ...] | None = None
     eps: float | None = None
+    decay: str | None = None
 
     @classmethod
     def of_flags(cls, args) -> OptimizerSpec:
         """The spec of train's flags (--optimizer, --lr, --steps, --warmup, --clip,
-        --schedule, --min-lr, --weight-decay, --betas, --eps)."""
+        --schedule, --min-lr, --weight-decay, --betas, --eps, --decay)."""
         return cls(
             args.optimizer, args.lr, args.steps, args.warmup, args.clip,
             schedule_name=args.schedule, min_lr=args.min_lr, weight_decay=args.weight_decay,
-            betas=args.betas, eps=args.eps,
+            betas=args.betas, eps=args.eps, decay=getattr(args, "decay", None),
         )  # fmt: skip
 
 
 def optimizer(spec: OptimizerSpec):
     """(optax transformation, schedule): `spec.name` on its schedule after clipping
-    gradients to global norm `spec.clip` (0: no clipping); weight decay skips UNDECAYED
-    parameters."""
+    gradients to global norm `spec.clip` (0: no clipping); weight decay on the parameters
+    `decay_mask(spec.decay)` chooses."""
     import optax
 
     name, clip = spec.name, spec.clip
     sched = schedule(spec.schedule_name, spec.lr, spec.steps, spec.warmup, spec.min_lr)
     s = settings(name, spec.weight_decay, spec.betas, spec.eps)
     wd = s["weight_decay"]
+    if spec.decay not in (None, *DECAYS):
+        raise ValueError(f"--decay {spec.decay}: must be one of {', '.join(DECAYS)}")
+    decayed = decay_mask(spec.decay)
     if name == "adamw":
         b1, b2 = s["betas"]
         opt = optax.adamw(sched, b1=b1, b2=b2, eps=s["eps"], weight_decay=wd, mask=decayed)

@@ -53,6 +53,10 @@ CHANGEABLE = ("steps", "data", "val_data", "data_format", "eval_every", "eval_ba
               "save_every", "skip_nonfinite", "mesh", "layout", "rates", "grad_accum", "remat",
               "attention", "attention_block")  # fmt: skip
 PATH_FLAGS = ("data", "val_data", "init_from", "tokenizer")  # compared as absolute paths
+# flags whose value a run recorded before the flag existed trained with, where that is
+# not the flag's default: such a run resumes with it (--decay: weight decay fell on
+# every parameter before the default became the matrices alone)
+BEFORE_FLAG = {"decay": "all"}
 
 
 class UsageError(Exception):
@@ -193,6 +197,7 @@ def _resume_flags(args, stored: dict, out: Path) -> None:
     so that the record follows). A --data or --val-data given anew sets
     `args.data_changed`."""
     given_data = {k: getattr(args, k) for k in DATA_FLAGS}  # None: not given
+    stored = BEFORE_FLAG | stored
     complaint = _record_fault(stored)
     if complaint:
         raise UsageError(f"{out}/run.json: {complaint}")
@@ -414,14 +419,14 @@ def check_same_vocabulary(given: str, folder_tokenizer, folder) -> None:
         )
 
 
-def pick_layout(text: str, probe: Trainer, name: str, rates=None) -> Layout:
+def pick_layout(text: str, probe: Trainer, name: str, rates=None, say=print) -> Layout:
     """The layout `--layout` names, checked against `probe`'s model (a Trainer of the
     run's model, config, mesh and TrainSpec, under any layout); `auto`: auto_layout's
     choice for the training loss, weighed at `rates` (`--rates`' text: a hardware name of
     lowering.rates.HARDWARE and/or key=value figures, `lowering.rates.parse`; None:
-    measured on the mesh, cached in the user cache dir), its printout shown. The search
-    plans the step the run takes: with the spec's `grad_accum` N, on microbatches of
-    batch/N rows."""
+    measured on the mesh, cached in the user cache dir), its printout shown by `say`
+    (eval's --quiet: nothing). The search plans the step the run takes: with the spec's
+    `grad_accum` N, on microbatches of batch/N rows."""
     if rates is not None and text != "auto":
         raise UsageError("--rates weighs the candidates of --layout auto; pass --layout auto")
     if rates is not None:
@@ -435,11 +440,11 @@ def pick_layout(text: str, probe: Trainer, name: str, rates=None) -> Layout:
     loss = lambda p, b, k: model.loss(p, b, cfg, k)
     if text == "auto":
         if rates is None:
-            print(f"measuring the rates of {mesh}'s devices (once; cached) ...", flush=True)
+            say(f"measuring the rates of {mesh}'s devices (once; cached) ...", flush=True)
         try:
             found = auto_layout(loss, mesh, params, batch, key, grad_argnums=(0,),
                                 rates=rates, cache_dir=user_cache_dir())  # fmt: skip
-            print(found[1])
+            say(found[1])
         except LayoutError as e:  # (an uneven stage split may fit where no searched one does)
             found = e
         # a stage axis that does not divide a stack: its padded split weighed, as plan does
@@ -449,7 +454,7 @@ def pick_layout(text: str, probe: Trainer, name: str, rates=None) -> Layout:
             # the table above ends in its own "chosen" line: say this one replaces it
             why = ("no searched layout fits" if isinstance(found, LayoutError)
                    else f"faster than the table's {found[0]}")  # fmt: skip
-            print(
+            say(
                 f"chosen instead: {layout} (uneven pipeline stages, padded: {why}), "
                 f"predicted {best.time:.3g} s a step, {best.memory:,} bytes per device"
             )
