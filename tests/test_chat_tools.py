@@ -128,3 +128,18 @@ def test_the_default_template_writes_tools_and_calls_and_learns_the_calls():
     assert tok.decode(ids) == text
     learnt = [c + "<|im_end|>" for r, c in turns if r == "assistant"]
     assert tok.decode(ids[weights > 0]) == "".join(learnt)
+
+
+@pytest.mark.parametrize(
+    "date, want", [("2025-01-02", "02 Jan 2025 00:00"), ("none", "26 Jul 2024")]
+)
+def test_a_runs_date_is_what_strftime_now_renders(date, want):
+    """A training run renders its chat data on the date it records (run.json's
+    chat_date), whatever day it resumes; 'none' as before the sandbox had a clock
+    (Llama 3.x's templates then fall back to their own date)."""
+    source = (
+        '{%- if strftime_now is defined %}{{ strftime_now("%d %b %Y %H:%M") }}'
+        "{%- else %}26 Jul 2024{%- endif %}"
+    )
+    t = chat.Template(source, "a Llama 3.x-style template", date=date)
+    assert chat.render(t, [], False, "x.jsonl:1") == want

@@ -3,6 +3,7 @@
 contradicts the record is refused naming both values unless changing it is meaningful
 (then applied and said in one line), and `--config-file RUN/run.json` repeats the run."""
 
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -60,6 +61,9 @@ def test_run_json_holds_every_setting_but_the_invocations(first):
                                   "recorded None"),
         (["--lora-rank", "4"], "--lora-rank 4 contradicts the run in {out}, which recorded "
                                "None"),
+        # chat templates' strftime_now renders the day the run began, not the resume's
+        (["--chat-date", "2001-02-03"], "--chat-date 2001-02-03 contradicts the run in {out}, "
+                                        f"which recorded {datetime.date.today().isoformat()}"),
     ],
 )  # fmt: skip
 def test_a_flag_that_contradicts_the_record_is_refused_naming_both(first, flags, names, capsys):
@@ -97,3 +101,18 @@ def test_config_file_of_run_json_repeats_the_run(first, tmp_path):
     assert [r["loss"] for r in records(again)] == want  # same seed, data, optimizer: bitwise
     a, b = (json.loads((f / "run.json").read_text()) for f in (first, again))
     assert {k: v for k, v in a.items()} == {k: v for k, v in b.items()}
+
+
+def test_a_run_recorded_before_chat_date_resumes_without_a_clock(first, tmp_path, capsys):
+    """A run.json without `chat_date` rendered its chat templates with no strftime_now:
+    its resume holds that ('none'), not the resume's day."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(first, out)
+    stored = json.loads((out / "run.json").read_text())
+    del stored["chat_date"]
+    (out / "run.json").write_text(json.dumps(stored))
+    code, _, err = run("--out", out, "--resume", "--quiet", "--chat-date", "2001-02-03",
+                       capsys=capsys)  # fmt: skip
+    assert code == 2 and "which recorded none" in err, err

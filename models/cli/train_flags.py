@@ -57,6 +57,21 @@ def parse_betas(text: str) -> tuple[float, ...]:
     return out
 
 
+def parse_chat_date(text: str) -> str:
+    """ "2026-12-06" (ISO) or "none" -> itself: the date chat templates' strftime_now
+    renders for a run's data (models/training/chat.py)."""
+    import datetime
+
+    if text == "none":
+        return text
+    try:
+        return datetime.date.fromisoformat(text).isoformat()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--chat-date {text!r}: expected a date YYYY-MM-DD, or none"
+        ) from None
+
+
 # The schedule of a run from scratch, and of a fine-tune (--init-from): transformers'
 # Trainer's (lr 5e-5, linear decay to 0, no warmup, no weight decay, Adam's betas), as
 # a fine-tune starts from a trained minimum that a from-scratch lr (3e-3) throws away.
@@ -80,6 +95,10 @@ def training_defaults(args: argparse.Namespace) -> None:
             setattr(args, k, v)
     if fine and args.optimizer == "adamw" and args.betas is None:
         args.betas = FINETUNE_ADAMW_BETAS
+    if getattr(args, "chat_date", "none") is None:  # the day the run starts, recorded
+        import datetime
+
+        args.chat_date = datetime.date.today().isoformat()
 
 
 class Range(NamedTuple):
@@ -481,6 +500,15 @@ def parser(prog: str = "python -m models.cli.train") -> Parser:
         choices=["auto", "text", "chat"],  # models.training.data.FORMATS (jax not imported yet)
         help="chat: JSON lines of messages, the loss on the assistant's tokens, "
         "packed (docs/chat.md); auto: chat when the first line has `messages`",
+    )
+    p.add_argument(
+        "--chat-date",
+        type=parse_chat_date,
+        default=None,
+        metavar="YYYY-MM-DD",
+        help="the date chat templates' strftime_now renders (Llama 3.x write it into the "
+        "system turn); none: as if the template had no clock; None: the day the run starts, "
+        "recorded in run.json so that a resume on another day renders the same tokens",
     )
     p.add_argument(
         "--config-file",

@@ -37,7 +37,7 @@ import json
 import re
 from datetime import datetime
 
-from jinja2 import nodes
+from jinja2 import Undefined, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
@@ -245,6 +245,18 @@ def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
 def strftime_now(format: str) -> str:
     """transformers' `strftime_now` global: the local time now, formatted."""
     return datetime.now().strftime(format)
+
+
+def clock(date: str | None) -> dict:
+    """The render context's `strftime_now` for `date`: {} (today's, the global) for None;
+    midnight of an ISO date's day; undefined for "none" (a template's `strftime_now is
+    defined` false, as before the sandbox had it)."""
+    if date is None:
+        return {}
+    if date == "none":
+        return {"strftime_now": Undefined(name="strftime_now")}
+    day = datetime.fromisoformat(date)
+    return {"strftime_now": lambda format: day.strftime(format)}
 
 
 def _formatted(fmt: str, args) -> int:

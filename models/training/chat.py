@@ -179,13 +179,16 @@ class Template(NamedTuple):
     """A chat template, where it is read from (for messages), the special tokens' text
     it renders with, and the texts that end an assistant's turn (the eos token's and
     those of the folder's eos ids: what the template writes after one, a newline before
-    the next turn, is not learnt)."""
+    the next turn, is not learnt), and the date its `strftime_now` renders: an ISO date
+    (a training run's, recorded so that a resume renders the same tokens), "none" (no
+    clock, as before the sandbox had one) or None (today, as transformers renders)."""
 
     source: str
     where: str
     bos: str = ""
     eos: str = ""
     ends: tuple[str, ...] = ()
+    date: str | None = None
 
 
 def template(folder) -> Template:
@@ -227,7 +230,7 @@ def render(t: Template, messages: list[dict], generation: bool, where: str, tool
     try:
         return sandbox.render(
             t.source, messages=messages, add_generation_prompt=generation,
-            bos_token=t.bos, eos_token=t.eos, tools=tools,
+            bos_token=t.bos, eos_token=t.eos, tools=tools, **sandbox.clock(t.date),
         )  # fmt: skip
     except sandbox.TemplateFailure as e:
         raise DataError(f"{where}: {t.where} fails on it: {e}") from None

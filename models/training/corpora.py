@@ -26,10 +26,12 @@ def load(path: str | None = None, flag: str = "--data", text_field: str = "text"
     return data.load_text(path, flag, text_field)
 
 
-def make(text, tokenizer, length: int, objective: str = "lm", valid=None, folder=None):
+def make(text, tokenizer, length: int, objective: str = "lm", valid=None, folder=None,
+         date: str | None = None):  # fmt: skip
     """A data.Corpus of `text` (and `valid`), or of conversations a chat.ChatCorpus,
     rendered with `folder`'s chat template (a tokenizer's folder; None or one without
-    a template: chat.DEFAULT_TEMPLATE)."""
+    a template: chat.DEFAULT_TEMPLATE) on `date` (chat.Template.date)."""
     if any(isinstance(t, chat.Conversations) for t in (text, valid)):
-        return chat.ChatCorpus(text, tokenizer, length, objective, valid, chat.template(folder))
+        t = chat.template(folder)._replace(date=date)
+        return chat.ChatCorpus(text, tokenizer, length, objective, valid, t)
     return data.Corpus(text, tokenizer, length, objective, valid)

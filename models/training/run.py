@@ -55,8 +55,9 @@ CHANGEABLE = ("steps", "data", "val_data", "data_format", "eval_every", "eval_ba
 PATH_FLAGS = ("data", "val_data", "init_from", "tokenizer")  # compared as absolute paths
 # flags whose value a run recorded before the flag existed trained with, where that is
 # not the flag's default: such a run resumes with it (--decay: weight decay fell on
-# every parameter before the default became the matrices alone)
-BEFORE_FLAG = {"decay": "all"}
+# every parameter before the default became the matrices alone; --chat-date: chat
+# templates rendered without strftime_now before it)
+BEFORE_FLAG = {"decay": "all", "chat_date": "none"}
 
 
 class UsageError(Exception):
@@ -137,7 +138,10 @@ def setup(args):
                 f"positions of --init-from {args.init_from}"
             )
         folder = template_folder(args)
-        corpus = corpora.make(text, tokenizer, cfg.length, model.objective, valid or None, folder)
+        corpus = corpora.make(
+            text, tokenizer, cfg.length, model.objective, valid or None, folder,
+            date=getattr(args, "chat_date", None),
+        )  # fmt: skip
     except (data.DataError, config.ConfigError) as e:
         raise UsageError(str(e)) from None
     try:
