@@ -44,7 +44,7 @@ class Read(NamedTuple):
 
 class Made(NamedTuple):
     """What a primitive's backward pass makes inside it at once beside its saves
-    (`backward_working`: a grouped FFN's saves' cotangents and its hidden layer
+    (`backward_working`: a grouped FFN's rows' cotangent and a block's hidden layer
     recomputed), `factor` times the bytes of `v` (its first input). Part of that
     equation's working set, beside its inputs' and outputs' cotangents."""
 
