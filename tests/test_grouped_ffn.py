@@ -238,8 +238,8 @@ def float64_vjp(x, wi, wo, wg, g, r):
 def test_values_and_gradients_equal_float64_numpy_at_any_routing():
     """Values and the four gradients (a random cotangent) against float64 NumPy, 192
     rows in 4 experts (blocks of 128 rows down to 8): at random routings with an expert
-    left empty and a few rows outside, and with every row on one expert (its blocks of
-    128 and 64), one program for all."""
+    left empty and a few rows outside, with every row on one expert (its blocks of 128
+    and 64), and with none inside (the backward's loop skipped), one program for all."""
     rng = np.random.default_rng(1)
     t, d, f, o = 96, 6, 12, 5
     x = rng.normal(size=(t, d)).astype(np.float32)
@@ -259,7 +259,7 @@ def test_values_and_gradients_equal_float64_numpy_at_any_routing():
 
     empty = rng.choice([-1, 0, 1, 3], size=(t, 2), p=[0.05, 0.45, 0.3, 0.2])
     skewed = rng.choice([0, 1, 2, 3, E], size=(t, 2), p=[0.02, 0.02, 0.9, 0.02, 0.04])
-    for g in (empty, skewed, np.full((t, 2), 1)):
+    for g in (empty, skewed, np.full((t, 2), 1), np.full((t, 2), -1)):
         got, grads = both(x, wi, wo, wg, g.astype(np.int32))
         want, wants = float64_vjp(x, wi, wo, wg, g, r)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
