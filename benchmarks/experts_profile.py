@@ -27,9 +27,9 @@ import numpy as np
 from benchmarks import cli, fair
 
 # bucket -> words of an op's HLO op_name that put it there, first match: the experts'
-# kernel runs its two ways as a cond's branches (namedmesh/grouped_slots.py)
+# kernel runs under its named scope (namedmesh/grouped_slots.py's SCOPE)
 BUCKETS = (
-    ("experts' kernel (its cond's branches)", ("cond/branch",)),
+    ("experts' kernel", ("grouped_ffn",)),
     ("top-k, sorts, scatters, gathers", ("top_k", "sort", "scatter", "gather")),
     ("AdamW", ("sqrt", "integer_pow")),
 )

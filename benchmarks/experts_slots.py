@@ -1,12 +1,13 @@
-"""`python -m benchmarks.experts_slots`: the dropless experts' kernel before and after
-issue 40's slots (namedmesh/grouped_slots.py: every group's rows as batched matmuls of
-slots when each group fits in an even share and some slack, else one loop of blocks, the
-whole FFN a block) against transformers, in one process by benchmarks/fair.py's method
-(single-threaded, CPU time, alternated), so that a loaded machine slows every side alike:
+"""`python -m benchmarks.experts_slots`: the dropless experts' kernel
+(namedmesh/grouped_slots.py: the rows sorted by group, one loop of blocks, the whole
+FFN a block; until 2026-12-06 batched matmuls of slots too, when each group fit in an
+even share and some slack) against transformers, in one process by
+benchmarks/fair.py's method (single-threaded, CPU time, alternated), so that a loaded
+machine slows every side alike:
 
 - the experts' FFN (benchmarks/experts_vs_hf.py's sizes and sides: an even random
   load) by the row-loop kernel alone (before: `ffn_rows` of `grouped_rows`, which the
-  expert-parallel route still runs), by the slotted kernel (after) and by transformers'
+  expert-parallel route still runs), by the blocked kernel (after) and by transformers'
   default experts path;
 - Mixtral's training step at the honest tables' small and realistic sizes (benchmarks/
   train_vs_torch.py; its routers load experts unevenly) compiled with each kernel, and
@@ -17,11 +18,12 @@ and each program's compile (lower and compile, CPU seconds) and XLA's temporarie
 first.
 
 With `--uneven`, the FFN's tokens choose their experts as unevenly as Mixtral's routers
-do in the step (`MIXTRAL_LOAD`), so that its loop runs rather than its slots.
+do in the step (`MIXTRAL_LOAD`; a kernel before 2026-12-06 ran its loop there, not its
+slots).
 
 With `--before REF` (a git revision), the kernel as committed at REF
 (namedmesh/grouped_slots.py read by `git show`) takes the loops' place: the same
-tables of a change to the slots kernel against the kernel before it.
+tables of a change to the kernel against the kernel before it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def loop_kernel():
 
     module = sys.modules["namedmesh.grouped_ffn"]
     loops = lambda act, x, g, wi, wo, wg: module.ffn_rows(grouped_rows, act, x, g, wi, wo, wg)  # noqa: E731
-    return mock.patch.object(module, "slotted_ffn", loops)
+    return mock.patch.object(module, "blocked_ffn", loops)
 
 
 def kernel_at(ref: str):
@@ -62,10 +64,12 @@ def kernel_at(ref: str):
     kernel = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernel)
     module = sys.modules["namedmesh.grouped_ffn"]
-    return lambda: mock.patch.object(module, "slotted_ffn", kernel.slotted_ffn)
+    # the kernel's entry was `slotted_ffn` until its slots were dropped (2026-12-06)
+    entry = getattr(kernel, "blocked_ffn", None) or kernel.slotted_ffn
+    return lambda: mock.patch.object(module, "blocked_ffn", entry)
 
 
-KERNELS = {"loops (before)": loop_kernel, "slots (after)": contextlib.nullcontext}
+KERNELS = {"loops (before)": loop_kernel, "blocks (after)": contextlib.nullcontext}
 
 
 def kernels():
@@ -191,7 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-step", action="store_true", help="the experts' FFN tables only")
     p.add_argument("--no-ffn", action="store_true", help="the training steps only")
     p.add_argument("--uneven", action="store_true", help="the FFN under Mixtral's load")
-    p.add_argument("--before", metavar="REF", help="the slots kernel at git revision REF "
+    p.add_argument("--before", metavar="REF", help="the kernel at git revision REF "
                    "in the loops' place")  # fmt: skip
     args = p.parse_args(argv)
     if args.before:
@@ -200,8 +204,8 @@ def main(argv=None) -> int:
         except subprocess.CalledProcessError as e:
             p.error(f"--before {args.before}: {e.stderr.strip().splitlines()[-1]}")
         KERNELS.clear()
-        KERNELS.update({f"slots at {args.before}": before_kernel,
-                        "slots (this tree)": contextlib.nullcontext})  # fmt: skip
+        KERNELS.update({f"kernel at {args.before}": before_kernel,
+                        "kernel (this tree)": contextlib.nullcontext})  # fmt: skip
     threads = fair.single_threaded()
     from benchmarks import honest, stack
 

@@ -62,7 +62,7 @@ class Made(NamedTuple):
     the inputs and params giving that factor (`backward_saves`, `backward_working`,
     `forward_working`: a grouped FFN's sorted rows and products), found at the shapes
     its local op runs on where the plan says them (`_sizer`): a kernel's buffers are
-    rounded up per device (the grouped FFN's slots: 224 rows for 128, 2336 for 2048)."""
+    rounded up per device (the grouped FFN's rows to its blocks)."""
 
     factor: float | object
     v: object

@@ -6,12 +6,11 @@ picked by its integer group:
 the composition of `grouped_matmul`s it states, as one primitive so that a lowering
 moves each row to its group's device once for the whole FFN (its hidden layer never
 leaves that device: lowering/rules/grouped.py), where three grouped matmuls would move
-it there and back three times. jax computes it with the rows sorted by group once:
-as batched matmuls of each group's slots when every group fits in an even share and
-some slack, else by one loop over each group's rows in blocks, the whole FFN a block
+it there and back three times. jax computes it with the rows sorted by group once,
+then one loop over each group's rows in blocks, the whole FFN a block
 (namedmesh/grouped_slots.py); a few rows (a decoding step's) by the row kernel
 (`grouped_rows`); each product in the promoted dtype as the composition computes it;
-the gradient written out (a custom vjp) by the same two ways.
+the gradient written out (a custom vjp) by the same blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import numpy as np
 
 from namedmesh.errors import DtypeError, ParameterError, ShapeError, fmt_dims
 from namedmesh.grouped import as_groups, as_rows, grouped_aval, grouped_rows, grouped_rows_np, roles
-from namedmesh.grouped_slots import saved_rows, slotted_ffn
+from namedmesh.grouped_slots import blocked_ffn, loop_blocks, saved_rows
 from namedmesh.primitive import REGISTRY, Aval, Cost, bind, is_inexact, primitive, result_dtype
 from namedmesh.tensor import Tensor
 
@@ -114,7 +113,7 @@ def _ffn_jax(x, wi, wo, group, *wg, dim, dims, activation):
     act = ACTIVATIONS[activation][1]
     if 2 * x.shape[0] <= wi.shape[0]:  # a decoding step's few rows: each its own weights
         return ffn_rows(grouped_rows, act, x, g, wi, wo, wg).reshape(shape)
-    return slotted_ffn(act, x, g, wi, wo, wg).reshape(shape)
+    return blocked_ffn(act, x, g, wi, wo, wg).reshape(shape)
 
 
 def _ffn_cost(in_avals, out_avals, params) -> Cost:
@@ -133,7 +132,7 @@ def _ffn_cost(in_avals, out_avals, params) -> Cost:
 def _hidden_saves(ins, params) -> float:
     """What the kernel's backward pass keeps besides the inputs, in x's sizes: the rows
     sorted by group (a row per group element: a token's k choices) and the hidden
-    layer's products (x wi, and x wg gated), each as slots or as sorted rows and a block
+    layer's products (x wi, and x wg gated), each as sorted rows and a smallest block
     after them (`grouped_slots.saved_rows`); the activation and its input to wo are
     recomputed from the products. (A decoding step's few rows take the row kernel,
     whose saves are as small.)"""
@@ -145,28 +144,37 @@ def _hidden_saves(ins, params) -> float:
 
 
 def _backward_working(ins, params) -> float:
-    """What the kernel's backward pass holds beside its saves, in x's sizes: a
-    cotangent of each (the sorted rows' and the products') and the hidden layer
-    recomputed from the products (the activation, and its product with the gate
-    gated). Against XLA's temporaries of the kernel's gradient beyond the saves
-    (jax.grad of `grouped_slots.slotted_ffn` on XLA:CPU), this counts 792 KiB where XLA
-    holds 704 (256 rows, gated, d_model 64, hidden 128, 4 groups), 2352 where 2352
-    (1024 rows, 8 groups, hidden 96), 440 where 352 (256 rows, ungated), 420 where 540
-    (512 rows all in one group: the loop's way)."""
-    x, wi, _, group, *wg = ins
-    _, hidden = roles(x.dims, wi.dims, params["dim"])
-    f = math.prod(wi.shape[wi.dims.index(d)] for d in hidden)
-    rows = saved_rows(math.prod(group.shape), wi.shape[wi.dims.index(params["dim"])])
-    return _hidden_saves(ins, params) + rows * f * (1 + len(wg)) / max(math.prod(x.shape), 1)
+    """What the kernel's backward pass holds beside its saves, in x's sizes: the sorted
+    rows' cotangent (n rows of the wider of x and the output), a largest block's
+    masked slices of the rows, the output's cotangent and the products, its activation
+    recomputed and that's cotangent (2 hidden rows a row), and one group's weights
+    sliced and their float32 gradient accumulators (`grouped_slots._loop_backward`).
+    Against XLA's temporaries of the kernel's gradient (jax.grad of
+    `grouped_slots.blocked_ffn` on XLA:CPU, less the saves) this and the saves count
+    1.01-1.12 of what XLA holds over 13 shapes (256 to 4096 rows, 2 to 16 groups,
+    hidden 64 to 1024, gated or not): 1.02 at 256 rows, gated, d_model 64, hidden 128,
+    4 groups; 1.08 at 1024 rows, 8 groups, hidden 96; 1.05 at the realistic size (4096
+    rows, d_model 512, hidden 1024, 8 groups)."""
+    x, wi, wo, group, *wg = ins
+    dim = params["dim"]
+    contracted, hidden = roles(x.dims, wi.dims, dim)
+    c, f = (math.prod(wi.shape[wi.dims.index(d)] for d in ds) for ds in (contracted, hidden))
+    groups, n = wi.shape[wi.dims.index(dim)], math.prod(group.shape)
+    o = math.prod(wo.shape) // max(groups * f, 1)
+    k = 1 + len(wg)
+    block = loop_blocks(n, groups)[0]
+    rows = saved_rows(n, groups) * max(c, o) + block * (c + o + k * f + 2 * f)
+    return (rows + 2 * (k * c * f + f * o)) / max(math.prod(x.shape), 1)
 
 
 def _forward_working(ins, params) -> float:
     """What the kernel's forward holds beside its inputs, output and saves, in x's
     sizes: the sorted rows' output before they are put back in the rows' order, and
     the hidden layer's products as made, before they are copied into the saved
-    buffers. Live at XLA:CPU's peak of the kernel's forward alone (jax.vjp of
-    `grouped_slots.slotted_ffn`, 128 rows in 4 groups, gated, 64 wide: 224 saved
-    rows): the slots' output dot, 224 x 64, and the products' dot, 2 x 224 x 64."""
+    buffers. Live at XLA:CPU's peak of the kernel's forward alone (jax.vjp of the
+    slots kernel this module ran before the loop of blocks replaced it, 128 rows in 4
+    groups, gated, 64 wide: 224 saved rows): the output dot, 224 x 64, and the
+    products' dot, 2 x 224 x 64."""
     x, wi, wo, group, *wg = ins
     _, hidden = roles(x.dims, wi.dims, params["dim"])
     f = math.prod(wi.shape[wi.dims.index(d)] for d in hidden)
@@ -186,7 +194,7 @@ _grouped_ffn = primitive(
     # its backward pass reads its inputs and saves its sorted rows and products (`_hidden_saves`)
     backward_reads="inputs",
     backward_saves=lambda ins, params: _hidden_saves(ins, params),
-    # and beside them, the saves' cotangents and the hidden layer recomputed
+    # and beside them, the rows' cotangent, a block's slices and hidden layer, a group's weights
     backward_working=lambda ins, params: _backward_working(ins, params),
     # and in its forward, its sorted output and products as made (`_forward_working`)
     forward_working=lambda ins, params: _forward_working(ins, params),

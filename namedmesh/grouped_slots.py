@@ -1,41 +1,30 @@
 """The grouped FFN's jax kernel (`nm.grouped_ffn`), dropless and exact whatever the
-load, its rows sorted by group once, in one of two ways chosen at run time (a cond):
+load: its rows sorted by group once, then one loop over each group's sorted rows in
+blocks (`loop_blocks`, `over_group`: its row count's binary digits, up to 1024 rows a
+block), the whole FFN a block, each weight sliced once per group. The work is the
+rows' and, per group, fewer than a smallest block's rows past them, whatever the load.
 
-- every group within `cap` rows (an even share m of the rows and 3 sqrt(m), rounded up
-  to 8: `slot_capacity`): the rows gathered into a (groups, cap, c) buffer of slots,
-  the whole FFN as batched matmuls (XLA's plain dots, forward and backward);
-- else (an uneven load, or at most half the rows inside: an expert-split shard): the
-  sorted rows by one loop over each group's blocks (`loop_blocks`, `over_group`: its
-  row count's binary digits, up to 1024 rows a block), the whole FFN a block, each
-  weight sliced once per group.
+Until 2026-12-06 an even load ran another way, chosen at run time by a cond: every
+group's rows gathered into slots of an even share and 3 sqrt(share), as batched
+matmuls. The slots' slack (4,672 slots for 4,096 rows at the realistic size) cost more
+than the loop's blocks by then, so the loop alone runs (docs/benchmarks.md, "MoE
+experts' path (issue 40)").
 
-Its gradient is written out (a custom vjp) rather than jax's of the composition, for
-what that cost (docs/benchmarks.md, "MoE experts' path (issue 40)"): jax's gradient of
-a cond makes every residual of either branch an output of both (zero-filled when not
-taken), and a row loop's gradient is loops of its own. Here both ways save the same
-three buffers (the rows and the hidden layer's products, as slots or as sorted rows),
-and the backward takes the forward's way. The work is the rows' (and the slots' slack,
-or each group's last block's) whatever the load.
+Its gradient is written out (a custom vjp) rather than jax's of the composition: a row
+loop's gradient by jax is loops of its own, each block's residuals stacked. Here the
+forward saves the sorted rows and the hidden layer's products, and the backward runs
+the forward's blocks again, recomputing each block's activation from its products.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from namedmesh.contract import varying_axes
 from namedmesh.grouped import over_blocks, rows_at
-
-
-def slot_capacity(rows: int, groups: int) -> int:
-    """Slots per group: an even share m of `rows` and 3 sqrt(m) (an even random load's
-    busiest group stays within that with probability about 0.999 per group), rounded
-    up to 8, and no more than the rows."""
-    m = rows / groups
-    return min(max(8, math.ceil((m + 3 * math.sqrt(m)) / 8) * 8), math.ceil(rows / 8) * 8)
 
 
 def loop_blocks(rows: int, groups: int, top: int = 1024) -> tuple[int, ...]:
@@ -59,27 +48,31 @@ def over_group(blocks, first, count, body, carry):
     return over_blocks(blocks, first, count, body, carry)
 
 
-def sorted_slots(g, groups: int, cap: int):
-    """(order: the rows sorted by group, those outside [0, groups) last; each group's
-    first sorted row and row count; src (groups x cap): each slot's row, `rows` for an
-    empty slot; at (rows,): each row's slot, or groups x cap for a row outside or past
-    its group's capacity; rank (rows,): each row's sorted place)."""
-    n = g.shape[0]
-    inside = (g >= 0) & (g < groups)
-    key = jnp.where(inside, g, groups)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    count = jnp.zeros(groups + 1, jnp.int32).at[key].add(1)[:groups]
-    first = jnp.cumsum(count) - count
-    j = jnp.arange(cap, dtype=jnp.int32)
-    filled = j[None, :] < count[:, None]
-    src = jnp.where(filled, jnp.take(order, jnp.minimum(first[:, None] + j, n - 1)), n)
-    rank = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    place = jnp.where(inside, rank - jnp.take(first, jnp.minimum(key, groups - 1)), -1)
-    at = jnp.where(inside & (place < cap), key * cap + place, groups * cap)
-    return order, first, count, src.reshape(-1), at, rank
+class Plan:
+    """The rows sorted by group: `order` (those outside [0, groups) last), each group's
+    `first` sorted row and row `count`, each row's sorted place `rank`, and which rows
+    are `inside` a group."""
+
+    def __init__(self, g, groups: int):
+        self.inside = (g >= 0) & (g < groups)
+        key = jnp.where(self.inside, g, groups)
+        self.order = jnp.argsort(key, stable=True).astype(jnp.int32)
+        self.count = jnp.zeros(groups + 1, jnp.int32).at[key].add(1)[:groups]
+        self.first = jnp.cumsum(self.count) - self.count
+        n = g.shape[0]
+        self.rank = jnp.zeros(n, jnp.int32).at[self.order].set(jnp.arange(n, dtype=jnp.int32))
+
+    def tree(self):
+        return (self.order, self.first, self.count, self.rank, self.inside)
+
+    @classmethod
+    def of(cls, tree):
+        plan = cls.__new__(cls)
+        plan.order, plan.first, plan.count, plan.rank, plan.inside = tree
+        return plan
 
 
-def slotted_ffn(act, x, g, wi, wo, wg=None):
+def blocked_ffn(act, x, g, wi, wo, wg=None):
     """The FFN of rows x (n, c) by their groups g (n,): act(x @ wi[g]) (* x @ wg[g]) @
     wo[g], zero for a group outside [0, groups); weights (groups, in, out). Inside
     shard_map every operand is cast to vary where any does first: the custom vjp's
@@ -87,36 +80,12 @@ def slotted_ffn(act, x, g, wi, wo, wg=None):
     invariant over (the cast's transpose)."""
     ws = (x, wi, wo) + (() if wg is None else (wg,))
     ws = tuple(_like(a, *ws, g) for a in ws)
-    n, groups = x.shape[0], wi.shape[0]
-    return _ffn(act, (slot_capacity(n, groups), loop_blocks(n, groups)), g, *ws)
-
-
-class Plan:
-    """Where each row goes (`sorted_slots`) and which way runs: `slots`, when every
-    group is within its slots and more than half the rows are inside."""
-
-    def __init__(self, g, groups: int, cap: int):
-        self.order, self.first, self.count, self.src, self.at, self.rank = sorted_slots(
-            g, groups, cap
-        )
-        self.slots = jnp.all(self.count <= cap) & (2 * jnp.sum(self.count) > g.shape[0])
-        self.inside = (g >= 0) & (g < groups)
-
-    def tree(self):
-        return (self.order, self.first, self.count, self.src, self.at, self.rank, self.slots,
-                self.inside)  # fmt: skip
-
-    @classmethod
-    def of(cls, tree):
-        plan = cls.__new__(cls)
-        (plan.order, plan.first, plan.count, plan.src, plan.at, plan.rank, plan.slots,
-         plan.inside) = tree  # fmt: skip
-        return plan
+    return _ffn(act, loop_blocks(x.shape[0], wi.shape[0]), g, *ws)
 
 
 def _like(a, *like):
     """`a` varying over every mesh axis any of `like` varies over (inside shard_map: a
-    loop's carry and a cond's branches must agree with the results)."""
+    loop's carry must agree with its body's results)."""
     vary = tuple(set().union(*(varying_axes(b) for b in like)) - varying_axes(a))
     return jax.lax.pcast(a, vary, to="varying") if vary else a
 
@@ -136,11 +105,6 @@ def _mm(spec, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=_accumulator(a.dtype)).astype(a.dtype)
 
 
-def _gather(a, rows):
-    """a's `rows`; an index past the last row gives a zero row."""
-    return jnp.take(jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)]), rows, axis=0)
-
-
 def _products(spec, rows, wi, wg):
     """The hidden layer's products: (x wi,) or (x wi, x wg)."""
     return tuple(_mm(spec, rows, w) for w in (wi, *wg))
@@ -153,15 +117,10 @@ def _hidden(act, products):
 
 def saved_rows(rows: int, groups: int) -> int:
     """Rows of each buffer the kernel's backward pass keeps for `rows` rows in `groups`
-    groups (the rows themselves and the hidden layer's products: `_ffn_forward`)."""
-    return _saved_rows(rows, groups, slot_capacity(rows, groups), loop_blocks(rows, groups))
-
-
-def _saved_rows(n: int, groups: int, cap: int, blocks) -> int:
-    """Rows of the saved buffers, which hold either way's: the slots, or the sorted rows
-    and a smallest block after them (a group's last block reaches past its rows by
-    less: `over_group`)."""
-    return max(groups * cap, n + blocks[-1])
+    groups (the sorted rows themselves and the hidden layer's products): the rows and a
+    smallest block after them (a group's last block reaches past its rows by less:
+    `over_group`)."""
+    return rows + loop_blocks(rows, groups)[-1]
 
 
 def _padded(a, rows: int):
@@ -169,8 +128,8 @@ def _padded(a, rows: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ffn(act, sizes, g, x, wi, wo, *wg):
-    return _ffn_forward(act, sizes, g, x, wi, wo, *wg)[0]
+def _ffn(act, blocks, g, x, wi, wo, *wg):
+    return _ffn_forward(act, blocks, g, x, wi, wo, *wg)[0]
 
 
 # the kernel's ops carry this name in their HLO metadata (a profile's buckets:
@@ -179,23 +138,10 @@ SCOPE = "grouped_ffn"
 
 
 @jax.named_scope(SCOPE)
-def _ffn_forward(act, sizes, g, x, wi, wo, *wg):
-    (cap, blocks), (n, c), groups = sizes, x.shape, wi.shape[0]
-    plan, rows = Plan(g, groups, cap), _saved_rows(n, groups, cap, blocks)
-
-    def slotted(x, wi, wo, *wg):
-        slots = _gather(x, plan.src).reshape(groups, cap, c)
-        products = _products("gsc,gcf->gsf", slots, wi, wg)
-        out = _mm("gsf,gfo->gso", _hidden(act, products), wo).reshape(groups * cap, -1)
-        saved = (slots, *products)
-        return _gather(out, plan.at), *(_padded(a.reshape(groups * cap, -1), rows) for a in saved)
-
-    def looped(x, wi, wo, *wg):
-        ys, saved = _loop_forward(act, plan, blocks, rows, x, wi, wo, *wg)
-        return _unsorted(ys, plan), *saved
-
-    y, *saved = jax.lax.cond(plan.slots, slotted, looped, x, wi, wo, *wg)
-    return y, (plan.tree(), wi, wo, wg, saved)
+def _ffn_forward(act, blocks, g, x, wi, wo, *wg):
+    plan = Plan(g, wi.shape[0])
+    ys, saved = _loop_forward(act, plan, blocks, x.shape[0] + blocks[-1], x, wi, wo, *wg)
+    return _unsorted(ys, plan), (plan.tree(), wi, wo, wg, saved)
 
 
 def _unsorted(ys, plan):
@@ -204,27 +150,24 @@ def _unsorted(ys, plan):
 
 
 @jax.named_scope(SCOPE)
-def _ffn_backward(act, sizes, res, dy):
-    (cap, blocks), (tree, wi, wo, wg, saved) = sizes, res
-    plan, o, (groups, c) = Plan.of(tree), dy.shape[1], wi.shape[:2]
+def _ffn_backward(act, blocks, res, dy):
+    """The loop's gradient, under a cond that skips it when no row is inside a group (an
+    expert-split shard's): the cond's branch also bounds the loop's buffers' lifetimes,
+    which XLA:CPU otherwise stretches (Mixtral's realistic step held 745 MB of
+    temporaries without it, 580 with it: docs/benchmarks.md, "MoE experts' path")."""
+    tree, wi, wo, wg, saved = res
+    plan = Plan.of(tree)
 
-    def slotted(dy, wi, wo, *wg):
-        slots, *products = (a[: groups * cap].reshape(groups, cap, -1) for a in saved)
-        dout = _gather(dy, plan.src).reshape(groups, cap, o)
-        h, pull = jax.vjp(functools.partial(_hidden, act), tuple(products))
-        dwo = _mm("gsf,gso->gfo", h, dout)
-        (dproducts,) = pull(_mm("gso,gfo->gsf", dout, wo))
-        dslots = sum(_mm("gsf,gcf->gsc", d, w) for d, w in zip(dproducts, (wi, *wg), strict=True))
-        dws = tuple(_mm("gsc,gsf->gcf", slots, d) for d in dproducts)
-        dx = _gather(dslots.reshape(groups * cap, c), plan.at)
-        return dx, dws[0], dwo, *dws[1:]
-
-    def looped(dy, wi, wo, *wg):
+    def loop(dy, wi, wo, *wg):
         dxs, dws = _loop_backward(act, plan, blocks, saved, dy, wi, wo, *wg)
         return _unsorted(dxs, plan), *dws
 
-    grads = jax.lax.cond(plan.slots, slotted, looped, dy, wi, wo, *wg)
-    return (None, *grads)
+    def none(dy, wi, wo, *wg):
+        like = (dy, wi, wo, *wg, *saved, *tree)
+        x = (dy.shape[0], saved[0].shape[1])
+        return _zeros(x, dy.dtype, *like), *(_zeros(w.shape, w.dtype, *like) for w in (wi, wo, *wg))
+
+    return (None, *jax.lax.cond(jnp.any(plan.inside), loop, none, dy, wi, wo, *wg))
 
 
 _ffn.defvjp(_ffn_forward, _ffn_backward)

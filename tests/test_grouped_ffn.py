@@ -1,11 +1,10 @@
 """`nm.grouped_ffn`, a mixture of experts' whole expert FFN as one op, equals a float64
 NumPy statement of it row by row (every activation, gated or not, groups outside the
-range giving zero rows, one expert's rows past jax's slots for it), in NumPy, jax and
-bfloat16; its gradients are the dense one-hot statement's at any load (every choice on
-one expert too); names its errors; and lowered on 8
-devices, with the experts split where the rows are (each row routed to its expert's
-device once) or not, and the hidden layer split, gives NumPy's values and the
-gradients of a dense one-hot statement."""
+range giving zero rows, one expert holding most rows), in NumPy, jax and bfloat16; its
+gradients are the dense one-hot statement's at any load (every choice on one expert
+too); names its errors; and lowered on 8 devices, with the experts split where the rows
+are (each row routed to its expert's device once) or not, and the hidden layer split,
+gives NumPy's values and the gradients of a dense one-hot statement."""
 
 import contextlib
 import functools
@@ -26,8 +25,8 @@ X = R.normal(size=(8, 3, 5)).astype(np.float32)  # (t, s, d): 24 tokens
 WI = R.normal(size=(E, 5, 8)).astype(np.float32) * 0.5  # (experts, d, f)
 WG = R.normal(size=(E, 8, 5)).astype(np.float32) * 0.5  # (experts, f, d): wi's dims reordered
 WO = R.normal(size=(E, 8, 3)).astype(np.float32) * 0.5  # (experts, f, o)
-# (t, s, k); -1 and E: zero rows; expert 1 has more rows than jax's kernel has slots
-# for it (an even share and its slack: namedmesh/grouped_slots.py), so they run both ways
+# (t, s, k); -1 and E: zero rows; expert 1 holds most rows (several of the kernel's
+# blocks: namedmesh/grouped_slots.py), expert 2 few
 G = R.choice([-1, 0, 1, 2, 3, 4], size=(8, 3, 2), p=[0.05, 0.1, 0.6, 0.05, 0.15, 0.05])
 G = G.astype(np.int32)
 ACTS = {
@@ -79,7 +78,7 @@ def test_equals_a_float64_statement_row_by_row():
 def test_bfloat16_is_the_grouped_matmuls_it_states():
     """In bfloat16 each product is summed in float32 and rounded, as the grouped matmuls
     and the activation it stands for compute it: equal to their composition, bit for bit,
-    by jax's loop (G) and by its slots (G_EVEN)."""
+    at an uneven load (G) and an even one (G_EVEN)."""
 
     def both(x, wi, wo, wg, g):
         got = named(x, wi, wo, g, wg)
@@ -114,9 +113,9 @@ def dense_loss(x, wi, wo, wg, g):
     return jnp.sum(jnp.sin(jnp.einsum("tske,tsef,efo->tsko", onehot, h, wo)))
 
 
-# G runs jax's loop of blocks (expert 1 past its slots); G_EVEN its slots (every expert
-# within them, a fifth of the rows outside); test_gradients_at_any_load also puts every
-# choice on expert 2 but a few outside the range: the load no even share bounds
+# G: an uneven load (expert 1 most rows); G_EVEN an even one (a fifth of the rows
+# outside); test_gradients_at_any_load also puts every choice on expert 2 but a few
+# outside the range
 G_EVEN = (np.arange(G.size) % 5 - 1).reshape(G.shape).astype(np.int32)
 dense_value_and_grads = jax.jit(jax.value_and_grad(dense_loss, (0, 1, 2, 3)))
 
@@ -128,10 +127,9 @@ def dense_grads():
 
 def test_gradients_at_any_load():
     """On one device, the value and gradients of the dense one-hot statement's, 512 rows
-    (one program): by the slots (an even load), by the loop (every choice on one
-    expert), and by the loop at G's uneven load, each group's rows in blocks of 512 down
-    to 16 rows by its count's binary digits (grouped_slots.loop_blocks; 48 rows would be
-    blocks of 8 only)."""
+    (one program): at an even load, with every choice on one expert, and at G's uneven
+    load, each group's rows in blocks of 512 down to 16 rows by its count's binary
+    digits (grouped_slots.loop_blocks; 48 rows would be blocks of 8 only)."""
     loss = lambda x, wi, wo, wg, g: jnp.sum(jnp.sin(named(x, wi, wo, g, wg).data))  # noqa: E731
     grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
     x = R.normal(size=(64, 4, 5)).astype(np.float32) * 0.5
@@ -211,3 +209,59 @@ def test_the_memory_estimate_counts_what_the_kernel_saves(gated):
         ins, {"dim": "experts", "activation": "silu"}
     )
     assert kept == pytest.approx(declared * X.size), out.getvalue()
+
+
+def float64_vjp(x, wi, wo, wg, g, r):
+    """NumPy float64: out = (silu(x wi[e]) * x wg[e]) wo[e] for each row's choices e (zero
+    outside [0, groups)) and, for the cotangent r of out, the gradients of x and the
+    three weights, each choice's product's by hand."""
+    x, wi, wo, wg, r = (a.astype(np.float64) for a in (x, wi, wo, wg, r))
+    out = np.zeros(g.shape + wo.shape[-1:])
+    dx, dwi, dwo, dwg = (np.zeros_like(a) for a in (x, wi, wo, wg))
+    for t, k in np.ndindex(g.shape):
+        e = g[t, k]
+        if not 0 <= e < wi.shape[0]:
+            continue
+        a, b = x[t] @ wi[e], x[t] @ wg[e]
+        s = 1 / (1 + np.exp(-a))
+        h = a * s * b
+        out[t, k] = h @ wo[e]
+        dh = wo[e] @ r[t, k]
+        da, db = dh * b * s * (1 + a * (1 - s)), dh * a * s
+        dx[t] += wi[e] @ da + wg[e] @ db
+        dwi[e] += np.outer(x[t], da)
+        dwg[e] += np.outer(x[t], db)
+        dwo[e] += np.outer(h, r[t, k])
+    return out, (dx, dwi, dwo, dwg)
+
+
+def test_values_and_gradients_equal_float64_numpy_at_any_routing():
+    """Values and the four gradients (a random cotangent) against float64 NumPy, 192
+    rows in 4 experts (blocks of 128 rows down to 8): at random routings with an expert
+    left empty and a few rows outside, with every row on one expert (its blocks of 128
+    and 64), and with none inside (the backward's loop skipped), one program for all."""
+    rng = np.random.default_rng(1)
+    t, d, f, o = 96, 6, 12, 5
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    wi, wg = (rng.normal(size=(E, d, f)).astype(np.float32) * 0.4 for _ in range(2))
+    wo = rng.normal(size=(E, f, o)).astype(np.float32) * 0.4
+    r = rng.normal(size=(t, 2, o)).astype(np.float32)
+
+    def ffn(x, wi, wo, wg, g):
+        dims = ("t d", "experts d f", "experts f o", "t k", "experts d f")
+        named = (nm.tensor(a, n) for a, n in zip((x, wi, wo, g, wg), dims, strict=True))
+        return nm.grouped_ffn(*named, activation="silu").data
+
+    @jax.jit
+    def both(x, wi, wo, wg, g):
+        out, pull = jax.vjp(lambda *w: ffn(*w, g), x, wi, wo, wg)
+        return out, pull(r)
+
+    empty = rng.choice([-1, 0, 1, 3], size=(t, 2), p=[0.05, 0.45, 0.3, 0.2])
+    skewed = rng.choice([0, 1, 2, 3, E], size=(t, 2), p=[0.02, 0.02, 0.9, 0.02, 0.04])
+    for g in (empty, skewed, np.full((t, 2), 1), np.full((t, 2), -1)):
+        got, grads = both(x, wi, wo, wg, g.astype(np.int32))
+        want, wants = float64_vjp(x, wi, wo, wg, g, r)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        for name, a, b in zip(("x", "wi", "wo", "wg"), grads, wants, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)

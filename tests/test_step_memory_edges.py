@@ -74,8 +74,8 @@ def test_the_parameters_and_optimizer_parts_are_the_states_bytes(measured):
 @pytest.mark.parametrize("rows, hidden, groups", [(256, 128, 4), (1024, 96, 8)])
 def test_a_grouped_ffns_backward_bytes_are_what_xla_holds_for_its_gradient(rows, hidden, groups):
     """The grouped FFN's declared saves and backward working set (lowering.memory.Made),
-    in x's sizes, against XLA's temporaries of the kernel's gradient alone (gated, every
-    group within its slots): never under them, at most 10% over."""
+    in x's sizes, against XLA's temporaries of the kernel's gradient alone (gated, an even
+    load): never under them, at most 10% over."""
     import jax
     import jax.numpy as jnp
     import numpy as np
