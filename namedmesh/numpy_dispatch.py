@@ -162,6 +162,8 @@ def apply_function(func, args, kwargs):
         return fn(x, axis, **ddof) if axis is not None or target == "squeeze" else fn(x, **ddof)
     if name == "transpose" and "axes" in kwargs:
         args = (*args, kwargs.pop("axes"))
+    if target == "round" and "decimals" in kwargs:  # np.round(t, decimals=2)
+        args = (*args, kwargs.pop("decimals"))
     if kwargs:
         raise NumPyDispatchError(f"np.{name} on a Tensor: nm.{target} takes no {sorted(kwargs)}")
     if name == "transpose":
