@@ -169,10 +169,13 @@ def _scaled(shape, dim: int, by: float) -> tuple[int, ...]:
     return tuple(int(n * by) if i == dim else n for i, n in enumerate(shape))
 
 
-def _kept(xs, mesh, axes=(), **_):
-    """Shape and dtype kept, varying as before (a permute)."""
+def _permuted(xs, mesh, axes=(), **_):
+    """Shape and dtype kept, varying over `axes` even where `x` is not: each device
+    receives another's block (jax types a ppermute's result so; a block made alike on
+    every device, as `nm.full` over a split dim is, typed invariant, gave a PlanMismatch
+    and without the check a raw ValueError of a pcast to varying)."""
     (x,) = xs
-    return Local(x.shape, x.dtype, x.vma)
+    return Local(x.shape, x.dtype, x.vma | set(axes))
 
 
 def _reduced(xs, mesh, axes, **_):
@@ -310,7 +313,7 @@ OPS: dict[str, Op] = {
     # all_to_all (rows, their groups, results), which the rule logs
     "routed": Op(_given, routed),
     "ppermute": Op(
-        _kept, ppermute, _as_is, "collective-permute", _as_is, groups=False,
+        _permuted, ppermute, _as_is, "collective-permute", _as_is, groups=False,
         backward=("ppermute", _as_is),
         measure=lambda x, k: ppermute(x, _ALL, _ring(k), {"all": k}),
     ),

@@ -24,7 +24,7 @@ import numpy as np
 from namedmesh import flash
 from namedmesh.checks import boolean, integer
 from namedmesh.contract import custom_gradients
-from namedmesh.errors import ArgumentError, ParameterError, ShapeError
+from namedmesh.errors import ArgumentError, ParameterError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
 from namedmesh.structural import rename
 from namedmesh.tensor import Tensor
@@ -98,7 +98,8 @@ def _arrange(xp, q, k, v, bias, dims, names):
     ka, va = (
         xp.transpose(x, [k_dims.index(d) for d in (memory, *shared, features)]) for x in (k, v)
     )
-    ka, va = (x.reshape(1, x.shape[0], -1, x.shape[-1]) for x in (ka, va))
+    # the heads counted, not -1: a reshape cannot infer a dim where another is empty
+    ka, va = (x.reshape(1, x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1]) for x in (ka, va))
     ba = None
     if bias is not None:
         axes = (*qo, length, memory)
@@ -332,6 +333,11 @@ def dot_product_attention(
     causal = boolean(name, "causal", causal)
     window = integer(name, "window", window, 0)
     names = _names(length, memory, features)
+    if k.sizes.get(memory) == 0:  # (NumPy: a bare ValueError)
+        raise ShapeError(
+            f"{name}: the keys {fmt_dims(k.dims, k.shape)} have no position along {memory!r}, "
+            "and a softmax over no keys has no value"
+        )
     args = (q, k, v) if bias is None else (q, k, v, bias)
     dims = (tuple(q.dims), tuple(k.dims), () if bias is None else tuple(bias.dims))
     return bind(
