@@ -151,7 +151,7 @@ def apply_function(func, args, kwargs):
         axis = kwargs.pop("axis") if "axis" in kwargs else rest.pop(0) if rest else None
         names_not_positions(axis, f"np.{name}(axis=...) on a Tensor", x.dims)
         ddof = {"ddof": kwargs.pop("ddof")} if "ddof" in kwargs and target in ("var", "std") else {}
-        extra = [k for k, v in kwargs.items() if v is not None]
+        extra = [k for k, v in kwargs.items() if v is not None and (k, v) != ("keepdims", False)]
         if rest or extra:
             raise NumPyDispatchError(
                 f"np.{name} on a Tensor takes only `axis` (dim names), as nm.{target} does; "
@@ -164,6 +164,8 @@ def apply_function(func, args, kwargs):
         args = (*args, kwargs.pop("axes"))
     if target == "round" and "decimals" in kwargs:  # np.round(t, decimals=2)
         args = (*args, kwargs.pop("decimals"))
+    if target == "clip":  # np.clip(t, a_min=0, a_max=1), NumPy 2's min=, max=
+        args = _clip_bounds(args, kwargs)
     if kwargs:
         raise NumPyDispatchError(f"np.{name} on a Tensor: nm.{target} takes no {sorted(kwargs)}")
     if name == "transpose":
@@ -172,3 +174,17 @@ def apply_function(func, args, kwargs):
         names_not_positions(axes, "np.transpose on a Tensor", x.dims)
         return fn(x, *(axes if axes is not None else x.dims[::-1]))
     return fn(*args)
+
+
+def _clip_bounds(args, kwargs) -> tuple:
+    """np.clip's (t, lo, hi) from its positions and keywords (`a_min`/`min`, `a_max`/
+    `max`, each at most once, as NumPy takes them), taken out of `kwargs`."""
+    x, *rest = args
+    bounds = [*rest, None, None][:2]
+    for n, names in enumerate((("a_min", "min"), ("a_max", "max"))):
+        given = [k for k in names if k in kwargs]
+        if len(given) + (n < len(rest)) > 1:
+            raise NumPyDispatchError(f"np.clip on a Tensor: {names[0]!r} given twice ({given})")
+        if given:
+            bounds[n] = kwargs.pop(given[0])
+    return (x, *bounds)

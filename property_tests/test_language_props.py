@@ -18,6 +18,10 @@ from namedmesh.testing import strategies as S
 @settings(max_examples=max(10, settings.default.max_examples // 2))  # the suite's time budget
 @given(S.programs())
 def test_traced_reference_equals_eager_and_jax(program):
+    check_traced(program)
+
+
+def check_traced(program) -> None:
     xs = program.example_inputs()
     eager = program(*xs)
     graph = nm.trace(program, *xs)

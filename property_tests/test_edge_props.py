@@ -1,0 +1,99 @@
+"""Edge programs (strategies.programs(edge=True), namedmesh/testing/edge_steps.py): empty
+and size-1 dims, 0-d inputs, int32, bool, bfloat16 and float16 inputs, Python and NumPy
+scalars and 0-d tensors in ops, and constants made from no input that later steps sum,
+contract and move along split dims. On random meshes and layouts (a dim over one or two
+axes, sizes 3 that most axes do not divide) each lowered program equals the NumPy
+reference or earns its LayoutError (test_lowering_props.check_case); a program an op
+refuses eagerly is refused lowered with the same typed error, never a raw one; the
+gradients with respect to its float32 inputs equal one device's; and traced, it equals
+eager, in NumPy and in jax."""
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from test_language_props import check_traced
+from test_lowering_props import check_case, jitted, squared_mean
+
+import namedmesh as nm
+from lowering import Layout, Mesh
+from namedmesh.testing import CASES, compare
+from namedmesh.testing import lowered as cached_lower
+from namedmesh.testing import strategies as S
+
+# A quarter of the profile's examples (a compile each; a gradient two, an eighth): the
+# suite's time budget (about 35 s under the ci profile, measured at load 6)
+BUDGET = settings(max_examples=max(10, settings.default.max_examples // 4))
+GRAD_BUDGET = settings(max_examples=max(5, settings.default.max_examples // 8))
+
+
+def refused_eagerly(program, xs) -> type | None:
+    """The NamedMeshError class the program's eager run raises, or None."""
+    try:
+        program(*xs)
+    except nm.NamedMeshError as e:
+        return type(e)
+    return None
+
+
+def check_edge_case(case) -> None:
+    program, mesh, layout = case
+    xs = program.example_inputs()
+    refused = refused_eagerly(program, xs)
+    if refused is None:
+        check_case(case)
+        return
+    with pytest.raises(refused):
+        cached_lower(program, mesh, layout)(*xs)
+
+
+# The reduced cases of the defects this draw found, explicitly
+SHIFTED_CONSTANT = (  # a constant's shift (wrap) along a split dim: a raw ValueError
+    S.Program((("p", 8),), (("p",),), (("constant", 0, 0, 14), ("shift", 1, 1, 9)), 0),
+    Mesh({"m0": 4}),
+    Layout("p:m0"),
+)
+EMPTY_GATHER = (  # a gather from an empty dim: a raw IndexError
+    S.Program((("p", 0), ("q", 2)), (("p", "q"), ("q",)), (("gather", 0, 1, 0),), 0),
+    Mesh({"m0": 2}),
+    Layout("q:m0"),
+)
+
+
+@BUDGET
+@given(S.cases(max_steps=4, edge=True))
+@example(SHIFTED_CONSTANT)
+@example(EMPTY_GATHER)
+def test_edge_programs_equal_reference_or_deserved_error(case):
+    check_edge_case(case)
+
+
+def check_edge_gradients(case) -> None:
+    """The gradient of mean(program²) with respect to its float32 inputs, lowered, equals
+    one device's (jax's, jitted)."""
+    program, mesh, layout = case
+    xs = program.example_inputs()
+    argnums = tuple(i for i, x in enumerate(xs) if x.dtype == np.float32)
+    if not argnums or refused_eagerly(program, xs):
+        return
+    loss = squared_mean(program)
+    try:
+        got = jitted(cached_lower(loss, mesh, layout), argnums)(*xs)
+    except nm.LayoutError:
+        return
+    CASES["lowered"] += 1
+    want = jitted(loss, argnums)(*xs)
+    for g, w in zip(got, want, strict=True):
+        compare(g, nm.tensor(np.asarray(w.data), w.dims), rtol=1e-3)
+
+
+@GRAD_BUDGET
+@given(S.cases(max_steps=4, edge=True))
+def test_edge_gradients_equal_single_device_gradients(case):
+    check_edge_gradients(case)
+
+
+@BUDGET
+@given(S.programs(edge=True, max_steps=4))
+def test_edge_programs_traced_equal_eager_in_numpy_and_jax(program):
+    if refused_eagerly(program, program.example_inputs()) is None:
+        check_traced(program)
