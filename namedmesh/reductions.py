@@ -152,8 +152,16 @@ def _scipy(fn):
     return run
 
 
+def _logsumexp_np(x, axis):
+    """scipy's logsumexp (`_scipy`); over no elements -inf (the log of an empty sum), as
+    jax gives, where scipy indexed the shape by a tuple of axes: a raw IndexError."""
+    if x.size == 0:
+        return np.full(np.sum(x, axis=axis).shape, -np.inf, np.float32)
+    return _scipy(scipy.special.logsumexp)(x, axis)
+
+
 logsumexp = _make_reduction(
-    "logsumexp", _scipy(scipy.special.logsumexp), jax.nn.logsumexp, float_result, reads="both"
+    "logsumexp", _logsumexp_np, jax.nn.logsumexp, float_result, reads="both"
 )
 logsumexp.__doc__ = "log(sum(exp(x))) over `dims`, computed stably (max subtracted first)."
 
