@@ -42,6 +42,9 @@ _FUNCTIONS = {
     "round": ("round", False),
     "around": ("round", False),
     "transpose": ("transpose", False),
+    "zeros_like": ("zeros_like", False),
+    "ones_like": ("ones_like", False),
+    "full_like": ("full_like", False),
 }
 
 # Functions whose result has no dims: they run on the Tensors' values.
@@ -166,8 +169,11 @@ def apply_function(func, args, kwargs):
         args = (*args, kwargs.pop("decimals"))
     if target == "clip":  # np.clip(t, a_min=0, a_max=1), NumPy 2's min=, max=
         args = _clip_bounds(args, kwargs)
-    if kwargs:
-        raise NumPyDispatchError(f"np.{name} on a Tensor: nm.{target} takes no {sorted(kwargs)}")
+    if target.endswith("_like") and kwargs.get("dtype", 0) is None:
+        del kwargs["dtype"]  # (NumPy's default: the tensor's)
+    if target.endswith("_like") and "dtype" in kwargs:  # np.zeros_like(t, dtype=...)
+        return fn(*args, dtype=kwargs.pop("dtype"), **_refused(name, target, kwargs))
+    _refused(name, target, kwargs)
     if name == "transpose":
         x, *axes = args
         axes = axes[0] if axes else None
@@ -188,3 +194,10 @@ def _clip_bounds(args, kwargs) -> tuple:
         if given:
             bounds[n] = kwargs.pop(given[0])
     return (x, *bounds)
+
+
+def _refused(name: str, target: str, kwargs) -> dict:
+    """`kwargs` when empty; else the NumPyDispatchError naming what nm.`target` lacks."""
+    if kwargs:
+        raise NumPyDispatchError(f"np.{name} on a Tensor: nm.{target} takes no {sorted(kwargs)}")
+    return kwargs

@@ -36,6 +36,10 @@ CALLS = [
     ("round", np.round, np.round),
     ("abs", np.abs, np.abs),
     ("minimum", lambda t: np.minimum(t, 1), lambda a: np.minimum(a, 1)),
+    ("zeros_like", np.zeros_like, np.zeros_like),
+    ("ones_like float32", lambda t: np.ones_like(t, dtype=np.float32),
+     lambda a: np.ones_like(a, dtype=np.float32)),
+    ("full_like", lambda t: np.full_like(t, 7), lambda a: np.full_like(a, 7)),
 ]  # fmt: skip
 
 
@@ -51,7 +55,10 @@ def test_numpy_functions_give_numpys_values(dtype, label, on_tensor, on_array):
     np.testing.assert_array_equal(np.asarray(got).astype(np.float64), want.astype(np.float64))
 
 
-def test_clip_bound_given_twice_is_refused_by_name():
+def test_clip_bound_given_twice_and_like_without_named_keywords_are_refused_by_name():
     t = nm.tensor(DATA["float32"], "a c")
     with pytest.raises(nm.NumPyDispatchError, match="'a_min' given twice"):
         np.clip(t, 0, 1, min=0)
+    with pytest.raises(nm.NumPyDispatchError, match=r"nm.zeros_like takes no \['shape'\]"):
+        np.zeros_like(t, shape=(3,))
+    assert np.zeros_like(t).dtype == t.dtype and np.ones_like(t).dims == t.dims
