@@ -287,6 +287,10 @@ def _full_window(dim: str, w: int) -> Tensor:
 
 
 _conv.example = _conv_example
-_pool.example = lambda a, b, d, k: a.size_of(d) and pool(
-    a, {d: 1 + k % min(3, a.size_of(d))}, stride=1, padding="SAME", kind=("max", "mean")[k % 2]
-) or None
+_pool.example = lambda a, b, d, k: (
+    None
+    if not a.size_of(d)
+    else pool(
+        a, {d: 1 + k % min(3, a.size_of(d))}, stride=1, padding="SAME", kind=("max", "mean")[k % 2]
+    )
+)

@@ -568,10 +568,10 @@ _concat.example = lambda a, b, d, k: concat(
 )
 _stack.example = lambda a, b, d, k: stack([a, a * 0.5], d + "_s").sum(d + "_s")
 _split.example = _split_and_joined
-_slice.example = lambda a, b, d, k: a.size_of(d) and slice_(
+_slice.example = lambda a, b, d, k: None if not a.size_of(d) else slice_(
     a, d, k % a.size_of(d), None if k % 2 else max(k % a.size_of(d) + 1, a.size_of(d) - 1),
     1 + k // 2 % 2,
-) or None  # fmt: skip
+)  # fmt: skip
 _pad.example = lambda a, b, d, k: pad(a, {d: (k % 3, k // 3 % 2)}, value=0.25)
 _shift.example = lambda a, b, d, k: shift(
     a, d, k % (2 * a.size_of(d) + 1) - a.size_of(d), wrap=bool(k % 2), fill=0.5
