@@ -40,6 +40,7 @@ from lowering.caches import memo
 from lowering.expert_routes import routed
 from lowering.shards import Local, all_to_all, axis_name
 from lowering.shards import fmt_local as fmt_local  # re-exported: its old home
+from namedmesh.contract import varying_axes
 from namedmesh.primitive import Aval
 
 
@@ -149,11 +150,24 @@ def gather_stacked(x, axes: tuple[str, ...]):
 
 def run_local(*xs, local_op, **params):
     """A primitive's jax implementation on local shards, its results held to the shape
-    rule's dtypes (jax may widen: argmax gives int64 under jax_enable_x64)."""
+    rule's dtypes (jax may widen: argmax gives int64 under jax_enable_x64) and, where
+    empty, to varying where the shards are (`abstract_local`)."""
     prim, dtypes, _ = local_op
     out = prim.jax_impl(*xs, **params)
     outs = out if prim.multiple_results else (out,)
-    return tuple(o if o.dtype == t else o.astype(t) for o, t in zip(outs, dtypes, strict=True))
+    outs = tuple(o if o.dtype == t else o.astype(t) for o, t in zip(outs, dtypes, strict=True))
+    if any(o.size == 0 for o in outs):
+        vma = set().union(*(varying_axes(x) for x in xs))
+        outs = tuple(_varying(o, vma) if o.size == 0 else o for o in outs)
+    return outs
+
+
+def _varying(x, vma: set):
+    """An empty `x` typed varying over `vma`: jax makes some ops' empty results afresh,
+    invariant (jnp.where's: an integer floor_divide, top_k's sort keys), where the plan
+    has them varying as their inputs are (a PlanMismatch; unchecked, raw errors)."""
+    missing = tuple(sorted(vma - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 # --- abstract rules: (Locals, the mesh's sizes, params) -> Local(s) ------------------------

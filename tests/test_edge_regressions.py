@@ -66,3 +66,19 @@ def test_attention_over_no_keys_names_them():
     k = nm.tensor(np.ones((0, 3), np.float32), "memory d_kv")
     with pytest.raises(nm.ShapeError, match=r"keys \(memory: 0, d_kv: 3\) have no position"):
         nm.dot_product_attention(q, k, k)
+
+
+def empty_ops(x):
+    """Ops whose jax implementation makes an empty result afresh (jnp.where's), typed
+    invariant where the plan has it varying: a PlanMismatch."""
+    ints = nm.astype(x, np.int32)
+    return [ints // 2, nm.top_k(x, "q", 2, new_dim="k")[1]]
+
+
+def test_empty_results_of_ops_along_split_dims_keep_their_type():
+    a = np.ones((0, 8), np.float32)
+    want = [np.floor_divide(a.astype(np.int32), 2), np.zeros((0, 2), np.int32)]
+    for layout in ("q:m0", "p:m0"):
+        got = lowered(empty_ops, MESH, Layout(layout))(nm.tensor(a, "p q"))
+        for g, w in zip(got, want, strict=True):
+            assert g.data.shape == w.shape and g.dtype == w.dtype
