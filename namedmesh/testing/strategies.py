@@ -180,9 +180,10 @@ def programs(
     dtypes = ()
     if edge:
         other = st.sampled_from(EDGE_DTYPES[1:])
-        dtypes = tuple(draw(st.one_of(st.just("float32"), other) if draw(_rarely) else
-                            st.just("float32")) for _ in inputs)  # fmt: skip
-        kinds = kinds or (*drawn_kinds(), *EDGE_KINDS)
+        dtypes = tuple(draw(other) if draw(_rarely) else "float32" for _ in inputs)
+        # the registry's kinds, with scalars and constants one step in eight and einsum
+        # chains one in five: constants meet the collectives
+        kinds = kinds or (*drawn_kinds(), *EDGE_KINDS * 8, *EINSUM_KINDS * 5)
     choices = st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50))
     if kinds is not None:
         steps = draw(st.lists(st.tuples(st.sampled_from(kinds), choices), min_size=1,
