@@ -127,6 +127,8 @@ def _mask(n: int, m: int, causal: bool, window: int) -> np.ndarray:
 
 
 def _numpy(q, k, v, *bias, scale, causal, window, kernel, dims, names):
+    if not q.size:  # no query (an empty head dim too: no group of heads to divide)
+        return np.zeros(q.shape, v.dtype)
     qa, ka, va, ba, back = _arrange(np, q, k, v, bias[0] if bias else None, dims, names)
     # summed in float32 at least (NumPy's einsum has no bfloat16 loop), rounded once
     acc = np.promote_types(v.dtype, np.float32)
@@ -211,6 +213,8 @@ def _resolved(kernel: str, length: int, memory: int, dtypes) -> str:
 
 
 def _jax(q, k, v, *bias, scale, causal, window, kernel, dims, names):
+    if not q.size:  # (as `_numpy`)
+        return jax.numpy.zeros(q.shape, v.dtype)
     n, m = q.shape[dims[0].index(names[0])], k.shape[dims[1].index(names[1])]
     kernel = _resolved(kernel, n, m, (q.dtype, k.dtype, v.dtype))
     b = bias[0] if bias else None

@@ -82,3 +82,16 @@ def test_empty_results_of_ops_along_split_dims_keep_their_type():
         got = lowered(empty_ops, MESH, Layout(layout))(nm.tensor(a, "p q"))
         for g, w in zip(got, want, strict=True):
             assert g.data.shape == w.shape and g.dtype == w.dtype
+
+
+def test_attention_of_an_empty_head_dim_is_empty():
+    """No query: the group of q's heads per k's (0 // 0) was a raw ZeroDivisionError."""
+    q = nm.tensor(np.ones((0, 2, 3), np.float32), "h length d_kv")
+    k = nm.tensor(np.ones((0, 4, 3), np.float32), "h memory d_kv")
+    want = np.einsum("hld,hmd->hld", q.data, k.data)  # NumPy's empty result of q's shape
+    assert nm.dot_product_attention(q, k, k).data.shape == want.shape
+    def attend(a, b):
+        keys = nm.tensor(b, k.dims)
+        return nm.dot_product_attention(nm.tensor(a, q.dims), keys, keys).data
+
+    assert jax.jit(attend)(q.data, k.data).shape == want.shape
