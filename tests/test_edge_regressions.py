@@ -90,6 +90,7 @@ def test_attention_of_an_empty_head_dim_is_empty():
     k = nm.tensor(np.ones((0, 4, 3), np.float32), "h memory d_kv")
     want = np.einsum("hld,hmd->hld", q.data, k.data)  # NumPy's empty result of q's shape
     assert nm.dot_product_attention(q, k, k).data.shape == want.shape
+
     def attend(a, b):
         keys = nm.tensor(b, k.dims)
         return nm.dot_product_attention(nm.tensor(a, q.dims), keys, keys).data
