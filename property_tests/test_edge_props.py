@@ -8,6 +8,9 @@ refuses eagerly is refused lowered with the same typed error, never a raw one; t
 gradients with respect to its float32 inputs equal one device's; and traced, it equals
 eager, in NumPy and in jax."""
 
+import contextlib
+
+import jax
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -42,12 +45,26 @@ def rtol_of(program, default: float | None) -> float | None:
     return 2e-2 if set(program.dtypes) & {"bfloat16", "float16"} else default
 
 
+@contextlib.contextmanager
+def jax_shardy_bug(xs):
+    """Skips the case where jax fails on it: a shard_map whose inputs used are all empty,
+    two or more, does not compile (Shardy: "expected at least one operand of
+    @xla.sdy.manual_computation_body to be produced by a xla.sdy.GlobalToLocalShape";
+    jax 0.10, tests/test_edge_regressions.py holds it as a strict xfail)."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "GlobalToLocalShape" not in str(e) or sum(x.data.size == 0 for x in xs) < 2:
+            raise
+
+
 def check_edge_case(case) -> None:
     program, mesh, layout = case
     xs = program.example_inputs()
     refused = refused_eagerly(program, xs)
     if refused is None:
-        check_case(case, rtol_of(program, None))
+        with jax_shardy_bug(xs):
+            check_case(case, rtol_of(program, None))
         return
     with pytest.raises(refused):
         cached_lower(program, mesh, layout)(*xs)
@@ -66,9 +83,17 @@ EMPTY_GATHER = (  # a gather from an empty dim: a raw IndexError
 )
 
 
+TWO_EMPTY = (  # two empty inputs only: jax's bug (`jax_shardy_bug`), skipped
+    S.Program((("p", 0),), (("p",), ("p",)), (("einsum", 0, 1, 0),), 0),
+    Mesh({"m0": 2}),
+    Layout("", shared=True),
+)
+
+
 @BUDGET
 @given(S.cases(max_steps=4, edge=True))
 @example(SHIFTED_CONSTANT)
+@example(TWO_EMPTY)
 @example(EMPTY_GATHER)
 def test_edge_programs_equal_reference_or_deserved_error(case):
     check_edge_case(case)
@@ -83,9 +108,13 @@ def check_edge_gradients(case) -> None:
     if not argnums or refused_eagerly(program, xs):
         return
     loss = squared_mean(program)
+    got = None
     try:
-        got = jitted(cached_lower(loss, mesh, layout), argnums)(*xs)
+        with jax_shardy_bug(xs):
+            got = jitted(cached_lower(loss, mesh, layout), argnums)(*xs)
     except nm.LayoutError:
+        return
+    if got is None:  # the jax bug of `jax_shardy_bug`, skipped
         return
     CASES["lowered"] += 1
     want = jitted(loss, argnums)(*xs)
@@ -110,6 +139,10 @@ def test_edge_gradients_equal_single_device_gradients(case):
 
 @BUDGET
 @given(S.programs(edge=True, max_steps=4))
+@example(  # bfloat16 times 2.5: NumPy's and XLA's roundings an ulp apart (half floats' rtol)
+    S.Program((("p", 0),), ((), (), ()), (("scalar", 2, 0, 0),), 1,
+              dtypes=("float32", "float32", "bfloat16"))
+)  # fmt: skip
 def test_edge_programs_traced_equal_eager_in_numpy_and_jax(program):
     if refused_eagerly(program, program.example_inputs()) is None:
-        check_traced(program)
+        check_traced(program, rtol_of(program, None))

@@ -96,3 +96,19 @@ def test_attention_of_an_empty_head_dim_is_empty():
         return nm.dot_product_attention(nm.tensor(a, q.dims), keys, keys).data
 
     assert jax.jit(attend)(q.data, k.data).shape == want.shape
+
+
+def two_empty(a, b):
+    return nm.einsum(a, b, out="")
+
+
+@pytest.mark.xfail(strict=True, raises=jax.errors.JaxRuntimeError,
+                   reason="jax 0.10's Shardy: a shard_map whose used inputs are all empty, "
+                   "two or more, does not compile (GlobalToLocalShape)")  # fmt: skip
+def test_a_program_of_two_empty_inputs_lowers():
+    """Found by the edge programs; a jax bug (jax.jit(jax.shard_map(lambda a, b:
+    (a * b).sum(), ...)) of two empty arrays fails alike): when it passes, remove this
+    mark and test_edge_props.jax_shardy_bug."""
+    a = np.ones(0, np.float32)
+    got = lowered(two_empty, Mesh({"m0": 2}), Layout(""))(nm.tensor(a, "p"), nm.tensor(a, "p"))
+    assert got.data == np.einsum("p,p->", a, a)
