@@ -40,6 +40,7 @@ from lowering.caches import memo
 from lowering.expert_routes import routed
 from lowering.shards import Local, all_to_all, axis_name
 from lowering.shards import fmt_local as fmt_local  # re-exported: its old home
+from namedmesh.contract import varying_axes
 from namedmesh.primitive import Aval
 
 
@@ -149,11 +150,24 @@ def gather_stacked(x, axes: tuple[str, ...]):
 
 def run_local(*xs, local_op, **params):
     """A primitive's jax implementation on local shards, its results held to the shape
-    rule's dtypes (jax may widen: argmax gives int64 under jax_enable_x64)."""
+    rule's dtypes (jax may widen: argmax gives int64 under jax_enable_x64) and, where
+    empty, to varying where the shards are (`abstract_local`)."""
     prim, dtypes, _ = local_op
     out = prim.jax_impl(*xs, **params)
     outs = out if prim.multiple_results else (out,)
-    return tuple(o if o.dtype == t else o.astype(t) for o, t in zip(outs, dtypes, strict=True))
+    outs = tuple(o if o.dtype == t else o.astype(t) for o, t in zip(outs, dtypes, strict=True))
+    if any(o.size == 0 for o in outs):
+        vma = set().union(*(varying_axes(x) for x in xs))
+        outs = tuple(_varying(o, vma) if o.size == 0 else o for o in outs)
+    return outs
+
+
+def _varying(x, vma: set):
+    """An empty `x` typed varying over `vma`: jax makes some ops' empty results afresh,
+    invariant (jnp.where's: an integer floor_divide, top_k's sort keys), where the plan
+    has them varying as their inputs are (a PlanMismatch; unchecked, raw errors)."""
+    missing = tuple(sorted(vma - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 # --- abstract rules: (Locals, the mesh's sizes, params) -> Local(s) ------------------------
@@ -169,10 +183,13 @@ def _scaled(shape, dim: int, by: float) -> tuple[int, ...]:
     return tuple(int(n * by) if i == dim else n for i, n in enumerate(shape))
 
 
-def _kept(xs, mesh, axes=(), **_):
-    """Shape and dtype kept, varying as before (a permute)."""
+def _permuted(xs, mesh, axes=(), **_):
+    """Shape and dtype kept, varying over `axes` even where `x` is not: each device
+    receives another's block (jax types a ppermute's result so; a block made alike on
+    every device, as `nm.full` over a split dim is, typed invariant, gave a PlanMismatch
+    and without the check a raw ValueError of a pcast to varying)."""
     (x,) = xs
-    return Local(x.shape, x.dtype, x.vma)
+    return Local(x.shape, x.dtype, x.vma | set(axes))
 
 
 def _reduced(xs, mesh, axes, **_):
@@ -310,7 +327,7 @@ OPS: dict[str, Op] = {
     # all_to_all (rows, their groups, results), which the rule logs
     "routed": Op(_given, routed),
     "ppermute": Op(
-        _kept, ppermute, _as_is, "collective-permute", _as_is, groups=False,
+        _permuted, ppermute, _as_is, "collective-permute", _as_is, groups=False,
         backward=("ppermute", _as_is),
         measure=lambda x, k: ppermute(x, _ALL, _ring(k), {"all": k}),
     ),

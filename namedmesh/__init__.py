@@ -63,7 +63,6 @@ from namedmesh.elementwise import (
     power,
     reciprocal,
     relu,
-    round,
     rsqrt,
     sigmoid,
     sign,
@@ -109,6 +108,7 @@ from namedmesh.reductions import (
     sum,
     top_k,
 )
+from namedmesh.rounding import round
 from namedmesh.selection import expand_dims, isel, squeeze, std, var
 from namedmesh.structural import (
     concat,

@@ -24,7 +24,7 @@ import numpy as np
 from namedmesh import flash
 from namedmesh.checks import boolean, integer
 from namedmesh.contract import custom_gradients
-from namedmesh.errors import ArgumentError, ParameterError, ShapeError
+from namedmesh.errors import ArgumentError, ParameterError, ShapeError, fmt_dims
 from namedmesh.primitive import Aval, Cost, bind, float_result, primitive
 from namedmesh.structural import rename
 from namedmesh.tensor import Tensor
@@ -98,7 +98,8 @@ def _arrange(xp, q, k, v, bias, dims, names):
     ka, va = (
         xp.transpose(x, [k_dims.index(d) for d in (memory, *shared, features)]) for x in (k, v)
     )
-    ka, va = (x.reshape(1, x.shape[0], -1, x.shape[-1]) for x in (ka, va))
+    # the heads counted, not -1: a reshape cannot infer a dim where another is empty
+    ka, va = (x.reshape(1, x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1]) for x in (ka, va))
     ba = None
     if bias is not None:
         axes = (*qo, length, memory)
@@ -126,6 +127,8 @@ def _mask(n: int, m: int, causal: bool, window: int) -> np.ndarray:
 
 
 def _numpy(q, k, v, *bias, scale, causal, window, kernel, dims, names):
+    if not q.size:  # no query (an empty head dim too: no group of heads to divide)
+        return np.zeros(q.shape, v.dtype)
     qa, ka, va, ba, back = _arrange(np, q, k, v, bias[0] if bias else None, dims, names)
     # summed in float32 at least (NumPy's einsum has no bfloat16 loop), rounded once
     acc = np.promote_types(v.dtype, np.float32)
@@ -210,6 +213,8 @@ def _resolved(kernel: str, length: int, memory: int, dtypes) -> str:
 
 
 def _jax(q, k, v, *bias, scale, causal, window, kernel, dims, names):
+    if not q.size:  # (as `_numpy`)
+        return jax.numpy.zeros(q.shape, v.dtype)
     n, m = q.shape[dims[0].index(names[0])], k.shape[dims[1].index(names[1])]
     kernel = _resolved(kernel, n, m, (q.dtype, k.dtype, v.dtype))
     b = bias[0] if bias else None
@@ -332,6 +337,11 @@ def dot_product_attention(
     causal = boolean(name, "causal", causal)
     window = integer(name, "window", window, 0)
     names = _names(length, memory, features)
+    if k.sizes.get(memory) == 0:  # (NumPy: a bare ValueError)
+        raise ShapeError(
+            f"{name}: the keys {fmt_dims(k.dims, k.shape)} have no position along {memory!r}, "
+            "and a softmax over no keys has no value"
+        )
     args = (q, k, v) if bias is None else (q, k, v, bias)
     dims = (tuple(q.dims), tuple(k.dims), () if bias is None else tuple(bias.dims))
     return bind(

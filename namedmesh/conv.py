@@ -275,6 +275,8 @@ def pool(
 # How the property strategies' random programs apply these (Primitive.example): windows
 # of 1 to 3 along d, padded to keep its size (so a layout may split it)
 def _conv_example(a, b, d, k):
+    if not a.size_of(d):  # an empty dim: no window fits (None: the strategy's fallback)
+        return None
     w = 1 + k % min(3, a.size_of(d))
     return conv(a, _full_window(d + "_w", w), {d: d + "_w"}, padding="SAME")
 
@@ -285,6 +287,10 @@ def _full_window(dim: str, w: int) -> Tensor:
 
 
 _conv.example = _conv_example
-_pool.example = lambda a, b, d, k: pool(
-    a, {d: 1 + k % min(3, a.size_of(d))}, stride=1, padding="SAME", kind=("max", "mean")[k % 2]
+_pool.example = lambda a, b, d, k: (
+    None
+    if not a.size_of(d)
+    else pool(
+        a, {d: 1 + k % min(3, a.size_of(d))}, stride=1, padding="SAME", kind=("max", "mean")[k % 2]
+    )
 )

@@ -11,7 +11,7 @@ module imports back into one that imports it, and `import namedmesh` (which any
 from __future__ import annotations
 
 from namedmesh import elementwise as ew
-from namedmesh import habits, interop
+from namedmesh import habits, interop, rounding
 from namedmesh import reductions as red
 from namedmesh import selection as sel
 from namedmesh import structural as st
@@ -41,6 +41,8 @@ COMPARISONS = {
     "ge": ew.greater_equal,
 }
 UNARY = {"neg": ew.negative, "abs": ew.abs, "invert": ew.logical_not}
+# Python's round(t, n) (a Tensor, as NumPy's round(array, n) is an array)
+DUNDER = {"round": lambda t, ndigits=None: rounding.round(t, ndigits or 0)}
 # `t.name(...)` -> op(t, ...): the op itself, taking the Tensor first
 OPS = {
     "astype": ew.astype,
@@ -51,6 +53,7 @@ OPS = {
     "expand_dims": sel.expand_dims,
     "rename": st.rename,
     "transpose": st.transpose,
+    "round": rounding.round,  # t.round(decimals), as NumPy's arrays
 }
 # `t.sum("d")`, and xarray's `t.sum(dim="d")` (a HabitError for NumPy's `axis=`)
 REDUCTIONS = {
@@ -97,7 +100,7 @@ def bind_methods() -> None:
     for name, op in OPERATORS.items():
         setattr(Tensor, f"__{name}__", op)
         setattr(Tensor, f"__r{name}__", _reflected(op))
-    for name, op in {**COMPARISONS, **UNARY}.items():
+    for name, op in {**COMPARISONS, **UNARY, **DUNDER}.items():
         setattr(Tensor, f"__{name}__", op)
     for name, op in OPS.items():
         setattr(Tensor, name, op)

@@ -42,6 +42,9 @@ _FUNCTIONS = {
     "round": ("round", False),
     "around": ("round", False),
     "transpose": ("transpose", False),
+    "zeros_like": ("zeros_like", False),
+    "ones_like": ("ones_like", False),
+    "full_like": ("full_like", False),
 }
 
 # Functions whose result has no dims: they run on the Tensors' values.
@@ -151,7 +154,7 @@ def apply_function(func, args, kwargs):
         axis = kwargs.pop("axis") if "axis" in kwargs else rest.pop(0) if rest else None
         names_not_positions(axis, f"np.{name}(axis=...) on a Tensor", x.dims)
         ddof = {"ddof": kwargs.pop("ddof")} if "ddof" in kwargs and target in ("var", "std") else {}
-        extra = [k for k, v in kwargs.items() if v is not None]
+        extra = [k for k, v in kwargs.items() if v is not None and (k, v) != ("keepdims", False)]
         if rest or extra:
             raise NumPyDispatchError(
                 f"np.{name} on a Tensor takes only `axis` (dim names), as nm.{target} does; "
@@ -162,11 +165,39 @@ def apply_function(func, args, kwargs):
         return fn(x, axis, **ddof) if axis is not None or target == "squeeze" else fn(x, **ddof)
     if name == "transpose" and "axes" in kwargs:
         args = (*args, kwargs.pop("axes"))
-    if kwargs:
-        raise NumPyDispatchError(f"np.{name} on a Tensor: nm.{target} takes no {sorted(kwargs)}")
+    if target == "round" and "decimals" in kwargs:  # np.round(t, decimals=2)
+        args = (*args, kwargs.pop("decimals"))
+    if target == "clip":  # np.clip(t, a_min=0, a_max=1), NumPy 2's min=, max=
+        args = _clip_bounds(args, kwargs)
+    if target.endswith("_like") and kwargs.get("dtype", 0) is None:
+        del kwargs["dtype"]  # (NumPy's default: the tensor's)
+    if target.endswith("_like") and "dtype" in kwargs:  # np.zeros_like(t, dtype=...)
+        return fn(*args, dtype=kwargs.pop("dtype"), **_refused(name, target, kwargs))
+    _refused(name, target, kwargs)
     if name == "transpose":
         x, *axes = args
         axes = axes[0] if axes else None
         names_not_positions(axes, "np.transpose on a Tensor", x.dims)
         return fn(x, *(axes if axes is not None else x.dims[::-1]))
     return fn(*args)
+
+
+def _clip_bounds(args, kwargs) -> tuple:
+    """np.clip's (t, lo, hi) from its positions and keywords (`a_min`/`min`, `a_max`/
+    `max`, each at most once, as NumPy takes them), taken out of `kwargs`."""
+    x, *rest = args
+    bounds = [*rest, None, None][:2]
+    for n, names in enumerate((("a_min", "min"), ("a_max", "max"))):
+        given = [k for k in names if k in kwargs]
+        if len(given) + (n < len(rest)) > 1:
+            raise NumPyDispatchError(f"np.clip on a Tensor: {names[0]!r} given twice ({given})")
+        if given:
+            bounds[n] = kwargs.pop(given[0])
+    return (x, *bounds)
+
+
+def _refused(name: str, target: str, kwargs) -> dict:
+    """`kwargs` when empty; else the NumPyDispatchError naming what nm.`target` lacks."""
+    if kwargs:
+        raise NumPyDispatchError(f"np.{name} on a Tensor: nm.{target} takes no {sorted(kwargs)}")
+    return kwargs

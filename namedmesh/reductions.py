@@ -152,8 +152,16 @@ def _scipy(fn):
     return run
 
 
+def _logsumexp_np(x, axis):
+    """scipy's logsumexp (`_scipy`); over no elements -inf (the log of an empty sum), as
+    jax gives, where scipy indexed the shape by a tuple of axes: a raw IndexError."""
+    if x.size == 0:
+        return np.full(np.sum(x, axis=axis).shape, -np.inf, np.float32)
+    return _scipy(scipy.special.logsumexp)(x, axis)
+
+
 logsumexp = _make_reduction(
-    "logsumexp", _scipy(scipy.special.logsumexp), jax.nn.logsumexp, float_result, reads="both"
+    "logsumexp", _logsumexp_np, jax.nn.logsumexp, float_result, reads="both"
 )
 logsumexp.__doc__ = "log(sum(exp(x))) over `dims`, computed stably (max subtracted first)."
 
@@ -378,6 +386,8 @@ def _reduced(op, of=lambda a: a):
 
 
 def _top_k_example(a, b, d, k):
+    if not a.size_of(d):  # no k of an empty dim (a ShapeError)
+        return None
     vals, idx = top_k(a, d, 1 + k % a.size_of(d))
     return vals * 0.5 + idx.astype(np.float32) if k % 2 else vals
 

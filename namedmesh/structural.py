@@ -462,6 +462,11 @@ def gather(x: Tensor, dim: str, indices: Tensor) -> Tensor:
     """
     axis = axis_of(x, dim, "gather")
     out = _gather_dims(x, indices, axis)
+    if x.shape[axis] == 0 and math.prod(indices.shape):  # (NumPy and jax: a bare IndexError)
+        raise ShapeError(
+            f"gather: dim {dim!r} of {fmt_dims(x.dims, x.shape)} has size 0: there is no "
+            f"element to pick at the indices {fmt_dims(indices.dims, indices.shape)}"
+        )
     return bind(_gather, x, indices, axis=axis, dims=(x.dims, indices.dims, out))
 
 
@@ -563,7 +568,7 @@ _concat.example = lambda a, b, d, k: concat(
 )
 _stack.example = lambda a, b, d, k: stack([a, a * 0.5], d + "_s").sum(d + "_s")
 _split.example = _split_and_joined
-_slice.example = lambda a, b, d, k: slice_(
+_slice.example = lambda a, b, d, k: None if not a.size_of(d) else slice_(
     a, d, k % a.size_of(d), None if k % 2 else max(k % a.size_of(d) + 1, a.size_of(d) - 1),
     1 + k // 2 % 2,
 )  # fmt: skip

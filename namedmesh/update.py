@@ -136,6 +136,8 @@ def _update_example(a, b, d, k):
     """The property strategies' update_slice (Primitive.example): a window of a's own
     end written from starts in [-2n, n), one start (0-d) or one per element."""
     n = a.size_of(d)
+    if not n:  # no window of an empty dim
+        return None
     w = 1 + k % n
     start = a.argmax(d)
     if not k % 2 and start.dims:

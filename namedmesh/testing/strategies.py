@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import namedmesh as nm
 from lowering import Layout, Mesh
+from namedmesh.testing.edge_steps import EDGE_DTYPES, EDGE_KINDS, EDGE_SIZES, EDGE_STEPS, edge_input
 from namedmesh.testing.registry_steps import (
     arity,
     bound_by,
@@ -60,6 +61,7 @@ def meshes(max_devices: int | None = None, max_axes: int = 3):
 
 
 _mostly = st.integers(0, 3).map(bool)  # True 3 times in 4; shrinks to False
+_rarely = st.integers(0, 3).map(lambda n: n == 3)  # True 1 time in 4; shrinks to False
 
 
 def layouts(dim_names, mesh, allow_strict: bool = True, sizes=None, shared: bool = False):
@@ -105,14 +107,15 @@ class Program:
     steps: tuple[tuple[str, int, int, int], ...]
     seed: int
     constraints: tuple[tuple[int, str], ...] = field(default=())
+    dtypes: tuple[str, ...] = field(default=())  # each input's, where not float32
 
     def example_inputs(self) -> list[nm.Tensor]:
         r = np.random.default_rng(self.seed)
         sizes = dict(self.sizes)
-        return [
-            nm.tensor(r.normal(size=[sizes[d] for d in dims]).astype(np.float32), dims)
-            for dims in self.inputs
-        ]
+        xs = [r.normal(size=[sizes[d] for d in dims]).astype(np.float32) for dims in self.inputs]
+        dtypes = self.dtypes or ("float32",) * len(xs)
+        pairs = zip(xs, dtypes, self.inputs, strict=True)
+        return [nm.tensor(edge_input(x, t), dims) for x, t, dims in pairs]
 
     def __call__(self, *xs: nm.Tensor) -> nm.Tensor:
         return self.values(*xs)[-1]
@@ -129,12 +132,14 @@ class Program:
         return pool
 
     def with_constraints(self, constraints) -> Program:
-        return Program(self.sizes, self.inputs, self.steps, self.seed, tuple(constraints))
+        return Program(self.sizes, self.inputs, self.steps, self.seed, tuple(constraints),
+                       self.dtypes)  # fmt: skip
 
     def __repr__(self) -> str:
+        dtypes = f", dtypes={self.dtypes!r}" if self.dtypes else ""
         return (
             f"Program(sizes={self.sizes!r}, inputs={self.inputs!r}, steps={self.steps!r}, "
-            f"seed={self.seed}, constraints={self.constraints!r})"
+            f"seed={self.seed}, constraints={self.constraints!r}{dtypes})"
         )
 
 
@@ -148,26 +153,37 @@ def _apply(pool, kind, i, j, k):
     a, b = pool[i % len(pool)], pool[j % len(pool)]
     if not _compatible(a, b):
         b = a
-    example = step_of(kind)
-    out = example(a, b, a.dims[k % len(a.dims)], k) if a.dims and example else None
+    example = EDGE_STEPS.get(kind) or step_of(kind)
+    d = a.dims[k % len(a.dims)] if a.dims else None
+    out = example(a, b, d, k) if example and (a.dims or kind == "scalar") else None
     if out is None:  # a 0-d tensor, or a dim the op has no example for
-        return -a
+        return nm.logical_not(a) if a.dtype == np.dtype(bool) else -a
     return out if out.dtype == np.float32 else nm.astype(out, np.float32)
 
 
 @st.composite
 def programs(
-    draw, names=NAMES, sizes=SIZES, max_inputs: int = 3, max_steps: int = 6, kinds=None
-) -> Program:
+    draw, names=NAMES, sizes=SIZES, max_inputs: int = 3, max_steps: int = 6, kinds=None,
+    edge: bool = False,
+) -> Program:  # fmt: skip
     """A random Program over the dims `names` (see the module docstring); its steps'
     kinds are `kinds` (primitive names), by default every one of `drawn_kinds()`, with
-    EINSUM_KINDS about one step in four."""
-    sz = draw(dims(names, sizes))
+    EINSUM_KINDS about one step in four. An `edge` program's dims may be empty or of
+    size 1 (EDGE_SIZES, unless `sizes` is given), its inputs 0-d and of other dtypes
+    than float32 (one in four), and its steps scalars and constants (edge_steps.py)."""
+    sz = draw(dims(names, EDGE_SIZES if edge and sizes is SIZES else sizes))
     n_inputs = draw(st.integers(1, max_inputs))
     inputs = tuple(
-        tuple(draw(st.permutations(list(names)))[: draw(st.integers(1, 3))])
+        tuple(draw(st.permutations(list(names)))[: draw(st.integers(0 if edge else 1, 3))])
         for _ in range(n_inputs)
     )
+    dtypes = ()
+    if edge:
+        other = st.sampled_from(EDGE_DTYPES[1:])
+        dtypes = tuple(draw(other) if draw(_rarely) else "float32" for _ in inputs)
+        # the registry's kinds, with scalars and constants one step in eight and einsum
+        # chains one in five: constants meet the collectives
+        kinds = kinds or (*drawn_kinds(), *EDGE_KINDS * 8, *EINSUM_KINDS * 5)
     choices = st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50))
     if kinds is not None:
         steps = draw(st.lists(st.tuples(st.sampled_from(kinds), choices), min_size=1,
@@ -180,7 +196,8 @@ def programs(
                                         choices), min_size=1, max_size=max_steps))  # fmt: skip
         steps = [(order[n] if pick else chain, c) for n, (pick, chain, c) in enumerate(picks)]
     steps = tuple((kind, *c) for kind, c in steps)
-    return Program(tuple(sz.items()), inputs, steps, draw(st.integers(0, 2**31 - 1)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return Program(tuple(sz.items()), inputs, steps, seed, dtypes=dtypes)
 
 
 def constraints(program: Program, mesh):
@@ -188,7 +205,10 @@ def constraints(program: Program, mesh):
 
     @st.composite
     def draw(draw_):
-        values = program.values(*program.example_inputs())[len(program.inputs) :]
+        try:
+            values = program.values(*program.example_inputs())[len(program.inputs) :]
+        except nm.NamedMeshError:  # an edge program an op refuses: nothing to pin
+            return ()
         out = []
         for n in sorted(draw_(st.sets(st.integers(0, len(values) - 1), max_size=2))):
             v = values[n]
@@ -205,10 +225,11 @@ def constraints(program: Program, mesh):
 
 
 @st.composite
-def cases(draw, max_steps: int = 6, kinds=None):
-    """(program, mesh, layout): a random program, sometimes with constraints on its
-    values, a mesh, and a layout over the program's dims."""
-    program = draw(programs(max_steps=max_steps, kinds=kinds))
+def cases(draw, max_steps: int = 6, kinds=None, edge: bool = False):
+    """(program, mesh, layout): a random program (an `edge` one: see `programs`),
+    sometimes with constraints on its values, a mesh, and a layout over the program's
+    dims."""
+    program = draw(programs(max_steps=max_steps, kinds=kinds, edge=edge))
     mesh = draw(meshes())
     if draw(st.booleans()):
         program = program.with_constraints(draw(constraints(program, mesh)))
