@@ -160,8 +160,11 @@ def intro(threads: str, rounds: int, before: str) -> list[str]:
         "its fraction reads high where attention is much of the work: the long context). "
         "Long context: 3 rounds at most; "
         "memory is the first step's peak resident memory (VmHWM) above the resident memory "
-        "just before it, after glibc's free pages are returned (benchmarks/rss.py), both "
-        "sides in the same fresh process per length, namedmesh's after its compile.",
+        "just before it, after glibc's free pages are returned (benchmarks/rss.py), each "
+        "side in a fresh process of its own per length (namedmesh's after its compile, "
+        "before any PyTorch step; PyTorch's with nothing run before it: measured after "
+        "another step in one process, a step reuses memory the other frees late and reads "
+        "low).",
         "",
     ]
 
