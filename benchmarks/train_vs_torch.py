@@ -78,7 +78,7 @@ def row(family: str, size: Size, rounds: int, peak_gflops: float) -> dict:
         "flops": flops,
         "peak": peak_gflops,
         "losses": (our_loss, their_loss),
-        "experts": experts_path(model),
+        "experts": zoo_families.experts_path(model),
     }
 
 
@@ -113,13 +113,6 @@ def step_bytes(family: str, size_name: str, side: str) -> int:
         step = sides["PyTorch eager"][1]
         step()  # AdamW makes its state at its first step; PyTorch frees what it drops at once
     return rss.step_bytes(step, f"{side}'s {family} step, {size_name}")
-
-
-def experts_path(model) -> str:
-    """transformers' experts implementation the model runs ("" for a dense model)."""
-    if not any(getattr(model.config, k, 0) for k in ("num_local_experts", "num_experts")):
-        return ""
-    return getattr(model.config, "_experts_implementation", None) or "?"
 
 
 def table(rows: dict[str, dict]) -> list[str]:

@@ -162,6 +162,16 @@ def zoo_sides(loaded, batch: dict, targets: np.ndarray):
     return lambda: forward(loaded.params).block_until_ready(), train, float(first), compile_s
 
 
+def experts_path(model) -> str:
+    """transformers' experts implementation the model runs ("" for a dense model)."""
+    config = model.config
+    if not any(
+        getattr(config, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+    ):
+        return ""
+    return getattr(config, "_experts_implementation", None) or "?"
+
+
 def built(name: str, spec: tuple, ids: np.ndarray):
     """(transformers model, the zoo's model loaded from its saved folder, the zoo's batch
     of `ids`, whether it decodes): the family's model built from `spec` (configs's),
@@ -218,7 +228,8 @@ def family(name: str, spec: tuple, ids: np.ndarray, targets: np.ndarray, compile
     except KeyError as e:
         flops, why = None, str(e).strip("'\"")
     return {"sides": sides, "failed": failed, "error": error, "losses": (z_loss, t_loss),
-            "compile": compile_s, "compile_cpu": cpu, "flops": flops, "why": why}  # fmt: skip
+            "compile": compile_s, "compile_cpu": cpu, "flops": flops, "why": why,
+            "experts": experts_path(model)}  # fmt: skip
 
 
 def run(args, names: list[str]) -> dict:
@@ -262,7 +273,8 @@ def table(results: dict, peak_gflops: float | None = None) -> str:
     sides = [s for s in fair.table_sides(step, failed)]
     compiles = {f"{s} compile s": {n: compile_cell(r, s) for n, r in results.items()}
                 for s in sides if s != "PyTorch eager"}  # fmt: skip
-    step_lines = fair.with_columns(step_lines, compiles)
+    experts = {n: r.get("experts") or "—" for n, r in results.items()}
+    step_lines = fair.with_columns(step_lines, compiles | {"transformers' experts": experts})
     if peak_gflops:
         fwd_lines = fair.with_columns(fwd_lines, peak_columns(forward, results, peak_gflops, 3))
         step_lines = fair.with_columns(step_lines, peak_columns(step, results, peak_gflops, 1))

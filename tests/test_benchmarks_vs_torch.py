@@ -64,6 +64,7 @@ def test_zoo_vs_hf_families_checks_logits_and_loss_then_times_each_family(monkey
     assert cells["mistral"]["matmul GFLOP"] == f"{flops / 1e9:.1f}"
     assert cells["t5"]["matmul GFLOP"].startswith("— (t5: an encoder-decoder")
     assert cells["t5"]["namedmesh compile s"].startswith(f"{got['t5']['compile']['namedmesh']:.1f}")
+    assert cells["mistral"]["transformers' experts"] == "—"  # dense
 
 
 def test_zoo_vs_hf_size_sets_issue_40s_sizes():
