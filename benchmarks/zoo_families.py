@@ -232,9 +232,11 @@ def family(name: str, spec: tuple, ids: np.ndarray, targets: np.ndarray, compile
             "experts": experts_path(model)}  # fmt: skip
 
 
-def run(args, names: list[str]) -> dict:
+def run(args, names: list[str], peak_gflops: float | None = None) -> dict:
     """{family: {"forward", "step": {side: seconds per round}, "failed", "error",
-    "losses"}}: each family's forward pass, then its training step, timed alternated."""
+    "losses"}}: each family's forward pass, then its training step, timed alternated;
+    each family's rows of `table` printed as it is done (a long run cut short keeps
+    them)."""
     specs = configs(args.layers, args.d_model, args.heads, args.vocab, args.length)
     rng = np.random.default_rng(0)
     ids = rng.integers(2, args.vocab, (args.batch, args.length)).astype(np.int32)
@@ -252,9 +254,7 @@ def run(args, names: list[str]) -> dict:
         for i, what in enumerate(("forward", "step")):
             r[what] = fair.alternate({n: fns[i] for n, fns in sides.items()}, args.repeats)
         out[name] = r
-        failed = {name: r["failed"]}
-        rows = [fair.table({name: r[w]}, failed=failed)[2] for w in ("forward", "step")]
-        print(f"{name}, load {fair.load()}: forward {rows[0]} step {rows[1]}", flush=True)
+        print(f"{name}, load {fair.load()}:\n{table({name: r}, peak_gflops)}\n", flush=True)
     return out
 
 

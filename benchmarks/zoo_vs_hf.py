@@ -185,7 +185,7 @@ def families(args, names: list[str], threads: str) -> dict:
     before = fair.load()
     peak_gflops = peak.matmul_peak()
     print(f"matmul peak: {peak_gflops}", flush=True)
-    results = zoo_families.run(args, names)
+    results = zoo_families.run(args, names, peak_gflops["peak"])
     header("Each family's forward pass and training step", args, threads, before, fair.load())
     best = max(("PyTorch", "XLA"), key=peak_gflops.get)
     print(f"Single-thread fp32 {peak.PEAK_SIZE}^3 matmul: PyTorch {peak_gflops['PyTorch']:.0f} "
