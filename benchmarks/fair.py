@@ -170,9 +170,7 @@ def table(
     did not run in a row (`failed`: {label: {side: reason}}) shows its reason; `notes`
     (column name, {label: text}) adds a last column."""
     failed = failed or {}
-    sides = [n for r in rows.values() for n in r if n != "namedmesh"]
-    sides += [n for f in failed.values() for n in f]
-    sides = list(dict.fromkeys(sides))
+    sides = [n for n in table_sides(rows, failed) if n != "namedmesh"]
     scale = {"ms": 1e3, "s": 1.0}[unit]
     head = [first, f"namedmesh {unit}"]
     for name in sides:
@@ -189,3 +187,20 @@ def table(
         cells += [notes[1][label]] if notes else []
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def table_sides(rows: dict[str, dict], failed: dict[str, dict[str, str]] | None = None) -> list:
+    """The sides of `table`'s rows in their order of appearance, those that failed too."""
+    names = [n for r in rows.values() for n in r] + [n for f in (failed or {}).values() for n in f]
+    return list(dict.fromkeys(names))
+
+
+def with_columns(lines: list[str], columns: dict[str, dict[str, str]]) -> list[str]:
+    """`table`'s markdown lines with more columns ({name: {row label: cell}}) at the end;
+    "—" where a column has no cell for a row."""
+    head, rule, *rows = lines
+    out = [head + "".join(f" {c} |" for c in columns), rule + "---|" * len(columns)]
+    for line in rows:
+        label = line.split(" | ")[0].removeprefix("| ")
+        out.append(line + "".join(f" {col.get(label, '—')} |" for col in columns.values()))
+    return out

@@ -5,7 +5,8 @@ the page (replaced on a rerun):
 - the machine's single-thread fp32 matmul peak (benchmarks/peak.py), measured first;
 - the training step (forward, backward, AdamW) of Llama, Qwen3, Gemma 2 and Mixtral at
   the small and the realistic size against transformers' eager PyTorch, with compile
-  time and each side's fraction of the peak (benchmarks/train_vs_torch.py);
+  time, each side's fraction of the peak and each side's memory, measured in a process
+  of its own (benchmarks/train_vs_torch.py);
 - the 2k- and 8k-token step against SDPA with the zoo's default settings, compile time
   and memory measured the same way on both sides (benchmarks/long_vs_sdpa.py);
 - the MoE experts' FFN against transformers' default experts implementation
@@ -158,10 +159,14 @@ def intro(threads: str, rounds: int, before: str) -> list[str]:
         "the side's min time, against the peak below (a kernel that skips the causally masked "
         "half of attention, as PyTorch's SDPA can on CPU, does fewer flops than counted, so "
         "its fraction reads high where attention is much of the work: the long context). "
-        "Long context: 3 rounds at most; "
-        "memory is the first step's peak resident memory (VmHWM) above the resident memory "
-        "just before it, after glibc's free pages are returned (benchmarks/rss.py), both "
-        "sides in the same fresh process per length, namedmesh's after its compile.",
+        "Long context: 3 rounds at most. "
+        "Memory (MiB): a step's peak resident memory (VmHWM) above the resident memory "
+        "just before it, after glibc's free pages are returned (benchmarks/rss.py), each "
+        "side in a fresh process of its own (measured after another step in one process, "
+        "a step reuses memory the other frees late and reads low): namedmesh's first step "
+        "after its compile; PyTorch's first long-context step, and its second training "
+        "step (AdamW makes its state at the first; namedmesh's is made before), with "
+        "nothing else run before.",
         "",
     ]
 

@@ -56,13 +56,17 @@ TORCH_SECTION = "## Long sequences: training-step time against PyTorch's SDPA"
 def lm_batch(cfg, length: int, rows: int = 1) -> dict:
     """`rows` sequences of `length` random tokens (seed 0): the LM's inputs, their next
     tokens as targets, every weight 1."""
-    r = np.random.default_rng(0)
-    tok = r.integers(0, cfg.vocab, (rows, length + 1)).astype(np.int32)
+    tok = lm_tokens(cfg.vocab, length, rows)
     ones = np.ones((rows, length), np.float32)
     return {
         k: nm.tensor(v, ("batch", "length"))
         for k, v in (("inputs", tok[:, :-1]), ("targets", tok[:, 1:]), ("weights", ones))
     }
+
+
+def lm_tokens(vocab: int, length: int, rows: int = 1) -> np.ndarray:
+    """`lm_batch`'s tokens: `rows` of `length` + 1 random ids below `vocab` (seed 0)."""
+    return np.random.default_rng(0).integers(0, vocab, (rows, length + 1)).astype(np.int32)
 
 
 def row(name: str, length: int, attention: str, remat: str, layout: str, run: bool = False):

@@ -3,7 +3,9 @@ benchmarks/long_seq.py's GPT-2 shape with PyTorch's SDPA attention) against PyTo
 with the zoo's default settings only (whatever `Config` defaults to: its attention
 kernel, layer loop and remat), compile time included, and memory measured the same
 way on both sides (benchmarks/rss.py: the first step's peak resident memory above the
-resident memory before it, in one fresh process per length).
+resident memory before it, each side in a fresh process of its own: namedmesh's in the
+timing process, before any PyTorch step runs, after its compile; PyTorch's in a process
+that builds the model and runs nothing else).
 
 Each length runs in its own process (`python -m benchmarks.long_vs_sdpa --child LENGTH`)
 under a time limit, so a length whose compile outlasts it is reported, not waited for.
@@ -29,9 +31,10 @@ from benchmarks.memory import peak_bytes
 
 
 def measure(length: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
-    """In this (fresh) process: compile namedmesh's step (timed), each side's first step's
-    memory, the losses checked equal, then both sides alternated; `overrides` (`FIELD=VALUE`
-    texts) change the config's defaults."""
+    """In this (fresh) process: compile namedmesh's step (timed), its first step's memory
+    (the process's one measurement: PyTorch's is `torch_step_bytes`'s, in another), the
+    losses checked equal, then both sides alternated; `overrides` (`FIELD=VALUE` texts)
+    change the config's defaults."""
     import jax
     import torch
 
@@ -63,7 +66,7 @@ def measure(length: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
         model.zero_grad(set_to_none=True)
         return float(value.detach())
 
-    memory = {"namedmesh": rss.step_bytes(ours), "PyTorch SDPA": rss.step_bytes(theirs)}
+    memory = {"namedmesh": rss.step_bytes(ours, f"namedmesh's {length}-token step")}
     our_loss, their_loss = float(ours()[0]), theirs()
     if abs(our_loss - their_loss) > 1e-4 * max(1.0, abs(their_loss)):
         raise SystemExit(f"{length} tokens: loss {our_loss} differs from PyTorch's {their_loss}")
@@ -86,6 +89,23 @@ def measure(length: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
     }
 
 
+def torch_step_bytes(length: int) -> int:
+    """PyTorch's first step's memory (benchmarks/rss.py), run in a fresh process by
+    `rss.fresh`: `measure`'s model and tokens, built and nothing else run before."""
+    import torch
+
+    model = long_seq.gpt2_sdpa(length, tempfile.mkdtemp())
+    tokens = torch.tensor(long_seq.lm_tokens(model.config.vocab_size, length), dtype=torch.long)
+    ids, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        logits = model(ids).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+
+    return rss.step_bytes(step, f"PyTorch's {length}-token step")
+
+
 def fits(needs: int, length: int) -> None:
     """Refuse to run a step whose compiled peak (XLA's memory analysis) is over 80% of
     the memory the machine has available now: on a shared machine the kernel's
@@ -100,8 +120,9 @@ def fits(needs: int, length: int) -> None:
 
 
 def run_child(length: int, rounds: int, limit_s: float, overrides: tuple[str, ...] = ()) -> dict:
-    """`measure(length, rounds, overrides)` in a fresh process; {"failed": why} where it
-    does not finish within `limit_s` seconds or fails."""
+    """`measure(length, rounds, overrides)` in a fresh process, then PyTorch's memory
+    (`torch_step_bytes`) in another; {"failed": why} where the first does not finish
+    within `limit_s` seconds or fails."""
     argv = [sys.executable, "-m", "benchmarks.long_vs_sdpa", "--child", str(length)]
     argv += ["--rounds", str(rounds), *(f"--set={o}" for o in overrides)]
     root = str(Path(__file__).resolve().parents[1])  # the checkout, under `namedmesh bench` too
@@ -114,7 +135,15 @@ def run_child(length: int, rounds: int, limit_s: float, overrides: tuple[str, ..
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"failed": f"exit status {done.returncode}: {last[:160]}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    try:  # PyTorch's memory alone: after namedmesh's step it would reuse XLA's late frees
+        r["memory"]["PyTorch SDPA"] = rss.fresh(
+            "benchmarks.long_vs_sdpa:torch_step_bytes", [length], limit_s
+        )
+    except rss.MeasurementError as e:
+        r["memory"]["PyTorch SDPA"] = None
+        r["memory_failed"] = str(e)[:160]
+    return r
 
 
 def compile_cell(r: dict) -> str:
@@ -145,7 +174,11 @@ def table(rows: dict[int, dict], peak_gflops: float) -> list[str]:
             continue
         ours, theirs = r["times"]["namedmesh"], r["times"]["PyTorch SDPA"]
         pct = lambda ts, r=r: f"{100 * peak.fraction(r['flops'], min(ts), peak_gflops):.0f}%"
-        mib = lambda side, r=r: f"{r['memory'][side] / 2**20:.0f}"
+        mib = lambda side, r=r: (
+            f"{r['memory'][side] / 2**20:.0f}"
+            if r["memory"].get(side) is not None
+            else f"not measured: {r.get('memory_failed', '?')}"
+        )
         cells = [
             str(length),
             r["settings"],

@@ -43,7 +43,9 @@ def matmul_peak(rounds: int = 5) -> dict[str, float]:
 class Shape:
     """What a step's matmul flops depend on. `ffn_mats`: the FFN's weight matrices (3
     gated, 2 not); `active`: experts each token runs (1 for a dense FFN); `experts`: the
-    router's outputs (0 without one)."""
+    router's outputs (0 without one); `shared_ff`: a shared expert's gated FFN width beside
+    the routed ones (Qwen2-MoE's, 0 without); `head_transform`: a masked LM's d_model x
+    d_model transform before its output layer (BERT's, RoBERTa's, DistilBERT's)."""
 
     layers: int
     d_model: int
@@ -55,11 +57,25 @@ class Shape:
     vocab: int
     active: int = 1
     experts: int = 0
+    shared_ff: int = 0
+    head_transform: bool = False
+
+
+# transformers' model types whose FFN has no gate (2 matrices, not 3)
+UNGATED = {"gpt2", "gpt_neox", "opt", "bert", "roberta", "distilbert"}
+MASKED_LM = {"bert", "roberta", "distilbert"}
+# products Shape does not describe: T5's decoder and cross-attention, DeepSeek-V3's
+# latent attention and its dense first layers
+NOT_COUNTED = {"t5": "an encoder-decoder", "deepseek_v3": "latent attention"}
 
 
 def shape_of(hf) -> Shape:
-    """The Shape of a transformers config of the zoo's decoders (Llama's field names,
-    or GPT-2's); raises KeyError naming a field it lacks."""
+    """The Shape of a transformers config of the zoo's decoders and encoders (Llama's
+    field names, or GPT-2's, OPT's, DistilBERT's); raises KeyError naming a field it
+    lacks, or a model type whose products Shape does not describe (NOT_COUNTED)."""
+    kind = getattr(hf, "model_type", None)
+    if kind in NOT_COUNTED:
+        raise KeyError(f"{kind}: {NOT_COUNTED[kind]}, not counted by benchmarks/peak.py")
     get = lambda *names, default=None: next(
         (getattr(hf, n) for n in names if getattr(hf, n, None) is not None), default
     )
@@ -67,19 +83,23 @@ def shape_of(hf) -> Shape:
     heads = get("num_attention_heads", "n_head")
     if d is None or heads is None:
         raise KeyError(f"{type(hf).__name__}: no hidden_size/n_embd or num_attention_heads")
-    gpt2 = hasattr(hf, "n_embd")
+    experts = get("num_local_experts", "num_experts", default=0)
+    shared = get("shared_expert_intermediate_size", default=0)
     return Shape(
         layers=get("num_hidden_layers", "n_layer"),
         d_model=d,
         heads=heads,
         kv_heads=get("num_key_value_heads", default=heads),
         head_dim=get("head_dim", default=d // heads),
-        d_ff=get("intermediate_size", "n_inner", default=4 * d),
-        ffn_mats=2 if gpt2 else 3,
+        d_ff=get("moe_intermediate_size" if experts else "intermediate_size",
+                 "intermediate_size", "n_inner", "ffn_dim", "hidden_dim", default=4 * d),
+        ffn_mats=2 if kind in UNGATED or hasattr(hf, "n_embd") else 3,
         vocab=get("vocab_size"),
         active=get("num_experts_per_tok", default=1),
-        experts=get("num_local_experts", "num_experts", default=0),
-    )
+        experts=experts + (1 if shared else 0),  # a shared expert's gate: one more output
+        shared_ff=shared,
+        head_transform=kind in MASKED_LM,
+    )  # fmt: skip
 
 
 def step_flops(s: Shape, batch: int, length: int) -> int:
@@ -95,8 +115,10 @@ def step_flops(s: Shape, batch: int, length: int) -> int:
         + 4 * length * q  # scores and values: 2 products over `length` keys
         + 2 * s.ffn_mats * s.d_model * s.d_ff * s.active  # the FFN (each active expert)
         + 2 * s.d_model * s.experts  # the router
+        + 2 * 3 * s.d_model * s.shared_ff  # a shared expert (gated)
     )
-    forward = tokens * (s.layers * per_token + 2 * s.d_model * s.vocab)
+    head = 2 * s.d_model * (s.vocab + (s.d_model if s.head_transform else 0))
+    forward = tokens * (s.layers * per_token + head)
     return 3 * forward
 
 

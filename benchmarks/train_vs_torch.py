@@ -3,8 +3,10 @@ eager PyTorch, by benchmarks/fair.py's method, at a size: each family's model bu
 transformers (benchmarks/zoo_families.py's configs), loaded into the zoo, its step
 compiled with the zoo's default settings (timed: lower and compile), the first losses
 checked equal, then both steps alternated. Each row also gives the step's matmul
-flops counted from the config (benchmarks/peak.py) and the fraction of the machine's
-matmul peak each side reaches by its min."""
+flops counted from the config (benchmarks/peak.py), the fraction of the machine's
+matmul peak each side reaches by its min, and each side's memory: a training step's
+peak resident memory above the resident memory before it (benchmarks/rss.py), each
+side in a fresh process of its own (`step_bytes`), its optimizer state made first."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks import fair, peak, step_movement, zoo_families
+from benchmarks import fair, peak, rss, step_movement, zoo_families
 
 
 @dataclass(frozen=True)
@@ -70,20 +72,47 @@ def row(family: str, size: Size, rounds: int, peak_gflops: float) -> dict:
     times = fair.alternate({"namedmesh": ours, "PyTorch eager": torch_step}, rounds)
     flops = peak.step_flops(peak.shape_of(model.config), size.batch, size.length)
     return {
+        "memory": memory(family, size.name),
         "times": times,
         "compile": compile_s,
         "flops": flops,
         "peak": peak_gflops,
         "losses": (our_loss, their_loss),
-        "experts": experts_path(model),
+        "experts": zoo_families.experts_path(model),
     }
 
 
-def experts_path(model) -> str:
-    """transformers' experts implementation the model runs ("" for a dense model)."""
-    if not any(getattr(model.config, k, 0) for k in ("num_local_experts", "num_experts")):
-        return ""
-    return getattr(model.config, "_experts_implementation", None) or "?"
+SIDES = ("namedmesh", "PyTorch eager")
+MEMORY_LIMIT_S = 900  # one side's process: build, compile, one step
+
+
+def memory(family: str, size_name: str) -> dict:
+    """{side: bytes, or the reason it was not measured}: `step_bytes` of each side, each
+    run in a fresh process (benchmarks/rss.py's `fresh`)."""
+    out = {}
+    for side in SIDES:
+        try:
+            args = [family, size_name, side]
+            out[side] = rss.fresh("benchmarks.train_vs_torch:step_bytes", args, MEMORY_LIMIT_S)
+        except rss.MeasurementError as e:
+            out[side] = str(e)[:120]
+    return out
+
+
+def step_bytes(family: str, size_name: str, side: str) -> int:
+    """The memory of `side`'s training step of `family` at SIZES[size_name], this
+    process's one measurement (rss.step_bytes): the models built, the optimizer state
+    made (namedmesh's by optax's init; PyTorch's AdamW's at its first step, so PyTorch's
+    second step is measured), namedmesh's step compiled and not run before."""
+    ids, model, loaded, batch, decodes = case(family, SIZES[size_name])
+    if side == "namedmesh":
+        compiled, state, _ = step_movement.compiled_step(loaded, batch, ids[:, 1:], {})
+        step = lambda: compiled(state)[1].block_until_ready()
+    else:
+        sides = zoo_families.torch_sides(model, ids[:, :-1], ids[:, 1:], decodes, compile=False)
+        step = sides["PyTorch eager"][1]
+        step()  # AdamW makes its state at its first step; PyTorch frees what it drops at once
+    return rss.step_bytes(step, f"{side}'s {family} step, {size_name}")
 
 
 def table(rows: dict[str, dict]) -> list[str]:
@@ -98,6 +127,8 @@ def table(rows: dict[str, dict]) -> list[str]:
         "namedmesh % of peak",
         "PyTorch % of peak",
         "first loss",
+        "namedmesh MiB",
+        "PyTorch MiB",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for family, r in rows.items():
@@ -114,6 +145,14 @@ def table(rows: dict[str, dict]) -> list[str]:
             pct(ours),
             pct(theirs),
             "{:.5f} / {:.5f}".format(*r["losses"]),
+            *(mib(r.get("memory", {}).get(side)) for side in SIDES),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def mib(value) -> str:
+    """A memory cell: MiB, or why it was not measured."""
+    if isinstance(value, int):
+        return f"{value / 2**20:.0f}"
+    return f"not measured: {value}" if value else "—"

@@ -9,13 +9,14 @@ side timed by benchmarks/fair.py (single-threaded, CPU time, alternated)."""
 from __future__ import annotations
 
 import tempfile
+import time
 
 import jax
 import numpy as np
 import optax
 
 import namedmesh as nm
-from benchmarks import fair
+from benchmarks import fair, peak
 from models import zoo
 from models.io import hub
 
@@ -131,8 +132,9 @@ def torch_pair(opt, logits, loss, ids, targets):
 
 
 def zoo_sides(loaded, batch: dict, targets: np.ndarray):
-    """(forward, step, first loss): the zoo's jitted forward pass and training step (the
-    same loss, AdamW with PyTorch's settings), the step run once for its first loss."""
+    """(forward, step, first loss, compile): the zoo's jitted forward pass and training
+    step (the same loss, AdamW with PyTorch's settings), the step run once for its first
+    loss; compile: (wall, CPU) seconds of lowering and compiling both."""
     cfg, family = loaded.config, loaded.family
     opt = optax.adamw(1e-4, weight_decay=0.01)
     logits = lambda p: hub.forward(p, batch, cfg, family).transpose("batch", "length", "vocab")
@@ -145,8 +147,11 @@ def zoo_sides(loaded, batch: dict, targets: np.ndarray):
         updates, opt_state = opt.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, value
 
-    forward = jax.jit(lambda p: logits(p).data)
     state = {"params": loaded.params, "opt": opt.init(loaded.params)}
+    wall, cpu = time.perf_counter(), time.process_time()
+    forward = jax.jit(lambda p: logits(p).data).lower(loaded.params).compile()
+    step = step.lower(state).compile()
+    compile_s = (time.perf_counter() - wall, time.process_time() - cpu)
     state, first = step(state)
 
     def train():
@@ -154,7 +159,17 @@ def zoo_sides(loaded, batch: dict, targets: np.ndarray):
         state, value = step(state)
         value.block_until_ready()
 
-    return lambda: forward(loaded.params).block_until_ready(), train, float(first)
+    return lambda: forward(loaded.params).block_until_ready(), train, float(first), compile_s
+
+
+def experts_path(model) -> str:
+    """transformers' experts implementation the model runs ("" for a dense model)."""
+    config = model.config
+    if not any(
+        getattr(config, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+    ):
+        return ""
+    return getattr(config, "_experts_implementation", None) or "?"
 
 
 def built(name: str, spec: tuple, ids: np.ndarray):
@@ -184,28 +199,44 @@ def built(name: str, spec: tuple, ids: np.ndarray):
 def family(name: str, spec: tuple, ids: np.ndarray, targets: np.ndarray, compile: bool) -> dict:
     """One family's sides, checked: {"sides": {side: (forward, step)}, "failed", "error"
     (max |logit difference| relative to the largest), "losses" (zoo's and PyTorch's first
-    training loss)}."""
+    training loss), "compile" ({side: wall seconds of its compile}: namedmesh's lower and
+    compile of both passes; torch.compile's first forward and step, which compile them
+    and run them once), "compile_cpu" (namedmesh's CPU seconds), "flops" (the step's
+    matmul flops, benchmarks/peak.py; None where it does not count them, "why")}."""
     model, loaded, batch, decodes = built(name, spec, ids)
     t_sides, failed = torch_sides(model, ids, targets, decodes, compile), {}
     want = t_sides["PyTorch eager"][0]().numpy()
     got = np.asarray(loaded.logits(ids, **({"decoder_input_ids": ids} if decodes else {}))
                      .transpose("batch", "length", "vocab").data)  # fmt: skip
     error = float(np.abs(got - want).max() / np.abs(want).max())
-    z_forward, z_step, z_loss = zoo_sides(loaded, batch, targets)
+    z_forward, z_step, z_loss, (wall, cpu) = zoo_sides(loaded, batch, targets)
     t_loss = t_sides["PyTorch eager"][1]()  # the first step of each, from the same weights
+    compile_s = {"namedmesh": wall}
     for side, (forward, step) in list(t_sides.items())[1:]:
+        start = time.perf_counter()
         try:
             forward(), step()
         except Exception as e:  # noqa: BLE001 - a compiler missing: the table says why
             failed[side] = fair.why_not(e)
             del t_sides[side]
+        else:  # wall clock: inductor compiles in child processes, which CPU time misses
+            compile_s[side] = time.perf_counter() - start
     sides = {"namedmesh": (z_forward, z_step), **t_sides}
-    return {"sides": sides, "failed": failed, "error": error, "losses": (z_loss, t_loss)}
+    rows, length = ids.shape
+    try:
+        flops, why = peak.step_flops(peak.shape_of(model.config), rows, length), ""
+    except KeyError as e:
+        flops, why = None, str(e).strip("'\"")
+    return {"sides": sides, "failed": failed, "error": error, "losses": (z_loss, t_loss),
+            "compile": compile_s, "compile_cpu": cpu, "flops": flops, "why": why,
+            "experts": experts_path(model)}  # fmt: skip
 
 
-def run(args, names: list[str]) -> dict:
+def run(args, names: list[str], peak_gflops: float | None = None) -> dict:
     """{family: {"forward", "step": {side: seconds per round}, "failed", "error",
-    "losses"}}: each family's forward pass, then its training step, timed alternated."""
+    "losses"}}: each family's forward pass, then its training step, timed alternated;
+    each family's rows of `table` printed as it is done (a long run cut short keeps
+    them)."""
     specs = configs(args.layers, args.d_model, args.heads, args.vocab, args.length)
     rng = np.random.default_rng(0)
     ids = rng.integers(2, args.vocab, (args.batch, args.length)).astype(np.int32)
@@ -223,22 +254,56 @@ def run(args, names: list[str]) -> dict:
         for i, what in enumerate(("forward", "step")):
             r[what] = fair.alternate({n: fns[i] for n, fns in sides.items()}, args.repeats)
         out[name] = r
-        failed = {name: r["failed"]}
-        rows = [fair.table({name: r[w]}, failed=failed)[2] for w in ("forward", "step")]
-        print(f"{name}, load {fair.load()}: forward {rows[0]} step {rows[1]}", flush=True)
+        print(f"{name}, load {fair.load()}:\n{table({name: r}, peak_gflops)}\n", flush=True)
     return out
 
 
-def table(results: dict) -> str:
-    """Two markdown tables, the forward pass and the training step, a row per family."""
+def table(results: dict, peak_gflops: float | None = None) -> str:
+    """Two markdown tables, the forward pass and the training step, a row per family;
+    the step's table also gives each side's compile seconds and, with `peak_gflops`
+    (benchmarks/peak.py's matmul peak), the step's matmul flops and the fraction of the
+    peak each side reaches by its min (the forward's: a third of the step's flops)."""
     failed = {name: r["failed"] for name, r in results.items()}
     diff = {name: f"{r['error']:.1e}" for name, r in results.items()}
     loss = {name: "{:.5f} / {:.5f}".format(*r["losses"]) for name, r in results.items()}
     forward = {name: r["forward"] for name, r in results.items()}
     step = {name: r["step"] for name, r in results.items()}
+    fwd_lines = fair.table(forward, "family", failed, ("max logit diff", diff))
+    step_lines = fair.table(step, "family", failed, ("first loss namedmesh / PyTorch", loss))
+    sides = fair.table_sides(step, failed)
+    compiles = {f"{s} compile s": {n: compile_cell(r, s) for n, r in results.items()}
+                for s in sides if s != "PyTorch eager"}  # fmt: skip
+    experts = {n: r.get("experts") or "—" for n, r in results.items()}
+    step_lines = fair.with_columns(step_lines, compiles | {"transformers' experts": experts})
+    if peak_gflops:
+        fwd_lines = fair.with_columns(fwd_lines, peak_columns(forward, results, peak_gflops, 3))
+        step_lines = fair.with_columns(step_lines, peak_columns(step, results, peak_gflops, 1))
     return "\n".join([
-        "Forward pass:", "",
-        *fair.table(forward, "family", failed, ("max logit diff", diff)), "",
-        "Training step (forward, backward, AdamW):", "",
-        *fair.table(step, "family", failed, ("first loss namedmesh / PyTorch", loss)),
+        "Forward pass:", "", *fwd_lines, "",
+        "Training step (forward, backward, AdamW):", "", *step_lines,
     ])  # fmt: skip
+
+
+def compile_cell(r: dict, side: str) -> str:
+    """A side's compile seconds (namedmesh's wall and CPU), "—" where it compiles nothing
+    or did not run."""
+    if side not in r.get("compile", {}):
+        return "—"
+    cpu = f" (CPU {r['compile_cpu']:.1f})" if side == "namedmesh" else ""
+    return f"{r['compile'][side]:.1f}{cpu}"
+
+
+def peak_columns(times: dict, results: dict, peak_gflops: float, share: int) -> dict:
+    """{column: {family: cell}}: the matmul GFLOP of the pass (the step's over `share`)
+    and each side's % of the peak by its min."""
+    flops = {n: r["flops"] and r["flops"] / share for n, r in results.items()}
+    cols = {"matmul GFLOP": {n: f"{f / 1e9:.1f}" if f else f"— ({results[n]['why']})"
+                             for n, f in flops.items()}}  # fmt: skip
+    for side in dict.fromkeys(s for t in times.values() for s in t):
+        cols[f"{side} % of peak"] = {
+            n: f"{100 * peak.fraction(flops[n], min(t[side]), peak_gflops):.0f}%"
+            if flops[n] and side in t
+            else "—"
+            for n, t in times.items()
+        }
+    return cols

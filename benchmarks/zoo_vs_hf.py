@@ -18,6 +18,13 @@ forward pass and a training step against transformers' eager PyTorch and
 
     python -m benchmarks.zoo_vs_hf --families --layers 2 --d-model 256 --heads 8 \\
         --vocab 8192 --length 128 --batch 4 --repeats 7
+
+`--size small` or `--size realistic` sets those five sizes to issue 40's (benchmarks/
+train_vs_torch.py's SIZES: realistic is 4 layers, d_model 512, 8 heads, vocab 8192,
+batch 4 x 512). With `--families` the run first measures the machine's single-thread
+matmul peak (benchmarks/peak.py) and the step's table gives each side's compile time
+and, both tables, the matmul flops and each side's fraction of the peak; a line names
+the CPU and both sides' math libraries (benchmarks/stack.py).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import numpy as np
 import optax
 
 import namedmesh as nm
-from benchmarks import cli, fair, zoo_families
+from benchmarks import cli, fair, peak, stack, zoo_families
 from models import transformer
 from models.io import hub
 
@@ -79,7 +86,12 @@ def zoo_side(folder):
     return model.params, forward, step, {"params": model.params, "opt": opt.init(model.params)}
 
 
-def main(argv=None) -> dict:
+# the size flags `--size` sets, by their argparse field (benchmarks/train_vs_torch.py's Size)
+SIZE_FLAGS = {"layers": "--layers", "d_model": "--d-model", "heads": "--heads",
+              "vocab": "--vocab", "length": "--length", "batch": "--batch"}  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=cli.prog_name(), description=__doc__)
     p.add_argument("--layers", type=cli.count, default=4)
     p.add_argument("--d-model", type=cli.count, default=256)
@@ -92,7 +104,27 @@ def main(argv=None) -> dict:
                    help="also time PyTorch under torch.compile")  # fmt: skip
     p.add_argument("--families", nargs="?", const="all", default=None, metavar="NAMES",
                    help="time each family's model instead (all, or a list)")  # fmt: skip
+    p.add_argument("--size", choices=("small", "realistic"), default=None,
+                   help="issue 40's sizes (train_vs_torch.py's) for the six above")  # fmt: skip
+    return p
+
+
+def sized(p: argparse.ArgumentParser, args) -> None:
+    """Set the sizes of `args.size`, refusing a size flag given beside it."""
+    from benchmarks.train_vs_torch import SIZES
+
+    size = SIZES[args.size]
+    for field, flag in SIZE_FLAGS.items():
+        if getattr(args, field) != p.get_default(field):
+            p.error(f"--size {args.size} sets {flag}; give one or the other")
+        setattr(args, field, getattr(size, field))
+
+
+def main(argv=None) -> dict:
+    p = parser()
     args = p.parse_args(argv)
+    if args.size:
+        sized(p, args)
     threads = fair.single_threaded()  # before jax's first computation
     if args.families is not None:
         names = list(hub.FAMILIES) if args.families == "all" else args.families.split(",")
@@ -149,10 +181,17 @@ def main(argv=None) -> dict:
 
 
 def families(args, names: list[str], threads: str) -> dict:
+    """Each family's rows, after the machine's matmul peak; prints the tables."""
     before = fair.load()
-    results = zoo_families.run(args, names)
+    peak_gflops = peak.matmul_peak()
+    print(f"matmul peak: {peak_gflops}", flush=True)
+    results = zoo_families.run(args, names, peak_gflops["peak"])
     header("Each family's forward pass and training step", args, threads, before, fair.load())
-    print(zoo_families.table(results))
+    best = max(("PyTorch", "XLA"), key=peak_gflops.get)
+    print(f"Single-thread fp32 {peak.PEAK_SIZE}^3 matmul: PyTorch {peak_gflops['PyTorch']:.0f} "
+          f"GFLOP/s, XLA {peak_gflops['XLA']:.0f} GFLOP/s; % of peak is against {best}'s. "
+          f"{stack.describe()}")  # fmt: skip
+    print(zoo_families.table(results, peak_gflops["peak"]))
     return results
 
 

@@ -16,6 +16,7 @@ BAD_FLAGS = [  # (module, argv): a count of 0, a list with a non-number, an unkn
     ("decode_latent", ["--rounds", "0"]),
     ("gpu", ["--steps", "-3"]),
     ("zoo_vs_hf", ["--repeats", "0"]),
+    ("zoo_vs_hf", ["--size", "realistic", "--layers", "2"]),  # a size and a size flag
     ("einsum_emission", ["--repeats", "x"]),
     ("grouped_kernel", ["--rows", "0"]),
     ("moe_routing", ["--experts", "0"]),

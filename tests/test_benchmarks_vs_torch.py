@@ -4,7 +4,7 @@ side is timed in every round, and the sides alternate their order round by round
 
 import pytest
 
-from benchmarks import decode, fair, zoo_families, zoo_vs_hf
+from benchmarks import decode, fair, peak, zoo_families, zoo_vs_hf
 
 pytest.importorskip("transformers")
 
@@ -34,9 +34,12 @@ def test_zoo_vs_hf_trains_the_same_model_and_times_every_side():
         assert all(len(t) == 2 and min(t) > 0 for t in times.values())
 
 
-def test_zoo_vs_hf_families_checks_logits_and_loss_then_times_each_family():
+def test_zoo_vs_hf_families_checks_logits_and_loss_then_times_each_family(monkeypatch, capsys):
     """Two families (a decoder with a window, an encoder-decoder) at the tiniest size:
-    the same logits and first training loss as transformers, both passes timed."""
+    the same logits and first training loss as transformers, both passes timed; the
+    step's table gives namedmesh's compile seconds, the matmul flops and each side's
+    fraction of the peak (T5's flops not counted, said so)."""
+    monkeypatch.setattr(peak, "matmul_peak", lambda: {"PyTorch": 2.0, "XLA": 1.0, "peak": 2.0})
     got = zoo_vs_hf.main("--families mistral,t5 --layers 1 --d-model 16 --heads 2 --vocab 48 "
                          "--length 8 --batch 2 --repeats 2 --no-compile".split())  # fmt: skip
     assert list(got) == ["mistral", "t5"]
@@ -44,9 +47,32 @@ def test_zoo_vs_hf_families_checks_logits_and_loss_then_times_each_family():
         assert r["error"] < zoo_families.TOLERANCE
         zoo, torch = r["losses"]
         assert zoo == pytest.approx(torch, abs=1e-4)
+        assert r["compile"]["namedmesh"] > 0 and r["compile_cpu"] > 0
         for what in ("forward", "step"):
             assert set(r[what]) == {"namedmesh", "PyTorch eager"}
             assert all(len(t) == 2 and min(t) > 0 for t in r[what].values())
+    # Mistral's shape by hand: 1 layer, d_model 16, 2 heads of 8, 1 kv head, d_ff 32, gated
+    flops = peak.step_flops(peak.Shape(1, 16, 2, 1, 8, 32, 3, 48), 2, 8)
+    assert got["mistral"]["flops"] == flops and got["t5"]["flops"] is None
+    lines = capsys.readouterr().out.split("Training step (forward, backward, AdamW):")[1]
+    head, _, *rows = [ln.strip("| ").split(" | ") for ln in lines.split("\n\n")[1].splitlines()]
+    cells = {row[0]: dict(zip(head, row, strict=True)) for row in rows}
+    for side in ("namedmesh", "PyTorch eager"):
+        pct = 100 * flops / min(got["mistral"]["step"][side]) / 2e9
+        assert cells["mistral"][f"{side} % of peak"] == f"{pct:.0f}%"
+        assert cells["t5"][f"{side} % of peak"] == "—"
+    assert cells["mistral"]["matmul GFLOP"] == f"{flops / 1e9:.1f}"
+    assert cells["t5"]["matmul GFLOP"].startswith("— (t5: an encoder-decoder")
+    assert cells["t5"]["namedmesh compile s"].startswith(f"{got['t5']['compile']['namedmesh']:.1f}")
+    assert cells["mistral"]["transformers' experts"] == "—"  # dense
+
+
+def test_zoo_vs_hf_size_sets_issue_40s_sizes():
+    p = zoo_vs_hf.parser()
+    args = p.parse_args(["--size", "realistic"])
+    zoo_vs_hf.sized(p, args)
+    sizes = (args.layers, args.d_model, args.heads, args.vocab, args.length, args.batch)
+    assert sizes == (4, 512, 8, 8192, 512, 4)  # issue 40's realistic size
 
 
 def test_zoo_vs_hf_families_has_a_config_for_every_family():
