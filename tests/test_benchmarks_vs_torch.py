@@ -54,7 +54,10 @@ def test_zoo_vs_hf_families_checks_logits_and_loss_then_times_each_family(monkey
     # Mistral's shape by hand: 1 layer, d_model 16, 2 heads of 8, 1 kv head, d_ff 32, gated
     flops = peak.step_flops(peak.Shape(1, 16, 2, 1, 8, 32, 3, 48), 2, 8)
     assert got["mistral"]["flops"] == flops and got["t5"]["flops"] is None
-    lines = capsys.readouterr().out.split("Training step (forward, backward, AdamW):")[1]
+    out = capsys.readouterr().out.split("Training step (forward, backward, AdamW):")
+    first = out[1].split("\n\n")[1]  # Mistral's rows, printed before T5 ran
+    assert "| mistral |" in first and "| t5 |" not in first
+    lines = out[-1]  # the last step table: all families
     head, _, *rows = [ln.strip("| ").split(" | ") for ln in lines.split("\n\n")[1].splitlines()]
     cells = {row[0]: dict(zip(head, row, strict=True)) for row in rows}
     for side in ("namedmesh", "PyTorch eager"):
