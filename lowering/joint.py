@@ -24,16 +24,17 @@ Sharing: the pairs of one mesh whose settings differ in remat alone trace one pr
 but for its scans' remat, which only the costing reads; their searches share its scan
 bodies and plans (lowering/bodies.py `Shared`, one per group, emptied when its last
 pair is done): a layout one of them planned is costed, not planned, by the others.
-Seeding: of each mesh's pairs (a pipelined mesh's aside) one is its lead, the one
-likeliest to fit (`_frugal`: the most remat, blockwise attention, the fewest
-microbatches), searched as alone; every other pair's layout search climbs from the
-lead's best layout beside its own phase 1 (`auto_layout`'s `seeds`), so that where the
-pairs of a mesh choose alike, a climb starts near its end. The lead is searched before
-the others of its mesh (even where its own pair is pruned), and a pair's seeds are a
-function of the lead's search alone, not of the order: the plan is the same with any
-`jobs`. `exhaustive` seeds nothing.
+Seeding: of each mesh's pairs one is its lead, the one likeliest to fit (`_frugal`: the
+most remat, blockwise attention, the fewest microbatches; of a pipelined mesh's, the
+most microbatches, `_frugal_staged`), searched as alone; every other pair's layout
+search climbs from the lead's best layout beside its own phase 1 (`auto_layout`'s
+`seeds`), so that where the pairs of a mesh choose alike, a climb starts near its end.
+The lead is searched before the others of its mesh (even where its own pair is pruned),
+and a pair's seeds are a function of the lead's search alone, not of the order: the plan
+is the same with any `jobs`. `exhaustive` seeds nothing.
 Plateaus: a pair's search that finds nothing fitting descends by memory; it stops at
-the first step that gains under 1% (auto_layout's `plateau`), not `exhaustive`'s.
+the first step that gains under 1% (auto_layout's `plateau`), not `exhaustive`'s. A
+pipelined pair's stage searches (lowering/stages.py) are seeded and stopped alike.
 Cores: `jobs=N` runs the pairs' searches ahead in N worker processes
 (lowering/joint_jobs.py), the decisions above taken here in the same order: the same
 result.
@@ -170,6 +171,7 @@ class Joint:
     leads: dict = field(default_factory=dict, repr=False)  # mesh sizes -> its lead's settings
     seeds: dict = field(default_factory=dict, repr=False)  # (sizes, settings) -> seeds given
     plateau: float = PLATEAU  # auto_layout's: a failing descent stops (0: `exhaustive`)
+    pipelined: bool = False  # whether meshes with a stage axis are planned as pipelines
 
     @property
     def best(self) -> Choice:
@@ -214,8 +216,10 @@ def joint_search(
     settings, beam and seeds).
     `staged`: (evaluate, space) for the meshes with a `stage` axis: each is weighed under
     `space` (its settings' grad_accum the pipeline's microbatches) by
-    `evaluate(mesh, settings, model_flops)` -> a lowering.stages.StagedChoice, every
-    count of microbatches searched (more shrink the bubble). `chain`: the keys of a
+    `evaluate(mesh, settings, model_flops, seeds=, plateau=)` -> a
+    lowering.stages.StagedChoice (`seeds`, `plateau`: its layout searches' own, as
+    auto_layout takes them), every count of microbatches searched (more shrink the
+    bubble). `chain`: the keys of a
     params dict whose stacks the model runs chained (nm.scan_chain;
     `namedmesh.uneven.pad_stacks`' `chain`), padded so where a stage axis splits them.
     `jobs`: worker processes that search the pairs ahead (lowering/joint_jobs.py), the
@@ -231,7 +235,7 @@ def joint_search(
     whole = _WholeCosts(build, training)
     joint = Joint([], rates, training, limit, tokens, plateau=0.0 if exhaustive else PLATEAU)
     joint.cache = {} if cache is None else cache
-    joint.chain = tuple(chain)
+    joint.chain, joint.pipelined = tuple(chain), staged is not None
     try:
         _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, jobs)
     finally:  # the pairs' shared scan bodies' planned passes (lowering/bodies.py)
@@ -258,9 +262,9 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
     order = [(mesh, sorted(chain, key=lambda s: s.grad_accum)) for mesh, chain in order]
     if not exhaustive:  # each mesh's pair likeliest to fit seeds its others' climbs
         for mesh, chain in order:
-            if not _staged(mesh, staged):
-                lead = joint.leads.setdefault(_sizes(mesh), chain[0])
-                joint.leads[_sizes(mesh)] = min(lead, chain[0], key=_frugal)
+            frugal = _frugal_staged if _staged(mesh, staged) else _frugal
+            lead = joint.leads.setdefault(_sizes(mesh), chain[0])
+            joint.leads[_sizes(mesh)] = min(lead, *chain, key=frugal)
     left = joint.left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
     settled: set = set()  # the pairs decided: searched or not
 
@@ -275,7 +279,7 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
 
     def wanted(pair) -> bool:  # by a worker: not decided, cached or pruned (it stays so),
         mesh, settings = pair  # nor likely left out (fewer microbatches fit, searched)
-        if (id(mesh), settings) in settled or _cached(joint, mesh, settings, staged, beam):
+        if (id(mesh), settings) in settled or _cached(joint, mesh, settings, beam):
             return False
         if exhaustive:
             return True
@@ -298,7 +302,8 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
                 if ahead is not None:
                     ahead.need((mesh, settings))
                 if _staged(mesh, staged):
-                    _search_staged(joint, whole, staged[0], mesh, settings, best_fit)
+                    _search_staged(joint, whole.model_flops, staged[0], mesh, settings,
+                                   best_fit)  # fmt: skip
                 elif _search_pair(joint, whole, build, mesh, settings, beam, best_fit) and not (
                     exhaustive
                 ):  # the fewest microbatches that fit: the rest of the chain is not searched
@@ -339,8 +344,10 @@ def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | 
              if lead_group.get(_sizes(pairs[0][0]), g) != g}  # fmt: skip
 
     def task(pairs):
-        work = [(m, s, whole.model_flops(s), ()) if _staged(m, staged) else
-                (m, s, None, _seeds(joint, m, s, beam)) for m, s in pairs]  # fmt: skip
+        flops = lambda m, s: {x: whole.model_flops(x) for x in (s, joint.leads.get(_sizes(m)))
+                              if x is not None}  # fmt: skip
+        work = [(m, s, flops(m, s) if _staged(m, staged) else None, _seeds(joint, m, s, beam))
+                for m, s in pairs]  # fmt: skip
         return functools.partial(search_group, spec, work)
 
     return Workers(min(jobs, len(groups)), groups, task, wanted, joint.cache.update,
@@ -364,20 +371,20 @@ class _Spec:
 
 @few_collections()
 def search_group(spec: _Spec, pairs: list) -> dict:
-    """In a worker: the cache entries of `pairs` ((mesh, settings, model flops for a
-    pipelined pair else None, the seeds of its climb: None where its lead's search was
-    not in the caller's cache, which is then searched here first)), searched as the
-    serial search does, their tables detached from their programs (`Search.detach`) to
-    pickle."""
-    joint = Joint([], spec.rates, spec.training, spec.limit, 0, plateau=spec.plateau)
+    """In a worker: the cache entries of `pairs` ((mesh, settings, for a pipelined pair
+    the model flops of its settings and its lead's (a dict) else None, the seeds of its
+    climb: None where its lead's search was not in the caller's cache, which is then
+    searched here first)), searched as the serial search does, their tables detached
+    from their programs (`Search.detach`) to pickle."""
+    joint = Joint([], spec.rates, spec.training, spec.limit, 0, plateau=spec.plateau,
+                  pipelined=spec.evaluate is not None)  # fmt: skip
     joint.chain, joint.leads = spec.chain, spec.leads
     joint.seeds = {(_sizes(m), s): seeds for m, s, _, seeds in pairs if seeds is not None}
     joint.left = Counter(_body_group(m, s) for m, s, flops, _ in pairs if flops is None)
     try:
         for mesh, settings, flops, _ in pairs:
             if flops is not None:
-                key = _staged_key(joint, mesh, settings)
-                joint.cache[key] = spec.evaluate(mesh, settings, flops)
+                _fill_staged(joint, flops.__getitem__, spec.evaluate, mesh, settings)
             else:
                 _fill_pair(joint, spec.build, mesh, settings, spec.beam)
                 joint.left[_body_group(mesh, settings)] -= 1
@@ -399,10 +406,8 @@ def _fit(joint, mesh, settings, beam) -> bool:
     return any(c.valid for c in [*table, *uneven])
 
 
-def _cached(joint, mesh, settings, staged, beam) -> bool:
+def _cached(joint, mesh, settings, beam) -> bool:
     """Whether the pair's search is in `joint.cache` already."""
-    if _staged(mesh, staged):
-        return _staged_key(joint, mesh, settings) in joint.cache
     key = _key(joint, mesh, settings, beam)
     return key is not None and key in joint.cache
 
@@ -418,20 +423,35 @@ def _frugal(settings: Settings) -> tuple:
             settings.dtype != "bfloat16", settings.grad_accum)  # fmt: skip
 
 
+def _frugal_staged(settings: Settings) -> tuple:
+    """`_frugal` for a pipelined pair: the most microbatches first. A stage holds
+    min(M, S - s) of them in flight, each of batch / M rows, so more hold no more
+    activations, and the bubble (S - 1) / (M + S - 1) is the least, so its least step
+    time is the chain's least: the last of its chain to be pruned by time."""
+    return (*_frugal(settings)[:3], -settings.grad_accum)
+
+
 def _seeds(joint, mesh, settings, beam) -> tuple[Layout, ...] | None:
     """The layouts the pair's layout search may climb from beside its phase 1
-    (auto_layout's `seeds`): its mesh's lead's best (the first of its search: the fastest
-    that fits, else the closest to fitting; adding the lead's least memory too, for the
-    pairs that need more, planned more candidates of the Llama 3 70B plan, not fewer).
-    () for the lead itself and where there is no lead (a pipelined mesh, an exhaustive
-    search); None while the lead's search is not in `joint.cache`. A function of the
-    lead's search alone, not of which pairs were searched before: the plan is the same
-    in any order and with any `jobs`."""
+    (auto_layout's `seeds`): its mesh's lead's best (the first of its search: the
+    fastest that fits, else the closest to fitting; adding the lead's least memory too,
+    for the pairs that need more, planned more candidates of the Llama 3 70B plan, not
+    fewer; a pipelined lead's, the one layout of its stages, `StagedChoice.layout`). ()
+    for the lead itself and where there is no lead (an exhaustive search); None while
+    the lead's search is not in `joint.cache`. A function of the lead's search alone,
+    not of which pairs were searched before: the plan is the same in any order and with
+    any `jobs`."""
     if (_sizes(mesh), settings) in joint.seeds:
         return joint.seeds[(_sizes(mesh), settings)]
     lead = joint.leads.get(_sizes(mesh))
     if lead is None or lead == settings:
         return ()
+    if _pipelined(joint, mesh):  # the lead's StagedChoice: its one layout of every stage
+        choice = joint.cache.get(_staged_key(joint, mesh, lead, ()))
+        if choice is None:
+            return None
+        valid = all(c.candidate.step is not None for c in choice.costs)
+        return (choice.layout,) if valid else ()
     table = joint.cache.get(_pair_key(joint, mesh, lead, beam, ()))
     if table is None:
         return None
@@ -441,7 +461,11 @@ def _seeds(joint, mesh, settings, beam) -> tuple[Layout, ...] | None:
 def _key(joint, mesh, settings, beam) -> tuple | None:
     """The pair's key in `joint.cache`; None while its seeds are not known."""
     seeds = _seeds(joint, mesh, settings, beam)
-    return None if seeds is None else _pair_key(joint, mesh, settings, beam, seeds)
+    if seeds is None:
+        return None
+    if _pipelined(joint, mesh):
+        return _staged_key(joint, mesh, settings, seeds)
+    return _pair_key(joint, mesh, settings, beam, seeds)
 
 
 def _shared(joint: Joint, mesh: Mesh, settings: Settings) -> Shared:
@@ -464,25 +488,42 @@ def _staged(mesh: Mesh, staged) -> bool:
     return staged is not None and STAGE_AXIS in mesh.sizes
 
 
+def _pipelined(joint: Joint, mesh: Mesh) -> bool:
+    """Whether the mesh's pairs are pipelined pairs (`joint_search`'s `staged`)."""
+    return joint.pipelined and STAGE_AXIS in mesh.sizes
+
+
 def _space_of(mesh: Mesh, space: list, staged) -> list:
     return staged[1] if _staged(mesh, staged) else space
 
 
-def _search_staged(joint, whole, evaluate, mesh, settings, best_fit: list) -> None:
+def _search_staged(joint, flops, evaluate, mesh, settings, best_fit: list) -> None:
     """A pipelined pair (lowering/stages.py) into `joint`."""
     joint.searched += 1
-    key = _staged_key(joint, mesh, settings)
-    if key not in joint.cache:
-        joint.cache[key] = evaluate(mesh, settings, whole.model_flops(settings))
-    choice = joint.cache[key]
+    choice = _fill_staged(joint, flops, evaluate, mesh, settings)
     joint.choices.append(choice)
     if choice.fits:
         best_fit[0] = min(best_fit[0], choice.step_seconds)
 
 
-def _staged_key(joint, mesh, settings) -> tuple:
+def _fill_staged(joint, flops, evaluate, mesh, settings):
+    """The pipelined pair's StagedChoice, in `joint.cache` (evaluated unless there, its
+    layout searches seeded with its lead's layout, `_seeds`, the lead's evaluated first;
+    stopped at a plateau as the other pairs'); `flops(settings)`: its model flops."""
+    seeds = _seeds(joint, mesh, settings, None)
+    if seeds is None:  # its lead's first: it seeds this one's
+        _fill_staged(joint, flops, evaluate, mesh, joint.leads[_sizes(mesh)])
+        seeds = _seeds(joint, mesh, settings, None)
+    key = _staged_key(joint, mesh, settings, seeds)
+    if key not in joint.cache:
+        joint.cache[key] = evaluate(mesh, settings, flops(settings), seeds=seeds,
+                                    plateau=joint.plateau)  # fmt: skip
+    return joint.cache[key]
+
+
+def _staged_key(joint, mesh, settings, seeds) -> tuple:
     return ("staged", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates),
-            joint.training)  # fmt: skip
+            joint.training, seeds, joint.plateau)  # fmt: skip
 
 
 def _pair_key(joint, mesh, settings, beam, seeds) -> tuple:
