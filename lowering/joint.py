@@ -10,7 +10,10 @@ activations). A step with N microbatches runs the microbatch's step N times (the
 trainer's accumulation loop, each microbatch's gradient synchronised as it is made).
 
 Pruning, memory first: a pair whose parameters, gradients and optimizer state alone,
-split over every device, exceed the limit is not searched. Then time: pairs are taken
+split over every device, exceed the limit is not searched, nor (on a mesh without a
+stage axis) one whose whole step's memory on one device, split over every device,
+does (`_WholeCosts.least_bytes`: no layout splits a value more ways), unless no plan
+fits: then they are searched, so that the refusal names the closest plan. Then time: pairs are taken
 in order of their least possible step time (the step's flops with remat's recompute
 over every device at the flop rate, no communication; a pipelined pair's times its
 ticks over its microbatches, (M + S - 1) / M, as no stage idles less than the bubble)
@@ -57,7 +60,7 @@ from lowering.mesh import Mesh
 from lowering.rates import Rates
 from lowering.search import PLATEAU, Candidate, Search, auto_layout, report_candidate
 from lowering.stages import STAGE_AXIS
-from lowering.train_step import StepMemory, Training, optimizer_bytes
+from lowering.train_step import StepMemory, Training, optimizer_bytes, step_memory
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
 from namedmesh.uneven import pad_stacks
 
@@ -267,6 +270,7 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
             joint.leads[_sizes(mesh)] = min(lead, *chain, key=frugal)
     left = joint.left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
     settled: set = set()  # the pairs decided: searched or not
+    bounded: list = []  # the pairs pruned by their least memory (`BOUND`)
 
     def done(mesh, settings) -> None:  # forget a group's passes when no pair is left of it
         settled.add((id(mesh), settings))
@@ -298,6 +302,7 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
                 if why:
                     _count(joint.pruned, why)
                     done(mesh, settings)
+                    bounded += [(mesh, settings)] if why == BOUND else []
                     continue
                 if ahead is not None:
                     ahead.need((mesh, settings))
@@ -316,6 +321,10 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
     finally:
         if ahead is not None:
             ahead.close()
+    if not any(c.fits for c in joint.choices):  # the refusal names the closest plan searched
+        joint.pruned.pop(BOUND, None)
+        for mesh, settings in bounded:
+            _search_pair(joint, whole, build, mesh, settings, beam, best_fit)
 
 
 def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | None:
@@ -541,10 +550,15 @@ def _count(d: dict, reason: str, n: int = 1) -> None:
         d[reason] = d.get(reason, 0) + n
 
 
+BOUND = "least possible memory over the limit"  # `_pruned`'s reason: `_WholeCosts.least_bytes`
+
+
 def _pruned(whole, settings, mesh, rates, limit, best: float) -> str:
     """Why the pair is not searched ("" if it is): memory first, then time."""
     if whole.state_bytes(settings) / mesh.size > limit:
         return "parameters, gradients and optimizer state alone over the limit"
+    if STAGE_AXIS not in mesh.sizes and whole.least_bytes(settings) / mesh.size > limit:
+        return BOUND
     if whole.least(settings, mesh, rates) >= best:
         return "least possible step time no better than the best that fits"
     return ""
@@ -689,6 +703,16 @@ class _WholeCosts:
         """`model_flops` and remat's recompute."""
         again = self.report(settings).recompute_flops * settings.grad_accum
         return self.model_flops(settings) + again
+
+    def least_bytes(self, settings: Settings) -> float:
+        """The whole step's memory (lowering.train_step.step_memory: parameters,
+        gradients, optimizer state, activations, other) run on one device: no layout
+        divides a value more ways than the mesh has devices, so over them it is the
+        least a plan on a mesh without pipeline stages can hold per device (the stages'
+        microbatches in flight are not this program's)."""
+        t = self.training
+        run = Training(t.optimizer, t.moment_dtype, t.zero1, settings.grad_accum)
+        return step_memory(self.report(settings), {"whole": 1}, (), run).total
 
     def state_bytes(self, settings: Settings) -> float:
         """Parameters, gradients (and the accumulator) and optimizer state, whole."""
