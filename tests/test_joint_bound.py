@@ -4,8 +4,6 @@ when it is a bound: no candidate of a layout search plans under it (every layout
 step memory, costed by the search, no lower), the plan is the one every pair searched
 finds (`exhaustive`), and a refusal names the same closest plan as with the bound off."""
 
-import math
-
 import pytest
 
 from lowering import Mesh
@@ -49,9 +47,9 @@ def test_no_candidate_plans_under_the_least_possible_memory(build, least, settin
     assert min(memories) <= least[settings] * 1.5  # a bound near the least found
 
 
-def _plan(build, limit, **kw):
+def _plan(build, limit, space=SPACE, **kw):
     try:
-        return joint_search(build, [MESH], RATES, SPACE, memory_limit=limit, **kw)
+        return joint_search(build, [MESH], RATES, space, memory_limit=limit, **kw)
     except PlanError as e:
         return str(e)
 
@@ -66,7 +64,7 @@ def test_the_bound_prunes_pairs_and_keeps_the_plan_and_the_refusal(build, least,
     assert (best.step_seconds, best.memory) == (other.step_seconds, other.memory)
     # nothing fits: the bounded pairs are searched after all, the refusal the same
     below = min(least.values()) * 0.99
-    refused = _plan(build, below)
+    refused = _plan(build, below, SPACE[::2])  # (one count of microbatches: fewer searches)
     monkeypatch.setattr(joint_module._WholeCosts, "least_bytes", lambda self, s: 0.0)
-    assert refused == _plan(build, below)
-    assert isinstance(refused, str) and "The closest" in refused and not math.isnan(below)
+    assert refused == _plan(build, below, SPACE[::2])
+    assert isinstance(refused, str) and "The closest" in refused
