@@ -175,6 +175,8 @@ class Joint:
     seeds: dict = field(default_factory=dict, repr=False)  # (sizes, settings) -> seeds given
     plateau: float = PLATEAU  # auto_layout's: a failing descent stops (0: `exhaustive`)
     pipelined: bool = False  # whether meshes with a stage axis are planned as pipelines
+    parents: dict = field(default_factory=dict, repr=False)  # pipelined sizes -> `_parent`
+    beam: int = 1  # the layout searches' (auto_layout's)
 
     @property
     def best(self) -> Choice:
@@ -238,7 +240,7 @@ def joint_search(
     whole = _WholeCosts(build, training)
     joint = Joint([], rates, training, limit, tokens, plateau=0.0 if exhaustive else PLATEAU)
     joint.cache = {} if cache is None else cache
-    joint.chain, joint.pipelined = tuple(chain), staged is not None
+    joint.chain, joint.pipelined, joint.beam = tuple(chain), staged is not None, beam
     try:
         _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, jobs)
     finally:  # the pairs' shared scan bodies' planned passes (lowering/bodies.py)
@@ -268,6 +270,11 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
             frugal = _frugal_staged if _staged(mesh, staged) else _frugal
             lead = joint.leads.setdefault(_sizes(mesh), chain[0])
             joint.leads[_sizes(mesh)] = min(lead, *chain, key=frugal)
+        plain = [mesh for mesh, _ in order if not _staged(mesh, staged)]
+        for mesh, _ in order:
+            parent = _parent(mesh, plain) if _staged(mesh, staged) else None
+            if parent is not None:
+                joint.parents[_sizes(mesh)] = parent
     left = joint.left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
     settled: set = set()  # the pairs decided: searched or not
     bounded: list = []  # the pairs pruned by their least memory (`BOUND`)
@@ -307,8 +314,8 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
                 if ahead is not None:
                     ahead.need((mesh, settings))
                 if _staged(mesh, staged):
-                    _search_staged(joint, whole.model_flops, staged[0], mesh, settings,
-                                   best_fit)  # fmt: skip
+                    _search_staged(joint, build, whole.model_flops, staged[0], mesh,
+                                   settings, best_fit)  # fmt: skip
                 elif _search_pair(joint, whole, build, mesh, settings, beam, best_fit) and not (
                     exhaustive
                 ):  # the fewest microbatches that fit: the rest of the chain is not searched
@@ -342,7 +349,8 @@ def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | 
     if len(groups) < 2:
         return None
     spec = _Spec(build, staged[0] if staged else None, joint.rates, joint.limit,
-                 joint.training, beam, joint.chain, dict(joint.leads), joint.plateau)  # fmt: skip
+                 joint.training, beam, joint.chain, dict(joint.leads), joint.plateau,
+                 dict(joint.parents))  # fmt: skip
     groups = list(groups.values())
     lead_group = {}  # mesh sizes -> the group of its lead, which the others' seeds wait on
     for g, pairs in enumerate(groups):
@@ -351,6 +359,9 @@ def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | 
                 lead_group[_sizes(mesh)] = g
     after = {g: lead_group[_sizes(pairs[0][0])] for g, pairs in enumerate(groups)
              if lead_group.get(_sizes(pairs[0][0]), g) != g}  # fmt: skip
+    for sizes, parent in joint.parents.items():  # a pipelined lead waits on its parent's
+        if sizes in lead_group and _sizes(parent) in lead_group:
+            after[lead_group[sizes]] = lead_group[_sizes(parent)]
 
     def task(pairs):
         flops = lambda m, s: {x: whole.model_flops(x) for x in (s, joint.leads.get(_sizes(m)))
@@ -376,6 +387,7 @@ class _Spec:
     chain: tuple
     leads: dict  # Joint.leads
     plateau: float  # Joint.plateau
+    parents: dict  # Joint.parents
 
 
 @few_collections()
@@ -387,13 +399,15 @@ def search_group(spec: _Spec, pairs: list) -> dict:
     from their programs (`Search.detach`) to pickle."""
     joint = Joint([], spec.rates, spec.training, spec.limit, 0, plateau=spec.plateau,
                   pipelined=spec.evaluate is not None)  # fmt: skip
-    joint.chain, joint.leads = spec.chain, spec.leads
+    joint.chain, joint.leads, joint.parents = spec.chain, spec.leads, spec.parents
+    joint.beam = spec.beam
     joint.seeds = {(_sizes(m), s): seeds for m, s, _, seeds in pairs if seeds is not None}
     joint.left = Counter(_body_group(m, s) for m, s, flops, _ in pairs if flops is None)
     try:
         for mesh, settings, flops, _ in pairs:
             if flops is not None:
-                _fill_staged(joint, flops.__getitem__, spec.evaluate, mesh, settings)
+                _fill_staged(joint, spec.build, flops.__getitem__, spec.evaluate, mesh,
+                             settings)  # fmt: skip
             else:
                 _fill_pair(joint, spec.build, mesh, settings, spec.beam)
                 joint.left[_body_group(mesh, settings)] -= 1
@@ -446,17 +460,28 @@ def _seeds(joint, mesh, settings, beam) -> tuple[Layout, ...] | None:
     fastest that fits, else the closest to fitting; adding the lead's least memory too,
     for the pairs that need more, planned more candidates of the Llama 3 70B plan, not
     fewer; a pipelined lead's, the one layout of its stages, `StagedChoice.layout`). ()
-    for the lead itself and where there is no lead (an exhaustive search); None while
-    the lead's search is not in `joint.cache`. A function of the lead's search alone,
+    for the lead itself (but a pipelined lead with a `_parent` mesh: its parent's lead's
+    best) and where there is no lead (an exhaustive search); None while the lead's search
+    is not in `joint.cache`. A function of the lead's search alone,
     not of which pairs were searched before: the plan is the same in any order and with
     any `jobs`."""
     if (_sizes(mesh), settings) in joint.seeds:
         return joint.seeds[(_sizes(mesh), settings)]
     lead = joint.leads.get(_sizes(mesh))
-    if lead is None or lead == settings:
+    if lead is None:
         return ()
+    if lead == settings:  # a pipelined lead climbs from its parent's lead's layout
+        parent = joint.parents.get(_sizes(mesh))
+        if parent is None:
+            return ()
+        table = joint.cache.get(_pair_key(joint, parent, joint.leads[_sizes(parent)],
+                                          joint.beam, ()))  # fmt: skip
+        if table is None:
+            return None
+        return tuple(c.layout for c in table[:1] if not c.note.startswith("invalid"))
     if _pipelined(joint, mesh):  # the lead's StagedChoice: its one layout of every stage
-        choice = joint.cache.get(_staged_key(joint, mesh, lead, ()))
+        own = _seeds(joint, mesh, lead, beam)  # the lead's (its parent's lead's)
+        choice = None if own is None else joint.cache.get(_staged_key(joint, mesh, lead, own))
         if choice is None:
             return None
         valid = all(c.candidate.step is not None for c in choice.costs)
@@ -506,28 +531,47 @@ def _space_of(mesh: Mesh, space: list, staged) -> list:
     return staged[1] if _staged(mesh, staged) else space
 
 
-def _search_staged(joint, flops, evaluate, mesh, settings, best_fit: list) -> None:
+def _search_staged(joint, build, flops, evaluate, mesh, settings, best_fit: list) -> None:
     """A pipelined pair (lowering/stages.py) into `joint`."""
     joint.searched += 1
-    choice = _fill_staged(joint, flops, evaluate, mesh, settings)
+    choice = _fill_staged(joint, build, flops, evaluate, mesh, settings)
     joint.choices.append(choice)
     if choice.fits:
         best_fit[0] = min(best_fit[0], choice.step_seconds)
 
 
-def _fill_staged(joint, flops, evaluate, mesh, settings):
+def _fill_staged(joint, build, flops, evaluate, mesh, settings):
     """The pipelined pair's StagedChoice, in `joint.cache` (evaluated unless there, its
-    layout searches seeded with its lead's layout, `_seeds`, the lead's evaluated first;
-    stopped at a plateau as the other pairs'); `flops(settings)`: its model flops."""
-    seeds = _seeds(joint, mesh, settings, None)
-    if seeds is None:  # its lead's first: it seeds this one's
-        _fill_staged(joint, flops, evaluate, mesh, joint.leads[_sizes(mesh)])
-        seeds = _seeds(joint, mesh, settings, None)
+    layout searches seeded with its lead's layout, `_seeds`, the lead's evaluated first,
+    and the lead's with its parent's lead's, `_parent`, searched first; stopped at a
+    plateau as the other pairs'); `flops(settings)`: its model flops."""
+    seeds = _seeds(joint, mesh, settings, joint.beam)
+    if seeds is None:  # its lead's first (a lead: its parent's lead's): it seeds this one's
+        lead = joint.leads[_sizes(mesh)]
+        if lead == settings:
+            parent = joint.parents[_sizes(mesh)]
+            _fill_pair(joint, build, parent, joint.leads[_sizes(parent)], joint.beam)
+        else:
+            _fill_staged(joint, build, flops, evaluate, mesh, lead)
+        seeds = _seeds(joint, mesh, settings, joint.beam)
     key = _staged_key(joint, mesh, settings, seeds)
     if key not in joint.cache:
         joint.cache[key] = evaluate(mesh, settings, flops(settings), seeds=seeds,
                                     plateau=joint.plateau)  # fmt: skip
     return joint.cache[key]
+
+
+def _parent(mesh: Mesh, plain: list) -> Mesh | None:
+    """Of the meshes without a stage axis, the one whose lead's layout a pipelined
+    mesh's lead climbs from: its axes those of the stage's devices (`mesh` but its stage
+    axis), each the same size but the outermost (the data axis of `--devices N
+    --stages S`: data=N/(S m), model=m beside data=N/m, model=m); None if none is."""
+    inner = [(a, n) for a, n in mesh.sizes.items() if a != STAGE_AXIS]
+    for other in plain:
+        items = list(other.sizes.items())
+        if [a for a, _ in items] == [a for a, _ in inner] and items[1:] == inner[1:]:
+            return other
+    return None
 
 
 def _staged_key(joint, mesh, settings, seeds) -> tuple:

@@ -21,6 +21,7 @@ from tests.test_search_optimal import layouts
 from tests.test_stage_costs import F32, RATES, B, D, toy_build
 
 MESH = Mesh({"stage": 2, "data": 2, "model": 2}, devices="abstract")
+PLAIN = Mesh({"data": 4, "model": 2}, devices="abstract")  # MESH's lead's `_parent`
 COUNTS = (2, 4)  # microbatches: the lead is 4, the most
 DIMS = ["batch", "d_model", "d_next", "d_in"]
 SEARCH = stages_module.auto_layout
@@ -45,9 +46,9 @@ def brute():
     return rows
 
 
-def _plan(limit, exhaustive, monkeypatch):
-    """joint_search of the toy's stage mesh alone, every count of COUNTS, and its stage
-    searches' (seeds, plateau, candidates) in order."""
+def _plan(limit, exhaustive, monkeypatch, meshes=(MESH,)):
+    """joint_search of the toy on `meshes`, the stage mesh's every count of COUNTS, and
+    its stage searches' (seeds, plateau, candidates) in order."""
     calls, search = [], SEARCH
 
     def noting(*args, seeds=(), plateau=0.0, **kw):
@@ -64,7 +65,7 @@ def _plan(limit, exhaustive, monkeypatch):
     whole = lambda settings: toy_build(settings, (5,), True, True)
     staged = (functools.partial(_evaluate, limit), [Settings(grad_accum=m) for m in COUNTS])
     try:
-        joint = joint_search(whole, [MESH], RATES, [Settings()], memory_limit=limit,
+        joint = joint_search(whole, list(meshes), RATES, [Settings()], memory_limit=limit,
                              tokens=B, staged=staged, exhaustive=exhaustive,
                              cache=cache)  # fmt: skip
     except PlanError:
@@ -88,6 +89,13 @@ def test_a_seeded_pipelined_search_finds_the_brute_force_optimum(brute, quantile
     assert seeded.best.settings == whole.best.settings
     # the lead (4 microbatches) unseeded and first, then the other pair from its layout
     assert [c[:2] for c in calls][:2] == [(0, PLATEAU), (1, PLATEAU)]
+    # beside a mesh without stages of the same model axis, the lead climbs from its
+    # lead's layout, and the best pipelined plan is still no slower than brute force
+    beside, _, calls = _plan(limit, False, monkeypatch, (PLAIN, MESH))
+    piped = min((c for c in beside.choices if isinstance(c, StagedChoice) and c.fits),
+                key=lambda c: c.step_seconds)  # fmt: skip
+    assert piped.step_seconds <= best * (1 + 1e-9)
+    assert [c[:2] for c in calls][:2] == [(1, PLATEAU), (1, PLATEAU)]
 
 
 def test_a_failing_pipelined_descent_stops_at_a_plateau_near_the_least_memory(brute, monkeypatch):
