@@ -34,7 +34,9 @@ search climbs from the lead's best layout beside its own phase 1 (`auto_layout`'
 `seeds`), so that where the pairs of a mesh choose alike, a climb starts near its end.
 The lead is searched before the others of its mesh (even where its own pair is pruned),
 and a pair's seeds are a function of the lead's search alone, not of the order: the plan
-is the same with any `jobs`. `exhaustive` seeds nothing.
+is the same with any `jobs`. A pipelined mesh's lead climbs from the layout of the lead
+of its parent, the mesh without stages whose axes are its stage's devices' (`_parent`),
+searched before it. `exhaustive` seeds nothing.
 Plateaus: a pair's search that finds nothing fitting descends by memory; it stops at
 the first step that gains under 1% (auto_layout's `plateau`), not `exhaustive`'s. A
 pipelined pair's stage searches (lowering/stages.py) are seeded and stopped alike.
