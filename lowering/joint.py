@@ -10,7 +10,10 @@ activations). A step with N microbatches runs the microbatch's step N times (the
 trainer's accumulation loop, each microbatch's gradient synchronised as it is made).
 
 Pruning, memory first: a pair whose parameters, gradients and optimizer state alone,
-split over every device, exceed the limit is not searched. Then time: pairs are taken
+split over every device, exceed the limit is not searched, nor (on a mesh without a
+stage axis) one whose whole step's memory on one device, split over every device,
+does (`_WholeCosts.least_bytes`: no layout splits a value more ways), unless no plan
+fits: then they are searched, so that the refusal names the closest plan. Then time: pairs are taken
 in order of their least possible step time (the step's flops with remat's recompute
 over every device at the flop rate, no communication; a pipelined pair's times its
 ticks over its microbatches, (M + S - 1) / M, as no stage idles less than the bubble)
@@ -24,16 +27,19 @@ Sharing: the pairs of one mesh whose settings differ in remat alone trace one pr
 but for its scans' remat, which only the costing reads; their searches share its scan
 bodies and plans (lowering/bodies.py `Shared`, one per group, emptied when its last
 pair is done): a layout one of them planned is costed, not planned, by the others.
-Seeding: of each mesh's pairs (a pipelined mesh's aside) one is its lead, the one
-likeliest to fit (`_frugal`: the most remat, blockwise attention, the fewest
-microbatches), searched as alone; every other pair's layout search climbs from the
-lead's best layout beside its own phase 1 (`auto_layout`'s `seeds`), so that where the
-pairs of a mesh choose alike, a climb starts near its end. The lead is searched before
-the others of its mesh (even where its own pair is pruned), and a pair's seeds are a
-function of the lead's search alone, not of the order: the plan is the same with any
-`jobs`. `exhaustive` seeds nothing.
+Seeding: of each mesh's pairs one is its lead, the one likeliest to fit (`_frugal`: the
+most remat, blockwise attention, the fewest microbatches; of a pipelined mesh's, the
+most microbatches, `_frugal_staged`), searched as alone; every other pair's layout
+search climbs from the lead's best layout beside its own phase 1 (`auto_layout`'s
+`seeds`), so that where the pairs of a mesh choose alike, a climb starts near its end.
+The lead is searched before the others of its mesh (even where its own pair is pruned),
+and a pair's seeds are a function of the lead's search alone, not of the order: the plan
+is the same with any `jobs`. A pipelined mesh's lead climbs from the layout of the lead
+of its parent, the mesh without stages whose axes are its stage's devices' (`_parent`),
+searched before it. `exhaustive` seeds nothing.
 Plateaus: a pair's search that finds nothing fitting descends by memory; it stops at
-the first step that gains under 1% (auto_layout's `plateau`), not `exhaustive`'s.
+the first step that gains under 1% (auto_layout's `plateau`), not `exhaustive`'s. A
+pipelined pair's stage searches (lowering/stages.py) are seeded and stopped alike.
 Cores: `jobs=N` runs the pairs' searches ahead in N worker processes
 (lowering/joint_jobs.py), the decisions above taken here in the same order: the same
 result.
@@ -56,7 +62,7 @@ from lowering.mesh import Mesh
 from lowering.rates import Rates
 from lowering.search import PLATEAU, Candidate, Search, auto_layout, report_candidate
 from lowering.stages import STAGE_AXIS
-from lowering.train_step import StepMemory, Training, optimizer_bytes
+from lowering.train_step import StepMemory, Training, optimizer_bytes, step_memory
 from namedmesh.errors import LayoutError, NamedMeshError, ParameterError
 from namedmesh.uneven import pad_stacks
 
@@ -170,6 +176,9 @@ class Joint:
     leads: dict = field(default_factory=dict, repr=False)  # mesh sizes -> its lead's settings
     seeds: dict = field(default_factory=dict, repr=False)  # (sizes, settings) -> seeds given
     plateau: float = PLATEAU  # auto_layout's: a failing descent stops (0: `exhaustive`)
+    pipelined: bool = False  # whether meshes with a stage axis are planned as pipelines
+    parents: dict = field(default_factory=dict, repr=False)  # pipelined sizes -> `_parent`
+    beam: int = 1  # the layout searches' (auto_layout's)
 
     @property
     def best(self) -> Choice:
@@ -214,8 +223,10 @@ def joint_search(
     settings, beam and seeds).
     `staged`: (evaluate, space) for the meshes with a `stage` axis: each is weighed under
     `space` (its settings' grad_accum the pipeline's microbatches) by
-    `evaluate(mesh, settings, model_flops)` -> a lowering.stages.StagedChoice, every
-    count of microbatches searched (more shrink the bubble). `chain`: the keys of a
+    `evaluate(mesh, settings, model_flops, seeds=, plateau=)` -> a
+    lowering.stages.StagedChoice (`seeds`, `plateau`: its layout searches' own, as
+    auto_layout takes them), every count of microbatches searched (more shrink the
+    bubble). `chain`: the keys of a
     params dict whose stacks the model runs chained (nm.scan_chain;
     `namedmesh.uneven.pad_stacks`' `chain`), padded so where a stage axis splits them.
     `jobs`: worker processes that search the pairs ahead (lowering/joint_jobs.py), the
@@ -231,7 +242,7 @@ def joint_search(
     whole = _WholeCosts(build, training)
     joint = Joint([], rates, training, limit, tokens, plateau=0.0 if exhaustive else PLATEAU)
     joint.cache = {} if cache is None else cache
-    joint.chain = tuple(chain)
+    joint.chain, joint.pipelined, joint.beam = tuple(chain), staged is not None, beam
     try:
         _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, jobs)
     finally:  # the pairs' shared scan bodies' planned passes (lowering/bodies.py)
@@ -258,11 +269,17 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
     order = [(mesh, sorted(chain, key=lambda s: s.grad_accum)) for mesh, chain in order]
     if not exhaustive:  # each mesh's pair likeliest to fit seeds its others' climbs
         for mesh, chain in order:
-            if not _staged(mesh, staged):
-                lead = joint.leads.setdefault(_sizes(mesh), chain[0])
-                joint.leads[_sizes(mesh)] = min(lead, chain[0], key=_frugal)
+            frugal = _frugal_staged if _staged(mesh, staged) else _frugal
+            lead = joint.leads.setdefault(_sizes(mesh), chain[0])
+            joint.leads[_sizes(mesh)] = min(lead, *chain, key=frugal)
+        plain = [mesh for mesh, _ in order if not _staged(mesh, staged)]
+        for mesh, _ in order:
+            parent = _parent(mesh, plain) if _staged(mesh, staged) else None
+            if parent is not None:
+                joint.parents[_sizes(mesh)] = parent
     left = joint.left = Counter(_body_group(mesh, s) for mesh, chain in order for s in chain)
     settled: set = set()  # the pairs decided: searched or not
+    bounded: list = []  # the pairs pruned by their least memory (`BOUND`)
 
     def done(mesh, settings) -> None:  # forget a group's passes when no pair is left of it
         settled.add((id(mesh), settings))
@@ -275,7 +292,7 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
 
     def wanted(pair) -> bool:  # by a worker: not decided, cached or pruned (it stays so),
         mesh, settings = pair  # nor likely left out (fewer microbatches fit, searched)
-        if (id(mesh), settings) in settled or _cached(joint, mesh, settings, staged, beam):
+        if (id(mesh), settings) in settled or _cached(joint, mesh, settings, beam):
             return False
         if exhaustive:
             return True
@@ -294,11 +311,13 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
                 if why:
                     _count(joint.pruned, why)
                     done(mesh, settings)
+                    bounded += [(mesh, settings)] if why == BOUND else []
                     continue
                 if ahead is not None:
                     ahead.need((mesh, settings))
                 if _staged(mesh, staged):
-                    _search_staged(joint, whole, staged[0], mesh, settings, best_fit)
+                    _search_staged(joint, build, whole.model_flops, staged[0], mesh,
+                                   settings, best_fit)  # fmt: skip
                 elif _search_pair(joint, whole, build, mesh, settings, beam, best_fit) and not (
                     exhaustive
                 ):  # the fewest microbatches that fit: the rest of the chain is not searched
@@ -311,6 +330,10 @@ def _search_pairs(joint, whole, build, meshes, space, staged, beam, exhaustive, 
     finally:
         if ahead is not None:
             ahead.close()
+    if not any(c.fits for c in joint.choices):  # the refusal names the closest plan searched
+        joint.pruned.pop(BOUND, None)
+        for mesh, settings in bounded:
+            _search_pair(joint, whole, build, mesh, settings, beam, best_fit)
 
 
 def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | None:
@@ -328,7 +351,8 @@ def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | 
     if len(groups) < 2:
         return None
     spec = _Spec(build, staged[0] if staged else None, joint.rates, joint.limit,
-                 joint.training, beam, joint.chain, dict(joint.leads), joint.plateau)  # fmt: skip
+                 joint.training, beam, joint.chain, dict(joint.leads), joint.plateau,
+                 dict(joint.parents))  # fmt: skip
     groups = list(groups.values())
     lead_group = {}  # mesh sizes -> the group of its lead, which the others' seeds wait on
     for g, pairs in enumerate(groups):
@@ -337,10 +361,15 @@ def _ahead(joint, whole, build, order, staged, beam, jobs, wanted) -> Workers | 
                 lead_group[_sizes(mesh)] = g
     after = {g: lead_group[_sizes(pairs[0][0])] for g, pairs in enumerate(groups)
              if lead_group.get(_sizes(pairs[0][0]), g) != g}  # fmt: skip
+    for sizes, parent in joint.parents.items():  # a pipelined lead waits on its parent's
+        if sizes in lead_group and _sizes(parent) in lead_group:
+            after[lead_group[sizes]] = lead_group[_sizes(parent)]
 
     def task(pairs):
-        work = [(m, s, whole.model_flops(s), ()) if _staged(m, staged) else
-                (m, s, None, _seeds(joint, m, s, beam)) for m, s in pairs]  # fmt: skip
+        flops = lambda m, s: {x: whole.model_flops(x) for x in (s, joint.leads.get(_sizes(m)))
+                              if x is not None}  # fmt: skip
+        work = [(m, s, flops(m, s) if _staged(m, staged) else None, _seeds(joint, m, s, beam))
+                for m, s in pairs]  # fmt: skip
         return functools.partial(search_group, spec, work)
 
     return Workers(min(jobs, len(groups)), groups, task, wanted, joint.cache.update,
@@ -360,24 +389,27 @@ class _Spec:
     chain: tuple
     leads: dict  # Joint.leads
     plateau: float  # Joint.plateau
+    parents: dict  # Joint.parents
 
 
 @few_collections()
 def search_group(spec: _Spec, pairs: list) -> dict:
-    """In a worker: the cache entries of `pairs` ((mesh, settings, model flops for a
-    pipelined pair else None, the seeds of its climb: None where its lead's search was
-    not in the caller's cache, which is then searched here first)), searched as the
-    serial search does, their tables detached from their programs (`Search.detach`) to
-    pickle."""
-    joint = Joint([], spec.rates, spec.training, spec.limit, 0, plateau=spec.plateau)
-    joint.chain, joint.leads = spec.chain, spec.leads
+    """In a worker: the cache entries of `pairs` ((mesh, settings, for a pipelined pair
+    the model flops of its settings and its lead's (a dict) else None, the seeds of its
+    climb: None where its lead's search was not in the caller's cache, which is then
+    searched here first)), searched as the serial search does, their tables detached
+    from their programs (`Search.detach`) to pickle."""
+    joint = Joint([], spec.rates, spec.training, spec.limit, 0, plateau=spec.plateau,
+                  pipelined=spec.evaluate is not None)  # fmt: skip
+    joint.chain, joint.leads, joint.parents = spec.chain, spec.leads, spec.parents
+    joint.beam = spec.beam
     joint.seeds = {(_sizes(m), s): seeds for m, s, _, seeds in pairs if seeds is not None}
     joint.left = Counter(_body_group(m, s) for m, s, flops, _ in pairs if flops is None)
     try:
         for mesh, settings, flops, _ in pairs:
             if flops is not None:
-                key = _staged_key(joint, mesh, settings)
-                joint.cache[key] = spec.evaluate(mesh, settings, flops)
+                _fill_staged(joint, spec.build, flops.__getitem__, spec.evaluate, mesh,
+                             settings)  # fmt: skip
             else:
                 _fill_pair(joint, spec.build, mesh, settings, spec.beam)
                 joint.left[_body_group(mesh, settings)] -= 1
@@ -399,10 +431,8 @@ def _fit(joint, mesh, settings, beam) -> bool:
     return any(c.valid for c in [*table, *uneven])
 
 
-def _cached(joint, mesh, settings, staged, beam) -> bool:
+def _cached(joint, mesh, settings, beam) -> bool:
     """Whether the pair's search is in `joint.cache` already."""
-    if _staged(mesh, staged):
-        return _staged_key(joint, mesh, settings) in joint.cache
     key = _key(joint, mesh, settings, beam)
     return key is not None and key in joint.cache
 
@@ -418,20 +448,46 @@ def _frugal(settings: Settings) -> tuple:
             settings.dtype != "bfloat16", settings.grad_accum)  # fmt: skip
 
 
+def _frugal_staged(settings: Settings) -> tuple:
+    """`_frugal` for a pipelined pair: the most microbatches first. A stage holds
+    min(M, S - s) of them in flight, each of batch / M rows, so more hold no more
+    activations, and the bubble (S - 1) / (M + S - 1) is the least, so its least step
+    time is the chain's least: the last of its chain to be pruned by time."""
+    return (*_frugal(settings)[:3], -settings.grad_accum)
+
+
 def _seeds(joint, mesh, settings, beam) -> tuple[Layout, ...] | None:
     """The layouts the pair's layout search may climb from beside its phase 1
-    (auto_layout's `seeds`): its mesh's lead's best (the first of its search: the fastest
-    that fits, else the closest to fitting; adding the lead's least memory too, for the
-    pairs that need more, planned more candidates of the Llama 3 70B plan, not fewer).
-    () for the lead itself and where there is no lead (a pipelined mesh, an exhaustive
-    search); None while the lead's search is not in `joint.cache`. A function of the
-    lead's search alone, not of which pairs were searched before: the plan is the same
-    in any order and with any `jobs`."""
+    (auto_layout's `seeds`): its mesh's lead's best (the first of its search: the
+    fastest that fits, else the closest to fitting; adding the lead's least memory too,
+    for the pairs that need more, planned more candidates of the Llama 3 70B plan, not
+    fewer; a pipelined lead's, the one layout of its stages, `StagedChoice.layout`). ()
+    for the lead itself (but a pipelined lead with a `_parent` mesh: its parent's lead's
+    best) and where there is no lead (an exhaustive search); None while the lead's search
+    is not in `joint.cache`. A function of the lead's search alone,
+    not of which pairs were searched before: the plan is the same in any order and with
+    any `jobs`."""
     if (_sizes(mesh), settings) in joint.seeds:
         return joint.seeds[(_sizes(mesh), settings)]
     lead = joint.leads.get(_sizes(mesh))
-    if lead is None or lead == settings:
+    if lead is None:
         return ()
+    if lead == settings:  # a pipelined lead climbs from its parent's lead's layout
+        parent = joint.parents.get(_sizes(mesh))
+        if parent is None:
+            return ()
+        table = joint.cache.get(_pair_key(joint, parent, joint.leads[_sizes(parent)],
+                                          joint.beam, ()))  # fmt: skip
+        if table is None:
+            return None
+        return tuple(c.layout for c in table[:1] if not c.note.startswith("invalid"))
+    if _pipelined(joint, mesh):  # the lead's StagedChoice: its one layout of every stage
+        own = _seeds(joint, mesh, lead, beam)  # the lead's (its parent's lead's)
+        choice = None if own is None else joint.cache.get(_staged_key(joint, mesh, lead, own))
+        if choice is None:
+            return None
+        valid = all(c.candidate.step is not None for c in choice.costs)
+        return (choice.layout,) if valid else ()
     table = joint.cache.get(_pair_key(joint, mesh, lead, beam, ()))
     if table is None:
         return None
@@ -441,7 +497,11 @@ def _seeds(joint, mesh, settings, beam) -> tuple[Layout, ...] | None:
 def _key(joint, mesh, settings, beam) -> tuple | None:
     """The pair's key in `joint.cache`; None while its seeds are not known."""
     seeds = _seeds(joint, mesh, settings, beam)
-    return None if seeds is None else _pair_key(joint, mesh, settings, beam, seeds)
+    if seeds is None:
+        return None
+    if _pipelined(joint, mesh):
+        return _staged_key(joint, mesh, settings, seeds)
+    return _pair_key(joint, mesh, settings, beam, seeds)
 
 
 def _shared(joint: Joint, mesh: Mesh, settings: Settings) -> Shared:
@@ -464,25 +524,61 @@ def _staged(mesh: Mesh, staged) -> bool:
     return staged is not None and STAGE_AXIS in mesh.sizes
 
 
+def _pipelined(joint: Joint, mesh: Mesh) -> bool:
+    """Whether the mesh's pairs are pipelined pairs (`joint_search`'s `staged`)."""
+    return joint.pipelined and STAGE_AXIS in mesh.sizes
+
+
 def _space_of(mesh: Mesh, space: list, staged) -> list:
     return staged[1] if _staged(mesh, staged) else space
 
 
-def _search_staged(joint, whole, evaluate, mesh, settings, best_fit: list) -> None:
+def _search_staged(joint, build, flops, evaluate, mesh, settings, best_fit: list) -> None:
     """A pipelined pair (lowering/stages.py) into `joint`."""
     joint.searched += 1
-    key = _staged_key(joint, mesh, settings)
-    if key not in joint.cache:
-        joint.cache[key] = evaluate(mesh, settings, whole.model_flops(settings))
-    choice = joint.cache[key]
+    choice = _fill_staged(joint, build, flops, evaluate, mesh, settings)
     joint.choices.append(choice)
     if choice.fits:
         best_fit[0] = min(best_fit[0], choice.step_seconds)
 
 
-def _staged_key(joint, mesh, settings) -> tuple:
+def _fill_staged(joint, build, flops, evaluate, mesh, settings):
+    """The pipelined pair's StagedChoice, in `joint.cache` (evaluated unless there, its
+    layout searches seeded with its lead's layout, `_seeds`, the lead's evaluated first,
+    and the lead's with its parent's lead's, `_parent`, searched first; stopped at a
+    plateau as the other pairs'); `flops(settings)`: its model flops."""
+    seeds = _seeds(joint, mesh, settings, joint.beam)
+    if seeds is None:  # its lead's first (a lead: its parent's lead's): it seeds this one's
+        lead = joint.leads[_sizes(mesh)]
+        if lead == settings:
+            parent = joint.parents[_sizes(mesh)]
+            _fill_pair(joint, build, parent, joint.leads[_sizes(parent)], joint.beam)
+        else:
+            _fill_staged(joint, build, flops, evaluate, mesh, lead)
+        seeds = _seeds(joint, mesh, settings, joint.beam)
+    key = _staged_key(joint, mesh, settings, seeds)
+    if key not in joint.cache:
+        joint.cache[key] = evaluate(mesh, settings, flops(settings), seeds=seeds,
+                                    plateau=joint.plateau)  # fmt: skip
+    return joint.cache[key]
+
+
+def _parent(mesh: Mesh, plain: list) -> Mesh | None:
+    """Of the meshes without a stage axis, the one whose lead's layout a pipelined
+    mesh's lead climbs from: its axes those of the stage's devices (`mesh` but its stage
+    axis), each the same size but the outermost (the data axis of `--devices N
+    --stages S`: data=N/(S m), model=m beside data=N/m, model=m); None if none is."""
+    inner = [(a, n) for a, n in mesh.sizes.items() if a != STAGE_AXIS]
+    for other in plain:
+        items = list(other.sizes.items())
+        if [a for a, _ in items] == [a for a, _ in inner] and items[1:] == inner[1:]:
+            return other
+    return None
+
+
+def _staged_key(joint, mesh, settings, seeds) -> tuple:
     return ("staged", tuple(mesh.sizes.items()), settings, joint.limit, repr(joint.rates),
-            joint.training)  # fmt: skip
+            joint.training, seeds, joint.plateau)  # fmt: skip
 
 
 def _pair_key(joint, mesh, settings, beam, seeds) -> tuple:
@@ -500,10 +596,15 @@ def _count(d: dict, reason: str, n: int = 1) -> None:
         d[reason] = d.get(reason, 0) + n
 
 
+BOUND = "least possible memory over the limit"  # `_pruned`'s reason: `_WholeCosts.least_bytes`
+
+
 def _pruned(whole, settings, mesh, rates, limit, best: float) -> str:
     """Why the pair is not searched ("" if it is): memory first, then time."""
     if whole.state_bytes(settings) / mesh.size > limit:
         return "parameters, gradients and optimizer state alone over the limit"
+    if STAGE_AXIS not in mesh.sizes and whole.least_bytes(settings) / mesh.size > limit:
+        return BOUND
     if whole.least(settings, mesh, rates) >= best:
         return "least possible step time no better than the best that fits"
     return ""
@@ -648,6 +749,16 @@ class _WholeCosts:
         """`model_flops` and remat's recompute."""
         again = self.report(settings).recompute_flops * settings.grad_accum
         return self.model_flops(settings) + again
+
+    def least_bytes(self, settings: Settings) -> float:
+        """The whole step's memory (lowering.train_step.step_memory: parameters,
+        gradients, optimizer state, activations, other) run on one device: no layout
+        divides a value more ways than the mesh has devices, so over them it is the
+        least a plan on a mesh without pipeline stages can hold per device (the stages'
+        microbatches in flight are not this program's)."""
+        t = self.training
+        run = Training(t.optimizer, t.moment_dtype, t.zero1, settings.grad_accum)
+        return step_memory(self.report(settings), {"whole": 1}, (), run).total
 
     def state_bytes(self, settings: Settings) -> float:
         """Parameters, gradients (and the accumulator) and optimizer state, whole."""

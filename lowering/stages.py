@@ -279,14 +279,18 @@ def staged_choice(
     moe: bool,
     layout=None,
     beam: int = 1,
+    seeds=(),
+    plateau: float = 0.0,
 ) -> StagedChoice:
     """The pipelined plan of `mesh` (its stage axis S) under `settings` (M =
     settings.grad_accum microbatches): `build(settings, counts, first, last)` traces one
     stage of `counts` layers per stack (the first embeds the tokens, the last holds the
     loss head), one microbatch's loss; `stacks` the layers per stack; `boundary_bytes`
     one microbatch's activation between stages, whole (split over the stage's devices
-    that split it); `layout`: the layout to cost (default: searched). LayoutError (its
-    `search`) when no layout is valid."""
+    that split it); `layout`: the layout to cost (default: searched). `seeds` and
+    `plateau`: the layout searches' (`auto_layout`'s: layouts the climb may start from,
+    a joint search's lead pipelined pair's; the least gain a failing descent keeps
+    climbing for). LayoutError (its `search`) when no layout is valid."""
     if STAGE_AXIS not in mesh.sizes:
         raise ParameterError(f"staged_choice: {mesh} has no {STAGE_AXIS!r} axis")
     s = mesh.sizes[STAGE_AXIS]
@@ -294,7 +298,8 @@ def staged_choice(
     distinct: dict[tuple, list[int]] = {}
     for pos, counts in enumerate(assignment):
         distinct.setdefault((counts, pos == 0, pos == s - 1), []).append(pos)
-    run = _Stages(build, inner_mesh(mesh), settings, rates, training, limit, beam, distinct)
+    run = _Stages(build, inner_mesh(mesh), settings, rates, training, limit, distinct,
+                  dict(beam=beam, seeds=tuple(seeds), plateau=plateau))  # fmt: skip
     if layout is None:
         layout = run.search(next(iter(distinct)))
         over = [k for k, c in run.cost_all(layout).items() if _total(c) > limit]
@@ -315,9 +320,10 @@ class _Stages:
     """The distinct stages of one pipelined (mesh, settings) pair: each traced once, its
     layouts searched and costed with its microbatches in flight."""
 
-    def __init__(self, build, inner, settings, rates, training, limit, beam, distinct):
+    def __init__(self, build, inner, settings, rates, training, limit, distinct, search):
         self.build, self.inner, self.settings = build, inner, settings
-        self.rates, self.training, self.limit, self.beam = rates, training, limit, beam
+        self.rates, self.training, self.limit = rates, training, limit
+        self.search_kw = search  # auto_layout's beam, seeds and plateau
         self.distinct, self.programs, self.costs = distinct, {}, {}
         self.stages = sum(len(p) for p in distinct.values())
 
@@ -325,7 +331,7 @@ class _Stages:
         t, m = self.training, self.settings.grad_accum
         flight = in_flight(min(self.distinct[key]), self.stages, m)
         run = Training(t.optimizer, t.moment_dtype, t.zero1, m, flight)
-        return dict(grad_argnums=(0,), rates=self.rates, training=run, beam=self.beam)
+        return dict(grad_argnums=(0,), rates=self.rates, training=run)
 
     def program(self, key):
         if key not in self.programs:
@@ -337,7 +343,7 @@ class _Stages:
         fn, inputs = self.program(key)
         try:
             _, table = auto_layout(fn, self.inner, *inputs, memory_limit=self.limit,
-                                   **self.kw(key))  # fmt: skip
+                                   **self.kw(key), **self.search_kw)  # fmt: skip
             return table[0].layout
         except LayoutError as e:
             costed = [c for c in (getattr(e, "search", None) or []) if c.step is not None]
@@ -353,9 +359,8 @@ class _Stages:
         self.costs = {}
         for key in self.distinct:
             fn, inputs = self.program(key)
-            kw = {k: v for k, v in self.kw(key).items() if k != "beam"}
             self.costs[key] = cost_layout(fn, self.inner, *inputs, layout=layout,
-                                          memory_limit=math.inf, **kw)  # fmt: skip
+                                          memory_limit=math.inf, **self.kw(key))  # fmt: skip
         return self.costs
 
     def check_dims(self, layout) -> None:

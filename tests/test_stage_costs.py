@@ -177,10 +177,10 @@ def test_pruning_pipelined_pairs_by_their_bubble_keeps_the_best_plan():
     slow = parse("flops=1e6,bandwidth=1e10,latency=1e-5,memory=8e9")
     whole = lambda settings: toy_build(settings, (5,), True, True)
 
-    def evaluate(mesh, settings, flops):
+    def evaluate(mesh, settings, flops, seeds=(), plateau=0.0):
         boundary = B // settings.grad_accum * D * F32
         return staged_choice(toy_build, mesh, settings, [5], slow, Training(), 8e9, flops,
-                             boundary, False)  # fmt: skip
+                             boundary, False, seeds=seeds, plateau=plateau)  # fmt: skip
 
     meshes = [Mesh({"data": 4}, devices="abstract"),
               Mesh({"stage": 2, "data": 2}, devices="abstract")]  # fmt: skip

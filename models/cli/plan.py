@@ -212,9 +212,10 @@ def _staged(args, cfg, rates, training):
 
 @dataclasses.dataclass(frozen=True)
 class StagedEvaluate:
-    """`evaluate(mesh, settings, flops, layout=None)`: the pipelined plan of a stage mesh
-    (lowering.stages.staged_choice) of `cfg` at --batch and --length, its stacks `parts`,
-    held to the rates' memory. A class: it pickles (--jobs)."""
+    """`evaluate(mesh, settings, flops, layout=None, seeds=(), plateau=0.0)`: the
+    pipelined plan of a stage mesh (lowering.stages.staged_choice, its layout searches
+    seeded and stopped as a joint search's pairs) of `cfg` at --batch and --length, its
+    stacks `parts`, held to the rates' memory. A class: it pickles (--jobs)."""
 
     cfg: object
     batch: int
@@ -223,7 +224,7 @@ class StagedEvaluate:
     rates: object
     training: object
 
-    def __call__(self, mesh, settings, flops, layout=None):
+    def __call__(self, mesh, settings, flops, layout=None, seeds=(), plateau=0.0):
         from lowering.stages import staged_choice
 
         itemsize = 2 if settings.dtype == "bfloat16" else 4
@@ -231,7 +232,7 @@ class StagedEvaluate:
         build = stage_builder(self.cfg, self.batch, self.length)
         return staged_choice(build, mesh, settings, self.parts, self.rates, self.training,
                              self.rates.memory_bytes, flops, boundary, bool(self.cfg.experts),
-                             layout=layout)  # fmt: skip
+                             layout=layout, seeds=seeds, plateau=plateau)  # fmt: skip
 
 
 def plan(args, cache: dict | None = None) -> dict:
