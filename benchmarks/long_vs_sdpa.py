@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from benchmarks import cli, fair, long_seq, peak, rss, stack
 from benchmarks.memory import peak_bytes
@@ -125,11 +123,9 @@ def run_child(length: int, rounds: int, limit_s: float, overrides: tuple[str, ..
     within `limit_s` seconds or fails."""
     argv = [sys.executable, "-m", "benchmarks.long_vs_sdpa", "--child", str(length)]
     argv += ["--rounds", str(rounds), *(f"--set={o}" for o in overrides)]
-    root = str(Path(__file__).resolve().parents[1])  # the checkout, under `namedmesh bench` too
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s, env=env)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s,
+                              env=rss.checkout_env())  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"failed": f"not done within {limit_s:.0f} s (compile and {rounds} rounds)"}
     if done.returncode != 0:

@@ -86,17 +86,23 @@ def step_bytes(step: Callable[[], object], what: str = "the step") -> int:
     return peak_above_now(step)
 
 
+def checkout_env() -> dict:
+    """This environment with the checkout first on PYTHONPATH (under `namedmesh bench`
+    too), for a benchmark's child process."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def fresh(target: str, args: list, limit_s: float) -> object:
     """The JSON result of `target` ("module:function") called with `args` in a new
     Python process set up as a benchmark's (one CPU, one thread per library, glibc
     keeping freed memory: `python -m benchmarks.rss`); MeasurementError naming the
     target where it fails or runs over `limit_s` seconds."""
     argv = [sys.executable, "-m", "benchmarks.rss", target, json.dumps(args)]
-    root = str(Path(__file__).resolve().parents[1])  # the checkout, under `namedmesh bench` too
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s, env=env)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s,
+                              env=checkout_env())  # fmt: skip
     except subprocess.TimeoutExpired:
         raise MeasurementError(f"{target}{tuple(args)}: not done within {limit_s:.0f} s") from None
     if done.returncode != 0:

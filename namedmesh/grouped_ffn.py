@@ -143,6 +143,19 @@ def _hidden_saves(ins, params) -> float:
     return rows * (c + f * (1 + len(wg))) / max(math.prod(x.shape), 1)
 
 
+def _kernel_sizes(ins, params) -> tuple[int, ...]:
+    """(c, f, o, k, n, groups, block) of the kernel's operands: the input, hidden and
+    output widths, the products a row makes (2 gated), the rows, the groups and the
+    largest block of the loop (`grouped_slots.loop_blocks`)."""
+    x, wi, wo, group, *wg = ins
+    dim = params["dim"]
+    contracted, hidden = roles(x.dims, wi.dims, dim)
+    c, f = (math.prod(wi.shape[wi.dims.index(d)] for d in ds) for ds in (contracted, hidden))
+    groups, n = wi.shape[wi.dims.index(dim)], math.prod(group.shape)
+    o = math.prod(wo.shape) // max(groups * f, 1)
+    return c, f, o, 1 + len(wg), n, groups, loop_blocks(n, groups)[0]
+
+
 def _backward_working(ins, params) -> float:
     """What the kernel's backward pass holds beside its saves, in x's sizes: the sorted
     rows' cotangent (n rows of the wider of x and the output), a largest block's
@@ -155,16 +168,9 @@ def _backward_working(ins, params) -> float:
     hidden 64 to 1024, gated or not): 1.02 at 256 rows, gated, d_model 64, hidden 128,
     4 groups; 1.08 at 1024 rows, 8 groups, hidden 96; 1.05 at the realistic size (4096
     rows, d_model 512, hidden 1024, 8 groups)."""
-    x, wi, wo, group, *wg = ins
-    dim = params["dim"]
-    contracted, hidden = roles(x.dims, wi.dims, dim)
-    c, f = (math.prod(wi.shape[wi.dims.index(d)] for d in ds) for ds in (contracted, hidden))
-    groups, n = wi.shape[wi.dims.index(dim)], math.prod(group.shape)
-    o = math.prod(wo.shape) // max(groups * f, 1)
-    k = 1 + len(wg)
-    block = loop_blocks(n, groups)[0]
+    c, f, o, k, n, groups, block = _kernel_sizes(ins, params)
     rows = saved_rows(n, groups) * max(c, o) + block * (c + o + k * f + 2 * f)
-    return (rows + 2 * (k * c * f + f * o)) / max(math.prod(x.shape), 1)
+    return (rows + 2 * (k * c * f + f * o)) / max(math.prod(ins[0].shape), 1)
 
 
 def _forward_working(ins, params) -> float:
@@ -176,16 +182,9 @@ def _forward_working(ins, params) -> float:
     saves are the vjp's outputs there) this is 1.00 at 128 rows in 4 groups, hidden 64,
     d_model 64; 256 rows, hidden 128; 1,024 rows in 8 groups, hidden 96; and 4,096 rows,
     hidden 1,024, d_model 512 (within 0.5%)."""
-    x, wi, wo, group, *wg = ins
-    dim = params["dim"]
-    contracted, hidden = roles(x.dims, wi.dims, dim)
-    c, f = (math.prod(wi.shape[wi.dims.index(d)] for d in ds) for ds in (contracted, hidden))
-    groups, n = wi.shape[wi.dims.index(dim)], math.prod(group.shape)
-    o = math.prod(wo.shape) // max(groups * f, 1)
-    k = 1 + len(wg)
-    block = loop_blocks(n, groups)[0]
+    c, f, o, k, n, groups, block = _kernel_sizes(ins, params)
     held = saved_rows(n, groups) * o + block * (c + k * f) + k * c * f + f * o
-    return held / max(math.prod(x.shape), 1)
+    return held / max(math.prod(ins[0].shape), 1)
 
 
 _grouped_ffn = primitive(
