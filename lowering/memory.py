@@ -129,13 +129,21 @@ def peak_memory(graph, local_bytes) -> int:
 
 
 @per_object
-def _lifetimes(graph) -> tuple[tuple, tuple]:
-    """(the values held throughout: inputs, then constants; per equation, (the values it
-    makes, the values whose last use it is)), results never freed."""
+def _last_readers(graph) -> dict:
+    """Each value's last reader, an equation's index: len(eqns) for the graph's results
+    (never freed); a value no equation reads is absent."""
     last = {v: len(graph.eqns) for v in graph.outputs}
     for i, e in enumerate(graph.eqns):
         for v in e.inputs:
             last[v] = max(last.get(v, i), i)
+    return last
+
+
+@per_object
+def _lifetimes(graph) -> tuple[tuple, tuple]:
+    """(the values held throughout: inputs, then constants; per equation, (the values it
+    makes, the values whose last use it is)), results never freed."""
+    last = _last_readers(graph)
     ends: dict[int, list] = {}
     for i, e in enumerate(graph.eqns):
         for v in e.outputs:
@@ -289,10 +297,7 @@ def _forward_terms(graph, active: frozenset, held: frozenset, fused: bool, loop:
     terms = _saved_terms(graph, active, held, fused, loop)
     adds, kept, _ = terms
     keep = {v for v, _ in kept}
-    last = {v: len(graph.eqns) for v in graph.outputs}
-    for i, e in enumerate(graph.eqns):
-        for v in e.inputs:
-            last[v] = max(last.get(v, i), i)
+    last = _last_readers(graph)
     saves = [[] for _ in graph.eqns]
     for i, add in adds:
         saves[i].append(add)
